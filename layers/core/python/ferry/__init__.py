@@ -1,0 +1,1 @@
+"""Ferry: moves servers between hosts and cells with a Nova-compatible compute API."""

@@ -1,0 +1,1 @@
+"""Compute domain: server states, instance records, actions and faults."""

@@ -1,0 +1,92 @@
+"""Instance records: look-ups through the instance mapping and compare-and-swap updates."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from ferry import errors
+from ferry.store.api_models import CellMapping, InstanceMapping
+from ferry.store.cell_models import Instance, InstanceFault
+from ferry.store.db import api_session
+
+_ANY = object()
+
+
+def cell_of(instance_uuid: str) -> CellMapping:
+    """The cell the instance mapping names for ``instance_uuid``.
+
+    Raises:
+        InstanceNotFound: no mapping, or the mapping names no cell yet.
+    """
+    with api_session() as session:
+        mapping = session.scalars(
+            select(InstanceMapping).where(InstanceMapping.instance_uuid == instance_uuid)
+        ).one_or_none()
+        if mapping is None or mapping.cell is None:
+            raise errors.InstanceNotFound(f"Instance {instance_uuid} could not be found.")
+        return mapping.cell
+
+
+def get(session: Session, instance_uuid: str, *, include_hidden: bool = False) -> Instance:
+    """The live instance ``instance_uuid`` in this cell session.
+
+    Raises:
+        InstanceNotFound: no such (visible, undeleted) instance.
+    """
+    query = select(Instance).where(Instance.uuid == instance_uuid, Instance.deleted.is_(False))
+    if not include_hidden:
+        query = query.where(Instance.hidden.is_(False))
+    instance = session.scalars(query).one_or_none()
+    if instance is None:
+        raise errors.InstanceNotFound(f"Instance {instance_uuid} could not be found.")
+    return instance
+
+
+def update_cas(
+    session: Session,
+    instance_uuid: str,
+    values: dict[str, Any],
+    *,
+    expected_task_state: Iterable[str | None] | object = _ANY,
+    expected_vm_state: Iterable[str] | object = _ANY,
+) -> None:
+    """Update an instance only if its task_state (and vm_state) are among the expected ones.
+
+    The check and the write are one UPDATE statement, so two concurrent operations can
+    never both pass it.
+
+    Raises:
+        UnexpectedTaskState: the instance is in another state (or gone).
+    """
+    stmt = update(Instance).where(Instance.uuid == instance_uuid, Instance.deleted.is_(False))
+    if expected_task_state is not _ANY:
+        expected = list(expected_task_state)  # type: ignore[call-overload]
+        named = [s for s in expected if s is not None]
+        clause = Instance.task_state.in_(named) if named else None
+        if None in expected:
+            clause = Instance.task_state.is_(None) if clause is None else (clause | Instance.task_state.is_(None))
+        stmt = stmt.where(clause)
+    if expected_vm_state is not _ANY:
+        stmt = stmt.where(Instance.vm_state.in_(list(expected_vm_state)))  # type: ignore[call-overload]
+    result = session.execute(stmt.values(**values).execution_options(synchronize_session=False))
+    if result.rowcount != 1:
+        current = session.scalars(select(Instance).where(Instance.uuid == instance_uuid)).one_or_none()
+        state = (current.vm_state, current.task_state) if current else ("missing", None)
+        raise errors.UnexpectedTaskState(
+            f"Cannot update instance {instance_uuid}: it is in vm_state {state[0]} task_state {state[1]}.",
+        )
+    session.expire_all()
+
+
+def add_fault(session: Session, instance_uuid: str, error: BaseException | str, *, host: str | None = None,
+              code: int = 500, details: str | None = None) -> InstanceFault:
+    """Record an instance fault (what the API shows as ``fault`` on an ERROR server)."""
+    message = error.message if isinstance(error, errors.FerryError) else str(error)
+    fault = InstanceFault(instance_uuid=instance_uuid, code=code, message=message[:255],
+                          details=details, host=host)
+    session.add(fault)
+    return fault

@@ -1,0 +1,96 @@
+"""Ferry's settings, read from the environment.
+
+Lambda functions get them from the template's ``Globals.Function.Environment``; the local
+stack sets the same variables from the same template. Every option has a default that
+works on one machine.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+
+def _env_bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    return raw.strip().lower() in {"1", "true", "yes", "on"}
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    return int(raw) if raw not in (None, "") else default
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    return float(raw) if raw not in (None, "") else default
+
+
+@dataclass(frozen=True)
+class Settings:
+    state_dir: Path
+    api_database_url: str
+    image_bucket: str
+    host_queue_prefix: str
+    host_reports_queue_url: str
+    notification_bus: str
+    boot_state_machine_arn: str
+    delete_state_machine_arn: str
+    power_state_machine_arn: str
+    aws_endpoint_url: str | None
+    scheduler_max_attempts: int
+    allow_resize_to_same_host: bool
+    service_down_time: int
+    cpu_allocation_ratio: float
+    ram_allocation_ratio: float
+    disk_allocation_ratio: float
+    ram_weight_multiplier: float
+    cpu_weight_multiplier: float
+    cross_cell_move_weight_multiplier: float
+    placement_max_retries: int
+    policy_file: str | None
+
+    @property
+    def default_cell_dir(self) -> Path:
+        return self.state_dir
+
+
+def load() -> Settings:
+    state_dir = Path(os.environ.get("FERRY_STATE_DIR", Path.cwd() / ".ferry")).resolve()
+    return Settings(
+        state_dir=state_dir,
+        api_database_url=os.environ.get("FERRY_API_DATABASE_URL") or f"sqlite:///{state_dir / 'api.sqlite'}",
+        image_bucket=os.environ.get("FERRY_IMAGE_BUCKET", "ferry-images"),
+        host_queue_prefix=os.environ.get("FERRY_HOST_QUEUE_PREFIX", "ferry-host-"),
+        host_reports_queue_url=os.environ.get("FERRY_HOST_REPORTS_QUEUE_URL", ""),
+        notification_bus=os.environ.get("FERRY_NOTIFICATION_BUS", "ferry-notifications"),
+        boot_state_machine_arn=os.environ.get("FERRY_BOOT_STATE_MACHINE_ARN", ""),
+        delete_state_machine_arn=os.environ.get("FERRY_DELETE_STATE_MACHINE_ARN", ""),
+        power_state_machine_arn=os.environ.get("FERRY_POWER_STATE_MACHINE_ARN", ""),
+        aws_endpoint_url=os.environ.get("AWS_ENDPOINT_URL") or None,
+        scheduler_max_attempts=_env_int("FERRY_SCHEDULER_MAX_ATTEMPTS", 3),
+        allow_resize_to_same_host=_env_bool("FERRY_ALLOW_RESIZE_TO_SAME_HOST", False),
+        service_down_time=_env_int("FERRY_SERVICE_DOWN_TIME", 60),
+        cpu_allocation_ratio=_env_float("FERRY_CPU_ALLOCATION_RATIO", 4.0),
+        ram_allocation_ratio=_env_float("FERRY_RAM_ALLOCATION_RATIO", 1.0),
+        disk_allocation_ratio=_env_float("FERRY_DISK_ALLOCATION_RATIO", 1.0),
+        ram_weight_multiplier=_env_float("FERRY_RAM_WEIGHT_MULTIPLIER", 1.0),
+        cpu_weight_multiplier=_env_float("FERRY_CPU_WEIGHT_MULTIPLIER", 1.0),
+        cross_cell_move_weight_multiplier=_env_float("FERRY_CROSS_CELL_MOVE_WEIGHT_MULTIPLIER", 1_000_000.0),
+        placement_max_retries=_env_int("FERRY_PLACEMENT_MAX_RETRIES", 10),
+        policy_file=os.environ.get("FERRY_POLICY_FILE") or None,
+    )
+
+
+@lru_cache(maxsize=1)
+def get() -> Settings:
+    """The process's settings (cached; tests call ``reset()`` after changing the environment)."""
+    return load()
+
+
+def reset() -> None:
+    get.cache_clear()

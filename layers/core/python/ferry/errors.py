@@ -1,0 +1,165 @@
+"""Every typed error Ferry raises, named once.
+
+A subclass of :class:`FerryError` gets the public name ``Ferry.<ClassName>``: it is the
+``errorType`` a Lambda task reports, the ``error`` a host agent sends with
+SendTaskFailure, and the string the state machines' ``Retry``/``Catch`` match on.
+``tests/unit/test_error_names.py`` checks that every ``Ferry.*`` name in
+``statemachine/*.asl.json`` is defined here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+PREFIX = "Ferry."
+
+
+class FerryError(Exception):
+    """Base of Ferry's typed errors.
+
+    ``http_status`` is what the compute API answers when the error reaches it;
+    ``api_kind`` the key of Nova's error body (``{"badRequest": {...}}``).
+    """
+
+    http_status: ClassVar[int] = 500
+    api_kind: ClassVar[str] = "computeFault"
+    default_message: ClassVar[str] = "An unexpected error occurred."
+    registry: ClassVar[dict[str, type[FerryError]]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        short = cls.__name__
+        cls.__name__ = cls.__qualname__ = PREFIX + short
+        FerryError.registry[cls.__name__] = cls
+
+    def __init__(self, message: str | None = None, **details: Any) -> None:
+        self.message = message or self.default_message
+        self.details = details
+        super().__init__(self.message)
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+    @classmethod
+    def from_name(cls, name: str, message: str) -> FerryError:
+        """Rebuild a typed error from its public name (unknown names become HostOperationFailed)."""
+        err_cls = FerryError.registry.get(name, HostOperationFailed)
+        return err_cls(message)
+
+
+# --- API-facing errors --------------------------------------------------------------------------
+
+
+class BadRequest(FerryError):
+    http_status = 400
+    api_kind = "badRequest"
+    default_message = "The request is invalid."
+
+
+class Forbidden(FerryError):
+    http_status = 403
+    api_kind = "forbidden"
+    default_message = "Policy does not allow this operation."
+
+
+class Unauthorized(FerryError):
+    http_status = 401
+    api_kind = "unauthorized"
+    default_message = "The request you have made requires authentication."
+
+
+class NotFound(FerryError):
+    http_status = 404
+    api_kind = "itemNotFound"
+    default_message = "Resource could not be found."
+
+
+class InstanceNotFound(NotFound):
+    pass
+
+
+class FlavorNotFound(NotFound):
+    pass
+
+
+class ImageNotFound(NotFound):
+    pass
+
+
+class CellNotFound(NotFound):
+    pass
+
+
+class Conflict(FerryError):
+    http_status = 409
+    api_kind = "conflictingRequest"
+    default_message = "There was a conflict when trying to complete your request."
+
+
+class UnexpectedTaskState(Conflict):
+    """A compare-and-swap on task_state found another operation in progress."""
+
+
+class InstanceInvalidState(Conflict):
+    pass
+
+
+class OverQuota(Forbidden):
+    pass
+
+
+# --- Placement and scheduling --------------------------------------------------------------------
+
+
+class AllocationConflict(FerryError):
+    """Provider or consumer generations kept changing: the bounded retries ran out."""
+
+    http_status = 409
+    api_kind = "conflictingRequest"
+
+
+class InsufficientCapacity(FerryError):
+    """A claim does not fit the provider's inventory."""
+
+    http_status = 409
+    api_kind = "conflictingRequest"
+
+
+class NoValidHost(FerryError):
+    default_message = "No valid host was found."
+
+
+# --- Host operations (sent by the host agent with SendTaskFailure) -------------------------------
+
+
+class HostOperationFailed(FerryError):
+    """A host operation failed for a reason without a more precise type."""
+
+
+class HypervisorError(HostOperationFailed):
+    """libvirt refused or failed an operation."""
+
+
+class SpawnFailed(HostOperationFailed):
+    pass
+
+
+class ImageDownloadFailed(HostOperationFailed):
+    pass
+
+
+class DiskCopyFailed(HostOperationFailed):
+    pass
+
+
+class ResizeClaimFailed(HostOperationFailed):
+    pass
+
+
+class GuestNotFound(HostOperationFailed):
+    pass
+
+
+class InvalidOperation(HostOperationFailed):
+    """The agent received a message it cannot act on (unknown operation, bad arguments)."""

@@ -1,0 +1,30 @@
+"""Structured logs and metrics (Powertools Logger and Metrics, EMF) shared by handlers and the agent."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from aws_lambda_powertools import Logger, Metrics
+from aws_lambda_powertools.metrics import MetricUnit
+
+os.environ.setdefault("POWERTOOLS_METRICS_NAMESPACE", "Ferry")
+
+logger = Logger(service=os.environ.get("POWERTOOLS_SERVICE_NAME", "ferry"))
+metrics = Metrics(namespace=os.environ["POWERTOOLS_METRICS_NAMESPACE"])
+
+
+@contextmanager
+def timed_step(step: str) -> Iterator[None]:
+    """Record ``StepDuration`` (ms) and, on an exception, ``StepFailed`` for ``step``."""
+    started = time.monotonic()
+    try:
+        yield
+    except Exception as exc:
+        metrics.add_metric(name="StepFailed", unit=MetricUnit.Count, value=1)
+        logger.warning("step failed", extra={"step": step, "error": type(exc).__name__})
+        raise
+    finally:
+        metrics.add_metric(name="StepDuration", unit=MetricUnit.Milliseconds, value=(time.monotonic() - started) * 1000)

@@ -1,0 +1,280 @@
+"""Tables of the API database: mappings, flavors, aggregates, request specs, placement,
+ports, volumes and auth tokens."""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid as uuidlib
+
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+NAMING = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+def utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.UTC).replace(tzinfo=None)
+
+
+def new_uuid() -> str:
+    return str(uuidlib.uuid4())
+
+
+class ApiBase(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+
+
+class TimestampMixin:
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime, default=utcnow)
+    updated_at: Mapped[dt.datetime | None] = mapped_column(DateTime, onupdate=utcnow)
+
+
+# --- cells and mappings -------------------------------------------------------------------------
+
+
+class CellMapping(TimestampMixin, ApiBase):
+    __tablename__ = "cell_mappings"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    uuid: Mapped[str] = mapped_column(String(36), unique=True, default=new_uuid)
+    name: Mapped[str] = mapped_column(String(255), unique=True)
+    database_connection: Mapped[str] = mapped_column(Text)
+    disabled: Mapped[bool] = mapped_column(Boolean, default=False)
+
+
+class HostMapping(TimestampMixin, ApiBase):
+    __tablename__ = "host_mappings"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    host: Mapped[str] = mapped_column(String(255), unique=True)
+    cell_id: Mapped[int] = mapped_column(ForeignKey("cell_mappings.id"))
+    cell: Mapped[CellMapping] = relationship(lazy="joined")
+
+
+class InstanceMapping(TimestampMixin, ApiBase):
+    """Where an instance lives: the authority the API reads before touching a cell."""
+
+    __tablename__ = "instance_mappings"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    instance_uuid: Mapped[str] = mapped_column(String(36), unique=True)
+    cell_id: Mapped[int | None] = mapped_column(ForeignKey("cell_mappings.id"), nullable=True)
+    project_id: Mapped[str] = mapped_column(String(255), index=True)
+    user_id: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    queued_for_delete: Mapped[bool] = mapped_column(Boolean, default=False)
+    cell: Mapped[CellMapping | None] = relationship(lazy="joined")
+
+
+# --- flavors and aggregates ---------------------------------------------------------------------
+
+
+class Flavor(TimestampMixin, ApiBase):
+    __tablename__ = "flavors"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    flavorid: Mapped[str] = mapped_column(String(255), unique=True)
+    name: Mapped[str] = mapped_column(String(255), unique=True)
+    vcpus: Mapped[int] = mapped_column(Integer)
+    memory_mb: Mapped[int] = mapped_column(Integer)
+    root_gb: Mapped[int] = mapped_column(Integer, default=0)
+    ephemeral_gb: Mapped[int] = mapped_column(Integer, default=0)
+    swap: Mapped[int] = mapped_column(Integer, default=0)
+    rxtx_factor: Mapped[float] = mapped_column(Float, default=1.0)
+    is_public: Mapped[bool] = mapped_column(Boolean, default=True)
+    disabled: Mapped[bool] = mapped_column(Boolean, default=False)
+    description: Mapped[str | None] = mapped_column(Text, nullable=True)
+    extra_specs: Mapped[list[FlavorExtraSpec]] = relationship(
+        cascade="all, delete-orphan", lazy="selectin", back_populates="flavor"
+    )
+
+    @property
+    def specs(self) -> dict[str, str]:
+        return {s.key: s.value for s in self.extra_specs}
+
+
+class FlavorExtraSpec(ApiBase):
+    __tablename__ = "flavor_extra_specs"
+    __table_args__ = (UniqueConstraint("flavor_id", "key"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    flavor_id: Mapped[int] = mapped_column(ForeignKey("flavors.id", ondelete="CASCADE"))
+    key: Mapped[str] = mapped_column(String(255))
+    value: Mapped[str] = mapped_column(String(255))
+    flavor: Mapped[Flavor] = relationship(back_populates="extra_specs")
+
+
+class Aggregate(TimestampMixin, ApiBase):
+    __tablename__ = "aggregates"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    uuid: Mapped[str] = mapped_column(String(36), unique=True, default=new_uuid)
+    name: Mapped[str] = mapped_column(String(255), unique=True)
+    hosts: Mapped[list[AggregateHost]] = relationship(cascade="all, delete-orphan", lazy="selectin")
+    metadata_items: Mapped[list[AggregateMetadata]] = relationship(cascade="all, delete-orphan", lazy="selectin")
+
+    @property
+    def metadata_dict(self) -> dict[str, str]:
+        return {m.key: m.value for m in self.metadata_items}
+
+
+class AggregateHost(ApiBase):
+    __tablename__ = "aggregate_hosts"
+    __table_args__ = (UniqueConstraint("aggregate_id", "host"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    aggregate_id: Mapped[int] = mapped_column(ForeignKey("aggregates.id", ondelete="CASCADE"))
+    host: Mapped[str] = mapped_column(String(255), index=True)
+
+
+class AggregateMetadata(ApiBase):
+    __tablename__ = "aggregate_metadata"
+    __table_args__ = (UniqueConstraint("aggregate_id", "key"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    aggregate_id: Mapped[int] = mapped_column(ForeignKey("aggregates.id", ondelete="CASCADE"))
+    key: Mapped[str] = mapped_column(String(255))
+    value: Mapped[str] = mapped_column(String(255))
+
+
+class RequestSpec(TimestampMixin, ApiBase):
+    """What a server asked of the scheduler at boot, reused for every later move."""
+
+    __tablename__ = "request_specs"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    instance_uuid: Mapped[str] = mapped_column(String(36), unique=True)
+    spec: Mapped[dict] = mapped_column(JSON)
+
+
+# --- placement ----------------------------------------------------------------------------------
+
+
+class ResourceProvider(TimestampMixin, ApiBase):
+    """One compute node. ``generation`` changes on every inventory or allocation write."""
+
+    __tablename__ = "resource_providers"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    uuid: Mapped[str] = mapped_column(String(36), unique=True, default=new_uuid)
+    name: Mapped[str] = mapped_column(String(255), unique=True)
+    host: Mapped[str] = mapped_column(String(255), index=True)
+    cell_id: Mapped[int | None] = mapped_column(ForeignKey("cell_mappings.id"), nullable=True)
+    generation: Mapped[int] = mapped_column(Integer, default=0)
+
+
+class Inventory(ApiBase):
+    __tablename__ = "inventories"
+    __table_args__ = (UniqueConstraint("resource_provider_id", "resource_class"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    resource_provider_id: Mapped[int] = mapped_column(ForeignKey("resource_providers.id", ondelete="CASCADE"))
+    resource_class: Mapped[str] = mapped_column(String(64))
+    total: Mapped[int] = mapped_column(Integer)
+    reserved: Mapped[int] = mapped_column(Integer, default=0)
+    min_unit: Mapped[int] = mapped_column(Integer, default=1)
+    max_unit: Mapped[int] = mapped_column(Integer, default=2147483647)
+    step_size: Mapped[int] = mapped_column(Integer, default=1)
+    allocation_ratio: Mapped[float] = mapped_column(Float, default=1.0)
+
+
+class Consumer(TimestampMixin, ApiBase):
+    """An instance or a migration holding allocations."""
+
+    __tablename__ = "consumers"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    uuid: Mapped[str] = mapped_column(String(36), unique=True)
+    project_id: Mapped[str] = mapped_column(String(255))
+    user_id: Mapped[str] = mapped_column(String(255))
+    generation: Mapped[int] = mapped_column(Integer, default=0)
+
+
+class Allocation(ApiBase):
+    __tablename__ = "allocations"
+    __table_args__ = (
+        UniqueConstraint("resource_provider_id", "consumer_uuid", "resource_class"),
+        Index("ix_allocations_rp_rc", "resource_provider_id", "resource_class"),
+    )
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    resource_provider_id: Mapped[int] = mapped_column(ForeignKey("resource_providers.id"))
+    consumer_uuid: Mapped[str] = mapped_column(String(36), index=True)
+    resource_class: Mapped[str] = mapped_column(String(64))
+    used: Mapped[int] = mapped_column(Integer)
+
+
+# --- networking and volumes ---------------------------------------------------------------------
+
+
+class Network(TimestampMixin, ApiBase):
+    __tablename__ = "networks"
+    id: Mapped[str] = mapped_column(String(36), primary_key=True, default=new_uuid)
+    name: Mapped[str] = mapped_column(String(255))
+    cidr: Mapped[str] = mapped_column(String(64))
+    project_id: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    shared: Mapped[bool] = mapped_column(Boolean, default=True)
+
+
+class Port(TimestampMixin, ApiBase):
+    __tablename__ = "ports"
+    id: Mapped[str] = mapped_column(String(36), primary_key=True, default=new_uuid)
+    network_id: Mapped[str] = mapped_column(ForeignKey("networks.id"))
+    project_id: Mapped[str] = mapped_column(String(255))
+    device_id: Mapped[str | None] = mapped_column(String(36), index=True, nullable=True)
+    mac_address: Mapped[str] = mapped_column(String(32), unique=True)
+    fixed_ip: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    status: Mapped[str] = mapped_column(String(16), default="DOWN")
+    bindings: Mapped[list[PortBinding]] = relationship(cascade="all, delete-orphan", lazy="selectin")
+
+
+class PortBinding(ApiBase):
+    """A port's binding to a host; a move adds an INACTIVE one on the destination."""
+
+    __tablename__ = "port_bindings"
+    __table_args__ = (UniqueConstraint("port_id", "host"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    port_id: Mapped[str] = mapped_column(ForeignKey("ports.id", ondelete="CASCADE"))
+    host: Mapped[str] = mapped_column(String(255))
+    status: Mapped[str] = mapped_column(String(16), default="ACTIVE")
+    vif_details: Mapped[dict] = mapped_column(JSON, default=dict)
+
+
+class Volume(TimestampMixin, ApiBase):
+    __tablename__ = "volumes"
+    id: Mapped[str] = mapped_column(String(36), primary_key=True, default=new_uuid)
+    name: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    project_id: Mapped[str] = mapped_column(String(255))
+    size_gb: Mapped[int] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(32), default="available")
+    image_id: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    path: Mapped[str] = mapped_column(Text)
+    attachments: Mapped[list[VolumeAttachment]] = relationship(cascade="all, delete-orphan", lazy="selectin")
+
+
+class VolumeAttachment(TimestampMixin, ApiBase):
+    __tablename__ = "volume_attachments"
+    id: Mapped[str] = mapped_column(String(36), primary_key=True, default=new_uuid)
+    volume_id: Mapped[str] = mapped_column(ForeignKey("volumes.id", ondelete="CASCADE"))
+    instance_uuid: Mapped[str] = mapped_column(String(36), index=True)
+    host: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    device: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    status: Mapped[str] = mapped_column(String(16), default="reserved")
+
+
+# --- identity -----------------------------------------------------------------------------------
+
+
+class AuthToken(TimestampMixin, ApiBase):
+    """An API token (stored as its SHA-256) and the identity it stands for."""
+
+    __tablename__ = "auth_tokens"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    token_sha256: Mapped[str] = mapped_column(String(64), unique=True)
+    user_id: Mapped[str] = mapped_column(String(255))
+    project_id: Mapped[str] = mapped_column(String(255))
+    roles: Mapped[list] = mapped_column(JSON, default=list)
+    expires_at: Mapped[dt.datetime | None] = mapped_column(DateTime, nullable=True)

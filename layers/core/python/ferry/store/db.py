@@ -1,0 +1,102 @@
+"""Engines and sessions for the API database and the cell databases.
+
+One engine per database URL per process (Lambda containers and the agent reuse them
+across invocations). SQLite files get WAL and a busy timeout so the local stack's
+threads and processes share them; PostgreSQL is used as is.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from sqlalchemy import Engine, create_engine, event, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from ferry import config, errors
+from ferry.store.api_models import CellMapping
+
+_engines: dict[str, Engine] = {}
+_lock = threading.Lock()
+
+
+def _sqlite_pragmas(dbapi_connection, _record) -> None:  # noqa: ANN001 - DBAPI hook
+    cur = dbapi_connection.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA busy_timeout=30000")
+    cur.execute("PRAGMA foreign_keys=ON")
+    cur.execute("PRAGMA synchronous=NORMAL")
+    cur.close()
+
+
+def engine_for(url: str) -> Engine:
+    """The process's engine for ``url`` (created on first use)."""
+    with _lock:
+        engine = _engines.get(url)
+        if engine is None:
+            if url.startswith("sqlite"):
+                path = url.split("///", 1)[-1]
+                if path and path != ":memory:":
+                    Path(path).parent.mkdir(parents=True, exist_ok=True)
+                engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
+                event.listen(engine, "connect", _sqlite_pragmas)
+                # SQLite's own BEGIN is deferred; take the write lock at BEGIN so that
+                # read-then-write transactions serialise instead of failing on upgrade.
+                event.listen(engine, "begin", lambda conn: conn.exec_driver_sql("BEGIN IMMEDIATE"))
+                event.listen(engine, "connect", _disable_pysqlite_begin)
+            else:
+                engine = create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=20)
+            _engines[url] = engine
+        return engine
+
+
+def _disable_pysqlite_begin(dbapi_connection, _record) -> None:  # noqa: ANN001 - DBAPI hook
+    # Let the "begin" listener above issue BEGIN itself (SQLAlchemy's documented recipe).
+    dbapi_connection.isolation_level = None
+
+
+def dispose_all() -> None:
+    """Close every pooled connection (tests and forked processes)."""
+    with _lock:
+        for engine in _engines.values():
+            engine.dispose()
+        _engines.clear()
+
+
+@contextmanager
+def session_for(url: str) -> Iterator[Session]:
+    """A session in one transaction: committed on success, rolled back on any error."""
+    factory = sessionmaker(bind=engine_for(url), expire_on_commit=False)
+    with factory() as session, session.begin():
+        yield session
+
+
+@contextmanager
+def api_session() -> Iterator[Session]:
+    with session_for(config.get().api_database_url) as session:
+        yield session
+
+
+def cell_url(cell: str | int | CellMapping) -> str:
+    """The database URL of a cell, given its name, id or mapping."""
+    if isinstance(cell, CellMapping):
+        return cell.database_connection
+    with api_session() as session:
+        column = CellMapping.id if isinstance(cell, int) else CellMapping.name
+        mapping = session.scalars(select(CellMapping).where(column == cell)).one_or_none()
+        if mapping is None:
+            raise errors.CellNotFound(f"Cell {cell} could not be found.")
+        return mapping.database_connection
+
+
+@contextmanager
+def cell_session(cell: str | int | CellMapping) -> Iterator[Session]:
+    with session_for(cell_url(cell)) as session:
+        yield session
+
+
+def all_cells() -> list[CellMapping]:
+    with api_session() as session:
+        return list(session.scalars(select(CellMapping).order_by(CellMapping.id)))

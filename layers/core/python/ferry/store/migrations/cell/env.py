@@ -1,0 +1,33 @@
+"""Alembic environment of the cell database (run through ferry.store.migrate)."""
+
+from alembic import context
+from sqlalchemy import create_engine
+
+from ferry.store.cell_models import CellBase as Base
+
+target_metadata = Base.metadata
+
+
+def run() -> None:
+    connection = context.config.attributes.get("connection")
+    if connection is None:
+        engine = create_engine(context.config.get_main_option("sqlalchemy.url"))
+        with engine.connect() as conn:
+            _run_with(conn)
+            conn.commit()
+    else:
+        _run_with(connection)
+
+
+def _run_with(connection) -> None:  # noqa: ANN001 - alembic hands us a Connection
+    context.configure(
+        connection=connection,
+        target_metadata=target_metadata,
+        render_as_batch=connection.dialect.name == "sqlite",
+        compare_type=True,
+    )
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+run()

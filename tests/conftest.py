@@ -1,0 +1,104 @@
+"""Shared fixtures: databases on SQLite and on a real PostgreSQL server on loopback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, text
+
+from ferry import config
+from ferry.store import db, migrate, setup
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def pg_base_url() -> Iterator[str]:
+    """Base URL of the test PostgreSQL server (started by scripts/test-postgres.sh if needed)."""
+    url = os.environ.get("FERRY_TEST_PG_URL")
+    if not url:
+        out = subprocess.run(
+            [str(ROOT / "scripts/test-postgres.sh"), "start"], cwd=ROOT, check=True, capture_output=True, text=True
+        )
+        url = out.stdout.strip().splitlines()[-1]
+    yield url
+
+
+_templates: dict[str, str] = {}
+
+
+def _pg_database(base_url: str, kind: str) -> str:
+    """A fresh PostgreSQL database of ``kind`` (api/cell), cloned from a migrated template."""
+    admin = create_engine(base_url + "postgres", isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            template = _templates.get(kind)
+            if template is None:
+                template = f"ferry_tpl_{kind}_{os.getpid()}"
+                conn.execute(text(f"DROP DATABASE IF EXISTS {template}"))
+                conn.execute(text(f"CREATE DATABASE {template}"))
+                migrate.upgrade(kind, base_url + template)
+                db.engine_for(base_url + template).dispose()
+                db._engines.pop(base_url + template, None)
+                _templates[kind] = template
+            name = f"ferry_{kind}_{uuid.uuid4().hex[:12]}"
+            conn.execute(text(f"CREATE DATABASE {name} TEMPLATE {template}"))
+    finally:
+        admin.dispose()
+    return base_url + name
+
+
+@dataclass
+class Store:
+    """A migrated API database and cells, configured as the process's store."""
+
+    backend: str
+    api_url: str
+    cells: dict[str, str] = field(default_factory=dict)
+
+
+def _make_store(backend: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request, cells=("cell1", "cell2")):
+    if backend == "postgres":
+        base = request.getfixturevalue("pg_base_url")
+        api_url = _pg_database(base, "api")
+        cell_urls = {name: _pg_database(base, "cell") for name in cells}
+    else:
+        api_url = f"sqlite:///{tmp_path / 'api.sqlite'}"
+        cell_urls = {name: f"sqlite:///{tmp_path / f'cell-{name}.sqlite'}" for name in cells}
+    monkeypatch.setenv("FERRY_STATE_DIR", str(tmp_path))
+    monkeypatch.setenv("FERRY_API_DATABASE_URL", api_url)
+    config.reset()
+    setup.init_api_database()
+    for name, url in cell_urls.items():
+        setup.create_cell(name, url)
+    return Store(backend=backend, api_url=api_url, cells=cell_urls)
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def store(request, tmp_path, monkeypatch) -> Iterator[Store]:
+    """The store on SQLite and on PostgreSQL (each test using it runs twice)."""
+    yield _make_store(request.param, tmp_path, monkeypatch, request)
+    db.dispose_all()
+    config.reset()
+
+
+@pytest.fixture
+def sqlite_store(request, tmp_path, monkeypatch) -> Iterator[Store]:
+    """The store on SQLite files only (unit tests and the local stack)."""
+    yield _make_store("sqlite", tmp_path, monkeypatch, request)
+    db.dispose_all()
+    config.reset()
+
+
+@pytest.fixture
+def pg_store(request, tmp_path, monkeypatch) -> Iterator[Store]:
+    """The store on PostgreSQL only (concurrency tests)."""
+    yield _make_store("postgres", tmp_path, monkeypatch, request)
+    db.dispose_all()
+    config.reset()
