@@ -154,6 +154,22 @@ class RequestSpec(TimestampMixin, ApiBase):
     spec: Mapped[dict] = mapped_column(JSON)
 
 
+class BuildRequest(TimestampMixin, ApiBase):
+    """A server accepted by the API but not yet scheduled to a cell (Nova's build request).
+
+    ``instance`` holds the instance's fields; the boot workflow creates the instance in the
+    chosen cell from it (or in cell0 when no host fits) and then deletes this row.
+    """
+
+    __tablename__ = "build_requests"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    instance_uuid: Mapped[str] = mapped_column(String(36), unique=True)
+    project_id: Mapped[str] = mapped_column(String(255), index=True)
+    instance: Mapped[dict] = mapped_column(JSON)
+    block_device_mappings: Mapped[list] = mapped_column(JSON, default=list)
+    tags: Mapped[list] = mapped_column(JSON, default=list)
+
+
 # --- placement ----------------------------------------------------------------------------------
 
 

@@ -18,6 +18,9 @@ from sqlalchemy.orm import Session, sessionmaker
 from ferry import config, errors
 from ferry.store.api_models import CellMapping
 
+# Instances that could not be scheduled live in cell0, a cell with no hosts (as in Nova).
+CELL0_NAME = "cell0"
+
 _engines: dict[str, Engine] = {}
 _lock = threading.Lock()
 
@@ -97,6 +100,10 @@ def cell_session(cell: str | int | CellMapping) -> Iterator[Session]:
         yield session
 
 
-def all_cells() -> list[CellMapping]:
+def all_cells(*, include_cell0: bool = True) -> list[CellMapping]:
+    """Every mapped cell, oldest first; ``include_cell0=False`` leaves out cell0."""
     with api_session() as session:
-        return list(session.scalars(select(CellMapping).order_by(CellMapping.id)))
+        query = select(CellMapping).order_by(CellMapping.id)
+        if not include_cell0:
+            query = query.where(CellMapping.name != CELL0_NAME)
+        return list(session.scalars(query))

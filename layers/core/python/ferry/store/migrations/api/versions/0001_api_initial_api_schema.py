@@ -2,7 +2,7 @@
 
 Revision ID: 0001_api
 Revises: 
-Create Date: 2026-11-23 09:36:20.306291
+Create Date: 2026-11-23 09:39:36.978747
 
 """
 from typing import Sequence, Union
@@ -43,6 +43,21 @@ def upgrade() -> None:
     sa.PrimaryKeyConstraint('id', name=op.f('pk_auth_tokens')),
     sa.UniqueConstraint('token_sha256', name=op.f('uq_auth_tokens_token_sha256'))
     )
+    op.create_table('build_requests',
+    sa.Column('id', sa.Integer(), nullable=False),
+    sa.Column('instance_uuid', sa.String(length=36), nullable=False),
+    sa.Column('project_id', sa.String(length=255), nullable=False),
+    sa.Column('instance', sa.JSON(), nullable=False),
+    sa.Column('block_device_mappings', sa.JSON(), nullable=False),
+    sa.Column('tags', sa.JSON(), nullable=False),
+    sa.Column('created_at', sa.DateTime(), nullable=False),
+    sa.Column('updated_at', sa.DateTime(), nullable=True),
+    sa.PrimaryKeyConstraint('id', name=op.f('pk_build_requests')),
+    sa.UniqueConstraint('instance_uuid', name=op.f('uq_build_requests_instance_uuid'))
+    )
+    with op.batch_alter_table('build_requests', schema=None) as batch_op:
+        batch_op.create_index(batch_op.f('ix_build_requests_project_id'), ['project_id'], unique=False)
+
     op.create_table('cell_mappings',
     sa.Column('id', sa.Integer(), nullable=False),
     sa.Column('uuid', sa.String(length=36), nullable=False),
@@ -300,6 +315,10 @@ def downgrade() -> None:
     op.drop_table('flavors')
     op.drop_table('consumers')
     op.drop_table('cell_mappings')
+    with op.batch_alter_table('build_requests', schema=None) as batch_op:
+        batch_op.drop_index(batch_op.f('ix_build_requests_project_id'))
+
+    op.drop_table('build_requests')
     op.drop_table('auth_tokens')
     op.drop_table('aggregates')
     # ### end Alembic commands ###

@@ -2,7 +2,7 @@
 
 Revision ID: 0001_cell
 Revises: 
-Create Date: 2026-11-23 09:36:20.389042
+Create Date: 2026-11-23 09:39:37.065015
 
 """
 from typing import Sequence, Union

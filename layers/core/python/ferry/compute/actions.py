@@ -1,0 +1,90 @@
+"""Instance actions and their events (what ``os-instance-actions`` shows).
+
+The API records the action when it accepts a request; each workflow step records its
+event (``compute_prep_resize``, …) with its result. Recording is idempotent per
+(action, event) so a retried step does not add a second event.
+"""
+
+from __future__ import annotations
+
+import traceback as tb
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from ferry.store.api_models import utcnow
+from ferry.store.cell_models import InstanceAction, InstanceActionEvent
+
+# Action names (as Nova's instance_actions).
+CREATE = "create"
+DELETE = "delete"
+STOP = "stop"
+START = "start"
+RESIZE = "resize"
+MIGRATE = "migrate"
+CONFIRM_RESIZE = "confirmResize"
+REVERT_RESIZE = "revertResize"
+
+SUCCESS = "Success"
+ERROR = "Error"
+
+
+def start_action(session: Session, *, instance_uuid: str, action: str, request_id: str,
+                 user_id: str | None, project_id: str | None) -> InstanceAction:
+    """Record that ``action`` was accepted for an instance (idempotent per request id)."""
+    existing = session.scalars(select(InstanceAction).where(
+        InstanceAction.instance_uuid == instance_uuid, InstanceAction.request_id == request_id)).one_or_none()
+    if existing is not None:
+        return existing
+    record = InstanceAction(instance_uuid=instance_uuid, action=action, request_id=request_id,
+                            user_id=user_id, project_id=project_id)
+    session.add(record)
+    session.flush()
+    return record
+
+
+def _action(session: Session, instance_uuid: str, request_id: str) -> InstanceAction | None:
+    return session.scalars(select(InstanceAction).where(
+        InstanceAction.instance_uuid == instance_uuid, InstanceAction.request_id == request_id)).one_or_none()
+
+
+def start_event(session: Session, *, instance_uuid: str, request_id: str, event: str,
+                host: str | None = None) -> None:
+    """Record that a step began (no-op if the action is unknown or the event exists)."""
+    action = _action(session, instance_uuid, request_id)
+    if action is None:
+        return
+    existing = session.scalars(select(InstanceActionEvent).where(
+        InstanceActionEvent.action_id == action.id, InstanceActionEvent.event == event)).one_or_none()
+    if existing is None:
+        session.add(InstanceActionEvent(action_id=action.id, event=event, host=host))
+        session.flush()
+
+
+def finish_event(session: Session, *, instance_uuid: str, request_id: str, event: str,
+                 host: str | None = None, error: BaseException | dict[str, Any] | None = None) -> None:
+    """Record a step's end: ``Success``, or ``Error`` with the error's name and message."""
+    action = _action(session, instance_uuid, request_id)
+    if action is None:
+        return
+    record = session.scalars(select(InstanceActionEvent).where(
+        InstanceActionEvent.action_id == action.id, InstanceActionEvent.event == event)).one_or_none()
+    if record is None:
+        record = InstanceActionEvent(action_id=action.id, event=event, host=host)
+        session.add(record)
+    record.finish_time = utcnow()
+    record.host = host or record.host
+    if error is None:
+        record.result = SUCCESS
+    else:
+        record.result = ERROR
+        if isinstance(error, BaseException):
+            record.details = f"{type(error).__name__}: {error}"
+            record.traceback = "".join(tb.format_exception(error))
+        else:
+            record.details = f"{error.get('Error', 'Error')}: {error.get('Cause', '')}"
+        if action.message is None:
+            action.message = record.details[:255] if record.details else ERROR
+    action.finish_time = utcnow()
+    session.flush()

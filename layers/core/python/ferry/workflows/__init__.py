@@ -1,0 +1,37 @@
+"""Workflow steps (one module per state machine) and starting executions."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ferry import aws, errors
+from ferry.observability import logger
+
+
+class WorkflowNotConfigured(errors.FerryError):
+    """The state machine ARN for a workflow is not set in this function's environment."""
+
+
+def start_execution(state_machine_arn: str, name: str, payload: dict[str, Any]) -> str:
+    """Start ``state_machine_arn`` with ``payload`` under the execution name ``name``.
+
+    The name makes the start idempotent: Step Functions refuses a second execution with the
+    same name and input, so a retried API call cannot start a workflow twice. ``name`` is
+    also passed in the payload as ``execution_name`` (host operation ids derive from it).
+
+    Returns:
+        The execution ARN.
+    """
+    if not state_machine_arn:
+        raise WorkflowNotConfigured("No state machine is configured for this operation.")
+    body = {**payload, "execution_name": name}
+    sfn = aws.client("stepfunctions")
+    try:
+        response = sfn.start_execution(stateMachineArn=state_machine_arn, name=name, input=json.dumps(body))
+    except sfn.exceptions.ExecutionAlreadyExists:
+        arn = state_machine_arn.replace(":stateMachine:", ":execution:") + f":{name}"
+        logger.info("execution already started", extra={"execution": name})
+        return arn
+    logger.info("execution started", extra={"execution": name, "state_machine": state_machine_arn})
+    return response["executionArn"]
