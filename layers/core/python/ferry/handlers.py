@@ -23,8 +23,8 @@ from ferry.observability import logger, metrics, timed_step
 # Every step receives the workflow's state document; these keys are always present.
 STEP_EVENT_SCHEMA: dict[str, Any] = {
     "type": "object",
-    "required": ["instance_uuid"],
-    "properties": {"instance_uuid": {"type": "string", "minLength": 1}},
+    "required": ["instance_uuid", "request_id"],
+    "properties": {"instance_uuid": {"type": "string", "minLength": 1}, "request_id": {"type": "string"}},
 }
 
 

@@ -35,3 +35,18 @@ def start_execution(state_machine_arn: str, name: str, payload: dict[str, Any]) 
         return arn
     logger.info("execution started", extra={"execution": name, "state_machine": state_machine_arn})
     return response["executionArn"]
+
+
+def error_message(error: dict[str, Any]) -> str:
+    """The human part of a Step Functions error ``{Error, Cause}`` (a Lambda's Cause is JSON)."""
+    cause = error.get("Cause") or ""
+    try:
+        parsed = json.loads(cause)
+    except ValueError:
+        parsed = None
+    if isinstance(parsed, dict) and "errorMessage" in parsed:
+        cause = parsed["errorMessage"]
+    name = error.get("Error", "")
+    if name == errors.NoValidHost.__name__ and not cause.startswith("No valid host"):
+        cause = f"No valid host was found. {cause}".strip()
+    return cause or name or "Unknown error"

@@ -1,0 +1,287 @@
+"""Steps of the boot workflow (``statemachine/boot.asl.json``).
+
+SelectDestinations → BindResourcesAtDest → SpawnOnHost (host agent) → FinishBuild.
+A failure after the claim runs DestroyAtDest (host agent) → UnbindResourcesAtDest →
+RescheduleBuild while alternates remain, else FailBuild. Every step takes the workflow's
+state document and is safe to run twice.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import delete, select, update
+
+from ferry import errors, hosts, images, placement, scheduler
+from ferry.compute import actions, instances, states
+from ferry.observability import logger
+from ferry.workflows import error_message
+from ferry.store.api_models import (
+    BuildRequest,
+    CellMapping,
+    InstanceMapping,
+    Port,
+    PortBinding,
+    RequestSpec,
+    ResourceProvider,
+    Volume,
+    VolumeAttachment,
+    utcnow,
+)
+from ferry.store.cell_models import BlockDeviceMapping, Instance, Tag
+from ferry.store.db import CELL0_NAME, api_session, cell_session
+
+EVENT_SCHEDULE = "conductor_schedule_and_build_instances"
+EVENT_BUILD = "compute__do_build_and_run_instance"
+
+_INSTANCE_FIELDS = {c.key for c in Instance.__table__.columns} - {"id", "deleted", "deleted_at"}
+_INSTANCE_FIELDS |= {"metadata_items"}
+_BDM_FIELDS = {c.key for c in BlockDeviceMapping.__table__.columns} - {"id", "deleted"}
+
+
+def _destination(selection: scheduler.Selection, alternates: list[scheduler.Selection]) -> dict[str, Any]:
+    return {
+        "host": selection.host,
+        "node": selection.node,
+        "cell": selection.cell,
+        "queue_url": hosts.queue_url(selection.host),
+        "alternates": [alt.to_dict() for alt in alternates],
+    }
+
+
+def _existing_claim(instance_uuid: str) -> scheduler.Selection | None:
+    """The selection an earlier run of this step already claimed (a retried invocation)."""
+    claimed = placement.get_allocations(instance_uuid)
+    if not claimed:
+        return None
+    rp_uuid, resources = next(iter(claimed.items()))
+    with api_session() as session:
+        provider = session.scalars(select(ResourceProvider).where(ResourceProvider.uuid == rp_uuid)).one()
+        cell = session.scalars(select(CellMapping.name).where(CellMapping.id == provider.cell_id)).one()
+        return scheduler.Selection(host=provider.host, node=provider.name, cell=cell, provider_uuid=rp_uuid,
+                                   allocations={rp_uuid: resources})
+
+
+def select_destinations(event: dict[str, Any]) -> dict[str, Any]:
+    """Schedule the new server, claim the host, and create the instance in that host's cell.
+
+    Returns the destination ``{host, node, cell, queue_url, alternates}``, or
+    ``{"abandoned": true}`` when the server was deleted before it was scheduled.
+
+    Raises:
+        NoValidHost: no host passes the filters with room for the flavor.
+    """
+    uuid = event["instance_uuid"]
+    with api_session() as session:
+        build = session.scalars(select(BuildRequest).where(BuildRequest.instance_uuid == uuid)).one_or_none()
+        spec_row = session.scalars(select(RequestSpec).where(RequestSpec.instance_uuid == uuid)).one_or_none()
+    chosen = _existing_claim(uuid)
+    alternates: list[scheduler.Selection] = []
+    if chosen is None:
+        if build is None or spec_row is None:
+            logger.info("server deleted before it was scheduled", extra={"instance_uuid": uuid})
+            return {"abandoned": True}
+        selections = scheduler.select_destinations(spec_row.spec)
+        chosen, alternates = selections[0], selections[1:]
+    if build is not None and not _materialize(build, chosen, event["request_id"]):
+        placement.delete_allocations(uuid)
+        return {"abandoned": True}
+    return _destination(chosen, alternates)
+
+
+def _materialize(build: BuildRequest, selection: scheduler.Selection, request_id: str) -> bool:
+    """Create the instance in the selection's cell from its build request; point the mapping there.
+
+    Returns False when the API deleted the build request meanwhile (the server was deleted):
+    the cell copy is removed again and nothing is left behind.
+    """
+    uuid = build.instance_uuid
+    _create_in_cell(build, selection.cell, request_id, host=selection.host, node=selection.node,
+                    vm_state=states.BUILDING, task_state=states.SCHEDULING)
+    with api_session() as session:
+        removed = session.execute(delete(BuildRequest).where(BuildRequest.instance_uuid == uuid)).rowcount
+        cell_id = session.scalars(select(CellMapping.id).where(CellMapping.name == selection.cell)).one()
+        if removed:
+            session.execute(update(InstanceMapping).where(InstanceMapping.instance_uuid == uuid,
+                                                          InstanceMapping.cell_id.is_(None)).values(cell_id=cell_id))
+            return True
+        mapping = session.scalars(select(InstanceMapping).where(InstanceMapping.instance_uuid == uuid)).one_or_none()
+        if mapping is not None and mapping.cell_id == cell_id:
+            return True  # an earlier run of this step finished the hand-over
+    with cell_session(selection.cell) as session:
+        for model in (BlockDeviceMapping, Tag):
+            session.execute(delete(model).where(model.instance_uuid == uuid))
+        session.execute(delete(Instance).where(Instance.uuid == uuid))
+    return False
+
+
+def _create_in_cell(build: BuildRequest, cell: str, request_id: str, **values: Any) -> None:
+    uuid = build.instance_uuid
+    fields = {k: v for k, v in build.instance.items() if k in _INSTANCE_FIELDS}
+    if "metadata" in build.instance:
+        fields["metadata_items"] = build.instance["metadata"]
+    fields.update(values, uuid=uuid)
+    with cell_session(cell) as session:
+        if session.scalars(select(Instance.id).where(Instance.uuid == uuid)).one_or_none() is None:
+            session.add(Instance(**fields))
+            for bdm in build.block_device_mappings or []:
+                session.add(BlockDeviceMapping(instance_uuid=uuid, **{k: v for k, v in bdm.items()
+                                                                       if k in _BDM_FIELDS}))
+            for tag in build.tags or []:
+                session.add(Tag(instance_uuid=uuid, tag=tag))
+        actions.start_action(session, instance_uuid=uuid, action=actions.CREATE, request_id=request_id,
+                             user_id=fields.get("user_id"), project_id=fields.get("project_id"))
+        actions.finish_event(session, instance_uuid=uuid, request_id=request_id, event=EVENT_SCHEDULE)
+
+
+def bind_resources_at_dest(event: dict[str, Any]) -> dict[str, Any]:
+    """Bind the server's ports and volumes to the destination host; build the guest spec for the agent."""
+    uuid, dest = event["instance_uuid"], event["destination"]
+    host = dest["host"]
+    with cell_session(dest["cell"]) as session:
+        instances.update_cas(session, uuid, {"task_state": states.SPAWNING, "host": host, "node": dest["node"]},
+                             expected_task_state=(states.SCHEDULING, states.SPAWNING))
+        instance = instances.get(session, uuid)
+        actions.start_event(session, instance_uuid=uuid, request_id=event["request_id"], event=EVENT_BUILD,
+                            host=host)
+        bdms = list(session.scalars(select(BlockDeviceMapping).where(
+            BlockDeviceMapping.instance_uuid == uuid, BlockDeviceMapping.deleted.is_(False),
+            BlockDeviceMapping.destination_type == "volume").order_by(BlockDeviceMapping.boot_index)))
+        name, flavor, image_ref = instance.display_name, instance.flavor, instance.image_ref
+    is_bfv = any(b.boot_index == 0 for b in bdms)
+    with api_session() as session:
+        ports = list(session.scalars(select(Port).where(Port.device_id == uuid).order_by(Port.created_at)))
+        for port in ports:
+            if not any(b.host == host for b in port.bindings):
+                port.bindings.append(PortBinding(host=host, status="ACTIVE", vif_details={"type": "ethernet"}))
+        volumes = _attach_volumes(session, uuid, host, bdms)
+        port_args = [{"id": p.id, "mac_address": p.mac_address, "network_id": p.network_id,
+                      "fixed_ip": p.fixed_ip} for p in ports]
+    image = None if is_bfv or not image_ref else images.image_location(image_ref)
+    return {"spawn_args": {"name": name, "flavor": _flavor_args(flavor), "image": image, "ports": port_args,
+                           "volumes": volumes, "power_on": True}}
+
+
+def _flavor_args(flavor: dict[str, Any]) -> dict[str, Any]:
+    keys = ("flavorid", "name", "vcpus", "memory_mb", "root_gb", "ephemeral_gb", "swap")
+    return {k: flavor[k] for k in keys}
+
+
+def _attach_volumes(session: Any, uuid: str, host: str, bdms: list[BlockDeviceMapping]) -> list[dict[str, Any]]:
+    result = []
+    for index, bdm in enumerate(bdms):
+        volume = session.get(Volume, bdm.volume_id)
+        if volume is None:
+            raise errors.SpawnFailed(f"Volume {bdm.volume_id} of instance {uuid} does not exist.")
+        attachment = next((a for a in volume.attachments if a.instance_uuid == uuid), None)
+        device = bdm.device_name or f"vd{chr(ord('a') + index)}"
+        if attachment is None:
+            attachment = VolumeAttachment(volume_id=volume.id, instance_uuid=uuid)
+            volume.attachments.append(attachment)
+        attachment.host, attachment.device, attachment.status = host, device, "attached"
+        volume.status = "in-use"
+        entry = {"volume_id": volume.id, "path": volume.path, "device": device, "boot_index": bdm.boot_index,
+                 "size_gb": volume.size_gb}
+        if bdm.boot_index == 0 and bdm.source_type == "image" and bdm.image_id:
+            entry["source_image"] = images.image_location(bdm.image_id)
+        result.append(entry)
+    return result
+
+
+def unbind_resources_at_dest(event: dict[str, Any]) -> dict[str, Any]:
+    """Rollback of BindResourcesAtDest: drop the destination's port bindings and volume attachments."""
+    uuid, host = event["instance_uuid"], event["destination"]["host"]
+    with api_session() as session:
+        port_ids = select(Port.id).where(Port.device_id == uuid)
+        session.execute(delete(PortBinding).where(PortBinding.port_id.in_(port_ids), PortBinding.host == host))
+        for attachment in session.scalars(select(VolumeAttachment).where(
+                VolumeAttachment.instance_uuid == uuid, VolumeAttachment.host == host)):
+            attachment.host, attachment.status = None, "reserved"
+    return {}
+
+
+def reschedule_build(event: dict[str, Any]) -> dict[str, Any]:
+    """Move the claim to the next alternate host after a failed spawn (Nova's build reschedule).
+
+    Raises:
+        NoValidHost: the alternate no longer fits (the workflow then fails the build).
+    """
+    uuid, dest = event["instance_uuid"], event["destination"]
+    alternates = [scheduler.Selection.from_dict(a) for a in dest.get("alternates", [])]
+    if not alternates:
+        raise errors.NoValidHost("No alternate host is left to reschedule to.")
+    with api_session() as session:
+        spec = session.scalars(select(RequestSpec).where(RequestSpec.instance_uuid == uuid)).one().spec
+    spec = {**spec, "ignore_hosts": sorted(set(spec.get("ignore_hosts") or []) | {dest["host"]})}
+    chosen = scheduler.claim_alternate(spec, alternates[0])
+    with cell_session(dest["cell"]) as session:
+        instances.update_cas(session, uuid, {"host": None, "node": None, "task_state": states.SCHEDULING},
+                             expected_task_state=(states.SPAWNING, states.SCHEDULING))
+    if chosen.cell != dest["cell"]:
+        raise errors.NoValidHost("Alternate hosts of a build stay in the cell the build started in.")
+    logger.info("build rescheduled", extra={"instance_uuid": uuid, "from": dest["host"], "to": chosen.host})
+    return _destination(chosen, alternates[1:])
+
+
+def finish_build(event: dict[str, Any]) -> dict[str, Any]:
+    """Mark the spawned server ACTIVE with the power state its host reported."""
+    uuid, dest = event["instance_uuid"], event["destination"]
+    power_state = int(event.get("spawn", {}).get("power_state", states.RUNNING))
+    now = utcnow()
+    with cell_session(dest["cell"]) as session:
+        if instances.get(session, uuid).vm_state == states.ACTIVE:
+            return {}
+        instances.update_cas(session, uuid, {
+            "vm_state": states.vm_state_from_power(power_state), "task_state": None, "power_state": power_state,
+            "launched_at": now, "launched_on": dest["host"]}, expected_task_state=(states.SPAWNING,))
+        actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"], event=EVENT_BUILD,
+                             host=dest["host"])
+    with api_session() as session:
+        session.execute(update(Port).where(Port.device_id == uuid).values(status="ACTIVE"))
+    return {}
+
+
+def fail_build(event: dict[str, Any]) -> dict[str, Any]:
+    """Rollback tail of a failed boot: release the claim, set ERROR and record the fault.
+
+    A server that was never scheduled is buried in cell0, as Nova does. When the destination
+    could not be cleaned up (``cleanup_error``), the fault says what may be left on which host.
+    """
+    uuid = event["instance_uuid"]
+    error = event.get("error") or {}
+    message = error_message(error)
+    placement.delete_allocations(uuid)
+    with api_session() as session:
+        build = session.scalars(select(BuildRequest).where(BuildRequest.instance_uuid == uuid)).one_or_none()
+    if build is not None:
+        _bury_in_cell0(build, event["request_id"], message)
+        return {}
+    cell = instances.cell_of(uuid)
+    details = None
+    if event.get("cleanup_error"):
+        host = event.get("destination", {}).get("host")
+        details = (f"Cleanup on host {host} failed ({error_message(event['cleanup_error'])}); "
+                   f"the guest or its disks may remain there.")
+    with cell_session(cell) as session:
+        instance = instances.get(session, uuid)
+        if instance.vm_state == states.ERROR and instance.task_state is None:
+            return {}
+        instances.update_cas(session, uuid, {"vm_state": states.ERROR, "task_state": None},
+                             expected_task_state=(states.SCHEDULING, states.SPAWNING))
+        instances.add_fault(session, uuid, message, host=instance.host, details=details)
+        actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"], event=EVENT_BUILD,
+                             host=instance.host, error=error or None)
+    return {}
+
+
+def _bury_in_cell0(build: BuildRequest, request_id: str, message: str) -> None:
+    uuid = build.instance_uuid
+    _create_in_cell(build, CELL0_NAME, request_id, vm_state=states.ERROR, task_state=None, host=None, node=None)
+    with cell_session(CELL0_NAME) as session:
+        instances.add_fault(session, uuid, message)
+        actions.finish_event(session, instance_uuid=uuid, request_id=request_id, event=EVENT_SCHEDULE,
+                             error={"Error": errors.NoValidHost.__name__, "Cause": message})
+    with api_session() as session:
+        cell0 = session.scalars(select(CellMapping.id).where(CellMapping.name == CELL0_NAME)).one()
+        session.execute(delete(BuildRequest).where(BuildRequest.instance_uuid == uuid))
+        session.execute(update(InstanceMapping).where(InstanceMapping.instance_uuid == uuid).values(cell_id=cell0))

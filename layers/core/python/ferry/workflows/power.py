@@ -1,0 +1,53 @@
+"""Steps of the power workflow (``statemachine/power.asl.json``): os-stop and os-start.
+
+SetPowerAtHost (host agent) → FinishPowerAction; a failure runs FailPowerAction.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ferry import protocol
+from ferry.compute import actions, instances, states
+from ferry.store.db import cell_session
+from ferry.workflows import error_message
+
+_TASK_STATE = {protocol.POWER_OFF: states.POWERING_OFF, protocol.POWER_ON: states.POWERING_ON}
+_EVENT = {protocol.POWER_OFF: "compute_stop_instance", protocol.POWER_ON: "compute_start_instance"}
+_EXPECTED_POWER = {protocol.POWER_OFF: states.SHUTDOWN, protocol.POWER_ON: states.RUNNING}
+
+POWER_EVENT_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["instance_uuid", "request_id", "cell", "operation"],
+    "properties": {"operation": {"enum": sorted(_TASK_STATE)}},
+}
+
+
+def finish_power_action(event: dict[str, Any]) -> dict[str, Any]:
+    """Record the power state the host reported and settle vm_state (idempotent)."""
+    uuid, operation = event["instance_uuid"], event["operation"]
+    power_state = int(event.get("result", {}).get("power_state", _EXPECTED_POWER[operation]))
+    with cell_session(event["cell"]) as session:
+        if instances.get(session, uuid).task_state != _TASK_STATE[operation]:
+            return {}
+        instances.update_cas(session, uuid, {"vm_state": states.vm_state_from_power(power_state),
+                                             "power_state": power_state, "task_state": None},
+                             expected_task_state=(_TASK_STATE[operation],))
+        actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"], event=_EVENT[operation],
+                             host=event.get("host"))
+    return {}
+
+
+def fail_power_action(event: dict[str, Any]) -> dict[str, Any]:
+    """Clear the task state of a failed power action and record the fault; vm_state is kept."""
+    uuid, operation = event["instance_uuid"], event["operation"]
+    error = event.get("error") or {}
+    with cell_session(event["cell"]) as session:
+        if instances.get(session, uuid).task_state != _TASK_STATE[operation]:
+            return {}
+        instances.update_cas(session, uuid, {"task_state": None}, expected_task_state=(_TASK_STATE[operation],))
+        instances.add_fault(session, uuid, error_message(error), host=event.get("host"))
+        actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"], event=_EVENT[operation],
+                             host=event.get("host"), error=error or None)
+    return {}
+
