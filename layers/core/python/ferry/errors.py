@@ -163,3 +163,30 @@ class GuestNotFound(HostOperationFailed):
 
 class InvalidOperation(HostOperationFailed):
     """The agent received a message it cannot act on (unknown operation, bad arguments)."""
+
+
+class HostNotMapped(FerryError):
+    """A host reported without being mapped to a cell."""
+
+
+class BuildFailed(FerryError):
+    """A server could not be built; the instance fault holds the cause."""
+
+
+class InventoryInUse(FerryError):
+    """An inventory update would leave a provider with less capacity than its allocations use."""
+
+    http_status = 409
+    api_kind = "conflictingRequest"
+
+
+class ResourceProviderNotFound(NotFound):
+    """No resource provider has the given uuid, host or node."""
+
+
+class DeleteFailed(FerryError):
+    """A server could not be deleted; the instance fault holds the cause."""
+
+
+class PowerActionFailed(FerryError):
+    """os-stop or os-start failed on the host; the instance fault holds the cause."""
