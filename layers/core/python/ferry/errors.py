@@ -190,3 +190,45 @@ class DeleteFailed(FerryError):
 
 class PowerActionFailed(FerryError):
     """os-stop or os-start failed on the host; the instance fault holds the cause."""
+
+
+# --- Local stack ---------------------------------------------------------------------------------
+
+
+class LocalStackError(FerryError):
+    """The local stack could not be built, started or kept running."""
+
+
+class TemplateError(LocalStackError):
+    """template.yaml uses something the local stack cannot resolve, or resolves to a conflict."""
+
+
+class HostsNotReporting(LocalStackError):
+    """Some host agents of the local stack never reported a heartbeat."""
+
+
+# --- Compute API ---------------------------------------------------------------------------------
+
+
+class NotAcceptable(FerryError):
+    """The requested microversion is outside what the API supports.
+
+    Nova answers 406 under the generic ``computeFault`` key (406 has no fault name of its
+    own there), and so does Ferry.
+    """
+
+    http_status = 406
+    api_kind = "computeFault"
+    default_message = "The requested API version is not supported."
+
+
+class InvalidPolicy(FerryError):
+    """The policy file cannot be read, or names a rule the policy language does not know."""
+
+
+class InstanceIsLocked(Conflict):
+    pass
+
+
+class FlavorExists(Conflict):
+    pass

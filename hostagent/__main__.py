@@ -1,0 +1,125 @@
+"""Run a host agent: ``python -m hostagent --host compute1 --cell cell1``.
+
+Without ``--libvirt-uri`` the agent simulates a hypervisor with libvirt's test driver: it writes
+a node description (``--vcpus``, ``--memory-mb``) under ``--state-dir`` and opens it, so each
+agent has its own fresh hypervisor. On a real hypervisor pass ``--libvirt-uri qemu:///system``.
+
+Environment: ``AWS_ENDPOINT_URL`` (the local stack), ``FERRY_HOST_QUEUE_PREFIX``,
+``FERRY_HOST_REPORTS_QUEUE_URL``, ``FERRY_STATE_DIR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+from pathlib import Path
+
+from ferry import config, errors
+from ferry.observability import logger
+
+from hostagent.agent import DEFAULT_VISIBILITY_TIMEOUT, HostAgent, inventory_from_capacity
+from hostagent.driver import HostCapacity, LibvirtDriver, write_test_node_xml
+
+DEFAULT_TEST_VCPUS = 8
+DEFAULT_TEST_MEMORY_MB = 16384
+DEFAULT_RESERVED_MEMORY_MB = 512
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m hostagent",
+        description=(__doc__ or "").split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--host", default=socket.gethostname(), help="compute host name")
+    parser.add_argument("--node", help="hypervisor node name (default: the host name)")
+    parser.add_argument("--cell", default="cell1", help="the cell this host belongs to")
+    parser.add_argument(
+        "--libvirt-uri", help="libvirt URI (default: a test:/// hypervisor described under --state-dir)"
+    )
+    parser.add_argument(
+        "--state-dir",
+        type=Path,
+        help="the agent's state: journal, test node XML (default: $FERRY_STATE_DIR/hosts/<host>)",
+    )
+    parser.add_argument("--instances-dir", type=Path, help="instance disks (default: <state-dir>/instances)")
+    parser.add_argument("--vcpus", type=int, help="vCPUs to report (and of the test hypervisor)")
+    parser.add_argument("--memory-mb", type=int, help="memory to report (and of the test hypervisor)")
+    parser.add_argument("--disk-gb", type=int, help="instance disk to report (default: the instances filesystem)")
+    parser.add_argument("--reserved-vcpus", type=int, default=0, help="vCPUs kept for the host")
+    parser.add_argument(
+        "--reserved-memory-mb", type=int, default=DEFAULT_RESERVED_MEMORY_MB, help="memory kept for the host"
+    )
+    parser.add_argument("--reserved-disk-gb", type=int, default=0, help="disk kept for the host")
+    parser.add_argument("--queue-url", help="the host's operation queue (default: created from the queue prefix)")
+    parser.add_argument("--poll-wait-seconds", type=int, default=20, help="SQS long-poll wait, 0-20")
+    parser.add_argument("--report-interval", type=float, default=60.0, help="seconds between inventory reports")
+    parser.add_argument("--heartbeat-interval", type=float, default=10.0, help="seconds between heartbeats")
+    parser.add_argument(
+        "--keepalive-interval", type=float, default=30.0, help="seconds between task heartbeats while an operation runs"
+    )
+    parser.add_argument(
+        "--visibility-timeout",
+        type=int,
+        default=DEFAULT_VISIBILITY_TIMEOUT,
+        help="seconds a received operation stays invisible (renewed while it runs)",
+    )
+    parser.add_argument("--workers", type=int, default=1, help="operations run at once")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the agent until SIGTERM or SIGINT; return the process exit code."""
+    args = build_parser().parse_args(argv)
+    settings = config.get()
+    host: str = args.host
+    state_dir: Path = (args.state_dir or settings.state_dir / "hosts" / host).resolve()
+    instances_dir: Path = (args.instances_dir or state_dir / "instances").resolve()
+    uri = args.libvirt_uri or write_test_node_xml(
+        state_dir / "node.xml", args.vcpus or DEFAULT_TEST_VCPUS, args.memory_mb or DEFAULT_TEST_MEMORY_MB
+    )
+    try:
+        driver = LibvirtDriver(uri, disk_path=instances_dir)
+        capacity = driver.host_capacity()
+    except errors.HypervisorError as exc:
+        logger.error("cannot open the hypervisor", extra={"host": host, "uri": uri, "error": exc.message})
+        return 1
+    inventory = inventory_from_capacity(
+        HostCapacity(
+            vcpus=args.vcpus or capacity.vcpus,
+            memory_mb=args.memory_mb or capacity.memory_mb,
+            disk_gb=args.disk_gb if args.disk_gb is not None else capacity.disk_gb,
+        ),
+        reserved_vcpus=args.reserved_vcpus,
+        reserved_memory_mb=args.reserved_memory_mb,
+        reserved_disk_gb=args.reserved_disk_gb,
+    )
+    agent = HostAgent(
+        host=host,
+        node=args.node or host,
+        cell=args.cell,
+        queue_url=args.queue_url,
+        reports_queue_url=settings.host_reports_queue_url,
+        driver=driver,
+        instances_dir=instances_dir,
+        state_dir=state_dir,
+        inventory=inventory,
+        queue_prefix=settings.host_queue_prefix,
+        poll_wait_seconds=args.poll_wait_seconds,
+        report_interval=args.report_interval,
+        heartbeat_interval=args.heartbeat_interval,
+        keepalive_interval=args.keepalive_interval,
+        visibility_timeout=args.visibility_timeout,
+        max_workers=args.workers,
+    )
+    agent.install_signal_handlers()
+    try:
+        agent.run()
+    finally:
+        driver.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

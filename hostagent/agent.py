@@ -1,0 +1,793 @@
+"""The host agent: polls the host's SQS queue, performs host operations, answers the workflows.
+
+One agent runs on each hypervisor. It never touches the database: it learns what to do from
+operation messages (:mod:`ferry.protocol`), answers each task token with SendTaskSuccess or
+SendTaskFailure (a ``Ferry.*`` error name), and tells the control plane about its host through
+inventory and heartbeat reports on the host reports queue.
+
+Every operation is idempotent and journaled (:mod:`hostagent.journal`): a redelivered message is
+answered from the journal; an operation interrupted by a crash runs again.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+from aws_lambda_powertools.metrics import MetricUnit, single_metric
+from botocore.exceptions import BotoCoreError, ClientError
+from ferry import aws, errors, protocol
+from ferry.observability import logger
+
+from hostagent import disks
+from hostagent.driver import (
+    EPHEMERAL,
+    LOCAL_DEVICES,
+    NOSTATE,
+    ROOT,
+    SWAP,
+    VOLUME,
+    DiskSpec,
+    Driver,
+    GuestSpec,
+    HostCapacity,
+    PortSpec,
+)
+from hostagent.journal import Journal, JournalEntry
+
+# Arguments of the operations whose schema the protocol leaves open ({} is always valid).
+POWER_OFF_ARGS_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "timeout": {"type": "number", "minimum": 0},
+        "clean_shutdown": {"type": "boolean"},
+    },
+}
+POWER_ON_ARGS_SCHEMA: dict[str, Any] = {"type": "object"}
+DESTROY_ARGS_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"keep_disks": {"type": "boolean"}},
+}
+ARGS_SCHEMAS: dict[str, dict[str, Any]] = {
+    protocol.SPAWN: protocol.SPAWN_ARGS_SCHEMA,
+    protocol.POWER_OFF: POWER_OFF_ARGS_SCHEMA,
+    protocol.POWER_ON: POWER_ON_ARGS_SCHEMA,
+    protocol.DESTROY: DESTROY_ARGS_SCHEMA,
+}
+
+DEFAULT_VISIBILITY_TIMEOUT = 120
+DEFAULT_MAX_RECEIVE_COUNT = 5
+DLQ_RETENTION_SECONDS = 14 * 24 * 3600
+# Step Functions limits on SendTaskFailure.
+_MAX_ERROR_LEN = 256
+_MAX_CAUSE_LEN = 32768
+
+
+@dataclass(frozen=True)
+class Operation:
+    """One validated operation message."""
+
+    name: str
+    operation_id: str
+    instance_uuid: str
+    args: dict[str, Any]
+    task_token: str | None
+
+
+def inventory_from_capacity(
+    capacity: HostCapacity, reserved_vcpus: int = 0, reserved_memory_mb: int = 0, reserved_disk_gb: int = 0
+) -> dict[str, dict[str, int]]:
+    """Placement inventory (VCPU, MEMORY_MB, DISK_GB) of a host; a reservation never exceeds the total."""
+    return {
+        "VCPU": {"total": capacity.vcpus, "reserved": min(reserved_vcpus, capacity.vcpus)},
+        "MEMORY_MB": {"total": capacity.memory_mb, "reserved": min(reserved_memory_mb, capacity.memory_mb)},
+        "DISK_GB": {"total": capacity.disk_gb, "reserved": min(reserved_disk_gb, capacity.disk_gb)},
+    }
+
+
+def _is_queue_exists(exc: ClientError) -> bool:
+    return exc.response.get("Error", {}).get("Code") in (
+        "QueueAlreadyExists",
+        "QueueNameExists",
+        "AWS.SimpleQueueService.QueueNameExists",
+    )
+
+
+def _create_queue(sqs: Any, name: str, attributes: dict[str, str]) -> str:
+    try:
+        return str(sqs.create_queue(QueueName=name, Attributes=attributes)["QueueUrl"])
+    except ClientError as exc:
+        if not _is_queue_exists(exc):
+            raise
+    # The queue exists with other attributes (an operator changed them, or an older agent made it).
+    url = str(sqs.get_queue_url(QueueName=name)["QueueUrl"])
+    sqs.set_queue_attributes(QueueUrl=url, Attributes=attributes)
+    return url
+
+
+def ensure_host_queue(
+    sqs: Any,
+    prefix: str,
+    host: str,
+    visibility_timeout: int = DEFAULT_VISIBILITY_TIMEOUT,
+    max_receive_count: int = DEFAULT_MAX_RECEIVE_COUNT,
+) -> str:
+    """Create (or update) a host's operation queue and its dead-letter queue; return the queue URL.
+
+    A message that fails ``max_receive_count`` times moves to ``<queue name>-dlq``.
+    Safe to call on every agent start.
+    """
+    name = protocol.host_queue_name(prefix, host)
+    dlq_url = _create_queue(sqs, f"{name}-dlq", {"MessageRetentionPeriod": str(DLQ_RETENTION_SECONDS)})
+    dlq_arn = sqs.get_queue_attributes(QueueUrl=dlq_url, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
+    redrive = json.dumps({"deadLetterTargetArn": dlq_arn, "maxReceiveCount": str(max_receive_count)})
+    return _create_queue(sqs, name, {"VisibilityTimeout": str(visibility_timeout), "RedrivePolicy": redrive})
+
+
+def parse_message(body: Any) -> Operation:
+    """Validate an operation message body (the decoded JSON) and its arguments.
+
+    Raises:
+        InvalidOperation: not an operation message, an unknown operation, or invalid arguments.
+    """
+    if not isinstance(body, dict):
+        raise errors.InvalidOperation("The message is not a JSON object.")
+    try:
+        protocol.validate(body, protocol.OPERATION_SCHEMA)
+        protocol.validate(body["args"], ARGS_SCHEMAS[body["operation"]])
+    except jsonschema.ValidationError as exc:
+        raise errors.InvalidOperation(
+            f"Invalid operation message: {exc.message}", operation=body.get("operation")
+        ) from exc
+    try:
+        uuid.UUID(body["instance_uuid"])
+    except ValueError as exc:
+        raise errors.InvalidOperation(
+            f"Invalid instance uuid {body['instance_uuid']!r}.", operation=body["operation"]
+        ) from exc
+    return Operation(
+        name=body["operation"],
+        operation_id=body["operation_id"],
+        instance_uuid=body["instance_uuid"],
+        args=body["args"],
+        task_token=body.get("task_token"),
+    )
+
+
+def _message_token(body: Any) -> str | None:
+    token = body.get("task_token") if isinstance(body, dict) else None
+    return token if isinstance(token, str) and token else None
+
+
+class HostAgent:
+    """The agent of one host (one hypervisor node).
+
+    Args:
+        host: the compute host name (the service's host, as placement and the scheduler know it).
+        node: the hypervisor node name (usually the host name).
+        cell: the cell the host belongs to (carried in reports).
+        queue_url: the host's operation queue; ``None`` creates it from ``queue_prefix`` (see
+            :func:`ensure_host_queue`).
+        reports_queue_url: where inventory and heartbeat reports go; empty disables reports.
+        driver: the hypervisor driver.
+        instances_dir: where instance directories and the image cache live.
+        state_dir: the agent's own state (the journal).
+        inventory: the inventory to report; ``None`` reports the driver's host capacity.
+        queue_prefix: host queue name prefix, needed when ``queue_url`` is None.
+        sqs, stepfunctions, s3: boto3 clients (default: :func:`ferry.aws.client`).
+        poll_wait_seconds: SQS long-poll wait (0..20); 0 polls without waiting, pausing
+            ``idle_wait_seconds`` when the queue is empty.
+        report_interval: seconds between inventory reports (one is sent at start).
+        heartbeat_interval: seconds between service heartbeat reports.
+        keepalive_interval: seconds between task heartbeats and visibility extensions while an
+            operation runs.
+        visibility_timeout: how long a received message stays invisible, renewed while it runs.
+        max_workers: operations run at once (operations on one instance never overlap).
+        power_off_timeout: default seconds a guest gets to shut down before it is forced off.
+        use_image_cache: keep downloaded images under ``<instances_dir>/_base`` for later spawns.
+        journal_retention: how long finished operations stay in the journal.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        node: str,
+        cell: str,
+        queue_url: str | None,
+        reports_queue_url: str,
+        driver: Driver,
+        instances_dir: str | Path,
+        state_dir: str | Path,
+        inventory: dict[str, dict[str, int]] | None = None,
+        *,
+        queue_prefix: str | None = None,
+        sqs: Any = None,
+        stepfunctions: Any = None,
+        s3: Any = None,
+        poll_wait_seconds: int = 20,
+        idle_wait_seconds: float = 0.05,
+        report_interval: float = 60.0,
+        heartbeat_interval: float = 10.0,
+        keepalive_interval: float = 30.0,
+        visibility_timeout: int = DEFAULT_VISIBILITY_TIMEOUT,
+        max_workers: int = 1,
+        power_off_timeout: float = 60.0,
+        use_image_cache: bool = True,
+        journal_retention: timedelta = timedelta(days=15),
+    ) -> None:
+        if queue_url is None and queue_prefix is None:
+            raise ValueError("HostAgent needs a queue_url or a queue_prefix to derive it from.")
+        self.host = host
+        self.node = node
+        self.cell = cell
+        self.queue_url = queue_url
+        self.queue_prefix = queue_prefix
+        self.reports_queue_url = reports_queue_url
+        self.driver = driver
+        self.instances_dir = Path(instances_dir)
+        self.state_dir = Path(state_dir)
+        self.inventory = inventory
+        self.sqs = sqs or aws.client("sqs")
+        self.sfn = stepfunctions or aws.client("stepfunctions")
+        self.s3 = s3 or aws.client("s3")
+        self.poll_wait_seconds = max(0, min(20, int(poll_wait_seconds)))
+        self.idle_wait_seconds = idle_wait_seconds
+        self.report_interval = report_interval
+        self.heartbeat_interval = heartbeat_interval
+        self.keepalive_interval = keepalive_interval
+        self.visibility_timeout = visibility_timeout
+        self.max_workers = max_workers
+        self.power_off_timeout = power_off_timeout
+        self.use_image_cache = use_image_cache
+        self.journal_retention = journal_retention
+        self.journal: Journal | None = None
+        self._stop = threading.Event()
+        self._started = threading.Event()
+        self._instance_locks: dict[str, threading.Lock] = {}
+        self._instance_locks_guard = threading.Lock()
+        self._reporter: threading.Thread | None = None
+        self._handlers: dict[str, Callable[[Operation], dict[str, Any]]] = {
+            protocol.SPAWN: self.spawn,
+            protocol.POWER_OFF: self.power_off,
+            protocol.POWER_ON: self.power_on,
+            protocol.DESTROY: self.destroy,
+        }
+
+    # -- lifecycle
+
+    def start(self) -> None:
+        """Prepare directories, the journal and the queue, and send the first reports.
+
+        :meth:`run` calls it; tests may call it to drive :meth:`process_message` by hand.
+        """
+        if self._started.is_set():
+            return
+        self.instances_dir.mkdir(parents=True, exist_ok=True)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.journal = Journal(self.state_dir / "journal.sqlite")
+        for entry in self.journal.in_progress():
+            # The message comes back after its visibility timeout and the operation runs again.
+            logger.warning(
+                "operation interrupted by the last stop will run again when redelivered",
+                extra=self._entry_context(entry),
+            )
+        if self.queue_url is None:
+            assert self.queue_prefix is not None
+            self.queue_url = ensure_host_queue(self.sqs, self.queue_prefix, self.host, self.visibility_timeout)
+        if not self.reports_queue_url:
+            logger.warning(
+                "no host reports queue configured: inventory and heartbeats are not reported", extra={"host": self.host}
+            )
+        self.send_inventory()
+        self.send_heartbeat()
+        self._started.set()
+        logger.info(
+            "host agent started",
+            extra={"host": self.host, "node": self.node, "cell": self.cell, "queue_url": self.queue_url},
+        )
+
+    def stop(self) -> None:
+        """Ask the agent to stop: it stops polling, finishes running operations, and :meth:`run` returns."""
+        self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def install_signal_handlers(self) -> None:
+        """Stop on SIGTERM and SIGINT (call from the main thread)."""
+
+        def _handle(signum: int, _frame: Any) -> None:
+            logger.info("stop requested", extra={"host": self.host, "signal": signal.Signals(signum).name})
+            self.stop()
+
+        signal.signal(signal.SIGTERM, _handle)
+        signal.signal(signal.SIGINT, _handle)
+
+    def run(self) -> None:
+        """Poll and run operations until :meth:`stop`; running operations finish before it returns."""
+        self.start()
+        self._reporter = threading.Thread(target=self._report_loop, name=f"reports-{self.host}", daemon=True)
+        self._reporter.start()
+        slots = threading.BoundedSemaphore(self.max_workers)
+        with ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix=f"op-{self.host}") as pool:
+            while not self._stop.is_set():
+                if not slots.acquire(timeout=0.5):
+                    continue
+                message = self._receive()
+                if message is None:
+                    slots.release()
+                    continue
+                if self._stop.is_set():
+                    self._release(message)
+                    slots.release()
+                    break
+                pool.submit(self._process_in_slot, message, slots)
+        self._reporter.join()
+        logger.info("host agent stopped", extra={"host": self.host})
+
+    def _process_in_slot(self, message: dict[str, Any], slots: threading.BoundedSemaphore) -> None:
+        try:
+            self.process_message(message)
+        except Exception:
+            # The message stays on the queue: it is redelivered and, failing often enough, dead-lettered.
+            logger.exception(
+                "processing a message failed", extra={"host": self.host, "message_id": message.get("MessageId")}
+            )
+        finally:
+            slots.release()
+
+    def _receive(self) -> dict[str, Any] | None:
+        try:
+            response = self.sqs.receive_message(
+                QueueUrl=self.queue_url,
+                MaxNumberOfMessages=1,
+                WaitTimeSeconds=self.poll_wait_seconds,
+                VisibilityTimeout=self.visibility_timeout,
+                AttributeNames=["ApproximateReceiveCount"],
+            )
+        except (ClientError, BotoCoreError) as exc:
+            logger.warning("polling the host queue failed", extra={"host": self.host, "error": str(exc)})
+            self._stop.wait(min(5.0, max(self.idle_wait_seconds, 1.0)))
+            return None
+        messages = response.get("Messages") or []
+        if not messages:
+            if self.poll_wait_seconds == 0:
+                self._stop.wait(self.idle_wait_seconds)
+            return None
+        return dict(messages[0])
+
+    def _release(self, message: dict[str, Any]) -> None:
+        """Make a message received while stopping visible again at once, for the next agent."""
+        try:
+            self.sqs.change_message_visibility(
+                QueueUrl=self.queue_url, ReceiptHandle=message["ReceiptHandle"], VisibilityTimeout=0
+            )
+        except (ClientError, BotoCoreError) as exc:
+            logger.warning("releasing a message failed", extra={"host": self.host, "error": str(exc)})
+
+    # -- messages
+
+    def process_message(self, message: dict[str, Any]) -> None:
+        """Handle one SQS message: validate, answer from the journal or run, answer, delete.
+
+        A message that cannot be parsed is answered with ``Ferry.InvalidOperation`` (when it has a
+        task token) and deleted. A message whose answer could not be delivered for a reason other
+        than the workflow having moved on stays on the queue, to be answered from the journal.
+        """
+        if self.journal is None:
+            self.start()
+        assert self.journal is not None
+        receipt = message["ReceiptHandle"]
+        try:
+            body: Any = json.loads(message.get("Body") or "")
+        except ValueError:
+            body = None
+        try:
+            op = parse_message(body)
+        except errors.InvalidOperation as exc:
+            context = {
+                "host": self.host,
+                "message_id": message.get("MessageId"),
+                "operation": body.get("operation") if isinstance(body, dict) else None,
+                "operation_id": body.get("operation_id") if isinstance(body, dict) else None,
+            }
+            logger.warning("invalid operation message deleted", extra={**context, "error": exc.message})
+            self._count_failure(str(context["operation"] or "unknown"), exc.name)
+            token = _message_token(body)
+            if token:
+                self._answer(token, None, exc.name, exc.message, context)
+            self._delete(receipt)
+            return
+
+        context = {**self._context(op), "receive_count": message.get("Attributes", {}).get("ApproximateReceiveCount")}
+        recorded = self.journal.get(op.operation_id)
+        if recorded is not None and recorded.finished and recorded.answers(op.task_token):
+            logger.info(
+                "operation already done: answering from the journal", extra={**context, "status": recorded.status}
+            )
+            if self._answer(op.task_token, recorded.result, recorded.error, recorded.cause, context):
+                self._delete(receipt)
+            return
+
+        result, error, cause = self._run(op, receipt, context)
+        if self._answer(op.task_token, result, error, cause, context):
+            self._delete(receipt)
+
+    def _run(
+        self, op: Operation, receipt: str, context: dict[str, Any]
+    ) -> tuple[dict[str, Any] | None, str | None, str | None]:
+        """Run ``op`` under the journal; return (result, error name, cause)."""
+        assert self.journal is not None
+        self.journal.start(op.operation_id, op.name, op.instance_uuid, op.task_token)
+        logger.info("operation started", extra=context)
+        started = time.monotonic()
+        result: dict[str, Any] | None = None
+        error: str | None = None
+        cause: str | None = None
+        with self._keepalive(op, receipt, context), self._instance_lock(op.instance_uuid):
+            try:
+                result = self._handlers[op.name](op)
+            except errors.FerryError as exc:
+                error, cause = exc.name, exc.message
+            except Exception as exc:
+                logger.exception("operation failed unexpectedly", extra=context)
+                wrapped = errors.HostOperationFailed(f"{type(exc).__name__}: {exc}")
+                error, cause = wrapped.name, wrapped.message
+        duration_ms = (time.monotonic() - started) * 1000
+        if error is None:
+            assert result is not None
+            self.journal.succeed(op.operation_id, result)
+            logger.info("operation succeeded", extra={**context, "duration_ms": round(duration_ms, 1)})
+        else:
+            assert cause is not None
+            self.journal.fail(op.operation_id, error, cause)
+            logger.warning(
+                "operation failed",
+                extra={**context, "error": error, "cause": cause, "duration_ms": round(duration_ms, 1)},
+            )
+            self._count_failure(op.name, error)
+        self._emit_metric("HostOperationDuration", MetricUnit.Milliseconds, duration_ms, op.name)
+        return result, error, cause
+
+    def _answer(
+        self,
+        token: str | None,
+        result: dict[str, Any] | None,
+        error: str | None,
+        cause: str | None,
+        context: dict[str, Any],
+    ) -> bool:
+        """Send the answer for ``token``; True when the message is settled (delivered or no longer awaited)."""
+        if not token:
+            return True
+        try:
+            if error is None:
+                self.sfn.send_task_success(taskToken=token, output=json.dumps(result or {}))
+            else:
+                self.sfn.send_task_failure(
+                    taskToken=token, error=error[:_MAX_ERROR_LEN], cause=(cause or "")[:_MAX_CAUSE_LEN]
+                )
+        except (
+            self.sfn.exceptions.TaskTimedOut,
+            self.sfn.exceptions.InvalidToken,
+            self.sfn.exceptions.TaskDoesNotExist,
+        ) as exc:
+            # The workflow gave up on this task (timed out or ended): nobody waits for the answer.
+            logger.warning(
+                "the workflow no longer waits for this answer", extra={**context, "error": type(exc).__name__}
+            )
+            return True
+        except (ClientError, BotoCoreError) as exc:
+            logger.warning(
+                "answering the workflow failed; the message will be answered again",
+                extra={**context, "error": str(exc)},
+            )
+            return False
+        return True
+
+    def _delete(self, receipt: str) -> None:
+        try:
+            self.sqs.delete_message(QueueUrl=self.queue_url, ReceiptHandle=receipt)
+        except (ClientError, BotoCoreError) as exc:
+            # A redelivery is answered from the journal.
+            logger.warning("deleting a message failed", extra={"host": self.host, "error": str(exc)})
+
+    @contextmanager
+    def _keepalive(self, op: Operation, receipt: str, context: dict[str, Any]) -> Iterator[None]:
+        """While the block runs, heartbeat the task and keep the message invisible."""
+        done = threading.Event()
+
+        def beat() -> None:
+            token = op.task_token
+            while not done.wait(self.keepalive_interval):
+                if token:
+                    try:
+                        self.sfn.send_task_heartbeat(taskToken=token)
+                    except (ClientError, BotoCoreError) as exc:
+                        logger.warning("task heartbeat failed", extra={**context, "error": str(exc)})
+                        if isinstance(
+                            exc,
+                            (
+                                self.sfn.exceptions.TaskTimedOut,
+                                self.sfn.exceptions.InvalidToken,
+                                self.sfn.exceptions.TaskDoesNotExist,
+                            ),
+                        ):
+                            token = None  # the workflow stopped waiting; keep the message alive only
+                try:
+                    self.sqs.change_message_visibility(
+                        QueueUrl=self.queue_url, ReceiptHandle=receipt, VisibilityTimeout=self.visibility_timeout
+                    )
+                except (ClientError, BotoCoreError) as exc:
+                    logger.warning("extending the message's visibility failed", extra={**context, "error": str(exc)})
+
+        thread = threading.Thread(target=beat, name=f"keepalive-{op.operation_id}", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
+
+    @contextmanager
+    def _instance_lock(self, instance_uuid: str) -> Iterator[None]:
+        with self._instance_locks_guard:
+            lock = self._instance_locks.setdefault(instance_uuid, threading.Lock())
+        with lock:
+            yield
+
+    def _context(self, op: Operation) -> dict[str, Any]:
+        return {
+            "host": self.host,
+            "operation": op.name,
+            "operation_id": op.operation_id,
+            "instance_uuid": op.instance_uuid,
+        }
+
+    def _entry_context(self, entry: JournalEntry) -> dict[str, Any]:
+        return {
+            "host": self.host,
+            "operation": entry.operation,
+            "operation_id": entry.operation_id,
+            "instance_uuid": entry.instance_uuid,
+        }
+
+    def _emit_metric(self, name: str, unit: MetricUnit, value: float, operation: str) -> None:
+        with single_metric(
+            name=name, unit=unit, value=value, default_dimensions={"Host": self.host, "Operation": operation}
+        ):
+            pass
+
+    def _count_failure(self, operation: str, error: str) -> None:
+        with single_metric(
+            name="HostOperationFailed",
+            unit=MetricUnit.Count,
+            value=1,
+            default_dimensions={"Host": self.host, "Operation": operation},
+        ) as metric:
+            metric.add_metadata(key="error", value=error)
+
+    # -- operations
+
+    def _result(self, instance_uuid: str, power_state: int) -> dict[str, Any]:
+        return {"instance_uuid": instance_uuid, "host": self.host, "node": self.node, "power_state": power_state}
+
+    def spawn(self, op: Operation) -> dict[str, Any]:
+        """Create the instance's disks and guest, and power it on if asked.
+
+        Volumes are attached by path. A volume whose path does not exist yet and that carries
+        ``size_gb`` is a new file-backed volume (the embedded default's volume storage): it is
+        created here, sparse, with the content of its ``source_image`` if it has one. An existing
+        path (a block device in production) is never written.
+
+        A guest that already exists is this spawn done before: it is only powered on if asked.
+        On failure a fresh spawn leaves nothing behind (guest undefined, new instance directory removed).
+
+        Raises:
+            SpawnFailed, ImageDownloadFailed, DiskCopyFailed, HypervisorError, InvalidOperation.
+        """
+        uuid, args = op.instance_uuid, op.args
+        if self.driver.guest_exists(uuid):
+            if args["power_on"]:
+                self.driver.power_on(uuid)
+            return self._result(uuid, self.driver.guest_power_state(uuid))
+
+        directory = disks.instance_dir(self.instances_dir, uuid)
+        created_directory = not directory.exists()
+        created_volumes: list[Path] = []
+        try:
+            spec = GuestSpec(
+                instance_uuid=uuid,
+                display_name=args["name"],
+                flavor=args["flavor"],
+                disks=tuple(self._prepare_disks(uuid, args, created_volumes)),
+                ports=tuple(PortSpec(port_id=p["id"], mac_address=p["mac_address"]) for p in args["ports"]),
+            )
+            self.driver.define_guest(spec)
+            if args["power_on"]:
+                self.driver.power_on(uuid)
+            return self._result(uuid, self.driver.guest_power_state(uuid))
+        except Exception:
+            self._undo_spawn(op, created_directory, created_volumes)
+            raise
+
+    def _undo_spawn(self, op: Operation, remove_directory: bool, created_volumes: list[Path]) -> None:
+        try:
+            self.driver.destroy(op.instance_uuid)
+            if remove_directory:
+                disks.remove_instance_dir(self.instances_dir, op.instance_uuid)
+            for path in created_volumes:
+                path.unlink(missing_ok=True)
+        except Exception:
+            # Never hide the spawn's own error behind the cleanup's.
+            logger.exception("cleaning up a failed spawn failed", extra=self._context(op))
+
+    def _prepare_disks(self, instance_uuid: str, args: dict[str, Any], created_volumes: list[Path]) -> list[DiskSpec]:
+        flavor, image, volumes = args["flavor"], args["image"], args["volumes"]
+        cache = self.instances_dir / disks.IMAGE_CACHE_DIR if self.use_image_cache else None
+        result: list[DiskSpec] = []
+        try:
+            disks.instance_dir(self.instances_dir, instance_uuid).mkdir(parents=True, exist_ok=True)
+            if image is not None:
+                root = disks.root_disk_path(self.instances_dir, instance_uuid)
+                if root.exists():
+                    # Written by an interrupted attempt: complete and verified, since it appears only by rename.
+                    disks.grow(root, flavor["root_gb"] * disks.GiB)
+                else:
+                    disks.create_root_disk(self.s3, image, flavor["root_gb"] * disks.GiB, root, cache_dir=cache)
+                result.append(DiskSpec(kind=ROOT, path=str(root), device=LOCAL_DEVICES[ROOT], boot=True))
+            elif not volumes:
+                raise errors.InvalidOperation(
+                    "A server without an image needs a boot volume.", instance_uuid=instance_uuid
+                )
+            if flavor["ephemeral_gb"] > 0:
+                path = disks.ephemeral_disk_path(self.instances_dir, instance_uuid)
+                disks.create_sparse(path, flavor["ephemeral_gb"] * disks.GiB)
+                result.append(DiskSpec(kind=EPHEMERAL, path=str(path), device=LOCAL_DEVICES[EPHEMERAL]))
+            if flavor["swap"] > 0:
+                path = disks.swap_disk_path(self.instances_dir, instance_uuid)
+                disks.create_sparse(path, flavor["swap"] * disks.MiB)
+                result.append(DiskSpec(kind=SWAP, path=str(path), device=LOCAL_DEVICES[SWAP]))
+            for volume in volumes:
+                path = Path(volume["path"])
+                if path.exists() or not volume.get("size_gb"):
+                    continue
+                size = int(volume["size_gb"]) * disks.GiB
+                if volume.get("source_image"):
+                    disks.create_root_disk(self.s3, volume["source_image"], size, path, cache_dir=cache)
+                else:
+                    disks.create_sparse(path, size)
+                created_volumes.append(path)
+        except OSError as exc:
+            raise errors.SpawnFailed(
+                f"Preparing the disks of instance {instance_uuid} failed: {exc}", instance_uuid=instance_uuid
+            ) from exc
+        boot_volume = None
+        if image is None:
+            indexed = [v for v in volumes if v.get("boot_index") is not None]
+            boot_volume = min(indexed, key=lambda v: v["boot_index"]) if indexed else volumes[0]
+        for volume in volumes:
+            result.append(
+                DiskSpec(
+                    kind=VOLUME,
+                    path=volume["path"],
+                    device=volume["device"],
+                    volume_id=volume["volume_id"],
+                    boot=volume is boot_volume,
+                )
+            )
+        return result
+
+    def power_off(self, op: Operation) -> dict[str, Any]:
+        """Stop the guest (a stopped guest stays stopped).
+
+        Raises:
+            GuestNotFound, HypervisorError.
+        """
+        self.driver.power_off(
+            op.instance_uuid,
+            timeout=float(op.args.get("timeout", self.power_off_timeout)),
+            clean_shutdown=bool(op.args.get("clean_shutdown", True)),
+        )
+        return self._result(op.instance_uuid, self.driver.guest_power_state(op.instance_uuid))
+
+    def power_on(self, op: Operation) -> dict[str, Any]:
+        """Start the guest (a running guest keeps running).
+
+        Raises:
+            GuestNotFound, HypervisorError.
+        """
+        self.driver.power_on(op.instance_uuid)
+        return self._result(op.instance_uuid, self.driver.guest_power_state(op.instance_uuid))
+
+    def destroy(self, op: Operation) -> dict[str, Any]:
+        """Remove the guest and, unless ``keep_disks``, the instance directory. An absent guest is fine.
+
+        Raises:
+            HypervisorError, HostOperationFailed (the disks cannot be removed).
+        """
+        self.driver.destroy(op.instance_uuid)
+        if not op.args.get("keep_disks", False):
+            try:
+                disks.remove_instance_dir(self.instances_dir, op.instance_uuid)
+            except OSError as exc:
+                raise errors.HostOperationFailed(
+                    f"Removing the disks of instance {op.instance_uuid} failed: {exc}", instance_uuid=op.instance_uuid
+                ) from exc
+        return self._result(op.instance_uuid, NOSTATE)
+
+    # -- reports
+
+    def current_inventory(self) -> dict[str, dict[str, int]]:
+        """The inventory to report: the configured one, or the driver's host capacity."""
+        if self.inventory is not None:
+            return self.inventory
+        return inventory_from_capacity(self.driver.host_capacity())
+
+    def _send_report(self, report: dict[str, Any]) -> bool:
+        if not self.reports_queue_url:
+            return False
+        protocol.validate(report, protocol.REPORT_SCHEMA)
+        try:
+            self.sqs.send_message(QueueUrl=self.reports_queue_url, MessageBody=json.dumps(report))
+        except (ClientError, BotoCoreError) as exc:
+            logger.warning(
+                "sending a host report failed", extra={"host": self.host, "kind": report["kind"], "error": str(exc)}
+            )
+            return False
+        return True
+
+    def _report_base(self, kind: str) -> dict[str, Any]:
+        return {
+            "kind": kind,
+            "host": self.host,
+            "node": self.node,
+            "cell": self.cell,
+            "sent_at": datetime.now(UTC).isoformat(),
+        }
+
+    def send_inventory(self) -> bool:
+        """Report the host's inventory and its guests; True if the report was sent."""
+        try:
+            report = {
+                **self._report_base(protocol.REPORT_INVENTORY),
+                "inventory": self.current_inventory(),
+                "guests": self.driver.list_guests(),
+            }
+        except errors.FerryError as exc:
+            logger.warning("reading the host's inventory failed", extra={"host": self.host, "error": exc.message})
+            return False
+        return self._send_report(report)
+
+    def send_heartbeat(self) -> bool:
+        """Report that the host's agent is alive; True if the report was sent."""
+        return self._send_report(self._report_base(protocol.REPORT_HEARTBEAT))
+
+    def _report_loop(self) -> None:
+        next_inventory = time.monotonic() + self.report_interval
+        next_heartbeat = time.monotonic() + self.heartbeat_interval
+        while not self._stop.wait(max(0.0, min(next_inventory, next_heartbeat) - time.monotonic())):
+            now = time.monotonic()
+            try:
+                if now >= next_heartbeat:
+                    self.send_heartbeat()
+                    next_heartbeat = now + self.heartbeat_interval
+                if now >= next_inventory:
+                    self.send_inventory()
+                    next_inventory = now + self.report_interval
+                    if self.journal is not None:
+                        self.journal.prune(self.journal_retention)
+            except Exception:
+                logger.exception("host report failed", extra={"host": self.host})

@@ -1,0 +1,182 @@
+"""The host's operation journal: what each operation id came to, so a redelivered message is answered, not redone.
+
+SQS and Step Functions deliver at least once. Before running an operation the agent records it
+as ``in_progress``; when it ends, the result or the error. A message whose operation already
+ended is answered from the journal. An operation still ``in_progress`` when a message for it
+arrives was interrupted (the agent stopped mid-way) and is run again: every operation is
+idempotent.
+
+A recorded failure is replayed only to the same task token (a redelivery of the same message).
+A new token for the same operation id is the workflow retrying, so the operation runs again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sqlite3
+from collections.abc import Iterator
+from contextlib import closing, contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+IN_PROGRESS = "in_progress"
+SUCCEEDED = "succeeded"
+FAILED = "failed"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS operations (
+    operation_id  TEXT PRIMARY KEY,
+    operation     TEXT NOT NULL,
+    instance_uuid TEXT NOT NULL,
+    status        TEXT NOT NULL,
+    token_digest  TEXT,
+    result        TEXT,
+    error         TEXT,
+    cause         TEXT,
+    attempts      INTEGER NOT NULL DEFAULT 0,
+    started_at    TEXT NOT NULL,
+    finished_at   TEXT
+)
+"""
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat()
+
+
+def token_digest(task_token: str | None) -> str | None:
+    """A digest of a task token: enough to recognise it again without keeping the credential."""
+    return hashlib.sha256(task_token.encode()).hexdigest() if task_token else None
+
+
+@dataclass(frozen=True)
+class JournalEntry:
+    """One operation as the journal knows it."""
+
+    operation_id: str
+    operation: str
+    instance_uuid: str
+    status: str
+    token_digest: str | None
+    result: dict[str, Any] | None
+    error: str | None
+    cause: str | None
+    attempts: int
+    started_at: str
+    finished_at: str | None
+
+    @property
+    def finished(self) -> bool:
+        return self.status in (SUCCEEDED, FAILED)
+
+    def answers(self, task_token: str | None) -> bool:
+        """Whether this entry is the answer to a message carrying ``task_token``.
+
+        A success answers any later message for the operation (the work is done); a failure
+        only a redelivery of the same message.
+        """
+        if self.status == SUCCEEDED:
+            return True
+        return self.status == FAILED and self.token_digest == token_digest(task_token)
+
+
+class Journal:
+    """The journal, one SQLite file in the agent's state directory.
+
+    Safe to use from several threads: each call opens its own connection.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self._connect() as conn:
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute(_SCHEMA)
+
+    @contextmanager
+    def _connect(self) -> Iterator[sqlite3.Connection]:
+        with closing(sqlite3.connect(self.path, timeout=30)) as conn:
+            conn.row_factory = sqlite3.Row
+            with conn:
+                yield conn
+
+    @staticmethod
+    def _entry(row: sqlite3.Row) -> JournalEntry:
+        return JournalEntry(
+            operation_id=row["operation_id"],
+            operation=row["operation"],
+            instance_uuid=row["instance_uuid"],
+            status=row["status"],
+            token_digest=row["token_digest"],
+            result=json.loads(row["result"]) if row["result"] is not None else None,
+            error=row["error"],
+            cause=row["cause"],
+            attempts=row["attempts"],
+            started_at=row["started_at"],
+            finished_at=row["finished_at"],
+        )
+
+    def get(self, operation_id: str) -> JournalEntry | None:
+        """The entry of ``operation_id``, or None if the host never started it."""
+        with self._connect() as conn:
+            row = conn.execute("SELECT * FROM operations WHERE operation_id = ?", (operation_id,)).fetchone()
+        return self._entry(row) if row else None
+
+    def start(self, operation_id: str, operation: str, instance_uuid: str, task_token: str | None) -> JournalEntry:
+        """Record that ``operation_id`` is (again) in progress, for the message carrying ``task_token``."""
+        with self._connect() as conn:
+            conn.execute(
+                """
+                INSERT INTO operations (operation_id, operation, instance_uuid, status, token_digest, attempts,
+                                        started_at)
+                VALUES (?, ?, ?, ?, ?, 1, ?)
+                ON CONFLICT (operation_id) DO UPDATE SET
+                    status = excluded.status, token_digest = excluded.token_digest, result = NULL, error = NULL,
+                    cause = NULL, attempts = operations.attempts + 1, started_at = excluded.started_at,
+                    finished_at = NULL
+                """,
+                (operation_id, operation, instance_uuid, IN_PROGRESS, token_digest(task_token), _now()),
+            )
+        entry = self.get(operation_id)
+        assert entry is not None
+        return entry
+
+    def succeed(self, operation_id: str, result: dict[str, Any]) -> None:
+        """Record the result of ``operation_id``."""
+        with self._connect() as conn:
+            conn.execute(
+                "UPDATE operations SET status = ?, result = ?, error = NULL, cause = NULL, finished_at = ? "
+                "WHERE operation_id = ?",
+                (SUCCEEDED, json.dumps(result), _now(), operation_id),
+            )
+
+    def fail(self, operation_id: str, error: str, cause: str) -> None:
+        """Record that ``operation_id`` failed with the typed error name ``error``."""
+        with self._connect() as conn:
+            conn.execute(
+                "UPDATE operations SET status = ?, result = NULL, error = ?, cause = ?, finished_at = ? "
+                "WHERE operation_id = ?",
+                (FAILED, error, cause, _now(), operation_id),
+            )
+
+    def in_progress(self) -> list[JournalEntry]:
+        """Operations started but never finished (the agent stopped during them)."""
+        with self._connect() as conn:
+            rows = conn.execute(
+                "SELECT * FROM operations WHERE status = ? ORDER BY started_at", (IN_PROGRESS,)
+            ).fetchall()
+        return [self._entry(row) for row in rows]
+
+    def prune(self, older_than: timedelta) -> int:
+        """Forget finished operations that ended more than ``older_than`` ago; return how many.
+
+        Keep ``older_than`` well beyond the queue's message retention: a message redelivered after
+        its entry is gone would run again.
+        """
+        cutoff = (datetime.now(UTC) - older_than).isoformat()
+        with self._connect() as conn:
+            cursor = conn.execute("DELETE FROM operations WHERE status != ? AND finished_at < ?", (IN_PROGRESS, cutoff))
+        return cursor.rowcount

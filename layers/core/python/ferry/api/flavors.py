@@ -1,0 +1,148 @@
+"""``/flavors``: list, show, create, update (description), delete, and extra specs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aws_lambda_powertools.event_handler import Response
+from aws_lambda_powertools.event_handler.api_gateway import Router
+
+from ferry import errors, policy
+from ferry.api import request, schemas, views
+from ferry.compute import api as compute_api
+
+router = Router()
+
+
+def _is_public(value: str | None) -> bool | None:
+    """Nova's ``is_public`` filter: absent means public only, ``none`` means all."""
+    if value is None:
+        return True
+    if value.strip().lower() == "none":
+        return None
+    try:
+        return request.parse_bool("is_public", value)
+    except errors.BadRequest as exc:
+        raise errors.BadRequest(f"Invalid is_public filter [{value}]") from exc
+
+
+def _int_param(name: str, value: str | None) -> int | None:
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError as exc:
+        raise errors.BadRequest(f"Invalid {name} filter [{value}]") from exc
+
+
+def _list(detail: bool) -> Response:
+    view = request.view_context(router)
+    params = {k: v[-1] for k, v in request.query(router).items() if v}
+    flavors = compute_api.list_flavors(
+        view.ctx, is_public=_is_public(params.get("is_public")), min_disk=_int_param("minDisk", params.get("minDisk")),
+        min_ram=_int_param("minRam", params.get("minRam")), limit=request.parse_limit(params.get("limit")),
+        marker=params.get("marker"))
+    render = views.flavor_detail if detail else views.flavor_summary
+    return request.json_response(200, {"flavors": [render(view, flavor) for flavor in flavors]})
+
+
+@router.get("/flavors")
+def list_flavors() -> Response:
+    return _list(detail=False)
+
+
+@router.get("/flavors/detail")
+def list_flavors_detail() -> Response:
+    return _list(detail=True)
+
+
+@router.get("/flavors/<flavor_id>")
+def show_flavor(flavor_id: str) -> Response:
+    view = request.view_context(router)
+    return request.json_response(200, {"flavor": views.flavor_detail(view, compute_api.get_flavor(flavor_id))})
+
+
+@router.post("/flavors")
+def create_flavor() -> Response:
+    view = request.view_context(router)
+    policy.enforce(view.ctx, "os_compute_api:os-flavor-manage:create")
+    flavor = request.body(router, schemas.flavor_create(view.version))["flavor"]
+    is_public = flavor.get("os-flavor-access:is_public", True)
+    created = compute_api.create_flavor(
+        name=flavor["name"], vcpus=int(flavor["vcpus"]), memory_mb=int(flavor["ram"]), root_gb=int(flavor["disk"]),
+        ephemeral_gb=int(flavor.get("OS-FLV-EXT-DATA:ephemeral", 0)), swap=int(flavor.get("swap") or 0),
+        flavorid=flavor.get("id"), rxtx_factor=float(flavor.get("rxtx_factor", 1.0)),
+        is_public=is_public if isinstance(is_public, bool) else request.parse_bool("is_public", is_public),
+        description=flavor.get("description"))
+    return request.json_response(200, {"flavor": views.flavor_detail(view, created)})
+
+
+@router.put("/flavors/<flavor_id>")
+def update_flavor(flavor_id: str) -> Response:
+    view = request.view_context(router)
+    if not view.at_least("2.55"):
+        raise errors.NotFound("The resource could not be found.")
+    policy.enforce(view.ctx, "os_compute_api:os-flavor-manage:update")
+    description = request.body(router, schemas.FLAVOR_UPDATE)["flavor"]["description"]
+    updated = compute_api.update_flavor_description(flavor_id, description)
+    return request.json_response(200, {"flavor": views.flavor_detail(view, updated)})
+
+
+@router.delete("/flavors/<flavor_id>")
+def delete_flavor(flavor_id: str) -> Response:
+    ctx = request.caller(router)
+    policy.enforce(ctx, "os_compute_api:os-flavor-manage:delete")
+    compute_api.delete_flavor(flavor_id)
+    return request.empty(202)
+
+
+# --- extra specs -----------------------------------------------------------------------------------
+
+
+def _spec_values(specs: dict[str, Any]) -> dict[str, str]:
+    return {key: str(value).lower() if isinstance(value, bool) else str(value) for key, value in specs.items()}
+
+
+@router.get("/flavors/<flavor_id>/os-extra_specs")
+def list_extra_specs(flavor_id: str) -> Response:
+    ctx = request.caller(router)
+    policy.enforce(ctx, "os_compute_api:os-flavor-extra-specs:index")
+    return request.json_response(200, {"extra_specs": compute_api.get_extra_specs(flavor_id)})
+
+
+@router.post("/flavors/<flavor_id>/os-extra_specs")
+def create_extra_specs(flavor_id: str) -> Response:
+    ctx = request.caller(router)
+    policy.enforce(ctx, "os_compute_api:os-flavor-extra-specs:create")
+    specs = _spec_values(request.body(router, schemas.EXTRA_SPECS_CREATE)["extra_specs"])
+    compute_api.set_extra_specs(flavor_id, specs)
+    return request.json_response(200, {"extra_specs": specs})
+
+
+@router.get("/flavors/<flavor_id>/os-extra_specs/<key>")
+def show_extra_spec(flavor_id: str, key: str) -> Response:
+    ctx = request.caller(router)
+    policy.enforce(ctx, "os_compute_api:os-flavor-extra-specs:show")
+    specs = compute_api.get_extra_specs(flavor_id)
+    if key not in specs:
+        raise errors.NotFound(f"Flavor {flavor_id} has no extra specs with key {key}.")
+    return request.json_response(200, {key: specs[key]})
+
+
+@router.put("/flavors/<flavor_id>/os-extra_specs/<key>")
+def update_extra_spec(flavor_id: str, key: str) -> Response:
+    ctx = request.caller(router)
+    policy.enforce(ctx, "os_compute_api:os-flavor-extra-specs:update")
+    spec = _spec_values(request.body(router, schemas.EXTRA_SPEC_UPDATE))
+    if key not in spec:
+        raise errors.BadRequest("Request body and URI mismatch")
+    compute_api.set_extra_specs(flavor_id, spec)
+    return request.json_response(200, spec)
+
+
+@router.delete("/flavors/<flavor_id>/os-extra_specs/<key>")
+def delete_extra_spec(flavor_id: str, key: str) -> Response:
+    ctx = request.caller(router)
+    policy.enforce(ctx, "os_compute_api:os-flavor-extra-specs:delete")
+    compute_api.delete_extra_spec(flavor_id, key)
+    return request.empty(202)

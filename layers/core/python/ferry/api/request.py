@@ -1,0 +1,197 @@
+"""What a route needs from the current API Gateway proxy event: caller, version, body, URLs.
+
+``prepare`` runs as the resolver's middleware: it names the request (``req-<uuid>``),
+negotiates the microversion of ``/v2.1`` requests and puts both in the resolver's
+context, and stamps the response with the request id and version headers.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jsonschema
+from aws_lambda_powertools.event_handler import Response
+from aws_lambda_powertools.event_handler.api_gateway import BaseRouter
+from aws_lambda_powertools.metrics import MetricUnit
+from jsonschema.exceptions import best_match
+
+from ferry import auth, errors
+from ferry.api.microversions import MIN_VERSION, APIVersion, negotiate, response_headers
+from ferry.observability import logger, metrics
+
+API_PREFIX = "/v2.1"
+REQUEST_ID_HEADERS = ("x-openstack-request-id", "x-compute-request-id")
+
+_TRUE = frozenset({"1", "t", "true", "on", "y", "yes"})
+_FALSE = frozenset({"0", "f", "false", "off", "n", "no"})
+
+
+@dataclass(frozen=True)
+class ViewContext:
+    """What views need to render: who asks, at which version, and the base of links."""
+
+    ctx: auth.RequestContext
+    version: APIVersion
+    base_url: str
+
+    def at_least(self, version: str) -> bool:
+        return self.version.at_least(version)
+
+    @property
+    def api_url(self) -> str:
+        return self.base_url + API_PREFIX
+
+
+def _request_context(router: BaseRouter) -> dict[str, Any]:
+    return router.current_event.raw_event.get("requestContext") or {}
+
+
+def _request_id(router: BaseRouter) -> str:
+    aws_id = _request_context(router).get("requestId")
+    try:
+        return f"req-{uuid.UUID(aws_id)}"
+    except (TypeError, ValueError, AttributeError):
+        return auth.new_request_id()
+
+
+def common_headers(context: dict[str, Any]) -> dict[str, str]:
+    """Headers every response carries: the request id and, under /v2.1, the version used."""
+    headers = {name: context["request_id"] for name in REQUEST_ID_HEADERS} if "request_id" in context else {}
+    if "microversion" in context:
+        headers.update(response_headers(context["microversion"]))
+    return headers
+
+
+def prepare(app: BaseRouter, next_middleware: Callable[[BaseRouter], Response]) -> Response:
+    """Middleware: request id and microversion into the context, their headers onto the response.
+
+    Raises:
+        BadRequest / NotAcceptable: the requested microversion is malformed or unsupported.
+    """
+    request_id = _request_id(app)
+    app.append_context(request_id=request_id)
+    logger.append_keys(request_id=request_id)
+    metrics.add_metric(name="ApiRequest", unit=MetricUnit.Count, value=1)
+    path = app.current_event.path or ""
+    if path == API_PREFIX or path.startswith(API_PREFIX + "/"):
+        app.append_context(microversion=negotiate(app.current_event.headers))
+    response = next_middleware(app)
+    response.headers.update(common_headers(app.context))
+    return response
+
+
+def caller(router: BaseRouter) -> auth.RequestContext:
+    """The authenticated caller (from the authorizer's context).
+
+    Raises:
+        Unauthorized: the event carries no identity.
+    """
+    authorizer = _request_context(router).get("authorizer")
+    return auth.context_from_authorizer(authorizer, request_id=router.context.get("request_id"))
+
+
+def version(router: BaseRouter) -> APIVersion:
+    """The microversion negotiated for this request."""
+    return router.context.get("microversion", MIN_VERSION)
+
+
+def base_url(router: BaseRouter) -> str:
+    """``scheme://host[/stage]`` as the client reached the API (no trailing slash)."""
+    headers = router.current_event.headers  # case-insensitive
+    request_context = _request_context(router)
+    scheme = (headers.get("x-forwarded-proto") or "https").split(",")[0].strip()
+    host = headers.get("host") or request_context.get("domainName") or "localhost"
+    stage = request_context.get("stage")
+    # Through the execute-api domain the stage is part of the URL; through a custom domain it is not.
+    prefix = f"/{stage}" if stage and stage != "$default" and (request_context.get("path") or "").startswith(
+        f"/{stage}/") else ""
+    return f"{scheme}://{host}{prefix}"
+
+
+def view_context(router: BaseRouter) -> ViewContext:
+    return ViewContext(ctx=caller(router), version=version(router), base_url=base_url(router))
+
+
+def query(router: BaseRouter) -> dict[str, list[str]]:
+    """The query string, every parameter as the list of its values."""
+    event = router.current_event
+    multi = event.multi_value_query_string_parameters or {}
+    single = event.query_string_parameters or {}
+    return {**{k: [v] for k, v in single.items()}, **{k: list(v) for k, v in multi.items()}}
+
+
+def parse_bool(name: str, value: str) -> bool:
+    """A query parameter as a boolean (Nova's strict spellings).
+
+    Raises:
+        BadRequest: not a recognised boolean.
+    """
+    lowered = value.strip().lower()
+    if lowered in _TRUE:
+        return True
+    if lowered in _FALSE:
+        return False
+    raise errors.BadRequest(f"Invalid value '{value}' for {name}: expected a boolean.")
+
+
+def parse_limit(value: str | None) -> int | None:
+    """The ``limit`` query parameter.
+
+    Raises:
+        BadRequest: not a non-negative integer.
+    """
+    if value is None:
+        return None
+    try:
+        limit = int(value)
+    except ValueError as exc:
+        raise errors.BadRequest("limit param must be an integer") from exc
+    if limit < 0:
+        raise errors.BadRequest("limit param must be positive")
+    return limit
+
+
+def validate(document: Any, schema: dict[str, Any]) -> None:
+    """Check ``document`` against a JSON schema.
+
+    Raises:
+        BadRequest: it does not match; the message names the field and what is wrong.
+    """
+    error = best_match(jsonschema.Draft7Validator(schema).iter_errors(document))
+    if error is None:
+        return
+    field = "/".join(str(part) for part in error.absolute_path)
+    value = json.dumps(error.instance, default=str)
+    if len(value) > 200:
+        value = value[:200] + "..."
+    if field:
+        raise errors.BadRequest(f"Invalid input for field/attribute {field}. Value: {value}. {error.message}")
+    raise errors.BadRequest(f"Invalid input. {error.message}")
+
+
+def body(router: BaseRouter, schema: dict[str, Any]) -> Any:
+    """The JSON body, checked against ``schema``.
+
+    Raises:
+        BadRequest: the body is not JSON or does not match.
+    """
+    raw = router.current_event.decoded_body
+    try:
+        document = json.loads(raw) if raw not in (None, "") else None
+    except ValueError as exc:
+        raise errors.BadRequest("Malformed request body") from exc
+    validate(document, schema)
+    return document
+
+
+def empty(status_code: int) -> Response:
+    """A response without a body (202 for accepted actions, 204 for deletes)."""
+    return Response(status_code=status_code, content_type=None, body=None)
+
+
+def json_response(status_code: int, document: Any, headers: dict[str, str] | None = None) -> Response:
+    return Response(status_code=status_code, content_type="application/json", body=document, headers=headers)

@@ -1,0 +1,164 @@
+"""JSON schemas of the request bodies (Nova's, strict where Nova is strict)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from ferry.api.microversions import APIVersion
+
+UUID_PATTERN = "^[0-9a-fA-F]{8}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{12}$"
+UUID = {"type": "string", "pattern": UUID_PATTERN}
+NAME = {"type": "string", "minLength": 1, "maxLength": 255}
+DESCRIPTION = {"type": ["string", "null"], "maxLength": 65535}
+POSITIVE_INT = {"type": ["integer", "string"], "pattern": "^[0-9]+$", "minimum": 1}
+NON_NEGATIVE_INT = {"type": ["integer", "string"], "pattern": "^[0-9]+$", "minimum": 0}
+BOOLEAN = {"type": ["boolean", "string"],
+           "enum": [True, False, "True", "False", "true", "false", "1", "0", "yes", "no", "on", "off"]}
+TAG = {"type": "string", "minLength": 1, "maxLength": 60, "pattern": "^[^,/]*$"}
+METADATA = {"type": "object", "patternProperties": {"^.{1,255}$": {"type": "string", "maxLength": 255}},
+            "additionalProperties": False}
+HOST_HINT = {"oneOf": [UUID, {"type": "array", "items": UUID}]}
+
+_NETWORK_ITEM = {
+    "type": "object",
+    "properties": {
+        "uuid": UUID,
+        "port": {"oneOf": [UUID, {"type": "null"}]},
+        "fixed_ip": {"type": "string", "minLength": 1},
+        "tag": TAG,
+    },
+    "additionalProperties": False,
+    "anyOf": [{"required": ["uuid"]}, {"required": ["port"]}],
+}
+
+_BLOCK_DEVICE = {
+    "type": "object",
+    "properties": {
+        "source_type": {"enum": ["image", "volume", "snapshot", "blank"]},
+        "destination_type": {"enum": ["local", "volume"]},
+        "uuid": {"type": "string", "minLength": 1, "maxLength": 255, "pattern": "^[a-zA-Z0-9._-]*$"},
+        "boot_index": {"type": ["integer", "string", "null"], "pattern": "^-?[0-9]+$"},
+        "volume_size": {"type": ["integer", "string", "null"], "pattern": "^[0-9]+$", "minimum": 1},
+        "delete_on_termination": BOOLEAN,
+        "device_name": {"type": "string", "minLength": 1, "maxLength": 255},
+        "device_type": {"type": "string", "maxLength": 255},
+        "disk_bus": {"type": "string", "maxLength": 255},
+        "guest_format": {"type": "string", "maxLength": 255},
+        "no_device": {},
+        "volume_type": {"type": ["string", "null"], "maxLength": 255},
+        "tag": TAG,
+    },
+    "required": ["source_type"],
+    "additionalProperties": False,
+}
+
+_SERVER_BASE: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "name": NAME,
+        "imageRef": {"type": "string", "maxLength": 255},
+        "flavorRef": {"type": ["string", "integer"], "minLength": 1},
+        "networks": {"type": "array", "items": _NETWORK_ITEM},
+        "metadata": METADATA,
+        "key_name": NAME,
+        "availability_zone": NAME,
+        "block_device_mapping_v2": {"type": "array", "items": _BLOCK_DEVICE},
+        "min_count": POSITIVE_INT,
+        "max_count": POSITIVE_INT,
+        "return_reservation_id": BOOLEAN,
+        "security_groups": {"type": "array", "items": {
+            "type": "object", "properties": {"name": NAME}, "additionalProperties": False}},
+        "user_data": {"type": "string"},
+        "config_drive": BOOLEAN,
+        "adminPass": {"type": "string"},
+        "accessIPv4": {"type": "string"},
+        "accessIPv6": {"type": "string"},
+        "OS-DCF:diskConfig": {"enum": ["AUTO", "MANUAL"]},
+    },
+    "required": ["name", "flavorRef"],
+    "additionalProperties": False,
+}
+
+_SCHEDULER_HINTS = {
+    "type": "object",
+    "properties": {"same_host": HOST_HINT, "different_host": HOST_HINT},
+    "additionalProperties": True,
+}
+
+
+def server_create(version: APIVersion) -> dict[str, Any]:
+    """The body of ``POST /servers`` at ``version`` (networks required from 2.37, tags from 2.52)."""
+    server = copy.deepcopy(_SERVER_BASE)
+    properties = server["properties"]
+    if version.at_least("2.19"):
+        properties["description"] = {"type": ["string", "null"], "maxLength": 255}
+    if version.at_least("2.37"):
+        properties["networks"] = {"oneOf": [properties["networks"], {"enum": ["auto", "none"]}]}
+        server["required"].append("networks")
+    if version.at_least("2.52"):
+        properties["tags"] = {"type": "array", "items": TAG, "maxItems": 50}
+    return {
+        "type": "object",
+        "properties": {"server": server, "os:scheduler_hints": _SCHEDULER_HINTS,
+                       "OS-SCH-HNT:scheduler_hints": _SCHEDULER_HINTS},
+        "required": ["server"],
+        "additionalProperties": False,
+    }
+
+
+SERVER_ACTION = {"type": "object", "minProperties": 1, "maxProperties": 1}
+NULL_ACTION = {"type": "null"}
+
+FLAVOR_ID = {"type": ["string", "null"], "minLength": 1, "maxLength": 255, "pattern": "^(?! )[a-zA-Z0-9. _-]+(?<! )$"}
+
+
+def flavor_create(version: APIVersion) -> dict[str, Any]:
+    """The body of ``POST /flavors`` (description from 2.55)."""
+    flavor: dict[str, Any] = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "minLength": 1, "maxLength": 255, "pattern": "^(?! )[^\\x00-\\x1f]+(?<! )$"},
+            "id": FLAVOR_ID,
+            "ram": POSITIVE_INT,
+            "vcpus": POSITIVE_INT,
+            "disk": NON_NEGATIVE_INT,
+            "OS-FLV-EXT-DATA:ephemeral": NON_NEGATIVE_INT,
+            "swap": {"type": ["integer", "string"], "pattern": "^[0-9]*$", "minimum": 0},
+            "rxtx_factor": {"type": ["number", "string"], "pattern": "^[0-9]+(\\.[0-9]+)?$"},
+            "os-flavor-access:is_public": BOOLEAN,
+        },
+        "required": ["name", "ram", "vcpus", "disk"],
+        "additionalProperties": False,
+    }
+    if version.at_least("2.55"):
+        flavor["properties"]["description"] = DESCRIPTION
+    return {"type": "object", "properties": {"flavor": flavor}, "required": ["flavor"], "additionalProperties": False}
+
+
+FLAVOR_UPDATE = {
+    "type": "object",
+    "properties": {"flavor": {"type": "object", "properties": {"description": DESCRIPTION},
+                              "required": ["description"], "additionalProperties": False}},
+    "required": ["flavor"],
+    "additionalProperties": False,
+}
+
+_SPEC_KEY = "^[a-zA-Z0-9-_:. ]{1,255}$"
+_SPEC_VALUE = {"type": ["string", "number", "boolean"], "maxLength": 255}
+
+EXTRA_SPECS_CREATE = {
+    "type": "object",
+    "properties": {"extra_specs": {"type": "object", "patternProperties": {_SPEC_KEY: _SPEC_VALUE},
+                                   "additionalProperties": False}},
+    "required": ["extra_specs"],
+    "additionalProperties": False,
+}
+
+EXTRA_SPEC_UPDATE = {
+    "type": "object",
+    "patternProperties": {_SPEC_KEY: _SPEC_VALUE},
+    "minProperties": 1,
+    "maxProperties": 1,
+    "additionalProperties": False,
+}

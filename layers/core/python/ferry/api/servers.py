@@ -1,0 +1,221 @@
+"""``/servers``: create, show, list, delete, server actions and instance actions.
+
+Server actions (``POST /servers/{id}/action``) are looked up by the body's single key in
+:data:`ACTIONS`; a module adds one with :func:`server_action`.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aws_lambda_powertools.event_handler import Response
+from aws_lambda_powertools.event_handler.api_gateway import Router
+
+from ferry import errors, policy
+from ferry.api import request, schemas, views
+from ferry.api.microversions import APIVersion
+from ferry.auth import RequestContext
+from ferry.compute import api as compute_api
+
+router = Router()
+
+ActionHandler = Callable[[RequestContext, compute_api.Location, Any, APIVersion], Response]
+
+
+@dataclass(frozen=True)
+class ServerAction:
+    name: str
+    schema: dict[str, Any]
+    handler: ActionHandler
+
+
+ACTIONS: dict[str, ServerAction] = {}
+
+
+def server_action(name: str, schema: dict[str, Any]) -> Callable[[ActionHandler], ActionHandler]:
+    """Register ``handler(ctx, location, value, version) -> Response`` for the action ``name``.
+
+    ``value`` is what the body holds under ``name``, already checked against ``schema``.
+    """
+    def register(handler: ActionHandler) -> ActionHandler:
+        ACTIONS[name] = ServerAction(name=name, schema=schema, handler=handler)
+        return handler
+    return register
+
+
+# --- list and show ---------------------------------------------------------------------------------
+
+
+def _list(detail: bool) -> Response:
+    view = request.view_context(router)
+    kind = "detail" if detail else "index"
+    policy.enforce(view.ctx, f"os_compute_api:servers:{kind}")
+    params = request.query(router)
+
+    def first(name: str) -> str | None:
+        values = params.get(name)
+        return values[-1] if values else None
+
+    all_tenants = "all_tenants" in params and request.parse_bool("all_tenants", first("all_tenants") or "true")
+    if all_tenants:
+        policy.enforce(view.ctx, f"os_compute_api:servers:{kind}:get_all_tenants")
+    limit = request.parse_limit(first("limit"))
+    filters = {"name": first("name"), "status": params.get("status"), "limit": limit, "marker": first("marker"),
+               "all_tenants": all_tenants, "project_id": first("project_id") or first("tenant_id"),
+               "host": first("host")}
+    servers = compute_api.list_servers(view.ctx, filters)
+    render = views.server_detail if detail else views.server_summary
+    body: dict[str, Any] = {"servers": [render(view, server) for server in servers]}
+    next_link = views.servers_next_link(view, "servers/detail" if detail else "servers", servers, limit,
+                                        compute_api.MAX_LIST_LIMIT)
+    if next_link:
+        body["servers_links"] = next_link
+    return request.json_response(200, body)
+
+
+@router.get("/servers")
+def list_servers() -> Response:
+    return _list(detail=False)
+
+
+@router.get("/servers/detail")
+def list_servers_detail() -> Response:
+    return _list(detail=True)
+
+
+@router.get("/servers/<server_id>")
+def show_server(server_id: str) -> Response:
+    view = request.view_context(router)
+    server = compute_api.get_server(view.ctx, server_id)
+    policy.enforce(view.ctx, "os_compute_api:servers:show", server.target)
+    return request.json_response(200, {"server": views.server_detail(view, server)})
+
+
+# --- create ----------------------------------------------------------------------------------------
+
+
+def _as_bool(value: Any) -> bool:
+    return value if isinstance(value, bool) else request.parse_bool("delete_on_termination", str(value))
+
+
+def _networks(server: dict[str, Any]) -> str | list[dict[str, Any]]:
+    networks = server.get("networks", compute_api.NETWORKS_AUTO)
+    if isinstance(networks, str):
+        return networks
+    wanted = []
+    for item in networks:
+        entry = {k: v for k, v in item.items() if k in ("uuid", "port", "fixed_ip") and v is not None}
+        if "uuid" not in entry and "port" not in entry:
+            raise errors.BadRequest("Each requested network needs a network uuid or a port.")
+        if "port" in entry:
+            entry.pop("uuid", None)
+        wanted.append(entry)
+    return wanted
+
+
+def boot_request(document: dict[str, Any]) -> compute_api.BootRequest:
+    """The domain's view of a create body already checked against the schema.
+
+    Raises:
+        BadRequest: asking for more than one server.
+    """
+    server = document["server"]
+    min_count = int(server.get("min_count", 1))
+    max_count = int(server.get("max_count", min_count))
+    if min_count < 1 or max_count < 1:
+        raise errors.BadRequest("min_count and max_count must be at least 1.")
+    if min_count > max_count:
+        raise errors.BadRequest("min_count must be <= max_count")
+    if max_count > 1:
+        raise errors.BadRequest("Creating more than one server per request is not supported.")
+    bdms = [{**bdm, "delete_on_termination": _as_bool(bdm.get("delete_on_termination", False))}
+            for bdm in server.get("block_device_mapping_v2", [])]
+    hints = document.get("os:scheduler_hints") or document.get("OS-SCH-HNT:scheduler_hints") or {}
+    return compute_api.BootRequest(
+        name=server["name"], flavor_ref=str(server["flavorRef"]), image_ref=server.get("imageRef") or None,
+        networks=_networks(server), metadata=dict(server.get("metadata", {})), key_name=server.get("key_name"),
+        availability_zone=server.get("availability_zone"), block_device_mapping=bdms,
+        tags=list(server.get("tags", [])), scheduler_hints=dict(hints))
+
+
+@router.post("/servers")
+def create_server() -> Response:
+    view = request.view_context(router)
+    document = request.body(router, schemas.server_create(view.version))
+    policy.enforce(view.ctx, "os_compute_api:servers:create",
+                   {"project_id": view.ctx.project_id, "user_id": view.ctx.user_id})
+    server_id = compute_api.create_server(view.ctx, boot_request(document))
+    requested = document["server"]
+    body = {"server": {
+        "id": server_id,
+        "links": views.links(view, "servers", server_id),
+        "adminPass": requested.get("adminPass") or secrets.token_urlsafe(9),
+        "OS-DCF:diskConfig": requested.get("OS-DCF:diskConfig", "MANUAL"),
+        "security_groups": requested.get("security_groups") or [{"name": "default"}],
+    }}
+    return request.json_response(202, body, headers={"Location": f"{view.api_url}/servers/{server_id}"})
+
+
+# --- delete and actions ----------------------------------------------------------------------------
+
+
+@router.delete("/servers/<server_id>")
+def delete_server(server_id: str) -> Response:
+    ctx = request.caller(router)
+    location = compute_api.locate(ctx, server_id)
+    policy.enforce(ctx, "os_compute_api:servers:delete", location.target)
+    compute_api.delete_server(ctx, location)
+    return request.empty(204)
+
+
+@router.post("/servers/<server_id>/action")
+def server_action_request(server_id: str) -> Response:
+    ctx = request.caller(router)
+    document = request.body(router, schemas.SERVER_ACTION)
+    name, value = next(iter(document.items()))
+    action = ACTIONS.get(name)
+    if action is None:
+        raise errors.BadRequest(f"There is no such action: {name}")
+    request.validate({name: value}, {"type": "object", "properties": {name: action.schema}})
+    location = compute_api.locate(ctx, server_id)
+    return action.handler(ctx, location, value, request.version(router))
+
+
+@server_action("os-stop", schemas.NULL_ACTION)
+def stop(ctx: RequestContext, location: compute_api.Location, _value: Any, _version: APIVersion) -> Response:
+    policy.enforce(ctx, "os_compute_api:servers:stop", location.target)
+    compute_api.stop_server(ctx, location)
+    return request.empty(202)
+
+
+@server_action("os-start", schemas.NULL_ACTION)
+def start(ctx: RequestContext, location: compute_api.Location, _value: Any, _version: APIVersion) -> Response:
+    policy.enforce(ctx, "os_compute_api:servers:start", location.target)
+    compute_api.start_server(ctx, location)
+    return request.empty(202)
+
+
+# --- instance actions ------------------------------------------------------------------------------
+
+
+@router.get("/servers/<server_id>/os-instance-actions")
+def list_instance_actions(server_id: str) -> Response:
+    view = request.view_context(router)
+    location = compute_api.locate(view.ctx, server_id)
+    policy.enforce(view.ctx, "os_compute_api:os-instance-actions:list", location.target)
+    actions = compute_api.list_instance_actions(location)
+    return request.json_response(200, {"instanceActions": [views.instance_action(view, a) for a in actions]})
+
+
+@router.get("/servers/<server_id>/os-instance-actions/<request_id>")
+def show_instance_action(server_id: str, request_id: str) -> Response:
+    view = request.view_context(router)
+    location = compute_api.locate(view.ctx, server_id)
+    policy.enforce(view.ctx, "os_compute_api:os-instance-actions:show", location.target)
+    action = compute_api.get_instance_action(location, request_id)
+    body = views.instance_action(view, action)
+    body["events"] = views.instance_action_events(view, action["events"], location.project_id)
+    return request.json_response(200, {"instanceAction": body})

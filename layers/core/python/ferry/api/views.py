@@ -1,0 +1,214 @@
+"""How servers, flavors and instance actions look in the compute API, per microversion."""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import ipaddress
+from collections.abc import Iterable
+from typing import Any
+
+from ferry import policy
+from ferry.api.request import ViewContext
+from ferry.compute.api import Server
+from ferry.store.api_models import Flavor
+
+
+def isotime(value: dt.datetime | None) -> str | None:
+    """``2024-05-01T12:00:00Z`` (what servers and faults show)."""
+    return value.strftime("%Y-%m-%dT%H:%M:%SZ") if value else None
+
+
+def isotime_micro(value: dt.datetime | None) -> str | None:
+    """``2024-05-01T12:00:00.000000`` (what launched_at and instance actions show)."""
+    return value.strftime("%Y-%m-%dT%H:%M:%S.%f") if value else None
+
+
+def links(view: ViewContext, collection: str, item_id: str) -> list[dict[str, str]]:
+    return [{"rel": "self", "href": f"{view.api_url}/{collection}/{item_id}"},
+            {"rel": "bookmark", "href": f"{view.base_url}/{collection}/{item_id}"}]
+
+
+def host_id(project_id: str, host: str | None) -> str:
+    """Nova's ``hostId``: an opaque per-project name of the host (empty without a host)."""
+    return hashlib.sha224((project_id + host).encode()).hexdigest() if host else ""
+
+
+# --- servers -----------------------------------------------------------------------------------
+
+
+def server_summary(view: ViewContext, server: Server) -> dict[str, Any]:
+    return {"id": server.uuid, "name": server.name, "links": links(view, "servers", server.uuid)}
+
+
+def _addresses(server: Server) -> dict[str, list[dict[str, Any]]]:
+    addresses: dict[str, list[dict[str, Any]]] = {}
+    for port in server.ports:
+        if not port.get("fixed_ip"):
+            continue
+        addresses.setdefault(port["network_name"], []).append({
+            "addr": port["fixed_ip"], "version": ipaddress.ip_address(port["fixed_ip"]).version,
+            "OS-EXT-IPS:type": "fixed", "OS-EXT-IPS-MAC:mac_addr": port["mac_address"]})
+    return addresses
+
+
+def _server_flavor(view: ViewContext, flavor: dict[str, Any]) -> dict[str, Any]:
+    if not view.at_least("2.47"):
+        flavor_id = str(flavor.get("flavorid", ""))
+        return {"id": flavor_id, "links": [{"rel": "bookmark", "href": f"{view.base_url}/flavors/{flavor_id}"}]}
+    shown: dict[str, Any] = {"vcpus": flavor.get("vcpus"), "ram": flavor.get("memory_mb"),
+                             "disk": flavor.get("root_gb"), "ephemeral": flavor.get("ephemeral_gb", 0),
+                             "swap": flavor.get("swap", 0), "original_name": flavor.get("name")}
+    if policy.check(view.ctx, "os_compute_api:os-flavor-extra-specs:index"):
+        shown["extra_specs"] = dict(flavor.get("extra_specs") or {})
+    return shown
+
+
+def _image(view: ViewContext, server: Server) -> dict[str, Any] | str:
+    if not server.image_ref:
+        return ""
+    return {"id": server.image_ref,
+            "links": [{"rel": "bookmark", "href": f"{view.base_url}/images/{server.image_ref}"}]}
+
+
+def _fault(view: ViewContext, server: Server) -> dict[str, Any] | None:
+    if server.fault is None or server.status not in ("ERROR", "DELETED"):
+        return None
+    fault = {"code": server.fault["code"], "message": server.fault["message"],
+             "created": isotime(server.fault["created"])}
+    if view.ctx.is_admin and server.fault.get("details"):
+        fault["details"] = server.fault["details"]
+    return fault
+
+
+def server_detail(view: ViewContext, server: Server) -> dict[str, Any]:
+    """The full server view (``GET /servers/{id}``, ``/servers/detail``)."""
+    body: dict[str, Any] = {
+        "id": server.uuid,
+        "name": server.name,
+        "status": server.status,
+        "tenant_id": server.project_id,
+        "user_id": server.user_id,
+        "created": isotime(server.created_at),
+        "updated": isotime(server.updated_at or server.created_at),
+        "hostId": host_id(server.project_id, server.host),
+        "image": _image(view, server),
+        "flavor": _server_flavor(view, server.flavor),
+        "addresses": _addresses(server),
+        "metadata": dict(server.metadata),
+        "links": links(view, "servers", server.uuid),
+        "accessIPv4": "",
+        "accessIPv6": "",
+        "key_name": server.key_name,
+        "config_drive": "",
+        "progress": 0,
+        "OS-DCF:diskConfig": "MANUAL",
+        "OS-EXT-AZ:availability_zone": server.availability_zone or "",
+        "OS-EXT-STS:vm_state": server.vm_state,
+        "OS-EXT-STS:task_state": server.task_state,
+        "OS-EXT-STS:power_state": server.power_state,
+        "OS-SRV-USG:launched_at": isotime_micro(server.launched_at),
+        "OS-SRV-USG:terminated_at": None,
+        "security_groups": [{"name": "default"}],
+        "os-extended-volumes:volumes_attached": [
+            {"id": v["id"], **({"delete_on_termination": v["delete_on_termination"]} if view.at_least("2.3") else {})}
+            for v in server.volumes],
+    }
+    fault = _fault(view, server)
+    if fault is not None:
+        body["fault"] = fault
+    if policy.check(view.ctx, "os_compute_api:os-extended-server-attributes", server.target):
+        body["OS-EXT-SRV-ATTR:host"] = server.host
+        body["OS-EXT-SRV-ATTR:hypervisor_hostname"] = server.node
+        body["OS-EXT-SRV-ATTR:instance_name"] = server.instance_name
+    if view.at_least("2.9"):
+        body["locked"] = server.locked
+    if view.at_least("2.19"):
+        body["description"] = None
+    if view.at_least("2.26"):
+        body["tags"] = list(server.tags)
+    if view.at_least("2.63"):
+        body["trusted_image_certificates"] = None
+    if view.at_least("2.71"):
+        body["server_groups"] = []
+    if view.at_least("2.73"):
+        body["locked_reason"] = None
+    if view.at_least("2.96"):
+        body["pinned_availability_zone"] = None
+    return body
+
+
+def servers_next_link(view: ViewContext, path: str, servers: list[Server], limit: int | None,
+                      max_limit: int) -> list[dict[str, str]]:
+    """``servers_links`` when the page is full (there may be more)."""
+    page_size = limit if limit is not None else max_limit
+    if not servers or len(servers) < page_size:
+        return []
+    return [{"rel": "next", "href": f"{view.api_url}/{path}?limit={page_size}&marker={servers[-1].uuid}"}]
+
+
+# --- flavors -----------------------------------------------------------------------------------
+
+
+def flavor_summary(view: ViewContext, flavor: Flavor) -> dict[str, Any]:
+    body: dict[str, Any] = {"id": flavor.flavorid, "name": flavor.name,
+                            "links": links(view, "flavors", flavor.flavorid)}
+    if view.at_least("2.55"):
+        body["description"] = flavor.description
+    return body
+
+
+def flavor_detail(view: ViewContext, flavor: Flavor) -> dict[str, Any]:
+    body = flavor_summary(view, flavor)
+    body.update({
+        "ram": flavor.memory_mb,
+        "vcpus": flavor.vcpus,
+        "disk": flavor.root_gb,
+        "OS-FLV-EXT-DATA:ephemeral": flavor.ephemeral_gb,
+        "swap": flavor.swap if flavor.swap or view.at_least("2.75") else "",
+        "rxtx_factor": flavor.rxtx_factor,
+        "os-flavor-access:is_public": flavor.is_public,
+        "OS-FLV-DISABLED:disabled": flavor.disabled,
+    })
+    if view.at_least("2.61") and policy.check(view.ctx, "os_compute_api:os-flavor-extra-specs:index"):
+        body["extra_specs"] = dict(flavor.specs)
+    return body
+
+
+# --- instance actions --------------------------------------------------------------------------
+
+
+def instance_action(view: ViewContext, action: dict[str, Any]) -> dict[str, Any]:
+    body = {
+        "action": action["action"],
+        "instance_uuid": action["instance_uuid"],
+        "request_id": action["request_id"],
+        "user_id": action["user_id"],
+        "project_id": action["project_id"],
+        "start_time": isotime_micro(action["start_time"]),
+        "message": action["message"],
+    }
+    if view.at_least("2.58"):
+        body["updated_at"] = isotime_micro(action["updated_at"] or action["finish_time"] or action["start_time"])
+    return body
+
+
+def instance_action_events(view: ViewContext, events: Iterable[dict[str, Any]], project_id: str) -> list[dict]:
+    """Events of an action; tracebacks and details only for callers the policy allows."""
+    show_traceback = policy.check(view.ctx, "os_compute_api:os-instance-actions:events", {"project_id": project_id})
+    show_details = policy.check(view.ctx, "os_compute_api:os-instance-actions:events:details",
+                                {"project_id": project_id})
+    shown = []
+    for event in events:
+        body: dict[str, Any] = {"event": event["event"], "start_time": isotime_micro(event["start_time"]),
+                                "finish_time": isotime_micro(event["finish_time"]), "result": event["result"]}
+        if show_traceback:
+            body["traceback"] = event["traceback"]
+        if view.at_least("2.62"):
+            body["hostId"] = host_id(project_id, event["host"])
+            if show_traceback:
+                body["host"] = event["host"] or ""
+        if view.at_least("2.84") and show_details:
+            body["details"] = event["details"]
+        shown.append(body)
+    return shown

@@ -1,0 +1,1055 @@
+"""The compute API's domain: accept, show, list, delete, stop and start servers.
+
+The HTTP layer (:mod:`ferry.api`) parses requests, enforces policy and renders; everything
+that reads or changes records is here, so workflows and later API parts reuse it.
+
+Where a server lives is decided by its instance mapping alone: a mapping without a cell
+means the server is still a build request in the API database; otherwise its visible,
+undeleted instance row in that cell is the server. Copies in other cells (hidden during a
+cross-cell move) are never shown.
+
+What :func:`create_server` writes, for the boot workflow:
+
+* ``InstanceMapping`` (cell NULL);
+* ``BuildRequest.instance``: instance column values (``display_name``, ``project_id``,
+  ``user_id``, ``image_ref`` — ``""`` when volume-backed —, ``flavor`` snapshot,
+  ``vm_state`` building, ``task_state`` scheduling, ``power_state`` 0,
+  ``availability_zone``, ``key_name``, ``metadata``, ``locked``);
+  ``block_device_mappings``: block device mapping column values (no ``instance_uuid``);
+  ``tags``: a list of strings;
+* ``RequestSpec.spec``: ``instance_uuid``, ``project_id``, ``user_id``, ``flavor``,
+  ``image`` ``{id}``, ``is_bfv``, ``ignore_hosts``, ``requested_destination``,
+  ``allowed_cells``, ``scheduler_hints`` (``same_host``/``different_host`` lists),
+  ``group``, ``availability_zone`` and ``requested_networks`` (``[{network_id, port_id,
+  preexisting}]``: ports the user brought are only detached when the server goes);
+* ports with a MAC and a fixed IP, and for a volume-backed server the root volume (its file
+  is created by the host) with a reserved attachment.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+import itertools
+import re
+import secrets
+import uuid as uuidlib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+from sqlalchemy import CursorResult, delete, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from ferry import config, errors, hosts, images, policy, protocol, workflows
+from ferry.auth import RequestContext
+from ferry.compute import actions, instances, states
+from ferry.observability import logger
+from ferry.store.api_models import (
+    BuildRequest,
+    CellMapping,
+    Flavor,
+    FlavorExtraSpec,
+    InstanceMapping,
+    Network,
+    Port,
+    PortBinding,
+    RequestSpec,
+    Volume,
+    VolumeAttachment,
+)
+from ferry.store.cell_models import (
+    BlockDeviceMapping,
+    Instance,
+    InstanceAction,
+    InstanceActionEvent,
+    InstanceFault,
+    Service,
+    Tag,
+)
+from ferry.store.db import api_session, cell_session
+
+SHARED_NETWORK_NAME = "shared"
+SHARED_NETWORK_CIDR = "10.0.0.0/16"
+# A fixed id makes creating the shared network on first use safe under concurrent boots.
+SHARED_NETWORK_ID = str(uuidlib.uuid5(uuidlib.NAMESPACE_URL, "urn:ferry:network:shared"))
+MAC_PREFIX = "fa:16:3e"
+MAX_LIST_LIMIT = 1000
+
+# task_states a delete may interrupt (any task_state is accepted when vm_state is error).
+DELETABLE_TASK_STATES: tuple[str | None, ...] = (None, states.DELETING, states.SCHEDULING, states.SPAWNING)
+
+NETWORKS_AUTO = "auto"
+NETWORKS_NONE = "none"
+
+
+# --- records ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where a server lives: its mapping's identity and cell (None while it is a build request)."""
+
+    instance_uuid: str
+    project_id: str
+    user_id: str | None
+    cell: CellMapping | None
+
+    @property
+    def target(self) -> dict[str, Any]:
+        """The policy target of the server."""
+        return {"project_id": self.project_id, "user_id": self.user_id}
+
+
+@dataclass
+class Server:
+    """A server as the API shows it, read from its cell or from its build request."""
+
+    uuid: str
+    name: str
+    project_id: str
+    user_id: str
+    image_ref: str | None
+    flavor: dict[str, Any]
+    vm_state: str
+    task_state: str | None
+    power_state: int
+    created_at: dt.datetime
+    updated_at: dt.datetime | None = None
+    host: str | None = None
+    node: str | None = None
+    instance_id: int | None = None
+    availability_zone: str | None = None
+    key_name: str | None = None
+    metadata: dict[str, str] = field(default_factory=dict)
+    locked: bool = False
+    launched_at: dt.datetime | None = None
+    tags: list[str] = field(default_factory=list)
+    fault: dict[str, Any] | None = None
+    ports: list[dict[str, Any]] = field(default_factory=list)
+    volumes: list[dict[str, Any]] = field(default_factory=list)
+    cell: str | None = None
+
+    @property
+    def status(self) -> str:
+        return states.api_status(self.vm_state, self.task_state)
+
+    @property
+    def target(self) -> dict[str, Any]:
+        return {"project_id": self.project_id, "user_id": self.user_id}
+
+    @property
+    def instance_name(self) -> str:
+        """The hypervisor-side name (Nova's ``instance-%08x``); empty before the server has a cell."""
+        return f"instance-{self.instance_id:08x}" if self.instance_id is not None else ""
+
+
+@dataclass
+class BootRequest:
+    """What a create-server request asks for, already checked against the API schema.
+
+    ``networks`` is ``"auto"``, ``"none"`` or a list of ``{"uuid": …}`` / ``{"port": …}``
+    (either optionally with ``fixed_ip``); ``block_device_mapping`` uses Nova's v2 keys.
+    """
+
+    name: str
+    flavor_ref: str
+    image_ref: str | None = None
+    networks: str | list[dict[str, Any]] = NETWORKS_AUTO
+    metadata: dict[str, str] = field(default_factory=dict)
+    key_name: str | None = None
+    availability_zone: str | None = None
+    block_device_mapping: list[dict[str, Any]] = field(default_factory=list)
+    tags: list[str] = field(default_factory=list)
+    scheduler_hints: dict[str, Any] = field(default_factory=dict)
+
+
+# --- small helpers -------------------------------------------------------------------------------
+
+
+def normalize_uuid(value: str) -> str | None:
+    """``value`` as a canonical uuid string, or None when it is not a uuid (a name, say)."""
+    try:
+        return str(uuidlib.UUID(value))
+    except (ValueError, AttributeError, TypeError):
+        return None
+
+
+def ref_id(ref: str) -> str:
+    """The id in a reference that may be an href (``…/flavors/<id>``) or a bare id."""
+    return ref.rstrip("/").rsplit("/", 1)[-1]
+
+
+def flavor_snapshot(flavor: Flavor) -> dict[str, Any]:
+    """The copy of a flavor an instance keeps (so deleting the flavor never strands it)."""
+    return {
+        "id": flavor.id,
+        "flavorid": flavor.flavorid,
+        "name": flavor.name,
+        "vcpus": flavor.vcpus,
+        "memory_mb": flavor.memory_mb,
+        "root_gb": flavor.root_gb,
+        "ephemeral_gb": flavor.ephemeral_gb,
+        "swap": flavor.swap,
+        "extra_specs": dict(flavor.specs),
+    }
+
+
+def execution_name(kind: str, instance_uuid: str, request_id: str | None = None) -> str:
+    """A Step Functions execution name for a workflow on an instance (at most 80 characters).
+
+    The ``req-`` prefix of the request id is dropped to stay within the limit.
+    """
+    if request_id is None:
+        return f"{kind}-{instance_uuid}"
+    return f"{kind}-{instance_uuid}-{request_id.removeprefix('req-')}"
+
+
+def _invalid_state(action: str, instance_uuid: str, attr: str, state: Any) -> errors.InstanceInvalidState:
+    return errors.InstanceInvalidState(f"Cannot '{action}' instance {instance_uuid} while it is in {attr} {state}")
+
+
+# --- request specs ---------------------------------------------------------------------------------
+
+
+def load_request_spec(session: Session, instance_uuid: str) -> dict[str, Any]:
+    """The request spec of an instance (a copy; change it and :func:`save_request_spec`).
+
+    Raises:
+        NotFound: the instance has no request spec.
+    """
+    row = session.scalars(select(RequestSpec).where(RequestSpec.instance_uuid == instance_uuid)).one_or_none()
+    if row is None:
+        raise errors.NotFound(f"Request spec for instance {instance_uuid} could not be found.")
+    return dict(row.spec)
+
+
+def save_request_spec(session: Session, instance_uuid: str, spec: Mapping[str, Any]) -> None:
+    """Store ``spec`` as the request spec of an instance (creating or replacing it)."""
+    row = session.scalars(select(RequestSpec).where(RequestSpec.instance_uuid == instance_uuid)).one_or_none()
+    if row is None:
+        session.add(RequestSpec(instance_uuid=instance_uuid, spec=dict(spec)))
+    else:
+        row.spec = dict(spec)
+    session.flush()
+
+
+# --- locating and reading servers ------------------------------------------------------------------
+
+
+def locate(ctx: RequestContext, server_id: str) -> Location:
+    """Find a server through its instance mapping.
+
+    Non-admin callers only find servers of their own project.
+
+    Raises:
+        InstanceNotFound: not a uuid, no such server, deleted, or another project's.
+    """
+    uuid = normalize_uuid(server_id)
+    if uuid is None:
+        raise errors.InstanceNotFound(f"Instance {server_id} could not be found.")
+    with api_session() as session:
+        mapping = session.scalars(select(InstanceMapping).where(InstanceMapping.instance_uuid == uuid)).one_or_none()
+        if (mapping is None or mapping.queued_for_delete
+                or (not ctx.is_admin and mapping.project_id != ctx.project_id)):
+            raise errors.InstanceNotFound(f"Instance {server_id} could not be found.")
+        return Location(instance_uuid=uuid, project_id=mapping.project_id, user_id=mapping.user_id,
+                        cell=mapping.cell)
+
+
+def _server_from_instance(instance: Instance, cell: str) -> Server:
+    return Server(
+        uuid=instance.uuid, name=instance.display_name, project_id=instance.project_id, user_id=instance.user_id,
+        image_ref=instance.image_ref, flavor=dict(instance.flavor or {}), vm_state=instance.vm_state,
+        task_state=instance.task_state, power_state=instance.power_state, created_at=instance.created_at,
+        updated_at=instance.updated_at, host=instance.host, node=instance.node, instance_id=instance.id,
+        availability_zone=instance.availability_zone, key_name=instance.key_name,
+        metadata=dict(instance.metadata_items or {}), locked=bool(instance.locked),
+        launched_at=instance.launched_at, cell=cell,
+    )
+
+
+def _server_from_build(build: BuildRequest) -> Server:
+    fields = build.instance
+    return Server(
+        uuid=build.instance_uuid, name=fields.get("display_name", ""), project_id=build.project_id,
+        user_id=fields.get("user_id", ""), image_ref=fields.get("image_ref"), flavor=dict(fields.get("flavor") or {}),
+        vm_state=fields.get("vm_state", states.BUILDING), task_state=fields.get("task_state", states.SCHEDULING),
+        power_state=fields.get("power_state", states.NOSTATE), created_at=build.created_at,
+        updated_at=build.updated_at, availability_zone=fields.get("availability_zone"),
+        key_name=fields.get("key_name"), metadata=dict(fields.get("metadata") or {}),
+        locked=bool(fields.get("locked")), tags=list(build.tags or []),
+        volumes=[{"id": b["volume_id"], "delete_on_termination": bool(b.get("delete_on_termination"))}
+                 for b in build.block_device_mappings or [] if b.get("destination_type") == "volume"],
+    )
+
+
+def _chunks(items: Sequence[str], size: int = 500) -> Iterable[Sequence[str]]:
+    for start in range(0, len(items), size):
+        yield items[start:start + size]
+
+
+def _add_details(servers: list[Server]) -> None:
+    """Fill in tags, faults, volumes (from each cell) and ports (from the API database)."""
+    by_cell: dict[str, list[Server]] = {}
+    for server in servers:
+        if server.cell is not None:
+            by_cell.setdefault(server.cell, []).append(server)
+    for cell, members in by_cell.items():
+        wanted = {s.uuid: s for s in members}
+        with cell_session(cell) as session:
+            for chunk in _chunks(list(wanted)):
+                for tag in session.scalars(select(Tag).where(Tag.instance_uuid.in_(chunk)).order_by(Tag.tag)):
+                    wanted[tag.instance_uuid].tags.append(tag.tag)
+                for bdm in session.scalars(select(BlockDeviceMapping).where(
+                        BlockDeviceMapping.instance_uuid.in_(chunk), BlockDeviceMapping.deleted.is_(False),
+                        BlockDeviceMapping.destination_type == "volume").order_by(BlockDeviceMapping.id)):
+                    wanted[bdm.instance_uuid].volumes.append(
+                        {"id": bdm.volume_id, "delete_on_termination": bool(bdm.delete_on_termination)})
+                errored = [u for u in chunk if wanted[u].vm_state == states.ERROR]
+                if errored:
+                    faults = session.scalars(select(InstanceFault).where(InstanceFault.instance_uuid.in_(errored))
+                                             .order_by(InstanceFault.created_at, InstanceFault.id))
+                    for fault in faults:  # ascending, so the newest fault wins
+                        wanted[fault.instance_uuid].fault = {
+                            "code": fault.code, "message": fault.message, "details": fault.details,
+                            "created": fault.created_at}
+    wanted_all = {s.uuid: s for s in servers}
+    with api_session() as session:
+        for chunk in _chunks(list(wanted_all)):
+            rows = session.execute(select(Port, Network.name).join(Network, Network.id == Port.network_id)
+                                   .where(Port.device_id.in_(chunk)).order_by(Port.created_at, Port.id))
+            for port, network_name in rows:
+                wanted_all[str(port.device_id)].ports.append(
+                    {"id": port.id, "network_id": port.network_id, "network_name": network_name,
+                     "fixed_ip": port.fixed_ip, "mac_address": port.mac_address})
+
+
+def _read(location: Location) -> Server | None:
+    """The server at ``location`` without details, or None when it is not there (any more)."""
+    if location.cell is None:
+        with api_session() as session:
+            build = session.scalars(select(BuildRequest).where(
+                BuildRequest.instance_uuid == location.instance_uuid)).one_or_none()
+            return _server_from_build(build) if build is not None else None
+    with cell_session(location.cell) as session:
+        try:
+            instance = instances.get(session, location.instance_uuid)
+        except errors.InstanceNotFound:
+            return None
+        return _server_from_instance(instance, location.cell.name)
+
+
+def get_server(ctx: RequestContext, server_id: str) -> Server:
+    """The server ``server_id`` as the caller may see it.
+
+    A server whose build request was just scheduled is looked up again through its mapping.
+
+    Raises:
+        InstanceNotFound: no such server, or another project's (for non-admins).
+    """
+    for _attempt in range(2):
+        location = locate(ctx, server_id)
+        server = _read(location)
+        if server is not None:
+            _add_details([server])
+            return server
+    raise errors.InstanceNotFound(f"Instance {server_id} could not be found.")
+
+
+def _parse_statuses(value: Any) -> set[str] | None:
+    if value in (None, "", []):
+        return None
+    values = [value] if isinstance(value, str) else list(value)
+    return {v.upper() for v in values}
+
+
+def list_servers(ctx: RequestContext, filters: Mapping[str, Any]) -> list[Server]:
+    """Servers the caller may see, newest first, filtered and paged like Nova.
+
+    ``filters``: ``name`` (a regular expression searched in the name), ``status`` (one or a
+    list), ``limit``, ``marker`` (the last id of the previous page), ``all_tenants`` (every
+    project; the caller must be allowed), ``project_id`` (with ``all_tenants``), ``host``
+    (admins only).
+
+    Raises:
+        BadRequest: an invalid name pattern, or a marker that is not in the list.
+    """
+    project: str | None = ctx.project_id
+    if filters.get("all_tenants"):
+        project = filters.get("project_id") or None
+    pattern = None
+    if filters.get("name"):
+        try:
+            pattern = re.compile(str(filters["name"]))
+        except re.error as exc:
+            raise errors.BadRequest(f"Invalid name filter {filters['name']!r}: {exc}.") from exc
+    statuses = _parse_statuses(filters.get("status"))
+    host = filters.get("host") if ctx.is_admin else None
+
+    with api_session() as session:
+        query = select(InstanceMapping).where(InstanceMapping.queued_for_delete.is_(False))
+        if project is not None:
+            query = query.where(InstanceMapping.project_id == project)
+        mappings = list(session.scalars(query))
+        unscheduled = [m.instance_uuid for m in mappings if m.cell is None]
+        servers = [_server_from_build(b) for chunk in _chunks(unscheduled)
+                   for b in session.scalars(select(BuildRequest).where(BuildRequest.instance_uuid.in_(chunk)))]
+    by_cell: dict[int, tuple[CellMapping, list[str]]] = {}
+    for mapping in mappings:
+        if mapping.cell is not None:
+            by_cell.setdefault(mapping.cell.id, (mapping.cell, []))[1].append(mapping.instance_uuid)
+    for cell, uuids in by_cell.values():
+        with cell_session(cell) as session:
+            for chunk in _chunks(uuids):
+                rows = session.scalars(select(Instance).where(
+                    Instance.uuid.in_(chunk), Instance.deleted.is_(False), Instance.hidden.is_(False)))
+                servers.extend(_server_from_instance(row, cell.name) for row in rows)
+
+    def wanted(server: Server) -> bool:
+        return ((pattern is None or pattern.search(server.name) is not None)
+                and (statuses is None or server.status in statuses)
+                and (host is None or server.host == host))
+
+    servers = sorted(filter(wanted, servers), key=lambda s: (s.created_at, s.uuid), reverse=True)
+    marker = filters.get("marker")
+    if marker:
+        index = next((i for i, s in enumerate(servers) if s.uuid == marker), None)
+        if index is None:
+            raise errors.BadRequest(f"marker [{marker}] not found")
+        servers = servers[index + 1:]
+    limit = filters.get("limit")
+    limit = MAX_LIST_LIMIT if limit is None else min(int(limit), MAX_LIST_LIMIT)
+    page = servers[:limit]
+    _add_details(page)
+    return page
+
+
+# --- creating servers ------------------------------------------------------------------------------
+
+
+def _bootable_flavor(session: Session, flavor_ref: str) -> Flavor:
+    flavor = session.scalars(select(Flavor).where(Flavor.flavorid == ref_id(flavor_ref))).one_or_none()
+    if flavor is None or flavor.disabled:
+        raise errors.BadRequest("Invalid flavorRef provided.")
+    return flavor
+
+
+def _bootable_image(image_id: str) -> dict[str, Any]:
+    try:
+        image = images.get_image(image_id)
+    except errors.ImageNotFound as exc:
+        raise errors.BadRequest("Can not find requested image") from exc
+    if image["status"] != images.ACTIVE:
+        raise errors.BadRequest(f"Image {image_id} is not active.")
+    return image
+
+
+def _root_device(request: BootRequest) -> dict[str, Any] | None:
+    """The volume-backed root the request asks for, normalised, or None for an image-backed server."""
+    bdms = request.block_device_mapping
+    if not bdms:
+        return None
+    if len(bdms) > 1:
+        raise errors.BadRequest("Only one block device mapping, the root volume, is supported.")
+    bdm = bdms[0]
+    source, destination = bdm.get("source_type"), bdm.get("destination_type", "volume")
+    if str(bdm.get("boot_index")) != "0":
+        raise errors.BadRequest("The block device mapping must be the root disk (boot_index 0).")
+    if destination != "volume" or source not in ("image", "volume") or not bdm.get("uuid"):
+        raise errors.BadRequest("Only a root volume created from an image (source_type image, destination_type "
+                                "volume) or an existing volume (source_type volume) is supported.")
+    if source == "image" and not bdm.get("volume_size"):
+        raise errors.BadRequest("volume_size is required to create a root volume from an image.")
+    device = bdm.get("device_name")
+    return {
+        "source_type": source,
+        "uuid": str(bdm["uuid"]),
+        "volume_size": int(bdm["volume_size"]) if bdm.get("volume_size") else None,
+        "delete_on_termination": bool(bdm.get("delete_on_termination", False)),
+        "device_name": device.removeprefix("/dev/") if device else None,
+    }
+
+
+def _check_image_fits(image: dict[str, Any], flavor: Flavor, root: dict[str, Any] | None) -> None:
+    if flavor.memory_mb < image["min_ram"]:
+        raise errors.BadRequest("Flavor's memory is too small for requested image.")
+    if root is not None:
+        if root["source_type"] == "image" and root["volume_size"] < image["min_disk"]:
+            raise errors.BadRequest("Volume is smaller than the minimum size specified in image metadata.")
+        return
+    if flavor.root_gb and flavor.root_gb < image["min_disk"]:
+        raise errors.BadRequest("Flavor's disk is too small for requested image.")
+
+
+def _new_mac(session: Session) -> str:
+    for _attempt in range(32):
+        mac = MAC_PREFIX + "".join(f":{b:02x}" for b in secrets.token_bytes(3))
+        if session.scalars(select(Port.id).where(Port.mac_address == mac)).first() is None:
+            return mac
+    raise errors.Conflict("Could not generate a unique MAC address.")
+
+
+def _allocate_ip(session: Session, network: Network, requested: str | None = None) -> str:
+    """A free fixed IP on ``network`` (the requested one if given); the first host address is the gateway."""
+    # Lock the network row so concurrent boots on PostgreSQL do not hand out the same address.
+    session.execute(select(Network.id).where(Network.id == network.id).with_for_update())
+    subnet = ipaddress.ip_network(network.cidr, strict=False)
+    used = set(session.scalars(select(Port.fixed_ip).where(Port.network_id == network.id,
+                                                            Port.fixed_ip.is_not(None))))
+    candidates = itertools.islice(subnet.hosts(), 1, None)
+    if requested is not None:
+        try:
+            address = ipaddress.ip_address(requested)
+        except ValueError as exc:
+            raise errors.BadRequest(f"Invalid fixed IP address {requested}.") from exc
+        if address not in subnet or address in (subnet.network_address, subnet.broadcast_address):
+            raise errors.BadRequest(f"Fixed IP {requested} is not a valid address on network {network.id}.")
+        if str(address) in used:
+            raise errors.Conflict(f"Fixed IP address {requested} is already in use on network {network.id}.")
+        return str(address)
+    for candidate in candidates:
+        if str(candidate) not in used:
+            return str(candidate)
+    raise errors.Conflict(f"No more IP addresses available on network {network.id}.")
+
+
+def _shared_network(session: Session) -> Network:
+    """The shared network ``auto`` attaches to, created on first use."""
+    network = session.scalars(select(Network).where(Network.name == SHARED_NETWORK_NAME, Network.shared.is_(True))
+                              .order_by(Network.created_at)).first()
+    if network is not None:
+        return network
+    try:
+        with session.begin_nested():
+            session.add(Network(id=SHARED_NETWORK_ID, name=SHARED_NETWORK_NAME, cidr=SHARED_NETWORK_CIDR,
+                                shared=True, project_id=None))
+    except IntegrityError:
+        pass  # another boot created it first
+    network = session.get(Network, SHARED_NETWORK_ID)
+    if network is None:
+        raise errors.Conflict("The shared network could not be created.")
+    return network
+
+
+def _network_for(session: Session, ctx: RequestContext, network_id: str) -> Network:
+    network = session.get(Network, network_id)
+    if network is None or not (network.shared or network.project_id == ctx.project_id or ctx.is_admin):
+        raise errors.BadRequest(f"Network {network_id} could not be found.")
+    return network
+
+
+def _allocate_ports(session: Session, ctx: RequestContext, instance_uuid: str,
+                    networks: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Create or claim the server's ports; returns the request spec's ``requested_networks``."""
+    if networks == NETWORKS_NONE:
+        return []
+    if isinstance(networks, str):  # "auto"
+        wanted: list[dict[str, Any]] = [{"uuid": _shared_network(session).id}]
+    else:
+        wanted = list(networks)
+    requested: list[dict[str, Any]] = []
+    for item in wanted:
+        if item.get("port"):
+            port = session.get(Port, item["port"])
+            if port is None or (port.project_id != ctx.project_id and not ctx.is_admin):
+                raise errors.BadRequest(f"Port id {item['port']} could not be found.")
+            if port.device_id is not None:
+                raise errors.Conflict(f"Port {port.id} is still in use.")
+            port.device_id = instance_uuid
+            requested.append({"network_id": port.network_id, "port_id": port.id, "preexisting": True})
+            continue
+        network = _network_for(session, ctx, item["uuid"])
+        port = Port(network_id=network.id, project_id=ctx.project_id, device_id=instance_uuid,
+                    mac_address=_new_mac(session), fixed_ip=_allocate_ip(session, network, item.get("fixed_ip")))
+        session.add(port)
+        session.flush()
+        requested.append({"network_id": network.id, "port_id": port.id, "preexisting": False})
+    return requested
+
+
+def _reserve_root_volume(session: Session, ctx: RequestContext, instance_uuid: str,
+                         root: dict[str, Any]) -> dict[str, Any]:
+    """Create (from an image) or reserve (existing) the root volume; returns its block device mapping."""
+    if root["source_type"] == "image":
+        volume_id = str(uuidlib.uuid4())
+        session.add(Volume(id=volume_id, name=f"{instance_uuid}-root", project_id=ctx.project_id,
+                           size_gb=root["volume_size"], status="reserved", image_id=root["uuid"],
+                           path=str(config.get().state_dir / "volumes" / volume_id)))
+        image_id: str | None = root["uuid"]
+    else:
+        volume = session.get(Volume, root["uuid"])
+        if volume is None or (volume.project_id != ctx.project_id and not ctx.is_admin):
+            raise errors.BadRequest(f"Volume {root['uuid']} could not be found.")
+        if volume.status != "available" or volume.attachments:
+            raise errors.BadRequest(f"Volume {volume.id} is not available (status {volume.status}).")
+        volume.status = "reserved"
+        volume_id, image_id = volume.id, None
+    session.flush()
+    attachment = VolumeAttachment(volume_id=volume_id, instance_uuid=instance_uuid, status="reserved")
+    session.add(attachment)
+    session.flush()
+    return {"uuid": str(uuidlib.uuid4()), "source_type": root["source_type"], "destination_type": "volume",
+            "boot_index": 0, "volume_id": volume_id, "image_id": image_id, "volume_size": root["volume_size"],
+            "device_name": root["device_name"], "delete_on_termination": root["delete_on_termination"],
+            "attachment_id": attachment.id}
+
+
+def _scheduler_hints(hints: Mapping[str, Any]) -> dict[str, list[str]]:
+    result: dict[str, list[str]] = {}
+    for key in ("same_host", "different_host"):
+        value = hints.get(key)
+        if value:
+            result[key] = [value] if isinstance(value, str) else [str(v) for v in value]
+    return result
+
+
+def create_server(ctx: RequestContext, request: BootRequest) -> str:
+    """Accept a new server and start its boot workflow; returns the server's id.
+
+    Nothing is written when a check fails. When the workflow cannot be started, what was
+    written is removed again and the error is raised.
+
+    Raises:
+        BadRequest: unknown or disabled flavor, unknown image, an unsupported block device
+            mapping, an unknown network, port or volume, or an image that does not fit.
+        Forbidden: an image-backed server on a zero-disk flavor without the policy for it.
+        Conflict: a port already in use, a fixed IP taken, a network out of addresses.
+    """
+    root = _root_device(request)
+    with api_session() as session:
+        flavor = _bootable_flavor(session, request.flavor_ref)
+        snapshot = flavor_snapshot(flavor)
+    image_id = ref_id(request.image_ref) if request.image_ref else None
+    if root is not None and root["source_type"] == "image":
+        image_id = root["uuid"]
+    elif root is not None:
+        image_id = None
+    if root is None and not image_id:
+        raise errors.BadRequest("Missing imageRef attribute")
+    if image_id:
+        _check_image_fits(_bootable_image(image_id), flavor, root)
+    if root is None and flavor.root_gb == 0:
+        policy.enforce(ctx, "os_compute_api:servers:create:zero_disk_flavor", {"project_id": ctx.project_id})
+
+    uuid = str(uuidlib.uuid4())
+    instance = {
+        "display_name": request.name, "project_id": ctx.project_id, "user_id": ctx.user_id,
+        "image_ref": image_id if root is None else "", "flavor": snapshot, "vm_state": states.BUILDING,
+        "task_state": states.SCHEDULING, "power_state": states.NOSTATE,
+        "availability_zone": request.availability_zone, "key_name": request.key_name,
+        "metadata": dict(request.metadata), "locked": False,
+    }
+    with api_session() as session:
+        session.add(InstanceMapping(instance_uuid=uuid, cell_id=None, project_id=ctx.project_id, user_id=ctx.user_id))
+        requested_networks = _allocate_ports(session, ctx, uuid, request.networks)
+        if root is None:
+            bdms = [{"uuid": str(uuidlib.uuid4()), "source_type": "image", "destination_type": "local",
+                     "boot_index": 0, "image_id": image_id, "delete_on_termination": True}]
+        else:
+            bdms = [_reserve_root_volume(session, ctx, uuid, root)]
+        session.add(BuildRequest(instance_uuid=uuid, project_id=ctx.project_id, instance=instance,
+                                 block_device_mappings=bdms, tags=list(dict.fromkeys(request.tags))))
+        save_request_spec(session, uuid, {
+            "instance_uuid": uuid, "project_id": ctx.project_id, "user_id": ctx.user_id, "flavor": snapshot,
+            "image": {"id": image_id}, "is_bfv": root is not None, "ignore_hosts": [],
+            "requested_destination": None, "allowed_cells": None,
+            "scheduler_hints": _scheduler_hints(request.scheduler_hints), "group": None,
+            "availability_zone": request.availability_zone, "requested_networks": requested_networks,
+        })
+    try:
+        workflows.start_execution(config.get().boot_state_machine_arn, execution_name("boot", uuid),
+                                  {"instance_uuid": uuid, "request_id": ctx.request_id})
+    except Exception:
+        logger.exception("boot workflow did not start; discarding the build request", extra={"instance_uuid": uuid})
+        _discard_build(uuid, forget=True)
+        raise
+    logger.info("server accepted", extra={"instance_uuid": uuid, "flavor": snapshot["flavorid"]})
+    return uuid
+
+
+# --- releasing what a server holds --------------------------------------------------------------------
+
+
+def release_ports(session: Session, instance_uuid: str, requested_networks: Iterable[Mapping[str, Any]] = ()) -> None:
+    """Delete the ports made for a server and detach the ones its owner brought (``preexisting``)."""
+    preexisting = {n["port_id"] for n in requested_networks if n.get("preexisting") and n.get("port_id")}
+    ports = list(session.scalars(select(Port).where(Port.device_id == instance_uuid)))
+    for port in ports:
+        if port.id in preexisting:
+            port.device_id, port.status = None, "DOWN"
+            session.execute(delete(PortBinding).where(PortBinding.port_id == port.id))
+        else:
+            session.delete(port)
+    session.flush()
+
+
+def _release_unbuilt_volumes(session: Session, instance_uuid: str, bdms: Iterable[Mapping[str, Any]]) -> None:
+    """Undo :func:`_reserve_root_volume` for a server that never reached a host."""
+    created = {b["volume_id"] for b in bdms if b.get("source_type") == "image" and b.get("volume_id")}
+    for attachment in session.scalars(select(VolumeAttachment).where(VolumeAttachment.instance_uuid == instance_uuid)):
+        volume = session.get(Volume, attachment.volume_id)
+        session.delete(attachment)
+        if volume is None:
+            continue
+        if volume.id in created:
+            session.delete(volume)  # never written to disk: the host creates it while spawning
+        else:
+            volume.status = "available"
+    session.flush()
+
+
+def _discard_build(instance_uuid: str, *, forget: bool) -> bool:
+    """Remove a server that is still a build request; False when it no longer is one.
+
+    ``forget`` also drops its mapping and request spec (the server was never accepted);
+    otherwise the mapping is queued for delete, as for any deleted server.
+    """
+    with api_session() as session:
+        build = session.scalars(select(BuildRequest).where(BuildRequest.instance_uuid == instance_uuid)
+                                ).one_or_none()
+        if build is None:
+            return False
+        bdms = list(build.block_device_mappings or [])
+        removed = cast("CursorResult[Any]", session.execute(
+            delete(BuildRequest).where(BuildRequest.instance_uuid == instance_uuid)))
+        if removed.rowcount != 1:
+            return False  # the boot workflow took it into a cell meanwhile
+        spec = session.scalars(select(RequestSpec).where(RequestSpec.instance_uuid == instance_uuid)).one_or_none()
+        release_ports(session, instance_uuid, (spec.spec.get("requested_networks") or []) if spec else [])
+        _release_unbuilt_volumes(session, instance_uuid, bdms)
+        mapping = session.scalars(select(InstanceMapping).where(InstanceMapping.instance_uuid == instance_uuid)
+                                  ).one_or_none()
+        if forget:
+            if spec is not None:
+                session.delete(spec)
+            if mapping is not None:
+                session.delete(mapping)
+        elif mapping is not None:
+            mapping.queued_for_delete = True
+    return True
+
+
+# --- delete, stop, start ---------------------------------------------------------------------------
+
+
+def _check_unlocked(ctx: RequestContext, instance: Instance) -> None:
+    if instance.locked and not ctx.is_admin:
+        raise errors.InstanceIsLocked(f"Instance {instance.uuid} is locked")
+
+
+def _host_is_up(session: Session, host: str) -> bool:
+    service = session.scalars(select(Service).where(Service.host == host)).one_or_none()
+    return service is not None and hosts.is_up(service)
+
+
+def _undo(cell: CellMapping, instance_uuid: str, request_id: str, undo: dict[str, Any] | None,
+          undo_from: str) -> None:
+    """Put back the task state an accepted request set, and forget its action."""
+    with cell_session(cell) as session:
+        if undo is not None:
+            try:
+                instances.update_cas(session, instance_uuid, undo, expected_task_state=(undo_from,))
+            except errors.UnexpectedTaskState:
+                logger.warning("state changed meanwhile; left as is", extra={"instance_uuid": instance_uuid})
+        action = session.scalars(select(InstanceAction).where(
+            InstanceAction.instance_uuid == instance_uuid, InstanceAction.request_id == request_id)).one_or_none()
+        if action is not None:
+            session.execute(delete(InstanceActionEvent).where(InstanceActionEvent.action_id == action.id))
+            session.delete(action)
+
+
+def _start_or_undo(state_machine_arn: str, name: str, payload: dict[str, Any], cell: CellMapping,
+                   undo: dict[str, Any] | None, undo_from: str) -> None:
+    """Start a workflow; if that fails, undo the accepted state change (:func:`_undo`) and raise."""
+    try:
+        workflows.start_execution(state_machine_arn, name, payload)
+    except Exception:
+        logger.exception("workflow did not start; undoing the state change",
+                         extra={"instance_uuid": payload["instance_uuid"]})
+        _undo(cell, payload["instance_uuid"], payload["request_id"], undo, undo_from)
+        raise
+
+
+def delete_server(ctx: RequestContext, location: Location) -> None:
+    """Delete a server.
+
+    A server still in build requests is removed at once (its ports and reserved volume
+    released, its mapping queued for delete). Otherwise the instance goes to task_state
+    ``deleting`` (compare-and-swap) and the delete workflow runs; a server on a host whose
+    service is down is deleted locally (records only), as Nova does.
+
+    Raises:
+        InstanceIsLocked: the server is locked and the caller is not an admin.
+        InstanceInvalidState: another operation is in progress.
+    """
+    uuid = location.instance_uuid
+    if location.cell is None:
+        if _discard_build(uuid, forget=False):
+            logger.info("unscheduled server deleted", extra={"instance_uuid": uuid})
+            return
+        location = locate(ctx, uuid)  # scheduled meanwhile: delete it from its cell
+        if location.cell is None:
+            return
+    cell = location.cell
+    payload: dict[str, Any] = {"instance_uuid": uuid, "request_id": ctx.request_id, "cell": cell.name}
+    with cell_session(cell) as session:
+        instance = instances.get(session, uuid)
+        _check_unlocked(ctx, instance)
+        previous, host = instance.task_state, instance.host
+        if host and not _host_is_up(session, host):
+            logger.warning("host is down; deleting locally", extra={"instance_uuid": uuid, "host": host})
+        elif host:
+            payload.update(host=host, queue_url=hosts.queue_url(host))
+        expected = {} if instance.vm_state == states.ERROR else {"expected_task_state": DELETABLE_TASK_STATES}
+        try:
+            instances.update_cas(session, uuid, {"task_state": states.DELETING}, **expected)
+        except errors.UnexpectedTaskState as exc:
+            current = instances.get(session, uuid)
+            raise _invalid_state("delete", uuid, "task_state", current.task_state) from exc
+        actions.start_action(session, instance_uuid=uuid, action=actions.DELETE, request_id=ctx.request_id,
+                             user_id=ctx.user_id, project_id=ctx.project_id)
+    _start_or_undo(config.get().delete_state_machine_arn, execution_name("delete", uuid, ctx.request_id), payload,
+                   cell, undo=None if previous == states.DELETING else {"task_state": previous},
+                   undo_from=states.DELETING)
+
+
+def _power(ctx: RequestContext, location: Location, action: str, operation: str, from_vm_state: str,
+           task_state: str) -> None:
+    uuid = location.instance_uuid
+    if location.cell is None:
+        raise _invalid_state(action, uuid, "vm_state", states.BUILDING)
+    cell = location.cell
+    with cell_session(cell) as session:
+        instance = instances.get(session, uuid)
+        _check_unlocked(ctx, instance)
+        host = instance.host
+        try:
+            instances.update_cas(session, uuid, {"task_state": task_state}, expected_task_state=(None,),
+                                 expected_vm_state=(from_vm_state,))
+        except errors.UnexpectedTaskState as exc:
+            current = instances.get(session, uuid)
+            if current.vm_state != from_vm_state:
+                raise _invalid_state(action, uuid, "vm_state", current.vm_state) from exc
+            raise _invalid_state(action, uuid, "task_state", current.task_state) from exc
+        # Looked up inside the transaction: if the host has no queue, nothing is changed.
+        queue_url = hosts.queue_url(host) if host else None
+        actions.start_action(session, instance_uuid=uuid, action=action, request_id=ctx.request_id,
+                             user_id=ctx.user_id, project_id=ctx.project_id)
+    payload = {"instance_uuid": uuid, "request_id": ctx.request_id, "cell": cell.name, "host": host,
+               "queue_url": queue_url, "operation": operation}
+    _start_or_undo(config.get().power_state_machine_arn, execution_name("power", uuid, ctx.request_id), payload,
+                   cell, undo={"task_state": None}, undo_from=task_state)
+
+
+def stop_server(ctx: RequestContext, location: Location) -> None:
+    """os-stop: an active server with no task goes to ``powering-off`` and the power workflow runs.
+
+    Raises:
+        InstanceIsLocked: locked, and the caller is not an admin.
+        InstanceInvalidState: not active, or another operation is in progress.
+    """
+    _power(ctx, location, actions.STOP, protocol.POWER_OFF, states.ACTIVE, states.POWERING_OFF)
+
+
+def start_server(ctx: RequestContext, location: Location) -> None:
+    """os-start: a stopped server with no task goes to ``powering-on`` and the power workflow runs.
+
+    Raises:
+        InstanceIsLocked: locked, and the caller is not an admin.
+        InstanceInvalidState: not stopped, or another operation is in progress.
+    """
+    _power(ctx, location, actions.START, protocol.POWER_ON, states.STOPPED, states.POWERING_ON)
+
+
+# --- instance actions ------------------------------------------------------------------------------
+
+
+def _action_dict(action: InstanceAction) -> dict[str, Any]:
+    return {"action": action.action, "instance_uuid": action.instance_uuid, "request_id": action.request_id,
+            "user_id": action.user_id, "project_id": action.project_id, "start_time": action.start_time,
+            "finish_time": action.finish_time, "message": action.message, "updated_at": action.updated_at}
+
+
+def list_instance_actions(location: Location) -> list[dict[str, Any]]:
+    """The actions recorded for a server, newest first (none while it is a build request)."""
+    if location.cell is None:
+        return []
+    with cell_session(location.cell) as session:
+        rows = session.scalars(select(InstanceAction).where(InstanceAction.instance_uuid == location.instance_uuid)
+                               .order_by(InstanceAction.start_time.desc(), InstanceAction.id.desc()))
+        return [_action_dict(row) for row in rows]
+
+
+def get_instance_action(location: Location, request_id: str) -> dict[str, Any]:
+    """One action of a server with its ``events`` (oldest first).
+
+    Raises:
+        NotFound: the server has no action with that request id.
+    """
+    missing = errors.NotFound(f"Action for request_id {request_id} on instance {location.instance_uuid} not found")
+    if location.cell is None:
+        raise missing
+    with cell_session(location.cell) as session:
+        action = session.scalars(select(InstanceAction).where(
+            InstanceAction.instance_uuid == location.instance_uuid, InstanceAction.request_id == request_id)
+        ).one_or_none()
+        if action is None:
+            raise missing
+        events = session.scalars(select(InstanceActionEvent).where(InstanceActionEvent.action_id == action.id)
+                                 .order_by(InstanceActionEvent.start_time, InstanceActionEvent.id))
+        result = _action_dict(action)
+        result["events"] = [{"event": e.event, "start_time": e.start_time, "finish_time": e.finish_time,
+                             "result": e.result, "traceback": e.traceback, "host": e.host, "details": e.details}
+                            for e in events]
+        return result
+
+
+# --- flavors ---------------------------------------------------------------------------------------
+
+
+def _flavor(session: Session, flavorid: str) -> Flavor:
+    flavor = session.scalars(select(Flavor).where(Flavor.flavorid == flavorid)).one_or_none()
+    if flavor is None:
+        raise errors.FlavorNotFound(f"Flavor {flavorid} could not be found.")
+    return flavor
+
+
+def get_flavor(flavorid: str) -> Flavor:
+    """The flavor with the public id ``flavorid`` (a name is not an id).
+
+    Raises:
+        FlavorNotFound: no such flavor.
+    """
+    with api_session() as session:
+        return _flavor(session, flavorid)
+
+
+def list_flavors(ctx: RequestContext, *, is_public: bool | None = True, min_disk: int | None = None,
+                 min_ram: int | None = None, limit: int | None = None, marker: str | None = None) -> list[Flavor]:
+    """Flavors sorted by id, as Nova lists them.
+
+    Non-admins see enabled public flavors whatever they ask; admins choose with
+    ``is_public`` (``None`` means public and private).
+
+    Raises:
+        BadRequest: the marker is not a flavor in the list.
+    """
+    query = select(Flavor).order_by(Flavor.flavorid)
+    if not ctx.is_admin:
+        query = query.where(Flavor.is_public.is_(True), Flavor.disabled.is_(False))
+    elif is_public is not None:
+        query = query.where(Flavor.is_public.is_(is_public))
+    if min_disk is not None:
+        query = query.where(Flavor.root_gb >= min_disk)
+    if min_ram is not None:
+        query = query.where(Flavor.memory_mb >= min_ram)
+    with api_session() as session:
+        flavors = list(session.scalars(query))
+    if marker:
+        index = next((i for i, f in enumerate(flavors) if f.flavorid == marker), None)
+        if index is None:
+            raise errors.BadRequest(f"marker [{marker}] not found")
+        flavors = flavors[index + 1:]
+    limit = MAX_LIST_LIMIT if limit is None else min(limit, MAX_LIST_LIMIT)
+    return flavors[:limit]
+
+
+def create_flavor(*, name: str, vcpus: int, memory_mb: int, root_gb: int, ephemeral_gb: int = 0, swap: int = 0,
+                  flavorid: str | None = None, rxtx_factor: float = 1.0, is_public: bool = True,
+                  description: str | None = None) -> Flavor:
+    """Create a flavor; without ``flavorid`` it gets a uuid.
+
+    Raises:
+        BadRequest: vcpus or memory below 1, or a negative size.
+        FlavorExists: the name or the id is taken.
+    """
+    if vcpus < 1 or memory_mb < 1:
+        raise errors.BadRequest("Flavor vcpus and ram must be at least 1.")
+    if min(root_gb, ephemeral_gb, swap) < 0 or rxtx_factor <= 0:
+        raise errors.BadRequest("Flavor disk, ephemeral and swap cannot be negative; rxtx_factor must be positive.")
+    flavorid = flavorid or str(uuidlib.uuid4())
+    with api_session() as session:
+        if session.scalars(select(Flavor.id).where(Flavor.name == name)).first() is not None:
+            raise errors.FlavorExists(f"Flavor with name {name} already exists.")
+        if session.scalars(select(Flavor.id).where(Flavor.flavorid == flavorid)).first() is not None:
+            raise errors.FlavorExists(f"Flavor with ID {flavorid} already exists.")
+        flavor = Flavor(flavorid=flavorid, name=name, vcpus=vcpus, memory_mb=memory_mb, root_gb=root_gb,
+                        ephemeral_gb=ephemeral_gb, swap=swap, rxtx_factor=rxtx_factor, is_public=is_public,
+                        disabled=False, description=description)
+        try:
+            with session.begin_nested():
+                session.add(flavor)
+        except IntegrityError as exc:
+            raise errors.FlavorExists(f"Flavor {name} ({flavorid}) already exists.") from exc
+        session.refresh(flavor)
+    logger.info("flavor created", extra={"flavorid": flavorid, "flavor_name": name})
+    return flavor
+
+
+def update_flavor_description(flavorid: str, description: str | None) -> Flavor:
+    """Change a flavor's description (the only field Nova lets change).
+
+    Raises:
+        FlavorNotFound: no such flavor.
+    """
+    with api_session() as session:
+        flavor = _flavor(session, flavorid)
+        flavor.description = description
+        session.flush()
+        session.refresh(flavor)
+        return flavor
+
+
+def delete_flavor(flavorid: str) -> None:
+    """Delete a flavor; servers keep their copy of it.
+
+    Raises:
+        FlavorNotFound: no such flavor.
+    """
+    with api_session() as session:
+        session.delete(_flavor(session, flavorid))
+    logger.info("flavor deleted", extra={"flavorid": flavorid})
+
+
+def get_extra_specs(flavorid: str) -> dict[str, str]:
+    """A flavor's extra specs.
+
+    Raises:
+        FlavorNotFound: no such flavor.
+    """
+    return dict(get_flavor(flavorid).specs)
+
+
+def set_extra_specs(flavorid: str, specs: Mapping[str, Any]) -> dict[str, str]:
+    """Add or replace extra specs (others are kept); returns the flavor's specs afterwards.
+
+    Raises:
+        FlavorNotFound: no such flavor.
+    """
+    with api_session() as session:
+        flavor = _flavor(session, flavorid)
+        existing = {spec.key: spec for spec in flavor.extra_specs}
+        for key, value in specs.items():
+            if key in existing:
+                existing[key].value = str(value)
+            else:
+                flavor.extra_specs.append(FlavorExtraSpec(key=key, value=str(value)))
+        session.flush()
+        return {spec.key: spec.value for spec in flavor.extra_specs}
+
+
+def delete_extra_spec(flavorid: str, key: str) -> None:
+    """Remove one extra spec.
+
+    Raises:
+        FlavorNotFound: no such flavor.
+        NotFound: the flavor has no such key.
+    """
+    with api_session() as session:
+        flavor = _flavor(session, flavorid)
+        spec = next((s for s in flavor.extra_specs if s.key == key), None)
+        if spec is None:
+            raise errors.NotFound(f"Flavor {flavorid} has no extra specs with key {key}.")
+        flavor.extra_specs.remove(spec)

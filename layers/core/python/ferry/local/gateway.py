@@ -1,0 +1,392 @@
+"""API Gateway (REST, Lambda proxy integration, Lambda authorizers) for the local stack.
+
+Requests are matched against the template's ``Api`` events (``{name}`` and ``{proxy+}``
+templates; literal paths beat parameters, parameters beat greedy ``{proxy+}``, a method beats
+``ANY``). A route with an authorizer first gets the authorizer's decision; then the route's
+function receives the REST proxy event (payload version 1.0) and its response is written back.
+Clients call the paths as the template declares them (``/v2.1/...``), as through a custom
+domain: there is no stage prefix.
+
+Authorizer decisions are not cached (the template's ``ReauthorizeEvery: 0``; other values are
+ignored locally). Answers follow API Gateway: an unknown route is 403 ``Missing Authentication
+Token``, a missing identity source or ``Unauthorized`` from the authorizer 401, a policy that
+does not allow the call 403, an authorizer or integration that fails 500 / 502.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import fnmatch
+import hashlib
+import json
+import logging
+import re
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+from ferry.local.runtime import FunctionRunner
+from ferry.local.template import Authorizer, LocalTemplate, Route
+
+log = logging.getLogger("ferry-local")
+
+_PARAMETER = re.compile(r"\{([^}/]+?)(\+?)\}")
+
+
+@dataclass(frozen=True)
+class _CompiledRoute:
+    route: Route
+    pattern: re.Pattern[str]
+    rank: tuple[int, int, int]
+
+
+def _compile(route: Route) -> _CompiledRoute:
+    regex, position, greedy = "", 0, 0
+    for match in _PARAMETER.finditer(route.path):
+        regex += re.escape(route.path[position : match.start()])
+        name, plus = match.group(1), match.group(2)
+        regex += f"(?P<{name}>.+)" if plus else f"(?P<{name}>[^/]+)"
+        greedy += bool(plus)
+        position = match.end()
+    regex += re.escape(route.path[position:])
+    literal_segments = sum(1 for part in route.path.split("/") if part and "{" not in part)
+    # Most specific first: no greedy parameter, more literal segments, a method rather than ANY.
+    rank = (greedy, -literal_segments, int(route.method == "ANY"))
+    return _CompiledRoute(route, re.compile(f"^{regex}$"), rank)
+
+
+@dataclass(frozen=True)
+class Response:
+    status: int
+    headers: list[tuple[str, str]]
+    body: bytes
+
+
+def _json_response(status: int, document: Any, headers: list[tuple[str, str]] | None = None) -> Response:
+    return Response(status, [("Content-Type", "application/json"), *(headers or [])], json.dumps(document).encode())
+
+
+class ApiGateway:
+    """The template's REST API on ``host:port``, calling handlers through ``runner``.
+
+    Args:
+        model: the resolved template (routes, authorizers, stage, region, account).
+        runner: runs the functions' handlers.
+        host, port: where to listen (port 0 picks a free one).
+        api: the logical id of the API to serve (default: the only one with routes).
+    """
+
+    def __init__(
+        self,
+        model: LocalTemplate,
+        runner: FunctionRunner,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 8774,
+        api: str | None = None,
+    ) -> None:
+        self.model = model
+        self.runner = runner
+        self.host = host
+        self.port = port
+        routes = [r for r in model.routes if api is None or r.api == api]
+        self.api = model.apis.get(api or (routes[0].api if routes and routes[0].api else ""))
+        self._routes = sorted((_compile(r) for r in routes), key=lambda c: c.rank)
+        self._server: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def stage(self) -> str:
+        return self.api.stage_name if self.api else self.model.stage
+
+    @property
+    def rest_api_id(self) -> str:
+        return self.api.rest_api_id if self.api else "local"
+
+    def start(self) -> ApiGateway:
+        """Listen and serve in a background thread.
+
+        Raises:
+            OSError: the port is taken.
+        """
+        gateway = self
+
+        class Handler(_RequestHandler):
+            pass
+
+        Handler.gateway = gateway
+        self._server = ThreadingHTTPServer((self.host, self.port), Handler)
+        self._server.daemon_threads = True
+        self.port = self._server.server_address[1]
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.1}, name="api-gateway", daemon=True
+        )
+        self._thread.start()
+        log.info("API gateway listening on %s", self.url)
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+
+    def __enter__(self) -> ApiGateway:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # request handling
+
+    def match(self, method: str, path: str) -> tuple[Route, dict[str, str]] | None:
+        """The route for ``method path`` and its path parameters, or None."""
+        for compiled in self._routes:
+            if compiled.route.method not in (method, "ANY"):
+                continue
+            found = compiled.pattern.match(path)
+            if found:
+                return compiled.route, {k: unquote(v) for k, v in found.groupdict().items()}
+        return None
+
+    def handle(
+        self, method: str, raw_path: str, headers: list[tuple[str, str]], body: bytes, source_ip: str
+    ) -> Response:
+        """Answer one HTTP request the way API Gateway would."""
+        split = urlsplit(raw_path)
+        path = split.path or "/"
+        matched = self.match(method, path)
+        if matched is None:
+            return _json_response(403, {"message": "Missing Authentication Token"})
+        route, path_parameters = matched
+        query = parse_qsl(split.query, keep_blank_values=True)
+        request_id = str(uuid.uuid4())
+        headers = self._forwarded(headers, source_ip)
+        event = self._proxy_event(route, method, path, headers, query, path_parameters, body, source_ip, request_id)
+        if route.authorizer is not None:
+            denied, context = self._authorize(route.authorizer, event)
+            if denied is not None:
+                return denied
+            event["requestContext"]["authorizer"] = context
+        invocation = self.runner.invoke(route.function, event, request_id=request_id)
+        if invocation.failed:
+            log.warning("%s %s: %s failed: %s", method, path, route.function, invocation.error)
+            return _json_response(502, {"message": "Internal server error"})
+        return self._integration_response(route, invocation.result, request_id)
+
+    def _forwarded(self, headers: list[tuple[str, str]], source_ip: str) -> list[tuple[str, str]]:
+        """The client's headers plus the X-Forwarded-* ones API Gateway adds (the API builds links from them)."""
+        added = {"x-forwarded-for", "x-forwarded-proto", "x-forwarded-port"}
+        forwarded_for = ", ".join([v for k, v in headers if k.lower() == "x-forwarded-for"] + [source_ip])
+        kept = [(k, v) for k, v in headers if k.lower() not in added]
+        return [
+            *kept,
+            ("X-Forwarded-For", forwarded_for),
+            ("X-Forwarded-Port", str(self.port)),
+            ("X-Forwarded-Proto", "http"),
+        ]
+
+    def _proxy_event(
+        self,
+        route: Route,
+        method: str,
+        path: str,
+        headers: list[tuple[str, str]],
+        query: list[tuple[str, str]],
+        path_parameters: dict[str, str],
+        body: bytes,
+        source_ip: str,
+        request_id: str,
+    ) -> dict[str, Any]:
+        single_headers: dict[str, str] = {}
+        multi_headers: dict[str, list[str]] = {}
+        for name, value in headers:
+            single_headers[name] = value
+            multi_headers.setdefault(name, []).append(value)
+        single_query: dict[str, str] = {}
+        multi_query: dict[str, list[str]] = {}
+        for name, value in query:
+            single_query[name] = value
+            multi_query.setdefault(name, []).append(value)
+        try:
+            text, is_base64 = (body.decode("utf-8"), False) if body else (None, False)
+        except UnicodeDecodeError:
+            text, is_base64 = base64.b64encode(body).decode(), True
+        now = dt.datetime.now(dt.UTC)
+        lower_headers = {k.lower(): v for k, v in single_headers.items()}
+        return {
+            "resource": route.path,
+            "path": path,
+            "httpMethod": method,
+            "headers": single_headers or None,
+            "multiValueHeaders": multi_headers or None,
+            "queryStringParameters": single_query or None,
+            "multiValueQueryStringParameters": multi_query or None,
+            "pathParameters": path_parameters or None,
+            "stageVariables": None,
+            "requestContext": {
+                "resourceId": _resource_id(route.path),
+                "resourcePath": route.path,
+                "httpMethod": method,
+                "extendedRequestId": request_id,
+                "requestTime": now.strftime("%d/%b/%Y:%H:%M:%S +0000"),
+                "requestTimeEpoch": int(now.timestamp() * 1000),
+                "path": path,
+                "accountId": self.model.account_id,
+                "protocol": "HTTP/1.1",
+                "stage": self.stage,
+                "domainPrefix": self.host,
+                "domainName": lower_headers.get("host", f"{self.host}:{self.port}"),
+                "requestId": request_id,
+                "apiId": self.rest_api_id,
+                "identity": {
+                    "sourceIp": source_ip,
+                    "userAgent": lower_headers.get("user-agent"),
+                    "accountId": None,
+                    "caller": None,
+                    "user": None,
+                    "userArn": None,
+                },
+            },
+            "body": text,
+            "isBase64Encoded": is_base64,
+        }
+
+    def _method_arn(self, method: str, path: str) -> str:
+        return (
+            f"arn:aws:execute-api:{self.model.region}:{self.model.account_id}:"
+            f"{self.rest_api_id}/{self.stage}/{method}/{path.lstrip('/')}"
+        )
+
+    def _authorize(self, authorizer: Authorizer, event: dict[str, Any]) -> tuple[Response | None, dict[str, Any]]:
+        """Run the authorizer: (None, context) to go on, or (the error response, {})."""
+        headers = {k.lower(): v for k, v in (event["headers"] or {}).items()}
+        query = event["queryStringParameters"] or {}
+        if any(not headers.get(h.lower()) for h in authorizer.identity_headers) or any(
+            not query.get(q) for q in authorizer.identity_query_strings
+        ):
+            return _json_response(401, {"message": "Unauthorized"}), {}
+        method_arn = self._method_arn(event["httpMethod"], event["path"])
+        if authorizer.payload_type == "REQUEST":
+            request = {
+                "type": "REQUEST",
+                "methodArn": method_arn,
+                **{k: v for k, v in event.items() if k not in ("body", "isBase64Encoded")},
+            }
+        else:
+            token_header = authorizer.identity_headers[0] if authorizer.identity_headers else "Authorization"
+            request = {
+                "type": "TOKEN",
+                "methodArn": method_arn,
+                "authorizationToken": headers.get(token_header.lower()),
+            }
+        invocation = self.runner.invoke(authorizer.function, request)
+        if invocation.failed:
+            assert invocation.error is not None
+            if invocation.error.get("errorMessage") == "Unauthorized":
+                return _json_response(401, {"message": "Unauthorized"}), {}
+            log.warning("authorizer %s failed: %s", authorizer.name, invocation.error)
+            return _json_response(500, {"message": None}), {}
+        policy = invocation.result if isinstance(invocation.result, dict) else {}
+        decision = _policy_decision(policy.get("policyDocument") or {}, method_arn)
+        if decision == "Deny":
+            return _json_response(
+                403, {"Message": "User is not authorized to access this resource with an explicit deny"}
+            ), {}
+        if decision != "Allow":
+            return _json_response(403, {"Message": "User is not authorized to access this resource"}), {}
+        context: dict[str, Any] = {}
+        for key, value in (policy.get("context") or {}).items():
+            if isinstance(value, (dict, list)):
+                log.warning("authorizer %s returned a non-scalar context value %s", authorizer.name, key)
+                return _json_response(500, {"message": None}), {}
+            context[key] = ("true" if value else "false") if isinstance(value, bool) else value
+        context["principalId"] = policy.get("principalId")
+        return None, context
+
+    def _integration_response(self, route: Route, result: Any, request_id: str) -> Response:
+        if not isinstance(result, dict) or not isinstance(result.get("statusCode", 200), int):
+            log.warning("%s returned a malformed proxy response: %r", route.function, result)
+            return _json_response(502, {"message": "Internal server error"})
+        headers: list[tuple[str, str]] = []
+        for name, values in (result.get("multiValueHeaders") or {}).items():
+            headers.extend((name, str(v)) for v in values)
+        multi_names = {name.lower() for name, _ in headers}
+        for name, value in (result.get("headers") or {}).items():
+            if name.lower() not in multi_names:
+                headers.append((name, str(value)))
+        body = result.get("body") or ""
+        raw = base64.b64decode(body) if result.get("isBase64Encoded") else str(body).encode()
+        if not any(name.lower() == "content-type" for name, _ in headers):
+            headers.append(("Content-Type", "application/json"))
+        headers.append(("x-amzn-RequestId", request_id))
+        return Response(int(result.get("statusCode", 200)), headers, raw)
+
+
+def _resource_id(path: str) -> str:
+    return hashlib.sha256(path.encode()).hexdigest()[:6]
+
+
+def _policy_decision(document: dict[str, Any], method_arn: str) -> str | None:
+    """'Deny' if a statement denies ``method_arn``, else 'Allow' if one allows it, else None."""
+    statements = document.get("Statement") or []
+    if isinstance(statements, dict):
+        statements = [statements]
+    allowed = False
+    for statement in statements:
+        actions = statement.get("Action") or []
+        resources = statement.get("Resource") or []
+        actions = [actions] if isinstance(actions, str) else actions
+        resources = [resources] if isinstance(resources, str) else resources
+        if not any(fnmatch.fnmatchcase("execute-api:Invoke", a) for a in actions):
+            continue
+        if not any(fnmatch.fnmatchcase(method_arn, r) for r in resources):
+            continue
+        if statement.get("Effect") == "Deny":
+            return "Deny"
+        allowed = allowed or statement.get("Effect") == "Allow"
+    return "Allow" if allowed else None
+
+
+class _RequestHandler(BaseHTTPRequestHandler):
+    gateway: ApiGateway
+    protocol_version = "HTTP/1.1"
+    server_version = "ferry-local-apigateway"
+
+    def _serve(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length) if length else b""
+        started = time.monotonic()
+        try:
+            response = self.gateway.handle(
+                self.command, self.path, list(self.headers.items()), body, self.client_address[0]
+            )
+        except Exception:
+            log.exception("%s %s failed in the gateway", self.command, self.path)
+            response = _json_response(500, {"message": "Internal server error"})
+        self.send_response(response.status)
+        for name, value in response.headers:
+            if name.lower() not in ("content-length", "connection", "transfer-encoding"):
+                self.send_header(name, value)
+        self.send_header("Content-Length", str(len(response.body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(response.body)
+        log.info("%s %s %d (%.0f ms)", self.command, self.path, response.status, (time.monotonic() - started) * 1000)
+
+    do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = do_HEAD = do_OPTIONS = _serve
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's signature
+        """Requests are logged once, by ``_serve``."""

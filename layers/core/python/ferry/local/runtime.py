@@ -1,0 +1,489 @@
+"""moto as the local AWS, with Lambda invocations running the functions' real handlers.
+
+:class:`LocalAws` starts a ``ThreadedMotoServer`` in this process, turns on moto's Step
+Functions executor and its Docker-less Lambda backend, and replaces that backend's ``invoke``
+(which only echoes the payload) with a call to the function's handler through a
+:class:`FunctionRunner`. State machines then run their ``Task`` states — a Lambda ARN as
+``Resource`` or ``arn:aws:states:::lambda:invoke`` — against Ferry's code, and a typed error
+(``Ferry.NoValidHost``) reaches ``Retry``/``Catch`` as the ``errorType`` it would have on AWS.
+
+Environment: every function sees the union of the template's function environments, set once
+in ``os.environ`` when the runtime starts (:meth:`LocalTemplate.environment` refuses two
+functions giving one variable different values). Setting variables per invocation would need
+a process-wide lock around every handler, which serialises the whole stack and deadlocks when
+one handler waits on another (a synchronous execution calling back into Lambda).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import boto3
+from botocore.config import Config
+
+from ferry import aws, config
+from ferry.errors import LocalStackError, TemplateError
+from ferry.local.template import Function, LocalTemplate
+
+log = logging.getLogger("ferry-local")
+
+FAKE_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_SESSION_TOKEN": "testing"}
+MOTO_CONFIG = {"stepfunctions": {"execute_state_machine": True}, "lambda": {"use_docker": False}}
+
+
+# --- running handlers ---------------------------------------------------------------------------
+
+
+class LambdaContext:
+    """What a Python handler receives as ``context`` on Lambda (the attributes Powertools reads)."""
+
+    def __init__(self, function: Function, request_id: str | None = None) -> None:
+        self.function_name = function.name
+        self.function_version = "$LATEST"
+        self.invoked_function_arn = function.arn
+        self.memory_limit_in_mb = function.memory_size
+        self.aws_request_id = request_id or str(uuid.uuid4())
+        self.log_group_name = f"/aws/lambda/{function.name}"
+        self.log_stream_name = f"{time.strftime('%Y/%m/%d')}/[$LATEST]{uuid.uuid4().hex}"
+        self.identity = None
+        self.client_context = None
+        self._deadline = time.monotonic() + function.timeout
+
+    def get_remaining_time_in_millis(self) -> int:
+        return max(0, int((self._deadline - time.monotonic()) * 1000))
+
+
+@dataclass(frozen=True)
+class Invocation:
+    """The outcome of one invocation: the handler's result, or Lambda's error document."""
+
+    function: str
+    request_id: str
+    result: Any = None
+    error: dict[str, Any] | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+    def payload(self) -> bytes:
+        """What Lambda's Invoke API returns as ``Payload``."""
+        return json.dumps(self.error if self.error is not None else self.result).encode()
+
+
+def error_document(exc: BaseException, request_id: str = "") -> dict[str, Any]:
+    """Lambda's document for an unhandled exception; ``errorType`` is the class name Catch matches on."""
+    tb = exc.__traceback__
+    # The first frame is the runner calling the handler, which Lambda's own runtime does not show.
+    tb = tb.tb_next if tb is not None and tb.tb_next is not None else tb
+    return {
+        "errorType": type(exc).__name__,
+        "errorMessage": str(exc),
+        "stackTrace": traceback.format_list(traceback.extract_tb(tb)),
+        "requestId": request_id,
+    }
+
+
+class FunctionRunner:
+    """Calls the template's functions' handlers in this process.
+
+    Each function's ``app.py`` is imported once, by file path, under a module name of its own
+    (every function has an ``app`` module), with its code folder first on ``sys.path`` while it
+    imports, as Lambda's task root would be.
+    """
+
+    def __init__(self, functions: Mapping[str, Function] | LocalTemplate) -> None:
+        if isinstance(functions, LocalTemplate):
+            functions = functions.functions
+        self._functions = dict(functions)
+        self._handlers: dict[str, Callable[[Any, Any], Any]] = {}
+        self._import_lock = threading.Lock()
+
+    def function(self, name_or_arn: str) -> Function | None:
+        """The function with this logical id, name or (possibly qualified) ARN."""
+        if name_or_arn in self._functions:
+            return self._functions[name_or_arn]
+        for function in self._functions.values():
+            if name_or_arn in (function.name, function.arn) or name_or_arn.startswith(function.arn + ":"):
+                return function
+        return None
+
+    def handler(self, function: Function) -> Callable[[Any, Any], Any]:
+        """The function's handler, imported on first use.
+
+        Raises:
+            TemplateError: the handler file or attribute does not exist.
+        """
+        with self._import_lock:
+            found = self._handlers.get(function.logical_id)
+            if found is None:
+                found = getattr(self._import(function), function.handler_attribute, None)
+                if not callable(found):
+                    raise TemplateError(f"{function.logical_id}: {function.module_path} has no {function.handler}.")
+                self._handlers[function.logical_id] = found
+            return found
+
+    @staticmethod
+    def _import(function: Function) -> ModuleType:
+        path = function.module_path
+        if not path.is_file():
+            raise TemplateError(f"{function.logical_id}: no handler file at {path}.")
+        module_name = f"ferry_local_functions.{function.logical_id}"
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        sys.path.insert(0, str(function.code_dir))
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            sys.modules.pop(module_name, None)
+            raise
+        finally:
+            sys.path.remove(str(function.code_dir))
+        return module
+
+    def invoke(self, name_or_arn: str, event: Any, *, request_id: str | None = None) -> Invocation:
+        """Run a function's handler on ``event``; an exception becomes Lambda's error document.
+
+        Raises:
+            TemplateError: no function has this name, or its handler cannot be found.
+        """
+        function = self.function(name_or_arn)
+        if function is None:
+            raise TemplateError(f"No function {name_or_arn} in the template.")
+        context = LambdaContext(function, request_id)
+        handler = self.handler(function)
+        request_id = context.aws_request_id
+        try:
+            result = handler(event, context)
+        except Exception as exc:
+            log.info("%s raised %s: %s", function.name, type(exc).__name__, exc)
+            return Invocation(function.name, request_id, error=error_document(exc, request_id))
+        try:
+            json.dumps(result)
+        except (TypeError, ValueError) as exc:
+            error = {"errorType": "Runtime.MarshalError", "errorMessage": f"Unable to marshal response: {exc}"}
+            return Invocation(function.name, request_id, error=error)
+        return Invocation(function.name, request_id, result=result)
+
+
+# --- moto's Lambda backend, running real handlers -----------------------------------------------
+
+_runner: FunctionRunner | None = None
+_original_invoke: Callable[..., Any] | None = None
+
+
+def _invoke_handler(
+    self: Any, function_name: str, qualifier: str | None, body: Any, headers: Any, response_headers: Any
+) -> bytes | None:
+    """``LambdaSimpleBackend.invoke``, running the function's handler when the template has it."""
+    runner = _runner
+    fn = self.get_function(function_name, qualifier)  # raises moto's ResourceNotFound like Lambda
+    function = runner.function(fn.function_name) if runner else None
+    if function is None:
+        assert _original_invoke is not None
+        return _original_invoke(self, function_name, qualifier, body, headers, response_headers)
+    if isinstance(body, bytes):
+        body = body.decode()
+    event = json.loads(body) if body else {}
+    invocation_type = (headers or {}).get("X-Amz-Invocation-Type", "RequestResponse")
+    if invocation_type == "DryRun":
+        return b""
+    if invocation_type == "Event":
+        threading.Thread(target=runner.invoke, args=(function.name, event), daemon=True).start()  # type: ignore[union-attr]
+        return b""
+    invocation = runner.invoke(function.name, event)  # type: ignore[union-attr]
+    if invocation.failed:
+        response_headers["x-amz-function-error"] = "Unhandled"
+    response_headers["x-amz-executed-version"] = "$LATEST"
+    payload = invocation.payload()
+    response_headers["Content-Length"] = str(len(payload))
+    return payload
+
+
+def install_lambda_patch(runner: FunctionRunner) -> None:
+    """Make moto's Docker-less Lambda run ``runner``'s handlers (process-wide until removed)."""
+    global _runner, _original_invoke
+    from moto.awslambda_simple.models import LambdaSimpleBackend
+
+    if _original_invoke is None:
+        _original_invoke = LambdaSimpleBackend.invoke
+        LambdaSimpleBackend.invoke = _invoke_handler  # type: ignore[method-assign]
+    _runner = runner
+
+
+def remove_lambda_patch() -> None:
+    """Give moto its own ``invoke`` back."""
+    global _runner, _original_invoke
+    from moto.awslambda_simple.models import LambdaSimpleBackend
+
+    if _original_invoke is not None:
+        LambdaSimpleBackend.invoke = _original_invoke  # type: ignore[method-assign]
+    _original_invoke = None
+    _runner = None
+
+
+# --- fixes to moto's Step Functions, each as small as it can be --------------------------------
+
+_moto_fixes: dict[tuple[Any, str], Any] = {}
+
+
+def _sfn_send_task_failure(self: Any) -> Any:
+    """SendTaskFailure keeping the ``cause`` (moto drops it; Ferry's faults are built from it)."""
+    from moto.core.responses import EmptyResult
+
+    self.stepfunction_backend.send_task_failure(
+        self._get_param("taskToken"), error=self._get_param("error"), cause=self._get_param("cause")
+    )
+    return EmptyResult()
+
+
+def _sfn_operation(service_action_name: str | None, task: Any) -> Any:
+    import botocore.session
+
+    action = task._get_boto_service_action(service_action_name)
+    model = botocore.session.get_session().get_service_model("stepfunctions")
+    name = next(op for op in model.operation_names if op.lower() == action.replace("_", ""))
+    return model.operation_model(name)
+
+
+def _sfn_task_parameters(original: Callable[..., None]) -> Callable[..., None]:
+    def normalise(
+        self: Any, parameters: dict, boto_service_name: str | None = None, service_action_name: str | None = None
+    ) -> None:
+        original(self, parameters, boto_service_name, service_action_name)
+        # moto's copy never maps the ASL's "StateMachineArn" onto boto's "stateMachineArn".
+        self._to_boto_request(parameters, _sfn_operation(service_action_name, self).input_shape)
+
+    return normalise
+
+
+def _sfn_task_response(
+    self: Any, response: Any, boto_service_name: str | None = None, service_action_name: str | None = None
+) -> None:
+    # ...nor boto's "executionArn"/"output" back onto the ASL's "ExecutionArn"/"Output".
+    self._from_boto_response(response, _sfn_operation(service_action_name, self).output_shape)
+
+
+def install_moto_fixes() -> None:
+    """Patch what Ferry's workflows need and moto 5.2 gets wrong (process-wide until removed).
+
+    * SendTaskFailure loses its ``cause``.
+    * ``arn:aws:states:::states:startExecution(.sync|.sync:2)`` tasks fail with a KeyError: the
+      Step Functions integration passes ASL-cased parameters to boto3 and reads boto-cased output.
+    """
+    from moto.stepfunctions.parser.asl.component.state.exec.state_task.service.state_task_service_sfn import (
+        StateTaskServiceSfn,
+    )
+    from moto.stepfunctions.responses import StepFunctionResponse
+
+    if _moto_fixes:
+        return
+    replacements = {
+        (StepFunctionResponse, "send_task_failure"): _sfn_send_task_failure,
+        (StateTaskServiceSfn, "_normalise_parameters"): _sfn_task_parameters(StateTaskServiceSfn._normalise_parameters),
+        (StateTaskServiceSfn, "_normalise_response"): _sfn_task_response,
+    }
+    for (owner, attribute), replacement in replacements.items():
+        _moto_fixes[(owner, attribute)] = owner.__dict__.get(attribute)
+        setattr(owner, attribute, replacement)
+
+
+def remove_moto_fixes() -> None:
+    """Undo :func:`install_moto_fixes`."""
+    for (owner, attribute), original in _moto_fixes.items():
+        if original is None:
+            delattr(owner, attribute)
+        else:
+            setattr(owner, attribute, original)
+    _moto_fixes.clear()
+
+
+# --- the server -----------------------------------------------------------------------------------
+
+
+_shared_session: boto3.session.Session | None = None
+_session_lock = threading.Lock()
+
+
+def _session() -> boto3.session.Session:
+    # One session for the process: botocore then parses each service's model once, not per client.
+    global _shared_session
+    if _shared_session is None:
+        _shared_session = boto3.session.Session()
+    return _shared_session
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _check_port(host: str, port: int) -> None:
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise LocalStackError(f"Port {host}:{port} is in use: {exc.strerror}.") from exc
+
+
+class LocalAws:
+    """moto on ``127.0.0.1:<port>`` in this process, running the template's handlers.
+
+    ``start()`` resets moto's state, so the runtime begins empty; :mod:`ferry.local.provision`
+    then creates the template's resources. Only one runtime per process: moto's backends and
+    configuration are process-wide.
+
+    Args:
+        model: the resolved template (its functions' handlers and environment).
+        port: the moto port; 0 picks a free one.
+        host: the address to listen on.
+        extra_environment: more variables for handlers (and anything else in this process).
+    """
+
+    def __init__(
+        self,
+        model: LocalTemplate,
+        *,
+        port: int = 4566,
+        host: str = "127.0.0.1",
+        extra_environment: Mapping[str, str] | None = None,
+    ) -> None:
+        self.model = model
+        self.host = host
+        self.port = port
+        self.runner = FunctionRunner(model)
+        self._extra = dict(extra_environment or {})
+        self._server: Any = None
+        self._clients: dict[tuple[str, str], Any] = {}
+        self._saved_environ: dict[str, str | None] = {}
+        self._saved_config: dict[str, Any] = {}
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def environment(self) -> dict[str, str]:
+        """The variables the runtime sets: AWS endpoint, fake credentials, region, functions' environment."""
+        return {
+            **self.model.environment(),
+            **self._extra,
+            **FAKE_CREDENTIALS,
+            "AWS_ENDPOINT_URL": self.endpoint_url,
+            "AWS_DEFAULT_REGION": self.model.region,
+            "AWS_REGION": self.model.region,
+            "MOTO_PORT": str(self.port),
+        }
+
+    def client(self, service: str) -> Any:
+        """A boto3 client for ``service`` on this runtime (independent of ``os.environ``; cached)."""
+        with _session_lock:
+            key = (service, self.endpoint_url)
+            found = self._clients.get(key)
+            if found is None:
+                found = _session().client(
+                    service,
+                    region_name=self.model.region,
+                    endpoint_url=self.endpoint_url,
+                    aws_access_key_id=FAKE_CREDENTIALS["AWS_ACCESS_KEY_ID"],
+                    aws_secret_access_key=FAKE_CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+                    config=Config(retries={"max_attempts": 3, "mode": "standard"}),
+                )
+                self._clients[key] = found
+            return found
+
+    def start(self) -> LocalAws:
+        """Start moto, configure it, install the Lambda patch and set the environment.
+
+        Raises:
+            LocalStackError: the port is taken.
+            TemplateError: the functions' environments conflict.
+        """
+        from moto.core.config import default_user_config
+        from moto.moto_api._internal.models import moto_api_backend
+        from moto.server import ThreadedMotoServer
+
+        self.model.environment()  # refuse conflicting function environments before starting anything
+        if self.port:
+            _check_port(self.host, self.port)
+        self._server = ThreadedMotoServer(ip_address=self.host, port=self.port, verbose=False)
+        self._server.start()
+        self.port = self._server.get_host_and_port()[1]
+        if self.model.endpoint_url != self.endpoint_url:
+            log.warning(
+                "the template was resolved for %s, moto listens on %s", self.model.endpoint_url, self.endpoint_url
+            )
+        self._saved_config = {key: default_user_config.get(key) for key in MOTO_CONFIG}  # type: ignore[misc]
+        moto_api_backend.reset()
+        moto_api_backend.set_config(copy.deepcopy(MOTO_CONFIG))
+        # The server's request log would print a line per AWS call.
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)
+        install_lambda_patch(self.runner)
+        install_moto_fixes()
+        values = self.environment()
+        self._saved_environ = {key: os.environ.get(key) for key in values}
+        os.environ.update(values)
+        config.reset()
+        aws.reset()
+        log.info("moto listening on %s", self.endpoint_url)
+        return self
+
+    def stop(self) -> None:
+        """Stop running executions, the server and the patch; restore the environment and moto's config."""
+        from moto.core.config import default_user_config
+
+        if self._server is None:
+            return
+        self._stop_executions()
+        remove_lambda_patch()
+        remove_moto_fixes()
+        self._server.stop()
+        self._server = None
+        for key, value in self._saved_config.items():
+            if value is not None:
+                default_user_config[key] = value  # type: ignore[literal-required]
+        for key, old in self._saved_environ.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
+        config.reset()
+        aws.reset()
+
+    def _stop_executions(self) -> None:
+        """Abort executions still running so their worker threads stop calling a closing server."""
+        try:
+            sfn = self.client("stepfunctions")
+            for machine in sfn.list_state_machines()["stateMachines"]:
+                pages = sfn.get_paginator("list_executions").paginate(
+                    stateMachineArn=machine["stateMachineArn"], statusFilter="RUNNING"
+                )
+                for page in pages:
+                    for execution in page["executions"]:
+                        sfn.stop_execution(executionArn=execution["executionArn"], cause="local stack stopping")
+        except Exception:  # noqa: BLE001 - best effort while shutting down
+            log.warning("could not stop running executions", exc_info=True)
+
+    def __enter__(self) -> LocalAws:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

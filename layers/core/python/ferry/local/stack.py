@@ -1,0 +1,521 @@
+"""The whole local stack in one object, and ``ferry-local`` (``make up``) to run it in the foreground.
+
+:class:`LocalStack` resolves ``template.yaml`` for the state directory, starts moto with the
+handlers patched in, creates the template's resources, seeds the default topology and data,
+serves the compute API, runs the SQS event sources and schedules, starts one host agent per
+simulated hypervisor and waits until every host has reported. ``stop()`` undoes all of it and
+leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import IO, Any, Literal
+
+from sqlalchemy import select
+
+from ferry import errors
+from ferry.local import seed as seeding
+from ferry.local.gateway import ApiGateway
+from ferry.local.pollers import Pollers
+from ferry.local.provision import provision
+from ferry.local.runtime import LocalAws, free_port
+from ferry.local.template import LocalTemplate, resolve
+
+log = logging.getLogger("ferry-local")
+
+DEFAULT_STATE_DIR = Path(".ferry/local")
+DEFAULT_MOTO_PORT = 4566
+DEFAULT_API_PORT = 8774
+# Template parameters the local stack sets (see template.yaml's Parameters).
+STATE_DIR_PARAMETER = "FerryStateDir"
+HOST_OP_TIMEOUT_PARAMETER = "HostOpTimeoutSeconds"
+HOST_OP_HEARTBEAT_PARAMETER = "HostOpHeartbeatSeconds"
+# The simulated hypervisors' size.
+AGENT_VCPUS = 8
+AGENT_MEMORY_MB = 16384
+AGENT_DISK_GB = 200
+AGENT_STOP_TIMEOUT = 15.0
+DEFAULT_KEEPALIVE_SECONDS = 30.0
+API_PATH = "/v2.1"
+IDENTITY_PATH = "/identity/v3"
+
+
+def default_template_path() -> Path:
+    """``template.yaml`` of the working directory, else of the checkout this package lives in."""
+    here = Path.cwd() / "template.yaml"
+    if here.is_file():
+        return here
+    return Path(__file__).resolve().parents[5] / "template.yaml"
+
+
+class _AgentProcess:
+    def __init__(self, host: str, command: list[str], env: Mapping[str, str], log_path: Path) -> None:
+        self.host = host
+        self._log: IO[bytes] = log_path.open("ab")
+        self.process = subprocess.Popen(
+            command,
+            env=dict(env),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # Ctrl-C in the terminal reaches the stack, which stops agents in order
+        )
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def signal_stop(self) -> None:
+        if self.alive():
+            self.process.terminate()
+
+    def wait(self, timeout: float) -> None:
+        try:
+            self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            log.warning("agent %s did not stop in %.0f s; killing it", self.host, timeout)
+            self.process.kill()
+            self.process.wait()
+        self._log.close()
+
+
+class _AgentThread:
+    def __init__(self, host: str, cell: str, state_dir: Path, instances_dir: Path, options: Mapping[str, Any]) -> None:
+        from ferry import config
+        from hostagent.agent import HostAgent, inventory_from_capacity
+        from hostagent.driver import HostCapacity, LibvirtDriver, write_test_node_xml
+
+        settings = config.get()
+        self.host = host
+        self.driver = LibvirtDriver(
+            write_test_node_xml(state_dir / "node.xml", AGENT_VCPUS, AGENT_MEMORY_MB), disk_path=instances_dir
+        )
+        self.agent = HostAgent(
+            host=host,
+            node=host,
+            cell=cell,
+            queue_url=None,
+            reports_queue_url=settings.host_reports_queue_url,
+            driver=self.driver,
+            instances_dir=instances_dir,
+            state_dir=state_dir,
+            inventory=inventory_from_capacity(HostCapacity(AGENT_VCPUS, AGENT_MEMORY_MB, AGENT_DISK_GB)),
+            queue_prefix=settings.host_queue_prefix,
+            **options,
+        )
+        self.thread = threading.Thread(target=self._run, name=f"agent-{host}", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.agent.run()
+        except Exception:
+            log.exception("agent %s stopped with an error", self.host)
+        finally:
+            self.driver.close()
+
+    def alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def signal_stop(self) -> None:
+        self.agent.stop()
+
+    def wait(self, timeout: float) -> None:
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            log.warning("agent %s did not stop in %.0f s", self.host, timeout)
+
+
+class LocalStack:
+    """Ferry on this machine: moto, the handlers, the compute API, pollers and host agents.
+
+    Args:
+        state_dir: databases, host agents' state and disks, logs, clouds.yaml.
+        hosts_per_cell, cells: the simulated topology (plus cell0).
+        moto_port, api_port: where moto and the compute API listen; 0 picks free ports.
+        agent_mode: ``"process"`` runs ``python -m hostagent`` per host, ``"thread"`` runs the
+            agents inside this process.
+        rate_scale: multiplies the template's schedule rates (None: ``FERRY_LOCAL_RATE_SCALE`` or 1).
+        host_op_timeout_seconds, host_op_heartbeat_seconds: shorter host operation limits.
+        parameters: more template parameter overrides.
+        template_path: the template (default :func:`default_template_path`).
+        stage: the deployment stage.
+        ready_timeout: how long to wait for every host's first heartbeat.
+        agent_heartbeat_interval: seconds between the agents' heartbeats.
+        redirect_logs: send handlers' and moto's logs to ``<state>/logs/stack.log``.
+    """
+
+    def __init__(
+        self,
+        state_dir: str | Path,
+        *,
+        hosts_per_cell: int = 2,
+        cells: int = 2,
+        moto_port: int = DEFAULT_MOTO_PORT,
+        api_port: int = DEFAULT_API_PORT,
+        agent_mode: Literal["process", "thread"] = "process",
+        rate_scale: float | None = None,
+        host_op_timeout_seconds: int | None = None,
+        host_op_heartbeat_seconds: int | None = None,
+        parameters: Mapping[str, Any] | None = None,
+        template_path: str | Path | None = None,
+        stage: str = "local",
+        ready_timeout: float = 120.0,
+        agent_heartbeat_interval: float = 10.0,
+        redirect_logs: bool = True,
+    ) -> None:
+        if agent_mode not in ("process", "thread"):
+            raise ValueError(f"agent_mode must be 'process' or 'thread', not {agent_mode!r}")
+        self.state_dir = Path(state_dir).resolve()
+        self.hosts_per_cell = hosts_per_cell
+        self.cells = cells
+        self.moto_port = moto_port
+        self.api_port = api_port
+        self.agent_mode = agent_mode
+        self.rate_scale = rate_scale
+        self.template_path = Path(template_path) if template_path else default_template_path()
+        self.stage = stage
+        self.ready_timeout = ready_timeout
+        self.agent_heartbeat_interval = agent_heartbeat_interval
+        self.redirect_logs = redirect_logs
+        self.parameters: dict[str, Any] = {STATE_DIR_PARAMETER: str(self.state_dir), **(parameters or {})}
+        if host_op_timeout_seconds is not None:
+            self.parameters[HOST_OP_TIMEOUT_PARAMETER] = host_op_timeout_seconds
+        if host_op_heartbeat_seconds is not None:
+            self.parameters[HOST_OP_HEARTBEAT_PARAMETER] = host_op_heartbeat_seconds
+        self.model: LocalTemplate | None = None
+        self.aws: LocalAws | None = None
+        self.gateway: ApiGateway | None = None
+        self.pollers: Pollers | None = None
+        self.seeded: seeding.SeedResult | None = None
+        self.agents: dict[str, _AgentProcess | _AgentThread] = {}
+        self._log_handler: logging.Handler | None = None
+        self._redirected: list[tuple[logging.StreamHandler, Any]] = []
+        self._propagate: dict[str, bool] = {}
+        self._captured_warnings = False
+
+    @property
+    def keepalive_interval(self) -> float:
+        """Seconds between an agent's task heartbeats: well inside the template's HeartbeatSeconds."""
+        assert self.model is not None
+        heartbeat = float(self.model.parameters.get(HOST_OP_HEARTBEAT_PARAMETER) or DEFAULT_KEEPALIVE_SECONDS * 2)
+        return max(1.0, min(DEFAULT_KEEPALIVE_SECONDS, heartbeat / 3))
+
+    # where things are
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.state_dir / "logs"
+
+    @property
+    def api_url(self) -> str:
+        return f"http://127.0.0.1:{self.api_port}{API_PATH}"
+
+    @property
+    def identity_url(self) -> str:
+        return f"http://127.0.0.1:{self.api_port}{IDENTITY_PATH}"
+
+    @property
+    def aws_endpoint_url(self) -> str:
+        return f"http://127.0.0.1:{self.moto_port}"
+
+    @property
+    def clouds_yaml(self) -> Path:
+        return self.state_dir / "clouds.yaml"
+
+    def host_state_dir(self, host: str) -> Path:
+        return self.state_dir / "hosts" / host
+
+    def instances_dir(self, host: str) -> Path:
+        return self.host_state_dir(host) / "instances"
+
+    def node_xml(self, host: str) -> Path:
+        """The test driver's node description the agent of ``host`` opens (see hostagent/__main__.py)."""
+        return self.host_state_dir(host) / "node.xml"
+
+    def libvirt_uri(self, host: str) -> str:
+        return f"test://{self.node_xml(host)}"
+
+    # lifecycle
+
+    def start(self) -> LocalStack:
+        """Bring the stack up; returns once every host has reported a heartbeat.
+
+        Raises:
+            LocalStackError: a port is taken or the hosts did not report in time (everything
+                started so far is stopped again).
+            TemplateError: the template cannot be played locally.
+        """
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.logs_dir.mkdir(exist_ok=True)
+        self._start_logging()
+        try:
+            self._start()
+        except BaseException:
+            log.exception("the local stack failed to start")
+            self.stop()
+            raise
+        return self
+
+    def _start(self) -> None:
+        self.moto_port = self.moto_port or free_port()
+        self.api_port = self.api_port or free_port()
+        self.model = resolve(
+            self.template_path, stage=self.stage, parameters=self.parameters, endpoint_url=self.aws_endpoint_url
+        )
+        self.aws = LocalAws(self.model, port=self.moto_port).start()
+        provision(self.model, self.aws.client)
+        self.seeded = seeding.seed(
+            self.state_dir,
+            api_url=self.api_url,
+            identity_url=self.identity_url,
+            cells=self.cells,
+            hosts_per_cell=self.hosts_per_cell,
+        )
+        self.gateway = ApiGateway(self.model, self.aws.runner, port=self.api_port).start()
+        self.pollers = Pollers(self.model, self.aws.runner, self.aws.client, rate_scale=self.rate_scale).start()
+        for host, cell in self.seeded.hosts.items():
+            self.agents[host] = self._start_agent(host, cell)
+        self.wait_for_hosts(self.ready_timeout)
+        log.info("local stack ready: compute API %s, AWS %s", self.api_url, self.aws_endpoint_url)
+
+    def _start_agent(self, host: str, cell: str) -> _AgentProcess | _AgentThread:
+        state_dir = self.host_state_dir(host)
+        instances_dir = self.instances_dir(host)
+        instances_dir.mkdir(parents=True, exist_ok=True)
+        if self.agent_mode == "thread":
+            return _AgentThread(
+                host,
+                cell,
+                state_dir,
+                instances_dir,
+                {
+                    "poll_wait_seconds": 1,
+                    "heartbeat_interval": self.agent_heartbeat_interval,
+                    "keepalive_interval": self.keepalive_interval,
+                },
+            )
+        command = [
+            sys.executable, "-m", "hostagent",
+            "--host", host, "--cell", cell,
+            "--state-dir", str(state_dir), "--instances-dir", str(instances_dir),
+            "--vcpus", str(AGENT_VCPUS), "--memory-mb", str(AGENT_MEMORY_MB), "--disk-gb", str(AGENT_DISK_GB),
+            "--poll-wait-seconds", "1", "--heartbeat-interval", str(self.agent_heartbeat_interval),
+            "--keepalive-interval", str(self.keepalive_interval),
+        ]  # fmt: skip
+        return _AgentProcess(host, command, os.environ, self.logs_dir / f"agent-{host}.log")
+
+    def reporting_hosts(self) -> set[str]:
+        """Hosts whose service record in their cell has a heartbeat."""
+        from ferry.store.cell_models import Service
+        from ferry.store.db import cell_session
+
+        assert self.seeded is not None
+        found: set[str] = set()
+        for cell in sorted(set(self.seeded.hosts.values())):
+            with cell_session(cell) as session:
+                found.update(session.scalars(select(Service.host).where(Service.last_seen_at.is_not(None))))
+        return found
+
+    def wait_for_hosts(self, timeout: float) -> None:
+        """Wait until every seeded host has reported.
+
+        Raises:
+            HostsNotReporting: some did not within ``timeout`` seconds, or their agent exited.
+        """
+        assert self.seeded is not None
+        expected = set(self.seeded.hosts)
+        deadline = time.monotonic() + timeout
+        while True:
+            missing = expected - self.reporting_hosts()
+            if not missing:
+                return
+            dead = sorted(h for h in missing if not self.agents[h].alive())
+            if dead:
+                raise errors.HostsNotReporting(f"Host agents exited: {', '.join(dead)} (see {self.logs_dir}).")
+            if time.monotonic() > deadline:
+                raise errors.HostsNotReporting(
+                    f"No heartbeat within {timeout:.0f} s from {', '.join(sorted(missing))} (see {self.logs_dir})."
+                )
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        """Stop agents (SIGTERM, then kill), pollers, the API and moto; restore the environment."""
+        for agent in self.agents.values():
+            agent.signal_stop()
+        for agent in self.agents.values():
+            agent.wait(AGENT_STOP_TIMEOUT)
+        self.agents.clear()
+        if self.pollers is not None:
+            self.pollers.stop()
+            self.pollers = None
+        if self.gateway is not None:
+            self.gateway.stop()
+            self.gateway = None
+        if self.aws is not None:
+            self.aws.stop()
+            self.aws = None
+        from ferry.store import db
+
+        db.dispose_all()
+        log.info("local stack stopped")
+        self._stop_logging()
+
+    def __enter__(self) -> LocalStack:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # logs
+
+    def _start_logging(self) -> None:
+        if self._log_handler is not None:
+            return
+        handler = logging.FileHandler(self.logs_dir / "stack.log")
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(threadName)s: %(message)s"))
+        self._log_handler = handler
+        local = logging.getLogger("ferry-local")
+        local.addHandler(handler)
+        local.setLevel(logging.INFO)
+        if not self.redirect_logs:
+            return
+        for name in ("moto", "py.warnings"):
+            quiet = logging.getLogger(name)
+            quiet.addHandler(handler)
+            self._propagate[name], quiet.propagate = quiet.propagate, False
+        # Powertools warns on every invocation without metrics; keep that out of the terminal.
+        self._captured_warnings = True
+        logging.captureWarnings(True)
+        # Handlers log through Powertools' "ferry" logger to the stdout it captured at import.
+        for existing in logging.getLogger("ferry").handlers:
+            if type(existing) is logging.StreamHandler:
+                self._redirected.append((existing, existing.setStream(handler.stream)))
+
+    def _stop_logging(self) -> None:
+        for stream_handler, stream in self._redirected:
+            stream_handler.setStream(stream)
+        self._redirected.clear()
+        if self._log_handler is None:
+            return
+        logging.getLogger("ferry-local").removeHandler(self._log_handler)
+        for name, propagate in self._propagate.items():
+            quiet = logging.getLogger(name)
+            quiet.removeHandler(self._log_handler)
+            quiet.propagate = propagate
+        self._propagate.clear()
+        if self._captured_warnings:
+            logging.captureWarnings(False)
+            self._captured_warnings = False
+        self._log_handler.close()
+        self._log_handler = None
+
+
+def _wipe(state_dir: Path) -> None:
+    if not state_dir.exists():
+        return
+    looks_like_stack = (state_dir / "seed.json").exists() or (state_dir / "logs").is_dir()
+    if any(state_dir.iterdir()) and not looks_like_stack:
+        raise errors.LocalStackError(f"{state_dir} does not look like a local stack's state; not wiping it.")
+    shutil.rmtree(state_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``ferry-local``: run the local stack in the foreground until Ctrl-C or SIGTERM."""
+    parser = argparse.ArgumentParser(prog="ferry-local", description="Run Ferry's local stack in the foreground.")
+    parser.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR, help="state directory (%(default)s)")
+    parser.add_argument("--cells", type=int, default=2, help="cells with hosts (%(default)s)")
+    parser.add_argument("--hosts-per-cell", type=int, default=2, help="hosts in each cell (%(default)s)")
+    parser.add_argument("--fresh", action="store_true", help="wipe the state directory first")
+    parser.add_argument("--moto-port", type=int, default=DEFAULT_MOTO_PORT, help="local AWS port (%(default)s)")
+    parser.add_argument("--api-port", type=int, default=DEFAULT_API_PORT, help="compute API port (%(default)s)")
+    parser.add_argument("--agent-mode", choices=("process", "thread"), default="process")
+    parser.add_argument("--template", type=Path, default=None, help="template.yaml (default: the checkout's)")
+    args = parser.parse_args(argv)
+
+    state_dir = args.state_dir.resolve()
+    try:
+        if args.fresh:
+            _wipe(state_dir)
+    except errors.LocalStackError as exc:
+        print(f"ferry-local: {exc.message}", file=sys.stderr)
+        return 2
+    stack = LocalStack(
+        state_dir,
+        cells=args.cells,
+        hosts_per_cell=args.hosts_per_cell,
+        moto_port=args.moto_port,
+        api_port=args.api_port,
+        agent_mode=args.agent_mode,
+        template_path=args.template,
+    )
+    terminal = sys.stdout
+    print(f"Starting Ferry's local stack in {state_dir} (logs in {stack.logs_dir}) ...", flush=True)
+
+    def _interrupt(signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    # While starting, SIGTERM interrupts like Ctrl-C: start() stops what it started and re-raises.
+    signal.signal(signal.SIGTERM, _interrupt)
+    stack.state_dir.mkdir(parents=True, exist_ok=True)
+    stack.logs_dir.mkdir(exist_ok=True)
+    # Handlers print their metrics (EMF) to stdout: send them to the stack log, keep the terminal for us.
+    log_stream = (stack.logs_dir / "stack.log").open("a")
+    sys.stdout = log_stream
+    try:
+        try:
+            stack.start()
+        except errors.FerryError as exc:
+            print(f"ferry-local: {exc.message}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            return 130
+        stopping = threading.Event()
+
+        def _request_stop(signum: int, _frame: Any) -> None:
+            stopping.set()
+
+        signal.signal(signal.SIGTERM, _request_stop)
+        signal.signal(signal.SIGINT, _request_stop)
+        print(
+            f"\nFerry is up.\n"
+            f"  compute API   {stack.api_url}\n"
+            f"  local AWS     {stack.aws_endpoint_url}\n"
+            f"  hosts         {', '.join(stack.agents)}\n\n"
+            f"  export OS_CLIENT_CONFIG_FILE={stack.clouds_yaml}\n"
+            f"  export OS_CLOUD=ferry-demo     # or ferry-admin, ferry-alt\n"
+            f"  openstack flavor list\n\n"
+            f"Ctrl-C stops the stack.",
+            file=terminal,
+            flush=True,
+        )
+        reported: set[str] = set()
+        while not stopping.wait(1):
+            dead = {host for host, agent in stack.agents.items() if not agent.alive()} - reported
+            if dead:
+                print(
+                    f"ferry-local: host agents exited: {', '.join(sorted(dead))}; see {stack.logs_dir}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                reported |= dead
+        print("Stopping ...", file=terminal, flush=True)
+        stack.stop()
+        return 0
+    finally:
+        sys.stdout = terminal
+        log_stream.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,666 @@
+"""Placement: resource providers, their inventories, and the allocations consumers hold on them.
+
+One resource provider stands for one compute node. Its ``generation`` changes on every
+inventory or allocation write, and every write is a compare-and-swap on the generation it
+read (``UPDATE ... WHERE generation = :seen`` with the row count checked), so two writers
+that both saw room for the last free slot cannot both take it: the second one's swap finds a
+newer generation, its transaction rolls back, and it starts again from a fresh read, where
+the slot is gone. Consumers (instances and migrations) carry a generation too, so a caller
+that read a consumer's allocations before writing can ask for the write to fail if they
+changed meanwhile.
+
+:func:`set_allocations` is the one write primitive (placement's ``POST /allocations``);
+:func:`claim`, :func:`claim_for_move`, :func:`move_allocations` and
+:func:`delete_allocations` are built on the same transaction.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar, cast
+
+from sqlalchemy import CursorResult, Delete, Update, delete, func, insert, select, update
+from sqlalchemy.exc import DBAPIError, IntegrityError
+from sqlalchemy.orm import Session
+
+from ferry import config, errors
+from ferry.observability import logger
+from ferry.store.api_models import Allocation, Consumer, Inventory, ResourceProvider
+from ferry.store.db import api_session
+
+VCPU = "VCPU"
+MEMORY_MB = "MEMORY_MB"
+DISK_GB = "DISK_GB"
+RESOURCE_CLASSES = (VCPU, MEMORY_MB, DISK_GB)
+
+_INVENTORY_FIELDS = ("total", "reserved", "min_unit", "max_unit", "step_size", "allocation_ratio")
+_INVENTORY_DEFAULTS = {"reserved": 0, "min_unit": 1, "max_unit": 2147483647, "step_size": 1}
+
+# PostgreSQL SQLSTATEs after which the whole transaction may simply be run again.
+_RETRYABLE_PGCODES = {"40001", "40P01"}  # serialization_failure, deadlock_detected
+
+T = TypeVar("T")
+Allocations = dict[str, dict[str, int]]
+
+
+class _GenerationConflict(Exception):
+    """Another writer changed a provider or consumer between our read and our write (internal)."""
+
+
+@dataclass(frozen=True)
+class Provider:
+    """A resource provider as stored: ``name`` is the compute node's name."""
+
+    uuid: str
+    name: str
+    host: str
+    cell_id: int | None
+    generation: int
+
+
+# --- capacity arithmetic ------------------------------------------------------------------------
+
+
+def capacity(total: int, reserved: int, allocation_ratio: float) -> float:
+    """How much of a resource class a provider can hand out: ``(total - reserved) * allocation_ratio``."""
+    return (total - reserved) * allocation_ratio
+
+
+def default_allocation_ratio(resource_class: str) -> float:
+    """The configured allocation ratio for ``resource_class`` (1.0 for classes without a setting)."""
+    settings = config.get()
+    return {
+        VCPU: settings.cpu_allocation_ratio,
+        MEMORY_MB: settings.ram_allocation_ratio,
+        DISK_GB: settings.disk_allocation_ratio,
+    }.get(resource_class, 1.0)
+
+
+def resources_from_flavor(flavor: Mapping[str, Any], is_bfv: bool) -> dict[str, int]:
+    """The resources a server of ``flavor`` consumes, as placement amounts.
+
+    DISK_GB is the root disk (nothing when the server boots from a volume) plus the ephemeral
+    disk plus swap (MB, rounded up to whole GB). Classes with a zero amount are left out.
+
+    Params:
+        flavor: a dict with ``vcpus``, ``memory_mb``, ``root_gb``, ``ephemeral_gb``, ``swap``.
+        is_bfv: whether the root disk is a volume (so not on the host).
+    """
+    disk_gb = (0 if is_bfv else int(flavor.get("root_gb") or 0)) + int(flavor.get("ephemeral_gb") or 0)
+    disk_gb += math.ceil(int(flavor.get("swap") or 0) / 1024)
+    amounts = {VCPU: int(flavor.get("vcpus") or 0), MEMORY_MB: int(flavor.get("memory_mb") or 0), DISK_GB: disk_gb}
+    return {rc: amount for rc, amount in amounts.items() if amount}
+
+
+# --- the retrying transaction -------------------------------------------------------------------
+
+
+def _is_retryable(exc: DBAPIError) -> bool:
+    return getattr(exc.orig, "pgcode", None) in _RETRYABLE_PGCODES
+
+
+def _in_transaction(work: Callable[[Session], T], what: str) -> T:
+    """Run ``work`` in one API database transaction, again from the start on a generation conflict.
+
+    Raises:
+        AllocationConflict: the conflicts outlasted ``placement_max_retries`` retries.
+    """
+    retries = config.get().placement_max_retries
+    for attempt in range(retries + 1):
+        try:
+            with api_session() as session:
+                return work(session)
+        except _GenerationConflict as exc:
+            reason = str(exc)
+        except DBAPIError as exc:
+            if not _is_retryable(exc):
+                raise
+            reason = type(exc.orig).__name__
+        logger.info("placement write conflicted, retrying",
+                    extra={"operation": what, "attempt": attempt + 1, "reason": reason})
+    logger.warning("placement write gave up after conflicts", extra={"operation": what, "retries": retries})
+    raise errors.AllocationConflict(
+        f"{what}: resource provider or consumer generations kept changing; gave up after {retries} retries.",
+        retries=retries,
+    )
+
+
+def _rowcount(session: Session, stmt: Update | Delete) -> int:
+    """Run a DML statement and return how many rows it matched."""
+    result = cast(CursorResult[Any], session.execute(stmt))
+    return result.rowcount
+
+
+def _bump_provider(session: Session, provider_id: int, seen: int, **values: Any) -> None:
+    stmt = (
+        update(ResourceProvider)
+        .where(ResourceProvider.id == provider_id, ResourceProvider.generation == seen)
+        .values(generation=seen + 1, **values)
+        .execution_options(synchronize_session=False)
+    )
+    if _rowcount(session, stmt) != 1:
+        raise _GenerationConflict(f"resource provider {provider_id} changed after generation {seen}")
+
+
+def _read_provider_generations(session: Session, provider_ids: set[int]) -> dict[int, int]:
+    """Generations of the given providers, read before anything the write depends on."""
+    if not provider_ids:
+        return {}
+    rows = session.execute(
+        select(ResourceProvider.id, ResourceProvider.generation).where(ResourceProvider.id.in_(provider_ids))
+    )
+    return {row.id: row.generation for row in rows}
+
+
+# --- inventories --------------------------------------------------------------------------------
+
+
+def _inventory_record(resource_class: str, spec: Mapping[str, Any]) -> dict[str, Any]:
+    """A complete inventory row for ``resource_class`` from a report (defaults filled in).
+
+    Raises:
+        BadRequest: a field is missing, not a number, or out of range.
+    """
+    if "total" not in spec:
+        raise errors.BadRequest(f"Inventory of {resource_class} has no total.")
+    record: dict[str, Any] = {}
+    for field in ("total", "reserved", "min_unit", "max_unit", "step_size"):
+        value = spec.get(field, _INVENTORY_DEFAULTS.get(field))
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise errors.BadRequest(f"Inventory field {field} of {resource_class} must be an integer.")
+        record[field] = value
+    ratio = spec.get("allocation_ratio")
+    record["allocation_ratio"] = float(default_allocation_ratio(resource_class) if ratio is None else ratio)
+    if record["total"] < 0 or record["reserved"] < 0:
+        raise errors.BadRequest(f"Inventory of {resource_class}: total and reserved must not be negative.")
+    if record["allocation_ratio"] <= 0:
+        raise errors.BadRequest(f"Inventory of {resource_class}: allocation_ratio must be positive.")
+    if not 1 <= record["min_unit"] <= record["max_unit"] or record["step_size"] < 1:
+        raise errors.BadRequest(
+            f"Inventory of {resource_class}: need 1 <= min_unit <= max_unit and step_size >= 1."
+        )
+    return record
+
+
+def ensure_provider(host: str, node: str, cell_id: int | None, inventories: Mapping[str, Mapping[str, Any]]) -> str:
+    """Create or update the resource provider of compute node ``node`` and replace its inventory.
+
+    The provider is named after the node and records its host and cell. Missing
+    ``allocation_ratio`` values come from the configured ``*_allocation_ratio``; resource classes
+    absent from ``inventories`` are removed. Nothing is written (and the generation stays) when
+    the provider already looks like this, so periodic reports do not disturb concurrent claims.
+
+    Params:
+        host: the compute host.
+        node: the compute node (the provider's unique name).
+        cell_id: the id of the host's cell mapping.
+        inventories: ``{resource_class: {"total", "reserved"?, "allocation_ratio"?, "min_unit"?,
+            "max_unit"?, "step_size"?}}``.
+
+    Returns:
+        The provider's uuid.
+
+    Raises:
+        BadRequest: an inventory field is invalid.
+        InventoryInUse: a class's new capacity would be below what its allocations already use.
+        AllocationConflict: the provider kept changing under the update.
+    """
+    wanted = {rc: _inventory_record(rc, spec) for rc, spec in inventories.items()}
+
+    def work(session: Session) -> str:
+        row = session.execute(
+            select(ResourceProvider.id, ResourceProvider.uuid, ResourceProvider.host, ResourceProvider.cell_id,
+                   ResourceProvider.generation).where(ResourceProvider.name == node)
+        ).one_or_none()
+        if row is None:
+            try:
+                provider_id, provider_uuid = session.execute(
+                    insert(ResourceProvider)
+                    .values(name=node, host=host, cell_id=cell_id, generation=0)
+                    .returning(ResourceProvider.id, ResourceProvider.uuid)
+                ).one()
+            except IntegrityError as exc:
+                raise _GenerationConflict(f"resource provider {node} was created concurrently") from exc
+            generation, current = 0, {}
+        else:
+            provider_id, provider_uuid, generation = row.id, row.uuid, row.generation
+            current = {
+                inv.resource_class: {field: getattr(inv, field) for field in _INVENTORY_FIELDS}
+                for inv in session.scalars(select(Inventory).where(Inventory.resource_provider_id == provider_id))
+            }
+            if current == wanted and row.host == host and row.cell_id == cell_id:
+                return provider_uuid
+
+        used = dict(
+            session.execute(
+                select(Allocation.resource_class, func.sum(Allocation.used))
+                .where(Allocation.resource_provider_id == provider_id)
+                .group_by(Allocation.resource_class)
+            ).all()
+        )
+        for rc, amount in used.items():
+            record = wanted.get(rc)
+            room = capacity(record["total"], record["reserved"], record["allocation_ratio"]) if record else 0
+            if amount > room:
+                raise errors.InventoryInUse(
+                    f"Resource provider {node}: {amount} {rc} are allocated, more than the new capacity {room:g}.",
+                    provider=provider_uuid, resource_class=rc, used=amount, capacity=room,
+                )
+
+        _bump_provider(session, provider_id, generation, host=host, cell_id=cell_id)
+        removed = set(current) - set(wanted)
+        if removed:
+            session.execute(
+                delete(Inventory).where(Inventory.resource_provider_id == provider_id,
+                                        Inventory.resource_class.in_(removed))
+            )
+        for rc, record in wanted.items():
+            if rc not in current:
+                session.execute(insert(Inventory).values(resource_provider_id=provider_id, resource_class=rc, **record))
+            elif current[rc] != record:
+                session.execute(
+                    update(Inventory)
+                    .where(Inventory.resource_provider_id == provider_id, Inventory.resource_class == rc)
+                    .values(**record)
+                )
+        return provider_uuid
+
+    provider_uuid = _in_transaction(work, f"update inventory of {node}")
+    logger.debug("resource provider ensured", extra={"host": host, "node": node, "provider": provider_uuid})
+    return provider_uuid
+
+
+# --- allocations --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Change:
+    consumer: str
+    project_id: str | None
+    user_id: str | None
+    allocations: Allocations
+    check_generation: bool
+    expected_generation: int | None
+
+
+_NOT_GIVEN = object()
+
+
+def _normalise_change(consumer: str, change: Mapping[str, Any]) -> _Change:
+    """Validate one consumer's entry of :func:`set_allocations` and drop zero amounts.
+
+    Raises:
+        BadRequest: amounts that are not non-negative integers, or a malformed entry.
+    """
+    raw = change.get("allocations")
+    if not isinstance(raw, Mapping):
+        raise errors.BadRequest(f"Consumer {consumer}: allocations must be an object.")
+    allocations: Allocations = {}
+    for rp_uuid, resources in raw.items():
+        if not isinstance(resources, Mapping):
+            raise errors.BadRequest(f"Consumer {consumer}: resources on {rp_uuid} must be an object.")
+        kept: dict[str, int] = {}
+        for rc, amount in resources.items():
+            if isinstance(amount, bool) or not isinstance(amount, int) or amount < 0:
+                raise errors.BadRequest(f"Consumer {consumer}: {rc} on {rp_uuid} must be a non-negative integer.")
+            if amount:
+                kept[rc] = amount
+        if kept:
+            allocations[rp_uuid] = kept
+    expected = change.get("consumer_generation", _NOT_GIVEN)
+    return _Change(
+        consumer=consumer,
+        project_id=change.get("project_id"),
+        user_id=change.get("user_id"),
+        allocations=allocations,
+        check_generation=expected is not _NOT_GIVEN,
+        expected_generation=None if expected is _NOT_GIVEN else expected,  # type: ignore[arg-type]
+    )
+
+
+def _write_allocations(session: Session, changes: list[_Change]) -> None:
+    """Replace the allocations of every consumer in ``changes`` inside ``session``'s transaction.
+
+    Raises:
+        _GenerationConflict: a provider or consumer changed after it was read (the caller retries).
+        InsufficientCapacity / ResourceProviderNotFound / AllocationConflict / BadRequest: see
+            :func:`set_allocations`.
+    """
+    names = sorted(c.consumer for c in changes)
+    consumers = {
+        row.uuid: row
+        for row in session.execute(
+            select(Consumer.uuid, Consumer.generation, Consumer.project_id, Consumer.user_id)
+            .where(Consumer.uuid.in_(names))
+        )
+    }
+    for change in changes:
+        row = consumers.get(change.consumer)
+        actual = row.generation if row is not None else None
+        if change.check_generation and actual != change.expected_generation:
+            # The caller decided on a state it read earlier; running again would not change that.
+            raise errors.AllocationConflict(
+                f"Consumer {change.consumer} has generation {actual}, not the expected "
+                f"{change.expected_generation}: its allocations changed meanwhile.",
+                consumer=change.consumer, expected=change.expected_generation, actual=actual,
+            )
+        if row is None and change.allocations and not (change.project_id and change.user_id):
+            raise errors.BadRequest(f"Consumer {change.consumer} is new: project_id and user_id are required.")
+
+    requested_uuids = {rp for c in changes for rp in c.allocations}
+    providers = {
+        row.uuid: row.id
+        for row in session.execute(
+            select(ResourceProvider.uuid, ResourceProvider.id).where(ResourceProvider.uuid.in_(requested_uuids))
+        )
+    }
+    missing = requested_uuids - set(providers)
+    if missing:
+        raise errors.ResourceProviderNotFound(f"Resource provider {sorted(missing)[0]} could not be found.")
+    released_ids = set(
+        session.scalars(
+            select(Allocation.resource_provider_id).where(Allocation.consumer_uuid.in_(names)).distinct()
+        )
+    )
+    requested_ids = set(providers.values())
+    # Generations first: whatever committed after this read fails the swap below.
+    generations = _read_provider_generations(session, requested_ids | released_ids)
+
+    _check_capacity(session, changes, providers, names)
+
+    for provider_id in sorted(generations):
+        _bump_provider(session, provider_id, generations[provider_id])
+    for change in sorted(changes, key=lambda c: c.consumer):
+        _write_consumer(session, change, consumers.get(change.consumer))
+
+    session.execute(delete(Allocation).where(Allocation.consumer_uuid.in_(names)))
+    rows = [
+        {"resource_provider_id": providers[rp_uuid], "consumer_uuid": change.consumer, "resource_class": rc,
+         "used": amount}
+        for change in changes
+        for rp_uuid, resources in change.allocations.items()
+        for rc, amount in resources.items()
+    ]
+    if rows:
+        session.execute(insert(Allocation), rows)
+
+
+def _check_capacity(session: Session, changes: list[_Change], providers: dict[str, int], names: list[str]) -> None:
+    """Raise InsufficientCapacity unless every requested amount fits its provider's inventory."""
+    requested: dict[tuple[int, str], int] = defaultdict(int)
+    for change in changes:
+        for rp_uuid, resources in change.allocations.items():
+            for rc, amount in resources.items():
+                requested[(providers[rp_uuid], rc)] += amount
+    if not requested:
+        return
+    provider_ids = {rp_id for rp_id, _ in requested}
+    inventories = {
+        (inv.resource_provider_id, inv.resource_class): inv
+        for inv in session.scalars(select(Inventory).where(Inventory.resource_provider_id.in_(provider_ids)))
+    }
+    used_by_others = {
+        (row.resource_provider_id, row.resource_class): row.used
+        for row in session.execute(
+            select(Allocation.resource_provider_id, Allocation.resource_class, func.sum(Allocation.used).label("used"))
+            .where(Allocation.resource_provider_id.in_(provider_ids), Allocation.consumer_uuid.not_in(names))
+            .group_by(Allocation.resource_provider_id, Allocation.resource_class)
+        )
+    }
+    uuid_of = {rp_id: rp_uuid for rp_uuid, rp_id in providers.items()}
+    for change in changes:
+        for rp_uuid, resources in change.allocations.items():
+            for rc, amount in resources.items():
+                inv = inventories.get((providers[rp_uuid], rc))
+                if inv is None:
+                    raise errors.InsufficientCapacity(
+                        f"Resource provider {rp_uuid} has no inventory of {rc}.", provider=rp_uuid, resource_class=rc
+                    )
+                if not inv.min_unit <= amount <= inv.max_unit or amount % inv.step_size:
+                    raise errors.InsufficientCapacity(
+                        f"{amount} {rc} on resource provider {rp_uuid} is outside min_unit {inv.min_unit}, "
+                        f"max_unit {inv.max_unit}, step_size {inv.step_size}.",
+                        provider=rp_uuid, resource_class=rc,
+                    )
+    for (rp_id, rc), amount in sorted(requested.items()):
+        inv = inventories[(rp_id, rc)]
+        room = capacity(inv.total, inv.reserved, inv.allocation_ratio)
+        used = used_by_others.get((rp_id, rc), 0)
+        if used + amount > room:
+            raise errors.InsufficientCapacity(
+                f"Resource provider {uuid_of[rp_id]} cannot fit {amount} {rc}: {used} of {room:g} in use.",
+                provider=uuid_of[rp_id], resource_class=rc, requested=amount, used=used, capacity=room,
+            )
+
+
+def _write_consumer(session: Session, change: _Change, row: Any) -> None:
+    """Create, bump or delete the consumer record of ``change`` with a compare-and-swap."""
+    if row is None:
+        if not change.allocations:
+            return
+        try:
+            session.execute(
+                insert(Consumer).values(uuid=change.consumer, project_id=change.project_id,
+                                        user_id=change.user_id, generation=1)
+            )
+        except IntegrityError as exc:
+            raise _GenerationConflict(f"consumer {change.consumer} was created concurrently") from exc
+        return
+    condition = (Consumer.uuid == change.consumer, Consumer.generation == row.generation)
+    stmt: Update | Delete
+    if change.allocations:
+        stmt = update(Consumer).where(*condition).values(
+            generation=row.generation + 1,
+            project_id=change.project_id or row.project_id,
+            user_id=change.user_id or row.user_id,
+        )
+    else:
+        stmt = delete(Consumer).where(*condition)
+    if _rowcount(session, stmt.execution_options(synchronize_session=False)) != 1:
+        raise _GenerationConflict(f"consumer {change.consumer} changed after generation {row.generation}")
+
+
+def set_allocations(changes: Mapping[str, Mapping[str, Any]]) -> None:
+    """Replace the allocations of every consumer named, all or nothing, in one transaction.
+
+    The capacity of each (provider, resource class) is checked against what other consumers
+    use: ``used_by_others + requested <= (total - reserved) * allocation_ratio``, and each
+    amount against the inventory's ``min_unit``, ``max_unit`` and ``step_size``. Every provider
+    that gains or loses allocations, and every consumer named, gets a new generation; a
+    consumer left without allocations is deleted. When a generation changed under the write,
+    the whole transaction runs again (up to ``placement_max_retries`` times).
+
+    Params:
+        changes: ``{consumer_uuid: {"project_id", "user_id", "allocations": {rp_uuid: {rc: n}},
+            "consumer_generation"?}}``. An empty ``allocations`` removes the consumer's
+            allocations. ``project_id``/``user_id`` are needed only for a new consumer. With
+            ``consumer_generation`` (an int, or None for "the consumer must not exist yet") the
+            write happens only if the consumer still has that generation.
+
+    Raises:
+        InsufficientCapacity: an amount does not fit (not retried).
+        AllocationConflict: generations kept changing, or a consumer's generation is not the one
+            given in ``consumer_generation``.
+        ResourceProviderNotFound: an allocation names an unknown provider.
+        BadRequest: malformed changes.
+    """
+    normalised = [_normalise_change(consumer, change) for consumer, change in changes.items()]
+    if not normalised:
+        return
+    _in_transaction(lambda session: _write_allocations(session, normalised), "set allocations")
+
+
+def claim(consumer_uuid: str, project_id: str, user_id: str, allocations: Mapping[str, Mapping[str, int]],
+          *, consumer_generation: Any = _NOT_GIVEN) -> None:
+    """Replace ``consumer_uuid``'s allocations with ``allocations`` (``{rp_uuid: {rc: n}}``).
+
+    Raises: as :func:`set_allocations`.
+    """
+    change: dict[str, Any] = {"project_id": project_id, "user_id": user_id, "allocations": allocations}
+    if consumer_generation is not _NOT_GIVEN:
+        change["consumer_generation"] = consumer_generation
+    set_allocations({consumer_uuid: change})
+
+
+def claim_for_move(instance_uuid: str, migration_uuid: str, project_id: str, user_id: str,
+                   allocations: Mapping[str, Mapping[str, int]]) -> None:
+    """Hand the instance's current allocations to its migration and claim ``allocations`` for it.
+
+    In one transaction: unless the migration already holds allocations (an earlier run of the
+    same move did this), the instance's current allocations become the migration's; then the
+    instance's allocations are replaced with ``allocations``. When both land on one provider
+    (a same-host resize) they must fit together.
+
+    Raises: as :func:`set_allocations`.
+    """
+    wanted = _normalise_change(instance_uuid, {"project_id": project_id, "user_id": user_id,
+                                               "allocations": allocations})
+
+    def work(session: Session) -> None:
+        changes = [wanted]
+        if not _allocations_of(session, migration_uuid):
+            held = _allocations_of(session, instance_uuid)
+            if held:
+                changes.append(_Change(migration_uuid, project_id, user_id, held, False, None))
+        _write_allocations(session, changes)
+
+    _in_transaction(work, f"claim for migration {migration_uuid}")
+
+
+def move_allocations(source_consumer: str, target_consumer: str) -> None:
+    """Give ``target_consumer`` exactly the allocations ``source_consumer`` holds; the source ends with none.
+
+    Atomic; a no-op when the source holds nothing (the move already happened), so it can run twice.
+
+    Raises: as :func:`set_allocations`.
+    """
+
+    def work(session: Session) -> None:
+        held = _allocations_of(session, source_consumer)
+        if not held:
+            return
+        owner = session.execute(
+            select(Consumer.project_id, Consumer.user_id).where(Consumer.uuid == source_consumer)
+        ).one()
+        _write_allocations(session, [
+            _Change(source_consumer, None, None, {}, False, None),
+            _Change(target_consumer, owner.project_id, owner.user_id, held, False, None),
+        ])
+
+    _in_transaction(work, f"move allocations {source_consumer} -> {target_consumer}")
+
+
+def delete_allocations(consumer_uuid: str) -> None:
+    """Remove every allocation of ``consumer_uuid`` and the consumer (a no-op when it has none)."""
+    set_allocations({consumer_uuid: {"allocations": {}}})
+
+
+# --- reads --------------------------------------------------------------------------------------
+
+
+def _allocations_of(session: Session, consumer_uuid: str) -> Allocations:
+    rows = session.execute(
+        select(ResourceProvider.uuid, Allocation.resource_class, Allocation.used)
+        .join(ResourceProvider, ResourceProvider.id == Allocation.resource_provider_id)
+        .where(Allocation.consumer_uuid == consumer_uuid)
+    )
+    held: Allocations = defaultdict(dict)
+    for rp_uuid, rc, used in rows:
+        held[rp_uuid][rc] = used
+    return dict(held)
+
+
+def get_allocations(consumer_uuid: str) -> Allocations:
+    """``{rp_uuid: {rc: amount}}`` held by ``consumer_uuid`` (empty when none)."""
+    with api_session() as session:
+        return _allocations_of(session, consumer_uuid)
+
+
+def consumer_generation(consumer_uuid: str) -> int | None:
+    """The consumer's generation, or None when it holds no allocations (for read-then-write callers)."""
+    with api_session() as session:
+        return session.scalars(select(Consumer.generation).where(Consumer.uuid == consumer_uuid)).one_or_none()
+
+
+def _provider_id(session: Session, rp_uuid: str) -> int:
+    provider_id = session.scalars(select(ResourceProvider.id).where(ResourceProvider.uuid == rp_uuid)).one_or_none()
+    if provider_id is None:
+        raise errors.ResourceProviderNotFound(f"Resource provider {rp_uuid} could not be found.")
+    return provider_id
+
+
+def usages(rp_uuid: str) -> dict[str, int]:
+    """``{rc: amount allocated}`` on the provider; classes nobody uses are left out.
+
+    Raises:
+        ResourceProviderNotFound: no such provider.
+    """
+    with api_session() as session:
+        provider_id = _provider_id(session, rp_uuid)
+        rows = session.execute(
+            select(Allocation.resource_class, func.sum(Allocation.used))
+            .where(Allocation.resource_provider_id == provider_id)
+            .group_by(Allocation.resource_class)
+        ).all()
+        return {rc: int(used) for rc, used in rows if used}
+
+
+def get_inventories(rp_uuid: str) -> dict[str, dict[str, Any]]:
+    """``{rc: {total, reserved, min_unit, max_unit, step_size, allocation_ratio}}`` of the provider.
+
+    Raises:
+        ResourceProviderNotFound: no such provider.
+    """
+    with api_session() as session:
+        provider_id = _provider_id(session, rp_uuid)
+        return {
+            inv.resource_class: {field: getattr(inv, field) for field in _INVENTORY_FIELDS}
+            for inv in session.scalars(select(Inventory).where(Inventory.resource_provider_id == provider_id))
+        }
+
+
+def _provider_where(*criteria: Any) -> Provider | None:
+    with api_session() as session:
+        row = session.scalars(select(ResourceProvider).where(*criteria).order_by(ResourceProvider.id)).first()
+        if row is None:
+            return None
+        return Provider(uuid=row.uuid, name=row.name, host=row.host, cell_id=row.cell_id, generation=row.generation)
+
+
+def get_provider(rp_uuid: str) -> Provider:
+    """The provider with uuid ``rp_uuid``.
+
+    Raises:
+        ResourceProviderNotFound: no such provider.
+    """
+    provider = _provider_where(ResourceProvider.uuid == rp_uuid)
+    if provider is None:
+        raise errors.ResourceProviderNotFound(f"Resource provider {rp_uuid} could not be found.")
+    return provider
+
+
+def provider_by_host(host: str) -> str:
+    """The uuid of ``host``'s resource provider (its first node's; libvirt hosts have one node).
+
+    Raises:
+        ResourceProviderNotFound: the host has no provider.
+    """
+    provider = _provider_where(ResourceProvider.host == host)
+    if provider is None:
+        raise errors.ResourceProviderNotFound(f"Host {host} has no resource provider.")
+    return provider.uuid
+
+
+def provider_by_node(node: str) -> str:
+    """The uuid of compute node ``node``'s resource provider.
+
+    Raises:
+        ResourceProviderNotFound: the node has no provider.
+    """
+    provider = _provider_where(ResourceProvider.name == node)
+    if provider is None:
+        raise errors.ResourceProviderNotFound(f"Compute node {node} has no resource provider.")
+    return provider.uuid

@@ -1,0 +1,145 @@
+"""Who may do what: Nova's policy rule names with a deliberately tiny rule language.
+
+A rule is one of four words:
+
+``admin``
+    callers with the ``admin`` role.
+``admin_or_owner``
+    admins, and callers whose project owns the target (``target["project_id"]``).
+``member`` (or ``@``)
+    any authenticated caller.
+``!``
+    nobody.
+
+Operators override rules with a YAML (or JSON) mapping of rule name to rule in the file
+named by ``FERRY_POLICY_FILE``, e.g. ``{"compute:servers:resize:cross_cell": "admin"}``.
+Rules not in the file keep their defaults. The file is re-read when it changes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import yaml
+
+from ferry import config, errors
+from ferry.auth import RequestContext
+from ferry.observability import logger
+
+ADMIN = "admin"
+ADMIN_OR_OWNER = "admin_or_owner"
+MEMBER = "member"
+ANYONE = "@"
+NOBODY = "!"
+RULE_WORDS = frozenset({ADMIN, ADMIN_OR_OWNER, MEMBER, ANYONE, NOBODY})
+
+DEFAULT_RULES: dict[str, str] = {
+    # servers
+    "os_compute_api:servers:index": MEMBER,
+    "os_compute_api:servers:detail": MEMBER,
+    "os_compute_api:servers:index:get_all_tenants": ADMIN,
+    "os_compute_api:servers:detail:get_all_tenants": ADMIN,
+    "os_compute_api:servers:show": ADMIN_OR_OWNER,
+    "os_compute_api:servers:create": MEMBER,
+    "os_compute_api:servers:create:zero_disk_flavor": ADMIN,
+    "os_compute_api:servers:delete": ADMIN_OR_OWNER,
+    "os_compute_api:servers:start": ADMIN_OR_OWNER,
+    "os_compute_api:servers:stop": ADMIN_OR_OWNER,
+    "os_compute_api:os-extended-server-attributes": ADMIN,
+    "os_compute_api:os-instance-actions:list": ADMIN_OR_OWNER,
+    "os_compute_api:os-instance-actions:show": ADMIN_OR_OWNER,
+    "os_compute_api:os-instance-actions:events": ADMIN,
+    "os_compute_api:os-instance-actions:events:details": ADMIN,
+    # flavors
+    "os_compute_api:os-flavor-manage:create": ADMIN,
+    "os_compute_api:os-flavor-manage:update": ADMIN,
+    "os_compute_api:os-flavor-manage:delete": ADMIN,
+    "os_compute_api:os-flavor-extra-specs:index": MEMBER,
+    "os_compute_api:os-flavor-extra-specs:show": MEMBER,
+    "os_compute_api:os-flavor-extra-specs:create": ADMIN,
+    "os_compute_api:os-flavor-extra-specs:update": ADMIN,
+    "os_compute_api:os-flavor-extra-specs:delete": ADMIN,
+    # moves
+    "os_compute_api:servers:resize": ADMIN_OR_OWNER,
+    "os_compute_api:servers:confirm_resize": ADMIN_OR_OWNER,
+    "os_compute_api:servers:revert_resize": ADMIN_OR_OWNER,
+    "os_compute_api:os-migrate-server:migrate": ADMIN,
+    "os_compute_api:os-migrate-server:migrate:host": ADMIN,
+    "os_compute_api:os-migrations:index": ADMIN,
+    "compute:servers:resize:cross_cell": NOBODY,
+}
+
+_loaded: dict[str, Any] = {"key": None, "rules": dict(DEFAULT_RULES)}
+
+
+def _check_rules(rules: Mapping[str, Any], source: str) -> dict[str, str]:
+    checked: dict[str, str] = {}
+    for name, rule in rules.items():
+        if not isinstance(rule, str) or rule.strip() not in RULE_WORDS:
+            raise errors.InvalidPolicy(f"Policy rule {name} in {source} is {rule!r}; "
+                                       f"use one of {', '.join(sorted(RULE_WORDS))}.")
+        checked[str(name)] = rule.strip()
+    return checked
+
+
+def rules() -> dict[str, str]:
+    """The effective rules: defaults overridden by the configured policy file.
+
+    Raises:
+        InvalidPolicy: the file is missing, not a mapping, or uses an unknown rule.
+    """
+    path = config.get().policy_file
+    if not path:
+        return dict(DEFAULT_RULES)
+    try:
+        stat = os.stat(path)
+        key = (path, stat.st_mtime_ns, stat.st_size)
+    except OSError as exc:
+        raise errors.InvalidPolicy(f"Policy file {path} cannot be read: {exc.strerror}.") from exc
+    if _loaded["key"] != key:
+        with open(path, encoding="utf-8") as handle:
+            try:
+                overrides = yaml.safe_load(handle) or {}
+            except yaml.YAMLError as exc:
+                raise errors.InvalidPolicy(f"Policy file {path} is not valid YAML.") from exc
+        if not isinstance(overrides, Mapping):
+            raise errors.InvalidPolicy(f"Policy file {path} must map rule names to rules.")
+        _loaded["rules"] = {**DEFAULT_RULES, **_check_rules(overrides, path)}
+        _loaded["key"] = key
+        logger.info("policy file loaded", extra={"policy_file": path, "overrides": len(overrides)})
+    return dict(_loaded["rules"])
+
+
+def check(context: RequestContext, rule: str, target: Mapping[str, Any] | None = None) -> bool:
+    """Whether ``rule`` allows ``context`` to act on ``target`` (by default the caller's own project).
+
+    Raises:
+        InvalidPolicy: ``rule`` is not a known rule name, or the policy file is invalid.
+    """
+    effective = rules()
+    if rule not in effective:
+        raise errors.InvalidPolicy(f"Policy rule {rule} is not registered.")
+    word = effective[rule]
+    if word == NOBODY:
+        return False
+    if word in (MEMBER, ANYONE):
+        return True
+    if context.is_admin:
+        return True
+    if word == ADMIN_OR_OWNER:
+        owner = (target or {}).get("project_id", context.project_id)
+        return owner == context.project_id
+    return False
+
+
+def enforce(context: RequestContext, rule: str, target: Mapping[str, Any] | None = None) -> None:
+    """Raise unless ``rule`` allows ``context`` to act on ``target``.
+
+    Raises:
+        Forbidden: the rule does not allow it (Nova's message names the rule).
+        InvalidPolicy: ``rule`` is unknown or the policy file is invalid.
+    """
+    if not check(context, rule, target):
+        raise errors.Forbidden(f"Policy doesn't allow {rule} to be performed.")

@@ -1,0 +1,12 @@
+"""Ferry's scheduler: where a server goes, with alternates for reschedules.
+
+:func:`select_destinations` runs a capacity pre-filter in SQL, the host filters
+(:mod:`ferry.scheduler.filters`), the weighers (:mod:`ferry.scheduler.weighers`) and then
+claims the best host in placement; :func:`claim_alternate` moves a claim to an alternate.
+"""
+
+from ferry.scheduler.host_state import HostState, SchedulingSpec, build_spec
+from ferry.scheduler.manager import claim_alternate, select_destinations
+from ferry.scheduler.selection import Selection
+
+__all__ = ["HostState", "SchedulingSpec", "Selection", "build_spec", "claim_alternate", "select_destinations"]

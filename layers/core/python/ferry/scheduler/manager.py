@@ -1,0 +1,184 @@
+"""Choosing a destination: capacity pre-filter, filters, weighers, then the claim.
+
+The claim is what makes a choice real: the scheduler walks the weighed hosts and claims the
+first one placement accepts. A host that filled up since the pre-filter read it (another
+request claimed it first) is skipped for the next. For a move, the same placement
+transaction also hands the instance's current allocations to the migration, so the source
+stays held by the migration and the destination by the instance, with no moment in between.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from ferry import config, errors, placement
+from ferry.observability import logger
+from ferry.scheduler import filters as host_filters
+from ferry.scheduler import weighers as host_weighers
+from ferry.scheduler.host_state import (
+    HostState,
+    SchedulingSpec,
+    attach_aggregates,
+    attach_services,
+    build_spec,
+    count_in_scope,
+    hosts_with_capacity,
+)
+from ferry.scheduler.selection import Selection
+
+CAPACITY_STAGE = "PlacementCapacity"
+
+
+@dataclasses.dataclass
+class _Filtered:
+    """The hosts left after every stage, and how many each stage removed."""
+
+    hosts: list[HostState]
+    in_scope: int
+    removed: list[tuple[str, int]]
+
+
+def _replaced_consumers(spec: SchedulingSpec, migration_uuid: str | None) -> list[str]:
+    """Consumers whose current allocations the claim replaces, so they do not count as used.
+
+    Without a migration the instance's own claim is replaced. With one, the instance's current
+    allocations move to the migration (and keep counting) unless the migration already holds
+    allocations from an earlier run, in which case the instance's are replaced.
+    """
+    if migration_uuid is None or placement.get_allocations(migration_uuid):
+        return [spec.instance_uuid]
+    return []
+
+
+def _filter(spec: SchedulingSpec, migration_uuid: str | None) -> _Filtered:
+    in_scope = count_in_scope(spec)
+    hosts = hosts_with_capacity(spec, exclude_consumers=_replaced_consumers(spec, migration_uuid))
+    removed = [(CAPACITY_STAGE, max(in_scope - len(hosts), 0))]
+    logger.info("scheduler stage", extra={"instance_uuid": spec.instance_uuid, "stage": CAPACITY_STAGE,
+                                          "removed": removed[0][1], "remaining": len(hosts)})
+    attach_services(hosts)
+    attach_aggregates(hosts)
+    for host_filter in host_filters.enabled_filters():
+        if not hosts:
+            break
+        before = len(hosts)
+        hosts = host_filter.filter_all(hosts, spec)
+        removed.append((host_filter.name, before - len(hosts)))
+        logger.info("scheduler stage", extra={"instance_uuid": spec.instance_uuid, "stage": host_filter.name,
+                                              "removed": before - len(hosts), "remaining": len(hosts)})
+    return _Filtered(hosts=hosts, in_scope=in_scope, removed=removed)
+
+
+def _explain(spec: SchedulingSpec, filtered: _Filtered, raced: int = 0) -> str:
+    """Why no host is left, stage by stage."""
+    where = f"host {spec.requested_host}" if spec.requested_host else "the allowed cells"
+    if filtered.in_scope == 0:
+        return f"No valid host was found for {spec.instance_uuid}: no compute node in {where}."
+    parts = [f"{name} removed {count}" for name, count in filtered.removed if count]
+    if raced:
+        parts.append(f"{raced} filled up before the claim")
+    return (f"No valid host was found for {spec.instance_uuid}: {filtered.in_scope} compute node(s) in {where}; "
+            + ", ".join(parts) + ".")
+
+
+def _selection(host: HostState, spec: SchedulingSpec) -> Selection:
+    allocations = {host.provider_uuid: dict(spec.resources)} if spec.resources else {}
+    return Selection(host=host.host, node=host.node, cell=host.cell, provider_uuid=host.provider_uuid,
+                     allocations=allocations)
+
+
+def _claim(selection: Selection, spec: SchedulingSpec, migration_uuid: str | None) -> None:
+    if migration_uuid is None:
+        placement.claim(spec.instance_uuid, spec.project_id, spec.user_id, selection.allocations)
+    else:
+        placement.claim_for_move(spec.instance_uuid, migration_uuid, spec.project_id, spec.user_id,
+                                 selection.allocations)
+
+
+def select_destinations(request_spec: Mapping[str, Any], *, claim: bool = True,
+                        migration_uuid: str | None = None) -> list[Selection]:
+    """Choose a destination for the request, claim it, and list alternates for reschedules.
+
+    Params:
+        request_spec: instance_uuid, project_id, user_id, flavor, is_bfv, ignore_hosts,
+            requested_destination, allowed_cells, scheduler_hints, group, source_cell (see
+            :func:`ferry.scheduler.host_state.build_spec`).
+        claim: claim the chosen host for the instance; with False nothing is written.
+        migration_uuid: for a move, the migration that takes over the instance's current
+            allocations in the same transaction as the destination claim.
+
+    Returns:
+        The chosen destination first, then up to ``scheduler_max_attempts - 1`` alternates: later
+        hosts in weighed order in the chosen host's cell (a reschedule stays in that cell),
+        not claimed, each with the allocations a claim on it would hold.
+
+    Raises:
+        NoValidHost: no host passed, or every passing host filled up before the claim; the
+            message says how many hosts each stage removed.
+        AllocationConflict: placement kept conflicting.
+    """
+    spec = build_spec(request_spec)
+    filtered = _filter(spec, migration_uuid)
+    ranked = [host for host, _ in host_weighers.weigh_hosts(filtered.hosts, spec)]
+    if not ranked:
+        message = _explain(spec, filtered)
+        logger.info("no valid host", extra={"instance_uuid": spec.instance_uuid, "reason": message})
+        raise errors.NoValidHost(message, removed=dict(filtered.removed))
+
+    chosen_index = 0
+    if claim:
+        raced = 0
+        for index, host in enumerate(ranked):
+            try:
+                _claim(_selection(host, spec), spec, migration_uuid)
+            except (errors.InsufficientCapacity, errors.ResourceProviderNotFound) as exc:
+                raced += 1
+                logger.info("claim lost to a concurrent request, trying the next host",
+                            extra={"instance_uuid": spec.instance_uuid, "host": host.host, "reason": exc.message})
+                continue
+            chosen_index = index
+            break
+        else:
+            message = _explain(spec, filtered, raced)
+            raise errors.NoValidHost(message, removed=dict(filtered.removed), raced=raced)
+
+    chosen = ranked[chosen_index]
+    max_alternates = max(config.get().scheduler_max_attempts - 1, 0)
+    alternates = [host for host in ranked[chosen_index + 1:] if host.cell == chosen.cell][:max_alternates]
+    logger.info("destination selected", extra={"instance_uuid": spec.instance_uuid, "host": chosen.host,
+                                               "node": chosen.node, "cell": chosen.cell, "claimed": claim,
+                                               "alternates": [alt.host for alt in alternates]})
+    return [_selection(chosen, spec)] + [_selection(alt, spec) for alt in alternates]
+
+
+def claim_alternate(request_spec: Mapping[str, Any], selection: Selection, *,
+                    migration_uuid: str | None = None) -> Selection:
+    """Move the instance's claim from the destination that failed to the alternate ``selection``.
+
+    The alternate runs through the capacity check and every filter again (it was chosen a
+    while ago). The claim replaces the instance's allocations in one transaction, so the failed
+    destination is released exactly when the alternate is claimed. With ``migration_uuid``
+    the migration keeps (or, if it does not hold them yet, takes over) the source allocations.
+
+    Returns:
+        The claimed Selection.
+
+    Raises:
+        NoValidHost: the alternate no longer passes or has no room left.
+        AllocationConflict: placement kept conflicting.
+    """
+    spec = dataclasses.replace(build_spec(request_spec), requested_host=selection.host,
+                               requested_node=selection.node, requested_cell=selection.cell)
+    filtered = _filter(spec, migration_uuid)
+    if not filtered.hosts:
+        raise errors.NoValidHost(_explain(spec, filtered), removed=dict(filtered.removed))
+    chosen = _selection(filtered.hosts[0], spec)
+    try:
+        _claim(chosen, spec, migration_uuid)
+    except (errors.InsufficientCapacity, errors.ResourceProviderNotFound) as exc:
+        raise errors.NoValidHost(_explain(spec, filtered, raced=1), removed=dict(filtered.removed)) from exc
+    logger.info("alternate claimed", extra={"instance_uuid": spec.instance_uuid, "host": chosen.host,
+                                            "node": chosen.node})
+    return chosen

@@ -1,0 +1,122 @@
+"""The flavors API through the real handler (SQLite and PostgreSQL)."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from ferry.compute import api as compute_api
+from test_api_support import ADMIN, ALICE, call, flavor_named, mocked_cloud
+
+
+@pytest.fixture
+def cloud(store, monkeypatch, tmp_path):
+    yield from mocked_cloud(monkeypatch, tmp_path)
+
+
+@pytest.fixture
+def private_flavor(cloud):
+    flavor = compute_api.create_flavor(name="secret", vcpus=4, memory_mb=4096, root_gb=10, flavorid="9",
+                                       is_public=False)
+    return flavor.flavorid
+
+
+def names(response) -> list[str]:
+    return [f["name"] for f in response.body["flavors"]]
+
+
+def test_is_public_filter_follows_nova_for_admins_and_members(private_flavor):
+    assert names(call("GET", "/v2.1/flavors/detail", caller=ADMIN, query={"is_public": "None"})) == \
+        ["m1.small", "m1.medium", "secret"]
+    assert names(call("GET", "/v2.1/flavors/detail", caller=ADMIN, query={"is_public": "False"})) == ["secret"]
+    assert names(call("GET", "/v2.1/flavors/detail", caller=ADMIN, query={"is_public": "True"})) == \
+        ["m1.small", "m1.medium"]
+    assert names(call("GET", "/v2.1/flavors/detail", caller=ADMIN)) == ["m1.small", "m1.medium"]
+    assert names(call("GET", "/v2.1/flavors/detail", caller=ALICE, query={"is_public": "None"})) == \
+        ["m1.small", "m1.medium"]
+    assert call("GET", "/v2.1/flavors", caller=ADMIN, query={"is_public": "maybe"}).status == 400
+
+
+def test_flavor_detail_has_the_fields_clients_read(cloud):
+    flavor = call("GET", "/v2.1/flavors/detail", version="2.61").body["flavors"][0]
+
+    assert {k: flavor[k] for k in ("id", "name", "vcpus", "ram", "disk", "OS-FLV-EXT-DATA:ephemeral", "swap",
+                                   "os-flavor-access:is_public", "description", "extra_specs")} == \
+        {"id": "1", "name": "m1.small", "vcpus": 1, "ram": 512, "disk": 1, "OS-FLV-EXT-DATA:ephemeral": 0,
+         "swap": "", "os-flavor-access:is_public": True, "description": None, "extra_specs": {}}
+    assert call("GET", "/v2.1/flavors/detail", version="2.75").body["flavors"][0]["swap"] == 0
+    assert set(call("GET", "/v2.1/flavors").body["flavors"][0]) == {"id", "name", "links"}
+
+
+def test_show_finds_flavors_by_id_only(cloud):
+    assert call("GET", "/v2.1/flavors/2").body["flavor"]["name"] == "m1.medium"
+
+    by_name = call("GET", "/v2.1/flavors/m1.medium")
+    assert by_name.status == 404 and by_name.body["itemNotFound"]["code"] == 404
+
+
+def test_admin_creates_a_flavor_with_a_generated_id_and_description(cloud):
+    response = call("POST", "/v2.1/flavors", caller=ADMIN, version="2.55", body={"flavor": {
+        "name": "m1.large", "ram": 2048, "vcpus": 4, "disk": 20, "id": None, "swap": 512,
+        "OS-FLV-EXT-DATA:ephemeral": 5, "description": "for databases"}})
+
+    assert response.status == 200
+    created = response.body["flavor"]
+    assert str(uuid.UUID(created["id"])) == created["id"]
+    assert (created["ram"], created["swap"], created["OS-FLV-EXT-DATA:ephemeral"], created["description"]) == \
+        (2048, 512, 5, "for databases")
+    assert call("GET", f"/v2.1/flavors/{created['id']}").body["flavor"]["name"] == "m1.large"
+
+
+def test_duplicate_flavor_is_409(cloud):
+    response = call("POST", "/v2.1/flavors", caller=ADMIN, body={"flavor": {
+        "name": "m1.small", "ram": 1, "vcpus": 1, "disk": 0}})
+
+    assert response.status == 409
+    assert response.body["conflictingRequest"]["message"] == "Flavor with name m1.small already exists."
+
+
+def test_members_may_not_manage_flavors(cloud):
+    create = call("POST", "/v2.1/flavors", caller=ALICE, body={"flavor": {
+        "name": "mine", "ram": 1, "vcpus": 1, "disk": 0}})
+    delete = call("DELETE", "/v2.1/flavors/1", caller=ALICE)
+    specs = call("POST", "/v2.1/flavors/1/os-extra_specs", caller=ALICE, body={"extra_specs": {"a": "b"}})
+
+    for response, rule in ((create, "os-flavor-manage:create"), (delete, "os-flavor-manage:delete"),
+                           (specs, "os-flavor-extra-specs:create")):
+        assert response.status == 403
+        assert response.body["forbidden"]["message"] == f"Policy doesn't allow os_compute_api:{rule} to be performed."
+    assert flavor_named("mine") is None and flavor_named("m1.small") is not None
+    assert compute_api.get_extra_specs("1") == {}
+
+
+def test_admin_deletes_a_flavor(cloud):
+    assert call("DELETE", "/v2.1/flavors/2", caller=ADMIN).status == 202
+
+    assert flavor_named("m1.medium") is None
+    assert call("DELETE", "/v2.1/flavors/2", caller=ADMIN).status == 404
+
+
+def test_extra_specs_are_set_by_admins_and_read_by_members(cloud):
+    created = call("POST", "/v2.1/flavors/1/os-extra_specs", caller=ADMIN,
+                   body={"extra_specs": {"hw:cpu_policy": "dedicated", "aggregate_instance_extra_specs:gen": 3}})
+    call("POST", "/v2.1/flavors/1/os-extra_specs", caller=ADMIN, body={"extra_specs": {"hw:cpu_policy": "shared"}})
+
+    assert created.status == 200
+    assert call("GET", "/v2.1/flavors/1/os-extra_specs").body == {
+        "extra_specs": {"hw:cpu_policy": "shared", "aggregate_instance_extra_specs:gen": "3"}}
+    assert call("GET", "/v2.1/flavors/1/os-extra_specs/hw:cpu_policy").body == {"hw:cpu_policy": "shared"}
+    assert call("DELETE", "/v2.1/flavors/1/os-extra_specs/hw:cpu_policy", caller=ADMIN).status == 202
+    assert call("GET", "/v2.1/flavors/1/os-extra_specs/hw:cpu_policy").status == 404
+    bad = call("POST", "/v2.1/flavors/1/os-extra_specs", caller=ADMIN, body={"extra_specs": {"bad/key": "x"}})
+    assert bad.status == 400
+
+
+def test_a_server_keeps_its_flavor_after_the_flavor_is_deleted(cloud):
+    server = call("POST", "/v2.1/servers", version="2.90", body={"server": {
+        "name": "vm", "flavorRef": "2", "imageRef": cloud.image_id, "networks": "none"}}).body["server"]
+
+    call("DELETE", "/v2.1/flavors/2", caller=ADMIN)
+
+    shown = call("GET", f"/v2.1/servers/{server['id']}", version="2.90").body["server"]
+    assert shown["flavor"]["original_name"] == "m1.medium" and shown["flavor"]["vcpus"] == 2

@@ -1,0 +1,533 @@
+"""The servers API through the real handler with API Gateway proxy events (SQLite and PostgreSQL)."""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import uuid
+
+import pytest
+from ferry import config, errors, workflows
+from ferry.auth import RequestContext
+from ferry.compute import api as compute_api
+from ferry.compute import states
+from ferry.store.api_models import (
+    BuildRequest,
+    CellMapping,
+    InstanceMapping,
+    Network,
+    Port,
+    RequestSpec,
+    Volume,
+    VolumeAttachment,
+)
+from ferry.store.cell_models import Instance, InstanceAction, InstanceActionEvent, InstanceFault, Tag
+from ferry.store.db import api_session, cell_session
+from sqlalchemy import select, update
+from test_api_support import ADMIN, ALICE, BOB, add_host, call, create_server, mocked_cloud
+
+
+@pytest.fixture
+def cloud(store, monkeypatch, tmp_path):
+    yield from mocked_cloud(monkeypatch, tmp_path)
+
+
+def schedule(server_id: str, cell: str = "cell1", *, host: str = "host1", vm_state: str = states.ACTIVE,
+             power_state: int = states.RUNNING, hidden_copy_in: str | None = None) -> None:
+    """Do what the boot workflow does: the instance in a cell, the mapping pointing there."""
+    with api_session() as session:
+        build = session.scalars(select(BuildRequest).where(BuildRequest.instance_uuid == server_id)).one()
+        fields = {k: v for k, v in build.instance.items() if k != "metadata"}
+        metadata, tags = build.instance.get("metadata", {}), list(build.tags)
+        session.delete(build)
+        cell_id = session.scalars(select(CellMapping.id).where(CellMapping.name == cell)).one()
+        session.execute(update(InstanceMapping).where(InstanceMapping.instance_uuid == server_id)
+                        .values(cell_id=cell_id))
+    with cell_session(cell) as session:
+        session.add(Instance(uuid=server_id, **{**fields, "vm_state": vm_state, "task_state": None,
+                                                "power_state": power_state, "host": host, "node": host,
+                                                "metadata_items": metadata}))
+        session.add_all(Tag(instance_uuid=server_id, tag=tag) for tag in tags)
+    if hidden_copy_in:
+        with cell_session(hidden_copy_in) as session:
+            session.add(Instance(uuid=server_id, **{**fields, "display_name": "stale-copy", "hidden": True,
+                                                    "vm_state": states.STOPPED, "host": "elsewhere"}))
+
+
+def instance(server_id: str, cell: str = "cell1") -> Instance:
+    with cell_session(cell) as session:
+        return session.scalars(select(Instance).where(Instance.uuid == server_id)).one()
+
+
+def api_rows(model, **where):
+    with api_session() as session:
+        query = select(model)
+        for key, value in where.items():
+            query = query.where(getattr(model, key) == value)
+        return list(session.scalars(query))
+
+
+# --- create ----------------------------------------------------------------------------------------
+
+
+def test_create_records_the_build_and_starts_the_boot_workflow(cloud):
+    response = call("POST", "/v2.1/servers", version="2.90", body={
+        "server": {"name": "web", "flavorRef": "1", "imageRef": cloud.image_id, "networks": "auto",
+                   "metadata": {"role": "web"}, "tags": ["blue"], "key_name": "ignored"},
+        "os:scheduler_hints": {"different_host": [str(uuid.uuid4())]}})
+
+    assert response.status == 202
+    server = response.body["server"]
+    assert set(server) == {"id", "links", "adminPass", "OS-DCF:diskConfig", "security_groups"}
+    assert response.header("Location") == f"https://abc123.execute-api.us-east-1.amazonaws.com/local/v2.1/servers/" \
+                                          f"{server['id']}"
+    mapping = api_rows(InstanceMapping, instance_uuid=server["id"])[0]
+    assert (mapping.cell_id, mapping.project_id, mapping.user_id) == (None, "project-a", "alice")
+    build = api_rows(BuildRequest, instance_uuid=server["id"])[0]
+    assert build.instance["vm_state"] == "building" and build.instance["task_state"] == "scheduling"
+    assert build.instance["power_state"] == 0 and build.instance["image_ref"] == cloud.image_id
+    assert build.instance["metadata"] == {"role": "web"} and build.tags == ["blue"]
+    assert {k: build.instance["flavor"][k] for k in ("flavorid", "name", "vcpus", "memory_mb", "root_gb")} == \
+        {"flavorid": "1", "name": "m1.small", "vcpus": 1, "memory_mb": 512, "root_gb": 1}
+    spec = api_rows(RequestSpec, instance_uuid=server["id"])[0].spec
+    assert spec["image"] == {"id": cloud.image_id} and spec["is_bfv"] is False
+    assert (spec["ignore_hosts"], spec["requested_destination"], spec["allowed_cells"], spec["group"]) == \
+        ([], None, None, None)
+    assert set(spec["scheduler_hints"]) == {"different_host"}
+    port = api_rows(Port, device_id=server["id"])[0]
+    network = api_rows(Network, id=port.network_id)[0]
+    assert network.name == "shared" and network.shared
+    assert port.mac_address.startswith("fa:16:3e:") and len(port.mac_address) == 17
+    assert ipaddress.ip_address(port.fixed_ip) in ipaddress.ip_network(network.cidr)
+    [execution] = cloud.executions("boot")
+    assert execution["name"] == f"boot-{server['id']}"
+    assert execution["input"]["instance_uuid"] == server["id"]
+    assert execution["input"]["request_id"] == response.header("x-openstack-request-id")
+
+
+def test_a_new_server_shows_as_build_from_its_build_request(cloud):
+    server_id = create_server(tags=["blue"])
+
+    shown = call("GET", f"/v2.1/servers/{server_id}", version="2.90").body["server"]
+
+    assert (shown["status"], shown["OS-EXT-STS:vm_state"], shown["OS-EXT-STS:task_state"]) == \
+        ("BUILD", "building", "scheduling")
+    assert shown["flavor"] == {"vcpus": 1, "ram": 512, "disk": 1, "ephemeral": 0, "swap": 0,
+                               "original_name": "m1.small", "extra_specs": {}}
+    assert shown["tags"] == ["blue"] and shown["hostId"] == ""
+    assert list(shown["addresses"]) == ["shared"]
+
+
+def test_two_servers_get_distinct_addresses_on_the_shared_network(cloud):
+    first, second = create_server(name="a"), create_server(name="b")
+
+    ports = [api_rows(Port, device_id=s)[0] for s in (first, second)]
+    assert ports[0].fixed_ip != ports[1].fixed_ip
+    assert ports[0].network_id == ports[1].network_id
+    assert len(api_rows(Network, name="shared")) == 1
+
+
+def test_create_volume_backed_server_creates_the_root_volume(cloud):
+    server_id = create_server(block_device_mapping_v2=[{
+        "source_type": "image", "destination_type": "volume", "uuid": cloud.image_id, "boot_index": 0,
+        "volume_size": 3, "delete_on_termination": True}])
+
+    [bdm] = api_rows(BuildRequest, instance_uuid=server_id)[0].block_device_mappings
+    [volume] = api_rows(Volume, id=bdm["volume_id"])
+    assert (volume.size_gb, volume.image_id, volume.project_id) == (3, cloud.image_id, "project-a")
+    assert volume.path.endswith(f"volumes/{volume.id}")
+    assert (bdm["source_type"], bdm["destination_type"], bdm["boot_index"]) == ("image", "volume", 0)
+    assert api_rows(VolumeAttachment, instance_uuid=server_id)[0].status == "reserved"
+    assert api_rows(RequestSpec, instance_uuid=server_id)[0].spec["is_bfv"] is True
+    shown = call("GET", f"/v2.1/servers/{server_id}", version="2.90").body["server"]
+    assert shown["image"] == ""
+    assert shown["os-extended-volumes:volumes_attached"] == [{"id": volume.id, "delete_on_termination": True}]
+
+
+def test_create_from_an_existing_volume_reserves_it(cloud):
+    with api_session() as session:
+        session.add(Volume(id="7d2c3a52-0000-4000-8000-000000000001", project_id="project-a", size_gb=2,
+                           status="available", path="/tmp/v1"))
+    create_server(block_device_mapping_v2=[{"source_type": "volume", "destination_type": "volume",
+                                            "uuid": "7d2c3a52-0000-4000-8000-000000000001", "boot_index": "0"}])
+
+    assert api_rows(Volume, id="7d2c3a52-0000-4000-8000-000000000001")[0].status == "reserved"
+    again = call("POST", "/v2.1/servers", version="2.90", body={"server": {
+        "name": "b", "flavorRef": "1", "networks": "none", "block_device_mapping_v2": [{
+            "source_type": "volume", "destination_type": "volume", "uuid": "7d2c3a52-0000-4000-8000-000000000001",
+            "boot_index": 0}]}})
+    assert again.status == 400 and "not available" in again.body["badRequest"]["message"]
+
+
+def test_create_with_a_network_list_and_an_existing_port(cloud):
+    with api_session() as session:
+        session.add(Network(id="11111111-1111-4111-8111-111111111111", name="private", cidr="192.168.7.0/24",
+                            project_id="project-a", shared=False))
+        session.add(Port(id="22222222-2222-4222-8222-222222222222", network_id="11111111-1111-4111-8111-111111111111",
+                         project_id="project-a", mac_address="fa:16:3e:aa:bb:cc", fixed_ip="192.168.7.50"))
+
+    server_id = create_server(networks=[{"uuid": "11111111-1111-4111-8111-111111111111"},
+                                        {"port": "22222222-2222-4222-8222-222222222222"}])
+
+    ports = {p.id: p for p in api_rows(Port, device_id=server_id)}
+    assert len(ports) == 2 and ports["22222222-2222-4222-8222-222222222222"].fixed_ip == "192.168.7.50"
+    spec = api_rows(RequestSpec, instance_uuid=server_id)[0].spec
+    assert [n["preexisting"] for n in spec["requested_networks"]] == [False, True]
+    taken = call("POST", "/v2.1/servers", version="2.90", body={"server": {
+        "name": "b", "flavorRef": "1", "imageRef": cloud.image_id,
+        "networks": [{"port": "22222222-2222-4222-8222-222222222222"}]}})
+    assert taken.status == 409
+    private = call("POST", "/v2.1/servers", caller=BOB, version="2.90", body={"server": {
+        "name": "b", "flavorRef": "1", "imageRef": cloud.image_id,
+        "networks": [{"uuid": "11111111-1111-4111-8111-111111111111"}]}})
+    assert private.status == 400
+
+
+BAD_BODIES = {
+    "unknown key": ("2.90", {"server": {"name": "x", "flavorRef": "1", "networks": "auto", "colour": "red"}}),
+    "networks missing from 2.37": ("2.37", {"server": {"name": "x", "flavorRef": "1"}}),
+    "tags before 2.52": ("2.51", {"server": {"name": "x", "flavorRef": "1", "networks": "auto", "tags": ["a"]}}),
+    "two servers": ("2.90", {"server": {"name": "x", "flavorRef": "1", "networks": "auto", "max_count": 2}}),
+    "empty name": ("2.90", {"server": {"name": "", "flavorRef": "1", "networks": "auto"}}),
+    "networks not auto/none": ("2.90", {"server": {"name": "x", "flavorRef": "1", "networks": "all"}}),
+    "two block devices": ("2.90", {"server": {"name": "x", "flavorRef": "1", "networks": "auto",
+                                              "block_device_mapping_v2": [{"source_type": "blank"}] * 2}}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_BODIES))
+def test_a_bad_body_is_refused_and_nothing_is_written(cloud, case):
+    version, body = BAD_BODIES[case]
+    if "imageRef" not in body["server"]:
+        body["server"]["imageRef"] = cloud.image_id
+
+    response = call("POST", "/v2.1/servers", version=version, body=body)
+
+    assert response.status == 400
+    assert response.body["badRequest"]["code"] == 400 and response.body["badRequest"]["message"]
+    for model in (InstanceMapping, BuildRequest, RequestSpec, Port, Volume):
+        assert api_rows(model) == []
+    assert cloud.executions("boot") == []
+
+
+@pytest.mark.parametrize("field", ["flavorRef", "imageRef"])
+def test_unknown_flavor_or_image_is_400(cloud, field):
+    body = {"name": "x", "flavorRef": "1", "imageRef": cloud.image_id, "networks": "auto",
+            field: "does-not-exist"}
+
+    response = call("POST", "/v2.1/servers", version="2.90", body={"server": body})
+
+    assert response.status == 400
+    assert api_rows(InstanceMapping) == [] and cloud.executions("boot") == []
+
+
+def test_a_workflow_that_cannot_start_leaves_nothing_behind(cloud, monkeypatch):
+    def refuse(*_args, **_kwargs):
+        raise workflows.WorkflowNotConfigured("No state machine is configured for this operation.")
+    monkeypatch.setattr(workflows, "start_execution", refuse)
+
+    response = call("POST", "/v2.1/servers", version="2.90", body={"server": {
+        "name": "x", "flavorRef": "1", "imageRef": cloud.image_id, "networks": "auto"}})
+
+    assert response.status == 500 and "computeFault" in response.body
+    for model in (InstanceMapping, BuildRequest, RequestSpec, Port):
+        assert api_rows(model) == []
+
+
+# --- show and list ---------------------------------------------------------------------------------
+
+
+def test_another_projects_server_is_not_found(cloud):
+    server_id = create_server(ALICE)
+    schedule(server_id)
+
+    for method, path, body in (("GET", f"/v2.1/servers/{server_id}", None),
+                               ("DELETE", f"/v2.1/servers/{server_id}", None),
+                               ("POST", f"/v2.1/servers/{server_id}/action", {"os-stop": None})):
+        response = call(method, path, caller=BOB, body=body)
+        assert response.status == 404, (method, path)
+        assert response.body["itemNotFound"]["code"] == 404
+    assert call("GET", f"/v2.1/servers/{server_id}", caller=ADMIN).status == 200
+    assert instance(server_id).task_state is None
+
+
+def test_a_name_in_the_path_is_not_found_so_clients_search_by_name(cloud):
+    create_server(name="db-1")
+
+    assert call("GET", "/v2.1/servers/db-1").status == 404
+    found = call("GET", "/v2.1/servers/detail", query={"name": "db-1"}).body["servers"]
+    assert [s["name"] for s in found] == ["db-1"]
+
+
+def test_list_filters_by_name_as_a_regular_expression(cloud):
+    for name in ("web-1", "web-2", "db-1"):
+        create_server(name=name)
+
+    listed = call("GET", "/v2.1/servers", query={"name": "^web"}).body["servers"]
+
+    assert sorted(s["name"] for s in listed) == ["web-1", "web-2"]
+    assert set(listed[0]) == {"id", "name", "links"}
+
+
+def test_only_admins_list_all_projects(cloud):
+    create_server(ALICE, name="alice-vm")
+    create_server(BOB, name="bob-vm")
+
+    assert [s["name"] for s in call("GET", "/v2.1/servers/detail", caller=BOB).body["servers"]] == ["bob-vm"]
+    everyone = call("GET", "/v2.1/servers/detail", caller=ADMIN, query={"all_tenants": "1"}).body["servers"]
+    assert sorted(s["name"] for s in everyone) == ["alice-vm", "bob-vm"]
+    assert call("GET", "/v2.1/servers/detail", caller=ADMIN).body["servers"] == []
+    refused = call("GET", "/v2.1/servers/detail", caller=BOB, query={"all_tenants": "True"})
+    assert refused.status == 403 and "get_all_tenants" in refused.body["forbidden"]["message"]
+
+
+def test_list_pages_with_limit_and_marker_newest_first(cloud):
+    ids = [create_server(name=f"vm{i}") for i in range(3)]
+
+    first = call("GET", "/v2.1/servers", query={"limit": "2"}).body
+    second = call("GET", "/v2.1/servers", query={"limit": "2", "marker": first["servers"][-1]["id"]}).body
+
+    assert [s["id"] for s in first["servers"] + second["servers"]] == list(reversed(ids))
+    assert first["servers_links"][0]["rel"] == "next"
+    assert "servers_links" not in second
+    assert call("GET", "/v2.1/servers", query={"marker": str(uuid.uuid4())}).status == 400
+
+
+def test_list_filters_by_status(cloud):
+    active, building = create_server(name="a"), create_server(name="b")
+    schedule(active)
+
+    assert [s["id"] for s in call("GET", "/v2.1/servers/detail", query={"status": "ACTIVE"}).body["servers"]] == \
+        [active]
+    assert [s["id"] for s in call("GET", "/v2.1/servers/detail", query={"status": "BUILD"}).body["servers"]] == \
+        [building]
+
+
+def test_a_scheduled_server_shows_from_the_cell_its_mapping_names(cloud):
+    server_id = create_server(tags=["blue"], metadata={"k": "v"})
+    schedule(server_id, "cell1", host="host1", hidden_copy_in="cell2")
+
+    shown = call("GET", f"/v2.1/servers/{server_id}", version="2.90").body["server"]
+    listed = call("GET", "/v2.1/servers/detail", version="2.90").body["servers"]
+    as_admin = call("GET", f"/v2.1/servers/{server_id}", caller=ADMIN, version="2.90").body["server"]
+    old = call("GET", f"/v2.1/servers/{server_id}", version="2.25").body["server"]
+
+    assert (shown["status"], shown["name"], shown["tags"], shown["metadata"]) == ("ACTIVE", "vm1", ["blue"],
+                                                                                 {"k": "v"})
+    assert [s["name"] for s in listed] == ["vm1"]
+    assert shown["hostId"] == hashlib.sha224(b"project-ahost1").hexdigest() == as_admin["hostId"]
+    assert "OS-EXT-SRV-ATTR:host" not in shown
+    assert (as_admin["OS-EXT-SRV-ATTR:host"], as_admin["OS-EXT-SRV-ATTR:hypervisor_hostname"]) == ("host1", "host1")
+    assert as_admin["OS-EXT-SRV-ATTR:instance_name"].startswith("instance-")
+    assert old["flavor"]["id"] == "1" and "original_name" not in old["flavor"] and "tags" not in old
+
+
+def test_an_errored_server_shows_its_fault_with_details_for_admins(cloud):
+    server_id = create_server()
+    schedule(server_id, vm_state=states.ERROR)
+    with cell_session("cell1") as session:
+        session.add(InstanceFault(instance_uuid=server_id, code=500, message="No valid host was found.",
+                                  details="Traceback: ..."))
+
+    member_view = call("GET", f"/v2.1/servers/{server_id}").body["server"]
+    admin_view = call("GET", f"/v2.1/servers/{server_id}", caller=ADMIN).body["server"]
+
+    assert member_view["status"] == "ERROR"
+    assert member_view["fault"]["message"] == "No valid host was found." and "details" not in member_view["fault"]
+    assert admin_view["fault"]["details"] == "Traceback: ..."
+
+
+# --- stop and start --------------------------------------------------------------------------------
+
+
+def test_stop_then_start_use_compare_and_swap_and_start_the_power_workflow(cloud):
+    add_host("host1")
+    server_id = create_server()
+    schedule(server_id)
+
+    stopped = call("POST", f"/v2.1/servers/{server_id}/action", body={"os-stop": None}, headers={"Accept": ""})
+    again = call("POST", f"/v2.1/servers/{server_id}/action", body={"os-stop": None})
+    start = call("POST", f"/v2.1/servers/{server_id}/action", body={"os-start": None})
+
+    assert stopped.status == 202 and stopped.body is None
+    assert instance(server_id).task_state == states.POWERING_OFF
+    assert again.status == 409
+    assert again.body["conflictingRequest"]["message"] == \
+        f"Cannot 'stop' instance {server_id} while it is in task_state powering-off"
+    assert start.status == 409
+    assert start.body["conflictingRequest"]["message"] == \
+        f"Cannot 'start' instance {server_id} while it is in vm_state active"
+    [execution] = cloud.executions("power")
+    request_id = stopped.header("x-openstack-request-id")
+    assert execution["name"] == f"power-{server_id}-{request_id.removeprefix('req-')}"
+    assert {k: execution["input"][k] for k in ("instance_uuid", "request_id", "cell", "host", "operation")} == \
+        {"instance_uuid": server_id, "request_id": request_id, "cell": "cell1", "host": "host1",
+         "operation": "power_off"}
+    assert execution["input"]["queue_url"].endswith("host1")
+    with cell_session("cell1") as session:
+        recorded = session.scalars(select(InstanceAction).where(InstanceAction.request_id == request_id)).one()
+    assert recorded.action == "stop"
+
+
+def test_start_powers_on_a_stopped_server(cloud):
+    add_host("host1")
+    server_id = create_server()
+    schedule(server_id, vm_state=states.STOPPED, power_state=states.SHUTDOWN)
+
+    assert call("POST", f"/v2.1/servers/{server_id}/action", body={"os-start": None}).status == 202
+
+    assert instance(server_id).task_state == states.POWERING_ON
+    assert cloud.executions("power")[0]["input"]["operation"] == "power_on"
+
+
+def test_a_locked_server_refuses_members_but_not_admins(cloud):
+    add_host("host1")
+    server_id = create_server()
+    schedule(server_id)
+    with cell_session("cell1") as session:
+        session.execute(update(Instance).where(Instance.uuid == server_id).values(locked=True))
+
+    member = call("POST", f"/v2.1/servers/{server_id}/action", body={"os-stop": None})
+    admin = call("POST", f"/v2.1/servers/{server_id}/action", caller=ADMIN, body={"os-stop": None})
+
+    assert member.status == 409 and member.body["conflictingRequest"]["message"] == \
+        f"Instance {server_id} is locked"
+    assert admin.status == 202
+
+
+def test_an_unknown_action_is_400(cloud):
+    server_id = create_server()
+
+    response = call("POST", f"/v2.1/servers/{server_id}/action", body={"os-reboot-twice": None})
+
+    assert response.status == 400
+    assert response.body["badRequest"]["message"] == "There is no such action: os-reboot-twice"
+
+
+# --- delete ----------------------------------------------------------------------------------------
+
+
+def test_deleting_an_unscheduled_server_removes_it_at_once(cloud):
+    server_id = create_server()
+
+    response = call("DELETE", f"/v2.1/servers/{server_id}")
+
+    assert response.status == 204
+    assert api_rows(BuildRequest) == [] and api_rows(Port) == []
+    assert api_rows(InstanceMapping, instance_uuid=server_id)[0].queued_for_delete is True
+    assert call("GET", f"/v2.1/servers/{server_id}").status == 404
+    assert call("GET", "/v2.1/servers").body["servers"] == []
+    assert cloud.executions("delete") == []
+
+
+def test_deleting_an_unscheduled_volume_backed_server_releases_its_volume(cloud):
+    with api_session() as session:
+        session.add(Volume(id="7d2c3a52-0000-4000-8000-000000000002", project_id="project-a", size_gb=2,
+                           status="available", path="/tmp/v2"))
+    server_id = create_server(block_device_mapping_v2=[{
+        "source_type": "volume", "destination_type": "volume", "uuid": "7d2c3a52-0000-4000-8000-000000000002",
+        "boot_index": 0}])
+
+    assert call("DELETE", f"/v2.1/servers/{server_id}").status == 204
+
+    assert api_rows(Volume, id="7d2c3a52-0000-4000-8000-000000000002")[0].status == "available"
+    assert api_rows(VolumeAttachment) == []
+
+
+def test_deleting_a_scheduled_server_starts_the_delete_workflow(cloud):
+    add_host("host1")
+    server_id = create_server()
+    schedule(server_id)
+
+    response = call("DELETE", f"/v2.1/servers/{server_id}")
+
+    assert response.status == 204
+    assert instance(server_id).task_state == states.DELETING
+    [execution] = cloud.executions("delete")
+    request_id = response.header("x-openstack-request-id")
+    assert len(execution["name"]) <= 80
+    assert {k: execution["input"][k] for k in ("instance_uuid", "request_id", "cell", "host")} == \
+        {"instance_uuid": server_id, "request_id": request_id, "cell": "cell1", "host": "host1"}
+    with cell_session("cell1") as session:
+        assert session.scalars(select(InstanceAction.action).where(InstanceAction.request_id == request_id)).one() \
+            == "delete"
+
+
+def test_deleting_a_server_on_a_down_host_deletes_locally(cloud):
+    add_host("host1", up=False)
+    server_id = create_server()
+    schedule(server_id)
+
+    assert call("DELETE", f"/v2.1/servers/{server_id}").status == 204
+
+    [execution] = cloud.executions("delete")
+    assert "host" not in execution["input"]
+
+
+def test_delete_is_refused_while_another_operation_runs_but_allowed_in_error(cloud):
+    add_host("host1")
+    busy, broken = create_server(name="busy"), create_server(name="broken")
+    schedule(busy)
+    schedule(broken, vm_state=states.ERROR)
+    with cell_session("cell1") as session:
+        session.execute(update(Instance).where(Instance.uuid.in_([busy, broken]))
+                        .values(task_state=states.POWERING_OFF))
+
+    refused = call("DELETE", f"/v2.1/servers/{busy}")
+    accepted = call("DELETE", f"/v2.1/servers/{broken}")
+
+    assert refused.status == 409 and instance(busy).task_state == states.POWERING_OFF
+    assert accepted.status == 204 and instance(broken).task_state == states.DELETING
+
+
+def test_a_delete_workflow_that_cannot_start_restores_the_task_state(cloud, monkeypatch):
+    add_host("host1")
+    server_id = create_server()
+    schedule(server_id)
+    monkeypatch.setenv("FERRY_DELETE_STATE_MACHINE_ARN", "")
+    config.reset()
+
+    response = call("DELETE", f"/v2.1/servers/{server_id}")
+
+    assert response.status == 500
+    assert response.body["computeFault"]["message"] == "No state machine is configured for this operation."
+    assert instance(server_id).task_state is None
+    with cell_session("cell1") as session:
+        assert session.scalars(select(InstanceAction)).all() == []
+
+
+# --- instance actions ------------------------------------------------------------------------------
+
+
+def test_instance_actions_list_and_show_with_events(cloud):
+    add_host("host1")
+    server_id = create_server()
+    schedule(server_id)
+    stop = call("POST", f"/v2.1/servers/{server_id}/action", body={"os-stop": None})
+    request_id = stop.header("x-openstack-request-id")
+    with cell_session("cell1") as session:
+        action_id = session.scalars(select(InstanceAction.id).where(InstanceAction.request_id == request_id)).one()
+        session.add(InstanceActionEvent(action_id=action_id, event="compute_stop_instance", result="Success",
+                                        host="host1", traceback="tb"))
+
+    listed = call("GET", f"/v2.1/servers/{server_id}/os-instance-actions", version="2.90").body
+    shown = call("GET", f"/v2.1/servers/{server_id}/os-instance-actions/{request_id}", version="2.90").body
+    by_admin = call("GET", f"/v2.1/servers/{server_id}/os-instance-actions/{request_id}", caller=ADMIN,
+                    version="2.90").body
+
+    assert [(a["action"], a["request_id"]) for a in listed["instanceActions"]] == [("stop", request_id)]
+    [event] = shown["instanceAction"]["events"]
+    assert (event["event"], event["result"]) == ("compute_stop_instance", "Success")
+    assert "traceback" not in event and "host" not in event and event["hostId"]
+    assert by_admin["instanceAction"]["events"][0]["traceback"] == "tb"
+    assert call("GET", f"/v2.1/servers/{server_id}/os-instance-actions/req-nope").status == 404
+
+
+def test_domain_get_server_rereads_a_server_scheduled_meanwhile(cloud):
+    server_id = create_server()
+    schedule(server_id)
+    ctx = RequestContext(user_id="alice", project_id="project-a")
+
+    assert compute_api.get_server(ctx, server_id).cell == "cell1"
+    with pytest.raises(errors.InstanceNotFound):
+        compute_api.get_server(ctx, "not-a-uuid")

@@ -1,0 +1,296 @@
+"""The boot, delete and power workflow steps against a real store (SQLite and PostgreSQL).
+
+Each test drives the step functions the way the state machine would, with moto for SQS
+(host queues) and S3 (images).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import uuid
+
+import pytest
+from moto import mock_aws
+from sqlalchemy import select
+
+from ferry import aws, config, errors, hosts, placement, protocol
+from ferry.compute import states
+from ferry.store.api_models import BuildRequest, InstanceMapping, Network, Port, RequestSpec, utcnow
+from ferry.store.cell_models import Instance, InstanceAction, InstanceActionEvent, InstanceFault, Service
+from ferry.store.db import api_session, cell_session
+from ferry.workflows import boot, delete, power
+
+FLAVOR = {"flavorid": "2", "name": "ferry.small", "vcpus": 2, "memory_mb": 1024, "root_gb": 2,
+          "ephemeral_gb": 0, "swap": 0, "extra_specs": {}}
+HOSTS = {"cell1-host1": "cell1", "cell1-host2": "cell1"}
+IMAGE_BYTES = b"ferry-test-image" * 4096
+
+
+@pytest.fixture
+def cloud(store, monkeypatch):
+    """A store with two reporting hosts in cell1, their queues, and an image in S3."""
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    with mock_aws():
+        aws.reset()
+        hosts._queue_urls.clear()
+        s3 = aws.client("s3")
+        s3.create_bucket(Bucket=config.get().image_bucket)
+        image_id = str(uuid.uuid4())
+        s3.put_object(Bucket=config.get().image_bucket, Key=f"images/{image_id}", Body=IMAGE_BYTES,
+                      Metadata={"image-id": image_id, "name": "test-image", "disk-format": "raw",
+                                "container-format": "bare", "sha256": hashlib.sha256(IMAGE_BYTES).hexdigest()})
+        for host, cell in HOSTS.items():
+            aws.client("sqs").create_queue(QueueName=protocol.host_queue_name(config.get().host_queue_prefix, host))
+            report(host, cell, vcpus=4, memory_mb=4096, disk_gb=20)
+        with api_session() as session:
+            session.add(Network(name="shared", cidr="10.0.0.0/24"))
+        yield {"image_id": image_id}
+        aws.reset()
+
+
+def report(host: str, cell: str, *, vcpus: int, memory_mb: int, disk_gb: int) -> None:
+    sent = utcnow().isoformat()
+    hosts.apply_report({"kind": "inventory", "host": host, "node": host, "cell": cell, "sent_at": sent,
+                        "inventory": {"VCPU": {"total": vcpus}, "MEMORY_MB": {"total": memory_mb},
+                                      "DISK_GB": {"total": disk_gb}}})
+
+
+def accept_server(image_id: str, flavor: dict | None = None, project: str = "demo") -> dict:
+    """What the API writes for a new server: mapping, build request, request spec, one port."""
+    instance_uuid = str(uuid.uuid4())
+    flavor = flavor or FLAVOR
+    with api_session() as session:
+        network = session.scalars(select(Network)).first()
+        session.add(InstanceMapping(instance_uuid=instance_uuid, project_id=project, user_id="u1"))
+        session.add(BuildRequest(instance_uuid=instance_uuid, project_id=project, instance={
+            "display_name": "vm1", "project_id": project, "user_id": "u1", "image_ref": image_id,
+            "flavor": flavor, "vm_state": states.BUILDING, "task_state": states.SCHEDULING, "power_state": 0,
+            "metadata": {"role": "test"}}, tags=["blue"]))
+        session.add(RequestSpec(instance_uuid=instance_uuid, spec={
+            "instance_uuid": instance_uuid, "project_id": project, "user_id": "u1", "flavor": flavor,
+            "image": {"id": image_id}, "is_bfv": False, "ignore_hosts": [], "requested_destination": None,
+            "allowed_cells": None, "scheduler_hints": {}, "group": None}))
+        session.add(Port(network_id=network.id, project_id=project, device_id=instance_uuid,
+                         mac_address="fa:16:3e:00:00:%02x" % (len(instance_uuid) % 256), fixed_ip="10.0.0.5"))
+    return {"instance_uuid": instance_uuid, "request_id": f"req-{uuid.uuid4()}", "execution_name": "boot-x"}
+
+
+def used_on(host: str) -> dict[str, int]:
+    return placement.usages(placement.provider_by_host(host))
+
+
+def test_select_destinations_claims_host_and_moves_instance_into_its_cell(cloud):
+    event = accept_server(cloud["image_id"])
+    dest = boot.select_destinations(event)
+
+    assert dest["host"] in HOSTS and dest["cell"] == "cell1"
+    assert dest["queue_url"].endswith(protocol.host_queue_name(config.get().host_queue_prefix, dest["host"]))
+    assert len(dest["alternates"]) == 1
+    assert used_on(dest["host"]) == {"VCPU": 2, "MEMORY_MB": 1024, "DISK_GB": 2}
+    with api_session() as session:
+        assert session.scalars(select(BuildRequest)).first() is None
+        assert session.scalars(select(InstanceMapping)).one().cell.name == "cell1"
+    with cell_session("cell1") as session:
+        instance = session.scalars(select(Instance)).one()
+        assert (instance.host, instance.task_state, instance.metadata_items) == (dest["host"], "scheduling",
+                                                                                 {"role": "test"})
+
+
+def test_select_destinations_run_twice_claims_once(cloud):
+    event = accept_server(cloud["image_id"])
+    first = boot.select_destinations(event)
+    second = boot.select_destinations(event)
+
+    assert second["host"] == first["host"]
+    assert used_on(first["host"]) == {"VCPU": 2, "MEMORY_MB": 1024, "DISK_GB": 2}
+    with cell_session("cell1") as session:
+        assert len(session.scalars(select(Instance)).all()) == 1
+
+
+def test_no_valid_host_buries_the_server_in_cell0_without_allocations(cloud):
+    event = accept_server(cloud["image_id"], flavor={**FLAVOR, "vcpus": 64})
+    with pytest.raises(errors.NoValidHost) as raised:
+        boot.select_destinations(event)
+
+    boot.fail_build({**event, "error": {"Error": "Ferry.NoValidHost", "Cause": raised.value.message}})
+
+    assert placement.get_allocations(event["instance_uuid"]) == {}
+    with api_session() as session:
+        assert session.scalars(select(InstanceMapping)).one().cell.name == "cell0"
+        assert session.scalars(select(BuildRequest)).first() is None
+    with cell_session("cell0") as session:
+        instance = session.scalars(select(Instance)).one()
+        fault = session.scalars(select(InstanceFault)).one()
+    assert (instance.vm_state, instance.task_state) == ("error", None)
+    assert fault.message.startswith("No valid host was found")
+
+
+def test_server_deleted_before_scheduling_is_abandoned_without_claim(cloud):
+    event = accept_server(cloud["image_id"])
+    with api_session() as session:
+        session.query(BuildRequest).delete()
+        session.query(RequestSpec).delete()
+
+    assert boot.select_destinations(event) == {"abandoned": True}
+    assert placement.get_allocations(event["instance_uuid"]) == {}
+
+
+def test_bind_then_unbind_leaves_no_port_binding(cloud):
+    event = accept_server(cloud["image_id"])
+    event["destination"] = boot.select_destinations(event)
+    guest = boot.bind_resources_at_dest(event)
+
+    args = guest["spawn_args"]
+    protocol.validate(args, protocol.SPAWN_ARGS_SCHEMA)
+    assert args["image"]["id"] == cloud["image_id"] and args["flavor"]["vcpus"] == 2
+    with api_session() as session:
+        port = session.scalars(select(Port)).one()
+        assert [(b.host, b.status) for b in port.bindings] == [(event["destination"]["host"], "ACTIVE")]
+    boot.bind_resources_at_dest(event)  # a retried step adds nothing
+    boot.unbind_resources_at_dest(event)
+    with api_session() as session:
+        assert session.scalars(select(Port)).one().bindings == []
+
+
+def test_finish_build_marks_active_and_records_the_build_event(cloud):
+    event = accept_server(cloud["image_id"])
+    event["destination"] = boot.select_destinations(event)
+    boot.bind_resources_at_dest(event)
+    event["spawn"] = {"power_state": states.RUNNING}
+    boot.finish_build(event)
+    boot.finish_build(event)
+
+    with cell_session("cell1") as session:
+        instance = session.scalars(select(Instance)).one()
+        events = {e.event: e.result for e in session.scalars(select(InstanceActionEvent))}
+        action = session.scalars(select(InstanceAction)).one()
+    assert (instance.vm_state, instance.task_state, instance.power_state) == ("active", None, 1)
+    assert action.action == "create"
+    assert events == {boot.EVENT_SCHEDULE: "Success", boot.EVENT_BUILD: "Success"}
+
+
+def test_failed_spawn_releases_claim_and_sets_error_with_cleanup_details(cloud):
+    event = accept_server(cloud["image_id"])
+    event["destination"] = boot.select_destinations(event)
+    boot.bind_resources_at_dest(event)
+    event["error"] = {"Error": "Ferry.SpawnFailed", "Cause": "disk full"}
+    event["cleanup_error"] = {"Error": "States.Timeout", "Cause": ""}
+    boot.fail_build(event)
+
+    assert placement.get_allocations(event["instance_uuid"]) == {}
+    assert used_on(event["destination"]["host"]) == {}
+    with cell_session("cell1") as session:
+        instance = session.scalars(select(Instance)).one()
+        fault = session.scalars(select(InstanceFault)).one()
+    assert (instance.vm_state, instance.task_state) == ("error", None)
+    assert fault.message == "disk full"
+    assert event["destination"]["host"] in fault.details
+
+
+def test_reschedule_moves_the_claim_to_the_alternate(cloud):
+    event = accept_server(cloud["image_id"])
+    first = boot.select_destinations(event)
+    event["destination"] = first
+    boot.bind_resources_at_dest(event)
+    boot.unbind_resources_at_dest(event)
+
+    second = boot.reschedule_build(event)
+
+    assert second["host"] != first["host"] and second["alternates"] == []
+    assert used_on(first["host"]) == {}
+    assert used_on(second["host"]) == {"VCPU": 2, "MEMORY_MB": 1024, "DISK_GB": 2}
+
+
+def test_finish_delete_releases_everything_and_is_idempotent(cloud):
+    event = accept_server(cloud["image_id"])
+    event["destination"] = boot.select_destinations(event)
+    boot.bind_resources_at_dest(event)
+    event["spawn"] = {"power_state": 1}
+    boot.finish_build(event)
+    with cell_session("cell1") as session:
+        session.execute(Instance.__table__.update().values(task_state=states.DELETING))
+    delete_event = {"instance_uuid": event["instance_uuid"], "request_id": "req-del", "cell": "cell1",
+                    "host": event["destination"]["host"]}
+
+    delete.finish_delete(delete_event)
+    delete.finish_delete(delete_event)
+
+    assert used_on(event["destination"]["host"]) == {}
+    with api_session() as session:
+        assert session.scalars(select(Port)).first() is None
+        assert session.scalars(select(InstanceMapping)).one().queued_for_delete is True
+    with cell_session("cell1") as session:
+        instance = session.scalars(select(Instance)).one()
+    assert (instance.vm_state, instance.deleted, instance.task_state) == ("deleted", True, None)
+
+
+def test_fail_delete_sets_error_and_clears_the_task(cloud):
+    event = accept_server(cloud["image_id"])
+    event["destination"] = boot.select_destinations(event)
+    with cell_session("cell1") as session:
+        session.execute(Instance.__table__.update().values(task_state=states.DELETING, vm_state="active"))
+
+    delete.fail_delete({"instance_uuid": event["instance_uuid"], "request_id": "r", "cell": "cell1",
+                        "host": "cell1-host1", "error": {"Error": "Ferry.HypervisorError", "Cause": "boom"}})
+
+    with cell_session("cell1") as session:
+        instance = session.scalars(select(Instance)).one()
+        assert session.scalars(select(InstanceFault)).one().message == "boom"
+    assert (instance.vm_state, instance.task_state) == ("error", None)
+    assert placement.get_allocations(event["instance_uuid"]) != {}
+
+
+@pytest.mark.parametrize(("operation", "task", "power_state", "vm_state"), [
+    (protocol.POWER_OFF, states.POWERING_OFF, states.SHUTDOWN, states.STOPPED),
+    (protocol.POWER_ON, states.POWERING_ON, states.RUNNING, states.ACTIVE),
+])
+def test_power_action_settles_vm_state_from_the_reported_power_state(cloud, operation, task, power_state,
+                                                                      vm_state):
+    event = accept_server(cloud["image_id"])
+    boot.select_destinations(event)
+    with cell_session("cell1") as session:
+        session.execute(Instance.__table__.update().values(task_state=task))
+    power_event = {"instance_uuid": event["instance_uuid"], "request_id": "r", "cell": "cell1",
+                   "operation": operation, "result": {"power_state": power_state}}
+
+    power.finish_power_action(power_event)
+    power.finish_power_action(power_event)
+
+    with cell_session("cell1") as session:
+        instance = session.scalars(select(Instance)).one()
+    assert (instance.vm_state, instance.task_state, instance.power_state) == (vm_state, None, power_state)
+
+
+def test_failed_power_action_keeps_vm_state_and_records_fault(cloud):
+    event = accept_server(cloud["image_id"])
+    boot.select_destinations(event)
+    with cell_session("cell1") as session:
+        session.execute(Instance.__table__.update().values(task_state=states.POWERING_OFF, vm_state="active"))
+
+    power.fail_power_action({"instance_uuid": event["instance_uuid"], "request_id": "r", "cell": "cell1",
+                             "operation": protocol.POWER_OFF,
+                             "error": {"Error": "Ferry.HypervisorError", "Cause": "libvirt said no"}})
+
+    with cell_session("cell1") as session:
+        instance = session.scalars(select(Instance)).one()
+        assert session.scalars(select(InstanceFault)).one().message == "libvirt said no"
+    assert (instance.vm_state, instance.task_state) == ("active", None)
+
+
+def test_host_report_maps_new_host_and_records_heartbeat(cloud):
+    report("cell2-host9", "cell2", vcpus=2, memory_mb=1024, disk_gb=10)
+
+    assert hosts.cell_of_host("cell2-host9") == "cell2"
+    with cell_session("cell2") as session:
+        service = session.scalars(select(Service).where(Service.host == "cell2-host9")).one()
+    assert hosts.is_up(service)
+    assert not hosts.is_up(service, now=utcnow() + dt.timedelta(seconds=config.get().service_down_time + 1))
+
+
+def test_host_report_without_mapping_or_cell_is_refused(cloud):
+    with pytest.raises(errors.HostNotMapped):
+        hosts.apply_report({"kind": "heartbeat", "host": "stray", "sent_at": utcnow().isoformat()})

@@ -1,0 +1,248 @@
+"""Instance disk files: sparse copies, streamed and verified image downloads, growth (moto S3, real files)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import boto3
+import pytest
+from ferry import errors
+from moto import mock_aws
+
+from hostagent import disks
+
+MiB = 2**20
+BUCKET = "ferry-images"
+
+
+@pytest.fixture
+def s3(monkeypatch):
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    with mock_aws():
+        client = boto3.client("s3", region_name="us-east-1")
+        client.create_bucket(Bucket=BUCKET)
+        yield client
+
+
+def _allocated(path) -> int:
+    return os.stat(path).st_blocks * 512
+
+
+def _sparse_file(path, size: int, extents: dict[int, bytes]) -> bytes:
+    """Write ``extents`` (offset -> data) into a sparse file of ``size``; return its logical content."""
+    with open(path, "wb") as f:
+        for offset, data in extents.items():
+            f.seek(offset)
+            f.write(data)
+        f.truncate(size)
+    logical = bytearray(size)
+    for offset, data in extents.items():
+        logical[offset : offset + len(data)] = data
+    return bytes(logical)
+
+
+def _leftovers(directory) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+def test_copy_sparse_keeps_holes_and_checksums_the_logical_content(tmp_path):
+    src, dst = tmp_path / "src", tmp_path / "out" / "dst"
+    content = _sparse_file(src, 32 * MiB, {0: os.urandom(MiB), 9 * MiB: os.urandom(MiB)})
+
+    digest = disks.copy_sparse(src, dst, chunk_size=256 * 1024)
+
+    assert digest == hashlib.sha256(content).hexdigest()
+    assert disks.sha256_file(dst) == digest == disks.sha256_file(src)
+    assert os.path.getsize(dst) == 32 * MiB
+    assert _allocated(dst) <= 4 * MiB
+    with open(dst, "rb") as f:
+        assert os.lseek(f.fileno(), MiB, os.SEEK_HOLE) == MiB
+    assert _leftovers(dst.parent) == ["dst"]
+
+
+def test_copy_sparse_turns_written_zeros_into_holes(tmp_path):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    content = os.urandom(MiB) + bytes(6 * MiB) + os.urandom(MiB)
+    src.write_bytes(content)
+
+    digest = disks.copy_sparse(src, dst, chunk_size=MiB)
+
+    assert digest == hashlib.sha256(content).hexdigest()
+    assert dst.read_bytes() == content
+    assert _allocated(dst) < _allocated(src) - 4 * MiB
+
+
+def test_copy_sparse_of_an_all_hole_file_writes_no_data(tmp_path):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    _sparse_file(src, 16 * MiB, {})
+
+    digest = disks.copy_sparse(src, dst)
+
+    assert digest == hashlib.sha256(bytes(16 * MiB)).hexdigest()
+    assert os.path.getsize(dst) == 16 * MiB
+    assert _allocated(dst) == 0
+
+
+def test_copy_sparse_failure_leaves_no_destination(tmp_path):
+    with pytest.raises(errors.DiskCopyFailed):
+        disks.copy_sparse(tmp_path / "missing", tmp_path / "out" / "dst")
+    assert not (tmp_path / "out" / "dst").exists()
+
+
+def test_download_streams_in_chunks_and_verifies_the_checksum(s3, tmp_path):
+    content = os.urandom(3 * MiB + 5)
+    s3.put_object(Bucket=BUCKET, Key="images/big.raw", Body=content)
+    chunk_sizes: list[int] = []
+    real_get_object = s3.get_object
+
+    def recording_get_object(**kwargs):
+        response = real_get_object(**kwargs)
+        body = response["Body"]
+        real_iter = body.iter_chunks
+
+        def iter_chunks(chunk_size):
+            for chunk in real_iter(chunk_size):
+                chunk_sizes.append(len(chunk))
+                yield chunk
+
+        body.iter_chunks = iter_chunks
+        return response
+
+    s3.get_object = recording_get_object
+    dest = tmp_path / "images" / "big.raw"
+
+    size = disks.download_image(s3, BUCKET, "images/big.raw", dest, hashlib.sha256(content).hexdigest(), chunk_size=MiB)
+
+    assert size == len(content)
+    assert dest.read_bytes() == content
+    assert len(chunk_sizes) == 4 and max(chunk_sizes) <= MiB
+    assert _leftovers(dest.parent) == ["big.raw"]
+
+
+def test_download_writes_runs_of_zeros_as_holes(s3, tmp_path):
+    content = os.urandom(MiB) + bytes(8 * MiB) + os.urandom(MiB)
+    s3.put_object(Bucket=BUCKET, Key="sparse.raw", Body=content)
+    dest = tmp_path / "sparse.raw"
+
+    disks.download_image(s3, BUCKET, "sparse.raw", dest, hashlib.sha256(content).hexdigest(), chunk_size=MiB)
+
+    assert dest.read_bytes() == content
+    assert _allocated(dest) <= 4 * MiB
+
+
+def test_download_with_a_wrong_checksum_fails_and_leaves_nothing(s3, tmp_path):
+    s3.put_object(Bucket=BUCKET, Key="corrupt.raw", Body=os.urandom(2 * MiB))
+    dest = tmp_path / "images" / "corrupt.raw"
+
+    with pytest.raises(errors.ImageDownloadFailed):
+        disks.download_image(s3, BUCKET, "corrupt.raw", dest, hashlib.sha256(b"something else").hexdigest())
+
+    assert _leftovers(dest.parent) == []
+
+
+def test_download_of_a_missing_object_raises_image_download_failed(s3, tmp_path):
+    with pytest.raises(errors.ImageDownloadFailed):
+        disks.download_image(s3, BUCKET, "nope.raw", tmp_path / "nope.raw", "0" * 64)
+    assert _leftovers(tmp_path) == []
+
+
+def test_grow_extends_sparsely_and_never_shrinks(tmp_path):
+    path = tmp_path / "disk"
+    path.write_bytes(b"boot sector")
+
+    assert disks.grow(path, 64 * MiB) == 64 * MiB
+    assert disks.grow(path, MiB) == 64 * MiB
+
+    assert os.path.getsize(path) == 64 * MiB
+    assert _allocated(path) < MiB
+    assert path.read_bytes()[:11] == b"boot sector"
+
+
+def test_create_sparse_makes_an_empty_disk_and_keeps_an_existing_one(tmp_path):
+    path = tmp_path / "inst" / "disk.eph0"
+
+    disks.create_sparse(path, 128 * MiB)
+    assert os.path.getsize(path) == 128 * MiB
+    assert _allocated(path) == 0
+
+    with open(path, "r+b") as f:
+        f.write(b"data")
+    disks.create_sparse(path, 64 * MiB)
+    assert os.path.getsize(path) == 128 * MiB
+    assert path.read_bytes()[:4] == b"data"
+
+
+def _image(s3, key: str, content: bytes) -> dict[str, str]:
+    s3.put_object(Bucket=BUCKET, Key=key, Body=content)
+    return {"id": key, "bucket": BUCKET, "key": key, "sha256": hashlib.sha256(content).hexdigest()}
+
+
+def test_root_disk_holds_the_image_and_has_the_flavor_size(s3, tmp_path):
+    content = os.urandom(MiB + 3)
+    image = _image(s3, "cirros.raw", content)
+    dest = tmp_path / "inst" / "disk"
+
+    size = disks.create_root_disk(s3, image, 16 * MiB, dest, cache_dir=tmp_path / "_base")
+
+    assert size == os.path.getsize(dest) == 16 * MiB
+    with open(dest, "rb") as f:
+        assert f.read(len(content)) == content
+    assert disks.sha256_file(tmp_path / "_base" / image["sha256"]) == image["sha256"]
+
+
+def test_root_disk_of_size_zero_keeps_the_image_size(s3, tmp_path):
+    content = os.urandom(MiB)
+    image = _image(s3, "small.raw", content)
+
+    size = disks.create_root_disk(s3, image, 0, tmp_path / "disk")
+
+    assert size == MiB
+    assert (tmp_path / "disk").read_bytes() == content
+
+
+def test_image_larger_than_the_root_disk_raises_spawn_failed_before_downloading(s3, tmp_path):
+    image = _image(s3, "large.raw", os.urandom(2 * MiB))
+
+    with pytest.raises(errors.SpawnFailed):
+        disks.create_root_disk(s3, image, MiB, tmp_path / "disk", cache_dir=tmp_path / "_base")
+
+    assert not (tmp_path / "disk").exists()
+    assert not (tmp_path / "_base").exists()
+
+
+def test_cached_image_serves_later_root_disks_without_s3(s3, tmp_path):
+    content = os.urandom(MiB)
+    image = _image(s3, "cached.raw", content)
+    disks.create_root_disk(s3, image, 4 * MiB, tmp_path / "a" / "disk", cache_dir=tmp_path / "_base")
+    s3.delete_object(Bucket=BUCKET, Key="cached.raw")
+    s3.put_object(Bucket=BUCKET, Key="cached.raw", Body=b"x")  # a head still answers; the content must not be used
+
+    disks.create_root_disk(s3, {**image}, 4 * MiB, tmp_path / "b" / "disk", cache_dir=tmp_path / "_base")
+
+    with open(tmp_path / "b" / "disk", "rb") as f:
+        assert f.read(MiB) == content
+
+
+def test_a_rotten_cache_entry_is_fetched_again(s3, tmp_path):
+    content = os.urandom(MiB)
+    image = _image(s3, "rot.raw", content)
+    cache = tmp_path / "_base"
+    cache.mkdir()
+    (cache / image["sha256"]).write_bytes(b"bit rot")
+
+    disks.create_root_disk(s3, image, 2 * MiB, tmp_path / "disk", cache_dir=cache)
+
+    with open(tmp_path / "disk", "rb") as f:
+        assert f.read(MiB) == content
+    assert disks.sha256_file(cache / image["sha256"]) == image["sha256"]
+
+
+def test_remove_instance_dir_deletes_disks_and_accepts_a_missing_directory(tmp_path):
+    disks.create_sparse(disks.root_disk_path(tmp_path, "i-1"), MiB)
+    disks.create_sparse(disks.swap_disk_path(tmp_path, "i-1"), MiB)
+
+    disks.remove_instance_dir(tmp_path, "i-1")
+    disks.remove_instance_dir(tmp_path, "i-1")
+
+    assert not disks.instance_dir(tmp_path, "i-1").exists()

@@ -1,0 +1,674 @@
+"""The host agent end to end: Step Functions task tokens, its SQS queue, the libvirt test driver, real disk files.
+
+Each test runs an agent in a thread against moto (SQS, S3 and Step Functions executing a one-state
+machine that sends the operation with ``sqs:sendMessage.waitForTaskToken``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+from ferry import protocol
+from moto import mock_aws
+
+from hostagent import disks
+from hostagent.agent import HostAgent, ensure_host_queue
+from hostagent.driver import RUNNING, SHUTDOWN, LibvirtDriver, write_test_node_xml
+from hostagent.journal import SUCCEEDED
+
+REGION = "us-east-1"
+BUCKET = "ferry-images"
+QUEUE_PREFIX = "ferry-test-host-"
+MiB = 2**20
+GiB = 2**30
+FLAVOR = {
+    "flavorid": "2",
+    "name": "m1.small",
+    "vcpus": 2,
+    "memory_mb": 1024,
+    "root_gb": 1,
+    "ephemeral_gb": 1,
+    "swap": 64,
+}
+WAIT = 30.0
+
+
+def wait_for(condition: Callable[[], Any], what: str, timeout: float = WAIT) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"gave up waiting for {what}")
+
+
+class Recorder:
+    """A boto3 client that records the calls made through it (and can run a hook on one)."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+        self.hooks: dict[str, Callable[[dict[str, Any]], None]] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._client, name)
+        if name == "exceptions" or not callable(attr):
+            return attr
+
+        def call(**kwargs: Any) -> Any:
+            self.calls.append((name, kwargs))
+            hook = self.hooks.get(name)
+            if hook:
+                hook(kwargs)
+            return attr(**kwargs)
+
+        return call
+
+    def called(self, name: str) -> list[dict[str, Any]]:
+        return [kwargs for call, kwargs in self.calls if call == name]
+
+
+class ObservedDriver(LibvirtDriver):
+    """The libvirt driver, counting guest definitions and able to hold power_on until released."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.defined = 0
+        self.gate: threading.Event | None = None
+        self.entered = threading.Event()
+
+    def define_guest(self, spec):  # type: ignore[no-untyped-def]
+        self.defined += 1
+        super().define_guest(spec)
+
+    def power_on(self, instance_uuid: str) -> None:
+        self.entered.set()
+        if self.gate is not None:
+            assert self.gate.wait(WAIT), "power_on was never released"
+        super().power_on(instance_uuid)
+
+
+@dataclass
+class Host:
+    agent: HostAgent
+    driver: ObservedDriver
+    sqs: Recorder
+    sfn: Recorder
+    s3: Any
+    reports_url: str
+    state_machine_arn: str
+    instances_dir: Path
+    thread: threading.Thread
+    errors: list[BaseException] = field(default_factory=list)
+
+    @property
+    def queue_url(self) -> str:
+        assert self.agent.queue_url
+        return self.agent.queue_url
+
+    def execute(
+        self, operation: str, instance_uuid: str, args: dict[str, Any], operation_id: str | None = None
+    ) -> dict[str, Any]:
+        """Run the operation through Step Functions and return the finished execution."""
+        arn = self.start(operation, instance_uuid, args, operation_id)
+        return self.finished(arn)
+
+    def start(self, operation: str, instance_uuid: str, args: dict[str, Any], operation_id: str | None = None) -> str:
+        payload = {
+            "operation": operation,
+            "operation_id": operation_id or f"{uuid.uuid4()}:{operation}",
+            "instance_uuid": instance_uuid,
+            "args": args,
+        }
+        return self.sfn.start_execution(
+            stateMachineArn=self.state_machine_arn, name=str(uuid.uuid4()), input=json.dumps(payload)
+        )["executionArn"]
+
+    def finished(self, execution_arn: str) -> dict[str, Any]:
+        def done() -> dict[str, Any] | None:
+            described = self.sfn.describe_execution(executionArn=execution_arn)
+            return described if described["status"] != "RUNNING" else None
+
+        return wait_for(done, f"execution {execution_arn}")
+
+    def image(self, content: bytes, key: str | None = None) -> dict[str, str]:
+        key = key or f"images/{uuid.uuid4()}.raw"
+        self.s3.put_object(Bucket=BUCKET, Key=key, Body=content)
+        return {"id": key, "bucket": BUCKET, "key": key, "sha256": hashlib.sha256(content).hexdigest()}
+
+    def queue_is_empty(self) -> bool:
+        attrs = self.sqs.get_queue_attributes(
+            QueueUrl=self.queue_url,
+            AttributeNames=["ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible"],
+        )["Attributes"]
+        return attrs["ApproximateNumberOfMessages"] == "0" and attrs["ApproximateNumberOfMessagesNotVisible"] == "0"
+
+    def reports(self) -> list[dict[str, Any]]:
+        messages = self.sqs.receive_message(QueueUrl=self.reports_url, MaxNumberOfMessages=10).get("Messages", [])
+        return [json.loads(m["Body"]) for m in messages]
+
+
+def spawn_args(image: dict[str, str] | None, **changes: Any) -> dict[str, Any]:
+    args = {
+        "name": "web-1",
+        "flavor": FLAVOR,
+        "image": image,
+        "ports": [
+            {"id": "port-1", "mac_address": "fa:16:3e:11:22:33"},
+            {"id": "port-2", "mac_address": "fa:16:3e:44:55:66"},
+        ],
+        "volumes": [],
+        "power_on": True,
+    }
+    args.update(changes)
+    return args
+
+
+def state_machine_definition(queue_url: str) -> str:
+    return json.dumps(
+        {
+            "StartAt": "HostOperation",
+            "States": {
+                "HostOperation": {
+                    "Type": "Task",
+                    "Resource": "arn:aws:states:::sqs:sendMessage.waitForTaskToken",
+                    "HeartbeatSeconds": 30,
+                    "Parameters": {
+                        "QueueUrl": queue_url,
+                        "MessageBody": {
+                            "operation.$": "$.operation",
+                            "operation_id.$": "$.operation_id",
+                            "instance_uuid.$": "$.instance_uuid",
+                            "args.$": "$.args",
+                            "task_token.$": "$$.Task.Token",
+                        },
+                    },
+                    "End": True,
+                }
+            },
+        }
+    )
+
+
+@pytest.fixture
+def cloud(monkeypatch) -> Iterator[None]:
+    for name, value in (
+        ("AWS_ACCESS_KEY_ID", "testing"),
+        ("AWS_SECRET_ACCESS_KEY", "testing"),
+        ("AWS_DEFAULT_REGION", REGION),
+    ):
+        monkeypatch.setenv(name, value)
+    with mock_aws(config={"stepfunctions": {"execute_state_machine": True}}):
+        yield
+
+
+@pytest.fixture
+def host(cloud, tmp_path) -> Iterator[Host]:
+    sqs = Recorder(boto3.client("sqs", region_name=REGION))
+    sfn = Recorder(boto3.client("stepfunctions", region_name=REGION))
+    s3 = boto3.client("s3", region_name=REGION)
+    s3.create_bucket(Bucket=BUCKET)
+    reports_url = sqs.create_queue(QueueName="ferry-test-host-reports")["QueueUrl"]
+    instances_dir = tmp_path / "instances"
+    driver = ObservedDriver(
+        write_test_node_xml(tmp_path / "node.xml", vcpus=16, memory_mb=32768), disk_path=instances_dir
+    )
+    agent = HostAgent(
+        host="compute1",
+        node="compute1",
+        cell="cell1",
+        queue_url=None,
+        reports_queue_url=reports_url,
+        driver=driver,
+        instances_dir=instances_dir,
+        state_dir=tmp_path / "state",
+        queue_prefix=QUEUE_PREFIX,
+        sqs=sqs,
+        stepfunctions=sfn,
+        s3=s3,
+        poll_wait_seconds=0,
+        idle_wait_seconds=0.02,
+        keepalive_interval=0.1,
+        report_interval=3600,
+        heartbeat_interval=3600,
+    )
+    agent.start()
+    assert agent.queue_url
+    state_machine_arn = sfn.create_state_machine(
+        name="host-operation",
+        definition=state_machine_definition(agent.queue_url),
+        roleArn="arn:aws:iam::123456789012:role/ferry-test",
+    )["stateMachineArn"]
+    failures: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            agent.run()
+        except BaseException as exc:  # surfaced by the fixture's teardown
+            failures.append(exc)
+
+    thread = threading.Thread(target=run, name="host-agent", daemon=True)
+    thread.start()
+    env = Host(
+        agent=agent,
+        driver=driver,
+        sqs=sqs,
+        sfn=sfn,
+        s3=s3,
+        reports_url=reports_url,
+        state_machine_arn=state_machine_arn,
+        instances_dir=instances_dir,
+        thread=thread,
+        errors=failures,
+    )
+    yield env
+    if driver.gate is not None:
+        driver.gate.set()
+    agent.stop()
+    thread.join(WAIT)
+    assert not thread.is_alive(), "the agent did not stop"
+    assert failures == []
+    driver.close()
+
+
+def output(execution: dict[str, Any]) -> dict[str, Any]:
+    assert execution["status"] == "SUCCEEDED", execution
+    return json.loads(execution["output"])
+
+
+def failure(execution: dict[str, Any]) -> str:
+    assert execution["status"] == "FAILED", execution
+    return str(execution["error"])
+
+
+def allocated(path: Path) -> int:
+    return os.stat(path).st_blocks * 512
+
+
+def journal_entry(host: Host, operation_id: str):
+    assert host.agent.journal is not None
+    return host.agent.journal.get(operation_id)
+
+
+# --- spawn ---------------------------------------------------------------------------------------
+
+
+def test_spawn_creates_a_running_guest_with_the_flavor_ports_and_sparse_disks(host):
+    content = os.urandom(MiB) + bytes(2 * MiB) + b"end of image"
+    instance_uuid = str(uuid.uuid4())
+
+    result = output(host.execute("spawn", instance_uuid, spawn_args(host.image(content))))
+
+    assert result == {"instance_uuid": instance_uuid, "host": "compute1", "node": "compute1", "power_state": RUNNING}
+    assert host.driver.guest_power_state(instance_uuid) == RUNNING
+    dom = host.driver.connection.lookupByUUIDString(instance_uuid)
+    state, max_mem_kib, _mem, vcpus, _cpu_time = dom.info()
+    assert (vcpus, max_mem_kib) == (2, 1024 * 1024)
+    xml = dom.XMLDesc(0)
+    assert "fa:16:3e:11:22:33" in xml and "fa:16:3e:44:55:66" in xml
+    directory = disks.instance_dir(host.instances_dir, instance_uuid)
+    root, eph, swap = directory / "disk", directory / "disk.eph0", directory / "disk.swap"
+    assert os.path.getsize(root) == 1 * GiB
+    assert os.path.getsize(eph) == 1 * GiB
+    assert os.path.getsize(swap) == 64 * MiB
+    assert allocated(root) < 8 * MiB and allocated(eph) == 0 and allocated(swap) == 0
+    with open(root, "rb") as f:
+        assert f.read(len(content)) == content
+    assert [(d.kind, d.device, d.path) for d in host.driver.guest_spec(instance_uuid).disks] == [
+        ("root", "vda", str(root)),
+        ("ephemeral", "vdb", str(eph)),
+        ("swap", "vdc", str(swap)),
+    ]
+    assert wait_for(host.queue_is_empty, "the message to be deleted")
+
+
+def test_spawn_without_power_on_leaves_the_guest_shut_off(host):
+    instance_uuid = str(uuid.uuid4())
+    args = spawn_args(host.image(b"x" * 4096), power_on=False, flavor={**FLAVOR, "ephemeral_gb": 0, "swap": 0})
+
+    result = output(host.execute("spawn", instance_uuid, args))
+
+    assert result["power_state"] == SHUTDOWN
+    directory = disks.instance_dir(host.instances_dir, instance_uuid)
+    assert sorted(p.name for p in directory.iterdir()) == ["disk"]
+
+
+def test_volume_backed_spawn_boots_from_the_volume_without_a_root_disk(host):
+    instance_uuid = str(uuid.uuid4())
+    volume = {"volume_id": "vol-1", "path": "/dev/mapper/vol-1", "device": "/dev/vda", "boot_index": 0}
+    args = spawn_args(None, volumes=[volume], flavor={**FLAVOR, "root_gb": 0, "ephemeral_gb": 0, "swap": 0})
+
+    output(host.execute("spawn", instance_uuid, args))
+
+    spec = host.driver.guest_spec(instance_uuid)
+    assert [(d.kind, d.device, d.volume_id, d.boot) for d in spec.disks] == [("volume", "vda", "vol-1", True)]
+    assert not (disks.instance_dir(host.instances_dir, instance_uuid) / "disk").exists()
+
+
+def test_spawn_creates_a_new_volume_from_its_source_image(host):
+    instance_uuid = str(uuid.uuid4())
+    content = os.urandom(MiB) + b"volume image"
+    path = host.instances_dir.parent / "volumes" / "vol-2"
+    volume = {
+        "volume_id": "vol-2",
+        "path": str(path),
+        "device": "/dev/vda",
+        "boot_index": 0,
+        "size_gb": 1,
+        "source_image": host.image(content),
+    }
+    args = spawn_args(None, volumes=[volume], flavor={**FLAVOR, "root_gb": 0, "ephemeral_gb": 0, "swap": 0})
+
+    output(host.execute("spawn", instance_uuid, args))
+
+    assert os.path.getsize(path) == GiB
+    with open(path, "rb") as f:
+        assert f.read(len(content)) == content
+    assert [d.path for d in host.driver.guest_spec(instance_uuid).disks] == [str(path)]
+
+
+def test_a_volume_whose_image_is_corrupt_is_not_left_behind(host):
+    instance_uuid = str(uuid.uuid4())
+    path = host.instances_dir.parent / "volumes" / "vol-3"
+    image = {**host.image(os.urandom(MiB)), "sha256": "0" * 64}
+    volume = {
+        "volume_id": "vol-3",
+        "path": str(path),
+        "device": "/dev/vda",
+        "boot_index": 0,
+        "size_gb": 1,
+        "source_image": image,
+    }
+    args = spawn_args(None, volumes=[volume], flavor={**FLAVOR, "root_gb": 0, "ephemeral_gb": 0, "swap": 0})
+
+    assert failure(host.execute("spawn", instance_uuid, args)) == "Ferry.ImageDownloadFailed"
+
+    assert not path.exists()
+    assert not host.driver.guest_exists(instance_uuid)
+
+
+def test_spawn_of_an_existing_guest_succeeds_without_redefining_it(host):
+    instance_uuid = str(uuid.uuid4())
+    args = spawn_args(host.image(b"boot" * 1024))
+    output(host.execute("spawn", instance_uuid, args))
+
+    again = output(host.execute("spawn", instance_uuid, args))
+
+    assert again["power_state"] == RUNNING
+    assert host.driver.defined == 1
+
+
+def test_corrupt_image_fails_with_image_download_failed_and_leaves_no_files(host):
+    instance_uuid = str(uuid.uuid4())
+    image = {**host.image(os.urandom(MiB)), "sha256": hashlib.sha256(b"another image").hexdigest()}
+
+    error = failure(host.execute("spawn", instance_uuid, spawn_args(image)))
+
+    assert error == "Ferry.ImageDownloadFailed"
+    assert not host.driver.guest_exists(instance_uuid)
+    assert not disks.instance_dir(host.instances_dir, instance_uuid).exists()
+    assert [p for p in host.instances_dir.rglob("*") if p.is_file()] == []
+
+
+def test_hypervisor_refusal_fails_with_hypervisor_error_and_leaves_nothing(host):
+    instance_uuid = str(uuid.uuid4())
+    args = spawn_args(host.image(b"x" * 4096), ports=[{"id": "port-1", "mac_address": "not-a-mac"}])
+
+    error = failure(host.execute("spawn", instance_uuid, args))
+
+    assert error == "Ferry.HypervisorError"
+    assert not host.driver.guest_exists(instance_uuid)
+    assert not disks.instance_dir(host.instances_dir, instance_uuid).exists()
+
+
+# --- power and destroy ---------------------------------------------------------------------------
+
+
+def test_power_off_and_power_on_change_the_power_state(host):
+    instance_uuid = str(uuid.uuid4())
+    output(host.execute("spawn", instance_uuid, spawn_args(host.image(b"x" * 4096))))
+
+    assert output(host.execute("power_off", instance_uuid, {}))["power_state"] == SHUTDOWN
+    assert host.driver.guest_power_state(instance_uuid) == SHUTDOWN
+    assert output(host.execute("power_off", instance_uuid, {"timeout": 1}))["power_state"] == SHUTDOWN
+
+    assert output(host.execute("power_on", instance_uuid, {}))["power_state"] == RUNNING
+    assert host.driver.guest_power_state(instance_uuid) == RUNNING
+
+
+def test_power_on_of_an_unknown_guest_fails_with_guest_not_found(host):
+    assert failure(host.execute("power_on", str(uuid.uuid4()), {})) == "Ferry.GuestNotFound"
+
+
+def test_destroy_removes_the_guest_and_its_instance_directory_and_repeats_safely(host):
+    instance_uuid = str(uuid.uuid4())
+    output(host.execute("spawn", instance_uuid, spawn_args(host.image(b"x" * 4096))))
+
+    assert output(host.execute("destroy", instance_uuid, {}))["power_state"] == 0
+    assert output(host.execute("destroy", instance_uuid, {}))["power_state"] == 0
+
+    assert not host.driver.guest_exists(instance_uuid)
+    assert not disks.instance_dir(host.instances_dir, instance_uuid).exists()
+
+
+def test_destroy_of_an_absent_guest_removes_leftover_disks(host):
+    instance_uuid = str(uuid.uuid4())
+    disks.create_sparse(disks.root_disk_path(host.instances_dir, instance_uuid), MiB)
+
+    output(host.execute("destroy", instance_uuid, {}))
+
+    assert not disks.instance_dir(host.instances_dir, instance_uuid).exists()
+
+
+def test_destroy_keeping_disks_removes_only_the_guest(host):
+    instance_uuid = str(uuid.uuid4())
+    output(host.execute("spawn", instance_uuid, spawn_args(host.image(b"x" * 4096))))
+
+    output(host.execute("destroy", instance_uuid, {"keep_disks": True}))
+
+    assert not host.driver.guest_exists(instance_uuid)
+    assert (disks.instance_dir(host.instances_dir, instance_uuid) / "disk").exists()
+
+
+# --- at-least-once delivery ----------------------------------------------------------------------
+
+
+def test_redelivered_message_resends_the_recorded_result_without_redoing_the_work(host):
+    instance_uuid = str(uuid.uuid4())
+    operation_id = f"{uuid.uuid4()}:spawn"
+    args = spawn_args(host.image(b"x" * 4096))
+    first = output(host.execute("spawn", instance_uuid, args, operation_id=operation_id))
+    (answer,) = host.sfn.called("send_task_success")
+
+    # The same message again, as SQS delivers it when a delete is lost.
+    body = {
+        "operation": "spawn",
+        "operation_id": operation_id,
+        "instance_uuid": instance_uuid,
+        "args": args,
+        "task_token": answer["taskToken"],
+    }
+    host.sqs.send_message(QueueUrl=host.queue_url, MessageBody=json.dumps(body))
+    wait_for(lambda: len(host.sfn.called("send_task_success")) == 2, "the answer to be sent again")
+
+    resent = host.sfn.called("send_task_success")[1]
+    assert resent["taskToken"] == answer["taskToken"]
+    assert json.loads(resent["output"]) == first
+    assert host.driver.defined == 1
+    assert journal_entry(host, operation_id).attempts == 1
+    assert wait_for(host.queue_is_empty, "the redelivered message to be deleted")
+
+
+def test_a_recorded_failure_is_resent_to_a_redelivery_and_retried_for_a_new_task(host):
+    instance_uuid = str(uuid.uuid4())
+    operation_id = f"{uuid.uuid4()}:power_on"
+    assert failure(host.execute("power_on", instance_uuid, {}, operation_id=operation_id)) == "Ferry.GuestNotFound"
+    (answer,) = host.sfn.called("send_task_failure")
+    body = {
+        "operation": "power_on",
+        "operation_id": operation_id,
+        "instance_uuid": instance_uuid,
+        "args": {},
+        "task_token": answer["taskToken"],
+    }
+    host.sqs.send_message(QueueUrl=host.queue_url, MessageBody=json.dumps(body))
+    wait_for(lambda: len(host.sfn.called("send_task_failure")) == 2, "the failure to be sent again")
+    assert journal_entry(host, operation_id).attempts == 1
+
+    # The workflow retries the step: same operation id, new task token, and now the guest exists.
+    output(host.execute("spawn", instance_uuid, spawn_args(host.image(b"x" * 4096), power_on=False)))
+    retried = output(host.execute("power_on", instance_uuid, {}, operation_id=operation_id))
+
+    assert retried["power_state"] == RUNNING
+    assert journal_entry(host, operation_id).attempts == 2
+
+
+def test_an_operation_interrupted_by_a_crash_runs_again(host):
+    instance_uuid = str(uuid.uuid4())
+    operation_id = f"{uuid.uuid4()}:spawn"
+    assert host.agent.journal is not None
+    host.agent.journal.start(operation_id, "spawn", instance_uuid, "token-of-the-lost-attempt")
+
+    result = output(
+        host.execute("spawn", instance_uuid, spawn_args(host.image(b"x" * 4096)), operation_id=operation_id)
+    )
+
+    assert result["power_state"] == RUNNING
+    entry = journal_entry(host, operation_id)
+    assert entry.status == SUCCEEDED and entry.attempts == 2
+
+
+def test_an_operation_without_a_task_token_is_done_and_journaled(host):
+    instance_uuid = str(uuid.uuid4())
+    operation_id = f"{uuid.uuid4()}:spawn"
+    body = {
+        "operation": "spawn",
+        "operation_id": operation_id,
+        "instance_uuid": instance_uuid,
+        "args": spawn_args(host.image(b"x" * 4096)),
+        "task_token": None,
+    }
+
+    host.sqs.send_message(QueueUrl=host.queue_url, MessageBody=json.dumps(body))
+
+    wait_for(lambda: (e := journal_entry(host, operation_id)) is not None and e.finished, "the operation to end")
+    assert journal_entry(host, operation_id).result["power_state"] == RUNNING
+    assert host.driver.guest_power_state(instance_uuid) == RUNNING
+    assert wait_for(host.queue_is_empty, "the message to be deleted")
+
+
+# --- invalid messages ----------------------------------------------------------------------------
+
+
+def test_unknown_operation_fails_with_invalid_operation_and_is_deleted(host):
+    error = failure(host.execute("reboot", str(uuid.uuid4()), {}))
+
+    assert error == "Ferry.InvalidOperation"
+    assert wait_for(host.queue_is_empty, "the poison message to be deleted")
+
+
+def test_invalid_spawn_arguments_fail_with_invalid_operation(host):
+    assert failure(host.execute("spawn", str(uuid.uuid4()), {"name": "no flavor"})) == "Ferry.InvalidOperation"
+
+
+def test_a_message_that_is_not_json_is_deleted_and_the_agent_keeps_working(host):
+    host.sqs.send_message(QueueUrl=host.queue_url, MessageBody="this is not an operation")
+    wait_for(host.queue_is_empty, "the poison message to be deleted")
+
+    instance_uuid = str(uuid.uuid4())
+    assert output(host.execute("destroy", instance_uuid, {}))["instance_uuid"] == instance_uuid
+
+
+# --- keepalive and stopping ----------------------------------------------------------------------
+
+
+def test_a_long_operation_sends_task_heartbeats_and_extends_the_message_visibility(host):
+    instance_uuid = str(uuid.uuid4())
+    output(host.execute("spawn", instance_uuid, spawn_args(host.image(b"x" * 4096), power_on=False)))
+    gate = host.driver.gate = threading.Event()
+    heartbeat_sent, visibility_extended = threading.Event(), threading.Event()
+
+    def release_when_both_seen(seen: threading.Event) -> None:
+        # The operation cannot end before the agent heartbeats the task and extends the message's visibility.
+        seen.set()
+        if heartbeat_sent.is_set() and visibility_extended.is_set():
+            gate.set()
+
+    host.sfn.hooks["send_task_heartbeat"] = lambda _kwargs: release_when_both_seen(heartbeat_sent)
+    host.sqs.hooks["change_message_visibility"] = lambda _kwargs: release_when_both_seen(visibility_extended)
+
+    assert output(host.execute("power_on", instance_uuid, {}))["power_state"] == RUNNING
+
+    assert host.sfn.called("send_task_heartbeat")
+    extended = host.sqs.called("change_message_visibility")
+    assert extended and all(call["VisibilityTimeout"] == host.agent.visibility_timeout for call in extended)
+
+
+def test_stopping_lets_the_running_operation_finish(host):
+    instance_uuid = str(uuid.uuid4())
+    output(host.execute("spawn", instance_uuid, spawn_args(host.image(b"x" * 4096), power_on=False)))
+    host.driver.gate = threading.Event()
+    host.driver.entered.clear()
+
+    execution_arn = host.start("power_on", instance_uuid, {})
+    assert host.driver.entered.wait(WAIT)
+    host.agent.stop()
+    host.driver.gate.set()
+    host.thread.join(WAIT)
+
+    assert not host.thread.is_alive()
+    assert output(host.finished(execution_arn))["power_state"] == RUNNING
+    assert host.queue_is_empty()
+
+
+# --- reports and the queue -----------------------------------------------------------------------
+
+
+def test_the_agent_reports_inventory_and_heartbeat_when_it_starts(host):
+    instance_uuid = str(uuid.uuid4())
+    reports = {r["kind"]: r for r in host.reports()}
+
+    inventory = reports["inventory"]
+    protocol.validate(inventory, protocol.REPORT_SCHEMA)
+    assert (inventory["host"], inventory["node"], inventory["cell"]) == ("compute1", "compute1", "cell1")
+    assert inventory["inventory"]["VCPU"] == {"total": 16, "reserved": 0}
+    assert inventory["inventory"]["MEMORY_MB"] == {"total": 32768, "reserved": 0}
+    assert inventory["inventory"]["DISK_GB"]["total"] > 0
+    assert inventory["guests"] == []
+    assert reports["heartbeat"]["host"] == "compute1"
+
+    output(host.execute("spawn", instance_uuid, spawn_args(host.image(b"x" * 4096))))
+    assert host.agent.send_inventory()
+    (later,) = [r for r in host.reports() if r["kind"] == "inventory"]
+    assert later["guests"] == [instance_uuid]
+
+
+def test_the_agent_creates_its_queue_with_a_dead_letter_queue(host):
+    attrs = host.sqs.get_queue_attributes(QueueUrl=host.queue_url, AttributeNames=["All"])["Attributes"]
+    redrive = json.loads(attrs["RedrivePolicy"])
+    dlq_url = host.sqs.get_queue_url(QueueName=f"{QUEUE_PREFIX}compute1-dlq")["QueueUrl"]
+    dlq_arn = host.sqs.get_queue_attributes(QueueUrl=dlq_url, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
+
+    assert host.queue_url.endswith(protocol.host_queue_name(QUEUE_PREFIX, "compute1"))
+    assert redrive["deadLetterTargetArn"] == dlq_arn
+    assert int(redrive["maxReceiveCount"]) == 5
+
+
+def test_ensuring_the_queue_again_keeps_it_and_applies_new_settings(host):
+    again = ensure_host_queue(host.sqs, QUEUE_PREFIX, "compute1", visibility_timeout=300)
+
+    assert again == host.queue_url
+    attrs = host.sqs.get_queue_attributes(QueueUrl=again, AttributeNames=["VisibilityTimeout"])["Attributes"]
+    assert attrs["VisibilityTimeout"] == "300"

@@ -1,0 +1,76 @@
+"""Images in S3 (moto): registering, listing, locating and deleting, and the API's image look-ups."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+from ferry import aws, config, errors, images
+from test_api_support import IMAGE_BYTES, call, mocked_cloud
+
+
+@pytest.fixture
+def cloud(store, monkeypatch, tmp_path):
+    yield from mocked_cloud(monkeypatch, tmp_path)
+
+
+def test_register_streams_the_file_and_records_its_sha256(cloud, tmp_path):
+    data = os.urandom(9 * 1024 * 1024)  # above the transfer manager's multipart threshold
+    path = tmp_path / "big.raw"
+    path.write_bytes(data)
+
+    image = images.register_image(path, "big", min_disk=2, min_ram=256)
+
+    assert (image["status"], image["size"], image["min_disk"], image["min_ram"]) == ("active", len(data), 2, 256)
+    assert image["os_hash_value"] == hashlib.sha256(data).hexdigest()
+    head = aws.client("s3").head_object(Bucket=config.get().image_bucket, Key=f"images/{image['id']}")
+    assert head["Metadata"]["sha256"] == image["os_hash_value"]
+    assert head["Metadata"]["image-id"] == image["id"] and head["Metadata"]["disk-format"] == "raw"
+    assert images.image_location(image["id"]) == {"id": image["id"], "bucket": config.get().image_bucket,
+                                                  "key": f"images/{image['id']}", "sha256": image["os_hash_value"]}
+
+
+def test_register_is_idempotent_by_name(cloud, tmp_path):
+    path = tmp_path / "again.raw"
+    path.write_bytes(IMAGE_BYTES)
+
+    again = images.register_image(path, "cirros")
+
+    assert again["id"] == cloud.image_id
+    assert [i["id"] for i in images.list_images()] == [cloud.image_id]
+
+
+def test_an_unfinished_upload_is_not_bootable(cloud):
+    aws.client("s3").put_object(Bucket=config.get().image_bucket, Key="images/half", Body=b"x",
+                                Metadata={"image-id": "half", "name": "half"})
+
+    assert images.get_image("half")["status"] == "saving"
+    with pytest.raises(errors.ImageNotFound):
+        images.image_location("half")
+
+
+def test_delete_image_twice_is_harmless(cloud):
+    assert images.delete_image(cloud.image_id) is True
+    assert images.delete_image(cloud.image_id) is False
+    with pytest.raises(errors.ImageNotFound):
+        images.get_image(cloud.image_id)
+
+
+def test_api_lists_and_shows_images_in_image_v2_shapes(cloud):
+    listed = call("GET", "/v2.1/images").body["images"]
+    by_name = call("GET", "/v2.1/images", query={"name": "cirros"}).body["images"]
+    nobody = call("GET", "/v2.1/images", query={"name": "nope"}).body["images"]
+    shown = call("GET", f"/v2.1/images/{cloud.image_id}").body
+
+    assert [i["id"] for i in listed] == [i["id"] for i in by_name] == [cloud.image_id]
+    assert nobody == []
+    assert {k: shown[k] for k in ("id", "name", "status", "disk_format", "container_format", "visibility")} == \
+        {"id": cloud.image_id, "name": "cirros", "status": "active", "disk_format": "raw",
+         "container_format": "bare", "visibility": "public"}
+
+
+def test_api_image_lookup_by_name_in_the_path_is_404(cloud):
+    response = call("GET", "/v2.1/images/cirros")
+
+    assert response.status == 404 and response.body["itemNotFound"]["code"] == 404

@@ -1,0 +1,244 @@
+"""The local API Gateway: routing from the template, the REQUEST authorizer, the REST proxy event."""
+
+from __future__ import annotations
+
+import base64
+import json
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import requests
+from ferry.local.gateway import ApiGateway
+from ferry.local.runtime import FunctionRunner
+from ferry.local.template import resolve
+
+TEMPLATE = """
+Transform: AWS::Serverless-2016-10-31
+Parameters:
+  Stage: {Type: String, Default: local}
+Resources:
+  Api:
+    Type: AWS::Serverless::Api
+    Properties:
+      StageName: !Ref Stage
+      Auth:
+        DefaultAuthorizer: Tokens
+        Authorizers:
+          Tokens:
+            FunctionArn: !GetAtt AuthorizerFunction.Arn
+            FunctionPayloadType: REQUEST
+            Identity: {Headers: [X-Auth-Token], ReauthorizeEvery: 0}
+  AuthorizerFunction:
+    Type: AWS::Serverless::Function
+    Properties: {FunctionName: gw-authorizer, CodeUri: functions/authorizer/, Handler: app.handler}
+  EchoFunction:
+    Type: AWS::Serverless::Function
+    Properties:
+      FunctionName: gw-echo
+      CodeUri: functions/echo/
+      Handler: app.handler
+      Events:
+        Root:
+          Type: Api
+          Properties: {RestApiId: !Ref Api, Path: /v9, Method: GET, Auth: {Authorizer: NONE}}
+        RootSlash:
+          Type: Api
+          Properties: {RestApiId: !Ref Api, Path: /v9/, Method: GET, Auth: {Authorizer: NONE}}
+        Item:
+          Type: Api
+          Properties: {RestApiId: !Ref Api, Path: "/v9/items/{item_id}", Method: GET}
+        Everything:
+          Type: Api
+          Properties: {RestApiId: !Ref Api, Path: "/v9/{proxy+}", Method: ANY}
+"""
+
+AUTHORIZER = """
+def handler(event, context):
+    token = event["headers"].get("X-Auth-Token") or event["headers"].get("x-auth-token")
+    effect = {"good": "Allow", "deny": "Deny"}.get(token)
+    if effect is None:
+        if token == "broken":
+            raise RuntimeError("the token store is down")
+        raise Exception("Unauthorized")
+    context_values = {"user_id": "u-1", "project_id": "p-1", "admin": False, "level": 3}
+    if token == "deny":
+        context_values = {}
+    arn = event["methodArn"]
+    return {
+        "principalId": "u-1",
+        "policyDocument": {
+            "Version": "2012-10-17",
+            "Statement": [{"Action": "execute-api:Invoke", "Effect": effect, "Resource": arn.split("/")[0] + "/*"}],
+        },
+        "context": context_values,
+    }
+"""
+
+ECHO = """
+import base64
+import json
+
+calls = []
+
+def handler(event, context):
+    calls.append(event)
+    if event["path"].endswith("/explode"):
+        raise RuntimeError("boom")
+    if event["path"].endswith("/binary"):
+        return {"statusCode": 200, "headers": {"Content-Type": "application/octet-stream"},
+                "body": base64.b64encode(b"\\x00\\x01\\xff").decode(), "isBase64Encoded": True}
+    return {
+        "statusCode": 201 if event["httpMethod"] == "POST" else 200,
+        "headers": {"Content-Type": "application/json", "X-Single": "one"},
+        "multiValueHeaders": {"X-Multi": ["a", "b"]},
+        "body": json.dumps({"event": event}),
+    }
+"""
+
+
+def write_app(root: Path) -> Path:
+    for name, code in {"authorizer": AUTHORIZER, "echo": ECHO}.items():
+        (root / "functions" / name).mkdir(parents=True)
+        (root / "functions" / name / "app.py").write_text(textwrap.dedent(code))
+    (root / "template.yaml").write_text(textwrap.dedent(TEMPLATE))
+    return root / "template.yaml"
+
+
+@pytest.fixture
+def gateway(tmp_path) -> Iterator[ApiGateway]:
+    model = resolve(write_app(tmp_path))
+    with ApiGateway(model, FunctionRunner(model), port=0) as running:
+        yield running
+
+
+def _event(response: requests.Response) -> dict:
+    return response.json()["event"]
+
+
+def test_a_route_without_authorizer_needs_no_token(gateway):
+    response = requests.get(gateway.url + "/v9")
+    assert response.status_code == 200
+    event = _event(response)
+    assert event["resource"] == "/v9"
+    assert "authorizer" not in event["requestContext"]
+    assert _event(requests.get(gateway.url + "/v9/"))["resource"] == "/v9/"
+
+
+def test_a_missing_token_is_401_without_calling_the_authorizer(gateway):
+    response = requests.get(gateway.url + "/v9/servers")
+    assert response.status_code == 401
+    assert response.json() == {"message": "Unauthorized"}
+
+
+def test_an_authorizer_raising_unauthorized_is_401(gateway):
+    response = requests.get(gateway.url + "/v9/servers", headers={"X-Auth-Token": "stranger"})
+    assert response.status_code == 401
+    assert response.json() == {"message": "Unauthorized"}
+
+
+def test_an_authorizer_failing_otherwise_is_500(gateway):
+    response = requests.get(gateway.url + "/v9/servers", headers={"X-Auth-Token": "broken"})
+    assert response.status_code == 500
+
+
+def test_a_deny_policy_is_403(gateway):
+    response = requests.get(gateway.url + "/v9/servers", headers={"X-Auth-Token": "deny"})
+    assert response.status_code == 403
+    assert "explicit deny" in response.json()["Message"]
+
+
+def test_an_allowed_request_reaches_the_function_with_the_authorizer_context(gateway):
+    response = requests.get(gateway.url + "/v9/servers/detail", headers={"X-Auth-Token": "good"})
+    assert response.status_code == 200
+    authorizer = _event(response)["requestContext"]["authorizer"]
+    assert authorizer == {"user_id": "u-1", "project_id": "p-1", "admin": "false", "level": 3, "principalId": "u-1"}
+
+
+def test_the_authorizer_gets_a_request_event_with_the_method_arn(gateway, monkeypatch):
+    seen = []
+    original = gateway.runner.invoke
+
+    def spy(name, event, **kwargs):
+        invocation = original(name, event, **kwargs)
+        if name == "AuthorizerFunction":
+            seen.append(event)
+        return invocation
+
+    monkeypatch.setattr(gateway.runner, "invoke", spy)
+    requests.post(gateway.url + "/v9/servers/abc/action?x=1", headers={"X-Auth-Token": "good"}, json={})
+    (event,) = seen
+    assert event["type"] == "REQUEST"
+    assert event["methodArn"] == (
+        f"arn:aws:execute-api:us-east-1:123456789012:{gateway.rest_api_id}/local/POST/v9/servers/abc/action"
+    )
+    assert event["headers"]["X-Auth-Token"] == "good"
+    assert event["multiValueHeaders"]["X-Auth-Token"] == ["good"]
+    assert event["queryStringParameters"] == {"x": "1"}
+    assert event["path"] == "/v9/servers/abc/action"
+    assert event["httpMethod"] == "POST"
+    assert event["requestContext"]["stage"] == "local"
+
+
+def test_the_proxy_event_has_the_rest_v1_shape(gateway):
+    response = requests.post(
+        gateway.url + "/v9/servers/abc/action?tag=a&tag=b&limit=5",
+        headers={"X-Auth-Token": "good", "X-Custom": "yes"},
+        data=json.dumps({"migrate": None}),
+    )
+    assert response.status_code == 201
+    event = _event(response)
+    assert event["resource"] == "/v9/{proxy+}"
+    assert event["path"] == "/v9/servers/abc/action"
+    assert event["httpMethod"] == "POST"
+    assert event["pathParameters"] == {"proxy": "servers/abc/action"}
+    assert event["queryStringParameters"] == {"tag": "b", "limit": "5"}
+    assert event["multiValueQueryStringParameters"] == {"tag": ["a", "b"], "limit": ["5"]}
+    assert event["headers"]["X-Custom"] == "yes"
+    assert event["headers"]["X-Forwarded-Proto"] == "http"
+    assert event["multiValueHeaders"]["X-Custom"] == ["yes"]
+    assert event["stageVariables"] is None
+    assert json.loads(event["body"]) == {"migrate": None}
+    assert event["isBase64Encoded"] is False
+    context = event["requestContext"]
+    assert context["resourcePath"] == "/v9/{proxy+}"
+    assert context["httpMethod"] == "POST"
+    assert context["stage"] == "local"
+    assert context["identity"]["sourceIp"] == "127.0.0.1"
+    assert response.headers["x-amzn-RequestId"] == context["requestId"]
+
+
+def test_a_literal_or_parameter_route_beats_the_greedy_one(gateway):
+    event = _event(requests.get(gateway.url + "/v9/items/42", headers={"X-Auth-Token": "good"}))
+    assert event["resource"] == "/v9/items/{item_id}"
+    assert event["pathParameters"] == {"item_id": "42"}
+
+
+def test_an_unknown_path_is_403_missing_authentication_token(gateway):
+    response = requests.get(gateway.url + "/nowhere")
+    assert response.status_code == 403
+    assert response.json() == {"message": "Missing Authentication Token"}
+    assert requests.post(gateway.url + "/v9").status_code == 403
+
+
+def test_the_function_response_is_written_back(gateway):
+    response = requests.get(gateway.url + "/v9/anything", headers={"X-Auth-Token": "good"})
+    assert response.headers["X-Single"] == "one"
+    assert response.headers["X-Multi"] == "a, b"
+    binary = requests.get(gateway.url + "/v9/binary", headers={"X-Auth-Token": "good"})
+    assert binary.content == b"\x00\x01\xff"
+    assert binary.headers["Content-Type"] == "application/octet-stream"
+
+
+def test_a_function_error_is_502(gateway):
+    response = requests.get(gateway.url + "/v9/explode", headers={"X-Auth-Token": "good"})
+    assert response.status_code == 502
+    assert response.json() == {"message": "Internal server error"}
+
+
+def test_a_binary_request_body_arrives_base64_encoded(gateway):
+    response = requests.put(gateway.url + "/v9/blob", headers={"X-Auth-Token": "good"}, data=b"\xff\xfe\x00")
+    event = _event(response)
+    assert event["isBase64Encoded"] is True
+    assert base64.b64decode(event["body"]) == b"\xff\xfe\x00"

@@ -1,0 +1,173 @@
+"""The state machines: valid ASL, a sound graph, and the workflow rules Ferry keeps.
+
+Each ``statemachine/*.asl.json`` is filled in with the values the template substitutes for a
+local deployment and compiled by moto's ASL parser (the one that rejects a definition at
+CreateStateMachine). The parser does not follow transitions, so the graph is checked here, in
+every scope: the top level, each Parallel branch and each Map's ItemProcessor (or Iterator).
+The rules are described in docs/development.md.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from ferry.local.template import resolve
+from moto.stepfunctions.parser.asl.parse.asl_parser import AmazonStateLanguageParser
+
+ROOT = Path(__file__).resolve().parents[2]
+TEMPLATE = resolve(ROOT / "template.yaml")
+ASL_FILES = sorted((ROOT / "statemachine").glob("*.asl.json"))
+
+HOST_OPERATION = "arn:aws:states:::sqs:sendMessage.waitForTaskToken"
+# States that end a scope or branch by their type: no Next, no End.
+TERMINAL_TYPES = {"Succeed", "Fail", "Choice"}
+# States that do work and can fail on their own.
+WORK_TYPES = {"Task", "Parallel", "Map"}
+
+
+def _rel(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+def _definition_text(asl_file: Path) -> str:
+    machine = next((m for m in TEMPLATE.state_machines.values() if m.definition_uri == asl_file), None)
+    assert machine is not None, f"{_rel(asl_file)} is not the DefinitionUri of any state machine"
+    return machine.definition()
+
+
+def _definition(asl_file: Path) -> dict[str, Any]:
+    return json.loads(_definition_text(asl_file))
+
+
+def _scopes(machine: dict[str, Any], where: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
+    """The machine and every nested state machine in it, each with a readable location."""
+    yield where or "top level", machine
+    for name, state in machine["States"].items():
+        for index, branch in enumerate(state.get("Branches", [])):
+            yield from _scopes(branch, f"{where}{name}.Branches[{index}].")
+        for key in ("ItemProcessor", "Iterator"):
+            if key in state:
+                yield from _scopes(state[key], f"{where}{name}.{key}.")
+
+
+def _transitions(state: dict[str, Any]) -> list[str]:
+    """Every state name this state can move to."""
+    targets = [state["Next"]] if "Next" in state else []
+    if "Default" in state:
+        targets.append(state["Default"])
+    targets += [rule["Next"] for rule in state.get("Choices", [])]
+    targets += [catcher["Next"] for catcher in state.get("Catch", [])]
+    return targets
+
+
+def _reachable(states: dict[str, Any], start: str) -> set[str]:
+    seen = {start}
+    queue = deque([start])
+    while queue:
+        for target in _transitions(states[queue.popleft()]):
+            if target in states and target not in seen:
+                seen.add(target)
+                queue.append(target)
+    return seen
+
+
+def _is_terminal_rollback(states: dict[str, Any], name: str) -> bool:
+    """A rollback step (its Comment says so) after which nothing that does work can run."""
+    if "rollback" not in states[name].get("Comment", "").lower():
+        return False
+    after = _reachable(states, name) - {name}
+    return not any(states[other]["Type"] in WORK_TYPES for other in after)
+
+
+def test_definition_files_exist():
+    assert ASL_FILES, "statemachine/ holds no *.asl.json"
+
+
+@pytest.mark.parametrize("asl_file", ASL_FILES, ids=_rel)
+def test_definition_compiles_with_moto_asl_parser(asl_file):
+    text = _definition_text(asl_file)
+    assert "${" not in text, "a placeholder was left without a substitution"
+
+    AmazonStateLanguageParser.parse(text)
+
+
+@pytest.mark.parametrize("asl_file", ASL_FILES, ids=_rel)
+def test_every_transition_targets_a_state_of_its_scope(asl_file):
+    dangling = []
+    for where, scope in _scopes(_definition(asl_file)):
+        states = scope["States"]
+        if scope["StartAt"] not in states:
+            dangling.append(f"{where}: StartAt -> {scope['StartAt']}")
+        for name, state in states.items():
+            dangling += [f"{where}{name} -> {target}" for target in _transitions(state) if target not in states]
+
+    assert dangling == []
+
+
+@pytest.mark.parametrize("asl_file", ASL_FILES, ids=_rel)
+def test_every_state_either_moves_on_or_ends(asl_file):
+    wrong = [
+        f"{where}{name}"
+        for where, scope in _scopes(_definition(asl_file))
+        for name, state in scope["States"].items()
+        if state["Type"] not in TERMINAL_TYPES and ("Next" in state) == bool(state.get("End"))
+    ]
+
+    assert wrong == [], "each needs exactly one of Next and End"
+
+
+@pytest.mark.parametrize("asl_file", ASL_FILES, ids=_rel)
+def test_every_state_is_reachable_from_start_at(asl_file):
+    unreachable = []
+    for where, scope in _scopes(_definition(asl_file)):
+        states = scope["States"]
+        if scope["StartAt"] in states:
+            unreachable += [f"{where}{name}" for name in set(states) - _reachable(states, scope["StartAt"])]
+
+    assert sorted(unreachable) == []
+
+
+@pytest.mark.parametrize("asl_file", ASL_FILES, ids=_rel)
+def test_every_task_catches_its_failures_unless_it_is_a_terminal_rollback(asl_file):
+    uncaught = [
+        f"{where}{name}"
+        for where, scope in _scopes(_definition(asl_file))
+        for name, state in scope["States"].items()
+        if state["Type"] == "Task" and not state.get("Catch") and not _is_terminal_rollback(scope["States"], name)
+    ]
+
+    assert uncaught == []
+
+
+@pytest.mark.parametrize("asl_file", ASL_FILES, ids=_rel)
+def test_every_host_operation_has_a_timeout_and_a_heartbeat(asl_file):
+    unbounded = [
+        f"{where}{name}"
+        for where, scope in _scopes(_definition(asl_file))
+        for name, state in scope["States"].items()
+        if state.get("Resource") == HOST_OPERATION
+        and not (
+            {"TimeoutSeconds", "TimeoutSecondsPath"} & state.keys()
+            and {"HeartbeatSeconds", "HeartbeatSecondsPath"} & state.keys()
+        )
+    ]
+
+    assert unbounded == []
+
+
+def test_rollback_step_is_terminal_only_when_no_work_can_follow():
+    states = {
+        "Claim": {"Type": "Task", "Resource": "x", "Catch": [{"ErrorEquals": ["States.ALL"], "Next": "Release"}]},
+        "Release": {"Type": "Task", "Comment": "rollback of Claim", "Resource": "x", "Next": "Failed"},
+        "Unbind": {"Type": "Task", "Comment": "rollback of Bind", "Resource": "x", "Next": "Release"},
+        "Failed": {"Type": "Fail", "Error": "Ferry.BuildFailed"},
+    }
+
+    assert _is_terminal_rollback(states, "Release")
+    assert not _is_terminal_rollback(states, "Unbind"), "Release, a Task, runs after it"
+    assert not _is_terminal_rollback(states, "Claim"), "its Comment does not mark it as a rollback"

@@ -1,0 +1,81 @@
+"""The host agent's operation journal: what a redelivered or retried message gets."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from hostagent.journal import FAILED, IN_PROGRESS, SUCCEEDED, Journal
+
+
+def test_unknown_operation_has_no_entry(tmp_path):
+    assert Journal(tmp_path / "journal.sqlite").get("op-1") is None
+
+
+def test_success_is_recorded_and_answers_any_later_message(tmp_path):
+    journal = Journal(tmp_path / "journal.sqlite")
+    journal.start("op-1", "spawn", "uuid-1", "token-a")
+    journal.succeed("op-1", {"power_state": 1})
+
+    entry = journal.get("op-1")
+    assert entry is not None and entry.status == SUCCEEDED and entry.finished
+    assert entry.result == {"power_state": 1}
+    assert entry.answers("token-a")
+    assert entry.answers("token-b")
+    assert entry.answers(None)
+
+
+def test_failure_answers_only_a_redelivery_of_the_same_message(tmp_path):
+    journal = Journal(tmp_path / "journal.sqlite")
+    journal.start("op-1", "spawn", "uuid-1", "token-a")
+    journal.fail("op-1", "Ferry.HypervisorError", "libvirt said no")
+
+    entry = journal.get("op-1")
+    assert entry is not None and entry.status == FAILED
+    assert (entry.error, entry.cause) == ("Ferry.HypervisorError", "libvirt said no")
+    assert entry.answers("token-a")
+    assert not entry.answers("token-b")
+
+
+def test_the_journal_keeps_no_task_token(tmp_path):
+    path = tmp_path / "journal.sqlite"
+    Journal(path).start("op-1", "spawn", "uuid-1", "secret-token-value")
+    written = b"".join(p.read_bytes() for p in tmp_path.iterdir())  # the database and its write-ahead log
+    assert written and b"secret-token-value" not in written
+
+
+def test_an_interrupted_operation_is_listed_and_restarting_it_counts_an_attempt(tmp_path):
+    journal = Journal(tmp_path / "journal.sqlite")
+    journal.start("op-1", "destroy", "uuid-1", None)
+
+    reopened = Journal(tmp_path / "journal.sqlite")
+    assert [e.operation_id for e in reopened.in_progress()] == ["op-1"]
+    entry = reopened.get("op-1")
+    assert entry is not None and entry.status == IN_PROGRESS and not entry.finished
+    assert not entry.answers(None)
+
+    again = reopened.start("op-1", "destroy", "uuid-1", None)
+    assert again.attempts == 2
+
+
+def test_restarting_a_failed_operation_clears_its_error(tmp_path):
+    journal = Journal(tmp_path / "journal.sqlite")
+    journal.start("op-1", "spawn", "uuid-1", "token-a")
+    journal.fail("op-1", "Ferry.SpawnFailed", "no")
+
+    entry = journal.start("op-1", "spawn", "uuid-1", "token-b")
+
+    assert entry.status == IN_PROGRESS and entry.error is None and entry.cause is None
+    assert entry.answers("token-b") is False
+
+
+def test_prune_forgets_old_finished_operations_only(tmp_path):
+    journal = Journal(tmp_path / "journal.sqlite")
+    journal.start("done", "power_on", "uuid-1", None)
+    journal.succeed("done", {})
+    journal.start("running", "power_off", "uuid-1", None)
+
+    assert journal.prune(timedelta(days=1)) == 0
+    assert journal.prune(timedelta(seconds=-1)) == 1
+
+    assert journal.get("done") is None
+    assert journal.get("running") is not None

@@ -1,0 +1,84 @@
+"""Validating host operation messages and building inventory reports."""
+
+from __future__ import annotations
+
+import pytest
+from ferry import errors
+
+from hostagent.agent import inventory_from_capacity, parse_message
+from hostagent.driver import HostCapacity
+
+INSTANCE = "7b0c6f2e-5d1a-4f0e-9a57-3c2d8e4b1f60"
+FLAVOR = {"flavorid": "1", "name": "m1.tiny", "vcpus": 1, "memory_mb": 512, "root_gb": 1, "ephemeral_gb": 0, "swap": 0}
+
+
+def _spawn_body(**changes):
+    body = {
+        "operation": "spawn",
+        "operation_id": "exec-1:spawn",
+        "instance_uuid": INSTANCE,
+        "task_token": "token",
+        "args": {
+            "name": "vm",
+            "flavor": FLAVOR,
+            "image": None,
+            "ports": [],
+            "volumes": [{"volume_id": "v1", "path": "/v/1", "device": "/dev/vda", "boot_index": 0}],
+            "power_on": True,
+        },
+    }
+    body.update(changes)
+    return body
+
+
+def test_a_valid_spawn_message_parses():
+    op = parse_message(_spawn_body())
+    assert (op.name, op.operation_id, op.instance_uuid, op.task_token) == ("spawn", "exec-1:spawn", INSTANCE, "token")
+
+
+def test_power_and_destroy_messages_accept_empty_arguments():
+    for name in ("power_on", "power_off", "destroy"):
+        op = parse_message(
+            {"operation": name, "operation_id": "o", "instance_uuid": INSTANCE, "args": {}, "task_token": None}
+        )
+        assert op.task_token is None
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        None,
+        ["spawn"],
+        {"operation": "reboot", "operation_id": "o", "instance_uuid": INSTANCE, "args": {}},
+        {"operation": "destroy", "operation_id": "", "instance_uuid": INSTANCE, "args": {}},
+        {"operation": "destroy", "operation_id": "o", "args": {}},
+        {"operation": "power_off", "operation_id": "o", "instance_uuid": INSTANCE, "args": {"timeout": -1}},
+        _spawn_body(args={"name": "vm"}),
+        _spawn_body(instance_uuid="not-a-uuid"),
+    ],
+    ids=[
+        "not-json-object",
+        "list",
+        "unknown-operation",
+        "empty-id",
+        "no-instance",
+        "bad-timeout",
+        "spawn-args",
+        "bad-uuid",
+    ],
+)
+def test_invalid_messages_raise_invalid_operation(body):
+    with pytest.raises(errors.InvalidOperation) as caught:
+        parse_message(body)
+    assert caught.value.name == "Ferry.InvalidOperation"
+
+
+def test_inventory_reports_capacity_and_caps_reservations_at_the_total():
+    inventory = inventory_from_capacity(
+        HostCapacity(vcpus=8, memory_mb=256, disk_gb=100), reserved_vcpus=1, reserved_memory_mb=512, reserved_disk_gb=10
+    )
+    assert inventory == {
+        "VCPU": {"total": 8, "reserved": 1},
+        "MEMORY_MB": {"total": 256, "reserved": 256},
+        "DISK_GB": {"total": 100, "reserved": 10},
+    }

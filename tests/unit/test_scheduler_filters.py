@@ -1,0 +1,106 @@
+"""Host filters on hand-built host states (no database)."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+from ferry import config
+from ferry.scheduler import filters
+from ferry.scheduler.host_state import HostState, SchedulingSpec, ServiceState
+
+NOW = dt.datetime(2030, 1, 1, 12, 0, 0)
+
+
+def host(name: str = "host-a", **fields) -> HostState:
+    return HostState(host=name, node=name, cell="cell1", cell_id=1, provider_uuid=f"rp-{name}", **fields)
+
+
+def spec(**fields) -> SchedulingSpec:
+    return SchedulingSpec(instance_uuid="i-1", project_id="p", user_id="u", flavor={}, resources={}, **fields)
+
+
+def up(**fields) -> ServiceState:
+    values = {"disabled": False, "forced_down": False, "last_seen_at": NOW - dt.timedelta(seconds=5)}
+    values.update(fields)
+    return ServiceState(**values)
+
+
+@pytest.fixture(autouse=True)
+def down_time(monkeypatch):
+    monkeypatch.setenv("FERRY_SERVICE_DOWN_TIME", "60")
+    config.reset()
+    yield
+    config.reset()
+
+
+@pytest.mark.parametrize(
+    ("service", "passes"),
+    [
+        (up(), True),
+        (up(disabled=True), False),
+        (up(forced_down=True), False),
+        (up(last_seen_at=NOW - dt.timedelta(seconds=61)), False),
+        (up(last_seen_at=None), False),
+        (None, False),
+    ],
+)
+def test_compute_filter_wants_an_enabled_live_service(service, passes):
+    assert filters.ComputeFilter(now=NOW).host_passes(host(service=service), spec()) is passes
+
+
+def test_aggregate_spec_key_takes_own_scope_and_unscoped_keys_only():
+    assert filters.aggregate_spec_key("aggregate_instance_extra_specs:ssd") == "ssd"
+    assert filters.aggregate_spec_key("ssd") == "ssd"
+    assert filters.aggregate_spec_key("hw:cpu_policy") is None
+
+
+@pytest.mark.parametrize(
+    ("required", "offered", "matches"),
+    [
+        ("gen2", {"gen2"}, True),
+        ("gen2", {"gen1"}, False),
+        (" gen2 ", {"gen2"}, True),
+        ("<or> gen1 <or> gen3", {"gen3"}, True),
+        ("<or> gen1 <or> gen3", {"gen2"}, False),
+        ("<in> nvme", {"ssd-nvme"}, True),
+        ("<in> nvme", {"ssd-sata"}, False),
+    ],
+)
+def test_spec_matches(required, offered, matches):
+    assert filters.spec_matches(required, offered) is matches
+
+
+def test_aggregate_extra_specs_use_union_of_host_aggregates():
+    aggregated = host(aggregates=[{"gen": "gen1,gen2"}, {"ssd": "true"}])
+    check = filters.AggregateInstanceExtraSpecsFilter().host_passes
+
+    assert check(aggregated, spec(extra_specs={"aggregate_instance_extra_specs:gen": "gen2", "ssd": "true"}))
+    assert not check(aggregated, spec(extra_specs={"gen": "gen3"}))
+    assert not check(host(), spec(extra_specs={"ssd": "true"}))
+    assert check(host(), spec(extra_specs={"hw:cpu_policy": "dedicated"}))
+
+
+def test_hint_and_group_filters():
+    a, b = host("host-a"), host("host-b")
+    assert not filters.IgnoreHostsFilter().host_passes(a, spec(ignore_hosts=frozenset({"host-a"})))
+    assert filters.SameHostFilter().host_passes(a, spec())
+    assert not filters.SameHostFilter().host_passes(a, spec(same_host=frozenset()))
+    assert filters.SameHostFilter().host_passes(b, spec(same_host=frozenset({"host-b"})))
+    assert not filters.DifferentHostFilter().host_passes(b, spec(different_host=frozenset({"host-b"})))
+
+    affinity = spec(group_policy="affinity", group_hosts=frozenset({"host-a"}))
+    assert filters.ServerGroupAffinityFilter().host_passes(a, affinity)
+    assert not filters.ServerGroupAffinityFilter().host_passes(b, affinity)
+    assert filters.ServerGroupAffinityFilter().host_passes(b, spec(group_policy="affinity"))
+    anti = spec(group_policy="anti-affinity", group_hosts=frozenset({"host-a"}))
+    assert not filters.ServerGroupAntiAffinityFilter().host_passes(a, anti)
+    assert filters.ServerGroupAntiAffinityFilter().host_passes(b, anti)
+    assert filters.ServerGroupAntiAffinityFilter().host_passes(a, affinity)
+
+
+def test_every_filter_is_enabled_in_order():
+    assert [f.name for f in filters.enabled_filters()] == [
+        "ComputeFilter", "IgnoreHostsFilter", "AggregateInstanceExtraSpecsFilter", "SameHostFilter",
+        "DifferentHostFilter", "ServerGroupAffinityFilter", "ServerGroupAntiAffinityFilter",
+    ]

@@ -1,0 +1,122 @@
+"""template.yaml against the code: cfn-lint, handlers, state machine files and settings agree.
+
+The template is the single source of truth for function folders, state machine definitions and
+the AWS resource names the code reads from its environment; these tests fail when either side
+drifts from the other.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import cfnlint.api
+import pytest
+from ferry import config
+from ferry.local.template import resolve
+
+ROOT = Path(__file__).resolve().parents[2]
+TEMPLATE_PATH = ROOT / "template.yaml"
+TEMPLATE = resolve(TEMPLATE_PATH)
+
+FUNCTION_DIRS = sorted(p for p in (ROOT / "functions").iterdir() if p.is_dir() and not p.name.startswith(("_", ".")))
+ASL_FILES = sorted((ROOT / "statemachine").glob("*.asl.json"))
+PLACEHOLDER = re.compile(r"\$\{([^}]+)\}")
+
+# Settings whose names end like this name an AWS resource (or where one lives), so the template,
+# which creates the resources, must hand them to the functions. Tunables (ratios, multipliers,
+# flags) keep working defaults and need not be in the template.
+RESOURCE_SETTING_SUFFIXES = ("_ARN", "_URL", "_BUCKET", "_BUS", "_TABLE", "_PREFIX")
+
+
+def _rel(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+def _module_level_names(source: str) -> set[str]:
+    """Names bound at the top level of a module (functions, classes, assignments, imports)."""
+    names: set[str] = set()
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+    return names
+
+
+def _settings_read_by_config() -> set[str]:
+    """Every FERRY_* variable name ferry/config.py mentions (it reads each with os.environ)."""
+    tree = ast.parse(Path(config.__file__).read_text())
+    constants = (node.value for node in ast.walk(tree) if isinstance(node, ast.Constant))
+    return {value for value in constants if isinstance(value, str) and re.fullmatch(r"FERRY_[A-Z0-9_]+", value)}
+
+
+def _settings_set_by_template() -> set[str]:
+    """Every FERRY_* variable the template sets, in Globals or on any function."""
+    return {name for f in TEMPLATE.functions.values() for name in f.environment if name.startswith("FERRY_")}
+
+
+def test_template_passes_cfn_lint():
+    matches = cfnlint.api.lint_file(TEMPLATE_PATH)
+
+    assert [str(m) for m in matches] == []
+
+
+def test_function_folders_and_definition_files_exist():
+    assert FUNCTION_DIRS, "functions/ holds no handler folder"
+    assert ASL_FILES, "statemachine/ holds no *.asl.json"
+
+
+@pytest.mark.parametrize("folder", FUNCTION_DIRS, ids=_rel)
+def test_function_folder_is_the_code_of_exactly_one_function(folder):
+    users = [lid for lid, f in TEMPLATE.functions.items() if f.code_dir == folder]
+
+    assert len(users) == 1, f"{_rel(folder)} is the CodeUri of {users or 'no function'}"
+
+
+@pytest.mark.parametrize("logical_id", sorted(TEMPLATE.functions))
+def test_function_code_uri_holds_its_handler(logical_id):
+    function = TEMPLATE.functions[logical_id]
+
+    assert function.code_dir.parent == ROOT / "functions", f"{logical_id}: CodeUri must be functions/<step>/"
+    assert function.handler == "app.handler", f"{logical_id}: Handler must be app.handler"
+    assert function.module_path.is_file(), f"{logical_id}: {function.module_path} does not exist"
+    assert function.handler_attribute in _module_level_names(function.module_path.read_text()), (
+        f"{logical_id}: {_rel(function.module_path)} has no module-level {function.handler_attribute}"
+    )
+
+
+@pytest.mark.parametrize("asl_file", ASL_FILES, ids=_rel)
+def test_definition_file_is_used_by_a_state_machine(asl_file):
+    users = [lid for lid, m in TEMPLATE.state_machines.items() if m.definition_uri == asl_file]
+
+    assert users, f"{_rel(asl_file)} is not the DefinitionUri of any state machine"
+
+
+@pytest.mark.parametrize("logical_id", sorted(TEMPLATE.state_machines))
+def test_state_machine_definition_exists_and_its_placeholders_match_its_substitutions(logical_id):
+    machine = TEMPLATE.state_machines[logical_id]
+    assert machine.definition_uri is not None and machine.definition_uri.is_file(), (
+        f"{logical_id}: DefinitionUri {machine.definition_uri} does not exist"
+    )
+
+    placeholders = set(PLACEHOLDER.findall(machine.raw_definition()))
+
+    assert placeholders == set(machine.substitutions), (
+        f"{logical_id}: used but not substituted {sorted(placeholders - set(machine.substitutions))}, "
+        f"substituted but not used {sorted(set(machine.substitutions) - placeholders)}"
+    )
+
+
+def test_every_resource_setting_the_code_reads_is_set_by_the_template():
+    resource_settings = {name for name in _settings_read_by_config() if name.endswith(RESOURCE_SETTING_SUFFIXES)}
+
+    assert resource_settings - _settings_set_by_template() == set()
+
+
+def test_every_setting_the_template_sets_is_read_by_the_code():
+    assert _settings_set_by_template() - _settings_read_by_config() == set()
