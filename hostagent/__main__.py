@@ -17,7 +17,6 @@ from pathlib import Path
 
 from ferry import config, errors
 from ferry.observability import logger
-
 from hostagent.agent import DEFAULT_VISIBILITY_TIMEOUT, HostAgent, inventory_from_capacity
 from hostagent.driver import HostCapacity, LibvirtDriver, write_test_node_xml
 

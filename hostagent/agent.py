@@ -27,9 +27,9 @@ from typing import Any
 import jsonschema
 from aws_lambda_powertools.metrics import MetricUnit, single_metric
 from botocore.exceptions import BotoCoreError, ClientError
+
 from ferry import aws, errors, protocol
 from ferry.observability import logger
-
 from hostagent import disks
 from hostagent.driver import (
     EPHEMERAL,

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from botocore.exceptions import BotoCoreError, ClientError
+
 from ferry import errors
 
 CHUNK_SIZE = 4 * 2**20

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import libvirt
+
 from ferry import errors
 
 # Nova's power_state numbers.

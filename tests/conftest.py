@@ -63,7 +63,9 @@ class Store:
     cells: dict[str, str] = field(default_factory=dict)
 
 
-def _make_store(backend: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request, cells=("cell0", "cell1", "cell2")):
+def _make_store(
+    backend: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request, cells=("cell0", "cell1", "cell2")
+):
     if backend == "postgres":
         base = request.getfixturevalue("pg_base_url")
         api_url = _pg_database(base, "api")

@@ -1,6 +1,7 @@
 """ComputeApi: the Nova-compatible compute API behind API Gateway (REST API proxy events)."""
 
 from aws_lambda_powertools.logging import correlation_paths
+
 from ferry.api import get_resolver
 from ferry.observability import logger, metrics
 

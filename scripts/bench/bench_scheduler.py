@@ -23,6 +23,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from sqlalchemy import create_engine, insert, select, text
+
 from ferry import config, placement, scheduler
 from ferry.observability import logger
 from ferry.store import db, setup
@@ -38,7 +40,6 @@ from ferry.store.api_models import (
     utcnow,
 )
 from ferry.store.cell_models import Service
-from sqlalchemy import create_engine, insert, select, text
 
 CELLS = ("cell1", "cell2")
 INSTANCES_PER_HOST = 5

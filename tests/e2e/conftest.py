@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 import pytest
 import requests
+
 from ferry.local.stack import LocalStack
 
 T = TypeVar("T")

@@ -6,12 +6,13 @@ import datetime as dt
 import uuid as uuidlib
 from typing import Any
 
+from sqlalchemy import select
+
 from ferry import placement
 from ferry.store import setup
 from ferry.store.api_models import Aggregate, AggregateHost, AggregateMetadata, CellMapping, InstanceMapping, utcnow
 from ferry.store.cell_models import Instance, Service
 from ferry.store.db import api_session, cell_session
-from sqlalchemy import select
 
 PROJECT = "project-a"
 USER = "user-a"

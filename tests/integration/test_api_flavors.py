@@ -5,8 +5,9 @@ from __future__ import annotations
 import uuid
 
 import pytest
-from ferry.compute import api as compute_api
 from test_api_support import ADMIN, ALICE, call, flavor_named, mocked_cloud
+
+from ferry.compute import api as compute_api
 
 
 @pytest.fixture

@@ -7,6 +7,9 @@ import ipaddress
 import uuid
 
 import pytest
+from sqlalchemy import select, update
+from test_api_support import ADMIN, ALICE, BOB, add_host, call, create_server, mocked_cloud
+
 from ferry import config, errors, workflows
 from ferry.auth import RequestContext
 from ferry.compute import api as compute_api
@@ -23,8 +26,6 @@ from ferry.store.api_models import (
 )
 from ferry.store.cell_models import Instance, InstanceAction, InstanceActionEvent, InstanceFault, Tag
 from ferry.store.db import api_session, cell_session
-from sqlalchemy import select, update
-from test_api_support import ADMIN, ALICE, BOB, add_host, call, create_server, mocked_cloud
 
 
 @pytest.fixture

@@ -18,13 +18,14 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+from moto import mock_aws
+from sqlalchemy import select
+
 from ferry import aws, config, hosts, images, protocol
 from ferry.compute import api as compute_api
 from ferry.store.api_models import Flavor, utcnow
 from ferry.store.cell_models import Service
 from ferry.store.db import api_session, cell_session
-from moto import mock_aws
-from sqlalchemy import select
 
 ROOT = Path(__file__).resolve().parents[2]
 API_HOST = "abc123.execute-api.us-east-1.amazonaws.com"

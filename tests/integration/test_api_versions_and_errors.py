@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from test_api_support import ALICE, BASE_URL, call, mocked_cloud
+
 from ferry.api import servers as server_routes
 from ferry.compute import api as compute_api
-from test_api_support import ALICE, BASE_URL, call, mocked_cloud
 
 VARY = "OpenStack-API-Version, X-OpenStack-Nova-API-Version"
 

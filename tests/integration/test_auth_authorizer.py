@@ -5,10 +5,11 @@ from __future__ import annotations
 import datetime as dt
 
 import pytest
+from test_api_support import LambdaContext, function, proxy_event
+
 from ferry import auth, errors
 from ferry.store.api_models import AuthToken, utcnow
 from ferry.store.db import api_session
-from test_api_support import LambdaContext, function, proxy_event
 
 METHOD_ARN = "arn:aws:execute-api:us-east-1:123456789012:abc123/local/GET/v2.1/servers/detail"
 

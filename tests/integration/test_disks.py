@@ -7,9 +7,9 @@ import os
 
 import boto3
 import pytest
-from ferry import errors
 from moto import mock_aws
 
+from ferry import errors
 from hostagent import disks
 
 MiB = 2**20

@@ -19,9 +19,9 @@ from typing import Any
 
 import boto3
 import pytest
-from ferry import protocol
 from moto import mock_aws
 
+from ferry import protocol
 from hostagent import disks
 from hostagent.agent import HostAgent, ensure_host_queue
 from hostagent.driver import RUNNING, SHUTDOWN, LibvirtDriver, write_test_node_xml

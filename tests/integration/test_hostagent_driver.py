@@ -7,8 +7,8 @@ import xml.etree.ElementTree as ET
 
 import libvirt
 import pytest
-from ferry import errors
 
+from ferry import errors
 from hostagent.driver import (
     METADATA_NS,
     RUNNING,

@@ -6,8 +6,9 @@ import hashlib
 import os
 
 import pytest
-from ferry import aws, config, errors, images
 from test_api_support import IMAGE_BYTES, call, mocked_cloud
+
+from ferry import aws, config, errors, images
 
 
 @pytest.fixture

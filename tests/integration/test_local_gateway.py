@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import requests
+
 from ferry.local.gateway import ApiGateway
 from ferry.local.runtime import FunctionRunner
 from ferry.local.template import resolve

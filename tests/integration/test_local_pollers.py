@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from ferry.local import provision, runtime, template
 from ferry.local.pollers import Pollers, SqsPoller, failed_message_ids
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from ferry.local import provision, runtime, template
 
 TEMPLATE = """

@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 import requests
 import yaml
+from sqlalchemy import func, select
+
 from ferry.errors import LocalStackError
 from ferry.local import seed, stack
 from ferry.local.stack import LocalStack
-from sqlalchemy import func, select
 
 
 def _listening(port: int) -> bool:

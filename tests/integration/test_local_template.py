@@ -7,6 +7,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
 from ferry.errors import TemplateError
 from ferry.local import template as tpl
 

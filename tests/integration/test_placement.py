@@ -5,9 +5,10 @@ from __future__ import annotations
 import uuid
 
 import pytest
+from placement_helpers import PROJECT, USER, add_compute, cell_id, resources
+
 from ferry import config, errors, placement
 from ferry.placement import DISK_GB, MEMORY_MB, VCPU
-from placement_helpers import PROJECT, USER, add_compute, cell_id, resources
 
 
 def new_uuid() -> str:

@@ -7,9 +7,10 @@ import threading
 import uuid
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 
+from placement_helpers import PROJECT, USER, add_compute, resources
+
 from ferry import errors, placement
 from ferry.placement import VCPU
-from placement_helpers import PROJECT, USER, add_compute, resources
 
 RACERS = 20
 

@@ -6,12 +6,6 @@ import datetime as dt
 import uuid
 
 import pytest
-from ferry import config, errors, placement, scheduler
-from ferry.placement import VCPU
-from ferry.scheduler import manager
-from ferry.store.api_models import utcnow
-from ferry.store.cell_models import Service
-from ferry.store.db import cell_session
 from placement_helpers import (
     PROJECT,
     USER,
@@ -23,6 +17,13 @@ from placement_helpers import (
     resources,
 )
 from sqlalchemy import update
+
+from ferry import config, errors, placement, scheduler
+from ferry.placement import VCPU
+from ferry.scheduler import manager
+from ferry.store.api_models import utcnow
+from ferry.store.cell_models import Service
+from ferry.store.db import cell_session
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from ferry import errors
 from ferry.api import microversions
 from ferry.api.microversions import MAX_VERSION, MIN_VERSION, APIVersion

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from ferry import config, errors, policy
 from ferry.auth import RequestContext
 

@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ferry.local.template import resolve
 from moto.stepfunctions.parser.asl.parse.asl_parser import AmazonStateLanguageParser
+
+from ferry.local.template import resolve
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = resolve(ROOT / "template.yaml")

@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+
 from ferry import errors
 from ferry.errors import FerryError
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from ferry import errors
 
+from ferry import errors
 from hostagent.agent import inventory_from_capacity, parse_message
 from hostagent.driver import HostCapacity
 

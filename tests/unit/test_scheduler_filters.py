@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 
 import pytest
+
 from ferry import config
 from ferry.scheduler import filters
 from ferry.scheduler.host_state import HostState, SchedulingSpec, ServiceState

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from ferry import config
 from ferry.placement import MEMORY_MB, VCPU
 from ferry.scheduler import Selection, weighers

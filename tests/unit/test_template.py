@@ -13,6 +13,7 @@ from pathlib import Path
 
 import cfnlint.api
 import pytest
+
 from ferry import config
 from ferry.local.template import resolve
 

@@ -802,9 +802,9 @@ def delete_server(ctx: RequestContext, location: Location) -> None:
             logger.warning("host is down; deleting locally", extra={"instance_uuid": uuid, "host": host})
         elif host:
             payload.update(host=host, queue_url=hosts.queue_url(host))
-        expected = {} if instance.vm_state == states.ERROR else {"expected_task_state": DELETABLE_TASK_STATES}
+        expected = None if instance.vm_state == states.ERROR else DELETABLE_TASK_STATES
         try:
-            instances.update_cas(session, uuid, {"task_state": states.DELETING}, **expected)
+            instances.update_cas(session, uuid, {"task_state": states.DELETING}, expected_task_state=expected)
         except errors.UnexpectedTaskState as exc:
             current = instances.get(session, uuid)
             raise _invalid_state("delete", uuid, "task_state", current.task_state) from exc

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import select, update
+from sqlalchemy import CursorResult, false, or_, select, update
 from sqlalchemy.orm import Session
 
 from ferry import errors
 from ferry.store.api_models import CellMapping, InstanceMapping
 from ferry.store.cell_models import Instance, InstanceFault
 from ferry.store.db import api_session
-
-_ANY = object()
 
 
 def cell_of(instance_uuid: str) -> CellMapping:
@@ -51,28 +49,30 @@ def update_cas(
     instance_uuid: str,
     values: dict[str, Any],
     *,
-    expected_task_state: Iterable[str | None] | object = _ANY,
-    expected_vm_state: Iterable[str] | object = _ANY,
+    expected_task_state: Iterable[str | None] | None = None,
+    expected_vm_state: Iterable[str] | None = None,
 ) -> None:
     """Update an instance only if its task_state (and vm_state) are among the expected ones.
 
-    The check and the write are one UPDATE statement, so two concurrent operations can
-    never both pass it.
+    ``expected_task_state`` lists the allowed task states (``None`` in the list means "no task");
+    leaving the argument out accepts any. The check and the write are one UPDATE statement, so
+    two concurrent operations can never both pass it.
 
     Raises:
         UnexpectedTaskState: the instance is in another state (or gone).
     """
     stmt = update(Instance).where(Instance.uuid == instance_uuid, Instance.deleted.is_(False))
-    if expected_task_state is not _ANY:
-        expected = list(expected_task_state)  # type: ignore[call-overload]
+    if expected_task_state is not None:
+        expected = list(expected_task_state)
         named = [s for s in expected if s is not None]
-        clause = Instance.task_state.in_(named) if named else None
+        allowed = [Instance.task_state.in_(named)] if named else []
         if None in expected:
-            clause = Instance.task_state.is_(None) if clause is None else (clause | Instance.task_state.is_(None))
-        stmt = stmt.where(clause)
-    if expected_vm_state is not _ANY:
-        stmt = stmt.where(Instance.vm_state.in_(list(expected_vm_state)))  # type: ignore[call-overload]
-    result = session.execute(stmt.values(**values).execution_options(synchronize_session=False))
+            allowed.append(Instance.task_state.is_(None))
+        stmt = stmt.where(or_(*allowed) if allowed else false())
+    if expected_vm_state is not None:
+        stmt = stmt.where(Instance.vm_state.in_(list(expected_vm_state)))
+    stmt = stmt.values(**values).execution_options(synchronize_session=False)
+    result = cast(CursorResult[Any], session.execute(stmt))
     if result.rowcount != 1:
         current = session.scalars(select(Instance).where(Instance.uuid == instance_uuid)).one_or_none()
         state = (current.vm_state, current.task_state) if current else ("missing", None)

@@ -8,14 +8,13 @@ state document and is safe to run twice.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import delete, select, update
+from sqlalchemy import CursorResult, delete, select, update
 
 from ferry import errors, hosts, images, placement, scheduler
 from ferry.compute import actions, instances, states
 from ferry.observability import logger
-from ferry.workflows import error_message
 from ferry.store.api_models import (
     BuildRequest,
     CellMapping,
@@ -30,6 +29,7 @@ from ferry.store.api_models import (
 )
 from ferry.store.cell_models import BlockDeviceMapping, Instance, Tag
 from ferry.store.db import CELL0_NAME, api_session, cell_session
+from ferry.workflows import error_message
 
 EVENT_SCHEDULE = "conductor_schedule_and_build_instances"
 EVENT_BUILD = "compute__do_build_and_run_instance"
@@ -99,7 +99,9 @@ def _materialize(build: BuildRequest, selection: scheduler.Selection, request_id
     _create_in_cell(build, selection.cell, request_id, host=selection.host, node=selection.node,
                     vm_state=states.BUILDING, task_state=states.SCHEDULING)
     with api_session() as session:
-        removed = session.execute(delete(BuildRequest).where(BuildRequest.instance_uuid == uuid)).rowcount
+        stmt = delete(BuildRequest).where(BuildRequest.instance_uuid == uuid)
+        result = cast(CursorResult[Any], session.execute(stmt))
+        removed = result.rowcount
         cell_id = session.scalars(select(CellMapping.id).where(CellMapping.name == selection.cell)).one()
         if removed:
             session.execute(update(InstanceMapping).where(InstanceMapping.instance_uuid == uuid,

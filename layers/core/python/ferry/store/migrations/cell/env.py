@@ -11,7 +11,10 @@ target_metadata = Base.metadata
 def run() -> None:
     connection = context.config.attributes.get("connection")
     if connection is None:
-        engine = create_engine(context.config.get_main_option("sqlalchemy.url"))
+        url = context.config.get_main_option("sqlalchemy.url")
+        if not url:
+            raise RuntimeError("no database URL: pass a connection or set sqlalchemy.url")
+        engine = create_engine(url)
         with engine.connect() as conn:
             _run_with(conn)
             conn.commit()
