@@ -145,6 +145,18 @@ def test_create_volume_backed_server_creates_the_root_volume(cloud):
     assert shown["os-extended-volumes:volumes_attached"] == [{"id": volume.id, "delete_on_termination": True}]
 
 
+def test_create_as_the_openstack_cli_sends_it_is_an_image_backed_boot(cloud):
+    server_id = create_server(block_device_mapping_v2=[{
+        "uuid": cloud.image_id, "boot_index": 0, "source_type": "image", "destination_type": "local",
+        "delete_on_termination": True}])
+
+    [bdm] = api_rows(BuildRequest, instance_uuid=server_id)[0].block_device_mappings
+    assert (bdm["source_type"], bdm["destination_type"], bdm["image_id"]) == ("image", "local", cloud.image_id)
+    assert api_rows(RequestSpec, instance_uuid=server_id)[0].spec["is_bfv"] is False
+    shown = call("GET", f"/v2.1/servers/{server_id}", version="2.90").body["server"]
+    assert shown["image"]["id"] == cloud.image_id
+
+
 def test_create_from_an_existing_volume_reserves_it(cloud):
     with api_session() as session:
         session.add(Volume(id="7d2c3a52-0000-4000-8000-000000000001", project_id="project-a", size_gb=2,

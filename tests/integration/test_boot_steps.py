@@ -228,6 +228,29 @@ def test_finish_delete_releases_everything_and_is_idempotent(cloud):
     assert (instance.vm_state, instance.deleted, instance.task_state) == ("deleted", True, None)
 
 
+def test_finish_delete_unplugs_a_port_the_owner_brought_and_keeps_it(cloud):
+    event = accept_server(cloud["image_id"])
+    with api_session() as session:
+        port = session.scalars(select(Port).where(Port.device_id == event["instance_uuid"])).one()
+        spec = session.scalars(select(RequestSpec)).one()
+        spec.spec = {**spec.spec, "requested_networks": [
+            {"network_id": port.network_id, "port_id": port.id, "preexisting": True}]}
+        port_id = port.id
+    event["destination"] = boot.select_destinations(event)
+    boot.bind_resources_at_dest(event)
+    event["spawn"] = {"power_state": 1}
+    boot.finish_build(event)
+    with cell_session("cell1") as session:
+        session.execute(Instance.__table__.update().values(task_state=states.DELETING))
+
+    delete.finish_delete({"instance_uuid": event["instance_uuid"], "request_id": "req-del", "cell": "cell1",
+                          "host": event["destination"]["host"]})
+
+    with api_session() as session:
+        kept = session.get(Port, port_id)
+        assert (kept.device_id, kept.status, kept.bindings) == (None, "DOWN", [])
+
+
 def test_fail_delete_sets_error_and_clears_the_task(cloud):
     event = accept_server(cloud["image_id"])
     event["destination"] = boot.select_destinations(event)

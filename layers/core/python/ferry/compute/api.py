@@ -42,7 +42,7 @@ from sqlalchemy import CursorResult, delete, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from ferry import config, errors, hosts, images, policy, protocol, workflows
+from ferry import config, errors, hosts, images, network, policy, protocol, workflows
 from ferry.auth import RequestContext
 from ferry.compute import actions, instances, states
 from ferry.observability import logger
@@ -54,7 +54,6 @@ from ferry.store.api_models import (
     InstanceMapping,
     Network,
     Port,
-    PortBinding,
     RequestSpec,
     Volume,
     VolumeAttachment,
@@ -446,11 +445,31 @@ def _bootable_image(image_id: str) -> dict[str, Any]:
     return image
 
 
+def _is_local_image_root(bdm: dict[str, Any]) -> bool:
+    """A mapping that only restates an image-backed root (image to a local disk, boot index 0).
+
+    ``openstack server create --image`` sends one beside ``imageRef``; Nova treats it as the
+    ordinary image-backed boot, and so does Ferry.
+    """
+    return (bdm.get("source_type") == "image" and bdm.get("destination_type") == "local"
+            and str(bdm.get("boot_index")) == "0" and bool(bdm.get("uuid")))
+
+
+def _local_image_root(request: BootRequest) -> str | None:
+    """The image a local-root mapping names, if the request carries one."""
+    for bdm in request.block_device_mapping:
+        if _is_local_image_root(bdm):
+            return str(bdm["uuid"])
+    return None
+
+
 def _root_device(request: BootRequest) -> dict[str, Any] | None:
     """The volume-backed root the request asks for, normalised, or None for an image-backed server."""
-    bdms = request.block_device_mapping
+    bdms = [bdm for bdm in request.block_device_mapping if not _is_local_image_root(bdm)]
     if not bdms:
         return None
+    if len(bdms) < len(request.block_device_mapping):
+        raise errors.BadRequest("A server has one root disk: an image-backed root and a root volume conflict.")
     if len(bdms) > 1:
         raise errors.BadRequest("Only one block device mapping, the root volume, is supported.")
     bdm = bdms[0]
@@ -621,7 +640,10 @@ def create_server(ctx: RequestContext, request: BootRequest) -> str:
     with api_session() as session:
         flavor = _bootable_flavor(session, request.flavor_ref)
         snapshot = flavor_snapshot(flavor)
-    image_id = ref_id(request.image_ref) if request.image_ref else None
+    image_id = ref_id(request.image_ref) if request.image_ref else _local_image_root(request)
+    local_image = _local_image_root(request)
+    if local_image is not None and image_id != local_image:
+        raise errors.BadRequest(f"The root block device mapping names image {local_image}, imageRef {image_id}.")
     if root is not None and root["source_type"] == "image":
         image_id = root["uuid"]
     elif root is not None:
@@ -672,19 +694,6 @@ def create_server(ctx: RequestContext, request: BootRequest) -> str:
 # --- releasing what a server holds --------------------------------------------------------------------
 
 
-def release_ports(session: Session, instance_uuid: str, requested_networks: Iterable[Mapping[str, Any]] = ()) -> None:
-    """Delete the ports made for a server and detach the ones its owner brought (``preexisting``)."""
-    preexisting = {n["port_id"] for n in requested_networks if n.get("preexisting") and n.get("port_id")}
-    ports = list(session.scalars(select(Port).where(Port.device_id == instance_uuid)))
-    for port in ports:
-        if port.id in preexisting:
-            port.device_id, port.status = None, "DOWN"
-            session.execute(delete(PortBinding).where(PortBinding.port_id == port.id))
-        else:
-            session.delete(port)
-    session.flush()
-
-
 def _release_unbuilt_volumes(session: Session, instance_uuid: str, bdms: Iterable[Mapping[str, Any]]) -> None:
     """Undo :func:`_reserve_root_volume` for a server that never reached a host."""
     created = {b["volume_id"] for b in bdms if b.get("source_type") == "image" and b.get("volume_id")}
@@ -717,7 +726,7 @@ def _discard_build(instance_uuid: str, *, forget: bool) -> bool:
         if removed.rowcount != 1:
             return False  # the boot workflow took it into a cell meanwhile
         spec = session.scalars(select(RequestSpec).where(RequestSpec.instance_uuid == instance_uuid)).one_or_none()
-        release_ports(session, instance_uuid, (spec.spec.get("requested_networks") or []) if spec else [])
+        network.release_ports(session, instance_uuid, (spec.spec.get("requested_networks") or []) if spec else [])
         _release_unbuilt_volumes(session, instance_uuid, bdms)
         mapping = session.scalars(select(InstanceMapping).where(InstanceMapping.instance_uuid == instance_uuid)
                                   ).one_or_none()

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import delete, select, update
+from sqlalchemy import select, update
 
-from ferry import placement
+from ferry import network, placement
 from ferry.compute import actions, instances, states
-from ferry.store.api_models import InstanceMapping, Port, Volume, VolumeAttachment, utcnow
+from ferry.store.api_models import InstanceMapping, Volume, VolumeAttachment, utcnow
 from ferry.store.cell_models import BlockDeviceMapping, Instance
 from ferry.store.db import api_session, cell_session
 from ferry.workflows import error_message
@@ -28,7 +28,7 @@ def finish_delete(event: dict[str, Any]) -> dict[str, Any]:
             BlockDeviceMapping.instance_uuid == uuid, BlockDeviceMapping.deleted.is_(False))))
         delete_on_termination = {b.volume_id for b in bdms if b.volume_id and b.delete_on_termination}
     with api_session() as session:
-        session.execute(delete(Port).where(Port.device_id == uuid))
+        network.release_ports(session, uuid, network.requested_networks(session, uuid))
         for attachment in session.scalars(select(VolumeAttachment).where(VolumeAttachment.instance_uuid == uuid)):
             volume = session.get(Volume, attachment.volume_id)
             session.delete(attachment)
