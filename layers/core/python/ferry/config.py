@@ -41,6 +41,10 @@ class Settings:
     boot_state_machine_arn: str
     delete_state_machine_arn: str
     power_state_machine_arn: str
+    resize_state_machine_arn: str
+    confirm_resize_state_machine_arn: str
+    revert_resize_state_machine_arn: str
+    resize_confirm_window: int
     aws_endpoint_url: str | None
     scheduler_max_attempts: int
     allow_resize_to_same_host: bool
@@ -71,6 +75,10 @@ def load() -> Settings:
         boot_state_machine_arn=os.environ.get("FERRY_BOOT_STATE_MACHINE_ARN", ""),
         delete_state_machine_arn=os.environ.get("FERRY_DELETE_STATE_MACHINE_ARN", ""),
         power_state_machine_arn=os.environ.get("FERRY_POWER_STATE_MACHINE_ARN", ""),
+        resize_state_machine_arn=os.environ.get("FERRY_RESIZE_STATE_MACHINE_ARN", ""),
+        confirm_resize_state_machine_arn=os.environ.get("FERRY_CONFIRM_RESIZE_STATE_MACHINE_ARN", ""),
+        revert_resize_state_machine_arn=os.environ.get("FERRY_REVERT_RESIZE_STATE_MACHINE_ARN", ""),
+        resize_confirm_window=_env_int("FERRY_RESIZE_CONFIRM_WINDOW", 0),
         aws_endpoint_url=os.environ.get("AWS_ENDPOINT_URL") or None,
         scheduler_max_attempts=_env_int("FERRY_SCHEDULER_MAX_ATTEMPTS", 3),
         allow_resize_to_same_host=_env_bool("FERRY_ALLOW_RESIZE_TO_SAME_HOST", False),
