@@ -232,3 +232,10 @@ class InstanceIsLocked(Conflict):
 
 class FlavorExists(Conflict):
     pass
+
+
+# --- Fault injection -----------------------------------------------------------------------------
+
+
+class InjectedFault(FerryError):
+    """A failure armed on purpose at a named point (tests and drills; off unless configured)."""

@@ -6,7 +6,8 @@
     from ferry.workflows import boot
     handler = step_handler(boot.finish_build, "FinishBuild")
 
-Typed errors propagate unchanged: their class name (``Ferry.NoValidHost``, …) is the
+A fault armed for the step's name (:mod:`ferry.faults`, off unless configured) fails it
+before it runs. Typed errors propagate unchanged: their class name (``Ferry.NoValidHost``, …) is the
 ``errorType`` the state machine's ``Retry``/``Catch`` match on.
 """
 
@@ -17,7 +18,7 @@ from typing import Any
 
 import jsonschema
 
-from ferry import errors
+from ferry import errors, faults
 from ferry.observability import logger, metrics, timed_step
 
 # Every step receives the workflow's state document; these keys are always present.
@@ -48,6 +49,7 @@ def step_handler(
                            execution=event.get("execution_name"))
         metrics.add_dimension(name="Step", value=name)
         with timed_step(name):
+            faults.check(name)
             return step(event)
 
     handler.__name__ = f"{name}_handler"

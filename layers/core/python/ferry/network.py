@@ -32,3 +32,55 @@ def release_ports(session: Session, instance_uuid: str, requested: Iterable[Mapp
         else:
             session.delete(port)
     session.flush()
+
+
+# --- bindings during a move ----------------------------------------------------------------------
+#
+# A move adds an INACTIVE binding on the destination before the guest leaves the source,
+# activates it (and deactivates the source's) when the guest is defined there, and drops the
+# source's on confirm or the destination's on revert. Every function is idempotent.
+
+ACTIVE = "ACTIVE"
+INACTIVE = "INACTIVE"
+
+
+def instance_ports(session: Session, instance_uuid: str) -> list[Port]:
+    """The server's ports, oldest first (the order the guest's interfaces have)."""
+    return list(session.scalars(select(Port).where(Port.device_id == instance_uuid)
+                                .order_by(Port.created_at, Port.id)))
+
+
+def _binding(port: Port, host: str) -> PortBinding | None:
+    return next((b for b in port.bindings if b.host == host), None)
+
+
+def bind_inactive(session: Session, instance_uuid: str, host: str) -> None:
+    """Give each of the server's ports an INACTIVE binding on ``host`` (an existing one is kept)."""
+    for port in instance_ports(session, instance_uuid):
+        if _binding(port, host) is None:
+            port.bindings.append(PortBinding(host=host, status=INACTIVE, vif_details={"type": "ethernet"}))
+    session.flush()
+
+
+def activate(session: Session, instance_uuid: str, host: str) -> None:
+    """Make ``host``'s binding the active one of each port (creating it if missing)."""
+    for port in instance_ports(session, instance_uuid):
+        if _binding(port, host) is None:
+            port.bindings.append(PortBinding(host=host, status=ACTIVE, vif_details={"type": "ethernet"}))
+        for binding in port.bindings:
+            binding.status = ACTIVE if binding.host == host else INACTIVE
+        port.status = ACTIVE
+    session.flush()
+
+
+def unbind(session: Session, instance_uuid: str, host: str) -> None:
+    """Drop each port's binding on ``host`` (none there is fine)."""
+    for port in instance_ports(session, instance_uuid):
+        for binding in [b for b in port.bindings if b.host == host]:
+            port.bindings.remove(binding)
+    session.flush()
+
+
+def bound_hosts(session: Session, instance_uuid: str) -> dict[str, set[str]]:
+    """``{port id: {host, …}}``: where each of the server's ports has a binding."""
+    return {port.id: {b.host for b in port.bindings} for port in instance_ports(session, instance_uuid)}
