@@ -1,0 +1,152 @@
+"""Versioned notifications about servers, published to the notification bus (EventBridge).
+
+Each notification is Nova-like: an ``event_type`` (``instance.resize.start``), a
+``publisher_id`` (``compute:<host>`` for work a host does, ``conductor:<host>`` for steps the
+orchestrator runs), a priority, a timestamp, a message id and a versioned payload describing
+the server. It is one EventBridge event on the bus named by ``config.get().notification_bus``,
+with source ``ferry.compute`` and the event type as its detail type, so a rule can route on
+``detail-type`` alone.
+
+Notifications are informational: a failure to publish is logged and counted
+(``NotificationPublishFailed``) and never fails the step that sent it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import socket
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from aws_lambda_powertools.metrics import MetricUnit
+
+from ferry import aws, config
+from ferry.compute import states
+from ferry.observability import logger, metrics
+from ferry.store.cell_models import Instance
+
+SOURCE = "ferry.compute"
+PAYLOAD_VERSION = "1.0"
+INFO = "INFO"
+ERROR = "ERROR"
+
+# Event types (Nova's names).
+RESIZE_PREP_START = "instance.resize_prep.start"
+RESIZE_PREP_END = "instance.resize_prep.end"
+RESIZE_START = "instance.resize.start"
+RESIZE_END = "instance.resize.end"
+RESIZE_ERROR = "instance.resize.error"
+RESIZE_FINISH_START = "instance.resize_finish.start"
+RESIZE_FINISH_END = "instance.resize_finish.end"
+RESIZE_CONFIRM_START = "instance.resize_confirm.start"
+RESIZE_CONFIRM_END = "instance.resize_confirm.end"
+RESIZE_REVERT_START = "instance.resize_revert.start"
+RESIZE_REVERT_END = "instance.resize_revert.end"
+
+_FLAVOR_FIELDS = ("flavorid", "name", "vcpus", "memory_mb", "root_gb", "ephemeral_gb", "swap", "extra_specs")
+
+
+def compute_publisher(host: str | None) -> str:
+    """``compute:<host>``: the publisher of work done on (or for) a compute host."""
+    return f"compute:{host or 'unknown'}"
+
+
+def conductor_publisher() -> str:
+    """``conductor:<where this runs>``: the publisher of steps the orchestrator runs itself."""
+    return f"conductor:{os.environ.get('AWS_LAMBDA_FUNCTION_NAME') or socket.gethostname()}"
+
+
+def _iso(value: dt.datetime | None) -> str | None:
+    return value.replace(tzinfo=dt.UTC).isoformat() if value is not None else None
+
+
+def flavor_payload(flavor: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The flavor fields a notification carries (None when there is no flavor)."""
+    if not flavor:
+        return None
+    return {key: flavor.get(key) for key in _FLAVOR_FIELDS if key in flavor}
+
+
+def instance_payload(instance: Instance, **extra: Any) -> dict[str, Any]:
+    """The payload describing ``instance`` as it is now (state, flavor, host, timestamps).
+
+    Params:
+        instance: the cell database record (read inside its session).
+        extra: more fields for this event (``new_flavor``, ``migration_uuid``, …); they win over
+            the instance's own.
+    """
+    payload: dict[str, Any] = {
+        "instance_uuid": instance.uuid,
+        "display_name": instance.display_name,
+        "project_id": instance.project_id,
+        "user_id": instance.user_id,
+        "state": instance.vm_state,
+        "task_state": instance.task_state,
+        "power_state": states.POWER_STATE_NAMES.get(instance.power_state, str(instance.power_state)),
+        "old_vm_state": instance.old_vm_state,
+        "host": instance.host,
+        "node": instance.node,
+        "availability_zone": instance.availability_zone,
+        "image_uuid": instance.image_ref,
+        "flavor": flavor_payload(instance.flavor),
+        "metadata": dict(instance.metadata_items or {}),
+        "locked": bool(instance.locked),
+        "created_at": _iso(instance.created_at),
+        "updated_at": _iso(instance.updated_at),
+        "launched_at": _iso(instance.launched_at),
+        "terminated_at": _iso(instance.terminated_at),
+    }
+    payload.update(extra)
+    return payload
+
+
+def _document(event_type: str, instance_uuid: str, publisher_id: str, payload: Mapping[str, Any] | None,
+              priority: str) -> dict[str, Any]:
+    return {
+        "message_id": str(uuid.uuid4()),
+        "event_type": event_type,
+        "publisher_id": publisher_id,
+        "priority": priority,
+        "timestamp": dt.datetime.now(dt.UTC).isoformat(),
+        "payload_version": PAYLOAD_VERSION,
+        "payload": {**(payload or {}), "instance_uuid": instance_uuid},
+    }
+
+
+def notify(event_type: str, *, instance_uuid: str, publisher_id: str, payload: dict[str, Any] | None = None,
+           priority: str | None = None) -> None:
+    """Publish one notification to the notification bus; never raises.
+
+    Params:
+        event_type: ``instance.<action>.<phase>`` (see the constants of this module).
+        instance_uuid: the server the notification is about (always in the payload).
+        publisher_id: ``compute:<host>`` or ``conductor:<host>``.
+        payload: what to say about the server, usually :func:`instance_payload`.
+        priority: ``INFO``, or ``ERROR`` (the default for ``*.error`` event types).
+    """
+    level = priority or (ERROR if event_type.endswith(".error") else INFO)
+    document = _document(event_type, instance_uuid, publisher_id, payload, level)
+    bus = config.get().notification_bus
+    try:
+        response = aws.client("events").put_events(Entries=[{
+            "Source": SOURCE,
+            "DetailType": event_type,
+            "Detail": json.dumps(document, default=str),
+            "EventBusName": bus,
+            "Resources": [],
+        }])
+        failed = [e for e in response.get("Entries", []) if e.get("ErrorCode")]
+        if response.get("FailedEntryCount") or failed:
+            reason = (failed[0].get("ErrorMessage") or failed[0].get("ErrorCode")) if failed else "unknown"
+            raise RuntimeError(f"the bus refused the event: {reason}")
+    except Exception as exc:  # noqa: BLE001 - a lost notification must never fail the step that sent it
+        metrics.add_metric(name="NotificationPublishFailed", unit=MetricUnit.Count, value=1)
+        logger.warning("notification not published", extra={
+            "event_type": event_type, "instance_uuid": instance_uuid, "bus": bus,
+            "error": f"{type(exc).__name__}: {exc}"})
+        return
+    logger.debug("notification published", extra={"event_type": event_type, "instance_uuid": instance_uuid,
+                                                   "message_id": document["message_id"]})
