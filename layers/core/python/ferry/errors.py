@@ -239,3 +239,38 @@ class FlavorExists(Conflict):
 
 class InjectedFault(FerryError):
     """A failure armed on purpose at a named point (tests and drills; off unless configured)."""
+
+
+# --- Moves API -----------------------------------------------------------------------------------
+
+
+class InstanceNotResized(BadRequest):
+    """Confirm or revert found no finished migration for the server."""
+
+    default_message = "Instance has not been resized."
+
+
+class CannotResizeToSameFlavor(BadRequest):
+    default_message = "When resizing, instances must change flavor!"
+
+
+class CannotResizeDisk(BadRequest):
+    """The new flavor cannot hold the server's disks (zero root disk, or a shrink)."""
+
+
+class ComputeHostNotFound(BadRequest):
+    """A migrate named a host that is not a known compute host (Nova answers 400 here)."""
+
+
+class CannotMigrateToSameHost(BadRequest):
+    default_message = "Cannot migrate to the host where the server exists."
+
+
+class ComputeServiceUnavailable(Conflict):
+    """The server's host is down: a move cannot start from it."""
+
+    default_message = "Service is unavailable at this time."
+
+
+class MigrationInProgress(Conflict):
+    """Another confirm or revert took the server's migration first."""
