@@ -152,3 +152,195 @@ def local_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack
         yield LocalStackHandle(stack)
     finally:
         stack.stop()
+
+
+# --- servers through the API, and Ferry's records behind it -------------------------------------
+
+# Every request of the helpers below asks for the newest microversion the API offers.
+LATEST_MICROVERSION = "compute latest"
+GONE = "gone"
+
+
+class Servers:
+    """Servers driven through the compute API, as the identities of the local stack.
+
+    Reads go through the admin's view (which carries ``OS-EXT-SRV-ATTR:host``) unless told
+    otherwise. Every server created here is deleted by :meth:`delete_all` at the end of the test.
+    """
+
+    def __init__(self, stack: LocalStackHandle) -> None:
+        self.stack = stack
+        self.created: list[str] = []
+        self._sessions: dict[str, ApiSession] = {}
+
+    def api(self, identity: str = "demo") -> ApiSession:
+        """A session as ``identity`` that asks for the newest microversion."""
+        if identity not in self._sessions:
+            session = self.stack.session(identity)
+            session.headers["OpenStack-API-Version"] = LATEST_MICROVERSION
+            self._sessions[identity] = session
+        return self._sessions[identity]
+
+    def create(self, body: dict[str, Any], identity: str = "demo") -> requests.Response:
+        """``POST /servers`` with ``body`` as is; a server it creates is remembered for clean-up."""
+        response = self.api(identity).post("/servers", json=body)
+        if response.status_code == 202:
+            self.created.append(response.json()["server"]["id"])
+        return response
+
+    def boot(self, identity: str = "demo", *, flavor: str = "1", name: str = "e2e", **extra: Any) -> dict[str, Any]:
+        """Boot a server from the seeded image and wait until it is ACTIVE; returns the admin's view of it."""
+        body = {"server": {"name": name, "flavorRef": flavor, "imageRef": self.stack.seeded.image["id"],
+                           "networks": "auto", **extra}}
+        response = self.create(body, identity)
+        assert response.status_code == 202, response.text
+        return self.wait_for_status(response.json()["server"]["id"], "ACTIVE")
+
+    def show(self, server_id: str, identity: str = "admin") -> dict[str, Any] | None:
+        """The server as ``identity`` sees it, or None when the API answers 404."""
+        response = self.api(identity).get(f"/servers/{server_id}")
+        if response.status_code == 404:
+            return None
+        assert response.status_code == 200, response.text
+        return response.json()["server"]
+
+    def action(self, server_id: str, body: dict[str, Any], identity: str = "demo") -> requests.Response:
+        return self.api(identity).post(f"/servers/{server_id}/action", json=body)
+
+    def wait_for_status(self, server_id: str, status: str, timeout: float = 90) -> dict[str, Any]:
+        """Wait until the server has ``status`` and no task; returns the admin's view.
+
+        Raises:
+            AssertionError: the timeout passed, the server went to ERROR (with its fault), or it vanished.
+        """
+        seen: dict[str, Any] = {}
+
+        def settled() -> dict[str, Any] | None:
+            server = self.show(server_id)
+            assert server is not None, f"server {server_id} vanished while waiting for {status}"
+            seen.update(server)
+            if server["status"] == "ERROR" and status != "ERROR":
+                raise AssertionError(f"server {server_id} went to ERROR: {server.get('fault')}")
+            if server["status"] == status and server["OS-EXT-STS:task_state"] is None:
+                return server
+            return None
+
+        try:
+            return self.stack.wait_for(settled, timeout=timeout)
+        except AssertionError as exc:
+            raise AssertionError(
+                f"{exc}; server {server_id} is {seen.get('status')} / {seen.get('OS-EXT-STS:task_state')}"
+            ) from None
+
+    def wait_until_gone(self, server_id: str, timeout: float = 90) -> None:
+        """Wait until ``GET /servers/{id}`` answers 404."""
+        self.stack.wait_for(lambda: self.show(server_id) is None, timeout=timeout)
+
+    def delete(self, server_id: str, identity: str = "demo") -> requests.Response:
+        return self.api(identity).delete(f"/servers/{server_id}")
+
+    def delete_all(self) -> None:
+        """Delete (as admin) every server this helper created that still exists, and wait until they are gone."""
+        for server_id in self.created:
+            server = self.show(server_id)
+            if server is None:
+                continue
+            if server["OS-EXT-STS:task_state"] != "deleting":
+                self.delete(server_id, "admin")
+            self.wait_until_gone(server_id)
+        self.created.clear()
+
+
+class Records:
+    """What Ferry recorded behind the API: placement, ports and the host agents' journals and disks.
+
+    The local stack runs in the test process with its environment set, so Ferry's own modules
+    read the stack's databases.
+    """
+
+    def __init__(self, stack: LocalStackHandle) -> None:
+        self.stack = stack
+
+    def usages(self, host: str) -> dict[str, int]:
+        """``{resource class: amount allocated}`` on ``host``'s resource provider."""
+        from ferry import placement
+
+        return placement.usages(placement.provider_by_host(host))
+
+    def usages_by_host(self) -> dict[str, dict[str, int]]:
+        return {host: self.usages(host) for host in self.stack.hosts}
+
+    def provider(self, host: str) -> str:
+        from ferry import placement
+
+        return placement.provider_by_host(host)
+
+    def allocations(self, consumer_uuid: str) -> dict[str, dict[str, int]]:
+        """``{provider uuid: {resource class: amount}}`` held by the consumer."""
+        from ferry import placement
+
+        return placement.get_allocations(consumer_uuid)
+
+    def consumer_exists(self, consumer_uuid: str) -> bool:
+        from ferry import placement
+
+        return placement.consumer_generation(consumer_uuid) is not None
+
+    def ports(self, instance_uuid: str) -> list[str]:
+        """Ids of the ports plugged into the server."""
+        from sqlalchemy import select
+
+        from ferry.store.api_models import Port
+        from ferry.store.db import api_session
+
+        with api_session() as session:
+            return list(session.scalars(select(Port.id).where(Port.device_id == instance_uuid)))
+
+    def port_exists(self, port_id: str) -> bool:
+        from ferry.store.api_models import Port
+        from ferry.store.db import api_session
+
+        with api_session() as session:
+            return session.get(Port, port_id) is not None
+
+    def port_count(self) -> int:
+        from sqlalchemy import func, select
+
+        from ferry.store.api_models import Port
+        from ferry.store.db import api_session
+
+        with api_session() as session:
+            return int(session.scalar(select(func.count()).select_from(Port)) or 0)
+
+    def instance_dir(self, host: str, instance_uuid: str) -> Path:
+        return self.stack.instances_dir(host) / instance_uuid
+
+    def host_operations(self, host: str, instance_uuid: str) -> list[tuple[str, str]]:
+        """``(operation, status)`` of every operation ``host``'s agent journaled for the instance, oldest first."""
+        import sqlite3
+        from contextlib import closing
+
+        journal = self.stack.host_state_dir(host) / "journal.sqlite"
+        if not journal.exists():
+            return []
+        with closing(sqlite3.connect(f"file:{journal}?mode=ro", uri=True)) as conn:
+            rows = conn.execute(
+                "SELECT operation, status FROM operations WHERE instance_uuid = ? ORDER BY started_at",
+                (instance_uuid,),
+            ).fetchall()
+        return [(operation, status) for operation, status in rows]
+
+
+@pytest.fixture
+def servers(local_stack: LocalStackHandle) -> Iterator[Servers]:
+    """Servers for one test; whatever it leaves behind is deleted afterwards."""
+    helper = Servers(local_stack)
+    try:
+        yield helper
+    finally:
+        helper.delete_all()
+
+
+@pytest.fixture
+def records(local_stack: LocalStackHandle) -> Records:
+    return Records(local_stack)

@@ -8,6 +8,7 @@ left on the other host, and the root disk carries the same bytes it had before t
 from __future__ import annotations
 
 import hashlib
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -254,7 +255,7 @@ def test_a_volume_attached_while_resized_survives_revert(local_stack, servers, r
     server, _ = boot(TINY)
     source = host_of(server)
     resize_to_verify(servers, server["id"], {"resize": {"flavorRef": SMALL}})
-    volume_id = "5e2e0000-0000-4000-8000-%012d" % (hash(server["id"]) % 10**12)
+    volume_id = str(uuid.uuid4())
     with api_session() as session:
         session.add(Volume(id=volume_id, project_id=local_stack.seeded.identities["demo"].project_id,
                            size_gb=1, path=str(local_stack.state_dir / "volumes" / volume_id)))
