@@ -276,6 +276,10 @@ class MigrationInProgress(Conflict):
     """Another confirm or revert took the server's migration first."""
 
 
+class InvalidQuotaDefault(FerryError):
+    """A ``FERRY_QUOTA_*`` setting is not a valid limit."""
+
+
 # --- Resize workflow -----------------------------------------------------------------------------
 
 
