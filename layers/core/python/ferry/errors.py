@@ -290,3 +290,39 @@ class InvalidMoveInput(FerryError):
 class MoveNotPrepared(FerryError):
     """A resize execution names a migration or instance the compute API did not prepare for it
     (missing, another instance's, or no longer in ``pre-migrating`` / ``resize_prep``)."""
+
+
+# --- Confirm and revert --------------------------------------------------------------------------
+
+
+class MigrationNotFound(NotFound):
+    """No migration has the given uuid for the given instance in that cell."""
+
+
+class UnexpectedMigrationState(Conflict):
+    """A confirm, revert or volume execution found its records in another state than it starts
+    from (an execution started twice, or by hand at the wrong time); it changed nothing."""
+
+
+class ConfirmResizeFailed(FerryError):
+    """A confirm did not complete; the migration is in error and the instance fault says what is left where."""
+
+
+class RevertResizeFailed(FerryError):
+    """A revert did not complete; the instance fault says where the guest, disks and allocations are."""
+
+
+class VolumeNotFound(NotFound):
+    """No such volume (or another project's)."""
+
+
+class VolumeInUse(Conflict):
+    """The volume is attached, or being attached or detached, elsewhere."""
+
+
+class VolumeNotAttached(NotFound):
+    """The volume is not attached to this server."""
+
+
+class VolumeOperationFailed(FerryError):
+    """Attaching or detaching a volume failed; the instance action's event says why."""
