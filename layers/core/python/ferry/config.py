@@ -57,6 +57,7 @@ class Settings:
     cross_cell_move_weight_multiplier: float
     placement_max_retries: int
     policy_file: str | None
+    volume_attachment_state_machine_arn: str
 
     @property
     def default_cell_dir(self) -> Path:
@@ -91,6 +92,7 @@ def load() -> Settings:
         cross_cell_move_weight_multiplier=_env_float("FERRY_CROSS_CELL_MOVE_WEIGHT_MULTIPLIER", 1_000_000.0),
         placement_max_retries=_env_int("FERRY_PLACEMENT_MAX_RETRIES", 10),
         policy_file=os.environ.get("FERRY_POLICY_FILE") or None,
+        volume_attachment_state_machine_arn=os.environ.get("FERRY_VOLUME_ATTACHMENT_STATE_MACHINE_ARN", ""),
     )
 
 
