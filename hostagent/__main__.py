@@ -65,6 +65,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a received operation stays invisible (renewed while it runs)",
     )
     parser.add_argument("--workers", type=int, default=1, help="operations run at once")
+    parser.add_argument(
+        "--disk-headroom-check",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the resize claim refuses a flavor whose disks, fully written, do not fit the instances filesystem",
+    )
+    parser.add_argument(
+        "--disk-overcommit-ratio",
+        type=float,
+        default=1.0,
+        help="the disk headroom check needs a flavor's full disk size divided by this ratio free "
+        "(above 1 for sparse disks that are expected to stay sparse)",
+    )
     return parser
 
 
@@ -111,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         keepalive_interval=args.keepalive_interval,
         visibility_timeout=args.visibility_timeout,
         max_workers=args.workers,
+        disk_headroom_check=args.disk_headroom_check,
+        disk_overcommit_ratio=args.disk_overcommit_ratio,
     )
     agent.install_signal_handlers()
     try:

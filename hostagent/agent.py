@@ -28,7 +28,7 @@ import jsonschema
 from aws_lambda_powertools.metrics import MetricUnit, single_metric
 from botocore.exceptions import BotoCoreError, ClientError
 
-from ferry import aws, errors, protocol
+from ferry import aws, errors, faults, protocol
 from ferry.observability import logger
 from hostagent import disks
 from hostagent.driver import (
@@ -37,7 +37,6 @@ from hostagent.driver import (
     NOSTATE,
     ROOT,
     SWAP,
-    VOLUME,
     DiskSpec,
     Driver,
     GuestSpec,
@@ -45,26 +44,7 @@ from hostagent.driver import (
     PortSpec,
 )
 from hostagent.journal import Journal, JournalEntry
-
-# Arguments of the operations whose schema the protocol leaves open ({} is always valid).
-POWER_OFF_ARGS_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "timeout": {"type": "number", "minimum": 0},
-        "clean_shutdown": {"type": "boolean"},
-    },
-}
-POWER_ON_ARGS_SCHEMA: dict[str, Any] = {"type": "object"}
-DESTROY_ARGS_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {"keep_disks": {"type": "boolean"}},
-}
-ARGS_SCHEMAS: dict[str, dict[str, Any]] = {
-    protocol.SPAWN: protocol.SPAWN_ARGS_SCHEMA,
-    protocol.POWER_OFF: POWER_OFF_ARGS_SCHEMA,
-    protocol.POWER_ON: POWER_ON_ARGS_SCHEMA,
-    protocol.DESTROY: DESTROY_ARGS_SCHEMA,
-}
+from hostagent.moves import MoveOperations, volume_disks
 
 DEFAULT_VISIBILITY_TIMEOUT = 120
 DEFAULT_MAX_RECEIVE_COUNT = 5
@@ -145,7 +125,7 @@ def parse_message(body: Any) -> Operation:
         raise errors.InvalidOperation("The message is not a JSON object.")
     try:
         protocol.validate(body, protocol.OPERATION_SCHEMA)
-        protocol.validate(body["args"], ARGS_SCHEMAS[body["operation"]])
+        protocol.validate(body["args"], protocol.ARGS_SCHEMAS[body["operation"]])
     except jsonschema.ValidationError as exc:
         raise errors.InvalidOperation(
             f"Invalid operation message: {exc.message}", operation=body.get("operation")
@@ -170,7 +150,7 @@ def _message_token(body: Any) -> str | None:
     return token if isinstance(token, str) and token else None
 
 
-class HostAgent:
+class HostAgent(MoveOperations):
     """The agent of one host (one hypervisor node).
 
     Args:
@@ -197,6 +177,10 @@ class HostAgent:
         power_off_timeout: default seconds a guest gets to shut down before it is forced off.
         use_image_cache: keep downloaded images under ``<instances_dir>/_base`` for later spawns.
         journal_retention: how long finished operations stay in the journal.
+        disk_headroom_check: the resize claim (``prep_resize``) refuses a flavor whose disks, fully
+            written, do not fit the free space of the instances filesystem.
+        disk_overcommit_ratio: how far that check trusts sparse disks to stay sparse: a flavor
+            needs its full disk size divided by this ratio free (1.0: the full size).
     """
 
     def __init__(
@@ -225,9 +209,13 @@ class HostAgent:
         power_off_timeout: float = 60.0,
         use_image_cache: bool = True,
         journal_retention: timedelta = timedelta(days=15),
+        disk_headroom_check: bool = True,
+        disk_overcommit_ratio: float = 1.0,
     ) -> None:
         if queue_url is None and queue_prefix is None:
             raise ValueError("HostAgent needs a queue_url or a queue_prefix to derive it from.")
+        if disk_overcommit_ratio <= 0:
+            raise ValueError("disk_overcommit_ratio must be positive.")
         self.host = host
         self.node = node
         self.cell = cell
@@ -251,6 +239,8 @@ class HostAgent:
         self.power_off_timeout = power_off_timeout
         self.use_image_cache = use_image_cache
         self.journal_retention = journal_retention
+        self.disk_headroom_check = disk_headroom_check
+        self.disk_overcommit_ratio = disk_overcommit_ratio
         self.journal: Journal | None = None
         self._stop = threading.Event()
         self._started = threading.Event()
@@ -262,6 +252,14 @@ class HostAgent:
             protocol.POWER_OFF: self.power_off,
             protocol.POWER_ON: self.power_on,
             protocol.DESTROY: self.destroy,
+            protocol.PREP_RESIZE: self.prep_resize,
+            protocol.RESIZE_INSTANCE: self.resize_instance,
+            protocol.FINISH_RESIZE: self.finish_resize,
+            protocol.CONFIRM_RESIZE: self.confirm_resize,
+            protocol.REVERT_RESIZE: self.revert_resize,
+            protocol.FINISH_REVERT_RESIZE: self.finish_revert_resize,
+            protocol.ATTACH_VOLUME: self.attach_volume,
+            protocol.DETACH_VOLUME: self.detach_volume,
         }
 
     # -- lifecycle
@@ -438,6 +436,8 @@ class HostAgent:
         cause: str | None = None
         with self._keepalive(op, receipt, context), self._instance_lock(op.instance_uuid):
             try:
+                # A fault armed for this operation (tests and drills; off unless configured) fails it here.
+                faults.check(*faults.host_points(self.host, op.name))
                 result = self._handlers[op.name](op)
             except errors.FerryError as exc:
                 error, cause = exc.name, exc.message
@@ -674,21 +674,7 @@ class HostAgent:
             raise errors.SpawnFailed(
                 f"Preparing the disks of instance {instance_uuid} failed: {exc}", instance_uuid=instance_uuid
             ) from exc
-        boot_volume = None
-        if image is None:
-            indexed = [v for v in volumes if v.get("boot_index") is not None]
-            boot_volume = min(indexed, key=lambda v: v["boot_index"]) if indexed else volumes[0]
-        for volume in volumes:
-            result.append(
-                DiskSpec(
-                    kind=VOLUME,
-                    path=volume["path"],
-                    device=volume["device"],
-                    volume_id=volume["volume_id"],
-                    boot=volume is boot_volume,
-                )
-            )
-        return result
+        return result + volume_disks(volumes, boot_from_volume=image is None)
 
     def power_off(self, op: Operation) -> dict[str, Any]:
         """Stop the guest (a stopped guest stays stopped).

@@ -5,21 +5,33 @@ become holes. A file is written to a temporary name beside its destination and r
 place once complete, so a disk path either does not exist or holds a whole, verified disk.
 
 An instance's disks live in ``<instances_dir>/<uuid>/``: ``disk`` (root), ``disk.eph0``
-(ephemeral) and ``disk.swap``. Disks are raw files; their size is the flavor's (sparse).
+(ephemeral) and ``disk.swap``. Disks are raw files; their size is the flavor's (sparse). While a
+resize or cold migration is in progress, the source host keeps the instance's old disks in
+``<instances_dir>/<uuid>_resize/`` until the move is confirmed or reverted.
+
+Between two hosts a disk travels through S3 as a *transfer* (:func:`upload_disk`,
+:func:`download_disk`): the object ``<prefix>/<kind>`` holds only the disk's data extents, one
+after the other, and ``<prefix>/<kind>.manifest.json`` says where they go
+(``{"size", "extents": [[offset, length], ...], "sha256", "chunk_size"}``). The manifest is
+written last, so its presence means the data object is complete.
 """
 
 from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from boto3.exceptions import S3UploadFailedError
+from boto3.s3.transfer import TransferConfig
 from botocore.exceptions import BotoCoreError, ClientError
 
 from ferry import errors
@@ -32,6 +44,13 @@ ROOT_DISK = "disk"
 EPHEMERAL_DISK = "disk.eph0"
 SWAP_DISK = "disk.swap"
 IMAGE_CACHE_DIR = "_base"
+RESIZE_SUFFIX = "_resize"
+# The file name of each kind of local disk in an instance directory.
+DISK_FILES = {"root": ROOT_DISK, "ephemeral": EPHEMERAL_DISK, "swap": SWAP_DISK}
+MANIFEST_SUFFIX = ".manifest.json"
+# Multipart part size of a transfer upload (S3's minimum part is 5 MiB); parts in flight at once.
+TRANSFER_PART_SIZE = 8 * MiB
+TRANSFER_CONCURRENCY = 4
 
 
 def instance_dir(instances_dir: str | os.PathLike[str], instance_uuid: str) -> Path:
@@ -51,10 +70,20 @@ def swap_disk_path(instances_dir: str | os.PathLike[str], instance_uuid: str) ->
     return instance_dir(instances_dir, instance_uuid) / SWAP_DISK
 
 
+def resize_dir(instances_dir: str | os.PathLike[str], instance_uuid: str) -> Path:
+    """Where the source host keeps an instance's old disks while a move waits for confirm or revert."""
+    return Path(instances_dir) / f"{instance_uuid}{RESIZE_SUFFIX}"
+
+
 def remove_instance_dir(instances_dir: str | os.PathLike[str], instance_uuid: str) -> None:
     """Delete an instance's directory and every disk in it; an absent directory is already gone."""
+    remove_dir(instance_dir(instances_dir, instance_uuid))
+
+
+def remove_dir(directory: str | os.PathLike[str]) -> None:
+    """Delete a directory and everything in it; an absent directory is already gone."""
     try:
-        shutil.rmtree(instance_dir(instances_dir, instance_uuid))
+        shutil.rmtree(directory)
     except FileNotFoundError:
         pass
 
@@ -135,6 +164,27 @@ def sha256_file(path: str | os.PathLike[str]) -> str:
     """The hex sha256 of a file's logical content (holes read as zeros)."""
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def sparse_sha256(path: str | os.PathLike[str], chunk_size: int = CHUNK_SIZE) -> str:
+    """The same digest as :func:`sha256_file`, reading only the file's data (holes are hashed, not read)."""
+    hasher = hashlib.sha256()
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        position = 0
+        for start, end in data_segments(f.fileno(), size):
+            _hash_zeros(hasher, start - position, chunk_size)
+            f.seek(start)
+            remaining = end - start
+            while remaining > 0:
+                chunk = f.read(min(chunk_size, remaining))
+                if not chunk:
+                    raise OSError(errno.EIO, f"{path} shrank while it was being read")
+                hasher.update(chunk)
+                remaining -= len(chunk)
+            position = end
+        _hash_zeros(hasher, size - position, chunk_size)
+    return hasher.hexdigest()
 
 
 def copy_sparse(src: str | os.PathLike[str], dst: str | os.PathLike[str], chunk_size: int = CHUNK_SIZE) -> str:
@@ -299,3 +349,276 @@ def create_root_disk(
         dest_path.unlink(missing_ok=True)
         raise errors.SpawnFailed(f"Image {image.get('id')} is larger than the root disk ({root_bytes} bytes).")
     return grow(dest_path, root_bytes) if root_bytes > 0 else os.path.getsize(dest_path)
+
+
+# --- transfers between hosts ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Transferred:
+    """What one disk transfer moved: the disk's logical size and digest, and the data bytes that travelled."""
+
+    size: int
+    sha256: str
+    data_bytes: int
+
+
+def transfer_key(prefix: str, kind: str) -> str:
+    """The S3 key of a transferred disk's data (``<prefix>/<kind>``)."""
+    return f"{prefix.rstrip('/')}/{kind}"
+
+
+def manifest_key(prefix: str, kind: str) -> str:
+    """The S3 key of a transferred disk's manifest (``<prefix>/<kind>.manifest.json``)."""
+    return transfer_key(prefix, kind) + MANIFEST_SUFFIX
+
+
+class _ExtentReader:
+    """A file-like reader of a sparse file's data: its non-zero chunks, in order, as one stream.
+
+    Holes are skipped without reading them, and so are chunks that read as all zeros. While it
+    reads, it records the extents it returned (``[offset, length]``, adjacent ones merged) and
+    hashes the file's whole logical content, zeros included. Non-seekable, so an upload reads it
+    once, in order, and the digest covers exactly what was sent.
+    """
+
+    def __init__(self, f: IO[bytes], size: int, chunk_size: int) -> None:
+        self._file = f
+        self.size = size
+        self.chunk_size = chunk_size
+        self.extents: list[list[int]] = []
+        self.data_bytes = 0
+        self._hasher = hashlib.sha256()
+        self._hashed = 0  # the logical content up to here is hashed
+        self._segments = data_segments(f.fileno(), size)
+        self._segment: tuple[int, int] | None = None
+        self._offset = 0  # next read position inside the current segment
+        self._buffer = memoryview(b"")
+        self._done = False
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+    @property
+    def sha256(self) -> str:
+        """The digest of the logical content; complete once :meth:`read` has returned ``b""``."""
+        return self._hasher.hexdigest()
+
+    def read(self, size: int = -1) -> bytes:
+        out = bytearray()
+        while size < 0 or len(out) < size:
+            if not self._buffer and not self._fill():
+                break
+            take = len(self._buffer) if size < 0 else min(size - len(out), len(self._buffer))
+            out += self._buffer[:take]
+            self._buffer = self._buffer[take:]
+        return bytes(out)
+
+    def _fill(self) -> bool:
+        """Load the next non-zero chunk; False at the end of the file."""
+        while not self._done:
+            if self._segment is None or self._offset >= self._segment[1]:
+                self._segment = next(self._segments, None)
+                if self._segment is None:
+                    _hash_zeros(self._hasher, self.size - self._hashed, self.chunk_size)
+                    self._hashed = self.size
+                    self._done = True
+                    return False
+                self._offset = self._segment[0]
+            start = self._offset
+            self._file.seek(start)
+            chunk = self._file.read(min(self.chunk_size, self._segment[1] - start))
+            if not chunk:
+                raise errors.DiskCopyFailed(f"{self._file.name} shrank while it was being sent.")
+            _hash_zeros(self._hasher, start - self._hashed, self.chunk_size)
+            self._hasher.update(chunk)
+            self._hashed = start + len(chunk)
+            self._offset = self._hashed
+            if chunk.count(0) == len(chunk):
+                continue
+            if self.extents and self.extents[-1][0] + self.extents[-1][1] == start:
+                self.extents[-1][1] += len(chunk)
+            else:
+                self.extents.append([start, len(chunk)])
+            self.data_bytes += len(chunk)
+            self._buffer = memoryview(chunk)
+            return True
+        return False
+
+
+def upload_disk(
+    s3_client: Any,
+    path: str | os.PathLike[str],
+    bucket: str,
+    prefix: str,
+    kind: str,
+    chunk_size: int = CHUNK_SIZE,
+    part_size: int = TRANSFER_PART_SIZE,
+) -> Transferred:
+    """Send a disk to ``s3://bucket/<prefix>/<kind>`` as its data extents, then its manifest.
+
+    Streams with a multipart upload; only the data (non-zero chunks of the data ranges) is read
+    and sent, and memory holds at most a few parts. Sending again replaces both objects.
+
+    Raises:
+        DiskCopyFailed: the disk cannot be read or the upload failed.
+    """
+    source = Path(path)
+    key = transfer_key(prefix, kind)
+    config = TransferConfig(
+        multipart_threshold=part_size, multipart_chunksize=part_size, max_concurrency=TRANSFER_CONCURRENCY
+    )
+    try:
+        with open(source, "rb") as f:
+            reader = _ExtentReader(f, os.fstat(f.fileno()).st_size, chunk_size)
+            s3_client.upload_fileobj(reader, bucket, key, Config=config)
+            if reader.read(1):
+                raise errors.DiskCopyFailed(f"The upload of {source} stopped before its end.")
+        manifest = {
+            "size": reader.size,
+            "extents": reader.extents,
+            "sha256": reader.sha256,
+            "chunk_size": chunk_size,
+        }
+        s3_client.put_object(
+            Bucket=bucket,
+            Key=manifest_key(prefix, kind),
+            Body=json.dumps(manifest).encode(),
+            ContentType="application/json",
+        )
+    except (ClientError, BotoCoreError, S3UploadFailedError, OSError) as exc:
+        raise errors.DiskCopyFailed(
+            f"Sending {source} to s3://{bucket}/{key} failed: {exc}", bucket=bucket, key=key
+        ) from exc
+    return Transferred(size=reader.size, sha256=reader.sha256, data_bytes=reader.data_bytes)
+
+
+def _read_manifest(s3_client: Any, bucket: str, key: str) -> tuple[int, list[tuple[int, int]], str]:
+    """The (size, extents, sha256) of a transfer manifest, checked for sense.
+
+    Raises:
+        DiskCopyFailed: the manifest is missing, unreadable or inconsistent.
+        ClientError, BotoCoreError: S3 failed (the caller wraps them).
+    """
+    body = s3_client.get_object(Bucket=bucket, Key=key)["Body"]
+    try:
+        raw = body.read()
+    finally:
+        body.close()
+    try:
+        manifest = json.loads(raw)
+        size = int(manifest["size"])
+        sha = str(manifest["sha256"]).lower()
+        extents = [(int(offset), int(length)) for offset, length in manifest["extents"]]
+    except (ValueError, TypeError, KeyError) as exc:
+        raise errors.DiskCopyFailed(f"The transfer manifest s3://{bucket}/{key} is not valid: {exc}") from exc
+    position = 0
+    for offset, length in extents:
+        if offset < position or length <= 0 or offset + length > size:
+            raise errors.DiskCopyFailed(f"The transfer manifest s3://{bucket}/{key} has overlapping or stray extents.")
+        position = offset + length
+    return size, extents, sha
+
+
+def _read_exactly(body: Any, count: int, chunk_size: int) -> Iterator[bytes]:
+    """``count`` bytes of a streaming body, in chunks of at most ``chunk_size``."""
+    while count > 0:
+        chunk = body.read(min(chunk_size, count))
+        if not chunk:
+            raise errors.DiskCopyFailed("The transferred data ended before the manifest's extents.")
+        count -= len(chunk)
+        yield chunk
+
+
+def download_disk(
+    s3_client: Any,
+    bucket: str,
+    prefix: str,
+    kind: str,
+    dest: str | os.PathLike[str],
+    expected_sha256: str | None = None,
+    expected_size: int | None = None,
+    chunk_size: int = CHUNK_SIZE,
+) -> Transferred:
+    """Rebuild a transferred disk at ``dest``: each extent written in place in a sparse file.
+
+    The disk's digest must match its manifest and, when given, ``expected_sha256`` and
+    ``expected_size`` (what the sender reported). ``dest`` appears atomically and only when verified.
+
+    Raises:
+        DiskCopyFailed: the transfer is missing, incomplete, inconsistent or corrupt, or writing failed.
+    """
+    dest_path = Path(dest)
+    data_key, man_key = transfer_key(prefix, kind), manifest_key(prefix, kind)
+    try:
+        size, extents, manifest_sha = _read_manifest(s3_client, bucket, man_key)
+        if expected_sha256 is not None and manifest_sha != expected_sha256.lower():
+            raise errors.DiskCopyFailed(
+                f"The transfer s3://{bucket}/{data_key} is of another disk (sha256 {manifest_sha}, expected "
+                f"{expected_sha256}).",
+                bucket=bucket,
+                key=data_key,
+            )
+        if expected_size is not None and size != expected_size:
+            raise errors.DiskCopyFailed(
+                f"The transfer s3://{bucket}/{data_key} is {size} bytes, expected {expected_size}.",
+                bucket=bucket,
+                key=data_key,
+            )
+        hasher = hashlib.sha256()
+        data_bytes = 0
+        with _temp_beside(dest_path) as (out, _tmp):
+            body = s3_client.get_object(Bucket=bucket, Key=data_key)["Body"]
+            try:
+                writer = _SparseWriter(out)
+                position = 0
+                for offset, length in extents:
+                    _hash_zeros(hasher, offset - position, chunk_size)
+                    out.seek(offset)
+                    for chunk in _read_exactly(body, length, chunk_size):
+                        hasher.update(chunk)
+                        writer.write(chunk)
+                    data_bytes += length
+                    position = offset + length
+                if body.read(1):
+                    raise errors.DiskCopyFailed(
+                        f"The transfer s3://{bucket}/{data_key} has more data than its extents."
+                    )
+            finally:
+                body.close()
+            _hash_zeros(hasher, size - position, chunk_size)
+            writer.finish(size)
+            digest = hasher.hexdigest()
+            if digest != manifest_sha:
+                raise errors.DiskCopyFailed(
+                    f"The transfer s3://{bucket}/{data_key} has sha256 {digest}, expected {manifest_sha}.",
+                    bucket=bucket,
+                    key=data_key,
+                )
+    except errors.DiskCopyFailed:
+        raise
+    except (ClientError, BotoCoreError, OSError) as exc:
+        raise errors.DiskCopyFailed(
+            f"Fetching s3://{bucket}/{data_key} to {dest_path} failed: {exc}", bucket=bucket, key=data_key
+        ) from exc
+    return Transferred(size=size, sha256=digest, data_bytes=data_bytes)
+
+
+def delete_transfer(s3_client: Any, bucket: str, prefix: str) -> int:
+    """Delete every object under ``<prefix>/``; return how many. Nothing there is fine.
+
+    Raises:
+        ClientError, BotoCoreError: S3 failed.
+    """
+    folder = prefix.rstrip("/") + "/"
+    deleted = 0
+    paginator = s3_client.get_paginator("list_objects_v2")
+    for page in paginator.paginate(Bucket=bucket, Prefix=folder):
+        keys = [{"Key": item["Key"]} for item in page.get("Contents", [])]
+        if keys:
+            s3_client.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
+            deleted += len(keys)
+    return deleted

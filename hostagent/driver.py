@@ -182,6 +182,14 @@ class Driver(abc.ABC):
     def list_guests(self) -> list[str]:
         """The instance uuids of every guest the hypervisor knows, running or not."""
 
+    def guest_memory_mb(self, instance_uuid: str) -> int:
+        """The memory the guest is defined with, in MiB (whether or not it runs).
+
+        Raises:
+            GuestNotFound, HypervisorError.
+        """
+        return self.guest_spec(instance_uuid).memory_mb
+
     @abc.abstractmethod
     def attach_volume(self, instance_uuid: str, disk: DiskSpec) -> None:
         """Attach a volume (``disk.kind == VOLUME``); attaching it again is a no-op.
@@ -477,6 +485,12 @@ class LibvirtDriver(Driver):
     def list_guests(self) -> list[str]:
         with _hypervisor_errors("list guests"):
             return sorted(dom.UUIDString() for dom in self.connection.listAllDomains())
+
+    def guest_memory_mb(self, instance_uuid: str) -> int:
+        # From the definition itself, so guests Ferry did not define count too.
+        dom = self._domain(instance_uuid)
+        with _hypervisor_errors("read guest memory", instance_uuid):
+            return int(dom.maxMemory()) // 1024
 
     def attach_volume(self, instance_uuid: str, disk: DiskSpec) -> None:
         if disk.kind != VOLUME or not disk.volume_id:

@@ -18,7 +18,32 @@ SPAWN = "spawn"
 POWER_OFF = "power_off"
 POWER_ON = "power_on"
 DESTROY = "destroy"
-OPERATIONS = (SPAWN, POWER_OFF, POWER_ON, DESTROY)
+# Same-cell resize and cold migrate (see docs/host-agent.md): where each runs is in its schema's title.
+PREP_RESIZE = "prep_resize"
+RESIZE_INSTANCE = "resize_instance"
+FINISH_RESIZE = "finish_resize"
+CONFIRM_RESIZE = "confirm_resize"
+REVERT_RESIZE = "revert_resize"
+FINISH_REVERT_RESIZE = "finish_revert_resize"
+ATTACH_VOLUME = "attach_volume"
+DETACH_VOLUME = "detach_volume"
+OPERATIONS = (
+    SPAWN,
+    POWER_OFF,
+    POWER_ON,
+    DESTROY,
+    PREP_RESIZE,
+    RESIZE_INSTANCE,
+    FINISH_RESIZE,
+    CONFIRM_RESIZE,
+    REVERT_RESIZE,
+    FINISH_REVERT_RESIZE,
+    ATTACH_VOLUME,
+    DETACH_VOLUME,
+)
+
+# The local disks a move carries between hosts (swap is re-created, never copied).
+MOVED_DISKS = ("root", "ephemeral")
 
 # Kinds of report an agent sends.
 REPORT_INVENTORY = "inventory"
@@ -50,6 +75,28 @@ OPERATION_SCHEMA: dict[str, Any] = {
     },
 }
 
+PORTS_SCHEMA: dict[str, Any] = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "required": ["id", "mac_address"],
+        "properties": {"id": {"type": "string"}, "mac_address": {"type": "string"}},
+    },
+}
+
+VOLUME_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["volume_id", "path", "device"],
+    "properties": {
+        "volume_id": {"type": "string", "minLength": 1},
+        "path": {"type": "string", "minLength": 1},
+        "device": {"type": "string", "minLength": 1},
+        "boot_index": {"type": ["integer", "null"]},
+    },
+}
+
+VOLUMES_SCHEMA: dict[str, Any] = {"type": "array", "items": VOLUME_SCHEMA}
+
 SPAWN_ARGS_SCHEMA: dict[str, Any] = {
     "type": "object",
     "required": ["name", "flavor", "image", "ports", "volumes", "power_on"],
@@ -66,14 +113,7 @@ SPAWN_ARGS_SCHEMA: dict[str, Any] = {
                 "sha256": {"type": "string"},
             },
         },
-        "ports": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "required": ["id", "mac_address"],
-                "properties": {"id": {"type": "string"}, "mac_address": {"type": "string"}},
-            },
-        },
+        "ports": PORTS_SCHEMA,
         "volumes": {
             "type": "array",
             "items": {
@@ -89,6 +129,204 @@ SPAWN_ARGS_SCHEMA: dict[str, Any] = {
         },
         "power_on": {"type": "boolean"},
     },
+}
+
+POWER_OFF_ARGS_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "timeout": {"type": "number", "minimum": 0},
+        "clean_shutdown": {"type": "boolean"},
+    },
+}
+
+POWER_ON_ARGS_SCHEMA: dict[str, Any] = {"type": "object"}
+
+DESTROY_ARGS_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"keep_disks": {"type": "boolean"}},
+}
+
+# Where a move's disks wait between the source and the destination: ``s3://<bucket>/<prefix>/<kind>``.
+TRANSFER_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["bucket", "prefix"],
+    "properties": {
+        "bucket": {"type": "string", "minLength": 1},
+        "prefix": {"type": "string", "minLength": 1, "pattern": "[^/]"},
+    },
+}
+
+DISK_CHECKSUM_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["sha256", "size"],
+    "properties": {
+        "sha256": {"type": "string", "pattern": "^[0-9a-f]{64}$"},
+        "size": {"type": "integer", "minimum": 0},
+    },
+}
+
+# What resize_instance reports of the disks it sent, and finish_resize checks: one entry per disk that exists.
+MOVED_DISKS_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {kind: DISK_CHECKSUM_SCHEMA for kind in MOVED_DISKS},
+    "additionalProperties": False,
+}
+
+_MIGRATION_UUID: dict[str, Any] = {"type": "string", "minLength": 1}
+
+# A transfer is needed unless the move stays on one host.
+_TRANSFER_UNLESS_SAME_HOST: dict[str, Any] = {
+    "if": {"properties": {"same_host": {"const": False}}},
+    "then": {"required": ["transfer"]},
+}
+
+PREP_RESIZE_ARGS_SCHEMA: dict[str, Any] = {
+    "title": "prep_resize, at the destination",
+    "type": "object",
+    "required": ["migration_uuid", "flavor", "same_host"],
+    "properties": {
+        "migration_uuid": _MIGRATION_UUID,
+        "flavor": FLAVOR_SCHEMA,
+        "same_host": {"type": "boolean"},
+    },
+}
+
+RESIZE_INSTANCE_ARGS_SCHEMA: dict[str, Any] = {
+    "title": "resize_instance, at the source",
+    "type": "object",
+    "required": ["migration_uuid", "dest_host", "same_host"],
+    "properties": {
+        "migration_uuid": _MIGRATION_UUID,
+        "dest_host": {"type": "string", "minLength": 1},
+        "same_host": {"type": "boolean"},
+        "transfer": TRANSFER_SCHEMA,
+        "clean_shutdown": {"type": "boolean"},
+        "timeout": {"type": "number", "minimum": 0},
+    },
+    **_TRANSFER_UNLESS_SAME_HOST,
+}
+
+FINISH_RESIZE_ARGS_SCHEMA: dict[str, Any] = {
+    "title": "finish_resize, at the destination",
+    "type": "object",
+    "required": [
+        "migration_uuid",
+        "name",
+        "flavor",
+        "old_flavor",
+        "same_host",
+        "disks",
+        "ports",
+        "volumes",
+        "power_on",
+    ],
+    "properties": {
+        "migration_uuid": _MIGRATION_UUID,
+        "name": {"type": "string"},
+        "flavor": FLAVOR_SCHEMA,
+        "old_flavor": FLAVOR_SCHEMA,
+        "same_host": {"type": "boolean"},
+        "transfer": TRANSFER_SCHEMA,
+        "disks": MOVED_DISKS_SCHEMA,
+        "ports": PORTS_SCHEMA,
+        "volumes": VOLUMES_SCHEMA,
+        "power_on": {"type": "boolean"},
+    },
+    **_TRANSFER_UNLESS_SAME_HOST,
+}
+
+CONFIRM_RESIZE_ARGS_SCHEMA: dict[str, Any] = {
+    "title": "confirm_resize, at the source",
+    "type": "object",
+    "required": ["migration_uuid", "same_host"],
+    "properties": {"migration_uuid": _MIGRATION_UUID, "same_host": {"type": "boolean"}},
+}
+
+REVERT_RESIZE_ARGS_SCHEMA: dict[str, Any] = {
+    "title": "revert_resize, at the destination",
+    "type": "object",
+    "required": ["migration_uuid", "same_host"],
+    "properties": {
+        "migration_uuid": _MIGRATION_UUID,
+        "same_host": {"type": "boolean"},
+        "transfer": TRANSFER_SCHEMA,
+    },
+    **_TRANSFER_UNLESS_SAME_HOST,
+}
+
+FINISH_REVERT_RESIZE_ARGS_SCHEMA: dict[str, Any] = {
+    "title": "finish_revert_resize, at the source",
+    "type": "object",
+    "required": ["migration_uuid", "name", "flavor", "ports", "volumes", "power_on"],
+    "properties": {
+        "migration_uuid": _MIGRATION_UUID,
+        "name": {"type": "string"},
+        "flavor": FLAVOR_SCHEMA,
+        "ports": PORTS_SCHEMA,
+        "volumes": VOLUMES_SCHEMA,
+        "power_on": {"type": "boolean"},
+    },
+}
+
+ATTACH_VOLUME_ARGS_SCHEMA: dict[str, Any] = {
+    "title": "attach_volume, on the instance's host",
+    "type": "object",
+    "required": ["volume"],
+    "properties": {"volume": VOLUME_SCHEMA},
+}
+
+DETACH_VOLUME_ARGS_SCHEMA: dict[str, Any] = {
+    "title": "detach_volume, on the instance's host",
+    "type": "object",
+    "required": ["volume_id"],
+    "properties": {"volume_id": {"type": "string", "minLength": 1}},
+}
+
+# The arguments of each operation.
+ARGS_SCHEMAS: dict[str, dict[str, Any]] = {
+    SPAWN: SPAWN_ARGS_SCHEMA,
+    POWER_OFF: POWER_OFF_ARGS_SCHEMA,
+    POWER_ON: POWER_ON_ARGS_SCHEMA,
+    DESTROY: DESTROY_ARGS_SCHEMA,
+    PREP_RESIZE: PREP_RESIZE_ARGS_SCHEMA,
+    RESIZE_INSTANCE: RESIZE_INSTANCE_ARGS_SCHEMA,
+    FINISH_RESIZE: FINISH_RESIZE_ARGS_SCHEMA,
+    CONFIRM_RESIZE: CONFIRM_RESIZE_ARGS_SCHEMA,
+    REVERT_RESIZE: REVERT_RESIZE_ARGS_SCHEMA,
+    FINISH_REVERT_RESIZE: FINISH_REVERT_RESIZE_ARGS_SCHEMA,
+    ATTACH_VOLUME: ATTACH_VOLUME_ARGS_SCHEMA,
+    DETACH_VOLUME: DETACH_VOLUME_ARGS_SCHEMA,
+}
+
+# Every result (the SendTaskSuccess output) has this shape; power_state is that of the instance's
+# guest on the answering host after the operation, 0 (NOSTATE) when the host has no guest for it.
+RESULT_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["instance_uuid", "host", "node", "power_state"],
+    "properties": {
+        "instance_uuid": {"type": "string"},
+        "host": {"type": "string"},
+        "node": {"type": "string"},
+        "power_state": {"type": "integer", "minimum": 0},
+    },
+}
+
+
+def _result_with(required: list[str], properties: dict[str, Any]) -> dict[str, Any]:
+    return {
+        **RESULT_SCHEMA,
+        "required": RESULT_SCHEMA["required"] + required,
+        "properties": {**RESULT_SCHEMA["properties"], **properties},
+    }
+
+
+# Results with more than the common keys.
+RESULT_SCHEMAS: dict[str, dict[str, Any]] = {
+    PREP_RESIZE: _result_with(["claimed"], {"claimed": {"const": True}}),
+    RESIZE_INSTANCE: _result_with(
+        ["was_running", "disks"], {"was_running": {"type": "boolean"}, "disks": MOVED_DISKS_SCHEMA}
+    ),
+    FINISH_RESIZE: _result_with(["disks"], {"disks": MOVED_DISKS_SCHEMA}),
 }
 
 REPORT_SCHEMA: dict[str, Any] = {

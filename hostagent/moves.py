@@ -1,0 +1,548 @@
+"""The host side of same-cell resize and cold migrate, their confirm and revert, and volume attach/detach.
+
+A move runs on two hosts (or twice on one, for a resize to the same host):
+
+- ``prep_resize`` at the destination: the resize claim for what placement does not model.
+- ``resize_instance`` at the source: power off, undefine the guest (its disks stay), move the
+  instance directory aside to ``<uuid>_resize`` and send the root and ephemeral disks to S3.
+- ``finish_resize`` at the destination: rebuild the disks, grow them to the new flavor, create a
+  fresh swap, define the guest with the new flavor and power it on if it was running.
+- ``confirm_resize`` at the source: drop the kept disks (and any guest left there).
+- ``revert_resize`` at the destination, then ``finish_revert_resize`` at the source: the
+  destination forgets the instance; the source puts its kept disks back and defines the guest
+  with the old flavor.
+
+Each operation converges when run again, including after a crash part-way. A small record,
+``migration.json`` in the instance directory, remembers what a re-run needs (whether the guest
+was running, the checksums reported). docs/host-agent.md describes the operations in full.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from aws_lambda_powertools.metrics import MetricUnit
+from botocore.exceptions import BotoCoreError, ClientError
+
+from ferry import errors, protocol
+from ferry.observability import logger
+from hostagent import disks
+from hostagent.driver import (
+    EPHEMERAL,
+    LOCAL_DEVICES,
+    NOSTATE,
+    ROOT,
+    RUNNING,
+    SWAP,
+    VOLUME,
+    DiskSpec,
+    Driver,
+    GuestSpec,
+    PortSpec,
+)
+
+if TYPE_CHECKING:
+    from hostagent.agent import Operation
+
+MOVE_RECORD = "migration.json"
+
+
+def volume_disks(volumes: list[dict[str, Any]], boot_from_volume: bool) -> list[DiskSpec]:
+    """The guest disks of attached volumes; with ``boot_from_volume`` the lowest boot_index boots."""
+    boot_volume = None
+    if boot_from_volume and volumes:
+        indexed = [v for v in volumes if v.get("boot_index") is not None]
+        boot_volume = min(indexed, key=lambda v: v["boot_index"]) if indexed else volumes[0]
+    return [
+        DiskSpec(kind=VOLUME, path=v["path"], device=v["device"], volume_id=v["volume_id"], boot=v is boot_volume)
+        for v in volumes
+    ]
+
+
+def _read_record(directory: Path) -> dict[str, Any] | None:
+    try:
+        record = json.loads((directory / MOVE_RECORD).read_text())
+    except (FileNotFoundError, NotADirectoryError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _write_record(directory: Path, record: dict[str, Any]) -> None:
+    target = directory / MOVE_RECORD
+    tmp = directory / f".{MOVE_RECORD}.tmp"
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, target)
+
+
+def _record_of(directory: Path, migration_uuid: str) -> dict[str, Any] | None:
+    """The move record in ``directory`` if it belongs to ``migration_uuid``."""
+    record = _read_record(directory)
+    return record if record is not None and record.get("migration_uuid") == migration_uuid else None
+
+
+class MoveOperations:
+    """Resize, cold migrate, confirm, revert and volume operations of :class:`hostagent.agent.HostAgent`.
+
+    A mixin: the agent provides the attributes declared here.
+    """
+
+    host: str
+    node: str
+    driver: Driver
+    s3: Any
+    instances_dir: Path
+    power_off_timeout: float
+    disk_headroom_check: bool
+    disk_overcommit_ratio: float
+
+    def _result(self, instance_uuid: str, power_state: int) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _emit_metric(self, name: str, unit: MetricUnit, value: float, operation: str) -> None:
+        raise NotImplementedError
+
+    def _power_state_here(self, instance_uuid: str) -> int:
+        """The power state of the instance's guest on this host; NOSTATE when there is none."""
+        if not self.driver.guest_exists(instance_uuid):
+            return NOSTATE
+        try:
+            return self.driver.guest_power_state(instance_uuid)
+        except errors.GuestNotFound:
+            return NOSTATE
+
+    # -- prep_resize (destination)
+
+    def prep_resize(self, op: Operation) -> dict[str, Any]:
+        """The destination's resize claim: memory and instance disk space for the new flavor.
+
+        Placement has claimed VCPU, MEMORY_MB and DISK_GB already; this checks what the
+        hypervisor and the filesystem really have. Nothing is reserved or written.
+
+        Raises:
+            ResizeClaimFailed: the memory of the guests defined here, or the free space of the
+                instances filesystem, leaves too little for the new flavor.
+            HypervisorError.
+        """
+        uuid, flavor = op.instance_uuid, op.args["flavor"]
+        self._claim_memory(uuid, flavor)
+        if self.disk_headroom_check:
+            self._claim_disk(uuid, flavor)
+        return {**self._result(uuid, self._power_state_here(uuid)), "claimed": True}
+
+    def _claim_memory(self, instance_uuid: str, flavor: dict[str, Any]) -> None:
+        capacity = self.driver.host_capacity().memory_mb
+        used = 0
+        for guest in self.driver.list_guests():
+            if guest == instance_uuid:
+                continue  # on the same host the instance's own guest is replaced, not added to
+            try:
+                used += self.driver.guest_memory_mb(guest)
+            except errors.GuestNotFound:
+                continue  # undefined since it was listed
+        free = capacity - used
+        if free < flavor["memory_mb"]:
+            raise errors.ResizeClaimFailed(
+                f"Host {self.host} has {free} MiB of memory left for guests ({capacity} MiB, {used} MiB defined); "
+                f"flavor {flavor['name']} needs {flavor['memory_mb']} MiB.",
+                instance_uuid=instance_uuid,
+                host=self.host,
+            )
+
+    def _claim_disk(self, instance_uuid: str, flavor: dict[str, Any]) -> None:
+        full = flavor["root_gb"] * disks.GiB + flavor["ephemeral_gb"] * disks.GiB + flavor["swap"] * disks.MiB
+        needed = math.ceil(full / self.disk_overcommit_ratio)
+        self.instances_dir.mkdir(parents=True, exist_ok=True)
+        st = os.statvfs(self.instances_dir)
+        free = st.f_bavail * st.f_frsize
+        if free < needed:
+            raise errors.ResizeClaimFailed(
+                f"Host {self.host} has {free // disks.MiB} MiB free for instance disks; flavor {flavor['name']} "
+                f"needs {needed // disks.MiB} MiB (its disks fully written, overcommit ratio "
+                f"{self.disk_overcommit_ratio:g}).",
+                instance_uuid=instance_uuid,
+                host=self.host,
+            )
+
+    # -- resize_instance (source)
+
+    def resize_instance(self, op: Operation) -> dict[str, Any]:
+        """Stop the guest, undefine it keeping its disks, move the disks aside and send them.
+
+        The instance directory becomes ``<uuid>_resize``. Unless the move stays on this host, the
+        root disk (if any: a volume-backed server has none) and the ephemeral disk (if any) are
+        sent to the transfer prefix; swap is never sent. A re-run after the disks were moved aside
+        only sends them again.
+
+        Raises:
+            GuestNotFound: this host has neither the guest nor its disks.
+            DiskCopyFailed: reading a disk or the upload failed.
+            HypervisorError.
+        """
+        uuid, args = op.instance_uuid, op.args
+        migration = args["migration_uuid"]
+        kept = disks.resize_dir(self.instances_dir, uuid)
+        record = _record_of(kept, migration)
+        if record is None:
+            record = self._move_aside(op, kept)
+        sent: dict[str, dict[str, Any]] = {}
+        for kind in protocol.MOVED_DISKS:
+            path = kept / disks.DISK_FILES[kind]
+            if not path.exists():
+                continue
+            if args["same_host"]:
+                # The destination copies from the kept directory; the checksum lets it verify the copy.
+                try:
+                    sent[kind] = {"sha256": disks.sparse_sha256(path), "size": path.stat().st_size}
+                except OSError as exc:
+                    raise errors.DiskCopyFailed(f"Reading {path} failed: {exc}", instance_uuid=uuid) from exc
+                continue
+            transfer = args["transfer"]
+            moved = disks.upload_disk(self.s3, path, transfer["bucket"], transfer["prefix"], kind)
+            self._emit_metric("DiskBytesSent", MetricUnit.Bytes, moved.data_bytes, op.name)
+            logger.info(
+                "disk sent",
+                extra={
+                    "host": self.host,
+                    "instance_uuid": uuid,
+                    "migration_uuid": migration,
+                    "disk": kind,
+                    "size": moved.size,
+                    "data_bytes": moved.data_bytes,
+                },
+            )
+            sent[kind] = {"sha256": moved.sha256, "size": moved.size}
+        return {**self._result(uuid, NOSTATE), "was_running": bool(record["was_running"]), "disks": sent}
+
+    def _move_aside(self, op: Operation, kept: Path) -> dict[str, Any]:
+        """Power off and undefine the guest, and rename its directory to ``kept``; return the move record."""
+        uuid, args = op.instance_uuid, op.args
+        migration = args["migration_uuid"]
+        live = disks.instance_dir(self.instances_dir, uuid)
+        if kept.exists():
+            if not live.exists():
+                raise errors.GuestNotFound(
+                    f"Instance {uuid} has no disks on {self.host} except those kept for another move ({kept}).",
+                    instance_uuid=uuid,
+                )
+            # Left by an earlier move that was never cleaned up; the live directory is the current one.
+            logger.warning(
+                "removing disks kept for an earlier move",
+                extra={"host": self.host, "instance_uuid": uuid, "path": str(kept), "record": _read_record(kept)},
+            )
+            disks.remove_dir(kept)
+        record = _record_of(live, migration)
+        if self.driver.guest_exists(uuid):
+            if record is None:
+                # Written before the guest is touched: a re-run after the power off still knows it ran.
+                live.mkdir(parents=True, exist_ok=True)
+                record = {
+                    "migration_uuid": migration,
+                    "was_running": self.driver.guest_power_state(uuid) == RUNNING,
+                }
+                _write_record(live, record)
+            self.driver.power_off(
+                uuid,
+                timeout=float(args.get("timeout", self.power_off_timeout)),
+                clean_shutdown=bool(args.get("clean_shutdown", True)),
+            )
+            # Undefining unplugs the guest's ports and disconnects its volumes; the disks stay.
+            self.driver.destroy(uuid)
+        elif record is None:
+            raise errors.GuestNotFound(f"No guest for instance {uuid} on {self.host}.", instance_uuid=uuid)
+        os.rename(live, kept)
+        return record
+
+    # -- finish_resize (destination)
+
+    def finish_resize(self, op: Operation) -> dict[str, Any]:
+        """Rebuild the disks here, grow them to the new flavor and define the guest with it.
+
+        The disks come from the transfer (checked against its manifest and the ``disks``
+        argument) or, on the same host, from the kept directory. Swap is created afresh. The
+        guest is powered on only if ``power_on``. Once the guest is defined the transfer objects
+        are deleted. A guest that exists already is this operation done before.
+
+        On failure nothing of the instance is left here (guest undefined, new directory
+        removed); the source's disks and the transfer are never touched.
+
+        Raises:
+            DiskCopyFailed: a disk is missing, corrupt or cannot be written.
+            InvalidOperation: the instance would have no boot disk.
+            HypervisorError.
+        """
+        uuid, args = op.instance_uuid, op.args
+        live = disks.instance_dir(self.instances_dir, uuid)
+        kept = disks.resize_dir(self.instances_dir, uuid)
+        if self.driver.guest_exists(uuid):
+            if args["power_on"]:
+                self.driver.power_on(uuid)
+            record = _record_of(live, args["migration_uuid"])
+            done = record["disks"] if record is not None else self._disk_checksums(uuid, live)
+            if not args["same_host"]:
+                self._delete_transfer(op, args["transfer"], fail=False)
+            return {**self._result(uuid, self.driver.guest_power_state(uuid)), "disks": done}
+        if args["same_host"] and not kept.exists():
+            # Without the kept directory the live one may be the instance's only copy: never remove it.
+            raise errors.DiskCopyFailed(
+                f"The disks of instance {uuid} were not moved aside on {self.host}: nothing to resize from.",
+                instance_uuid=uuid,
+            )
+        try:
+            disks.remove_dir(live)  # what an interrupted attempt left
+            live.mkdir(parents=True)
+            self._receive_disks(op, live, kept)
+            local = self._prepare_local_disks(uuid, live, args["flavor"])
+            checksums = self._disk_checksums(uuid, live)
+            _write_record(live, {"migration_uuid": args["migration_uuid"], "disks": checksums})
+            self._define(uuid, args, local)
+            if args["power_on"]:
+                self.driver.power_on(uuid)
+            result = {**self._result(uuid, self.driver.guest_power_state(uuid)), "disks": checksums}
+        except Exception:
+            self._forget_here(op, live)
+            raise
+        if not args["same_host"]:
+            self._delete_transfer(op, args["transfer"], fail=False)
+        return result
+
+    def _receive_disks(self, op: Operation, live: Path, kept: Path) -> None:
+        uuid, args = op.instance_uuid, op.args
+        for kind, expected in args["disks"].items():
+            dest = live / disks.DISK_FILES[kind]
+            if args["same_host"]:
+                source = kept / disks.DISK_FILES[kind]
+                if not source.exists():
+                    raise errors.DiskCopyFailed(f"The kept {kind} disk {source} is missing.", instance_uuid=uuid)
+                digest = disks.copy_sparse(source, dest)
+                size = dest.stat().st_size
+                if digest != expected["sha256"] or size != expected["size"]:
+                    raise errors.DiskCopyFailed(
+                        f"The {kind} disk of instance {uuid} changed since it was moved aside "
+                        f"(sha256 {digest}, {size} bytes; expected {expected['sha256']}, {expected['size']} bytes).",
+                        instance_uuid=uuid,
+                    )
+                continue
+            transfer = args["transfer"]
+            moved = disks.download_disk(
+                self.s3,
+                transfer["bucket"],
+                transfer["prefix"],
+                kind,
+                dest,
+                expected_sha256=expected["sha256"],
+                expected_size=expected["size"],
+            )
+            self._emit_metric("DiskBytesReceived", MetricUnit.Bytes, moved.data_bytes, op.name)
+
+    def _prepare_local_disks(self, instance_uuid: str, directory: Path, flavor: dict[str, Any]) -> list[DiskSpec]:
+        """Grow the root and ephemeral disks to ``flavor`` (never shrinking), create what it adds and swap.
+
+        Raises:
+            DiskCopyFailed: a disk cannot be grown or created.
+        """
+        root = directory / disks.ROOT_DISK
+        ephemeral = directory / disks.EPHEMERAL_DISK
+        swap = directory / disks.SWAP_DISK
+        result: list[DiskSpec] = []
+        try:
+            if root.exists():
+                if flavor["root_gb"] > 0:
+                    disks.grow(root, flavor["root_gb"] * disks.GiB)
+                result.append(DiskSpec(kind=ROOT, path=str(root), device=LOCAL_DEVICES[ROOT], boot=True))
+            if ephemeral.exists() or flavor["ephemeral_gb"] > 0:
+                disks.create_sparse(ephemeral, flavor["ephemeral_gb"] * disks.GiB)
+                result.append(DiskSpec(kind=EPHEMERAL, path=str(ephemeral), device=LOCAL_DEVICES[EPHEMERAL]))
+            if flavor["swap"] > 0:
+                disks.create_sparse(swap, flavor["swap"] * disks.MiB)
+                result.append(DiskSpec(kind=SWAP, path=str(swap), device=LOCAL_DEVICES[SWAP]))
+        except OSError as exc:
+            raise errors.DiskCopyFailed(
+                f"Preparing the disks of instance {instance_uuid} failed: {exc}", instance_uuid=instance_uuid
+            ) from exc
+        return result
+
+    def _disk_checksums(self, instance_uuid: str, directory: Path) -> dict[str, dict[str, Any]]:
+        """The sha256 and size of the root and ephemeral disks in ``directory`` (whole files, zeros included)."""
+        found: dict[str, dict[str, Any]] = {}
+        for kind in protocol.MOVED_DISKS:
+            path = directory / disks.DISK_FILES[kind]
+            if path.exists():
+                try:
+                    found[kind] = {"sha256": disks.sparse_sha256(path), "size": path.stat().st_size}
+                except OSError as exc:
+                    raise errors.DiskCopyFailed(
+                        f"Reading {path} failed: {exc}", instance_uuid=instance_uuid
+                    ) from exc
+        return found
+
+    def _define(self, instance_uuid: str, args: dict[str, Any], local: list[DiskSpec]) -> None:
+        """Define the guest from its local disks and the ``flavor``, ``name``, ``ports`` and ``volumes`` args."""
+        has_root = any(d.kind == ROOT for d in local)
+        if not has_root and not args["volumes"]:
+            raise errors.InvalidOperation(
+                f"Instance {instance_uuid} has neither a root disk nor a boot volume here.", instance_uuid=instance_uuid
+            )
+        self.driver.define_guest(
+            GuestSpec(
+                instance_uuid=instance_uuid,
+                display_name=args["name"],
+                flavor=args["flavor"],
+                disks=tuple(local + volume_disks(args["volumes"], boot_from_volume=not has_root)),
+                ports=tuple(PortSpec(port_id=p["id"], mac_address=p["mac_address"]) for p in args["ports"]),
+            )
+        )
+
+    def _forget_here(self, op: Operation, live: Path) -> None:
+        """Undo a failed finish_resize: no guest, no live directory. Never raises over the operation's error."""
+        try:
+            self.driver.destroy(op.instance_uuid)
+            disks.remove_dir(live)
+        except Exception:
+            logger.exception(
+                "cleaning up a failed finish_resize failed",
+                extra={"host": self.host, "operation": op.name, "instance_uuid": op.instance_uuid},
+            )
+            self._emit_metric("HostCleanupFailed", MetricUnit.Count, 1, op.name)
+
+    def _delete_transfer(self, op: Operation, transfer: dict[str, Any], fail: bool) -> None:
+        """Delete the transfer objects; a failure raises DiskCopyFailed if ``fail``, else is logged and counted."""
+        try:
+            deleted = disks.delete_transfer(self.s3, transfer["bucket"], transfer["prefix"])
+        except (ClientError, BotoCoreError) as exc:
+            if fail:
+                raise errors.DiskCopyFailed(
+                    f"Deleting the transfer s3://{transfer['bucket']}/{transfer['prefix']}/ failed: {exc}",
+                    instance_uuid=op.instance_uuid,
+                ) from exc
+            # The guest is up; the leftovers go with the revert or the bucket's expiry rule.
+            logger.warning(
+                "deleting the transfer failed",
+                extra={"host": self.host, "instance_uuid": op.instance_uuid, "error": str(exc), **transfer},
+            )
+            self._emit_metric("HostCleanupFailed", MetricUnit.Count, 1, op.name)
+            return
+        if deleted:
+            logger.info(
+                "transfer deleted",
+                extra={"host": self.host, "instance_uuid": op.instance_uuid, "objects": deleted, **transfer},
+            )
+
+    # -- confirm_resize (source)
+
+    def confirm_resize(self, op: Operation) -> dict[str, Any]:
+        """Forget the old side of a move: the kept disks and, unless the move stayed here, any guest.
+
+        On the same host the live guest is the resized one and is left alone.
+
+        Raises:
+            HypervisorError, HostOperationFailed (the kept disks cannot be removed).
+        """
+        uuid, same_host = op.instance_uuid, op.args["same_host"]
+        if not same_host:
+            self.driver.destroy(uuid)
+        kept = disks.resize_dir(self.instances_dir, uuid)
+        try:
+            disks.remove_dir(kept)
+        except OSError as exc:
+            raise errors.HostOperationFailed(f"Removing {kept} failed: {exc}", instance_uuid=uuid) from exc
+        return self._result(uuid, self._power_state_here(uuid) if same_host else NOSTATE)
+
+    # -- revert_resize (destination)
+
+    def revert_resize(self, op: Operation) -> dict[str, Any]:
+        """Forget the new side of a move: the guest and disks here, and the transfer objects.
+
+        Safe when nothing was created yet. On the same host the kept directory stays (the
+        source's revert restores it); if nothing was moved aside there, the live guest and disks
+        are the instance's only ones and are left alone.
+
+        Raises:
+            HypervisorError, DiskCopyFailed (the transfer cannot be deleted),
+            HostOperationFailed (the disks cannot be removed).
+        """
+        uuid, args = op.instance_uuid, op.args
+        live = disks.instance_dir(self.instances_dir, uuid)
+        kept = disks.resize_dir(self.instances_dir, uuid)
+        if args["same_host"] and not kept.exists():
+            logger.info(
+                "nothing was moved aside: the instance's guest and disks stay",
+                extra={"host": self.host, "instance_uuid": uuid, "migration_uuid": args["migration_uuid"]},
+            )
+        else:
+            self.driver.destroy(uuid)
+            try:
+                disks.remove_dir(live)
+            except OSError as exc:
+                raise errors.HostOperationFailed(f"Removing {live} failed: {exc}", instance_uuid=uuid) from exc
+        if args.get("transfer"):
+            self._delete_transfer(op, args["transfer"], fail=True)
+        return self._result(uuid, self._power_state_here(uuid))
+
+    # -- finish_revert_resize (source)
+
+    def finish_revert_resize(self, op: Operation) -> dict[str, Any]:
+        """Put the kept disks back and define the guest with the old flavor; power it on if asked.
+
+        Any guest or live directory left here by the move goes first. Swap is re-created if
+        missing. Without kept disks, the live directory is the instance's: its guest is defined
+        if missing, and powered on if asked. Also the rollback of a failed resize_instance or
+        finish_resize.
+
+        Raises:
+            GuestNotFound: this host has neither kept nor live disks of the instance, nor its guest.
+            InvalidOperation: the instance would have no boot disk.
+            HypervisorError, HostOperationFailed (the disks cannot be moved back).
+        """
+        uuid, args = op.instance_uuid, op.args
+        live = disks.instance_dir(self.instances_dir, uuid)
+        kept = disks.resize_dir(self.instances_dir, uuid)
+        if kept.exists():
+            # A guest defined now is the resized one (the original was undefined before its disks moved aside).
+            self.driver.destroy(uuid)
+            try:
+                disks.remove_dir(live)
+                os.rename(kept, live)
+            except OSError as exc:
+                raise errors.HostOperationFailed(
+                    f"Moving the kept disks of instance {uuid} back failed: {exc}", instance_uuid=uuid
+                ) from exc
+        if not self.driver.guest_exists(uuid):
+            if not live.exists():
+                raise errors.GuestNotFound(
+                    f"Instance {uuid} has neither a guest nor disks on {self.host}.", instance_uuid=uuid
+                )
+            # The kept disks are at least the old flavor's sizes: only a missing ephemeral or swap is created.
+            self._define(uuid, args, self._prepare_local_disks(uuid, live, args["flavor"]))
+        if args["power_on"]:
+            self.driver.power_on(uuid)
+        (live / MOVE_RECORD).unlink(missing_ok=True)
+        return self._result(uuid, self.driver.guest_power_state(uuid))
+
+    # -- volumes
+
+    def attach_volume(self, op: Operation) -> dict[str, Any]:
+        """Attach a volume to the instance's guest; attaching it again changes nothing.
+
+        Raises:
+            GuestNotFound, InvalidOperation (the device is taken), HypervisorError.
+        """
+        volume = op.args["volume"]
+        self.driver.attach_volume(
+            op.instance_uuid,
+            DiskSpec(kind=VOLUME, path=volume["path"], device=volume["device"], volume_id=volume["volume_id"]),
+        )
+        return self._result(op.instance_uuid, self.driver.guest_power_state(op.instance_uuid))
+
+    def detach_volume(self, op: Operation) -> dict[str, Any]:
+        """Detach a volume from the instance's guest; a volume not attached is already detached.
+
+        Raises:
+            GuestNotFound, HypervisorError.
+        """
+        self.driver.detach_volume(op.instance_uuid, op.args["volume_id"])
+        return self._result(op.instance_uuid, self.driver.guest_power_state(op.instance_uuid))
+
