@@ -158,7 +158,6 @@ def local_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack
 
 # Every request of the helpers below asks for the newest microversion the API offers.
 LATEST_MICROVERSION = "compute latest"
-GONE = "gone"
 
 
 class Servers:
