@@ -1,0 +1,706 @@
+"""Steps of the same-cell resize and cold migrate workflow (``statemachine/resize.asl.json``).
+
+Forward, to VERIFY_RESIZE::
+
+    ValidateInput → SelectDestinations → PrepResizeAtDest → prep_resize (destination host)
+    → ResizeInstanceAtSource → resize_instance (source host) → FinishResizeAtDest
+    → finish_resize (destination host) → MarkResized
+
+A resize claim the destination host refuses (``Ferry.ResizeClaimFailed``) reschedules to the
+next alternate (:func:`reschedule_move`) unless a host was requested. Any other failure rolls
+back the finished steps in reverse: ``revert_resize`` on the destination host once anything
+may be there, ``finish_revert_resize`` on the source host once ``resize_instance`` was sent,
+then :func:`rollback_move` puts records, allocations, port bindings and volume attachments
+back as they were before the move.
+
+Each step takes the workflow's state document and returns what the state machine stores
+under its ``ResultPath``. The document holds the execution input and, as the move goes on:
+
+``move``
+    from ValidateInput: the source (host, node, queue, power state), the transfer location
+    and the arguments that restore the source guest.
+``destination``
+    from SelectDestinations (or RescheduleMove): host, node, cell, provider, queue,
+    ``same_host`` and the alternates left.
+``prep``, ``resize``, ``finish``
+    the host operation arguments built by PrepResizeAtDest, ResizeInstanceAtSource and
+    FinishResizeAtDest.
+``claim``, ``resized``, ``finished``
+    the results of ``prep_resize``, ``resize_instance`` and ``finish_resize``.
+``error``, ``cleanup_error``, ``restore_error``, ``restored``
+    what went wrong, and what the rollback host operations answered.
+
+Which of these keys are present tells :func:`rollback_move` how far the move got. Every step
+is idempotent: the records are compare-and-swapped on the states a step moves from *or to*,
+and placement and binding changes are no-ops when already done.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, cast
+
+import jsonschema
+from sqlalchemy import CursorResult, select, update
+from sqlalchemy.orm import Session
+
+from ferry import config, errors, hosts, network, notifications, placement, scheduler, volumes
+from ferry.compute import actions, instances, states
+from ferry.compute.moves import (
+    ERROR,
+    FINISHED,
+    MIGRATING,
+    MIGRATION,
+    POST_MIGRATING,
+    PRE_MIGRATING,
+    RESIZE,
+)
+from ferry.observability import logger
+from ferry.store.api_models import RequestSpec
+from ferry.store.cell_models import BlockDeviceMapping, Instance, InstanceAction, InstanceActionEvent, Migration
+from ferry.store.db import api_session, cell_session
+from ferry.workflows import error_message
+
+# Instance action events, in the order the move records them (Nova's names).
+EVENT_MIGRATE = "conductor_migrate_server"
+EVENT_PREP = "compute_prep_resize"
+EVENT_RESIZE = "compute_resize_instance"
+EVENT_FINISH = "compute_finish_resize"
+EVENTS = (EVENT_MIGRATE, EVENT_PREP, EVENT_RESIZE, EVENT_FINISH)
+
+# Migration statuses a move under way can be in; rollback leaves any other alone.
+_IN_PROGRESS = (PRE_MIGRATING, MIGRATING, POST_MIGRATING, FINISHED)
+
+INPUT_SCHEMA: dict[str, Any] = json.loads(
+    Path(__file__).with_name("resize.input.schema.json").read_text(encoding="utf-8"))
+
+# What every step after ValidateInput receives (the handlers validate it).
+STEP_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["instance_uuid", "migration_uuid", "cell", "request_id", "move"],
+    "properties": {
+        "instance_uuid": {"type": "string", "minLength": 1},
+        "migration_uuid": {"type": "string", "minLength": 1},
+        "cell": {"type": "string", "minLength": 1},
+        "request_id": {"type": "string"},
+        "move": {"type": "object", "required": ["source", "transfer", "restore_args"]},
+        "destination": {"type": "object", "required": ["host", "node", "cell", "provider_uuid", "same_host"]},
+    },
+}
+
+# ValidateInput gets ``{"input": <execution input>, "execution_name": <name>}``.
+VALIDATE_EVENT_SCHEMA: dict[str, Any] = {"type": "object", "required": ["input"]}
+
+_HOST_FLAVOR_FIELDS = ("flavorid", "name", "vcpus", "memory_mb", "root_gb", "ephemeral_gb", "swap")
+
+
+# --- small helpers ------------------------------------------------------------------------------
+
+
+def host_flavor(flavor: Mapping[str, Any]) -> dict[str, Any]:
+    """The flavor fields a host operation takes (``protocol.FLAVOR_SCHEMA``)."""
+    return {key: flavor[key] for key in _HOST_FLAVOR_FIELDS}
+
+
+def _get_migration(session: Session, migration_uuid: str) -> Migration | None:
+    return session.scalars(select(Migration).where(Migration.uuid == migration_uuid,
+                                                   Migration.deleted.is_(False))).one_or_none()
+
+
+def _update_migration(session: Session, migration_uuid: str, values: dict[str, Any],
+                      expected_status: Iterable[str]) -> None:
+    """Update the migration only if its status is one of ``expected_status`` (one UPDATE).
+
+    Raises:
+        UnexpectedTaskState: the migration is in another status (another operation owns it).
+    """
+    expected = list(expected_status)
+    stmt = (update(Migration).where(Migration.uuid == migration_uuid, Migration.status.in_(expected))
+            .values(**values).execution_options(synchronize_session=False))
+    if cast(CursorResult[Any], session.execute(stmt)).rowcount != 1:
+        current = _get_migration(session, migration_uuid)
+        status = current.status if current is not None else "missing"
+        raise errors.UnexpectedTaskState(
+            f"Cannot update migration {migration_uuid}: it is {status}, not one of {', '.join(expected)}.")
+    session.expire_all()
+
+
+def _source(event: Mapping[str, Any]) -> dict[str, Any]:
+    return cast(dict[str, Any], event["move"]["source"])
+
+
+def _ports(session: Session, instance_uuid: str) -> list[dict[str, Any]]:
+    return [{"id": port.id, "mac_address": port.mac_address}
+            for port in network.instance_ports(session, instance_uuid)]
+
+
+def _volumes_on(host: str, instance_uuid: str, cell: str) -> list[dict[str, Any]]:
+    """The server's volumes attached (or reserved) on ``host``, as host operations take them."""
+    with cell_session(cell) as session:
+        boot_index = {b.volume_id: b.boot_index for b in session.scalars(select(BlockDeviceMapping).where(
+            BlockDeviceMapping.instance_uuid == instance_uuid, BlockDeviceMapping.deleted.is_(False),
+            BlockDeviceMapping.volume_id.is_not(None)))}
+    with api_session() as session:
+        return [{"volume_id": volume.id, "path": volume.path, "device": attachment.device,
+                 "boot_index": boot_index.get(volume.id)}
+                for volume, attachment in volumes.attached_volumes(session, instance_uuid, host)]
+
+
+def _notify(event_type: str, instance: Instance, publisher_id: str, **extra: Any) -> dict[str, Any]:
+    """Build the payload now (inside the session); the caller publishes it after the commit."""
+    payload = notifications.instance_payload(instance, **extra)
+    return {"event_type": event_type, "instance_uuid": instance.uuid, "publisher_id": publisher_id,
+            "payload": payload}
+
+
+def _publish(*pending: dict[str, Any]) -> None:
+    for item in pending:
+        notifications.notify(item["event_type"], instance_uuid=item["instance_uuid"],
+                             publisher_id=item["publisher_id"], payload=item["payload"])
+
+
+def _move_extra(instance: Instance, migration_uuid: str) -> dict[str, Any]:
+    return {"migration_uuid": migration_uuid, "old_flavor": notifications.flavor_payload(instance.old_flavor),
+            "new_flavor": notifications.flavor_payload(instance.new_flavor)}
+
+
+def _is_bfv(session: Session, instance_uuid: str) -> bool:
+    return session.scalars(select(BlockDeviceMapping.id).where(
+        BlockDeviceMapping.instance_uuid == instance_uuid, BlockDeviceMapping.deleted.is_(False),
+        BlockDeviceMapping.boot_index == 0, BlockDeviceMapping.destination_type == "volume")).first() is not None
+
+
+# --- ValidateInput ------------------------------------------------------------------------------
+
+
+def _refuse(message: str) -> errors.MoveNotPrepared:
+    logger.warning("resize execution refused", extra={"reason": message})
+    return errors.MoveNotPrepared(message)
+
+
+def validate_input(event: dict[str, Any]) -> dict[str, Any]:
+    """Check the execution input and the records the API prepared; return the state document.
+
+    Reads only. The input must match ``statemachine/resize.input.schema.json``; the migration
+    must be this instance's, ``pre-migrating``, of type ``resize`` or ``migration`` and from the
+    instance's host; the instance must be mapped to ``cell``, in task_state ``resize_prep`` with
+    ``old_flavor``, ``new_flavor`` and ``old_vm_state`` (active or stopped) recorded.
+
+    Params:
+        event: ``{"input": <execution input>, "execution_name": <the execution's name>}``.
+
+    Returns:
+        The input (``execution_name``, ``user_id`` and ``project_id`` filled in) plus ``move``.
+
+    Raises:
+        InvalidMoveInput: the input does not match the schema.
+        MoveNotPrepared: the migration or instance is missing or not in the expected state.
+    """
+    raw = event.get("input")
+    try:
+        jsonschema.validate(raw, INPUT_SCHEMA)
+    except jsonschema.ValidationError as exc:
+        where = "/".join(str(p) for p in exc.absolute_path) or "the input"
+        raise errors.InvalidMoveInput(f"Invalid resize input at {where}: {exc.message}") from exc
+    document: dict[str, Any] = {"user_id": None, "project_id": None, **cast(dict[str, Any], raw)}
+    document.setdefault("execution_name", event.get("execution_name"))
+    uuid, migration_uuid, cell = document["instance_uuid"], document["migration_uuid"], document["cell"]
+    try:
+        mapped = instances.cell_of(uuid).name
+    except errors.InstanceNotFound as exc:
+        raise _refuse(f"Instance {uuid} has no instance mapping to a cell.") from exc
+    if mapped != cell:
+        raise _refuse(f"Instance {uuid} lives in cell {mapped}, not {cell}.")
+    with cell_session(cell) as session:
+        migration = _get_migration(session, migration_uuid)
+        if migration is None or migration.instance_uuid != uuid:
+            raise _refuse(f"Migration {migration_uuid} of instance {uuid} does not exist in cell {cell}.")
+        if migration.status != PRE_MIGRATING:
+            raise _refuse(f"Migration {migration_uuid} is {migration.status}, not {PRE_MIGRATING}.")
+        if migration.migration_type not in (RESIZE, MIGRATION):
+            raise _refuse(f"Migration {migration_uuid} is a {migration.migration_type}, not a resize or migration.")
+        try:
+            instance = instances.get(session, uuid)
+        except errors.InstanceNotFound as exc:
+            raise _refuse(f"Instance {uuid} does not exist in cell {cell}.") from exc
+        if instance.task_state != states.RESIZE_PREP:
+            raise _refuse(f"Instance {uuid} is in task_state {instance.task_state}, not {states.RESIZE_PREP}.")
+        if not instance.old_flavor or not instance.new_flavor:
+            raise _refuse(f"Instance {uuid} has no old_flavor/new_flavor recorded for the move.")
+        if instance.old_vm_state not in (states.ACTIVE, states.STOPPED):
+            raise _refuse(f"Instance {uuid} has old_vm_state {instance.old_vm_state}, not active or stopped.")
+        if not instance.host or instance.host != migration.source_compute:
+            raise _refuse(f"Migration {migration_uuid} starts from {migration.source_compute}, "
+                          f"but instance {uuid} is on {instance.host}.")
+        source: dict[str, Any] = {"host": instance.host, "node": migration.source_node or instance.node,
+                  "power_state": instance.power_state, "vm_state": instance.vm_state}
+        name, old_flavor = instance.display_name, instance.old_flavor
+        power_on = instance.old_vm_state != states.STOPPED
+        migration_type = migration.migration_type
+    with api_session() as session:
+        ports = _ports(session, uuid)
+    source["queue_url"] = hosts.queue_url(source["host"])
+    document["move"] = {
+        "migration_type": migration_type,
+        "source": source,
+        "transfer": {"bucket": config.get().image_bucket, "prefix": f"transfers/{migration_uuid}"},
+        "restore_args": {"migration_uuid": migration_uuid, "name": name, "flavor": host_flavor(old_flavor),
+                         "ports": ports, "volumes": _volumes_on(source["host"], uuid, cell),
+                         "power_on": power_on},
+    }
+    return document
+
+
+# --- SelectDestinations -------------------------------------------------------------------------
+
+
+def _move_spec(instance: Instance, migration: Migration, cell: str, requested_host: str | None,
+               is_bfv: bool, also_ignore: Iterable[str] = ()) -> dict[str, Any]:
+    """The scheduler request for the move: the new flavor, the source excluded unless allowed."""
+    with api_session() as session:
+        row = session.scalars(select(RequestSpec).where(RequestSpec.instance_uuid == instance.uuid)).one_or_none()
+        base = dict(row.spec or {}) if row is not None else {}
+    ignore = set(also_ignore)
+    same_host_allowed = migration.migration_type == RESIZE and config.get().allow_resize_to_same_host
+    if not same_host_allowed:
+        ignore.add(instance.host or "")
+    ignore.discard("")
+    return {
+        **base,
+        "instance_uuid": instance.uuid,
+        "project_id": instance.project_id,
+        "user_id": instance.user_id,
+        "flavor": instance.new_flavor,
+        "is_bfv": bool(base.get("is_bfv", is_bfv)),
+        "ignore_hosts": sorted(ignore),
+        "requested_destination": {"host": requested_host} if requested_host else None,
+        "allowed_cells": [cell],
+        "source_cell": cell,
+    }
+
+
+def _destination(selection: scheduler.Selection, alternates: list[scheduler.Selection],
+                 source_host: str) -> dict[str, Any]:
+    return {
+        "host": selection.host,
+        "node": selection.node,
+        "cell": selection.cell,
+        "provider_uuid": selection.provider_uuid,
+        "queue_url": hosts.queue_url(selection.host),
+        "same_host": selection.host == source_host,
+        "alternates": [alt.to_dict() for alt in alternates],
+    }
+
+
+def _claimed_selection(instance_uuid: str, migration_uuid: str, cell: str) -> scheduler.Selection | None:
+    """The destination an earlier run of this step claimed (the migration then holds the source)."""
+    if not placement.get_allocations(migration_uuid):
+        return None
+    claimed = placement.get_allocations(instance_uuid)
+    if not claimed:
+        return None
+    rp_uuid, resources = next(iter(claimed.items()))
+    provider = placement.get_provider(rp_uuid)
+    return scheduler.Selection(host=provider.host, node=provider.name, cell=cell, provider_uuid=rp_uuid,
+                               allocations={rp_uuid: resources})
+
+
+def _load(session: Session, event: Mapping[str, Any]) -> tuple[Instance, Migration]:
+    instance = instances.get(session, event["instance_uuid"])
+    migration = _get_migration(session, event["migration_uuid"])
+    if migration is None:
+        raise errors.MoveNotPrepared(f"Migration {event['migration_uuid']} does not exist.")
+    return instance, migration
+
+
+def select_destinations(event: dict[str, Any]) -> dict[str, Any]:
+    """Schedule the move and claim the destination: the source allocation moves to the migration.
+
+    One placement transaction hands the instance's allocation on the source to the migration
+    and claims the chosen destination for the instance with the new flavor. The source is
+    excluded for a cold migrate, and for a resize unless ``allow_resize_to_same_host``; a
+    requested host is the only candidate (the filters still run on it). Records the
+    ``conductor_migrate_server`` event.
+
+    Returns:
+        The destination ``{host, node, cell, provider_uuid, queue_url, same_host, alternates}``.
+
+    Raises:
+        NoValidHost: no host passes the filters with room for the new flavor.
+        UnexpectedTaskState: the instance is no longer in ``resize_prep``.
+    """
+    uuid, migration_uuid, cell = event["instance_uuid"], event["migration_uuid"], event["cell"]
+    with cell_session(cell) as session:
+        instance, migration = _load(session, event)
+        if instance.task_state != states.RESIZE_PREP or migration.status != PRE_MIGRATING:
+            raise errors.UnexpectedTaskState(
+                f"Instance {uuid} is in task_state {instance.task_state} with migration {migration.status}: "
+                f"it is not waiting to be scheduled.")
+        actions.start_event(session, instance_uuid=uuid, request_id=event["request_id"], event=EVENT_MIGRATE)
+        spec = _move_spec(instance, migration, cell, event.get("requested_host"), _is_bfv(session, uuid))
+        source_host = cast(str, instance.host)
+    chosen = _claimed_selection(uuid, migration_uuid, cell)
+    alternates: list[scheduler.Selection] = []
+    if chosen is None:
+        selections = scheduler.select_destinations(spec, migration_uuid=migration_uuid)
+        chosen, alternates = selections[0], selections[1:]
+    with cell_session(cell) as session:
+        actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"], event=EVENT_MIGRATE)
+    logger.info("move scheduled", extra={"instance_uuid": uuid, "migration_uuid": migration_uuid,
+                                         "source": source_host, "destination": chosen.host})
+    return _destination(chosen, alternates, source_host)
+
+
+# --- PrepResizeAtDest ---------------------------------------------------------------------------
+
+
+def prep_resize_at_dest(event: dict[str, Any]) -> dict[str, Any]:
+    """Record the destination on the migration, bind ports (INACTIVE) and reserve volumes there.
+
+    Records the ``compute_prep_resize`` event and sends ``instance.resize_prep.start``
+    (publisher ``compute:<dest>``).
+
+    Returns:
+        ``{"args": <prep_resize arguments>}`` for the destination host.
+    """
+    uuid, migration_uuid, cell = event["instance_uuid"], event["migration_uuid"], event["cell"]
+    dest, source = event["destination"], _source(event)
+    with cell_session(cell) as session:
+        instance, _migration = _load(session, event)
+        if instance.task_state != states.RESIZE_PREP:
+            raise errors.UnexpectedTaskState(f"Instance {uuid} is in task_state {instance.task_state}, "
+                                             f"not {states.RESIZE_PREP}.")
+        _update_migration(session, migration_uuid, {"dest_compute": dest["host"], "dest_node": dest["node"],
+                                                     "dest_host": dest["host"]}, (PRE_MIGRATING,))
+        actions.start_event(session, instance_uuid=uuid, request_id=event["request_id"], event=EVENT_PREP,
+                            host=dest["host"])
+        new_flavor = cast(dict[str, Any], instance.new_flavor)
+        start = _notify(notifications.RESIZE_PREP_START, instance, notifications.compute_publisher(dest["host"]),
+                        **_move_extra(instance, migration_uuid))
+    with api_session() as session:
+        network.bind_inactive(session, uuid, dest["host"])
+        volumes.reserve_on(session, uuid, source["host"], dest["host"])
+    _publish(start)
+    return {"args": {"migration_uuid": migration_uuid, "flavor": host_flavor(new_flavor),
+                     "same_host": dest["same_host"]}}
+
+
+# --- RescheduleMove -----------------------------------------------------------------------------
+
+
+def _release_destination(instance_uuid: str, dest_host: str, source_host: str) -> None:
+    """Drop the destination's port bindings and volume attachments; the source's bindings are active again."""
+    with api_session() as session:
+        if dest_host != source_host:
+            network.unbind(session, instance_uuid, dest_host)
+            volumes.detach_from(session, instance_uuid, dest_host)
+        for port in network.instance_ports(session, instance_uuid):
+            for binding in port.bindings:
+                if binding.host == source_host:
+                    binding.status = network.ACTIVE
+
+
+def reschedule_move(event: dict[str, Any]) -> dict[str, Any]:
+    """Move the instance's claim from the destination that refused it to the next alternate.
+
+    The failed destination's port bindings and volume reservations are dropped; the migration
+    keeps the source allocation. Alternates that no longer fit are skipped. Never reschedules
+    a move to a requested host.
+
+    Returns:
+        The new destination, with the alternates after it.
+
+    Raises:
+        NoValidHost: a host was requested, or no alternate can take the claim.
+    """
+    uuid, migration_uuid, cell = event["instance_uuid"], event["migration_uuid"], event["cell"]
+    failed, source_host = event["destination"], _source(event)["host"]
+    if event.get("requested_host"):
+        raise errors.NoValidHost(f"Host {event['requested_host']} was requested: the move is not rescheduled.")
+    alternates = [scheduler.Selection.from_dict(a) for a in failed.get("alternates") or []]
+    held = placement.get_allocations(uuid)
+    for index, alternate in enumerate(alternates):
+        if alternate.provider_uuid in held and failed["provider_uuid"] not in held:
+            return _destination(alternate, alternates[index + 1:], source_host)  # an earlier run claimed it
+    _release_destination(uuid, failed["host"], source_host)
+    with cell_session(cell) as session:
+        instance, migration = _load(session, event)
+        _update_migration(session, migration_uuid, {"dest_compute": None, "dest_node": None, "dest_host": None},
+                          (PRE_MIGRATING,))
+        spec = _move_spec(instance, migration, cell, None, _is_bfv(session, uuid), also_ignore=[failed["host"]])
+    reasons = []
+    for index, alternate in enumerate(alternates):
+        try:
+            chosen = scheduler.claim_alternate(spec, alternate, migration_uuid=migration_uuid)
+        except errors.NoValidHost as exc:
+            reasons.append(exc.message)
+            continue
+        logger.info("move rescheduled", extra={"instance_uuid": uuid, "from": failed["host"], "to": chosen.host})
+        return _destination(chosen, alternates[index + 1:], source_host)
+    raise errors.NoValidHost("No alternate host could take the move. " + " ".join(reasons))
+
+
+# --- ResizeInstanceAtSource ---------------------------------------------------------------------
+
+
+def resize_instance_at_source(event: dict[str, Any]) -> dict[str, Any]:
+    """Close the prep step and start the copy: task ``resize_migrating``, migration ``migrating``.
+
+    Sends ``instance.resize_prep.end`` (``compute:<dest>``) and ``instance.resize.start``
+    (``compute:<source>``) and records the ``compute_resize_instance`` event.
+
+    Returns:
+        ``{"args": <resize_instance arguments>}`` for the source host.
+    """
+    uuid, migration_uuid, cell = event["instance_uuid"], event["migration_uuid"], event["cell"]
+    dest, source = event["destination"], _source(event)
+    request_id = event["request_id"]
+    with cell_session(cell) as session:
+        instances.update_cas(session, uuid, {"task_state": states.RESIZE_MIGRATING},
+                             expected_task_state=(states.RESIZE_PREP, states.RESIZE_MIGRATING))
+        _update_migration(session, migration_uuid, {"status": MIGRATING}, (PRE_MIGRATING, MIGRATING))
+        actions.finish_event(session, instance_uuid=uuid, request_id=request_id, event=EVENT_PREP, host=dest["host"])
+        actions.start_event(session, instance_uuid=uuid, request_id=request_id, event=EVENT_RESIZE,
+                            host=source["host"])
+        instance = instances.get(session, uuid)
+        extra = _move_extra(instance, migration_uuid)
+        pending = [
+            _notify(notifications.RESIZE_PREP_END, instance, notifications.compute_publisher(dest["host"]), **extra),
+            _notify(notifications.RESIZE_START, instance, notifications.compute_publisher(source["host"]), **extra),
+        ]
+    _publish(*pending)
+    return {"args": {"migration_uuid": migration_uuid, "dest_host": dest["host"], "same_host": dest["same_host"],
+                     "transfer": event["move"]["transfer"], "clean_shutdown": True}}
+
+
+# --- FinishResizeAtDest -------------------------------------------------------------------------
+
+
+def finish_resize_at_dest(event: dict[str, Any]) -> dict[str, Any]:
+    """The disks left the source: switch the server to the destination and start finishing there.
+
+    Migration ``post-migrating`` and task ``resize_migrated`` with host and node switched to the
+    destination (``instance.resize.end``, ``compute:<source>``), then task ``resize_finish``, the
+    ``compute_finish_resize`` event and ``instance.resize_finish.start`` (``compute:<dest>``).
+
+    Returns:
+        ``{"args": <finish_resize arguments>}``: the new flavor, the disks ``resize_instance``
+        sent, the ports and the volumes reserved on the destination, and ``power_on`` when the
+        guest was running.
+    """
+    uuid, migration_uuid, cell = event["instance_uuid"], event["migration_uuid"], event["cell"]
+    dest, source = event["destination"], _source(event)
+    request_id, resized = event["request_id"], event.get("resized") or {}
+    pending = []
+    with cell_session(cell) as session:
+        instance = instances.get(session, uuid)
+        if instance.task_state == states.RESIZE_MIGRATING:
+            _update_migration(session, migration_uuid, {"status": POST_MIGRATING}, (MIGRATING, POST_MIGRATING))
+            instances.update_cas(session, uuid, {"task_state": states.RESIZE_MIGRATED, "host": dest["host"],
+                                                 "node": dest["node"]},
+                                 expected_task_state=(states.RESIZE_MIGRATING,))
+            actions.finish_event(session, instance_uuid=uuid, request_id=request_id, event=EVENT_RESIZE,
+                                 host=source["host"])
+            instance = instances.get(session, uuid)
+            pending.append(_notify(notifications.RESIZE_END, instance,
+                                   notifications.compute_publisher(source["host"]),
+                                   **_move_extra(instance, migration_uuid)))
+        instances.update_cas(session, uuid, {"task_state": states.RESIZE_FINISH},
+                             expected_task_state=(states.RESIZE_MIGRATED, states.RESIZE_FINISH))
+        actions.start_event(session, instance_uuid=uuid, request_id=request_id, event=EVENT_FINISH,
+                            host=dest["host"])
+        instance = instances.get(session, uuid)
+        pending.append(_notify(notifications.RESIZE_FINISH_START, instance,
+                               notifications.compute_publisher(dest["host"]), **_move_extra(instance, migration_uuid)))
+        name, flavor, old_flavor = instance.display_name, instance.new_flavor, instance.old_flavor
+        power_on = bool(resized.get("was_running", instance.old_vm_state != states.STOPPED))
+    with api_session() as session:
+        ports = _ports(session, uuid)
+    _publish(*pending)
+    return {"args": {
+        "migration_uuid": migration_uuid, "name": name, "flavor": host_flavor(cast(dict[str, Any], flavor)),
+        "old_flavor": host_flavor(cast(dict[str, Any], old_flavor)), "same_host": dest["same_host"],
+        "transfer": event["move"]["transfer"], "disks": resized.get("disks") or {}, "ports": ports,
+        "volumes": _volumes_on(dest["host"], uuid, cell), "power_on": power_on,
+    }}
+
+
+# --- MarkResized --------------------------------------------------------------------------------
+
+
+def mark_resized(event: dict[str, Any]) -> dict[str, Any]:
+    """VERIFY_RESIZE: destination bindings active, attachments attached, new flavor, migration ``finished``.
+
+    The power state is the one ``finish_resize`` reported (4 for a server that was stopped).
+    Finishes the ``compute_finish_resize`` event (and so the action) and sends
+    ``instance.resize_finish.end`` (``compute:<dest>``).
+    """
+    uuid, migration_uuid, cell = event["instance_uuid"], event["migration_uuid"], event["cell"]
+    dest = event["destination"]
+    finished = event.get("finished") or {}
+    with api_session() as session:
+        network.activate(session, uuid, dest["host"])
+        volumes.complete_on(session, uuid, dest["host"])
+    with cell_session(cell) as session:
+        instance, migration = _load(session, event)
+        if instance.vm_state == states.RESIZED and instance.task_state is None and migration.status == FINISHED:
+            return {}
+        default_power = states.SHUTDOWN if instance.old_vm_state == states.STOPPED else states.RUNNING
+        power_state = int(finished.get("power_state", default_power))
+        instances.update_cas(session, uuid, {"vm_state": states.RESIZED, "task_state": None,
+                                             "flavor": instance.new_flavor, "power_state": power_state},
+                             expected_task_state=(states.RESIZE_FINISH,))
+        _update_migration(session, migration_uuid, {"status": FINISHED}, (POST_MIGRATING,))
+        actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"], event=EVENT_FINISH,
+                             host=dest["host"])
+        instance = instances.get(session, uuid)
+        end = _notify(notifications.RESIZE_FINISH_END, instance, notifications.compute_publisher(dest["host"]),
+                      **_move_extra(instance, migration_uuid))
+    _publish(end)
+    logger.info("server resized", extra={"instance_uuid": uuid, "migration_uuid": migration_uuid,
+                                         "host": dest["host"], "power_state": power_state})
+    return {}
+
+
+# --- RollbackMove -------------------------------------------------------------------------------
+
+
+def _failed_step(event: Mapping[str, Any]) -> tuple[str, str | None]:
+    """The event of the step that failed and the host it ran for, from how far the move got."""
+    if "destination" not in event:
+        return EVENT_MIGRATE, None
+    if "claim" not in event:
+        return EVENT_PREP, event["destination"]["host"]
+    if "resized" not in event:
+        return EVENT_RESIZE, _source(event)["host"]
+    return EVENT_FINISH, event["destination"]["host"]
+
+
+def _restore_allocations(instance_uuid: str, migration_uuid: str, dest: Mapping[str, Any] | None,
+                         source_node: str | None) -> None:
+    """The instance gets back exactly what the migration holds on the source; the destination claim goes."""
+    if placement.get_allocations(migration_uuid):
+        # One transaction: the migration's allocations replace the instance's destination claim.
+        placement.move_allocations(migration_uuid, instance_uuid)
+        return
+    if dest is None:
+        return
+    # The instance held nothing before the move, so the migration took nothing: drop the claim alone.
+    held = placement.get_allocations(instance_uuid)
+    try:
+        source_provider = placement.provider_by_node(source_node) if source_node else None
+    except errors.ResourceProviderNotFound:
+        source_provider = None
+    if dest["provider_uuid"] in held and source_provider not in held:
+        placement.delete_allocations(instance_uuid)
+
+
+def _close_events(session: Session, event: Mapping[str, Any], failed: str, host: str | None,
+                  error: dict[str, Any]) -> None:
+    """Finish the failed step's event with the error; earlier steps' events that were left open succeeded."""
+    uuid, request_id = event["instance_uuid"], event["request_id"]
+    action = session.scalars(select(InstanceAction).where(InstanceAction.instance_uuid == uuid,
+                                                          InstanceAction.request_id == request_id)).one_or_none()
+    if action is None:
+        return
+    open_events = set(session.scalars(select(InstanceActionEvent.event).where(
+        InstanceActionEvent.action_id == action.id, InstanceActionEvent.finish_time.is_(None))))
+    for name in EVENTS[:EVENTS.index(failed)]:
+        if name in open_events:
+            actions.finish_event(session, instance_uuid=uuid, request_id=request_id, event=name)
+    actions.finish_event(session, instance_uuid=uuid, request_id=request_id, event=failed, host=host, error=error)
+
+
+def _fault(event: Mapping[str, Any], source_host: str, message: str) -> tuple[str, str | None]:
+    """The fault's message and details: what failed, and what is left on which host."""
+    uuid, migration_uuid = event["instance_uuid"], event["migration_uuid"]
+    dest_host = (event.get("destination") or {}).get("host")
+    notes = []
+    cleanup_error, restore_error = event.get("cleanup_error"), event.get("restore_error")
+    if event.get("reschedule_error"):
+        notes.append(f"Rescheduling to an alternate host failed: {error_message(event['reschedule_error'])}")
+    if cleanup_error:
+        notes.append(f"Cleaning up destination host {dest_host} failed ({error_message(cleanup_error)}): the "
+                     f"guest, disks or transfer objects of migration {migration_uuid} may remain there.")
+    if restore_error:
+        where = (f"destination host {dest_host} may still hold a guest and disks" if cleanup_error
+                 else f"destination host {dest_host} was cleaned up")
+        summary = (f"Resize failed and the server could not be restored on {source_host}: its disks are kept "
+                   f"in {uuid}_resize on {source_host}, no guest is defined there; {where}.")
+        notes.insert(0, f"Restoring the guest on source host {source_host} failed "
+                        f"({error_message(restore_error)}). The move failed with: {message}")
+        return summary, " ".join(notes)
+    return message, " ".join(notes) or None
+
+
+def rollback_move(event: dict[str, Any]) -> dict[str, Any]:
+    """Rollback tail of a failed move: put the server back exactly as it was before the move.
+
+    Allocations go back to the instance on the source with the old flavor (the destination
+    claim and the migration consumer are gone); the destination's port bindings and volume
+    attachments are dropped and the source's bindings are active; the instance gets its host,
+    node, flavor, vm_state and power state back, task_state None; the migration becomes
+    ``error``; the failed step's event records the error and ``instance.resize.error`` is sent.
+    An instance fault is recorded, except for a move the scheduler found no host for. Only
+    when the source guest could not be restored (``restore_error``) does the server go to ERROR,
+    with a fault saying what is left on which host. Idempotent: a migration already in
+    ``error`` means the rollback finished.
+    """
+    uuid, migration_uuid, cell = event["instance_uuid"], event["migration_uuid"], event["cell"]
+    dest = event.get("destination")
+    error = event.get("error") or {}
+    with cell_session(cell) as session:
+        migration = _get_migration(session, migration_uuid)
+        if migration is None or migration.status == ERROR:
+            return {}
+        if migration.status not in _IN_PROGRESS:
+            logger.warning("move not rolled back: its migration moved on",
+                           extra={"instance_uuid": uuid, "migration_uuid": migration_uuid, "status": migration.status})
+            return {}
+        source_host = cast(str, migration.source_compute)
+        source_node = migration.source_node
+        gone = session.scalars(select(Instance.id).where(Instance.uuid == uuid,
+                                                          Instance.deleted.is_(False))).first() is None
+        if gone:
+            # Deleted meanwhile: its delete released the instance's allocations; the migration's go too.
+            placement.delete_allocations(migration_uuid)
+            _update_migration(session, migration_uuid, {"status": ERROR}, _IN_PROGRESS)
+            return {}
+    _restore_allocations(uuid, migration_uuid, dest, source_node)
+    if dest is not None:
+        _release_destination(uuid, dest["host"], source_host)
+    failed, failed_host = _failed_step(event)
+    message = error_message(error)
+    restore_failed = bool(event.get("restore_error"))
+    scheduling_failed = failed == EVENT_MIGRATE and error.get("Error") == errors.NoValidHost.__name__
+    restored = event.get("restored") or {}
+    with cell_session(cell) as session:
+        instance = instances.get(session, uuid)
+        vm_state = instance.old_vm_state if instance.old_vm_state in (states.ACTIVE, states.STOPPED) \
+            else instance.vm_state
+        power_state = int(restored.get("power_state", _source(event).get("power_state", instance.power_state)))
+        if restore_failed:
+            vm_state, power_state = states.ERROR, states.NOSTATE
+        instances.update_cas(session, uuid, {
+            "host": source_host, "node": source_node, "flavor": instance.old_flavor or instance.flavor,
+            "vm_state": vm_state, "task_state": None, "power_state": power_state,
+            "old_flavor": None, "new_flavor": None, "old_vm_state": None})
+        _update_migration(session, migration_uuid, {"status": ERROR}, _IN_PROGRESS)
+        cause = {"Error": error.get("Error", "Error"), "Cause": message}
+        _close_events(session, event, failed, failed_host, cause)
+        fault_message, details = _fault(event, source_host, message)
+        if not scheduling_failed or restore_failed or event.get("cleanup_error"):
+            instances.add_fault(session, uuid, fault_message, host=failed_host or source_host, details=details)
+        instance = instances.get(session, uuid)
+        publisher = (notifications.conductor_publisher() if failed_host is None
+                     else notifications.compute_publisher(failed_host))
+        pending = _notify(notifications.RESIZE_ERROR, instance, publisher, migration_uuid=migration_uuid,
+                          fault={"message": fault_message, "error": cause["Error"], "details": details})
+    _publish(pending)
+    logger.warning("move rolled back", extra={"instance_uuid": uuid, "migration_uuid": migration_uuid,
+                                              "failed_event": failed, "error": cause["Error"],
+                                              "vm_state": vm_state})
+    return {}
+
