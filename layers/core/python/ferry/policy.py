@@ -68,7 +68,22 @@ DEFAULT_RULES: dict[str, str] = {
     "os_compute_api:os-migrate-server:migrate": ADMIN,
     "os_compute_api:os-migrate-server:migrate:host": ADMIN,
     "os_compute_api:os-migrations:index": ADMIN,
+    "os_compute_api:servers:migrations:index": ADMIN,
+    "os_compute_api:servers:migrations:show": ADMIN,
     "compute:servers:resize:cross_cell": NOBODY,
+    # quotas and limits
+    "os_compute_api:os-quota-sets:show": ADMIN_OR_OWNER,
+    "os_compute_api:os-quota-sets:detail": ADMIN_OR_OWNER,
+    "os_compute_api:os-quota-sets:defaults": ANYONE,
+    "os_compute_api:os-quota-sets:update": ADMIN,
+    "os_compute_api:os-quota-sets:delete": ADMIN,
+    "os_compute_api:limits": ANYONE,
+    "os_compute_api:limits:other_project": ADMIN,
+    # volume attachments
+    "os_compute_api:os-volumes-attachments:index": ADMIN_OR_OWNER,
+    "os_compute_api:os-volumes-attachments:show": ADMIN_OR_OWNER,
+    "os_compute_api:os-volumes-attachments:create": ADMIN_OR_OWNER,
+    "os_compute_api:os-volumes-attachments:delete": ADMIN_OR_OWNER,
 }
 
 _loaded: dict[str, Any] = {"key": None, "rules": dict(DEFAULT_RULES)}

@@ -14,8 +14,11 @@ from aws_lambda_powertools.event_handler.exceptions import NotFoundError
 from aws_lambda_powertools.metrics import MetricUnit
 
 from ferry import errors
-from ferry.api import flavors, images, request, servers, versions
+from ferry.api import flavors, images, migrations, moves, quotas, request, servers, versions, volume_attachments
 from ferry.observability import logger, metrics
+
+# Server actions register themselves with ``servers.server_action`` when their module is imported.
+_ACTION_MODULES = (moves,)
 
 
 def fault_response(exc: Exception, context: dict[str, Any]) -> Response:
@@ -44,7 +47,7 @@ def get_resolver() -> APIGatewayRestResolver:
     app = APIGatewayRestResolver()
     app.use(middlewares=[request.prepare])
     app.include_router(versions.router)
-    for module in (servers, flavors, images):
+    for module in (servers, flavors, images, migrations, quotas, volume_attachments):
         app.include_router(module.router, prefix=request.API_PREFIX)
 
     @app.exception_handler(Exception)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable
 from typing import Any
 
 from ferry.api.microversions import APIVersion
@@ -162,3 +163,43 @@ EXTRA_SPEC_UPDATE = {
     "maxProperties": 1,
     "additionalProperties": False,
 }
+
+
+# --- moves ------------------------------------------------------------------------------------------
+
+HOST_NAME = {"type": "string", "minLength": 1, "maxLength": 255, "pattern": "^[a-zA-Z0-9._:-]+$"}
+
+RESIZE_ACTION = {
+    "type": "object",
+    "properties": {
+        "flavorRef": {"type": ["string", "integer"], "minLength": 1},
+        "OS-DCF:diskConfig": {"enum": ["AUTO", "MANUAL"]},
+    },
+    "required": ["flavorRef"],
+    "additionalProperties": False,
+}
+
+# Below 2.56 Nova does not look at the migrate body at all; from 2.56 it may name a host.
+MIGRATE_ACTION_ANY: dict[str, Any] = {}
+MIGRATE_ACTION_V256 = {
+    "type": ["object", "null"],
+    "properties": {"host": {"oneOf": [HOST_NAME, {"type": "null"}]}},
+    "additionalProperties": False,
+}
+
+
+# --- quotas -----------------------------------------------------------------------------------------
+
+QUOTA_LIMIT = {"type": ["integer", "string"], "pattern": "^-?[0-9]+$", "minimum": -1}
+
+
+def quota_set_update(resources: Iterable[str]) -> dict[str, Any]:
+    """The body of ``PUT /os-quota-sets/{project_id}`` for the resources of a microversion."""
+    properties: dict[str, Any] = dict.fromkeys(resources, QUOTA_LIMIT)
+    properties["force"] = BOOLEAN
+    return {
+        "type": "object",
+        "properties": {"quota_set": {"type": "object", "properties": properties, "additionalProperties": False}},
+        "required": ["quota_set"],
+        "additionalProperties": False,
+    }

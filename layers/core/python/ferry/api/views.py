@@ -212,3 +212,92 @@ def instance_action_events(view: ViewContext, events: Iterable[dict[str, Any]], 
             body["details"] = event["details"]
         shown.append(body)
     return shown
+
+
+# --- migrations ----------------------------------------------------------------------------------
+
+
+def migration(view: ViewContext, record: dict[str, Any]) -> dict[str, Any]:
+    """One entry of ``GET /os-migrations`` at the request's microversion."""
+    body: dict[str, Any] = {
+        "id": record["id"],
+        "instance_uuid": record["instance_uuid"],
+        "source_compute": record["source_compute"],
+        "source_node": record["source_node"],
+        "dest_compute": record["dest_compute"],
+        "dest_node": record["dest_node"],
+        "dest_host": record["dest_host"],
+        "old_instance_type_id": record["old_instance_type_id"],
+        "new_instance_type_id": record["new_instance_type_id"],
+        "status": record["status"],
+        "created_at": isotime_micro(record["created_at"]),
+        "updated_at": isotime_micro(record["updated_at"]),
+    }
+    if view.at_least("2.23"):
+        body["migration_type"] = record["migration_type"]
+    if view.at_least("2.59"):
+        body["uuid"] = record["uuid"]
+    if view.at_least("2.80"):
+        body["user_id"] = record["user_id"]
+        body["project_id"] = record["project_id"]
+    return body
+
+
+# --- quotas and limits ---------------------------------------------------------------------------
+
+# Network quotas Nova showed below 2.36 (it proxied them; Ferry shows Nova's defaults).
+NETWORK_QUOTAS = {"fixed_ips": -1, "floating_ips": 10, "security_group_rules": 20, "security_groups": 10}
+
+
+def quota_resources(view: ViewContext, resources: Iterable[str], injected: Iterable[str]) -> list[str]:
+    """The quota resources a microversion shows (injected files go away at 2.57)."""
+    hidden = set(injected) if view.at_least("2.57") else set()
+    return [r for r in resources if r not in hidden]
+
+
+def quota_set(view: ViewContext, values: dict[str, int], resources: Iterable[str],
+              project_id: str | None = None) -> dict[str, Any]:
+    """``{"quota_set": …}`` with the limits (and ``id`` when ``project_id`` is given)."""
+    body: dict[str, Any] = {"id": project_id} if project_id is not None else {}
+    body.update({r: values[r] for r in resources})
+    if not view.at_least("2.36"):
+        body.update(NETWORK_QUOTAS)
+    return body
+
+
+def quota_set_detail(view: ViewContext, values: dict[str, int], used: dict[str, int], resources: Iterable[str],
+                     project_id: str) -> dict[str, Any]:
+    """``/os-quota-sets/{id}/detail``: each resource as ``{limit, in_use, reserved}``."""
+    body: dict[str, Any] = {"id": project_id}
+    body.update({r: {"limit": values[r], "in_use": used.get(r, 0), "reserved": 0} for r in resources})
+    if not view.at_least("2.36"):
+        body.update({r: {"limit": v, "in_use": 0, "reserved": 0} for r, v in NETWORK_QUOTAS.items()})
+    return body
+
+
+def absolute_limits(view: ViewContext, values: dict[str, int], used: dict[str, int]) -> dict[str, int]:
+    """``GET /limits``' ``absolute`` part (Nova's names; removed entries follow the microversion)."""
+    body = {
+        "maxServerMeta": values["metadata_items"],
+        "maxTotalKeypairs": values["key_pairs"],
+        "maxServerGroups": values["server_groups"],
+        "maxServerGroupMembers": values["server_group_members"],
+        "maxTotalCores": values["cores"],
+        "maxTotalInstances": values["instances"],
+        "maxTotalRAMSize": values["ram"],
+        "totalCoresUsed": used["cores"],
+        "totalInstancesUsed": used["instances"],
+        "totalRAMUsed": used["ram"],
+        "totalServerGroupsUsed": 0,
+    }
+    if not view.at_least("2.57"):
+        body["maxPersonality"] = values["injected_files"]
+        body["maxPersonalitySize"] = values["injected_file_content_bytes"]
+    if not view.at_least("2.39"):
+        body["maxImageMeta"] = values["metadata_items"]
+    if not view.at_least("2.36"):
+        body.update({"maxSecurityGroups": NETWORK_QUOTAS["security_groups"],
+                     "maxSecurityGroupRules": NETWORK_QUOTAS["security_group_rules"],
+                     "maxTotalFloatingIps": NETWORK_QUOTAS["floating_ips"],
+                     "totalFloatingIpsUsed": 0, "totalSecurityGroupsUsed": 0})
+    return body

@@ -42,7 +42,7 @@ from sqlalchemy import CursorResult, delete, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from ferry import config, errors, hosts, images, network, policy, protocol, workflows
+from ferry import config, errors, hosts, images, network, policy, protocol, quotas, workflows
 from ferry.auth import RequestContext
 from ferry.compute import actions, instances, states
 from ferry.observability import logger
@@ -634,6 +634,7 @@ def create_server(ctx: RequestContext, request: BootRequest) -> str:
         BadRequest: unknown or disabled flavor, unknown image, an unsupported block device
             mapping, an unknown network, port or volume, or an image that does not fit.
         Forbidden: an image-backed server on a zero-disk flavor without the policy for it.
+        OverQuota: the project's instances, cores or RAM would go over its quota (403).
         Conflict: a port already in use, a fixed IP taken, a network out of addresses.
     """
     root = _root_device(request)
@@ -654,6 +655,8 @@ def create_server(ctx: RequestContext, request: BootRequest) -> str:
         _check_image_fits(_bootable_image(image_id), flavor, root)
     if root is None and flavor.root_gb == 0:
         policy.enforce(ctx, "os_compute_api:servers:create:zero_disk_flavor", {"project_id": ctx.project_id})
+    deltas = {quotas.INSTANCES: 1, quotas.CORES: flavor.vcpus, quotas.RAM: flavor.memory_mb}
+    quotas.check(ctx.project_id, deltas)
 
     uuid = str(uuidlib.uuid4())
     instance = {
@@ -680,6 +683,11 @@ def create_server(ctx: RequestContext, request: BootRequest) -> str:
             "scheduler_hints": _scheduler_hints(request.scheduler_hints), "group": None,
             "availability_zone": request.availability_zone, "requested_networks": requested_networks,
         })
+    try:
+        quotas.recheck(ctx.project_id, deltas)
+    except errors.OverQuota:
+        _discard_build(uuid, forget=True)  # a concurrent boot took the room
+        raise
     try:
         workflows.start_execution(config.get().boot_state_machine_arn, execution_name("boot", uuid),
                                   {"instance_uuid": uuid, "request_id": ctx.request_id})

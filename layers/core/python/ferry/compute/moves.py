@@ -14,16 +14,28 @@ so a retried start of the same move cannot run its workflow twice. Every executi
 
 from __future__ import annotations
 
+import datetime as dt
+from dataclasses import dataclass
 from typing import Any, cast
 
-from sqlalchemy import CursorResult, delete, select, update
+from sqlalchemy import CursorResult, Select, delete, func, or_, select, update
 from sqlalchemy.orm import Session
 
-from ferry import config, errors, workflows
+from ferry import config, errors, hosts, policy, quotas, workflows
+from ferry.auth import RequestContext
 from ferry.compute import actions, instances, states
+from ferry.compute import api as compute_api
 from ferry.observability import logger
-from ferry.store.cell_models import Instance, InstanceAction, InstanceActionEvent, Migration
-from ferry.store.db import cell_session
+from ferry.store.api_models import CellMapping, Flavor, HostMapping, InstanceMapping, new_uuid
+from ferry.store.cell_models import (
+    BlockDeviceMapping,
+    Instance,
+    InstanceAction,
+    InstanceActionEvent,
+    Migration,
+    Service,
+)
+from ferry.store.db import all_cells, api_session, cell_session
 
 # Migration statuses (Nova's).
 PRE_MIGRATING = "pre-migrating"
@@ -84,15 +96,18 @@ def _forget_action(session: Session, instance_uuid: str, request_id: str) -> Non
 def _check_settle_state(session: Session, action: str, instance_uuid: str) -> tuple[Instance, Migration]:
     """The instance and its finished migration, for a confirm or a revert.
 
+    A server busy with a task, or whose confirm or revert is already under way, is a conflict
+    (409); a server with no task and no finished migration (one that was never resized, say)
+    has not been resized (400, the contract's answer where Nova would also say 409 for a
+    server that is not in vm_state ``resized``).
+
     Raises:
         InstanceNotFound: no such (visible) instance in this cell.
-        InstanceInvalidState: vm_state is not ``resized`` or a task is in progress.
+        InstanceInvalidState: a task is in progress, or vm_state is not ``resized``.
         MigrationInProgress: a confirm or revert of the migration is already under way.
         InstanceNotResized: the instance has no finished migration.
     """
     instance = instances.get(session, instance_uuid)
-    if instance.vm_state != states.RESIZED:
-        raise _invalid_state(action, instance_uuid, "vm_state", instance.vm_state)
     if instance.task_state is not None:
         raise _invalid_state(action, instance_uuid, "task_state", instance.task_state)
     migration = _latest_migration(session, instance_uuid)
@@ -101,6 +116,8 @@ def _check_settle_state(session: Session, action: str, instance_uuid: str) -> tu
             f"Cannot '{action}' instance {instance_uuid}: its migration {migration.uuid} is {migration.status}.")
     if migration is None or migration.status != FINISHED:
         raise errors.InstanceNotResized()
+    if instance.vm_state != states.RESIZED:
+        raise _invalid_state(action, instance_uuid, "vm_state", instance.vm_state)
     return instance, migration
 
 
@@ -208,3 +225,391 @@ def begin_revert(cell: str, instance_uuid: str, *, request_id: str, user_id: str
         raise
     logger.info("revert accepted", extra={"instance_uuid": instance_uuid, "migration_uuid": migration_uuid})
     return migration_uuid
+
+
+# --- resize and cold migrate ----------------------------------------------------------------------
+
+
+_MOVABLE_VM_STATES = (states.ACTIVE, states.STOPPED)
+
+
+@dataclass(frozen=True)
+class _Move:
+    """What a resize or migrate request asks for, once checked."""
+
+    action: str
+    new_flavor: dict[str, Any] | None  # None: keep the current flavor (cold migrate)
+    requested_host: str | None = None
+
+
+def _resizable_flavor(ctx: RequestContext, flavor_ref: str) -> dict[str, Any]:
+    """The snapshot of the flavor a resize asks for.
+
+    Raises:
+        BadRequest: no such flavor, a disabled one, or a private one the caller cannot use
+            (Nova's "Unable to locate requested flavor.").
+    """
+    with api_session() as session:
+        flavor = session.scalars(select(Flavor).where(Flavor.flavorid == compute_api.ref_id(str(flavor_ref)))
+                                 ).one_or_none()
+        if flavor is None or flavor.disabled or (not flavor.is_public and not ctx.is_admin):
+            raise errors.BadRequest("Unable to locate requested flavor.")
+        return compute_api.flavor_snapshot(flavor)
+
+
+def _check_requested_host(host: str) -> None:
+    """A migrate's named host must be a compute host mapped to a cell with a service record there.
+
+    Raises:
+        ComputeHostNotFound: it is not.
+    """
+    with api_session() as session:
+        mapping = session.scalars(select(HostMapping).where(HostMapping.host == host)).one_or_none()
+        cell = mapping.cell if mapping is not None else None
+    if cell is not None:
+        with cell_session(cell) as session:
+            if session.scalars(select(Service.id).where(Service.host == host)).first() is not None:
+                return
+    raise errors.ComputeHostNotFound(f"Compute host {host} could not be found.")
+
+
+def _is_volume_backed(session: Session, instance: Instance) -> bool:
+    root = session.scalars(select(BlockDeviceMapping).where(
+        BlockDeviceMapping.instance_uuid == instance.uuid, BlockDeviceMapping.deleted.is_(False),
+        BlockDeviceMapping.boot_index == 0)).first()
+    if root is not None:
+        return root.destination_type == "volume"
+    return not instance.image_ref
+
+
+def _check_disks_fit(session: Session, instance: Instance, new_flavor: dict[str, Any]) -> None:
+    """Refuse flavors that cannot hold the server's disks, before anything moves.
+
+    Raises:
+        CannotResizeDisk: a zero root disk for an image-backed server that has one (Nova's
+            rule), or a smaller root (image-backed) or ephemeral disk: disks never shrink.
+    """
+    current = instance.flavor or {}
+    volume_backed = _is_volume_backed(session, instance)
+    old_root, new_root = int(current.get("root_gb") or 0), int(new_flavor.get("root_gb") or 0)
+    if not volume_backed and new_root == 0 and old_root != 0:
+        raise errors.CannotResizeDisk(
+            "Server disk was unable to be resized because: Resize to zero disk flavor is not allowed.")
+    if not volume_backed and 0 < new_root < old_root:
+        raise errors.CannotResizeDisk(
+            f"Server disk was unable to be resized because: the root disk cannot shrink "
+            f"(flavor {current.get('name')} has {old_root} GB, {new_flavor.get('name')} {new_root} GB).")
+    old_ephemeral, new_ephemeral = int(current.get("ephemeral_gb") or 0), int(new_flavor.get("ephemeral_gb") or 0)
+    if new_ephemeral < old_ephemeral:
+        raise errors.CannotResizeDisk(
+            f"Server disk was unable to be resized because: the ephemeral disk cannot shrink "
+            f"(flavor {current.get('name')} has {old_ephemeral} GB, {new_flavor.get('name')} {new_ephemeral} GB).")
+
+
+def upsize_deltas(old_flavor: dict[str, Any], new_flavor: dict[str, Any]) -> dict[str, int]:
+    """The cores and RAM a resize adds (only growth counts against quota, as in Nova)."""
+    deltas = {quotas.CORES: int(new_flavor.get("vcpus") or 0) - int(old_flavor.get("vcpus") or 0),
+              quotas.RAM: int(new_flavor.get("memory_mb") or 0) - int(old_flavor.get("memory_mb") or 0)}
+    return {resource: delta for resource, delta in deltas.items() if delta > 0}
+
+
+def _check_movable(ctx: RequestContext, session: Session, instance: Instance, action: str) -> None:
+    """Nova's order: lock, state, then the source host must be up (all 409).
+
+    Raises:
+        InstanceIsLocked, InstanceInvalidState, ComputeServiceUnavailable.
+    """
+    if instance.locked and not ctx.is_admin:
+        raise errors.InstanceIsLocked(f"Instance {instance.uuid} is locked")
+    if instance.vm_state not in _MOVABLE_VM_STATES:
+        raise _invalid_state(action, instance.uuid, "vm_state", instance.vm_state)
+    if instance.task_state is not None:
+        raise _invalid_state(action, instance.uuid, "task_state", instance.task_state)
+    if not instance.host:
+        raise _invalid_state(action, instance.uuid, "host", None)
+    service = session.scalars(select(Service).where(Service.host == instance.host)).one_or_none()
+    if service is None or not hosts.is_up(service):
+        raise errors.ComputeServiceUnavailable(
+            f"Service is unavailable at this time: the compute service of host {instance.host} is down.")
+
+
+def _remember_cross_cell_choice(ctx: RequestContext, location: compute_api.Location) -> None:
+    """Record in the request spec whether this caller may move the server to another cell.
+
+    The policy (``compute:servers:resize:cross_cell``) is the caller's, so it is decided here
+    and read by the scheduling step (``allow_cross_cell_move``), as Nova's API decides it.
+    """
+    allowed = policy.check(ctx, CROSS_CELL_RULE, location.target)
+    with api_session() as session:
+        try:
+            spec = compute_api.load_request_spec(session, location.instance_uuid)
+        except errors.NotFound:
+            spec = {"instance_uuid": location.instance_uuid, "project_id": location.project_id,
+                    "user_id": location.user_id}
+        spec["allow_cross_cell_move"] = allowed
+        compute_api.save_request_spec(session, location.instance_uuid, spec)
+
+
+CROSS_CELL_RULE = "compute:servers:resize:cross_cell"
+
+
+def _begin_move(ctx: RequestContext, location: compute_api.Location, move: _Move) -> str:
+    uuid = location.instance_uuid
+    if location.cell is None:
+        raise _invalid_state(move.action, uuid, "vm_state", states.BUILDING)
+    cell = location.cell
+    migration_uuid = new_uuid()
+    # Checks read the cell, then the API database and other cells; the writes follow in a
+    # transaction of their own (SQLite allows one writer per file: no nested sessions).
+    with cell_session(cell) as session:
+        instance = instances.get(session, uuid)
+        _check_movable(ctx, session, instance, move.action)
+        current = dict(instance.flavor or {})
+        if move.new_flavor is not None:
+            if move.new_flavor.get("id") == current.get("id"):
+                raise errors.CannotResizeToSameFlavor()
+            _check_disks_fit(session, instance, move.new_flavor)
+        source_host, project_id = instance.host, instance.project_id
+    if move.requested_host is not None:
+        _check_requested_host(move.requested_host)
+        if move.requested_host == source_host:
+            raise errors.CannotMigrateToSameHost()
+    new_flavor = dict(move.new_flavor) if move.new_flavor is not None else current
+    deltas = upsize_deltas(current, new_flavor)
+    quotas.check(project_id, deltas)
+    with cell_session(cell) as session:
+        instance = instances.get(session, uuid)
+        previous = {"old_flavor": instance.old_flavor, "new_flavor": instance.new_flavor,
+                    "old_vm_state": instance.old_vm_state}
+        try:
+            instances.update_cas(session, uuid, {"task_state": states.RESIZE_PREP, "old_flavor": current,
+                                                 "new_flavor": new_flavor, "old_vm_state": instance.vm_state},
+                                 expected_task_state=(None,), expected_vm_state=_MOVABLE_VM_STATES)
+        except errors.UnexpectedTaskState as exc:
+            raise errors.InstanceInvalidState(
+                f"Cannot '{move.action}' instance {uuid}: another operation changed it first.") from exc
+        if instance.host != source_host or dict(instance.flavor or {}) != current:
+            raise errors.InstanceInvalidState(f"Cannot '{move.action}' instance {uuid}: it moved meanwhile.")
+        session.add(Migration(
+            uuid=migration_uuid, instance_uuid=uuid, source_compute=instance.host, source_node=instance.node,
+            status=PRE_MIGRATING, migration_type=RESIZE if move.new_flavor is not None else MIGRATION,
+            old_instance_type_id=current.get("id"), new_instance_type_id=new_flavor.get("id"),
+            user_id=ctx.user_id, project_id=ctx.project_id, hidden=False, cross_cell_move=False))
+        actions.start_action(session, instance_uuid=uuid, action=move.action, request_id=ctx.request_id,
+                             user_id=ctx.user_id, project_id=ctx.project_id)
+    try:
+        quotas.recheck(project_id, deltas)
+    except errors.OverQuota:
+        _undo_move(cell, uuid, migration_uuid, ctx.request_id, previous, forget_migration=True)
+        raise
+    payload = {"instance_uuid": uuid, "migration_uuid": migration_uuid, "cell": cell.name,
+               "request_id": ctx.request_id, "requested_host": move.requested_host, "user_id": ctx.user_id,
+               "project_id": ctx.project_id}
+    try:
+        _remember_cross_cell_choice(ctx, location)
+        workflows.start_execution(config.get().resize_state_machine_arn,
+                                  move_execution_name("resize", uuid, migration_uuid), payload)
+    except Exception:
+        logger.exception("resize workflow did not start; undoing", extra={"instance_uuid": uuid})
+        _undo_move(cell, uuid, migration_uuid, ctx.request_id, previous, forget_migration=False)
+        raise
+    logger.info("move accepted", extra={"instance_uuid": uuid, "migration_uuid": migration_uuid,
+                                        "action": move.action, "flavor": new_flavor.get("flavorid")})
+    return migration_uuid
+
+
+def _undo_move(cell: CellMapping, instance_uuid: str, migration_uuid: str, request_id: str,
+               previous: dict[str, Any], *, forget_migration: bool) -> None:
+    """Put an accepted move back: task_state None with the flavors as they were, the action
+    forgotten, and the migration deleted (``forget_migration``) or marked ``error``."""
+    with cell_session(cell) as session:
+        try:
+            instances.update_cas(session, instance_uuid, {"task_state": None, **previous},
+                                 expected_task_state=(states.RESIZE_PREP,))
+        except errors.UnexpectedTaskState:
+            logger.warning("state changed meanwhile; left as is", extra={"instance_uuid": instance_uuid})
+        if forget_migration:
+            session.execute(delete(Migration).where(Migration.uuid == migration_uuid))
+        else:
+            _swap_migration_status(session, migration_uuid, PRE_MIGRATING, ERROR)
+        _forget_action(session, instance_uuid, request_id)
+
+
+def begin_resize(ctx: RequestContext, location: compute_api.Location, flavor_ref: str) -> str:
+    """Accept a resize of the server at ``location`` to the flavor ``flavor_ref`` and start the resize workflow.
+
+    Checks, in Nova's order, before anything is written: the server is unlocked (or the
+    caller an admin), in vm_state ``active`` or ``stopped`` with no task, and its host is up
+    (409 otherwise); the flavor exists, is enabled and usable by the caller, differs from the
+    current one, and can hold the server's disks (400); the growth in cores and RAM fits the
+    project's quota (403).
+
+    Then, in the cell: task_state None → ``resize_prep`` (compare-and-swap, so a second move
+    gets 409) with ``old_flavor`` = the current flavor, ``new_flavor`` = the target flavor
+    and ``old_vm_state`` = the vm_state; a migration (``pre-migrating``, type ``resize``,
+    source host and node, the flavors' ids, the caller's user and project); the ``resize``
+    action. The quota is checked again (a concurrent request may have taken the room; if so
+    all of it is removed and the request gets 403), the cross-cell policy is recorded in the
+    request spec, and the execution ``resize-<server>-<migration[:8]>`` starts. If it cannot
+    start, the instance is put back, the migration marked ``error``, the action forgotten,
+    and the error raised.
+
+    Returns:
+        The migration's uuid.
+
+    Raises:
+        InstanceIsLocked, InstanceInvalidState, ComputeServiceUnavailable: 409.
+        BadRequest, CannotResizeToSameFlavor, CannotResizeDisk: 400.
+        OverQuota: 403.
+    """
+    new_flavor = _resizable_flavor(ctx, flavor_ref)
+    return _begin_move(ctx, location, _Move(action=actions.RESIZE, new_flavor=new_flavor))
+
+
+def begin_migrate(ctx: RequestContext, location: compute_api.Location, host: str | None = None) -> str:
+    """Accept a cold migration of the server at ``location`` and start the resize workflow.
+
+    As :func:`begin_resize` with the flavor unchanged (``new_flavor`` = the current flavor,
+    migration type ``migration``, action ``migrate``, no quota check). ``host`` (2.56+, the
+    caller has checked the policy) must be a known compute host other than the server's
+    own; the workflow gets it as ``requested_host``.
+
+    Returns:
+        The migration's uuid.
+
+    Raises:
+        InstanceIsLocked, InstanceInvalidState, ComputeServiceUnavailable: 409.
+        ComputeHostNotFound, CannotMigrateToSameHost: 400.
+    """
+    return _begin_move(ctx, location, _Move(action=actions.MIGRATE, new_flavor=None, requested_host=host))
+
+
+def confirm_resize(ctx: RequestContext, location: compute_api.Location) -> str:
+    """``confirmResize`` from the API: the lock check, then :func:`begin_confirm`.
+
+    Raises:
+        InstanceIsLocked: locked, and the caller is not an admin (409).
+        And what :func:`begin_confirm` raises.
+    """
+    cell = _settle_cell(ctx, location, actions.CONFIRM_RESIZE)
+    return begin_confirm(cell, location.instance_uuid, request_id=ctx.request_id, user_id=ctx.user_id,
+                         project_id=ctx.project_id)
+
+
+def revert_resize(ctx: RequestContext, location: compute_api.Location) -> str:
+    """``revertResize`` from the API: the lock check, then :func:`begin_revert`.
+
+    Raises:
+        InstanceIsLocked: locked, and the caller is not an admin (409).
+        And what :func:`begin_revert` raises.
+    """
+    cell = _settle_cell(ctx, location, actions.REVERT_RESIZE)
+    return begin_revert(cell, location.instance_uuid, request_id=ctx.request_id, user_id=ctx.user_id,
+                        project_id=ctx.project_id)
+
+
+def _settle_cell(ctx: RequestContext, location: compute_api.Location, action: str) -> str:
+    if location.cell is None:
+        raise _invalid_state(action, location.instance_uuid, "vm_state", states.BUILDING)
+    with cell_session(location.cell) as session:
+        instance = instances.get(session, location.instance_uuid)
+        if instance.locked and not ctx.is_admin:
+            raise errors.InstanceIsLocked(f"Instance {instance.uuid} is locked")
+    return location.cell.name
+
+
+# --- listing migrations ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MigrationFilters:
+    """What ``GET /os-migrations`` asks for (None: no filter)."""
+
+    host: str | None = None  # the source or the destination
+    statuses: tuple[str, ...] | None = None
+    migration_type: str | None = None
+    instance_uuid: str | None = None
+    source_compute: str | None = None
+    user_id: str | None = None
+    project_id: str | None = None
+    changes_since: dt.datetime | None = None
+    changes_before: dt.datetime | None = None
+
+
+MIGRATION_FIELDS = ("id", "uuid", "instance_uuid", "source_compute", "source_node", "dest_compute", "dest_node",
+                    "dest_host", "old_instance_type_id", "new_instance_type_id", "status", "migration_type",
+                    "created_at", "updated_at", "user_id", "project_id", "hidden", "cross_cell_move")
+
+
+def _migration_query(filters: MigrationFilters) -> Select[Any]:
+    query = select(Migration).where(Migration.deleted.is_(False))
+    if filters.host is not None:
+        query = query.where(or_(Migration.source_compute == filters.host, Migration.dest_compute == filters.host))
+    if filters.statuses:
+        query = query.where(Migration.status.in_(filters.statuses))
+    for column, value in ((Migration.migration_type, filters.migration_type),
+                          (Migration.instance_uuid, filters.instance_uuid),
+                          (Migration.source_compute, filters.source_compute),
+                          (Migration.user_id, filters.user_id), (Migration.project_id, filters.project_id)):
+        if value is not None:
+            query = query.where(column == value)
+    changed = func.coalesce(Migration.updated_at, Migration.created_at)
+    if filters.changes_since is not None:
+        query = query.where(changed >= filters.changes_since)
+    if filters.changes_before is not None:
+        query = query.where(changed <= filters.changes_before)
+    return query
+
+
+def list_migrations(filters: MigrationFilters, *, newest_first: bool = False, limit: int | None = None,
+                    marker: str | None = None) -> list[dict[str, Any]]:
+    """Migrations of every cell (cell0 has none), as plain records.
+
+    A migration copied into another cell for a cross-cell move is listed once: the visible
+    copy wins over a hidden one, and of two copies the one in the cell the instance lives in.
+    Without ``newest_first`` they come oldest first (per cell, as Nova lists them before 2.59);
+    with it newest first by creation (then id), which paging (``marker``: the uuid of the last
+    migration of the previous page; ``limit``) relies on.
+
+    Raises:
+        BadRequest: the marker is not a listed migration.
+    """
+    copies: dict[str, list[tuple[dict[str, Any], str]]] = {}
+    order: list[str] = []
+    for cell in all_cells(include_cell0=False):
+        with cell_session(cell) as session:
+            for row in session.scalars(_migration_query(filters).order_by(Migration.created_at, Migration.id)):
+                record = {name: getattr(row, name) for name in MIGRATION_FIELDS}
+                if row.uuid not in copies:
+                    copies[row.uuid] = []
+                    order.append(row.uuid)
+                copies[row.uuid].append((record, cell.name))
+    located = _instance_cells({copy[0]["instance_uuid"] for group in copies.values() for copy in group
+                               if len(group) > 1})
+    merged = [_preferred_copy(copies[uuid], located) for uuid in order]
+    if newest_first:
+        merged.sort(key=lambda m: (m["created_at"], m["id"], m["uuid"]), reverse=True)
+    if marker is not None:
+        index = next((i for i, m in enumerate(merged) if m["uuid"] == marker), None)
+        if index is None:
+            raise errors.BadRequest(f"Marker {marker} could not be found.")
+        merged = merged[index + 1:]
+    if limit is not None:
+        merged = merged[:limit]
+    return merged
+
+
+def _instance_cells(instance_uuids: set[str]) -> dict[str, str]:
+    if not instance_uuids:
+        return {}
+    with api_session() as session:
+        rows = session.scalars(select(InstanceMapping).where(InstanceMapping.instance_uuid.in_(instance_uuids)))
+        return {row.instance_uuid: row.cell.name for row in rows if row.cell is not None}
+
+
+def _preferred_copy(group: list[tuple[dict[str, Any], str]], located: dict[str, str]) -> dict[str, Any]:
+    def rank(item: tuple[dict[str, Any], str]) -> tuple[bool, bool, dt.datetime]:
+        record, cell = item
+        return (not record["hidden"], located.get(record["instance_uuid"]) == cell,
+                record["updated_at"] or record["created_at"])
+    return max(group, key=rank)[0]

@@ -294,3 +294,20 @@ class AuthToken(TimestampMixin, ApiBase):
     project_id: Mapped[str] = mapped_column(String(255))
     roles: Mapped[list] = mapped_column(JSON, default=list)
     expires_at: Mapped[dt.datetime | None] = mapped_column(DateTime, nullable=True)
+
+
+# --- quotas -------------------------------------------------------------------------------------
+
+
+class Quota(TimestampMixin, ApiBase):
+    """A project's limit for one resource (``instances``, ``cores``, ``ram``, …), set by an admin.
+
+    Resources without a row use the deployment's defaults; ``-1`` means unlimited.
+    """
+
+    __tablename__ = "quotas"
+    __table_args__ = (UniqueConstraint("project_id", "resource"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    project_id: Mapped[str] = mapped_column(String(255), index=True)
+    resource: Mapped[str] = mapped_column(String(255))
+    hard_limit: Mapped[int] = mapped_column(Integer)

@@ -1,0 +1,119 @@
+"""``/os-migrations`` (admins) and ``/servers/{id}/migrations`` (in-progress live migrations).
+
+``GET /os-migrations`` lists the migrations of every cell: filters ``host`` (source or
+destination), ``status`` (repeatable), ``migration_type``, ``instance_uuid``,
+``source_compute``; from 2.59 newest first with ``limit``/``marker``/``changes-since``
+(``changes-before`` from 2.66); ``user_id``/``project_id`` filters from 2.80. Fields follow
+the microversion (``migration_type`` 2.23, ``uuid`` 2.59, ``user_id``/``project_id`` 2.80).
+
+Ferry has no live migration, so a server's in-progress live migrations are always none.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+from urllib.parse import urlencode
+
+from aws_lambda_powertools.event_handler import Response
+from aws_lambda_powertools.event_handler.api_gateway import Router
+
+from ferry import errors, policy
+from ferry.api import request, views
+from ferry.api.request import ViewContext
+from ferry.compute import api as compute_api
+from ferry.compute import moves
+
+router = Router()
+
+MAX_LIMIT = 1000
+
+
+def _timestamp(name: str, value: str | None) -> dt.datetime | None:
+    """An ISO 8601 query parameter as naive UTC.
+
+    Raises:
+        BadRequest: not a timestamp.
+    """
+    if value is None:
+        return None
+    try:
+        parsed = dt.datetime.fromisoformat(value.strip().replace(" ", "+"))
+    except ValueError as exc:
+        raise errors.BadRequest(f"Invalid input for query parameters {name}. Value: {value}. "
+                                f"'{value}' is not a 'date-time'") from exc
+    if parsed.tzinfo is not None:
+        parsed = parsed.astimezone(dt.UTC).replace(tzinfo=None)
+    return parsed
+
+
+def _filters(view: ViewContext, params: dict[str, list[str]]) -> moves.MigrationFilters:
+    def last(name: str) -> str | None:
+        values = params.get(name)
+        return values[-1] if values else None
+
+    changes_since = _timestamp("changes-since", last("changes-since")) if view.at_least("2.59") else None
+    changes_before = _timestamp("changes-before", last("changes-before")) if view.at_least("2.66") else None
+    if changes_since and changes_before and changes_since > changes_before:
+        raise errors.BadRequest("The value of changes-since must be less than or equal to changes-before.")
+    by_owner = view.at_least("2.80")
+    return moves.MigrationFilters(
+        host=last("host"), statuses=tuple(params["status"]) if params.get("status") else None,
+        migration_type=last("migration_type"), instance_uuid=last("instance_uuid"),
+        source_compute=last("source_compute"), user_id=last("user_id") if by_owner else None,
+        project_id=last("project_id") if by_owner else None, changes_since=changes_since,
+        changes_before=changes_before)
+
+
+def _next_link(view: ViewContext, params: dict[str, list[str]], page: list[dict[str, Any]],
+               limit: int) -> list[dict[str, str]]:
+    if not page or len(page) < limit:
+        return []
+    query = [(k, v) for k, values in params.items() if k not in ("limit", "marker") for v in values]
+    query += [("limit", str(limit)), ("marker", page[-1]["uuid"])]
+    return [{"rel": "next", "href": f"{view.api_url}/os-migrations?{urlencode(query)}"}]
+
+
+@router.get("/os-migrations")
+def list_migrations() -> Response:
+    view = request.view_context(router)
+    policy.enforce(view.ctx, "os_compute_api:os-migrations:index")
+    params = request.query(router)
+    filters = _filters(view, params)
+    paged = view.at_least("2.59")
+    limit = marker = None
+    if paged:
+        requested = request.parse_limit(params["limit"][-1]) if params.get("limit") else None
+        limit = MAX_LIMIT if requested is None else min(requested, MAX_LIMIT)
+        marker = params["marker"][-1] if params.get("marker") else None
+    found = moves.list_migrations(filters, newest_first=paged, limit=limit, marker=marker)
+    body: dict[str, Any] = {"migrations": [views.migration(view, m) for m in found]}
+    if paged and limit is not None:
+        links = _next_link(view, params, found, limit)
+        if links:
+            body["migrations_links"] = links
+    return request.json_response(200, body)
+
+
+def _server_migrations_supported(view: ViewContext) -> None:
+    if not view.at_least("2.23"):
+        raise errors.NotFound("The resource could not be found.")
+
+
+@router.get("/servers/<server_id>/migrations")
+def list_server_migrations(server_id: str) -> Response:
+    view = request.view_context(router)
+    _server_migrations_supported(view)
+    location = compute_api.locate(view.ctx, server_id)
+    policy.enforce(view.ctx, "os_compute_api:servers:migrations:index", location.target)
+    return request.json_response(200, {"migrations": []})
+
+
+@router.get("/servers/<server_id>/migrations/<migration_id>")
+def show_server_migration(server_id: str, migration_id: str) -> Response:
+    view = request.view_context(router)
+    _server_migrations_supported(view)
+    location = compute_api.locate(view.ctx, server_id)
+    policy.enforce(view.ctx, "os_compute_api:servers:migrations:show", location.target)
+    raise errors.NotFound(f"In-progress live migration {migration_id} is not found for server "
+                          f"{location.instance_uuid}.")

@@ -1,0 +1,85 @@
+"""``/os-quota-sets/{project_id}`` (+ ``/defaults``, ``/detail``) and ``/limits``.
+
+Project-level quotas only: a ``user_id`` query parameter is not supported (400), since Ferry
+keeps no per-user quotas.
+"""
+
+from __future__ import annotations
+
+from aws_lambda_powertools.event_handler import Response
+from aws_lambda_powertools.event_handler.api_gateway import Router
+
+from ferry import errors, policy, quotas
+from ferry.api import request, schemas, views
+from ferry.api.request import ViewContext
+
+router = Router()
+
+
+def _resources(view: ViewContext) -> list[str]:
+    return views.quota_resources(view, quotas.RESOURCES, quotas.INJECTED_FILE_RESOURCES)
+
+
+def _project_only() -> None:
+    if request.query(router).get("user_id"):
+        raise errors.BadRequest("Per-user quotas are not supported; quotas are set per project.")
+
+
+@router.get("/os-quota-sets/<project_id>")
+def show_quota_set(project_id: str) -> Response:
+    view = request.view_context(router)
+    policy.enforce(view.ctx, "os_compute_api:os-quota-sets:show", {"project_id": project_id})
+    _project_only()
+    body = views.quota_set(view, quotas.limits(project_id), _resources(view), project_id)
+    return request.json_response(200, {"quota_set": body})
+
+
+@router.get("/os-quota-sets/<project_id>/detail")
+def show_quota_set_detail(project_id: str) -> Response:
+    view = request.view_context(router)
+    policy.enforce(view.ctx, "os_compute_api:os-quota-sets:detail", {"project_id": project_id})
+    _project_only()
+    body = views.quota_set_detail(view, quotas.limits(project_id), quotas.usage(project_id), _resources(view),
+                                  project_id)
+    return request.json_response(200, {"quota_set": body})
+
+
+@router.get("/os-quota-sets/<project_id>/defaults")
+def show_quota_defaults(project_id: str) -> Response:
+    view = request.view_context(router)
+    policy.enforce(view.ctx, "os_compute_api:os-quota-sets:defaults", {"project_id": project_id})
+    body = views.quota_set(view, quotas.defaults(), _resources(view), project_id)
+    return request.json_response(200, {"quota_set": body})
+
+
+@router.put("/os-quota-sets/<project_id>")
+def update_quota_set(project_id: str) -> Response:
+    view = request.view_context(router)
+    policy.enforce(view.ctx, "os_compute_api:os-quota-sets:update", {"project_id": project_id})
+    _project_only()
+    resources = _resources(view)
+    wanted = dict(request.body(router, schemas.quota_set_update(resources))["quota_set"])
+    force = wanted.pop("force", False)
+    force = force if isinstance(force, bool) else request.parse_bool("force", str(force))
+    values = quotas.update(project_id, {k: int(v) for k, v in wanted.items()}, force=force)
+    return request.json_response(200, {"quota_set": views.quota_set(view, values, resources)})
+
+
+@router.delete("/os-quota-sets/<project_id>")
+def delete_quota_set(project_id: str) -> Response:
+    ctx = request.caller(router)
+    policy.enforce(ctx, "os_compute_api:os-quota-sets:delete", {"project_id": project_id})
+    quotas.reset(project_id)
+    return request.empty(202)
+
+
+@router.get("/limits")
+def show_limits() -> Response:
+    view = request.view_context(router)
+    policy.enforce(view.ctx, "os_compute_api:limits")
+    params = request.query(router)
+    project_id = params["tenant_id"][-1] if params.get("tenant_id") else view.ctx.project_id
+    if project_id != view.ctx.project_id:
+        policy.enforce(view.ctx, "os_compute_api:limits:other_project", {"project_id": project_id})
+    absolute = views.absolute_limits(view, quotas.limits(project_id), quotas.usage(project_id))
+    return request.json_response(200, {"limits": {"rate": [], "absolute": absolute}})

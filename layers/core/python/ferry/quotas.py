@@ -1,0 +1,248 @@
+"""Per-project quotas on instances, cores and RAM (Nova's counting quotas).
+
+A project's limit for a resource is the admin's override (``quotas`` table, set through
+``PUT /os-quota-sets/{project_id}``) or the deployment default: Nova's defaults, changed with
+``FERRY_QUOTA_INSTANCES``, ``FERRY_QUOTA_CORES`` and ``FERRY_QUOTA_RAM``. ``-1`` means
+unlimited.
+
+Usage is counted, not reserved: a project uses one instance and its flavor's vCPUs and
+memory for every server it has that is not deleted — servers still waiting for a cell (build
+requests) and servers in cell0 included, hidden copies of a server in another cell left out.
+A server in the middle of a resize counts the larger of its old and new flavor for each
+resource, as Nova counts it, so a revert never needs quota of its own.
+
+Checks count the usage, add the request, and refuse what would go over a limit. Because two
+requests can pass the same check concurrently, callers check again after writing their
+records (with no further delta) and undo when the limit was crossed meanwhile.
+
+The other resources Nova lists (key pairs, metadata items, server groups, injected files)
+are shown with Nova's defaults and can be set, but Ferry does not enforce them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from sqlalchemy import select
+
+from ferry import errors
+from ferry.compute import states
+from ferry.store.api_models import BuildRequest, InstanceMapping, Quota
+from ferry.store.cell_models import Instance
+from ferry.store.db import all_cells, api_session, cell_session
+
+INSTANCES = "instances"
+CORES = "cores"
+RAM = "ram"
+COUNTED = (INSTANCES, CORES, RAM)
+
+UNLIMITED = -1
+
+# Nova's defaults; the counted ones can be changed through the environment.
+NOVA_DEFAULTS: dict[str, int] = {
+    CORES: 20,
+    INSTANCES: 10,
+    RAM: 51200,
+    "key_pairs": 100,
+    "metadata_items": 128,
+    "server_groups": 10,
+    "server_group_members": 10,
+    "injected_files": 5,
+    "injected_file_content_bytes": 10240,
+    "injected_file_path_bytes": 255,
+}
+RESOURCES = tuple(NOVA_DEFAULTS)
+# Resources the quota-set API stops showing at 2.57 (personality files went away).
+INJECTED_FILE_RESOURCES = ("injected_files", "injected_file_content_bytes", "injected_file_path_bytes")
+
+_ENV = {INSTANCES: "FERRY_QUOTA_INSTANCES", CORES: "FERRY_QUOTA_CORES", RAM: "FERRY_QUOTA_RAM"}
+
+# task_states of a server whose move holds both flavors.
+_MOVING_TASK_STATES = frozenset({states.RESIZE_PREP, states.RESIZE_MIGRATING, states.RESIZE_MIGRATED,
+                                 states.RESIZE_FINISH, states.RESIZE_REVERTING, states.RESIZE_CONFIRMING})
+
+
+def defaults() -> dict[str, int]:
+    """The limits of a project without overrides.
+
+    Raises:
+        InvalidQuotaDefault: a ``FERRY_QUOTA_*`` variable is not an integer of at least -1.
+    """
+    values = dict(NOVA_DEFAULTS)
+    for resource, variable in _ENV.items():
+        raw = os.environ.get(variable)
+        if raw in (None, ""):
+            continue
+        try:
+            value = int(raw)
+        except ValueError as exc:
+            raise errors.InvalidQuotaDefault(f"{variable} must be an integer, not {raw!r}.") from exc
+        if value < UNLIMITED:
+            raise errors.InvalidQuotaDefault(f"{variable} must be -1 (unlimited) or more, not {value}.")
+        values[resource] = value
+    return values
+
+
+def limits(project_id: str) -> dict[str, int]:
+    """The project's limit for every resource (overrides over defaults)."""
+    values = defaults()
+    with api_session() as session:
+        for row in session.scalars(select(Quota).where(Quota.project_id == project_id)):
+            if row.resource in values:
+                values[row.resource] = row.hard_limit
+    return values
+
+
+def _flavor_usage(flavor: Mapping[str, object] | None) -> tuple[int, int]:
+    if not flavor:
+        return 0, 0
+    return int(flavor.get("vcpus") or 0), int(flavor.get("memory_mb") or 0)  # type: ignore[call-overload]
+
+
+def instance_usage(instance: Instance) -> tuple[int, int]:
+    """The (cores, ram) a server counts: the larger of old and new flavor while it is moving."""
+    cores, ram = _flavor_usage(instance.flavor)
+    moving = instance.vm_state == states.RESIZED or instance.task_state in _MOVING_TASK_STATES
+    if moving:
+        for other in (instance.old_flavor, instance.new_flavor):
+            other_cores, other_ram = _flavor_usage(other)
+            cores, ram = max(cores, other_cores), max(ram, other_ram)
+    return cores, ram
+
+
+def usage(project_id: str) -> dict[str, int]:
+    """What the project's servers use now: ``{"instances", "cores", "ram"}``."""
+    used = {INSTANCES: 0, CORES: 0, RAM: 0}
+    with api_session() as session:
+        unscheduled = list(session.scalars(select(InstanceMapping.instance_uuid).where(
+            InstanceMapping.project_id == project_id, InstanceMapping.cell_id.is_(None),
+            InstanceMapping.queued_for_delete.is_(False))))
+        if unscheduled:
+            for build in session.scalars(select(BuildRequest).where(BuildRequest.instance_uuid.in_(unscheduled))):
+                cores, ram = _flavor_usage(build.instance.get("flavor"))
+                used[INSTANCES] += 1
+                used[CORES] += cores
+                used[RAM] += ram
+    for cell in all_cells():
+        with cell_session(cell) as session:
+            for instance in session.scalars(select(Instance).where(
+                    Instance.project_id == project_id, Instance.deleted.is_(False), Instance.hidden.is_(False))):
+                cores, ram = instance_usage(instance)
+                used[INSTANCES] += 1
+                used[CORES] += cores
+                used[RAM] += ram
+    return used
+
+
+@dataclass(frozen=True)
+class Headroom:
+    """One resource's limit and use at the time of a check."""
+
+    resource: str
+    limit: int
+    used: int
+    requested: int
+
+    @property
+    def over(self) -> bool:
+        return self.limit != UNLIMITED and self.used + self.requested > self.limit
+
+
+def over_quota_message(overs: Iterable[Headroom]) -> str:
+    """Nova's message: ``Quota exceeded for cores: Requested 4, but already used 18 of 20 cores``."""
+    items = sorted(overs, key=lambda h: h.resource)
+
+    def joined(values: Iterable[object]) -> str:
+        return ", ".join(str(v) for v in values)
+
+    names = joined(h.resource for h in items)
+    return (f"Quota exceeded for {names}: Requested {joined(h.requested for h in items)}, "
+            f"but already used {joined(h.used for h in items)} of {joined(h.limit for h in items)} {names}")
+
+
+def _overs(project_id: str, wanted: Mapping[str, int]) -> list[Headroom]:
+    project_limits = limits(project_id)
+    if all(project_limits[r] == UNLIMITED for r in wanted):
+        return []
+    used = usage(project_id)
+    return [h for h in (Headroom(r, project_limits[r], used[r], n) for r, n in wanted.items()) if h.over]
+
+
+def check(project_id: str, deltas: Mapping[str, int]) -> None:
+    """Refuse a request that would take the project over a limit.
+
+    Params:
+        deltas: what the request adds, per counted resource (zero or negative entries are
+            not checked: a request that frees a resource never fails on it).
+
+    Raises:
+        OverQuota: some requested resource would exceed its limit (403 with Nova's message).
+    """
+    wanted = {r: int(deltas[r]) for r in COUNTED if int(deltas.get(r, 0)) > 0}
+    if not wanted:
+        return
+    overs = _overs(project_id, wanted)
+    if overs:
+        raise errors.OverQuota(over_quota_message(overs), project_id=project_id)
+
+
+def recheck(project_id: str, deltas: Mapping[str, int]) -> None:
+    """After writing what ``deltas`` asked for: refuse when a concurrent request took the room.
+
+    The records written already count, so this checks the same resources with nothing more
+    requested; the message still names what the request asked for.
+
+    Raises:
+        OverQuota: a requested resource is now over its limit (the caller undoes its writes).
+    """
+    wanted = {r: int(deltas[r]) for r in COUNTED if int(deltas.get(r, 0)) > 0}
+    if not wanted:
+        return
+    overs = _overs(project_id, dict.fromkeys(wanted, 0))
+    if overs:
+        shown = [Headroom(h.resource, h.limit, h.used - wanted[h.resource], wanted[h.resource]) for h in overs]
+        raise errors.OverQuota(over_quota_message(shown), project_id=project_id)
+
+
+def update(project_id: str, values: Mapping[str, int], *, force: bool = False) -> dict[str, int]:
+    """Set limits for a project; returns its limits afterwards.
+
+    Params:
+        values: resource → limit (``-1`` unlimited); unknown resources are refused.
+        force: allow a counted limit below what the project uses now (Nova's ``force``).
+
+    Raises:
+        BadRequest: an unknown resource, a limit below -1, or (without ``force``) a counted
+            limit below the current usage.
+    """
+    unknown = sorted(set(values) - set(RESOURCES))
+    if unknown:
+        raise errors.BadRequest(f"Bad key(s) {', '.join(unknown)} in quota_set")
+    for resource, limit in values.items():
+        if int(limit) < UNLIMITED:
+            raise errors.BadRequest(f"Quota limit {limit} for {resource} must be -1 or greater.")
+    if not force and any(r in values and int(values[r]) != UNLIMITED for r in COUNTED):
+        used = usage(project_id)
+        for resource in COUNTED:
+            wanted = values.get(resource)
+            if wanted is not None and int(wanted) != UNLIMITED and int(wanted) < used[resource]:
+                raise errors.BadRequest(f"Quota limit {wanted} for {resource} must be greater than or equal to "
+                                        f"already used and reserved {used[resource]}.")
+    with api_session() as session:
+        existing = {row.resource: row for row in session.scalars(select(Quota).where(Quota.project_id == project_id))}
+        for resource, limit in values.items():
+            row = existing.get(resource)
+            if row is None:
+                session.add(Quota(project_id=project_id, resource=resource, hard_limit=int(limit)))
+            else:
+                row.hard_limit = int(limit)
+    return limits(project_id)
+
+
+def reset(project_id: str) -> None:
+    """Drop a project's overrides (it gets the defaults again)."""
+    with api_session() as session:
+        for row in session.scalars(select(Quota).where(Quota.project_id == project_id)):
+            session.delete(row)

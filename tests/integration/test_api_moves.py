@@ -1,0 +1,777 @@
+"""Resize, cold migrate, confirm and revert through the real API handler (SQLite and PostgreSQL).
+
+The state machines are dummies: these tests check what the API writes before a workflow
+runs, which execution it starts with which input, and that a refused request changes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from sqlalchemy import select, update
+from test_api_servers import instance, schedule
+from test_api_support import (
+    ADMIN,
+    ALICE,
+    BOB,
+    PASS_DEFINITION,
+    ROLE_ARN,
+    Caller,
+    add_host,
+    call,
+    create_server,
+    flavor_named,
+    mocked_cloud,
+)
+
+from ferry import config, errors, quotas
+from ferry.compute import api as compute_api
+from ferry.compute import moves, states
+from ferry.store import setup
+from ferry.store.api_models import Flavor, RequestSpec
+from ferry.store.cell_models import BlockDeviceMapping, Instance, InstanceAction, Migration
+from ferry.store.db import api_session, cell_session
+
+MOVE_WORKFLOWS = {"resize": "RESIZE", "confirm_resize": "CONFIRM_RESIZE", "revert_resize": "REVERT_RESIZE"}
+
+
+def start_move_cloud(cloud: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Add the move state machines, hosts host1/host2 in cell1 and host3 in cell2, and more flavors."""
+    for workflow, env in MOVE_WORKFLOWS.items():
+        arn = cloud.sfn.create_state_machine(name=f"ferry-test-{workflow}", definition=PASS_DEFINITION,
+                                             roleArn=ROLE_ARN)["stateMachineArn"]
+        monkeypatch.setenv(f"FERRY_{env}_STATE_MACHINE_ARN", arn)
+        cloud.state_machines[workflow] = arn
+    config.reset()
+    for host, cell in (("host1", "cell1"), ("host2", "cell1"), ("host3", "cell2")):
+        add_host(host, cell)
+        setup.map_host(host, cell)
+    compute_api.create_flavor(name="m1.large", vcpus=4, memory_mb=4096, root_gb=4, flavorid="3")
+    compute_api.create_flavor(name="m1.tiny-disk", vcpus=2, memory_mb=1024, root_gb=0, flavorid="zero")
+    compute_api.create_flavor(name="m1.nano", vcpus=1, memory_mb=256, root_gb=0, flavorid="nano")
+    compute_api.create_flavor(name="m1.private", vcpus=2, memory_mb=1024, root_gb=2, flavorid="private",
+                              is_public=False)
+    return cloud
+
+
+@pytest.fixture
+def cloud(store, monkeypatch, tmp_path):
+    for mocked in mocked_cloud(monkeypatch, tmp_path):
+        yield start_move_cloud(mocked, monkeypatch)
+
+
+def action(server_id: str, body: dict[str, Any], *, caller: Caller = ALICE, version: str = "2.90"):
+    return call("POST", f"/v2.1/servers/{server_id}/action", caller=caller, body=body, version=version)
+
+
+def active_server(caller: Caller = ALICE, *, vm_state: str = states.ACTIVE, **server: Any) -> str:
+    server_id = create_server(caller, **server)
+    schedule(server_id, vm_state=vm_state,
+             power_state=states.SHUTDOWN if vm_state == states.STOPPED else states.RUNNING)
+    return server_id
+
+
+def set_instance(server_id: str, **values: Any) -> None:
+    with cell_session("cell1") as session:
+        session.execute(update(Instance).where(Instance.uuid == server_id).values(**values))
+
+
+def migrations_of(server_id: str, cell: str = "cell1") -> list[Migration]:
+    with cell_session(cell) as session:
+        return list(session.scalars(select(Migration).where(Migration.instance_uuid == server_id)
+                                    .order_by(Migration.id)))
+
+
+def actions_of(server_id: str) -> list[InstanceAction]:
+    with cell_session("cell1") as session:
+        return list(session.scalars(select(InstanceAction).where(InstanceAction.instance_uuid == server_id)
+                                    .order_by(InstanceAction.id)))
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What a refused request must leave as it was."""
+
+    instance: tuple
+    migrations: tuple
+    actions: tuple
+    executions: int
+
+
+def snapshot(cloud: Any, server_id: str) -> Snapshot:
+    row = instance(server_id)
+    return Snapshot(
+        instance=(row.vm_state, row.task_state, row.flavor, row.old_flavor, row.new_flavor, row.old_vm_state,
+                  row.host, row.node),
+        migrations=tuple((m.uuid, m.status) for m in migrations_of(server_id)),
+        actions=tuple((a.action, a.request_id) for a in actions_of(server_id)),
+        executions=sum(len(cloud.executions(w)) for w in MOVE_WORKFLOWS))
+
+
+def snapshot_of(name: str) -> dict[str, Any]:
+    flavor = flavor_named(name)
+    assert flavor is not None
+    return compute_api.flavor_snapshot(flavor)
+
+
+def resized_server(caller: Caller = ALICE, *, status: str = moves.FINISHED,
+                   old_vm_state: str = states.ACTIVE) -> tuple[str, str]:
+    """A server in VERIFY_RESIZE from m1.small on host1 to m1.medium on host2; returns (server, migration)."""
+    server_id = active_server(caller)
+    old, new = snapshot_of("m1.small"), snapshot_of("m1.medium")
+    set_instance(server_id, old_flavor=old, new_flavor=new, flavor=new, vm_state=states.RESIZED,
+                 old_vm_state=old_vm_state, host="host2", node="host2")
+    with cell_session("cell1") as session:
+        migration = Migration(instance_uuid=server_id, source_compute="host1", source_node="host1",
+                              dest_compute="host2", dest_node="host2", dest_host="host2", status=status,
+                              migration_type=moves.RESIZE, old_instance_type_id=old["id"],
+                              new_instance_type_id=new["id"], user_id=caller.user_id,
+                              project_id=caller.project_id)
+        session.add(migration)
+        session.flush()
+        return server_id, migration.uuid
+
+
+def write_policy(tmp_path, monkeypatch, rules: dict[str, str]) -> None:
+    path = tmp_path / "policy.yaml"
+    path.write_text("".join(f'"{name}": "{rule}"\n' for name, rule in rules.items()))
+    monkeypatch.setenv("FERRY_POLICY_FILE", str(path))
+    config.reset()
+
+
+# --- resize: accepted --------------------------------------------------------------------------------
+
+
+def test_resize_writes_the_move_contract_and_starts_the_resize_workflow(cloud):
+    server_id = active_server()
+
+    response = action(server_id, {"resize": {"flavorRef": "2", "OS-DCF:diskConfig": "AUTO"}})
+
+    assert (response.status, response.body) == (202, None)
+    request_id = response.header("x-openstack-request-id")
+    row = instance(server_id)
+    assert (row.vm_state, row.task_state, row.old_vm_state) == (states.ACTIVE, states.RESIZE_PREP, states.ACTIVE)
+    assert row.flavor == snapshot_of("m1.small") and row.old_flavor == snapshot_of("m1.small")
+    assert row.new_flavor == snapshot_of("m1.medium")
+    [migration] = migrations_of(server_id)
+    assert (migration.status, migration.migration_type) == ("pre-migrating", "resize")
+    assert (migration.source_compute, migration.source_node, migration.dest_compute, migration.dest_node) == \
+        ("host1", "host1", None, None)
+    assert (migration.old_instance_type_id, migration.new_instance_type_id) == \
+        (flavor_named("m1.small").id, flavor_named("m1.medium").id)
+    assert (migration.user_id, migration.project_id) == ("alice", "project-a")
+    assert [(a.action, a.request_id, a.user_id, a.project_id) for a in actions_of(server_id)] == \
+        [("resize", request_id, "alice", "project-a")]
+    [execution] = cloud.executions("resize")
+    assert execution["name"] == f"resize-{server_id}-{migration.uuid[:8]}"
+    assert execution["input"] == {
+        "instance_uuid": server_id, "migration_uuid": migration.uuid, "cell": "cell1", "request_id": request_id,
+        "requested_host": None, "user_id": "alice", "project_id": "project-a", "execution_name": execution["name"]}
+    with api_session() as session:
+        spec = session.scalars(select(RequestSpec).where(RequestSpec.instance_uuid == server_id)).one().spec
+    assert spec["allow_cross_cell_move"] is False
+
+
+def test_a_resizing_server_shows_resize_status_and_its_current_flavor(cloud):
+    server_id = active_server()
+    assert action(server_id, {"resize": {"flavorRef": "2"}}).status == 202
+
+    shown = call("GET", f"/v2.1/servers/{server_id}", version="2.90").body["server"]
+
+    assert (shown["status"], shown["OS-EXT-STS:task_state"], shown["OS-EXT-STS:vm_state"]) == \
+        ("RESIZE", "resize_prep", "active")
+    assert shown["flavor"]["original_name"] == "m1.small"
+
+
+@pytest.mark.parametrize(("vm_state", "task_state", "status"), [
+    (states.ACTIVE, states.RESIZE_MIGRATING, "RESIZE"),
+    (states.ACTIVE, states.RESIZE_FINISH, "RESIZE"),
+    (states.RESIZED, None, "VERIFY_RESIZE"),
+    (states.RESIZED, states.RESIZE_REVERTING, "REVERT_RESIZE"),
+])
+def test_server_status_follows_the_resize_states(cloud, vm_state, task_state, status):
+    server_id = active_server()
+    set_instance(server_id, vm_state=vm_state, task_state=task_state, power_state=states.SHUTDOWN)
+
+    shown = call("GET", f"/v2.1/servers/{server_id}", version="2.90").body["server"]
+
+    assert (shown["status"], shown["OS-EXT-STS:vm_state"], shown["OS-EXT-STS:task_state"],
+            shown["OS-EXT-STS:power_state"]) == (status, vm_state, task_state, states.SHUTDOWN)
+
+
+def test_resize_of_a_stopped_server_remembers_it_was_stopped(cloud):
+    server_id = active_server(vm_state=states.STOPPED)
+
+    assert action(server_id, {"resize": {"flavorRef": 2}}).status == 202
+
+    row = instance(server_id)
+    assert (row.vm_state, row.task_state, row.old_vm_state) == (states.STOPPED, states.RESIZE_PREP, states.STOPPED)
+
+
+def test_resize_accepts_a_flavor_href_and_admins_may_use_private_flavors(cloud):
+    server_id = active_server()
+
+    response = action(server_id, {"resize": {"flavorRef": "https://x/v2.1/flavors/private"}}, caller=ADMIN)
+
+    assert response.status == 202
+    assert instance(server_id).new_flavor["name"] == "m1.private"
+
+
+def test_volume_backed_server_may_resize_to_a_zero_disk_flavor(cloud):
+    server_id = active_server()
+    set_instance(server_id, image_ref="")
+    with cell_session("cell1") as session:
+        session.add(BlockDeviceMapping(instance_uuid=server_id, source_type="volume", destination_type="volume",
+                                       boot_index=0, volume_id="vol-1"))
+
+    assert action(server_id, {"resize": {"flavorRef": "zero"}}).status == 202
+
+
+# --- resize: refused, nothing changed -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ({"resize": {"flavorRef": "no-such-flavor"}}, "Unable to locate requested flavor."),
+    ({"resize": {"flavorRef": "private"}}, "Unable to locate requested flavor."),
+    ({"resize": {"flavorRef": "disabled"}}, "Unable to locate requested flavor."),
+    ({"resize": {"flavorRef": None}}, "Invalid input for field/attribute resize/flavorRef"),
+    ({"resize": {"flavorRef": ""}}, "Invalid input for field/attribute resize/flavorRef"),
+    ({"resize": {}}, "'flavorRef' is a required property"),
+    ({"resize": {"flavorRef": "2", "extra": 1}}, "Additional properties are not allowed"),
+    ({"resize": {"flavorRef": "2", "OS-DCF:diskConfig": "SIDEWAYS"}}, "OS-DCF:diskConfig"),
+    ({"resize": None}, "Invalid input for field/attribute resize"),
+    ({"resize": {"flavorRef": "1"}}, "When resizing, instances must change flavor!"),
+    ({"resize": {"flavorRef": "nano"}},
+     "Server disk was unable to be resized because: Resize to zero disk flavor is not allowed."),
+])
+def test_bad_resize_requests_are_400_and_change_nothing(cloud, body, message):
+    with api_session() as session:
+        session.add(Flavor(flavorid="disabled", name="m1.disabled", vcpus=2, memory_mb=1024, root_gb=2,
+                           disabled=True))
+    server_id = active_server()
+    before = snapshot(cloud, server_id)
+
+    response = action(server_id, body)
+
+    assert response.status == 400, response.body
+    assert message in response.body["badRequest"]["message"]
+    assert snapshot(cloud, server_id) == before
+
+
+def test_resize_refuses_to_shrink_the_root_disk(cloud):
+    server_id = create_server(flavorRef="3")
+    schedule(server_id)
+    before = snapshot(cloud, server_id)
+
+    response = action(server_id, {"resize": {"flavorRef": "2"}})
+
+    assert response.status == 400
+    assert "the root disk cannot shrink (flavor m1.large has 4 GB, m1.medium 2 GB)" in \
+        response.body["badRequest"]["message"]
+    assert snapshot(cloud, server_id) == before
+
+
+def test_resize_of_someone_elses_or_an_unknown_server_is_404(cloud):
+    server_id = active_server()
+    before = snapshot(cloud, server_id)
+
+    other = action(server_id, {"resize": {"flavorRef": "2"}}, caller=BOB)
+    unknown = action("00000000-0000-4000-8000-000000000000", {"resize": {"flavorRef": "2"}})
+
+    assert (other.status, unknown.status) == (404, 404)
+    assert other.body["itemNotFound"]["message"] == f"Instance {server_id} could not be found."
+    assert snapshot(cloud, server_id) == before
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"vm_state": states.SUSPENDED}, "while it is in vm_state suspended"),
+    ({"vm_state": states.ERROR}, "while it is in vm_state error"),
+    ({"vm_state": states.RESIZED}, "while it is in vm_state resized"),
+    ({"task_state": states.POWERING_OFF}, "while it is in task_state powering-off"),
+    ({"task_state": states.RESIZE_MIGRATING}, "while it is in task_state resize_migrating"),
+    ({"locked": True}, "is locked"),
+])
+def test_resize_in_the_wrong_state_is_409_and_changes_nothing(cloud, values, message):
+    server_id = active_server()
+    set_instance(server_id, **values)
+    before = snapshot(cloud, server_id)
+
+    response = action(server_id, {"resize": {"flavorRef": "2"}})
+
+    assert response.status == 409
+    assert message in response.body["conflictingRequest"]["message"]
+    assert snapshot(cloud, server_id) == before
+
+
+def test_resize_from_a_down_host_is_409(cloud):
+    add_host("host-down", up=False)
+    server_id = active_server()
+    set_instance(server_id, host="host-down", node="host-down")
+    before = snapshot(cloud, server_id)
+
+    response = action(server_id, {"resize": {"flavorRef": "2"}})
+
+    assert response.status == 409
+    assert "Service is unavailable at this time" in response.body["conflictingRequest"]["message"]
+    assert snapshot(cloud, server_id) == before
+
+
+def test_an_admin_may_resize_a_locked_server(cloud):
+    server_id = active_server()
+    set_instance(server_id, locked=True)
+
+    assert action(server_id, {"resize": {"flavorRef": "2"}}, caller=ADMIN).status == 202
+
+
+def test_a_second_move_while_the_first_is_pending_is_409(cloud):
+    server_id = active_server()
+
+    first = action(server_id, {"resize": {"flavorRef": "2"}})
+    second = action(server_id, {"resize": {"flavorRef": "3"}})
+    third = action(server_id, {"migrate": None}, caller=ADMIN)
+
+    assert (first.status, second.status, third.status) == (202, 409, 409)
+    assert "task_state resize_prep" in second.body["conflictingRequest"]["message"]
+    assert len(migrations_of(server_id)) == 1 and len(cloud.executions("resize")) == 1
+    assert instance(server_id).new_flavor["name"] == "m1.medium"
+
+
+def test_a_move_that_loses_the_compare_and_swap_is_409_and_writes_nothing(cloud, monkeypatch):
+    server_id = active_server()
+    original = moves.quotas.check
+
+    def busy_meanwhile(project_id, deltas):
+        original(project_id, deltas)
+        set_instance(server_id, task_state=states.POWERING_OFF)  # another request won the race
+
+    monkeypatch.setattr(moves.quotas, "check", busy_meanwhile)
+
+    response = action(server_id, {"resize": {"flavorRef": "2"}})
+
+    assert response.status == 409
+    assert migrations_of(server_id) == [] and actions_of(server_id) == []
+    assert cloud.executions("resize") == []
+
+
+def test_resize_policy_comes_from_the_policy_file(cloud, tmp_path, monkeypatch):
+    server_id = active_server()
+    write_policy(tmp_path, monkeypatch, {"os_compute_api:servers:resize": "admin"})
+    before = snapshot(cloud, server_id)
+
+    refused = action(server_id, {"resize": {"flavorRef": "2"}})
+
+    assert refused.status == 403
+    assert refused.body["forbidden"]["message"] == "Policy doesn't allow os_compute_api:servers:resize to be performed."
+    assert snapshot(cloud, server_id) == before
+    assert action(server_id, {"resize": {"flavorRef": "2"}}, caller=ADMIN).status == 202
+
+
+def test_a_resize_workflow_that_cannot_start_is_undone(cloud, monkeypatch):
+    server_id = active_server()
+    monkeypatch.setenv("FERRY_RESIZE_STATE_MACHINE_ARN", "")
+    config.reset()
+
+    response = action(server_id, {"resize": {"flavorRef": "2"}})
+
+    assert response.status == 500
+    row = instance(server_id)
+    assert (row.task_state, row.old_flavor, row.new_flavor, row.old_vm_state) == (None, None, None, None)
+    assert [m.status for m in migrations_of(server_id)] == ["error"]
+    assert actions_of(server_id) == []
+    assert call("GET", f"/v2.1/servers/{server_id}").body["server"]["status"] == "ACTIVE"
+
+
+def test_cross_cell_choice_follows_the_callers_policy(cloud, tmp_path, monkeypatch):
+    write_policy(tmp_path, monkeypatch, {"compute:servers:resize:cross_cell": "admin_or_owner"})
+    server_id = active_server()
+
+    assert action(server_id, {"resize": {"flavorRef": "2"}}).status == 202
+
+    with api_session() as session:
+        spec = session.scalars(select(RequestSpec).where(RequestSpec.instance_uuid == server_id)).one().spec
+    assert spec["allow_cross_cell_move"] is True
+
+
+# --- quota on resize --------------------------------------------------------------------------------
+
+
+def test_an_upsize_over_quota_is_403_and_changes_nothing(cloud):
+    server_id = active_server()  # 1 core
+    quotas.update("project-a", {"cores": 3})
+    other = active_server()  # 2 cores used
+    before = snapshot(cloud, server_id)
+
+    response = action(server_id, {"resize": {"flavorRef": "3"}})  # +3 cores
+
+    assert response.status == 403
+    assert response.body["forbidden"]["message"] == \
+        "Quota exceeded for cores: Requested 3, but already used 2 of 3 cores"
+    assert snapshot(cloud, server_id) == before
+    assert instance(other).task_state is None
+
+
+def test_an_upsize_over_cores_and_ram_names_both(cloud):
+    server_id = active_server()
+    quotas.update("project-a", {"cores": 2, "ram": 1024})
+
+    response = action(server_id, {"resize": {"flavorRef": "3"}})
+
+    assert response.status == 403
+    assert response.body["forbidden"]["message"] == \
+        "Quota exceeded for cores, ram: Requested 3, 3584, but already used 1, 512 of 2, 1024 cores, ram"
+
+
+def test_raising_the_quota_as_admin_lets_the_upsize_through(cloud):
+    server_id = active_server()
+    quotas.update("project-a", {"cores": 1})
+    assert action(server_id, {"resize": {"flavorRef": "2"}}).status == 403
+
+    raised = call("PUT", "/v2.1/os-quota-sets/project-a", caller=ADMIN, body={"quota_set": {"cores": 4}})
+
+    assert raised.status == 200 and raised.body["quota_set"]["cores"] == 4
+    assert action(server_id, {"resize": {"flavorRef": "2"}}).status == 202
+
+
+def test_a_downsize_needs_no_quota(cloud):
+    server_id = create_server(flavorRef="2")
+    schedule(server_id)
+    quotas.update("project-a", {"cores": 1, "ram": 512}, force=True)  # already over
+
+    assert action(server_id, {"resize": {"flavorRef": "3"}}).status == 403
+    set_instance(server_id, flavor=snapshot_of("m1.tiny-disk"))
+    assert action(server_id, {"resize": {"flavorRef": "1"}}).status == 202
+
+
+def test_a_concurrent_request_that_took_the_quota_undoes_the_resize(cloud, monkeypatch):
+    server_id = active_server()
+    quotas.update("project-a", {"cores": 2})
+    original = moves.quotas.check
+
+    def other_server_appears(project_id, deltas):
+        original(project_id, deltas)
+        with cell_session("cell1") as session:  # another boot took the last core meanwhile
+            session.add(Instance(display_name="racer", project_id="project-a", user_id="alice",
+                                 flavor=snapshot_of("m1.small"), vm_state=states.ACTIVE, host="host1"))
+
+    monkeypatch.setattr(moves.quotas, "check", other_server_appears)
+
+    response = action(server_id, {"resize": {"flavorRef": "2"}})
+
+    assert response.status == 403
+    assert response.body["forbidden"]["message"].startswith("Quota exceeded for cores: Requested 1")
+    assert migrations_of(server_id) == [] and actions_of(server_id) == []
+    assert instance(server_id).task_state is None and cloud.executions("resize") == []
+
+
+# --- migrate --------------------------------------------------------------------------------------
+
+
+def test_migrate_is_for_admins_by_default(cloud):
+    server_id = active_server()
+    before = snapshot(cloud, server_id)
+
+    response = action(server_id, {"migrate": None})
+
+    assert response.status == 403
+    assert "os_compute_api:os-migrate-server:migrate" in response.body["forbidden"]["message"]
+    assert snapshot(cloud, server_id) == before
+
+
+def test_migrate_keeps_the_flavor_and_starts_the_resize_workflow(cloud):
+    server_id = active_server()
+
+    response = action(server_id, {"migrate": None}, caller=ADMIN)
+
+    assert (response.status, response.body) == (202, None)
+    row = instance(server_id)
+    assert row.task_state == states.RESIZE_PREP
+    assert row.old_flavor == row.new_flavor == row.flavor == snapshot_of("m1.small")
+    [migration] = migrations_of(server_id)
+    assert (migration.migration_type, migration.status) == ("migration", "pre-migrating")
+    assert migration.old_instance_type_id == migration.new_instance_type_id == flavor_named("m1.small").id
+    assert (migration.user_id, migration.project_id) == ("root", "admin-project")
+    assert [a.action for a in actions_of(server_id)] == ["migrate"]
+    [execution] = cloud.executions("resize")
+    assert execution["name"] == f"resize-{server_id}-{migration.uuid[:8]}"
+    assert execution["input"]["requested_host"] is None
+
+
+def test_migrate_to_a_named_host_from_2_56(cloud):
+    server_id = active_server()
+
+    response = action(server_id, {"migrate": {"host": "host3"}}, caller=ADMIN, version="2.56")
+
+    assert response.status == 202
+    [execution] = cloud.executions("resize")
+    assert execution["input"]["requested_host"] == "host3"
+
+
+def test_migrate_host_is_ignored_below_2_56(cloud):
+    server_id = active_server()
+
+    response = action(server_id, {"migrate": {"host": "no-such-host", "whatever": 1}}, caller=ADMIN,
+                      version="2.55")
+
+    assert response.status == 202
+    [execution] = cloud.executions("resize")
+    assert execution["input"]["requested_host"] is None
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ({"migrate": {"host": "no-such-host"}}, "Compute host no-such-host could not be found."),
+    ({"migrate": {"host": "host1"}}, "Cannot migrate to the host where the server exists."),
+    ({"migrate": {"host": "host2", "extra": True}}, "Additional properties are not allowed"),
+    ({"migrate": {"host": ""}}, "Invalid input for field/attribute migrate/host"),
+    ({"migrate": "host2"}, "Invalid input for field/attribute migrate"),
+])
+def test_bad_migrate_requests_are_400_and_change_nothing(cloud, body, message):
+    server_id = active_server()
+    before = snapshot(cloud, server_id)
+
+    response = action(server_id, body, caller=ADMIN, version="2.56")
+
+    assert response.status == 400, response.body
+    assert message in response.body["badRequest"]["message"]
+    assert snapshot(cloud, server_id) == before
+
+
+def test_migrate_with_a_null_host_lets_the_scheduler_choose(cloud):
+    server_id = active_server()
+
+    assert action(server_id, {"migrate": {"host": None}}, caller=ADMIN, version="2.56").status == 202
+    assert cloud.executions("resize")[0]["input"]["requested_host"] is None
+
+
+def test_naming_a_host_needs_its_own_policy(cloud, tmp_path, monkeypatch):
+    write_policy(tmp_path, monkeypatch, {"os_compute_api:os-migrate-server:migrate": "admin_or_owner"})
+    server_id = active_server()
+    before = snapshot(cloud, server_id)
+
+    targeted = action(server_id, {"migrate": {"host": "host2"}}, version="2.56")
+
+    assert targeted.status == 403
+    assert "os_compute_api:os-migrate-server:migrate:host" in targeted.body["forbidden"]["message"]
+    assert snapshot(cloud, server_id) == before
+    assert action(server_id, {"migrate": None}).status == 202
+
+
+def test_migrate_from_a_down_host_or_in_the_wrong_state_is_409(cloud):
+    add_host("host-down", up=False)
+    down, busy = active_server(), active_server()
+    set_instance(down, host="host-down", node="host-down")
+    with cell_session("cell1") as session:
+        session.execute(update(Instance).where(Instance.uuid == busy).values(task_state=states.POWERING_ON))
+
+    assert action(down, {"migrate": None}, caller=ADMIN).status == 409
+    assert action(busy, {"migrate": None}, caller=ADMIN).status == 409
+    assert migrations_of(down) == migrations_of(busy) == []
+
+
+def test_migrate_of_an_unknown_server_is_404(cloud):
+    response = action("00000000-0000-4000-8000-000000000000", {"migrate": None}, caller=ADMIN)
+
+    assert response.status == 404
+
+
+def test_a_server_still_building_cannot_move(cloud):
+    server_id = create_server()
+
+    response = action(server_id, {"resize": {"flavorRef": "2"}})
+
+    assert response.status == 409
+    assert "vm_state building" in response.body["conflictingRequest"]["message"]
+
+
+# --- confirm --------------------------------------------------------------------------------------
+
+
+def test_confirm_answers_204_and_starts_the_confirm_workflow(cloud):
+    server_id, migration_uuid = resized_server()
+
+    response = action(server_id, {"confirmResize": None})
+
+    assert (response.status, response.body) == (204, None)
+    request_id = response.header("x-openstack-request-id")
+    assert migrations_of(server_id)[0].status == "confirming"
+    row = instance(server_id)
+    assert (row.vm_state, row.task_state) == (states.RESIZED, None)
+    assert [(a.action, a.request_id) for a in actions_of(server_id)] == [("confirmResize", request_id)]
+    [execution] = cloud.executions("confirm_resize")
+    assert execution["name"] == f"confirm-{server_id}-{migration_uuid[:8]}"
+    assert execution["input"] == {"instance_uuid": server_id, "migration_uuid": migration_uuid, "cell": "cell1",
+                                  "request_id": request_id, "execution_name": execution["name"]}
+
+
+def test_confirm_of_a_server_that_was_not_resized_is_400(cloud):
+    server_id = active_server()
+    before = snapshot(cloud, server_id)
+
+    response = action(server_id, {"confirmResize": None})
+
+    assert response.status == 400
+    assert response.body["badRequest"]["message"] == "Instance has not been resized."
+    assert snapshot(cloud, server_id) == before
+
+
+def test_confirm_without_a_finished_migration_is_400(cloud):
+    server_id, _ = resized_server(status=moves.ERROR)
+    before = snapshot(cloud, server_id)
+
+    response = action(server_id, {"confirmResize": None})
+
+    assert response.status == 400
+    assert snapshot(cloud, server_id) == before
+
+
+@pytest.mark.parametrize("body", [{"confirmResize": None}, {"revertResize": None}])
+def test_confirm_or_revert_during_the_resize_is_409(cloud, body):
+    server_id = active_server()
+    assert action(server_id, {"resize": {"flavorRef": "2"}}).status == 202
+    before = snapshot(cloud, server_id)
+
+    response = action(server_id, body)
+
+    assert response.status == 409
+    assert "task_state resize_prep" in response.body["conflictingRequest"]["message"]
+    assert snapshot(cloud, server_id) == before
+
+
+@pytest.mark.parametrize(("first", "second"), [
+    ("confirmResize", "confirmResize"), ("confirmResize", "revertResize"),
+    ("revertResize", "confirmResize"), ("revertResize", "revertResize"),
+])
+def test_a_second_confirm_or_revert_loses_with_409(cloud, first, second):
+    server_id, migration_uuid = resized_server()
+    assert action(server_id, {first: None}).status in (202, 204)
+    before = snapshot(cloud, server_id)
+
+    response = action(server_id, {second: None})
+
+    assert response.status == 409
+    assert snapshot(cloud, server_id) == before
+
+
+def test_confirm_of_a_locked_server_is_409_for_members(cloud):
+    server_id, _ = resized_server()
+    set_instance(server_id, locked=True)
+
+    assert action(server_id, {"confirmResize": None}).status == 409
+    assert action(server_id, {"revertResize": None}).status == 409
+    assert cloud.executions("confirm_resize") == [] and cloud.executions("revert_resize") == []
+    assert action(server_id, {"confirmResize": None}, caller=ADMIN).status == 204
+
+
+def test_confirm_and_revert_are_404_for_another_project_and_follow_the_policy_file(cloud, tmp_path, monkeypatch):
+    server_id, _ = resized_server()
+    assert action(server_id, {"confirmResize": None}, caller=BOB).status == 404
+    assert action(server_id, {"revertResize": None}, caller=BOB).status == 404
+    write_policy(tmp_path, monkeypatch, {"os_compute_api:servers:confirm_resize": "admin",
+                                         "os_compute_api:servers:revert_resize": "!"})
+
+    assert action(server_id, {"confirmResize": None}).status == 403
+    assert action(server_id, {"revertResize": None}, caller=ADMIN).status == 403
+    assert migrations_of(server_id)[0].status == "finished"
+
+
+def test_confirm_body_must_be_null(cloud):
+    server_id, _ = resized_server()
+
+    response = action(server_id, {"confirmResize": {"now": True}})
+
+    assert response.status == 400
+    assert migrations_of(server_id)[0].status == "finished"
+
+
+def test_a_confirm_workflow_that_cannot_start_is_undone(cloud, monkeypatch):
+    server_id, _ = resized_server()
+    monkeypatch.setenv("FERRY_CONFIRM_RESIZE_STATE_MACHINE_ARN", "")
+    config.reset()
+
+    assert action(server_id, {"confirmResize": None}).status == 500
+
+    assert migrations_of(server_id)[0].status == "finished"
+    assert actions_of(server_id) == []
+
+
+def test_begin_confirm_is_what_the_automatic_confirm_calls(cloud):
+    server_id, migration_uuid = resized_server()
+
+    returned = moves.begin_confirm("cell1", server_id, request_id="req-auto", user_id=None, project_id=None)
+
+    assert returned == migration_uuid
+    [action_row] = actions_of(server_id)
+    assert (action_row.action, action_row.request_id, action_row.user_id) == ("confirmResize", "req-auto", None)
+    with pytest.raises(errors.MigrationInProgress):
+        moves.begin_confirm("cell1", server_id, request_id="req-auto-2", user_id=None, project_id=None)
+
+
+# --- revert ---------------------------------------------------------------------------------------
+
+
+def test_revert_answers_202_and_starts_the_revert_workflow(cloud):
+    server_id, migration_uuid = resized_server(old_vm_state=states.STOPPED)
+
+    response = action(server_id, {"revertResize": None})
+
+    assert (response.status, response.body) == (202, None)
+    request_id = response.header("x-openstack-request-id")
+    assert migrations_of(server_id)[0].status == "reverting"
+    row = instance(server_id)
+    assert (row.vm_state, row.task_state, row.old_vm_state) == (states.RESIZED, states.RESIZE_REVERTING,
+                                                                states.STOPPED)
+    assert [(a.action, a.request_id) for a in actions_of(server_id)] == [("revertResize", request_id)]
+    [execution] = cloud.executions("revert_resize")
+    assert execution["name"] == f"revert-{server_id}-{migration_uuid[:8]}"
+    assert execution["input"] == {"instance_uuid": server_id, "migration_uuid": migration_uuid, "cell": "cell1",
+                                  "request_id": request_id, "execution_name": execution["name"]}
+    shown = call("GET", f"/v2.1/servers/{server_id}", version="2.90").body["server"]
+    assert shown["status"] == "REVERT_RESIZE"
+
+
+def test_revert_works_after_the_old_flavor_was_deleted(cloud):
+    server_id, _ = resized_server()
+    assert call("DELETE", "/v2.1/flavors/1", caller=ADMIN).status == 202
+
+    assert action(server_id, {"revertResize": None}).status == 202
+    assert instance(server_id).old_flavor["name"] == "m1.small"
+
+
+def test_revert_without_the_old_flavor_or_a_finished_migration_is_400(cloud):
+    forgotten, _ = resized_server()
+    set_instance(forgotten, old_flavor=None)
+    never = active_server()
+
+    for server_id in (forgotten, never):
+        before = snapshot(cloud, server_id)
+        response = action(server_id, {"revertResize": None})
+        assert response.status == 400, response.body
+        assert snapshot(cloud, server_id) == before
+
+
+def test_a_revert_workflow_that_cannot_start_is_undone(cloud, monkeypatch):
+    server_id, _ = resized_server()
+    monkeypatch.setenv("FERRY_REVERT_RESIZE_STATE_MACHINE_ARN", "")
+    config.reset()
+
+    assert action(server_id, {"revertResize": None}).status == 500
+
+    assert migrations_of(server_id)[0].status == "finished"
+    assert instance(server_id).task_state is None
+    assert actions_of(server_id) == []
+
+
+# --- what the NoValidHost rule means for the API ---------------------------------------------------
+
+
+def test_a_move_with_no_possible_destination_is_still_accepted(cloud):
+    """Scheduling happens in the workflow: the API accepts, the action's event will carry NoValidHost."""
+    server_id = active_server()
+    with cell_session("cell1") as session:
+        session.execute(update(moves.Service).where(moves.Service.host == "host2").values(disabled=True))
+    with cell_session("cell2") as session:
+        session.execute(update(moves.Service).where(moves.Service.host == "host3").values(disabled=True))
+
+    assert action(server_id, {"migrate": None}, caller=ADMIN).status == 202
+    assert len(cloud.executions("resize")) == 1
