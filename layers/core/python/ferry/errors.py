@@ -326,3 +326,7 @@ class VolumeNotAttached(NotFound):
 
 class VolumeOperationFailed(FerryError):
     """Attaching or detaching a volume failed; the instance action's event says why."""
+
+
+class InvalidWorkflowInput(BadRequest):
+    """An execution's input does not match the ``*.input.schema.json`` beside its state machine."""
