@@ -1,7 +1,14 @@
 """Steps of the delete workflow (``statemachine/delete.asl.json``).
 
-DestroyAtHost (host agent, skipped for a server on no host) → FinishDelete; a destroy that
-fails runs FailDelete so the owner sees ERROR with a fault and can delete again.
+FindResizeToConfirm → (a server with a resize to settle) ConfirmAtSource (host agent, skipped
+when the source host is down) → ConfirmBeforeDelete → DestroyAtHost (host agent, skipped for a
+server on no host) → FinishDelete; a step that fails runs FailDelete so the owner sees ERROR
+with a fault and can delete again.
+
+A server deleted in VERIFY_RESIZE is confirmed first, as Nova does: the source forgets the old
+guest and disks, the migration's allocation and the source's bindings and attachments go, and
+the migration is ``confirmed``. Whether there is such a migration is read from the store by the
+first step, so the compute API's delete call does not need to know.
 """
 
 from __future__ import annotations
@@ -10,14 +17,73 @@ from typing import Any
 
 from sqlalchemy import select, update
 
-from ferry import network, placement
-from ferry.compute import actions, instances, states
+from ferry import hosts, network, notifications, placement
+from ferry.compute import actions, instances, moves, states
+from ferry.observability import logger
 from ferry.store.api_models import InstanceMapping, Volume, VolumeAttachment, utcnow
-from ferry.store.cell_models import BlockDeviceMapping, Instance
+from ferry.store.cell_models import BlockDeviceMapping, Instance, Migration
 from ferry.store.db import api_session, cell_session
-from ferry.workflows import error_message
+from ferry.workflows import confirm_resize, error_message
 
 EVENT_TERMINATE = "compute_terminate_instance"
+
+# Migrations a delete settles first: awaiting confirmation or being confirmed, or left in error by
+# a failed confirm or revert while still holding their allocation.
+_TO_CONFIRM = (moves.FINISHED, moves.CONFIRMING)
+
+
+def find_resize_to_confirm(event: dict[str, Any]) -> dict[str, Any]:
+    """The server's migration a delete must confirm first, or ``{}`` when there is none.
+
+    That is its newest migration that is ``finished`` or ``confirming``, or in ``error`` while
+    still holding an allocation. Records the start of ``compute_confirm_resize`` under the delete's
+    action and sends ``instance.resize_confirm.start``.
+
+    Returns:
+        ``{"migration_uuid", "host" (the source), "queue_url" (None when the source is down: its
+        clean-up is skipped), "same_host"}`` or ``{}``.
+    """
+    uuid = event["instance_uuid"]
+    with cell_session(event["cell"]) as session:
+        candidates = session.scalars(select(Migration).where(
+            Migration.instance_uuid == uuid, Migration.deleted.is_(False),
+            Migration.status.in_((*_TO_CONFIRM, moves.ERROR))).order_by(Migration.id.desc()))
+        migration = next((m for m in candidates
+                          if m.status in _TO_CONFIRM or placement.get_allocations(m.uuid)), None)
+        if migration is None:
+            return {}
+        source = str(migration.source_compute)
+        up = confirm_resize.host_is_up(session, source)
+        actions.start_event(session, instance_uuid=uuid, request_id=event["request_id"],
+                            event=confirm_resize.EVENT_CONFIRM, host=source)
+        instance = session.scalars(select(Instance).where(Instance.uuid == uuid)).one_or_none()
+        payload = notifications.instance_payload(instance, migration_uuid=migration.uuid) if instance else None
+        found = {"migration_uuid": migration.uuid, "host": source, "same_host": source == migration.dest_compute}
+    if not up:
+        logger.warning("source host is down: its old disks stay until it is cleaned up",
+                       extra={"instance_uuid": uuid, "host": source, "migration_uuid": found["migration_uuid"]})
+    notifications.notify(notifications.RESIZE_CONFIRM_START, instance_uuid=uuid,
+                         publisher_id=notifications.compute_publisher(source), payload=payload)
+    return {**found, "queue_url": hosts.queue_url(source) if up else None}
+
+
+def confirm_before_delete(event: dict[str, Any]) -> dict[str, Any]:
+    """Drop the migration's allocation and the source's bindings and attachments; migration
+    ``confirmed`` (one left in ``error`` keeps that status). Idempotent."""
+    uuid, found = event["instance_uuid"], event["confirm"]
+    migration_uuid, source = found["migration_uuid"], found["host"]
+    confirm_resize.release_source(uuid, migration_uuid, source, found["same_host"])
+    with cell_session(event["cell"]) as session:
+        migration = confirm_resize.migration_of(session, uuid, migration_uuid)
+        if migration.status in _TO_CONFIRM:
+            migration.status = moves.CONFIRMED
+        actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"],
+                             event=confirm_resize.EVENT_CONFIRM, host=source)
+        instance = session.scalars(select(Instance).where(Instance.uuid == uuid)).one_or_none()
+        payload = notifications.instance_payload(instance, migration_uuid=migration_uuid) if instance else None
+    notifications.notify(notifications.RESIZE_CONFIRM_END, instance_uuid=uuid,
+                         publisher_id=notifications.compute_publisher(source), payload=payload)
+    return {}
 
 
 def finish_delete(event: dict[str, Any]) -> dict[str, Any]:
@@ -54,14 +120,21 @@ def finish_delete(event: dict[str, Any]) -> dict[str, Any]:
 def fail_delete(event: dict[str, Any]) -> dict[str, Any]:
     """Record a failed delete: ERROR with a fault naming the host, task cleared so delete can be retried."""
     uuid, cell = event["instance_uuid"], event["cell"]
-    error = event.get("error") or {}
+    error = event.get("error") or event.get("confirm_error") or {}
+    host, details, event_name = event.get("host"), None, EVENT_TERMINATE
+    if "confirm_error" in event:
+        found = event.get("confirm") or {}
+        host, event_name = found.get("host"), confirm_resize.EVENT_CONFIRM
+        details = (f"Confirming the resize on source host {host} failed before the server was destroyed; "
+                   f"migration {found.get('migration_uuid')} keeps its allocation and the old disks may remain "
+                   f"there. Delete the server again to retry.")
     with cell_session(cell) as session:
         instance = instances.get(session, uuid)
         if instance.task_state != states.DELETING:
             return {}
         instances.update_cas(session, uuid, {"vm_state": states.ERROR, "task_state": None},
                              expected_task_state=(states.DELETING,))
-        instances.add_fault(session, uuid, error_message(error), host=event.get("host"))
-        actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"], event=EVENT_TERMINATE,
-                             host=event.get("host"), error=error or None)
+        instances.add_fault(session, uuid, error_message(error), host=host, details=details)
+        actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"], event=event_name,
+                             host=host, error=error or None)
     return {}

@@ -1,0 +1,6 @@
+"""FinishVolumeOperation: record a done volume attach or detach and clear the task."""
+
+from ferry.handlers import step_handler
+from ferry.workflows import volume_attachment
+
+handler = step_handler(volume_attachment.finish_volume_operation, "FinishVolumeOperation")

@@ -1,0 +1,119 @@
+"""Automatic confirmation of resizes left unconfirmed (Nova's ``resize_confirm_window``).
+
+A scheduled function runs :func:`run` every minute. With ``resize_confirm_window`` (seconds,
+``FERRY_RESIZE_CONFIRM_WINDOW``) above zero it looks in every cell for migrations that have
+been ``finished`` for longer than the window and confirms each through the compute API's own
+path (:func:`ferry.compute.moves.begin_confirm`, request id ``req-auto-confirm-<migration uuid>``),
+with Nova's rules:
+
+* the instance is gone (deleted, or not in this cell) → skipped, logged;
+* the instance has a task in progress → skipped, logged (the next run looks again);
+* the instance is not in vm_state ``resized`` → the migration is set to ``error``, as Nova does;
+* otherwise the confirm is started.
+
+A failure with one migration is logged and counted and never stops the others.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from aws_lambda_powertools.metrics import MetricUnit
+from sqlalchemy import func, select
+
+from ferry import config
+from ferry.compute import moves, states
+from ferry.observability import logger, metrics
+from ferry.store.api_models import utcnow
+from ferry.store.cell_models import Instance, Migration
+from ferry.store.db import all_cells, cell_session
+
+CONFIRMED = "confirmed"
+SKIPPED = "skipped"
+ERRORED = "errored"
+FAILED = "failed"
+OUTCOMES = (CONFIRMED, SKIPPED, ERRORED, FAILED)
+
+
+@dataclass(frozen=True)
+class Unconfirmed:
+    """A migration waiting for confirmation longer than the window."""
+
+    cell: str
+    migration_uuid: str
+    instance_uuid: str
+
+
+def request_id_for(migration_uuid: str) -> str:
+    """The request id an automatic confirm is recorded under."""
+    return f"req-auto-confirm-{migration_uuid}"
+
+
+def unconfirmed(cell: str, older_than: dt.datetime) -> list[Unconfirmed]:
+    """The visible migrations of ``cell`` that are ``finished`` and unchanged since ``older_than``."""
+    changed = func.coalesce(Migration.updated_at, Migration.created_at)
+    with cell_session(cell) as session:
+        rows = session.execute(select(Migration.uuid, Migration.instance_uuid).where(
+            Migration.status == moves.FINISHED, Migration.deleted.is_(False), Migration.hidden.is_(False),
+            changed < older_than).order_by(changed, Migration.id)).all()
+    return [Unconfirmed(cell, str(row.uuid), str(row.instance_uuid)) for row in rows]
+
+
+def confirm_one(found: Unconfirmed) -> str:
+    """Apply Nova's rules to one unconfirmed migration; returns its outcome (see :data:`OUTCOMES`)."""
+    context = {"cell": found.cell, "migration_uuid": found.migration_uuid, "instance_uuid": found.instance_uuid}
+    with cell_session(found.cell) as session:
+        instance = session.scalars(select(Instance).where(Instance.uuid == found.instance_uuid,
+                                                          Instance.hidden.is_(False))).one_or_none()
+        if instance is None or instance.deleted:
+            logger.info("auto-confirm skipped: the instance is gone", extra=context)
+            return SKIPPED
+        if instance.task_state is not None:
+            logger.info("auto-confirm skipped: the instance is busy",
+                        extra={**context, "task_state": instance.task_state})
+            return SKIPPED
+        if instance.vm_state != states.RESIZED:
+            migration = session.scalars(select(Migration).where(Migration.uuid == found.migration_uuid)).one()
+            if migration.status == moves.FINISHED:
+                migration.status = moves.ERROR
+            logger.warning("auto-confirm: instance not in resized; migration set to error",
+                           extra={**context, "vm_state": instance.vm_state})
+            return ERRORED
+    moves.begin_confirm(found.cell, found.instance_uuid, request_id=request_id_for(found.migration_uuid),
+                        user_id=None, project_id=None)
+    logger.info("resize confirmed automatically", extra=context)
+    return CONFIRMED
+
+
+def run(now: dt.datetime | None = None) -> dict[str, Any]:
+    """Confirm every resize unconfirmed for longer than ``resize_confirm_window`` (0: do nothing).
+
+    Returns:
+        ``{"window": seconds, "confirmed": n, "skipped": n, "errored": n, "failed": n}``.
+    """
+    window = config.get().resize_confirm_window
+    counts: Counter[str] = Counter({outcome: 0 for outcome in OUTCOMES})
+    if window <= 0:
+        return {"window": window, **counts}
+    older_than = (now or utcnow()) - dt.timedelta(seconds=window)
+    for cell in all_cells(include_cell0=False):
+        try:
+            found = unconfirmed(cell.name, older_than)
+        except Exception:  # noqa: BLE001 - one unreachable cell must not stop the others
+            logger.exception("auto-confirm could not read a cell", extra={"cell": cell.name})
+            counts[FAILED] += 1
+            continue
+        for migration in found:
+            try:
+                counts[confirm_one(migration)] += 1
+            except Exception:  # noqa: BLE001 - each migration on its own; the next run tries again
+                logger.exception("auto-confirm failed", extra={"cell": migration.cell,
+                                                               "migration_uuid": migration.migration_uuid})
+                counts[FAILED] += 1
+    for outcome in OUTCOMES:
+        metrics.add_metric(name=f"AutoConfirm{outcome.capitalize()}", unit=MetricUnit.Count, value=counts[outcome])
+    logger.info("auto-confirm run", extra={"window": window, **counts})
+    return {"window": window, **counts}

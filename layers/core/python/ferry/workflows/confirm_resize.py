@@ -1,0 +1,317 @@
+"""Steps of the confirm workflow (``statemachine/confirm_resize.asl.json``).
+
+CheckResizeToConfirm → ConfirmAtSource (host agent: the source forgets its old guest and
+``<uuid>_resize``) → FinishConfirm (the migration's allocation, the source's port bindings and
+volume attachments go; migration ``confirmed``; ACTIVE or SHUTOFF from the power state).
+
+Failures:
+
+* the first step refuses input that does not match ``confirm_resize.input.schema.json``, or
+  records that are not those of a confirm under way, and changes nothing;
+* any other failure before the source host was asked (RestoreVerifyResize): the migration goes
+  back to ``finished``, so the server stays in VERIFY_RESIZE and the confirm can be asked again;
+* a failure at or after the source host (FailConfirm): the server is left usable where it runs,
+  on the destination with its new flavor (ACTIVE or SHUTOFF, not ERROR as Nova would), the
+  migration goes to ``error`` and keeps its allocation on the source, whose disks may still be
+  there, and the instance fault says what is left where. An operator cleans up by starting this
+  workflow again for that migration: a migration in ``error`` whose allocation is still held and
+  whose server runs on its destination is accepted, and confirmed without touching the server.
+
+The helpers :func:`release_source` and :func:`migration_of` are shared with the revert and
+delete workflows.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from ferry import errors, hosts, network, notifications, placement, volumes
+from ferry.compute import actions, instances, moves, states
+from ferry.observability import logger
+from ferry.store.api_models import ResourceProvider
+from ferry.store.cell_models import Instance, InstanceAction, InstanceActionEvent, Migration, Service
+from ferry.store.db import api_session, cell_session
+from ferry.workflows import error_message
+
+EVENT_CONFIRM = "compute_confirm_resize"
+
+INPUT_SCHEMA: dict[str, Any] = json.loads(
+    Path(__file__).with_name("confirm_resize.input.schema.json").read_text())
+
+
+# What the first step's handler accepts: the step checks the input against its schema itself,
+# so that a refusal has the one error name the state machine matches on.
+ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+# --- shared with revert and delete ----------------------------------------------------------------
+
+
+def validate_input(event: dict[str, Any], schema: dict[str, Any]) -> None:
+    """Check an execution's input against the schema beside its state machine.
+
+    Raises:
+        InvalidWorkflowInput: it does not match (the message says where).
+    """
+    try:
+        jsonschema.validate(event, schema)
+    except jsonschema.ValidationError as exc:
+        where = "/".join(str(part) for part in exc.absolute_path)
+        raise errors.InvalidWorkflowInput(f"Execution input{' at ' + where if where else ''}: {exc.message}") from exc
+
+
+def migration_of(session: Session, instance_uuid: str, migration_uuid: str) -> Migration:
+    """The migration ``migration_uuid`` of ``instance_uuid`` in this cell session.
+
+    Raises:
+        MigrationNotFound: no such migration, or it is another instance's.
+    """
+    migration = session.scalars(select(Migration).where(
+        Migration.uuid == migration_uuid, Migration.deleted.is_(False))).one_or_none()
+    if migration is None or migration.instance_uuid != instance_uuid:
+        raise errors.MigrationNotFound(f"Migration {migration_uuid} of instance {instance_uuid} could not be found.")
+    return migration
+
+
+def live_instance(session: Session, instance_uuid: str) -> Instance | None:
+    """The visible, undeleted instance, or None."""
+    return session.scalars(select(Instance).where(
+        Instance.uuid == instance_uuid, Instance.deleted.is_(False), Instance.hidden.is_(False))).one_or_none()
+
+
+def host_is_up(session: Session, host: str) -> bool:
+    """Whether ``host``'s compute service (in this cell session) sends heartbeats."""
+    service = session.scalars(select(Service).where(Service.host == host)).one_or_none()
+    return service is not None and hosts.is_up(service)
+
+
+def host_ref(host: str, node: str | None) -> dict[str, Any]:
+    """``{host, node, queue_url}`` of a move's side, for the host operations of a state machine."""
+    return {"host": host, "node": node or host, "queue_url": hosts.queue_url(host)}
+
+
+def settled_values(instance: Instance) -> dict[str, Any]:
+    """What a confirmed server looks like: vm_state from its power state, no task, no move flavors."""
+    return {"vm_state": states.vm_state_from_power(instance.power_state), "task_state": None,
+            "old_flavor": None, "new_flavor": None, "old_vm_state": None}
+
+
+def release_source(instance_uuid: str, migration_uuid: str, source_host: str, same_host: bool) -> None:
+    """Forget the source side of a move in the records (idempotent).
+
+    The migration's allocation is dropped, and unless the move stayed on one host the
+    server's port bindings and volume attachments on ``source_host`` go.
+    """
+    placement.delete_allocations(migration_uuid)
+    if same_host:
+        return
+    with api_session() as session:
+        network.unbind(session, instance_uuid, source_host)
+        volumes.detach_from(session, instance_uuid, source_host)
+
+
+def describe_allocations(consumer_uuid: str) -> str:
+    """``"VCPU 1, MEMORY_MB 512 on host1"`` for every provider a consumer uses, or ``"none"``."""
+    held = placement.get_allocations(consumer_uuid)
+    if not held:
+        return "none"
+    with api_session() as session:
+        names = dict(session.execute(select(ResourceProvider.uuid, ResourceProvider.name)
+                                     .where(ResourceProvider.uuid.in_(list(held)))).tuples().all())
+    return "; ".join(", ".join(f"{rc} {amount}" for rc, amount in sorted(resources.items()))
+                     + f" on {names.get(rp, rp)}" for rp, resources in sorted(held.items()))
+
+
+def event_finished(session: Session, instance_uuid: str, request_id: str, event: str) -> bool:
+    """Whether the action ``request_id`` already recorded the end of ``event`` (a step that ran before)."""
+    finished = session.scalars(
+        select(InstanceActionEvent.finish_time)
+        .join(InstanceAction, InstanceAction.id == InstanceActionEvent.action_id)
+        .where(InstanceAction.instance_uuid == instance_uuid, InstanceAction.request_id == request_id,
+               InstanceActionEvent.event == event)).first()
+    return finished is not None
+
+
+# --- steps -------------------------------------------------------------------------------------------
+
+
+def _is_leftover(instance: Instance, migration: Migration) -> bool:
+    """A migration a failed confirm left in ``error``: its server runs on the destination, settled,
+    and the migration still holds its allocation on the source."""
+    return (migration.status == moves.ERROR and instance.host == migration.dest_compute
+            and instance.vm_state in (states.ACTIVE, states.STOPPED) and instance.task_state is None
+            and bool(placement.get_allocations(migration.uuid)))
+
+
+def check_resize_to_confirm(event: dict[str, Any]) -> dict[str, Any]:
+    """Check that the records are those of a confirm under way and name the hosts.
+
+    Accepts a migration in ``confirming`` of a server in vm_state ``resized`` with no task on
+    the migration's destination, or a migration a failed confirm left in ``error`` (see the
+    module's docstring). Records the start of ``compute_confirm_resize`` and sends
+    ``instance.resize_confirm.start``.
+
+    Returns:
+        ``{"source": {host, node, queue_url}, "dest": {host, node}, "same_host": bool}``.
+
+    Raises:
+        InvalidWorkflowInput, MigrationNotFound, InstanceNotFound, UnexpectedMigrationState: refused,
+            nothing changed.
+        ComputeServiceUnavailable: the source host is down (the confirm can be asked again later).
+    """
+    validate_input(event, INPUT_SCHEMA)
+    uuid, migration_uuid = event["instance_uuid"], event["migration_uuid"]
+    with cell_session(event["cell"]) as session:
+        migration = migration_of(session, uuid, migration_uuid)
+        instance = live_instance(session, uuid)
+        if instance is None:
+            raise errors.InstanceNotFound(f"Instance {uuid} could not be found.")
+        confirming = (migration.status == moves.CONFIRMING and instance.vm_state == states.RESIZED
+                      and instance.task_state is None and instance.host == migration.dest_compute)
+        if not confirming and not _is_leftover(instance, migration):
+            raise errors.UnexpectedMigrationState(
+                f"Migration {migration_uuid} is {migration.status} and instance {uuid} is in vm_state "
+                f"{instance.vm_state} task_state {instance.task_state} on {instance.host}: not a confirm under way.")
+        source, dest = str(migration.source_compute), str(migration.dest_compute)
+        if not host_is_up(session, source):
+            raise errors.ComputeServiceUnavailable(f"Source host {source} of migration {migration_uuid} is down.")
+        actions.start_event(session, instance_uuid=uuid, request_id=event["request_id"], event=EVENT_CONFIRM,
+                            host=source)
+        payload = notifications.instance_payload(instance, migration_uuid=migration_uuid)
+        move = {"source": host_ref(source, migration.source_node),
+                "dest": {"host": dest, "node": migration.dest_node or dest}, "same_host": source == dest}
+    notifications.notify(notifications.RESIZE_CONFIRM_START, instance_uuid=uuid,
+                         publisher_id=notifications.compute_publisher(source), payload=payload)
+    return move
+
+
+def finish_confirm(event: dict[str, Any]) -> dict[str, Any]:
+    """Drop what the source held for the move; migration ``confirmed``; the server settles.
+
+    The server (if still resized with no task) gets vm_state from its power state, no task and
+    no move flavors. A server being deleted meanwhile is left to its delete. Idempotent: a
+    confirmed migration ends the step at once.
+    """
+    uuid, migration_uuid, cell = event["instance_uuid"], event["migration_uuid"], event["cell"]
+    move = event["move"]
+    source = move["source"]["host"]
+    with cell_session(cell) as session:
+        if migration_of(session, uuid, migration_uuid).status == moves.CONFIRMED:
+            return {}
+    release_source(uuid, migration_uuid, source, move["same_host"])
+    payload = None
+    with cell_session(cell) as session:
+        migration = migration_of(session, uuid, migration_uuid)
+        if migration.status == moves.CONFIRMED:
+            return {}
+        instance = live_instance(session, uuid)
+        if instance is not None and instance.vm_state == states.RESIZED and instance.task_state is None:
+            instances.update_cas(session, uuid, settled_values(instance), expected_task_state=(None,),
+                                 expected_vm_state=(states.RESIZED,))
+            instance = live_instance(session, uuid)
+        migration.status = moves.CONFIRMED
+        actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"], event=EVENT_CONFIRM,
+                             host=source)
+        if instance is not None:
+            payload = notifications.instance_payload(instance, migration_uuid=migration_uuid)
+    logger.info("resize confirmed", extra={"instance_uuid": uuid, "migration_uuid": migration_uuid})
+    notifications.notify(notifications.RESIZE_CONFIRM_END, instance_uuid=uuid,
+                         publisher_id=notifications.compute_publisher(source), payload=payload)
+    return {}
+
+
+def fail_confirm(event: dict[str, Any]) -> dict[str, Any]:
+    """Rollback tail of a confirm that failed at or after the source host.
+
+    The server stays where it runs, on the destination with its new flavor, and settles as a
+    confirm would (ACTIVE or SHUTOFF, never ERROR); the migration goes to ``error`` and keeps
+    whatever allocation it still holds; the fault says what is left on the source.
+    """
+    uuid, migration_uuid, request_id = event["instance_uuid"], event["migration_uuid"], event["request_id"]
+    error = event.get("error") or {}
+    cause = error_message(error)
+    move = event.get("move") or {}
+    with cell_session(event["cell"]) as session:
+        migration = migration_of(session, uuid, migration_uuid)
+        if migration.status == moves.CONFIRMED or event_finished(session, uuid, request_id, EVENT_CONFIRM):
+            return {}
+        source = str(migration.source_compute)
+        dest = str(migration.dest_compute)
+        held = describe_allocations(migration_uuid)
+        if "confirmed_at_source" in event:
+            message = f"Confirming the resize failed after host {source} removed the old guest and disks: {cause}"
+            details = (f"The server runs on {dest} with its new flavor. Migration {migration_uuid} is in error; "
+                       f"its allocation: {held}.")
+        else:
+            message = f"Confirming the resize failed on source host {source}: {cause}"
+            details = (f"The server runs on {dest} with its new flavor. Host {source} may still hold the old "
+                       f"guest and the disks in {uuid}_resize. Migration {migration_uuid} is in error and keeps "
+                       f"its allocation ({held}) until a confirm of that migration, run again, cleans up.")
+        instance = live_instance(session, uuid)
+        if instance is not None and instance.vm_state == states.RESIZED and instance.task_state is None:
+            instances.update_cas(session, uuid, settled_values(instance), expected_task_state=(None,),
+                                 expected_vm_state=(states.RESIZED,))
+        migration.status = moves.ERROR
+        if instance is not None:
+            instances.add_fault(session, uuid, message, host=source, details=details)
+        actions.finish_event(session, instance_uuid=uuid, request_id=request_id, event=EVENT_CONFIRM,
+                             host=move.get("source", {}).get("host", source),
+                             error=error or {"Error": errors.ConfirmResizeFailed.__name__, "Cause": message})
+    logger.warning("confirm failed", extra={"instance_uuid": uuid, "migration_uuid": migration_uuid,
+                                            "cause": cause, "migration_allocation": held})
+    return {}
+
+
+# Events of the revert workflow, for the shared rollback below.
+EVENT_REVERT = "compute_revert_resize"
+
+
+def restore_verify_resize(event: dict[str, Any]) -> dict[str, Any]:
+    """Rollback of a confirm or revert that failed before the server left VERIFY_RESIZE.
+
+    Used by both workflows: when the first step failed for another reason than a refusal, and
+    by the revert when the destination could not clean up (the server still runs there). The
+    migration goes back from ``confirming``/``reverting`` to ``finished`` and the task from
+    ``resize_reverting`` to none, so the owner can confirm or revert again; the event records the
+    error and a fault says what happened. Nothing is done when the migration is in neither state
+    (a refused execution, or this step run before).
+    """
+    uuid, migration_uuid, request_id = event["instance_uuid"], event["migration_uuid"], event["request_id"]
+    error = event.get("error") or {}
+    cause = error_message(error)
+    with cell_session(event["cell"]) as session:
+        migration = migration_of(session, uuid, migration_uuid)
+        if migration.status not in (moves.CONFIRMING, moves.REVERTING):
+            return {}
+        reverting = migration.status == moves.REVERTING
+        name, verb = (EVENT_REVERT, "Reverting") if reverting else (EVENT_CONFIRM, "Confirming")
+        source, dest = migration.source_compute, migration.dest_compute
+        if reverting and "move" in event:
+            message = f"Reverting the resize failed on destination host {dest}: {cause}"
+            details = (f"The server stays in VERIFY_RESIZE on {dest}; its old disks are still on {source}. "
+                       f"Revert again to retry.")
+        else:
+            message = f"{verb} the resize failed before any host was changed: {cause}"
+            details = f"The server stays in VERIFY_RESIZE on {dest}. Confirm or revert it again."
+        instance = live_instance(session, uuid)
+        if reverting and instance is not None:
+            try:
+                instances.update_cas(session, uuid, {"task_state": None},
+                                     expected_task_state=(states.RESIZE_REVERTING,))
+            except errors.UnexpectedTaskState:
+                logger.warning("task changed meanwhile; left as is", extra={"instance_uuid": uuid})
+        migration = migration_of(session, uuid, migration_uuid)
+        migration.status = moves.FINISHED
+        if instance is not None:
+            instances.add_fault(session, uuid, message, host=dest, details=details)
+        actions.finish_event(session, instance_uuid=uuid, request_id=request_id, event=name,
+                             host=dest if reverting else source, error=error or {"Error": "Error", "Cause": message})
+    logger.warning("confirm or revert rolled back to VERIFY_RESIZE",
+                   extra={"instance_uuid": uuid, "migration_uuid": migration_uuid, "cause": cause})
+    return {}

@@ -1,0 +1,237 @@
+"""Steps of the revert workflow (``statemachine/revert_resize.asl.json``).
+
+CheckResizeToRevert → RevertAtDest (host agent: the destination forgets the new guest and
+disks) → RevertResourcesToSource (the migration's allocation goes back to the instance in place
+of its destination allocation, ports and volumes go back to the source, the instance record
+points at the source with its old flavor) → FinishRevertAtSource (host agent: the old guest is
+restored from ``<uuid>_resize``, powered on if it was running) → FinishRevert (vm_state as
+before the resize, migration ``reverted``).
+
+Failures:
+
+* the first step refuses input that does not match ``revert_resize.input.schema.json``, or
+  records that are not those of a revert under way, and changes nothing;
+* any other failure of the first step, or of the destination's clean-up (RestoreVerifyResize in
+  :mod:`ferry.workflows.confirm_resize`): the server stays in VERIFY_RESIZE on the destination,
+  the migration goes back to ``finished`` and the revert can be asked again;
+* a failure once the destination is cleaned up (FailRevert): nothing runs the server any more,
+  so it goes to ERROR, the migration to ``error``, and the fault says where the disks, the guest
+  and the allocations are.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import select
+
+from ferry import config, errors, network, notifications, placement, volumes
+from ferry.compute import actions, instances, moves, states
+from ferry.observability import logger
+from ferry.store.api_models import VolumeAttachment
+from ferry.store.cell_models import BlockDeviceMapping
+from ferry.store.db import api_session, cell_session
+from ferry.workflows import error_message
+from ferry.workflows.confirm_resize import (
+    EVENT_REVERT,
+    describe_allocations,
+    host_is_up,
+    host_ref,
+    live_instance,
+    migration_of,
+    validate_input,
+)
+
+EVENT_FINISH_REVERT = "compute_finish_revert_resize"
+
+INPUT_SCHEMA: dict[str, Any] = json.loads(
+    Path(__file__).with_name("revert_resize.input.schema.json").read_text())
+
+_FLAVOR_KEYS = ("flavorid", "name", "vcpus", "memory_mb", "root_gb", "ephemeral_gb", "swap")
+
+
+def transfer_location(migration_uuid: str) -> dict[str, str]:
+    """Where the move's disks waited between the hosts (the destination deletes what is left)."""
+    return {"bucket": config.get().image_bucket, "prefix": f"transfers/{migration_uuid}"}
+
+
+def check_resize_to_revert(event: dict[str, Any]) -> dict[str, Any]:
+    """Check that the records are those of a revert under way and name the hosts.
+
+    Wants a migration in ``reverting`` of a server in vm_state ``resized``, task
+    ``resize_reverting``, on the migration's destination, with its old flavor recorded; both
+    hosts must be up (a revert that cannot reach the source would leave the server nowhere).
+    Records the start of ``compute_revert_resize`` and sends ``instance.resize_revert.start``.
+
+    Returns:
+        ``{"source": {host, node, queue_url}, "dest": {host, node, queue_url}, "same_host": bool,
+        "transfer": {bucket, prefix}}``.
+
+    Raises:
+        InvalidWorkflowInput, MigrationNotFound, InstanceNotFound, UnexpectedMigrationState: refused,
+            nothing changed.
+        ComputeServiceUnavailable: a host is down (the revert can be asked again later).
+    """
+    validate_input(event, INPUT_SCHEMA)
+    uuid, migration_uuid = event["instance_uuid"], event["migration_uuid"]
+    with cell_session(event["cell"]) as session:
+        migration = migration_of(session, uuid, migration_uuid)
+        instance = live_instance(session, uuid)
+        if instance is None:
+            raise errors.InstanceNotFound(f"Instance {uuid} could not be found.")
+        if not (migration.status == moves.REVERTING and instance.vm_state == states.RESIZED
+                and instance.task_state == states.RESIZE_REVERTING and instance.host == migration.dest_compute
+                and instance.old_flavor):
+            raise errors.UnexpectedMigrationState(
+                f"Migration {migration_uuid} is {migration.status} and instance {uuid} is in vm_state "
+                f"{instance.vm_state} task_state {instance.task_state} on {instance.host}: not a revert under way.")
+        source, dest = str(migration.source_compute), str(migration.dest_compute)
+        for host in {source, dest}:
+            if not host_is_up(session, host):
+                raise errors.ComputeServiceUnavailable(f"Host {host} of migration {migration_uuid} is down.")
+        actions.start_event(session, instance_uuid=uuid, request_id=event["request_id"], event=EVENT_REVERT,
+                            host=dest)
+        payload = notifications.instance_payload(instance, migration_uuid=migration_uuid)
+        move = {"source": host_ref(source, migration.source_node), "dest": host_ref(dest, migration.dest_node),
+                "same_host": source == dest, "transfer": transfer_location(migration_uuid)}
+    notifications.notify(notifications.RESIZE_REVERT_START, instance_uuid=uuid,
+                         publisher_id=notifications.compute_publisher(dest), payload=payload)
+    return move
+
+
+def revert_resources_to_source(event: dict[str, Any]) -> dict[str, Any]:
+    """Move allocations, ports, volumes and the instance record back to the source (idempotent).
+
+    * placement: the migration's allocation (the old flavor on the source) becomes the
+      instance's, replacing its destination allocation, in one transaction;
+    * ports: the source's binding is active again and, unless the move stayed on one host, the
+      destination's goes;
+    * volumes: the destination's attachments go, and every volume of the server (including
+      one attached while it was resized) has a completed attachment on the source;
+    * instance: host and node of the source, flavor = the old flavor (its own copy, so a
+      deleted flavor does not matter); the task stays ``resize_reverting``.
+
+    Returns:
+        ``{"finish_args": …}``, the arguments of ``finish_revert_resize`` at the source.
+    """
+    uuid, migration_uuid, cell = event["instance_uuid"], event["migration_uuid"], event["cell"]
+    move = event["move"]
+    source, dest, same_host = move["source"]["host"], move["dest"]["host"], move["same_host"]
+    with cell_session(cell) as session:
+        bdms = list(session.scalars(select(BlockDeviceMapping).where(
+            BlockDeviceMapping.instance_uuid == uuid, BlockDeviceMapping.deleted.is_(False),
+            BlockDeviceMapping.destination_type == "volume", BlockDeviceMapping.volume_id.is_not(None))))
+        boot_index = {b.volume_id: b.boot_index for b in bdms}
+        device_of = {b.volume_id: b.device_name for b in bdms}
+    placement.move_allocations(migration_uuid, uuid)
+    with api_session() as session:
+        network.activate(session, uuid, source)
+        if not same_host:
+            network.unbind(session, uuid, dest)
+            volumes.detach_from(session, uuid, dest)
+        present = {a.volume_id for a in volumes.attachments(session, uuid, source)}
+        for volume_id, device in device_of.items():
+            if volume_id not in present:
+                session.add(VolumeAttachment(volume_id=volume_id, instance_uuid=uuid, host=source, device=device,
+                                             status=volumes.RESERVED))
+        session.flush()
+        volumes.complete_on(session, uuid, source)
+        ports = [{"id": p.id, "mac_address": p.mac_address} for p in network.instance_ports(session, uuid)]
+        attached = [{"volume_id": v.id, "path": v.path, "device": a.device or device_of.get(v.id) or "",
+                     "boot_index": boot_index.get(v.id)} for v, a in volumes.attached_volumes(session, uuid, source)]
+    with cell_session(cell) as session:
+        instance = instances.get(session, uuid)
+        old_flavor = dict(instance.old_flavor or {})
+        if instance.host != source or instance.flavor != old_flavor:
+            instances.update_cas(session, uuid, {"host": source, "node": move["source"]["node"],
+                                                 "flavor": old_flavor},
+                                 expected_task_state=(states.RESIZE_REVERTING,))
+            instance = instances.get(session, uuid)
+        actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"], event=EVENT_REVERT,
+                             host=dest)
+        actions.start_event(session, instance_uuid=uuid, request_id=event["request_id"],
+                            event=EVENT_FINISH_REVERT, host=source)
+        power_on = (instance.old_vm_state or states.ACTIVE) != states.STOPPED
+        finish_args = {"migration_uuid": migration_uuid, "name": instance.display_name,
+                       "flavor": {k: old_flavor[k] for k in _FLAVOR_KEYS}, "ports": ports, "volumes": attached,
+                       "power_on": power_on}
+    return {"finish_args": finish_args}
+
+
+def finish_revert(event: dict[str, Any]) -> dict[str, Any]:
+    """The server is back as it was: vm_state from before the resize, the power state the source
+    reported, no task, no move flavors; migration ``reverted`` (idempotent)."""
+    uuid, migration_uuid = event["instance_uuid"], event["migration_uuid"]
+    source = event["move"]["source"]["host"]
+    with cell_session(event["cell"]) as session:
+        migration = migration_of(session, uuid, migration_uuid)
+        if migration.status == moves.REVERTED:
+            return {}
+        instance = instances.get(session, uuid)
+        vm_state = instance.old_vm_state or states.ACTIVE
+        default_power = states.SHUTDOWN if vm_state == states.STOPPED else states.RUNNING
+        power_state = int((event.get("restored") or {}).get("power_state", default_power))
+        instances.update_cas(session, uuid, {"vm_state": vm_state, "task_state": None, "power_state": power_state,
+                                             "old_flavor": None, "new_flavor": None, "old_vm_state": None},
+                             expected_task_state=(states.RESIZE_REVERTING,))
+        migration = migration_of(session, uuid, migration_uuid)
+        migration.status = moves.REVERTED
+        actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"],
+                             event=EVENT_FINISH_REVERT, host=source)
+        payload = notifications.instance_payload(instances.get(session, uuid), migration_uuid=migration_uuid)
+    logger.info("resize reverted", extra={"instance_uuid": uuid, "migration_uuid": migration_uuid})
+    notifications.notify(notifications.RESIZE_REVERT_END, instance_uuid=uuid,
+                         publisher_id=notifications.compute_publisher(source), payload=payload)
+    return {}
+
+
+def fail_revert(event: dict[str, Any]) -> dict[str, Any]:
+    """Rollback tail of a revert that failed after the destination was cleaned up.
+
+    No host runs the server any more, so it goes to ERROR (task cleared) and the migration to
+    ``error``; the fault says which step failed, what the destination and the source hold, where
+    the instance record points and which allocations the instance and the migration hold.
+    """
+    uuid, migration_uuid, request_id = event["instance_uuid"], event["migration_uuid"], event["request_id"]
+    error = event.get("error") or {}
+    cause = error_message(error)
+    with cell_session(event["cell"]) as session:
+        migration = migration_of(session, uuid, migration_uuid)
+        if migration.status != moves.REVERTING:
+            return {}
+        source, dest = migration.source_compute, migration.dest_compute
+        if "restored" in event:
+            step, on_source = "recording the result", f"The old guest was restored on {source}."
+            event_name = EVENT_FINISH_REVERT
+        elif "restore" in event:
+            step, on_source = (f"restoring the old guest on {source}",
+                               f"The old disks are in {uuid}_resize on {source}, or already back in its "
+                               f"instance directory.")
+            event_name = EVENT_FINISH_REVERT
+        else:
+            step, on_source = (f"moving allocations, ports and volumes back to {source}",
+                               f"The old disks are in {uuid}_resize on {source}.")
+            event_name = EVENT_REVERT
+        instance = live_instance(session, uuid)
+        details = (f"The new guest and its disks on {dest} were removed. {on_source} "
+                   f"The instance record points at {instance.host if instance else 'nothing'}. "
+                   f"Allocations: instance {describe_allocations(uuid)}; migration {migration_uuid} "
+                   f"{describe_allocations(migration_uuid)}.")
+        message = f"Reverting the resize failed while {step}: {cause}"
+        if instance is not None:
+            try:
+                instances.update_cas(session, uuid, {"vm_state": states.ERROR, "task_state": None},
+                                     expected_task_state=(states.RESIZE_REVERTING,))
+            except errors.UnexpectedTaskState:
+                logger.warning("task changed meanwhile; vm_state left as is", extra={"instance_uuid": uuid})
+            instances.add_fault(session, uuid, message, host=instance.host, details=details)
+        migration = migration_of(session, uuid, migration_uuid)
+        migration.status = moves.ERROR
+        actions.finish_event(session, instance_uuid=uuid, request_id=request_id, event=event_name,
+                             host=source if event_name == EVENT_FINISH_REVERT else dest,
+                             error=error or {"Error": errors.RevertResizeFailed.__name__, "Cause": message})
+    logger.error("revert failed", extra={"instance_uuid": uuid, "migration_uuid": migration_uuid, "cause": cause,
+                                         "details": details})
+    return {}

@@ -1,0 +1,469 @@
+"""Attaching and detaching volumes: what ``os-volume_attachments`` accepts, and the steps of
+``statemachine/volume_attachment.asl.json``.
+
+Attach: the API checks the volume (``available``) and the server (ACTIVE, SHUTOFF or
+VERIFY_RESIZE, no task), takes both with compare-and-swaps — the volume ``available`` →
+``attaching``, the server's task_state none → ``attaching_volume`` — writes the block device
+mapping and a ``reserved`` attachment on the server's host, records ``attach_volume`` and starts
+the workflow: CheckVolumeOperation → AttachAtHost (host agent) → FinishVolumeOperation (the
+attachment ``attached``, the volume ``in-use``, the task cleared). A server in VERIFY_RESIZE also
+gets a ``reserved`` attachment on its migration's source host, so a revert restores the old guest
+with the volume; a confirm drops it.
+
+Detach: the volume ``in-use`` → ``detaching``, the task none → ``detaching_volume``; then
+CheckVolumeOperation → DetachAtHost → FinishVolumeOperation (every attachment of the volume to
+the server goes — both hosts' in VERIFY_RESIZE —, the volume ``available``, the mapping deleted).
+
+Why a task state: Nova sets none while attaching, and relies on Cinder's volume status to refuse
+a second attach of the same volume. Ferry's workflows read the attachments of a server in
+VERIFY_RESIZE when it is reverted or confirmed, so an attach racing a revert could be lost;
+the task state makes a confirm, revert, resize or delete wait (409) until the attachment is
+settled, and a second attach or detach on the same server gets 409 too. The task states
+``attaching_volume`` and ``detaching_volume`` are Ferry's; the server's status stays what its
+vm_state says (ACTIVE, SHUTOFF, VERIFY_RESIZE).
+
+Failures roll back: a failed attach is detached on the host again and its records removed
+(volume ``available``); a failed detach leaves the volume attached (``in-use``). Either way the
+task is cleared and the instance action's event records the error.
+
+Devices are chosen by Ferry, as Nova's libvirt driver does: the first free ``vdX`` after the
+local disks (``vda`` root, ``vdb`` ephemeral, ``vdc`` swap); a requested device name is ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid as uuidlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+from sqlalchemy import CursorResult, delete, select, update
+from sqlalchemy.orm import Session
+
+from ferry import config, errors, hosts, volumes, workflows
+from ferry.auth import RequestContext
+from ferry.compute import actions, instances, moves, states
+from ferry.compute.api import Location
+from ferry.observability import logger
+from ferry.store.api_models import CellMapping, Volume, VolumeAttachment
+from ferry.store.cell_models import BlockDeviceMapping, InstanceAction, InstanceActionEvent, Migration
+from ferry.store.db import api_session, cell_session
+from ferry.workflows import error_message
+from ferry.workflows.confirm_resize import live_instance, validate_input
+
+ATTACH = "attach"
+DETACH = "detach"
+
+# Task states while a volume is attached or detached (Ferry's; see the module docstring).
+ATTACHING_VOLUME = "attaching_volume"
+DETACHING_VOLUME = "detaching_volume"
+_TASK_STATE = {ATTACH: ATTACHING_VOLUME, DETACH: DETACHING_VOLUME}
+
+# Nova's instance action and event names.
+ACTION_ATTACH = "attach_volume"
+ACTION_DETACH = "detach_volume"
+EVENT_ATTACH = "compute_attach_volume"
+EVENT_DETACH = "compute_detach_volume"
+_EVENT = {ATTACH: EVENT_ATTACH, DETACH: EVENT_DETACH}
+
+# Volume statuses (Cinder's).
+AVAILABLE = "available"
+ATTACHING = "attaching"
+IN_USE = "in-use"
+DETACHING = "detaching"
+ERROR_DETACHING = "error_detaching"
+
+ATTACHABLE_VM_STATES = (states.ACTIVE, states.STOPPED, states.RESIZED)
+# The host agent's local disks: root, ephemeral, swap.
+_LOCAL_DEVICES = frozenset({"vda", "vdb", "vdc"})
+
+INPUT_SCHEMA: dict[str, Any] = json.loads(
+    Path(__file__).with_name("volume_attachment.input.schema.json").read_text())
+
+
+@dataclass(frozen=True)
+class Attachment:
+    """A volume attached to a server, as ``os-volume_attachments`` shows it."""
+
+    volume_id: str
+    server_id: str
+    device: str | None
+    delete_on_termination: bool
+    attachment_id: str | None
+    bdm_uuid: str
+
+    @property
+    def device_path(self) -> str | None:
+        return f"/dev/{self.device}" if self.device else None
+
+
+def _attachment(bdm: BlockDeviceMapping) -> Attachment:
+    return Attachment(volume_id=str(bdm.volume_id), server_id=bdm.instance_uuid, device=bdm.device_name,
+                      delete_on_termination=bool(bdm.delete_on_termination), attachment_id=bdm.attachment_id,
+                      bdm_uuid=bdm.uuid)
+
+
+def _volume_bdms(session: Session, instance_uuid: str) -> list[BlockDeviceMapping]:
+    return list(session.scalars(select(BlockDeviceMapping).where(
+        BlockDeviceMapping.instance_uuid == instance_uuid, BlockDeviceMapping.deleted.is_(False),
+        BlockDeviceMapping.destination_type == "volume", BlockDeviceMapping.volume_id.is_not(None))
+        .order_by(BlockDeviceMapping.id)))
+
+
+def _bdm_of(session: Session, instance_uuid: str, volume_id: str) -> BlockDeviceMapping | None:
+    return next((b for b in _volume_bdms(session, instance_uuid) if b.volume_id == volume_id), None)
+
+
+def _cell_of(location: Location, action: str) -> CellMapping:
+    if location.cell is None:
+        raise errors.InstanceInvalidState(
+            f"Cannot '{action}' instance {location.instance_uuid} while it is in vm_state {states.BUILDING}")
+    return location.cell
+
+
+# --- reads -------------------------------------------------------------------------------------
+
+
+def list_attachments(location: Location) -> list[Attachment]:
+    """The volumes attached to the server at ``location`` (a server still building has none)."""
+    if location.cell is None:
+        return []
+    with cell_session(location.cell) as session:
+        return [_attachment(b) for b in _volume_bdms(session, location.instance_uuid)]
+
+
+def get_attachment(location: Location, volume_id: str) -> Attachment:
+    """The attachment of ``volume_id`` to the server at ``location``.
+
+    Raises:
+        VolumeNotAttached: the volume is not attached to this server.
+    """
+    for attachment in list_attachments(location):
+        if attachment.volume_id == volume_id:
+            return attachment
+    raise errors.VolumeNotAttached(f"Volume {volume_id} is not attached to server {location.instance_uuid}.")
+
+
+# --- accepting an attach or a detach -----------------------------------------------------------
+
+
+def _check_server(ctx: RequestContext, session: Session, instance_uuid: str, action: str) -> Any:
+    instance = instances.get(session, instance_uuid)
+    if instance.locked and not ctx.is_admin:
+        raise errors.InstanceIsLocked(f"Instance {instance_uuid} is locked")
+    if instance.vm_state not in ATTACHABLE_VM_STATES:
+        raise errors.InstanceInvalidState(
+            f"Cannot '{action}' instance {instance_uuid} while it is in vm_state {instance.vm_state}")
+    if instance.task_state is not None:
+        raise errors.InstanceInvalidState(
+            f"Cannot '{action}' instance {instance_uuid} while it is in task_state {instance.task_state}")
+    if not instance.host:
+        raise errors.InstanceInvalidState(f"Cannot '{action}' instance {instance_uuid}: it is on no host")
+    return instance
+
+
+def _take_server(ctx: RequestContext, session: Session, instance_uuid: str, action: str, task_state: str) -> None:
+    """Compare-and-swap: no task → ``task_state``, vm_state still attachable (else 409)."""
+    try:
+        instances.update_cas(session, instance_uuid, {"task_state": task_state}, expected_task_state=(None,),
+                             expected_vm_state=ATTACHABLE_VM_STATES)
+    except errors.UnexpectedTaskState as exc:
+        _check_server(ctx, session, instance_uuid, action)  # raises the precise 409
+        raise errors.InstanceInvalidState(str(exc)) from exc
+
+
+def _swap_volume_status(volume_id: str, expected: str, status: str) -> bool:
+    with api_session() as session:
+        result = cast(CursorResult[Any], session.execute(
+            update(Volume).where(Volume.id == volume_id, Volume.status == expected).values(status=status)
+            .execution_options(synchronize_session=False)))
+        return result.rowcount == 1
+
+
+def _source_of_resize(session: Session, instance_uuid: str, host: str) -> str | None:
+    """The source host of the server's finished migration when it is elsewhere (VERIFY_RESIZE)."""
+    migration = session.scalars(select(Migration).where(
+        Migration.instance_uuid == instance_uuid, Migration.deleted.is_(False),
+        Migration.status == moves.FINISHED).order_by(Migration.id.desc())).first()
+    if migration is None or not migration.source_compute or migration.source_compute == host:
+        return None
+    return migration.source_compute
+
+
+def _next_device(session: Session, instance_uuid: str) -> str:
+    used = _LOCAL_DEVICES | {b.device_name.removeprefix("/dev/") for b in _volume_bdms(session, instance_uuid)
+                             if b.device_name}
+    for letter in "defghijklmnopqrstuvwxyz":
+        if f"vd{letter}" not in used:
+            return f"vd{letter}"
+    raise errors.Conflict(f"Instance {instance_uuid} has no free device for another volume.")
+
+
+def _forget_action(session: Session, instance_uuid: str, request_id: str) -> None:
+    action = session.scalars(select(InstanceAction).where(
+        InstanceAction.instance_uuid == instance_uuid, InstanceAction.request_id == request_id)).one_or_none()
+    if action is not None:
+        session.execute(delete(InstanceActionEvent).where(InstanceActionEvent.action_id == action.id))
+        session.delete(action)
+
+
+def _execution_name(operation: str, instance_uuid: str, request_id: str) -> str:
+    return f"{operation}-{instance_uuid}-{request_id.removeprefix('req-')}"[:80]
+
+
+def _start(cell: str, instance_uuid: str, request_id: str, operation: str, volume_id: str) -> None:
+    payload = {"instance_uuid": instance_uuid, "cell": cell, "request_id": request_id, "operation": operation,
+               "volume_id": volume_id}
+    workflows.start_execution(config.get().volume_attachment_state_machine_arn,
+                              _execution_name(operation, instance_uuid, request_id), payload)
+
+
+def _visible_volume(ctx: RequestContext, volume_id: str) -> tuple[str, int]:
+    """``(status, size_gb)`` of a volume the caller may use.
+
+    Raises:
+        VolumeNotFound: no such volume, or another project's and the caller is no admin.
+    """
+    with api_session() as session:
+        volume = session.get(Volume, volume_id)
+        if volume is None or (volume.project_id != ctx.project_id and not ctx.is_admin):
+            raise errors.VolumeNotFound(f"Volume {volume_id} could not be found.")
+        return volume.status, volume.size_gb
+
+
+def begin_attach(ctx: RequestContext, location: Location, volume_id: str, *,
+                 delete_on_termination: bool = False) -> Attachment:
+    """Accept an attach of ``volume_id`` to the server at ``location`` and start the workflow.
+
+    Returns:
+        The attachment as it will be (its device is chosen here).
+
+    Raises:
+        VolumeNotFound: no such volume, or another project's (404).
+        VolumeInUse: the volume is not ``available`` (409).
+        InstanceIsLocked, InstanceInvalidState: the server is locked, building, on no host, in
+            another vm_state, or busy (409).
+        Anything starting the execution raises, after everything written here is undone.
+    """
+    uuid, request_id = location.instance_uuid, ctx.request_id
+    cell = _cell_of(location, ACTION_ATTACH)
+    status, size_gb = _visible_volume(ctx, volume_id)
+    if status != AVAILABLE:
+        raise errors.VolumeInUse(f"Invalid volume: volume '{volume_id}' status must be 'available'. "
+                                 f"Currently in '{status}'")
+    with cell_session(cell) as session:
+        _check_server(ctx, session, uuid, ACTION_ATTACH)
+    if not _swap_volume_status(volume_id, AVAILABLE, ATTACHING):
+        raise errors.VolumeInUse(f"Invalid volume: volume '{volume_id}' status must be 'available'.")
+    attachment_id = str(uuidlib.uuid4())
+    try:
+        with cell_session(cell) as session:
+            _take_server(ctx, session, uuid, ACTION_ATTACH, ATTACHING_VOLUME)
+            instance = instances.get(session, uuid)
+            host = str(instance.host)
+            source = _source_of_resize(session, uuid, host) if instance.vm_state == states.RESIZED else None
+            device = _next_device(session, uuid)
+            bdm = BlockDeviceMapping(instance_uuid=uuid, source_type="volume", destination_type="volume",
+                                     device_name=device, boot_index=None, volume_id=volume_id,
+                                     volume_size=size_gb, delete_on_termination=delete_on_termination,
+                                     attachment_id=attachment_id)
+            session.add(bdm)
+            actions.start_action(session, instance_uuid=uuid, action=ACTION_ATTACH, request_id=request_id,
+                                 user_id=ctx.user_id, project_id=ctx.project_id)
+            session.flush()
+            attachment = _attachment(bdm)
+        with api_session() as session:
+            for where in filter(None, (host, source)):
+                session.add(VolumeAttachment(id=attachment_id if where == host else str(uuidlib.uuid4()),
+                                             volume_id=volume_id, instance_uuid=uuid, host=where, device=device,
+                                             status=volumes.RESERVED))
+        _start(cell.name, uuid, request_id, ATTACH, volume_id)
+    except errors.InstanceInvalidState:
+        _swap_volume_status(volume_id, ATTACHING, AVAILABLE)
+        raise
+    except Exception:
+        logger.exception("attach did not start; undoing", extra={"instance_uuid": uuid, "volume_id": volume_id})
+        _undo_attach(cell.name, uuid, volume_id, request_id)
+        raise
+    logger.info("attach accepted", extra={"instance_uuid": uuid, "volume_id": volume_id, "device": device})
+    return attachment
+
+
+def _undo_attach(cell: str, instance_uuid: str, volume_id: str, request_id: str) -> None:
+    with api_session() as session:
+        session.execute(delete(VolumeAttachment).where(VolumeAttachment.volume_id == volume_id,
+                                                       VolumeAttachment.instance_uuid == instance_uuid))
+    _swap_volume_status(volume_id, ATTACHING, AVAILABLE)
+    with cell_session(cell) as session:
+        session.execute(delete(BlockDeviceMapping).where(BlockDeviceMapping.instance_uuid == instance_uuid,
+                                                         BlockDeviceMapping.volume_id == volume_id,
+                                                         BlockDeviceMapping.deleted.is_(False)))
+        try:
+            instances.update_cas(session, instance_uuid, {"task_state": None},
+                                 expected_task_state=(ATTACHING_VOLUME,))
+        except errors.UnexpectedTaskState:
+            logger.warning("task changed meanwhile; left as is", extra={"instance_uuid": instance_uuid})
+        _forget_action(session, instance_uuid, request_id)
+
+
+def begin_detach(ctx: RequestContext, location: Location, volume_id: str) -> None:
+    """Accept a detach of ``volume_id`` from the server at ``location`` and start the workflow.
+
+    Raises:
+        VolumeNotAttached: the volume is not attached to this server (404).
+        BadRequest: it is the server's root volume (400).
+        VolumeInUse: the volume is not ``in-use`` (being attached or detached) (409).
+        InstanceIsLocked, InstanceInvalidState: as :func:`begin_attach` (409).
+        Anything starting the execution raises, after everything written here is undone.
+    """
+    uuid, request_id = location.instance_uuid, ctx.request_id
+    cell = _cell_of(location, ACTION_DETACH)
+    with cell_session(cell) as session:
+        bdm = _bdm_of(session, uuid, volume_id)
+        if bdm is None:
+            raise errors.VolumeNotAttached(f"Volume {volume_id} is not attached to server {uuid}.")
+        if bdm.boot_index == 0:
+            raise errors.BadRequest("Cannot detach a root device volume")
+        _check_server(ctx, session, uuid, ACTION_DETACH)
+    if not _swap_volume_status(volume_id, IN_USE, DETACHING):
+        raise errors.VolumeInUse(f"Invalid volume: volume '{volume_id}' status must be 'in-use'.")
+    try:
+        with cell_session(cell) as session:
+            _take_server(ctx, session, uuid, ACTION_DETACH, DETACHING_VOLUME)
+            actions.start_action(session, instance_uuid=uuid, action=ACTION_DETACH, request_id=request_id,
+                                 user_id=ctx.user_id, project_id=ctx.project_id)
+    except Exception:
+        _swap_volume_status(volume_id, DETACHING, IN_USE)
+        raise
+    try:
+        _start(cell.name, uuid, request_id, DETACH, volume_id)
+    except Exception:
+        logger.exception("detach did not start; undoing", extra={"instance_uuid": uuid, "volume_id": volume_id})
+        _swap_volume_status(volume_id, DETACHING, IN_USE)
+        with cell_session(cell) as session:
+            try:
+                instances.update_cas(session, uuid, {"task_state": None}, expected_task_state=(DETACHING_VOLUME,))
+            except errors.UnexpectedTaskState:
+                logger.warning("task changed meanwhile; left as is", extra={"instance_uuid": uuid})
+            _forget_action(session, uuid, request_id)
+        raise
+    logger.info("detach accepted", extra={"instance_uuid": uuid, "volume_id": volume_id})
+
+
+# --- steps -------------------------------------------------------------------------------------
+
+
+def check_volume_operation(event: dict[str, Any]) -> dict[str, Any]:
+    """Check that the records are those of the attach or detach under way; build the host's arguments.
+
+    Returns:
+        ``{"host", "queue_url", "args"}``: ``args`` of ``attach_volume`` (``{"volume": {volume_id,
+        path, device, size_gb}}``) or ``detach_volume`` (``{"volume_id"}``).
+
+    Raises:
+        InvalidWorkflowInput, InstanceNotFound, UnexpectedTaskState, VolumeNotAttached: refused,
+            nothing changed.
+    """
+    validate_input(event, INPUT_SCHEMA)
+    uuid, operation, volume_id = event["instance_uuid"], event["operation"], event["volume_id"]
+    with cell_session(event["cell"]) as session:
+        instance = live_instance(session, uuid)
+        if instance is None:
+            raise errors.InstanceNotFound(f"Instance {uuid} could not be found.")
+        if instance.task_state != _TASK_STATE[operation] or not instance.host:
+            raise errors.UnexpectedTaskState(
+                f"Instance {uuid} is in task_state {instance.task_state} on {instance.host}: "
+                f"not a volume {operation} under way.")
+        bdm = _bdm_of(session, uuid, volume_id)
+        if bdm is None:
+            raise errors.VolumeNotAttached(f"Volume {volume_id} has no block device mapping on server {uuid}.")
+        host, device = str(instance.host), str(bdm.device_name)
+        actions.start_event(session, instance_uuid=uuid, request_id=event["request_id"], event=_EVENT[operation],
+                            host=host)
+    with api_session() as session:
+        volume = session.get(Volume, volume_id)
+        if volume is None:
+            raise errors.VolumeNotFound(f"Volume {volume_id} could not be found.")
+        args: dict[str, Any] = (
+            {"volume": {"volume_id": volume.id, "path": volume.path, "device": device, "size_gb": volume.size_gb}}
+            if operation == ATTACH else {"volume_id": volume.id})
+    return {"host": host, "queue_url": hosts.queue_url(host), "args": args}
+
+
+def finish_volume_operation(event: dict[str, Any]) -> dict[str, Any]:
+    """Record a done attach (attachment ``attached`` on the server's host, volume ``in-use``) or
+    detach (every attachment to the server gone, volume ``available``, mapping deleted); the task
+    is cleared. Idempotent."""
+    uuid, operation, volume_id = event["instance_uuid"], event["operation"], event["volume_id"]
+    host = event["volume_op"]["host"]
+    with api_session() as session:
+        volume = session.get(Volume, volume_id)
+        mine = [a for a in volumes.attachments(session, uuid) if a.volume_id == volume_id]
+        if operation == ATTACH:
+            for attachment in mine:
+                if attachment.host == host:
+                    attachment.status = volumes.ATTACHED
+            if volume is not None:
+                volume.status = IN_USE
+        else:
+            for attachment in mine:
+                session.delete(attachment)
+            if volume is not None and volume.status == DETACHING:
+                volume.status = AVAILABLE
+    with cell_session(event["cell"]) as session:
+        instance = live_instance(session, uuid)
+        if instance is None or instance.task_state != _TASK_STATE[operation]:
+            return {}
+        if operation == DETACH:
+            session.execute(update(BlockDeviceMapping).where(
+                BlockDeviceMapping.instance_uuid == uuid, BlockDeviceMapping.volume_id == volume_id)
+                .values(deleted=True).execution_options(synchronize_session=False))
+        instances.update_cas(session, uuid, {"task_state": None}, expected_task_state=(_TASK_STATE[operation],))
+        actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"], event=_EVENT[operation],
+                             host=host)
+    logger.info(f"volume {operation} done", extra={"instance_uuid": uuid, "volume_id": volume_id})
+    return {}
+
+
+def fail_volume_operation(event: dict[str, Any]) -> dict[str, Any]:
+    """Rollback tail: a failed attach leaves no attachment (volume ``available``, mapping removed);
+    a failed detach leaves the volume attached (``in-use``), unless the host already detached it
+    (``error_detaching``, the fault says so). The task is cleared, the event and a fault record
+    the error. Idempotent."""
+    uuid, operation, volume_id = event["instance_uuid"], event["operation"], event["volume_id"]
+    error = event.get("error") or {}
+    cause = error_message(error)
+    host = (event.get("volume_op") or {}).get("host")
+    detached_at_host = operation == DETACH and "detached" in event
+    details = None
+    if operation == ATTACH:
+        with api_session() as session:
+            session.execute(delete(VolumeAttachment).where(VolumeAttachment.volume_id == volume_id,
+                                                           VolumeAttachment.instance_uuid == uuid))
+        _swap_volume_status(volume_id, ATTACHING, AVAILABLE)
+        if event.get("cleanup_error"):
+            details = (f"Detaching the volume again on {host} failed ({error_message(event['cleanup_error'])}); "
+                       f"the guest may still see it.")
+    elif detached_at_host:
+        _swap_volume_status(volume_id, DETACHING, ERROR_DETACHING)
+        details = f"Host {host} detached the volume, but the records could not be updated."
+    else:
+        _swap_volume_status(volume_id, DETACHING, IN_USE)
+    with cell_session(event["cell"]) as session:
+        instance = live_instance(session, uuid)
+        if instance is None or instance.task_state != _TASK_STATE[operation]:
+            return {}
+        if operation == ATTACH:
+            session.execute(delete(BlockDeviceMapping).where(
+                BlockDeviceMapping.instance_uuid == uuid, BlockDeviceMapping.volume_id == volume_id,
+                BlockDeviceMapping.deleted.is_(False)))
+        instances.update_cas(session, uuid, {"task_state": None}, expected_task_state=(_TASK_STATE[operation],))
+        instances.add_fault(session, uuid, f"Volume {operation} of {volume_id} failed: {cause}", host=host,
+                            details=details)
+        actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"], event=_EVENT[operation],
+                             host=host, error=error or {"Error": errors.VolumeOperationFailed.__name__,
+                                                        "Cause": cause})
+    logger.warning(f"volume {operation} failed", extra={"instance_uuid": uuid, "volume_id": volume_id,
+                                                        "cause": cause})
+    return {}
