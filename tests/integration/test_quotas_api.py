@@ -1,0 +1,268 @@
+"""Project quotas: ``/os-quota-sets``, ``/limits``, counting across cells and the check on create."""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy import update
+from test_api_moves import active_server, resized_server, set_instance, snapshot_of, start_move_cloud
+from test_api_support import ADMIN, ALICE, BOB, call, create_server, mocked_cloud
+
+from ferry import config, quotas
+from ferry.compute import states
+from ferry.store.api_models import BuildRequest, InstanceMapping
+from ferry.store.cell_models import Instance
+from ferry.store.db import api_session, cell_session
+
+NOVA_SET = {"cores": 20, "instances": 10, "ram": 51200, "key_pairs": 100, "metadata_items": 128,
+            "server_groups": 10, "server_group_members": 10}
+INJECTED = {"injected_files": 5, "injected_file_content_bytes": 10240, "injected_file_path_bytes": 255}
+
+
+@pytest.fixture
+def cloud(store, monkeypatch, tmp_path):
+    for mocked in mocked_cloud(monkeypatch, tmp_path):
+        yield start_move_cloud(mocked, monkeypatch)
+
+
+# --- quota sets ---------------------------------------------------------------------------------
+
+
+def test_a_project_starts_with_novas_defaults(cloud):
+    response = call("GET", "/v2.1/os-quota-sets/project-a", caller=ALICE, version="2.57")
+
+    assert response.status == 200
+    assert response.body == {"quota_set": {"id": "project-a", **NOVA_SET}}
+
+
+def test_older_microversions_show_injected_files_and_network_quotas(cloud):
+    before_2_57 = call("GET", "/v2.1/os-quota-sets/project-a", caller=ALICE, version="2.56").body["quota_set"]
+    before_2_36 = call("GET", "/v2.1/os-quota-sets/project-a", caller=ALICE, version="2.35").body["quota_set"]
+
+    assert before_2_57 == {"id": "project-a", **NOVA_SET, **INJECTED}
+    assert before_2_36["floating_ips"] == 10 and before_2_36["security_groups"] == 10
+    assert before_2_36["fixed_ips"] == -1 and before_2_36["security_group_rules"] == 20
+
+
+def test_defaults_come_from_the_environment(cloud, monkeypatch):
+    monkeypatch.setenv("FERRY_QUOTA_CORES", "8")
+    monkeypatch.setenv("FERRY_QUOTA_RAM", "-1")
+
+    shown = call("GET", "/v2.1/os-quota-sets/project-a/defaults", caller=BOB, version="2.90").body["quota_set"]
+
+    assert (shown["id"], shown["cores"], shown["ram"], shown["instances"]) == ("project-a", 8, -1, 10)
+
+
+def test_members_see_only_their_own_projects_quota(cloud):
+    assert call("GET", "/v2.1/os-quota-sets/project-b", caller=ALICE).status == 403
+    assert call("GET", "/v2.1/os-quota-sets/project-b/detail", caller=ALICE).status == 403
+    assert call("GET", "/v2.1/os-quota-sets/project-b", caller=ADMIN).status == 200
+
+
+def test_admin_sets_and_deletes_a_projects_quota(cloud):
+    updated = call("PUT", "/v2.1/os-quota-sets/project-a", caller=ADMIN, version="2.90",
+                   body={"quota_set": {"cores": 40, "ram": "102400", "instances": -1}})
+
+    assert updated.status == 200
+    assert updated.body == {"quota_set": {**NOVA_SET, "cores": 40, "ram": 102400, "instances": -1}}
+    shown = call("GET", "/v2.1/os-quota-sets/project-a", caller=ALICE, version="2.90").body["quota_set"]
+    assert (shown["cores"], shown["ram"], shown["instances"]) == (40, 102400, -1)
+    assert call("GET", "/v2.1/os-quota-sets/project-b", caller=ADMIN).body["quota_set"]["cores"] == 20
+
+    assert call("DELETE", "/v2.1/os-quota-sets/project-a", caller=ADMIN).status == 202
+    assert call("GET", "/v2.1/os-quota-sets/project-a", caller=ALICE).body["quota_set"]["cores"] == 20
+
+
+def test_members_cannot_change_quotas(cloud):
+    assert call("PUT", "/v2.1/os-quota-sets/project-a", caller=ALICE, body={"quota_set": {"cores": 99}}).status == 403
+    assert call("DELETE", "/v2.1/os-quota-sets/project-a", caller=ALICE).status == 403
+    assert quotas.limits("project-a")["cores"] == 20
+
+
+@pytest.mark.parametrize("body", [
+    {"quota_set": {"cores": -2}},
+    {"quota_set": {"cores": "lots"}},
+    {"quota_set": {"floppies": 1}},
+    {"quota_set": {"injected_files": 1}},  # gone at 2.57
+    {"quota_set": {"cores": 1}, "extra": {}},
+    {"cores": 1},
+])
+def test_bad_quota_updates_are_400(cloud, body):
+    response = call("PUT", "/v2.1/os-quota-sets/project-a", caller=ADMIN, body=body, version="2.90")
+
+    assert response.status == 400, response.body
+    assert quotas.limits("project-a") == quotas.defaults()
+
+
+def test_a_limit_below_usage_needs_force(cloud):
+    active_server()
+    active_server()  # 2 cores, 1024 MB
+
+    refused = call("PUT", "/v2.1/os-quota-sets/project-a", caller=ADMIN, body={"quota_set": {"cores": 1}})
+    forced = call("PUT", "/v2.1/os-quota-sets/project-a", caller=ADMIN,
+                  body={"quota_set": {"cores": 1, "force": True}})
+
+    assert refused.status == 400
+    assert refused.body["badRequest"]["message"] == \
+        "Quota limit 1 for cores must be greater than or equal to already used and reserved 2."
+    assert forced.status == 200 and forced.body["quota_set"]["cores"] == 1
+
+
+def test_per_user_quotas_are_refused(cloud):
+    response = call("GET", "/v2.1/os-quota-sets/project-a", caller=ADMIN, query={"user_id": "alice"})
+
+    assert response.status == 400
+
+
+def test_detail_shows_usage(cloud):
+    active_server()
+    create_server(name="still-building", flavorRef="2")
+
+    detail = call("GET", "/v2.1/os-quota-sets/project-a/detail", caller=ALICE, version="2.90").body["quota_set"]
+
+    assert detail["id"] == "project-a"
+    assert detail["instances"] == {"limit": 10, "in_use": 2, "reserved": 0}
+    assert detail["cores"] == {"limit": 20, "in_use": 3, "reserved": 0}
+    assert detail["ram"] == {"limit": 51200, "in_use": 1536, "reserved": 0}
+    assert detail["key_pairs"] == {"limit": 100, "in_use": 0, "reserved": 0}
+
+
+# --- counting -----------------------------------------------------------------------------------
+
+
+def test_usage_counts_every_cell_and_leaves_out_deleted_and_hidden_copies(cloud):
+    small = snapshot_of("m1.small")
+    with cell_session("cell2") as session:
+        session.add(Instance(display_name="other-cell", project_id="project-a", user_id="alice", flavor=small,
+                             vm_state=states.ACTIVE))
+        session.add(Instance(display_name="hidden-copy", project_id="project-a", user_id="alice", flavor=small,
+                             vm_state=states.ACTIVE, hidden=True))
+        session.add(Instance(display_name="gone", project_id="project-a", user_id="alice", flavor=small,
+                             vm_state=states.DELETED, deleted=True))
+    with cell_session("cell0") as session:
+        session.add(Instance(display_name="unscheduled", project_id="project-a", user_id="alice", flavor=small,
+                             vm_state=states.ERROR))
+        session.add(Instance(display_name="bobs", project_id="project-b", user_id="bob", flavor=small,
+                             vm_state=states.ERROR))
+
+    assert quotas.usage("project-a") == {"instances": 2, "cores": 2, "ram": 1024}
+
+
+def test_a_server_in_resize_counts_the_larger_of_its_flavors(cloud):
+    server_id, _ = resized_server()  # m1.small (1, 512) -> m1.medium (2, 1024)
+    set_instance(server_id, flavor=snapshot_of("m1.medium"), old_flavor={**snapshot_of("m1.small"), "vcpus": 3})
+
+    assert quotas.usage("project-a") == {"instances": 1, "cores": 3, "ram": 1024}
+
+    set_instance(server_id, vm_state=states.ACTIVE, task_state=None)  # settled: the current flavor only
+    assert quotas.usage("project-a") == {"instances": 1, "cores": 2, "ram": 1024}
+
+
+def test_a_server_queued_for_delete_before_scheduling_does_not_count(cloud):
+    server_id = create_server()
+    with api_session() as session:
+        session.execute(update(InstanceMapping).where(InstanceMapping.instance_uuid == server_id)
+                        .values(queued_for_delete=True))
+
+    assert quotas.usage("project-a")["instances"] == 0
+
+
+# --- create -------------------------------------------------------------------------------------
+
+
+def test_create_over_the_instances_quota_is_403_and_writes_nothing(cloud):
+    quotas.update("project-a", {"instances": 1})
+    create_server()
+
+    response = call("POST", "/v2.1/servers", version="2.90", body={
+        "server": {"name": "second", "flavorRef": "1", "imageRef": cloud.image_id, "networks": "auto"}})
+
+    assert response.status == 403
+    assert response.body["forbidden"]["message"] == \
+        "Quota exceeded for instances: Requested 1, but already used 1 of 1 instances"
+    with api_session() as session:
+        assert session.query(BuildRequest).count() == 1
+    assert cloud.executions("boot") and len(cloud.executions("boot")) == 1
+
+
+def test_create_over_the_cores_quota_names_cores(cloud):
+    quotas.update("project-a", {"cores": 2})
+    create_server()  # 1 core
+
+    response = call("POST", "/v2.1/servers", version="2.90", body={
+        "server": {"name": "big", "flavorRef": "2", "imageRef": cloud.image_id, "networks": "auto"}})
+
+    assert response.status == 403
+    assert response.body["forbidden"]["message"] == \
+        "Quota exceeded for cores: Requested 2, but already used 1 of 2 cores"
+
+
+def test_another_projects_servers_do_not_count(cloud):
+    quotas.update("project-a", {"instances": 1})
+    create_server(BOB)
+    create_server(BOB)
+
+    assert call("POST", "/v2.1/servers", version="2.90", body={
+        "server": {"name": "mine", "flavorRef": "1", "imageRef": cloud.image_id, "networks": "auto"}}).status == 202
+
+
+def test_a_boot_that_loses_the_race_for_the_last_instance_is_removed(cloud, monkeypatch):
+    quotas.update("project-a", {"instances": 1})
+    original = quotas.check
+
+    def racer_boots_meanwhile(project_id, deltas):
+        original(project_id, deltas)
+        with cell_session("cell1") as session:
+            session.add(Instance(display_name="racer", project_id="project-a", user_id="alice",
+                                 flavor=snapshot_of("m1.small"), vm_state=states.ACTIVE))
+
+    monkeypatch.setattr(quotas, "check", racer_boots_meanwhile)
+
+    response = call("POST", "/v2.1/servers", version="2.90", body={
+        "server": {"name": "late", "flavorRef": "1", "imageRef": cloud.image_id, "networks": "auto"}})
+
+    assert response.status == 403
+    with api_session() as session:
+        assert session.query(BuildRequest).count() == 0 and session.query(InstanceMapping).count() == 0
+    assert cloud.executions("boot") == []
+
+
+# --- limits -------------------------------------------------------------------------------------
+
+
+def test_limits_show_the_projects_limits_and_usage(cloud):
+    active_server()
+    quotas.update("project-a", {"cores": 7})
+
+    absolute = call("GET", "/v2.1/limits", caller=ALICE, version="2.90").body["limits"]["absolute"]
+
+    assert absolute == {"maxServerMeta": 128, "maxTotalKeypairs": 100, "maxServerGroups": 10,
+                        "maxServerGroupMembers": 10, "maxTotalCores": 7, "maxTotalInstances": 10,
+                        "maxTotalRAMSize": 51200, "totalCoresUsed": 1, "totalInstancesUsed": 1,
+                        "totalRAMUsed": 512, "totalServerGroupsUsed": 0}
+
+
+def test_limits_before_2_57_and_2_39_and_2_36(cloud):
+    body = call("GET", "/v2.1/limits", caller=ALICE, version="2.35").body["limits"]
+
+    assert body["rate"] == []
+    absolute = body["absolute"]
+    assert (absolute["maxPersonality"], absolute["maxPersonalitySize"], absolute["maxImageMeta"]) == (5, 10240, 128)
+    assert absolute["maxTotalFloatingIps"] == 10 and absolute["totalSecurityGroupsUsed"] == 0
+    assert "maxImageMeta" not in call("GET", "/v2.1/limits", caller=ALICE, version="2.39").body["limits"]["absolute"]
+
+
+def test_limits_of_another_project_are_for_admins(cloud):
+    create_server(BOB)
+
+    assert call("GET", "/v2.1/limits", caller=ALICE, query={"tenant_id": "project-b"}).status == 403
+    shown = call("GET", "/v2.1/limits", caller=ADMIN, query={"tenant_id": "project-b"}).body["limits"]["absolute"]
+    assert shown["totalInstancesUsed"] == 1
+
+
+def test_an_invalid_default_is_reported(cloud, monkeypatch):
+    monkeypatch.setenv("FERRY_QUOTA_INSTANCES", "many")
+    config.reset()
+
+    response = call("GET", "/v2.1/os-quota-sets/project-a", caller=ALICE)
+
+    assert response.status == 500
