@@ -1,0 +1,696 @@
+"""The resize / cold migrate workflow's steps against a real store (SQLite and PostgreSQL).
+
+Each test drives the step functions the way ``statemachine/resize.asl.json`` does, with moto
+for the host queues, the image bucket and the notification bus; the host operations'
+results are what the host agent protocol says they are. The rollback tests take a snapshot
+of everything a move touches before the compute API prepared it, fail the move at each
+stage, roll back, and compare.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid as uuidlib
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+from moto import mock_aws
+from sqlalchemy import select
+
+from ferry import aws, config, errors, hosts, notifications, placement, protocol
+from ferry.compute import actions, states
+from ferry.store.api_models import (
+    CellMapping,
+    InstanceMapping,
+    Network,
+    Port,
+    PortBinding,
+    RequestSpec,
+    Volume,
+    VolumeAttachment,
+    utcnow,
+)
+from ferry.store.cell_models import (
+    BlockDeviceMapping,
+    Instance,
+    InstanceAction,
+    InstanceActionEvent,
+    InstanceFault,
+    Migration,
+)
+from ferry.store.db import api_session, cell_session
+from ferry.workflows import resize
+
+ROOT = Path(__file__).resolve().parents[2]
+PROJECT, USER = "demo", "u1"
+SMALL = {"flavorid": "1", "name": "ferry.tiny", "vcpus": 1, "memory_mb": 512, "root_gb": 1, "ephemeral_gb": 0,
+         "swap": 0, "extra_specs": {}}
+BIG = {"flavorid": "2", "name": "ferry.small", "vcpus": 2, "memory_mb": 1024, "root_gb": 2, "ephemeral_gb": 1,
+       "swap": 0, "extra_specs": {}}
+SOURCE = "cell1-host1"
+# Free memory decides the weighed order: host2 first, then host3.
+HOSTS = {"cell1-host1": 4096, "cell1-host2": 8192, "cell1-host3": 6144}
+BUS = "ferry-test-notifications"
+DISKS = {"root": {"sha256": hashlib.sha256(b"root").hexdigest(), "size": 2 * 2**30}}
+
+
+def report(host: str, cell: str = "cell1", *, vcpus: int = 4, memory_mb: int = 4096, disk_gb: int = 20) -> None:
+    hosts.apply_report({"kind": "inventory", "host": host, "node": host, "cell": cell, "sent_at": utcnow().isoformat(),
+                        "inventory": {"VCPU": {"total": vcpus}, "MEMORY_MB": {"total": memory_mb},
+                                      "DISK_GB": {"total": disk_gb}}})
+
+
+class Tap:
+    """What reached the notification bus, through a rule with an SQS target."""
+
+    def __init__(self, queue_url: str) -> None:
+        self.queue_url = queue_url
+
+    def drain(self) -> list[dict[str, Any]]:
+        sqs, found = aws.client("sqs"), []
+        while True:
+            messages = sqs.receive_message(QueueUrl=self.queue_url, MaxNumberOfMessages=10).get("Messages") or []
+            if not messages:
+                return found
+            for message in messages:
+                found.append(json.loads(message["Body"])["detail"])
+                sqs.delete_message(QueueUrl=self.queue_url, ReceiptHandle=message["ReceiptHandle"])
+
+
+@pytest.fixture
+def cloud(store, monkeypatch):
+    """Three reporting hosts in cell1 with queues, the image bucket and a tapped notification bus."""
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    monkeypatch.setenv("FERRY_NOTIFICATION_BUS", BUS)
+    config.reset()
+    with mock_aws():
+        aws.reset()
+        hosts._queue_urls.clear()
+        aws.client("s3").create_bucket(Bucket=config.get().image_bucket)
+        for host, memory in HOSTS.items():
+            aws.client("sqs").create_queue(QueueName=protocol.host_queue_name(config.get().host_queue_prefix, host))
+            report(host, memory_mb=memory)
+        events, sqs = aws.client("events"), aws.client("sqs")
+        events.create_event_bus(Name=BUS)
+        url = sqs.create_queue(QueueName="tap")["QueueUrl"]
+        arn = sqs.get_queue_attributes(QueueUrl=url, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
+        events.put_rule(Name="tap", EventBusName=BUS, EventPattern=json.dumps({"source": [notifications.SOURCE]}))
+        events.put_targets(Rule="tap", EventBusName=BUS, Targets=[{"Id": "q", "Arn": arn}])
+        with api_session() as session:
+            session.add(Network(id="net-1", name="shared", cidr="10.0.0.0/24"))
+        yield Tap(url)
+        aws.reset()
+        hosts._queue_urls.clear()
+
+
+# --- what exists before a move, and what the API writes -------------------------------------------
+
+
+def make_server(host: str = SOURCE, flavor: dict | None = None, *, vm_state: str = states.ACTIVE,
+                power_state: int = states.RUNNING, volume: bool = False) -> str:
+    """A server on ``host`` as a finished boot leaves it: claim, record, mapping, spec, an ACTIVE port."""
+    flavor = flavor or SMALL
+    uuid = str(uuidlib.uuid4())
+    placement.claim(uuid, PROJECT, USER, {placement.provider_by_host(host):
+                                         placement.resources_from_flavor(flavor, False)})
+    with cell_session("cell1") as session:
+        session.add(Instance(uuid=uuid, display_name="vm1", project_id=PROJECT, user_id=USER, image_ref="img-1",
+                             flavor=flavor, vm_state=vm_state, task_state=None, power_state=power_state,
+                             host=host, node=host, launched_on=host))
+        if volume:
+            session.add(BlockDeviceMapping(instance_uuid=uuid, source_type="volume", destination_type="volume",
+                                           device_name="vdb", boot_index=None, volume_id=f"vol-{uuid[:8]}"))
+    with api_session() as session:
+        cell_id = session.scalars(select(CellMapping.id).where(CellMapping.name == "cell1")).one()
+        session.add(InstanceMapping(instance_uuid=uuid, project_id=PROJECT, user_id=USER, cell_id=cell_id))
+        session.add(RequestSpec(instance_uuid=uuid, spec={
+            "instance_uuid": uuid, "project_id": PROJECT, "user_id": USER, "flavor": flavor, "is_bfv": False,
+            "ignore_hosts": [], "requested_destination": None, "allowed_cells": None, "scheduler_hints": {},
+            "group": None}))
+        port = Port(network_id="net-1", project_id=PROJECT, device_id=uuid, status="ACTIVE",
+                    mac_address=f"fa:16:3e:{uuid[0:2]}:{uuid[2:4]}:{uuid[4:6]}", fixed_ip="10.0.0.5")
+        port.bindings.append(PortBinding(host=host, status="ACTIVE", vif_details={"type": "ethernet"}))
+        session.add(port)
+        if volume:
+            vol = Volume(id=f"vol-{uuid[:8]}", project_id=PROJECT, size_gb=1, status="in-use",
+                         path=f"/srv/volumes/vol-{uuid[:8]}")
+            vol.attachments.append(VolumeAttachment(instance_uuid=uuid, host=host, device="vdb", status="attached"))
+            session.add(vol)
+    return uuid
+
+
+def prepare_move(uuid: str, new_flavor: dict | None = None, *, requested_host: str | None = None) -> dict[str, Any]:
+    """What the compute API writes before starting the workflow; returns the execution input."""
+    migration_uuid = str(uuidlib.uuid4())
+    request_id = f"req-{uuidlib.uuid4()}"
+    with cell_session("cell1") as session:
+        instance = session.scalars(select(Instance).where(Instance.uuid == uuid)).one()
+        target = new_flavor or instance.flavor
+        kind = "resize" if target["flavorid"] != instance.flavor["flavorid"] else "migration"
+        instance.task_state, instance.old_flavor, instance.new_flavor = states.RESIZE_PREP, instance.flavor, target
+        instance.old_vm_state = instance.vm_state
+        session.add(Migration(uuid=migration_uuid, instance_uuid=uuid, source_compute=instance.host,
+                              source_node=instance.node, status="pre-migrating", migration_type=kind,
+                              old_instance_type_id=1, new_instance_type_id=2, user_id=USER, project_id=PROJECT))
+        actions.start_action(session, instance_uuid=uuid, action="resize" if kind == "resize" else "migrate",
+                             request_id=request_id, user_id=USER, project_id=PROJECT)
+    return {"instance_uuid": uuid, "migration_uuid": migration_uuid, "cell": "cell1", "request_id": request_id,
+            "requested_host": requested_host, "execution_name": f"resize-{uuid}-{migration_uuid[:8]}",
+            "user_id": USER, "project_id": PROJECT}
+
+
+def snapshot(uuid: str) -> dict[str, Any]:
+    """Everything a move may touch: the record, allocations of every consumer, bindings, attachments."""
+    with cell_session("cell1") as session:
+        i = session.scalars(select(Instance).where(Instance.uuid == uuid)).one()
+        record = {k: getattr(i, k) for k in ("host", "node", "flavor", "vm_state", "task_state", "power_state",
+                                             "old_flavor", "new_flavor", "old_vm_state")}
+        migrations = list(session.scalars(select(Migration.uuid).where(Migration.instance_uuid == uuid)))
+    with api_session() as session:
+        ports = {p.id: sorted((b.host, b.status) for b in p.bindings)
+                 for p in session.scalars(select(Port).where(Port.device_id == uuid))}
+        attachments = sorted((a.volume_id, a.host, a.device, a.status) for a in session.scalars(
+            select(VolumeAttachment).where(VolumeAttachment.instance_uuid == uuid)))
+        volume_status = sorted(v.status for v in session.scalars(select(Volume)))
+    usage = {host: placement.usages(placement.provider_by_host(host)) for host in HOSTS}
+    consumers = {c: placement.get_allocations(c) for c in [uuid, *migrations] if placement.get_allocations(c)}
+    return {"record": record, "ports": ports, "attachments": attachments, "volumes": volume_status,
+            "usage": usage, "allocations": consumers}
+
+
+def instance(uuid: str) -> Instance:
+    with cell_session("cell1") as session:
+        return session.scalars(select(Instance).where(Instance.uuid == uuid)).one()
+
+
+def migration(migration_uuid: str) -> Migration:
+    with cell_session("cell1") as session:
+        return session.scalars(select(Migration).where(Migration.uuid == migration_uuid)).one()
+
+
+def events_of(uuid: str) -> dict[str, tuple[str | None, str | None, bool]]:
+    """``{event: (result, host, finished)}`` of the instance's actions."""
+    with cell_session("cell1") as session:
+        rows = session.execute(select(InstanceActionEvent).join(
+            InstanceAction, InstanceAction.id == InstanceActionEvent.action_id).where(
+            InstanceAction.instance_uuid == uuid)).scalars()
+        return {e.event: (e.result, e.host, e.finish_time is not None) for e in rows}
+
+
+def faults_of(uuid: str) -> list[InstanceFault]:
+    with cell_session("cell1") as session:
+        return list(session.scalars(select(InstanceFault).where(InstanceFault.instance_uuid == uuid)))
+
+
+def used_on(host: str) -> dict[str, int]:
+    return placement.usages(placement.provider_by_host(host))
+
+
+# --- driving the steps as the state machine does ------------------------------------------------
+
+STAGES = ["SelectMoveDestinations", "PrepResizeAtDest", "PrepResizeOnDestHost", "ResizeInstanceAtSource",
+          "ResizeInstanceOnSourceHost", "FinishResizeAtDest", "FinishResizeOnDestHost", "MarkResized"]
+
+
+def host_result(doc: dict[str, Any], host: str, power_state: int, **extra: Any) -> dict[str, Any]:
+    return {"instance_uuid": doc["instance_uuid"], "host": host, "node": host, "power_state": power_state, **extra}
+
+
+def run(inp: dict[str, Any], *, until: str | None = None, twice: bool = False) -> dict[str, Any]:
+    """Run the steps in order; stop before ``until`` (a state name) as its Catch would see the document.
+
+    Lambda steps named by ``until`` do run (their writes stay, as when a step fails after
+    committing) but their result is not stored. With ``twice`` every step runs two times.
+    """
+    doc = resize.validate_input({"input": inp, "execution_name": inp["execution_name"]})
+
+    def step(name: str, key: str | None, fn: Any) -> bool:
+        result = fn(doc)
+        if twice:
+            result = fn(doc)
+        if name == until:
+            return False
+        if key:
+            doc[key] = result
+        return True
+
+    if until == "SelectMoveDestinations":
+        return doc
+    if not step("SelectMoveDestinations", "destination", resize.select_destinations):
+        return doc
+    if not step("PrepResizeAtDest", "prep", resize.prep_resize_at_dest) or until == "PrepResizeOnDestHost":
+        return doc
+    protocol.validate(doc["prep"]["args"], protocol.ARGS_SCHEMAS[protocol.PREP_RESIZE])
+    doc["claim"] = host_result(doc, doc["destination"]["host"], states.NOSTATE, claimed=True)
+    if not step("ResizeInstanceAtSource", "resize", resize.resize_instance_at_source):
+        return doc
+    protocol.validate(doc["resize"]["args"], protocol.ARGS_SCHEMAS[protocol.RESIZE_INSTANCE])
+    if until == "ResizeInstanceOnSourceHost":
+        return doc
+    was_running = instance(doc["instance_uuid"]).power_state == states.RUNNING
+    doc["resized"] = host_result(doc, doc["move"]["source"]["host"], states.SHUTDOWN, was_running=was_running,
+                                 disks=DISKS)
+    if not step("FinishResizeAtDest", "finish", resize.finish_resize_at_dest):
+        return doc
+    protocol.validate(doc["finish"]["args"], protocol.ARGS_SCHEMAS[protocol.FINISH_RESIZE])
+    if until == "FinishResizeOnDestHost":
+        return doc
+    power = states.RUNNING if doc["finish"]["args"]["power_on"] else states.SHUTDOWN
+    doc["finished"] = host_result(doc, doc["destination"]["host"], power, disks=DISKS)
+    step("MarkResized", None, resize.mark_resized)
+    return doc
+
+
+def fail_and_roll_back(doc: dict[str, Any], error: str = "Ferry.HypervisorError", cause: str = "it broke",
+                       **extra: Any) -> dict[str, Any]:
+    """What the Catch branches do: revert at the destination, restore the source, then RollbackMove."""
+    doc = {**doc, "error": {"Error": error, "Cause": cause}, **extra}
+    if "resize" in doc and "restore_error" not in doc:
+        power = states.RUNNING if doc["move"]["restore_args"]["power_on"] else states.SHUTDOWN
+        doc.setdefault("restored", host_result(doc, doc["move"]["source"]["host"], power))
+    resize.rollback_move(doc)
+    return doc
+
+
+# --- ValidateInput ------------------------------------------------------------------------------
+
+
+def test_validate_input_returns_the_move_and_changes_nothing(cloud):
+    uuid = make_server(volume=True)
+    inp = prepare_move(uuid, BIG)
+    before = snapshot(uuid)
+
+    doc = resize.validate_input({"input": {k: v for k, v in inp.items() if k != "execution_name"},
+                                 "execution_name": "named-by-the-execution"})
+
+    assert snapshot(uuid) == before
+    assert doc["execution_name"] == "named-by-the-execution"
+    move = doc["move"]
+    assert move["migration_type"] == "resize"
+    assert (move["source"]["host"], move["source"]["node"], move["source"]["power_state"]) == (SOURCE, SOURCE, 1)
+    assert move["source"]["queue_url"].endswith(protocol.host_queue_name(config.get().host_queue_prefix, SOURCE))
+    assert move["transfer"] == {"bucket": config.get().image_bucket, "prefix": f"transfers/{inp['migration_uuid']}"}
+    restore = move["restore_args"]
+    protocol.validate(restore, protocol.ARGS_SCHEMAS[protocol.FINISH_REVERT_RESIZE])
+    assert restore["flavor"] == resize.host_flavor(SMALL) and restore["power_on"] is True
+    assert restore["volumes"] == [{"volume_id": f"vol-{uuid[:8]}", "path": f"/srv/volumes/vol-{uuid[:8]}",
+                                   "device": "vdb", "boot_index": None}]
+    with api_session() as session:
+        port = session.scalars(select(Port).where(Port.device_id == uuid)).one()
+        assert restore["ports"] == [{"id": port.id, "mac_address": port.mac_address}]
+
+
+@pytest.mark.parametrize("change", [
+    {"migration_uuid": None},
+    {"instance_uuid": "not-a-uuid"},
+    {"surprise": True},
+    {"requested_host": ""},
+    {"cell": 3},
+], ids=["missing-migration", "bad-uuid", "unknown-key", "empty-host", "cell-not-a-string"])
+def test_input_not_matching_the_schema_is_refused_and_changes_nothing(cloud, change):
+    uuid = make_server()
+    inp = prepare_move(uuid, BIG)
+    before = snapshot(uuid)
+    bad = {k: v for k, v in {**inp, **change}.items() if v is not None}
+
+    with pytest.raises(errors.InvalidMoveInput):
+        resize.validate_input({"input": bad, "execution_name": "x"})
+
+    assert snapshot(uuid) == before
+
+
+def _no_migration(inp):
+    return {**inp, "migration_uuid": str(uuidlib.uuid4())}
+
+
+def _not_prepared(inp):
+    with cell_session("cell1") as session:
+        session.execute(Instance.__table__.update().values(task_state=None))
+    return inp
+
+
+def _migration_moved_on(inp):
+    with cell_session("cell1") as session:
+        session.execute(Migration.__table__.update().values(status="error"))
+    return inp
+
+
+def _wrong_cell(inp):
+    return {**inp, "cell": "cell2"}
+
+
+def _unknown_instance(inp):
+    return {**inp, "instance_uuid": str(uuidlib.uuid4())}
+
+
+@pytest.mark.parametrize("spoil", [_no_migration, _not_prepared, _migration_moved_on, _wrong_cell,
+                                   _unknown_instance], ids=lambda f: f.__name__.strip("_"))
+def test_a_move_the_api_did_not_prepare_is_refused_and_changes_nothing(cloud, spoil):
+    uuid = make_server()
+    inp = spoil(prepare_move(uuid, BIG))
+    before = snapshot(uuid)
+
+    with pytest.raises(errors.MoveNotPrepared):
+        resize.validate_input({"input": inp, "execution_name": "x"})
+
+    assert snapshot(uuid) == before
+
+
+def test_the_layer_reads_the_same_input_schema_the_state_machine_documents():
+    documented = json.loads((ROOT / "statemachine" / "resize.input.schema.json").read_text())
+
+    assert resize.INPUT_SCHEMA == documented
+    jsonschema.Draft202012Validator.check_schema(documented)
+
+
+# --- SelectDestinations -------------------------------------------------------------------------
+
+
+def test_select_moves_the_source_allocation_to_the_migration_and_claims_the_destination(cloud):
+    uuid = make_server()
+    inp = prepare_move(uuid, BIG)
+    doc = resize.validate_input({"input": inp})
+
+    dest = resize.select_destinations(doc)
+
+    assert dest["host"] == "cell1-host2" and dest["same_host"] is False
+    assert [a["host"] for a in dest["alternates"]] == ["cell1-host3"]
+    source_rp, dest_rp = placement.provider_by_host(SOURCE), placement.provider_by_host("cell1-host2")
+    assert placement.get_allocations(inp["migration_uuid"]) == {source_rp: {"VCPU": 1, "MEMORY_MB": 512,
+                                                                            "DISK_GB": 1}}
+    assert placement.get_allocations(uuid) == {dest_rp: {"VCPU": 2, "MEMORY_MB": 1024, "DISK_GB": 3}}
+    assert events_of(uuid) == {resize.EVENT_MIGRATE: ("Success", None, True)}
+    assert instance(uuid).task_state == states.RESIZE_PREP
+
+
+def test_select_run_twice_claims_once(cloud):
+    uuid = make_server()
+    inp = prepare_move(uuid, BIG)
+    doc = resize.validate_input({"input": inp})
+
+    first = resize.select_destinations(doc)
+    second = resize.select_destinations(doc)
+
+    assert second["host"] == first["host"]
+    assert used_on(first["host"]) == {"VCPU": 2, "MEMORY_MB": 1024, "DISK_GB": 3}
+    assert used_on(SOURCE) == {"VCPU": 1, "MEMORY_MB": 512, "DISK_GB": 1}
+
+
+def test_a_cold_migrate_never_stays_on_the_source(cloud, monkeypatch):
+    monkeypatch.setenv("FERRY_ALLOW_RESIZE_TO_SAME_HOST", "true")
+    config.reset()
+    report("cell1-host2", memory_mb=256)
+    report("cell1-host3", memory_mb=256)
+    uuid = make_server()
+    doc = resize.validate_input({"input": prepare_move(uuid)})
+
+    with pytest.raises(errors.NoValidHost):
+        resize.select_destinations(doc)
+
+
+def test_a_same_host_resize_when_allowed_holds_old_and_new_on_one_provider(cloud, monkeypatch):
+    monkeypatch.setenv("FERRY_ALLOW_RESIZE_TO_SAME_HOST", "true")
+    config.reset()
+    uuid = make_server()
+    inp = prepare_move(uuid, BIG, requested_host=SOURCE)
+
+    doc = run(inp)
+
+    assert doc["destination"]["same_host"] is True
+    source_rp = placement.provider_by_host(SOURCE)
+    assert placement.get_allocations(inp["migration_uuid"]) == {source_rp: {"VCPU": 1, "MEMORY_MB": 512,
+                                                                            "DISK_GB": 1}}
+    assert placement.get_allocations(uuid) == {source_rp: {"VCPU": 2, "MEMORY_MB": 1024, "DISK_GB": 3}}
+    assert used_on(SOURCE) == {"VCPU": 3, "MEMORY_MB": 1536, "DISK_GB": 4}
+    with api_session() as session:
+        port = session.scalars(select(Port).where(Port.device_id == uuid)).one()
+        assert [(b.host, b.status) for b in port.bindings] == [(SOURCE, "ACTIVE")]
+    assert instance(uuid).vm_state == states.RESIZED
+
+
+def test_a_requested_host_is_the_only_candidate(cloud):
+    uuid = make_server()
+    inp = prepare_move(uuid, requested_host="cell1-host3")
+    doc = resize.validate_input({"input": inp})
+
+    dest = resize.select_destinations(doc)
+
+    assert dest["host"] == "cell1-host3" and dest["alternates"] == []
+
+
+def test_no_valid_host_leaves_everything_as_before_and_records_no_fault(cloud):
+    uuid = make_server()
+    before = snapshot(uuid)
+    inp = prepare_move(uuid, {**BIG, "flavorid": "9", "vcpus": 64})
+    doc = resize.validate_input({"input": inp})
+    with pytest.raises(errors.NoValidHost) as raised:
+        resize.select_destinations(doc)
+    cloud.drain()
+
+    resize.rollback_move({**doc, "error": {"Error": "Ferry.NoValidHost", "Cause": raised.value.message}})
+
+    assert snapshot(uuid) == before
+    assert migration(inp["migration_uuid"]).status == "error"
+    assert faults_of(uuid) == []
+    result, host, finished = events_of(uuid)[resize.EVENT_MIGRATE]
+    assert (result, finished) == ("Error", True)
+    with cell_session("cell1") as session:
+        event = session.scalars(select(InstanceActionEvent)).one()
+        assert event.details.startswith("Ferry.NoValidHost: No valid host was found")
+    [error] = cloud.drain()
+    assert error["event_type"] == "instance.resize.error" and error["publisher_id"].startswith("conductor:")
+
+
+# --- PrepResizeAtDest and RescheduleMove --------------------------------------------------------
+
+
+def test_prep_records_the_destination_and_binds_ports_and_volumes_there_inactive(cloud):
+    uuid = make_server(volume=True)
+    inp = prepare_move(uuid, BIG)
+    doc = run(inp, until="PrepResizeOnDestHost", twice=True)
+
+    dest = doc["destination"]["host"]
+    assert doc["prep"]["args"] == {"migration_uuid": inp["migration_uuid"], "flavor": resize.host_flavor(BIG),
+                                   "same_host": False}
+    m = migration(inp["migration_uuid"])
+    assert (m.dest_compute, m.dest_node, m.dest_host, m.status) == (dest, dest, dest, "pre-migrating")
+    state = snapshot(uuid)
+    assert list(state["ports"].values()) == [sorted([(SOURCE, "ACTIVE"), (dest, "INACTIVE")])]
+    assert state["attachments"] == sorted([(f"vol-{uuid[:8]}", SOURCE, "vdb", "attached"),
+                                           (f"vol-{uuid[:8]}", dest, "vdb", "reserved")])
+    assert events_of(uuid)[resize.EVENT_PREP] == (None, dest, False)
+    published = [(n["event_type"], n["publisher_id"]) for n in cloud.drain()]
+    assert ("instance.resize_prep.start", f"compute:{dest}") in published
+
+
+def test_a_refused_claim_moves_to_the_alternate_and_releases_the_refusing_host(cloud):
+    uuid = make_server(volume=True)
+    inp = prepare_move(uuid, BIG)
+    doc = run(inp, until="PrepResizeOnDestHost")
+    refused = doc["destination"]
+    doc["error"] = {"Error": "Ferry.ResizeClaimFailed", "Cause": "no NUMA room"}
+
+    new = resize.reschedule_move(doc)
+    again = resize.reschedule_move(doc)
+
+    assert new["host"] == again["host"] == "cell1-host3" and new["alternates"] == []
+    assert used_on(refused["host"]) == {}
+    assert placement.get_allocations(uuid) == {new["provider_uuid"]: {"VCPU": 2, "MEMORY_MB": 1024, "DISK_GB": 3}}
+    assert placement.get_allocations(inp["migration_uuid"]) == {
+        placement.provider_by_host(SOURCE): {"VCPU": 1, "MEMORY_MB": 512, "DISK_GB": 1}}
+    state = snapshot(uuid)
+    assert list(state["ports"].values()) == [[(SOURCE, "ACTIVE")]]
+    assert state["attachments"] == [(f"vol-{uuid[:8]}", SOURCE, "vdb", "attached")]
+    assert migration(inp["migration_uuid"]).dest_compute is None
+
+    doc = {k: v for k, v in doc.items() if k not in ("prep", "error")} | {"destination": new}
+    doc["prep"] = resize.prep_resize_at_dest(doc)
+    assert migration(inp["migration_uuid"]).dest_compute == "cell1-host3"
+
+
+def test_no_reschedule_when_a_host_was_requested(cloud):
+    uuid = make_server()
+    inp = prepare_move(uuid, requested_host="cell1-host2")
+    doc = run(inp, until="PrepResizeOnDestHost")
+
+    with pytest.raises(errors.NoValidHost):
+        resize.reschedule_move({**doc, "destination": {**doc["destination"], "alternates": [
+            {"host": "cell1-host3", "node": "cell1-host3", "cell": "cell1",
+             "provider_uuid": placement.provider_by_host("cell1-host3"), "allocations": {}}]}})
+
+    assert used_on("cell1-host2") == {"VCPU": 1, "MEMORY_MB": 512, "DISK_GB": 1}
+
+
+def test_reschedule_fails_when_no_alternate_fits_any_more(cloud):
+    uuid = make_server()
+    inp = prepare_move(uuid, BIG)
+    doc = run(inp, until="PrepResizeOnDestHost")
+    report("cell1-host3", memory_mb=512)
+
+    with pytest.raises(errors.NoValidHost):
+        resize.reschedule_move(doc)
+    fail_and_roll_back(doc, "Ferry.ResizeClaimFailed", "no NUMA room",
+                       reschedule_error={"Error": "Ferry.NoValidHost", "Cause": "No valid host"})
+
+    assert used_on("cell1-host2") == used_on("cell1-host3") == {}
+    assert placement.get_allocations(uuid) == {placement.provider_by_host(SOURCE): {"VCPU": 1, "MEMORY_MB": 512,
+                                                                                    "DISK_GB": 1}}
+    [fault] = faults_of(uuid)
+    assert fault.message == "no NUMA room" and "Rescheduling to an alternate host failed" in fault.details
+
+
+# --- forward to VERIFY_RESIZE -------------------------------------------------------------------
+
+
+def test_a_resize_reaches_verify_resize_with_migration_based_allocations(cloud):
+    uuid = make_server(volume=True)
+    inp = prepare_move(uuid, BIG)
+
+    doc = run(inp, twice=True)
+
+    dest = doc["destination"]["host"]
+    server = instance(uuid)
+    assert (server.vm_state, server.task_state, server.power_state) == ("resized", None, states.RUNNING)
+    assert (server.host, server.node, server.flavor, server.old_flavor) == (dest, dest, BIG, SMALL)
+    assert states.api_status(server.vm_state, server.task_state) == "VERIFY_RESIZE"
+    m = migration(inp["migration_uuid"])
+    assert (m.status, m.dest_compute, m.source_compute) == ("finished", dest, SOURCE)
+    assert placement.get_allocations(inp["migration_uuid"]) == {
+        placement.provider_by_host(SOURCE): {"VCPU": 1, "MEMORY_MB": 512, "DISK_GB": 1}}
+    assert placement.get_allocations(uuid) == {
+        placement.provider_by_host(dest): {"VCPU": 2, "MEMORY_MB": 1024, "DISK_GB": 3}}
+    state = snapshot(uuid)
+    assert list(state["ports"].values()) == [sorted([(SOURCE, "INACTIVE"), (dest, "ACTIVE")])]
+    assert state["attachments"] == sorted([(f"vol-{uuid[:8]}", SOURCE, "vdb", "attached"),
+                                           (f"vol-{uuid[:8]}", dest, "vdb", "attached")])
+    assert events_of(uuid) == {resize.EVENT_MIGRATE: ("Success", None, True),
+                               resize.EVENT_PREP: ("Success", dest, True),
+                               resize.EVENT_RESIZE: ("Success", SOURCE, True),
+                               resize.EVENT_FINISH: ("Success", dest, True)}
+    finish = doc["finish"]["args"]
+    assert finish["disks"] == DISKS and finish["power_on"] is True and finish["old_flavor"] == resize.host_flavor(SMALL)
+    assert finish["volumes"] == [{"volume_id": f"vol-{uuid[:8]}", "path": f"/srv/volumes/vol-{uuid[:8]}",
+                                  "device": "vdb", "boot_index": None}]
+    assert doc["resize"]["args"]["transfer"]["prefix"] == f"transfers/{inp['migration_uuid']}"
+    published = {(n["event_type"], n["publisher_id"]) for n in cloud.drain()}
+    assert published == {("instance.resize_prep.start", f"compute:{dest}"),
+                         ("instance.resize_prep.end", f"compute:{dest}"),
+                         ("instance.resize.start", f"compute:{SOURCE}"),
+                         ("instance.resize.end", f"compute:{SOURCE}"),
+                         ("instance.resize_finish.start", f"compute:{dest}"),
+                         ("instance.resize_finish.end", f"compute:{dest}")}
+
+
+def test_a_stopped_server_stays_off_and_shows_verify_resize_with_power_state_4(cloud):
+    uuid = make_server(vm_state=states.STOPPED, power_state=states.SHUTDOWN)
+    inp = prepare_move(uuid)
+
+    doc = run(inp)
+
+    assert doc["finish"]["args"]["power_on"] is False
+    assert doc["move"]["restore_args"]["power_on"] is False
+    server = instance(uuid)
+    assert (server.vm_state, server.power_state, server.old_vm_state) == ("resized", states.SHUTDOWN, "stopped")
+    assert migration(inp["migration_uuid"]).migration_type == "migration"
+
+
+def test_the_server_switches_host_when_the_disks_have_left_the_source(cloud):
+    uuid = make_server()
+    inp = prepare_move(uuid, BIG)
+    doc = run(inp, until="FinishResizeOnDestHost")
+
+    server = instance(uuid)
+    assert (server.task_state, server.host, server.flavor) == ("resize_finish", doc["destination"]["host"], SMALL)
+    assert migration(inp["migration_uuid"]).status == "post-migrating"
+
+
+# --- rollback -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stage", STAGES[1:])
+def test_a_failure_at_any_stage_rolls_back_to_exactly_the_state_before(cloud, stage):
+    uuid = make_server(volume=True)
+    before = snapshot(uuid)
+    inp = prepare_move(uuid, BIG)
+    doc = run(inp, until=stage)
+    cloud.drain()
+
+    doc = fail_and_roll_back(doc, "Ferry.DiskCopyFailed", f"failed at {stage}")
+    resize.rollback_move(doc)
+
+    assert snapshot(uuid) == before
+    m = migration(inp["migration_uuid"])
+    assert m.status == "error"
+    [fault] = faults_of(uuid)
+    assert fault.message == f"failed at {stage}"
+    failed_event = {"PrepResizeAtDest": resize.EVENT_PREP, "PrepResizeOnDestHost": resize.EVENT_PREP,
+                    "ResizeInstanceAtSource": resize.EVENT_RESIZE, "ResizeInstanceOnSourceHost": resize.EVENT_RESIZE,
+                    "FinishResizeAtDest": resize.EVENT_FINISH, "FinishResizeOnDestHost": resize.EVENT_FINISH,
+                    "MarkResized": resize.EVENT_FINISH}[stage]
+    recorded = events_of(uuid)
+    assert recorded[failed_event][0] == "Error"
+    assert all(result == "Success" for name, (result, _host, _done) in recorded.items() if name != failed_event)
+    assert all(done for _result, _host, done in recorded.values())
+    errors_published = [n for n in cloud.drain() if n["event_type"] == "instance.resize.error"]
+    assert len(errors_published) == 1
+    assert errors_published[0]["payload"]["fault"]["message"] == f"failed at {stage}"
+
+
+def test_a_stopped_server_that_fails_to_move_stays_stopped(cloud):
+    uuid = make_server(vm_state=states.STOPPED, power_state=states.SHUTDOWN)
+    before = snapshot(uuid)
+    doc = run(prepare_move(uuid), until="FinishResizeOnDestHost")
+
+    fail_and_roll_back(doc)
+
+    assert snapshot(uuid) == before
+    assert doc["move"]["restore_args"]["power_on"] is False
+
+
+def test_a_source_that_cannot_be_restored_is_error_with_a_fault_saying_what_is_left_where(cloud):
+    uuid = make_server()
+    inp = prepare_move(uuid, BIG)
+    doc = run(inp, until="FinishResizeOnDestHost")
+    dest = doc["destination"]["host"]
+
+    fail_and_roll_back(doc, "Ferry.DiskCopyFailed", "checksum mismatch",
+                       restore_error={"Error": "Ferry.HypervisorError", "Cause": "libvirt refused the domain"})
+
+    server = instance(uuid)
+    assert (server.vm_state, server.task_state, server.host, server.flavor) == ("error", None, SOURCE, SMALL)
+    assert placement.get_allocations(uuid) == {placement.provider_by_host(SOURCE): {"VCPU": 1, "MEMORY_MB": 512,
+                                                                                    "DISK_GB": 1}}
+    assert used_on(dest) == {}
+    [fault] = faults_of(uuid)
+    assert f"{uuid}_resize on {SOURCE}" in fault.message and f"destination host {dest} was cleaned up" in fault.message
+    assert "libvirt refused the domain" in fault.details and "checksum mismatch" in fault.details
+
+
+def test_a_destination_that_could_not_be_cleaned_is_named_in_the_fault(cloud):
+    uuid = make_server()
+    before = snapshot(uuid)
+    doc = run(prepare_move(uuid, BIG), until="FinishResizeOnDestHost")
+    dest = doc["destination"]["host"]
+
+    fail_and_roll_back(doc, cleanup_error={"Error": "States.Timeout", "Cause": ""})
+
+    assert snapshot(uuid) == before
+    [fault] = faults_of(uuid)
+    assert dest in fault.details and "may remain there" in fault.details
+
+
+def test_rollback_after_it_finished_changes_nothing(cloud):
+    uuid = make_server()
+    doc = fail_and_roll_back(run(prepare_move(uuid, BIG), until="ResizeInstanceOnSourceHost"))
+    after = snapshot(uuid)
+
+    resize.rollback_move(doc)
+
+    assert snapshot(uuid) == after
+    assert len(faults_of(uuid)) == 1
