@@ -122,8 +122,8 @@ def describe_allocations(consumer_uuid: str) -> str:
     if not held:
         return "none"
     with api_session() as session:
-        names = dict(session.execute(select(ResourceProvider.uuid, ResourceProvider.name)
-                                     .where(ResourceProvider.uuid.in_(list(held)))).tuples().all())
+        names = {row.uuid: row.name for row in session.execute(
+            select(ResourceProvider.uuid, ResourceProvider.name).where(ResourceProvider.uuid.in_(list(held))))}
     return "; ".join(", ".join(f"{rc} {amount}" for rc, amount in sorted(resources.items()))
                      + f" on {names.get(rp, rp)}" for rp, resources in sorted(held.items()))
 

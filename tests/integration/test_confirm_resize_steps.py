@@ -1,0 +1,233 @@
+"""The confirm workflow's steps against a real store (SQLite and PostgreSQL).
+
+Each test starts from a server in VERIFY_RESIZE written into the store, accepts the confirm
+through the compute API's own code, and drives the steps the way
+``statemachine/confirm_resize.asl.json`` does, with what the host agent would answer.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+from verify_resize_helpers import (
+    CELL,
+    DEST,
+    NEW,
+    NEW_USAGE,
+    OLD_USAGE,
+    ROOT,
+    SOURCE,
+    attachments,
+    begin,
+    bindings,
+    events,
+    faults,
+    host_down,
+    host_result,
+    instance_row,
+    make_resized,
+    migration_row,
+    mocked_aws,
+    set_instance,
+    snapshot,
+    usage,
+)
+
+from ferry import errors, notifications, placement, protocol
+from ferry.compute import moves, states
+from ferry.workflows import confirm_resize
+
+SCHEMAS = ("confirm_resize", "revert_resize", "volume_attachment")
+
+
+@pytest.fixture
+def cloud(store, monkeypatch):
+    with mocked_aws(monkeypatch) as tap:
+        yield tap
+
+
+def confirmed_at_source(event: dict) -> dict:
+    """The state document after ConfirmAtSource, with the host's answer."""
+    return {**event, "confirmed_at_source": host_result(event["move"]["source"]["host"], event["instance_uuid"])}
+
+
+def checked(event: dict) -> dict:
+    return {**event, "move": confirm_resize.check_resize_to_confirm(event)}
+
+
+def test_confirm_leaves_the_new_flavor_on_the_destination_only_and_the_migration_confirmed(cloud, monkeypatch,
+                                                                                         tmp_path):
+    resized = make_resized(volume=True, state_dir=tmp_path)
+    event = checked(begin("confirm", resized, monkeypatch))
+
+    move = event["move"]
+    assert (move["source"]["host"], move["dest"]["host"], move["same_host"]) == (SOURCE, DEST, False)
+    assert move["source"]["queue_url"].endswith(SOURCE)
+    jsonschema.validate({"migration_uuid": resized.migration_uuid, "same_host": move["same_host"]},
+                        protocol.ARGS_SCHEMAS[protocol.CONFIRM_RESIZE])
+    event = confirmed_at_source(event)
+    confirm_resize.finish_confirm(event)
+    confirm_resize.finish_confirm(event)  # delivered twice: the same end state
+
+    assert usage(SOURCE) == {}
+    assert usage(DEST) == NEW_USAGE
+    assert placement.get_allocations(resized.migration_uuid) == {}
+    assert migration_row(resized.migration_uuid).status == moves.CONFIRMED
+    row = instance_row(resized.instance_uuid)
+    assert (row.vm_state, row.task_state, row.host, row.flavor) == (states.ACTIVE, None, DEST, NEW)
+    assert (row.old_flavor, row.new_flavor, row.old_vm_state) == (None, None, None)
+    assert bindings(resized.instance_uuid) == {DEST: "ACTIVE"}
+    assert attachments(resized.instance_uuid) == {DEST: "attached"}
+    assert events(resized.instance_uuid) == {confirm_resize.EVENT_CONFIRM: "Success"}
+    assert cloud.event_types() == [(notifications.RESIZE_CONFIRM_START, f"compute:{SOURCE}"),
+                                   (notifications.RESIZE_CONFIRM_END, f"compute:{SOURCE}")]
+
+
+def test_a_stopped_server_stays_shutoff_after_confirm(cloud, monkeypatch):
+    resized = make_resized(old_vm_state=states.STOPPED)
+    event = confirmed_at_source(checked(begin("confirm", resized, monkeypatch)))
+
+    confirm_resize.finish_confirm(event)
+
+    row = instance_row(resized.instance_uuid)
+    assert (row.vm_state, row.power_state, states.api_status(row.vm_state, row.task_state)) == (
+        states.STOPPED, states.SHUTDOWN, "SHUTOFF")
+
+
+def test_a_same_host_confirm_keeps_the_one_binding_and_drops_only_the_old_flavor(cloud, monkeypatch):
+    resized = make_resized(source=SOURCE, dest=SOURCE)
+    assert usage(SOURCE) == {rc: OLD_USAGE[rc] + NEW_USAGE[rc] for rc in NEW_USAGE}
+    event = checked(begin("confirm", resized, monkeypatch))
+    assert event["move"]["same_host"] is True
+
+    confirm_resize.finish_confirm(confirmed_at_source(event))
+
+    assert usage(SOURCE) == NEW_USAGE
+    assert bindings(resized.instance_uuid) == {SOURCE: "ACTIVE"}
+
+
+def test_input_that_does_not_match_the_schema_is_refused_and_changes_nothing(cloud, monkeypatch):
+    resized = make_resized()
+    event = begin("confirm", resized, monkeypatch)
+    before = snapshot(resized)
+
+    for bad in ({k: v for k, v in event.items() if k != "migration_uuid"}, {**event, "flavor": "big"},
+                {**event, "instance_uuid": "not-a-uuid"}):
+        with pytest.raises(errors.InvalidWorkflowInput):
+            confirm_resize.check_resize_to_confirm(bad)
+
+    assert snapshot(resized) == before
+
+
+def test_a_migration_nobody_is_confirming_is_refused(cloud, monkeypatch):
+    resized = make_resized()
+    before = snapshot(resized)
+    event = {"instance_uuid": resized.instance_uuid, "migration_uuid": resized.migration_uuid, "cell": CELL,
+             "request_id": "req-by-hand"}
+
+    with pytest.raises(errors.UnexpectedMigrationState):
+        confirm_resize.check_resize_to_confirm(event)
+    other = make_resized()
+    with pytest.raises(errors.MigrationNotFound):
+        confirm_resize.check_resize_to_confirm({**event, "migration_uuid": other.migration_uuid})
+
+    assert snapshot(resized) == before
+    assert events(resized.instance_uuid) == {}
+
+
+def test_a_down_source_host_is_not_a_refusal_and_the_rollback_restores_verify_resize(cloud, monkeypatch):
+    resized = make_resized()
+    event = begin("confirm", resized, monkeypatch)
+    host_down(SOURCE)
+
+    with pytest.raises(errors.ComputeServiceUnavailable) as raised:
+        confirm_resize.check_resize_to_confirm(event)
+    confirm_resize.restore_verify_resize({**event, "error": {"Error": raised.value.name, "Cause": raised.value.message}})
+
+    assert migration_row(resized.migration_uuid).status == moves.FINISHED
+    row = instance_row(resized.instance_uuid)
+    assert (row.vm_state, row.task_state) == (states.RESIZED, None)
+    assert placement.get_allocations(resized.migration_uuid) != {}
+    assert events(resized.instance_uuid) == {confirm_resize.EVENT_CONFIRM: "Error"}
+    begin("confirm", resized, monkeypatch)  # the owner can confirm again
+    assert migration_row(resized.migration_uuid).status == moves.CONFIRMING
+
+
+def test_a_failure_at_the_source_leaves_the_server_usable_and_says_what_is_left(cloud, monkeypatch, tmp_path):
+    resized = make_resized(volume=True, state_dir=tmp_path)
+    event = checked(begin("confirm", resized, monkeypatch))
+    failed = {**event, "error": {"Error": "Ferry.HostOperationFailed", "Cause": "disk busy"}}
+
+    confirm_resize.fail_confirm(failed)
+    confirm_resize.fail_confirm(failed)  # delivered twice: one fault
+
+    row = instance_row(resized.instance_uuid)
+    assert (row.vm_state, row.task_state, row.host, row.flavor, row.old_flavor) == (
+        states.ACTIVE, None, DEST, NEW, None)
+    assert migration_row(resized.migration_uuid).status == moves.ERROR
+    assert usage(SOURCE) == OLD_USAGE, "the migration keeps its allocation while the old disks may be there"
+    [fault] = faults(resized.instance_uuid)
+    assert SOURCE in fault.message and "disk busy" in fault.message
+    assert f"{resized.instance_uuid}_resize" in fault.details and resized.migration_uuid in fault.details
+    assert events(resized.instance_uuid) == {confirm_resize.EVENT_CONFIRM: "Error"}
+
+
+def test_an_operator_confirm_of_the_failed_migration_cleans_up_without_touching_the_server(cloud, monkeypatch):
+    resized = make_resized()
+    event = checked(begin("confirm", resized, monkeypatch))
+    confirm_resize.fail_confirm({**event, "error": {"Error": "States.Timeout", "Cause": ""}})
+    retry = {k: event[k] for k in ("instance_uuid", "migration_uuid", "cell")} | {"request_id": "req-cleanup"}
+
+    retry = checked(retry)
+    confirm_resize.finish_confirm(confirmed_at_source(retry))
+
+    assert migration_row(resized.migration_uuid).status == moves.CONFIRMED
+    assert usage(SOURCE) == {} and usage(DEST) == NEW_USAGE
+    assert bindings(resized.instance_uuid) == {DEST: "ACTIVE"}
+    assert instance_row(resized.instance_uuid).vm_state == states.ACTIVE
+
+
+def test_a_failed_migration_whose_server_went_elsewhere_is_not_taken_for_a_cleanup(cloud, monkeypatch):
+    resized = make_resized()
+    event = checked(begin("confirm", resized, monkeypatch))
+    confirm_resize.fail_confirm({**event, "error": {"Error": "States.Timeout", "Cause": ""}})
+    set_instance(resized.instance_uuid, host=SOURCE)
+
+    with pytest.raises(errors.UnexpectedMigrationState):
+        confirm_resize.check_resize_to_confirm({k: event[k] for k in ("instance_uuid", "migration_uuid", "cell",
+                                                                      "request_id")})
+
+
+def test_a_failure_after_the_source_was_cleaned_says_so(cloud, monkeypatch):
+    resized = make_resized()
+    event = confirmed_at_source(checked(begin("confirm", resized, monkeypatch)))
+
+    confirm_resize.fail_confirm({**event, "error": {"Error": "OperationalError", "Cause": "database went away"}})
+
+    [fault] = faults(resized.instance_uuid)
+    assert "removed the old guest and disks" in fault.message
+    assert migration_row(resized.migration_uuid).status == moves.ERROR
+
+
+def test_a_server_deleted_during_the_confirm_is_left_to_its_delete(cloud, monkeypatch):
+    resized = make_resized()
+    event = confirmed_at_source(checked(begin("confirm", resized, monkeypatch)))
+    set_instance(resized.instance_uuid, task_state=states.DELETING)
+
+    confirm_resize.finish_confirm(event)
+
+    row = instance_row(resized.instance_uuid)
+    assert (row.vm_state, row.task_state) == (states.RESIZED, states.DELETING)
+    assert migration_row(resized.migration_uuid).status == moves.CONFIRMED
+    assert usage(SOURCE) == {}
+
+
+@pytest.mark.parametrize("name", SCHEMAS)
+def test_the_input_schema_beside_the_state_machine_is_the_one_the_step_uses(name):
+    beside = json.loads((ROOT / "statemachine" / f"{name}.input.schema.json").read_text())
+    used = json.loads((ROOT / "layers/core/python/ferry/workflows" / f"{name}.input.schema.json").read_text())
+
+    assert beside == used
+    jsonschema.Draft202012Validator.check_schema(beside)

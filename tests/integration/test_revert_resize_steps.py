@@ -1,0 +1,215 @@
+"""The revert workflow's steps against a real store (SQLite and PostgreSQL).
+
+Each test starts from a server in VERIFY_RESIZE written into the store, accepts the revert
+through the compute API's own code, and drives the steps the way
+``statemachine/revert_resize.asl.json`` does, with what the host agent would answer.
+"""
+
+from __future__ import annotations
+
+import jsonschema
+import pytest
+from sqlalchemy import delete
+from verify_resize_helpers import (
+    CELL,
+    DEST,
+    NEW_USAGE,
+    OLD,
+    OLD_USAGE,
+    SOURCE,
+    attachments,
+    begin,
+    bindings,
+    events,
+    faults,
+    host_down,
+    host_result,
+    instance_row,
+    make_resized,
+    migration_row,
+    mocked_aws,
+    snapshot,
+    usage,
+)
+
+from ferry import config, errors, notifications, placement, protocol
+from ferry.compute import api as compute_api
+from ferry.compute import moves, states
+from ferry.store.api_models import Flavor
+from ferry.store.db import api_session
+from ferry.workflows import confirm_resize, revert_resize
+
+
+@pytest.fixture
+def cloud(store, monkeypatch):
+    with mocked_aws(monkeypatch) as tap:
+        yield tap
+
+
+def checked(event: dict) -> dict:
+    return {**event, "move": revert_resize.check_resize_to_revert(event)}
+
+
+def reverted_at_dest(event: dict) -> dict:
+    return {**event, "reverted_at_dest": host_result(event["move"]["dest"]["host"], event["instance_uuid"])}
+
+
+def moved_back(event: dict) -> dict:
+    return {**event, "restore": revert_resize.revert_resources_to_source(event)}
+
+
+def restored(event: dict, power_state: int) -> dict:
+    return {**event, "restored": host_result(event["move"]["source"]["host"], event["instance_uuid"], power_state)}
+
+
+def test_revert_leaves_the_old_flavor_on_the_source_only(cloud, monkeypatch, tmp_path):
+    resized = make_resized(volume=True, state_dir=tmp_path)
+    event = checked(begin("revert", resized, monkeypatch))
+    move = event["move"]
+    assert (move["source"]["host"], move["dest"]["host"], move["same_host"]) == (SOURCE, DEST, False)
+    assert move["transfer"] == {"bucket": config.get().image_bucket, "prefix": f"transfers/{resized.migration_uuid}"}
+    jsonschema.validate({"migration_uuid": resized.migration_uuid, "same_host": False, "transfer": move["transfer"]},
+                        protocol.ARGS_SCHEMAS[protocol.REVERT_RESIZE])
+
+    event = moved_back(reverted_at_dest(event))
+    again = revert_resize.revert_resources_to_source(event)  # delivered twice: the same end state
+    args = event["restore"]["finish_args"]
+    assert again == event["restore"]
+    jsonschema.validate(args, protocol.ARGS_SCHEMAS[protocol.FINISH_REVERT_RESIZE])
+    assert args["flavor"] == {k: OLD[k] for k in protocol.FLAVOR_SCHEMA["required"]}
+    assert args["power_on"] is True
+    assert args["ports"] == [{"id": resized.port_id, "mac_address": args["ports"][0]["mac_address"]}]
+    assert [(v["volume_id"], v["device"]) for v in args["volumes"]] == [(resized.volume_id, "vdd")]
+    revert_resize.finish_revert(restored(event, states.RUNNING))
+    revert_resize.finish_revert(restored(event, states.RUNNING))
+
+    assert usage(SOURCE) == OLD_USAGE
+    assert usage(DEST) == {}
+    assert placement.get_allocations(resized.migration_uuid) == {}
+    assert migration_row(resized.migration_uuid).status == moves.REVERTED
+    row = instance_row(resized.instance_uuid)
+    assert (row.vm_state, row.task_state, row.power_state, row.host, row.node, row.flavor) == (
+        states.ACTIVE, None, states.RUNNING, SOURCE, SOURCE, OLD)
+    assert (row.old_flavor, row.new_flavor, row.old_vm_state) == (None, None, None)
+    assert bindings(resized.instance_uuid) == {SOURCE: "ACTIVE"}
+    assert attachments(resized.instance_uuid) == {SOURCE: "attached"}
+    assert events(resized.instance_uuid) == {revert_resize.EVENT_REVERT: "Success",
+                                             revert_resize.EVENT_FINISH_REVERT: "Success"}
+    assert cloud.event_types() == [(notifications.RESIZE_REVERT_START, f"compute:{DEST}"),
+                                   (notifications.RESIZE_REVERT_END, f"compute:{SOURCE}")]
+
+
+def test_revert_after_the_old_flavor_was_deleted(cloud, monkeypatch):
+    compute_api.create_flavor(name=OLD["name"], vcpus=OLD["vcpus"], memory_mb=OLD["memory_mb"],
+                              root_gb=OLD["root_gb"], flavorid=OLD["flavorid"])
+    resized = make_resized()
+    with api_session() as session:
+        session.execute(delete(Flavor).where(Flavor.flavorid == OLD["flavorid"]))
+
+    event = moved_back(reverted_at_dest(checked(begin("revert", resized, monkeypatch))))
+    revert_resize.finish_revert(restored(event, states.RUNNING))
+
+    row = instance_row(resized.instance_uuid)
+    assert (row.vm_state, row.host, row.flavor) == (states.ACTIVE, SOURCE, OLD)
+    assert usage(SOURCE) == OLD_USAGE
+
+
+def test_a_stopped_server_stays_shutoff_after_revert(cloud, monkeypatch):
+    resized = make_resized(old_vm_state=states.STOPPED)
+    event = moved_back(reverted_at_dest(checked(begin("revert", resized, monkeypatch))))
+    assert event["restore"]["finish_args"]["power_on"] is False
+
+    revert_resize.finish_revert(restored(event, states.SHUTDOWN))
+
+    row = instance_row(resized.instance_uuid)
+    assert (row.vm_state, row.power_state, states.api_status(row.vm_state, row.task_state)) == (
+        states.STOPPED, states.SHUTDOWN, "SHUTOFF")
+
+
+def test_a_same_host_revert_ends_with_the_old_flavor_alone_on_the_host(cloud, monkeypatch):
+    resized = make_resized(source=SOURCE, dest=SOURCE)
+    event = checked(begin("revert", resized, monkeypatch))
+    assert event["move"]["same_host"] is True
+
+    event = moved_back(reverted_at_dest(event))
+    revert_resize.finish_revert(restored(event, states.RUNNING))
+
+    assert usage(SOURCE) == OLD_USAGE
+    assert bindings(resized.instance_uuid) == {SOURCE: "ACTIVE"}
+    assert instance_row(resized.instance_uuid).flavor == OLD
+
+
+def test_a_revert_nobody_asked_for_is_refused_and_changes_nothing(cloud, monkeypatch):
+    resized = make_resized()
+    before = snapshot(resized)
+    event = {"instance_uuid": resized.instance_uuid, "migration_uuid": resized.migration_uuid, "cell": CELL,
+             "request_id": "req-by-hand"}
+
+    with pytest.raises(errors.UnexpectedMigrationState):
+        revert_resize.check_resize_to_revert(event)
+    with pytest.raises(errors.InvalidWorkflowInput):
+        revert_resize.check_resize_to_revert({**event, "cell": ""})
+
+    assert snapshot(resized) == before
+
+
+def test_a_destination_that_cannot_clean_up_leaves_verify_resize_and_a_finished_migration(cloud, monkeypatch):
+    resized = make_resized()
+    event = checked(begin("revert", resized, monkeypatch))
+
+    confirm_resize.restore_verify_resize({**event, "error": {"Error": "Ferry.HostOperationFailed",
+                                                             "Cause": "device busy"}})
+
+    row = instance_row(resized.instance_uuid)
+    assert (row.vm_state, row.task_state, row.host) == (states.RESIZED, None, DEST)
+    assert migration_row(resized.migration_uuid).status == moves.FINISHED
+    assert (usage(SOURCE), usage(DEST)) == (OLD_USAGE, NEW_USAGE)
+    assert bindings(resized.instance_uuid) == {DEST: "ACTIVE", SOURCE: "INACTIVE"}
+    [fault] = faults(resized.instance_uuid)
+    assert DEST in fault.message and "device busy" in fault.message and "Revert again" in fault.details
+    assert events(resized.instance_uuid) == {revert_resize.EVENT_REVERT: "Error"}
+    begin("revert", resized, monkeypatch)  # retryable
+    assert instance_row(resized.instance_uuid).task_state == states.RESIZE_REVERTING
+
+
+def test_a_down_source_host_stops_the_revert_before_the_destination_is_touched(cloud, monkeypatch):
+    resized = make_resized()
+    event = begin("revert", resized, monkeypatch)
+    host_down(SOURCE)
+
+    with pytest.raises(errors.ComputeServiceUnavailable):
+        revert_resize.check_resize_to_revert(event)
+
+
+def test_a_failed_restore_at_the_source_is_error_with_a_fault_saying_what_is_where(cloud, monkeypatch):
+    resized = make_resized()
+    event = moved_back(reverted_at_dest(checked(begin("revert", resized, monkeypatch))))
+    failed = {**event, "error": {"Error": "Ferry.GuestNotFound", "Cause": "no kept disks"}}
+
+    revert_resize.fail_revert(failed)
+    revert_resize.fail_revert(failed)
+
+    row = instance_row(resized.instance_uuid)
+    assert (row.vm_state, row.task_state, row.host) == (states.ERROR, None, SOURCE)
+    assert migration_row(resized.migration_uuid).status == moves.ERROR
+    [fault] = faults(resized.instance_uuid)
+    assert f"restoring the old guest on {SOURCE}" in fault.message and "no kept disks" in fault.message
+    assert f"on {DEST} were removed" in fault.details
+    assert f"{resized.instance_uuid}_resize on {SOURCE}" in fault.details
+    assert f"points at {SOURCE}" in fault.details and f"on {SOURCE}" in fault.details
+    assert events(resized.instance_uuid)[revert_resize.EVENT_FINISH_REVERT] == "Error"
+
+
+def test_a_failure_moving_resources_back_names_the_allocations_where_they_are(cloud, monkeypatch):
+    resized = make_resized()
+    event = reverted_at_dest(checked(begin("revert", resized, monkeypatch)))
+
+    revert_resize.fail_revert({**event, "error": {"Error": "OperationalError", "Cause": "database went away"}})
+
+    row = instance_row(resized.instance_uuid)
+    assert (row.vm_state, row.host) == (states.ERROR, DEST)
+    [fault] = faults(resized.instance_uuid)
+    assert "moving allocations, ports and volumes back" in fault.message
+    assert f"migration {resized.migration_uuid} DISK_GB 1, MEMORY_MB 512, VCPU 1 on {SOURCE}" in fault.details
+    assert f"instance DISK_GB 3, MEMORY_MB 1024, VCPU 2 on {DEST}" in fault.details
+    assert events(resized.instance_uuid)[revert_resize.EVENT_REVERT] == "Error"
