@@ -74,6 +74,8 @@ def confirm_before_delete(event: dict[str, Any]) -> dict[str, Any]:
     migration_uuid, source = found["migration_uuid"], found["host"]
     confirm_resize.release_source(uuid, migration_uuid, source, found["same_host"])
     with cell_session(event["cell"]) as session:
+        if confirm_resize.event_finished(session, uuid, event["request_id"], confirm_resize.EVENT_CONFIRM):
+            return {}  # this step ran before
         migration = confirm_resize.migration_of(session, uuid, migration_uuid)
         if migration.status in _TO_CONFIRM:
             migration.status = moves.CONFIRMED
