@@ -1,0 +1,184 @@
+"""Automatic confirmation after ``resize_confirm_window`` (SQLite and PostgreSQL), and the local
+stack playing the template's schedule for it."""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+import time
+from typing import Any
+
+import pytest
+from verify_resize_helpers import (
+    ROOT,
+    instance_row,
+    make_resized,
+    migration_row,
+    mocked_aws,
+    set_instance,
+    set_migration,
+)
+
+from ferry import config, workflows
+from ferry.compute import moves, states
+from ferry.local import template
+from ferry.local.pollers import Pollers, ScheduleRunner
+from ferry.local.runtime import FunctionRunner
+from ferry.store.api_models import utcnow
+from ferry.workflows import auto_confirm
+
+WINDOW = 600
+LONG_AGO = utcnow() - dt.timedelta(seconds=2 * WINDOW)
+
+
+class Started:
+    """The confirm executions the automatic confirm started (Step Functions is not called)."""
+
+    def __init__(self) -> None:
+        self.payloads: list[dict[str, Any]] = []
+
+    def __call__(self, arn: str, name: str, payload: dict[str, Any]) -> str:
+        self.payloads.append({**payload, "execution_name": name})
+        return f"{arn}:{name}"
+
+    def instances(self) -> list[str]:
+        return [p["instance_uuid"] for p in self.payloads]
+
+
+@pytest.fixture
+def started(store, monkeypatch):
+    with mocked_aws(monkeypatch):
+        monkeypatch.setenv("FERRY_RESIZE_CONFIRM_WINDOW", str(WINDOW))
+        config.reset()
+        recorder = Started()
+        monkeypatch.setattr(workflows, "start_execution", recorder)
+        yield recorder
+
+
+def expired(**instance: Any):
+    """A server in VERIFY_RESIZE whose migration finished longer ago than the window."""
+    resized = make_resized()
+    set_migration(resized.migration_uuid, updated_at=LONG_AGO)
+    if instance:
+        set_instance(resized.instance_uuid, **instance)
+    return resized
+
+
+def test_only_migrations_older_than_the_window_are_confirmed(started):
+    old = expired()
+    recent = make_resized()
+
+    result = auto_confirm.run()
+
+    assert result == {"window": WINDOW, "confirmed": 1, "skipped": 0, "errored": 0, "failed": 0}
+    assert started.instances() == [old.instance_uuid]
+    assert started.payloads[0]["request_id"] == f"req-auto-confirm-{old.migration_uuid}"
+    assert migration_row(old.migration_uuid).status == moves.CONFIRMING
+    assert migration_row(recent.migration_uuid).status == moves.FINISHED
+
+
+def test_a_window_of_zero_turns_it_off(started, monkeypatch):
+    expired()
+    monkeypatch.setenv("FERRY_RESIZE_CONFIRM_WINDOW", "0")
+    config.reset()
+
+    assert auto_confirm.run()["confirmed"] == 0
+    assert started.payloads == []
+
+
+def test_nova_skip_rules(started):
+    deleted = expired(deleted=True)
+    busy = expired(task_state=states.RESIZE_REVERTING)
+    not_resized = expired(vm_state=states.ACTIVE)
+    ready = expired()
+
+    result = auto_confirm.run()
+
+    assert (result["confirmed"], result["skipped"], result["errored"]) == (1, 2, 1)
+    assert started.instances() == [ready.instance_uuid]
+    assert migration_row(deleted.migration_uuid).status == moves.FINISHED
+    assert migration_row(busy.migration_uuid).status == moves.FINISHED
+    assert migration_row(not_resized.migration_uuid).status == moves.ERROR
+    assert instance_row(not_resized.instance_uuid).vm_state == states.ACTIVE
+
+
+def test_one_failing_confirm_does_not_stop_the_others(started, monkeypatch):
+    first, second = expired(), expired()
+    real = moves.begin_confirm
+
+    def begin_confirm(cell: str, instance_uuid: str, **kwargs: Any) -> str:
+        if instance_uuid == first.instance_uuid:
+            raise RuntimeError("cell database unreachable")
+        return real(cell, instance_uuid, **kwargs)
+
+    monkeypatch.setattr(moves, "begin_confirm", begin_confirm)
+
+    result = auto_confirm.run()
+
+    assert (result["confirmed"], result["failed"]) == (1, 1)
+    assert started.instances() == [second.instance_uuid]
+    assert migration_row(first.migration_uuid).status == moves.FINISHED
+
+
+def test_a_migration_confirmed_meanwhile_is_not_confirmed_twice(started):
+    resized = expired()
+    auto_confirm.run()
+
+    result = auto_confirm.run()
+
+    assert result["confirmed"] == 0
+    assert len(started.payloads) == 1 and migration_row(resized.migration_uuid).status == moves.CONFIRMING
+
+
+# --- the template's schedule on the local stack ------------------------------------------------------
+
+
+def auto_confirm_schedule() -> tuple[template.LocalTemplate, template.Schedule]:
+    model = template.resolve(ROOT / "template.yaml")
+    [schedule] = [s for s in model.schedules if s.function == "AutoConfirmFunction"]
+    return model, schedule
+
+
+def test_the_template_schedules_auto_confirm_every_minute_and_passes_the_window():
+    model, schedule = auto_confirm_schedule()
+    function = model.functions["AutoConfirmFunction"]
+
+    assert (schedule.rate_seconds, schedule.enabled) == (60, True)
+    assert function.environment["FERRY_RESIZE_CONFIRM_WINDOW"] == "0"
+    overridden = template.resolve(ROOT / "template.yaml", parameters={"ResizeConfirmWindow": 5})
+    assert overridden.functions["AutoConfirmFunction"].environment["FERRY_RESIZE_CONFIRM_WINDOW"] == "5"
+
+
+def test_the_local_stack_runs_the_scheduled_handler_which_confirms(started):
+    resized = expired()
+    model, schedule = auto_confirm_schedule()
+    runner = ScheduleRunner(schedule, model, FunctionRunner(model), rate_scale=1)
+
+    runner.run_once()
+
+    assert started.instances() == [resized.instance_uuid]
+
+
+def test_the_local_stack_plays_the_schedule_at_its_scaled_rate():
+    model, _ = auto_confirm_schedule()
+    calls: list[Any] = []
+    seen = threading.Event()
+
+    class Recorder:
+        def invoke(self, name: str, event: Any) -> Any:
+            if name == model.functions["AutoConfirmFunction"].name:
+                calls.append(event)
+                if len(calls) >= 2:
+                    seen.set()
+            return type("Invocation", (), {"failed": False, "error": None})()
+
+    pollers = Pollers(model, Recorder(), lambda service: None, rate_scale=0.001)  # type: ignore[arg-type]
+    pollers.workers = [w for w in pollers.workers if isinstance(w, ScheduleRunner)]
+    started_at = time.monotonic()
+    pollers.start()
+    try:
+        assert seen.wait(10)
+    finally:
+        pollers.stop()
+    assert time.monotonic() - started_at < 10
+    assert calls[0]["detail-type"] == "Scheduled Event"
