@@ -35,7 +35,7 @@ from test_resize_steps import (
     used_on,
 )
 
-from ferry import config, faults, placement, protocol
+from ferry import config, faults, notifications, placement, protocol
 from ferry.compute import states
 from ferry.local import provision, runtime, template
 from ferry.store.api_models import Network
@@ -112,8 +112,9 @@ class HostStandIn:
 
 
 class Cloud:
-    def __init__(self, model: template.LocalTemplate, aws: runtime.LocalAws, hosts: HostStandIn) -> None:
-        self.model, self.aws, self.hosts = model, aws, hosts
+    def __init__(self, model: template.LocalTemplate, aws: runtime.LocalAws, hosts: HostStandIn,
+                 tap_url: str) -> None:
+        self.model, self.aws, self.hosts, self.tap_url = model, aws, hosts, tap_url
         self.sfn = aws.client("stepfunctions")
         self.arn = model.state_machines["ResizeStateMachine"].arn
 
@@ -134,6 +135,15 @@ class Cloud:
         """Start the execution as the API names it, without ``execution_name`` (the workflow fills it in)."""
         document = {k: v for k, v in inp.items() if k != "execution_name"}
         return self.finish(self.start(document, inp["execution_name"]))
+
+    def notifications(self) -> list[dict[str, Any]]:
+        """What reached the template's notification bus (through a rule with a queue target)."""
+        sqs, found = self.aws.client("sqs"), []
+        while messages := sqs.receive_message(QueueUrl=self.tap_url, MaxNumberOfMessages=10).get("Messages"):
+            for message in messages:
+                found.append(json.loads(message["Body"])["detail"])
+                sqs.delete_message(QueueUrl=self.tap_url, ReceiptHandle=message["ReceiptHandle"])
+        return found
 
     def states_entered(self, execution_arn: str) -> list[str]:
         history = self.sfn.get_execution_history(executionArn=execution_arn, maxResults=1000)["events"]
@@ -157,8 +167,14 @@ def cloud(sqlite_store, tmp_path, monkeypatch) -> Iterator[Cloud]:
             report(host, memory_mb=memory)
         with api_session() as session:
             session.add(Network(id="net-1", name="shared", cidr="10.0.0.0/24"))
+        bus = model.event_buses["NotificationBus"].name
+        tap = sqs.create_queue(QueueName="notifications-tap")["QueueUrl"]
+        tap_arn = sqs.get_queue_attributes(QueueUrl=tap, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
+        events = aws.client("events")
+        events.put_rule(Name="tap", EventBusName=bus, EventPattern=json.dumps({"source": [notifications.SOURCE]}))
+        events.put_targets(Rule="tap", EventBusName=bus, Targets=[{"Id": "tap", "Arn": tap_arn}])
         with HostStandIn(aws, urls) as stand_in:
-            yield Cloud(model, aws, stand_in)
+            yield Cloud(model, aws, stand_in, tap)
         assert stand_in.problems == []
     finally:
         faults.disarm_all()
@@ -186,6 +202,9 @@ def test_a_resize_started_directly_reaches_verify_resize(cloud):
         "ValidateMoveInput", "SelectMoveDestinations", "PrepResizeAtDest", "PrepResizeOnDestHost",
         "ResizeInstanceAtSource", "ResizeInstanceOnSourceHost", "FinishResizeAtDest", "FinishResizeOnDestHost",
         "MarkResized", "Resized"]
+    assert [n["event_type"] for n in cloud.notifications()] == [
+        "instance.resize_prep.start", "instance.resize_prep.end", "instance.resize.start", "instance.resize.end",
+        "instance.resize_finish.start", "instance.resize_finish.end"]
 
 
 def test_a_cold_migrate_of_a_stopped_server_stays_off(cloud):
@@ -241,6 +260,7 @@ def test_a_failed_finish_rolls_back_through_both_hosts_and_leaves_the_server_as_
     [fault] = faults_of(uuid)
     assert fault.message == "finish_resize failed on cell1-host2"
     assert events_of(uuid)[resize.EVENT_FINISH][0] == "Error"
+    assert [n["event_type"] for n in cloud.notifications()][-1] == "instance.resize.error"
 
 
 def test_a_source_that_cannot_be_restored_leaves_the_server_in_error(cloud):
