@@ -775,3 +775,72 @@ def test_a_move_with_no_possible_destination_is_still_accepted(cloud):
 
     assert action(server_id, {"migrate": None}, caller=ADMIN).status == 202
     assert len(cloud.executions("resize")) == 1
+
+
+# --- real concurrency -----------------------------------------------------------------------------
+
+
+def test_concurrent_moves_of_one_server_admit_exactly_one(cloud):
+    """Four requests race (threads, one transaction each): one move is accepted, the others get 409."""
+    import threading
+
+    from ferry.auth import RequestContext
+
+    server_id = active_server()
+    barrier = threading.Barrier(4)
+    outcomes: list[Any] = []
+
+    def attempt(flavor_ref: str | None) -> None:
+        ctx = RequestContext(user_id="root", project_id="admin-project", roles=("admin",))
+        location = compute_api.locate(ctx, server_id)
+        barrier.wait()
+        try:
+            if flavor_ref is None:
+                moves.begin_migrate(ctx, location)
+            else:
+                moves.begin_resize(ctx, location, flavor_ref)
+            outcomes.append("accepted")
+        except errors.FerryError as exc:
+            outcomes.append(exc.http_status)
+
+    threads = [threading.Thread(target=attempt, args=(ref,)) for ref in ("2", "3", None, "private")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+
+    assert sorted(outcomes, key=str) == [409, 409, 409, "accepted"]
+    [migration] = migrations_of(server_id)
+    assert migration.status == "pre-migrating" and len(cloud.executions("resize")) == 1
+    assert len(actions_of(server_id)) == 1
+    assert instance(server_id).task_state == states.RESIZE_PREP
+
+
+def test_concurrent_confirm_and_revert_admit_exactly_one(cloud):
+    import threading
+
+    server_id, _ = resized_server()
+    barrier = threading.Barrier(4)
+    outcomes: list[Any] = []
+
+    def attempt(begin: Any, index: int) -> None:
+        barrier.wait()
+        try:
+            begin("cell1", server_id, request_id=f"req-{index}", user_id="alice", project_id="project-a")
+            outcomes.append("accepted")
+        except errors.FerryError as exc:
+            outcomes.append(exc.http_status)
+
+    threads = [threading.Thread(target=attempt, args=(begin, i))
+               for i, begin in enumerate((moves.begin_confirm, moves.begin_revert) * 2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+
+    assert sorted(outcomes, key=str) == [409, 409, 409, "accepted"]
+    assert len(actions_of(server_id)) == 1
+    started = len(cloud.executions("confirm_resize")) + len(cloud.executions("revert_resize"))
+    assert started == 1
+    status = migrations_of(server_id)[0].status
+    assert (status, instance(server_id).task_state) in (("confirming", None), ("reverting", "resize_reverting"))
