@@ -144,7 +144,8 @@ def test_a_down_source_host_is_not_a_refusal_and_the_rollback_restores_verify_re
 
     with pytest.raises(errors.ComputeServiceUnavailable) as raised:
         confirm_resize.check_resize_to_confirm(event)
-    confirm_resize.restore_verify_resize({**event, "error": {"Error": raised.value.name, "Cause": raised.value.message}})
+    error = {"Error": raised.value.name, "Cause": raised.value.message}
+    confirm_resize.restore_verify_resize({**event, "error": error})
 
     assert migration_row(resized.migration_uuid).status == moves.FINISHED
     row = instance_row(resized.instance_uuid)

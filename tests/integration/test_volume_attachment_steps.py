@@ -1,0 +1,261 @@
+"""Attaching and detaching volumes: acceptance and the workflow's steps (SQLite and PostgreSQL),
+above all while a server is in VERIFY_RESIZE, where a revert must bring the volume along."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jsonschema
+import pytest
+from sqlalchemy import select
+from verify_resize_helpers import (
+    CELL,
+    DEST,
+    PROJECT,
+    SOURCE,
+    USER,
+    Resized,
+    attachments,
+    begin,
+    events,
+    faults,
+    host_result,
+    instance_row,
+    make_resized,
+    make_volume,
+    mocked_aws,
+    set_instance,
+    volume_status,
+)
+
+from ferry import errors, protocol, workflows
+from ferry.auth import RequestContext
+from ferry.compute import api as compute_api
+from ferry.compute import states
+from ferry.store.cell_models import BlockDeviceMapping
+from ferry.store.db import cell_session
+from ferry.workflows import confirm_resize, revert_resize
+from ferry.workflows import volume_attachment as va
+
+
+class Started:
+    def __init__(self) -> None:
+        self.payloads: list[dict[str, Any]] = []
+        self.fail = False
+
+    def __call__(self, arn: str, name: str, payload: dict[str, Any]) -> str:
+        if self.fail:
+            raise RuntimeError("Step Functions is unreachable")
+        self.payloads.append({**payload, "execution_name": name})
+        return f"{arn}:{name}"
+
+
+@pytest.fixture
+def started(store, monkeypatch):
+    with mocked_aws(monkeypatch):
+        recorder = Started()
+        monkeypatch.setattr(workflows, "start_execution", recorder)
+        yield recorder
+
+
+def owner() -> RequestContext:
+    return RequestContext(user_id=USER, project_id=PROJECT, roles=("member",))
+
+
+def location(resized: Resized) -> compute_api.Location:
+    return compute_api.locate(owner(), resized.instance_uuid)
+
+
+def bdms(instance_uuid: str) -> list[tuple[str | None, bool]]:
+    with cell_session(CELL) as session:
+        return [(b.volume_id, b.deleted) for b in session.scalars(
+            select(BlockDeviceMapping).where(BlockDeviceMapping.instance_uuid == instance_uuid))]
+
+
+def run_attach(payload: dict[str, Any]) -> dict[str, Any]:
+    """CheckVolumeOperation → AttachAtHost (answered) → FinishVolumeOperation."""
+    event = {**payload, "volume_op": va.check_volume_operation(payload)}
+    args = event["volume_op"]["args"]
+    jsonschema.validate(args, protocol.ARGS_SCHEMAS[protocol.ATTACH_VOLUME if payload["operation"] == va.ATTACH
+                                                    else protocol.DETACH_VOLUME])
+    event["attached" if payload["operation"] == va.ATTACH else "detached"] = host_result(
+        event["volume_op"]["host"], payload["instance_uuid"], states.RUNNING)
+    va.finish_volume_operation(event)
+    va.finish_volume_operation(event)  # delivered twice
+    return event
+
+
+def test_a_volume_attached_while_resized_is_restored_by_the_revert(started, monkeypatch, tmp_path):
+    resized = make_resized(state_dir=tmp_path)
+    volume_id = make_volume(tmp_path)
+
+    attachment = va.begin_attach(owner(), location(resized), volume_id)
+    assert (attachment.device_path, attachment.volume_id) == ("/dev/vdd", volume_id)
+    assert attachments(resized.instance_uuid) == {DEST: "reserved", SOURCE: "reserved"}
+    assert instance_row(resized.instance_uuid).task_state == va.ATTACHING_VOLUME
+    [payload] = started.payloads
+    jsonschema.validate(payload, va.INPUT_SCHEMA)
+    event = run_attach(payload)
+    assert event["volume_op"]["host"] == DEST
+    assert event["volume_op"]["args"]["volume"]["device"] == "vdd"
+    assert attachments(resized.instance_uuid) == {DEST: "attached", SOURCE: "reserved"}
+    assert (volume_status(volume_id), instance_row(resized.instance_uuid).task_state) == ("in-use", None)
+    assert events(resized.instance_uuid) == {va.EVENT_ATTACH: "Success"}
+
+    revert = begin("revert", resized, monkeypatch)
+    revert = {**revert, "move": revert_resize.check_resize_to_revert(revert)}
+    revert["reverted_at_dest"] = host_result(DEST, resized.instance_uuid)
+    args = revert_resize.revert_resources_to_source(revert)["finish_args"]
+
+    assert [(v["volume_id"], v["device"], v["path"]) for v in args["volumes"]] == [
+        (volume_id, "vdd", str(tmp_path / "volumes" / volume_id))]
+    assert attachments(resized.instance_uuid) == {SOURCE: "attached"}
+
+
+def test_a_volume_detached_while_resized_is_gone_from_both_hosts_and_from_the_revert(started, monkeypatch,
+                                                                                     tmp_path):
+    resized = make_resized(volume=True, state_dir=tmp_path)
+    assert resized.volume_id is not None
+    assert attachments(resized.instance_uuid) == {DEST: "attached", SOURCE: "attached"}
+
+    va.begin_detach(owner(), location(resized), resized.volume_id)
+    assert volume_status(resized.volume_id) == va.DETACHING
+    event = run_attach(started.payloads[0])
+    assert event["volume_op"]["args"] == {"volume_id": resized.volume_id}
+
+    assert attachments(resized.instance_uuid) == {}
+    assert volume_status(resized.volume_id) == "available"
+    assert bdms(resized.instance_uuid) == [(resized.volume_id, True)]
+    revert = begin("revert", resized, monkeypatch)
+    revert = {**revert, "move": revert_resize.check_resize_to_revert(revert)}
+    assert revert_resize.revert_resources_to_source(revert)["finish_args"]["volumes"] == []
+
+
+def test_a_confirm_drops_the_reserved_source_attachment(started, monkeypatch, tmp_path):
+    resized = make_resized(state_dir=tmp_path)
+    volume_id = make_volume(tmp_path)
+    va.begin_attach(owner(), location(resized), volume_id)
+    run_attach(started.payloads[0])
+
+    confirm = begin("confirm", resized, monkeypatch)
+    confirm = {**confirm, "move": confirm_resize.check_resize_to_confirm(confirm)}
+    confirm_resize.finish_confirm(confirm)
+
+    assert attachments(resized.instance_uuid) == {DEST: "attached"}
+
+
+def test_a_busy_server_or_a_used_volume_is_refused_and_nothing_is_written(started, tmp_path):
+    resized = make_resized(state_dir=tmp_path)
+    volume_id = make_volume(tmp_path)
+    set_instance(resized.instance_uuid, task_state=states.RESIZE_REVERTING)
+
+    with pytest.raises(errors.InstanceInvalidState):
+        va.begin_attach(owner(), location(resized), volume_id)
+    assert volume_status(volume_id) == "available"
+    set_instance(resized.instance_uuid, task_state=None)
+    va.begin_attach(owner(), location(resized), volume_id)
+    with pytest.raises(errors.InstanceInvalidState):
+        va.begin_attach(owner(), location(resized), make_volume(tmp_path))  # attach under way
+    other = make_resized(state_dir=tmp_path)
+    with pytest.raises(errors.VolumeInUse):
+        va.begin_attach(owner(), location(other), volume_id)
+
+    assert len(started.payloads) == 1
+    assert attachments(other.instance_uuid) == {}
+    assert instance_row(other.instance_uuid).task_state is None
+
+
+def test_a_confirm_or_revert_waits_for_an_attach_under_way(started, monkeypatch, tmp_path):
+    resized = make_resized(state_dir=tmp_path)
+    va.begin_attach(owner(), location(resized), make_volume(tmp_path))
+
+    with pytest.raises(errors.InstanceInvalidState):
+        begin("revert", resized, monkeypatch)
+    with pytest.raises(errors.InstanceInvalidState):
+        begin("confirm", resized, monkeypatch)
+
+
+def test_another_projects_volume_is_not_found(started, tmp_path):
+    resized = make_resized(state_dir=tmp_path)
+    theirs = make_volume(tmp_path, project="someone-else")
+
+    with pytest.raises(errors.VolumeNotFound):
+        va.begin_attach(owner(), location(resized), theirs)
+
+
+def test_an_execution_that_cannot_start_leaves_nothing_behind(started, tmp_path):
+    resized = make_resized(state_dir=tmp_path)
+    volume_id = make_volume(tmp_path)
+    started.fail = True
+
+    with pytest.raises(RuntimeError):
+        va.begin_attach(owner(), location(resized), volume_id)
+
+    assert volume_status(volume_id) == "available"
+    assert attachments(resized.instance_uuid) == {}
+    assert bdms(resized.instance_uuid) == []
+    row = instance_row(resized.instance_uuid)
+    assert row.task_state is None and events(resized.instance_uuid) == {}
+
+
+def test_a_failed_attach_is_rolled_back_completely(started, tmp_path):
+    resized = make_resized(state_dir=tmp_path)
+    volume_id = make_volume(tmp_path)
+    va.begin_attach(owner(), location(resized), volume_id)
+    payload = started.payloads[0]
+    event = {**payload, "volume_op": va.check_volume_operation(payload),
+             "error": {"Error": "Ferry.HypervisorError", "Cause": "device vdd is taken"}}
+
+    va.fail_volume_operation(event)
+    va.fail_volume_operation(event)
+
+    assert volume_status(volume_id) == "available"
+    assert attachments(resized.instance_uuid) == {}
+    assert bdms(resized.instance_uuid) == []
+    row = instance_row(resized.instance_uuid)
+    assert (row.vm_state, row.task_state) == (states.RESIZED, None)
+    [fault] = faults(resized.instance_uuid)
+    assert "device vdd is taken" in fault.message
+    assert events(resized.instance_uuid) == {va.EVENT_ATTACH: "Error"}
+
+
+def test_a_failed_detach_leaves_the_volume_attached(started, tmp_path):
+    resized = make_resized(volume=True, state_dir=tmp_path)
+    assert resized.volume_id is not None
+    va.begin_detach(owner(), location(resized), resized.volume_id)
+    payload = started.payloads[0]
+    event = {**payload, "volume_op": va.check_volume_operation(payload),
+             "error": {"Error": "Ferry.GuestNotFound", "Cause": "no guest"}}
+
+    va.fail_volume_operation(event)
+
+    assert volume_status(resized.volume_id) == "in-use"
+    assert attachments(resized.instance_uuid) == {DEST: "attached", SOURCE: "attached"}
+    assert instance_row(resized.instance_uuid).task_state is None
+
+
+def test_input_and_records_not_those_of_an_operation_under_way_are_refused(started, tmp_path):
+    resized = make_resized(state_dir=tmp_path)
+    volume_id = make_volume(tmp_path)
+    payload = {"instance_uuid": resized.instance_uuid, "cell": CELL, "request_id": "req-by-hand",
+               "operation": va.ATTACH, "volume_id": volume_id}
+
+    with pytest.raises(errors.UnexpectedTaskState):
+        va.check_volume_operation(payload)
+    with pytest.raises(errors.InvalidWorkflowInput):
+        va.check_volume_operation({**payload, "operation": "swap"})
+    assert volume_status(volume_id) == "available" and events(resized.instance_uuid) == {}
+
+
+def test_the_root_volume_cannot_be_detached(started, tmp_path):
+    resized = make_resized(volume=True, state_dir=tmp_path)
+    with cell_session(CELL) as session:
+        bdm = session.scalars(select(BlockDeviceMapping).where(
+            BlockDeviceMapping.instance_uuid == resized.instance_uuid)).one()
+        bdm.boot_index = 0
+    assert resized.volume_id is not None
+
+    with pytest.raises(errors.BadRequest):
+        va.begin_detach(owner(), location(resized), resized.volume_id)
+    assert volume_status(resized.volume_id) == "in-use"
+    assert instance_row(resized.instance_uuid).task_state is None
