@@ -1,0 +1,177 @@
+"""``/servers/{id}/os-volume_attachments`` through the real API handler (SQLite and PostgreSQL).
+
+The volume_attachment state machine is a dummy: these tests check the answers, what the API
+writes before the workflow runs, and that a refused request changes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid as uuidlib
+from typing import Any
+
+import pytest
+from test_api_support import ADMIN, PASS_DEFINITION, ROLE_ARN, Caller, call, mocked_cloud
+from verify_resize_helpers import (
+    DEST,
+    OTHER,
+    PROJECT,
+    SOURCE,
+    USER,
+    attachments,
+    instance_row,
+    make_resized,
+    make_volume,
+    report,
+    set_instance,
+    volume_status,
+)
+
+from ferry import aws, config, protocol
+from ferry.compute import states
+from ferry.store.api_models import Network
+from ferry.store.db import api_session
+from ferry.workflows import volume_attachment as va
+
+OWNER = Caller(USER, PROJECT)
+STRANGER = Caller("mallory", "project-m")
+
+
+@pytest.fixture
+def cloud(store, monkeypatch, tmp_path):
+    for mocked in mocked_cloud(monkeypatch, tmp_path):
+        arn = mocked.sfn.create_state_machine(name="ferry-test-volume-attachment", definition=PASS_DEFINITION,
+                                              roleArn=ROLE_ARN)["stateMachineArn"]
+        monkeypatch.setenv("FERRY_VOLUME_ATTACHMENT_STATE_MACHINE_ARN", arn)
+        mocked.state_machines["volume_attachment"] = arn
+        config.reset()
+        for host in (SOURCE, DEST, OTHER):
+            aws.client("sqs").create_queue(QueueName=protocol.host_queue_name(config.get().host_queue_prefix, host))
+            report(host)
+        with api_session() as session:
+            session.add(Network(id="net-1", name="shared", cidr="10.0.0.0/24"))
+        yield mocked
+
+
+def path(server_id: str, volume_id: str | None = None) -> str:
+    base = f"/v2.1/servers/{server_id}/os-volume_attachments"
+    return f"{base}/{volume_id}" if volume_id else base
+
+
+def attach(server_id: str, body: Any, *, caller: Caller = OWNER, version: str = "2.1"):
+    return call("POST", path(server_id), caller=caller, body=body, version=version)
+
+
+def test_attach_answers_200_with_the_attachment_and_starts_the_workflow(cloud, tmp_path):
+    resized = make_resized(state_dir=tmp_path)
+    volume_id = make_volume(tmp_path)
+
+    response = attach(resized.instance_uuid, {"volumeAttachment": {"volumeId": volume_id, "device": "/dev/vdb"}})
+
+    assert response.status == 200, response.body
+    assert response.body == {"volumeAttachment": {"id": volume_id, "serverId": resized.instance_uuid,
+                                                  "volumeId": volume_id, "device": "/dev/vdd"}}
+    [execution] = cloud.executions("volume_attachment")
+    assert execution["input"]["operation"] == "attach" and execution["input"]["volume_id"] == volume_id
+    assert attachments(resized.instance_uuid) == {DEST: "reserved", SOURCE: "reserved"}
+    assert volume_status(volume_id) == va.ATTACHING
+
+
+def test_list_and_show_in_nova_shapes_per_microversion(cloud, tmp_path):
+    resized = make_resized(volume=True, state_dir=tmp_path)
+    server_id, volume_id = resized.instance_uuid, resized.volume_id
+    assert volume_id is not None
+
+    listed = call("GET", path(server_id), caller=OWNER, version="2.1")
+    shown = call("GET", path(server_id, volume_id), caller=OWNER, version="2.89")
+
+    assert listed.status == 200
+    assert listed.body == {"volumeAttachments": [{"id": volume_id, "serverId": server_id, "volumeId": volume_id,
+                                                  "device": "/dev/vdd"}]}
+    assert shown.status == 200
+    body = shown.body["volumeAttachment"]
+    assert "id" not in body
+    assert (body["tag"], body["delete_on_termination"], body["volumeId"]) == (None, False, volume_id)
+    assert set(body) == {"device", "serverId", "volumeId", "tag", "delete_on_termination", "attachment_id",
+                         "bdm_uuid"}
+
+
+@pytest.mark.parametrize("body", [
+    {},
+    {"volumeAttachment": {}},
+    {"volumeAttachment": {"volumeId": "not-a-uuid"}},
+    {"volumeAttachment": {"volumeId": str(uuidlib.uuid4()), "bogus": 1}},
+    {"volumeAttachment": {"volumeId": str(uuidlib.uuid4()), "device": "sdb!"}},
+    {"volumeAttachment": {"volumeId": str(uuidlib.uuid4()), "delete_on_termination": True}},
+])
+def test_a_bad_body_is_400(cloud, tmp_path, body):
+    resized = make_resized(state_dir=tmp_path)
+
+    response = attach(resized.instance_uuid, body)
+
+    assert response.status == 400, response.body
+    assert "badRequest" in response.body
+
+
+def test_delete_on_termination_is_accepted_from_2_79(cloud, tmp_path):
+    resized = make_resized(state_dir=tmp_path)
+    volume_id = make_volume(tmp_path)
+
+    response = attach(resized.instance_uuid, {"volumeAttachment": {"volumeId": volume_id,
+                                                                   "delete_on_termination": True}}, version="2.79")
+
+    assert response.status == 200, response.body
+    assert response.body["volumeAttachment"]["delete_on_termination"] is True
+
+
+def test_unknown_server_unknown_volume_and_another_projects_volume_are_404(cloud, tmp_path):
+    resized = make_resized(state_dir=tmp_path)
+    volume_id = make_volume(tmp_path)
+    theirs = make_volume(tmp_path, project="project-m")
+
+    assert attach(str(uuidlib.uuid4()), {"volumeAttachment": {"volumeId": volume_id}}).status == 404
+    assert attach(resized.instance_uuid, {"volumeAttachment": {"volumeId": str(uuidlib.uuid4())}}).status == 404
+    assert attach(resized.instance_uuid, {"volumeAttachment": {"volumeId": theirs}}).status == 404
+    assert attach(resized.instance_uuid, {"volumeAttachment": {"volumeId": volume_id}},
+                  caller=STRANGER).status == 404
+    assert call("GET", path(resized.instance_uuid, volume_id), caller=OWNER).status == 404
+    assert call("DELETE", path(resized.instance_uuid, volume_id), caller=OWNER).status == 404
+    assert cloud.executions("volume_attachment") == []
+
+
+def test_a_volume_in_use_or_a_busy_server_is_409_and_changes_nothing(cloud, tmp_path):
+    resized = make_resized(volume=True, state_dir=tmp_path)
+    other = make_resized(state_dir=tmp_path)
+    free = make_volume(tmp_path)
+
+    in_use = attach(other.instance_uuid, {"volumeAttachment": {"volumeId": resized.volume_id}})
+    set_instance(other.instance_uuid, task_state=states.RESIZE_REVERTING)
+    busy = attach(other.instance_uuid, {"volumeAttachment": {"volumeId": free}})
+
+    assert (in_use.status, busy.status) == (409, 409)
+    assert "conflictingRequest" in in_use.body and "conflictingRequest" in busy.body
+    assert volume_status(free) == "available" and attachments(other.instance_uuid) == {}
+    assert instance_row(other.instance_uuid).task_state == states.RESIZE_REVERTING
+    assert cloud.executions("volume_attachment") == []
+
+
+def test_detach_answers_202_and_starts_the_workflow(cloud, tmp_path):
+    resized = make_resized(volume=True, state_dir=tmp_path)
+    assert resized.volume_id is not None
+
+    response = call("DELETE", path(resized.instance_uuid, resized.volume_id), caller=OWNER)
+
+    assert response.status == 202, response.body
+    [execution] = cloud.executions("volume_attachment")
+    assert execution["input"]["operation"] == "detach"
+    assert instance_row(resized.instance_uuid).task_state == va.DETACHING_VOLUME
+    assert volume_status(resized.volume_id) == va.DETACHING
+
+
+def test_an_admin_may_attach_to_any_project_server(cloud, tmp_path):
+    resized = make_resized(state_dir=tmp_path)
+    volume_id = make_volume(tmp_path)
+
+    response = attach(resized.instance_uuid, {"volumeAttachment": {"volumeId": volume_id}}, caller=ADMIN)
+
+    assert response.status == 200, json.dumps(response.body)
