@@ -319,7 +319,7 @@ def test_input_not_matching_the_schema_is_refused_and_changes_nothing(cloud, cha
     before = snapshot(uuid)
     bad = {k: v for k, v in {**inp, **change}.items() if v is not None}
 
-    with pytest.raises(errors.InvalidMoveInput):
+    with pytest.raises(errors.InvalidWorkflowInput):
         resize.validate_input({"input": bad, "execution_name": "x"})
 
     assert snapshot(uuid) == before

@@ -308,7 +308,7 @@ def test_input_that_does_not_match_the_schema_fails_and_changes_nothing(cloud):
 
     described = cloud.finish(cloud.start({"instance_uuid": uuid, "cell": "cell1"}, "resize-bad-input"))
 
-    assert (described["status"], described["error"]) == ("FAILED", "Ferry.InvalidMoveInput")
+    assert (described["status"], described["error"]) == ("FAILED", "Ferry.InvalidWorkflowInput")
     assert snapshot(uuid) == before
     assert migration(inp["migration_uuid"]).status == "pre-migrating"
     assert cloud.states_entered(described["executionArn"]) == ["ValidateMoveInput", "MoveRefused"]

@@ -283,10 +283,6 @@ class InvalidQuotaDefault(FerryError):
 # --- Resize workflow -----------------------------------------------------------------------------
 
 
-class InvalidMoveInput(FerryError):
-    """A resize execution's input does not match ``statemachine/resize.input.schema.json``."""
-
-
 class MoveNotPrepared(FerryError):
     """A resize execution names a migration or instance the compute API did not prepare for it
     (missing, another instance's, or no longer in ``pre-migrating`` / ``resize_prep``)."""

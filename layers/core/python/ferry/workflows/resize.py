@@ -195,7 +195,7 @@ def validate_input(event: dict[str, Any]) -> dict[str, Any]:
         The input (``execution_name``, ``user_id`` and ``project_id`` filled in) plus ``move``.
 
     Raises:
-        InvalidMoveInput: the input does not match the schema.
+        InvalidWorkflowInput: the input does not match the schema.
         MoveNotPrepared: the migration or instance is missing or not in the expected state.
     """
     raw = event.get("input")
@@ -203,7 +203,7 @@ def validate_input(event: dict[str, Any]) -> dict[str, Any]:
         jsonschema.validate(raw, INPUT_SCHEMA)
     except jsonschema.ValidationError as exc:
         where = "/".join(str(p) for p in exc.absolute_path) or "the input"
-        raise errors.InvalidMoveInput(f"Invalid resize input at {where}: {exc.message}") from exc
+        raise errors.InvalidWorkflowInput(f"Invalid resize input at {where}: {exc.message}") from exc
     document: dict[str, Any] = {"user_id": None, "project_id": None, **cast(dict[str, Any], raw)}
     document.setdefault("execution_name", event.get("execution_name"))
     uuid, migration_uuid, cell = document["instance_uuid"], document["migration_uuid"], document["cell"]
