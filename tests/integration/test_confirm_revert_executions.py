@@ -298,3 +298,18 @@ def test_a_failed_volume_attach_is_detached_again_and_leaves_no_attachment(stack
     assert stack.agents.operations() == [(DEST, protocol.ATTACH_VOLUME), (DEST, protocol.DETACH_VOLUME)]
     assert attachments(resized.instance_uuid) == {}
     assert instance_row(resized.instance_uuid).task_state is None
+
+
+def test_a_revert_rolled_back_to_verify_resize_can_be_asked_again(stack):
+    resized = make_resized()
+    stack.agents.failures[(DEST, protocol.REVERT_RESIZE)] = ("Ferry.HostOperationFailed", "device busy")
+    assert revert(resized, stack)["status"] == "FAILED"
+    del stack.agents.failures[(DEST, protocol.REVERT_RESIZE)]
+
+    moves.begin_revert("cell1", resized.instance_uuid, request_id=f"req-{uuidlib.uuid4()}", user_id=USER,
+                       project_id=PROJECT)
+    deadline = time.monotonic() + 60
+    while migration_row(resized.migration_uuid).status == moves.REVERTING and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+    assert migration_row(resized.migration_uuid).status == moves.REVERTED
