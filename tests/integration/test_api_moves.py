@@ -844,3 +844,35 @@ def test_concurrent_confirm_and_revert_admit_exactly_one(cloud):
     assert started == 1
     status = migrations_of(server_id)[0].status
     assert (status, instance(server_id).task_state) in (("confirming", None), ("reverting", "resize_reverting"))
+
+
+def test_a_confirm_asked_again_after_its_workflow_gave_the_migration_back_gets_a_new_execution(cloud):
+    server_id, migration_uuid = resized_server()
+    assert action(server_id, {"confirmResize": None}).status == 204
+    [first] = cloud.sfn.list_executions(stateMachineArn=cloud.state_machines["confirm_resize"])["executions"]
+    cloud.sfn.stop_execution(executionArn=first["executionArn"])
+    with cell_session("cell1") as session:  # what the workflow's RestoreVerifyResize does
+        session.execute(update(Migration).where(Migration.uuid == migration_uuid).values(status=moves.FINISHED))
+
+    again = action(server_id, {"confirmResize": None})
+
+    assert again.status == 204
+    base = f"confirm-{server_id}-{migration_uuid[:8]}"
+    executions = {e["name"]: e["input"]["request_id"] for e in cloud.executions("confirm_resize")}
+    assert executions == {base: first_request_id(server_id), f"{base}-2": again.header("x-openstack-request-id")}
+
+
+def test_the_same_request_started_twice_keeps_its_execution_name(cloud):
+    server_id, migration_uuid = resized_server()
+    moves.begin_revert("cell1", server_id, request_id="req-same", user_id=None, project_id=None)
+    with cell_session("cell1") as session:
+        session.execute(update(Migration).where(Migration.uuid == migration_uuid).values(status=moves.FINISHED))
+    set_instance(server_id, task_state=None)
+
+    moves.begin_revert("cell1", server_id, request_id="req-same", user_id=None, project_id=None)
+
+    assert [e["name"] for e in cloud.executions("revert_resize")] == [f"revert-{server_id}-{migration_uuid[:8]}"]
+
+
+def first_request_id(server_id: str) -> str:
+    return actions_of(server_id)[0].request_id

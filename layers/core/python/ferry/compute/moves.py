@@ -7,7 +7,9 @@ action and starts the workflow's execution. When the execution cannot be started
 written is undone and the error is raised: a refused or failed request leaves nothing behind.
 
 Execution names are ``<kind>-<instance uuid>-<first 8 characters of the migration uuid>``,
-so a retried start of the same move cannot run its workflow twice. Every execution gets
+so a retried start of the same request cannot run its workflow twice (a confirm or revert
+asked again by a new request, after an earlier attempt's workflow gave the migration back,
+gets ``-2``, ``-3``… appended). Every execution gets
 ``instance_uuid``, ``migration_uuid``, ``cell`` and ``request_id`` (resize and migrate also
 ``requested_host``, ``user_id`` and ``project_id``).
 """
@@ -15,13 +17,14 @@ so a retried start of the same move cannot run its workflow twice. Every executi
 from __future__ import annotations
 
 import datetime as dt
+import json
 from dataclasses import dataclass
 from typing import Any, cast
 
 from sqlalchemy import CursorResult, Select, delete, func, or_, select, update
 from sqlalchemy.orm import Session
 
-from ferry import config, errors, hosts, policy, quotas, workflows
+from ferry import aws, config, errors, hosts, policy, quotas, workflows
 from ferry.auth import RequestContext
 from ferry.compute import actions, instances, states
 from ferry.compute import api as compute_api
@@ -59,6 +62,30 @@ _SETTLING = (CONFIRMING, REVERTING)
 def move_execution_name(kind: str, instance_uuid: str, migration_uuid: str) -> str:
     """``<kind>-<instance uuid>-<first 8 of the migration uuid>`` (within Step Functions' 80 characters)."""
     return f"{kind}-{instance_uuid}-{migration_uuid[:8]}"
+
+
+def _fresh_execution_name(state_machine_arn: str, name: str, request_id: str) -> str:
+    """``name``, or ``name-2``, ``name-3``… when an execution of that name exists for another request.
+
+    A confirm or revert whose workflow failed early puts the migration back to ``finished`` so
+    it can be asked again; Step Functions keeps an execution's name for 90 days, so the next
+    request needs a name of its own. The same request started again keeps its name (starting
+    it twice is then a no-op).
+    """
+    if not state_machine_arn:
+        return name
+    sfn = aws.client("stepfunctions")
+    prefix = state_machine_arn.replace(":stateMachine:", ":execution:") + ":"
+    candidate, attempt = name, 1
+    while True:
+        try:
+            existing = sfn.describe_execution(executionArn=prefix + candidate)
+        except sfn.exceptions.ExecutionDoesNotExist:
+            return candidate
+        if json.loads(existing.get("input") or "{}").get("request_id") == request_id:
+            return candidate
+        attempt += 1
+        candidate = f"{name}-{attempt}"
 
 
 def _invalid_state(action: str, instance_uuid: str, attr: str, state: Any) -> errors.InstanceInvalidState:
@@ -158,9 +185,11 @@ def begin_confirm(cell: str, instance_uuid: str, *, request_id: str, user_id: st
                 f"{migration_uuid} first.")
         actions.start_action(session, instance_uuid=instance_uuid, action=actions.CONFIRM_RESIZE,
                              request_id=request_id, user_id=user_id, project_id=project_id)
-    name = move_execution_name("confirm", instance_uuid, migration_uuid)
+    arn = config.get().confirm_resize_state_machine_arn
     try:
-        workflows.start_execution(config.get().confirm_resize_state_machine_arn, name,
+        name = _fresh_execution_name(arn, move_execution_name("confirm", instance_uuid, migration_uuid),
+                                     request_id)
+        workflows.start_execution(arn, name,
                                   _settle_payload(cell, instance_uuid, migration_uuid, request_id))
     except Exception:
         logger.exception("confirm workflow did not start; undoing", extra={"instance_uuid": instance_uuid})
@@ -208,9 +237,11 @@ def begin_revert(cell: str, instance_uuid: str, *, request_id: str, user_id: str
             raise errors.InstanceInvalidState(str(exc)) from exc
         actions.start_action(session, instance_uuid=instance_uuid, action=actions.REVERT_RESIZE,
                              request_id=request_id, user_id=user_id, project_id=project_id)
-    name = move_execution_name("revert", instance_uuid, migration_uuid)
+    arn = config.get().revert_resize_state_machine_arn
     try:
-        workflows.start_execution(config.get().revert_resize_state_machine_arn, name,
+        name = _fresh_execution_name(arn, move_execution_name("revert", instance_uuid, migration_uuid),
+                                     request_id)
+        workflows.start_execution(arn, name,
                                   _settle_payload(cell, instance_uuid, migration_uuid, request_id))
     except Exception:
         logger.exception("revert workflow did not start; undoing", extra={"instance_uuid": instance_uuid})
