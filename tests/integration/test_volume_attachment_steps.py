@@ -259,3 +259,24 @@ def test_the_root_volume_cannot_be_detached(started, tmp_path):
         va.begin_detach(owner(), location(resized), resized.volume_id)
     assert volume_status(resized.volume_id) == "in-use"
     assert instance_row(resized.instance_uuid).task_state is None
+
+
+def test_no_attach_while_a_confirm_is_under_way(started, monkeypatch, tmp_path):
+    resized = make_resized(state_dir=tmp_path)
+    begin("confirm", resized, monkeypatch)
+
+    with pytest.raises(errors.InstanceInvalidState):
+        va.begin_attach(owner(), location(resized), make_volume(tmp_path))
+
+
+def test_a_confirm_that_raced_an_attach_settles_the_server_and_leaves_the_attach_its_task(started, monkeypatch,
+                                                                                          tmp_path):
+    resized = make_resized(state_dir=tmp_path)
+    confirm = begin("confirm", resized, monkeypatch)
+    confirm = {**confirm, "move": confirm_resize.check_resize_to_confirm(confirm)}
+    set_instance(resized.instance_uuid, task_state=va.ATTACHING_VOLUME)
+
+    confirm_resize.finish_confirm(confirm)
+
+    row = instance_row(resized.instance_uuid)
+    assert (row.vm_state, row.task_state, row.old_flavor) == (states.ACTIVE, va.ATTACHING_VOLUME, None)

@@ -96,10 +96,30 @@ def host_ref(host: str, node: str | None) -> dict[str, Any]:
     return {"host": host, "node": node or host, "queue_url": hosts.queue_url(host)}
 
 
+# Tasks a confirm settles the server under without ending them: a volume attach or detach that
+# raced the confirm's acceptance (the confirm sets no task, as in Nova). Named as in
+# :mod:`ferry.workflows.volume_attachment`.
+VOLUME_TASK_STATES = ("attaching_volume", "detaching_volume")
+SETTLEABLE_TASK_STATES: tuple[str | None, ...] = (None, *VOLUME_TASK_STATES)
+
+
 def settled_values(instance: Instance) -> dict[str, Any]:
-    """What a confirmed server looks like: vm_state from its power state, no task, no move flavors."""
-    return {"vm_state": states.vm_state_from_power(instance.power_state), "task_state": None,
-            "old_flavor": None, "new_flavor": None, "old_vm_state": None}
+    """What a confirmed server looks like: vm_state from its power state, no move flavors, and no
+    task unless a volume attach or detach is under way (its own workflow ends it)."""
+    values: dict[str, Any] = {"vm_state": states.vm_state_from_power(instance.power_state), "old_flavor": None,
+                              "new_flavor": None, "old_vm_state": None}
+    if instance.task_state is None:
+        values["task_state"] = None
+    return values
+
+
+def settle(session: Session, instance: Instance | None) -> None:
+    """Settle a server still in vm_state ``resized`` as a confirm does (compare-and-swap); a
+    server in another state (being deleted, already settled) is left alone."""
+    if instance is None or instance.vm_state != states.RESIZED or instance.task_state not in SETTLEABLE_TASK_STATES:
+        return
+    instances.update_cas(session, instance.uuid, settled_values(instance),
+                         expected_task_state=(instance.task_state,), expected_vm_state=(states.RESIZED,))
 
 
 def release_source(instance_uuid: str, migration_uuid: str, source_host: str, same_host: bool) -> None:
@@ -210,11 +230,9 @@ def finish_confirm(event: dict[str, Any]) -> dict[str, Any]:
         migration = migration_of(session, uuid, migration_uuid)
         if migration.status == moves.CONFIRMED:
             return {}
+        settle(session, live_instance(session, uuid))
         instance = live_instance(session, uuid)
-        if instance is not None and instance.vm_state == states.RESIZED and instance.task_state is None:
-            instances.update_cas(session, uuid, settled_values(instance), expected_task_state=(None,),
-                                 expected_vm_state=(states.RESIZED,))
-            instance = live_instance(session, uuid)
+        migration = migration_of(session, uuid, migration_uuid)
         migration.status = moves.CONFIRMED
         actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"], event=EVENT_CONFIRM,
                              host=source)
@@ -254,9 +272,8 @@ def fail_confirm(event: dict[str, Any]) -> dict[str, Any]:
                        f"guest and the disks in {uuid}_resize. Migration {migration_uuid} is in error and keeps "
                        f"its allocation ({held}) until a confirm of that migration, run again, cleans up.")
         instance = live_instance(session, uuid)
-        if instance is not None and instance.vm_state == states.RESIZED and instance.task_state is None:
-            instances.update_cas(session, uuid, settled_values(instance), expected_task_state=(None,),
-                                 expected_vm_state=(states.RESIZED,))
+        settle(session, instance)
+        migration = migration_of(session, uuid, migration_uuid)
         migration.status = moves.ERROR
         if instance is not None:
             instances.add_fault(session, uuid, message, host=source, details=details)

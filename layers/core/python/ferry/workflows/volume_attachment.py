@@ -50,14 +50,14 @@ from ferry.store.api_models import CellMapping, Volume, VolumeAttachment
 from ferry.store.cell_models import BlockDeviceMapping, InstanceAction, InstanceActionEvent, Migration
 from ferry.store.db import api_session, cell_session
 from ferry.workflows import error_message
-from ferry.workflows.confirm_resize import live_instance, validate_input
+from ferry.workflows.confirm_resize import VOLUME_TASK_STATES, live_instance, validate_input
 
 ATTACH = "attach"
 DETACH = "detach"
 
-# Task states while a volume is attached or detached (Ferry's; see the module docstring).
-ATTACHING_VOLUME = "attaching_volume"
-DETACHING_VOLUME = "detaching_volume"
+# Task states while a volume is attached or detached (Ferry's; see the module docstring). A
+# confirm settles a server under them (confirm_resize.VOLUME_TASK_STATES).
+ATTACHING_VOLUME, DETACHING_VOLUME = VOLUME_TASK_STATES
 _TASK_STATE = {ATTACH: ATTACHING_VOLUME, DETACH: DETACHING_VOLUME}
 
 # Nova's instance action and event names.
@@ -160,7 +160,18 @@ def _check_server(ctx: RequestContext, session: Session, instance_uuid: str, act
             f"Cannot '{action}' instance {instance_uuid} while it is in task_state {instance.task_state}")
     if not instance.host:
         raise errors.InstanceInvalidState(f"Cannot '{action}' instance {instance_uuid}: it is on no host")
+    if instance.vm_state == states.RESIZED and _settling(session, instance_uuid):
+        raise errors.InstanceInvalidState(
+            f"Cannot '{action}' instance {instance_uuid} while its resize is being confirmed or reverted")
     return instance
+
+
+def _settling(session: Session, instance_uuid: str) -> bool:
+    """Whether the server's newest migration is being confirmed or reverted."""
+    status = session.scalars(select(Migration.status).where(
+        Migration.instance_uuid == instance_uuid, Migration.deleted.is_(False))
+        .order_by(Migration.id.desc()).limit(1)).first()
+    return status in (moves.CONFIRMING, moves.REVERTING)
 
 
 def _take_server(ctx: RequestContext, session: Session, instance_uuid: str, action: str, task_state: str) -> None:
