@@ -26,7 +26,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
@@ -196,6 +196,11 @@ def copy_sparse(src: str | os.PathLike[str], dst: str | os.PathLike[str], chunk_
     Raises:
         DiskCopyFailed: reading or writing failed, or ``src`` changed size during the copy.
     """
+    return copy_sparse_digest(src, dst, chunk_size).hexdigest()
+
+
+def copy_sparse_digest(src: str | os.PathLike[str], dst: str | os.PathLike[str], chunk_size: int = CHUNK_SIZE) -> Any:
+    """:func:`copy_sparse`, returning the sha256 object itself (to extend with :func:`grown_sha256`)."""
     src_path, dst_path = Path(src), Path(dst)
     hasher = hashlib.sha256()
     try:
@@ -220,7 +225,15 @@ def copy_sparse(src: str | os.PathLike[str], dst: str | os.PathLike[str], chunk_
             writer.finish(size)
     except OSError as exc:
         raise errors.DiskCopyFailed(f"Copying {src_path} to {dst_path} failed: {exc}") from exc
-    return hasher.hexdigest()
+    return hasher
+
+
+def grown_sha256(hasher: Any, old_size: int, new_size: int, chunk_size: int = CHUNK_SIZE) -> str:
+    """The sha256 of a disk grown from ``old_size`` to ``new_size`` by :func:`grow`, from the sha256
+    object of its content before (the growth is zeros: only they are hashed, the content is not read again)."""
+    extended = hasher.copy()
+    _hash_zeros(extended, new_size - old_size, chunk_size)
+    return str(extended.hexdigest())
 
 
 def download_image(
@@ -356,11 +369,15 @@ def create_root_disk(
 
 @dataclass(frozen=True)
 class Transferred:
-    """What one disk transfer moved: the disk's logical size and digest, and the data bytes that travelled."""
+    """What one disk transfer moved: the disk's logical size and digest, and the data bytes that travelled.
+
+    ``hasher`` is the sha256 object of the content (for :func:`grown_sha256`).
+    """
 
     size: int
     sha256: str
     data_bytes: int
+    hasher: Any = field(default=None, compare=False, repr=False)
 
 
 def transfer_key(prefix: str, kind: str) -> str:
@@ -604,7 +621,7 @@ def download_disk(
         raise errors.DiskCopyFailed(
             f"Fetching s3://{bucket}/{data_key} to {dest_path} failed: {exc}", bucket=bucket, key=data_key
         ) from exc
-    return Transferred(size=size, sha256=digest, data_bytes=data_bytes)
+    return Transferred(size=size, sha256=digest, data_bytes=data_bytes, hasher=hasher)
 
 
 def delete_transfer(s3_client: Any, bucket: str, prefix: str) -> int:

@@ -253,7 +253,12 @@ class MoveOperations:
             self.driver.destroy(uuid)
         elif record is None:
             raise errors.GuestNotFound(f"No guest for instance {uuid} on {self.host}.", instance_uuid=uuid)
-        os.rename(live, kept)
+        try:
+            os.rename(live, kept)
+        except OSError as exc:
+            raise errors.HostOperationFailed(
+                f"Moving the disks of instance {uuid} aside to {kept} failed: {exc}", instance_uuid=uuid
+            ) from exc
         return record
 
     # -- finish_resize (destination)
@@ -294,9 +299,9 @@ class MoveOperations:
         try:
             disks.remove_dir(live)  # what an interrupted attempt left
             live.mkdir(parents=True)
-            self._receive_disks(op, live, kept)
+            received = self._receive_disks(op, live, kept)
             local = self._prepare_local_disks(uuid, live, args["flavor"])
-            checksums = self._disk_checksums(uuid, live)
+            checksums = self._disk_checksums(uuid, live, received)
             _write_record(live, {"migration_uuid": args["migration_uuid"], "disks": checksums})
             self._define(uuid, args, local)
             if args["power_on"]:
@@ -309,16 +314,22 @@ class MoveOperations:
             self._delete_transfer(op, args["transfer"], fail=False)
         return result
 
-    def _receive_disks(self, op: Operation, live: Path, kept: Path) -> None:
+    def _receive_disks(self, op: Operation, live: Path, kept: Path) -> dict[str, tuple[Any, int]]:
+        """Copy or fetch each disk of the ``disks`` argument into ``live``, verified.
+
+        Returns each disk's sha256 object and size, to checksum it once grown without reading it again.
+        """
         uuid, args = op.instance_uuid, op.args
+        received: dict[str, tuple[Any, int]] = {}
         for kind, expected in args["disks"].items():
             dest = live / disks.DISK_FILES[kind]
             if args["same_host"]:
                 source = kept / disks.DISK_FILES[kind]
                 if not source.exists():
                     raise errors.DiskCopyFailed(f"The kept {kind} disk {source} is missing.", instance_uuid=uuid)
-                digest = disks.copy_sparse(source, dest)
-                size = dest.stat().st_size
+                hasher = disks.copy_sparse_digest(source, dest)
+                digest, size = hasher.hexdigest(), dest.stat().st_size
+                received[kind] = (hasher, size)
                 if digest != expected["sha256"] or size != expected["size"]:
                     raise errors.DiskCopyFailed(
                         f"The {kind} disk of instance {uuid} changed since it was moved aside "
@@ -337,6 +348,8 @@ class MoveOperations:
                 expected_size=expected["size"],
             )
             self._emit_metric("DiskBytesReceived", MetricUnit.Bytes, moved.data_bytes, op.name)
+            received[kind] = (moved.hasher, moved.size)
+        return received
 
     def _prepare_local_disks(self, instance_uuid: str, directory: Path, flavor: dict[str, Any]) -> list[DiskSpec]:
         """Grow the root and ephemeral disks to ``flavor`` (never shrinking), create what it adds and swap.
@@ -365,18 +378,26 @@ class MoveOperations:
             ) from exc
         return result
 
-    def _disk_checksums(self, instance_uuid: str, directory: Path) -> dict[str, dict[str, Any]]:
-        """The sha256 and size of the root and ephemeral disks in ``directory`` (whole files, zeros included)."""
+    def _disk_checksums(
+        self, instance_uuid: str, directory: Path, known: dict[str, tuple[Any, int]] | None = None
+    ) -> dict[str, dict[str, Any]]:
+        """The sha256 and size of the root and ephemeral disks in ``directory`` (whole files, zeros included).
+
+        ``known`` has the sha256 objects of disks just written, before they were grown.
+        """
         found: dict[str, dict[str, Any]] = {}
         for kind in protocol.MOVED_DISKS:
             path = directory / disks.DISK_FILES[kind]
             if path.exists():
                 try:
-                    found[kind] = {"sha256": disks.sparse_sha256(path), "size": path.stat().st_size}
+                    size = path.stat().st_size
+                    if known and kind in known and size >= known[kind][1]:
+                        hasher, old_size = known[kind]
+                        found[kind] = {"sha256": disks.grown_sha256(hasher, old_size, size), "size": size}
+                    else:
+                        found[kind] = {"sha256": disks.sparse_sha256(path), "size": size}
                 except OSError as exc:
-                    raise errors.DiskCopyFailed(
-                        f"Reading {path} failed: {exc}", instance_uuid=instance_uuid
-                    ) from exc
+                    raise errors.DiskCopyFailed(f"Reading {path} failed: {exc}", instance_uuid=instance_uuid) from exc
         return found
 
     def _define(self, instance_uuid: str, args: dict[str, Any], local: list[DiskSpec]) -> None:
@@ -545,4 +566,3 @@ class MoveOperations:
         """
         self.driver.detach_volume(op.instance_uuid, op.args["volume_id"])
         return self._result(op.instance_uuid, self.driver.guest_power_state(op.instance_uuid))
-

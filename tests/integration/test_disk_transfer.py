@@ -1,0 +1,252 @@
+"""Disk transfers between hosts through S3: data extents plus a manifest, streamed and verified (moto S3)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import boto3
+import pytest
+from moto import mock_aws
+
+from ferry import errors
+from hostagent import disks
+
+MiB = 2**20
+GiB = 2**30
+BUCKET = "ferry-transfers"
+PREFIX = "moves/m-1"
+
+
+@pytest.fixture
+def s3(monkeypatch):
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    with mock_aws():
+        client = boto3.client("s3", region_name="us-east-1")
+        client.create_bucket(Bucket=BUCKET)
+        yield client
+
+
+def _sparse_file(path, size: int, extents: dict[int, bytes]) -> bytes:
+    """Write ``extents`` (offset -> data) into a sparse file of ``size``; return its logical content."""
+    with open(path, "wb") as f:
+        for offset, data in extents.items():
+            f.seek(offset)
+            f.write(data)
+        f.truncate(size)
+    logical = bytearray(size)
+    for offset, data in extents.items():
+        logical[offset : offset + len(data)] = data
+    return bytes(logical)
+
+
+def _object(s3, key: str) -> bytes:
+    return s3.get_object(Bucket=BUCKET, Key=key)["Body"].read()
+
+
+def _manifest(s3, kind: str = "root") -> dict:
+    return json.loads(_object(s3, disks.manifest_key(PREFIX, kind)))
+
+
+def _count_calls(s3, operation: str) -> list[int]:
+    """Record the body size of every ``operation`` call the client makes."""
+    sizes: list[int] = []
+
+    def record(params, **_kwargs):
+        body = params.get("Body", b"")
+        sizes.append(len(body) if isinstance(body, bytes) else len(body.read()) if hasattr(body, "read") else 0)
+        if hasattr(body, "seek"):
+            body.seek(0)
+
+    s3.meta.events.register(f"before-parameter-build.s3.{operation}", record)
+    return sizes
+
+
+def test_a_sparse_disk_sends_only_its_data_and_comes_back_identical(s3, tmp_path):
+    src, dst = tmp_path / "src", tmp_path / "dest" / "disk"
+    data = {0: os.urandom(64 * 1024), 300 * MiB: os.urandom(MiB), GiB - 4096: os.urandom(4096)}
+    content = _sparse_file(src, GiB, data)
+    expected = hashlib.sha256(content).hexdigest()
+
+    sent = disks.upload_disk(s3, src, BUCKET, PREFIX, "root")
+
+    assert (sent.size, sent.sha256) == (GiB, expected)
+    assert sent.data_bytes == sum(len(d) for d in data.values())
+    stored = _object(s3, disks.transfer_key(PREFIX, "root"))
+    assert len(stored) == sent.data_bytes
+    manifest = _manifest(s3)
+    assert manifest == {
+        "size": GiB,
+        "extents": [[offset, len(chunk)] for offset, chunk in data.items()],
+        "sha256": expected,
+        "chunk_size": disks.CHUNK_SIZE,
+    }
+
+    received = disks.download_disk(s3, BUCKET, PREFIX, "root", dst, expected_sha256=expected, expected_size=GiB)
+
+    assert received.sha256 == expected and received.size == GiB
+    assert os.path.getsize(dst) == GiB
+    assert disks.sparse_sha256(dst) == expected
+    assert os.stat(dst).st_blocks * 512 < 4 * MiB
+    assert sorted(p.name for p in dst.parent.iterdir()) == ["disk"]
+
+
+def test_written_zeros_are_not_sent(s3, tmp_path):
+    src = tmp_path / "src"
+    content = os.urandom(MiB) + bytes(8 * MiB) + os.urandom(MiB)
+    src.write_bytes(content)
+
+    sent = disks.upload_disk(s3, src, BUCKET, PREFIX, "root", chunk_size=MiB)
+
+    assert sent.sha256 == hashlib.sha256(content).hexdigest()
+    assert _manifest(s3)["extents"] == [[0, MiB], [9 * MiB, MiB]]
+    assert len(_object(s3, disks.transfer_key(PREFIX, "root"))) == 2 * MiB
+
+
+def test_an_all_hole_disk_sends_no_data(s3, tmp_path):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    _sparse_file(src, 64 * MiB, {})
+
+    sent = disks.upload_disk(s3, src, BUCKET, PREFIX, "ephemeral")
+    disks.download_disk(s3, BUCKET, PREFIX, "ephemeral", dst, expected_sha256=sent.sha256)
+
+    assert sent.data_bytes == 0
+    assert _manifest(s3, "ephemeral")["extents"] == []
+    assert sent.sha256 == hashlib.sha256(bytes(64 * MiB)).hexdigest()
+    assert os.path.getsize(dst) == 64 * MiB and os.stat(dst).st_blocks == 0
+
+
+def test_a_large_disk_is_sent_in_parts(s3, tmp_path):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    content = _sparse_file(src, 64 * MiB, {MiB: os.urandom(20 * MiB)})
+    parts = _count_calls(s3, "UploadPart")
+
+    sent = disks.upload_disk(s3, src, BUCKET, PREFIX, "root", part_size=5 * MiB)
+    disks.download_disk(s3, BUCKET, PREFIX, "root", dst, expected_sha256=sent.sha256, expected_size=64 * MiB)
+
+    assert len(parts) == 4
+    assert max(parts) <= 5 * MiB and sum(parts) == 20 * MiB
+    assert dst.read_bytes() == content
+
+
+def test_sending_again_replaces_the_transfer(s3, tmp_path):
+    src = tmp_path / "src"
+    _sparse_file(src, 8 * MiB, {0: os.urandom(MiB)})
+    first = disks.upload_disk(s3, src, BUCKET, PREFIX, "root")
+
+    again = disks.upload_disk(s3, src, BUCKET, PREFIX, "root")
+
+    assert again == first
+    assert len(_object(s3, disks.transfer_key(PREFIX, "root"))) == MiB
+
+
+def test_corrupt_data_fails_and_leaves_no_file(s3, tmp_path):
+    src, dst = tmp_path / "src", tmp_path / "dest" / "disk"
+    _sparse_file(src, 16 * MiB, {4 * MiB: os.urandom(MiB)})
+    sent = disks.upload_disk(s3, src, BUCKET, PREFIX, "root")
+    stored = bytearray(_object(s3, disks.transfer_key(PREFIX, "root")))
+    stored[100] ^= 0xFF
+    s3.put_object(Bucket=BUCKET, Key=disks.transfer_key(PREFIX, "root"), Body=bytes(stored))
+
+    with pytest.raises(errors.DiskCopyFailed, match="sha256"):
+        disks.download_disk(s3, BUCKET, PREFIX, "root", dst, expected_sha256=sent.sha256)
+
+    assert not dst.exists()
+    assert list(dst.parent.iterdir()) == []
+
+
+@pytest.mark.parametrize("change", ["truncated", "longer"])
+def test_data_that_does_not_match_the_extents_fails(s3, tmp_path, change):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    _sparse_file(src, 16 * MiB, {0: os.urandom(MiB)})
+    disks.upload_disk(s3, src, BUCKET, PREFIX, "root")
+    stored = _object(s3, disks.transfer_key(PREFIX, "root"))
+    stored = stored[:-10] if change == "truncated" else stored + b"more"
+    s3.put_object(Bucket=BUCKET, Key=disks.transfer_key(PREFIX, "root"), Body=stored)
+
+    with pytest.raises(errors.DiskCopyFailed):
+        disks.download_disk(s3, BUCKET, PREFIX, "root", dst)
+
+    assert not dst.exists()
+
+
+def test_a_transfer_of_another_disk_is_refused_before_it_is_fetched(s3, tmp_path):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    _sparse_file(src, 16 * MiB, {0: os.urandom(MiB)})
+    sent = disks.upload_disk(s3, src, BUCKET, PREFIX, "root")
+
+    with pytest.raises(errors.DiskCopyFailed, match="another disk"):
+        disks.download_disk(s3, BUCKET, PREFIX, "root", dst, expected_sha256="0" * 64)
+    with pytest.raises(errors.DiskCopyFailed, match="expected"):
+        disks.download_disk(s3, BUCKET, PREFIX, "root", dst, expected_sha256=sent.sha256, expected_size=MiB)
+
+    assert not dst.exists()
+
+
+@pytest.mark.parametrize(
+    "manifest",
+    [
+        b"not json",
+        json.dumps({"size": 10}).encode(),
+        json.dumps({"size": MiB, "extents": [[0, 10], [5, 10]], "sha256": "0" * 64, "chunk_size": 1}).encode(),
+        json.dumps({"size": MiB, "extents": [[MiB - 1, 10]], "sha256": "0" * 64, "chunk_size": 1}).encode(),
+    ],
+    ids=["not-json", "incomplete", "overlapping", "beyond-the-end"],
+)
+def test_a_bad_manifest_fails(s3, tmp_path, manifest):
+    s3.put_object(Bucket=BUCKET, Key=disks.transfer_key(PREFIX, "root"), Body=b"x" * 20)
+    s3.put_object(Bucket=BUCKET, Key=disks.manifest_key(PREFIX, "root"), Body=manifest)
+
+    with pytest.raises(errors.DiskCopyFailed):
+        disks.download_disk(s3, BUCKET, PREFIX, "root", tmp_path / "dst")
+
+    assert not (tmp_path / "dst").exists()
+
+
+def test_a_missing_transfer_fails(s3, tmp_path):
+    with pytest.raises(errors.DiskCopyFailed):
+        disks.download_disk(s3, BUCKET, PREFIX, "root", tmp_path / "dst")
+
+
+def test_an_unreadable_source_fails_with_disk_copy_failed(s3, tmp_path):
+    with pytest.raises(errors.DiskCopyFailed):
+        disks.upload_disk(s3, tmp_path / "missing", BUCKET, PREFIX, "root")
+
+
+def test_an_upload_to_a_missing_bucket_fails_with_disk_copy_failed(s3, tmp_path):
+    src = tmp_path / "src"
+    _sparse_file(src, MiB, {0: b"data"})
+
+    with pytest.raises(errors.DiskCopyFailed):
+        disks.upload_disk(s3, src, "no-such-bucket", PREFIX, "root")
+
+
+def test_deleting_a_transfer_removes_only_its_prefix(s3, tmp_path):
+    src = tmp_path / "src"
+    _sparse_file(src, MiB, {0: b"data"})
+    disks.upload_disk(s3, src, BUCKET, PREFIX, "root")
+    disks.upload_disk(s3, src, BUCKET, PREFIX, "ephemeral")
+    disks.upload_disk(s3, src, BUCKET, PREFIX + "0", "root")
+
+    assert disks.delete_transfer(s3, BUCKET, PREFIX) == 4
+    assert disks.delete_transfer(s3, BUCKET, PREFIX) == 0
+
+    left = [o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET).get("Contents", [])]
+    assert sorted(left) == [f"{PREFIX}0/root", f"{PREFIX}0/root.manifest.json"]
+
+
+def test_sparse_sha256_reads_like_the_whole_file(tmp_path):
+    path = tmp_path / "disk"
+    content = _sparse_file(path, 40 * MiB, {3 * MiB: os.urandom(12345), 39 * MiB: os.urandom(MiB)})
+
+    assert disks.sparse_sha256(path, chunk_size=MiB) == disks.sha256_file(path) == hashlib.sha256(content).hexdigest()
+
+
+def test_the_kept_directory_sits_beside_the_live_one(tmp_path):
+    live = disks.instance_dir(tmp_path, "abc")
+    kept = disks.resize_dir(tmp_path, "abc")
+
+    assert kept.parent == live.parent and kept.name == "abc_resize"

@@ -1,0 +1,936 @@
+"""Resize, cold migrate, confirm and revert on the host side: two agents, two test hypervisors, real disk files.
+
+Each agent stands for one host (its own ``test:///`` hypervisor, instances directory and queue);
+S3 and SQS are moto. Operations go through the host's queue and are answered to a recording
+Step Functions client, so each result is what a workflow would receive.
+
+Disk checksums cover every byte of a disk, zeros included, so most tests shrink the flavor's
+gigabyte to a few MiB (the agent sizes disks with ``disks.GiB``); the tests that ask for
+``full_size_disks`` use real gigabytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+from moto import mock_aws
+
+from ferry import errors, faults, protocol
+from hostagent import disks
+from hostagent.agent import HostAgent
+from hostagent.driver import NOSTATE, RUNNING, SHUTDOWN, LibvirtDriver, write_test_node_xml
+
+REGION = "us-east-1"
+IMAGES = "ferry-images"
+TRANSFERS = "ferry-transfers"
+MiB = 2**20
+HOST_MEMORY_MB = 8192
+OLD = {"flavorid": "2", "name": "m1.small", "vcpus": 1, "memory_mb": 512, "root_gb": 1, "ephemeral_gb": 1, "swap": 64}
+NEW = {
+    "flavorid": "3",
+    "name": "m1.medium",
+    "vcpus": 2,
+    "memory_mb": 1024,
+    "root_gb": 2,
+    "ephemeral_gb": 2,
+    "swap": 128,
+}
+PORTS = [{"id": "port-1", "mac_address": "fa:16:3e:11:22:33"}]
+EPHEMERAL_DATA = b"ephemeral data that must travel"
+EPHEMERAL_OFFSET = 3 * MiB
+
+
+class RecordingStepFunctions:
+    """Receives the agents' answers, by task token."""
+
+    def __init__(self) -> None:
+        self.answers: dict[str, tuple[dict[str, Any] | None, str | None, str | None]] = {}
+
+    def send_task_success(self, taskToken: str, output: str) -> None:  # noqa: N803 - boto3's names
+        self.answers[taskToken] = (json.loads(output), None, None)
+
+    def send_task_failure(self, taskToken: str, error: str, cause: str) -> None:  # noqa: N803
+        self.answers[taskToken] = (None, error, cause)
+
+    def send_task_heartbeat(self, taskToken: str) -> None:  # noqa: N803
+        pass
+
+
+class CountingDriver(LibvirtDriver):
+    """The libvirt driver, counting guest definitions."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.defined = 0
+
+    def define_guest(self, spec):  # type: ignore[no-untyped-def]
+        self.defined += 1
+        super().define_guest(spec)
+
+
+@dataclass
+class Host:
+    name: str
+    agent: HostAgent
+    driver: CountingDriver
+    instances_dir: Path
+    cloud: Cloud
+
+    def call(self, operation: str, instance_uuid: str, args: dict[str, Any]) -> tuple[dict | None, str | None]:
+        """Send the operation to this host's queue, let the agent take it, and return (result, error name)."""
+        token = f"token-{uuid.uuid4()}"
+        body = {
+            "operation": operation,
+            "operation_id": f"{uuid.uuid4()}:{operation}",
+            "instance_uuid": instance_uuid,
+            "args": args,
+            "task_token": token,
+        }
+        assert self.agent.queue_url
+        self.cloud.sqs.send_message(QueueUrl=self.agent.queue_url, MessageBody=json.dumps(body))
+        (message,) = self.cloud.sqs.receive_message(QueueUrl=self.agent.queue_url, MaxNumberOfMessages=1)["Messages"]
+        self.agent.process_message(message)
+        result, error, _cause = self.cloud.sfn.answers[token]
+        if result is not None:
+            protocol.validate(result, protocol.RESULT_SCHEMAS.get(operation, protocol.RESULT_SCHEMA))
+            assert (result["instance_uuid"], result["host"], result["node"]) == (instance_uuid, self.name, self.name)
+        return result, error
+
+    def ok(self, operation: str, instance_uuid: str, args: dict[str, Any]) -> dict[str, Any]:
+        result, error = self.call(operation, instance_uuid, args)
+        assert error is None, f"{operation} failed: {error}"
+        assert result is not None
+        return result
+
+    def fails(self, operation: str, instance_uuid: str, args: dict[str, Any]) -> str:
+        result, error = self.call(operation, instance_uuid, args)
+        assert result is None, f"{operation} succeeded: {result}"
+        assert error is not None
+        return error
+
+    def live(self, instance_uuid: str) -> Path:
+        return disks.instance_dir(self.instances_dir, instance_uuid)
+
+    def kept(self, instance_uuid: str) -> Path:
+        return disks.resize_dir(self.instances_dir, instance_uuid)
+
+    def instance_dirs(self) -> list[str]:
+        return sorted(p.name for p in self.instances_dir.iterdir() if p.name != disks.IMAGE_CACHE_DIR)
+
+
+@dataclass
+class Cloud:
+    sqs: Any
+    s3: Any
+    sfn: RecordingStepFunctions
+    tmp_path: Path
+    hosts: list[Host] = field(default_factory=list)
+
+    def add_host(self, name: str, **options: Any) -> Host:
+        root = self.tmp_path / name
+        instances_dir = root / "instances"
+        driver = CountingDriver(
+            write_test_node_xml(root / "node.xml", vcpus=8, memory_mb=HOST_MEMORY_MB), disk_path=instances_dir
+        )
+        agent = HostAgent(
+            host=name,
+            node=name,
+            cell="cell1",
+            queue_url=None,
+            reports_queue_url="",
+            driver=driver,
+            instances_dir=instances_dir,
+            state_dir=root / "state",
+            queue_prefix="ferry-resize-test-",
+            sqs=self.sqs,
+            stepfunctions=self.sfn,
+            s3=self.s3,
+            poll_wait_seconds=0,
+            keepalive_interval=3600,
+            power_off_timeout=5,
+            **options,
+        )
+        agent.start()
+        host = Host(name, agent, driver, instances_dir, self)
+        self.hosts.append(host)
+        return host
+
+    def transfer_keys(self, prefix: str) -> list[str]:
+        listed = self.s3.list_objects_v2(Bucket=TRANSFERS, Prefix=prefix + "/")
+        return sorted(o["Key"] for o in listed.get("Contents", []))
+
+
+@pytest.fixture
+def cloud(monkeypatch, tmp_path) -> Iterator[Cloud]:
+    for name, value in (
+        ("AWS_ACCESS_KEY_ID", "testing"),
+        ("AWS_SECRET_ACCESS_KEY", "testing"),
+        ("AWS_DEFAULT_REGION", REGION),
+    ):
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv(faults.ENV_VAR, raising=False)
+    with mock_aws():
+        s3 = boto3.client("s3", region_name=REGION)
+        s3.create_bucket(Bucket=IMAGES)
+        s3.create_bucket(Bucket=TRANSFERS)
+        world = Cloud(
+            sqs=boto3.client("sqs", region_name=REGION), s3=s3, sfn=RecordingStepFunctions(), tmp_path=tmp_path
+        )
+        yield world
+        for host in world.hosts:
+            host.driver.close()
+
+
+SCALED_GIB = 16 * MiB
+
+
+@pytest.fixture
+def full_size_disks() -> None:
+    """Disks of real gigabytes for this test."""
+    assert disks.GiB == 2**30
+
+
+@pytest.fixture(autouse=True)
+def scaled_disks(request, monkeypatch) -> None:
+    if "full_size_disks" not in request.fixturenames:
+        monkeypatch.setattr(disks, "GiB", SCALED_GIB)
+
+
+@pytest.fixture
+def source(cloud) -> Host:
+    return cloud.add_host("compute1")
+
+
+@pytest.fixture
+def dest(cloud) -> Host:
+    return cloud.add_host("compute2")
+
+
+# --- helpers ------------------------------------------------------------------------------------
+
+
+def image(cloud: Cloud, content: bytes) -> dict[str, str]:
+    key = f"images/{uuid.uuid4()}.raw"
+    cloud.s3.put_object(Bucket=IMAGES, Key=key, Body=content)
+    return {"id": key, "bucket": IMAGES, "key": key, "sha256": hashlib.sha256(content).hexdigest()}
+
+
+@dataclass
+class Server:
+    uuid: str
+    root_sha256: str | None
+    flavor: dict[str, Any]
+    volumes: list[dict[str, Any]]
+
+
+def boot(host: Host, flavor: dict[str, Any] = OLD, running: bool = True, volumes: list | None = None) -> Server:
+    """Spawn a server on ``host``, with data in its ephemeral disk and junk in its swap."""
+    instance_uuid = str(uuid.uuid4())
+    boot_image = None if volumes else image(host.cloud, os.urandom(MiB) + b"root disk")
+    args = {
+        "name": "web-1",
+        "flavor": flavor,
+        "image": boot_image,
+        "ports": PORTS,
+        "volumes": volumes or [],
+        "power_on": running,
+    }
+    host.ok("spawn", instance_uuid, args)
+    live = host.live(instance_uuid)
+    if flavor["ephemeral_gb"]:
+        with open(live / disks.EPHEMERAL_DISK, "r+b") as f:
+            f.seek(EPHEMERAL_OFFSET)
+            f.write(EPHEMERAL_DATA)
+    if flavor["swap"]:
+        with open(live / disks.SWAP_DISK, "r+b") as f:
+            f.write(b"swap junk" * 1000)
+    root = live / disks.ROOT_DISK
+    return Server(instance_uuid, logical_sha256(root) if root.exists() else None, flavor, volumes or [])
+
+
+def transfer(migration_uuid: str) -> dict[str, str]:
+    return {"bucket": TRANSFERS, "prefix": f"moves/{migration_uuid}"}
+
+
+def resize_args(migration_uuid: str, dest: Host, same_host: bool = False) -> dict[str, Any]:
+    args: dict[str, Any] = {"migration_uuid": migration_uuid, "dest_host": dest.name, "same_host": same_host}
+    if not same_host:
+        args["transfer"] = transfer(migration_uuid)
+    return args
+
+
+def finish_args(
+    migration_uuid: str, server: Server, moved: dict[str, Any], flavor: dict[str, Any] = NEW, same_host: bool = False
+) -> dict[str, Any]:
+    args: dict[str, Any] = {
+        "migration_uuid": migration_uuid,
+        "name": "web-1",
+        "flavor": flavor,
+        "old_flavor": server.flavor,
+        "same_host": same_host,
+        "disks": moved["disks"],
+        "ports": PORTS,
+        "volumes": server.volumes,
+        "power_on": moved["was_running"],
+    }
+    if not same_host:
+        args["transfer"] = transfer(migration_uuid)
+    return args
+
+
+def revert_args(migration_uuid: str, same_host: bool = False) -> dict[str, Any]:
+    args: dict[str, Any] = {"migration_uuid": migration_uuid, "same_host": same_host}
+    if not same_host:
+        args["transfer"] = transfer(migration_uuid)
+    return args
+
+
+def finish_revert_args(migration_uuid: str, server: Server, power_on: bool) -> dict[str, Any]:
+    return {
+        "migration_uuid": migration_uuid,
+        "name": "web-1",
+        "flavor": server.flavor,
+        "ports": PORTS,
+        "volumes": server.volumes,
+        "power_on": power_on,
+    }
+
+
+def move(source: Host, dest: Host, server: Server, flavor: dict[str, Any] = NEW) -> tuple[str, dict, dict]:
+    """Prep, resize and finish: the workflow up to VERIFY_RESIZE. Returns (migration, resized, finished)."""
+    same_host = source is dest
+    migration_uuid = str(uuid.uuid4())
+    dest.ok("prep_resize", server.uuid, {"migration_uuid": migration_uuid, "flavor": flavor, "same_host": same_host})
+    resized = source.ok("resize_instance", server.uuid, resize_args(migration_uuid, dest, same_host))
+    finished = dest.ok("finish_resize", server.uuid, finish_args(migration_uuid, server, resized, flavor, same_host))
+    return migration_uuid, resized, finished
+
+
+def logical_sha256(path: Path, count: int | None = None) -> str:
+    """The sha256 of the first ``count`` bytes of a file (all of it by default), reading only its data."""
+    size = os.path.getsize(path) if count is None else count
+    assert os.path.getsize(path) >= size, f"{path} is shorter than expected"
+    hasher = hashlib.sha256()
+    position = 0
+    with open(path, "rb") as f:
+        for start, end in disks.data_segments(f.fileno(), size):
+            hasher.update(bytes(start - position))
+            f.seek(start)
+            hasher.update(f.read(end - start))
+            position = end
+    for _ in range((size - position) // MiB):
+        hasher.update(bytes(MiB))
+    hasher.update(bytes((size - position) % MiB))
+    return hasher.hexdigest()
+
+
+def read_at(path: Path, offset: int, count: int) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read(count)
+
+
+def assert_guest_has_flavor(host: Host, instance_uuid: str, flavor: dict[str, Any]) -> None:
+    spec = host.driver.guest_spec(instance_uuid)
+    assert spec.flavor == flavor
+    assert host.driver.guest_memory_mb(instance_uuid) == flavor["memory_mb"]
+    dom = host.driver.connection.lookupByUUIDString(instance_uuid)
+    assert dom.info()[3] == flavor["vcpus"]
+
+
+# --- resize across hosts ----------------------------------------------------------------------
+
+
+def test_resize_to_a_bigger_flavor_moves_the_disks_and_defines_the_new_guest_at_the_destination(
+    cloud, source, dest, full_size_disks
+):
+    server = boot(source)
+    migration_uuid = str(uuid.uuid4())
+
+    claim = dest.ok("prep_resize", server.uuid, {"migration_uuid": migration_uuid, "flavor": NEW, "same_host": False})
+    assert claim["claimed"] is True and claim["power_state"] == NOSTATE
+
+    resized = source.ok("resize_instance", server.uuid, resize_args(migration_uuid, dest))
+    assert resized["was_running"] is True
+    assert resized["power_state"] == NOSTATE
+    assert set(resized["disks"]) == {"root", "ephemeral"}
+    assert resized["disks"]["root"] == {"sha256": server.root_sha256, "size": disks.GiB}
+    assert resized["disks"]["ephemeral"]["size"] == disks.GiB
+    assert not source.driver.guest_exists(server.uuid)
+    assert not source.live(server.uuid).exists()
+    assert sorted(p.name for p in source.kept(server.uuid).iterdir() if p.name.startswith("disk")) == [
+        "disk",
+        "disk.eph0",
+        "disk.swap",
+    ]
+    prefix = transfer(migration_uuid)["prefix"]
+    assert cloud.transfer_keys(prefix) == [
+        f"{prefix}/ephemeral",
+        f"{prefix}/ephemeral.manifest.json",
+        f"{prefix}/root",
+        f"{prefix}/root.manifest.json",
+    ]
+
+    finished = dest.ok("finish_resize", server.uuid, finish_args(migration_uuid, server, resized))
+
+    assert finished["power_state"] == RUNNING
+    live = dest.live(server.uuid)
+    root, ephemeral, swap = live / disks.ROOT_DISK, live / disks.EPHEMERAL_DISK, live / disks.SWAP_DISK
+    assert os.path.getsize(root) == 2 * disks.GiB
+    assert logical_sha256(root, disks.GiB) == server.root_sha256
+    assert finished["disks"]["root"] == {"sha256": logical_sha256(root), "size": 2 * disks.GiB}
+    assert os.path.getsize(ephemeral) == 2 * disks.GiB
+    assert read_at(ephemeral, EPHEMERAL_OFFSET, len(EPHEMERAL_DATA)) == EPHEMERAL_DATA
+    assert os.path.getsize(swap) == 128 * MiB
+    assert os.stat(swap).st_blocks == 0, "swap is created afresh, never copied"
+    assert_guest_has_flavor(dest, server.uuid, NEW)
+    spec = dest.driver.guest_spec(server.uuid)
+    assert [(d.kind, d.path, d.boot) for d in spec.disks] == [
+        ("root", str(root), True),
+        ("ephemeral", str(ephemeral), False),
+        ("swap", str(swap), False),
+    ]
+    assert [(p.port_id, p.mac_address) for p in spec.ports] == [("port-1", "fa:16:3e:11:22:33")]
+    assert cloud.transfer_keys(prefix) == []
+    # The source still holds the old disks until the owner confirms or reverts.
+    assert logical_sha256(source.kept(server.uuid) / disks.ROOT_DISK) == server.root_sha256
+
+
+def test_a_stopped_server_stays_stopped_at_the_destination(source, dest):
+    server = boot(source, running=False)
+
+    _migration, resized, finished = move(source, dest, server)
+
+    assert resized["was_running"] is False
+    assert finished["power_state"] == SHUTDOWN
+    assert dest.driver.guest_power_state(server.uuid) == SHUTDOWN
+
+
+def test_cold_migrate_keeps_the_flavor_and_the_disk_sizes(source, dest):
+    server = boot(source)
+
+    _migration, _resized, finished = move(source, dest, server, flavor=OLD)
+
+    live = dest.live(server.uuid)
+    assert os.path.getsize(live / disks.ROOT_DISK) == disks.GiB
+    assert finished["disks"]["root"]["sha256"] == server.root_sha256
+    assert_guest_has_flavor(dest, server.uuid, OLD)
+    assert finished["power_state"] == RUNNING
+
+
+def test_a_flavor_that_adds_an_ephemeral_disk_gets_a_new_one(source, dest):
+    old = {**OLD, "ephemeral_gb": 0, "swap": 0}
+    server = boot(source, flavor=old)
+
+    _migration, resized, finished = move(source, dest, server)
+
+    assert set(resized["disks"]) == {"root"}
+    ephemeral = dest.live(server.uuid) / disks.EPHEMERAL_DISK
+    assert os.path.getsize(ephemeral) == 2 * disks.GiB and os.stat(ephemeral).st_blocks == 0
+    assert finished["disks"]["ephemeral"]["size"] == 2 * disks.GiB
+
+
+def test_a_smaller_flavor_never_shrinks_the_disks(source, dest):
+    server = boot(source, flavor={**OLD, "root_gb": 2})
+
+    move(source, dest, server, flavor={**NEW, "root_gb": 1, "ephemeral_gb": 0})
+
+    live = dest.live(server.uuid)
+    assert os.path.getsize(live / disks.ROOT_DISK) == 2 * disks.GiB
+    assert read_at(live / disks.EPHEMERAL_DISK, EPHEMERAL_OFFSET, len(EPHEMERAL_DATA)) == EPHEMERAL_DATA
+
+
+def test_a_volume_backed_server_moves_without_a_root_disk(cloud, source, dest):
+    volume = {"volume_id": "vol-1", "path": "/dev/mapper/vol-1", "device": "/dev/vda", "boot_index": 0}
+    server = boot(source, flavor={**OLD, "root_gb": 0, "ephemeral_gb": 0, "swap": 0}, volumes=[volume])
+
+    migration_uuid, resized, finished = move(source, dest, server, flavor={**NEW, "root_gb": 0, "ephemeral_gb": 0})
+
+    assert resized["disks"] == {} and finished["disks"] == {}
+    assert cloud.transfer_keys(transfer(migration_uuid)["prefix"]) == []
+    spec = dest.driver.guest_spec(server.uuid)
+    assert [(d.kind, d.volume_id, d.boot) for d in spec.disks] == [("swap", None, False), ("volume", "vol-1", True)]
+    assert not (dest.live(server.uuid) / disks.ROOT_DISK).exists()
+    assert finished["power_state"] == RUNNING
+
+
+def test_a_sparse_disk_uploads_only_its_data(cloud, source, dest, full_size_disks):
+    server = boot(source, flavor={**OLD, "ephemeral_gb": 0, "swap": 0})
+    migration_uuid = str(uuid.uuid4())
+    sent: list[int] = []
+
+    def count(params, **_kwargs):
+        body = params.get("Body", b"")
+        sent.append(len(body) if isinstance(body, bytes) else len(body.read()))
+        if hasattr(body, "seek"):
+            body.seek(0)
+
+    for operation in ("PutObject", "UploadPart"):
+        cloud.s3.meta.events.register(f"before-parameter-build.s3.{operation}", count)
+
+    resized = source.ok("resize_instance", server.uuid, resize_args(migration_uuid, dest))
+
+    prefix = transfer(migration_uuid)["prefix"]
+    data_size = cloud.s3.head_object(Bucket=TRANSFERS, Key=f"{prefix}/root")["ContentLength"]
+    manifest = json.loads(cloud.s3.get_object(Bucket=TRANSFERS, Key=f"{prefix}/root.manifest.json")["Body"].read())
+    assert resized["disks"]["root"]["size"] == manifest["size"] == disks.GiB
+    assert data_size == sum(length for _offset, length in manifest["extents"])
+    assert data_size < 2 * MiB
+    assert sum(sent) < 2 * MiB + 4096, "a 1 GiB disk holding 1 MiB of data sends about 1 MiB"
+
+
+# --- confirm and revert -------------------------------------------------------------------------
+
+
+def test_confirm_removes_the_old_side_and_leaves_the_destination_alone(source, dest):
+    server = boot(source)
+    migration_uuid, _resized, _finished = move(source, dest, server)
+
+    confirmed = source.ok("confirm_resize", server.uuid, {"migration_uuid": migration_uuid, "same_host": False})
+    again = source.ok("confirm_resize", server.uuid, {"migration_uuid": migration_uuid, "same_host": False})
+
+    assert confirmed == again
+    assert confirmed["power_state"] == NOSTATE
+    assert not source.driver.guest_exists(server.uuid)
+    assert source.instance_dirs() == []
+    assert dest.driver.guest_power_state(server.uuid) == RUNNING
+    assert dest.instance_dirs() == [server.uuid]
+
+
+@pytest.mark.parametrize("running", [True, False], ids=["running", "stopped"])
+def test_revert_restores_the_old_guest_at_the_source(cloud, source, dest, running):
+    server = boot(source, running=running)
+    migration_uuid, resized, _finished = move(source, dest, server)
+
+    reverted = dest.ok("revert_resize", server.uuid, revert_args(migration_uuid))
+    assert reverted["power_state"] == NOSTATE
+    assert not dest.driver.guest_exists(server.uuid)
+    assert dest.instance_dirs() == []
+    assert cloud.transfer_keys(transfer(migration_uuid)["prefix"]) == []
+
+    restored = source.ok(
+        "finish_revert_resize", server.uuid, finish_revert_args(migration_uuid, server, resized["was_running"])
+    )
+
+    assert restored["power_state"] == (RUNNING if running else SHUTDOWN)
+    assert_guest_has_flavor(source, server.uuid, OLD)
+    live = source.live(server.uuid)
+    assert source.instance_dirs() == [server.uuid]
+    assert logical_sha256(live / disks.ROOT_DISK) == server.root_sha256
+    assert os.path.getsize(live / disks.ROOT_DISK) == disks.GiB
+    assert read_at(live / disks.EPHEMERAL_DISK, EPHEMERAL_OFFSET, len(EPHEMERAL_DATA)) == EPHEMERAL_DATA
+    assert [d.kind for d in source.driver.guest_spec(server.uuid).disks] == ["root", "ephemeral", "swap"]
+    assert sorted(p.name for p in live.iterdir()) == ["disk", "disk.eph0", "disk.swap"]
+
+
+def test_finish_revert_recreates_a_missing_swap(source, dest):
+    server = boot(source)
+    migration_uuid, resized, _finished = move(source, dest, server)
+    dest.ok("revert_resize", server.uuid, revert_args(migration_uuid))
+    (source.kept(server.uuid) / disks.SWAP_DISK).unlink()
+
+    source.ok("finish_revert_resize", server.uuid, finish_revert_args(migration_uuid, server, True))
+
+    assert os.path.getsize(source.live(server.uuid) / disks.SWAP_DISK) == 64 * MiB
+
+
+# --- on the same host ---------------------------------------------------------------------------
+
+
+def test_same_host_resize_then_confirm_keeps_the_resized_guest(cloud, source):
+    server = boot(source)
+
+    migration_uuid, resized, finished = move(source, source, server)
+
+    assert cloud.transfer_keys("moves") == []
+    assert finished["power_state"] == RUNNING
+    assert_guest_has_flavor(source, server.uuid, NEW)
+    live, kept = source.live(server.uuid), source.kept(server.uuid)
+    assert os.path.getsize(live / disks.ROOT_DISK) == 2 * disks.GiB
+    assert logical_sha256(live / disks.ROOT_DISK, disks.GiB) == server.root_sha256
+    assert os.path.getsize(kept / disks.ROOT_DISK) == disks.GiB
+    assert resized["disks"]["root"]["sha256"] == server.root_sha256
+
+    confirmed = source.ok("confirm_resize", server.uuid, {"migration_uuid": migration_uuid, "same_host": True})
+
+    assert confirmed["power_state"] == RUNNING
+    assert source.driver.guest_power_state(server.uuid) == RUNNING
+    assert_guest_has_flavor(source, server.uuid, NEW)
+    assert source.instance_dirs() == [server.uuid]
+    assert os.path.getsize(live / disks.ROOT_DISK) == 2 * disks.GiB
+
+
+def test_same_host_resize_then_revert_restores_the_old_guest(source):
+    server = boot(source)
+    migration_uuid, resized, _finished = move(source, source, server)
+
+    reverted = source.ok("revert_resize", server.uuid, revert_args(migration_uuid, same_host=True))
+
+    assert reverted["power_state"] == NOSTATE
+    assert not source.driver.guest_exists(server.uuid)
+    assert source.instance_dirs() == [f"{server.uuid}_resize"]
+
+    restored = source.ok(
+        "finish_revert_resize", server.uuid, finish_revert_args(migration_uuid, server, resized["was_running"])
+    )
+
+    assert restored["power_state"] == RUNNING
+    assert_guest_has_flavor(source, server.uuid, OLD)
+    assert source.instance_dirs() == [server.uuid]
+    live = source.live(server.uuid)
+    assert os.path.getsize(live / disks.ROOT_DISK) == disks.GiB
+    assert logical_sha256(live / disks.ROOT_DISK) == server.root_sha256
+
+
+def test_same_host_revert_before_anything_moved_leaves_the_server_alone(source):
+    server = boot(source)
+
+    reverted = source.ok("revert_resize", server.uuid, revert_args(str(uuid.uuid4()), same_host=True))
+
+    assert reverted["power_state"] == RUNNING
+    assert source.driver.guest_power_state(server.uuid) == RUNNING
+    assert logical_sha256(source.live(server.uuid) / disks.ROOT_DISK) == server.root_sha256
+
+
+def test_same_host_finish_without_kept_disks_fails_and_keeps_the_live_ones(source):
+    server = boot(source)
+    migration_uuid = str(uuid.uuid4())
+    source.driver.destroy(server.uuid)  # the guest is gone but its disks were never moved aside
+    moved = {"was_running": True, "disks": {"root": {"sha256": server.root_sha256, "size": disks.GiB}}}
+
+    error = source.fails("finish_resize", server.uuid, finish_args(migration_uuid, server, moved, same_host=True))
+
+    assert error == "Ferry.DiskCopyFailed"
+    assert logical_sha256(source.live(server.uuid) / disks.ROOT_DISK) == server.root_sha256
+
+
+# --- failures and rollbacks ---------------------------------------------------------------------
+
+
+def test_a_corrupted_transfer_fails_with_disk_copy_failed_and_leaves_nothing_at_the_destination(cloud, source, dest):
+    server = boot(source)
+    migration_uuid = str(uuid.uuid4())
+    resized = source.ok("resize_instance", server.uuid, resize_args(migration_uuid, dest))
+    key = f"{transfer(migration_uuid)['prefix']}/root"
+    data = bytearray(cloud.s3.get_object(Bucket=TRANSFERS, Key=key)["Body"].read())
+    data[12345] ^= 0x01
+    cloud.s3.put_object(Bucket=TRANSFERS, Key=key, Body=bytes(data))
+
+    error = dest.fails("finish_resize", server.uuid, finish_args(migration_uuid, server, resized))
+
+    assert error == "Ferry.DiskCopyFailed"
+    assert not dest.driver.guest_exists(server.uuid)
+    assert dest.instance_dirs() == []
+    # Nothing of the source is touched: the transfer stays for a retry, the kept disks for a revert.
+    assert len(cloud.transfer_keys(transfer(migration_uuid)["prefix"])) == 4
+    assert logical_sha256(source.kept(server.uuid) / disks.ROOT_DISK) == server.root_sha256
+
+    # The rollback: the destination forgets, the source comes back as it was.
+    dest.ok("revert_resize", server.uuid, revert_args(migration_uuid))
+    restored = source.ok("finish_revert_resize", server.uuid, finish_revert_args(migration_uuid, server, True))
+    assert restored["power_state"] == RUNNING
+    assert cloud.transfer_keys(transfer(migration_uuid)["prefix"]) == []
+
+
+def test_a_transfer_that_is_not_the_reported_disk_is_refused(source, dest):
+    server = boot(source)
+    migration_uuid = str(uuid.uuid4())
+    resized = source.ok("resize_instance", server.uuid, resize_args(migration_uuid, dest))
+    resized["disks"]["root"]["sha256"] = hashlib.sha256(b"another disk").hexdigest()
+
+    error = dest.fails("finish_resize", server.uuid, finish_args(migration_uuid, server, resized))
+
+    assert error == "Ferry.DiskCopyFailed"
+    assert dest.instance_dirs() == []
+
+
+def test_a_hypervisor_refusal_at_the_destination_leaves_nothing_half_defined(cloud, source, dest):
+    server = boot(source)
+    migration_uuid = str(uuid.uuid4())
+    resized = source.ok("resize_instance", server.uuid, resize_args(migration_uuid, dest))
+    args = finish_args(migration_uuid, server, resized)
+    args["ports"] = [{"id": "port-1", "mac_address": "not-a-mac"}]
+
+    assert dest.fails("finish_resize", server.uuid, args) == "Ferry.HypervisorError"
+
+    assert not dest.driver.guest_exists(server.uuid)
+    assert dest.instance_dirs() == []
+    assert len(cloud.transfer_keys(transfer(migration_uuid)["prefix"])) == 4
+
+
+def test_finish_revert_rolls_back_a_resize_that_failed_before_the_disks_moved(source, dest, monkeypatch):
+    server = boot(source)
+    migration_uuid = str(uuid.uuid4())
+
+    def refuse(*_args, **_kwargs):
+        raise errors.HypervisorError("power off failed")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(source.driver, "power_off", refuse)
+        assert (
+            source.fails("resize_instance", server.uuid, resize_args(migration_uuid, dest)) == "Ferry.HypervisorError"
+        )
+    dest.ok("revert_resize", server.uuid, revert_args(migration_uuid))
+
+    restored = source.ok("finish_revert_resize", server.uuid, finish_revert_args(migration_uuid, server, True))
+
+    assert restored["power_state"] == RUNNING
+    assert_guest_has_flavor(source, server.uuid, OLD)
+    assert source.instance_dirs() == [server.uuid]
+
+
+def test_finish_revert_rolls_back_a_resize_whose_upload_failed(cloud, source, dest):
+    server = boot(source)
+    migration_uuid = str(uuid.uuid4())
+    args = {**resize_args(migration_uuid, dest), "transfer": {"bucket": "no-such-bucket", "prefix": "moves/x"}}
+
+    assert source.fails("resize_instance", server.uuid, args) == "Ferry.DiskCopyFailed"
+    assert not source.driver.guest_exists(server.uuid)
+
+    restored = source.ok("finish_revert_resize", server.uuid, finish_revert_args(migration_uuid, server, True))
+
+    assert restored["power_state"] == RUNNING
+    assert source.instance_dirs() == [server.uuid]
+    assert logical_sha256(source.live(server.uuid) / disks.ROOT_DISK) == server.root_sha256
+
+
+def test_revert_at_a_destination_that_has_nothing_succeeds(cloud, dest):
+    instance_uuid = str(uuid.uuid4())
+
+    reverted = dest.ok("revert_resize", instance_uuid, revert_args(str(uuid.uuid4())))
+
+    assert reverted["power_state"] == NOSTATE
+    assert dest.instance_dirs() == []
+
+
+def test_finish_revert_without_anything_to_restore_fails_with_guest_not_found(source):
+    server = Server(str(uuid.uuid4()), None, OLD, [])
+    args = finish_revert_args(str(uuid.uuid4()), server, True)
+
+    assert source.fails("finish_revert_resize", server.uuid, args) == "Ferry.GuestNotFound"
+    assert source.instance_dirs() == []
+
+
+def test_resize_of_an_unknown_instance_fails_with_guest_not_found(source, dest):
+    error = source.fails("resize_instance", str(uuid.uuid4()), resize_args(str(uuid.uuid4()), dest))
+
+    assert error == "Ferry.GuestNotFound"
+    assert source.instance_dirs() == []
+
+
+# --- re-runs converge ---------------------------------------------------------------------------
+
+
+def test_every_operation_run_again_gives_the_same_result(cloud, source, dest):
+    server = boot(source)
+    migration_uuid = str(uuid.uuid4())
+    prep = {"migration_uuid": migration_uuid, "flavor": NEW, "same_host": False}
+
+    assert dest.ok("prep_resize", server.uuid, prep) == dest.ok("prep_resize", server.uuid, prep)
+
+    resized = source.ok("resize_instance", server.uuid, resize_args(migration_uuid, dest))
+    assert source.ok("resize_instance", server.uuid, resize_args(migration_uuid, dest)) == resized
+    assert resized["was_running"] is True
+
+    finished = dest.ok("finish_resize", server.uuid, finish_args(migration_uuid, server, resized))
+    defined = dest.driver.defined
+    assert dest.ok("finish_resize", server.uuid, finish_args(migration_uuid, server, resized)) == finished
+    assert dest.driver.defined == defined
+
+    reverted = dest.ok("revert_resize", server.uuid, revert_args(migration_uuid))
+    assert dest.ok("revert_resize", server.uuid, revert_args(migration_uuid)) == reverted
+
+    back = finish_revert_args(migration_uuid, server, True)
+    restored = source.ok("finish_revert_resize", server.uuid, back)
+    defined = source.driver.defined
+    assert source.ok("finish_revert_resize", server.uuid, back) == restored
+    assert source.driver.defined == defined
+    assert restored["power_state"] == RUNNING
+    assert_guest_has_flavor(source, server.uuid, OLD)
+
+
+def test_a_resize_interrupted_after_the_guest_was_undefined_still_reports_it_was_running(
+    cloud, source, dest, monkeypatch
+):
+    server = boot(source)
+    migration_uuid = str(uuid.uuid4())
+    real_rename = os.rename
+
+    def crash(src, dst):
+        raise OSError(5, "the host went down")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "rename", crash)
+        error = source.fails("resize_instance", server.uuid, resize_args(migration_uuid, dest))
+    assert error == "Ferry.HostOperationFailed"
+    assert os.rename is real_rename
+    assert not source.driver.guest_exists(server.uuid) and source.live(server.uuid).exists()
+
+    resized = source.ok("resize_instance", server.uuid, resize_args(migration_uuid, dest))
+
+    assert resized["was_running"] is True
+    assert resized["disks"]["root"]["sha256"] == server.root_sha256
+    assert source.instance_dirs() == [f"{server.uuid}_resize"]
+
+
+def test_a_finish_interrupted_before_the_guest_was_defined_runs_again_from_the_transfer(source, dest):
+    server = boot(source)
+    migration_uuid = str(uuid.uuid4())
+    resized = source.ok("resize_instance", server.uuid, resize_args(migration_uuid, dest))
+    # What an agent that died after fetching the disks leaves behind: disks, no guest.
+    live = dest.live(server.uuid)
+    live.mkdir(parents=True)
+    (live / disks.ROOT_DISK).write_bytes(b"half a disk")
+
+    finished = dest.ok("finish_resize", server.uuid, finish_args(migration_uuid, server, resized))
+
+    assert finished["power_state"] == RUNNING
+    assert logical_sha256(live / disks.ROOT_DISK, disks.GiB) == server.root_sha256
+
+
+def test_a_kept_directory_left_by_an_earlier_move_does_not_block_a_new_one(source, dest):
+    server = boot(source)
+    stale = source.kept(server.uuid)
+    stale.mkdir()
+    (stale / disks.ROOT_DISK).write_bytes(b"old")
+
+    _migration, resized, finished = move(source, dest, server)
+
+    assert resized["disks"]["root"]["sha256"] == server.root_sha256
+    assert finished["power_state"] == RUNNING
+
+
+# --- fault injection ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def armed(cloud, tmp_path, monkeypatch):
+    monkeypatch.setenv(faults.ENV_VAR, str(tmp_path / "faults.json"))
+    yield
+    faults.disarm_all()
+
+
+def test_an_armed_fault_fails_the_operation_with_its_error_before_it_touches_anything(armed, source, dest):
+    server = boot(source)
+    migration_uuid = str(uuid.uuid4())
+    resized = source.ok("resize_instance", server.uuid, resize_args(migration_uuid, dest))
+    faults.arm("compute2:finish_resize", faults.ONCE, "DiskCopyFailed")
+
+    assert dest.fails("finish_resize", server.uuid, finish_args(migration_uuid, server, resized)) == (
+        "Ferry.DiskCopyFailed"
+    )
+    assert dest.instance_dirs() == [] and dest.driver.defined == 0
+
+    # A once fault is used up: the retry goes through.
+    assert dest.ok("finish_resize", server.uuid, finish_args(migration_uuid, server, resized))["power_state"] == RUNNING
+
+
+def test_a_fault_armed_for_any_host_fails_that_operation_everywhere(armed, source, dest):
+    server = boot(source)
+    faults.arm("*:prep_resize", faults.ALWAYS, "ResizeClaimFailed")
+    prep = {"migration_uuid": str(uuid.uuid4()), "flavor": NEW, "same_host": False}
+
+    assert dest.fails("prep_resize", server.uuid, prep) == "Ferry.ResizeClaimFailed"
+    assert source.fails("prep_resize", server.uuid, prep) == "Ferry.ResizeClaimFailed"
+    faults.arm("compute1:power_off")
+    assert source.fails("power_off", server.uuid, {}) == "Ferry.InjectedFault"
+    assert source.driver.guest_power_state(server.uuid) == RUNNING
+
+
+# --- the resize claim ---------------------------------------------------------------------------
+
+
+def test_prep_resize_refuses_a_flavor_whose_memory_the_host_no_longer_has(source, dest):
+    boot(dest, flavor={**OLD, "memory_mb": HOST_MEMORY_MB - 1024})
+    server = boot(source)
+    prep = {"migration_uuid": str(uuid.uuid4()), "flavor": {**NEW, "memory_mb": 2048}, "same_host": False}
+
+    assert dest.fails("prep_resize", server.uuid, prep) == "Ferry.ResizeClaimFailed"
+    assert dest.ok("prep_resize", server.uuid, {**prep, "flavor": {**NEW, "memory_mb": 1024}})["claimed"] is True
+
+
+def test_prep_resize_on_the_same_host_does_not_count_the_instance_itself(source):
+    server = boot(source, flavor={**OLD, "memory_mb": HOST_MEMORY_MB - 1024})
+    prep = {"migration_uuid": str(uuid.uuid4()), "flavor": {**NEW, "memory_mb": HOST_MEMORY_MB}, "same_host": True}
+
+    claim = source.ok("prep_resize", server.uuid, prep)
+
+    assert claim["claimed"] is True and claim["power_state"] == RUNNING
+
+
+def _free_gib(host: Host) -> int:
+    st = os.statvfs(host.instances_dir)
+    return st.f_bavail * st.f_frsize // disks.GiB
+
+
+def test_prep_resize_refuses_disks_the_filesystem_cannot_hold(cloud, dest):
+    too_big = {**NEW, "root_gb": _free_gib(dest) + 10}
+    prep = {"migration_uuid": str(uuid.uuid4()), "flavor": too_big, "same_host": False}
+
+    assert dest.fails("prep_resize", str(uuid.uuid4()), prep) == "Ferry.ResizeClaimFailed"
+
+    thin = cloud.add_host("compute3", disk_overcommit_ratio=4.0)
+    assert thin.ok("prep_resize", str(uuid.uuid4()), {**prep, "flavor": {**NEW, "root_gb": _free_gib(dest) * 2}})
+    unchecked = cloud.add_host("compute4", disk_headroom_check=False)
+    assert unchecked.ok("prep_resize", str(uuid.uuid4()), prep)["claimed"] is True
+    assert thin.fails("prep_resize", str(uuid.uuid4()), {**prep, "flavor": {**NEW, "root_gb": _free_gib(dest) * 8}})
+
+
+# --- volumes ------------------------------------------------------------------------------------
+
+
+def test_attach_and_detach_a_volume_repeat_safely(source):
+    server = boot(source)
+    volume = {"volume_id": "vol-9", "path": "/dev/mapper/vol-9", "device": "/dev/vdd"}
+
+    first = source.ok("attach_volume", server.uuid, {"volume": volume})
+    assert source.ok("attach_volume", server.uuid, {"volume": volume}) == first
+
+    spec = source.driver.guest_spec(server.uuid)
+    assert [(d.volume_id, d.path, d.device) for d in spec.disks if d.kind == "volume"] == [
+        ("vol-9", "/dev/mapper/vol-9", "vdd")
+    ]
+    assert first["power_state"] == RUNNING
+
+    source.ok("detach_volume", server.uuid, {"volume_id": "vol-9"})
+    source.ok("detach_volume", server.uuid, {"volume_id": "vol-9"})
+    assert [d for d in source.driver.guest_spec(server.uuid).disks if d.kind == "volume"] == []
+
+
+def test_attach_to_an_unknown_guest_fails_with_guest_not_found(source):
+    volume = {"volume_id": "vol-9", "path": "/dev/mapper/vol-9", "device": "/dev/vdd"}
+
+    assert source.fails("attach_volume", str(uuid.uuid4()), {"volume": volume}) == "Ferry.GuestNotFound"
+
+
+def test_attach_on_a_device_in_use_fails_with_invalid_operation(source):
+    server = boot(source)
+    volume = {"volume_id": "vol-9", "path": "/dev/mapper/vol-9", "device": "/dev/vdb"}
+
+    assert source.fails("attach_volume", server.uuid, {"volume": volume}) == "Ferry.InvalidOperation"
+
+
+def test_volumes_follow_the_server_to_the_destination(source, dest):
+    volume = {"volume_id": "vol-7", "path": "/dev/mapper/vol-7", "device": "/dev/vdd", "boot_index": None}
+    server = boot(source, volumes=None)
+    source.ok("attach_volume", server.uuid, {"volume": volume})
+    server.volumes = [volume]
+
+    move(source, dest, server)
+
+    spec = dest.driver.guest_spec(server.uuid)
+    assert [(d.kind, d.volume_id, d.boot) for d in spec.disks] == [
+        ("root", None, True),
+        ("ephemeral", None, False),
+        ("swap", None, False),
+        ("volume", "vol-7", False),
+    ]
