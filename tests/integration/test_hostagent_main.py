@@ -115,3 +115,13 @@ def test_agent_process_reports_runs_operations_and_exits_cleanly_on_sigterm(moto
             proc.kill()
             proc.wait()
         log.close()
+
+
+def test_the_disk_headroom_check_is_on_unless_turned_off():
+    from hostagent.__main__ import build_parser
+
+    default = build_parser().parse_args([])
+    relaxed = build_parser().parse_args(["--no-disk-headroom-check", "--disk-overcommit-ratio", "2.5"])
+
+    assert (default.disk_headroom_check, default.disk_overcommit_ratio) == (True, 1.0)
+    assert (relaxed.disk_headroom_check, relaxed.disk_overcommit_ratio) == (False, 2.5)
