@@ -209,6 +209,7 @@ class MoveOperations:
                     "host": self.host,
                     "instance_uuid": uuid,
                     "migration_uuid": migration,
+                    "dest_host": args["dest_host"],
                     "disk": kind,
                     "size": moved.size,
                     "data_bytes": moved.data_bytes,
