@@ -3,7 +3,8 @@
 Brings up the whole local stack in this process (on free ports, in a fresh state directory),
 then, as the ``demo`` project's user through openstacksdk: lists the flavors, boots a server of
 the smallest one from the seeded image, shows each change of its state as it happens, the
-placement usage on its host, stops and starts it, deletes it and shows the usage back to zero.
+placement usage on its host, stops and starts it, resizes it to the next flavor and confirms,
+cold-migrates it (as the admin) and reverts, deletes it and shows the usage back to zero.
 The stack is shut down at the end, whatever happened.
 
 Exit status: 0 when every step did what it should, 1 when one did not (the message says which
@@ -59,6 +60,7 @@ class Demo:
     stack: Any
     out: IO[str]
     conn: Any = None
+    admin_conn: Any = None
     admin: requests.Session = field(default_factory=requests.Session)
     started: float = field(default_factory=time.monotonic)
     server_id: str | None = None
@@ -195,6 +197,48 @@ def start_server(demo: Demo) -> None:
         raise DemoFailed(f"the server is ACTIVE but its power state is {state.power_state}, not 1 (RUNNING)")
 
 
+def _settle_move(demo: Demo, finish: str) -> None:
+    """Show where the server lives while it waits in VERIFY_RESIZE, then confirm or revert."""
+    state = demo.wait_for_status("VERIFY_RESIZE")
+    source, dest = demo.host, state.host
+    demo.say(f"  VERIFY_RESIZE on {dest} (was on {source}); placement holds both until it is settled:")
+    for host in dict.fromkeys((source, dest)):
+        if host is None:
+            continue
+        demo.say(f"  {host}:")
+        for line in demo.usage_lines(host):
+            demo.say(f"  {line}")
+    demo.say(f"  {finish} ...")
+    if finish == "confirm":
+        demo.conn.compute.confirm_server_resize(demo.server_id)
+    else:
+        demo.conn.compute.revert_server_resize(demo.server_id)
+    settled = demo.wait_for_status("ACTIVE")
+    expected = dest if finish == "confirm" else source
+    if settled.host != expected:
+        raise DemoFailed(f"after the {finish} the server is on {settled.host}, not {expected}")
+    demo.host = settled.host
+    demo.say(f"  ACTIVE on {settled.host}")
+
+
+def resize_and_confirm(demo: Demo) -> None:
+    server = demo.conn.compute.get_server(demo.server_id)
+    current = server.flavor.get("original_name") if isinstance(server.flavor, dict) else server.flavor.name
+    flavors = sorted(demo.conn.compute.flavors(), key=lambda f: (f.vcpus, f.ram, f.disk))
+    bigger = next((f for f in flavors if f.name != current and f.disk >= flavors[0].disk), None)
+    if bigger is None:
+        raise DemoFailed("the stack offers no second flavor to resize to")
+    demo.header(f"Resize {current} -> {bigger.name}, then confirm")
+    demo.conn.compute.resize_server(demo.server_id, bigger.id)
+    _settle_move(demo, "confirm")
+
+
+def migrate_and_revert(demo: Demo) -> None:
+    demo.header("Cold migrate (as the admin), then revert")
+    demo.admin_conn.compute.migrate_server(demo.server_id)
+    _settle_move(demo, "revert")
+
+
 def delete_server(demo: Demo) -> None:
     assert demo.server_id is not None
     demo.header("Delete the server")
@@ -207,11 +251,11 @@ def show_usage_released(demo: Demo) -> None:
     from ferry import placement
 
     show_usage(demo)
-    assert demo.host is not None
-    left = placement.usages(placement.provider_by_host(demo.host))
-    if any(left.values()):
-        raise DemoFailed(f"{demo.host} still has resources allocated after the delete: {left}")
-    demo.say("  everything released")
+    for host in demo.stack.seeded.hosts:
+        left = placement.usages(placement.provider_by_host(host))
+        if any(left.values()):
+            raise DemoFailed(f"{host} still has resources allocated after the delete: {left}")
+    demo.say("  everything released, on every host")
 
 
 STEPS: tuple[Callable[[Demo], None], ...] = (
@@ -220,6 +264,8 @@ STEPS: tuple[Callable[[Demo], None], ...] = (
     show_usage,
     stop_server,
     start_server,
+    resize_and_confirm,
+    migrate_and_revert,
     delete_server,
     show_usage_released,
 )
@@ -263,6 +309,7 @@ def run(state_dir: Path, out: IO[str]) -> None:
             {"X-Auth-Token": stack.seeded.tokens["admin"], "OpenStack-API-Version": "compute latest"}
         )
         demo.conn = _connect(stack, "demo")
+        demo.admin_conn = _connect(stack, "admin")
         for step in STEPS:
             step(demo)
         demo.header("Done")
@@ -271,8 +318,9 @@ def run(state_dir: Path, out: IO[str]) -> None:
         raise
     finally:
         demo.say(f"{demo.elapsed()} Stopping the local stack ...")
-        if demo.conn is not None:
-            demo.conn.close()
+        for conn in (demo.conn, demo.admin_conn):
+            if conn is not None:
+                conn.close()
         demo.admin.close()
         stack.stop()
         demo.say(f"{demo.elapsed()} Stopped.")
