@@ -254,7 +254,7 @@ def test_revert_works_after_the_old_flavor_was_deleted(local_stack, servers, rec
 def test_a_volume_attached_while_resized_survives_revert(local_stack, servers, records, boot):
     server, _ = boot(TINY)
     source = host_of(server)
-    resize_to_verify(servers, server["id"], {"resize": {"flavorRef": SMALL}})
+    dest = host_of(resize_to_verify(servers, server["id"], {"resize": {"flavorRef": SMALL}}))
     volume_id = str(uuid.uuid4())
     with api_session() as session:
         session.add(Volume(id=volume_id, project_id=local_stack.seeded.identities["demo"].project_id,
@@ -263,7 +263,8 @@ def test_a_volume_attached_while_resized_survives_revert(local_stack, servers, r
     attach = servers.api("demo").post(f"/servers/{server['id']}/os-volume_attachments",
                                       json={"volumeAttachment": {"volumeId": volume_id}})
     assert attach.status_code == 200, attach.text
-    local_stack.wait_for(lambda: attachment_hosts(server["id"], volume_id) >= {source})
+    local_stack.wait_for(lambda: attachment_hosts(server["id"], volume_id) == {dest})
+    servers.wait_for_status(server["id"], "VERIFY_RESIZE")
 
     assert servers.action(server["id"], {"revertResize": None}).status_code == 202
     servers.wait_for_status(server["id"], "ACTIVE")

@@ -467,6 +467,19 @@ def test_no_valid_host_leaves_everything_as_before_and_records_no_fault(cloud):
     assert error["event_type"] == "instance.resize.error" and error["publisher_id"].startswith("conductor:")
 
 
+def test_a_validation_that_broke_rolls_back_from_the_raw_input(cloud):
+    uuid = make_server()
+    before = snapshot(uuid)
+    inp = prepare_move(uuid, BIG)
+
+    resize.rollback_move({**inp, "error": {"Error": "Ferry.InjectedFault", "Cause": "the database went away"}})
+
+    assert snapshot(uuid) == before
+    assert migration(inp["migration_uuid"]).status == "error"
+    [fault] = faults_of(uuid)
+    assert "the database went away" in fault.message
+
+
 # --- PrepResizeAtDest and RescheduleMove --------------------------------------------------------
 
 

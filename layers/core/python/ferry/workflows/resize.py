@@ -680,7 +680,8 @@ def rollback_move(event: dict[str, Any]) -> dict[str, Any]:
         instance = instances.get(session, uuid)
         vm_state = instance.old_vm_state if instance.old_vm_state in (states.ACTIVE, states.STOPPED) \
             else instance.vm_state
-        power_state = int(restored.get("power_state", _source(event).get("power_state", instance.power_state)))
+        source = (event.get("move") or {}).get("source") or {}  # absent when validation itself failed
+        power_state = int(restored.get("power_state", source.get("power_state", instance.power_state)))
         if restore_failed:
             vm_state, power_state = states.ERROR, states.NOSTATE
         instances.update_cas(session, uuid, {
