@@ -3,4 +3,4 @@
 from ferry.handlers import step_handler
 from ferry.workflows import resize
 
-handler = step_handler(resize.rollback_move, "RollbackMove", resize.STEP_SCHEMA)
+handler = step_handler(resize.rollback_move, "RollbackMove", resize.ROLLBACK_SCHEMA)

@@ -8,6 +8,7 @@ files under ``local_stack.instances_dir(host)``.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -135,9 +136,18 @@ class LocalStackHandle:
 
 @pytest.fixture(scope="session")
 def local_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStackHandle]:
-    """Ferry's local stack in a temporary state directory, shared by the session's tests."""
+    """Ferry's local stack in a temporary state directory, shared by the session's tests.
+
+    Fault injection is on (``ferry.faults``, a file in the state directory): the Lambda steps run
+    in this process and the agents inherit the environment, so a test can arm any step.
+    """
+    from ferry import faults
+
+    state_dir = tmp_path_factory.mktemp("local-stack")
+    previous = os.environ.get(faults.ENV_VAR)
+    os.environ[faults.ENV_VAR] = str(state_dir / "faults.json")
     stack = LocalStack(
-        tmp_path_factory.mktemp("local-stack"),
+        state_dir,
         cells=2,
         hosts_per_cell=2,
         moto_port=0,
@@ -147,11 +157,17 @@ def local_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack
         host_op_timeout_seconds=HOST_OP_TIMEOUT_SECONDS,
         host_op_heartbeat_seconds=HOST_OP_HEARTBEAT_SECONDS,
     )
-    stack.start()
     try:
-        yield LocalStackHandle(stack)
+        stack.start()
+        try:
+            yield LocalStackHandle(stack)
+        finally:
+            stack.stop()
     finally:
-        stack.stop()
+        if previous is None:
+            os.environ.pop(faults.ENV_VAR, None)
+        else:
+            os.environ[faults.ENV_VAR] = previous
 
 
 # --- servers through the API, and Ferry's records behind it -------------------------------------

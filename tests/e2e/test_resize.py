@@ -7,87 +7,34 @@ left on the other host, and the root disk carries the same bytes it had before t
 
 from __future__ import annotations
 
-import hashlib
 import uuid
-from pathlib import Path
 from typing import Any
 
 import pytest
+from move_helpers import (
+    FLAVORS,
+    LARGE,
+    MEDIUM,
+    SMALL,
+    TINY,
+    GiB,
+    assert_lives_only_on,
+    boot_with_digest,
+    cell_of,
+    host_of,
+    migrations_of,
+    resize_to_verify,
+    root_digest,
+)
 
 from ferry.store.api_models import Volume, VolumeAttachment
-from ferry.store.cell_models import Migration
-from ferry.store.db import api_session, cell_session
+from ferry.store.db import api_session
 
 pytestmark = pytest.mark.e2e
 
-TINY, SMALL, MEDIUM, LARGE = "1", "2", "3", "4"
-FLAVORS = {  # the seeded flavors, as placement amounts
-    TINY: {"VCPU": 1, "MEMORY_MB": 256, "DISK_GB": 1},
-    SMALL: {"VCPU": 1, "MEMORY_MB": 512, "DISK_GB": 2},
-    MEDIUM: {"VCPU": 2, "MEMORY_MB": 1024, "DISK_GB": 4},
-    LARGE: {"VCPU": 4, "MEMORY_MB": 2048, "DISK_GB": 10},
-}
-GiB = 2**30
-
-
-def root_digest(path: Path, size: int) -> str:
-    """SHA-256 of the first ``size`` bytes of a disk (what the guest wrote before the move)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as disk:
-        remaining = size
-        while remaining:
-            chunk = disk.read(min(remaining, 4 * 2**20))
-            if not chunk:
-                break
-            digest.update(chunk)
-            remaining -= len(chunk)
-    return digest.hexdigest()
-
-
-def host_of(server: dict[str, Any]) -> str:
-    return server["OS-EXT-SRV-ATTR:host"]
-
-
-def cell_of(stack, host: str) -> str:
-    return stack.hosts[host]
-
-
-def migrations_of(server_id: str, cell: str) -> list[Migration]:
-    from sqlalchemy import select
-
-    with cell_session(cell) as session:
-        rows = session.scalars(select(Migration).where(Migration.instance_uuid == server_id)
-                               .order_by(Migration.id)).all()
-        session.expunge_all()
-        return list(rows)
-
-
-def assert_lives_only_on(stack, records, server_id: str, host: str, flavor: str) -> None:
-    """The server's allocation is exactly ``flavor`` on ``host``; no other host keeps anything of it."""
-    assert records.allocations(server_id) == {records.provider(host): FLAVORS[flavor]}
-    for other in stack.hosts:
-        if other != host:
-            assert not records.instance_dir(other, server_id).exists(), f"disks left on {other}"
-            assert not (stack.instances_dir(other) / f"{server_id}_resize").exists(), f"old disks left on {other}"
-    assert not (stack.instances_dir(host) / f"{server_id}_resize").exists()
-    assert records.instance_dir(host, server_id).is_dir()
-
-
-def resize_to_verify(servers, server_id: str, body: dict[str, Any], identity: str = "demo") -> dict[str, Any]:
-    response = servers.action(server_id, body, identity)
-    assert response.status_code == 202, response.text
-    return servers.wait_for_status(server_id, "VERIFY_RESIZE", timeout=120)
-
-
 @pytest.fixture
 def boot(servers, local_stack):
-    def _boot(flavor: str = TINY, **extra: Any) -> tuple[dict[str, Any], str]:
-        server = servers.boot(flavor=flavor, **extra)
-        host = host_of(server)
-        root = local_stack.instances_dir(host) / server["id"] / "disk"
-        digest = root_digest(root, FLAVORS[flavor]["DISK_GB"] * GiB) if root.exists() else ""
-        return server, digest
-    return _boot
+    return lambda flavor=TINY, **extra: boot_with_digest(local_stack, servers, flavor, **extra)
 
 
 def test_resize_then_confirm_moves_the_server_to_the_new_flavor_on_another_host(local_stack, servers, records, boot):

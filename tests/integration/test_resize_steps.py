@@ -472,7 +472,10 @@ def test_a_validation_that_broke_rolls_back_from_the_raw_input(cloud):
     before = snapshot(uuid)
     inp = prepare_move(uuid, BIG)
 
-    resize.rollback_move({**inp, "error": {"Error": "Ferry.InjectedFault", "Cause": "the database went away"}})
+    event = {**inp, "error": {"Error": "Ferry.InjectedFault", "Cause": "the database went away"}}
+    jsonschema.validate(event, resize.ROLLBACK_SCHEMA)  # what the RollbackMove handler checks first
+
+    resize.rollback_move(event)
 
     assert snapshot(uuid) == before
     assert migration(inp["migration_uuid"]).status == "error"

@@ -93,6 +93,12 @@ STEP_SCHEMA: dict[str, Any] = {
 # ValidateInput gets ``{"input": <execution input>, "execution_name": <name>}``.
 VALIDATE_EVENT_SCHEMA: dict[str, Any] = {"type": "object", "required": ["input"]}
 
+# RollbackMove also runs when validation itself broke: then it has the raw input, without ``move``.
+ROLLBACK_SCHEMA: dict[str, Any] = {
+    **STEP_SCHEMA,
+    "required": [key for key in STEP_SCHEMA["required"] if key != "move"],
+}
+
 _HOST_FLAVOR_FIELDS = ("flavorid", "name", "vcpus", "memory_mb", "root_gb", "ephemeral_gb", "swap")
 
 
