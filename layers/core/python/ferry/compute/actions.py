@@ -10,7 +10,7 @@ from __future__ import annotations
 import traceback as tb
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from ferry.store.api_models import utcnow
@@ -42,6 +42,15 @@ def start_action(session: Session, *, instance_uuid: str, action: str, request_i
     session.add(record)
     session.flush()
     return record
+
+
+def forget_action(session: Session, instance_uuid: str, request_id: str) -> None:
+    """Remove an action and its events: the request that recorded it was undone before it took effect."""
+    action = _action(session, instance_uuid, request_id)
+    if action is not None:
+        session.execute(delete(InstanceActionEvent).where(InstanceActionEvent.action_id == action.id))
+        session.delete(action)
+        session.flush()
 
 
 def _action(session: Session, instance_uuid: str, request_id: str) -> InstanceAction | None:

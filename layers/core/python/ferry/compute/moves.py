@@ -33,8 +33,6 @@ from ferry.store.api_models import CellMapping, Flavor, HostMapping, InstanceMap
 from ferry.store.cell_models import (
     BlockDeviceMapping,
     Instance,
-    InstanceAction,
-    InstanceActionEvent,
     Migration,
     Service,
 )
@@ -112,14 +110,6 @@ def _swap_migration_status(session: Session, migration_uuid: str, expected: str,
     return result.rowcount == 1
 
 
-def _forget_action(session: Session, instance_uuid: str, request_id: str) -> None:
-    action = session.scalars(select(InstanceAction).where(
-        InstanceAction.instance_uuid == instance_uuid, InstanceAction.request_id == request_id)).one_or_none()
-    if action is not None:
-        session.execute(delete(InstanceActionEvent).where(InstanceActionEvent.action_id == action.id))
-        session.delete(action)
-
-
 def _check_settle_state(session: Session, action: str, instance_uuid: str) -> tuple[Instance, Migration]:
     """The instance and its finished migration, for a confirm or a revert.
 
@@ -195,7 +185,7 @@ def begin_confirm(cell: str, instance_uuid: str, *, request_id: str, user_id: st
         logger.exception("confirm workflow did not start; undoing", extra={"instance_uuid": instance_uuid})
         with cell_session(cell) as session:
             _swap_migration_status(session, migration_uuid, CONFIRMING, FINISHED)
-            _forget_action(session, instance_uuid, request_id)
+            actions.forget_action(session, instance_uuid, request_id)
         raise
     logger.info("confirm accepted", extra={"instance_uuid": instance_uuid, "migration_uuid": migration_uuid})
     return migration_uuid
@@ -252,7 +242,7 @@ def begin_revert(cell: str, instance_uuid: str, *, request_id: str, user_id: str
                                      expected_task_state=(states.RESIZE_REVERTING,))
             except errors.UnexpectedTaskState:
                 logger.warning("state changed meanwhile; left as is", extra={"instance_uuid": instance_uuid})
-            _forget_action(session, instance_uuid, request_id)
+            actions.forget_action(session, instance_uuid, request_id)
         raise
     logger.info("revert accepted", extra={"instance_uuid": instance_uuid, "migration_uuid": migration_uuid})
     return migration_uuid
@@ -463,7 +453,7 @@ def _undo_move(cell: CellMapping, instance_uuid: str, migration_uuid: str, reque
             session.execute(delete(Migration).where(Migration.uuid == migration_uuid))
         else:
             _swap_migration_status(session, migration_uuid, PRE_MIGRATING, ERROR)
-        _forget_action(session, instance_uuid, request_id)
+        actions.forget_action(session, instance_uuid, request_id)
 
 
 def begin_resize(ctx: RequestContext, location: compute_api.Location, flavor_ref: str) -> str:

@@ -47,7 +47,7 @@ from ferry.compute import actions, instances, moves, states
 from ferry.compute.api import Location
 from ferry.observability import logger
 from ferry.store.api_models import CellMapping, Volume, VolumeAttachment
-from ferry.store.cell_models import BlockDeviceMapping, InstanceAction, InstanceActionEvent, Migration
+from ferry.store.cell_models import BlockDeviceMapping, Migration
 from ferry.store.db import api_session, cell_session
 from ferry.workflows import error_message
 from ferry.workflows.confirm_resize import VOLUME_TASK_STATES, live_instance, validate_input
@@ -211,14 +211,6 @@ def _next_device(session: Session, instance_uuid: str) -> str:
     raise errors.Conflict(f"Instance {instance_uuid} has no free device for another volume.")
 
 
-def _forget_action(session: Session, instance_uuid: str, request_id: str) -> None:
-    action = session.scalars(select(InstanceAction).where(
-        InstanceAction.instance_uuid == instance_uuid, InstanceAction.request_id == request_id)).one_or_none()
-    if action is not None:
-        session.execute(delete(InstanceActionEvent).where(InstanceActionEvent.action_id == action.id))
-        session.delete(action)
-
-
 def _execution_name(operation: str, instance_uuid: str, request_id: str) -> str:
     return f"{operation}-{instance_uuid}-{request_id.removeprefix('req-')}"[:80]
 
@@ -315,7 +307,7 @@ def _undo_attach(cell: str, instance_uuid: str, volume_id: str, request_id: str)
                                  expected_task_state=(ATTACHING_VOLUME,))
         except errors.UnexpectedTaskState:
             logger.warning("task changed meanwhile; left as is", extra={"instance_uuid": instance_uuid})
-        _forget_action(session, instance_uuid, request_id)
+        actions.forget_action(session, instance_uuid, request_id)
 
 
 def begin_detach(ctx: RequestContext, location: Location, volume_id: str) -> None:
@@ -357,7 +349,7 @@ def begin_detach(ctx: RequestContext, location: Location, volume_id: str) -> Non
                 instances.update_cas(session, uuid, {"task_state": None}, expected_task_state=(DETACHING_VOLUME,))
             except errors.UnexpectedTaskState:
                 logger.warning("task changed meanwhile; left as is", extra={"instance_uuid": uuid})
-            _forget_action(session, uuid, request_id)
+            actions.forget_action(session, uuid, request_id)
         raise
     logger.info("detach accepted", extra={"instance_uuid": uuid, "volume_id": volume_id})
 
