@@ -1,20 +1,20 @@
 #!/usr/bin/env python3
-"""Benchmark the scheduler: select_destinations over a cloud of 2,000 compute hosts.
+"""Benchmark the scheduler: select_destinations for one request over 1,000 to 100,000 compute hosts.
 
-Builds a throw-away store (SQLite files in a temporary directory, and a PostgreSQL database
-too when FERRY_TEST_PG_URL is set, e.g. ``postgresql+psycopg2://ferry@127.0.0.1:55432/``),
-fills it with hosts spread over two cells, their inventories, services, a few aggregates and
-some existing allocations, then times ``select_destinations`` with and without the claim and
-prints p50/p95 in milliseconds.
+For each size, builds a throw-away store (SQLite files in a temporary directory, and PostgreSQL
+databases too when FERRY_TEST_PG_URL is set, e.g. ``postgresql+psycopg2://ferry@127.0.0.1:55432/``),
+fills it with hosts spread over the cells (10 by default), their inventories, services, two
+aggregates and five existing instances' allocations per host, then times ``select_destinations``
+without the claim, with an aggregate extra spec, and with the claim, and prints p50/p95 in
+milliseconds.
 
-    .venv/bin/python scripts/bench/bench_scheduler.py [--hosts 2000] [--runs 50]
+    .venv/bin/python scripts/bench/bench_scheduler.py [--hosts 1000,10000] [--cells 10] [--runs 30]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -41,8 +41,12 @@ from ferry.store.api_models import (
 )
 from ferry.store.cell_models import Service
 
-CELLS = ("cell1", "cell2")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import print_header  # noqa: E402 - the sibling modules of this script
+from stats import summary  # noqa: E402
+
 INSTANCES_PER_HOST = 5
+CELLS: tuple[str, ...] = ()  # set by main() from --cells
 
 
 def populate(hosts: int) -> None:
@@ -97,18 +101,17 @@ def spec(extra_specs: dict[str, str] | None = None) -> dict:
     }
 
 
-def percentile(samples: list[float], fraction: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, round(fraction * (len(ordered) - 1)))]
-
-
-def time_runs(label: str, runs: int, call) -> None:  # noqa: ANN001 - a zero-argument callable
+def time_runs(label: str, runs: int, call) -> dict[str, float]:  # noqa: ANN001 - a zero-argument callable
+    call()  # warm-up: the first call pays for connections and statement compilation
     samples = []
     for _ in range(runs):
         started = time.perf_counter()
         call()
         samples.append((time.perf_counter() - started) * 1000)
-    print(f"  {label:<34} p50 {statistics.median(samples):8.1f} ms   p95 {percentile(samples, 0.95):8.1f} ms")
+    figures = summary(samples)
+    print(f"  {label:<34} p50 {figures['p50']:8.1f} ms   p95 {figures['p95']:8.1f} ms   max {figures['max']:8.1f} ms",
+          flush=True)
+    return figures
 
 
 @contextmanager
@@ -143,35 +146,57 @@ def postgres_databases(base_url: str) -> Iterator[dict[str, str]]:
         admin.dispose()
 
 
-def bench(backend: str, hosts: int, runs: int) -> None:
+def bench(backend: str, hosts: int, runs: int, profile: Path | None = None) -> None:
     started = time.perf_counter()
     populate(hosts)
-    print(f"{backend}: {hosts} hosts built in {time.perf_counter() - started:.1f} s; {runs} runs each")
+    print(f"{backend}: {hosts} hosts in {len(CELLS)} cells built in {time.perf_counter() - started:.1f} s; "
+          f"{runs} runs each", flush=True)
     time_runs("select_destinations(claim=False)", runs, lambda: scheduler.select_destinations(spec(), claim=False))
     time_runs("with aggregate extra spec", runs,
               lambda: scheduler.select_destinations(spec({"hw_generation": "gen2"}), claim=False))
     time_runs("select_destinations(claim=True)", runs, lambda: scheduler.select_destinations(spec()))
+    if profile is not None:
+        import cProfile
+        import pstats
+
+        out = profile / f"scheduler-{backend}-{hosts}.prof"
+        cProfile.runctx("scheduler.select_destinations(spec())", globals(), {"spec": spec}, str(out))
+        print(f"  profile of one claimed call: {out}")
+        pstats.Stats(str(out)).sort_stats("cumulative").print_stats(15)
 
 
 def main(argv: list[str] | None = None) -> int:
+    global CELLS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hosts", type=int, default=2000)
-    parser.add_argument("--runs", type=int, default=50)
+    parser.add_argument("--hosts", default="1000,10000", help="comma-separated host counts (default 1000,10000)")
+    parser.add_argument("--cells", type=int, default=10)
+    parser.add_argument("--runs", type=int, default=30)
+    parser.add_argument("--backends", default="sqlite,postgresql")
+    parser.add_argument("--profile", type=Path, help="write a cProfile of one claimed call per size here")
     args = parser.parse_args(argv)
+    CELLS = tuple(f"cell{n}" for n in range(1, args.cells + 1))
     logger.setLevel("WARNING")  # the per-stage scheduler logs would drown the numbers
+    backends = args.backends.split(",")
+    pg_url = os.environ.get("FERRY_TEST_PG_URL")
+    print_header("scheduler: select_destinations", pg_url)
+    if args.profile:
+        args.profile.mkdir(parents=True, exist_ok=True)
 
-    with tempfile.TemporaryDirectory(prefix="ferry-bench-") as tmp:
-        state = Path(tmp)
-        cells = {name: f"sqlite:///{state / f'cell-{name}.sqlite'}" for name in CELLS}
-        with configured(f"sqlite:///{state / 'api.sqlite'}", cells, state):
-            bench("sqlite", args.hosts, args.runs)
-        pg_url = os.environ.get("FERRY_TEST_PG_URL")
-        if pg_url:
-            with postgres_databases(pg_url) as urls:
-                with configured(urls["api"], {c: urls[c] for c in CELLS}, state):
-                    bench("postgresql", args.hosts, args.runs)
-        else:
+    for hosts in (int(h) for h in args.hosts.split(",")):
+        if "sqlite" in backends:
+            with tempfile.TemporaryDirectory(prefix="ferry-bench-") as tmp:
+                state = Path(tmp)
+                cells = {name: f"sqlite:///{state / f'cell-{name}.sqlite'}" for name in CELLS}
+                with configured(f"sqlite:///{state / 'api.sqlite'}", cells, state):
+                    bench("sqlite", hosts, args.runs, args.profile)
+        if "postgresql" not in backends:
+            continue
+        if not pg_url:
             print("postgresql: skipped (set FERRY_TEST_PG_URL to include it)")
+            continue
+        with tempfile.TemporaryDirectory(prefix="ferry-bench-") as tmp, postgres_databases(pg_url) as urls:
+            with configured(urls["api"], {c: urls[c] for c in CELLS}, Path(tmp)):
+                bench("postgresql", hosts, args.runs, args.profile)
     return 0
 
 
