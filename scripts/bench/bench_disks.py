@@ -1,0 +1,238 @@
+#!/usr/bin/env python3
+"""Benchmark disk moves: the host agent's transfer through S3 against ``cp`` of the same file.
+
+A move between two hosts is what ``resize_instance`` (``hostagent.disks.upload_disk`` at the
+source) and ``finish_resize`` (``hostagent.disks.download_disk`` at the destination) do: the
+disk's data extents go to S3 and are rebuilt, verified, at the destination. Here S3 is moto's
+server in its own process, as on the local stack, and each side of the move runs in a fresh
+child process so its peak RSS is its own.
+
+Cases, each in one run on one filesystem:
+
+* a fully written disk (2 GiB by default): ``cp`` of it, then the move; the ratio is cp time /
+  move time (the target is at least 0.9);
+* a fully written 1 GiB disk and a 20 GiB sparse disk holding 1 GiB of data spread over it:
+  the sparse move should take about the time of the 1 GiB one.
+
+Files live under a temporary directory on ``--dir``'s filesystem (the system temporary directory
+by default) and are removed afterwards. When that filesystem has less free space than the run
+needs, ``/dev/shm`` is used instead and the output says so.
+
+    .venv/bin/python scripts/bench/bench_disks.py [--size-gib 2] [--sparse-gib 20] [--dir /var/tmp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import print_header  # noqa: E402 - the sibling modules of this script
+
+MiB = 2**20
+GiB = 2**30
+BUCKET = "ferry-bench-transfers"
+WRITE_CHUNK = 8 * MiB
+
+# The two sides of a move, run as ``python -c`` in a child process: they print one JSON line.
+SIDE = r"""
+import json, resource, sys, time
+import boto3
+from botocore.config import Config
+from hostagent import disks
+BUCKET = "ferry-bench-transfers"
+op, endpoint, path, prefix = sys.argv[1:5]
+s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="x",
+                  aws_secret_access_key="x", config=Config(max_pool_connections=16))
+started = time.perf_counter()
+if op == "upload":
+    moved = disks.upload_disk(s3, path, BUCKET, prefix, "root")
+else:
+    moved = disks.download_disk(s3, BUCKET, prefix, "root", path, expected_sha256=sys.argv[5])
+elapsed = time.perf_counter() - started
+print(json.dumps({"seconds": elapsed, "sha256": moved.sha256, "data_bytes": moved.data_bytes,
+                  "size": moved.size, "max_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+"""
+
+MOTO = r"""
+import sys, time
+from moto.server import ThreadedMotoServer
+server = ThreadedMotoServer(ip_address="127.0.0.1", port=int(sys.argv[1]), verbose=False)
+server.start()
+print("ready", flush=True)
+sys.stdin.read()
+server.stop()
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_disk(path: Path, size: int, data_extents: list[tuple[int, int]]) -> None:
+    """A sparse file of ``size`` with random data written over each (offset, length)."""
+    with open(path, "wb") as f:
+        for offset, length in data_extents:
+            f.seek(offset)
+            remaining = length
+            while remaining:
+                step = min(WRITE_CHUNK, remaining)
+                f.write(os.urandom(step))
+                remaining -= step
+        f.truncate(size)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def spread_extents(size: int, data: int, pieces: int = 16) -> list[tuple[int, int]]:
+    """``pieces`` equal extents totalling ``data`` bytes, spread evenly over ``size`` bytes."""
+    piece, stride = data // pieces, size // pieces
+    return [(n * stride, piece) for n in range(pieces)]
+
+
+def drop_cache(path: Path) -> None:
+    """Ask the kernel to forget the file's cached pages, so every case starts from the disk alike."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def run_side(*args: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(ROOT), str(ROOT / "layers" / "core" / "python"), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", SIDE, *args], capture_output=True, text=True, env=env, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"{args[0]} failed: {out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def move(endpoint: str, src: Path, dest: Path, prefix: str) -> dict:
+    """Upload then download ``src`` to ``dest``; the figures of both sides."""
+    drop_cache(src)
+    up = run_side("upload", endpoint, str(src), prefix)
+    down = run_side("download", endpoint, str(dest), prefix, up["sha256"])
+    return {"upload": up, "download": down, "seconds": up["seconds"] + down["seconds"]}
+
+
+def timed_cp(src: Path, dest: Path) -> float:
+    drop_cache(src)
+    started = time.perf_counter()
+    subprocess.run(["cp", "--sparse=auto", str(src), str(dest)], check=True)
+    return time.perf_counter() - started
+
+
+def rate(data_bytes: int, seconds: float) -> str:
+    return f"{data_bytes / MiB / seconds:7.1f} MiB/s"
+
+
+def report_move(label: str, moved: dict) -> None:
+    up, down = moved["upload"], moved["download"]
+    print(f"  {label}: move {moved['seconds']:6.2f} s (upload {up['seconds']:.2f} s at "
+          f"{rate(up['data_bytes'], up['seconds'])}, download {down['seconds']:.2f} s at "
+          f"{rate(down['data_bytes'], down['seconds'])}); data sent {up['data_bytes'] / MiB:.0f} MiB of "
+          f"{up['size'] / MiB:.0f} MiB; peak RSS upload {up['max_rss_kib'] / 1024:.0f} MiB, "
+          f"download {down['max_rss_kib'] / 1024:.0f} MiB", flush=True)
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def pick_directory(requested: Path, needed: int) -> Path:
+    free = shutil.disk_usage(requested).free
+    if free >= needed:
+        return requested
+    shm = Path("/dev/shm")
+    print(f"  {requested} has {free / GiB:.1f} GiB free, the run needs {needed / GiB:.1f} GiB: using {shm} (tmpfs)")
+    return shm
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-gib", type=float, default=2.0, help="the fully written disk (default 2)")
+    parser.add_argument("--sparse-gib", type=float, default=20.0, help="the sparse disk's size (default 20)")
+    parser.add_argument("--written-gib", type=float, default=1.0, help="data in the sparse disk (default 1)")
+    parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
+    args = parser.parse_args(argv)
+    size, sparse, written = int(args.size_gib * GiB), int(args.sparse_gib * GiB), int(args.written_gib * GiB)
+    print_header("disk moves: host agent transfer through S3 (moto server) vs cp")
+    # moto keeps the object (its temporary files go to the same place) next to source and copy.
+    needed = 3 * max(size, written) + GiB // 2
+    base = pick_directory(args.dir, needed)
+    stat = os.statvfs(base)
+    print(f"  files under {base} (filesystem block size {stat.f_bsize}); page cache dropped before each read")
+
+    with tempfile.TemporaryDirectory(prefix="ferry-bench-disks-", dir=base) as tmp:
+        work = Path(tmp)
+        port = free_port()
+        moto = subprocess.Popen([sys.executable, "-c", MOTO, str(port)], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True, env=dict(os.environ, TMPDIR=str(work)))
+        try:
+            assert moto.stdout is not None and moto.stdout.readline().strip() == "ready"
+            endpoint = f"http://127.0.0.1:{port}"
+            import boto3
+
+            s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="x",
+                              aws_secret_access_key="x")
+            s3.create_bucket(Bucket=BUCKET)
+
+            src, dest = work / "src-disk", work / "dest-disk"
+            print(f"\nfully written disk, {size / GiB:g} GiB")
+            write_disk(src, size, [(0, size)])
+            cp_seconds = timed_cp(src, dest)
+            dest.unlink()
+            print(f"  cp:   {cp_seconds:6.2f} s ({rate(size, cp_seconds)})")
+            moved = move(endpoint, src, dest, "full")
+            report_move("move", moved)
+            ratio = cp_seconds / moved["seconds"]
+            print(f"  move speed / cp speed = {ratio:.2f} (target >= 0.90: {'met' if ratio >= 0.9 else 'missed'})")
+            for path in (src, dest):
+                path.unlink()
+            s3.delete_objects(Bucket=BUCKET, Delete={"Objects": [{"Key": "full/root"},
+                                                                  {"Key": "full/root.manifest.json"}]})
+
+            print(f"\n{written / GiB:g} GiB fully written vs {sparse / GiB:g} GiB sparse with "
+                  f"{written / GiB:g} GiB written")
+            write_disk(src, written, [(0, written)])
+            dense = move(endpoint, src, dest, "dense")
+            report_move(f"{written / GiB:g} GiB dense ", dense)
+            for path in (src, dest):
+                path.unlink()
+            s3.delete_objects(Bucket=BUCKET, Delete={"Objects": [{"Key": "dense/root"},
+                                                                  {"Key": "dense/root.manifest.json"}]})
+            write_disk(src, sparse, spread_extents(sparse, written))
+            thin = move(endpoint, src, dest, "sparse")
+            report_move(f"{sparse / GiB:g} GiB sparse", thin)
+            allocated = dest.stat().st_blocks * 512
+            print(f"  destination allocates {allocated / MiB:.0f} MiB of {sparse / MiB:.0f} MiB")
+            factor = thin["seconds"] / dense["seconds"]
+            print(f"  sparse / dense time = {factor:.2f} (target about 1)")
+        finally:
+            if moto.stdin:
+                moto.stdin.close()
+            try:
+                moto.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                moto.kill()
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    print(f"\n  largest child RSS (the moto server holds whole objects): {children / 1024:.0f} MiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
