@@ -16,11 +16,12 @@ LOCK_ARGS ?=
 LOCK_TOOLS := .ferry/lock-tools
 MYPY_PATHS := layers/core/python/ferry $(if $(wildcard hostagent/*.py),hostagent)
 
-.PHONY: help bootstrap demo test up lint lock clean distclean
+.PHONY: help bootstrap demo test bench up lint lock clean distclean
 
 help:
 	@echo "make demo       set up, bring up the local stack, run a short scripted demo, shut down"
 	@echo "make test       set up and run the whole test suite (unit, integration, end to end)"
+	@echo "make bench      run the benchmark suite (minutes; not part of make test; docs/benchmarks.md)"
 	@echo "make up         run the local stack in the foreground (Ctrl-C stops it)"
 	@echo "make lint       ruff and mypy"
 	@echo "make lock       re-resolve requirements.lock from pyproject.toml (LOCK_ARGS=--upgrade to move pins)"
@@ -51,6 +52,10 @@ test: bootstrap
 	  $(BIN)/pytest tests/e2e || { e2e_rc=$$?; [ "$$rc" -ne 0 ] || rc=$$e2e_rc; }
 	fi
 	exit "$$rc"
+
+# The benchmarks, one after the other; figures and how to read them: docs/benchmarks.md.
+bench: bootstrap
+	scripts/bench/run_all.sh
 
 lint: bootstrap
 	$(BIN)/ruff check .

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Runs the benchmark suite one benchmark after the other (they would skew each other in parallel)
+# and prints every figure with the machine's description. PostgreSQL figures need the test server:
+# FERRY_TEST_PG_URL is taken from the environment, or the server is started (and stopped after).
+#   scripts/bench/run_all.sh            all four: scheduler, cold start, disk moves, orchestration
+#   BENCH_HOSTS=1000,10000,100000 BENCH_RESIZES=50 scripts/bench/run_all.sh
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+py=${VENV:-.venv}/bin/python
+if [ -z "${FERRY_TEST_PG_URL:-}" ]; then
+  if ! scripts/test-postgres.sh status; then trap 'scripts/test-postgres.sh stop' EXIT; fi
+  FERRY_TEST_PG_URL=$(scripts/test-postgres.sh start)
+  export FERRY_TEST_PG_URL
+fi
+"$py" scripts/bench/bench_scheduler.py --hosts "${BENCH_HOSTS:-1000,10000}" --runs "${BENCH_SCHEDULER_RUNS:-20}"
+echo
+"$py" scripts/bench/bench_cold_start.py
+echo
+"$py" scripts/bench/bench_disks.py ${BENCH_DISK_ARGS:-}
+echo
+"$py" scripts/bench/bench_orchestration.py --runs "${BENCH_RESIZES:-20}"
