@@ -260,6 +260,7 @@ class HostAgent(MoveOperations):
             protocol.FINISH_REVERT_RESIZE: self.finish_revert_resize,
             protocol.ATTACH_VOLUME: self.attach_volume,
             protocol.DETACH_VOLUME: self.detach_volume,
+            protocol.PREP_SNAPSHOT_BASED_RESIZE_AT_SOURCE: self.prep_snapshot_based_resize_at_source,
         }
 
     # -- lifecycle

@@ -639,3 +639,80 @@ def delete_transfer(s3_client: Any, bucket: str, prefix: str) -> int:
             s3_client.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
             deleted += len(keys)
     return deleted
+
+
+# --- snapshots as images ---------------------------------------------------------------------------
+
+
+class _HashingFileReader:
+    """A non-seekable reader of a whole file that hashes what passes through it.
+
+    An image object holds the disk's full content (holes read as zeros), since ``spawn`` verifies
+    the sha256 of exactly what it downloads. Non-seekable so the upload reads the file once.
+    """
+
+    def __init__(self, f: IO[bytes]) -> None:
+        self._f = f
+        self.hasher = hashlib.sha256()
+        self.size = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+    def read(self, size: int = -1) -> bytes:
+        chunk = self._f.read(CHUNK_SIZE if size is None or size < 0 else size)
+        self.hasher.update(chunk)
+        self.size += len(chunk)
+        return chunk
+
+
+def image_sha256(s3_client: Any, bucket: str, key: str) -> str | None:
+    """The sha256 an image object's metadata records, or None when there is no finished image there."""
+    try:
+        head = s3_client.head_object(Bucket=bucket, Key=key)
+    except ClientError as exc:
+        if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+            return None
+        raise
+    return (head.get("Metadata") or {}).get("sha256") or None
+
+
+def upload_image_file(
+    s3_client: Any,
+    path: str | os.PathLike[str],
+    bucket: str,
+    key: str,
+    metadata: dict[str, str],
+    part_size: int = TRANSFER_PART_SIZE,
+) -> tuple[str, int]:
+    """Stream the file at ``path`` into the image object ``s3://bucket/key``; return (sha256, size).
+
+    The object is uploaded with ``metadata`` and without ``sha256`` (an unfinished image), then
+    its metadata is replaced to add the ``sha256`` computed while it streamed: only then is it an
+    image that can be booted (the shape :mod:`ferry.images` reads). Memory holds a few parts.
+
+    Raises:
+        DiskCopyFailed: the file cannot be read or the upload failed.
+    """
+    config = TransferConfig(
+        multipart_threshold=part_size, multipart_chunksize=part_size, max_concurrency=TRANSFER_CONCURRENCY
+    )
+    try:
+        with open(path, "rb") as f:
+            reader = _HashingFileReader(f)
+            s3_client.upload_fileobj(reader, bucket, key, ExtraArgs={"Metadata": metadata}, Config=config)
+        digest = reader.hasher.hexdigest()
+        s3_client.copy(
+            {"Bucket": bucket, "Key": key},
+            bucket,
+            key,
+            ExtraArgs={"Metadata": {**metadata, "sha256": digest}, "MetadataDirective": "REPLACE"},
+        )
+    except (ClientError, BotoCoreError, S3UploadFailedError, OSError) as exc:
+        raise errors.DiskCopyFailed(
+            f"Uploading {path} to s3://{bucket}/{key} failed: {exc}", bucket=bucket, key=key
+        ) from exc
+    return digest, reader.size

@@ -24,6 +24,7 @@ import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
 
 from aws_lambda_powertools.metrics import MetricUnit
 from botocore.exceptions import BotoCoreError, ClientError
@@ -452,6 +453,60 @@ class MoveOperations:
                 "transfer deleted",
                 extra={"host": self.host, "instance_uuid": op.instance_uuid, "objects": deleted, **transfer},
             )
+
+    # -- prep_snapshot_based_resize_at_source (source of a cross-cell move)
+
+    def prep_snapshot_based_resize_at_source(self, op: Operation) -> dict[str, Any]:
+        """Power off, snapshot the root disk to an image object unless volume-backed, undefine the guest.
+
+        The guest's power state is remembered (``was_running``), the guest is stopped and
+        undefined and its directory becomes ``<uuid>_resize`` as for ``resize_instance``; then the
+        root disk streams to ``s3://<snapshot.bucket>/<snapshot.key>`` as a raw image named
+        ``snapshot.name``, which the destination's ``spawn`` boots from. A re-run after the upload
+        finished returns the same snapshot without sending it again.
+
+        Raises:
+            GuestNotFound: this host has neither the guest nor its disks.
+            DiskCopyFailed: the root disk cannot be read or the upload failed.
+            HypervisorError.
+        """
+        uuid, args = op.instance_uuid, op.args
+        migration = args["migration_uuid"]
+        kept = disks.resize_dir(self.instances_dir, uuid)
+        record = _record_of(kept, migration)
+        if record is None:
+            record = self._move_aside(op, kept)
+        snapshot = args.get("snapshot")
+        if snapshot is None:
+            return {**self._result(uuid, NOSTATE), "was_running": bool(record["was_running"]), "snapshot": None}
+        bucket, key, image_id = snapshot["bucket"], snapshot["key"], snapshot["image_id"]
+        done = record.get("snapshot")
+        if done and done.get("image_id") == image_id and disks.image_sha256(self.s3, bucket, key) == done["sha256"]:
+            return {**self._result(uuid, NOSTATE), "was_running": bool(record["was_running"]), "snapshot": done}
+        root = kept / disks.DISK_FILES["root"]
+        if not root.exists():
+            raise errors.GuestNotFound(
+                f"Instance {uuid} has no root disk on {self.host} to snapshot ({root}).", instance_uuid=uuid
+            )
+        metadata = {
+            "image-id": image_id,
+            "name": quote(snapshot["name"], safe=""),
+            "disk-format": "raw",
+            "container-format": "bare",
+            "min-disk": "0",
+            "min-ram": "0",
+            "visibility": "private",
+        }
+        sha256, size = disks.upload_image_file(self.s3, root, bucket, key, metadata)
+        self._emit_metric("SnapshotBytesSent", MetricUnit.Bytes, size, op.name)
+        done = {"image_id": image_id, "sha256": sha256, "size": size}
+        _write_record(kept, {**record, "snapshot": done})
+        logger.info(
+            "snapshot sent",
+            extra={"host": self.host, "instance_uuid": uuid, "migration_uuid": migration, "image_id": image_id,
+                   "size": size},
+        )
+        return {**self._result(uuid, NOSTATE), "was_running": bool(record["was_running"]), "snapshot": done}
 
     # -- confirm_resize (source)
 

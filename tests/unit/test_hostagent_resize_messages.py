@@ -53,6 +53,11 @@ VALID_ARGS = {
     },
     "attach_volume": {"volume": {"volume_id": "vol-1", "path": "/dev/mapper/vol-1", "device": "/dev/vdd"}},
     "detach_volume": {"volume_id": "vol-1"},
+    "prep_snapshot_based_resize_at_source": {
+        "migration_uuid": MIGRATION,
+        "snapshot": {"bucket": "images", "key": "images/img-1", "image_id": "img-1", "name": "web-1-resize-temp"},
+        "clean_shutdown": True,
+    },
 }
 
 

@@ -27,6 +27,8 @@ REVERT_RESIZE = "revert_resize"
 FINISH_REVERT_RESIZE = "finish_revert_resize"
 ATTACH_VOLUME = "attach_volume"
 DETACH_VOLUME = "detach_volume"
+# Cross-cell resize and cold migrate: the source snapshots its root disk, the destination spawns from it.
+PREP_SNAPSHOT_BASED_RESIZE_AT_SOURCE = "prep_snapshot_based_resize_at_source"
 OPERATIONS = (
     SPAWN,
     POWER_OFF,
@@ -40,6 +42,7 @@ OPERATIONS = (
     FINISH_REVERT_RESIZE,
     ATTACH_VOLUME,
     DETACH_VOLUME,
+    PREP_SNAPSHOT_BASED_RESIZE_AT_SOURCE,
 )
 
 # The local disks a move carries between hosts (swap is re-created, never copied).
@@ -282,6 +285,39 @@ DETACH_VOLUME_ARGS_SCHEMA: dict[str, Any] = {
     "properties": {"volume_id": {"type": "string", "minLength": 1}},
 }
 
+PREP_SNAPSHOT_BASED_RESIZE_AT_SOURCE_ARGS_SCHEMA: dict[str, Any] = {
+    "title": "prep_snapshot_based_resize_at_source, at the source of a cross-cell move",
+    "type": "object",
+    "required": ["migration_uuid", "snapshot"],
+    "properties": {
+        "migration_uuid": _MIGRATION_UUID,
+        # null for a volume-backed server: it has no root disk here to snapshot.
+        "snapshot": {
+            "type": ["object", "null"],
+            "required": ["bucket", "key", "image_id", "name"],
+            "properties": {
+                "bucket": {"type": "string", "minLength": 1},
+                "key": {"type": "string", "minLength": 1},
+                "image_id": {"type": "string", "minLength": 1},
+                "name": {"type": "string"},
+            },
+        },
+        "clean_shutdown": {"type": "boolean"},
+        "timeout": {"type": "number", "minimum": 0},
+    },
+}
+
+# What prep_snapshot_based_resize_at_source reports of the snapshot it made (null when volume-backed).
+SNAPSHOT_RESULT_SCHEMA: dict[str, Any] = {
+    "type": ["object", "null"],
+    "required": ["image_id", "sha256", "size"],
+    "properties": {
+        "image_id": {"type": "string", "minLength": 1},
+        "sha256": {"type": "string", "pattern": "^[0-9a-f]{64}$"},
+        "size": {"type": "integer", "minimum": 0},
+    },
+}
+
 # The arguments of each operation.
 ARGS_SCHEMAS: dict[str, dict[str, Any]] = {
     SPAWN: SPAWN_ARGS_SCHEMA,
@@ -296,6 +332,7 @@ ARGS_SCHEMAS: dict[str, dict[str, Any]] = {
     FINISH_REVERT_RESIZE: FINISH_REVERT_RESIZE_ARGS_SCHEMA,
     ATTACH_VOLUME: ATTACH_VOLUME_ARGS_SCHEMA,
     DETACH_VOLUME: DETACH_VOLUME_ARGS_SCHEMA,
+    PREP_SNAPSHOT_BASED_RESIZE_AT_SOURCE: PREP_SNAPSHOT_BASED_RESIZE_AT_SOURCE_ARGS_SCHEMA,
 }
 
 # Every result (the SendTaskSuccess output) has this shape; power_state is that of the instance's
@@ -327,6 +364,9 @@ RESULT_SCHEMAS: dict[str, dict[str, Any]] = {
         ["was_running", "disks"], {"was_running": {"type": "boolean"}, "disks": MOVED_DISKS_SCHEMA}
     ),
     FINISH_RESIZE: _result_with(["disks"], {"disks": MOVED_DISKS_SCHEMA}),
+    PREP_SNAPSHOT_BASED_RESIZE_AT_SOURCE: _result_with(
+        ["was_running", "snapshot"], {"was_running": {"type": "boolean"}, "snapshot": SNAPSHOT_RESULT_SCHEMA}
+    ),
 }
 
 REPORT_SCHEMA: dict[str, Any] = {

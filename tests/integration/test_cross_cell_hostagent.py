@@ -1,0 +1,122 @@
+"""The source side of a cross-cell move on a real host agent: the snapshot-based prep, and a spawn from its image.
+
+Same harness as ``test_hostagent_resize``: agents on the libvirt test driver with real disk files,
+moto for S3 and SQS, answers recorded by task token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+
+import test_hostagent_resize as harness
+from test_hostagent_resize import IMAGES, NEW, PORTS, boot, finish_revert_args, logical_sha256
+
+from ferry import protocol
+from hostagent import disks
+from hostagent.driver import NOSTATE, RUNNING
+
+OP = protocol.PREP_SNAPSHOT_BASED_RESIZE_AT_SOURCE
+
+# The agent harness's fixtures: two hosts with their own hypervisor and disks, scaled gigabytes.
+cloud, source, dest, scaled_disks = harness.cloud, harness.source, harness.dest, harness.scaled_disks
+
+
+def snapshot_args(migration_uuid: str, image_id: str | None) -> dict:
+    snapshot = None
+    if image_id is not None:
+        snapshot = {"bucket": IMAGES, "key": f"images/{image_id}", "image_id": image_id, "name": "web-1-resize-temp"}
+    return {"migration_uuid": migration_uuid, "snapshot": snapshot, "clean_shutdown": True}
+
+
+def object_sha256(cloud, key: str) -> tuple[str, int]:
+    body = cloud.s3.get_object(Bucket=IMAGES, Key=key)["Body"]
+    hasher, size = hashlib.sha256(), 0
+    for chunk in body.iter_chunks(2**20):
+        hasher.update(chunk)
+        size += len(chunk)
+    return hasher.hexdigest(), size
+
+
+def test_snapshot_prep_uploads_the_root_disk_as_an_image_and_keeps_the_disks(cloud, source):
+    server = boot(source)
+    migration_uuid, image_id = str(uuid.uuid4()), str(uuid.uuid4())
+
+    result = source.ok(OP, server.uuid, snapshot_args(migration_uuid, image_id))
+
+    kept = source.kept(server.uuid)
+    root = kept / disks.ROOT_DISK
+    assert result["was_running"] is True
+    assert result["power_state"] == NOSTATE
+    assert not source.driver.guest_exists(server.uuid)
+    assert not source.live(server.uuid).exists()
+    assert root.exists() and (kept / disks.EPHEMERAL_DISK).exists()
+    assert logical_sha256(root) == server.root_sha256
+    content_sha256, size = object_sha256(cloud, f"images/{image_id}")
+    assert result["snapshot"] == {"image_id": image_id, "sha256": server.root_sha256, "size": root.stat().st_size}
+    assert (content_sha256, size) == (server.root_sha256, root.stat().st_size)
+    meta = cloud.s3.head_object(Bucket=IMAGES, Key=f"images/{image_id}")["Metadata"]
+    assert meta["sha256"] == server.root_sha256
+    assert (meta["disk-format"], meta["name"], meta["image-id"]) == ("raw", "web-1-resize-temp", image_id)
+
+
+def test_snapshot_prep_run_again_returns_the_same_snapshot_without_sending_it_again(cloud, source):
+    server = boot(source)
+    migration_uuid, image_id = str(uuid.uuid4()), str(uuid.uuid4())
+    first = source.ok(OP, server.uuid, snapshot_args(migration_uuid, image_id))
+    etag = cloud.s3.head_object(Bucket=IMAGES, Key=f"images/{image_id}")["LastModified"]
+
+    again = source.ok(OP, server.uuid, snapshot_args(migration_uuid, image_id))
+
+    assert again == first
+    assert cloud.s3.head_object(Bucket=IMAGES, Key=f"images/{image_id}")["LastModified"] == etag
+    assert logical_sha256(source.kept(server.uuid) / disks.ROOT_DISK) == server.root_sha256
+
+
+def test_a_stopped_server_is_reported_as_not_running(source):
+    server = boot(source, running=False)
+
+    result = source.ok(OP, server.uuid, snapshot_args(str(uuid.uuid4()), str(uuid.uuid4())))
+
+    assert result["was_running"] is False
+
+
+def test_a_volume_backed_server_is_not_snapshotted(cloud, source, tmp_path):
+    volume_path = tmp_path / "vol-1"
+    volume_path.write_bytes(b"boot volume")
+    server = boot(source, volumes=[{"volume_id": "vol-1", "path": str(volume_path), "device": "vda", "boot_index": 0}])
+
+    result = source.ok(OP, server.uuid, snapshot_args(str(uuid.uuid4()), None))
+
+    assert result["snapshot"] is None
+    assert not source.driver.guest_exists(server.uuid)
+    assert source.kept(server.uuid).exists()
+    assert "Contents" not in cloud.s3.list_objects_v2(Bucket=IMAGES, Prefix="images/")
+    assert volume_path.read_bytes() == b"boot volume"
+
+
+def test_the_destination_spawns_from_the_snapshot_with_the_new_flavor(cloud, source, dest):
+    server = boot(source)
+    image_id = str(uuid.uuid4())
+    snap = source.ok(OP, server.uuid, snapshot_args(str(uuid.uuid4()), image_id))["snapshot"]
+
+    spawned = dest.ok("spawn", server.uuid, {
+        "name": "web-1", "flavor": NEW, "ports": PORTS, "volumes": [], "power_on": True,
+        "image": {"id": image_id, "bucket": IMAGES, "key": f"images/{image_id}", "sha256": snap["sha256"]}})
+
+    assert spawned["power_state"] == RUNNING
+    root = dest.live(server.uuid) / disks.ROOT_DISK
+    assert root.stat().st_size == NEW["root_gb"] * disks.GiB
+    assert logical_sha256(root, snap["size"]) == server.root_sha256
+
+
+def test_the_source_guest_is_restored_from_the_kept_disks_after_a_snapshot_prep(source):
+    server = boot(source)
+    migration_uuid = str(uuid.uuid4())
+    source.ok(OP, server.uuid, snapshot_args(migration_uuid, str(uuid.uuid4())))
+
+    restored = source.ok("finish_revert_resize", server.uuid, finish_revert_args(migration_uuid, server, True))
+
+    assert restored["power_state"] == RUNNING
+    assert logical_sha256(source.live(server.uuid) / disks.ROOT_DISK) == server.root_sha256
+    assert not source.kept(server.uuid).exists()
