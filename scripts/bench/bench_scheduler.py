@@ -142,10 +142,10 @@ def configured(api_url: str, cell_urls: dict[str, str], state_dir: Path) -> Iter
 def postgres_databases(base_url: str) -> Iterator[dict[str, str]]:
     admin = create_engine(base_url + "postgres", isolation_level="AUTOCOMMIT")
     names = {kind: f"ferry_bench_{kind}_{uuid.uuid4().hex[:8]}" for kind in ("api", *CELLS)}
-    with admin.connect() as conn:
-        for name in names.values():
-            conn.execute(text(f"CREATE DATABASE {name}"))
     try:
+        with admin.connect() as conn:
+            for name in names.values():
+                conn.execute(text(f"CREATE DATABASE {name}"))
         yield {kind: base_url + name for kind, name in names.items()}
     finally:
         db.dispose_all()
