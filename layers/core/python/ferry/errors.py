@@ -326,3 +326,11 @@ class VolumeOperationFailed(FerryError):
 
 class InvalidWorkflowInput(BadRequest):
     """An execution's input does not match the ``*.input.schema.json`` beside its state machine."""
+
+
+# --- Cross-cell confirm and revert
+
+
+class CellCopyNotHidden(Conflict):
+    """A copy of a server that a cross-cell confirm, revert or delete would remove from a cell is
+    visible there: it is the server, so it is left alone."""

@@ -11,7 +11,9 @@ with Nova's rules:
 * the instance is not in vm_state ``resized`` → the migration is set to ``error``, as Nova does;
 * otherwise the confirm is started.
 
-A failure with one migration is logged and counted and never stops the others.
+A failure with one migration is logged and counted and never stops the others. A cross-cell
+move's migration is recorded in both cells; only the record in the cell the instance mapping
+names is confirmed, once.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from typing import Any
 from aws_lambda_powertools.metrics import MetricUnit
 from sqlalchemy import func, select
 
-from ferry import config
-from ferry.compute import moves, states
+from ferry import config, errors
+from ferry.compute import instances, moves, states
 from ferry.observability import logger, metrics
 from ferry.store.api_models import utcnow
 from ferry.store.cell_models import Instance, Migration
@@ -88,6 +90,21 @@ def confirm_one(found: Unconfirmed) -> str:
     return CONFIRMED
 
 
+def _is_the_servers_copy(found: Unconfirmed, seen: set[str]) -> bool:
+    """Whether this record of a migration is the one to confirm: a cross-cell move has one in each
+    cell, and only the copy in the cell the instance mapping names is taken (once per run)."""
+    if found.migration_uuid in seen:
+        return False
+    try:
+        mapped = instances.cell_of(found.instance_uuid).name
+    except errors.InstanceNotFound:
+        mapped = found.cell  # its rules say what to do with a server that is gone
+    if mapped != found.cell:
+        return False
+    seen.add(found.migration_uuid)
+    return True
+
+
 def run(now: dt.datetime | None = None) -> dict[str, Any]:
     """Confirm every resize unconfirmed for longer than ``resize_confirm_window`` (0: do nothing).
 
@@ -99,9 +116,10 @@ def run(now: dt.datetime | None = None) -> dict[str, Any]:
     if window <= 0:
         return {"window": window, **counts}
     older_than = (now or utcnow()) - dt.timedelta(seconds=window)
+    seen: set[str] = set()
     for cell in all_cells(include_cell0=False):
         try:
-            found = unconfirmed(cell.name, older_than)
+            found = [m for m in unconfirmed(cell.name, older_than) if _is_the_servers_copy(m, seen)]
         except Exception:  # noqa: BLE001 - one unreachable cell must not stop the others
             logger.exception("auto-confirm could not read a cell", extra={"cell": cell.name})
             counts[FAILED] += 1

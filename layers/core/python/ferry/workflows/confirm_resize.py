@@ -37,7 +37,7 @@ from ferry.observability import logger
 from ferry.store.api_models import ResourceProvider
 from ferry.store.cell_models import Instance, InstanceAction, InstanceActionEvent, Migration, Service
 from ferry.store.db import api_session, cell_session
-from ferry.workflows import error_message
+from ferry.workflows import cross_cell_settle, error_message
 
 EVENT_CONFIRM = "compute_confirm_resize"
 
@@ -199,16 +199,31 @@ def check_resize_to_confirm(event: dict[str, Any]) -> dict[str, Any]:
                 f"Migration {migration_uuid} is {migration.status} and instance {uuid} is in vm_state "
                 f"{instance.vm_state} task_state {instance.task_state} on {instance.host}: not a confirm under way.")
         source, dest = str(migration.source_compute), str(migration.dest_compute)
-        if not host_is_up(session, source):
+        cells = cross_cell_settle.cells_of(migration, event["cell"])
+        up = cross_cell_settle.host_is_up(source) if cells else host_is_up(session, source)
+        if not up:
             raise errors.ComputeServiceUnavailable(f"Source host {source} of migration {migration_uuid} is down.")
-        actions.start_event(session, instance_uuid=uuid, request_id=event["request_id"], event=EVENT_CONFIRM,
-                            host=source)
+        if cells:
+            actions.start_event(session, instance_uuid=uuid, request_id=event["request_id"],
+                                event=cross_cell_settle.EVENT_CONFIRM)
+        actions.start_event(session, instance_uuid=uuid, request_id=event["request_id"],
+                            event=cross_cell_settle.EVENT_CONFIRM_AT_SOURCE if cells else EVENT_CONFIRM, host=source)
         payload = notifications.instance_payload(instance, migration_uuid=migration_uuid)
         move = {"source": host_ref(source, migration.source_node),
                 "dest": {"host": dest, "node": migration.dest_node or dest}, "same_host": source == dest}
-    notifications.notify(notifications.RESIZE_CONFIRM_START, instance_uuid=uuid,
-                         publisher_id=notifications.compute_publisher(source), payload=payload)
+        if cells:
+            move["cross_cell"] = cells
+    publisher = notifications.conductor_publisher() if cells else notifications.compute_publisher(source)
+    notifications.notify(notifications.RESIZE_CONFIRM_START, instance_uuid=uuid, publisher_id=publisher,
+                         payload=payload)
     return move
+
+
+def _confirm_events(cells: dict[str, str] | None, source: str) -> list[tuple[str, str | None]]:
+    """The events a confirm records, innermost first: Nova's snapshot-based names for a cross-cell move."""
+    if cells:
+        return [(cross_cell_settle.EVENT_CONFIRM_AT_SOURCE, source), (cross_cell_settle.EVENT_CONFIRM, None)]
+    return [(EVENT_CONFIRM, source)]
 
 
 def finish_confirm(event: dict[str, Any]) -> dict[str, Any]:
@@ -216,14 +231,18 @@ def finish_confirm(event: dict[str, Any]) -> dict[str, Any]:
 
     The server (if still resized with no task) gets vm_state from its power state, no task and
     no move flavors. A server being deleted meanwhile is left to its delete. Idempotent: a
-    confirmed migration ends the step at once.
+    confirmed migration ends the step at once. After a cross-cell move the source cell's hidden
+    copy of the server (and of the migration) is hard-deleted first.
     """
     uuid, migration_uuid, cell = event["instance_uuid"], event["migration_uuid"], event["cell"]
     move = event["move"]
     source = move["source"]["host"]
+    cells = cross_cell_settle.cross_cell(event)
     with cell_session(cell) as session:
         if migration_of(session, uuid, migration_uuid).status == moves.CONFIRMED:
             return {}
+    if cells:
+        cross_cell_settle.hard_delete_copy(cells["source_cell"], uuid, migration_uuid)
     release_source(uuid, migration_uuid, source, move["same_host"])
     payload = None
     with cell_session(cell) as session:
@@ -234,13 +253,15 @@ def finish_confirm(event: dict[str, Any]) -> dict[str, Any]:
         instance = live_instance(session, uuid)
         migration = migration_of(session, uuid, migration_uuid)
         migration.status = moves.CONFIRMED
-        actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"], event=EVENT_CONFIRM,
-                             host=source)
+        for name, host in _confirm_events(cells, source):
+            actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"], event=name, host=host)
         if instance is not None:
             payload = notifications.instance_payload(instance, migration_uuid=migration_uuid)
-    logger.info("resize confirmed", extra={"instance_uuid": uuid, "migration_uuid": migration_uuid})
-    notifications.notify(notifications.RESIZE_CONFIRM_END, instance_uuid=uuid,
-                         publisher_id=notifications.compute_publisher(source), payload=payload)
+    logger.info("resize confirmed", extra={"instance_uuid": uuid, "migration_uuid": migration_uuid,
+                                           "cross_cell": bool(cells)})
+    publisher = notifications.conductor_publisher() if cells else notifications.compute_publisher(source)
+    notifications.notify(notifications.RESIZE_CONFIRM_END, instance_uuid=uuid, publisher_id=publisher,
+                         payload=payload)
     return {}
 
 
@@ -255,9 +276,12 @@ def fail_confirm(event: dict[str, Any]) -> dict[str, Any]:
     error = event.get("error") or {}
     cause = error_message(error)
     move = event.get("move") or {}
+    cells = cross_cell_settle.cross_cell(event)
+    where = cross_cell_settle.where_things_are(uuid, cells) if cells else ""
     with cell_session(event["cell"]) as session:
         migration = migration_of(session, uuid, migration_uuid)
-        if migration.status == moves.CONFIRMED or event_finished(session, uuid, request_id, EVENT_CONFIRM):
+        if migration.status == moves.CONFIRMED or event_finished(session, uuid, request_id,
+                                                                 _confirm_events(cells, "")[-1][0]):
             return {}
         source = str(migration.source_compute)
         dest = str(migration.dest_compute)
@@ -271,15 +295,17 @@ def fail_confirm(event: dict[str, Any]) -> dict[str, Any]:
             details = (f"The server runs on {dest} with its new flavor. Host {source} may still hold the old "
                        f"guest and the disks in {uuid}_resize. Migration {migration_uuid} is in error and keeps "
                        f"its allocation ({held}) until a confirm of that migration, run again, cleans up.")
+        if cells:
+            details = f"{details} {where}"
         instance = live_instance(session, uuid)
         settle(session, instance)
         migration = migration_of(session, uuid, migration_uuid)
         migration.status = moves.ERROR
         if instance is not None:
             instances.add_fault(session, uuid, message, host=source, details=details)
-        actions.finish_event(session, instance_uuid=uuid, request_id=request_id, event=EVENT_CONFIRM,
-                             host=move.get("source", {}).get("host", source),
-                             error=error or {"Error": errors.ConfirmResizeFailed.__name__, "Cause": message})
+        for name, host in _confirm_events(cells, move.get("source", {}).get("host", source)):
+            actions.finish_event(session, instance_uuid=uuid, request_id=request_id, event=name, host=host,
+                                 error=error or {"Error": errors.ConfirmResizeFailed.__name__, "Cause": message})
     logger.warning("confirm failed", extra={"instance_uuid": uuid, "migration_uuid": migration_uuid,
                                             "cause": cause, "migration_allocation": held})
     return {}
@@ -293,7 +319,9 @@ def restore_verify_resize(event: dict[str, Any]) -> dict[str, Any]:
     """Rollback of a confirm or revert that failed before the server left VERIFY_RESIZE.
 
     Used by both workflows: when the first step failed for another reason than a refusal, and
-    by the revert when the destination could not clean up (the server still runs there). The
+    by the revert when the destination could not clean up (the server still runs there), or
+    when a cross-cell revert could not make the source cell's copy the server again (that is
+    undone first: the mapping names the target cell again, whose copy is visible). The
     migration goes back from ``confirming``/``reverting`` to ``finished`` and the task from
     ``resize_reverting`` to none, so the owner can confirm or revert again; the event records the
     error and a fault says what happened. Nothing is done when the migration is in neither state
@@ -302,14 +330,22 @@ def restore_verify_resize(event: dict[str, Any]) -> dict[str, Any]:
     uuid, migration_uuid, request_id = event["instance_uuid"], event["migration_uuid"], event["request_id"]
     error = event.get("error") or {}
     cause = error_message(error)
+    cells = cross_cell_settle.cross_cell(event)
+    cross_cell_settle.undo_flip(event)
     with cell_session(event["cell"]) as session:
         migration = migration_of(session, uuid, migration_uuid)
         if migration.status not in (moves.CONFIRMING, moves.REVERTING):
             return {}
         reverting = migration.status == moves.REVERTING
         name, verb = (EVENT_REVERT, "Reverting") if reverting else (EVENT_CONFIRM, "Confirming")
+        if cells:
+            name = cross_cell_settle.EVENT_REVERT if reverting else cross_cell_settle.EVENT_CONFIRM
         source, dest = migration.source_compute, migration.dest_compute
-        if reverting and "move" in event:
+        if reverting and cells:
+            message = f"Reverting the resize failed before the server went back to cell {cells['source_cell']}: {cause}"
+            details = (f"The server stays in VERIFY_RESIZE on {dest} in cell {cells['target_cell']}; its old disks "
+                       f"are still on {source}. Revert again to retry.")
+        elif reverting and "move" in event:
             message = f"Reverting the resize failed on destination host {dest}: {cause}"
             details = (f"The server stays in VERIFY_RESIZE on {dest}; its old disks are still on {source}. "
                        f"Revert again to retry.")

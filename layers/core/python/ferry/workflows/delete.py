@@ -8,7 +8,9 @@ with a fault and can delete again.
 A server deleted in VERIFY_RESIZE is confirmed first, as Nova does: the source forgets the old
 guest and disks, the migration's allocation and the source's bindings and attachments go, and
 the migration is ``confirmed``. Whether there is such a migration is read from the store by the
-first step, so the compute API's delete call does not need to know.
+first step, so the compute API's delete call does not need to know. After a move between cells
+the source cell's hidden copy is hard-deleted as a confirm does (the source cell is found through
+the source host's mapping and passed on as ``confirm.source_cell``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from ferry.observability import logger
 from ferry.store.api_models import InstanceMapping, Volume, VolumeAttachment, utcnow
 from ferry.store.cell_models import BlockDeviceMapping, Instance, Migration
 from ferry.store.db import api_session, cell_session
-from ferry.workflows import confirm_resize, error_message
+from ferry.workflows import confirm_resize, cross_cell_settle, error_message
 
 EVENT_TERMINATE = "compute_terminate_instance"
 
@@ -53,12 +55,16 @@ def find_resize_to_confirm(event: dict[str, Any]) -> dict[str, Any]:
         if migration is None:
             return {}
         source = str(migration.source_compute)
-        up = confirm_resize.host_is_up(session, source)
+        cells = cross_cell_settle.cells_of(migration, event["cell"])
+        up = cross_cell_settle.host_is_up(source) if cells else confirm_resize.host_is_up(session, source)
         actions.start_event(session, instance_uuid=uuid, request_id=event["request_id"],
                             event=confirm_resize.EVENT_CONFIRM, host=source)
         instance = session.scalars(select(Instance).where(Instance.uuid == uuid)).one_or_none()
         payload = notifications.instance_payload(instance, migration_uuid=migration.uuid) if instance else None
-        found = {"migration_uuid": migration.uuid, "host": source, "same_host": source == migration.dest_compute}
+        found: dict[str, Any] = {"migration_uuid": migration.uuid, "host": source,
+                                 "same_host": source == migration.dest_compute}
+        if cells:
+            found["source_cell"] = cells["source_cell"]
     if not up:
         logger.warning("source host is down: its old disks stay until it is cleaned up",
                        extra={"instance_uuid": uuid, "host": source, "migration_uuid": found["migration_uuid"]})
@@ -69,9 +75,12 @@ def find_resize_to_confirm(event: dict[str, Any]) -> dict[str, Any]:
 
 def confirm_before_delete(event: dict[str, Any]) -> dict[str, Any]:
     """Drop the migration's allocation and the source's bindings and attachments; migration
-    ``confirmed`` (one left in ``error`` keeps that status). Idempotent."""
+    ``confirmed`` (one left in ``error`` keeps that status). After a cross-cell move the source
+    cell's hidden copy of the server is hard-deleted first. Idempotent."""
     uuid, found = event["instance_uuid"], event["confirm"]
     migration_uuid, source = found["migration_uuid"], found["host"]
+    if found.get("source_cell"):
+        cross_cell_settle.hard_delete_copy(found["source_cell"], uuid, migration_uuid)
     confirm_resize.release_source(uuid, migration_uuid, source, found["same_host"])
     with cell_session(event["cell"]) as session:
         if confirm_resize.event_finished(session, uuid, event["request_id"], confirm_resize.EVENT_CONFIRM):

@@ -33,7 +33,7 @@ from ferry.observability import logger
 from ferry.store.api_models import VolumeAttachment
 from ferry.store.cell_models import BlockDeviceMapping
 from ferry.store.db import api_session, cell_session
-from ferry.workflows import error_message
+from ferry.workflows import cross_cell_settle, error_message
 from ferry.workflows.confirm_resize import (
     EVENT_REVERT,
     describe_allocations,
@@ -88,17 +88,30 @@ def check_resize_to_revert(event: dict[str, Any]) -> dict[str, Any]:
                 f"Migration {migration_uuid} is {migration.status} and instance {uuid} is in vm_state "
                 f"{instance.vm_state} task_state {instance.task_state} on {instance.host}: not a revert under way.")
         source, dest = str(migration.source_compute), str(migration.dest_compute)
+        cells = cross_cell_settle.cells_of(migration, event["cell"])
         for host in {source, dest}:
-            if not host_is_up(session, host):
+            up = cross_cell_settle.host_is_up(host) if cells else host_is_up(session, host)
+            if not up:
                 raise errors.ComputeServiceUnavailable(f"Host {host} of migration {migration_uuid} is down.")
-        actions.start_event(session, instance_uuid=uuid, request_id=event["request_id"], event=EVENT_REVERT,
-                            host=dest)
+        actions.start_event(session, instance_uuid=uuid, request_id=event["request_id"],
+                            event=cross_cell_settle.EVENT_REVERT if cells else EVENT_REVERT,
+                            host=None if cells else dest)
         payload = notifications.instance_payload(instance, migration_uuid=migration_uuid)
         move = {"source": host_ref(source, migration.source_node), "dest": host_ref(dest, migration.dest_node),
                 "same_host": source == dest, "transfer": transfer_location(migration_uuid)}
-    notifications.notify(notifications.RESIZE_REVERT_START, instance_uuid=uuid,
-                         publisher_id=notifications.compute_publisher(dest), payload=payload)
+        if cells:
+            move["cross_cell"] = cells
+    publisher = notifications.conductor_publisher() if cells else notifications.compute_publisher(dest)
+    notifications.notify(notifications.RESIZE_REVERT_START, instance_uuid=uuid, publisher_id=publisher,
+                         payload=payload)
     return move
+
+
+def _revert_events(cells: dict[str, str] | None) -> tuple[str, str]:
+    """The events of the destination's and the source's part of a revert (Nova's names for each kind of move)."""
+    if cells:
+        return cross_cell_settle.EVENT_REVERT_AT_DEST, cross_cell_settle.EVENT_FINISH_REVERT_AT_SOURCE
+    return EVENT_REVERT, EVENT_FINISH_REVERT
 
 
 def revert_resources_to_source(event: dict[str, Any]) -> dict[str, Any]:
@@ -113,12 +126,19 @@ def revert_resources_to_source(event: dict[str, Any]) -> dict[str, Any]:
     * instance: host and node of the source, flavor = the old flavor (its own copy, so a
       deleted flavor does not matter); the task stays ``resize_reverting``.
 
+    After a cross-cell move the records are those of the source cell (FlipToSourceCell made its
+    copy the server again) and the target cell's hidden copy is hard-deleted first.
+
     Returns:
         ``{"finish_args": …}``, the arguments of ``finish_revert_resize`` at the source.
     """
-    uuid, migration_uuid, cell = event["instance_uuid"], event["migration_uuid"], event["cell"]
+    uuid, migration_uuid, cell = event["instance_uuid"], event["migration_uuid"], cross_cell_settle.revert_cell(event)
     move = event["move"]
     source, dest, same_host = move["source"]["host"], move["dest"]["host"], move["same_host"]
+    cells = cross_cell_settle.cross_cell(event)
+    if cells:
+        cross_cell_settle.hard_delete_copy(cells["target_cell"], uuid, migration_uuid)
+    reverted_event, finish_event = _revert_events(cells)
     with cell_session(cell) as session:
         bdms = list(session.scalars(select(BlockDeviceMapping).where(
             BlockDeviceMapping.instance_uuid == uuid, BlockDeviceMapping.deleted.is_(False),
@@ -149,10 +169,10 @@ def revert_resources_to_source(event: dict[str, Any]) -> dict[str, Any]:
                                                  "flavor": old_flavor},
                                  expected_task_state=(states.RESIZE_REVERTING,))
             instance = instances.get(session, uuid)
-        actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"], event=EVENT_REVERT,
+        actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"], event=reverted_event,
                              host=dest)
         actions.start_event(session, instance_uuid=uuid, request_id=event["request_id"],
-                            event=EVENT_FINISH_REVERT, host=source)
+                            event=finish_event, host=source)
         power_on = (instance.old_vm_state or states.ACTIVE) != states.STOPPED
         finish_args = {"migration_uuid": migration_uuid, "name": instance.display_name,
                        "flavor": {k: old_flavor[k] for k in _FLAVOR_KEYS}, "ports": ports, "volumes": attached,
@@ -165,7 +185,8 @@ def finish_revert(event: dict[str, Any]) -> dict[str, Any]:
     reported, no task, no move flavors; migration ``reverted`` (idempotent)."""
     uuid, migration_uuid = event["instance_uuid"], event["migration_uuid"]
     source = event["move"]["source"]["host"]
-    with cell_session(event["cell"]) as session:
+    cells = cross_cell_settle.cross_cell(event)
+    with cell_session(cross_cell_settle.revert_cell(event)) as session:
         migration = migration_of(session, uuid, migration_uuid)
         if migration.status == moves.REVERTED:
             return {}
@@ -179,11 +200,16 @@ def finish_revert(event: dict[str, Any]) -> dict[str, Any]:
         migration = migration_of(session, uuid, migration_uuid)
         migration.status = moves.REVERTED
         actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"],
-                             event=EVENT_FINISH_REVERT, host=source)
+                             event=_revert_events(cells)[1], host=source)
+        if cells:
+            actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"],
+                                 event=cross_cell_settle.EVENT_REVERT)
         payload = notifications.instance_payload(instances.get(session, uuid), migration_uuid=migration_uuid)
-    logger.info("resize reverted", extra={"instance_uuid": uuid, "migration_uuid": migration_uuid})
-    notifications.notify(notifications.RESIZE_REVERT_END, instance_uuid=uuid,
-                         publisher_id=notifications.compute_publisher(source), payload=payload)
+    logger.info("resize reverted", extra={"instance_uuid": uuid, "migration_uuid": migration_uuid,
+                                          "cross_cell": bool(cells)})
+    publisher = notifications.conductor_publisher() if cells else notifications.compute_publisher(source)
+    notifications.notify(notifications.RESIZE_REVERT_END, instance_uuid=uuid, publisher_id=publisher,
+                         payload=payload)
     return {}
 
 
@@ -197,25 +223,33 @@ def fail_revert(event: dict[str, Any]) -> dict[str, Any]:
     uuid, migration_uuid, request_id = event["instance_uuid"], event["migration_uuid"], event["request_id"]
     error = event.get("error") or {}
     cause = error_message(error)
-    with cell_session(event["cell"]) as session:
+    cells = cross_cell_settle.cross_cell(event)
+    where = cross_cell_settle.where_things_are(uuid, cells) + " " if cells else ""
+    reverted_event, finish_event = _revert_events(cells)
+    with cell_session(cross_cell_settle.revert_cell(event)) as session:
         migration = migration_of(session, uuid, migration_uuid)
         if migration.status != moves.REVERTING:
             return {}
         source, dest = migration.source_compute, migration.dest_compute
+        on_dest = f"The new guest and its disks on {dest} were removed."
         if "restored" in event:
             step, on_source = "recording the result", f"The old guest was restored on {source}."
-            event_name = EVENT_FINISH_REVERT
+            event_name = finish_event
         elif "restore" in event:
             step, on_source = (f"restoring the old guest on {source}",
                                f"The old disks are in {uuid}_resize on {source}, or already back in its "
                                f"instance directory.")
-            event_name = EVENT_FINISH_REVERT
+            event_name = finish_event
+        elif cells and "reverted_at_dest" not in event:
+            step, on_source = (f"removing the new guest and its disks on {dest}",
+                               f"The old disks are in {uuid}_resize on {source}.")
+            on_dest, event_name = f"The new guest and its disks may still be on {dest}.", reverted_event
         else:
             step, on_source = (f"moving allocations, ports and volumes back to {source}",
                                f"The old disks are in {uuid}_resize on {source}.")
-            event_name = EVENT_REVERT
+            event_name = reverted_event
         instance = live_instance(session, uuid)
-        details = (f"The new guest and its disks on {dest} were removed. {on_source} "
+        details = (f"{on_dest} {on_source} {where}"
                    f"The instance record points at {instance.host if instance else 'nothing'}. "
                    f"Allocations: instance {describe_allocations(uuid)}; migration {migration_uuid} "
                    f"{describe_allocations(migration_uuid)}.")
@@ -229,9 +263,12 @@ def fail_revert(event: dict[str, Any]) -> dict[str, Any]:
             instances.add_fault(session, uuid, message, host=instance.host, details=details)
         migration = migration_of(session, uuid, migration_uuid)
         migration.status = moves.ERROR
+        failure = error or {"Error": errors.RevertResizeFailed.__name__, "Cause": message}
         actions.finish_event(session, instance_uuid=uuid, request_id=request_id, event=event_name,
-                             host=source if event_name == EVENT_FINISH_REVERT else dest,
-                             error=error or {"Error": errors.RevertResizeFailed.__name__, "Cause": message})
+                             host=source if event_name == finish_event else dest, error=failure)
+        if cells:
+            actions.finish_event(session, instance_uuid=uuid, request_id=request_id,
+                                 event=cross_cell_settle.EVENT_REVERT, error=failure)
     logger.error("revert failed", extra={"instance_uuid": uuid, "migration_uuid": migration_uuid, "cause": cause,
                                          "details": details})
     return {}

@@ -1,0 +1,284 @@
+"""Confirming, reverting and deleting a server after a move between cells.
+
+A cross-cell move leaves the server in both cell databases under one uuid: the target cell's
+copy visible (VERIFY_RESIZE on the destination), the source cell's copy hidden (the old flavor
+on the source host), the instance mapping naming the target cell, and the migration
+(``cross_cell_move``) in both cells. The confirm, revert and delete workflows use the helpers
+here when the migration they settle is such a move:
+
+* confirm and delete hard-delete the source cell's copy (:func:`hard_delete_copy`);
+* revert first brings the source cell's copy up to date and makes it the server again
+  (:func:`flip_to_source_cell`, step FlipToSourceCell), then hard-deletes the target cell's copy;
+  a failure of that step is undone by :func:`undo_flip` (the server stays in VERIFY_RESIZE in the
+  target cell).
+
+Nova's event names are used: ``conductor_*_snapshot_based_resize`` for the whole operation and
+``compute_*_snapshot_based_resize_at_source``/``_at_dest`` for each host's part.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import delete, select, update
+from sqlalchemy.orm import Session
+
+from ferry import errors, hosts
+from ferry.compute import actions, instances, moves, states
+from ferry.observability import logger
+from ferry.store.api_models import CellMapping, HostMapping, InstanceMapping
+from ferry.store.cell_models import (
+    BlockDeviceMapping,
+    Instance,
+    InstanceAction,
+    InstanceActionEvent,
+    InstanceFault,
+    Migration,
+    Service,
+    Tag,
+)
+from ferry.store.db import api_session, cell_session
+
+EVENT_CONFIRM = "conductor_confirm_snapshot_based_resize"
+EVENT_CONFIRM_AT_SOURCE = "compute_confirm_snapshot_based_resize_at_source"
+EVENT_REVERT = "conductor_revert_snapshot_based_resize"
+EVENT_REVERT_AT_DEST = "compute_revert_snapshot_based_resize_at_dest"
+EVENT_FINISH_REVERT_AT_SOURCE = "compute_finish_revert_snapshot_based_resize_at_source"
+
+# Columns of an instance that the owner can change while it is resized, carried back to the
+# source cell's copy by a revert.
+_CARRIED_COLUMNS = ("display_name", "metadata_items", "locked", "locked_by", "key_name", "old_flavor", "new_flavor",
+                    "old_vm_state", "power_state")
+_BDM_COLUMNS = ("uuid", "source_type", "destination_type", "device_name", "boot_index", "volume_id", "image_id",
+                "volume_size", "guest_format", "delete_on_termination", "attachment_id")
+
+
+def cell_of_host(host: str) -> str:
+    """The name of the cell ``host`` is mapped to.
+
+    Raises:
+        ComputeHostNotFound: the host is not mapped.
+    """
+    with api_session() as session:
+        mapping = session.scalars(select(HostMapping).where(HostMapping.host == host)).one_or_none()
+        if mapping is None or mapping.cell is None:
+            raise errors.ComputeHostNotFound(f"Compute host {host} could not be found.")
+        return str(mapping.cell.name)
+
+
+def cells_of(migration: Migration, target_cell: str) -> dict[str, str] | None:
+    """``{"source_cell", "target_cell"}`` of a cross-cell migration, or None for a move within a cell."""
+    if not migration.cross_cell_move:
+        return None
+    return {"source_cell": cell_of_host(str(migration.source_compute)), "target_cell": target_cell}
+
+
+def cross_cell(event: dict[str, Any]) -> dict[str, str] | None:
+    """The cells of the move an execution settles, as its first step named them (None: same cell)."""
+    return (event.get("move") or {}).get("cross_cell")
+
+
+def host_is_up(host: str) -> bool:
+    """Whether ``host``'s compute service, in the cell the host is mapped to, sends heartbeats."""
+    try:
+        cell = cell_of_host(host)
+    except errors.ComputeHostNotFound:
+        return False
+    with cell_session(cell) as session:
+        service = session.scalars(select(Service).where(Service.host == host)).one_or_none()
+        return service is not None and hosts.is_up(service)
+
+
+def revert_cell(event: dict[str, Any]) -> str:
+    """The cell a revert's record of the server is in: the source cell once FlipToSourceCell ran."""
+    cells = cross_cell(event)
+    if cells is not None and "flipped" in event:
+        return cells["source_cell"]
+    return str(event["cell"])
+
+
+def _copy_of(session: Session, instance_uuid: str) -> Instance | None:
+    return session.scalars(select(Instance).where(Instance.uuid == instance_uuid)).one_or_none()
+
+
+def hard_delete_copy(cell: str, instance_uuid: str, migration_uuid: str) -> bool:
+    """Remove a hidden copy of a server from ``cell``: the instance row, its block device mappings,
+    tags, actions and their events, faults, and the copy of the migration (idempotent).
+
+    Returns:
+        Whether anything was removed.
+
+    Raises:
+        CellCopyNotHidden: the server's row in that cell is visible (it is the server, not a copy).
+    """
+    with cell_session(cell) as session:
+        instance = _copy_of(session, instance_uuid)
+        if instance is not None and not instance.hidden and not instance.deleted:
+            raise errors.CellCopyNotHidden(
+                f"Instance {instance_uuid} is visible in cell {cell}: it is not a copy to remove.")
+        action_ids = list(session.scalars(select(InstanceAction.id).where(
+            InstanceAction.instance_uuid == instance_uuid)))
+        removed = instance is not None or bool(action_ids)
+        if action_ids:
+            session.execute(delete(InstanceActionEvent).where(InstanceActionEvent.action_id.in_(action_ids)))
+            session.execute(delete(InstanceAction).where(InstanceAction.id.in_(action_ids)))
+        for model in (BlockDeviceMapping, Tag, InstanceFault):
+            session.execute(delete(model).where(model.instance_uuid == instance_uuid))
+        session.execute(delete(Migration).where(Migration.uuid == migration_uuid))
+        if instance is not None:
+            session.delete(instance)
+    if removed:
+        logger.info("copy of the server removed from a cell",
+                    extra={"instance_uuid": instance_uuid, "cell": cell, "migration_uuid": migration_uuid})
+    return removed
+
+
+def _point_mapping_at(instance_uuid: str, cell: str) -> None:
+    with api_session() as session:
+        cell_id = session.scalars(select(CellMapping.id).where(CellMapping.name == cell)).one()
+        session.execute(update(InstanceMapping).where(InstanceMapping.instance_uuid == instance_uuid)
+                        .values(cell_id=cell_id))
+
+
+def _set_hidden(cell: str, instance_uuid: str, hidden: bool, values: dict[str, Any] | None = None) -> None:
+    with cell_session(cell) as session:
+        session.execute(update(Instance).where(Instance.uuid == instance_uuid, Instance.deleted.is_(False))
+                        .values(hidden=hidden, **(values or {})))
+
+
+def _sync_actions(target: Session, source: Session, instance_uuid: str) -> None:
+    """Actions and events recorded in the target cell while resized, written into the source cell."""
+    for action in target.scalars(select(InstanceAction).where(InstanceAction.instance_uuid == instance_uuid)
+                                 .order_by(InstanceAction.id)):
+        copy = source.scalars(select(InstanceAction).where(
+            InstanceAction.instance_uuid == instance_uuid, InstanceAction.request_id == action.request_id,
+            InstanceAction.action == action.action)).one_or_none()
+        if copy is None:
+            copy = InstanceAction(action=action.action, instance_uuid=instance_uuid, request_id=action.request_id,
+                                  user_id=action.user_id, project_id=action.project_id,
+                                  start_time=action.start_time)
+            source.add(copy)
+            source.flush()
+        copy.finish_time, copy.message = action.finish_time, action.message
+        for event in target.scalars(select(InstanceActionEvent).where(InstanceActionEvent.action_id == action.id)):
+            mirror = source.scalars(select(InstanceActionEvent).where(
+                InstanceActionEvent.action_id == copy.id, InstanceActionEvent.event == event.event)).one_or_none()
+            if mirror is None:
+                mirror = InstanceActionEvent(action_id=copy.id, event=event.event, start_time=event.start_time)
+                source.add(mirror)
+            for column in ("finish_time", "result", "traceback", "host", "details"):
+                setattr(mirror, column, getattr(event, column))
+    source.flush()
+
+
+def _sync_bdms(target: Session, source: Session, instance_uuid: str) -> None:
+    """The source cell's block device mappings become those of the target cell (a volume attached
+    or detached while the server was resized is kept or dropped)."""
+    current = [{column: getattr(b, column) for column in _BDM_COLUMNS} for b in target.scalars(
+        select(BlockDeviceMapping).where(BlockDeviceMapping.instance_uuid == instance_uuid,
+                                         BlockDeviceMapping.deleted.is_(False)).order_by(BlockDeviceMapping.id))]
+    source.execute(delete(BlockDeviceMapping).where(BlockDeviceMapping.instance_uuid == instance_uuid))
+    source.flush()
+    for values in current:
+        source.add(BlockDeviceMapping(instance_uuid=instance_uuid, **values))
+    source.flush()
+
+
+def flip_to_source_cell(event: dict[str, Any]) -> dict[str, Any]:
+    """FlipToSourceCell: make the source cell's copy the server again, for a cross-cell revert.
+
+    In order, each write absolute so the step can run twice: block device mappings, actions and
+    events and the migration (status ``reverting``) are written into the source cell; the source
+    copy takes the target copy's owner-visible fields, vm_state ``resized`` and task
+    ``resize_reverting`` and becomes visible; the instance mapping names the source cell; the
+    target copy is hidden. The start of ``compute_revert_snapshot_based_resize_at_dest`` is
+    recorded. A failure is undone by :func:`undo_flip`.
+
+    Returns:
+        ``{"cell": <source cell>}`` (the state machine keeps it as ``$.flipped``).
+
+    Raises:
+        InstanceNotFound: a copy is missing in one of the cells.
+    """
+    cells = cross_cell(event)
+    assert cells is not None, "FlipToSourceCell runs for cross-cell moves only"
+    uuid, migration_uuid = event["instance_uuid"], event["migration_uuid"]
+    source_cell, target_cell = cells["source_cell"], cells["target_cell"]
+    dest = event["move"]["dest"]["host"]
+    with cell_session(target_cell) as target, cell_session(source_cell) as source:
+        visible = _copy_of(target, uuid)
+        hidden = _copy_of(source, uuid)
+        if visible is None or visible.deleted or hidden is None or hidden.deleted:
+            raise errors.InstanceNotFound(
+                f"Instance {uuid} has no copy in cell {source_cell if visible is not None else target_cell}.")
+        _sync_bdms(target, source, uuid)
+        _sync_actions(target, source, uuid)
+        migration = target.scalars(select(Migration).where(Migration.uuid == migration_uuid)).one()
+        copied = {c: getattr(migration, c) for c in ("source_compute", "source_node", "dest_compute", "dest_node",
+                                                     "dest_host", "old_instance_type_id", "new_instance_type_id",
+                                                     "migration_type", "user_id", "project_id")}
+        mirror = source.scalars(select(Migration).where(Migration.uuid == migration_uuid)).one_or_none()
+        if mirror is None:
+            mirror = Migration(uuid=migration_uuid, instance_uuid=uuid, cross_cell_move=True, hidden=False,
+                               status=moves.REVERTING, **copied)
+            source.add(mirror)
+        for column, value in copied.items():
+            setattr(mirror, column, value)
+        mirror.status = moves.REVERTING
+        for column in _CARRIED_COLUMNS:
+            setattr(hidden, column, getattr(visible, column))
+        hidden.vm_state, hidden.task_state = states.RESIZED, states.RESIZE_REVERTING
+    _set_hidden(source_cell, uuid, False)
+    _point_mapping_at(uuid, source_cell)
+    _set_hidden(target_cell, uuid, True)
+    with cell_session(source_cell) as session:
+        actions.start_event(session, instance_uuid=uuid, request_id=event["request_id"],
+                            event=EVENT_REVERT_AT_DEST, host=dest)
+    logger.info("server flipped back to its source cell",
+                extra={"instance_uuid": uuid, "migration_uuid": migration_uuid, "cell": source_cell})
+    return {"cell": source_cell}
+
+
+def undo_flip(event: dict[str, Any]) -> None:
+    """Rollback of FlipToSourceCell (idempotent, and harmless when it never ran).
+
+    The target copy is the server again (visible, the mapping names its cell), the source copy is
+    hidden with no task, and the source cell's copy of the migration is ``finished`` again; the
+    caller then puts the target cell's records back to VERIFY_RESIZE.
+    """
+    cells = cross_cell(event)
+    if cells is None:
+        return
+    uuid, migration_uuid = event["instance_uuid"], event["migration_uuid"]
+    _set_hidden(cells["target_cell"], uuid, False)
+    _point_mapping_at(uuid, cells["target_cell"])
+    _set_hidden(cells["source_cell"], uuid, True, {"task_state": None})
+    with cell_session(cells["source_cell"]) as session:
+        session.execute(update(Migration).where(Migration.uuid == migration_uuid,
+                                                Migration.status == moves.REVERTING)
+                        .values(status=moves.FINISHED))
+    logger.warning("revert between cells undone: the server stays in its target cell",
+                   extra={"instance_uuid": uuid, "migration_uuid": migration_uuid, "cell": cells["target_cell"]})
+
+
+def where_things_are(instance_uuid: str, cells: dict[str, str]) -> str:
+    """``"The instance mapping names cell2; cell1 holds a visible copy; …"`` for a fault's details."""
+    with api_session() as session:
+        mapping = session.scalars(select(InstanceMapping).where(
+            InstanceMapping.instance_uuid == instance_uuid)).one_or_none()
+        mapped = mapping.cell.name if mapping is not None and mapping.cell is not None else "no cell"
+    parts = [f"The instance mapping names {mapped}."]
+    for cell in (cells["source_cell"], cells["target_cell"]):
+        with cell_session(cell) as session:
+            copy = _copy_of(session, instance_uuid)
+            if copy is None or copy.deleted:
+                parts.append(f"{cell} holds no copy.")
+            else:
+                parts.append(f"{cell} holds a {'hidden' if copy.hidden else 'visible'} copy on {copy.host}.")
+    return " ".join(parts)
+
+
+def instance_in(cell: str, instance_uuid: str) -> Instance:
+    """The visible instance in ``cell`` (see :func:`ferry.compute.instances.get`)."""
+    with cell_session(cell) as session:
+        return instances.get(session, instance_uuid)
