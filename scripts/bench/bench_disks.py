@@ -181,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         port = free_port()
         moto = subprocess.Popen([sys.executable, "-c", MOTO, str(port)], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, text=True, env=dict(os.environ, TMPDIR=str(work)))
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                env=dict(os.environ, TMPDIR=str(work)))
         try:
             assert moto.stdout is not None and moto.stdout.readline().strip() == "ready"
             endpoint = f"http://127.0.0.1:{port}"
