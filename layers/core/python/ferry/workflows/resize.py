@@ -60,7 +60,7 @@ from ferry.compute.moves import (
 from ferry.observability import logger
 from ferry.store.api_models import RequestSpec
 from ferry.store.cell_models import BlockDeviceMapping, Instance, InstanceAction, InstanceActionEvent, Migration
-from ferry.store.db import api_session, cell_session
+from ferry.store.db import all_cells, api_session, cell_session
 from ferry.workflows import error_message
 
 # Instance action events, in the order the move records them (Nova's names).
@@ -69,6 +69,16 @@ EVENT_PREP = "compute_prep_resize"
 EVENT_RESIZE = "compute_resize_instance"
 EVENT_FINISH = "compute_finish_resize"
 EVENTS = (EVENT_MIGRATE, EVENT_PREP, EVENT_RESIZE, EVENT_FINISH)
+# A move to another cell records these instead (Nova's snapshot-based resize).
+EVENT_PREP_AT_DEST_CROSS_CELL = "compute_prep_snapshot_based_resize_at_dest"
+EVENT_PREP_AT_SOURCE_CROSS_CELL = "compute_prep_snapshot_based_resize_at_source"
+EVENT_FINISH_AT_DEST_CROSS_CELL = "compute_finish_snapshot_based_resize_at_dest"
+CROSS_CELL_EVENTS = (EVENT_MIGRATE, EVENT_PREP_AT_DEST_CROSS_CELL, EVENT_PREP_AT_SOURCE_CROSS_CELL,
+                     EVENT_FINISH_AT_DEST_CROSS_CELL)
+
+# Whether moves the API allowed to cross cells are scheduled across cells. Off until the resize state
+# machine routes a destination in another cell to the cross-cell steps (issue 4).
+CROSS_CELL_SCHEDULING = False
 
 # Migration statuses a move under way can be in; rollback leaves any other alone.
 _IN_PROGRESS = (PRE_MIGRATING, MIGRATING, POST_MIGRATING, FINISHED)
@@ -273,6 +283,9 @@ def _move_spec(instance: Instance, migration: Migration, cell: str, requested_ho
     if not same_host_allowed:
         ignore.add(instance.host or "")
     ignore.discard("")
+    # Every cell but cell0 when the API allowed a cross-cell move; CrossCellWeigher prefers the source cell.
+    cross_cell = CROSS_CELL_SCHEDULING and base.get("allow_cross_cell_move")
+    allowed_cells = [c.name for c in all_cells(include_cell0=False)] if cross_cell else [cell]
     return {
         **base,
         "instance_uuid": instance.uuid,
@@ -282,7 +295,7 @@ def _move_spec(instance: Instance, migration: Migration, cell: str, requested_ho
         "is_bfv": bool(base.get("is_bfv", is_bfv)),
         "ignore_hosts": sorted(ignore),
         "requested_destination": {"host": requested_host} if requested_host else None,
-        "allowed_cells": [cell],
+        "allowed_cells": allowed_cells,
         "source_cell": cell,
     }
 
@@ -309,7 +322,8 @@ def _claimed_selection(instance_uuid: str, migration_uuid: str, cell: str) -> sc
         return None
     rp_uuid, resources = next(iter(claimed.items()))
     provider = placement.get_provider(rp_uuid)
-    return scheduler.Selection(host=provider.host, node=provider.name, cell=cell, provider_uuid=rp_uuid,
+    host_cell = hosts.cell_of_host(provider.host) if provider.host else None
+    return scheduler.Selection(host=provider.host, node=provider.name, cell=host_cell or cell, provider_uuid=rp_uuid,
                                allocations={rp_uuid: resources})
 
 
@@ -573,10 +587,21 @@ def mark_resized(event: dict[str, Any]) -> dict[str, Any]:
 # --- RollbackMove -------------------------------------------------------------------------------
 
 
+def is_cross_cell(event: Mapping[str, Any]) -> bool:
+    """Whether the move's destination is in another cell than the instance's."""
+    return bool(event.get("destination")) and event["destination"]["cell"] != event["cell"]
+
+
 def _failed_step(event: Mapping[str, Any]) -> tuple[str, str | None]:
     """The event of the step that failed and the host it ran for, from how far the move got."""
     if "destination" not in event:
         return EVENT_MIGRATE, None
+    if is_cross_cell(event):
+        if "claim" not in event:
+            return EVENT_PREP_AT_DEST_CROSS_CELL, event["destination"]["host"]
+        if "snapshotted" not in event:
+            return EVENT_PREP_AT_SOURCE_CROSS_CELL, _source(event)["host"]
+        return EVENT_FINISH_AT_DEST_CROSS_CELL, event["destination"]["host"]
     if "claim" not in event:
         return EVENT_PREP, event["destination"]["host"]
     if "resized" not in event:
@@ -613,7 +638,8 @@ def _close_events(session: Session, event: Mapping[str, Any], failed: str, host:
         return
     open_events = set(session.scalars(select(InstanceActionEvent.event).where(
         InstanceActionEvent.action_id == action.id, InstanceActionEvent.finish_time.is_(None))))
-    for name in EVENTS[:EVENTS.index(failed)]:
+    order = CROSS_CELL_EVENTS if is_cross_cell(event) else EVENTS
+    for name in order[:order.index(failed)]:
         if name in open_events:
             actions.finish_event(session, instance_uuid=uuid, request_id=request_id, event=name)
     actions.finish_event(session, instance_uuid=uuid, request_id=request_id, event=failed, host=host, error=error)

@@ -1,0 +1,375 @@
+"""Steps of a resize or cold migrate to another cell (the cross-cell branch of ``statemachine/resize.asl.json``).
+
+After SelectMoveDestinations picks a host in another cell than the instance's, the move goes::
+
+    TargetDBSetup → PrepResizeAtDest (prep_resize at the destination host)
+    → PrepResizeAtSource (prep_snapshot_based_resize_at_source at the source host)
+    → FinishResizeAtDest (spawn at the destination host) → CompleteMoveAcrossCells
+
+The source cell's records stay the ones the API reads until CompleteMoveAcrossCells: then the
+target cell's copy becomes visible, the instance mapping names the target cell and the source
+copy is hidden, in that order. A failure rolls back in reverse: ``destroy`` at the destination
+once the spawn may have run, ``finish_revert_resize`` at the source once its guest may be gone,
+then :func:`rollback_target_cell` (the snapshot object, the mapping and hidden flags, the
+target copies) and the same-cell ``rollback_move`` for the rest.
+
+The state document is the same-cell one with ``target`` (what TargetDBSetup copied),
+``snapshot_prep`` / ``snapshotted`` (the source host operation's arguments and result) and
+``spawn`` / ``spawned`` (the destination's).
+"""
+
+from __future__ import annotations
+
+import uuid as uuidlib
+from typing import Any, cast
+
+from sqlalchemy import delete, select, update
+from sqlalchemy.orm import Session
+
+from ferry import config, errors, images, network, notifications, volumes
+from ferry.compute import actions, instances, states
+from ferry.compute.moves import FINISHED, MIGRATING, POST_MIGRATING, PRE_MIGRATING
+from ferry.observability import logger
+from ferry.store.api_models import CellMapping, InstanceMapping
+from ferry.store.cell_models import (
+    BlockDeviceMapping,
+    Instance,
+    InstanceAction,
+    InstanceActionEvent,
+    InstanceFault,
+    Migration,
+    Tag,
+)
+from ferry.store.db import api_session, cell_session
+from ferry.workflows import resize
+from ferry.workflows.resize import (
+    EVENT_FINISH_AT_DEST_CROSS_CELL,
+    EVENT_PREP_AT_DEST_CROSS_CELL,
+    EVENT_PREP_AT_SOURCE_CROSS_CELL,
+)
+
+SNAPSHOT_SUFFIX = "-resize-temp"
+
+
+def _columns(row: Any, *skip: str) -> dict[str, Any]:
+    """A row's column values by attribute name, without the surrogate key and ``skip``."""
+    mapper = row.__class__.__mapper__
+    return {attr.key: getattr(row, attr.key) for attr in mapper.column_attrs if attr.key not in ("id", *skip)}
+
+
+def _target(event: dict[str, Any]) -> str:
+    return cast(str, event["destination"]["cell"])
+
+
+def snapshot_image_id(migration_uuid: str) -> str:
+    """The id of the move's temporary snapshot: the same for every run of the move's steps."""
+    return str(uuidlib.uuid5(uuidlib.NAMESPACE_URL, f"ferry:cross-cell-snapshot:{migration_uuid}"))
+
+
+# --- TargetDBSetup ------------------------------------------------------------------------------
+
+
+def target_db_setup(event: dict[str, Any]) -> dict[str, Any]:
+    """Copy the instance (hidden), its BDMs, tags, actions and events and the migration into the target cell.
+
+    The copies keep their uuids; the migration is marked ``cross_cell_move`` in both cells.
+    What already exists in the target cell is left as it is, so a re-run copies nothing twice.
+
+    Returns:
+        ``{"cell": <target cell>}``.
+    """
+    uuid, migration_uuid, cell, target = event["instance_uuid"], event["migration_uuid"], event["cell"], _target(event)
+    with cell_session(cell) as session:
+        instance = instances.get(session, uuid)
+        copy_instance = _columns(instance)
+        migration = resize._get_migration(session, migration_uuid)
+        if migration is None:
+            raise errors.MoveNotPrepared(f"Migration {migration_uuid} does not exist.")
+        migration.cross_cell_move = True
+        copy_migration = _columns(migration)
+        bdms = [_columns(b) for b in session.scalars(select(BlockDeviceMapping).where(
+            BlockDeviceMapping.instance_uuid == uuid, BlockDeviceMapping.deleted.is_(False)))]
+        tags = [t.tag for t in session.scalars(select(Tag).where(Tag.instance_uuid == uuid))]
+        acts = _actions_of(session, uuid)
+    with cell_session(target) as session:
+        if session.scalars(select(Instance.id).where(Instance.uuid == uuid)).first() is None:
+            session.add(Instance(**{**copy_instance, "hidden": True}))
+        if session.scalars(select(Migration.id).where(Migration.uuid == migration_uuid)).first() is None:
+            session.add(Migration(**{**copy_migration, "cross_cell_move": True}))
+        have = set(session.scalars(select(BlockDeviceMapping.uuid).where(BlockDeviceMapping.instance_uuid == uuid)))
+        session.add_all(BlockDeviceMapping(**b) for b in bdms if b["uuid"] not in have)
+        have_tags = set(session.scalars(select(Tag.tag).where(Tag.instance_uuid == uuid)))
+        session.add_all(Tag(instance_uuid=uuid, tag=t) for t in tags if t not in have_tags)
+        _sync_actions(session, uuid, acts)
+    logger.info("target cell prepared", extra={"instance_uuid": uuid, "migration_uuid": migration_uuid,
+                                               "source_cell": cell, "target_cell": target})
+    return {"cell": target}
+
+
+def _sync_actions(session: Session, uuid: str, acts: list[tuple[dict[str, Any], list[dict[str, Any]]]]) -> None:
+    """Upsert the instance's actions and their events into ``session``'s cell (by request id and event name)."""
+    for action, evs in acts:
+        row = session.scalars(select(InstanceAction).where(InstanceAction.instance_uuid == uuid,
+                                                           InstanceAction.request_id == action["request_id"])
+                              ).one_or_none()
+        if row is None:
+            row = InstanceAction(**action)
+            session.add(row)
+            session.flush()
+        else:
+            row.finish_time, row.message = action["finish_time"], action["message"]
+        for ev in evs:
+            existing = session.scalars(select(InstanceActionEvent).where(
+                InstanceActionEvent.action_id == row.id, InstanceActionEvent.event == ev["event"])).one_or_none()
+            if existing is None:
+                session.add(InstanceActionEvent(action_id=row.id, **ev))
+            else:
+                for key in ("finish_time", "result", "traceback", "host", "details"):
+                    setattr(existing, key, ev[key])
+    session.flush()
+
+
+def _actions_of(session: Session, uuid: str) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
+    acts = []
+    for action in session.scalars(select(InstanceAction).where(InstanceAction.instance_uuid == uuid)):
+        evs = [_columns(e, "action_id") for e in session.scalars(select(InstanceActionEvent).where(
+            InstanceActionEvent.action_id == action.id))]
+        acts.append((_columns(action), evs))
+    return acts
+
+
+def _hard_delete_copies(cell: str, uuid: str, migration_uuid: str) -> None:
+    """Remove every record of the instance and the migration from ``cell`` (its hidden copy)."""
+    with cell_session(cell) as session:
+        action_ids = list(session.scalars(select(InstanceAction.id).where(InstanceAction.instance_uuid == uuid)))
+        if action_ids:
+            session.execute(delete(InstanceActionEvent).where(InstanceActionEvent.action_id.in_(action_ids)))
+        session.execute(delete(InstanceAction).where(InstanceAction.instance_uuid == uuid))
+        session.execute(delete(InstanceFault).where(InstanceFault.instance_uuid == uuid))
+        session.execute(delete(BlockDeviceMapping).where(BlockDeviceMapping.instance_uuid == uuid))
+        session.execute(delete(Tag).where(Tag.instance_uuid == uuid))
+        session.execute(delete(Instance).where(Instance.uuid == uuid))
+        session.execute(delete(Migration).where(Migration.uuid == migration_uuid))
+
+
+def _map_to(uuid: str, cell: str) -> None:
+    with api_session() as session:
+        cell_id = session.scalars(select(CellMapping.id).where(CellMapping.name == cell)).one()
+        session.execute(update(InstanceMapping).where(InstanceMapping.instance_uuid == uuid).values(cell_id=cell_id))
+
+
+def rollback_target_cell(event: dict[str, Any]) -> dict[str, Any]:
+    """Undo the cross-cell parts of a failed move: the server is the source cell's again, and only there.
+
+    Deletes the temporary snapshot, maps the instance back to the source cell, shows the source
+    copies again (instance and migration) and hard-deletes the target cell's copies. Safe to run
+    whatever the move reached, and twice.
+    """
+    uuid, migration_uuid, cell, target = event["instance_uuid"], event["migration_uuid"], event["cell"], _target(event)
+    if target == cell:
+        return {}
+    images.delete_image(snapshot_image_id(migration_uuid))
+    _map_to(uuid, cell)
+    with cell_session(cell) as session:
+        session.execute(update(Instance).where(Instance.uuid == uuid).values(hidden=False))
+        session.execute(update(Migration).where(Migration.uuid == migration_uuid).values(hidden=False))
+    _hard_delete_copies(target, uuid, migration_uuid)
+    logger.info("target cell cleaned up", extra={"instance_uuid": uuid, "migration_uuid": migration_uuid,
+                                                 "target_cell": target})
+    return {}
+
+
+# --- PrepResizeAtDest ---------------------------------------------------------------------------
+
+
+def _update_both(event: dict[str, Any], values: dict[str, Any], expected: tuple[str, ...]) -> None:
+    """The same migration change in the source cell (compare-and-swapped) and in the target copy."""
+    with cell_session(event["cell"]) as session:
+        resize._update_migration(session, event["migration_uuid"], values, expected)
+    with cell_session(_target(event)) as session:
+        session.execute(update(Migration).where(Migration.uuid == event["migration_uuid"]).values(**values))
+
+
+def prep_resize_at_dest(event: dict[str, Any]) -> dict[str, Any]:
+    """Record the destination on both migration copies, bind ports (INACTIVE) and reserve volumes there.
+
+    Records ``compute_prep_snapshot_based_resize_at_dest`` and sends ``instance.resize_prep.start``
+    (``compute:<dest>``).
+
+    Returns:
+        ``{"args": <prep_resize arguments>}`` for the destination host.
+    """
+    uuid, migration_uuid = event["instance_uuid"], event["migration_uuid"]
+    dest, source = event["destination"], resize._source(event)
+    with cell_session(event["cell"]) as session:
+        instance = instances.get(session, uuid)
+        if instance.task_state != states.RESIZE_PREP:
+            raise errors.UnexpectedTaskState(f"Instance {uuid} is in task_state {instance.task_state}, "
+                                             f"not {states.RESIZE_PREP}.")
+        actions.start_event(session, instance_uuid=uuid, request_id=event["request_id"],
+                            event=EVENT_PREP_AT_DEST_CROSS_CELL, host=dest["host"])
+        new_flavor = cast(dict[str, Any], instance.new_flavor)
+        start = resize._notify(notifications.RESIZE_PREP_START, instance,
+                               notifications.compute_publisher(dest["host"]),
+                               **resize._move_extra(instance, migration_uuid))
+    _update_both(event, {"dest_compute": dest["host"], "dest_node": dest["node"], "dest_host": dest["host"]},
+                 (PRE_MIGRATING,))
+    with api_session() as session:
+        network.bind_inactive(session, uuid, dest["host"])
+        volumes.reserve_on(session, uuid, source["host"], dest["host"])
+    resize._publish(start)
+    return {"args": {"migration_uuid": migration_uuid, "flavor": resize.host_flavor(new_flavor),
+                     "same_host": False}}
+
+
+# --- PrepResizeAtSource -------------------------------------------------------------------------
+
+
+def prep_resize_at_source(event: dict[str, Any]) -> dict[str, Any]:
+    """Task ``resize_migrating``, migration ``migrating``: the source snapshots and stops the guest next.
+
+    Finishes the destination's prep event, records ``compute_prep_snapshot_based_resize_at_source``
+    and sends ``instance.resize_prep.end`` (``compute:<dest>``) and ``instance.resize.start``
+    (``compute:<source>``).
+
+    Returns:
+        ``{"args": <prep_snapshot_based_resize_at_source arguments>}``: the snapshot
+        ``<display name>-resize-temp`` to write, or none for a volume-backed server.
+    """
+    uuid, migration_uuid, cell = event["instance_uuid"], event["migration_uuid"], event["cell"]
+    dest, source, request_id = event["destination"], resize._source(event), event["request_id"]
+    with cell_session(cell) as session:
+        instances.update_cas(session, uuid, {"task_state": states.RESIZE_MIGRATING},
+                             expected_task_state=(states.RESIZE_PREP, states.RESIZE_MIGRATING))
+        actions.finish_event(session, instance_uuid=uuid, request_id=request_id,
+                             event=EVENT_PREP_AT_DEST_CROSS_CELL, host=dest["host"])
+        actions.start_event(session, instance_uuid=uuid, request_id=request_id,
+                            event=EVENT_PREP_AT_SOURCE_CROSS_CELL, host=source["host"])
+        instance = instances.get(session, uuid)
+        bfv = resize._is_bfv(session, uuid) or not instance.image_ref
+        name = instance.display_name
+        extra = resize._move_extra(instance, migration_uuid)
+        pending = [
+            resize._notify(notifications.RESIZE_PREP_END, instance, notifications.compute_publisher(dest["host"]),
+                           **extra),
+            resize._notify(notifications.RESIZE_START, instance, notifications.compute_publisher(source["host"]),
+                           **extra),
+        ]
+    _update_both(event, {"status": MIGRATING}, (PRE_MIGRATING, MIGRATING))
+    resize._publish(*pending)
+    snapshot = None
+    if not bfv:
+        image_id = snapshot_image_id(migration_uuid)
+        snapshot = {"bucket": config.get().image_bucket, "key": f"{images.PREFIX}{image_id}", "image_id": image_id,
+                    "name": f"{name}{SNAPSHOT_SUFFIX}"}
+    return {"args": {"migration_uuid": migration_uuid, "snapshot": snapshot, "clean_shutdown": True}}
+
+
+# --- FinishResizeAtDest -------------------------------------------------------------------------
+
+
+def finish_resize_at_dest(event: dict[str, Any]) -> dict[str, Any]:
+    """The source guest is gone and the snapshot is written: spawn at the destination next.
+
+    Migration ``post-migrating``, task ``resize_migrated`` (``instance.resize.end``,
+    ``compute:<source>``), then task ``resize_finish``, the
+    ``compute_finish_snapshot_based_resize_at_dest`` event and ``instance.resize_finish.start``
+    (``compute:<dest>``).
+
+    Returns:
+        ``{"args": <spawn arguments>}``: the new flavor, the snapshot (none when volume-backed),
+        the ports, the volumes reserved on the destination, and ``power_on`` if it was running.
+    """
+    uuid, migration_uuid, cell = event["instance_uuid"], event["migration_uuid"], event["cell"]
+    dest, source, request_id = event["destination"], resize._source(event), event["request_id"]
+    snapshotted = event.get("snapshotted") or {}
+    pending = []
+    with cell_session(cell) as session:
+        instance = instances.get(session, uuid)
+        if instance.task_state == states.RESIZE_MIGRATING:
+            instances.update_cas(session, uuid, {"task_state": states.RESIZE_MIGRATED},
+                                 expected_task_state=(states.RESIZE_MIGRATING,))
+            actions.finish_event(session, instance_uuid=uuid, request_id=request_id,
+                                 event=EVENT_PREP_AT_SOURCE_CROSS_CELL, host=source["host"])
+            instance = instances.get(session, uuid)
+            pending.append(resize._notify(notifications.RESIZE_END, instance,
+                                          notifications.compute_publisher(source["host"]),
+                                          **resize._move_extra(instance, migration_uuid)))
+        instances.update_cas(session, uuid, {"task_state": states.RESIZE_FINISH},
+                             expected_task_state=(states.RESIZE_MIGRATED, states.RESIZE_FINISH))
+        actions.start_event(session, instance_uuid=uuid, request_id=request_id,
+                            event=EVENT_FINISH_AT_DEST_CROSS_CELL, host=dest["host"])
+        instance = instances.get(session, uuid)
+        pending.append(resize._notify(notifications.RESIZE_FINISH_START, instance,
+                                      notifications.compute_publisher(dest["host"]),
+                                      **resize._move_extra(instance, migration_uuid)))
+        name, flavor = instance.display_name, cast(dict[str, Any], instance.new_flavor)
+        power_on = bool(snapshotted.get("was_running", instance.old_vm_state != states.STOPPED))
+    _update_both(event, {"status": POST_MIGRATING}, (MIGRATING, POST_MIGRATING))
+    with api_session() as session:
+        ports = resize._ports(session, uuid)
+    snap = snapshotted.get("snapshot")
+    image = None
+    if snap:
+        image = {"id": snap["image_id"], "bucket": config.get().image_bucket,
+                 "key": f"{images.PREFIX}{snap['image_id']}", "sha256": snap["sha256"]}
+    resize._publish(*pending)
+    return {"args": {"name": name, "flavor": resize.host_flavor(flavor), "image": image, "ports": ports,
+                     "volumes": resize._volumes_on(dest["host"], uuid, cell), "power_on": power_on}}
+
+
+# --- CompleteMoveAcrossCells --------------------------------------------------------------------
+
+
+def _hide_source(cell: str, uuid: str) -> None:
+    with cell_session(cell) as session:
+        session.execute(update(Instance).where(Instance.uuid == uuid).values(hidden=True))
+
+
+def complete_move(event: dict[str, Any]) -> dict[str, Any]:
+    """VERIFY_RESIZE in the target cell: the snapshot goes, the target copy shows, the mapping follows.
+
+    Deletes the temporary snapshot; brings the target copy up to date (vm_state resized, task
+    None, new flavor, destination host and node, the power state ``spawn`` reported, the
+    actions and events) and shows it; maps the instance to the target cell; hides the source
+    copy; both migration copies ``finished``; the destination's port bindings active and volume
+    attachments attached. Sends ``instance.resize_finish.end`` (``compute:<dest>``).
+    """
+    uuid, migration_uuid, cell, target = event["instance_uuid"], event["migration_uuid"], event["cell"], _target(event)
+    dest, request_id = event["destination"], event["request_id"]
+    spawned = event.get("spawned") or {}
+    images.delete_image(snapshot_image_id(migration_uuid))
+    if instances.cell_of(uuid).name == target:
+        _hide_source(cell, uuid)  # an earlier run switched the mapping
+        return {}
+    with api_session() as session:
+        network.activate(session, uuid, dest["host"])
+        volumes.complete_on(session, uuid, dest["host"])
+    with cell_session(cell) as session:
+        instance = instances.get(session, uuid)
+        default_power = states.SHUTDOWN if instance.old_vm_state == states.STOPPED else states.RUNNING
+        power_state = int(spawned.get("power_state", default_power))
+        if instance.task_state == states.RESIZE_FINISH:
+            instances.update_cas(session, uuid, {"vm_state": states.RESIZED, "task_state": None,
+                                                 "flavor": instance.new_flavor, "power_state": power_state,
+                                                 "host": dest["host"], "node": dest["node"]},
+                                 expected_task_state=(states.RESIZE_FINISH,))
+        resize._update_migration(session, migration_uuid, {"status": FINISHED}, (POST_MIGRATING, FINISHED))
+        actions.finish_event(session, instance_uuid=uuid, request_id=request_id,
+                             event=EVENT_FINISH_AT_DEST_CROSS_CELL, host=dest["host"])
+        instance = instances.get(session, uuid)
+        values = _columns(instance, "hidden")
+        acts = _actions_of(session, uuid)
+        end = resize._notify(notifications.RESIZE_FINISH_END, instance, notifications.compute_publisher(dest["host"]),
+                             **resize._move_extra(instance, migration_uuid))
+    with cell_session(target) as session:
+        session.execute(update(Instance).where(Instance.uuid == uuid).values(**{
+            k: v for k, v in values.items() if k not in ("uuid", "created_at")}, hidden=False))
+        session.execute(update(Migration).where(Migration.uuid == migration_uuid).values(status=FINISHED))
+        _sync_actions(session, uuid, acts)
+    _map_to(uuid, target)
+    _hide_source(cell, uuid)
+    resize._publish(end)
+    logger.info("server resized across cells", extra={"instance_uuid": uuid, "migration_uuid": migration_uuid,
+                                                      "host": dest["host"], "target_cell": target})
+    return {}

@@ -1,0 +1,194 @@
+"""The cross-cell steps of the resize workflow against a real store with two cells.
+
+The steps run as the cross-cell branch of ``statemachine/resize.asl.json`` runs them, with
+moto for queues, the image bucket and the notification bus; host results follow the protocol.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import pytest
+from sqlalchemy import select
+from test_resize_steps import BIG, cloud, host_result, make_server, prepare_move, report  # noqa: F401
+
+from ferry import aws, config, errors, placement, protocol
+from ferry.compute import instances, states
+from ferry.store.api_models import RequestSpec
+from ferry.store.cell_models import BlockDeviceMapping, Instance, InstanceAction, Migration, Tag
+from ferry.store.db import api_session, cell_session
+from ferry.workflows import cross_cell, resize
+
+TARGET_HOST = "cell2-host1"
+
+
+@pytest.fixture
+def two_cells(cloud, monkeypatch):  # noqa: F811 - the fixture imported above
+    monkeypatch.setattr(resize, "CROSS_CELL_SCHEDULING", True)
+    aws.client("sqs").create_queue(QueueName=protocol.host_queue_name(config.get().host_queue_prefix, TARGET_HOST))
+    report(TARGET_HOST, "cell2", memory_mb=16384)
+    return cloud
+
+
+def allow_cross_cell(uuid: str) -> None:
+    with api_session() as session:
+        row = session.scalars(select(RequestSpec).where(RequestSpec.instance_uuid == uuid)).one()
+        row.spec = {**row.spec, "allow_cross_cell_move": True}
+
+
+def rows(cell: str, uuid: str, migration_uuid: str) -> dict[str, Any]:
+    with cell_session(cell) as session:
+        instance = session.scalars(select(Instance).where(Instance.uuid == uuid)).one_or_none()
+        migration = session.scalars(select(Migration).where(Migration.uuid == migration_uuid)).one_or_none()
+        return {
+            "instance": None if instance is None else (instance.hidden, instance.vm_state, instance.task_state,
+                                                       instance.host, instance.flavor["flavorid"]),
+            "migration": None if migration is None else (migration.status, migration.cross_cell_move,
+                                                         migration.dest_compute),
+            "bdms": sorted(b.uuid for b in session.scalars(select(BlockDeviceMapping).where(
+                BlockDeviceMapping.instance_uuid == uuid))),
+            "tags": sorted(session.scalars(select(Tag.tag).where(Tag.instance_uuid == uuid))),
+            "actions": sorted(session.scalars(select(InstanceAction.request_id).where(
+                InstanceAction.instance_uuid == uuid))),
+        }
+
+
+def server_in_cell1(flavor: dict | None = None, running: bool = True) -> tuple[str, dict[str, Any]]:
+    uuid = make_server(volume=True, power_state=states.RUNNING if running else states.SHUTDOWN,
+                       vm_state=states.ACTIVE if running else states.STOPPED)
+    with cell_session("cell1") as session:
+        session.add(Tag(instance_uuid=uuid, tag="blue"))
+    allow_cross_cell(uuid)
+    return uuid, prepare_move(uuid, flavor or BIG, requested_host=TARGET_HOST)
+
+
+def run(inp: dict[str, Any], until: str | None = None, twice: bool = False) -> dict[str, Any]:
+    """The cross-cell branch step by step; stops before ``until`` as its Catch would see the document."""
+    doc = resize.validate_input({"input": inp, "execution_name": inp["execution_name"]})
+    steps = [
+        ("SelectMoveDestinations", "destination", resize.select_destinations),
+        ("TargetDBSetup", "target", cross_cell.target_db_setup),
+        ("PrepResizeAtDest", "prep", cross_cell.prep_resize_at_dest),
+        ("PrepResizeOnDestHost", "claim", lambda d: host_result(d, TARGET_HOST, 0, claimed=True)),
+        ("PrepResizeAtSource", "snapshot_prep", cross_cell.prep_resize_at_source),
+        ("PrepSnapshotResizeOnSourceHost", "snapshotted", _snapshot_on_source),
+        ("FinishResizeAtDest", "spawn", cross_cell.finish_resize_at_dest),
+        ("SpawnOnDestHost", "spawned", lambda d: host_result(
+            d, TARGET_HOST, states.RUNNING if d["spawn"]["args"]["power_on"] else states.SHUTDOWN)),
+        ("CompleteMoveAcrossCells", None, cross_cell.complete_move),
+    ]
+    for name, key, fn in steps:
+        if name == until:
+            return doc
+        result = fn(doc)
+        if twice:
+            result = fn(doc)
+        if key:
+            doc[key] = result
+    return doc
+
+
+def _snapshot_on_source(doc: dict[str, Any]) -> dict[str, Any]:
+    """What the source host does to S3, then answers: an image object of the root disk."""
+    snap = doc["snapshot_prep"]["args"]["snapshot"]
+    args_schema = protocol.ARGS_SCHEMAS[protocol.PREP_SNAPSHOT_BASED_RESIZE_AT_SOURCE]
+    protocol.validate(doc["snapshot_prep"]["args"], args_schema)
+    snapshot = None
+    if snap is not None:
+        body = b"root disk"
+        digest = hashlib.sha256(body).hexdigest()
+        aws.client("s3").put_object(Bucket=snap["bucket"], Key=snap["key"], Body=body,
+                                    Metadata={"image-id": snap["image_id"], "sha256": digest})
+        snapshot = {"image_id": snap["image_id"], "sha256": digest, "size": len(body)}
+    return host_result(doc, doc["move"]["source"]["host"], 0, was_running=True, snapshot=snapshot)
+
+
+def images_left() -> list[str]:
+    listed = aws.client("s3").list_objects_v2(Bucket=config.get().image_bucket, Prefix="images/")
+    return [o["Key"] for o in listed.get("Contents", [])]
+
+
+def roll_back(doc: dict[str, Any]) -> None:
+    """What the Catch branches run after the host rollbacks: the target cell, then RollbackMove."""
+    doc = {**doc, "error": {"Error": "Ferry.HypervisorError", "Cause": "it broke"}}
+    if "snapshot_prep" in doc:
+        doc["restored"] = host_result(doc, doc["move"]["source"]["host"], states.RUNNING)
+    cross_cell.rollback_target_cell(doc)
+    resize.rollback_move(doc)
+
+
+def test_the_scheduler_picks_another_cell_only_when_the_move_may_cross_cells(two_cells):
+    uuid = make_server()
+    inp = prepare_move(uuid, BIG, requested_host=TARGET_HOST)
+
+    with pytest.raises(errors.NoValidHost):
+        resize.select_destinations(resize.validate_input({"input": inp, "execution_name": "x"}))
+
+
+def test_target_db_setup_copies_the_server_hidden_and_runs_twice_the_same(two_cells):
+    uuid, inp = server_in_cell1()
+    doc = run(inp, until="PrepResizeAtDest", twice=True)
+
+    source, target = rows("cell1", uuid, inp["migration_uuid"]), rows("cell2", uuid, inp["migration_uuid"])
+    assert doc["destination"]["cell"] == "cell2"
+    assert target["instance"][0] is True and source["instance"][0] is False
+    assert target["migration"][1] is True and source["migration"][1] is True
+    assert (target["bdms"], target["tags"], target["actions"]) == (source["bdms"], source["tags"], source["actions"])
+    assert target["tags"] == ["blue"]
+    assert instances.cell_of(uuid).name == "cell1"
+
+
+def test_a_move_across_cells_reaches_verify_resize_in_the_target_cell(two_cells):
+    uuid, inp = server_in_cell1()
+
+    doc = run(inp, twice=True)
+
+    target, source = rows("cell2", uuid, inp["migration_uuid"]), rows("cell1", uuid, inp["migration_uuid"])
+    assert target["instance"] == (False, states.RESIZED, None, TARGET_HOST, BIG["flavorid"])
+    assert source["instance"][0] is True
+    assert target["migration"][0] == source["migration"][0] == "finished"
+    assert instances.cell_of(uuid).name == "cell2"
+    assert images_left() == []
+    assert doc["spawn"]["args"]["image"]["id"] == cross_cell.snapshot_image_id(inp["migration_uuid"])
+    assert placement.get_allocations(inp["migration_uuid"]) == {
+        placement.provider_by_host("cell1-host1"): {"VCPU": 1, "MEMORY_MB": 512, "DISK_GB": 1}}
+
+
+def test_an_image_backed_server_is_snapshotted_and_spawned_from_the_snapshot(two_cells):
+    uuid = make_server()
+    allow_cross_cell(uuid)
+    inp = prepare_move(uuid, BIG, requested_host=TARGET_HOST)
+
+    doc = run(inp, until="CompleteMoveAcrossCells")
+
+    snap = doc["snapshot_prep"]["args"]["snapshot"]
+    assert snap["name"] == "vm1-resize-temp"
+    assert doc["spawn"]["args"]["image"]["id"] == snap["image_id"]
+    assert images_left() == [snap["key"]]
+    cross_cell.complete_move(doc)
+    assert images_left() == []
+
+
+@pytest.mark.parametrize("stage", ["PrepResizeAtDest", "PrepResizeOnDestHost", "PrepResizeAtSource",
+                                   "PrepSnapshotResizeOnSourceHost", "FinishResizeAtDest", "SpawnOnDestHost",
+                                   "CompleteMoveAcrossCells", None])
+def test_a_failure_at_any_cross_cell_stage_leaves_the_server_in_its_cell_as_before(two_cells, stage):
+    uuid = make_server()
+    allow_cross_cell(uuid)
+    allocations_before = placement.get_allocations(uuid)
+    inp = prepare_move(uuid, BIG, requested_host=TARGET_HOST)
+
+    doc = run(inp, until=stage)
+    roll_back(doc)
+    roll_back(doc)
+
+    assert instances.cell_of(uuid).name == "cell1"
+    assert rows("cell2", uuid, inp["migration_uuid"])["instance"] is None
+    assert rows("cell2", uuid, inp["migration_uuid"])["migration"] is None
+    source = rows("cell1", uuid, inp["migration_uuid"])
+    assert source["instance"] == (False, states.ACTIVE, None, "cell1-host1", "1")
+    assert source["migration"][0] == "error"
+    assert images_left() == []
+    assert placement.get_allocations(uuid) == allocations_before
+    assert placement.get_allocations(inp["migration_uuid"]) == {}
