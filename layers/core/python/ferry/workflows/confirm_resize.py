@@ -200,7 +200,7 @@ def check_resize_to_confirm(event: dict[str, Any]) -> dict[str, Any]:
                 f"{instance.vm_state} task_state {instance.task_state} on {instance.host}: not a confirm under way.")
         source, dest = str(migration.source_compute), str(migration.dest_compute)
         cells = cross_cell_settle.cells_of(migration, event["cell"])
-        up = cross_cell_settle.host_is_up(source) if cells else host_is_up(session, source)
+        up = cross_cell_settle.host_is_up(source, event["cell"], session) if cells else host_is_up(session, source)
         if not up:
             raise errors.ComputeServiceUnavailable(f"Source host {source} of migration {migration_uuid} is down.")
         if cells:

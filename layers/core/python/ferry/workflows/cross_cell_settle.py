@@ -78,15 +78,25 @@ def cross_cell(event: dict[str, Any]) -> dict[str, str] | None:
     return (event.get("move") or {}).get("cross_cell")
 
 
-def host_is_up(host: str) -> bool:
-    """Whether ``host``'s compute service, in the cell the host is mapped to, sends heartbeats."""
+def host_is_up(host: str, current_cell: str, session: Session) -> bool:
+    """Whether ``host``'s compute service, in the cell the host is mapped to, sends heartbeats.
+
+    ``session`` is the caller's open session on ``current_cell`` (used when the host is there:
+    SQLite allows one writer per file, so no second session on it is opened).
+    """
     try:
         cell = cell_of_host(host)
     except errors.ComputeHostNotFound:
         return False
-    with cell_session(cell) as session:
-        service = session.scalars(select(Service).where(Service.host == host)).one_or_none()
-        return service is not None and hosts.is_up(service)
+    if cell == current_cell:
+        return _service_is_up(session, host)
+    with cell_session(cell) as other:
+        return _service_is_up(other, host)
+
+
+def _service_is_up(session: Session, host: str) -> bool:
+    service = session.scalars(select(Service).where(Service.host == host)).one_or_none()
+    return service is not None and hosts.is_up(service)
 
 
 def revert_cell(event: dict[str, Any]) -> str:

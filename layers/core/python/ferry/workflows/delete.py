@@ -56,7 +56,10 @@ def find_resize_to_confirm(event: dict[str, Any]) -> dict[str, Any]:
             return {}
         source = str(migration.source_compute)
         cells = cross_cell_settle.cells_of(migration, event["cell"])
-        up = cross_cell_settle.host_is_up(source) if cells else confirm_resize.host_is_up(session, source)
+        if cells:
+            up = cross_cell_settle.host_is_up(source, event["cell"], session)
+        else:
+            up = confirm_resize.host_is_up(session, source)
         actions.start_event(session, instance_uuid=uuid, request_id=event["request_id"],
                             event=confirm_resize.EVENT_CONFIRM, host=source)
         instance = session.scalars(select(Instance).where(Instance.uuid == uuid)).one_or_none()

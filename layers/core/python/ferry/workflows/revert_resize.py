@@ -90,7 +90,7 @@ def check_resize_to_revert(event: dict[str, Any]) -> dict[str, Any]:
         source, dest = str(migration.source_compute), str(migration.dest_compute)
         cells = cross_cell_settle.cells_of(migration, event["cell"])
         for host in {source, dest}:
-            up = cross_cell_settle.host_is_up(host) if cells else host_is_up(session, host)
+            up = cross_cell_settle.host_is_up(host, event["cell"], session) if cells else host_is_up(session, host)
             if not up:
                 raise errors.ComputeServiceUnavailable(f"Host {host} of migration {migration_uuid} is down.")
         actions.start_event(session, instance_uuid=uuid, request_id=event["request_id"],
