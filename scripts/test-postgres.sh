@@ -55,6 +55,12 @@ case "$cmd" in
       port=${FERRY_PG_PORT:-$(free_port)}
       as_owner "$bindir/pg_ctl" -D "$dir" -w -t 60 -l "$dir/server.log" \
         -o "-c listen_addresses=127.0.0.1 -p $port -k $dir -c max_connections=200 -c fsync=off" start >/dev/null
+      # Nobody uses a server that was not running: drop the databases an interrupted run left behind.
+      as_owner "$bindir/psql" -h "$dir" -p "$port" -U ferry -d postgres -Atc \
+        "SELECT datname FROM pg_database WHERE datname LIKE 'ferry\\_%'" |
+        while read -r leftover; do
+          as_owner "$bindir/dropdb" -h "$dir" -p "$port" -U ferry --if-exists "$leftover"
+        done
     fi
     # The fourth line of postmaster.pid is the port the running server listens on.
     port=$(sed -n 4p "$dir/postmaster.pid")

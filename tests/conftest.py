@@ -28,9 +28,25 @@ def pg_base_url() -> Iterator[str]:
         )
         url = out.stdout.strip().splitlines()[-1]
     yield url
+    for template in list(_templates.values()):
+        _drop_databases(url, [template])
+    _templates.clear()
 
 
 _templates: dict[str, str] = {}
+
+
+def _drop_databases(base_url: str, names: list[str]) -> None:
+    """Drop test databases (a test's store, a worker's templates) so the server does not fill the disk."""
+    if not names:
+        return
+    admin = create_engine(base_url + "postgres", isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            for name in names:
+                conn.execute(text(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+    finally:
+        admin.dispose()
 
 
 def _pg_database(base_url: str, kind: str) -> str:
@@ -82,25 +98,35 @@ def _make_store(
     return Store(backend=backend, api_url=api_url, cells=cell_urls)
 
 
+def _finish_store(store: Store) -> None:
+    """Close every connection of the test's store and drop its PostgreSQL databases."""
+    db.dispose_all()
+    config.reset()
+    if store.backend == "postgres":
+        urls = [store.api_url, *store.cells.values()]
+        base = store.api_url.rsplit("/", 1)[0] + "/"
+        _drop_databases(base, [url.rsplit("/", 1)[1] for url in urls])
+
+
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def store(request, tmp_path, monkeypatch) -> Iterator[Store]:
     """The store on SQLite and on PostgreSQL (each test using it runs twice)."""
-    yield _make_store(request.param, tmp_path, monkeypatch, request)
-    db.dispose_all()
-    config.reset()
+    made = _make_store(request.param, tmp_path, monkeypatch, request)
+    yield made
+    _finish_store(made)
 
 
 @pytest.fixture
 def sqlite_store(request, tmp_path, monkeypatch) -> Iterator[Store]:
     """The store on SQLite files only (unit tests and the local stack)."""
-    yield _make_store("sqlite", tmp_path, monkeypatch, request)
-    db.dispose_all()
-    config.reset()
+    made = _make_store("sqlite", tmp_path, monkeypatch, request)
+    yield made
+    _finish_store(made)
 
 
 @pytest.fixture
 def pg_store(request, tmp_path, monkeypatch) -> Iterator[Store]:
     """The store on PostgreSQL only (concurrency tests)."""
-    yield _make_store("postgres", tmp_path, monkeypatch, request)
-    db.dispose_all()
-    config.reset()
+    made = _make_store("postgres", tmp_path, monkeypatch, request)
+    yield made
+    _finish_store(made)

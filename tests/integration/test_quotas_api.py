@@ -46,6 +46,7 @@ def test_older_microversions_show_injected_files_and_network_quotas(cloud):
 def test_defaults_come_from_the_environment(cloud, monkeypatch):
     monkeypatch.setenv("FERRY_QUOTA_CORES", "8")
     monkeypatch.setenv("FERRY_QUOTA_RAM", "-1")
+    config.reset()
 
     shown = call("GET", "/v2.1/os-quota-sets/project-a/defaults", caller=BOB, version="2.90").body["quota_set"]
 

@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import pytest
 
-from ferry import errors, quotas
+from ferry import config, errors, quotas
 from ferry.compute import states
 from ferry.store.cell_models import Instance
 
 SMALL = {"vcpus": 1, "memory_mb": 512}
 MEDIUM = {"vcpus": 2, "memory_mb": 1024}
 ODD = {"vcpus": 4, "memory_mb": 256}
+
+
+@pytest.fixture(autouse=True)
+def fresh_settings():
+    """Settings are cached: read them again after the test changed the environment."""
+    yield
+    config.reset()
 
 
 def test_the_message_is_novas():
@@ -54,17 +61,20 @@ def test_a_server_without_move_flavors_counts_its_flavor():
 def test_defaults_are_novas_and_can_be_changed(monkeypatch):
     for name in ("FERRY_QUOTA_INSTANCES", "FERRY_QUOTA_CORES", "FERRY_QUOTA_RAM"):
         monkeypatch.delenv(name, raising=False)
+    config.reset()
     assert {k: quotas.defaults()[k] for k in ("instances", "cores", "ram")} == \
         {"instances": 10, "cores": 20, "ram": 51200}
 
     monkeypatch.setenv("FERRY_QUOTA_INSTANCES", "3")
     monkeypatch.setenv("FERRY_QUOTA_RAM", "-1")
+    config.reset()
     assert (quotas.defaults()["instances"], quotas.defaults()["ram"]) == (3, -1)
 
 
 @pytest.mark.parametrize("value", ["ten", "-2", "1.5"])
 def test_an_invalid_default_is_refused(monkeypatch, value):
     monkeypatch.setenv("FERRY_QUOTA_CORES", value)
+    config.reset()
 
     with pytest.raises(errors.InvalidQuotaDefault):
         quotas.defaults()

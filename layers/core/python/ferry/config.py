@@ -30,6 +30,10 @@ def _env_float(name: str, default: float) -> float:
     return float(raw) if raw not in (None, "") else default
 
 
+# The variables that set default quota limits (instances, cores, RAM in MB).
+QUOTA_VARIABLES = ("FERRY_QUOTA_INSTANCES", "FERRY_QUOTA_CORES", "FERRY_QUOTA_RAM")
+
+
 @dataclass(frozen=True)
 class Settings:
     state_dir: Path
@@ -57,6 +61,8 @@ class Settings:
     cross_cell_move_weight_multiplier: float
     placement_max_retries: int
     policy_file: str | None
+    # Default per-project quota limits as configured (raw; ferry.quotas validates them), by variable.
+    quota_defaults: dict[str, str]
     volume_attachment_state_machine_arn: str
 
     @property
@@ -92,6 +98,7 @@ def load() -> Settings:
         cross_cell_move_weight_multiplier=_env_float("FERRY_CROSS_CELL_MOVE_WEIGHT_MULTIPLIER", 1_000_000.0),
         placement_max_retries=_env_int("FERRY_PLACEMENT_MAX_RETRIES", 10),
         policy_file=os.environ.get("FERRY_POLICY_FILE") or None,
+        quota_defaults={name: os.environ[name] for name in QUOTA_VARIABLES if os.environ.get(name)},
         volume_attachment_state_machine_arn=os.environ.get("FERRY_VOLUME_ATTACHMENT_STATE_MACHINE_ARN", ""),
     )
 

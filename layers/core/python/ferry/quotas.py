@@ -21,13 +21,12 @@ are shown with Nova's defaults and can be set, but Ferry does not enforce them.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from sqlalchemy import select
 
-from ferry import errors
+from ferry import config, errors
 from ferry.compute import states
 from ferry.store.api_models import BuildRequest, InstanceMapping, Quota
 from ferry.store.cell_models import Instance
@@ -57,7 +56,7 @@ RESOURCES = tuple(NOVA_DEFAULTS)
 # Resources the quota-set API stops showing at 2.57 (personality files went away).
 INJECTED_FILE_RESOURCES = ("injected_files", "injected_file_content_bytes", "injected_file_path_bytes")
 
-_ENV = {INSTANCES: "FERRY_QUOTA_INSTANCES", CORES: "FERRY_QUOTA_CORES", RAM: "FERRY_QUOTA_RAM"}
+_ENV = dict(zip((INSTANCES, CORES, RAM), config.QUOTA_VARIABLES, strict=True))
 
 # task_states of a server whose move holds both flavors.
 _MOVING_TASK_STATES = frozenset({states.RESIZE_PREP, states.RESIZE_MIGRATING, states.RESIZE_MIGRATED,
@@ -71,9 +70,10 @@ def defaults() -> dict[str, int]:
         InvalidQuotaDefault: a ``FERRY_QUOTA_*`` variable is not an integer of at least -1.
     """
     values = dict(NOVA_DEFAULTS)
+    configured = config.get().quota_defaults
     for resource, variable in _ENV.items():
-        raw = os.environ.get(variable)
-        if raw in (None, ""):
+        raw = configured.get(variable)
+        if raw is None:
             continue
         try:
             value = int(raw)
