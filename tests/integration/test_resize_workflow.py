@@ -13,6 +13,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +72,7 @@ class HostStandIn:
     def _loop(self) -> None:
         while not self._stop.is_set():
             idle = True
-            for host, url in self.queue_urls.items():
+            for host, url in list(self.queue_urls.items()):
                 for message in self.sqs.receive_message(QueueUrl=url, MaxNumberOfMessages=10).get("Messages") or []:
                     idle = False
                     self.sqs.delete_message(QueueUrl=url, ReceiptHandle=message["ReceiptHandle"])
@@ -93,6 +94,14 @@ class HostStandIn:
         if error:
             self.sfn.send_task_failure(taskToken=token, error=error, cause=f"{operation} failed on {host}")
             return
+        result = self.result(host, body)
+        schema = protocol.RESULT_SCHEMAS.get(operation, protocol.RESULT_SCHEMA)
+        protocol.validate(result, schema)
+        self.sfn.send_task_success(taskToken=token, output=json.dumps(result))
+
+    def result(self, host: str, body: dict[str, Any]) -> dict[str, Any]:
+        """What the agent answers for a host operation that succeeded."""
+        operation, args = body["operation"], body["args"]
         result: dict[str, Any] = {"instance_uuid": body["instance_uuid"], "host": host, "node": host,
                                   "power_state": states.NOSTATE}
         if operation == protocol.PREP_RESIZE:
@@ -106,9 +115,7 @@ class HostStandIn:
             result["power_state"] = states.RUNNING if args["power_on"] else states.SHUTDOWN
             if operation == protocol.FINISH_RESIZE:
                 result["disks"] = args["disks"]
-        schema = protocol.RESULT_SCHEMAS.get(operation, protocol.RESULT_SCHEMA)
-        protocol.validate(result, schema)
-        self.sfn.send_task_success(taskToken=token, output=json.dumps(result))
+        return result
 
 
 class Cloud:
@@ -152,6 +159,16 @@ class Cloud:
 
 @pytest.fixture
 def cloud(sqlite_store, tmp_path, monkeypatch) -> Iterator[Cloud]:
+    with running_cloud(sqlite_store, tmp_path, monkeypatch) as started:
+        yield started
+
+
+@contextmanager
+def running_cloud(sqlite_store: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                  stand_in: type[HostStandIn] = HostStandIn,
+                  more_hosts: dict[str, tuple[str, int]] | None = None) -> Iterator[Cloud]:
+    """The template deployed on moto with HOSTS reporting in cell1 (and ``more_hosts``: name -> cell, memory),
+    each answered by ``stand_in``."""
     monkeypatch.setenv("FERRY_FAULT_INJECTION", str(tmp_path / "faults.json"))
     port = runtime.free_port()
     model = template.resolve(ROOT / "template.yaml", endpoint_url=f"http://127.0.0.1:{port}", parameters={
@@ -165,6 +182,10 @@ def cloud(sqlite_store, tmp_path, monkeypatch) -> Iterator[Cloud]:
             "QueueUrl"] for host in HOSTS}
         for host, memory in HOSTS.items():
             report(host, memory_mb=memory)
+        for host, (cell, memory) in (more_hosts or {}).items():
+            urls[host] = sqs.create_queue(QueueName=protocol.host_queue_name(config.get().host_queue_prefix,
+                                                                              host))["QueueUrl"]
+            report(host, cell, memory_mb=memory)
         with api_session() as session:
             session.add(Network(id="net-1", name="shared", cidr="10.0.0.0/24"))
         bus = model.event_buses["NotificationBus"].name
@@ -173,9 +194,9 @@ def cloud(sqlite_store, tmp_path, monkeypatch) -> Iterator[Cloud]:
         events = aws.client("events")
         events.put_rule(Name="tap", EventBusName=bus, EventPattern=json.dumps({"source": [notifications.SOURCE]}))
         events.put_targets(Rule="tap", EventBusName=bus, Targets=[{"Id": "tap", "Arn": tap_arn}])
-        with HostStandIn(aws, urls) as stand_in:
-            yield Cloud(model, aws, stand_in, tap)
-        assert stand_in.problems == []
+        with stand_in(aws, urls) as answering:
+            yield Cloud(model, aws, answering, tap)
+        assert answering.problems == []
     finally:
         faults.disarm_all()
         aws.stop()
@@ -199,7 +220,7 @@ def test_a_resize_started_directly_reaches_verify_resize(cloud):
     assert used_on("cell1-host2") == {"VCPU": 2, "MEMORY_MB": 1024, "DISK_GB": 3}
     assert {result for result, _host, _done in events_of(uuid).values()} == {"Success"}
     assert cloud.states_entered(described["executionArn"]) == [
-        "ValidateMoveInput", "SelectMoveDestinations", "PrepResizeAtDest", "PrepResizeOnDestHost",
+        "ValidateMoveInput", "SelectMoveDestinations", "IsMoveAcrossCells", "PrepResizeAtDest", "PrepResizeOnDestHost",
         "ResizeInstanceAtSource", "ResizeInstanceOnSourceHost", "FinishResizeAtDest", "FinishResizeOnDestHost",
         "MarkResized", "Resized"]
     assert [n["event_type"] for n in cloud.notifications()] == [

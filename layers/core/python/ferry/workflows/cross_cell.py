@@ -2,9 +2,9 @@
 
 After SelectMoveDestinations picks a host in another cell than the instance's, the move goes::
 
-    TargetDBSetup → PrepResizeAtDest (prep_resize at the destination host)
+    TargetDBSetup → PrepCrossCellAtDest (prep_resize at the destination host)
     → PrepResizeAtSource (prep_snapshot_based_resize_at_source at the source host)
-    → FinishResizeAtDest (spawn at the destination host) → CompleteMoveAcrossCells
+    → FinishCrossCellAtDest (spawn at the destination host) → CompleteMoveAcrossCells
 
 The source cell's records stay the ones the API reads until CompleteMoveAcrossCells: then the
 target cell's copy becomes visible, the instance mapping names the target cell and the source
@@ -179,7 +179,7 @@ def rollback_target_cell(event: dict[str, Any]) -> dict[str, Any]:
     return {}
 
 
-# --- PrepResizeAtDest ---------------------------------------------------------------------------
+# --- PrepCrossCellAtDest ------------------------------------------------------------------------
 
 
 def _update_both(event: dict[str, Any], values: dict[str, Any], expected: tuple[str, ...]) -> None:
@@ -265,7 +265,7 @@ def prep_resize_at_source(event: dict[str, Any]) -> dict[str, Any]:
     return {"args": {"migration_uuid": migration_uuid, "snapshot": snapshot, "clean_shutdown": True}}
 
 
-# --- FinishResizeAtDest -------------------------------------------------------------------------
+# --- FinishCrossCellAtDest ----------------------------------------------------------------------
 
 
 def finish_resize_at_dest(event: dict[str, Any]) -> dict[str, Any]:

@@ -76,9 +76,9 @@ EVENT_FINISH_AT_DEST_CROSS_CELL = "compute_finish_snapshot_based_resize_at_dest"
 CROSS_CELL_EVENTS = (EVENT_MIGRATE, EVENT_PREP_AT_DEST_CROSS_CELL, EVENT_PREP_AT_SOURCE_CROSS_CELL,
                      EVENT_FINISH_AT_DEST_CROSS_CELL)
 
-# Whether moves the API allowed to cross cells are scheduled across cells. Off until the resize state
-# machine routes a destination in another cell to the cross-cell steps (issue 4).
-CROSS_CELL_SCHEDULING = False
+# Whether moves the API allowed to cross cells (compute:servers:resize:cross_cell) are scheduled across
+# cells; the state machine routes a destination in another cell to the cross-cell steps (issue 4).
+CROSS_CELL_SCHEDULING = True
 
 # Migration statuses a move under way can be in; rollback leaves any other alone.
 _IN_PROGRESS = (PRE_MIGRATING, MIGRATING, POST_MIGRATING, FINISHED)
@@ -653,6 +653,10 @@ def _fault(event: Mapping[str, Any], source_host: str, message: str) -> tuple[st
     cleanup_error, restore_error = event.get("cleanup_error"), event.get("restore_error")
     if event.get("reschedule_error"):
         notes.append(f"Rescheduling to an alternate host failed: {error_message(event['reschedule_error'])}")
+    if event.get("target_cleanup_error"):
+        notes.append(f"Cleaning up target cell {(event.get('destination') or {}).get('cell')} failed "
+                     f"({error_message(event['target_cleanup_error'])}): its copies of the server, the "
+                     f"instance mapping or the move's snapshot may remain.")
     if cleanup_error:
         notes.append(f"Cleaning up destination host {dest_host} failed ({error_message(cleanup_error)}): the "
                      f"guest, disks or transfer objects of migration {migration_uuid} may remain there.")

@@ -1,0 +1,6 @@
+"""RollbackTargetCell: delete the snapshot, map the server back to the source cell, drop the target cell's copies."""
+
+from ferry.handlers import step_handler
+from ferry.workflows import cross_cell, resize
+
+handler = step_handler(cross_cell.rollback_target_cell, "RollbackTargetCell", resize.ROLLBACK_SCHEMA)
