@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -175,20 +176,27 @@ def begin_confirm(cell: str, instance_uuid: str, *, request_id: str, user_id: st
                 f"{migration_uuid} first.")
         actions.start_action(session, instance_uuid=instance_uuid, action=actions.CONFIRM_RESIZE,
                              request_id=request_id, user_id=user_id, project_id=project_id)
-    arn = config.get().confirm_resize_state_machine_arn
+    def undo(session: Session) -> None:
+        _swap_migration_status(session, migration_uuid, CONFIRMING, FINISHED)
+
+    _start_settle("confirm", config.get().confirm_resize_state_machine_arn, cell, instance_uuid,
+                  migration_uuid, request_id, undo)
+    return migration_uuid
+
+
+def _start_settle(kind: str, arn: str, cell: str, instance_uuid: str, migration_uuid: str, request_id: str,
+                  undo: Callable[[Session], None]) -> None:
+    """Start the ``kind`` (confirm/revert) workflow; if it does not start, ``undo`` the acceptance and re-raise."""
     try:
-        name = _fresh_execution_name(arn, move_execution_name("confirm", instance_uuid, migration_uuid),
-                                     request_id)
-        workflows.start_execution(arn, name,
-                                  _settle_payload(cell, instance_uuid, migration_uuid, request_id))
+        name = _fresh_execution_name(arn, move_execution_name(kind, instance_uuid, migration_uuid), request_id)
+        workflows.start_execution(arn, name, _settle_payload(cell, instance_uuid, migration_uuid, request_id))
     except Exception:
-        logger.exception("confirm workflow did not start; undoing", extra={"instance_uuid": instance_uuid})
+        logger.exception(f"{kind} workflow did not start; undoing", extra={"instance_uuid": instance_uuid})
         with cell_session(cell) as session:
-            _swap_migration_status(session, migration_uuid, CONFIRMING, FINISHED)
+            undo(session)
             actions.forget_action(session, instance_uuid, request_id)
         raise
-    logger.info("confirm accepted", extra={"instance_uuid": instance_uuid, "migration_uuid": migration_uuid})
-    return migration_uuid
+    logger.info(f"{kind} accepted", extra={"instance_uuid": instance_uuid, "migration_uuid": migration_uuid})
 
 
 def begin_revert(cell: str, instance_uuid: str, *, request_id: str, user_id: str | None,
@@ -227,24 +235,16 @@ def begin_revert(cell: str, instance_uuid: str, *, request_id: str, user_id: str
             raise errors.InstanceInvalidState(str(exc)) from exc
         actions.start_action(session, instance_uuid=instance_uuid, action=actions.REVERT_RESIZE,
                              request_id=request_id, user_id=user_id, project_id=project_id)
-    arn = config.get().revert_resize_state_machine_arn
-    try:
-        name = _fresh_execution_name(arn, move_execution_name("revert", instance_uuid, migration_uuid),
-                                     request_id)
-        workflows.start_execution(arn, name,
-                                  _settle_payload(cell, instance_uuid, migration_uuid, request_id))
-    except Exception:
-        logger.exception("revert workflow did not start; undoing", extra={"instance_uuid": instance_uuid})
-        with cell_session(cell) as session:
-            _swap_migration_status(session, migration_uuid, REVERTING, FINISHED)
-            try:
-                instances.update_cas(session, instance_uuid, {"task_state": None},
-                                     expected_task_state=(states.RESIZE_REVERTING,))
-            except errors.UnexpectedTaskState:
-                logger.warning("state changed meanwhile; left as is", extra={"instance_uuid": instance_uuid})
-            actions.forget_action(session, instance_uuid, request_id)
-        raise
-    logger.info("revert accepted", extra={"instance_uuid": instance_uuid, "migration_uuid": migration_uuid})
+    def undo(session: Session) -> None:
+        _swap_migration_status(session, migration_uuid, REVERTING, FINISHED)
+        try:
+            instances.update_cas(session, instance_uuid, {"task_state": None},
+                                 expected_task_state=(states.RESIZE_REVERTING,))
+        except errors.UnexpectedTaskState:
+            logger.warning("state changed meanwhile; left as is", extra={"instance_uuid": instance_uuid})
+
+    _start_settle("revert", config.get().revert_resize_state_machine_arn, cell, instance_uuid,
+                  migration_uuid, request_id, undo)
     return migration_uuid
 
 
