@@ -12,6 +12,7 @@ answered from the journal; an operation interrupted by a crash runs again.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 import time
@@ -745,14 +746,35 @@ class HostAgent(MoveOperations):
             "sent_at": datetime.now(UTC).isoformat(),
         }
 
+    def instance_dirs(self) -> list[str] | None:
+        """The names of the directories under the instances directory, the image cache left out.
+
+        ``<uuid>`` holds an instance's live disks, ``<uuid>_resize`` the disks a move set aside;
+        the control plane compares them with its records (``ferry audit``). None when the
+        directory cannot be read (the report then says nothing about directories).
+        """
+        try:
+            entries = list(os.scandir(self.instances_dir))
+        except OSError as exc:
+            logger.warning("listing the instances directory failed", extra={"host": self.host, "error": str(exc)})
+            return None
+        return sorted(e.name for e in entries if e.is_dir(follow_symlinks=False) and e.name != disks.IMAGE_CACHE_DIR)
+
     def send_inventory(self) -> bool:
-        """Report the host's inventory and its guests; True if the report was sent."""
+        """Report the host's inventory, its guests and its instance directories; True if the report was sent.
+
+        ``sent_at`` is taken before the guests and directories are listed, so the report shows
+        at least everything that was done on the host before that time.
+        """
         try:
             report = {
                 **self._report_base(protocol.REPORT_INVENTORY),
                 "inventory": self.current_inventory(),
                 "guests": self.driver.list_guests(),
             }
+            directories = self.instance_dirs()
+            if directories is not None:
+                report["instance_dirs"] = directories
         except errors.FerryError as exc:
             logger.warning("reading the host's inventory failed", extra={"host": self.host, "error": exc.message})
             return False

@@ -41,6 +41,9 @@ def cell_of_host(host: str) -> str | None:
 def apply_report(report: dict[str, Any]) -> None:
     """Apply one agent report: inventory to placement, heartbeat to the host's service record.
 
+    The guests and instance directories an inventory report lists are kept in the service's
+    ``details`` (:func:`host_view`), the newest report's only, for ``ferry audit``.
+
     A host that reports for the first time with a ``cell`` is mapped to that cell (Ferry's
     equivalent of discovering hosts); a host with no mapping and no cell is refused.
 
@@ -57,17 +60,64 @@ def apply_report(report: dict[str, Any]) -> None:
         setup.map_host(host, report["cell"])
         cell = report["cell"]
     now = utcnow()
+    view = _host_view(report)
     with cell_session(cell) as session:
         service = session.scalars(select(Service).where(Service.host == host)).one_or_none()
         if service is None:
-            session.add(Service(host=host, last_seen_at=now))
+            service = Service(host=host, last_seen_at=now, details={})
+            session.add(service)
         elif service.last_seen_at is None or service.last_seen_at < now:
             service.last_seen_at = now
+        if view is not None and _newer_view(view, (service.details or {}).get(HOST_VIEW)):
+            # A new dict, so the JSON column sees the change.
+            service.details = {**(service.details or {}), HOST_VIEW: view}
     if report["kind"] == protocol.REPORT_INVENTORY:
         with api_session() as session:
             cell_id = session.scalars(select(CellMapping.id).where(CellMapping.name == cell)).one()
         placement.ensure_provider(host, report.get("node") or host, cell_id, report["inventory"])
     logger.debug("host report applied", extra={"host": host, "kind": report["kind"]})
+
+
+# The key of ``Service.details`` under which the host's own view of itself is kept.
+HOST_VIEW = "host_view"
+
+
+def _host_view(report: dict[str, Any]) -> dict[str, Any] | None:
+    """What an inventory report says the host holds: ``{sent_at, guests, instance_dirs?}``, or None."""
+    if report["kind"] != protocol.REPORT_INVENTORY or "guests" not in report:
+        return None
+    view: dict[str, Any] = {"sent_at": report["sent_at"], "guests": sorted(report["guests"])}
+    if "instance_dirs" in report:
+        view["instance_dirs"] = sorted(report["instance_dirs"])
+    return view
+
+
+def _newer_view(view: dict[str, Any], recorded: Any) -> bool:
+    """Whether ``view`` was sent after the recorded one (reports may arrive out of order)."""
+    if not isinstance(recorded, dict) or "sent_at" not in recorded:
+        return True
+    try:
+        return report_time(view["sent_at"]) >= report_time(recorded["sent_at"])
+    except ValueError:
+        return True
+
+
+def report_time(sent_at: str) -> dt.datetime:
+    """A report's ``sent_at`` as a naive UTC datetime (the store's timestamps are naive UTC).
+
+    Raises:
+        ValueError: not an ISO 8601 time.
+    """
+    moment = dt.datetime.fromisoformat(sent_at)
+    if moment.tzinfo is not None:
+        moment = moment.astimezone(dt.UTC).replace(tzinfo=None)
+    return moment
+
+
+def host_view(service: Service) -> dict[str, Any] | None:
+    """The guests and instance directories ``service``'s host last reported, with when (``sent_at``)."""
+    view = (service.details or {}).get(HOST_VIEW)
+    return view if isinstance(view, dict) else None
 
 
 def is_up(service: Service, now: dt.datetime | None = None) -> bool:

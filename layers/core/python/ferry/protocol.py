@@ -390,6 +390,8 @@ REPORT_SCHEMA: dict[str, Any] = {
             },
         },
         "guests": {"type": "array", "items": {"type": "string"}},
+        # Directories under the agent's instances directory (``<uuid>``, ``<uuid>_resize``), the image cache left out.
+        "instance_dirs": {"type": "array", "items": {"type": "string"}},
     },
 }
 

@@ -1,0 +1,915 @@
+"""The invariant checker behind ``ferry audit``: does what the store says match what exists?
+
+:func:`run_audit` reads the API database, every cell, placement, the image bucket, the running
+workflows and what each host agent last reported (its guests and instance directories, see
+:func:`ferry.hosts.host_view`), and returns an :class:`AuditReport`: one :class:`Problem` per
+broken invariant, each with a kind code, the resource, a message, and whether ``--fix`` can
+repair it. ``docs/reliability.md`` lists the invariants and a runbook entry for every kind.
+
+The audit runs beside live workflows, so it only judges what has settled:
+
+- a server with a task, or whose migration is under way, is not compared with placement,
+  its ports or its hosts (only checked for being stuck);
+- records changed within ``grace_seconds`` are left for the next run (a workflow may be between
+  two of its writes);
+- a host's report is only trusted about a server when it was sent after the server's and its
+  migrations' last change (minus ``clock_skew_seconds``).
+
+Repairs (``fix=True``) only remove what nothing owns or put a stuck record into ``error``; each
+one re-checks what it changes (placement consumer generation, migration status, hidden flag).
+After repairing, the audit runs again and reports what is left.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+from collections import defaultdict
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+from botocore.exceptions import BotoCoreError, ClientError
+from sqlalchemy import CursorResult, select, update
+
+from ferry import aws, config, errors, hosts, images, network, placement
+from ferry.compute import moves, states
+from ferry.observability import logger
+from ferry.store.api_models import (
+    Allocation,
+    BuildRequest,
+    CellMapping,
+    Consumer,
+    InstanceMapping,
+    Inventory,
+    Port,
+    PortBinding,
+    ResourceProvider,
+    Volume,
+    VolumeAttachment,
+    utcnow,
+)
+from ferry.store.cell_models import BlockDeviceMapping, Instance, Migration, Service
+from ferry.store.db import api_session, cell_session
+
+# --- problem kinds (each has a runbook entry in docs/reliability.md) -----------------------------
+
+INSTANCE_NOT_VISIBLE = "instance_not_visible"
+INSTANCE_MAPPING_MISMATCH = "instance_mapping_mismatch"
+INSTANCE_UNMAPPED = "instance_unmapped"
+HIDDEN_COPY_STALE = "hidden_copy_stale"
+ALLOCATION_ORPHAN = "allocation_orphan"
+ALLOCATION_MISSING = "allocation_missing"
+ALLOCATION_MISMATCH = "allocation_mismatch"
+MIGRATION_ALLOCATION_HELD = "migration_allocation_held"
+PROVIDER_OVER_CAPACITY = "provider_over_capacity"
+GUEST_ORPHAN = "guest_orphan"
+GUEST_MISSING = "guest_missing"
+INSTANCE_DIR_ORPHAN = "instance_dir_orphan"
+PORT_BINDING_ORPHAN = "port_binding_orphan"
+PORT_BINDING_MISSING = "port_binding_missing"
+VOLUME_ATTACHMENT_ORPHAN = "volume_attachment_orphan"
+SNAPSHOT_IMAGE_ORPHAN = "snapshot_image_orphan"
+TRANSFER_ORPHAN = "transfer_orphan"
+MIGRATION_STATE_MISMATCH = "migration_state_mismatch"
+MIGRATION_STUCK = "migration_stuck"
+INSTANCE_TASK_STUCK = "instance_task_stuck"
+
+# One line of what to do; docs/reliability.md has the whole runbook entry under the kind's name.
+HINTS: dict[str, str] = {
+    INSTANCE_NOT_VISIBLE: "find the server's copies in the cells and point the instance mapping at the right one",
+    INSTANCE_MAPPING_MISMATCH: "decide which cell holds the server, hide or remove the other copy, fix the mapping",
+    INSTANCE_UNMAPPED: "create the instance mapping for the cell that holds the server, or delete the record",
+    HIDDEN_COPY_STALE: "ferry audit --fix hard-deletes it",
+    ALLOCATION_ORPHAN: "ferry audit --fix deletes it",
+    ALLOCATION_MISSING: "re-create the server's allocation on its host with its flavor",
+    ALLOCATION_MISMATCH: "set the consumer's allocation to its flavor on its host",
+    MIGRATION_ALLOCATION_HELD: "confirm or revert the move again, or delete the allocation once the source is clean",
+    PROVIDER_OVER_CAPACITY: "move servers off the host or correct the inventory the agent reports",
+    GUEST_ORPHAN: "check the guest on the host, then destroy and undefine it",
+    GUEST_MISSING: "the server has no guest on its host: rebuild it or restore its disks, then reset its state",
+    INSTANCE_DIR_ORPHAN: "check the directory on the host, then remove it",
+    PORT_BINDING_ORPHAN: "ferry audit --fix deletes the binding",
+    PORT_BINDING_MISSING: "bind the port to the server's host again (ACTIVE)",
+    VOLUME_ATTACHMENT_ORPHAN: "ferry audit --fix deletes the attachment",
+    SNAPSHOT_IMAGE_ORPHAN: "ferry audit --fix deletes Ferry's own snapshots; check and delete any other by hand",
+    TRANSFER_ORPHAN: "ferry audit --fix deletes the objects",
+    MIGRATION_STATE_MISMATCH: "ferry audit --fix puts the migration in error",
+    MIGRATION_STUCK: "ferry audit --fix puts it in error once no workflow runs for it",
+    INSTANCE_TASK_STUCK: "read the server's last action and execution, then reset its state",
+}
+
+KINDS = tuple(HINTS)
+
+# Migration statuses by what they mean for the records around them.
+FORWARD = (moves.PRE_MIGRATING, moves.MIGRATING, moves.POST_MIGRATING)
+SETTLING = (moves.CONFIRMING, moves.REVERTING)
+IN_FLIGHT = FORWARD + SETTLING
+OPEN = IN_FLIGHT + (moves.FINISHED,)
+
+# vm_states of a server that has a guest and an allocation on its host.
+SETTLED_VM_STATES = (states.ACTIVE, states.STOPPED, states.RESIZED, states.SUSPENDED, states.PAUSED)
+
+TRANSFER_PREFIX = "transfers/"
+SNAPSHOT_SUFFIX = "-resize-temp"
+
+DEFAULT_GRACE_SECONDS = 120.0
+DEFAULT_CLOCK_SKEW_SECONDS = 5.0
+
+_UUID = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
+_INSTANCE_DIR = re.compile(rf"^(?P<uuid>{_UUID})(?P<resize>_resize)?$")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One broken invariant.
+
+    ``kind`` is the code (one of :data:`KINDS`), ``resource`` names what is wrong
+    (``instance/<uuid>``, ``allocation/<consumer>@<provider>``, ``host/<host>/dir/<name>``, …),
+    ``message`` says it in words, ``fixable`` whether ``--fix`` repairs it.
+    """
+
+    kind: str
+    resource: str
+    message: str
+    repair: Callable[[], str] | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def fixable(self) -> bool:
+        return self.repair is not None
+
+    @property
+    def hint(self) -> str:
+        return HINTS[self.kind]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "resource": self.resource, "message": self.message, "fixable": self.fixable,
+                "hint": self.hint}
+
+
+@dataclass(frozen=True)
+class Repair:
+    """What ``--fix`` did about a problem: ``action`` on success, ``error`` when the repair failed."""
+
+    problem: Problem
+    action: str | None
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.problem.kind, "resource": self.problem.resource, "action": self.action,
+                "error": self.error}
+
+
+@dataclass
+class AuditReport:
+    """The outcome of an audit: the problems left, the repairs made, and checks that could not run."""
+
+    problems: list[Problem] = field(default_factory=list)
+    repairs: list[Repair] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+
+    @property
+    def clean(self) -> bool:
+        return not self.problems
+
+    def kinds(self) -> list[str]:
+        """The kinds of the problems left, sorted, one per problem."""
+        return sorted(p.kind for p in self.problems)
+
+    def of_kind(self, kind: str) -> list[Problem]:
+        return [p for p in self.problems if p.kind == kind]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"clean": self.clean, "problems": [p.to_dict() for p in self.problems],
+                "repairs": [r.to_dict() for r in self.repairs], "skipped": list(self.skipped)}
+
+    def describe(self) -> str:
+        """The report as lines of text (what ``ferry audit`` prints)."""
+        lines = []
+        for repair in self.repairs:
+            if repair.error is None:
+                lines.append(f"FIXED    {repair.problem.kind} {repair.problem.resource}: {repair.action}")
+            else:
+                lines.append(f"NOT FIXED {repair.problem.kind} {repair.problem.resource}: {repair.error}")
+        for problem in self.problems:
+            tag = "FIXABLE " if problem.fixable else "PROBLEM "
+            lines.append(f"{tag} {problem.kind} {problem.resource}: {problem.message} (what to do: {problem.hint})")
+        for note in self.skipped:
+            lines.append(f"SKIPPED  {note}")
+        lines.append("clean" if self.clean else f"{len(self.problems)} problem(s)")
+        return "\n".join(lines)
+
+
+# --- what the audit reads -----------------------------------------------------------------------
+
+
+@dataclass
+class _Copy:
+    """An instance row as found in one cell."""
+
+    cell: str
+    row: Instance
+
+
+@dataclass
+class _HostView:
+    host: str
+    cell: str
+    sent_at: dt.datetime
+    guests: set[str]
+    instance_dirs: set[str] | None
+
+
+@dataclass
+class _World:
+    now: dt.datetime
+    grace: dt.timedelta
+    skew: dt.timedelta
+    cell_names: dict[int, str]
+    mappings: dict[str, InstanceMapping]
+    build_requests: set[str]
+    copies: dict[str, list[_Copy]]
+    # Every copy of every migration (a cross-cell move has one per cell), by uuid.
+    migration_copies: dict[str, list[tuple[str, Migration]]]
+    bfv: set[tuple[str, str]]
+    views: dict[str, _HostView]
+    providers: dict[str, ResourceProvider]
+    inventories: dict[tuple[int, str], Inventory]
+    allocations: dict[str, dict[str, dict[str, int]]]
+    consumers: dict[str, Consumer]
+    ports: list[Port]
+    attachments: list[VolumeAttachment]
+    # Names of the running workflow executions; None when they cannot be listed.
+    running: set[str] | None
+    migrations: dict[str, Migration] = field(default_factory=dict)
+    migrations_of: dict[str, list[Migration]] = field(default_factory=dict)
+
+    # -- derived views
+
+    def mapped_cell(self, uuid: str) -> str | None:
+        mapping = self.mappings.get(uuid)
+        if mapping is None or mapping.cell_id is None or mapping.queued_for_delete:
+            return None
+        return self.cell_names.get(mapping.cell_id)
+
+    def visible(self, uuid: str) -> Instance | None:
+        """The server's visible, not deleted copy in the cell its mapping names."""
+        cell = self.mapped_cell(uuid)
+        for copy in self.copies.get(uuid, []):
+            if copy.cell == cell and not copy.row.hidden and not copy.row.deleted:
+                return copy.row
+        return None
+
+    def exists(self, uuid: str) -> bool:
+        """Whether the server exists (a live copy anywhere, or a build request)."""
+        return uuid in self.build_requests or any(not c.row.deleted for c in self.copies.get(uuid, []))
+
+    def open_migrations(self, uuid: str) -> list[Migration]:
+        return [m for m in self.migrations_of.get(uuid, []) if m.status in OPEN]
+
+    def in_flight(self, uuid: str) -> bool:
+        """Whether a workflow may be changing the server now: a task, or a migration under way."""
+        instance = self.visible(uuid)
+        if instance is not None and instance.task_state is not None:
+            return True
+        return any(m.status in IN_FLIGHT for m in self.migrations_of.get(uuid, []))
+
+    def settled(self, uuid: str) -> Instance | None:
+        """The visible copy of a server that has settled in a state with a guest and an allocation."""
+        instance = self.visible(uuid)
+        if instance is None or instance.vm_state not in SETTLED_VM_STATES or self.in_flight(uuid):
+            return None
+        return instance
+
+    def last_change(self, uuid: str) -> dt.datetime:
+        """The newest write to any copy of the server or of its migrations."""
+        moments: list[dt.datetime | None] = [dt.datetime.min]
+        for copy in self.copies.get(uuid, []):
+            moments += [copy.row.created_at, copy.row.updated_at, copy.row.deleted_at]
+        for copies in (self.migration_copies.get(m.uuid, []) for m in self.migrations_of.get(uuid, [])):
+            for _cell, migration in copies:
+                moments += [migration.created_at, migration.updated_at]
+        mapping = self.mappings.get(uuid)
+        if mapping is not None:
+            moments += [mapping.created_at, mapping.updated_at]
+        return max(m for m in moments if m is not None)
+
+    def recent(self, moment: dt.datetime | None) -> bool:
+        """Whether ``moment`` is within the grace period (a workflow may not have finished its writes)."""
+        return moment is not None and self.now - moment < self.grace
+
+    def report_covers(self, view: _HostView, uuid: str) -> bool:
+        """Whether ``view`` was sent after the server's last change, so it shows the result of that change."""
+        return view.sent_at - self.skew > self.last_change(uuid)
+
+    def live(self, uuid: str) -> bool | None:
+        """Whether a workflow execution about the server runs (None when that cannot be told)."""
+        if self.running is None:
+            return None
+        return any(uuid in name for name in self.running)
+
+    def provider_for(self, node: str | None, host: str | None) -> ResourceProvider | None:
+        by_name = {p.name: p for p in self.providers.values()}
+        if node and node in by_name:
+            return by_name[node]
+        return next((p for p in self.providers.values() if p.host == host), None) if host else None
+
+    def is_bfv(self, cell: str, uuid: str) -> bool:
+        return (cell, uuid) in self.bfv
+
+
+def _changed(row: Any) -> dt.datetime:
+    return cast(dt.datetime, row.updated_at or row.created_at)
+
+
+def _read_world(grace_seconds: float, clock_skew_seconds: float, running: Collection[str] | None,
+                skipped: list[str]) -> _World:
+    now = utcnow()
+    with api_session() as session:
+        cells = list(session.scalars(select(CellMapping).order_by(CellMapping.id)))
+        mappings = {m.instance_uuid: m for m in session.scalars(select(InstanceMapping))}
+        build_requests = set(session.scalars(select(BuildRequest.instance_uuid)))
+        providers = {p.uuid: p for p in session.scalars(select(ResourceProvider))}
+        inventories = {(i.resource_provider_id, i.resource_class): i for i in session.scalars(select(Inventory))}
+        consumers = {c.uuid: c for c in session.scalars(select(Consumer))}
+        allocations: dict[str, dict[str, dict[str, int]]] = defaultdict(lambda: defaultdict(dict))
+        rp_uuid = {p.id: p.uuid for p in providers.values()}
+        for alloc in session.scalars(select(Allocation)):
+            allocations[alloc.consumer_uuid][rp_uuid[alloc.resource_provider_id]][alloc.resource_class] = alloc.used
+        ports = list(session.scalars(select(Port)))
+        attachments = list(session.scalars(select(VolumeAttachment)))
+    copies: dict[str, list[_Copy]] = defaultdict(list)
+    migration_copies: dict[str, list[tuple[str, Migration]]] = defaultdict(list)
+    bfv: set[tuple[str, str]] = set()
+    views: dict[str, _HostView] = {}
+    for cell in cells:
+        with cell_session(cell) as session:
+            for row in session.scalars(select(Instance)):
+                copies[row.uuid].append(_Copy(cell.name, row))
+            for migration in session.scalars(select(Migration).where(Migration.deleted.is_(False))):
+                migration_copies[migration.uuid].append((cell.name, migration))
+            bfv.update((cell.name, uuid) for uuid in session.scalars(select(BlockDeviceMapping.instance_uuid).where(
+                BlockDeviceMapping.deleted.is_(False), BlockDeviceMapping.boot_index == 0,
+                BlockDeviceMapping.destination_type == "volume")))
+            for service in session.scalars(select(Service)):
+                view = _parse_view(service, cell.name, skipped)
+                if view is not None:
+                    views[service.host] = view
+    world = _World(
+        now=now, grace=dt.timedelta(seconds=grace_seconds), skew=dt.timedelta(seconds=clock_skew_seconds),
+        cell_names={c.id: c.name for c in cells}, mappings=mappings, build_requests=build_requests,
+        copies=dict(copies), migration_copies=dict(migration_copies), bfv=bfv, views=views, providers=providers,
+        inventories=inventories, allocations={c: dict(a) for c, a in allocations.items()}, consumers=consumers,
+        ports=ports, attachments=attachments,
+        running=set(running) if running is not None else _running_executions(skipped),
+    )
+    # One record per migration: the copy in the cell the server is mapped to wins (as GET /os-migrations).
+    for migration_uuid, found in world.migration_copies.items():
+        mapped = world.mapped_cell(found[0][1].instance_uuid)
+        chosen = next((m for cell, m in found if cell == mapped), found[0][1])
+        world.migrations[migration_uuid] = chosen
+        world.migrations_of.setdefault(chosen.instance_uuid, []).append(chosen)
+    for found_migrations in world.migrations_of.values():
+        found_migrations.sort(key=lambda m: (m.created_at, m.id))
+    return world
+
+
+def _parse_view(service: Service, cell: str, skipped: list[str]) -> _HostView | None:
+    view = hosts.host_view(service)
+    if view is None:
+        return None
+    try:
+        sent_at = hosts.report_time(view["sent_at"])
+    except (KeyError, TypeError, ValueError):
+        skipped.append(f"host {service.host}: its last report has no readable sent_at; its guests were not checked")
+        return None
+    dirs = view.get("instance_dirs")
+    return _HostView(service.host, cell, sent_at, set(view.get("guests") or []),
+                     set(dirs) if dirs is not None else None)
+
+
+def _running_executions(skipped: list[str]) -> set[str] | None:
+    """Names of every running execution of Ferry's state machines; None when they cannot be listed."""
+    settings = config.get()
+    arns = [arn for arn in (settings.boot_state_machine_arn, settings.delete_state_machine_arn,
+                            settings.power_state_machine_arn, settings.resize_state_machine_arn,
+                            settings.confirm_resize_state_machine_arn, settings.revert_resize_state_machine_arn,
+                            settings.volume_attachment_state_machine_arn) if arn]
+    if not arns:
+        skipped.append("no state machine is configured: whether a workflow still runs cannot be told, "
+                       "so stuck migrations are reported but not repaired")
+        return None
+    names: set[str] = set()
+    try:
+        sfn = aws.client("stepfunctions")
+        for arn in arns:
+            for page in sfn.get_paginator("list_executions").paginate(stateMachineArn=arn, statusFilter="RUNNING"):
+                names.update(e["name"] for e in page.get("executions", []))
+    except (ClientError, BotoCoreError) as exc:
+        skipped.append(f"listing running workflows failed ({exc}): stuck migrations are reported but not repaired")
+        return None
+    return names
+
+
+# --- the checks ---------------------------------------------------------------------------------
+
+
+def _check_instances(world: _World) -> Iterable[Problem]:
+    """Exactly one visible copy, in the mapped cell; hidden copies only while a move between cells explains them."""
+    for uuid in sorted(set(world.mappings) | set(world.copies)):
+        mapping = world.mappings.get(uuid)
+        copies = world.copies.get(uuid, [])
+        live = [c for c in copies if not c.row.hidden and not c.row.deleted]
+        if world.recent(world.last_change(uuid)):
+            continue
+        if mapping is None:
+            for copy in live:
+                yield Problem(INSTANCE_UNMAPPED, f"instance/{uuid}",
+                              f"Instance {uuid} is visible in cell {copy.cell} but has no instance mapping.")
+            continue
+        cell = world.mapped_cell(uuid)
+        if mapping.queued_for_delete:
+            for copy in live:
+                yield Problem(INSTANCE_MAPPING_MISMATCH, f"instance/{uuid}",
+                              f"Instance {uuid} is visible in cell {copy.cell} but its mapping is queued for delete.")
+        elif cell is None:
+            if uuid not in world.build_requests:
+                yield Problem(INSTANCE_NOT_VISIBLE, f"instance/{uuid}",
+                              f"Instance mapping {uuid} names no cell and there is no build request for it.")
+        else:
+            if not any(c.cell == cell for c in live):
+                where = ", ".join(f"{c.cell} ({'hidden' if c.row.hidden else 'visible'}"
+                                  f"{', deleted' if c.row.deleted else ''})" for c in copies) or "nowhere"
+                yield Problem(INSTANCE_NOT_VISIBLE, f"instance/{uuid}",
+                              f"Instance {uuid} is mapped to cell {cell} but has no visible copy there; "
+                              f"copies: {where}.")
+            for copy in live:
+                if copy.cell != cell:
+                    yield Problem(INSTANCE_MAPPING_MISMATCH, f"instance/{uuid}@{copy.cell}",
+                                  f"Instance {uuid} is visible in cell {copy.cell} as well as in its mapped cell "
+                                  f"{cell}.")
+        explained = any(m.cross_cell_move for m in world.open_migrations(uuid))
+        for copy in copies:
+            if copy.row.hidden and copy.cell != cell and not explained:
+                yield Problem(HIDDEN_COPY_STALE, f"instance/{uuid}@{copy.cell}",
+                              f"Cell {copy.cell} keeps a hidden copy of instance {uuid} (host {copy.row.host}) "
+                              f"that no move between cells explains.",
+                              _repair_hidden_copy(world, copy.cell, uuid))
+
+
+def _expected_allocations(world: _World) -> dict[str, tuple[str, dict[str, dict[str, int]]]]:
+    """``{consumer: (what it is, {rp_uuid: {rc: n}})}`` for every settled server and its finished migration."""
+    expected: dict[str, tuple[str, dict[str, dict[str, int]]]] = {}
+    for uuid in world.copies:
+        instance = world.settled(uuid)
+        if instance is None:
+            continue
+        cell = world.mapped_cell(uuid) or ""
+        bfv = world.is_bfv(cell, uuid)
+        provider = world.provider_for(instance.node, instance.host)
+        if provider is not None:
+            expected[uuid] = (f"server {uuid} on {provider.name}",
+                              _amounts(provider.uuid, placement.resources_from_flavor(instance.flavor, bfv)))
+        if instance.vm_state == states.RESIZED:
+            finished = [m for m in world.open_migrations(uuid) if m.status == moves.FINISHED]
+            if finished and instance.old_flavor:
+                migration = finished[-1]
+                source = world.provider_for(migration.source_node, migration.source_compute)
+                if source is not None:
+                    expected[migration.uuid] = (
+                        f"migration {migration.uuid} of server {uuid} on {source.name}",
+                        _amounts(source.uuid, placement.resources_from_flavor(instance.old_flavor, bfv)))
+    return expected
+
+
+def _amounts(rp_uuid: str, resources: dict[str, int]) -> dict[str, dict[str, int]]:
+    return {rp_uuid: dict(resources)} if resources else {}
+
+
+def _check_allocations(world: _World) -> Iterable[Problem]:
+    """Allocations equal the flavors of where servers live; none for what is gone; providers within capacity."""
+    expected = _expected_allocations(world)
+    names = {p.uuid: p.name for p in world.providers.values()}
+
+    def where(held: dict[str, dict[str, int]]) -> str:
+        return "; ".join(f"{names.get(rp, rp)}: {amounts}" for rp, amounts in sorted(held.items())) or "nothing"
+
+    for consumer, held in sorted(world.allocations.items()):
+        row = world.consumers.get(consumer)
+        if row is not None and world.recent(_changed(row)):
+            continue
+        resource = f"allocation/{consumer}"
+        if consumer in expected:
+            what, wanted = expected[consumer]
+            if held != wanted:
+                yield Problem(ALLOCATION_MISMATCH, resource,
+                              f"Consumer {consumer} ({what}) holds {where(held)}; its flavor needs {where(wanted)}.")
+            continue
+        migration = world.migrations.get(consumer)
+        if migration is not None:
+            instance_uuid = migration.instance_uuid
+            if not world.exists(instance_uuid):
+                yield Problem(ALLOCATION_ORPHAN, resource,
+                              f"Migration {consumer} of deleted server {instance_uuid} holds {where(held)}.",
+                              _repair_allocation(world, consumer))
+            elif migration.status in IN_FLIGHT or world.in_flight(instance_uuid):
+                continue
+            elif migration.status in (moves.CONFIRMED, moves.REVERTED):
+                yield Problem(ALLOCATION_ORPHAN, resource,
+                              f"Migration {consumer} is {migration.status} but still holds {where(held)}.",
+                              _repair_allocation(world, consumer))
+            else:
+                yield Problem(MIGRATION_ALLOCATION_HELD, resource,
+                              f"Migration {consumer} ({migration.status}) of server {instance_uuid} holds "
+                              f"{where(held)} although the server is not waiting in VERIFY_RESIZE for it.")
+            continue
+        if consumer in world.copies or consumer in world.build_requests:
+            if not world.exists(consumer):
+                yield Problem(ALLOCATION_ORPHAN, resource,
+                              f"Deleted server {consumer} still holds {where(held)}.",
+                              _repair_allocation(world, consumer))
+            continue  # a server with a task, in ERROR or building: its allocation is its own
+        yield Problem(ALLOCATION_ORPHAN, resource,
+                      f"Consumer {consumer} is no server and no migration, and holds {where(held)}.",
+                      _repair_allocation(world, consumer))
+    for consumer, (what, wanted) in sorted(expected.items()):
+        if wanted and consumer not in world.allocations and not world.recent(world.last_change(
+                world.migrations[consumer].instance_uuid if consumer in world.migrations else consumer)):
+            yield Problem(ALLOCATION_MISSING, f"allocation/{consumer}",
+                          f"Consumer {consumer} ({what}) holds no allocation; its flavor needs {where(wanted)}.")
+    used: dict[tuple[str, str], int] = defaultdict(int)
+    for held in world.allocations.values():
+        for rp, amounts in held.items():
+            for rc, amount in amounts.items():
+                used[(rp, rc)] += amount
+    for (rp, rc), amount in sorted(used.items()):
+        provider = world.providers[rp]
+        inventory = world.inventories.get((provider.id, rc))
+        room = (placement.capacity(inventory.total, inventory.reserved, inventory.allocation_ratio)
+                if inventory is not None else 0)
+        if amount > room:
+            yield Problem(PROVIDER_OVER_CAPACITY, f"provider/{provider.name}",
+                          f"Resource provider {provider.name} has {amount} {rc} allocated, more than its capacity "
+                          f"{room:g}.")
+
+
+def _owner_hosts(world: _World, uuid: str) -> set[str]:
+    """Hosts where the server may have a guest, disks, bindings or attachments: its own and its open moves' ends."""
+    found = {c.row.host for c in world.copies.get(uuid, []) if not c.row.deleted and c.row.host}
+    for migration in world.open_migrations(uuid):
+        found |= {h for h in (migration.source_compute, migration.dest_compute) if h}
+    return found
+
+
+def _check_hosts(world: _World) -> Iterable[Problem]:
+    """Each guest and instance directory a host reports belongs to a server there; each settled server has its guest."""
+    for host, view in sorted(world.views.items()):
+        for uuid in sorted(view.guests):
+            if host in _owner_hosts(world, uuid) or not world.report_covers(view, uuid):
+                continue
+            yield Problem(GUEST_ORPHAN, f"host/{host}/guest/{uuid}",
+                          f"Host {host} has a guest {uuid} but no server of that uuid lives there"
+                          f"{' (the server is deleted)' if uuid in world.copies else ''}.")
+        for name in sorted(view.instance_dirs or ()):
+            matched = _INSTANCE_DIR.match(name)
+            if matched is None:
+                continue
+            uuid = matched["uuid"]
+            if not world.report_covers(view, uuid):
+                continue
+            if matched["resize"]:
+                owned = any(m.source_compute == host and (m.status in OPEN or (
+                    m.status == moves.ERROR and m.uuid in world.allocations))
+                    for m in world.migrations_of.get(uuid, []))
+            else:
+                owned = host in _owner_hosts(world, uuid)
+            if not owned:
+                yield Problem(INSTANCE_DIR_ORPHAN, f"host/{host}/dir/{name}",
+                              f"Host {host} keeps the instance directory {name} that no server or move there owns.")
+    for uuid in sorted(world.copies):
+        instance = world.settled(uuid)
+        if instance is None or instance.host is None:
+            continue
+        seen = world.views.get(instance.host)
+        if seen is None or not world.report_covers(seen, uuid) or uuid in seen.guests:
+            continue
+        yield Problem(GUEST_MISSING, f"instance/{uuid}",
+                      f"Server {uuid} ({instance.vm_state}) lives on host {instance.host}, whose report of "
+                      f"{seen.sent_at.isoformat()} lists no guest for it.")
+
+
+def _check_ports_and_volumes(world: _World) -> Iterable[Problem]:
+    """Bindings and attachments only on the hosts of live servers and their open moves; settled ports bound."""
+    for port in sorted(world.ports, key=lambda p: p.id):
+        uuid = port.device_id
+        for binding in sorted(port.bindings, key=lambda b: b.host):
+            resource = f"port/{port.id}@{binding.host}"
+            if uuid is None:
+                if not world.recent(_changed(port)):
+                    yield Problem(PORT_BINDING_ORPHAN, resource,
+                                  f"Port {port.id} belongs to no server but is bound to host {binding.host}.",
+                                  _repair_binding(binding.id))
+            elif not world.exists(uuid):
+                if not world.recent(world.last_change(uuid)):
+                    yield Problem(PORT_BINDING_ORPHAN, resource,
+                                  f"Port {port.id} of deleted server {uuid} is still bound to host {binding.host}.",
+                                  _repair_ports_of_deleted(uuid))
+            elif world.settled(uuid) is not None and binding.host not in _owner_hosts(world, uuid) \
+                    and not world.recent(world.last_change(uuid)):
+                yield Problem(PORT_BINDING_ORPHAN, resource,
+                              f"Port {port.id} of server {uuid} is bound to host {binding.host}, where neither the "
+                              f"server nor a move of it is.", _repair_binding(binding.id))
+        if uuid is not None:
+            instance = world.settled(uuid)
+            if instance is not None and instance.host and not world.recent(world.last_change(uuid)) and not any(
+                    b.host == instance.host and b.status == network.ACTIVE for b in port.bindings):
+                yield Problem(PORT_BINDING_MISSING, f"port/{port.id}",
+                              f"Port {port.id} of server {uuid} has no ACTIVE binding on its host {instance.host}.")
+    for attachment in sorted(world.attachments, key=lambda a: a.id):
+        uuid = attachment.instance_uuid
+        resource = f"volume_attachment/{attachment.id}"
+        if world.recent(world.last_change(uuid)) or world.recent(_changed(attachment)):
+            continue
+        if not world.exists(uuid):
+            yield Problem(VOLUME_ATTACHMENT_ORPHAN, resource,
+                          f"Volume {attachment.volume_id} is still attached to deleted server {uuid} "
+                          f"on host {attachment.host}.", _repair_attachment(attachment.id))
+        elif world.settled(uuid) is not None and attachment.host and attachment.host not in _owner_hosts(world, uuid):
+            yield Problem(VOLUME_ATTACHMENT_ORPHAN, resource,
+                          f"Volume {attachment.volume_id} of server {uuid} is attached on host {attachment.host}, "
+                          f"where neither the server nor a move of it is.", _repair_attachment(attachment.id))
+
+
+def _check_storage(world: _World, skipped: list[str]) -> Iterable[Problem]:
+    """Temporary snapshots and disk transfers only while the move that made them is under way."""
+    from ferry.workflows.cross_cell import snapshot_image_id
+
+    snapshots = {snapshot_image_id(m.uuid): m for m in world.migrations.values() if m.cross_cell_move}
+    bucket = config.get().image_bucket
+    try:
+        listed = images.list_images()
+        transfers: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        paginator = aws.client("s3").get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=bucket, Prefix=TRANSFER_PREFIX):
+            for item in page.get("Contents", []):
+                parts = item["Key"][len(TRANSFER_PREFIX):].split("/", 1)
+                transfers[parts[0]].append(item)
+    except (ClientError, BotoCoreError) as exc:
+        skipped.append(f"image bucket {bucket}: listing failed ({exc}); snapshots and transfers were not checked")
+        return
+    for image in listed:
+        migration = snapshots.get(image["id"])
+        if migration is None and not image["name"].endswith(SNAPSHOT_SUFFIX):
+            continue
+        modified = hosts.report_time(image["updated_at"]) if image.get("updated_at") else None
+        if world.recent(modified):
+            continue
+        if migration is None:
+            yield Problem(SNAPSHOT_IMAGE_ORPHAN, f"image/{image['id']}",
+                          f"Image {image['id']} ({image['name']}) is named like a move's temporary snapshot but no "
+                          f"move made it; check who uploaded it.")
+        elif migration.status not in FORWARD:
+            yield Problem(SNAPSHOT_IMAGE_ORPHAN, f"image/{image['id']}",
+                          f"Image {image['id']} ({image['name']}) is the temporary snapshot of migration "
+                          f"{migration.uuid}, which is {migration.status}.", _repair_image(image["id"]))
+    for migration_uuid, objects in sorted(transfers.items()):
+        migration = world.migrations.get(migration_uuid)
+        if migration is not None and migration.status in FORWARD + (moves.REVERTING,):
+            continue
+        newest = max(cast(dt.datetime, o["LastModified"]) for o in objects)
+        if world.recent(newest.astimezone(dt.UTC).replace(tzinfo=None) if newest.tzinfo else newest):
+            continue
+        state = f"is {migration.status}" if migration is not None else "does not exist"
+        yield Problem(TRANSFER_ORPHAN, f"s3://{bucket}/{TRANSFER_PREFIX}{migration_uuid}/",
+                      f"{len(objects)} disk transfer object(s) of migration {migration_uuid} remain; the migration "
+                      f"{state}.", _repair_transfer(bucket, [o["Key"] for o in objects]))
+
+
+def _check_migrations(world: _World) -> Iterable[Problem]:
+    """A finished migration only while its server waits in VERIFY_RESIZE; none stuck without a workflow."""
+    for migration_uuid, migration in sorted(world.migrations.items()):
+        uuid = migration.instance_uuid
+        if world.recent(_changed(migration)):
+            continue
+        instance = world.visible(uuid)
+        if migration.status == moves.FINISHED:
+            newest = world.open_migrations(uuid)[-1]
+            if instance is None or instance.vm_state != states.RESIZED or newest.uuid != migration_uuid:
+                state = f"is {instance.vm_state}" if instance is not None else "is gone"
+                yield Problem(MIGRATION_STATE_MISMATCH, f"migration/{migration_uuid}",
+                              f"Migration {migration_uuid} is finished but its server {uuid} {state}"
+                              f"{'' if newest.uuid == migration_uuid else ' and has a newer move'}.",
+                              _repair_migration(world, migration_uuid, moves.FINISHED)
+                              if not world.in_flight(uuid) else None)
+        elif migration.status in IN_FLIGHT:
+            live = world.live(uuid)
+            if live:
+                continue
+            if live is None and instance is not None and (
+                    instance.task_state is not None or migration.status in SETTLING):
+                continue  # a workflow may still run; it cannot be told
+            why = "no workflow runs for it" if live is False else "its server has no task"
+            yield Problem(MIGRATION_STUCK, f"migration/{migration_uuid}",
+                          f"Migration {migration_uuid} of server {uuid} has been {migration.status} since "
+                          f"{_changed(migration).isoformat()} and {why}.",
+                          _repair_migration(world, migration_uuid, migration.status) if live is False else None)
+    for uuid in sorted(world.copies):
+        instance = world.visible(uuid)
+        if instance is None or instance.task_state is None or world.live(uuid) is not False:
+            continue
+        if world.recent(world.last_change(uuid)):
+            continue
+        yield Problem(INSTANCE_TASK_STUCK, f"instance/{uuid}",
+                      f"Server {uuid} has had task {instance.task_state} since "
+                      f"{_changed(instance).isoformat()} and no workflow runs for it.")
+
+
+# --- repairs ------------------------------------------------------------------------------------
+
+
+def _repair_allocation(world: _World, consumer: str) -> Callable[[], str]:
+    seen = world.consumers.get(consumer)
+    generation = seen.generation if seen is not None else None
+
+    def repair() -> str:
+        # Only if nothing wrote the consumer since it was read (else AllocationConflict, not repaired).
+        placement.set_allocations({consumer: {"allocations": {}, "consumer_generation": generation}})
+        return f"deleted the allocations of consumer {consumer}"
+
+    return repair
+
+
+def _repair_binding(binding_id: int) -> Callable[[], str]:
+    def repair() -> str:
+        with api_session() as session:
+            binding = session.get(PortBinding, binding_id)
+            if binding is None:
+                return "the binding was already gone"
+            session.delete(binding)
+            return f"deleted the binding of port {binding.port_id} on host {binding.host}"
+
+    return repair
+
+
+def _repair_ports_of_deleted(instance_uuid: str) -> Callable[[], str]:
+    def repair() -> str:
+        with api_session() as session:
+            network.release_ports(session, instance_uuid, network.requested_networks(session, instance_uuid))
+        return f"released the ports of deleted server {instance_uuid} (as its delete does)"
+
+    return repair
+
+
+def _repair_attachment(attachment_id: str) -> Callable[[], str]:
+    def repair() -> str:
+        with api_session() as session:
+            attachment = session.get(VolumeAttachment, attachment_id)
+            if attachment is None:
+                return "the attachment was already gone"
+            volume_id = attachment.volume_id
+            session.delete(attachment)
+            session.flush()
+            volume = session.get(Volume, volume_id)
+            if volume is not None and not session.scalars(
+                    select(VolumeAttachment.id).where(VolumeAttachment.volume_id == volume_id)).first():
+                volume.status = "available"
+            return f"deleted the attachment of volume {volume_id} on host {attachment.host}"
+
+    return repair
+
+
+def _repair_hidden_copy(world: _World, cell: str, instance_uuid: str) -> Callable[[], str]:
+    from ferry.workflows.cross_cell_settle import hard_delete_copy
+
+    cross_cell = [m.uuid for c, m in (pair for ms in world.migration_copies.values() for pair in ms)
+                  if c == cell and m.instance_uuid == instance_uuid and m.cross_cell_move]
+
+    def repair() -> str:
+        for migration_uuid in cross_cell or [""]:
+            hard_delete_copy(cell, instance_uuid, migration_uuid)
+        return f"hard-deleted the hidden copy of instance {instance_uuid} from cell {cell}"
+
+    return repair
+
+
+def _repair_image(image_id: str) -> Callable[[], str]:
+    def repair() -> str:
+        images.delete_image(image_id)
+        return f"deleted image {image_id}"
+
+    return repair
+
+
+def _repair_transfer(bucket: str, keys: list[str]) -> Callable[[], str]:
+    def repair() -> str:
+        s3 = aws.client("s3")
+        for start in range(0, len(keys), 1000):
+            s3.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": k} for k in keys[start:start + 1000]]})
+        return f"deleted {len(keys)} object(s)"
+
+    return repair
+
+
+def _repair_migration(world: _World, migration_uuid: str, seen_status: str) -> Callable[[], str]:
+    cells = [cell for cell, _m in world.migration_copies.get(migration_uuid, [])]
+
+    def repair() -> str:
+        changed = 0
+        for cell in cells:
+            with cell_session(cell) as session:
+                result = cast(CursorResult[Any], session.execute(
+                    update(Migration).where(Migration.uuid == migration_uuid, Migration.status == seen_status)
+                    .values(status=moves.ERROR).execution_options(synchronize_session=False)))
+                changed += result.rowcount
+        if not changed:
+            raise errors.FerryError(f"migration {migration_uuid} is no longer {seen_status}; left as it is")
+        return f"set migration {migration_uuid} from {seen_status} to error"
+
+    return repair
+
+
+# Repairs that change records other checks read run first, so the next round sees their effect.
+_REPAIR_ORDER = (MIGRATION_STUCK, MIGRATION_STATE_MISMATCH, HIDDEN_COPY_STALE)
+
+
+def _apply_repairs(problems: list[Problem]) -> list[Repair]:
+    done = []
+    ordered = sorted((p for p in problems if p.repair is not None),
+                     key=lambda p: _REPAIR_ORDER.index(p.kind) if p.kind in _REPAIR_ORDER else len(_REPAIR_ORDER))
+    for problem in ordered:
+        assert problem.repair is not None
+        try:
+            action = problem.repair()
+        except (errors.FerryError, ClientError, BotoCoreError) as exc:
+            logger.warning("audit repair failed", extra={"kind": problem.kind, "resource": problem.resource,
+                                                         "error": str(exc)})
+            done.append(Repair(problem, None, str(exc)))
+            continue
+        logger.info("audit repaired", extra={"kind": problem.kind, "resource": problem.resource, "action": action})
+        done.append(Repair(problem, action))
+    return done
+
+
+# --- entry point --------------------------------------------------------------------------------
+
+
+def _find_problems(grace_seconds: float, clock_skew_seconds: float, running: Collection[str] | None,
+                   check_storage: bool, skipped: list[str]) -> list[Problem]:
+    world = _read_world(grace_seconds, clock_skew_seconds, running, skipped)
+    found = [*_check_instances(world), *_check_allocations(world), *_check_hosts(world),
+             *_check_ports_and_volumes(world), *_check_migrations(world)]
+    if check_storage:
+        found += list(_check_storage(world, skipped))
+    return found
+
+
+def run_audit(*, fix: bool = False, grace_seconds: float = DEFAULT_GRACE_SECONDS,
+              clock_skew_seconds: float = DEFAULT_CLOCK_SKEW_SECONDS,
+              running_executions: Collection[str] | None = None, check_storage: bool = True,
+              max_fix_rounds: int = 3) -> AuditReport:
+    """Check Ferry's invariants across the store, placement, the image bucket and the hosts' reports.
+
+    Params:
+        fix: repair what is safe to repair (see each problem's ``fixable``), then check again.
+        grace_seconds: records written more recently than this are not judged (a workflow may be
+            between two writes).
+        clock_skew_seconds: how far a host's clock may be ahead of the control plane's.
+        running_executions: names of the workflow executions running now; by default they are
+            listed from Step Functions (when no state machine is configured, nothing stuck is repaired).
+        check_storage: also check temporary snapshots and disk transfers in the image bucket.
+        max_fix_rounds: a repair may reveal another (a migration put in error leaves its transfer
+            to remove): repair and check again up to this many times.
+
+    Returns:
+        The problems left (after the repairs, with ``fix``), the repairs made and the checks skipped.
+    """
+    skipped: list[str] = []
+    problems = _find_problems(grace_seconds, clock_skew_seconds, running_executions, check_storage, skipped)
+    repairs: list[Repair] = []
+    tried: set[tuple[str, str]] = set()
+    rounds = 0
+    while fix and rounds < max_fix_rounds:
+        todo = [p for p in problems if p.fixable and (p.kind, p.resource) not in tried]
+        if not todo:
+            break
+        rounds += 1
+        repairs += _apply_repairs(todo)
+        tried |= {(p.kind, p.resource) for p in todo}
+        skipped = []
+        problems = _find_problems(grace_seconds, clock_skew_seconds, running_executions, check_storage, skipped)
+    report = AuditReport(problems=problems, repairs=repairs, skipped=sorted(set(skipped)))
+    logger.info("audit finished", extra={"problems": len(problems), "repairs": len(repairs),
+                                         "kinds": sorted(set(report.kinds()))})
+    return report
+
+
+def assert_consistent(**options: Any) -> AuditReport:
+    """Run the audit (no repairs) and raise AssertionError listing every problem unless it is clean.
+
+    For test suites: ``ferry.audit.assert_consistent(grace_seconds=0)`` once everything has settled.
+    ``options`` are those of :func:`run_audit` (``fix`` excepted).
+    """
+    report = run_audit(fix=False, **options)
+    if not report.clean:
+        raise AssertionError("ferry audit found problems:\n" + report.describe())
+    return report
