@@ -84,6 +84,19 @@ DEFAULT_RULES: dict[str, str] = {
     "os_compute_api:os-volumes-attachments:show": ADMIN_OR_OWNER,
     "os_compute_api:os-volumes-attachments:create": ADMIN_OR_OWNER,
     "os_compute_api:os-volumes-attachments:delete": ADMIN_OR_OWNER,
+    # host aggregates
+    "os_compute_api:os-aggregates:index": ADMIN,
+    "os_compute_api:os-aggregates:create": ADMIN,
+    "os_compute_api:os-aggregates:show": ADMIN,
+    "os_compute_api:os-aggregates:update": ADMIN,
+    "os_compute_api:os-aggregates:delete": ADMIN,
+    "os_compute_api:os-aggregates:add_host": ADMIN,
+    "os_compute_api:os-aggregates:remove_host": ADMIN,
+    "os_compute_api:os-aggregates:set_metadata": ADMIN,
+    # compute services
+    "os_compute_api:os-services:list": ADMIN,
+    "os_compute_api:os-services:update": ADMIN,
+    "os_compute_api:os-services:delete": ADMIN,
 }
 
 _loaded: dict[str, Any] = {"key": None, "rules": dict(DEFAULT_RULES)}

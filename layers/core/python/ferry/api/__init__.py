@@ -14,7 +14,19 @@ from aws_lambda_powertools.event_handler.exceptions import NotFoundError
 from aws_lambda_powertools.metrics import MetricUnit
 
 from ferry import errors
-from ferry.api import flavors, images, migrations, moves, quotas, request, servers, versions, volume_attachments
+from ferry.api import (
+    aggregates,
+    flavors,
+    images,
+    migrations,
+    moves,
+    quotas,
+    request,
+    servers,
+    services,
+    versions,
+    volume_attachments,
+)
 from ferry.observability import logger, metrics
 
 # Server actions register themselves with ``servers.server_action`` when their module is imported.
@@ -47,7 +59,7 @@ def get_resolver() -> APIGatewayRestResolver:
     app = APIGatewayRestResolver()
     app.use(middlewares=[request.prepare])
     app.include_router(versions.router)
-    for module in (servers, flavors, images, migrations, quotas, volume_attachments):
+    for module in (servers, flavors, images, migrations, quotas, volume_attachments, aggregates, services):
         app.include_router(module.router, prefix=request.API_PREFIX)
 
     @app.exception_handler(Exception)

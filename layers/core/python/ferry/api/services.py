@@ -1,0 +1,155 @@
+"""``/os-services`` (admins): the compute services of every cell.
+
+``GET /os-services[?host=&binary=]``; from 2.53 ``PUT``/``DELETE /os-services/{uuid}``;
+below 2.53 ``PUT /os-services/enable``, ``/disable``, ``/disable-log-reason`` (and, from 2.11,
+``/force-down``) naming the service by host and binary, and ``DELETE /os-services/{id}`` by
+its integer id. What the requests do is in :mod:`ferry.compute.services`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aws_lambda_powertools.event_handler import Response
+from aws_lambda_powertools.event_handler.api_gateway import Router
+
+from ferry import errors, policy
+from ferry.api import request, schemas
+from ferry.api.request import ViewContext
+from ferry.api.views import isotime_micro
+from ferry.compute import services
+from ferry.compute.services import ServiceRecord
+
+router = Router()
+
+RULE = "os_compute_api:os-services:{}"
+
+_REASON = {"type": "string", "minLength": 1, "maxLength": 255}
+_BOOLEAN = {"type": "boolean"}
+
+UPDATE = {
+    "type": "object",
+    "properties": {"status": {"enum": ["enabled", "disabled"]}, "disabled_reason": _REASON, "forced_down": _BOOLEAN},
+    "additionalProperties": False,
+}
+
+_LEGACY_NAMING = {"host": {"type": "string", "minLength": 1, "maxLength": 255},
+                  "binary": {"type": "string", "minLength": 1, "maxLength": 255}}
+LEGACY_UPDATE = {
+    "type": "object",
+    "properties": {**_LEGACY_NAMING, "disabled_reason": _REASON},
+    "required": ["host", "binary"],
+    "additionalProperties": False,
+}
+LEGACY_FORCE_DOWN = {
+    "type": "object",
+    "properties": {**_LEGACY_NAMING, "forced_down": _BOOLEAN},
+    "required": ["host", "binary", "forced_down"],
+    "additionalProperties": False,
+}
+LEGACY_ACTIONS = ("enable", "disable", "disable-log-reason", "force-down")
+
+
+def service_view(view: ViewContext, record: ServiceRecord) -> dict[str, Any]:
+    """A service in Nova's shape: ``id`` is the uuid from 2.53, ``forced_down`` shown from 2.11."""
+    shown: dict[str, Any] = {
+        "id": record.uuid if view.at_least("2.53") else record.id,
+        "binary": record.binary, "host": record.host, "zone": record.zone,
+        "status": "disabled" if record.disabled else "enabled", "state": "up" if record.up else "down",
+        "updated_at": isotime_micro(record.updated_at), "disabled_reason": record.disabled_reason,
+    }
+    if view.at_least("2.11"):
+        shown["forced_down"] = record.forced_down
+    return shown
+
+
+@router.get("/os-services")
+def list_services() -> Response:
+    view = request.view_context(router)
+    policy.enforce(view.ctx, RULE.format("list"))
+    params = request.query(router)
+    host = params["host"][-1] if params.get("host") else None
+    binary = params["binary"][-1] if params.get("binary") else None
+    found = services.list_services(host=host, binary=binary)
+    return request.json_response(200, {"services": [service_view(view, s) for s in found]})
+
+
+def _service_uuid(value: str) -> str:
+    """The service uuid in the path (2.53+).
+
+    Raises:
+        BadRequest: not a uuid.
+    """
+    try:
+        request.validate(value, schemas.UUID)
+    except errors.BadRequest as exc:
+        raise errors.BadRequest(f"Invalid uuid {value}") from exc
+    return value
+
+
+def _update(view: ViewContext, service_id: str) -> Response:
+    wanted = request.body(router, UPDATE)
+    if "status" not in wanted and "forced_down" not in wanted:
+        raise errors.BadRequest("No updates were requested. Fields 'status' or 'forced_down' should be specified.")
+    if "disabled_reason" in wanted and wanted.get("status") != "disabled":
+        raise errors.BadRequest("Specifying 'disabled_reason' with status other than 'disabled' is invalid.")
+    service = services.get_by_uuid(_service_uuid(service_id))
+    changes: dict[str, Any] = {}
+    if "status" in wanted:
+        changes["disabled"] = wanted["status"] == "disabled"
+        changes["disabled_reason"] = wanted.get("disabled_reason")
+    if "forced_down" in wanted:
+        changes["forced_down"] = wanted["forced_down"]
+    updated = services.update_service(service, **changes)
+    return request.json_response(200, {"service": service_view(view, updated)})
+
+
+def _legacy_update(view: ViewContext, action: str) -> Response:
+    if action == "force-down":
+        if not view.at_least("2.11"):
+            raise errors.NotFound("Unknown action")
+        wanted = request.body(router, LEGACY_FORCE_DOWN)
+        service = services.get_by_host(wanted["host"], wanted["binary"])
+        services.update_service(service, forced_down=wanted["forced_down"])
+        return request.json_response(200, {"service": {
+            "host": wanted["host"], "binary": wanted["binary"], "forced_down": wanted["forced_down"]}})
+    wanted = request.body(router, LEGACY_UPDATE)
+    reason = wanted.get("disabled_reason")
+    if action == "disable-log-reason" and reason is None:
+        raise errors.BadRequest("Missing disabled reason field")
+    if action != "disable-log-reason":
+        reason = None  # only disable-log-reason records one (Nova ignores it elsewhere)
+    service = services.get_by_host(wanted["host"], wanted["binary"])
+    disabled = action != "enable"
+    services.update_service(service, disabled=disabled, disabled_reason=reason)
+    shown = {"host": wanted["host"], "binary": wanted["binary"], "status": "disabled" if disabled else "enabled"}
+    if reason is not None:
+        shown["disabled_reason"] = reason
+    return request.json_response(200, {"service": shown})
+
+
+@router.put("/os-services/<service_id>")
+def update_service(service_id: str) -> Response:
+    view = request.view_context(router)
+    policy.enforce(view.ctx, RULE.format("update"))
+    if view.at_least("2.53"):
+        return _update(view, service_id)
+    if service_id not in LEGACY_ACTIONS:
+        raise errors.NotFound("Unknown action")
+    return _legacy_update(view, service_id)
+
+
+@router.delete("/os-services/<service_id>")
+def delete_service(service_id: str) -> Response:
+    view = request.view_context(router)
+    policy.enforce(view.ctx, RULE.format("delete"))
+    if view.at_least("2.53"):
+        service = services.get_by_uuid(_service_uuid(service_id))
+    else:
+        try:
+            number = int(service_id)
+        except ValueError as exc:
+            raise errors.BadRequest(f"Invalid service id {service_id}: it must be an integer below 2.53.") from exc
+        service = services.get_by_id(number)
+    services.delete_service(service)
+    return request.empty(204)
