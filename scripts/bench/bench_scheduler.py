@@ -46,6 +46,7 @@ from machine import print_header  # noqa: E402 - the sibling modules of this scr
 from stats import summary  # noqa: E402
 
 INSTANCES_PER_HOST = 5
+INSTANCE_USAGE = {placement.VCPU: 2, placement.MEMORY_MB: 4096, placement.DISK_GB: 40}
 CELLS: tuple[str, ...] = ()  # set by main() from --cells
 
 
@@ -69,10 +70,11 @@ def populate(hosts: int) -> None:
                                      (placement.DISK_GB, 500 * size, 1.0)):
                 inventory_rows.append({"resource_provider_id": provider_ids[h], "resource_class": rc, "total": total,
                                        "reserved": 0, "min_unit": 1, "max_unit": total, "step_size": 1,
-                                       "allocation_ratio": ratio})
+                                       "allocation_ratio": ratio,
+                                       "used": INSTANCES_PER_HOST * INSTANCE_USAGE[rc]})
             for _ in range(INSTANCES_PER_HOST):
                 consumer = str(uuid.uuid4())
-                for rc, used in ((placement.VCPU, 2), (placement.MEMORY_MB, 4096), (placement.DISK_GB, 40)):
+                for rc, used in INSTANCE_USAGE.items():
                     allocation_rows.append({"resource_provider_id": provider_ids[h], "consumer_uuid": consumer,
                                             "resource_class": rc, "used": used})
         session.execute(insert(Inventory), inventory_rows)

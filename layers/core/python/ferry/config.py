@@ -51,6 +51,8 @@ class Settings:
     resize_confirm_window: int
     aws_endpoint_url: str | None
     scheduler_max_attempts: int
+    # How many allocation candidates placement hands the scheduler per batch (Nova's default: 1000).
+    max_placement_results: int
     allow_resize_to_same_host: bool
     service_down_time: int
     cpu_allocation_ratio: float
@@ -88,6 +90,7 @@ def load() -> Settings:
         resize_confirm_window=_env_int("FERRY_RESIZE_CONFIRM_WINDOW", 0),
         aws_endpoint_url=os.environ.get("AWS_ENDPOINT_URL") or None,
         scheduler_max_attempts=_env_int("FERRY_SCHEDULER_MAX_ATTEMPTS", 3),
+        max_placement_results=_env_int("FERRY_MAX_PLACEMENT_RESULTS", 1000),
         allow_resize_to_same_host=_env_bool("FERRY_ALLOW_RESIZE_TO_SAME_HOST", False),
         service_down_time=_env_int("FERRY_SERVICE_DOWN_TIME", 60),
         cpu_allocation_ratio=_env_float("FERRY_CPU_ALLOCATION_RATIO", 4.0),

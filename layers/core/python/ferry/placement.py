@@ -12,24 +12,57 @@ changed meanwhile.
 :func:`set_allocations` is the one write primitive (placement's ``POST /allocations``);
 :func:`claim`, :func:`claim_for_move`, :func:`move_allocations` and
 :func:`delete_allocations` are built on the same transaction.
+
+Each inventory row carries ``used``, the sum of its provider's allocations of that class. The
+write transaction that changes allocations recomputes it for the providers it touched, after the
+generation swap that serialises writers of those providers, so it always equals the sum of the
+allocation rows. :func:`allocation_candidates` reads it to answer "which providers have room"
+without summing allocations, a bounded window of providers at a time.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import random
+import uuid as uuidlib
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
-from sqlalchemy import CursorResult, Delete, Update, delete, func, insert, select, update
+from sqlalchemy import (
+    ColumnElement,
+    CursorResult,
+    Delete,
+    Integer,
+    Select,
+    Update,
+    and_,
+    case,
+    delete,
+    exists,
+    func,
+    insert,
+    literal,
+    select,
+    update,
+)
 from sqlalchemy.exc import DBAPIError, IntegrityError
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, aliased
 
 from ferry import config, errors
 from ferry.observability import logger
-from ferry.store.api_models import Allocation, Consumer, Inventory, ResourceProvider
-from ferry.store.db import api_session
+from ferry.store.api_models import (
+    AggregateHost,
+    Allocation,
+    CellMapping,
+    Consumer,
+    HostMapping,
+    Inventory,
+    ResourceProvider,
+)
+from ferry.store.db import CELL0_NAME, api_session
 
 VCPU = "VCPU"
 MEMORY_MB = "MEMORY_MB"
@@ -155,6 +188,27 @@ def _read_provider_generations(session: Session, provider_ids: set[int]) -> dict
     return {row.id: row.generation for row in rows}
 
 
+def _refresh_used(session: Session, provider_ids: Iterable[int]) -> None:
+    """Set ``used`` of every inventory of the given providers to the sum of their allocations.
+
+    Runs after the providers' generation swap in the same transaction: any other writer of these
+    providers waits for (or conflicts with) this one, so the sum read here is the one committed.
+    """
+    ids = sorted(set(provider_ids))
+    if not ids:
+        return
+    allocated = (
+        select(func.coalesce(func.sum(Allocation.used), 0))
+        .where(Allocation.resource_provider_id == Inventory.resource_provider_id,
+               Allocation.resource_class == Inventory.resource_class)
+        .scalar_subquery()
+    )
+    session.execute(
+        update(Inventory).where(Inventory.resource_provider_id.in_(ids)).values(used=allocated)
+        .execution_options(synchronize_session=False)
+    )
+
+
 # --- inventories --------------------------------------------------------------------------------
 
 
@@ -259,7 +313,8 @@ def ensure_provider(host: str, node: str, cell_id: int | None, inventories: Mapp
             )
         for rc, record in wanted.items():
             if rc not in current:
-                session.execute(insert(Inventory).values(resource_provider_id=provider_id, resource_class=rc, **record))
+                session.execute(insert(Inventory).values(resource_provider_id=provider_id, resource_class=rc,
+                                                         used=int(used.get(rc, 0)), **record))
             elif current[rc] != record:
                 session.execute(
                     update(Inventory)
@@ -386,6 +441,7 @@ def _write_allocations(session: Session, changes: list[_Change]) -> None:
     ]
     if rows:
         session.execute(insert(Allocation), rows)
+    _refresh_used(session, generations)
 
 
 def _check_capacity(session: Session, changes: list[_Change], providers: dict[str, int], names: list[str]) -> None:
@@ -601,9 +657,7 @@ def usages(rp_uuid: str) -> dict[str, int]:
     with api_session() as session:
         provider_id = _provider_id(session, rp_uuid)
         rows = session.execute(
-            select(Allocation.resource_class, func.sum(Allocation.used))
-            .where(Allocation.resource_provider_id == provider_id)
-            .group_by(Allocation.resource_class)
+            select(Inventory.resource_class, Inventory.used).where(Inventory.resource_provider_id == provider_id)
         ).all()
         return {rc: int(used) for rc, used in rows if used}
 
@@ -664,3 +718,228 @@ def provider_by_node(node: str) -> str:
     if provider is None:
         raise errors.ResourceProviderNotFound(f"Compute node {node} has no resource provider.")
     return provider.uuid
+
+
+# --- allocation candidates ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CandidateRequest:
+    """What a request asks of placement: the resources, and where they may come from.
+
+    Params:
+        resources: ``{resource_class: amount}``, all from one provider.
+        cells: names of the cells candidates may be in; None for every cell but cell0. Cells
+            marked disabled never give candidates.
+        cell, host, node: only candidates in this cell, on this host, on this compute node.
+        hosts: only candidates on one of these hosts (None: any host).
+        member_of: for each entry, the candidate's host must be in at least one of these
+            aggregates (ids); every entry must hold.
+        exclude_consumers: consumers whose allocations count as free (those a claim replaces).
+    """
+
+    resources: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    cells: tuple[str, ...] | None = None
+    cell: str | None = None
+    host: str | None = None
+    node: str | None = None
+    hosts: frozenset[str] | None = None
+    member_of: tuple[frozenset[int], ...] = ()
+    exclude_consumers: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A provider with room for the request: where it is and ``{resource_class: free}`` of each class it has."""
+
+    uuid: str
+    name: str
+    host: str
+    cell_id: int
+    cell: str
+    free: dict[str, float]
+
+
+# The window of providers read per query, as a multiple of the batch size: it doubles while the
+# fitting providers are sparse, up to this bound.
+_MAX_WINDOW_FACTOR = 16
+
+
+def _scope(request: CandidateRequest) -> list[ColumnElement[bool]]:
+    """WHERE clauses for the cells, host, node, host set and aggregates of ``request``."""
+    clauses: list[ColumnElement[bool]] = [CellMapping.disabled.is_(False)]
+    if request.cells is None:
+        clauses.append(CellMapping.name != CELL0_NAME)
+    else:
+        clauses.append(CellMapping.name.in_(request.cells))
+    if request.cell:
+        clauses.append(CellMapping.name == request.cell)
+    if request.host:
+        clauses.append(ResourceProvider.host == request.host)
+    if request.node:
+        clauses.append(ResourceProvider.name == request.node)
+    if request.hosts is not None:
+        clauses.append(ResourceProvider.host.in_(sorted(request.hosts)))
+    for aggregate_ids in request.member_of:
+        clauses.append(exists().where(AggregateHost.host == ResourceProvider.host,
+                                      AggregateHost.aggregate_id.in_(sorted(aggregate_ids))))
+    return clauses
+
+
+def count_in_scope(request: CandidateRequest) -> int:
+    """How many providers ``request``'s scope holds, capacity not considered (one count over them all)."""
+    with api_session() as session:
+        return session.scalar(
+            select(func.count(ResourceProvider.id))
+            .join(HostMapping, HostMapping.host == ResourceProvider.host)
+            .join(CellMapping, CellMapping.id == HostMapping.cell_id)
+            .where(*_scope(request))
+        ) or 0
+
+
+def _credits(session: Session, consumers: Iterable[str]) -> dict[str, dict[int, int]]:
+    """``{rc: {provider_id: amount}}`` the given consumers hold (their allocations count as free)."""
+    names = sorted(set(consumers))
+    held: dict[str, dict[int, int]] = defaultdict(dict)
+    if names:
+        for rp_id, rc, amount in session.execute(
+            select(Allocation.resource_provider_id, Allocation.resource_class, func.sum(Allocation.used))
+            .where(Allocation.consumer_uuid.in_(names))
+            .group_by(Allocation.resource_provider_id, Allocation.resource_class)
+        ):
+            held[rc][rp_id] = int(amount)
+    return dict(held)
+
+
+def _candidate_query(request: CandidateRequest,
+                     credits: Mapping[str, Mapping[int, int]]) -> tuple[Select[Any], list[str]]:
+    """The query for providers in scope with room for every requested class, and the classes it reports free of.
+
+    One aliased inventory join per class: inner (with the fit conditions) for the requested
+    classes, outer for the others, so the free amount of every class the provider has comes back.
+    """
+    classes = list(RESOURCE_CLASSES) + sorted(rc for rc in request.resources if rc not in RESOURCE_CLASSES)
+    query_columns: list[Any] = [ResourceProvider.uuid, ResourceProvider.name, ResourceProvider.host,
+                                CellMapping.id, CellMapping.name]
+    joins: list[tuple[Any, ColumnElement[bool], bool]] = []
+    conditions: list[ColumnElement[bool]] = []
+    for n, rc in enumerate(classes):
+        inv = aliased(Inventory, name=f"inv_{n}")
+        room = (inv.total - inv.reserved) * inv.allocation_ratio
+        held = credits.get(rc)
+        used: Any = inv.used
+        if held:
+            released = case(*((inv.resource_provider_id == rp_id, amount) for rp_id, amount in sorted(held.items())),
+                            else_=0)
+            used = inv.used - released
+        query_columns.append(room - used)
+        amount = request.resources.get(rc)
+        joins.append((inv, and_(inv.resource_provider_id == ResourceProvider.id, inv.resource_class == rc),
+                      amount is None))
+        if amount is not None:
+            conditions += [used + amount <= room, inv.min_unit <= amount, inv.max_unit >= amount,
+                           literal(amount, Integer) % inv.step_size == 0]
+    query = (
+        select(*query_columns)
+        .select_from(ResourceProvider)
+        .join(HostMapping, HostMapping.host == ResourceProvider.host)
+        .join(CellMapping, CellMapping.id == HostMapping.cell_id)
+    )
+    for inv, on, outer in joins:
+        query = query.join(inv, on, isouter=outer)
+    if not request.resources:
+        # Like a provider with no inventory at all, one the request does not need still is no candidate.
+        query = query.where(exists().where(Inventory.resource_provider_id == ResourceProvider.id))
+    return query.where(*_scope(request), *conditions).order_by(ResourceProvider.uuid), classes
+
+
+def _candidate(row: Any, classes: list[str]) -> Candidate:
+    free = {rc: float(value) for rc, value in zip(classes, row[5:], strict=True) if value is not None}
+    return Candidate(uuid=row[0], name=row[1], host=row[2], cell_id=row[3], cell=row[4], free=free)
+
+
+def _narrow_to_hosts(session: Session, request: CandidateRequest, limit: int) -> CandidateRequest:
+    """Turn aggregate memberships that cover at most ``limit`` hosts into a host set (an indexed lookup)."""
+    hosts = request.hosts
+    kept: list[frozenset[int]] = []
+    for aggregate_ids in request.member_of:
+        members = set(session.scalars(
+            select(AggregateHost.host).where(AggregateHost.aggregate_id.in_(sorted(aggregate_ids)))
+            .distinct().limit(limit + 1)
+        ))
+        if len(members) > limit:
+            kept.append(aggregate_ids)
+        else:
+            hosts = frozenset(members) if hosts is None else hosts & members
+    if hosts is request.hosts:
+        return request
+    return dataclasses.replace(request, hosts=hosts, member_of=tuple(kept))
+
+
+def random_pivot(rng: random.Random | None = None) -> str:
+    """A uniformly random point in the space of provider uuids, where a walk over them starts."""
+    return str(uuidlib.UUID(int=(rng or random).getrandbits(128)))
+
+
+def allocation_candidates(request: CandidateRequest, *, limit: int,
+                          pivot: str | None = None) -> Iterator[list[Candidate]]:
+    """The providers with room for ``request``, in batches of at most ``limit``, each provider once.
+
+    Providers are walked in the order of their (random) uuids starting at ``pivot`` (random when
+    not given) and wrapping around, so every fitting provider is equally likely to be in the first
+    batch and requests spread over the fitting hosts. The walk reads a bounded window of
+    providers per query (uuid range on its index, the inventories by their unique index, the
+    ``used`` counters instead of the allocations), so a batch costs about the same at 1,000 or
+    100,000 providers as long as a fair share of them fits. A request narrowed to a host, a node
+    or a small set of hosts is answered in one query. Nothing is held open between batches.
+
+    Params:
+        request: what to look for (:class:`CandidateRequest`).
+        limit: the largest batch (``max_placement_results``).
+        pivot: where the walk starts (a uuid string), for repeatable results.
+
+    Yields:
+        Lists of :class:`Candidate`; the last one may be shorter, none is empty.
+    """
+    limit = max(limit, 1)
+    pivot = pivot or random_pivot()
+    with api_session() as session:
+        credits = _credits(session, request.exclude_consumers)
+        request = _narrow_to_hosts(session, request, limit)
+    query, classes = _candidate_query(request, credits)
+
+    if request.host or request.node or request.hosts is not None:
+        with api_session() as session:
+            rows = session.execute(query).all()
+        ordered = sorted(rows, key=lambda row: (row[0] < pivot, row[0]))
+        for start in range(0, len(ordered), limit):
+            yield [_candidate(row, classes) for row in ordered[start:start + limit]]
+        return
+
+    buffer: list[Candidate] = []
+    window = limit
+    # The two arcs of the circle of uuids: from the pivot up, then from the bottom to the pivot.
+    for low, high in ((pivot, None), (None, pivot)):
+        bound: ColumnElement[bool] | None = None if low is None else ResourceProvider.uuid >= low
+        while True:
+            window_conditions = [c for c in (bound, None if high is None else ResourceProvider.uuid < high)
+                                 if c is not None]
+            with api_session() as session:
+                end = session.scalar(
+                    select(ResourceProvider.uuid).where(*window_conditions)
+                    .order_by(ResourceProvider.uuid).offset(window - 1).limit(1)
+                )
+                if end is not None:
+                    window_conditions.append(ResourceProvider.uuid <= end)
+                rows = session.execute(query.where(*window_conditions)).all()
+            buffer.extend(_candidate(row, classes) for row in rows)
+            while len(buffer) >= limit:
+                yield buffer[:limit]
+                buffer = buffer[limit:]
+            if end is None:
+                break
+            bound = ResourceProvider.uuid > end
+            if len(rows) < limit:
+                window = min(window * 2, limit * _MAX_WINDOW_FACTOR)
+    if buffer:
+        yield buffer

@@ -1,8 +1,9 @@
 """Ferry's scheduler: where a server goes, with alternates for reschedules.
 
-:func:`select_destinations` runs a capacity pre-filter in SQL, the host filters
-(:mod:`ferry.scheduler.filters`), the weighers (:mod:`ferry.scheduler.weighers`) and then
-claims the best host in placement; :func:`claim_alternate` moves a claim to an alternate.
+:func:`select_destinations` asks placement for allocation candidates (a bounded, randomised
+batch of the providers with room), runs the host filters (:mod:`ferry.scheduler.filters`) and
+the weighers (:mod:`ferry.scheduler.weighers`) over them and then claims the best host in
+placement; :func:`claim_alternate` moves a claim to an alternate.
 """
 
 from ferry.scheduler.host_state import HostState, SchedulingSpec, build_spec

@@ -1,9 +1,8 @@
-"""The scheduler's view of a request and of the candidate hosts, and the queries that build them.
+"""The scheduler's view of a request and of the candidate hosts, and the queries that fill them in.
 
-The capacity pre-filter is one SQL query over resource providers, inventories and
-allocations: it groups by provider and keeps only those where every requested resource class
-still has room, so the filters and weighers only ever see hosts that could take the server.
-Services are then read with one query per cell and aggregate metadata with one query in all.
+Placement hands the scheduler allocation candidates (providers with room for the request, a
+bounded batch at a time); each becomes a :class:`HostState`, and the services (one query per
+cell) and aggregate metadata (one query) are read for those hosts only.
 """
 
 from __future__ import annotations
@@ -14,20 +13,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Integer, and_, case, func, literal, or_, select
+from sqlalchemy import select
 
 from ferry import errors, placement
 from ferry.compute import instances
 from ferry.store import db
-from ferry.store.api_models import (
-    AggregateHost,
-    AggregateMetadata,
-    Allocation,
-    CellMapping,
-    HostMapping,
-    Inventory,
-    ResourceProvider,
-)
+from ferry.store.api_models import AggregateHost, AggregateMetadata, CellMapping
 from ferry.store.cell_models import Instance, Service
 
 
@@ -152,110 +143,19 @@ def build_spec(request_spec: Mapping[str, Any]) -> SchedulingSpec:
     )
 
 
-# --- the capacity pre-filter --------------------------------------------------------------------
+# --- candidates and what the filters read about them ------------------------------------------
 
 
-def _placement_scope(spec: SchedulingSpec) -> list[Any]:
-    """WHERE clauses that limit providers to the allowed cells and the requested destination."""
-    clauses: list[Any] = [CellMapping.disabled.is_(False)]
-    if spec.allowed_cells is None:
-        clauses.append(CellMapping.name != db.CELL0_NAME)
-    else:
-        clauses.append(CellMapping.name.in_(spec.allowed_cells))
-    if spec.requested_cell:
-        clauses.append(CellMapping.name == spec.requested_cell)
-    if spec.requested_host:
-        clauses.append(ResourceProvider.host == spec.requested_host)
-    if spec.requested_node:
-        clauses.append(ResourceProvider.name == spec.requested_node)
-    return clauses
-
-
-def count_in_scope(spec: SchedulingSpec) -> int:
-    """How many compute nodes the request could consider before capacity is looked at."""
-    with db.api_session() as session:
-        return session.scalar(
-            select(func.count(ResourceProvider.id))
-            .join(HostMapping, HostMapping.host == ResourceProvider.host)
-            .join(CellMapping, CellMapping.id == HostMapping.cell_id)
-            .where(*_placement_scope(spec))
-        ) or 0
-
-
-def hosts_with_capacity(spec: SchedulingSpec, *, exclude_consumers: Iterable[str] = ()) -> list[HostState]:
-    """The compute nodes in scope with room for ``spec.resources``, in one query.
-
-    Params:
-        spec: the request.
-        exclude_consumers: consumers whose allocations do not count as used (the ones the
-            claim will replace).
-    """
-    excluded = sorted(set(exclude_consumers))
-    usage_query = select(
-        Allocation.resource_provider_id.label("rp_id"),
-        Allocation.resource_class.label("rc"),
-        func.sum(Allocation.used).label("used"),
-    ).group_by(Allocation.resource_provider_id, Allocation.resource_class)
-    if excluded:
-        usage_query = usage_query.where(Allocation.consumer_uuid.not_in(excluded))
-    usage = usage_query.subquery("usage")
-
-    room = (Inventory.total - Inventory.reserved) * Inventory.allocation_ratio
-    used = func.coalesce(usage.c.used, 0)
-    free = room - used
-
-    def free_of(rc: str) -> Any:
-        return func.max(case((Inventory.resource_class == rc, free))).label(f"free_{rc}")
-
-    query = (
-        select(
-            ResourceProvider.uuid,
-            ResourceProvider.name,
-            ResourceProvider.host,
-            CellMapping.id.label("cell_id"),
-            CellMapping.name.label("cell_name"),
-            *(free_of(rc) for rc in placement.RESOURCE_CLASSES),
-        )
-        .join(HostMapping, HostMapping.host == ResourceProvider.host)
-        .join(CellMapping, CellMapping.id == HostMapping.cell_id)
-        .join(Inventory, Inventory.resource_provider_id == ResourceProvider.id)
-        .outerjoin(usage, and_(usage.c.rp_id == Inventory.resource_provider_id, usage.c.rc == Inventory.resource_class))
-        .where(*_placement_scope(spec))
-        .group_by(ResourceProvider.id, ResourceProvider.uuid, ResourceProvider.name, ResourceProvider.host,
-                  CellMapping.id, CellMapping.name)
-    )
-    if spec.resources:
-        fits_one_class = [
-            and_(
-                Inventory.resource_class == rc,
-                used + amount <= room,
-                Inventory.min_unit <= amount,
-                Inventory.max_unit >= amount,
-                literal(amount, Integer) % Inventory.step_size == 0,
-            )
-            for rc, amount in sorted(spec.resources.items())
-        ]
-        classes_that_fit = func.sum(case((or_(*fits_one_class), 1), else_=0))
-        query = query.having(classes_that_fit == len(spec.resources))
-
-    with db.api_session() as session:
-        rows = session.execute(query).all()
+def host_states(candidates: Iterable[placement.Candidate]) -> list[HostState]:
+    """One :class:`HostState` per allocation candidate (service and aggregates not read yet)."""
     return [
-        HostState(
-            host=row.host,
-            node=row.name,
-            cell=row.cell_name,
-            cell_id=row.cell_id,
-            provider_uuid=row.uuid,
-            free={rc: float(getattr(row, f"free_{rc}")) for rc in placement.RESOURCE_CLASSES
-                  if getattr(row, f"free_{rc}") is not None},
-        )
-        for row in rows
+        HostState(host=c.host, node=c.name, cell=c.cell, cell_id=c.cell_id, provider_uuid=c.uuid, free=dict(c.free))
+        for c in candidates
     ]
 
 
 def attach_services(hosts: list[HostState]) -> None:
-    """Fill in each host's compute service: one query per cell, not per host."""
+    """Fill in each host's compute service: one query per cell, for that cell's hosts only."""
     by_cell: dict[int, list[HostState]] = defaultdict(list)
     for host in hosts:
         by_cell[host.cell_id].append(host)
@@ -272,6 +172,7 @@ def attach_services(hosts: list[HostState]) -> None:
                                        last_seen_at=row.last_seen_at)
                 for row in session.execute(
                     select(Service.host, Service.disabled, Service.forced_down, Service.last_seen_at)
+                    .where(Service.host.in_(sorted({host.host for host in cell_hosts})))
                 )
             }
         for host in cell_hosts:
@@ -279,13 +180,14 @@ def attach_services(hosts: list[HostState]) -> None:
 
 
 def attach_aggregates(hosts: list[HostState]) -> None:
-    """Fill in the metadata of every aggregate each host belongs to (one query in all)."""
+    """Fill in the metadata of every aggregate each host belongs to (one query for these hosts)."""
     if not hosts:
         return
     with db.api_session() as session:
         rows = session.execute(
             select(AggregateHost.host, AggregateMetadata.aggregate_id, AggregateMetadata.key, AggregateMetadata.value)
             .join(AggregateMetadata, AggregateMetadata.aggregate_id == AggregateHost.aggregate_id)
+            .where(AggregateHost.host.in_(sorted({host.host for host in hosts})))
         ).all()
     metadata: dict[str, dict[int, dict[str, str]]] = defaultdict(lambda: defaultdict(dict))
     for host, aggregate_id, key, value in rows:

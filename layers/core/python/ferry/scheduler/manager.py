@@ -1,7 +1,11 @@
-"""Choosing a destination: capacity pre-filter, filters, weighers, then the claim.
+"""Choosing a destination: placement's allocation candidates, filters, weighers, then the claim.
+
+Placement answers with the providers that have room, a bounded batch at a time (see
+:func:`ferry.placement.allocation_candidates`); the filters and weighers see only those, so a
+request costs about the same in a cloud of 1,000 or 100,000 hosts.
 
 The claim is what makes a choice real: the scheduler walks the weighed hosts and claims the
-first one placement accepts. A host that filled up since the pre-filter read it (another
+first one placement accepts. A host that filled up since placement listed it (another
 request claimed it first) is skipped for the next. For a move, the same placement
 transaction also hands the instance's current allocations to the migration, so the source
 stays held by the migration and the destination by the instance, with no moment in between.
@@ -16,6 +20,7 @@ from typing import Any
 from ferry import config, errors, placement
 from ferry.observability import logger
 from ferry.scheduler import filters as host_filters
+from ferry.scheduler import request_filter
 from ferry.scheduler import weighers as host_weighers
 from ferry.scheduler.host_state import (
     HostState,
@@ -23,8 +28,7 @@ from ferry.scheduler.host_state import (
     attach_aggregates,
     attach_services,
     build_spec,
-    count_in_scope,
-    hosts_with_capacity,
+    host_states,
 )
 from ferry.scheduler.selection import Selection
 
@@ -33,11 +37,32 @@ CAPACITY_STAGE = "PlacementCapacity"
 
 @dataclasses.dataclass
 class _Filtered:
-    """The hosts left after every stage, and how many each stage removed."""
+    """The hosts that passed every filter, and what it took to find them.
+
+    ``seen`` counts the candidates placement returned and ``removed_by_filters`` what each host
+    filter that ran removed of them. When no host passed, every candidate in scope was seen.
+    """
 
     hosts: list[HostState]
-    in_scope: int
-    removed: list[tuple[str, int]]
+    request: placement.CandidateRequest
+    seen: int
+    removed_by_filters: list[tuple[str, int]]
+    _in_scope: int | None = None
+
+    @property
+    def in_scope(self) -> int:
+        """How many compute nodes the request could consider before capacity (counted when first asked)."""
+        if self._in_scope is None:
+            self._in_scope = placement.count_in_scope(self.request)
+        return self._in_scope
+
+    @property
+    def removed(self) -> list[tuple[str, int]]:
+        """``(stage, hosts removed)`` for placement's capacity check and each filter, in order.
+
+        Exact once every candidate was seen (the case whenever no host passed).
+        """
+        return [(CAPACITY_STAGE, max(self.in_scope - self.seen, 0)), *self.removed_by_filters]
 
 
 def _replaced_consumers(spec: SchedulingSpec, migration_uuid: str | None) -> list[str]:
@@ -52,23 +77,53 @@ def _replaced_consumers(spec: SchedulingSpec, migration_uuid: str | None) -> lis
     return []
 
 
-def _filter(spec: SchedulingSpec, migration_uuid: str | None) -> _Filtered:
-    in_scope = count_in_scope(spec)
-    hosts = hosts_with_capacity(spec, exclude_consumers=_replaced_consumers(spec, migration_uuid))
-    removed = [(CAPACITY_STAGE, max(in_scope - len(hosts), 0))]
-    logger.info("scheduler stage", extra={"instance_uuid": spec.instance_uuid, "stage": CAPACITY_STAGE,
-                                          "removed": removed[0][1], "remaining": len(hosts)})
-    attach_services(hosts)
-    attach_aggregates(hosts)
-    for host_filter in host_filters.enabled_filters():
-        if not hosts:
+def _filter_candidates(spec: SchedulingSpec, request: placement.CandidateRequest) -> _Filtered:
+    """Run the host filters over placement's candidates, a batch at a time, until enough pass.
+
+    Enough is ``scheduler_max_attempts`` hosts (the choice and its alternates); a batch is
+    ``max_placement_results`` candidates, so usually one batch is read. Only when too few pass
+    does the next batch follow, until placement has no more.
+    """
+    settings = config.get()
+    enough = max(settings.scheduler_max_attempts, 1)
+    filters = host_filters.enabled_filters()
+    removed: dict[str, int] = {}
+    passed: list[HostState] = []
+    seen = 0
+    for batch in placement.allocation_candidates(request, limit=settings.max_placement_results):
+        seen += len(batch)
+        hosts = host_states(batch)
+        attach_services(hosts)
+        attach_aggregates(hosts)
+        for host_filter in filters:
+            if not hosts:
+                break
+            before = len(hosts)
+            hosts = host_filter.filter_all(hosts, spec)
+            removed[host_filter.name] = removed.get(host_filter.name, 0) + before - len(hosts)
+        passed.extend(hosts)
+        if len(passed) >= enough:
             break
-        before = len(hosts)
-        hosts = host_filter.filter_all(hosts, spec)
-        removed.append((host_filter.name, before - len(hosts)))
-        logger.info("scheduler stage", extra={"instance_uuid": spec.instance_uuid, "stage": host_filter.name,
-                                              "removed": before - len(hosts), "remaining": len(hosts)})
-    return _Filtered(hosts=hosts, in_scope=in_scope, removed=removed)
+    logger.info("scheduler stages", extra={"instance_uuid": spec.instance_uuid, "candidates": seen,
+                                           "removed": removed, "remaining": len(passed)})
+    return _Filtered(hosts=passed, request=request, seen=seen, removed_by_filters=list(removed.items()))
+
+
+def _filter(spec: SchedulingSpec, migration_uuid: str | None) -> _Filtered:
+    """The hosts that can take ``spec``: placement's candidates through every host filter.
+
+    Placement's query is narrowed by the request's host restrictions (see
+    :mod:`ferry.scheduler.request_filter`). When that leaves no host, the search runs once more
+    without the narrowing, so the error counts what each filter removed (a failing request pays
+    for a full pass, a succeeding one does not).
+    """
+    excluded = _replaced_consumers(spec, migration_uuid)
+    request = request_filter.placement_request(spec, exclude_consumers=excluded)
+    filtered = _filter_candidates(spec, request)
+    if not filtered.hosts and request_filter.is_narrowed(request):
+        filtered = _filter_candidates(
+            spec, request_filter.placement_request(spec, exclude_consumers=excluded, narrow=False))
+    return filtered
 
 
 def _explain(spec: SchedulingSpec, filtered: _Filtered, raced: int = 0) -> str:

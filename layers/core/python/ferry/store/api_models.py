@@ -18,6 +18,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
@@ -186,6 +187,10 @@ class ResourceProvider(TimestampMixin, ApiBase):
 
 
 class Inventory(ApiBase):
+    """One resource class of a provider. ``used`` is the sum of the provider's allocations of that
+    class, kept equal to it in every transaction that writes them (so capacity is read without
+    summing allocations)."""
+
     __tablename__ = "inventories"
     __table_args__ = (UniqueConstraint("resource_provider_id", "resource_class"),)
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -197,6 +202,7 @@ class Inventory(ApiBase):
     max_unit: Mapped[int] = mapped_column(Integer, default=2147483647)
     step_size: Mapped[int] = mapped_column(Integer, default=1)
     allocation_ratio: Mapped[float] = mapped_column(Float, default=1.0)
+    used: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
 
 
 class Consumer(TimestampMixin, ApiBase):
