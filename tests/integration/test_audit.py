@@ -1,0 +1,610 @@
+"""``ferry audit`` on SQLite and PostgreSQL: a consistent store is clean; each planted inconsistency is
+found, and the fixable ones are repaired by ``fix=True`` and stay repaired.
+
+The consistent store: an ACTIVE server on cell1-host1 (allocation, ACTIVE port binding, volume
+attached there), a server in VERIFY_RESIZE from cell1-host1 to cell1-host2 (as the resize workflow
+leaves it), and host reports listing exactly their guests and instance directories.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid as uuidlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from io import BytesIO
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import select, update
+from verify_resize_helpers import (
+    CELL,
+    DEST,
+    OLD,
+    OLD_USAGE,
+    OTHER,
+    PROJECT,
+    SOURCE,
+    USER,
+    Resized,
+    make_resized,
+    make_volume,
+    mocked_aws,
+    provider,
+)
+
+from ferry import audit, aws, config, hosts, images, placement
+from ferry.compute import moves, states
+from ferry.store.api_models import (
+    CellMapping,
+    InstanceMapping,
+    Inventory,
+    Port,
+    PortBinding,
+    ResourceProvider,
+    VolumeAttachment,
+    utcnow,
+)
+from ferry.store.cell_models import BlockDeviceMapping, Instance, Migration
+from ferry.store.db import api_session, cell_session
+from ferry.workflows.cross_cell import snapshot_image_id
+
+LONG_AGO = utcnow() - dt.timedelta(hours=1)
+
+
+def report_view(host: str, guests: list[str], dirs: list[str], cell: str = CELL) -> None:
+    """An inventory report from ``host`` listing its guests and instance directories, sent now."""
+    hosts.apply_report({"kind": "inventory", "host": host, "node": host, "cell": cell,
+                        "sent_at": dt.datetime.now(dt.UTC).isoformat(),
+                        "inventory": {"VCPU": {"total": 8}, "MEMORY_MB": {"total": 8192}, "DISK_GB": {"total": 40}},
+                        "guests": guests, "instance_dirs": dirs})
+
+
+def check(**options: Any) -> audit.AuditReport:
+    """The audit as tests run it: everything settled (no grace), nothing running, the same clock."""
+    options.setdefault("grace_seconds", 0)
+    options.setdefault("clock_skew_seconds", 0)
+    options.setdefault("running_executions", set())
+    return audit.run_audit(**options)
+
+
+@dataclass
+class Cloud:
+    active: str
+    port_id: str
+    volume_id: str
+    resized: Resized
+    state_dir: Path
+
+    def report_hosts(self) -> None:
+        """Every host reports what the consistent store expects of it."""
+        report_view(SOURCE, [self.active], [self.active, f"{self.resized.instance_uuid}_resize"])
+        report_view(DEST, [self.resized.instance_uuid], [self.resized.instance_uuid])
+        report_view(OTHER, [], [])
+
+
+def make_active(state_dir: Path) -> tuple[str, str, str]:
+    """An ACTIVE server on SOURCE with its allocation, an ACTIVE port binding and a volume attached there."""
+    uuid = str(uuidlib.uuid4())
+    placement.claim(uuid, PROJECT, USER, {provider(SOURCE): OLD_USAGE})
+    volume_id = make_volume(state_dir)
+    with cell_session(CELL) as session:
+        session.add(Instance(uuid=uuid, display_name="active", project_id=PROJECT, user_id=USER, image_ref="img-1",
+                             flavor=OLD, vm_state=states.ACTIVE, task_state=None, power_state=states.RUNNING,
+                             host=SOURCE, node=SOURCE, launched_on=SOURCE))
+        session.add(BlockDeviceMapping(instance_uuid=uuid, source_type="volume", destination_type="volume",
+                                       device_name="vdb", volume_id=volume_id))
+    with api_session() as session:
+        cell_id = session.scalars(select(CellMapping.id).where(CellMapping.name == CELL)).one()
+        session.add(InstanceMapping(instance_uuid=uuid, project_id=PROJECT, user_id=USER, cell_id=cell_id))
+        port = Port(network_id="net-1", project_id=PROJECT, device_id=uuid, status="ACTIVE",
+                    mac_address=f"fa:16:3e:{uuid[0:2]}:{uuid[2:4]}:{uuid[4:6]}", fixed_ip="10.0.0.9")
+        port.bindings.append(PortBinding(host=SOURCE, status="ACTIVE", vif_details={"type": "ethernet"}))
+        session.add(port)
+        session.add(VolumeAttachment(volume_id=volume_id, instance_uuid=uuid, host=SOURCE, device="vdb",
+                                     status="attached"))
+        session.flush()
+        return uuid, port.id, volume_id
+
+
+@pytest.fixture
+def cloud(store, monkeypatch, tmp_path) -> Iterator[Cloud]:
+    with mocked_aws(monkeypatch):
+        active, port_id, volume_id = make_active(tmp_path)
+        resized = make_resized(volume=True, state_dir=tmp_path)
+        made = Cloud(active, port_id, volume_id, resized, tmp_path)
+        made.report_hosts()
+        yield made
+
+
+def cell_write(cell: str, stmt: Any) -> None:
+    with cell_session(cell) as session:
+        session.execute(stmt)
+
+
+def add_copy(cell: str, uuid: str, **values: Any) -> None:
+    """A copy of the instance ``uuid`` of cell1 in ``cell`` with ``values`` changed."""
+    with cell_session(CELL) as session:
+        row = session.scalars(select(Instance).where(Instance.uuid == uuid)).one()
+        columns = {a.key: getattr(row, a.key) for a in Instance.__mapper__.column_attrs if a.key != "id"}
+    with cell_session(cell) as session:
+        session.add(Instance(**{**columns, **values}))
+
+
+def add_migration(instance_uuid: str, status: str, *, cell: str = CELL, **values: Any) -> str:
+    migration_uuid = str(uuidlib.uuid4())
+    fields: dict[str, Any] = {"uuid": migration_uuid, "instance_uuid": instance_uuid, "source_compute": SOURCE,
+                              "source_node": SOURCE, "dest_compute": OTHER, "dest_node": OTHER, "dest_host": OTHER,
+                              "status": status, "migration_type": moves.MIGRATION, "user_id": USER,
+                              "project_id": PROJECT, **values}
+    with cell_session(cell) as session:
+        session.add(Migration(**fields))
+    return migration_uuid
+
+
+def found(report: audit.AuditReport, kind: str) -> list[audit.Problem]:
+    problems = report.of_kind(kind)
+    assert problems, f"no {kind} in:\n{report.describe()}"
+    return problems
+
+
+def assert_fixed(kind: str) -> None:
+    """``fix=True`` repairs the planted problem, says so, and the store is clean afterwards."""
+    repaired = check(fix=True)
+    assert [r.error for r in repaired.repairs if r.problem.kind == kind] == [None], repaired.describe()
+    assert all(r.action for r in repaired.repairs)
+    assert repaired.clean, repaired.describe()
+    assert check().clean
+
+
+# --- the baseline ---------------------------------------------------------------------------------
+
+
+def test_a_consistent_store_is_clean(cloud):
+    report = check()
+
+    assert report.clean, report.describe()
+    assert report.to_dict()["clean"] is True
+    assert report.skipped == []
+
+
+def test_a_clean_store_stays_clean_under_fix(cloud):
+    report = check(fix=True)
+
+    assert report.clean and report.repairs == [], report.describe()
+
+
+def test_fresh_records_are_left_to_the_next_run(cloud):
+    placement.claim(str(uuidlib.uuid4()), PROJECT, USER, {provider(OTHER): OLD_USAGE})
+
+    assert check(grace_seconds=600).clean
+    assert check().kinds() == [audit.ALLOCATION_ORPHAN]
+
+
+# --- instances and their copies -------------------------------------------------------------------
+
+
+def test_a_server_without_a_visible_copy_in_its_mapped_cell_is_found(cloud):
+    cell_write(CELL, update(Instance).where(Instance.uuid == cloud.active).values(hidden=True))
+
+    report = check()
+
+    (problem,) = found(report, audit.INSTANCE_NOT_VISIBLE)
+    assert problem.resource == f"instance/{cloud.active}" and not problem.fixable
+    assert set(report.kinds()) == {audit.INSTANCE_NOT_VISIBLE}
+    assert check(fix=True).kinds() == [audit.INSTANCE_NOT_VISIBLE]
+
+
+def test_a_second_visible_copy_in_another_cell_is_found(cloud):
+    add_copy("cell2", cloud.active)
+
+    report = check()
+
+    (problem,) = found(report, audit.INSTANCE_MAPPING_MISMATCH)
+    assert problem.resource == f"instance/{cloud.active}@cell2" and not problem.fixable
+    assert report.kinds() == [audit.INSTANCE_MAPPING_MISMATCH]
+
+
+def test_a_visible_server_without_a_mapping_is_found(cloud):
+    with api_session() as session:
+        session.execute(InstanceMapping.__table__.delete().where(InstanceMapping.instance_uuid == cloud.active))
+
+    report = check()
+
+    assert report.kinds() == [audit.INSTANCE_UNMAPPED]
+    assert not report.problems[0].fixable
+
+
+def test_a_stale_hidden_copy_is_found_and_hard_deleted(cloud):
+    add_copy("cell2", cloud.active, hidden=True)
+    add_migration(cloud.active, moves.CONFIRMED, cell="cell2", cross_cell_move=True)
+
+    report = check()
+
+    (problem,) = found(report, audit.HIDDEN_COPY_STALE)
+    assert problem.fixable and problem.resource == f"instance/{cloud.active}@cell2"
+    assert report.kinds() == [audit.HIDDEN_COPY_STALE]
+    assert_fixed(audit.HIDDEN_COPY_STALE)
+    with cell_session("cell2") as session:
+        assert session.scalars(select(Instance).where(Instance.uuid == cloud.active)).first() is None
+        assert session.scalars(select(Migration).where(Migration.instance_uuid == cloud.active)).first() is None
+    with cell_session(CELL) as session:
+        assert session.scalars(select(Instance).where(Instance.uuid == cloud.active)).one().hidden is False
+
+
+def test_a_hidden_copy_of_a_move_between_cells_under_way_is_not_stale(cloud):
+    add_copy("cell2", cloud.active, hidden=True)
+    add_migration(cloud.active, moves.FINISHED, cell="cell2", cross_cell_move=True)
+
+    assert audit.HIDDEN_COPY_STALE not in check().kinds()
+
+
+# --- placement ------------------------------------------------------------------------------------
+
+
+def test_an_allocation_of_an_unknown_consumer_is_found_and_deleted(cloud):
+    stray = str(uuidlib.uuid4())
+    placement.claim(stray, PROJECT, USER, {provider(OTHER): OLD_USAGE})
+
+    report = check()
+
+    (problem,) = found(report, audit.ALLOCATION_ORPHAN)
+    assert problem.resource == f"allocation/{stray}" and problem.fixable
+    assert report.kinds() == [audit.ALLOCATION_ORPHAN]
+    assert_fixed(audit.ALLOCATION_ORPHAN)
+    assert placement.get_allocations(stray) == {}
+    assert placement.get_allocations(cloud.active) == {provider(SOURCE): OLD_USAGE}
+
+
+def test_an_allocation_of_a_deleted_server_is_found_and_deleted(cloud):
+    with cell_session(CELL) as session:
+        session.execute(update(Instance).where(Instance.uuid == cloud.active).values(
+            deleted=True, deleted_at=utcnow(), vm_state=states.DELETED))
+    with api_session() as session:
+        session.execute(update(InstanceMapping).where(InstanceMapping.instance_uuid == cloud.active)
+                        .values(queued_for_delete=True))
+        session.execute(VolumeAttachment.__table__.delete().where(VolumeAttachment.instance_uuid == cloud.active))
+        session.execute(Port.__table__.delete().where(Port.device_id == cloud.active))
+    report_view(SOURCE, [], [f"{cloud.resized.instance_uuid}_resize"])
+
+    report = check()
+
+    assert report.kinds() == [audit.ALLOCATION_ORPHAN], report.describe()
+    assert_fixed(audit.ALLOCATION_ORPHAN)
+
+
+def test_an_allocation_held_by_a_confirmed_migration_is_found_and_deleted(cloud):
+    migration = add_migration(cloud.active, moves.CONFIRMED)
+    placement.claim(migration, PROJECT, USER, {provider(OTHER): OLD_USAGE})
+
+    assert check().kinds() == [audit.ALLOCATION_ORPHAN]
+    assert_fixed(audit.ALLOCATION_ORPHAN)
+
+
+def test_a_settled_server_without_an_allocation_is_found(cloud):
+    placement.delete_allocations(cloud.active)
+
+    report = check()
+
+    (problem,) = found(report, audit.ALLOCATION_MISSING)
+    assert problem.resource == f"allocation/{cloud.active}" and not problem.fixable
+    assert report.kinds() == [audit.ALLOCATION_MISSING]
+
+
+def test_a_resized_server_whose_migration_holds_nothing_is_found(cloud):
+    placement.delete_allocations(cloud.resized.migration_uuid)
+
+    report = check()
+
+    assert report.kinds() == [audit.ALLOCATION_MISSING]
+    assert report.problems[0].resource == f"allocation/{cloud.resized.migration_uuid}"
+
+
+def test_an_allocation_that_does_not_match_the_flavor_is_found(cloud):
+    placement.claim(cloud.active, PROJECT, USER, {provider(SOURCE): {**OLD_USAGE, "MEMORY_MB": 4096}})
+
+    report = check()
+
+    assert report.kinds() == [audit.ALLOCATION_MISMATCH]
+    assert "4096" in report.problems[0].message and not report.problems[0].fixable
+
+
+def test_an_allocation_on_another_host_than_the_server_is_found(cloud):
+    placement.claim(cloud.active, PROJECT, USER, {provider(OTHER): OLD_USAGE})
+
+    assert check().kinds() == [audit.ALLOCATION_MISMATCH]
+
+
+def test_a_failed_migration_still_holding_its_allocation_is_found(cloud):
+    uuid = cloud.resized.instance_uuid
+    cell_write(CELL, update(Migration).where(Migration.uuid == cloud.resized.migration_uuid)
+               .values(status=moves.ERROR))
+    cell_write(CELL, update(Instance).where(Instance.uuid == uuid).values(
+        vm_state=states.ACTIVE, old_flavor=None, new_flavor=None))
+
+    report = check()
+
+    assert report.kinds() == [audit.MIGRATION_ALLOCATION_HELD], report.describe()
+    assert not report.problems[0].fixable
+
+
+def test_a_provider_over_its_capacity_is_found(cloud):
+    with api_session() as session:
+        provider_id = session.scalars(select(ResourceProvider.id).where(ResourceProvider.host == SOURCE)).one()
+        session.execute(update(Inventory).where(Inventory.resource_provider_id == provider_id,
+                                                Inventory.resource_class == "MEMORY_MB").values(total=600))
+
+    report = check()
+
+    assert report.kinds() == [audit.PROVIDER_OVER_CAPACITY]
+    assert report.problems[0].resource == f"provider/{SOURCE}"
+
+
+# --- hosts: guests and instance directories -------------------------------------------------------
+
+
+def test_a_guest_without_a_server_is_found(cloud):
+    stray = str(uuidlib.uuid4())
+    report_view(OTHER, [stray], [])
+
+    report = check()
+
+    assert report.kinds() == [audit.GUEST_ORPHAN]
+    assert report.problems[0].resource == f"host/{OTHER}/guest/{stray}" and not report.problems[0].fixable
+
+
+def test_a_guest_of_a_server_that_lives_elsewhere_is_found(cloud):
+    report_view(OTHER, [cloud.active], [])
+
+    assert check().kinds() == [audit.GUEST_ORPHAN]
+
+
+def test_a_server_whose_host_has_no_guest_for_it_is_found(cloud):
+    report_view(DEST, [], [cloud.resized.instance_uuid])
+
+    report = check()
+
+    assert report.kinds() == [audit.GUEST_MISSING]
+    assert report.problems[0].resource == f"instance/{cloud.resized.instance_uuid}"
+
+
+def test_a_report_older_than_the_servers_last_change_is_not_trusted(cloud):
+    report_view(DEST, [], [cloud.resized.instance_uuid])
+    cell_write(CELL, update(Instance).where(Instance.uuid == cloud.resized.instance_uuid)
+               .values(updated_at=utcnow() + dt.timedelta(seconds=1)))
+
+    assert check().clean
+
+
+def test_instance_directories_nothing_owns_are_found(cloud):
+    stray = str(uuidlib.uuid4())
+    report_view(OTHER, [], [stray, f"{cloud.active}_resize", "lost+found"])
+
+    report = check()
+
+    assert report.kinds() == [audit.INSTANCE_DIR_ORPHAN] * 2
+    assert {p.resource for p in report.problems} == {f"host/{OTHER}/dir/{stray}",
+                                                     f"host/{OTHER}/dir/{cloud.active}_resize"}
+    assert not any(p.fixable for p in report.problems)
+
+
+def test_a_resize_directory_left_after_the_move_was_confirmed_is_found(cloud):
+    uuid = cloud.resized.instance_uuid
+    placement.delete_allocations(cloud.resized.migration_uuid)
+    cell_write(CELL, update(Migration).where(Migration.uuid == cloud.resized.migration_uuid)
+               .values(status=moves.CONFIRMED))
+    cell_write(CELL, update(Instance).where(Instance.uuid == uuid).values(vm_state=states.ACTIVE))
+    with api_session() as session:
+        session.execute(PortBinding.__table__.delete().where(PortBinding.host == SOURCE,
+                                                             PortBinding.port_id == cloud.resized.port_id))
+        session.execute(VolumeAttachment.__table__.delete().where(VolumeAttachment.instance_uuid == uuid,
+                                                                  VolumeAttachment.host == SOURCE))
+    report_view(SOURCE, [cloud.active], [cloud.active, f"{uuid}_resize"])
+
+    report = check()
+
+    assert report.kinds() == [audit.INSTANCE_DIR_ORPHAN], report.describe()
+    assert report.problems[0].resource == f"host/{SOURCE}/dir/{uuid}_resize"
+
+
+# --- ports and volumes ----------------------------------------------------------------------------
+
+
+def test_a_port_binding_on_a_host_the_server_is_not_on_is_found_and_deleted(cloud):
+    with api_session() as session:
+        session.add(PortBinding(port_id=cloud.port_id, host=OTHER, status="INACTIVE", vif_details={}))
+
+    report = check()
+
+    (problem,) = found(report, audit.PORT_BINDING_ORPHAN)
+    assert problem.resource == f"port/{cloud.port_id}@{OTHER}" and problem.fixable
+    assert report.kinds() == [audit.PORT_BINDING_ORPHAN]
+    assert_fixed(audit.PORT_BINDING_ORPHAN)
+    with api_session() as session:
+        assert {b.host for b in session.get(Port, cloud.port_id).bindings} == {SOURCE}
+
+
+def test_a_binding_of_a_port_without_a_server_is_found_and_deleted(cloud):
+    with api_session() as session:
+        port = Port(network_id="net-1", project_id=PROJECT, device_id=None, mac_address="fa:16:3e:00:00:01")
+        port.bindings.append(PortBinding(host=OTHER, status="ACTIVE", vif_details={}))
+        session.add(port)
+
+    assert check().kinds() == [audit.PORT_BINDING_ORPHAN]
+    assert_fixed(audit.PORT_BINDING_ORPHAN)
+
+
+def test_a_port_still_bound_for_a_deleted_server_is_found_and_released(cloud):
+    gone = str(uuidlib.uuid4())
+    with api_session() as session:
+        port = Port(network_id="net-1", project_id=PROJECT, device_id=gone, mac_address="fa:16:3e:00:00:02")
+        port.bindings.append(PortBinding(host=OTHER, status="ACTIVE", vif_details={}))
+        session.add(port)
+        session.flush()
+        port_id = port.id
+
+    assert check().kinds() == [audit.PORT_BINDING_ORPHAN]
+    assert_fixed(audit.PORT_BINDING_ORPHAN)
+    with api_session() as session:
+        assert session.get(Port, port_id) is None
+
+
+def test_a_settled_port_without_an_active_binding_on_the_servers_host_is_found(cloud):
+    with api_session() as session:
+        session.execute(update(PortBinding).where(PortBinding.port_id == cloud.port_id).values(status="INACTIVE"))
+
+    report = check()
+
+    assert report.kinds() == [audit.PORT_BINDING_MISSING]
+    assert not report.problems[0].fixable
+
+
+def test_a_volume_attachment_on_another_host_is_found_and_deleted(cloud):
+    with api_session() as session:
+        session.add(VolumeAttachment(volume_id=cloud.volume_id, instance_uuid=cloud.active, host=OTHER,
+                                     device="vdb", status="reserved"))
+
+    report = check()
+
+    assert report.kinds() == [audit.VOLUME_ATTACHMENT_ORPHAN]
+    assert_fixed(audit.VOLUME_ATTACHMENT_ORPHAN)
+
+
+def test_a_volume_attachment_of_a_deleted_server_is_found_and_the_volume_freed(cloud):
+    volume_id = make_volume(cloud.state_dir)
+    with api_session() as session:
+        session.add(VolumeAttachment(volume_id=volume_id, instance_uuid=str(uuidlib.uuid4()), host=OTHER,
+                                     device="vdc", status="attached"))
+
+    assert check().kinds() == [audit.VOLUME_ATTACHMENT_ORPHAN]
+    assert_fixed(audit.VOLUME_ATTACHMENT_ORPHAN)
+    from ferry.store.api_models import Volume
+
+    with api_session() as session:
+        assert session.get(Volume, volume_id).status == "available"
+
+
+# --- the image bucket -----------------------------------------------------------------------------
+
+
+def test_a_temporary_snapshot_left_by_a_failed_move_between_cells_is_found_and_deleted(cloud):
+    migration = add_migration(cloud.active, moves.ERROR, cross_cell_move=True)
+    image_id = snapshot_image_id(migration)
+    images.upload_image(BytesIO(b"disk"), "active-resize-temp", image_id=image_id)
+
+    report = check()
+
+    (problem,) = found(report, audit.SNAPSHOT_IMAGE_ORPHAN)
+    assert problem.resource == f"image/{image_id}" and problem.fixable
+    assert report.kinds() == [audit.SNAPSHOT_IMAGE_ORPHAN]
+    assert_fixed(audit.SNAPSHOT_IMAGE_ORPHAN)
+    assert images.list_images() == []
+
+
+def test_the_snapshot_of_a_move_under_way_is_not_an_orphan(cloud):
+    migration = add_migration(cloud.active, moves.POST_MIGRATING, cross_cell_move=True)
+    cell_write(CELL, update(Instance).where(Instance.uuid == cloud.active)
+               .values(task_state=states.RESIZE_MIGRATED))
+    images.upload_image(BytesIO(b"disk"), "active-resize-temp", image_id=snapshot_image_id(migration))
+
+    assert check(running_executions={f"resize-{cloud.active}-{migration[:8]}"}).clean
+
+
+def test_an_image_named_like_a_snapshot_that_no_move_made_is_reported_not_deleted(cloud):
+    image = images.upload_image(BytesIO(b"disk"), "someone-resize-temp")
+
+    report = check(fix=True)
+
+    assert report.kinds() == [audit.SNAPSHOT_IMAGE_ORPHAN] and report.repairs == []
+    assert images.get_image(image["id"])
+
+
+def test_disk_transfer_objects_of_a_finished_move_are_found_and_deleted(cloud):
+    s3, bucket = aws.client("s3"), config.get().image_bucket
+    prefix = f"{audit.TRANSFER_PREFIX}{cloud.resized.migration_uuid}"
+    for kind in ("root", "root.manifest.json"):
+        s3.put_object(Bucket=bucket, Key=f"{prefix}/{kind}", Body=b"x")
+
+    report = check()
+
+    (problem,) = found(report, audit.TRANSFER_ORPHAN)
+    assert problem.resource == f"s3://{bucket}/{prefix}/" and problem.fixable
+    assert report.kinds() == [audit.TRANSFER_ORPHAN]
+    assert_fixed(audit.TRANSFER_ORPHAN)
+    assert s3.list_objects_v2(Bucket=bucket, Prefix=audit.TRANSFER_PREFIX).get("KeyCount") == 0
+
+
+# --- migrations -----------------------------------------------------------------------------------
+
+
+def test_a_finished_migration_of_a_server_not_in_verify_resize_is_found_and_put_in_error(cloud):
+    migration = add_migration(cloud.active, moves.FINISHED)
+
+    report = check()
+
+    (problem,) = found(report, audit.MIGRATION_STATE_MISMATCH)
+    assert problem.resource == f"migration/{migration}" and problem.fixable
+    assert report.kinds() == [audit.MIGRATION_STATE_MISMATCH]
+    assert_fixed(audit.MIGRATION_STATE_MISMATCH)
+    with cell_session(CELL) as session:
+        assert session.scalars(select(Migration.status).where(Migration.uuid == migration)).one() == moves.ERROR
+
+
+def test_a_migration_stuck_without_a_workflow_is_found_and_put_in_error(cloud):
+    migration = add_migration(cloud.active, moves.MIGRATING, created_at=LONG_AGO)
+
+    report = check()
+
+    (problem,) = found(report, audit.MIGRATION_STUCK)
+    assert problem.resource == f"migration/{migration}" and problem.fixable
+    assert report.kinds() == [audit.MIGRATION_STUCK]
+    assert_fixed(audit.MIGRATION_STUCK)
+    with cell_session(CELL) as session:
+        assert session.scalars(select(Migration.status).where(Migration.uuid == migration)).one() == moves.ERROR
+
+
+def test_a_migration_whose_workflow_runs_is_not_stuck(cloud):
+    migration = add_migration(cloud.active, moves.MIGRATING, created_at=LONG_AGO)
+    cell_write(CELL, update(Instance).where(Instance.uuid == cloud.active)
+               .values(task_state=states.RESIZE_MIGRATING))
+
+    assert check(running_executions={f"resize-{cloud.active}-{migration[:8]}"}).clean
+
+
+def test_without_a_view_of_the_workflows_a_stuck_migration_is_reported_but_not_repaired(cloud):
+    add_migration(cloud.active, moves.MIGRATING, created_at=LONG_AGO)
+
+    report = check(fix=True, running_executions=None)
+
+    assert report.kinds() == [audit.MIGRATION_STUCK] and report.repairs == []
+    assert any("state machine" in note for note in report.skipped)
+
+
+def test_a_server_stuck_with_a_task_and_no_workflow_is_found(cloud):
+    cell_write(CELL, update(Instance).where(Instance.uuid == cloud.active)
+               .values(task_state=states.POWERING_OFF, updated_at=LONG_AGO))
+
+    report = check()
+
+    assert report.kinds() == [audit.INSTANCE_TASK_STUCK]
+    assert not report.problems[0].fixable
+    assert check(running_executions={f"power-{cloud.active}-1234"}).clean
+
+
+def test_the_report_serialises_every_field(cloud):
+    placement.claim(str(uuidlib.uuid4()), PROJECT, USER, {provider(OTHER): OLD_USAGE})
+
+    (problem,) = check().to_dict()["problems"]
+
+    assert set(problem) == {"kind", "resource", "message", "fixable", "hint"}
+    assert problem["hint"] == audit.HINTS[audit.ALLOCATION_ORPHAN]
+
+
+def test_every_kind_has_a_runbook_entry():
+    runbook = (Path(__file__).resolve().parents[2] / "docs" / "reliability.md").read_text()
+
+    missing = [kind for kind in audit.KINDS if f"### `{kind}`" not in runbook]
+
+    assert missing == []
+
