@@ -88,12 +88,13 @@ def _service_uuid(value: str) -> str:
 
 
 def _update(view: ViewContext, service_id: str) -> Response:
+    service_uuid = _service_uuid(service_id)
     wanted = request.body(router, UPDATE)
-    if "status" not in wanted and "forced_down" not in wanted:
-        raise errors.BadRequest("No updates were requested. Fields 'status' or 'forced_down' should be specified.")
     if "disabled_reason" in wanted and wanted.get("status") != "disabled":
         raise errors.BadRequest("Specifying 'disabled_reason' with status other than 'disabled' is invalid.")
-    service = services.get_by_uuid(_service_uuid(service_id))
+    if "status" not in wanted and "forced_down" not in wanted:
+        raise errors.BadRequest("No updates were requested. Fields 'status' or 'forced_down' should be specified.")
+    service = services.get_by_uuid(service_uuid)
     changes: dict[str, Any] = {}
     if "status" in wanted:
         changes["disabled"] = wanted["status"] == "disabled"

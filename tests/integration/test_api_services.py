@@ -1,0 +1,338 @@
+"""The compute services API through the real handler (SQLite and PostgreSQL)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+
+import pytest
+from placement_helpers import PROJECT, USER, add_aggregate, add_compute, add_instance, request_spec
+from sqlalchemy import select, update
+from test_api_support import ADMIN, ALICE, call, mocked_cloud
+
+from ferry import errors, hosts, placement, protocol, scheduler
+from ferry.store.api_models import AggregateHost, HostMapping, ResourceProvider, utcnow
+from ferry.store.cell_models import Migration, Service
+from ferry.store.db import api_session, cell_session
+
+SERVICES = "/v2.1/os-services"
+
+
+@pytest.fixture
+def cloud(store, monkeypatch, tmp_path):
+    yield from mocked_cloud(monkeypatch, tmp_path)
+
+
+@pytest.fixture
+def computes(cloud):
+    """compute-1 (up) and compute-2 (silent for ten minutes) in cell1, compute-3 (forced down) in cell2."""
+    add_compute("compute-1", "cell1")
+    add_compute("compute-2", "cell1", last_seen_at=utcnow() - dt.timedelta(minutes=10))
+    add_compute("compute-3", "cell2", forced_down=True)
+    return ["compute-1", "compute-2", "compute-3"]
+
+
+def admin(method: str, path: str, **options):
+    options.setdefault("version", "2.69")
+    return call(method, path, caller=ADMIN, **options)
+
+
+def row(host: str) -> Service:
+    for cell in ("cell1", "cell2"):
+        with cell_session(cell) as session:
+            found = session.scalars(select(Service).where(Service.host == host)).one_or_none()
+            if found is not None:
+                return found
+    raise AssertionError(f"no service for {host}")
+
+
+def states() -> dict[str, tuple[bool, str | None, bool]]:
+    """Every service's (disabled, disabled_reason, forced_down) as stored."""
+    found = {}
+    for cell in ("cell1", "cell2"):
+        with cell_session(cell) as session:
+            found.update({s.host: (s.disabled, s.disabled_reason, s.forced_down)
+                          for s in session.scalars(select(Service))})
+    return found
+
+
+def listed(**options) -> dict[str, dict]:
+    response = admin("GET", SERVICES, **options)
+    assert response.status == 200, response.body
+    return {s["host"]: s for s in response.body["services"]}
+
+
+def error(response, kind: str) -> str:
+    return response.body[kind]["message"]
+
+
+# --- list -----------------------------------------------------------------------------------------
+
+
+def test_list_shows_every_cells_services_with_state_from_the_heartbeat(computes):
+    services = listed()
+
+    assert sorted(services) == computes
+    first = services["compute-1"]
+    assert set(first) == {"id", "binary", "host", "zone", "status", "state", "updated_at", "disabled_reason",
+                          "forced_down"}
+    assert first["id"] == row("compute-1").uuid
+    assert (first["binary"], first["zone"], first["status"], first["state"], first["disabled_reason"],
+            first["forced_down"]) == ("nova-compute", "nova", "enabled", "up", None, False)
+    assert first["updated_at"].startswith(utcnow().strftime("%Y-%m-%dT"))
+    assert services["compute-2"]["state"] == "down"
+    assert (services["compute-3"]["state"], services["compute-3"]["forced_down"]) == ("down", True)
+
+
+def test_ids_are_integers_before_2_53_and_forced_down_shows_from_2_11(computes):
+    old = listed(version="2.10")["compute-1"]
+    legacy = listed(version="2.52")["compute-1"]
+
+    assert old["id"] == row("compute-1").id and "forced_down" not in old
+    assert legacy["id"] == row("compute-1").id and legacy["forced_down"] is False
+
+
+def test_the_zone_comes_from_the_hosts_aggregates(computes):
+    add_aggregate("rack-a", ["compute-2"], {"availability_zone": "zone-a"})
+    add_aggregate("ssd", ["compute-1"], {"ssd": "true"})
+
+    services = listed()
+
+    assert {h: s["zone"] for h, s in services.items()} == {"compute-1": "nova", "compute-2": "zone-a",
+                                                           "compute-3": "nova"}
+
+
+def test_host_and_binary_filters(computes):
+    assert list(listed(query={"host": "compute-3"})) == ["compute-3"]
+    assert sorted(listed(query={"binary": "nova-compute"})) == computes
+    assert list(listed(query={"host": "compute-1", "binary": "nova-compute"})) == ["compute-1"]
+    assert listed(query={"binary": "nova-scheduler"}) == {}
+    assert listed(query={"host": "nowhere"}) == {}
+
+
+def test_members_are_refused_every_services_request(computes):
+    service_uuid = row("compute-1").uuid
+    for method, path, body, rule in (
+            ("GET", SERVICES, None, "list"),
+            ("PUT", f"{SERVICES}/{service_uuid}", {"status": "disabled"}, "update"),
+            ("DELETE", f"{SERVICES}/{service_uuid}", None, "delete")):
+        response = call(method, path, caller=ALICE, body=body, version="2.53")
+        assert response.status == 403, rule
+        assert error(response, "forbidden") == \
+            f"Policy doesn't allow os_compute_api:os-services:{rule} to be performed."
+    legacy = call("PUT", f"{SERVICES}/disable", caller=ALICE, body={"host": "compute-1", "binary": "nova-compute"})
+    assert legacy.status == 403
+    assert states()["compute-1"] == (False, None, False)
+
+
+# --- update (2.53+) -------------------------------------------------------------------------------
+
+
+def test_disable_with_a_reason_and_enable_again_by_uuid(computes):
+    service_uuid = row("compute-1").uuid
+
+    disabled = admin("PUT", f"{SERVICES}/{service_uuid}", body={"status": "disabled", "disabled_reason": "disk"})
+    assert disabled.status == 200
+    shown = disabled.body["service"]
+    assert (shown["id"], shown["host"], shown["status"], shown["disabled_reason"], shown["state"]) == \
+        (service_uuid, "compute-1", "disabled", "disk", "up")
+    assert states()["compute-1"] == (True, "disk", False)
+    assert listed()["compute-1"]["status"] == "disabled"
+
+    enabled = admin("PUT", f"{SERVICES}/{service_uuid}", body={"status": "enabled"})
+    assert enabled.status == 200 and enabled.body["service"]["disabled_reason"] is None
+    assert states()["compute-1"] == (False, None, False)
+
+
+def test_force_down_and_up_by_uuid(computes):
+    service_uuid = row("compute-1").uuid
+
+    down = admin("PUT", f"{SERVICES}/{service_uuid}", body={"forced_down": True})
+    assert (down.body["service"]["forced_down"], down.body["service"]["state"]) == (True, "down")
+    assert states()["compute-1"] == (False, None, True)
+
+    up = admin("PUT", f"{SERVICES}/{service_uuid}", body={"forced_down": False, "status": "disabled"})
+    assert (up.body["service"]["state"], up.body["service"]["status"]) == ("up", "disabled")
+    assert states()["compute-1"] == (True, None, False)
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ({}, "No updates were requested. Fields 'status' or 'forced_down' should be specified."),
+    ({"disabled_reason": "disk"}, "Specifying 'disabled_reason' with status other than 'disabled' is invalid."),
+    ({"status": "enabled", "disabled_reason": "disk"},
+     "Specifying 'disabled_reason' with status other than 'disabled' is invalid."),
+    ({"status": "off"}, None),
+    ({"status": "disabled", "disabled_reason": ""}, None),
+    ({"status": "disabled", "disabled_reason": "x" * 256}, None),
+    ({"forced_down": "yes"}, None),
+    ({"status": "disabled", "host": "compute-1"}, None),
+    (None, None),
+])
+def test_a_bad_update_is_400_and_changes_nothing(computes, body, message):
+    response = admin("PUT", f"{SERVICES}/{row('compute-1').uuid}", body=body)
+
+    assert response.status == 400
+    if message:
+        assert error(response, "badRequest") == message
+    assert states()["compute-1"] == (False, None, False)
+
+
+def test_update_of_an_unknown_or_malformed_service_id(computes):
+    unknown = admin("PUT", f"{SERVICES}/{uuid.uuid4()}", body={"status": "disabled"})
+    malformed = admin("PUT", f"{SERVICES}/disable", body={"host": "compute-1", "binary": "nova-compute"})
+
+    assert unknown.status == 404 and error(unknown, "itemNotFound").endswith("could not be found.")
+    assert malformed.status == 400 and error(malformed, "badRequest") == "Invalid uuid disable"
+    assert all(state == (False, None, False) for host, state in states().items() if host != "compute-3")
+
+
+# --- the pre-2.53 forms ---------------------------------------------------------------------------
+
+
+def test_legacy_disable_log_reason_disable_and_enable(computes):
+    naming = {"host": "compute-3", "binary": "nova-compute"}
+
+    logged = admin("PUT", f"{SERVICES}/disable-log-reason", version="2.52", body={**naming, "disabled_reason": "fan"})
+    assert logged.status == 200
+    assert logged.body == {"service": {**naming, "status": "disabled", "disabled_reason": "fan"}}
+    assert states()["compute-3"] == (True, "fan", True)
+
+    enabled = admin("PUT", f"{SERVICES}/enable", version="2.1", body=naming)
+    assert enabled.body == {"service": {**naming, "status": "enabled"}}
+    assert states()["compute-3"] == (False, None, True)
+
+    disabled = admin("PUT", f"{SERVICES}/disable", version="2.1", body=naming)
+    assert disabled.body == {"service": {**naming, "status": "disabled"}}
+    assert states()["compute-3"] == (True, None, True)
+
+
+def test_legacy_force_down_from_2_11(computes):
+    naming = {"host": "compute-1", "binary": "nova-compute"}
+
+    too_early = admin("PUT", f"{SERVICES}/force-down", version="2.10", body={**naming, "forced_down": True})
+    forced = admin("PUT", f"{SERVICES}/force-down", version="2.11", body={**naming, "forced_down": True})
+
+    assert too_early.status == 404
+    assert forced.status == 200 and forced.body == {"service": {**naming, "forced_down": True}}
+    assert states()["compute-1"] == (False, None, True)
+
+
+@pytest.mark.parametrize(("path", "body", "status"), [
+    ("disable-log-reason", {"host": "compute-1", "binary": "nova-compute"}, 400),
+    ("disable", {"host": "compute-1"}, 400),
+    ("disable", {"host": "compute-1", "binary": "nova-compute", "zone": "z"}, 400),
+    ("disable", {"host": "nowhere", "binary": "nova-compute"}, 404),
+    ("disable", {"host": "compute-1", "binary": "nova-scheduler"}, 404),
+    ("force-down", {"host": "compute-1", "binary": "nova-compute"}, 400),
+    ("reboot", {"host": "compute-1", "binary": "nova-compute"}, 404),
+])
+def test_bad_legacy_updates_change_nothing(computes, path, body, status):
+    response = admin("PUT", f"{SERVICES}/{path}", version="2.52", body=body)
+
+    assert response.status == status
+    assert states()["compute-1"] == (False, None, False)
+
+
+# --- delete ---------------------------------------------------------------------------------------
+
+
+def test_delete_is_refused_while_the_host_has_servers(computes):
+    add_instance("compute-1", "cell1")
+
+    response = admin("DELETE", f"{SERVICES}/{row('compute-1').uuid}")
+
+    assert response.status == 409
+    assert error(response, "conflictingRequest") == (
+        "Unable to delete compute service that is hosting instances. Migrate or delete the instances first.")
+    assert "compute-1" in states()
+
+
+def test_delete_is_refused_while_a_migration_involves_the_host(computes):
+    with cell_session("cell2") as session:
+        session.add(Migration(instance_uuid=str(uuid.uuid4()), source_compute="compute-3", dest_compute="compute-1",
+                              status="finished", migration_type="migration"))
+
+    response = admin("DELETE", f"{SERVICES}/{row('compute-1').uuid}")
+
+    assert response.status == 409
+    assert "in-progress migrations" in error(response, "conflictingRequest")
+    with cell_session("cell2") as session:
+        session.execute(update(Migration).values(status="confirmed"))
+    assert admin("DELETE", f"{SERVICES}/{row('compute-1').uuid}").status == 204
+
+
+def test_delete_is_refused_while_the_hosts_provider_has_allocations(computes):
+    placement.claim(str(uuid.uuid4()), PROJECT, USER, {placement.provider_by_host("compute-2"): {placement.VCPU: 1}})
+
+    response = admin("DELETE", f"{SERVICES}/{row('compute-2').uuid}")
+
+    assert response.status == 409
+    assert "still has allocations" in error(response, "conflictingRequest")
+    assert "compute-2" in states()
+    with api_session() as session:
+        assert session.scalars(select(HostMapping).where(HostMapping.host == "compute-2")).one_or_none() is not None
+
+
+def test_delete_forgets_the_host_everywhere(computes):
+    add_aggregate("ssd", ["compute-1", "compute-2"], {"ssd": "true"})
+
+    response = admin("DELETE", f"{SERVICES}/{row('compute-1').uuid}")
+
+    assert response.status == 204 and response.body is None
+    assert sorted(states()) == ["compute-2", "compute-3"]
+    with api_session() as session:
+        assert session.scalars(select(HostMapping.host).where(HostMapping.host == "compute-1")).all() == []
+        assert session.scalars(select(ResourceProvider.host).where(ResourceProvider.host == "compute-1")).all() == []
+        assert session.scalars(select(AggregateHost.host)).all() == ["compute-2"]
+    assert "compute-1" not in listed()
+
+
+def test_legacy_delete_by_integer_id_needs_an_unambiguous_id(computes):
+    # compute-1 (cell1) and compute-3 (cell2) are each the first service of their cell.
+    assert row("compute-1").id == row("compute-3").id
+
+    ambiguous = admin("DELETE", f"{SERVICES}/{row('compute-1').id}", version="2.52")
+    unique = admin("DELETE", f"{SERVICES}/{row('compute-2').id}", version="2.52")
+    malformed = admin("DELETE", f"{SERVICES}/{row('compute-1').uuid}", version="2.52")
+
+    assert ambiguous.status == 400 and error(ambiguous, "badRequest") == \
+        f"Service id {row('compute-1').id} refers to multiple services."
+    assert unique.status == 204
+    assert malformed.status == 400
+    assert sorted(states()) == ["compute-1", "compute-3"]
+
+
+def test_delete_of_an_unknown_service_is_404(computes):
+    assert admin("DELETE", f"{SERVICES}/{uuid.uuid4()}").status == 404
+    assert admin("DELETE", f"{SERVICES}/999", version="2.52").status == 404
+    assert admin("DELETE", f"{SERVICES}/not-a-uuid").status == 400
+    assert sorted(states()) == computes
+
+
+# --- what disabling does --------------------------------------------------------------------------
+
+
+def test_a_host_disabled_through_the_api_gets_no_new_servers(computes):
+    add_compute("compute-4", "cell1")
+
+    def chosen() -> list[str]:
+        return sorted(s.host for s in scheduler.select_destinations(request_spec(), claim=False))
+
+    assert chosen() == ["compute-1", "compute-4"]
+    admin("PUT", f"{SERVICES}/{row('compute-1').uuid}", body={"status": "disabled", "disabled_reason": "maint"})
+    assert chosen() == ["compute-4"]
+    admin("PUT", f"{SERVICES}/{row('compute-4').uuid}", body={"status": "disabled"})
+    with pytest.raises(errors.NoValidHost):
+        chosen()
+
+    admin("PUT", f"{SERVICES}/{row('compute-1').uuid}", body={"status": "enabled"})
+    assert chosen() == ["compute-1"]
+
+
+def test_the_heartbeat_does_not_enable_a_disabled_service(computes):
+    admin("PUT", f"{SERVICES}/{row('compute-1').uuid}", body={"status": "disabled", "disabled_reason": "maint"})
+
+    hosts.apply_report({"kind": protocol.REPORT_HEARTBEAT, "host": "compute-1", "sent_at": utcnow().isoformat()})
+
+    assert states()["compute-1"] == (True, "maint", False)
+    assert listed()["compute-1"]["state"] == "up"
