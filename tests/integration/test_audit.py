@@ -608,3 +608,14 @@ def test_every_kind_has_a_runbook_entry():
 
     assert missing == []
 
+
+
+def test_a_report_that_arrives_after_a_newer_one_does_not_replace_its_view(cloud):
+    stray = str(uuidlib.uuid4())
+    report_view(OTHER, [stray], [])
+    hosts.apply_report({"kind": "inventory", "host": OTHER, "node": OTHER, "cell": CELL,
+                        "sent_at": (dt.datetime.now(dt.UTC) - dt.timedelta(minutes=5)).isoformat(),
+                        "inventory": {"VCPU": {"total": 8}, "MEMORY_MB": {"total": 8192}, "DISK_GB": {"total": 40}},
+                        "guests": [], "instance_dirs": []})
+
+    assert check().kinds() == [audit.GUEST_ORPHAN]

@@ -672,3 +672,18 @@ def test_ensuring_the_queue_again_keeps_it_and_applies_new_settings(host):
     assert again == host.queue_url
     attrs = host.sqs.get_queue_attributes(QueueUrl=again, AttributeNames=["VisibilityTimeout"])["Attributes"]
     assert attrs["VisibilityTimeout"] == "300"
+
+
+def test_the_inventory_report_lists_the_instance_directories_but_not_the_image_cache(host):
+    instance_uuid = str(uuid.uuid4())
+    output(host.execute("spawn", instance_uuid, spawn_args(host.image(b"x" * 4096))))
+    (host.agent.instances_dir / f"{instance_uuid}_resize").mkdir()
+    (host.agent.instances_dir / "stray-file").write_text("not a directory")
+    host.reports()
+
+    assert host.agent.send_inventory()
+    (report,) = [r for r in host.reports() if r["kind"] == "inventory"]
+
+    protocol.validate(report, protocol.REPORT_SCHEMA)
+    assert (host.agent.instances_dir / "_base").is_dir()
+    assert report["instance_dirs"] == sorted([instance_uuid, f"{instance_uuid}_resize"])

@@ -1,0 +1,89 @@
+"""The ``ferry`` command line: ``ferry audit`` prints the report and exits 0 when clean, 1 when problems remain."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+import uuid
+from pathlib import Path
+
+import pytest
+
+from ferry import cli, hosts, placement
+from ferry.store.api_models import utcnow
+
+ROOT = Path(__file__).resolve().parents[2]
+QUIET = ["--grace", "0", "--no-storage"]
+
+
+@pytest.fixture
+def with_stray_allocation(sqlite_store) -> str:
+    """A host with an allocation of a consumer that is no server and no migration."""
+    hosts.apply_report({"kind": "inventory", "host": "h1", "node": "h1", "cell": "cell1",
+                        "sent_at": utcnow().isoformat(),
+                        "inventory": {"VCPU": {"total": 4}, "MEMORY_MB": {"total": 4096}, "DISK_GB": {"total": 10}}})
+    consumer = str(uuid.uuid4())
+    placement.claim(consumer, "p1", "u1", {placement.provider_by_host("h1"): {"VCPU": 1, "MEMORY_MB": 512}})
+    return consumer
+
+
+def test_audit_of_a_clean_store_exits_0(sqlite_store, capsys):
+    assert cli.main(["audit", *QUIET]) == 0
+
+    out = capsys.readouterr().out
+    assert out.strip().endswith("clean")
+    assert "SKIPPED" in out  # no state machine configured: said, not hidden
+
+
+def test_audit_with_a_problem_exits_1_and_names_it(with_stray_allocation, capsys):
+    assert cli.main(["audit", *QUIET]) == 1
+
+    out = capsys.readouterr().out
+    assert f"FIXABLE  allocation_orphan allocation/{with_stray_allocation}" in out
+    assert "1 problem(s)" in out
+
+
+def test_audit_json_is_the_structured_report(with_stray_allocation, capsys):
+    assert cli.main(["audit", "--json", *QUIET]) == 1
+
+    report = json.loads(capsys.readouterr().out)
+    assert report["clean"] is False
+    assert report["problems"] == [{
+        "kind": "allocation_orphan", "resource": f"allocation/{with_stray_allocation}", "fixable": True,
+        "message": report["problems"][0]["message"], "hint": "ferry audit --fix deletes it"}]
+    assert report["repairs"] == []
+
+
+def test_audit_fix_repairs_says_what_it_did_and_exits_0(with_stray_allocation, capsys):
+    assert cli.main(["audit", "--fix", *QUIET]) == 0
+
+    out = capsys.readouterr().out
+    assert f"FIXED    allocation_orphan allocation/{with_stray_allocation}: deleted the allocations" in out
+    assert placement.get_allocations(with_stray_allocation) == {}
+    assert cli.main(["audit", *QUIET]) == 0
+
+
+def test_the_default_grace_leaves_fresh_records_alone(with_stray_allocation, capsys):
+    assert cli.main(["audit", "--no-storage"]) == 0
+
+
+def test_ferry_without_a_command_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main([])
+
+    assert exited.value.code == 2
+    assert "<command>" in capsys.readouterr().err
+
+
+def test_commands_are_a_list_others_can_extend():
+    names = [name for name, _add in cli.COMMANDS]
+    parser = cli.build_parser()
+
+    assert names == ["audit"]
+    assert parser.parse_args(["audit", "--fix", "--json"]).handler is not None
+
+
+def test_the_console_script_is_registered():
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+
+    assert scripts["ferry"] == "ferry.cli:main"
