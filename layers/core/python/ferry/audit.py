@@ -267,6 +267,11 @@ class _World:
     def open_migrations(self, uuid: str) -> list[Migration]:
         return [m for m in self.migrations_of.get(uuid, []) if m.status in OPEN]
 
+    def unsettled_migrations(self, uuid: str) -> list[Migration]:
+        """Open migrations, and failed ones still holding their allocation (a confirm that failed at the source)."""
+        return [m for m in self.migrations_of.get(uuid, [])
+                if m.status in OPEN or (m.status == moves.ERROR and m.uuid in self.allocations)]
+
     def in_flight(self, uuid: str) -> bool:
         """Whether a workflow may be changing the server now: a task, or a migration under way."""
         instance = self.visible(uuid)
@@ -325,6 +330,9 @@ def _changed(row: Any) -> dt.datetime:
 def _read_world(grace_seconds: float, clock_skew_seconds: float, running: Collection[str] | None,
                 skipped: list[str]) -> _World:
     now = utcnow()
+    # Listed before the records are read: a workflow that ends meanwhile leaves settled records, and
+    # one that starts meanwhile writes records newer than the grace period allows to judge.
+    running_names = set(running) if running is not None else _running_executions(skipped)
     with api_session() as session:
         cells = list(session.scalars(select(CellMapping).order_by(CellMapping.id)))
         mappings = {m.instance_uuid: m for m in session.scalars(select(InstanceMapping))}
@@ -361,7 +369,7 @@ def _read_world(grace_seconds: float, clock_skew_seconds: float, running: Collec
         copies=dict(copies), migration_copies=dict(migration_copies), bfv=bfv, views=views, providers=providers,
         inventories=inventories, allocations={c: dict(a) for c, a in allocations.items()}, consumers=consumers,
         ports=ports, attachments=attachments,
-        running=set(running) if running is not None else _running_executions(skipped),
+        running=running_names,
     )
     # One record per migration: the copy in the cell the server is mapped to wins (as GET /os-migrations).
     for migration_uuid, found in world.migration_copies.items():
@@ -554,9 +562,9 @@ def _check_allocations(world: _World) -> Iterable[Problem]:
 
 
 def _owner_hosts(world: _World, uuid: str) -> set[str]:
-    """Hosts where the server may have a guest, disks, bindings or attachments: its own and its open moves' ends."""
+    """Hosts where the server may have a guest, disks, bindings or attachments: its own, its unsettled moves' ends."""
     found = {c.row.host for c in world.copies.get(uuid, []) if not c.row.deleted and c.row.host}
-    for migration in world.open_migrations(uuid):
+    for migration in world.unsettled_migrations(uuid):
         found |= {h for h in (migration.source_compute, migration.dest_compute) if h}
     return found
 
@@ -578,9 +586,7 @@ def _check_hosts(world: _World) -> Iterable[Problem]:
             if not world.report_covers(view, uuid):
                 continue
             if matched["resize"]:
-                owned = any(m.source_compute == host and (m.status in OPEN or (
-                    m.status == moves.ERROR and m.uuid in world.allocations))
-                    for m in world.migrations_of.get(uuid, []))
+                owned = any(m.source_compute == host for m in world.unsettled_migrations(uuid))
             else:
                 owned = host in _owner_hosts(world, uuid)
             if not owned:
