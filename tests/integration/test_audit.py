@@ -341,6 +341,23 @@ def test_a_provider_over_its_capacity_is_found(cloud):
     assert report.problems[0].resource == f"provider/{SOURCE}"
 
 
+def test_a_used_counter_that_drifted_from_the_allocations_is_found_and_recomputed(cloud):
+    with api_session() as session:
+        provider_id = session.scalars(select(ResourceProvider.id).where(ResourceProvider.host == OTHER)).one()
+        session.execute(update(Inventory).where(Inventory.resource_provider_id == provider_id,
+                                                Inventory.resource_class == "VCPU").values(used=3))
+
+    report = check()
+
+    (problem,) = found(report, audit.INVENTORY_USAGE_DRIFT)
+    assert problem.resource == f"provider/{OTHER}/VCPU" and problem.fixable
+    assert report.kinds() == [audit.INVENTORY_USAGE_DRIFT]
+    assert_fixed(audit.INVENTORY_USAGE_DRIFT)
+    with api_session() as session:
+        assert session.scalars(select(Inventory.used).where(Inventory.resource_provider_id == provider_id,
+                                                            Inventory.resource_class == "VCPU")).one() == 0
+
+
 # --- hosts: guests and instance directories -------------------------------------------------------
 
 

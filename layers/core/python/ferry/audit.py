@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from botocore.exceptions import BotoCoreError, ClientError
-from sqlalchemy import CursorResult, select, update
+from sqlalchemy import CursorResult, func, select, update
 
 from ferry import aws, config, errors, hosts, images, network, placement
 from ferry.compute import moves, states
@@ -63,6 +63,7 @@ ALLOCATION_MISSING = "allocation_missing"
 ALLOCATION_MISMATCH = "allocation_mismatch"
 MIGRATION_ALLOCATION_HELD = "migration_allocation_held"
 PROVIDER_OVER_CAPACITY = "provider_over_capacity"
+INVENTORY_USAGE_DRIFT = "inventory_usage_drift"
 GUEST_ORPHAN = "guest_orphan"
 GUEST_MISSING = "guest_missing"
 INSTANCE_DIR_ORPHAN = "instance_dir_orphan"
@@ -86,6 +87,7 @@ HINTS: dict[str, str] = {
     ALLOCATION_MISMATCH: "set the consumer's allocation to its flavor on its host",
     MIGRATION_ALLOCATION_HELD: "confirm or revert the move again, or delete the allocation once the source is clean",
     PROVIDER_OVER_CAPACITY: "move servers off the host or correct the inventory the agent reports",
+    INVENTORY_USAGE_DRIFT: "ferry audit --fix recomputes the counter from the allocations",
     GUEST_ORPHAN: "check the guest on the host, then destroy and undefine it",
     GUEST_MISSING: "the server has no guest on its host: rebuild it or restore its disks, then reset its state",
     INSTANCE_DIR_ORPHAN: "check the directory on the host, then remove it",
@@ -550,11 +552,18 @@ def _check_allocations(world: _World) -> Iterable[Problem]:
         for rp, amounts in held.items():
             for rc, amount in amounts.items():
                 used[(rp, rc)] += amount
+    for inventory in sorted(world.inventories.values(), key=lambda i: (i.resource_provider_id, i.resource_class)):
+        provider = next(p for p in world.providers.values() if p.id == inventory.resource_provider_id)
+        allocated = used.get((provider.uuid, inventory.resource_class), 0)
+        if inventory.used != allocated and not world.recent(_changed(provider)):
+            yield Problem(INVENTORY_USAGE_DRIFT, f"provider/{provider.name}/{inventory.resource_class}",
+                          f"Resource provider {provider.name} counts {inventory.used} {inventory.resource_class} "
+                          f"used, but its allocations add up to {allocated}.",
+                          _repair_usage(inventory.id, inventory.used))
     for (rp, rc), amount in sorted(used.items()):
         provider = world.providers[rp]
-        inventory = world.inventories.get((provider.id, rc))
-        room = (placement.capacity(inventory.total, inventory.reserved, inventory.allocation_ratio)
-                if inventory is not None else 0)
+        limit = world.inventories.get((provider.id, rc))
+        room = placement.capacity(limit.total, limit.reserved, limit.allocation_ratio) if limit is not None else 0
         if amount > room:
             yield Problem(PROVIDER_OVER_CAPACITY, f"provider/{provider.name}",
                           f"Resource provider {provider.name} has {amount} {rc} allocated, more than its capacity "
@@ -741,6 +750,26 @@ def _repair_allocation(world: _World, consumer: str) -> Callable[[], str]:
         # Only if nothing wrote the consumer since it was read (else AllocationConflict, not repaired).
         placement.set_allocations({consumer: {"allocations": {}, "consumer_generation": generation}})
         return f"deleted the allocations of consumer {consumer}"
+
+    return repair
+
+
+def _repair_usage(inventory_id: int, seen: int) -> Callable[[], str]:
+    def repair() -> str:
+        with api_session() as session:
+            inventory = session.get(Inventory, inventory_id)
+            if inventory is None:
+                return "the inventory was already gone"
+            allocated = int(session.scalar(select(func.coalesce(func.sum(Allocation.used), 0)).where(
+                Allocation.resource_provider_id == inventory.resource_provider_id,
+                Allocation.resource_class == inventory.resource_class)) or 0)
+            # Only over the value read: every placement write refreshes the counter in its transaction.
+            result = cast(CursorResult[Any], session.execute(
+                update(Inventory).where(Inventory.id == inventory_id, Inventory.used == seen)
+                .values(used=allocated).execution_options(synchronize_session=False)))
+            if result.rowcount != 1:
+                raise errors.FerryError(f"the {inventory.resource_class} counter changed meanwhile; left as it is")
+            return f"set the {inventory.resource_class} used counter from {seen} to {allocated}"
 
     return repair
 
