@@ -309,6 +309,7 @@ def test_the_zone_of_hosts_that_run_servers_cannot_change(computes):
     {"set_metadata": {"metadata": {"bad/key": "x"}}},
     {"set_metadata": {"metadata": {"k": "v" * 256}}},
     {"set_metadata": {"metadata": {"k": 1}}},
+    {"set_metadata": {"metadata": {"availability_zone": ""}}},
     {"set_metadata": {"metadata": ["k"]}},
     {"set_metadata": {}},
     {"add_host": {"host": "compute-1"}, "remove_host": {"host": "compute-1"}},
