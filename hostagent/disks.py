@@ -316,7 +316,7 @@ def create_root_disk(
     cache_dir: str | os.PathLike[str] | None = None,
     chunk_size: int = CHUNK_SIZE,
 ) -> int:
-    """Write a root disk from a raw image in S3 and grow it to ``root_bytes``; return its size.
+    """Write a root disk from an image in S3 (raw or sparse) and grow it to ``root_bytes``; return its size.
 
     ``root_bytes == 0`` (a flavor with ``root_gb`` 0) keeps the image's own size, as Nova does.
     With ``cache_dir`` the image is downloaded once per checksum into the cache and copied
@@ -333,7 +333,10 @@ def create_root_disk(
     dest_path = Path(dest)
     bucket, key, expected = image["bucket"], image["key"], image["sha256"].lower()
     try:
-        image_size = int(s3_client.head_object(Bucket=bucket, Key=key)["ContentLength"])
+        head = s3_client.head_object(Bucket=bucket, Key=key)
+        metadata = head.get("Metadata") or {}
+        sparse = metadata.get("layout") == EXTENTS_LAYOUT
+        image_size = int(metadata.get("virtual-size") or 0) if sparse else int(head["ContentLength"])
     except (ClientError, BotoCoreError) as exc:
         raise errors.ImageDownloadFailed(
             f"Image s3://{bucket}/{key} cannot be read: {exc}", bucket=bucket, key=key
@@ -343,17 +346,18 @@ def create_root_disk(
             f"Image {image.get('id')} ({image_size} bytes) is larger than the root disk ({root_bytes} bytes).",
             image_id=image.get("id"),
         )
+    fetch = _download_sparse_image if sparse else download_image
     if cache_dir is None:
-        download_image(s3_client, bucket, key, dest_path, expected, chunk_size)
+        fetch(s3_client, bucket, key, dest_path, expected, chunk_size)
     else:
         cached = Path(cache_dir) / expected
         if not cached.exists():
-            download_image(s3_client, bucket, key, cached, expected, chunk_size)
+            fetch(s3_client, bucket, key, cached, expected, chunk_size)
         if copy_sparse(cached, dest_path, chunk_size) != expected:
             # The cached copy rotted on disk: drop it and the copy, and fetch the image afresh.
             dest_path.unlink(missing_ok=True)
             cached.unlink(missing_ok=True)
-            download_image(s3_client, bucket, key, cached, expected, chunk_size)
+            fetch(s3_client, bucket, key, cached, expected, chunk_size)
             if copy_sparse(cached, dest_path, chunk_size) != expected:
                 dest_path.unlink(missing_ok=True)
                 raise errors.ImageDownloadFailed(f"Image {image.get('id')} changed while it was being copied.")
@@ -644,31 +648,6 @@ def delete_transfer(s3_client: Any, bucket: str, prefix: str) -> int:
 # --- snapshots as images ---------------------------------------------------------------------------
 
 
-class _HashingFileReader:
-    """A non-seekable reader of a whole file that hashes what passes through it.
-
-    An image object holds the disk's full content (holes read as zeros), since ``spawn`` verifies
-    the sha256 of exactly what it downloads. Non-seekable so the upload reads the file once.
-    """
-
-    def __init__(self, f: IO[bytes]) -> None:
-        self._f = f
-        self.hasher = hashlib.sha256()
-        self.size = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return False
-
-    def read(self, size: int = -1) -> bytes:
-        chunk = self._f.read(CHUNK_SIZE if size is None or size < 0 else size)
-        self.hasher.update(chunk)
-        self.size += len(chunk)
-        return chunk
-
-
 def image_sha256(s3_client: Any, bucket: str, key: str) -> str | None:
     """The sha256 an image object's metadata records, or None when there is no finished image there."""
     try:
@@ -680,39 +659,67 @@ def image_sha256(s3_client: Any, bucket: str, key: str) -> str | None:
     return (head.get("Metadata") or {}).get("sha256") or None
 
 
-def upload_image_file(
+IMAGE_DATA_KIND = "disk"
+EXTENTS_LAYOUT = "extents"  # ferry.images.EXTENTS_LAYOUT
+
+
+def upload_sparse_image(
     s3_client: Any,
     path: str | os.PathLike[str],
     bucket: str,
     key: str,
+    data_prefix: str,
     metadata: dict[str, str],
-    part_size: int = TRANSFER_PART_SIZE,
-) -> tuple[str, int]:
-    """Stream the file at ``path`` into the image object ``s3://bucket/key``; return (sha256, size).
+) -> Transferred:
+    """Store the disk at ``path`` as the sparse image ``s3://bucket/key``; return what was sent.
 
-    The object is uploaded with ``metadata`` and without ``sha256`` (an unfinished image), then
-    its metadata is replaced to add the ``sha256`` computed while it streamed: only then is it an
-    image that can be booted (the shape :mod:`ferry.images` reads). Memory holds a few parts.
+    The disk's written extents and their manifest go under ``data_prefix`` (as a transfer
+    between hosts does: holes and zero blocks are not sent), then the image object itself, a
+    small pointer to them, with ``metadata`` plus the ``sha256`` of the whole disk, its
+    ``virtual-size`` and ``data-size``: the image exists, finished, from that one write on.
 
     Raises:
-        DiskCopyFailed: the file cannot be read or the upload failed.
+        DiskCopyFailed: the disk cannot be read or the upload failed.
     """
-    config = TransferConfig(
-        multipart_threshold=part_size, multipart_chunksize=part_size, max_concurrency=TRANSFER_CONCURRENCY
-    )
+    sent = upload_disk(s3_client, path, bucket, data_prefix, IMAGE_DATA_KIND)
+    pointer = {"layout": EXTENTS_LAYOUT, "prefix": data_prefix, "kind": IMAGE_DATA_KIND}
     try:
-        with open(path, "rb") as f:
-            reader = _HashingFileReader(f)
-            s3_client.upload_fileobj(reader, bucket, key, ExtraArgs={"Metadata": metadata}, Config=config)
-        digest = reader.hasher.hexdigest()
-        s3_client.copy(
-            {"Bucket": bucket, "Key": key},
-            bucket,
-            key,
-            ExtraArgs={"Metadata": {**metadata, "sha256": digest}, "MetadataDirective": "REPLACE"},
+        s3_client.put_object(
+            Bucket=bucket,
+            Key=key,
+            Body=json.dumps(pointer).encode(),
+            ContentType="application/json",
+            Metadata={**metadata, "layout": EXTENTS_LAYOUT, "sha256": sent.sha256,
+                      "virtual-size": str(sent.size), "data-size": str(sent.data_bytes)},
         )
-    except (ClientError, BotoCoreError, S3UploadFailedError, OSError) as exc:
-        raise errors.DiskCopyFailed(
-            f"Uploading {path} to s3://{bucket}/{key} failed: {exc}", bucket=bucket, key=key
-        ) from exc
-    return digest, reader.size
+    except (ClientError, BotoCoreError) as exc:
+        raise errors.DiskCopyFailed(f"Writing the image s3://{bucket}/{key} failed: {exc}", bucket=bucket,
+                                    key=key) from exc
+    return sent
+
+
+def _download_sparse_image(
+    s3_client: Any, bucket: str, key: str, dest: str | os.PathLike[str], expected_sha256: str, chunk_size: int
+) -> int:
+    """Rebuild a sparse image's disk at ``dest`` from its extents, verified; return its size.
+
+    Raises:
+        ImageDownloadFailed: the pointer, manifest or data are missing or do not match.
+    """
+    try:
+        body = s3_client.get_object(Bucket=bucket, Key=key)["Body"]
+        try:
+            pointer = json.loads(body.read())
+        finally:
+            body.close()
+        got = download_disk(s3_client, bucket, str(pointer["prefix"]), str(pointer["kind"]), dest,
+                            expected_sha256=expected_sha256, chunk_size=chunk_size)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise errors.ImageDownloadFailed(f"Image s3://{bucket}/{key} is not a valid sparse image: {exc}",
+                                         bucket=bucket, key=key) from exc
+    except errors.DiskCopyFailed as exc:
+        raise errors.ImageDownloadFailed(f"Image s3://{bucket}/{key}: {exc.message}", bucket=bucket, key=key) from exc
+    except (ClientError, BotoCoreError) as exc:
+        raise errors.ImageDownloadFailed(f"Image s3://{bucket}/{key} cannot be read: {exc}", bucket=bucket,
+                                         key=key) from exc
+    return got.size

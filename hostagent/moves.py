@@ -461,8 +461,9 @@ class MoveOperations:
 
         The guest's power state is remembered (``was_running``), the guest is stopped and
         undefined and its directory becomes ``<uuid>_resize`` as for ``resize_instance``; then the
-        root disk streams to ``s3://<snapshot.bucket>/<snapshot.key>`` as a raw image named
-        ``snapshot.name``, which the destination's ``spawn`` boots from. A re-run after the upload
+        root disk's written extents stream to ``s3://<snapshot.bucket>/<snapshot.data_prefix>/`` and
+        ``<snapshot.key>`` becomes the sparse image named ``snapshot.name`` that points at them,
+        which the destination's ``spawn`` boots from. A re-run after the upload
         finished returns the same snapshot without sending it again.
 
         Raises:
@@ -497,14 +498,14 @@ class MoveOperations:
             "min-ram": "0",
             "visibility": "private",
         }
-        sha256, size = disks.upload_image_file(self.s3, root, bucket, key, metadata)
-        self._emit_metric("SnapshotBytesSent", MetricUnit.Bytes, size, op.name)
-        done = {"image_id": image_id, "sha256": sha256, "size": size}
+        sent = disks.upload_sparse_image(self.s3, root, bucket, key, snapshot["data_prefix"], metadata)
+        self._emit_metric("SnapshotBytesSent", MetricUnit.Bytes, sent.data_bytes, op.name)
+        done = {"image_id": image_id, "sha256": sent.sha256, "size": sent.size, "data_bytes": sent.data_bytes}
         _write_record(kept, {**record, "snapshot": done})
         logger.info(
             "snapshot sent",
             extra={"host": self.host, "instance_uuid": uuid, "migration_uuid": migration, "image_id": image_id,
-                   "size": size},
+                   "size": sent.size, "data_bytes": sent.data_bytes},
         )
         return {**self._result(uuid, NOSTATE), "was_running": bool(record["was_running"]), "snapshot": done}
 

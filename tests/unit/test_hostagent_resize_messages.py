@@ -55,7 +55,8 @@ VALID_ARGS = {
     "detach_volume": {"volume_id": "vol-1"},
     "prep_snapshot_based_resize_at_source": {
         "migration_uuid": MIGRATION,
-        "snapshot": {"bucket": "images", "key": "images/img-1", "image_id": "img-1", "name": "web-1-resize-temp"},
+        "snapshot": {"bucket": "images", "key": "images/img-1", "data_prefix": "image-data/img-1",
+                     "image_id": "img-1", "name": "web-1-resize-temp"},
         "clean_shutdown": True,
     },
 }

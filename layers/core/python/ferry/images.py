@@ -5,6 +5,12 @@ An image is the object ``images/<id>`` in the image bucket. Its user metadata de
 ``container-format``, ``sha256``, ``min-disk``, ``min-ram`` and ``visibility``. An object
 without ``sha256`` is an upload that has not finished: it shows as ``saving`` and cannot
 be booted.
+
+Most images are raw objects. A snapshot of a disk is stored sparse (``layout: extents``): the
+object ``images/<id>`` is then a small pointer, written last with the ``sha256`` of the whole
+disk, and the disk's written extents and their manifest live under ``image-data/<id>/`` (the
+host agent's transfer format), so the holes of a mostly empty disk never travel. Its metadata
+also carries ``virtual-size`` (the disk's size) and ``data-size`` (the bytes stored).
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from ferry import aws, config, errors
 from ferry.observability import logger
 
 PREFIX = "images/"
+DATA_PREFIX = "image-data/"
+EXTENTS_LAYOUT = "extents"
 ACTIVE = "active"
 SAVING = "saving"
 
@@ -59,6 +67,11 @@ def _key(image_id: str) -> str:
     return f"{PREFIX}{image_id}"
 
 
+def data_prefix(image_id: str) -> str:
+    """Where a sparse image's data extents and manifest live (``image-data/<id>``)."""
+    return f"{DATA_PREFIX}{image_id}"
+
+
 def _isotime(value: dt.datetime | None) -> str | None:
     if value is None:
         return None
@@ -68,6 +81,7 @@ def _isotime(value: dt.datetime | None) -> str | None:
 def _image(image_id: str, head: dict[str, Any]) -> dict[str, Any]:
     meta = head.get("Metadata") or {}
     sha256 = meta.get("sha256") or None
+    sparse = meta.get("layout") == EXTENTS_LAYOUT
     modified = _isotime(head.get("LastModified"))
     return {
         "id": image_id,
@@ -80,8 +94,8 @@ def _image(image_id: str, head: dict[str, Any]) -> dict[str, Any]:
         "container_format": meta.get("container-format", "bare"),
         "min_disk": int(meta.get("min-disk") or 0),
         "min_ram": int(meta.get("min-ram") or 0),
-        "size": head.get("ContentLength"),
-        "virtual_size": None,
+        "size": int(meta.get("data-size") or 0) if sparse else head.get("ContentLength"),
+        "virtual_size": int(meta.get("virtual-size") or 0) if sparse else None,
         "checksum": None,
         "os_hash_algo": "sha256" if sha256 else None,
         "os_hash_value": sha256,
@@ -185,10 +199,19 @@ def image_location(image_id: str) -> dict[str, Any]:
 
 def delete_image(image_id: str) -> bool:
     """Delete an image; returns False when there was none (deleting twice is harmless)."""
+    s3 = aws.client("s3")
     try:
         _head(image_id)
     except errors.ImageNotFound:
-        return False
-    aws.client("s3").delete_object(Bucket=_bucket(), Key=_key(image_id))
-    logger.info("image deleted", extra={"image_id": image_id})
-    return True
+        found = False
+    else:
+        s3.delete_object(Bucket=_bucket(), Key=_key(image_id))
+        found = True
+    # A sparse image's extents go after its pointer, and also when only they were written: an
+    # upload that stopped before the pointer leaves them behind.
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=_bucket(), Prefix=data_prefix(image_id) + "/"):
+        for item in page.get("Contents", []):
+            s3.delete_object(Bucket=_bucket(), Key=item["Key"])
+    if found:
+        logger.info("image deleted", extra={"image_id": image_id})
+    return found

@@ -294,10 +294,12 @@ PREP_SNAPSHOT_BASED_RESIZE_AT_SOURCE_ARGS_SCHEMA: dict[str, Any] = {
         # null for a volume-backed server: it has no root disk here to snapshot.
         "snapshot": {
             "type": ["object", "null"],
-            "required": ["bucket", "key", "image_id", "name"],
+            "required": ["bucket", "key", "data_prefix", "image_id", "name"],
             "properties": {
                 "bucket": {"type": "string", "minLength": 1},
                 "key": {"type": "string", "minLength": 1},
+                # where the image's data extents go (images.data_prefix): only written blocks travel
+                "data_prefix": {"type": "string", "minLength": 1},
                 "image_id": {"type": "string", "minLength": 1},
                 "name": {"type": "string"},
             },
@@ -315,6 +317,7 @@ SNAPSHOT_RESULT_SCHEMA: dict[str, Any] = {
         "image_id": {"type": "string", "minLength": 1},
         "sha256": {"type": "string", "pattern": "^[0-9a-f]{64}$"},
         "size": {"type": "integer", "minimum": 0},
+        "data_bytes": {"type": "integer", "minimum": 0},
     },
 }
 

@@ -260,7 +260,8 @@ def prep_resize_at_source(event: dict[str, Any]) -> dict[str, Any]:
     snapshot = None
     if not bfv:
         image_id = snapshot_image_id(migration_uuid)
-        snapshot = {"bucket": config.get().image_bucket, "key": f"{images.PREFIX}{image_id}", "image_id": image_id,
+        snapshot = {"bucket": config.get().image_bucket, "key": f"{images.PREFIX}{image_id}",
+                    "data_prefix": images.data_prefix(image_id), "image_id": image_id,
                     "name": f"{name}{SNAPSHOT_SUFFIX}"}
     return {"args": {"migration_uuid": migration_uuid, "snapshot": snapshot, "clean_shutdown": True}}
 
