@@ -41,6 +41,7 @@ DEFAULT_API_PORT = 8774
 STATE_DIR_PARAMETER = "FerryStateDir"
 HOST_OP_TIMEOUT_PARAMETER = "HostOpTimeoutSeconds"
 HOST_OP_HEARTBEAT_PARAMETER = "HostOpHeartbeatSeconds"
+POLICY_FILE_PARAMETER = "PolicyFile"
 # The simulated hypervisors' size.
 AGENT_VCPUS = 8
 AGENT_MEMORY_MB = 16384
@@ -441,6 +442,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--api-port", type=int, default=DEFAULT_API_PORT, help="compute API port (%(default)s)")
     parser.add_argument("--agent-mode", choices=("process", "thread"), default="process")
     parser.add_argument("--template", type=Path, default=None, help="template.yaml (default: the checkout's)")
+    parser.add_argument("--policy-file", type=Path, default=None,
+                        help="a YAML or JSON policy file (the template's PolicyFile), re-read when it changes")
     args = parser.parse_args(argv)
 
     state_dir = args.state_dir.resolve()
@@ -458,6 +461,7 @@ def main(argv: list[str] | None = None) -> int:
         api_port=args.api_port,
         agent_mode=args.agent_mode,
         template_path=args.template,
+        parameters={POLICY_FILE_PARAMETER: str(args.policy_file.resolve())} if args.policy_file else None,
     )
     terminal = sys.stdout
     print(f"Starting Ferry's local stack in {state_dir} (logs in {stack.logs_dir}) ...", flush=True)
