@@ -6,11 +6,20 @@ import datetime as dt
 import uuid as uuidlib
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from ferry import placement
 from ferry.store import setup
-from ferry.store.api_models import Aggregate, AggregateHost, AggregateMetadata, CellMapping, InstanceMapping, utcnow
+from ferry.store.api_models import (
+    Aggregate,
+    AggregateHost,
+    AggregateMetadata,
+    Allocation,
+    CellMapping,
+    InstanceMapping,
+    Inventory,
+    utcnow,
+)
 from ferry.store.cell_models import Instance, Service
 from ferry.store.db import api_session, cell_session
 
@@ -89,3 +98,22 @@ def request_spec(instance_uuid: str | None = None, **overrides: Any) -> dict[str
 
 def resources(vcpus: int = 2, memory_mb: int = 2048, disk_gb: int = 10) -> dict[str, int]:
     return {placement.VCPU: vcpus, placement.MEMORY_MB: memory_mb, placement.DISK_GB: disk_gb}
+
+
+def assert_used_counters_match_allocations() -> None:
+    """Every inventory's ``used`` counter equals the sum of the allocations of its provider and class."""
+    with api_session() as session:
+        counters = {
+            (rp_id, rc): used
+            for rp_id, rc, used in session.execute(
+                select(Inventory.resource_provider_id, Inventory.resource_class, Inventory.used))
+            if used
+        }
+        sums = {
+            (rp_id, rc): int(total)
+            for rp_id, rc, total in session.execute(
+                select(Allocation.resource_provider_id, Allocation.resource_class, func.sum(Allocation.used))
+                .group_by(Allocation.resource_provider_id, Allocation.resource_class))
+        }
+    assert counters == sums
+

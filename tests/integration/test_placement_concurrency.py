@@ -1,4 +1,5 @@
-"""Concurrent claims on PostgreSQL: racing writers never over-commit a provider."""
+"""Concurrent claims on PostgreSQL: racing writers never over-commit a provider, and the used counters
+stay equal to the allocations."""
 
 from __future__ import annotations
 
@@ -7,9 +8,17 @@ import threading
 import uuid
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 
-from placement_helpers import PROJECT, USER, add_compute, resources
+from placement_helpers import (
+    PROJECT,
+    USER,
+    add_compute,
+    assert_used_counters_match_allocations,
+    flavor,
+    request_spec,
+    resources,
+)
 
-from ferry import errors, placement
+from ferry import errors, placement, scheduler
 from ferry.placement import VCPU
 
 RACERS = 20
@@ -40,6 +49,7 @@ def test_twenty_threads_racing_for_the_last_vcpu_only_one_wins(pg_store):
     assert outcomes.count("claimed") == 1
     assert outcomes.count("full") == RACERS - 1
     assert placement.usages(rp)[VCPU] == 8
+    assert_used_counters_match_allocations()
 
 
 def test_processes_racing_for_the_last_vcpu_only_one_wins(pg_store):
@@ -55,6 +65,7 @@ def test_processes_racing_for_the_last_vcpu_only_one_wins(pg_store):
 
     assert outcomes.count("claimed") == 1
     assert placement.usages(rp)[VCPU] == 8
+    assert_used_counters_match_allocations()
 
 
 def test_concurrent_moves_and_claims_keep_usage_within_capacity(pg_store):
@@ -85,3 +96,25 @@ def test_concurrent_moves_and_claims_keep_usage_within_capacity(pg_store):
     assert outcomes.count("claimed") == 4
     assert placement.usages(dest)[VCPU] == 4
     assert placement.usages(source)[VCPU] == 10
+    assert_used_counters_match_allocations()
+
+
+def test_concurrent_scheduling_fills_hosts_exactly_to_capacity(pg_store):
+    # Four hosts with room for two servers each; twelve requests at once: eight land, four find no host.
+    providers = [add_compute(f"host-{n}", vcpus=2, memory_mb=4096, disk_gb=40) for n in range(4)]
+    barrier = threading.Barrier(12)
+
+    def schedule(_: int) -> str:
+        barrier.wait(timeout=60)
+        try:
+            scheduler.select_destinations(request_spec(flavor=flavor(vcpus=1, memory_mb=1024, root_gb=10)))
+        except errors.NoValidHost:
+            return "no host"
+        return "claimed"
+
+    with ThreadPoolExecutor(max_workers=12) as pool:
+        outcomes = list(pool.map(schedule, range(12)))
+
+    assert outcomes.count("claimed") == 8
+    assert [placement.usages(rp)[VCPU] for rp in providers] == [2, 2, 2, 2]
+    assert_used_counters_match_allocations()

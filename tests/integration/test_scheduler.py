@@ -12,6 +12,7 @@ from placement_helpers import (
     add_aggregate,
     add_compute,
     add_instance,
+    assert_used_counters_match_allocations,
     flavor,
     request_spec,
     resources,
@@ -364,3 +365,127 @@ def test_claim_alternate_for_a_move_keeps_the_source_with_the_migration(store, a
     assert placement.get_allocations(migration) == {source: resources()}
     assert placement.get_allocations(instance) == alternate.allocations
     assert VCPU not in placement.usages(first.provider_uuid)
+
+
+# --- placement's candidates: the cap, further batches, narrowing --------------------------------
+
+
+@pytest.fixture
+def placement_results(monkeypatch):
+    def set_limit(n: int) -> None:
+        monkeypatch.setenv("FERRY_MAX_PLACEMENT_RESULTS", str(n))
+        config.reset()
+
+    return set_limit
+
+
+@pytest.fixture
+def hosts_read(monkeypatch):
+    """The hosts the scheduler built a HostState for, one list per batch placement returned."""
+    batches: list[list[str]] = []
+    original = manager.host_states
+
+    def recording(candidates):
+        states = original(candidates)
+        batches.append([state.host for state in states])
+        return states
+
+    monkeypatch.setattr(manager, "host_states", recording)
+    return batches
+
+
+def test_scheduler_reads_no_more_than_max_placement_results_hosts(store, attempts, placement_results, hosts_read):
+    attempts(3)
+    placement_results(3)
+    for n in range(10):
+        add_compute(f"host-{n}", memory_mb=4096 + 1024 * n)
+
+    selections = scheduler.select_destinations(request_spec())
+
+    assert [len(batch) for batch in hosts_read] == [3]
+    assert hosts_of(selections) == sorted(hosts_read[0], key=lambda host: -int(host.split("-")[1]))
+    assert_used_counters_match_allocations()
+
+
+def test_another_batch_is_read_when_too_few_hosts_of_the_first_pass(store, attempts, placement_results,
+                                                                   hosts_read):
+    attempts(2)
+    placement_results(2)
+    for n in range(8):
+        add_compute(f"host-{n}", disabled=n not in (2, 6))
+
+    selections = scheduler.select_destinations(request_spec(), claim=False)
+
+    assert sorted(hosts_of(selections)) == ["host-2", "host-6"]
+    assert all(len(batch) <= 2 for batch in hosts_read)
+
+
+def test_equally_good_hosts_share_the_requests(store, placement_results):
+    placement_results(2)
+    for n in range(8):
+        add_compute(f"host-{n}")
+
+    chosen = {scheduler.select_destinations(request_spec(), claim=False)[0].host for _ in range(30)}
+
+    assert len(chosen) > 1
+
+
+def test_same_host_hint_and_affinity_group_ask_placement_for_their_hosts_only(store, attempts, placement_results,
+                                                                            hosts_read):
+    attempts(3)
+    placement_results(2)
+    for n in range(6):
+        add_compute(f"host-{n}", memory_mb=65536 if n == 0 else 8192)
+    on_4 = add_instance("host-4")
+
+    assert hosts_of(scheduler.select_destinations(request_spec(scheduler_hints={"same_host": [on_4]}))) == [
+        "host-4"]
+    group = {"policy": "affinity", "hosts": ["host-3", "host-5"]}
+    assert sorted(hosts_of(scheduler.select_destinations(request_spec(group=group)))) == ["host-3", "host-5"]
+    assert [sorted(batch) for batch in hosts_read] == [["host-4"], ["host-3", "host-5"]]
+
+
+def test_aggregate_extra_spec_asks_placement_for_the_aggregate_hosts(store, placement_results, hosts_read):
+    placement_results(2)
+    for n in range(6):
+        add_compute(f"host-{n}", memory_mb=65536 if n < 3 else 8192)
+    add_aggregate("gen2", ["host-4"], {"hw_generation": "gen2"})
+    add_aggregate("gen1", ["host-0", "host-1", "host-2"], {"hw_generation": "gen1"})
+
+    wanted = flavor(extra_specs={"aggregate_instance_extra_specs:hw_generation": "<or> gen2 <or> gen3"})
+    assert hosts_of(scheduler.select_destinations(request_spec(flavor=wanted))) == ["host-4"]
+    assert hosts_read == [["host-4"]]
+
+
+def test_narrowed_request_that_fails_still_counts_each_filter(store, placement_results):
+    placement_results(2)
+    add_compute("host-gen2", disabled=True)
+    for n in range(4):
+        add_compute(f"host-{n}")
+    add_aggregate("gen2", ["host-gen2"], {"hw_generation": "gen2"})
+
+    with pytest.raises(errors.NoValidHost) as caught:
+        scheduler.select_destinations(request_spec(flavor=flavor(extra_specs={"hw_generation": "gen2"})))
+
+    assert "5 compute node(s)" in caught.value.message
+    assert caught.value.details["removed"] == {"PlacementCapacity": 0, "ComputeFilter": 1, "IgnoreHostsFilter": 0,
+                                               "AggregateInstanceExtraSpecsFilter": 4}
+
+
+def test_moves_and_alternates_keep_used_counters_equal_to_allocations(store, attempts):
+    attempts(2)
+    source = add_compute("host-src")
+    add_compute("host-first", memory_mb=65536)
+    add_compute("host-second")
+    instance, migration = str(uuid.uuid4()), str(uuid.uuid4())
+    placement.claim(instance, PROJECT, USER, {source: resources()})
+    spec = request_spec(instance, ignore_hosts=["host-src"])
+
+    first, alternate = scheduler.select_destinations(spec, migration_uuid=migration)
+    assert_used_counters_match_allocations()
+    scheduler.claim_alternate(spec, alternate, migration_uuid=migration)
+    assert_used_counters_match_allocations()
+    placement.move_allocations(migration, instance)
+    assert_used_counters_match_allocations()
+    assert placement.usages(alternate.provider_uuid) == {} and placement.usages(first.provider_uuid) == {}
+    assert placement.usages(source) == resources()

@@ -28,6 +28,7 @@ import random
 import uuid as uuidlib
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
@@ -48,8 +49,9 @@ from sqlalchemy import (
     select,
     update,
 )
+from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError, IntegrityError
-from sqlalchemy.orm import Session, aliased
+from sqlalchemy.orm import Session
 
 from ferry import config, errors
 from ferry.observability import logger
@@ -62,7 +64,7 @@ from ferry.store.api_models import (
     Inventory,
     ResourceProvider,
 )
-from ferry.store.db import CELL0_NAME, api_session
+from ferry.store.db import CELL0_NAME, api_session, engine_for
 
 VCPU = "VCPU"
 MEMORY_MB = "MEMORY_MB"
@@ -589,10 +591,13 @@ def claim_for_move(instance_uuid: str, migration_uuid: str, project_id: str, use
 def move_allocations(source_consumer: str, target_consumer: str) -> None:
     """Give ``target_consumer`` exactly the allocations ``source_consumer`` holds; the source ends with none.
 
-    Atomic; a no-op when the source holds nothing (the move already happened), so it can run twice.
+    Atomic; a no-op when the source holds nothing (the move already happened), so it can run twice,
+    and when source and target are the same consumer.
 
     Raises: as :func:`set_allocations`.
     """
+    if source_consumer == target_consumer:
+        return
 
     def work(session: Session) -> None:
         held = _allocations_of(session, source_consumer)
@@ -760,52 +765,71 @@ class Candidate:
     free: dict[str, float]
 
 
-# The window of providers read per query, as a multiple of the batch size: it doubles while the
-# fitting providers are sparse, up to this bound.
+# The largest window of providers read per query, as a multiple of the batch size (the window
+# grows when few providers in it fit).
 _MAX_WINDOW_FACTOR = 16
+
+
+# The candidate queries are Core statements on plain connections: they run on every scheduling
+# request, and the ORM's per-statement and per-session work is a large share of their cost.
+_RP = ResourceProvider.__table__
+_INV = Inventory.__table__
+_ALLOC = Allocation.__table__
+_HOST_MAP = HostMapping.__table__
+_CELL = CellMapping.__table__
+_AGG_HOST = AggregateHost.__table__
+
+
+@contextmanager
+def _api_reader() -> Iterator[Connection]:
+    """A connection to the API database for reads; its transaction ends (rolled back) on exit."""
+    with engine_for(config.get().api_database_url).connect() as connection:
+        yield connection
 
 
 def _scope(request: CandidateRequest) -> list[ColumnElement[bool]]:
     """WHERE clauses for the cells, host, node, host set and aggregates of ``request``."""
-    clauses: list[ColumnElement[bool]] = [CellMapping.disabled.is_(False)]
+    clauses: list[ColumnElement[bool]] = [_CELL.c.disabled.is_(False)]
     if request.cells is None:
-        clauses.append(CellMapping.name != CELL0_NAME)
+        clauses.append(_CELL.c.name != CELL0_NAME)
     else:
-        clauses.append(CellMapping.name.in_(request.cells))
+        clauses.append(_CELL.c.name.in_(request.cells))
     if request.cell:
-        clauses.append(CellMapping.name == request.cell)
+        clauses.append(_CELL.c.name == request.cell)
     if request.host:
-        clauses.append(ResourceProvider.host == request.host)
+        clauses.append(_RP.c.host == request.host)
     if request.node:
-        clauses.append(ResourceProvider.name == request.node)
+        clauses.append(_RP.c.name == request.node)
     if request.hosts is not None:
-        clauses.append(ResourceProvider.host.in_(sorted(request.hosts)))
+        clauses.append(_RP.c.host.in_(sorted(request.hosts)))
     for aggregate_ids in request.member_of:
-        clauses.append(exists().where(AggregateHost.host == ResourceProvider.host,
-                                      AggregateHost.aggregate_id.in_(sorted(aggregate_ids))))
+        clauses.append(exists().where(_AGG_HOST.c.host == _RP.c.host,
+                                      _AGG_HOST.c.aggregate_id.in_(sorted(aggregate_ids))))
     return clauses
+
+
+def _in_cells() -> Any:
+    """Providers joined to their host's cell (the host mapping is the authority on it)."""
+    return _RP.join(_HOST_MAP, _HOST_MAP.c.host == _RP.c.host).join(_CELL, _CELL.c.id == _HOST_MAP.c.cell_id)
 
 
 def count_in_scope(request: CandidateRequest) -> int:
     """How many providers ``request``'s scope holds, capacity not considered (one count over them all)."""
-    with api_session() as session:
-        return session.scalar(
-            select(func.count(ResourceProvider.id))
-            .join(HostMapping, HostMapping.host == ResourceProvider.host)
-            .join(CellMapping, CellMapping.id == HostMapping.cell_id)
-            .where(*_scope(request))
+    with _api_reader() as connection:
+        return connection.scalar(
+            select(func.count(_RP.c.id)).select_from(_in_cells()).where(*_scope(request))
         ) or 0
 
 
-def _credits(session: Session, consumers: Iterable[str]) -> dict[str, dict[int, int]]:
+def _credits(connection: Connection, consumers: Iterable[str]) -> dict[str, dict[int, int]]:
     """``{rc: {provider_id: amount}}`` the given consumers hold (their allocations count as free)."""
     names = sorted(set(consumers))
     held: dict[str, dict[int, int]] = defaultdict(dict)
     if names:
-        for rp_id, rc, amount in session.execute(
-            select(Allocation.resource_provider_id, Allocation.resource_class, func.sum(Allocation.used))
-            .where(Allocation.consumer_uuid.in_(names))
-            .group_by(Allocation.resource_provider_id, Allocation.resource_class)
+        for rp_id, rc, amount in connection.execute(
+            select(_ALLOC.c.resource_provider_id, _ALLOC.c.resource_class, func.sum(_ALLOC.c.used))
+            .where(_ALLOC.c.consumer_uuid.in_(names))
+            .group_by(_ALLOC.c.resource_provider_id, _ALLOC.c.resource_class)
         ):
             held[rc][rp_id] = int(amount)
     return dict(held)
@@ -815,42 +839,39 @@ def _candidate_query(request: CandidateRequest,
                      credits: Mapping[str, Mapping[int, int]]) -> tuple[Select[Any], list[str]]:
     """The query for providers in scope with room for every requested class, and the classes it reports free of.
 
-    One aliased inventory join per class: inner (with the fit conditions) for the requested
-    classes, outer for the others, so the free amount of every class the provider has comes back.
+    One inventory join per class: inner (with the fit conditions) for the requested classes,
+    outer for the others, so the free amount of every class the provider has comes back.
     """
     classes = list(RESOURCE_CLASSES) + sorted(rc for rc in request.resources if rc not in RESOURCE_CLASSES)
-    query_columns: list[Any] = [ResourceProvider.uuid, ResourceProvider.name, ResourceProvider.host,
-                                CellMapping.id, CellMapping.name]
-    joins: list[tuple[Any, ColumnElement[bool], bool]] = []
+    free_columns: list[Any] = []
     conditions: list[ColumnElement[bool]] = []
+    joined = _in_cells()
     for n, rc in enumerate(classes):
-        inv = aliased(Inventory, name=f"inv_{n}")
-        room = (inv.total - inv.reserved) * inv.allocation_ratio
+        inv = _INV.alias(f"inv_{n}")
+        room = (inv.c.total - inv.c.reserved) * inv.c.allocation_ratio
+        used: Any = inv.c.used
         held = credits.get(rc)
-        used: Any = inv.used
         if held:
-            released = case(*((inv.resource_provider_id == rp_id, amount) for rp_id, amount in sorted(held.items())),
+            released = case(*((inv.c.resource_provider_id == rp_id, amount) for rp_id, amount in sorted(held.items())),
                             else_=0)
-            used = inv.used - released
-        query_columns.append(room - used)
+            used = inv.c.used - released
+        free_columns.append(room - used)
         amount = request.resources.get(rc)
-        joins.append((inv, and_(inv.resource_provider_id == ResourceProvider.id, inv.resource_class == rc),
-                      amount is None))
+        joined = joined.join(inv, and_(inv.c.resource_provider_id == _RP.c.id, inv.c.resource_class == rc),
+                             isouter=amount is None)
         if amount is not None:
-            conditions += [used + amount <= room, inv.min_unit <= amount, inv.max_unit >= amount,
-                           literal(amount, Integer) % inv.step_size == 0]
-    query = (
-        select(*query_columns)
-        .select_from(ResourceProvider)
-        .join(HostMapping, HostMapping.host == ResourceProvider.host)
-        .join(CellMapping, CellMapping.id == HostMapping.cell_id)
-    )
-    for inv, on, outer in joins:
-        query = query.join(inv, on, isouter=outer)
+            conditions += [used + amount <= room, inv.c.min_unit <= amount, inv.c.max_unit >= amount,
+                           literal(amount, Integer) % inv.c.step_size == 0]
     if not request.resources:
-        # Like a provider with no inventory at all, one the request does not need still is no candidate.
-        query = query.where(exists().where(Inventory.resource_provider_id == ResourceProvider.id))
-    return query.where(*_scope(request), *conditions).order_by(ResourceProvider.uuid), classes
+        # A provider without any inventory is no candidate, even for a request that needs nothing.
+        conditions.append(exists().where(_INV.c.resource_provider_id == _RP.c.id))
+    query = (
+        select(_RP.c.uuid, _RP.c.name, _RP.c.host, _CELL.c.id, _CELL.c.name, *free_columns)
+        .select_from(joined)
+        .where(*_scope(request), *conditions)
+        .order_by(_RP.c.uuid)
+    )
+    return query, classes
 
 
 def _candidate(row: Any, classes: list[str]) -> Candidate:
@@ -858,13 +879,13 @@ def _candidate(row: Any, classes: list[str]) -> Candidate:
     return Candidate(uuid=row[0], name=row[1], host=row[2], cell_id=row[3], cell=row[4], free=free)
 
 
-def _narrow_to_hosts(session: Session, request: CandidateRequest, limit: int) -> CandidateRequest:
+def _narrow_to_hosts(connection: Connection, request: CandidateRequest, limit: int) -> CandidateRequest:
     """Turn aggregate memberships that cover at most ``limit`` hosts into a host set (an indexed lookup)."""
     hosts = request.hosts
     kept: list[frozenset[int]] = []
     for aggregate_ids in request.member_of:
-        members = set(session.scalars(
-            select(AggregateHost.host).where(AggregateHost.aggregate_id.in_(sorted(aggregate_ids)))
+        members = set(connection.scalars(
+            select(_AGG_HOST.c.host).where(_AGG_HOST.c.aggregate_id.in_(sorted(aggregate_ids)))
             .distinct().limit(limit + 1)
         ))
         if len(members) > limit:
@@ -888,7 +909,7 @@ def allocation_candidates(request: CandidateRequest, *, limit: int,
     Providers are walked in the order of their (random) uuids starting at ``pivot`` (random when
     not given) and wrapping around, so every fitting provider is equally likely to be in the first
     batch and requests spread over the fitting hosts. The walk reads a bounded window of
-    providers per query (uuid range on its index, the inventories by their unique index, the
+    providers per query (a uuid range on its index, the inventories by their unique index, the
     ``used`` counters instead of the allocations), so a batch costs about the same at 1,000 or
     100,000 providers as long as a fair share of them fits. A request narrowed to a host, a node
     or a small set of hosts is answered in one query. Nothing is held open between batches.
@@ -903,43 +924,45 @@ def allocation_candidates(request: CandidateRequest, *, limit: int,
     """
     limit = max(limit, 1)
     pivot = pivot or random_pivot()
-    with api_session() as session:
-        credits = _credits(session, request.exclude_consumers)
-        request = _narrow_to_hosts(session, request, limit)
+    with _api_reader() as connection:
+        credits = _credits(connection, request.exclude_consumers)
+        request = _narrow_to_hosts(connection, request, limit)
     query, classes = _candidate_query(request, credits)
 
     if request.host or request.node or request.hosts is not None:
-        with api_session() as session:
-            rows = session.execute(query).all()
+        with _api_reader() as connection:
+            rows = connection.execute(query).all()
         ordered = sorted(rows, key=lambda row: (row[0] < pivot, row[0]))
         for start in range(0, len(ordered), limit):
             yield [_candidate(row, classes) for row in ordered[start:start + limit]]
         return
 
+    uuid_column = _RP.c.uuid
     buffer: list[Candidate] = []
     window = limit
+    scanned = fitted = 0
     # The two arcs of the circle of uuids: from the pivot up, then from the bottom to the pivot.
     for low, high in ((pivot, None), (None, pivot)):
-        bound: ColumnElement[bool] | None = None if low is None else ResourceProvider.uuid >= low
+        lower: ColumnElement[bool] | None = None if low is None else uuid_column >= low
         while True:
-            window_conditions = [c for c in (bound, None if high is None else ResourceProvider.uuid < high)
-                                 if c is not None]
-            with api_session() as session:
-                end = session.scalar(
-                    select(ResourceProvider.uuid).where(*window_conditions)
-                    .order_by(ResourceProvider.uuid).offset(window - 1).limit(1)
+            bounds = [c for c in (lower, None if high is None else uuid_column < high) if c is not None]
+            with _api_reader() as connection:
+                end = connection.scalar(
+                    select(uuid_column).where(*bounds).order_by(uuid_column).offset(window - 1).limit(1)
                 )
                 if end is not None:
-                    window_conditions.append(ResourceProvider.uuid <= end)
-                rows = session.execute(query.where(*window_conditions)).all()
+                    bounds.append(uuid_column <= end)
+                rows = connection.execute(query.where(*bounds)).all()
             buffer.extend(_candidate(row, classes) for row in rows)
             while len(buffer) >= limit:
                 yield buffer[:limit]
                 buffer = buffer[limit:]
             if end is None:
                 break
-            bound = ResourceProvider.uuid > end
-            if len(rows) < limit:
-                window = min(window * 2, limit * _MAX_WINDOW_FACTOR)
+            lower = uuid_column > end
+            # Size the next window for what the batch still needs, at the share that fitted so far.
+            scanned, fitted = scanned + window, fitted + len(rows)
+            share = fitted / scanned if fitted else 1 / _MAX_WINDOW_FACTOR
+            window = min(max(math.ceil((limit - len(buffer)) / share), 1), limit * _MAX_WINDOW_FACTOR)
     if buffer:
         yield buffer

@@ -10,16 +10,27 @@ from __future__ import annotations
 import datetime as dt
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import select
 
-from ferry import errors, placement
+from ferry import config, errors, placement
 from ferry.compute import instances
 from ferry.store import db
 from ferry.store.api_models import AggregateHost, AggregateMetadata, CellMapping
 from ferry.store.cell_models import Instance, Service
+
+# Tables read on every scheduling request, with Core statements on plain connections: the ORM's
+# per-session and per-statement work would be a large share of these small reads.
+_CELL = CellMapping.__table__
+_SERVICE = Service.__table__
+_AGG_HOST = AggregateHost.__table__
+_AGG_META = AggregateMetadata.__table__
+
+# Threads that read the cell databases side by side (created on first use, shared by requests).
+_cell_readers = ThreadPoolExecutor(max_workers=8, thread_name_prefix="ferry-cell-read")
 
 
 @dataclass(frozen=True)
@@ -154,27 +165,39 @@ def host_states(candidates: Iterable[placement.Candidate]) -> list[HostState]:
     ]
 
 
+def _services_in_cell(url: str, hosts: list[str]) -> dict[str, ServiceState]:
+    """``{host: ServiceState}`` of the given hosts' compute services in the cell database at ``url``."""
+    with db.engine_for(url).connect() as connection:
+        return {
+            host: ServiceState(disabled=disabled, forced_down=forced_down, last_seen_at=last_seen_at)
+            for host, disabled, forced_down, last_seen_at in connection.execute(
+                select(_SERVICE.c.host, _SERVICE.c.disabled, _SERVICE.c.forced_down, _SERVICE.c.last_seen_at)
+                .where(_SERVICE.c.host.in_(hosts))
+            )
+        }
+
+
 def attach_services(hosts: list[HostState]) -> None:
-    """Fill in each host's compute service: one query per cell, for that cell's hosts only."""
+    """Fill in each host's compute service: one query per cell for that cell's hosts, the cells side by side."""
     by_cell: dict[int, list[HostState]] = defaultdict(list)
     for host in hosts:
         by_cell[host.cell_id].append(host)
     if not by_cell:
         return
-    with db.api_session() as session:
-        urls = dict(session.execute(
-            select(CellMapping.id, CellMapping.database_connection).where(CellMapping.id.in_(by_cell))
+    with db.engine_for(config.get().api_database_url).connect() as connection:
+        urls = dict(connection.execute(
+            select(_CELL.c.id, _CELL.c.database_connection).where(_CELL.c.id.in_(sorted(by_cell)))
         ).all())
+    names = {cell_id: sorted({host.host for host in cell_hosts}) for cell_id, cell_hosts in by_cell.items()}
+    if len(by_cell) == 1:
+        found = {cell_id: _services_in_cell(urls[cell_id], names[cell_id]) for cell_id in by_cell}
+    else:
+        # Each cell is its own database: waiting on them one after the other would add up.
+        futures = {cell_id: _cell_readers.submit(_services_in_cell, urls[cell_id], names[cell_id])
+                   for cell_id in by_cell}
+        found = {cell_id: future.result() for cell_id, future in futures.items()}
     for cell_id, cell_hosts in by_cell.items():
-        with db.session_for(urls[cell_id]) as session:
-            services = {
-                row.host: ServiceState(disabled=row.disabled, forced_down=row.forced_down,
-                                       last_seen_at=row.last_seen_at)
-                for row in session.execute(
-                    select(Service.host, Service.disabled, Service.forced_down, Service.last_seen_at)
-                    .where(Service.host.in_(sorted({host.host for host in cell_hosts})))
-                )
-            }
+        services = found[cell_id]
         for host in cell_hosts:
             host.service = services.get(host.host)
 
@@ -183,11 +206,11 @@ def attach_aggregates(hosts: list[HostState]) -> None:
     """Fill in the metadata of every aggregate each host belongs to (one query for these hosts)."""
     if not hosts:
         return
-    with db.api_session() as session:
-        rows = session.execute(
-            select(AggregateHost.host, AggregateMetadata.aggregate_id, AggregateMetadata.key, AggregateMetadata.value)
-            .join(AggregateMetadata, AggregateMetadata.aggregate_id == AggregateHost.aggregate_id)
-            .where(AggregateHost.host.in_(sorted({host.host for host in hosts})))
+    with db.engine_for(config.get().api_database_url).connect() as connection:
+        rows = connection.execute(
+            select(_AGG_HOST.c.host, _AGG_META.c.aggregate_id, _AGG_META.c.key, _AGG_META.c.value)
+            .join_from(_AGG_HOST, _AGG_META, _AGG_META.c.aggregate_id == _AGG_HOST.c.aggregate_id)
+            .where(_AGG_HOST.c.host.in_(sorted({host.host for host in hosts})))
         ).all()
     metadata: dict[str, dict[int, dict[str, str]]] = defaultdict(lambda: defaultdict(dict))
     for host, aggregate_id, key, value in rows:
