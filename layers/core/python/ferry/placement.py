@@ -924,20 +924,24 @@ def allocation_candidates(request: CandidateRequest, *, limit: int,
     """
     limit = max(limit, 1)
     pivot = pivot or random_pivot()
+    uuid_column = _RP.c.uuid
+    first_window: tuple[list[Any], str | None] | None = None
     with _api_reader() as connection:
         credits = _credits(connection, request.exclude_consumers)
         request = _narrow_to_hosts(connection, request, limit)
-    query, classes = _candidate_query(request, credits)
+        query, classes = _candidate_query(request, credits)
+        few = bool(request.host or request.node or request.hosts is not None)
+        if few:
+            rows = list(connection.execute(query).all())
+        else:
+            first_window = _read_window(connection, query, [uuid_column >= pivot], limit)
 
-    if request.host or request.node or request.hosts is not None:
-        with _api_reader() as connection:
-            rows = connection.execute(query).all()
+    if few:
         ordered = sorted(rows, key=lambda row: (row[0] < pivot, row[0]))
         for start in range(0, len(ordered), limit):
             yield [_candidate(row, classes) for row in ordered[start:start + limit]]
         return
 
-    uuid_column = _RP.c.uuid
     buffer: list[Candidate] = []
     window = limit
     scanned = fitted = 0
@@ -945,14 +949,12 @@ def allocation_candidates(request: CandidateRequest, *, limit: int,
     for low, high in ((pivot, None), (None, pivot)):
         lower: ColumnElement[bool] | None = None if low is None else uuid_column >= low
         while True:
-            bounds = [c for c in (lower, None if high is None else uuid_column < high) if c is not None]
-            with _api_reader() as connection:
-                end = connection.scalar(
-                    select(uuid_column).where(*bounds).order_by(uuid_column).offset(window - 1).limit(1)
-                )
-                if end is not None:
-                    bounds.append(uuid_column <= end)
-                rows = connection.execute(query.where(*bounds)).all()
+            if first_window is not None:
+                (rows, end), first_window = first_window, None
+            else:
+                bounds = [c for c in (lower, None if high is None else uuid_column < high) if c is not None]
+                with _api_reader() as connection:
+                    rows, end = _read_window(connection, query, bounds, window)
             buffer.extend(_candidate(row, classes) for row in rows)
             while len(buffer) >= limit:
                 yield buffer[:limit]
@@ -966,3 +968,16 @@ def allocation_candidates(request: CandidateRequest, *, limit: int,
             window = min(max(math.ceil((limit - len(buffer)) / share), 1), limit * _MAX_WINDOW_FACTOR)
     if buffer:
         yield buffer
+
+
+def _read_window(connection: Connection, query: Select[Any], bounds: list[ColumnElement[bool]],
+                 window: int) -> tuple[list[Any], str | None]:
+    """The fitting rows among the next ``window`` providers within ``bounds`` (uuid order), and the last uuid read.
+
+    The last uuid is None when fewer than ``window`` providers were left within the bounds.
+    """
+    uuid_column = _RP.c.uuid
+    end = connection.scalar(select(uuid_column).where(*bounds).order_by(uuid_column).offset(window - 1).limit(1))
+    if end is not None:
+        bounds = [*bounds, uuid_column <= end]
+    return list(connection.execute(query.where(*bounds)).all()), end

@@ -2,12 +2,14 @@
 
 Placement hands the scheduler allocation candidates (providers with room for the request, a
 bounded batch at a time); each becomes a :class:`HostState`, and the services (one query per
-cell) and aggregate metadata (one query) are read for those hosts only.
+cell, the cells side by side) and aggregate metadata (one query) are read for those hosts only.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import os
+import threading
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -29,8 +31,20 @@ _SERVICE = Service.__table__
 _AGG_HOST = AggregateHost.__table__
 _AGG_META = AggregateMetadata.__table__
 
-# Threads that read the cell databases side by side (created on first use, shared by requests).
-_cell_readers = ThreadPoolExecutor(max_workers=8, thread_name_prefix="ferry-cell-read")
+# Threads that read the cell databases side by side: one pool per process (a forked child cannot
+# use its parent's threads), created on first use and shared by the requests after.
+_CELL_READER_THREADS = 8
+_cell_readers: tuple[int, ThreadPoolExecutor] | None = None
+_cell_readers_lock = threading.Lock()
+
+
+def _cell_reader_pool() -> ThreadPoolExecutor:
+    global _cell_readers
+    with _cell_readers_lock:
+        if _cell_readers is None or _cell_readers[0] != os.getpid():
+            _cell_readers = (os.getpid(), ThreadPoolExecutor(max_workers=_CELL_READER_THREADS,
+                                                             thread_name_prefix="ferry-cell-read"))
+        return _cell_readers[1]
 
 
 @dataclass(frozen=True)
@@ -193,8 +207,8 @@ def attach_services(hosts: list[HostState]) -> None:
         found = {cell_id: _services_in_cell(urls[cell_id], names[cell_id]) for cell_id in by_cell}
     else:
         # Each cell is its own database: waiting on them one after the other would add up.
-        futures = {cell_id: _cell_readers.submit(_services_in_cell, urls[cell_id], names[cell_id])
-                   for cell_id in by_cell}
+        pool = _cell_reader_pool()
+        futures = {cell_id: pool.submit(_services_in_cell, urls[cell_id], names[cell_id]) for cell_id in by_cell}
         found = {cell_id: future.result() for cell_id, future in futures.items()}
     for cell_id, cell_hosts in by_cell.items():
         services = found[cell_id]
