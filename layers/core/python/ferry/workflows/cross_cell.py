@@ -323,8 +323,9 @@ def finish_resize_at_dest(event: dict[str, Any]) -> dict[str, Any]:
 
 
 def _hide_source(cell: str, uuid: str) -> None:
+    """Hide the source cell's copy; it runs no task of its own while hidden."""
     with cell_session(cell) as session:
-        session.execute(update(Instance).where(Instance.uuid == uuid).values(hidden=True))
+        session.execute(update(Instance).where(Instance.uuid == uuid).values(hidden=True, task_state=None))
 
 
 def complete_move(event: dict[str, Any]) -> dict[str, Any]:
@@ -349,25 +350,21 @@ def complete_move(event: dict[str, Any]) -> dict[str, Any]:
     with cell_session(cell) as session:
         instance = instances.get(session, uuid)
         default_power = states.SHUTDOWN if instance.old_vm_state == states.STOPPED else states.RUNNING
-        power_state = int(spawned.get("power_state", default_power))
-        if instance.task_state == states.RESIZE_FINISH:
-            instances.update_cas(session, uuid, {"vm_state": states.RESIZED, "task_state": None,
-                                                 "flavor": instance.new_flavor, "power_state": power_state,
-                                                 "host": dest["host"], "node": dest["node"]},
-                                 expected_task_state=(states.RESIZE_FINISH,))
+        resized = {**_columns(instance, "hidden", "uuid", "created_at"), "vm_state": states.RESIZED,
+                   "task_state": None, "flavor": instance.new_flavor, "host": dest["host"], "node": dest["node"],
+                   "power_state": int(spawned.get("power_state", default_power))}
         resize._update_migration(session, migration_uuid, {"status": FINISHED}, (POST_MIGRATING, FINISHED))
         actions.finish_event(session, instance_uuid=uuid, request_id=request_id,
                              event=EVENT_FINISH_AT_DEST_CROSS_CELL, host=dest["host"])
-        instance = instances.get(session, uuid)
-        values = _columns(instance, "hidden")
         acts = _actions_of(session, uuid)
-        end = resize._notify(notifications.RESIZE_FINISH_END, instance, notifications.compute_publisher(dest["host"]),
-                             **resize._move_extra(instance, migration_uuid))
+    # The source copy keeps its host and old flavor: it is what a revert restores.
     with cell_session(target) as session:
-        session.execute(update(Instance).where(Instance.uuid == uuid).values(**{
-            k: v for k, v in values.items() if k not in ("uuid", "created_at")}, hidden=False))
+        session.execute(update(Instance).where(Instance.uuid == uuid).values(**resized, hidden=False))
         session.execute(update(Migration).where(Migration.uuid == migration_uuid).values(status=FINISHED))
         _sync_actions(session, uuid, acts)
+        end = resize._notify(notifications.RESIZE_FINISH_END, instances.get(session, uuid),
+                             notifications.compute_publisher(dest["host"]),
+                             **resize._move_extra(instances.get(session, uuid), migration_uuid))
     _map_to(uuid, target)
     _hide_source(cell, uuid)
     resize._publish(end)
