@@ -8,9 +8,11 @@ files under ``local_stack.instances_dir(host)``.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -18,7 +20,7 @@ from typing import Any, TypeVar
 import pytest
 import requests
 
-from ferry.local.stack import LocalStack
+from ferry.local.stack import POLICY_FILE_PARAMETER, LocalStack
 
 T = TypeVar("T")
 
@@ -89,6 +91,17 @@ class LocalStackHandle:
         assert self.stack.seeded is not None
         return dict(self.stack.seeded.hosts)
 
+    @contextmanager
+    def override_policy(self, rules: dict[str, str]) -> Iterator[None]:
+        """Run with ``rules`` as the stack's policy file; the file as it was is back afterwards."""
+        policy_file = self.state_dir / "policy.yaml"
+        before = policy_file.read_text()
+        policy_file.write_text(json.dumps(rules) + "\n")
+        try:
+            yield
+        finally:
+            policy_file.write_text(before)
+
     def session(self, identity: str | None = "demo") -> ApiSession:
         """A requests session as ``identity`` (``None``: no token)."""
         return ApiSession(self.api_url, self.tokens[identity] if identity else None)
@@ -139,11 +152,16 @@ def local_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack
     """Ferry's local stack in a temporary state directory, shared by the session's tests.
 
     Fault injection is on (``ferry.faults``, a file in the state directory): the Lambda steps run
-    in this process and the agents inherit the environment, so a test can arm any step.
+    in this process and the agents inherit the environment, so a test can arm any step. The
+    policy file (``policy.yaml`` in the state directory, re-read when it changes) starts empty:
+    the default rules; tests change it with :meth:`LocalStackHandle.override_policy`. After the
+    last test, ``ferry audit`` must find nothing wrong.
     """
-    from ferry import faults
+    from ferry import audit, faults
 
     state_dir = tmp_path_factory.mktemp("local-stack")
+    policy_file = state_dir / "policy.yaml"
+    policy_file.write_text("{}\n")
     previous = os.environ.get(faults.ENV_VAR)
     os.environ[faults.ENV_VAR] = str(state_dir / "faults.json")
     stack = LocalStack(
@@ -156,11 +174,14 @@ def local_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack
         rate_scale=RATE_SCALE,
         host_op_timeout_seconds=HOST_OP_TIMEOUT_SECONDS,
         host_op_heartbeat_seconds=HOST_OP_HEARTBEAT_SECONDS,
+        parameters={POLICY_FILE_PARAMETER: str(policy_file)},
     )
     try:
         stack.start()
         try:
             yield LocalStackHandle(stack)
+            # Whatever the tests did, nothing is left inconsistent or leaked (while the local AWS still runs).
+            audit.assert_consistent(grace_seconds=0)
         finally:
             stack.stop()
     finally:

@@ -8,8 +8,9 @@ from typing import Any
 
 from sqlalchemy import select
 
+from ferry.store.api_models import Port, PortBinding
 from ferry.store.cell_models import Migration
-from ferry.store.db import cell_session
+from ferry.store.db import api_session, cell_session
 
 TINY, SMALL, MEDIUM, LARGE = "1", "2", "3", "4"
 FLAVORS = {  # the seeded flavors, as placement amounts
@@ -49,6 +50,14 @@ def migrations_of(server_id: str, cell: str) -> list[Migration]:
                                .order_by(Migration.id)).all()
         session.expunge_all()
         return list(rows)
+
+
+def port_bindings(server_id: str) -> set[tuple[str, str]]:
+    """``(host, status)`` of every binding of the server's ports."""
+    with api_session() as session:
+        rows = session.execute(select(PortBinding.host, PortBinding.status).join(Port, Port.id == PortBinding.port_id)
+                               .where(Port.device_id == server_id))
+        return {(host, status) for host, status in rows}
 
 
 def assert_lives_only_on(stack, records, server_id: str, host: str, flavor: str) -> None:

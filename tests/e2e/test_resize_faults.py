@@ -24,14 +24,12 @@ from move_helpers import (
     boot_with_digest,
     host_of,
     migrations_of,
+    port_bindings,
     resize_to_verify,
     root_digest,
 )
-from sqlalchemy import select
 
 from ferry import faults
-from ferry.store.api_models import Port, PortBinding
-from ferry.store.db import api_session
 
 pytestmark = pytest.mark.e2e
 
@@ -82,13 +80,6 @@ def test_the_forward_path_has_every_step_of_a_move():
     assert POINTS[:2] == ["ValidateMoveInput", "SelectMoveDestinations"]
     assert {"*:prep_resize", "*:resize_instance", "*:finish_resize", "MarkResized"} <= set(POINTS)
     assert "TargetDBSetup" not in POINTS
-
-
-def port_bindings(server_id: str) -> set[tuple[str, str]]:
-    with api_session() as session:
-        rows = session.execute(select(PortBinding.host, PortBinding.status).join(Port, Port.id == PortBinding.port_id)
-                               .where(Port.device_id == server_id))
-        return {(host, status) for host, status in rows}
 
 
 def assert_as_before(local_stack, servers, records, server: dict[str, Any], digest: str) -> None:

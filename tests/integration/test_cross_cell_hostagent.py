@@ -6,7 +6,6 @@ moto for S3 and SQS, answers recorded by task token.
 
 from __future__ import annotations
 
-import hashlib
 import uuid
 
 import test_hostagent_resize as harness
