@@ -45,7 +45,7 @@ from verify_resize_helpers import (
 from ferry import placement, workflows
 from ferry.auth import RequestContext
 from ferry.compute import api as compute_api
-from ferry.compute import moves, states
+from ferry.compute import actions, moves, states
 from ferry.store.cell_models import Migration
 from ferry.store.db import cell_session
 from ferry.workflows import auto_confirm, confirm_resize, cross_cell_settle, delete, revert_resize
@@ -267,6 +267,28 @@ def test_delete_in_verify_resize_cleans_both_cells_and_both_hosts(cloud, tmp_pat
     assert placement.get_allocations(moved.migration_uuid) == {}
     assert (usage(SOURCE), usage(CROSS_DEST)) == ({}, {})
     assert attachments(moved.instance_uuid) == {}
+
+
+def test_delete_records_the_snapshot_based_confirm_and_keeps_the_earlier_moves(cloud, tmp_path):
+    moved = make_cross_cell(tmp_path)
+    earlier = str(uuidlib.uuid4())
+    with cell_session(SOURCE_CELL) as session:  # a move within the source cell, before this one
+        session.add(Migration(uuid=earlier, instance_uuid=moved.instance_uuid, source_compute=SOURCE,
+                              source_node=SOURCE, dest_compute=SOURCE, dest_node=SOURCE, status=moves.CONFIRMED,
+                              migration_type=moves.MIGRATION, user_id=USER, project_id=PROJECT))
+    with cell_session(TARGET_CELL) as session:
+        actions.start_action(session, instance_uuid=moved.instance_uuid, action="delete", request_id="req-del",
+                             user_id=USER, project_id=PROJECT)
+    event: dict[str, Any] = {"instance_uuid": moved.instance_uuid, "cell": TARGET_CELL, "request_id": "req-del",
+                             "host": CROSS_DEST}
+    event["confirm"] = delete.find_resize_to_confirm(event)
+
+    delete.confirm_before_delete(event)
+
+    assert events_in(TARGET_CELL, moved.instance_uuid)[EVENT_CONFIRM_AT_SOURCE] == "Success"
+    assert confirm_resize.EVENT_CONFIRM not in events_in(TARGET_CELL, moved.instance_uuid)
+    assert leftovers(SOURCE_CELL, moved.instance_uuid) == NOTHING
+    assert migration_in(TARGET_CELL, earlier).status == moves.CONFIRMED
 
 
 def test_a_visible_copy_is_never_hard_deleted(cloud, tmp_path):

@@ -54,7 +54,7 @@ def test_delete_while_resized_confirms_first_and_leaves_nothing(cloud, tmp_path)
 
     found = delete.find_resize_to_confirm(event)
     assert found == {"migration_uuid": resized.migration_uuid, "host": SOURCE, "same_host": False,
-                     "queue_url": found["queue_url"]}
+                     "queue_url": found["queue_url"], "event": "compute_confirm_resize"}
     assert found["queue_url"].endswith(SOURCE)
     event["confirm"] = found
     delete.confirm_before_delete(event)

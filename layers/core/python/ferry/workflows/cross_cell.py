@@ -23,7 +23,7 @@ from __future__ import annotations
 import uuid as uuidlib
 from typing import Any, cast
 
-from sqlalchemy import delete, select, update
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from ferry import config, errors, images, network, notifications, volumes
@@ -36,12 +36,11 @@ from ferry.store.cell_models import (
     Instance,
     InstanceAction,
     InstanceActionEvent,
-    InstanceFault,
     Migration,
     Tag,
 )
 from ferry.store.db import api_session, cell_session
-from ferry.workflows import resize
+from ferry.workflows import cross_cell_settle, resize
 from ferry.workflows.resize import (
     EVENT_FINISH_AT_DEST_CROSS_CELL,
     EVENT_PREP_AT_DEST_CROSS_CELL,
@@ -49,12 +48,6 @@ from ferry.workflows.resize import (
 )
 
 SNAPSHOT_SUFFIX = "-resize-temp"
-
-
-def _columns(row: Any, *skip: str) -> dict[str, Any]:
-    """A row's column values by attribute name, without the surrogate key and ``skip``."""
-    mapper = row.__class__.__mapper__
-    return {attr.key: getattr(row, attr.key) for attr in mapper.column_attrs if attr.key not in ("id", *skip)}
 
 
 def _target(event: dict[str, Any]) -> str:
@@ -81,13 +74,13 @@ def target_db_setup(event: dict[str, Any]) -> dict[str, Any]:
     uuid, migration_uuid, cell, target = event["instance_uuid"], event["migration_uuid"], event["cell"], _target(event)
     with cell_session(cell) as session:
         instance = instances.get(session, uuid)
-        copy_instance = _columns(instance)
+        copy_instance = cross_cell_settle.columns(instance)
         migration = resize._get_migration(session, migration_uuid)
         if migration is None:
             raise errors.MoveNotPrepared(f"Migration {migration_uuid} does not exist.")
         migration.cross_cell_move = True
-        copy_migration = _columns(migration)
-        bdms = [_columns(b) for b in session.scalars(select(BlockDeviceMapping).where(
+        copy_migration = cross_cell_settle.columns(migration)
+        bdms = [cross_cell_settle.columns(b) for b in session.scalars(select(BlockDeviceMapping).where(
             BlockDeviceMapping.instance_uuid == uuid, BlockDeviceMapping.deleted.is_(False)))]
         tags = [t.tag for t in session.scalars(select(Tag).where(Tag.instance_uuid == uuid))]
         acts = _actions_of(session, uuid)
@@ -132,24 +125,10 @@ def _sync_actions(session: Session, uuid: str, acts: list[tuple[dict[str, Any], 
 def _actions_of(session: Session, uuid: str) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
     acts = []
     for action in session.scalars(select(InstanceAction).where(InstanceAction.instance_uuid == uuid)):
-        evs = [_columns(e, "action_id") for e in session.scalars(select(InstanceActionEvent).where(
+        evs = [cross_cell_settle.columns(e, "action_id") for e in session.scalars(select(InstanceActionEvent).where(
             InstanceActionEvent.action_id == action.id))]
-        acts.append((_columns(action), evs))
+        acts.append((cross_cell_settle.columns(action), evs))
     return acts
-
-
-def _hard_delete_copies(cell: str, uuid: str, migration_uuid: str) -> None:
-    """Remove every record of the instance and the migration from ``cell`` (its hidden copy)."""
-    with cell_session(cell) as session:
-        action_ids = list(session.scalars(select(InstanceAction.id).where(InstanceAction.instance_uuid == uuid)))
-        if action_ids:
-            session.execute(delete(InstanceActionEvent).where(InstanceActionEvent.action_id.in_(action_ids)))
-        session.execute(delete(InstanceAction).where(InstanceAction.instance_uuid == uuid))
-        session.execute(delete(InstanceFault).where(InstanceFault.instance_uuid == uuid))
-        session.execute(delete(BlockDeviceMapping).where(BlockDeviceMapping.instance_uuid == uuid))
-        session.execute(delete(Tag).where(Tag.instance_uuid == uuid))
-        session.execute(delete(Instance).where(Instance.uuid == uuid))
-        session.execute(delete(Migration).where(Migration.uuid == migration_uuid))
 
 
 def _map_to(uuid: str, cell: str) -> None:
@@ -173,7 +152,9 @@ def rollback_target_cell(event: dict[str, Any]) -> dict[str, Any]:
     with cell_session(cell) as session:
         session.execute(update(Instance).where(Instance.uuid == uuid).values(hidden=False))
         session.execute(update(Migration).where(Migration.uuid == migration_uuid).values(hidden=False))
-    _hard_delete_copies(target, uuid, migration_uuid)
+    with cell_session(target) as session:  # it may have been shown already: it is a copy again
+        session.execute(update(Instance).where(Instance.uuid == uuid).values(hidden=True))
+    cross_cell_settle.hard_delete_copy(target, uuid, migration_uuid)
     logger.info("target cell cleaned up", extra={"instance_uuid": uuid, "migration_uuid": migration_uuid,
                                                  "target_cell": target})
     return {}
@@ -350,7 +331,7 @@ def complete_move(event: dict[str, Any]) -> dict[str, Any]:
     with cell_session(cell) as session:
         instance = instances.get(session, uuid)
         default_power = states.SHUTDOWN if instance.old_vm_state == states.STOPPED else states.RUNNING
-        resized = {**_columns(instance, "hidden", "uuid", "created_at"), "vm_state": states.RESIZED,
+        resized = {**cross_cell_settle.columns(instance, "hidden", "uuid", "created_at"), "vm_state": states.RESIZED,
                    "task_state": None, "flavor": instance.new_flavor, "host": dest["host"], "node": dest["node"],
                    "power_state": int(spawned.get("power_state", default_power))}
         resize._update_migration(session, migration_uuid, {"status": FINISHED}, (POST_MIGRATING, FINISHED))

@@ -111,9 +111,38 @@ def _copy_of(session: Session, instance_uuid: str) -> Instance | None:
     return session.scalars(select(Instance).where(Instance.uuid == instance_uuid)).one_or_none()
 
 
+def columns(row: Any, *skip: str) -> dict[str, Any]:
+    """A row's column values by attribute name, without the surrogate key and ``skip``."""
+    mapper = row.__class__.__mapper__
+    return {attr.key: getattr(row, attr.key) for attr in mapper.column_attrs if attr.key not in ("id", *skip)}
+
+
+def _carry_older_migrations(cell: str, instance_uuid: str, migration_uuid: str) -> None:
+    """Copy the server's earlier migrations in ``cell`` to the cell it lives in, where they are missing.
+
+    A copy about to be removed takes the history of the server's earlier moves with it otherwise
+    (``os-migrations`` would lose them, or list records of a server no cell holds).
+    """
+    try:
+        home = instances.cell_of(instance_uuid).name
+    except errors.InstanceNotFound:
+        return
+    if home == cell:
+        return
+    with cell_session(cell) as session:
+        older = [columns(m) for m in session.scalars(select(Migration).where(
+            Migration.instance_uuid == instance_uuid, Migration.uuid != migration_uuid))]
+    if not older:
+        return
+    with cell_session(home) as session:
+        present = set(session.scalars(select(Migration.uuid).where(Migration.instance_uuid == instance_uuid)))
+        session.add_all(Migration(**values) for values in older if values["uuid"] not in present)
+
+
 def hard_delete_copy(cell: str, instance_uuid: str, migration_uuid: str) -> bool:
     """Remove a hidden copy of a server from ``cell``: the instance row, its block device mappings,
-    tags, actions and their events, faults, and the copy of the migration (idempotent).
+    tags, actions and their events, faults, and its migrations (idempotent). The server's earlier
+    migrations are copied first to the cell it lives in, so its history stays listed.
 
     Returns:
         Whether anything was removed.
@@ -126,6 +155,9 @@ def hard_delete_copy(cell: str, instance_uuid: str, migration_uuid: str) -> bool
         if instance is not None and not instance.hidden and not instance.deleted:
             raise errors.CellCopyNotHidden(
                 f"Instance {instance_uuid} is visible in cell {cell}: it is not a copy to remove.")
+    _carry_older_migrations(cell, instance_uuid, migration_uuid)
+    with cell_session(cell) as session:
+        instance = _copy_of(session, instance_uuid)
         action_ids = list(session.scalars(select(InstanceAction.id).where(
             InstanceAction.instance_uuid == instance_uuid)))
         removed = instance is not None or bool(action_ids)
@@ -134,7 +166,7 @@ def hard_delete_copy(cell: str, instance_uuid: str, migration_uuid: str) -> bool
             session.execute(delete(InstanceAction).where(InstanceAction.id.in_(action_ids)))
         for model in (BlockDeviceMapping, Tag, InstanceFault):
             session.execute(delete(model).where(model.instance_uuid == instance_uuid))
-        session.execute(delete(Migration).where(Migration.uuid == migration_uuid))
+        session.execute(delete(Migration).where(Migration.instance_uuid == instance_uuid))
         if instance is not None:
             session.delete(instance)
     if removed:

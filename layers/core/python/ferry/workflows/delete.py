@@ -38,12 +38,13 @@ def find_resize_to_confirm(event: dict[str, Any]) -> dict[str, Any]:
     """The server's migration a delete must confirm first, or ``{}`` when there is none.
 
     That is its newest migration that is ``finished`` or ``confirming``, or in ``error`` while
-    still holding an allocation. Records the start of ``compute_confirm_resize`` under the delete's
-    action and sends ``instance.resize_confirm.start``.
+    still holding an allocation. Records the start of ``compute_confirm_resize`` (after a move
+    between cells ``compute_confirm_snapshot_based_resize_at_source``) under the delete's action
+    and sends ``instance.resize_confirm.start``.
 
     Returns:
         ``{"migration_uuid", "host" (the source), "queue_url" (None when the source is down: its
-        clean-up is skipped), "same_host"}`` or ``{}``.
+        clean-up is skipped), "same_host", "event" (the event's name)}`` or ``{}``.
     """
     uuid = event["instance_uuid"]
     with cell_session(event["cell"]) as session:
@@ -58,14 +59,16 @@ def find_resize_to_confirm(event: dict[str, Any]) -> dict[str, Any]:
         cells = cross_cell_settle.cells_of(migration, event["cell"])
         if cells:
             up = cross_cell_settle.host_is_up(source, event["cell"], session)
+            event_name = cross_cell_settle.EVENT_CONFIRM_AT_SOURCE
         else:
             up = confirm_resize.host_is_up(session, source)
+            event_name = confirm_resize.EVENT_CONFIRM
         actions.start_event(session, instance_uuid=uuid, request_id=event["request_id"],
-                            event=confirm_resize.EVENT_CONFIRM, host=source)
+                            event=event_name, host=source)
         instance = session.scalars(select(Instance).where(Instance.uuid == uuid)).one_or_none()
         payload = notifications.instance_payload(instance, migration_uuid=migration.uuid) if instance else None
         found: dict[str, Any] = {"migration_uuid": migration.uuid, "host": source,
-                                 "same_host": source == migration.dest_compute}
+                                 "same_host": source == migration.dest_compute, "event": event_name}
         if cells:
             found["source_cell"] = cells["source_cell"]
     if not up:
@@ -85,14 +88,15 @@ def confirm_before_delete(event: dict[str, Any]) -> dict[str, Any]:
     if found.get("source_cell"):
         cross_cell_settle.hard_delete_copy(found["source_cell"], uuid, migration_uuid)
     confirm_resize.release_source(uuid, migration_uuid, source, found["same_host"])
+    event_name = found.get("event", confirm_resize.EVENT_CONFIRM)
     with cell_session(event["cell"]) as session:
-        if confirm_resize.event_finished(session, uuid, event["request_id"], confirm_resize.EVENT_CONFIRM):
+        if confirm_resize.event_finished(session, uuid, event["request_id"], event_name):
             return {}  # this step ran before
         migration = confirm_resize.migration_of(session, uuid, migration_uuid)
         if migration.status in _TO_CONFIRM:
             migration.status = moves.CONFIRMED
         actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"],
-                             event=confirm_resize.EVENT_CONFIRM, host=source)
+                             event=event_name, host=source)
         instance = session.scalars(select(Instance).where(Instance.uuid == uuid)).one_or_none()
         payload = notifications.instance_payload(instance, migration_uuid=migration_uuid) if instance else None
     notifications.notify(notifications.RESIZE_CONFIRM_END, instance_uuid=uuid,
@@ -138,7 +142,7 @@ def fail_delete(event: dict[str, Any]) -> dict[str, Any]:
     host, details, event_name = event.get("host"), None, EVENT_TERMINATE
     if "confirm_error" in event:
         found = event.get("confirm") or {}
-        host, event_name = found.get("host"), confirm_resize.EVENT_CONFIRM
+        host, event_name = found.get("host"), found.get("event", confirm_resize.EVENT_CONFIRM)
         details = (f"Confirming the resize on source host {host} failed before the server was destroyed; "
                    f"migration {found.get('migration_uuid')} keeps its allocation and the old disks may remain "
                    f"there. Delete the server again to retry.")
