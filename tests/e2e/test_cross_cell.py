@@ -30,13 +30,10 @@ from move_helpers import (
     resize_to_verify,
     root_digest,
 )
-from sqlalchemy import delete, select
+from sqlalchemy import select
 
 from ferry import faults
 from ferry.store.api_models import (
-    Aggregate,
-    AggregateHost,
-    AggregateMetadata,
     CellMapping,
     InstanceMapping,
     Volume,
@@ -63,21 +60,28 @@ def cross_cell_allowed(local_stack) -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def generation_flavor(local_stack) -> Iterator[dict[str, str]]:
-    """``{cell: flavor id}``: a flavor of the small size that only that cell's hosts offer."""
+    """``{cell: flavor id}``: a flavor of the small size that only that cell's hosts offer.
+
+    Set up as an operator would: an aggregate per cell with ``hw_generation=<cell>``
+    (``os-aggregates``) and the flavor's matching extra spec.
+    """
     cells = sorted(set(local_stack.hosts.values()))
     admin = local_stack.session("admin")
+    aggregates: list[tuple[int, list[str]]] = []
     flavors: dict[str, str] = {}
-    with api_session() as session:
-        for cell in cells:
-            aggregate = Aggregate(name=f"e2e-generation-{cell}")
-            session.add(aggregate)
-            session.flush()
-            session.add(AggregateMetadata(aggregate_id=aggregate.id, key="hw_generation", value=cell))
-            for host, host_cell in local_stack.hosts.items():
-                if host_cell == cell:
-                    session.add(AggregateHost(aggregate_id=aggregate.id, host=host))
     try:
         for cell in cells:
+            created = admin.post("/os-aggregates", json={"aggregate": {"name": f"e2e-generation-{cell}"}})
+            assert created.status_code == 200, created.text
+            aggregate, members = created.json()["aggregate"]["id"], []
+            aggregates.append((aggregate, members))
+            for host in sorted(h for h, c in local_stack.hosts.items() if c == cell):
+                added = admin.post(f"/os-aggregates/{aggregate}/action", json={"add_host": {"host": host}})
+                assert added.status_code == 200, added.text
+                members.append(host)
+            tagged = admin.post(f"/os-aggregates/{aggregate}/action",
+                                json={"set_metadata": {"metadata": {"hw_generation": cell}}})
+            assert tagged.status_code == 200, tagged.text
             small = FLAVORS[SMALL]
             created = admin.post("/flavors", json={"flavor": {
                 "name": f"e2e.small.{cell}", "id": f"small-{cell}", "vcpus": small["VCPU"],
@@ -91,8 +95,10 @@ def generation_flavor(local_stack) -> Iterator[dict[str, str]]:
     finally:
         for flavor in flavors.values():
             admin.delete(f"/flavors/{flavor}")
-        with api_session() as session:
-            session.execute(delete(Aggregate).where(Aggregate.name.like("e2e-generation-%")))
+        for aggregate, members in aggregates:
+            for host in members:
+                admin.post(f"/os-aggregates/{aggregate}/action", json={"remove_host": {"host": host}})
+            admin.delete(f"/os-aggregates/{aggregate}")
 
 
 @pytest.fixture
