@@ -153,6 +153,7 @@ class LocalStack:
         stage: the deployment stage.
         ready_timeout: how long to wait for every host's first heartbeat.
         agent_heartbeat_interval: seconds between the agents' heartbeats.
+        agent_report_interval: seconds between the agents' inventory reports (their guests and disks).
         redirect_logs: send handlers' and moto's logs to ``<state>/logs/stack.log``.
     """
 
@@ -173,6 +174,7 @@ class LocalStack:
         stage: str = "local",
         ready_timeout: float = 120.0,
         agent_heartbeat_interval: float = 10.0,
+        agent_report_interval: float = 60.0,
         redirect_logs: bool = True,
     ) -> None:
         if agent_mode not in ("process", "thread"):
@@ -188,6 +190,7 @@ class LocalStack:
         self.stage = stage
         self.ready_timeout = ready_timeout
         self.agent_heartbeat_interval = agent_heartbeat_interval
+        self.agent_report_interval = agent_report_interval
         self.redirect_logs = redirect_logs
         self.parameters: dict[str, Any] = {STATE_DIR_PARAMETER: str(self.state_dir), **(parameters or {})}
         if host_op_timeout_seconds is not None:
@@ -303,6 +306,7 @@ class LocalStack:
                 {
                     "poll_wait_seconds": 1,
                     "heartbeat_interval": self.agent_heartbeat_interval,
+                    "report_interval": self.agent_report_interval,
                     "keepalive_interval": self.keepalive_interval,
                 },
             )
@@ -313,6 +317,7 @@ class LocalStack:
             "--vcpus", str(AGENT_VCPUS), "--memory-mb", str(AGENT_MEMORY_MB), "--disk-gb", str(AGENT_DISK_GB),
             "--poll-wait-seconds", "1", "--heartbeat-interval", str(self.agent_heartbeat_interval),
             "--keepalive-interval", str(self.keepalive_interval),
+            "--report-interval", str(self.agent_report_interval),
         ]  # fmt: skip
         return _AgentProcess(host, command, os.environ, self.logs_dir / f"agent-{host}.log")
 
