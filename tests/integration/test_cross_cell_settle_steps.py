@@ -44,8 +44,8 @@ from verify_resize_helpers import (
 
 from ferry import placement, workflows
 from ferry.auth import RequestContext
-from ferry.compute import api as compute_api
 from ferry.compute import actions, moves, states
+from ferry.compute import api as compute_api
 from ferry.store.cell_models import Migration
 from ferry.store.db import cell_session
 from ferry.workflows import auto_confirm, confirm_resize, cross_cell_settle, delete, revert_resize
