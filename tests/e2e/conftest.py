@@ -27,6 +27,8 @@ T = TypeVar("T")
 # Host operations time out quickly so a failure-path test does not wait 15 minutes.
 HOST_OP_TIMEOUT_SECONDS = 60
 HOST_OP_HEARTBEAT_SECONDS = 30
+# Agents report their guests and disks (what ferry audit compares) this often.
+AGENT_REPORT_INTERVAL_SECONDS = 10
 # Schedules in the template run 100 times faster than declared.
 RATE_SCALE = 0.01
 
@@ -175,6 +177,7 @@ def local_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack
         host_op_timeout_seconds=HOST_OP_TIMEOUT_SECONDS,
         host_op_heartbeat_seconds=HOST_OP_HEARTBEAT_SECONDS,
         parameters={POLICY_FILE_PARAMETER: str(policy_file)},
+        agent_report_interval=AGENT_REPORT_INTERVAL_SECONDS,
     )
     try:
         stack.start()
