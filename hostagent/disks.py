@@ -34,7 +34,7 @@ from boto3.exceptions import S3UploadFailedError
 from boto3.s3.transfer import TransferConfig
 from botocore.exceptions import BotoCoreError, ClientError
 
-from ferry import errors
+from ferry import errors, faults
 
 CHUNK_SIZE = 4 * 2**20
 GiB = 2**30
@@ -660,6 +660,8 @@ def image_sha256(s3_client: Any, bucket: str, key: str) -> str | None:
 
 
 IMAGE_DATA_KIND = "disk"
+# The fault point between a snapshot's data and its image object (``*:snapshot_written``).
+SNAPSHOT_WRITTEN_FAULT = "snapshot_written"
 EXTENTS_LAYOUT = "extents"  # ferry.images.EXTENTS_LAYOUT
 
 
@@ -682,6 +684,7 @@ def upload_sparse_image(
         DiskCopyFailed: the disk cannot be read or the upload failed.
     """
     sent = upload_disk(s3_client, path, bucket, data_prefix, IMAGE_DATA_KIND)
+    faults.check(f"*:{SNAPSHOT_WRITTEN_FAULT}")  # drills: the data is sent, the image not yet written
     pointer = {"layout": EXTENTS_LAYOUT, "prefix": data_prefix, "kind": IMAGE_DATA_KIND}
     try:
         s3_client.put_object(
