@@ -75,3 +75,29 @@ def test_api_image_lookup_by_name_in_the_path_is_404(cloud):
     response = call("GET", "/v2.1/images/cirros")
 
     assert response.status == 404 and response.body["itemNotFound"]["code"] == 404
+
+
+def test_a_sparse_image_shows_its_disk_size_and_goes_with_its_extents(cloud):
+    s3, bucket, image_id = aws.client("s3"), config.get().image_bucket, "0b5e7c4e-3c57-4c1e-9a55-8f0f4a1c2d3e"
+    prefix = images.data_prefix(image_id)
+    s3.put_object(Bucket=bucket, Key=f"{prefix}/disk", Body=b"x" * 4096)
+    s3.put_object(Bucket=bucket, Key=f"{prefix}/disk.manifest.json", Body=b"{}")
+    s3.put_object(Bucket=bucket, Key=f"images/{image_id}", Body=b'{"layout": "extents"}', Metadata={
+        "image-id": image_id, "name": "vm-resize-temp", "layout": "extents", "sha256": "ab" * 32,
+        "virtual-size": str(2**30), "data-size": "4096"})
+
+    image = images.get_image(image_id)
+
+    assert (image["status"], image["size"], image["virtual_size"]) == ("active", 4096, 2**30)
+    assert images.delete_image(image_id) is True
+    left = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket).get("Contents", [])]
+    assert not [key for key in left if image_id in key], left
+
+
+def test_deleting_a_snapshot_whose_image_was_never_written_removes_its_extents(cloud):
+    s3, bucket, image_id = aws.client("s3"), config.get().image_bucket, "5d1f0a2b-7c3e-4f5a-8b9c-0d1e2f3a4b5c"
+    s3.put_object(Bucket=bucket, Key=f"{images.data_prefix(image_id)}/disk", Body=b"partial")
+
+    assert images.delete_image(image_id) is False  # no image, but its data goes
+    listed = s3.list_objects_v2(Bucket=bucket, Prefix=images.data_prefix(image_id))
+    assert listed.get("KeyCount", 0) == 0
