@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
+import tempfile
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -70,6 +72,26 @@ def _pg_database(base_url: str, kind: str) -> str:
     return base_url + name
 
 
+_sqlite_templates: dict[str, Path] = {}
+
+
+def _sqlite_database(path: Path, kind: str) -> str:
+    """A SQLite database of ``kind`` (api/cell) at ``path``: a copy of one migrated once per process.
+
+    Running the migrations for every test's four databases was most of a store's set-up time.
+    """
+    template = _sqlite_templates.get(kind)
+    if template is None:
+        template = Path(tempfile.mkdtemp(prefix="ferry-tests-")) / f"{kind}.sqlite"
+        url = f"sqlite:///{template}"
+        migrate.upgrade(kind, url)
+        db.engine_for(url).dispose()
+        db._engines.pop(url, None)
+        _sqlite_templates[kind] = template
+    shutil.copyfile(template, path)
+    return f"sqlite:///{path}"
+
+
 @dataclass
 class Store:
     """A migrated API database and cells, configured as the process's store."""
@@ -87,8 +109,8 @@ def _make_store(
         api_url = _pg_database(base, "api")
         cell_urls = {name: _pg_database(base, "cell") for name in cells}
     else:
-        api_url = f"sqlite:///{tmp_path / 'api.sqlite'}"
-        cell_urls = {name: f"sqlite:///{tmp_path / f'cell-{name}.sqlite'}" for name in cells}
+        api_url = _sqlite_database(tmp_path / "api.sqlite", "api")
+        cell_urls = {name: _sqlite_database(tmp_path / f"cell-{name}.sqlite", "cell") for name in cells}
     monkeypatch.setenv("FERRY_STATE_DIR", str(tmp_path))
     monkeypatch.setenv("FERRY_API_DATABASE_URL", api_url)
     config.reset()
