@@ -30,6 +30,8 @@ from ferry.observability import logger
 PREFIX = "images/"
 DATA_PREFIX = "image-data/"
 EXTENTS_LAYOUT = "extents"
+# The largest object S3 copies in one request (larger ones take a multipart copy).
+SINGLE_COPY_LIMIT = 5 * 2**30
 ACTIVE = "active"
 SAVING = "saving"
 
@@ -163,8 +165,13 @@ def upload_image(source: BinaryIO, name: str, *, image_id: str | None = None, di
     reader = _HashingReader(source)
     s3.upload_fileobj(reader, bucket, key, ExtraArgs={"Metadata": metadata})
     digest = reader.sha256.hexdigest()
-    s3.copy({"Bucket": bucket, "Key": key}, bucket, key,
-            ExtraArgs={"Metadata": {**metadata, "sha256": digest}, "MetadataDirective": "REPLACE"})
+    finished = {**metadata, "sha256": digest}
+    if reader.size <= SINGLE_COPY_LIMIT:  # one request: S3's multipart copy of an object onto itself is not needed
+        s3.copy_object(CopySource={"Bucket": bucket, "Key": key}, Bucket=bucket, Key=key, Metadata=finished,
+                       MetadataDirective="REPLACE")
+    else:
+        s3.copy({"Bucket": bucket, "Key": key}, bucket, key,
+                ExtraArgs={"Metadata": finished, "MetadataDirective": "REPLACE"})
     logger.info("image uploaded", extra={"image_id": image_id, "image_name": name, "size": reader.size})
     return get_image(image_id)
 
