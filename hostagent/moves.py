@@ -185,10 +185,7 @@ class MoveOperations:
         """
         uuid, args = op.instance_uuid, op.args
         migration = args["migration_uuid"]
-        kept = disks.resize_dir(self.instances_dir, uuid)
-        record = _record_of(kept, migration)
-        if record is None:
-            record = self._move_aside(op, kept)
+        kept, record = self._set_aside(op)
         sent: dict[str, dict[str, Any]] = {}
         for kind in protocol.MOVED_DISKS:
             path = kept / disks.DISK_FILES[kind]
@@ -218,6 +215,12 @@ class MoveOperations:
             )
             sent[kind] = {"sha256": moved.sha256, "size": moved.size}
         return {**self._result(uuid, NOSTATE), "was_running": bool(record["was_running"]), "disks": sent}
+
+    def _set_aside(self, op: Operation) -> tuple[Path, dict[str, Any]]:
+        """The guest's directory moved aside for this migration (done now unless an earlier run did), and its record."""
+        kept = disks.resize_dir(self.instances_dir, op.instance_uuid)
+        record = _record_of(kept, op.args["migration_uuid"])
+        return kept, record if record is not None else self._move_aside(op, kept)
 
     def _move_aside(self, op: Operation, kept: Path) -> dict[str, Any]:
         """Power off and undefine the guest, and rename its directory to ``kept``; return the move record."""
@@ -473,10 +476,7 @@ class MoveOperations:
         """
         uuid, args = op.instance_uuid, op.args
         migration = args["migration_uuid"]
-        kept = disks.resize_dir(self.instances_dir, uuid)
-        record = _record_of(kept, migration)
-        if record is None:
-            record = self._move_aside(op, kept)
+        kept, record = self._set_aside(op)
         snapshot = args.get("snapshot")
         if snapshot is None:
             return {**self._result(uuid, NOSTATE), "was_running": bool(record["was_running"]), "snapshot": None}

@@ -135,6 +135,19 @@ def _touch(aggregate: Aggregate) -> None:
     aggregate.updated_at = utcnow()
 
 
+
+def _flush_or_conflict(session: Session, message: str) -> None:
+    """Write pending changes; a unique constraint they break (a concurrent request) is a 409.
+
+    Raises:
+        Conflict: with ``message``.
+    """
+    try:
+        with session.begin_nested():
+            session.flush()
+    except IntegrityError as exc:
+        raise errors.Conflict(message) from exc
+
 def list_aggregates() -> list[AggregateRecord]:
     """Every aggregate, oldest first."""
     with api_session() as session:
@@ -194,11 +207,7 @@ def update_aggregate(aggregate_id: int, *, name: str = _UNCHANGED,
         if name is not _UNCHANGED:
             aggregate.name = name
         _touch(aggregate)
-        try:
-            with session.begin_nested():
-                session.flush()
-        except IntegrityError as exc:
-            raise errors.Conflict(f"Aggregate {name} already exists.") from exc
+        _flush_or_conflict(session, f"Aggregate {name} already exists.")
         session.refresh(aggregate)
         record = _record(aggregate)
     logger.info("aggregate updated", extra={"aggregate_id": aggregate_id})
@@ -246,11 +255,7 @@ def add_host(aggregate_id: int, host: str) -> AggregateRecord:
                            errors.Conflict)
         aggregate.hosts.append(AggregateHost(host=host))
         _touch(aggregate)
-        try:
-            with session.begin_nested():
-                session.flush()
-        except IntegrityError as exc:
-            raise errors.Conflict(f"Aggregate {aggregate_id} already has host {host}.") from exc
+        _flush_or_conflict(session, f"Aggregate {aggregate_id} already has host {host}.")
         session.refresh(aggregate)
         record = _record(aggregate)
     logger.info("host added to aggregate", extra={"aggregate_id": aggregate_id, "host": host})

@@ -343,9 +343,9 @@ def complete_move(event: dict[str, Any]) -> dict[str, Any]:
         session.execute(update(Instance).where(Instance.uuid == uuid).values(**resized, hidden=False))
         session.execute(update(Migration).where(Migration.uuid == migration_uuid).values(status=FINISHED))
         _sync_actions(session, uuid, acts)
-        end = resize._notify(notifications.RESIZE_FINISH_END, instances.get(session, uuid),
-                             notifications.compute_publisher(dest["host"]),
-                             **resize._move_extra(instances.get(session, uuid), migration_uuid))
+        moved = instances.get(session, uuid)
+        end = resize._notify(notifications.RESIZE_FINISH_END, moved, notifications.compute_publisher(dest["host"]),
+                             **resize._move_extra(moved, migration_uuid))
     _map_to(uuid, target)
     _hide_source(cell, uuid)
     resize._publish(end)
