@@ -334,3 +334,36 @@ class InvalidWorkflowInput(BadRequest):
 class CellCopyNotHidden(Conflict):
     """A copy of a server that a cross-cell confirm, revert or delete would remove from a cell is
     visible there: it is the server, so it is left alone."""
+
+
+# --- Drain webhook and signed callbacks ----------------------------------------------------------
+
+
+class WebhookNotConfigured(FerryError):
+    """No webhook secret is configured (``DrainWebhookSecret``): signed requests cannot be checked
+    and signed callbacks cannot be sent, so the webhook refuses everything."""
+
+    http_status = 503
+    api_kind = "computeFault"
+    default_message = "The drain webhook is not configured: no webhook secret is set."
+
+
+class WebhookSignatureInvalid(Unauthorized):
+    """X-Ferry-Signature or X-Ferry-Timestamp is missing or malformed, or the signature does not
+    match the body under the configured secret."""
+
+
+class WebhookTimestampStale(Unauthorized):
+    """A correctly signed request whose X-Ferry-Timestamp lies too far in the past or the future."""
+
+
+class WebhookReplayed(Conflict):
+    """A signature already used by another delivery: the request was captured and sent again."""
+
+
+class WebhookDeliveryConflict(Conflict):
+    """The delivery id is being answered right now, or was used before for a different request."""
+
+
+class WebhookRequestInvalid(BadRequest):
+    """The delivery id is missing or too long, or the body is not a valid drain request."""

@@ -1,0 +1,233 @@
+"""Signed HTTP requests: the drain webhook checks them, drain callbacks send them.
+
+A signed request carries three headers:
+
+- ``X-Ferry-Timestamp``: when it was signed, in unix seconds;
+- ``X-Ferry-Signature``: ``sha256=<hex HMAC-SHA256(secret, f"{timestamp}." + raw body bytes)>``;
+- ``X-Ferry-Delivery``: the sender's unique id of the delivery (the receiver's idempotency key).
+
+The timestamp is signed with the body, so a captured request can be replayed only for the
+:data:`MAX_AGE_SECONDS` either side of the receiver's clock; receivers that must refuse even
+that remember the signatures they accepted (see :mod:`ferry.webhook`). The delivery id is not
+signed: it names the sender's attempt, and a receiver answers the same delivery once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import re
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib import request as urlrequest
+from urllib.parse import urlsplit
+
+from aws_lambda_powertools.metrics import MetricUnit
+
+from ferry import errors
+from ferry.observability import logger, metrics
+
+TIMESTAMP_HEADER = "X-Ferry-Timestamp"
+SIGNATURE_HEADER = "X-Ferry-Signature"
+DELIVERY_HEADER = "X-Ferry-Delivery"
+SCHEME = "sha256"
+# How far a request's timestamp may lie from the receiver's clock, either way.
+MAX_AGE_SECONDS = 300
+CALLBACK_TIMEOUT_SECONDS = 10.0
+
+_SIGNATURE = re.compile(rf"^{SCHEME}=([0-9a-fA-F]{{64}})$")
+_TIMESTAMP = re.compile(r"^[0-9]{1,12}$")
+
+
+@dataclass(frozen=True)
+class SignedRequest:
+    """What :func:`verify` established about a request.
+
+    ``signature`` is the lower-case hex digest (without ``sha256=``); ``delivery`` the
+    ``X-Ferry-Delivery`` header as sent, or None without one (:func:`verify` does not require it).
+    """
+
+    timestamp: int
+    signature: str
+    delivery: str | None
+
+
+def _key(secret: str | bytes) -> bytes:
+    if not secret:
+        raise errors.WebhookNotConfigured()
+    return secret.encode() if isinstance(secret, str) else secret
+
+
+def _digest(secret: str | bytes, timestamp: int | str, body: bytes | str) -> str:
+    raw = body.encode() if isinstance(body, str) else body
+    return hmac.new(_key(secret), f"{timestamp}.".encode() + raw, hashlib.sha256).hexdigest()
+
+
+def sign(secret: str | bytes, timestamp: int | str, body: bytes | str) -> str:
+    """The ``X-Ferry-Signature`` value of ``body`` signed at ``timestamp`` (unix seconds).
+
+    Raises:
+        WebhookNotConfigured: ``secret`` is empty (an empty key would let anybody sign).
+    """
+    return f"{SCHEME}={_digest(secret, timestamp, body)}"
+
+
+def signed_headers(
+    secret: str | bytes, body: bytes | str, delivery_id: str | None = None, now: float | None = None
+) -> dict[str, str]:
+    """The three headers of a signed request with ``body``.
+
+    Args:
+        delivery_id: the delivery's id; a new random one when omitted (a retry of the same
+            delivery must pass the id of the first attempt).
+        now: the signing time (default: this machine's clock).
+
+    Raises:
+        WebhookNotConfigured: ``secret`` is empty.
+    """
+    timestamp = int(time.time() if now is None else now)
+    return {
+        TIMESTAMP_HEADER: str(timestamp),
+        SIGNATURE_HEADER: sign(secret, timestamp, body),
+        DELIVERY_HEADER: delivery_id or str(uuid.uuid4()),
+    }
+
+
+def header(headers: Mapping[str, Any] | None, name: str) -> str | None:
+    """The value of header ``name`` in ``headers`` whatever its case (None when absent)."""
+    wanted = name.lower()
+    for key, value in (headers or {}).items():
+        if key.lower() == wanted:
+            return None if value is None else str(value)
+    return None
+
+
+def verify(
+    secret: str | bytes,
+    headers: Mapping[str, Any] | None,
+    body: bytes | str,
+    now: float | None = None,
+    max_age: int = MAX_AGE_SECONDS,
+) -> SignedRequest:
+    """Check that ``body`` with ``headers`` was signed with ``secret`` within ``max_age`` seconds.
+
+    The signature is checked before the timestamp's age, so only a correctly signed request
+    learns that its clock is off. Header names are matched whatever their case; digests are
+    compared in constant time.
+
+    Args:
+        headers: the request's headers.
+        body: the raw body bytes as received (a str is taken as its UTF-8 encoding).
+        now: the receiver's time (default: this machine's clock).
+        max_age: seconds a timestamp may lie in the past or in the future.
+
+    Returns:
+        The request's timestamp, signature digest and delivery id.
+
+    Raises:
+        WebhookNotConfigured: ``secret`` is empty.
+        WebhookSignatureInvalid: a signature header is missing or malformed, or the signature
+            does not match.
+        WebhookTimestampStale: the signature matches but the timestamp is more than ``max_age``
+            seconds old or ahead.
+    """
+    key = _key(secret)
+    raw_timestamp = header(headers, TIMESTAMP_HEADER)
+    raw_signature = header(headers, SIGNATURE_HEADER)
+    if raw_timestamp is None:
+        raise errors.WebhookSignatureInvalid(f"{TIMESTAMP_HEADER} is missing; signed requests carry it.")
+    if raw_signature is None:
+        raise errors.WebhookSignatureInvalid(f"{SIGNATURE_HEADER} is missing; signed requests carry it.")
+    raw_timestamp = raw_timestamp.strip()
+    if not _TIMESTAMP.match(raw_timestamp):
+        raise errors.WebhookSignatureInvalid(
+            f"{TIMESTAMP_HEADER} must be unix seconds (a whole number), not {raw_timestamp[:40]!r}."
+        )
+    found = _SIGNATURE.match(raw_signature.strip())
+    if found is None:
+        raise errors.WebhookSignatureInvalid(
+            f"{SIGNATURE_HEADER} must be '{SCHEME}=' followed by the 64 hex digits of an HMAC-SHA256."
+        )
+    given = found.group(1).lower()
+    expected = _digest(key, raw_timestamp, body)
+    if not hmac.compare_digest(given.encode(), expected.encode()):
+        raise errors.WebhookSignatureInvalid(
+            f"{SIGNATURE_HEADER} does not match the body and {TIMESTAMP_HEADER} under the configured secret."
+        )
+    timestamp = int(raw_timestamp)
+    age = int((time.time() if now is None else now) - timestamp)
+    if age > max_age:
+        raise errors.WebhookTimestampStale(
+            f"{TIMESTAMP_HEADER} is {age} s old; requests older than {max_age} s are refused."
+        )
+    if -age > max_age:
+        raise errors.WebhookTimestampStale(
+            f"{TIMESTAMP_HEADER} is {-age} s in the future; requests more than {max_age} s ahead of "
+            f"this server's clock are refused."
+        )
+    return SignedRequest(timestamp=timestamp, signature=given, delivery=header(headers, DELIVERY_HEADER))
+
+
+class _NoRedirects(urlrequest.HTTPRedirectHandler):
+    """Callbacks are not followed to another URL: a redirect would turn the POST into a GET
+    without its body, and the receiver named is the one meant to get it."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+_opener = urlrequest.build_opener(_NoRedirects)
+
+
+def _where(url: str) -> str:
+    """``url`` without its query and credentials, fit for logs (a query may carry a token)."""
+    try:
+        parts = urlsplit(url)
+        return f"{parts.scheme}://{parts.hostname or ''}{f':{parts.port}' if parts.port else ''}{parts.path}"
+    except ValueError:
+        return "<unparseable URL>"
+
+
+def post_callback(url: str, document: Any, secret: str | bytes, delivery_id: str | None = None) -> bool:
+    """POST ``document`` as JSON to ``url``, signed with ``secret`` (the headers of :func:`signed_headers`).
+
+    Never raises: a callback that cannot be delivered (no secret, a URL that is not http(s),
+    a connection error, a timeout after 10 s, an answer other than 2xx) is logged and counted
+    (``CallbackFailed``) and reported by the result.
+
+    Args:
+        delivery_id: ``X-Ferry-Delivery`` (default: a new random id).
+
+    Returns:
+        True when the receiver answered 2xx.
+    """
+    where = _where(url)
+    delivery = delivery_id or str(uuid.uuid4())
+    try:
+        if urlsplit(url).scheme not in ("http", "https"):
+            raise ValueError("callback URLs must be http or https")
+        body = json.dumps(document).encode()
+        headers = {
+            "Content-Type": "application/json",
+            "User-Agent": "ferry-callback",
+            **signed_headers(secret, body, delivery_id=delivery),
+        }
+        request = urlrequest.Request(url, data=body, headers=headers, method="POST")
+        with _opener.open(request, timeout=CALLBACK_TIMEOUT_SECONDS) as response:
+            status = response.status
+        if not 200 <= status < 300:
+            raise ValueError(f"the receiver answered {status}")
+    except Exception as exc:
+        metrics.add_metric(name="CallbackFailed", unit=MetricUnit.Count, value=1)
+        logger.warning(
+            "callback not delivered",
+            extra={"url": where, "delivery": delivery, "error": f"{type(exc).__name__}: {exc}"},
+        )
+        return False
+    metrics.add_metric(name="CallbackDelivered", unit=MetricUnit.Count, value=1)
+    logger.info("callback delivered", extra={"url": where, "delivery": delivery, "status": status})
+    return True

@@ -1,0 +1,290 @@
+"""Signed requests (ferry.signing): what verify accepts and refuses, and signed callbacks."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from ferry import errors, signing
+
+SECRET = "s3cret-for-tests"
+NOW = 1_700_000_000
+BODY = b'{"drain": {"host": "h1"}}'
+
+
+def _headers(body: bytes = BODY, *, secret: str = SECRET, at: int = NOW, delivery: str = "d-1") -> dict[str, str]:
+    return signing.signed_headers(secret, body, delivery_id=delivery, now=at)
+
+
+# --- sign and verify ---------------------------------------------------------------------------
+
+
+def test_sign_is_hmac_sha256_of_timestamp_dot_body():
+    expected = hmac.new(SECRET.encode(), f"{NOW}.".encode() + BODY, hashlib.sha256).hexdigest()
+
+    assert signing.sign(SECRET, NOW, BODY) == f"sha256={expected}"
+
+
+def test_signed_headers_verify_and_name_the_delivery():
+    headers = _headers()
+
+    verified = signing.verify(SECRET, headers, BODY, now=NOW)
+
+    assert set(headers) == {"X-Ferry-Timestamp", "X-Ferry-Signature", "X-Ferry-Delivery"}
+    assert verified == signing.SignedRequest(
+        timestamp=NOW, signature=headers["X-Ferry-Signature"].removeprefix("sha256="), delivery="d-1"
+    )
+
+
+def test_signed_headers_make_a_new_delivery_id_when_none_is_given():
+    first = signing.signed_headers(SECRET, BODY, now=NOW)["X-Ferry-Delivery"]
+    second = signing.signed_headers(SECRET, BODY, now=NOW)["X-Ferry-Delivery"]
+
+    assert first and second and first != second
+
+
+def test_a_str_body_is_its_utf8_bytes():
+    text = '{"drain": {"host": "hôte"}}'
+
+    assert signing.verify(SECRET, _headers(text.encode()), text, now=NOW).timestamp == NOW
+
+
+def test_tampered_body_is_refused():
+    headers = _headers()
+
+    with pytest.raises(errors.WebhookSignatureInvalid, match="does not match the body"):
+        signing.verify(SECRET, headers, BODY.replace(b"h1", b"h2"), now=NOW)
+
+
+def test_tampered_timestamp_is_refused():
+    headers = _headers()
+    headers["X-Ferry-Timestamp"] = str(NOW + 1)
+
+    with pytest.raises(errors.WebhookSignatureInvalid, match="does not match"):
+        signing.verify(SECRET, headers, BODY, now=NOW)
+
+
+def test_wrong_secret_is_refused():
+    with pytest.raises(errors.WebhookSignatureInvalid):
+        signing.verify(SECRET, _headers(secret="another-secret"), BODY, now=NOW)
+
+
+def test_an_empty_secret_neither_signs_nor_verifies():
+    with pytest.raises(errors.WebhookNotConfigured):
+        signing.sign("", NOW, BODY)
+    # A signature made with an empty key must not pass for a receiver without a secret.
+    forged = {
+        "X-Ferry-Timestamp": str(NOW),
+        "X-Ferry-Signature": "sha256=" + hmac.new(b"", f"{NOW}.".encode() + BODY, hashlib.sha256).hexdigest(),
+    }
+    with pytest.raises(errors.WebhookNotConfigured):
+        signing.verify("", forged, BODY, now=NOW)
+
+
+def test_stale_timestamp_is_refused_with_its_age():
+    headers = _headers(at=NOW - 412)
+
+    with pytest.raises(errors.WebhookTimestampStale) as raised:
+        signing.verify(SECRET, headers, BODY, now=NOW)
+
+    assert raised.value.message == "X-Ferry-Timestamp is 412 s old; requests older than 300 s are refused."
+    assert raised.value.http_status == 401
+
+
+def test_future_timestamp_is_refused():
+    with pytest.raises(errors.WebhookTimestampStale, match="301 s in the future"):
+        signing.verify(SECRET, _headers(at=NOW + 301), BODY, now=NOW)
+
+
+def test_timestamps_within_max_age_either_way_are_accepted():
+    assert signing.verify(SECRET, _headers(at=NOW - 300), BODY, now=NOW).timestamp == NOW - 300
+    assert signing.verify(SECRET, _headers(at=NOW + 300), BODY, now=NOW).timestamp == NOW + 300
+
+
+def test_max_age_is_the_callers_choice():
+    with pytest.raises(errors.WebhookTimestampStale, match="older than 10 s"):
+        signing.verify(SECRET, _headers(at=NOW - 11), BODY, now=NOW, max_age=10)
+
+
+@pytest.mark.parametrize("missing", ["X-Ferry-Timestamp", "X-Ferry-Signature"])
+def test_missing_signature_headers_are_refused(missing):
+    headers = _headers()
+    del headers[missing]
+
+    with pytest.raises(errors.WebhookSignatureInvalid, match=f"{missing} is missing"):
+        signing.verify(SECRET, headers, BODY, now=NOW)
+
+
+def test_no_headers_at_all_are_refused():
+    with pytest.raises(errors.WebhookSignatureInvalid, match="is missing"):
+        signing.verify(SECRET, None, BODY, now=NOW)
+
+
+def test_the_delivery_id_is_not_required_to_verify():
+    headers = _headers()
+    del headers["X-Ferry-Delivery"]
+
+    assert signing.verify(SECRET, headers, BODY, now=NOW).delivery is None
+
+
+@pytest.mark.parametrize(
+    ("timestamp", "signature", "complaint"),
+    [
+        ("yesterday", None, "must be unix seconds"),
+        ("-5", None, "must be unix seconds"),
+        ("1700000000.5", None, "must be unix seconds"),
+        (None, "md5=abc", "must be 'sha256=' followed by"),
+        (None, "sha256=" + "g" * 64, "must be 'sha256=' followed by"),
+        (None, "sha256=" + "é" * 64, "must be 'sha256=' followed by"),
+    ],
+)
+def test_malformed_signature_headers_are_refused(timestamp, signature, complaint):
+    headers = _headers()
+    if timestamp is not None:
+        headers["X-Ferry-Timestamp"] = timestamp
+    if signature is not None:
+        headers["X-Ferry-Signature"] = signature
+
+    with pytest.raises(errors.WebhookSignatureInvalid, match=complaint):
+        signing.verify(SECRET, headers, BODY, now=NOW)
+
+
+def test_header_names_are_matched_whatever_their_case():
+    headers = {name.lower(): value for name, value in _headers().items()}
+    upper = {name.upper(): value for name, value in _headers().items()}
+
+    assert signing.verify(SECRET, headers, BODY, now=NOW).delivery == "d-1"
+    assert signing.verify(SECRET, upper, BODY, now=NOW).delivery == "d-1"
+
+
+def test_upper_case_hex_digits_are_the_same_signature():
+    headers = _headers()
+    digest = headers["X-Ferry-Signature"].removeprefix("sha256=")
+    headers["X-Ferry-Signature"] = "sha256=" + digest.upper()
+
+    assert signing.verify(SECRET, headers, BODY, now=NOW).signature == digest
+
+
+def test_verify_compares_digests_in_constant_time(monkeypatch):
+    compared: list[tuple[bytes, bytes]] = []
+    real = hmac.compare_digest
+
+    def spy(a, b):
+        compared.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setattr(signing.hmac, "compare_digest", spy)
+
+    signing.verify(SECRET, _headers(), BODY, now=NOW)
+
+    assert len(compared) == 1
+
+
+# --- callbacks ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Receiver:
+    url: str
+    status: int = 200
+    received: list[tuple[dict[str, str], bytes]] = field(default_factory=list)
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    """An HTTP server on loopback that records what is POSTed to it and answers ``status``."""
+    state = Receiver(url="")
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - the base class's naming
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            state.received.append((dict(self.headers.items()), body))
+            self.send_response(state.status)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's signature
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    state.url = f"http://127.0.0.1:{server.server_address[1]}/drain-events?token=abc"
+    try:
+        yield state
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def test_callback_posts_json_the_receiver_can_verify(receiver):
+    document = {"drain": {"id": "d1", "status": "completed"}}
+
+    assert signing.post_callback(receiver.url, document, SECRET, delivery_id="drain-d1-completed") is True
+
+    [(headers, body)] = receiver.received
+    verified = signing.verify(SECRET, headers, body)
+    assert json.loads(body) == document
+    assert signing.header(headers, "Content-Type") == "application/json"
+    assert verified.delivery == "drain-d1-completed"
+
+
+def test_callback_under_another_secret_fails_the_receivers_check(receiver):
+    assert signing.post_callback(receiver.url, {"drain": {}}, "not-the-receivers-secret") is True
+
+    [(headers, body)] = receiver.received
+    with pytest.raises(errors.WebhookSignatureInvalid):
+        signing.verify(SECRET, headers, body)
+
+
+def test_callback_answered_with_an_error_status_returns_false(receiver):
+    receiver.status = 500
+
+    assert signing.post_callback(receiver.url, {"drain": {}}, SECRET) is False
+    assert len(receiver.received) == 1
+
+
+def test_callback_is_not_redirected(receiver):
+    receiver.status = 307
+
+    assert signing.post_callback(receiver.url, {"drain": {}}, SECRET) is False
+    assert len(receiver.received) == 1
+
+
+def test_callback_to_a_closed_port_returns_false_without_raising():
+    with ThreadingHTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler) as server:
+        port = server.server_address[1]
+    # The port was free a moment ago and nothing listens on it now.
+
+    assert signing.post_callback(f"http://127.0.0.1:{port}/cb", {"drain": {}}, SECRET) is False
+
+
+@pytest.mark.parametrize("url", ["file:///etc/passwd", "not a url", "http://[::1"])
+def test_callback_to_an_unusable_url_returns_false_without_raising(url):
+    assert signing.post_callback(url, {"drain": {}}, SECRET) is False
+
+
+def test_callback_without_a_secret_returns_false_and_sends_nothing(receiver):
+    assert signing.post_callback(receiver.url, {"drain": {}}, "") is False
+    assert receiver.received == []
+
+
+def test_failed_callback_counts_a_metric_and_logs_without_the_query(monkeypatch):
+    counted: list[str] = []
+    logged: list[dict[str, Any]] = []
+    monkeypatch.setattr(signing.metrics, "add_metric", lambda name, **_: counted.append(name))
+    monkeypatch.setattr(signing.logger, "warning", lambda message, extra: logged.append(extra))
+
+    assert signing.post_callback("http://127.0.0.1:9/cb?token=secret-token", {"x": 1}, SECRET) is False
+
+    assert counted == ["CallbackFailed"]
+    assert logged[0]["url"] == "http://127.0.0.1:9/cb"
