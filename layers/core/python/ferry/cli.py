@@ -18,6 +18,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ferry import cli_drain
 from ferry.audit import DEFAULT_GRACE_SECONDS
 
 Handler = Callable[[argparse.Namespace], int]
@@ -55,6 +56,7 @@ def add_audit(commands: Any) -> None:
 # (name, adds the sub-parser): the commands of ``ferry``, in the order --help lists them.
 COMMANDS: list[tuple[str, Callable[[Any], None]]] = [
     ("audit", add_audit),
+    ("drain", cli_drain.add_drain),
 ]
 
 
