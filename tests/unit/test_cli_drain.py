@@ -136,6 +136,7 @@ def test_start_sends_only_the_options_given(cloud, capsys, flags, body):
     ["--host", "h1", "--retries", "6"],
     ["--host", "h1", "--retries", "one"],
     ["--host", "h1", "--max-per-dest-host", "0"],
+    ["--host", "h1", "--max-per-source-host", "1001"],
     ["--host", "h1", "--interval", "0"],
     ["--host", "h1", "--watch", "--json"],
 ])
@@ -370,6 +371,14 @@ def test_a_started_drain_says_how_to_follow_it(cloud, capsys):
         f"Drain {DRAIN_ID} running: host h1, 3 server(s).", f"Follow it with: ferry drain watch {DRAIN_ID}"]
 
 
+def test_a_drain_still_planning_has_no_server_count_yet(cloud, capsys):
+    cloud(ok({"drain": view("planning", {"total": 0, "left": 0}, servers=[], started_at=None)}, 202))
+
+    assert cli.main(["drain", "start", "--cell", "cell1"]) == 0
+
+    assert capsys.readouterr().out.splitlines()[0] == f"Drain {DRAIN_ID} planning: host h1."
+
+
 def test_start_json_prints_the_raw_document(cloud, capsys):
     document = {"drain": view("running")}
     cloud(ok(document, 202))
@@ -418,6 +427,14 @@ def test_the_progress_line_without_an_estimate_yet_and_when_final():
         "running  [....]    0%  0 done, 0 failed of 4, 0 in progress  ETA --")
     assert cli_drain.progress_line(finished, width=4) == (
         "completed  [####]  100%  3 done, 0 failed of 4, 1 unplaceable")
+
+
+def test_a_drain_still_planning_is_not_shown_as_done():
+    planning = view("planning", {"total": 0, "left": 0}, servers=[])
+
+    assert cli_drain.progress_line(planning, width=4) == (
+        "planning  [....]    0%  finding a destination for every server")
+    assert cli_drain.progress_line(planning, bar=False) == "planning    0%  finding a destination for every server"
 
 
 # --- watch -----------------------------------------------------------------------------------------

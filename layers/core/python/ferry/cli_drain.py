@@ -248,6 +248,10 @@ def progress_line(view: Mapping[str, Any], *, bar: bool = True, width: int = BAR
     """
     counts = _counts(view)
     status = view.get("status") or "?"
+    if status == "planning" and not counts["total"]:
+        # Nothing is planned yet: an empty drain would read 100%.
+        return "  ".join([status, *(["[" + "." * width + "]"] if bar else []), "  0%",
+                          "finding a destination for every server"])
     percent = settled_percent(counts)
     parts = [status]
     if bar:
@@ -542,7 +546,10 @@ def _start(conn: Connection, args: argparse.Namespace) -> int:
         print(render_plan(view))
         return exit_status(view)
     counts = _counts(view)
-    print(f"Drain {view.get('id')} {view.get('status')}: {_target(view)}, {counts['total']} server(s).")
+    if view.get("status") == "planning" and not counts["total"]:
+        print(f"Drain {view.get('id')} planning: {_target(view)}.")
+    else:
+        print(f"Drain {view.get('id')} {view.get('status')}: {_target(view)}, {counts['total']} server(s).")
     if view.get("message"):
         print(view["message"])
     reasons = _unplaceable_reasons(view)
@@ -622,14 +629,14 @@ def _handler(run: Callable[[Connection, argparse.Namespace], int]) -> Callable[[
 # --- the parser ---------------------------------------------------------------------------------
 
 
-def _int_between(low: int, high: int | None) -> Callable[[str], int]:
+def _int_between(low: int, high: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-        if value < low or (high is not None and value > high):
-            raise argparse.ArgumentTypeError(f"{value} is not in {low}..{'' if high is None else high}")
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is not in {low}..{high}")
         return value
 
     return parse
@@ -669,10 +676,10 @@ def add_drain(commands: Any) -> None:
     start.add_argument("--dry-run", action="store_true", help="plan only: print where each server would go")
     start.add_argument("--max-concurrency", type=_int_between(1, 100), metavar="N",
                        help="moves under way at once, 1..100 (API default: 5)")
-    start.add_argument("--max-per-source-host", type=_int_between(1, None), metavar="N",
-                       help="moves at once off one host (default: no limit)")
-    start.add_argument("--max-per-dest-host", type=_int_between(1, None), metavar="N",
-                       help="moves at once onto one host (default: no limit)")
+    start.add_argument("--max-per-source-host", type=_int_between(1, 1000), metavar="N",
+                       help="moves at once off one host, 1..1000 (default: no limit)")
+    start.add_argument("--max-per-dest-host", type=_int_between(1, 1000), metavar="N",
+                       help="moves at once onto one host, 1..1000 (default: no limit)")
     start.add_argument("--no-confirm", action="store_true",
                        help="leave each moved server in VERIFY_RESIZE instead of confirming it")
     start.add_argument("--move-what-fits", action="store_true",
