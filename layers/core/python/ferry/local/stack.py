@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -30,7 +31,7 @@ from ferry.local.gateway import ApiGateway
 from ferry.local.pollers import Pollers
 from ferry.local.provision import provision
 from ferry.local.runtime import LocalAws, free_port
-from ferry.local.template import LocalTemplate, resolve
+from ferry.local.template import LocalTemplate, load_template, resolve
 
 log = logging.getLogger("ferry-local")
 
@@ -42,6 +43,7 @@ STATE_DIR_PARAMETER = "FerryStateDir"
 HOST_OP_TIMEOUT_PARAMETER = "HostOpTimeoutSeconds"
 HOST_OP_HEARTBEAT_PARAMETER = "HostOpHeartbeatSeconds"
 POLICY_FILE_PARAMETER = "PolicyFile"
+WEBHOOK_SECRET_PARAMETER = "DrainWebhookSecret"
 # The simulated hypervisors' size.
 AGENT_VCPUS = 8
 AGENT_MEMORY_MB = 16384
@@ -50,6 +52,7 @@ AGENT_STOP_TIMEOUT = 15.0
 DEFAULT_KEEPALIVE_SECONDS = 30.0
 API_PATH = "/v2.1"
 IDENTITY_PATH = "/identity/v3"
+WEBHOOK_PATH = "/webhooks/drain"
 
 
 def default_template_path() -> Path:
@@ -155,6 +158,8 @@ class LocalStack:
         agent_heartbeat_interval: seconds between the agents' heartbeats.
         agent_report_interval: seconds between the agents' inventory reports (their guests and disks).
         redirect_logs: send handlers' and moto's logs to ``<state>/logs/stack.log``.
+        webhook_secret: the drain webhook's secret (the template's DrainWebhookSecret); None
+            keeps one in ``<state>/webhook-secret``, made on the first start.
     """
 
     def __init__(
@@ -176,6 +181,7 @@ class LocalStack:
         agent_heartbeat_interval: float = 10.0,
         agent_report_interval: float = 60.0,
         redirect_logs: bool = True,
+        webhook_secret: str | None = None,
     ) -> None:
         if agent_mode not in ("process", "thread"):
             raise ValueError(f"agent_mode must be 'process' or 'thread', not {agent_mode!r}")
@@ -192,6 +198,7 @@ class LocalStack:
         self.agent_heartbeat_interval = agent_heartbeat_interval
         self.agent_report_interval = agent_report_interval
         self.redirect_logs = redirect_logs
+        self.webhook_secret = webhook_secret
         self.parameters: dict[str, Any] = {STATE_DIR_PARAMETER: str(self.state_dir), **(parameters or {})}
         if host_op_timeout_seconds is not None:
             self.parameters[HOST_OP_TIMEOUT_PARAMETER] = host_op_timeout_seconds
@@ -228,6 +235,15 @@ class LocalStack:
     @property
     def identity_url(self) -> str:
         return f"http://127.0.0.1:{self.api_port}{IDENTITY_PATH}"
+
+    @property
+    def webhook_url(self) -> str:
+        return f"http://127.0.0.1:{self.api_port}{WEBHOOK_PATH}"
+
+    @property
+    def webhook_secret_file(self) -> Path:
+        """Where the webhook secret made for this state directory is kept (mode 0600)."""
+        return self.state_dir / "webhook-secret"
 
     @property
     def aws_endpoint_url(self) -> str:
@@ -274,6 +290,10 @@ class LocalStack:
     def _start(self) -> None:
         self.moto_port = self.moto_port or free_port()
         self.api_port = self.api_port or free_port()
+        if WEBHOOK_SECRET_PARAMETER in (load_template(self.template_path).get("Parameters") or {}):
+            self.webhook_secret = self.parameters.setdefault(
+                WEBHOOK_SECRET_PARAMETER, self.webhook_secret or self._kept_webhook_secret()
+            )
         self.model = resolve(
             self.template_path, stage=self.stage, parameters=self.parameters, endpoint_url=self.aws_endpoint_url
         )
@@ -292,6 +312,18 @@ class LocalStack:
             self.agents[host] = self._start_agent(host, cell)
         self.wait_for_hosts(self.ready_timeout)
         log.info("local stack ready: compute API %s, AWS %s", self.api_url, self.aws_endpoint_url)
+
+    def _kept_webhook_secret(self) -> str:
+        """The secret in :attr:`webhook_secret_file`, made (random, readable by its owner only) when missing."""
+        path = self.webhook_secret_file
+        kept = path.read_text().strip() if path.is_file() else ""
+        if kept:
+            return kept
+        made = secrets.token_urlsafe(32)
+        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as file:
+            file.write(made + "\n")
+        path.chmod(0o600)
+        return made
 
     def _start_agent(self, host: str, cell: str) -> _AgentProcess | _AgentThread:
         state_dir = self.host_state_dir(host)
@@ -449,6 +481,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--template", type=Path, default=None, help="template.yaml (default: the checkout's)")
     parser.add_argument("--policy-file", type=Path, default=None,
                         help="a YAML or JSON policy file (the template's PolicyFile), re-read when it changes")
+    parser.add_argument("--webhook-secret", default=None,
+                        help="the drain webhook's secret (the template's DrainWebhookSecret; default: a random "
+                             "one made once and kept in <state dir>/webhook-secret)")
     args = parser.parse_args(argv)
 
     state_dir = args.state_dir.resolve()
@@ -467,6 +502,7 @@ def main(argv: list[str] | None = None) -> int:
         agent_mode=args.agent_mode,
         template_path=args.template,
         parameters={POLICY_FILE_PARAMETER: str(args.policy_file.resolve())} if args.policy_file else None,
+        webhook_secret=args.webhook_secret,
     )
     terminal = sys.stdout
     print(f"Starting Ferry's local stack in {state_dir} (logs in {stack.logs_dir}) ...", flush=True)
@@ -496,10 +532,13 @@ def main(argv: list[str] | None = None) -> int:
 
         signal.signal(signal.SIGTERM, _request_stop)
         signal.signal(signal.SIGINT, _request_stop)
+        secret_from = "given with --webhook-secret" if args.webhook_secret else f"in {stack.webhook_secret_file}"
         print(
             f"\nFerry is up.\n"
             f"  compute API   {stack.api_url}\n"
             f"  local AWS     {stack.aws_endpoint_url}\n"
+            f"  drain webhook POST {stack.webhook_url}\n"
+            f"                secret {secret_from}\n"
             f"  hosts         {', '.join(stack.agents)}\n\n"
             f"  export OS_CLIENT_CONFIG_FILE={stack.clouds_yaml}\n"
             f"  export OS_CLOUD=ferry-demo     # or ferry-admin, ferry-alt\n"

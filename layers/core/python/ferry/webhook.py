@@ -1,0 +1,270 @@
+"""The signed drain webhook: ``POST /webhooks/drain`` starts a drain without a token.
+
+Monitoring or an operator's tooling sends ``{"drain": {...}}`` (:data:`ferry.drains.REQUEST_SCHEMA`)
+signed with the shared secret (:mod:`ferry.signing`). The webhook answers in this order:
+
+1. no secret configured (``FERRY_WEBHOOK_SECRET`` from the template's ``DrainWebhookSecret``): 503;
+2. a missing, malformed or wrong signature: 401; a timestamp over 5 minutes off either way: 401;
+3. a missing or too long ``X-Ferry-Delivery``, a body that is not JSON or not a drain request: 400;
+4. the same delivery id again: the first answer, and nothing is started again (Powertools
+   idempotency on ``FERRY_IDEMPOTENCY_TABLE``, 24 hours); the same delivery id with another
+   body: 409;
+5. a signature another delivery already used (a captured request sent again under a new
+   delivery id): 409. Accepted signatures are kept as one-time nonces in the same table for
+   600 s, longer than the window in which their timestamp is accepted;
+6. otherwise :func:`ferry.drains.create_drain` as :func:`ferry.drains.webhook_context`: its
+   status (202 started, 200 dry run) and ``{"drain": view}``.
+
+Refusals are the compute API's faults, ``{"<kind>": {"code": N, "message": "..."}}``; a refused
+request starts nothing and records nothing but, from step 5 on, the signature's nonce.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import functools
+import json
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import jsonschema
+from aws_lambda_powertools.metrics import MetricUnit
+from aws_lambda_powertools.utilities.idempotency import (
+    DynamoDBPersistenceLayer,
+    IdempotencyConfig,
+    idempotent_function,
+)
+from aws_lambda_powertools.utilities.idempotency.exceptions import (
+    IdempotencyAlreadyInProgressError,
+    IdempotencyValidationError,
+)
+from aws_lambda_powertools.utilities.idempotency.persistence.datarecord import DataRecord
+
+from ferry import aws, config, drains, errors, signing
+from ferry.observability import logger, metrics
+
+TABLE_VARIABLE = "FERRY_IDEMPOTENCY_TABLE"
+DELIVERY_MAX_LENGTH = 128
+# A delivery's answer is kept this long: a sender retrying within it gets the first answer.
+DELIVERY_EXPIRY_SECONDS = 24 * 60 * 60
+# A signature is accepted while its timestamp is within MAX_AGE_SECONDS either way of the clock:
+# remembering it from its first use for twice that covers every moment it could be replayed.
+SIGNATURE_NONCE_SECONDS = 2 * signing.MAX_AGE_SECONDS
+DELIVERY_KEY_PREFIX = "drain-webhook-delivery"
+SIGNATURE_KEY_PREFIX = "webhook-signature#"
+# IdempotencyTable's partition key and TTL attribute (template.yaml); Powertools' defaults too.
+KEY_ATTRIBUTE = "id"
+EXPIRY_ATTRIBUTE = "expiration"
+
+_BODY_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["drain"],
+    "properties": {"drain": drains.REQUEST_SCHEMA},
+    "additionalProperties": False,
+}
+
+
+def handle(event: Mapping[str, Any], context: Any = None) -> dict[str, Any]:
+    """Answer one API Gateway REST proxy event (payload 1.0) for ``POST /webhooks/drain``.
+
+    Never raises: every outcome is a proxy response with a JSON body.
+    """
+    request_id = _request_id(event, context)
+    try:
+        answer = _start_drain_once(event, context)
+    except Exception as exc:
+        return _fault(exc, request_id)
+    drain = answer["body"].get("drain") or {}
+    details = {"status": answer["status"], "drain": drain.get("id"), "delivery": answer["delivery"]}
+    if answer.get("repeated"):
+        metrics.add_metric(name="WebhookDeliveryRepeated", unit=MetricUnit.Count, value=1)
+        logger.info("drain webhook delivery repeated: answered as before", extra=details)
+    else:
+        metrics.add_metric(name="WebhookDrainAccepted", unit=MetricUnit.Count, value=1)
+        logger.info("drain webhook accepted", extra=details)
+    return _response(answer["status"], answer["body"])
+
+
+def _start_drain_once(event: Mapping[str, Any], context: Any) -> dict[str, Any]:
+    secret = config.get().webhook_secret
+    if not secret:
+        raise errors.WebhookNotConfigured()
+    table = os.environ.get(TABLE_VARIABLE, "")
+    if not table:
+        raise errors.WebhookNotConfigured(f"The drain webhook is not configured: {TABLE_VARIABLE} is not set.")
+    body = _raw_body(event)
+    signed = signing.verify(secret, _headers(event), body)
+    delivery = signed.delivery
+    if not delivery or len(delivery) > DELIVERY_MAX_LENGTH:
+        raise errors.WebhookRequestInvalid(
+            f"{signing.DELIVERY_HEADER} must name the delivery in 1 to {DELIVERY_MAX_LENGTH} characters"
+            + (f", not {len(delivery)}." if delivery else "; it is missing.")
+        )
+    request = _drain_request(body)
+
+    once = IdempotencyConfig(
+        event_key_jmespath="delivery",
+        payload_validation_jmespath="request",
+        raise_on_no_idempotency_key=True,
+        expires_after_seconds=DELIVERY_EXPIRY_SECONDS,
+        response_hook=_mark_repeated,
+    )
+    if callable(getattr(context, "get_remaining_time_in_millis", None)):
+        # An invocation that dies mid-way then blocks its delivery id only until its timeout.
+        once.register_lambda_context(context)
+    start = idempotent_function(
+        data_keyword_argument="webhook",
+        persistence_store=_persistence(table, aws.client("dynamodb")),
+        config=once,
+        key_prefix=DELIVERY_KEY_PREFIX,
+    )(_start_drain)
+    try:
+        answer: dict[str, Any] = start(webhook={"delivery": delivery, "request": request},
+                                       signature=signed.signature, table=table)
+    except IdempotencyAlreadyInProgressError as exc:
+        raise errors.WebhookDeliveryConflict(
+            f"Delivery {delivery!r} is being answered right now; send it again later to get its answer."
+        ) from exc
+    except IdempotencyValidationError as exc:
+        raise errors.WebhookDeliveryConflict(
+            f"{signing.DELIVERY_HEADER} {delivery!r} was already used for a different drain request; "
+            f"a new request needs a new delivery id."
+        ) from exc
+    return {**answer, "delivery": delivery}
+
+
+def _start_drain(*, webhook: dict[str, Any], signature: str, table: str) -> dict[str, Any]:
+    """Run once per delivery id (Powertools keeps the answer): spend the signature, start the drain.
+
+    Raising lets Powertools forget the delivery, so the sender may try it again.
+    """
+    delivery = webhook["delivery"]
+    _spend_signature(table, signature, delivery)
+    status, document = drains.create_drain(
+        drains.webhook_context(), webhook["request"], origin="webhook", idempotency_key=delivery
+    )
+    # Stored in the table as JSON and sent as JSON: keep only what JSON holds.
+    return {"status": status, "body": json.loads(json.dumps(document, default=str))}
+
+
+def _spend_signature(table: str, signature: str, delivery: str) -> None:
+    """Record ``signature`` as used by ``delivery`` (a conditional put).
+
+    The delivery that first used a signature may use it again (its first attempt failed after
+    this point and the sender retries the same signed request).
+
+    Raises:
+        WebhookReplayed: another delivery used the signature within the last
+            :data:`SIGNATURE_NONCE_SECONDS`.
+    """
+    now = int(time.time())
+    client = aws.client("dynamodb")
+    try:
+        client.put_item(
+            TableName=table,
+            Item={
+                KEY_ATTRIBUTE: {"S": SIGNATURE_KEY_PREFIX + signature},
+                EXPIRY_ATTRIBUTE: {"N": str(now + SIGNATURE_NONCE_SECONDS)},
+                "delivery": {"S": delivery},
+            },
+            # DynamoDB deletes expired items late: an expired nonce counts as gone.
+            ConditionExpression="attribute_not_exists(#key) OR #expiry < :now OR #delivery = :delivery",
+            ExpressionAttributeNames={"#key": KEY_ATTRIBUTE, "#expiry": EXPIRY_ATTRIBUTE, "#delivery": "delivery"},
+            ExpressionAttributeValues={":now": {"N": str(now)}, ":delivery": {"S": delivery}},
+        )
+    except client.exceptions.ConditionalCheckFailedException as exc:
+        raise errors.WebhookReplayed(
+            f"This {signing.SIGNATURE_HEADER} was already used by another delivery: the request is a replay "
+            f"and is refused. Sign every delivery anew."
+        ) from exc
+
+
+def _mark_repeated(response: Any, idempotent_data: DataRecord) -> Any:
+    """Powertools' hook for an answer it returns from the table instead of running the function."""
+    return {**response, "repeated": True}
+
+
+@functools.lru_cache(maxsize=4)
+def _persistence(table: str, client: Any) -> DynamoDBPersistenceLayer:
+    """Built on first use, not at import: it takes the process's client (the local stack's
+    endpoint, a test's moto), which exists only once the environment is set."""
+    return DynamoDBPersistenceLayer(
+        table_name=table, key_attr=KEY_ATTRIBUTE, expiry_attr=EXPIRY_ATTRIBUTE, boto3_client=client
+    )
+
+
+def _headers(event: Mapping[str, Any]) -> dict[str, Any]:
+    """The request's headers (the last value of a repeated one, as API Gateway's ``headers``)."""
+    headers = event.get("headers")
+    if headers:
+        return dict(headers)
+    return {name: values[-1] for name, values in (event.get("multiValueHeaders") or {}).items() if values}
+
+
+def _raw_body(event: Mapping[str, Any]) -> bytes:
+    """The body's bytes as the sender signed them."""
+    body = event.get("body")
+    if body is None:
+        return b""
+    if event.get("isBase64Encoded"):
+        try:
+            return base64.b64decode(body, validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise errors.WebhookRequestInvalid("The body is marked base64-encoded but is not base64.") from exc
+    return str(body).encode()
+
+
+def _drain_request(body: bytes) -> dict[str, Any]:
+    """The drain request of a body ``{"drain": {...}}``.
+
+    Raises:
+        WebhookRequestInvalid: the body is not JSON, or does not match the schema.
+    """
+    try:
+        document = json.loads(body)
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+        raise errors.WebhookRequestInvalid(f"The body is not valid JSON: {exc}.") from exc
+    try:
+        jsonschema.validate(document, _BODY_SCHEMA)
+    except jsonschema.ValidationError as exc:
+        where = ".".join(str(part) for part in exc.absolute_path)
+        raise errors.WebhookRequestInvalid(
+            f"Invalid drain request{f' at {where}' if where else ''}: {exc.message}"
+        ) from exc
+    request: dict[str, Any] = document["drain"]
+    return request
+
+
+def _request_id(event: Mapping[str, Any], context: Any) -> str:
+    return str((event.get("requestContext") or {}).get("requestId") or getattr(context, "aws_request_id", "unknown"))
+
+
+def _response(status: int, document: Any) -> dict[str, Any]:
+    return {
+        "statusCode": status,
+        "headers": {"Content-Type": "application/json"},
+        # Sorted, so a repeated delivery's answer (read back from the table) is byte for byte the first.
+        "body": json.dumps(document, sort_keys=True),
+        "isBase64Encoded": False,
+    }
+
+
+def _fault(exc: Exception, request_id: str) -> dict[str, Any]:
+    """The compute API's fault shape (see ``ferry.api.fault_response``) for a refusal or a failure."""
+    if isinstance(exc, errors.FerryError):
+        status, kind, message = exc.http_status, exc.api_kind, exc.message
+    else:
+        status, kind = 500, errors.FerryError.api_kind
+        message = f"Unexpected error. Please report it to the operator with the request id {request_id}."
+    if status >= 500 and not isinstance(exc, errors.WebhookNotConfigured):
+        metrics.add_metric(name="WebhookFault", unit=MetricUnit.Count, value=1)
+        logger.error("drain webhook failed", exc_info=exc, extra={"status": status, "error": type(exc).__name__})
+    else:
+        metrics.add_metric(name="WebhookRefused", unit=MetricUnit.Count, value=1)
+        metrics.add_metadata(key="reason", value=type(exc).__name__)
+        logger.warning("drain webhook refused", extra={"status": status, "error": type(exc).__name__,
+                                                       "reason": message})
+    return _response(status, {kind: {"code": status, "message": message}})
