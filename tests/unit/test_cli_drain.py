@@ -229,6 +229,16 @@ def test_a_plan_that_does_not_fit_says_why_and_what_move_what_fits_would_do():
     assert "--move-what-fits moves the 2 that can be placed" in text
 
 
+def test_a_plan_where_nothing_fits_does_not_offer_move_what_fits():
+    nothing = planned(fits=False)
+    nothing["servers"] = [server(VM3, "vm3", "unplaceable", planned_host=None)]
+
+    text = cli_drain.render_plan(nothing)
+
+    assert text.splitlines()[-2:] == ["The plan does not fit: 1 of 1 server(s) cannot be placed.",
+                                      "No server can be placed: a drain would move nothing."]
+
+
 @pytest.mark.parametrize(("fits", "move_what_fits", "status"), [(True, False, 0), (False, False, 1), (False, True, 0)])
 def test_a_dry_run_prints_the_plan_and_exits_by_whether_a_drain_would_go(cloud, capsys, fits, move_what_fits,
                                                                          status):
@@ -245,7 +255,7 @@ def test_show_renders_the_drain_and_its_servers(cloud, capsys):
     servers = [server(VM1, "vm1", "done", dest_host="h2", attempts=1),
                server(VM2, "vm2", "moving", dest_host="h3", attempts=2),
                server(VM3, "vm3", "unplaceable", planned_host=None)]
-    shown = view("running", {"done": 1, "in_progress": 1, "left": 0, "unplaceable": 1}, servers=servers,
+    shown = view("running", {"done": 1, "in_progress": 1, "left": 1, "unplaceable": 1}, servers=servers,
                  eta="2026-11-23T10:06:05Z", eta_seconds=65, average_move_seconds=61.6, message="one cannot be placed",
                  plan={"fits": False, "unplaceable": [{"id": VM3, "name": "vm3", "reason": "too big"}]})
     conn = cloud(ok({"drain": shown}))
@@ -345,7 +355,7 @@ def test_no_answer_at_all_is_one_line_and_exit_1(cloud, capsys):
 ])
 def test_pause_resume_cancel_post_the_action_and_say_what_follows(cloud, capsys, action, after):
     status = {"pause": "paused", "resume": "running", "cancel": "cancelling"}[action]
-    conn = cloud(ok({"drain": view(status, {"done": 1, "in_progress": 2, "left": 0})}, 202))
+    conn = cloud(ok({"drain": view(status, {"done": 1, "in_progress": 2, "left": 2})}, 202))
 
     assert cli.main(["drain", action, DRAIN_ID]) == 0
 
@@ -399,18 +409,19 @@ def test_durations_read_at_a_glance(seconds, text):
 
 
 @pytest.mark.parametrize(("counts", "percent"), [
-    ({"total": 0, "left": 0, "in_progress": 0}, 100),
-    ({"total": 3, "left": 3, "in_progress": 0}, 0),
-    ({"total": 3, "left": 1, "in_progress": 1}, 33),
-    ({"total": 200, "left": 0, "in_progress": 1}, 99),  # floored: 100 only when all is settled
-    ({"total": 4, "left": 0, "in_progress": 0}, 100),
+    ({"total": 0}, 100),
+    ({"total": 3, "done": 0}, 0),
+    ({"total": 3, "done": 1}, 33),
+    ({"total": 2, "done": 1, "in_progress": 1, "left": 1}, 50),  # moving servers are in "left" too
+    ({"total": 200, "done": 150, "failed": 40, "cancelled": 5, "unplaceable": 4}, 99),  # floored
+    ({"total": 4, "done": 2, "failed": 1, "unplaceable": 1}, 100),
 ])
 def test_the_percentage_counts_settled_servers(counts, percent):
     assert cli_drain.settled_percent(counts) == percent
 
 
 def test_the_progress_line_has_bar_percentage_counts_and_eta():
-    running = view("running", {"total": 44, "done": 10, "failed": 1, "in_progress": 3, "left": 30},
+    running = view("running", {"total": 44, "done": 10, "failed": 1, "in_progress": 3, "left": 33},
                    eta_seconds=365)
 
     assert cli_drain.progress_line(running) == (
@@ -447,7 +458,7 @@ def running(done: int, moving: str | None = None, **fields: Any) -> dict[str, An
     if moving is not None:
         index = [VM1, VM2, VM3].index(moving)
         servers[index] = server(moving, servers[index]["name"], "moving", dest_host="h3", attempts=1)
-        counts = {"done": done, "in_progress": 1, "left": 2 - done}
+        counts = {"done": done, "in_progress": 1, "left": 3 - done}
     return view("running", counts, servers=servers, eta_seconds=120 - 40 * done, **fields)
 
 
@@ -514,6 +525,25 @@ def test_watch_on_a_terminal_redraws_one_progress_line():
     assert first.startswith("running  [########................]   33%  1 done, 0 failed of 3")
     assert second.startswith("completed  [########################]  100%  3 done")
     assert second.endswith(f"\nDrain {DRAIN_ID} completed: 3 done, 0 failed, 0 cancelled, 0 unplaceable of 3.\n")
+
+
+def test_watch_announces_planned_servers_only_once_they_do_something():
+    planning = view("planning", {"total": 0, "left": 0}, servers=[])
+    unplaceable = server(VM3, "vm3", "unplaceable", planned_host=None, error="too big")
+    planned_now = running(0, VM1)
+    planned_now["servers"][2] = unplaceable
+    retried = running(0)
+    retried["servers"][0] = server(VM1, "vm1", "pending", attempts=1, error="Ferry.HostOpTimeout")
+    retried["servers"][2] = unplaceable
+    ended = view("failed", {"done": 0, "left": 0, "cancelled": 3}, servers=[])
+    conn = FakeConnection(*(ok({"drain": v}) for v in (planning, planned_now, retried, ended)))
+
+    _status, out, _ = watched(conn)
+
+    events = [line for line in out.splitlines() if line.startswith("vm")]
+    assert events == [f"vm1 ({VM1}): moving h1 → h3",
+                      f"vm3 ({VM3}): unplaceable: too big",
+                      f"vm1 ({VM1}): will be tried again after: Ferry.HostOpTimeout"]
 
 
 def test_watch_rides_out_a_few_transient_failures():

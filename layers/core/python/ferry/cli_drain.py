@@ -231,14 +231,18 @@ def _counts(view: Mapping[str, Any]) -> dict[str, int]:
     return {key: int(counts.get(key) or 0) for key in COUNTS}
 
 
+def settled(counts: Mapping[str, int]) -> int:
+    """Servers whose fate is decided: done, failed, cancelled or unplaceable."""
+    return sum(counts.get(key, 0) for key in ("done", "failed", "cancelled", "unplaceable"))
+
+
 def settled_percent(counts: Mapping[str, int]) -> int:
-    """How much of the drain is settled (done, failed, cancelled or unplaceable), floored: 100
-    only when nothing is left or moving. An empty drain is 100."""
+    """How much of the drain is settled (see :func:`settled`), floored: 100 only when every server
+    is. An empty drain is 100."""
     total = counts.get("total", 0)
     if total <= 0:
         return 100
-    settled = total - counts.get("left", 0) - counts.get("in_progress", 0)
-    return max(0, min(100, settled * 100 // total))
+    return max(0, min(100, settled(counts) * 100 // total))
 
 
 def progress_line(view: Mapping[str, Any], *, bar: bool = True, width: int = BAR_WIDTH) -> str:
@@ -256,8 +260,7 @@ def progress_line(view: Mapping[str, Any], *, bar: bool = True, width: int = BAR
     parts = [status]
     if bar:
         total = counts["total"]
-        settled = total - counts["left"] - counts["in_progress"]
-        filled = max(0, min(width, width * settled // total)) if total > 0 else width
+        filled = max(0, min(width, width * settled(counts) // total)) if total > 0 else width
         parts.append("[" + "#" * filled + "." * (width - filled) + "]")
     parts.append(f"{percent:3d}%")
     summary = f"{counts['done']} done, {counts['failed']} failed of {counts['total']}"
@@ -326,7 +329,9 @@ def render_plan(view: Mapping[str, Any]) -> str:
     else:
         placeable = len(servers) - len(unplaceable)
         lines.append(f"The plan does not fit: {len(unplaceable)} of {len(servers)} server(s) cannot be placed.")
-        if options.get("move_what_fits"):
+        if not placeable:
+            lines.append("No server can be placed: a drain would move nothing.")
+        elif options.get("move_what_fits"):
             lines.append(f"With move_what_fits the drain moves the {placeable} that can be placed and reports "
                          "the others.")
         else:
@@ -460,19 +465,25 @@ def _server_event(server: Mapping[str, Any]) -> str:
     if state == "failed":
         return f"{name}: failed after {_text(server.get('attempts'))} attempt(s), back on {source}: " \
                f"{_text(server.get('error'))}"
+    if state == "pending" and server.get("error"):
+        return f"{name}: will be tried again after: {server['error']}"
     return f"{name}: {state}" + (f": {server['error']}" if server.get("error") else "")
 
 
 def _server_changes(before: Mapping[str, str] | None, view: Mapping[str, Any]) -> tuple[dict[str, str], list[str]]:
-    """The servers' states now, and a line for each server whose state changed since ``before``
-    (nothing the first time: that only sets the baseline)."""
+    """The servers' states now, and a line for each server whose state changed since ``before``.
+
+    The first look only sets the baseline; a server seen for the first time (the plan was just
+    made) is announced unless it is merely pending.
+    """
     now: dict[str, str] = {}
     events = []
     for server in view.get("servers") or []:
         key, state = str(server.get("id")), str(server.get("state"))
         now[key] = state
-        if before is not None and before.get(key) != state:
-            events.append(_server_event(server))
+        if before is None or before.get(key) == state or (key not in before and state == "pending"):
+            continue
+        events.append(_server_event(server))
     return now, events
 
 
