@@ -39,7 +39,7 @@ from ferry import errors, notifications, placement, protocol
 from ferry.compute import moves, states
 from ferry.workflows import confirm_resize
 
-SCHEMAS = ("confirm_resize", "revert_resize", "volume_attachment")
+SCHEMAS = ("confirm_resize", "revert_resize", "volume_attachment", "drain")
 
 
 @pytest.fixture

@@ -66,6 +66,9 @@ class Settings:
     # Default per-project quota limits as configured (raw; ferry.quotas validates them), by variable.
     quota_defaults: dict[str, str]
     volume_attachment_state_machine_arn: str
+    drain_state_machine_arn: str
+    # The shared secret of the drain webhook and of drain callbacks ("" turns the webhook off).
+    webhook_secret: str
 
     @property
     def default_cell_dir(self) -> Path:
@@ -103,6 +106,8 @@ def load() -> Settings:
         policy_file=os.environ.get("FERRY_POLICY_FILE") or None,
         quota_defaults={name: os.environ[name] for name in QUOTA_VARIABLES if os.environ.get(name)},
         volume_attachment_state_machine_arn=os.environ.get("FERRY_VOLUME_ATTACHMENT_STATE_MACHINE_ARN", ""),
+        drain_state_machine_arn=os.environ.get("FERRY_DRAIN_STATE_MACHINE_ARN", ""),
+        webhook_secret=os.environ.get("FERRY_WEBHOOK_SECRET", ""),
     )
 
 

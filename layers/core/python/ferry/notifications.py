@@ -116,6 +116,20 @@ def _document(event_type: str, instance_uuid: str, publisher_id: str, payload: M
     }
 
 
+def notify_drain(event_type: str, *, drain_uuid: str, payload: dict[str, Any]) -> None:
+    """Publish a drain's grouped notification (``drain.start``, ``drain.end``, ``drain.error``); never raises.
+
+    The payload is the drain's summary: status, counts and each server's result.
+    """
+    document = {
+        "message_id": str(uuid.uuid4()), "event_type": event_type, "publisher_id": conductor_publisher(),
+        "priority": ERROR if event_type.endswith(".error") else INFO,
+        "timestamp": dt.datetime.now(dt.UTC).isoformat(), "payload_version": PAYLOAD_VERSION,
+        "payload": {**payload, "drain_id": drain_uuid},
+    }
+    _put(event_type, document, subject=f"drain {drain_uuid}")
+
+
 def notify(event_type: str, *, instance_uuid: str, publisher_id: str, payload: dict[str, Any] | None = None,
            priority: str | None = None) -> None:
     """Publish one notification to the notification bus; never raises.
@@ -128,7 +142,11 @@ def notify(event_type: str, *, instance_uuid: str, publisher_id: str, payload: d
         priority: ``INFO``, or ``ERROR`` (the default for ``*.error`` event types).
     """
     level = priority or (ERROR if event_type.endswith(".error") else INFO)
-    document = _document(event_type, instance_uuid, publisher_id, payload, level)
+    _put(event_type, _document(event_type, instance_uuid, publisher_id, payload, level), subject=instance_uuid)
+
+
+def _put(event_type: str, document: dict[str, Any], *, subject: str) -> None:
+    """Put one notification on the bus; a failure is logged and counted, never raised."""
     bus = config.get().notification_bus
     try:
         response = aws.client("events").put_events(Entries=[{
@@ -145,8 +163,8 @@ def notify(event_type: str, *, instance_uuid: str, publisher_id: str, payload: d
     except Exception as exc:  # noqa: BLE001 - a lost notification must never fail the step that sent it
         metrics.add_metric(name="NotificationPublishFailed", unit=MetricUnit.Count, value=1)
         logger.warning("notification not published", extra={
-            "event_type": event_type, "instance_uuid": instance_uuid, "bus": bus,
+            "event_type": event_type, "subject": subject, "bus": bus,
             "error": f"{type(exc).__name__}: {exc}"})
         return
-    logger.debug("notification published", extra={"event_type": event_type, "instance_uuid": instance_uuid,
+    logger.debug("notification published", extra={"event_type": event_type, "subject": subject,
                                                    "message_id": document["message_id"]})

@@ -97,6 +97,11 @@ DEFAULT_RULES: dict[str, str] = {
     "os_compute_api:os-services:list": ADMIN,
     "os_compute_api:os-services:update": ADMIN,
     "os_compute_api:os-services:delete": ADMIN,
+    # drains (Ferry's own)
+    "ferry:drains:create": ADMIN,
+    "ferry:drains:list": ADMIN,
+    "ferry:drains:show": ADMIN,
+    "ferry:drains:action": ADMIN,
 }
 
 _loaded: dict[str, Any] = {"key": None, "rules": dict(DEFAULT_RULES)}

@@ -16,6 +16,7 @@ from aws_lambda_powertools.metrics import MetricUnit
 from ferry import errors
 from ferry.api import (
     aggregates,
+    drains,
     flavors,
     images,
     migrations,
@@ -59,7 +60,8 @@ def get_resolver() -> APIGatewayRestResolver:
     app = APIGatewayRestResolver()
     app.use(middlewares=[request.prepare])
     app.include_router(versions.router)
-    for module in (servers, flavors, images, migrations, quotas, volume_attachments, aggregates, services):
+    for module in (servers, flavors, images, migrations, quotas, volume_attachments, aggregates, services,
+                   drains):
         app.include_router(module.router, prefix=request.API_PREFIX)
 
     @app.exception_handler(Exception)

@@ -143,6 +143,20 @@ def _settle_payload(cell: str, instance_uuid: str, migration_uuid: str, request_
     return {"instance_uuid": instance_uuid, "migration_uuid": migration_uuid, "cell": cell, "request_id": request_id}
 
 
+def _accept_confirm(cell: str, instance_uuid: str, *, request_id: str, user_id: str | None,
+                    project_id: str | None) -> str:
+    with cell_session(cell) as session:
+        _instance, migration = _check_settle_state(session, actions.CONFIRM_RESIZE, instance_uuid)
+        migration_uuid = migration.uuid
+        if not _swap_migration_status(session, migration_uuid, FINISHED, CONFIRMING):
+            raise errors.MigrationInProgress(
+                f"Cannot 'confirmResize' instance {instance_uuid}: another operation took migration "
+                f"{migration_uuid} first.")
+        actions.start_action(session, instance_uuid=instance_uuid, action=actions.CONFIRM_RESIZE,
+                             request_id=request_id, user_id=user_id, project_id=project_id)
+    return migration_uuid
+
+
 def begin_confirm(cell: str, instance_uuid: str, *, request_id: str, user_id: str | None,
                   project_id: str | None) -> str:
     """Accept a confirm of a resized server and start the confirm workflow.
@@ -167,21 +181,41 @@ def begin_confirm(cell: str, instance_uuid: str, *, request_id: str, user_id: st
         InstanceNotResized: there is no finished migration (400).
         Anything starting the execution raises, after the migration is put back to ``finished``.
     """
-    with cell_session(cell) as session:
-        _instance, migration = _check_settle_state(session, actions.CONFIRM_RESIZE, instance_uuid)
-        migration_uuid = migration.uuid
-        if not _swap_migration_status(session, migration_uuid, FINISHED, CONFIRMING):
-            raise errors.MigrationInProgress(
-                f"Cannot 'confirmResize' instance {instance_uuid}: another operation took migration "
-                f"{migration_uuid} first.")
-        actions.start_action(session, instance_uuid=instance_uuid, action=actions.CONFIRM_RESIZE,
-                             request_id=request_id, user_id=user_id, project_id=project_id)
+    migration_uuid = _accept_confirm(cell, instance_uuid, request_id=request_id, user_id=user_id,
+                                     project_id=project_id)
     def undo(session: Session) -> None:
         _swap_migration_status(session, migration_uuid, CONFIRMING, FINISHED)
 
     _start_settle("confirm", config.get().confirm_resize_state_machine_arn, cell, instance_uuid,
                   migration_uuid, request_id, undo)
     return migration_uuid
+
+
+def prepare_confirm(cell: str, instance_uuid: str, migration_uuid: str, *, request_id: str,
+                    user_id: str | None, project_id: str | None) -> PreparedExecution:
+    """Accept a confirm as :func:`begin_confirm` does, but leave starting the workflow to the caller.
+
+    Idempotent: when ``migration_uuid`` is already ``confirming`` (or ``confirmed``) after this
+    step ran before, the same execution is returned and nothing is written.
+
+    Raises:
+        What :func:`begin_confirm` raises; UnexpectedMigrationState when the server's newest
+        migration is not ``migration_uuid``.
+    """
+    name = move_execution_name("confirm", instance_uuid, migration_uuid)
+    payload = {**_settle_payload(cell, instance_uuid, migration_uuid, request_id), "execution_name": name}
+    with cell_session(cell) as session:
+        migration = session.scalars(select(Migration).where(Migration.uuid == migration_uuid)).one_or_none()
+        if migration is not None and migration.status in (CONFIRMING, CONFIRMED):
+            return PreparedExecution(name, payload)
+    accepted = _accept_confirm(cell, instance_uuid, request_id=request_id, user_id=user_id, project_id=project_id)
+    if accepted != migration_uuid:
+        with cell_session(cell) as session:
+            _swap_migration_status(session, accepted, CONFIRMING, FINISHED)
+            actions.forget_action(session, instance_uuid, request_id)
+        raise errors.UnexpectedMigrationState(
+            f"Instance {instance_uuid}'s newest migration is {accepted}, not {migration_uuid}.")
+    return PreparedExecution(name, payload)
 
 
 def _start_settle(kind: str, arn: str, cell: str, instance_uuid: str, migration_uuid: str, request_id: str,
@@ -374,12 +408,25 @@ def _remember_cross_cell_choice(ctx: RequestContext, location: compute_api.Locat
 CROSS_CELL_RULE = "compute:servers:resize:cross_cell"
 
 
-def _begin_move(ctx: RequestContext, location: compute_api.Location, move: _Move) -> str:
+@dataclass(frozen=True)
+class PreparedExecution:
+    """A workflow execution a caller starts itself (a drain, as a nested execution): its name and input."""
+
+    name: str
+    input: dict[str, Any]
+
+
+def _accept_move(ctx: RequestContext, location: compute_api.Location, move: _Move,
+                 migration_uuid: str) -> tuple[CellMapping, dict[str, Any], dict[str, Any]]:
+    """Check and record a move (everything but starting its workflow).
+
+    Returns:
+        The cell, the resize workflow's input, and the instance's fields as they were (for undo).
+    """
     uuid = location.instance_uuid
     if location.cell is None:
         raise _invalid_state(move.action, uuid, "vm_state", states.BUILDING)
     cell = location.cell
-    migration_uuid = new_uuid()
     # Checks read the cell, then the API database and other cells; the writes follow in a
     # transaction of their own (SQLite allows one writer per file: no nested sessions).
     with cell_session(cell) as session:
@@ -423,23 +470,86 @@ def _begin_move(ctx: RequestContext, location: compute_api.Location, move: _Move
     except errors.OverQuota:
         _undo_move(cell, uuid, migration_uuid, ctx.request_id, previous, forget_migration=True)
         raise
-    payload = {"instance_uuid": uuid, "migration_uuid": migration_uuid, "cell": cell.name,
-               "request_id": ctx.request_id, "requested_host": move.requested_host, "user_id": ctx.user_id,
-               "project_id": ctx.project_id}
     try:
         _remember_cross_cell_choice(ctx, location)
+    except Exception:
+        _undo_move(cell, uuid, migration_uuid, ctx.request_id, previous, forget_migration=True)
+        raise
+    payload = _move_payload(ctx, uuid, migration_uuid, cell.name, move.requested_host)
+    logger.info("move accepted", extra={"instance_uuid": uuid, "migration_uuid": migration_uuid,
+                                        "action": move.action, "flavor": new_flavor.get("flavorid")})
+    return cell, payload, previous
+
+
+def _move_payload(ctx: RequestContext, instance_uuid: str, migration_uuid: str, cell: str,
+                  requested_host: str | None) -> dict[str, Any]:
+    return {"instance_uuid": instance_uuid, "migration_uuid": migration_uuid, "cell": cell,
+            "request_id": ctx.request_id, "requested_host": requested_host, "user_id": ctx.user_id,
+            "project_id": ctx.project_id}
+
+
+def _begin_move(ctx: RequestContext, location: compute_api.Location, move: _Move) -> str:
+    migration_uuid = new_uuid()
+    cell, payload, previous = _accept_move(ctx, location, move, migration_uuid)
+    uuid = location.instance_uuid
+    try:
         workflows.start_execution(config.get().resize_state_machine_arn,
                                   move_execution_name("resize", uuid, migration_uuid), payload)
     except Exception:
         logger.exception("resize workflow did not start; undoing", extra={"instance_uuid": uuid})
         _undo_move(cell, uuid, migration_uuid, ctx.request_id, previous, forget_migration=False)
         raise
-    logger.info("move accepted", extra={"instance_uuid": uuid, "migration_uuid": migration_uuid,
-                                        "action": move.action, "flavor": new_flavor.get("flavorid")})
     return migration_uuid
 
 
-def _undo_move(cell: CellMapping, instance_uuid: str, migration_uuid: str, request_id: str,
+def prepare_migrate(ctx: RequestContext, location: compute_api.Location, host: str | None,
+                    migration_uuid: str) -> PreparedExecution:
+    """Accept a cold migration as :func:`begin_migrate` does, but leave starting the workflow to the caller.
+
+    Idempotent on ``migration_uuid``: when that migration was already recorded for the server
+    (the caller's step ran before), the same execution is returned and nothing is written.
+
+    Returns:
+        The resize workflow's execution name and input (``execution_name`` included).
+
+    Raises:
+        What :func:`begin_migrate` raises.
+    """
+    uuid = location.instance_uuid
+    name = move_execution_name("resize", uuid, migration_uuid)
+    if location.cell is not None:
+        with cell_session(location.cell) as session:
+            existing = session.scalars(select(Migration).where(Migration.uuid == migration_uuid)).one_or_none()
+            if existing is not None:
+                payload = _move_payload(ctx, uuid, migration_uuid, location.cell.name, host)
+                return PreparedExecution(name, {**payload, "execution_name": name})
+    _cell, payload, _previous = _accept_move(
+        ctx, location, _Move(action=actions.MIGRATE, new_flavor=None, requested_host=host), migration_uuid)
+    return PreparedExecution(name, {**payload, "execution_name": name})
+
+
+def abandon_prepared_move(cell: str, instance_uuid: str, migration_uuid: str, request_id: str) -> bool:
+    """Undo a move :func:`prepare_migrate` accepted whose workflow never ran.
+
+    Only a move still waiting to be scheduled (task_state ``resize_prep``, migration
+    ``pre-migrating``) is undone: the instance gets its task back to None, the migration is
+    marked ``error`` and the action forgotten. A move whose workflow ran is its workflow's to
+    finish or roll back.
+
+    Returns:
+        Whether anything was undone.
+    """
+    with cell_session(cell) as session:
+        migration = session.scalars(select(Migration).where(Migration.uuid == migration_uuid)).one_or_none()
+        instance = instances.get(session, instance_uuid)
+        if migration is None or migration.status != PRE_MIGRATING or instance.task_state != states.RESIZE_PREP:
+            return False
+        previous = {"old_flavor": None, "new_flavor": None, "old_vm_state": None}
+    _undo_move(cell, instance_uuid, migration_uuid, request_id, previous, forget_migration=False)
+    return True
+
+
+def _undo_move(cell: str | CellMapping, instance_uuid: str, migration_uuid: str, request_id: str,
                previous: dict[str, Any], *, forget_migration: bool) -> None:
     """Put an accepted move back: task_state None with the flavors as they were, the action
     forgotten, and the migration deleted (``forget_migration``) or marked ``error``."""

@@ -7,7 +7,8 @@ placement; :func:`claim_alternate` moves a claim to an alternate.
 """
 
 from ferry.scheduler.host_state import HostState, SchedulingSpec, build_spec
-from ferry.scheduler.manager import claim_alternate, select_destinations
+from ferry.scheduler.manager import claim_alternate, plan_destination, select_destinations
 from ferry.scheduler.selection import Selection
 
-__all__ = ["HostState", "SchedulingSpec", "Selection", "build_spec", "claim_alternate", "select_destinations"]
+__all__ = ["HostState", "SchedulingSpec", "Selection", "build_spec", "claim_alternate", "plan_destination",
+           "select_destinations"]

@@ -106,6 +106,8 @@ class SchedulingSpec:
     group_policy: str | None = None
     group_hosts: frozenset[str] = frozenset()
     source_cell: str | None = None
+    # A multiplier for CrossCellWeigher that wins over the aggregates' and the default (a drain's).
+    cross_cell_weight_multiplier: float | None = None
 
 
 def hosts_of_instances(instance_uuids: Iterable[str]) -> set[str]:
@@ -165,6 +167,7 @@ def build_spec(request_spec: Mapping[str, Any]) -> SchedulingSpec:
         group_policy=group.get("policy"),
         group_hosts=frozenset(group.get("hosts") or ()),
         source_cell=request_spec.get("source_cell"),
+        cross_cell_weight_multiplier=request_spec.get("cross_cell_move_weight_multiplier"),
     )
 
 

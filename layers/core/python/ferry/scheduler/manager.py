@@ -77,12 +77,19 @@ def _replaced_consumers(spec: SchedulingSpec, migration_uuid: str | None) -> lis
     return []
 
 
-def _filter_candidates(spec: SchedulingSpec, request: placement.CandidateRequest) -> _Filtered:
+def _fits(host: HostState, resources: Mapping[str, int]) -> bool:
+    return all(host.free.get(rc, 0.0) >= amount for rc, amount in resources.items())
+
+
+def _filter_candidates(spec: SchedulingSpec, request: placement.CandidateRequest,
+                       pending: Mapping[str, Mapping[str, int]] | None = None) -> _Filtered:
     """Run the host filters over placement's candidates, a batch at a time, until enough pass.
 
     Enough is ``scheduler_max_attempts`` hosts (the choice and its alternates); a batch is
     ``max_placement_results`` candidates, so usually one batch is read. Only when too few pass
-    does the next batch follow, until placement has no more.
+    does the next batch follow, until placement has no more. ``pending`` (``{provider uuid:
+    {resource class: amount}}``) is taken off the candidates' free resources first, and a
+    candidate it leaves too small is dropped: a plan counts what it placed before.
     """
     settings = config.get()
     enough = max(settings.scheduler_max_attempts, 1)
@@ -93,6 +100,11 @@ def _filter_candidates(spec: SchedulingSpec, request: placement.CandidateRequest
     for batch in placement.allocation_candidates(request, limit=settings.max_placement_results):
         seen += len(batch)
         hosts = host_states(batch)
+        if pending:
+            for host in hosts:
+                for rc, amount in pending.get(host.provider_uuid, {}).items():
+                    host.free[rc] = host.free.get(rc, 0.0) - amount
+            hosts = [host for host in hosts if _fits(host, spec.resources)]
         attach_services(hosts)
         attach_aggregates(hosts)
         for host_filter in filters:
@@ -206,6 +218,28 @@ def select_destinations(request_spec: Mapping[str, Any], *, claim: bool = True,
                                                "node": chosen.node, "cell": chosen.cell, "claimed": claim,
                                                "alternates": [alt.host for alt in alternates]})
     return [_selection(chosen, spec)] + [_selection(alt, spec) for alt in alternates]
+
+
+def plan_destination(request_spec: Mapping[str, Any],
+                     pending: Mapping[str, Mapping[str, int]] | None = None) -> Selection:
+    """Where the scheduler would put ``request_spec`` now, with ``pending`` counted as used; claims nothing.
+
+    The same candidates, filters and weighers as :func:`select_destinations`; the instance's own
+    allocations keep counting (a move holds its source until it is confirmed). A drain's plan
+    calls this once per server, adding each choice to ``pending`` before the next.
+
+    Raises:
+        NoValidHost: no host passes with room left.
+    """
+    spec = build_spec(request_spec)
+    request = request_filter.placement_request(spec)
+    filtered = _filter_candidates(spec, request, pending)
+    if not filtered.hosts and request_filter.is_narrowed(request):
+        filtered = _filter_candidates(spec, request_filter.placement_request(spec, narrow=False), pending)
+    ranked = [host for host, _ in host_weighers.weigh_hosts(filtered.hosts, spec)]
+    if not ranked:
+        raise errors.NoValidHost(_explain(spec, filtered), removed=dict(filtered.removed))
+    return _selection(ranked[0], spec)
 
 
 def claim_alternate(request_spec: Mapping[str, Any], selection: Selection, *,

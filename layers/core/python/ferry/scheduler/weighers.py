@@ -94,8 +94,9 @@ class CPUWeigher(BaseWeigher):
 class CrossCellWeigher(BaseWeigher):
     """For a move, +1 for hosts in the source cell and -1 for the others (nothing without a source cell).
 
-    The multiplier is ``cross_cell_move_weight_multiplier``, or the smallest value any of the
-    host's aggregates sets under that metadata key (a negative one pushes moves out of a cell).
+    The multiplier is the request's own (a cell drain sets a negative one), else the smallest
+    value any of the host's aggregates sets under ``cross_cell_move_weight_multiplier``, else
+    that setting (a negative one pushes moves out of a cell).
     """
 
     normalise = False
@@ -106,6 +107,8 @@ class CrossCellWeigher(BaseWeigher):
         return 1.0 if host_state.cell == spec.source_cell else -1.0
 
     def multiplier(self, host_state: HostState, spec: SchedulingSpec) -> float:
+        if spec.cross_cell_weight_multiplier is not None:
+            return float(spec.cross_cell_weight_multiplier)
         overrides: list[float] = []
         for metadata in host_state.aggregates:
             raw = metadata.get(CROSS_CELL_MULTIPLIER_KEY)

@@ -317,3 +317,64 @@ class Quota(TimestampMixin, ApiBase):
     project_id: Mapped[str] = mapped_column(String(255), index=True)
     resource: Mapped[str] = mapped_column(String(255))
     hard_limit: Mapped[int] = mapped_column(Integer)
+
+
+# --- drains -------------------------------------------------------------------------------------
+
+
+class Drain(TimestampMixin, ApiBase):
+    """An operator's request to empty hosts or a cell, and how far it got.
+
+    ``targets`` names the hosts (``target_kind`` ``host``) or the one cell (``cell``);
+    ``options`` holds the limits and choices of the request; ``disabled_hosts`` the compute
+    services this drain disabled (so a drain that moved nothing can give them back);
+    ``version`` is bumped by every change that hands out a move slot (compare-and-swap).
+    """
+
+    __tablename__ = "drains"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    uuid: Mapped[str] = mapped_column(String(36), unique=True, default=new_uuid)
+    status: Mapped[str] = mapped_column(String(32), index=True)
+    target_kind: Mapped[str] = mapped_column(String(16))
+    targets: Mapped[list] = mapped_column(JSON, default=list)
+    reason: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    dry_run: Mapped[bool] = mapped_column(Boolean, default=False)
+    options: Mapped[dict] = mapped_column(JSON, default=dict)
+    allow_cross_cell: Mapped[bool] = mapped_column(Boolean, default=False)
+    fits: Mapped[bool | None] = mapped_column(Boolean, nullable=True)
+    disabled_hosts: Mapped[list] = mapped_column(JSON, default=list)
+    origin: Mapped[str] = mapped_column(String(32), default="api")
+    idempotency_key: Mapped[str | None] = mapped_column(String(255), unique=True, nullable=True)
+    user_id: Mapped[str] = mapped_column(String(255))
+    project_id: Mapped[str] = mapped_column(String(255))
+    roles: Mapped[list] = mapped_column(JSON, default=list)
+    request_id: Mapped[str] = mapped_column(String(255))
+    execution_name: Mapped[str | None] = mapped_column(String(80), nullable=True)
+    message: Mapped[str | None] = mapped_column(Text, nullable=True)
+    started_at: Mapped[dt.datetime | None] = mapped_column(DateTime, nullable=True)
+    finished_at: Mapped[dt.datetime | None] = mapped_column(DateTime, nullable=True)
+    version: Mapped[int] = mapped_column(Integer, default=0)
+
+
+class DrainServer(TimestampMixin, ApiBase):
+    """One server of a drain: where it was, where the plan puts it, and what became of it."""
+
+    __tablename__ = "drain_servers"
+    __table_args__ = (UniqueConstraint("drain_id", "instance_uuid"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    drain_id: Mapped[int] = mapped_column(ForeignKey("drains.id", ondelete="CASCADE"), index=True)
+    position: Mapped[int] = mapped_column(Integer, default=0)
+    instance_uuid: Mapped[str] = mapped_column(String(36))
+    name: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    cell: Mapped[str] = mapped_column(String(255))
+    source_host: Mapped[str] = mapped_column(String(255))
+    vm_state: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    planned_host: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    planned_cell: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    dest_host: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    state: Mapped[str] = mapped_column(String(32))
+    migration_uuid: Mapped[str | None] = mapped_column(String(36), nullable=True)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    started_at: Mapped[dt.datetime | None] = mapped_column(DateTime, nullable=True)
+    finished_at: Mapped[dt.datetime | None] = mapped_column(DateTime, nullable=True)

@@ -1,0 +1,1001 @@
+"""Drains: empty hosts or a cell by cold-migrating every server elsewhere.
+
+A drain is a record in the API database (``drains``, with one ``drain_servers`` row per
+server) and an execution of ``statemachine/drain.asl.json``. The compute API, the signed
+webhook and a direct StartExecution all create the same record; the workflow then
+
+1. disables the targets' compute services (the reason names the drain), so nothing new lands;
+2. plans: for each movable server, largest first, where the scheduler's own filters and weighers
+   would put it given the capacity left after the servers planned before it;
+3. moves each server in a ``Map`` with bounded concurrency (overall, and per source and
+   destination host): a nested execution of the resize workflow (a cold migration to the planned
+   host), then one of the confirm workflow unless the request keeps servers in VERIFY_RESIZE;
+4. reports.
+
+Statuses: ``planning`` → ``planned`` (a dry run) | ``running`` ⇄ ``paused`` → ``cancelling`` →
+``cancelled``; ``running`` → ``completed`` (every server moved) | ``failed`` (some server could
+not be moved, the plan did not fit, or the workflow failed). Server states: ``pending``,
+``moving``, ``done``, ``failed``, ``cancelled``, ``unplaceable``.
+
+A plan that does not fit fails the drain before anything moves and gives back the services it
+disabled, unless the request says ``move_what_fits``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import uuid as uuidlib
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session
+
+from ferry import config, errors, hosts, notifications, policy, scheduler, workflows
+from ferry.auth import RequestContext
+from ferry.compute import api as compute_api
+from ferry.compute import services, states
+from ferry.compute.moves import CROSS_CELL_RULE
+from ferry.observability import logger
+from ferry.store.api_models import CellMapping, Drain, DrainServer, HostMapping, utcnow
+from ferry.store.cell_models import Instance
+from ferry.store.db import all_cells, api_session, cell_session
+
+# Drain statuses.
+PLANNING = "planning"
+PLANNED = "planned"
+RUNNING = "running"
+PAUSED = "paused"
+CANCELLING = "cancelling"
+CANCELLED = "cancelled"
+COMPLETED = "completed"
+FAILED = "failed"
+FINAL_STATUSES = frozenset({PLANNED, CANCELLED, COMPLETED, FAILED})
+
+# Server states.
+PENDING = "pending"
+MOVING = "moving"
+DONE = "done"
+SERVER_FAILED = "failed"
+SERVER_CANCELLED = "cancelled"
+UNPLACEABLE = "unplaceable"
+SETTLED_STATES = frozenset({DONE, SERVER_FAILED, SERVER_CANCELLED, UNPLACEABLE})
+
+HOST = "host"
+CELL = "cell"
+
+RULE = "ferry:drains:{}"
+
+# Notification event types: one each per drain.
+DRAIN_START = "drain.start"
+DRAIN_END = "drain.end"
+DRAIN_ERROR = "drain.error"
+
+DEFAULT_MAX_CONCURRENCY = 5
+DEFAULT_RETRIES = 1
+# The cross-cell weight a cell drain's plan uses: other cells first.
+CELL_DRAIN_CROSS_CELL_MULTIPLIER = -1_000_000.0
+
+_NAME = {"type": "string", "minLength": 1, "maxLength": 255}
+_LIMIT = {"type": ["integer", "null"], "minimum": 1, "maximum": 1000}
+
+REQUEST_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "host": _NAME,
+        "hosts": {"type": "array", "items": _NAME, "minItems": 1, "maxItems": 100, "uniqueItems": True},
+        "cell": _NAME,
+        "reason": {"type": ["string", "null"], "maxLength": 255},
+        "dry_run": {"type": "boolean"},
+        "max_concurrency": {"type": "integer", "minimum": 1, "maximum": 100},
+        "max_per_source_host": _LIMIT,
+        "max_per_dest_host": _LIMIT,
+        "confirm": {"type": "boolean"},
+        "move_what_fits": {"type": "boolean"},
+        "retries": {"type": "integer", "minimum": 0, "maximum": 5},
+        "callback_url": {"type": ["string", "null"], "pattern": "^https?://", "maxLength": 2048},
+    },
+    "oneOf": [{"required": ["host"]}, {"required": ["hosts"]}, {"required": ["cell"]}],
+    "additionalProperties": False,
+}
+
+INPUT_SCHEMA: dict[str, Any] = json.loads(
+    Path(__file__).with_name("workflows").joinpath("drain.input.schema.json").read_text(encoding="utf-8"))
+
+
+# --- identities -----------------------------------------------------------------------------------
+
+
+def webhook_context(request_id: str | None = None) -> RequestContext:
+    """Who a drain the webhook started runs as: an operator identity of Ferry's own."""
+    return RequestContext(user_id="ferry-webhook", project_id="ferry", roles=("admin",),
+                          **({"request_id": request_id} if request_id else {}))
+
+
+def operator_context(request_id: str | None = None) -> RequestContext:
+    """Who a drain started directly on the state machine runs as (its caller has the IAM right to)."""
+    return RequestContext(user_id="ferry-operator", project_id="ferry", roles=("admin",),
+                          **({"request_id": request_id} if request_id else {}))
+
+
+def _drain_context(drain: Drain, request_id: str) -> RequestContext:
+    return RequestContext(user_id=drain.user_id, project_id=drain.project_id, roles=tuple(drain.roles),
+                          request_id=request_id)
+
+
+def _derived_uuid(*parts: object) -> str:
+    return str(uuidlib.uuid5(uuidlib.NAMESPACE_URL, "ferry-drain:" + ":".join(str(p) for p in parts)))
+
+
+# --- creating ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Targets:
+    kind: str
+    names: list[str]
+    cells: list[str]
+
+
+def _resolve_targets(request: Mapping[str, Any]) -> _Targets:
+    """The hosts or the cell the request names, each checked to exist.
+
+    Raises:
+        BadRequest: an unknown host or cell, or cell0.
+    """
+    with api_session() as session:
+        if "cell" in request:
+            name = request["cell"]
+            cell = session.scalars(select(CellMapping).where(CellMapping.name == name)).one_or_none()
+            if cell is None or cell.uuid == "00000000-0000-0000-0000-000000000000" or name == "cell0":
+                raise errors.BadRequest(f"Cell {name} does not exist or holds no compute hosts.")
+            return _Targets(CELL, [name], [name])
+        names = [request["host"]] if "host" in request else list(request["hosts"])
+        found = dict(session.execute(
+            select(HostMapping.host, CellMapping.name).join(CellMapping, HostMapping.cell_id == CellMapping.id)
+            .where(HostMapping.host.in_(names))).all())
+    missing = [name for name in names if name not in found]
+    if missing:
+        raise errors.BadRequest(f"Compute host {', '.join(missing)} could not be found.")
+    return _Targets(HOST, names, sorted({found[name] for name in names}))
+
+
+def _options(request: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        "max_concurrency": request.get("max_concurrency", DEFAULT_MAX_CONCURRENCY),
+        "max_per_source_host": request.get("max_per_source_host"),
+        "max_per_dest_host": request.get("max_per_dest_host"),
+        "confirm": request.get("confirm", True),
+        "move_what_fits": request.get("move_what_fits", False),
+        "retries": request.get("retries", DEFAULT_RETRIES),
+        "callback_url": request.get("callback_url"),
+    }
+
+
+def _active_overlap(session: Session, targets: _Targets) -> Drain | None:
+    """A drain not yet finished that drains one of the same hosts or the same cell."""
+    active = session.scalars(select(Drain).where(Drain.status.in_((PLANNING, RUNNING, PAUSED, CANCELLING)),
+                                                 Drain.dry_run.is_(False))).all()
+    for drain in active:
+        if drain.target_kind == targets.kind and set(drain.targets) & set(targets.names):
+            return drain
+        if CELL in (drain.target_kind, targets.kind) and set(_cells_of(drain)) & set(targets.cells):
+            return drain
+    return None
+
+
+def _cells_of(drain: Drain) -> list[str]:
+    if drain.target_kind == CELL:
+        return list(drain.targets)
+    return sorted({cell for host in drain.targets if (cell := hosts.cell_of_host(host))})
+
+
+def validate_request(request: Any) -> None:
+    """Check a drain request against :data:`REQUEST_SCHEMA`.
+
+    Raises:
+        BadRequest: with the schema's message.
+    """
+    try:
+        jsonschema.validate(request, REQUEST_SCHEMA)
+    except jsonschema.ValidationError as exc:
+        where = "/".join(str(p) for p in exc.absolute_path)
+        message = exc.message if exc.validator != "oneOf" else "name exactly one of 'host', 'hosts' or 'cell'"
+        raise errors.BadRequest(f"Invalid drain request{' at ' + where if where else ''}: {message}.") from exc
+
+
+def record_drain(ctx: RequestContext, request: Mapping[str, Any], *, origin: str,
+                 idempotency_key: str | None = None, execution_name: str | None = None) -> tuple[str, bool]:
+    """Validate a drain request and write its record (status ``planning``); idempotent on the key.
+
+    Returns:
+        The drain's id, and whether it was created now (False: the key named an existing one).
+
+    Raises:
+        BadRequest: the request does not match the schema, or names an unknown host or cell.
+        Forbidden: a cell drain, and the caller may not move servers between cells.
+        DrainInvalidState: a drain of the same hosts or cell is under way (409).
+    """
+    validate_request(request)
+    if idempotency_key:
+        with api_session() as session:
+            existing = session.scalars(select(Drain.uuid).where(Drain.idempotency_key == idempotency_key)).first()
+        if existing:
+            return existing, False
+    targets = _resolve_targets(request)
+    allow_cross_cell = policy.check(ctx, CROSS_CELL_RULE, {"project_id": ctx.project_id})
+    if targets.kind == CELL and not allow_cross_cell:
+        raise errors.Forbidden(
+            f"Draining cell {targets.names[0]} moves its servers to other cells, and policy "
+            f"{CROSS_CELL_RULE} does not allow that for you.")
+    dry_run = bool(request.get("dry_run", False))
+    with api_session() as session:
+        if not dry_run and (busy := _active_overlap(session, targets)) is not None:
+            raise errors.DrainInvalidState(
+                f"Drain {busy.uuid} ({busy.status}) is draining {', '.join(busy.targets)} already.")
+        drain = Drain(status=PLANNING, target_kind=targets.kind, targets=targets.names, reason=request.get("reason"),
+                      dry_run=dry_run, options=_options(request), allow_cross_cell=allow_cross_cell,
+                      disabled_hosts=[], origin=origin, idempotency_key=idempotency_key, user_id=ctx.user_id,
+                      project_id=ctx.project_id, roles=list(ctx.roles), request_id=ctx.request_id,
+                      execution_name=execution_name, version=0)
+        session.add(drain)
+        session.flush()
+        drain_uuid = drain.uuid
+    logger.info("drain recorded", extra={"drain": drain_uuid, "targets": targets.names, "kind": targets.kind,
+                                         "dry_run": dry_run, "origin": origin})
+    return drain_uuid, True
+
+
+def create_drain(ctx: RequestContext, request: Mapping[str, Any], *, origin: str,
+                 idempotency_key: str | None = None) -> tuple[int, dict[str, Any]]:
+    """Accept a drain from the API or the webhook.
+
+    A dry run is planned at once and answered with the plan (200, status ``planned``; nothing is
+    disabled or moved). Otherwise the drain workflow starts (execution ``drain-<id>``) and the
+    answer is 202 with the drain as recorded. The same ``idempotency_key`` again answers with
+    the drain it started the first time and starts nothing.
+
+    Returns:
+        ``(http status, {"drain": view})``.
+
+    Raises:
+        What :func:`record_drain` raises; the start's error after the drain is marked failed.
+    """
+    drain_uuid, created = record_drain(ctx, request, origin=origin, idempotency_key=idempotency_key)
+    if not created:
+        return 200, {"drain": get_view(drain_uuid)}
+    if request.get("dry_run"):
+        plan(drain_uuid)
+        return 200, {"drain": get_view(drain_uuid)}
+    name = f"drain-{drain_uuid}"
+    try:
+        with api_session() as session:
+            session.execute(update(Drain).where(Drain.uuid == drain_uuid).values(execution_name=name))
+        workflows.start_execution(config.get().drain_state_machine_arn, name,
+                                  {"drain_uuid": drain_uuid, "request_id": ctx.request_id})
+    except Exception as exc:
+        logger.exception("drain workflow did not start", extra={"drain": drain_uuid})
+        _set_status(drain_uuid, FAILED, message=f"The drain workflow did not start: {exc}")
+        raise
+    return 202, {"drain": get_view(drain_uuid)}
+
+
+# --- reading -------------------------------------------------------------------------------------
+
+
+def _load(session: Session, drain_uuid: str, *, for_update: bool = False) -> Drain:
+    query = select(Drain).where(Drain.uuid == drain_uuid)
+    if for_update:
+        query = query.with_for_update()
+    drain = session.scalars(query).one_or_none()
+    if drain is None:
+        raise errors.DrainNotFound(f"Drain {drain_uuid} could not be found.")
+    return drain
+
+
+def _servers(session: Session, drain: Drain) -> list[DrainServer]:
+    return list(session.scalars(select(DrainServer).where(DrainServer.drain_id == drain.id)
+                                .order_by(DrainServer.position, DrainServer.id)))
+
+
+def _iso(value: dt.datetime | None) -> str | None:
+    return None if value is None else value.replace(microsecond=0).isoformat() + "Z"
+
+
+def _counts(servers: Iterable[DrainServer]) -> dict[str, int]:
+    states_seen = [s.state for s in servers]
+    done, failed = states_seen.count(DONE), states_seen.count(SERVER_FAILED)
+    moving, pending = states_seen.count(MOVING), states_seen.count(PENDING)
+    return {"total": len(states_seen), "done": done, "failed": failed, "in_progress": moving,
+            "left": pending + moving, "cancelled": states_seen.count(SERVER_CANCELLED),
+            "unplaceable": states_seen.count(UNPLACEABLE)}
+
+
+def _eta(drain: Drain, servers: list[DrainServer], counts: Mapping[str, int],
+         now: dt.datetime) -> tuple[float | None, float | None]:
+    """``(average seconds per move, seconds left)`` from the moves finished so far."""
+    durations = [(s.finished_at - s.started_at).total_seconds() for s in servers
+                 if s.state == DONE and s.started_at and s.finished_at]
+    if not durations:
+        return None, None
+    average = sum(durations) / len(durations)
+    if drain.status in FINAL_STATUSES or not counts["left"]:
+        return average, 0.0 if drain.status not in FINAL_STATUSES else None
+    lanes = max(1, min(int(drain.options.get("max_concurrency") or 1), counts["left"]))
+    waves = -(-counts["left"] // lanes)
+    elapsed_in_flight = [(now - s.started_at).total_seconds() for s in servers if s.state == MOVING and s.started_at]
+    head_start = min(sum(elapsed_in_flight) / len(elapsed_in_flight), average) if elapsed_in_flight else 0.0
+    return average, max(waves * average - head_start, 0.0)
+
+
+def _server_view(server: DrainServer) -> dict[str, Any]:
+    return {"id": server.instance_uuid, "name": server.name, "cell": server.cell, "source_host": server.source_host,
+            "planned_host": server.planned_host, "dest_host": server.dest_host, "state": server.state,
+            "vm_state": server.vm_state, "migration_id": server.migration_uuid, "attempts": server.attempts,
+            "error": server.error, "started_at": _iso(server.started_at), "finished_at": _iso(server.finished_at)}
+
+
+def _view(drain: Drain, servers: list[DrainServer], *, with_servers: bool = True) -> dict[str, Any]:
+    now = utcnow()
+    counts = _counts(servers)
+    average, left = _eta(drain, servers, counts, now)
+    view: dict[str, Any] = {
+        "id": drain.uuid, "status": drain.status,
+        "target": {"kind": drain.target_kind, "names": list(drain.targets)},
+        "reason": drain.reason, "dry_run": drain.dry_run, "origin": drain.origin, "options": dict(drain.options),
+        "counts": counts, "created_at": _iso(drain.created_at), "started_at": _iso(drain.started_at),
+        "finished_at": _iso(drain.finished_at), "updated_at": _iso(drain.updated_at),
+        "average_move_seconds": None if average is None else round(average, 1),
+        "eta_seconds": None if left is None else round(left, 1),
+        "eta": None if left is None else _iso(now + dt.timedelta(seconds=left)),
+        "message": drain.message,
+        "plan": {"fits": drain.fits, "unplaceable": [
+            {"id": s.instance_uuid, "name": s.name, "reason": s.error} for s in servers if s.state == UNPLACEABLE]},
+    }
+    if with_servers:
+        view["servers"] = [_server_view(s) for s in servers]
+    return view
+
+
+def get_view(drain_uuid: str) -> dict[str, Any]:
+    """The drain as the API shows it, with its servers.
+
+    Raises:
+        DrainNotFound.
+    """
+    with api_session() as session:
+        drain = _load(session, drain_uuid)
+        return _view(drain, _servers(session, drain))
+
+
+def list_views(status: str | None = None, limit: int | None = None) -> list[dict[str, Any]]:
+    """Every drain, newest first (optionally only those in ``status``), without their servers."""
+    with api_session() as session:
+        query = select(Drain).order_by(Drain.created_at.desc(), Drain.id.desc())
+        if status:
+            query = query.where(Drain.status == status)
+        if limit:
+            query = query.limit(limit)
+        drains = list(session.scalars(query))
+        by_drain: dict[int, list[DrainServer]] = defaultdict(list)
+        if drains:
+            for server in session.scalars(select(DrainServer).where(DrainServer.drain_id.in_([d.id for d in drains]))):
+                by_drain[server.drain_id].append(server)
+        return [_view(d, by_drain[d.id], with_servers=False) for d in drains]
+
+
+# --- pause, resume, cancel -----------------------------------------------------------------------
+
+_TRANSITIONS = {
+    "pause": ((RUNNING,), PAUSED),
+    "resume": ((PAUSED,), RUNNING),
+    "cancel": ((PLANNING, RUNNING, PAUSED), CANCELLING),
+}
+ACTIONS = tuple(_TRANSITIONS)
+
+
+def act(drain_uuid: str, action: str) -> dict[str, Any]:
+    """Pause, resume or cancel a drain (moves in flight always finish).
+
+    Pause stops new moves from starting; resume lets them start again; cancel stops new moves
+    for good, and the drain ends ``cancelled`` once the moves in flight finished. Asking for
+    the status the drain is already in (pause twice) answers without change.
+
+    Raises:
+        DrainNotFound; BadRequest for an unknown action; DrainInvalidState (409) when the
+        drain's status does not allow the action.
+    """
+    if action not in _TRANSITIONS:
+        raise errors.BadRequest(f"Unknown drain action {action!r}; use one of {', '.join(ACTIONS)}.")
+    allowed_from, to = _TRANSITIONS[action]
+    with api_session() as session:
+        drain = _load(session, drain_uuid, for_update=True)
+        if drain.status != to:
+            if drain.status not in allowed_from:
+                raise errors.DrainInvalidState(f"Cannot {action} drain {drain_uuid} while it is {drain.status}.")
+            drain.status = to
+            drain.version += 1
+            drain.updated_at = utcnow()
+    logger.info("drain action", extra={"drain": drain_uuid, "action": action, "status": to})
+    return get_view(drain_uuid)
+
+
+def _set_status(drain_uuid: str, status: str, *, message: str | None = None,
+                expected: Iterable[str] | None = None) -> bool:
+    values: dict[str, Any] = {"status": status, "updated_at": utcnow(), "version": Drain.version + 1}
+    if message is not None:
+        values["message"] = message
+    if status in FINAL_STATUSES:
+        values["finished_at"] = utcnow()
+    query = update(Drain).where(Drain.uuid == drain_uuid)
+    if expected is not None:
+        query = query.where(Drain.status.in_(tuple(expected)))
+    with api_session() as session:
+        return bool(session.execute(query.values(**values)).rowcount)  # type: ignore[attr-defined]
+
+
+# --- planning ------------------------------------------------------------------------------------
+
+_MOVABLE = (states.ACTIVE, states.STOPPED)
+
+
+@dataclass
+class _Candidate:
+    instance: Instance
+    cell: str
+    is_bfv: bool
+    base_spec: dict[str, Any]
+
+
+def _instances_on(drain: Drain) -> list[tuple[str, Instance, bool]]:
+    """``(cell, instance, volume-backed)`` for every visible server on the drain's hosts or in its cell."""
+    from ferry.workflows.resize import is_bfv
+
+    found: list[tuple[str, Instance, bool]] = []
+    by_cell: dict[str, list[str]] = defaultdict(list)
+    if drain.target_kind == CELL:
+        by_cell[drain.targets[0]] = []
+    else:
+        for host in drain.targets:
+            cell = hosts.cell_of_host(host)
+            if cell:
+                by_cell[cell].append(host)
+    for cell, cell_hosts in by_cell.items():
+        with cell_session(cell) as session:
+            query = select(Instance).where(Instance.deleted.is_(False), Instance.hidden.is_(False),
+                                           Instance.host.is_not(None))
+            if drain.target_kind == HOST:
+                query = query.where(Instance.host.in_(cell_hosts))
+            for instance in session.scalars(query.order_by(Instance.created_at, Instance.id)):
+                found.append((cell, instance, is_bfv(session, instance.uuid)))
+                session.expunge(instance)
+    return found
+
+
+def _unmovable_reason(instance: Instance) -> str | None:
+    if instance.vm_state not in _MOVABLE:
+        return f"The server is {instance.vm_state}; only active and stopped servers can be moved."
+    if instance.task_state is not None:
+        return f"The server is busy ({instance.task_state})."
+    return None
+
+
+def _plan_spec(drain: Drain, cell: str, instance: Instance, is_bfv: bool, base: Mapping[str, Any],
+               cell_names: list[str]) -> dict[str, Any]:
+    """The scheduler request the move would make, as the resize workflow builds it, minus the drained hosts."""
+    ignore = {instance.host or ""}
+    if drain.target_kind == HOST:
+        ignore.update(drain.targets)
+    ignore.discard("")
+    if drain.target_kind == CELL:
+        allowed = [name for name in cell_names if name != cell]
+    elif drain.allow_cross_cell:
+        allowed = list(cell_names)
+    else:
+        allowed = [cell]
+    spec = {**base, "instance_uuid": instance.uuid, "project_id": instance.project_id, "user_id": instance.user_id,
+            "flavor": instance.flavor, "is_bfv": bool(base.get("is_bfv", is_bfv)), "ignore_hosts": sorted(ignore),
+            "requested_destination": None, "allowed_cells": allowed, "source_cell": cell}
+    if drain.target_kind == CELL:
+        spec["cross_cell_move_weight_multiplier"] = CELL_DRAIN_CROSS_CELL_MULTIPLIER
+    return spec
+
+
+def _request_specs(instance_uuids: list[str]) -> dict[str, dict[str, Any]]:
+    with api_session() as session:
+        specs: dict[str, dict[str, Any]] = {}
+        for uuid in instance_uuids:
+            try:
+                specs[uuid] = compute_api.load_request_spec(session, uuid)
+            except errors.NotFound:
+                specs[uuid] = {}
+        return specs
+
+
+def _size(instance: Instance) -> tuple[int, int, int]:
+    flavor = instance.flavor or {}
+    return (int(flavor.get("memory_mb") or 0), int(flavor.get("vcpus") or 0), int(flavor.get("root_gb") or 0))
+
+
+def plan_server(drain: Drain, cell: str, instance: Instance, is_bfv: bool, base: Mapping[str, Any],
+                pending: dict[str, dict[str, int]], cell_names: list[str]) -> tuple[scheduler.Selection | None, str]:
+    """Where one server would go with ``pending`` counted as used; adds the choice to ``pending``.
+
+    Returns:
+        ``(selection, "")``, or ``(None, why not)``.
+    """
+    spec = _plan_spec(drain, cell, instance, is_bfv, base, cell_names)
+    try:
+        selection = scheduler.plan_destination(spec, pending)
+    except errors.NoValidHost as exc:
+        return None, exc.message
+    for rp_uuid, resources in selection.allocations.items():
+        used = pending.setdefault(rp_uuid, {})
+        for rc, amount in resources.items():
+            used[rc] = used.get(rc, 0) + int(amount)
+    return selection, ""
+
+
+def plan(drain_uuid: str) -> dict[str, Any]:
+    """Plan the drain: one ``drain_servers`` row per server, with its planned host or why it has none.
+
+    Servers are planned largest first (RAM, then vCPUs, then disk), each with the capacity the
+    servers planned before it took counted as used. Planning again replaces the earlier plan
+    (a step run twice writes the same rows).
+
+    Returns:
+        ``{"fits", "servers": [instance uuids to move, in plan order], "unplaceable": n}``.
+    """
+    with api_session() as session:
+        drain = _load(session, drain_uuid)
+        session.expunge(drain)
+    found = _instances_on(drain)
+    specs = _request_specs([instance.uuid for _cell, instance, _bfv in found])
+    cell_names = [c.name for c in all_cells(include_cell0=False)]
+    pending: dict[str, dict[str, int]] = {}
+    rows: list[DrainServer] = []
+    ordered = sorted(found, key=lambda item: _size(item[1]), reverse=True)
+    for position, (cell, instance, is_bfv) in enumerate(ordered):
+        row = DrainServer(drain_id=drain.id, position=position, instance_uuid=instance.uuid, name=instance.display_name,
+                          cell=cell, source_host=instance.host or "", vm_state=instance.vm_state, state=PENDING,
+                          attempts=0)
+        reason = _unmovable_reason(instance)
+        selection = None
+        if reason is None:
+            selection, reason = plan_server(drain, cell, instance, is_bfv, specs[instance.uuid], pending, cell_names)
+        if selection is None:
+            row.state, row.error = UNPLACEABLE, reason
+        else:
+            row.planned_host, row.planned_cell = selection.host, selection.cell
+        rows.append(row)
+    fits = all(row.state != UNPLACEABLE for row in rows)
+    with api_session() as session:
+        live = _load(session, drain_uuid, for_update=True)
+        for old in _servers(session, live):
+            session.delete(old)
+        session.flush()
+        session.add_all(rows)
+        live.fits = fits
+        if live.dry_run:
+            live.status, live.finished_at = PLANNED, utcnow()
+        live.updated_at = utcnow()
+        to_move = [row.instance_uuid for row in rows if row.state == PENDING]
+    logger.info("drain planned", extra={"drain": drain_uuid, "servers": len(rows), "fits": fits,
+                                        "unplaceable": len(rows) - len(to_move)})
+    return {"fits": fits, "servers": to_move, "unplaceable": len(rows) - len(to_move)}
+
+
+# --- disabling and giving back -------------------------------------------------------------------
+
+
+def _target_hosts(drain: Drain) -> list[str]:
+    if drain.target_kind == HOST:
+        return list(drain.targets)
+    return [record.host for record in services.list_services() if record.cell == drain.targets[0]]
+
+
+def disable_targets(drain_uuid: str) -> list[str]:
+    """Disable the compute service of every drained host (the reason names the drain).
+
+    Services disabled already (by an operator or an earlier run) are left as they are; the ones
+    this drain disabled are recorded so a drain that moves nothing can give them back.
+
+    Returns:
+        The hosts this drain has disabled.
+    """
+    with api_session() as session:
+        drain = _load(session, drain_uuid)
+        session.expunge(drain)
+    reason = f"drain {drain.uuid}" + (f": {drain.reason}" if drain.reason else "")
+    newly: list[str] = list(drain.disabled_hosts)
+    for host in _target_hosts(drain):
+        for record in services.list_services(host=host):
+            if record.disabled:
+                continue
+            services.update_service(record, disabled=True, disabled_reason=reason[:255])
+            newly.append(host)
+    with api_session() as session:
+        live = _load(session, drain_uuid, for_update=True)
+        live.disabled_hosts = sorted(set(newly))
+    return sorted(set(newly))
+
+
+def give_back_targets(drain_uuid: str) -> list[str]:
+    """Enable again the services this drain disabled, if they still carry its reason."""
+    with api_session() as session:
+        drain = _load(session, drain_uuid)
+        disabled = list(drain.disabled_hosts)
+    enabled: list[str] = []
+    for host in disabled:
+        for record in services.list_services(host=host):
+            if record.disabled and (record.disabled_reason or "").startswith(f"drain {drain_uuid}"):
+                services.update_service(record, disabled=False)
+                enabled.append(host)
+    with api_session() as session:
+        live = _load(session, drain_uuid, for_update=True)
+        live.disabled_hosts = []
+    return enabled
+
+
+# --- move slots and results ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Slot:
+    """What a Map iteration does next: ``move`` (with the attempt's ids), ``wait`` or ``stop``."""
+
+    action: str
+    migration_uuid: str | None = None
+    request_id: str | None = None
+    attempt: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"action": self.action, "migration_uuid": self.migration_uuid, "request_id": self.request_id,
+                "attempt": self.attempt}
+
+
+def _attempt_ids(drain_uuid: str, instance_uuid: str, attempt: int) -> tuple[str, str]:
+    return (_derived_uuid(drain_uuid, instance_uuid, attempt),
+            "req-" + _derived_uuid("request", drain_uuid, instance_uuid, attempt))
+
+
+def _busy_hosts(servers: list[DrainServer]) -> tuple[dict[str, int], dict[str, int]]:
+    sources: dict[str, int] = defaultdict(int)
+    dests: dict[str, int] = defaultdict(int)
+    for server in servers:
+        if server.state == MOVING:
+            sources[server.source_host] += 1
+            if server.planned_host:
+                dests[server.planned_host] += 1
+    return sources, dests
+
+
+def acquire_slot(drain_uuid: str, instance_uuid: str) -> Slot:
+    """Decide whether the server's move starts now, waits, or is not made.
+
+    ``wait`` while the drain is paused or a per-host limit is reached; ``stop`` once the server
+    is settled, or the drain is cancelled or failed (a pending server is then ``cancelled``);
+    ``move`` marks it ``moving`` and hands out the ids of this attempt. The drain row is locked
+    (and its version bumped) so two iterations cannot both take the last slot of a host. A
+    server already ``moving`` gets its attempt again (the step ran twice).
+    """
+    with api_session() as session:
+        drain = _load(session, drain_uuid, for_update=True)
+        servers = _servers(session, drain)
+        server = next((s for s in servers if s.instance_uuid == instance_uuid), None)
+        if server is None or server.state in SETTLED_STATES:
+            return Slot("stop")
+        if server.state == MOVING:
+            migration_uuid, request_id = _attempt_ids(drain_uuid, instance_uuid, server.attempts)
+            return Slot("move", migration_uuid, request_id, server.attempts)
+        if drain.status in (CANCELLING, CANCELLED, FAILED):
+            server.state, server.finished_at = SERVER_CANCELLED, utcnow()
+            return Slot("stop")
+        if drain.status == PAUSED:
+            return Slot("wait")
+        sources, dests = _busy_hosts(servers)
+        per_source = drain.options.get("max_per_source_host")
+        per_dest = drain.options.get("max_per_dest_host")
+        if per_source and sources[server.source_host] >= per_source:
+            return Slot("wait")
+        if per_dest and server.planned_host and dests[server.planned_host] >= per_dest:
+            return Slot("wait")
+        server.state = MOVING
+        server.attempts += 1
+        server.started_at = server.started_at or utcnow()
+        server.migration_uuid, request_id = _attempt_ids(drain_uuid, instance_uuid, server.attempts)
+        drain.version += 1
+        return Slot("move", server.migration_uuid, request_id, server.attempts)
+
+
+def confirms(drain_uuid: str) -> bool:
+    """Whether the drain confirms each move (False: servers stay in VERIFY_RESIZE)."""
+    with api_session() as session:
+        return bool(_load(session, drain_uuid).options.get("confirm", True))
+
+
+def _load_server(session: Session, drain_uuid: str, instance_uuid: str) -> tuple[Drain, DrainServer]:
+    drain = _load(session, drain_uuid, for_update=True)
+    server = session.scalars(select(DrainServer).where(DrainServer.drain_id == drain.id,
+                                                       DrainServer.instance_uuid == instance_uuid)).one_or_none()
+    if server is None:
+        raise errors.DrainNotFound(f"Server {instance_uuid} is not part of drain {drain_uuid}.")
+    return drain, server
+
+
+def _replan(drain_uuid: str, instance_uuid: str) -> str:
+    """A fresh destination for a server whose earlier attempt failed (the others' moves are real by now).
+
+    Raises:
+        NoValidHost.
+    """
+    from ferry.workflows.resize import is_bfv
+
+    with api_session() as session:
+        drain, server = _load_server(session, drain_uuid, instance_uuid)
+        session.expunge(drain)
+        cell = server.cell
+    with cell_session(cell) as session:
+        instance = session.scalars(select(Instance).where(Instance.uuid == instance_uuid)).one()
+        bfv = is_bfv(session, instance_uuid)
+        session.expunge(instance)
+    base = _request_specs([instance_uuid])[instance_uuid]
+    selection, reason = plan_server(drain, cell, instance, bfv, base, {},
+                                    [c.name for c in all_cells(include_cell0=False)])
+    if selection is None:
+        raise errors.NoValidHost(reason)
+    with api_session() as session:
+        _drain, server = _load_server(session, drain_uuid, instance_uuid)
+        server.planned_host, server.planned_cell = selection.host, selection.cell
+    return selection.host
+
+
+def prepare_move(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any]) -> dict[str, Any]:
+    """Accept the server's cold migration to its planned host; the workflow starts it as a nested execution.
+
+    A retry (attempt 2 or later) plans the server again first. Idempotent per attempt: the
+    migration id derives from the drain, the server and the attempt.
+
+    Returns:
+        ``{"name", "input"}`` of the resize workflow's execution.
+    """
+    from ferry.compute import moves
+
+    with api_session() as session:
+        drain, server = _load_server(session, drain_uuid, instance_uuid)
+        ctx = _drain_context(drain, slot["request_id"])
+        planned = server.planned_host
+    if int(slot.get("attempt") or 1) > 1:
+        with cell_session(server.cell) as session:
+            prepared = session.scalar(select(func.count()).select_from(Instance).where(
+                Instance.uuid == instance_uuid, Instance.task_state == states.RESIZE_PREP))
+        if not prepared:
+            planned = _replan(drain_uuid, instance_uuid)
+    location = compute_api.locate(ctx, instance_uuid)
+    execution = moves.prepare_migrate(ctx, location, planned, slot["migration_uuid"])
+    return {"name": execution.name, "input": execution.input}
+
+
+def prepare_confirm(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any]) -> dict[str, Any]:
+    """Accept the confirm of the server's move; ``{"name", "input"}`` of the confirm workflow's execution."""
+    from ferry.compute import moves
+
+    with api_session() as session:
+        drain, server = _load_server(session, drain_uuid, instance_uuid)
+        ctx = _drain_context(drain, slot["request_id"])
+    cell = instances_cell(instance_uuid)
+    execution = moves.prepare_confirm(cell, instance_uuid, slot["migration_uuid"],
+                                      request_id=ctx.request_id + "-confirm", user_id=ctx.user_id,
+                                      project_id=ctx.project_id)
+    return {"name": execution.name, "input": execution.input}
+
+
+def instances_cell(instance_uuid: str) -> str:
+    """The name of the cell the server lives in now (its mapping's)."""
+    from ferry.compute import instances
+
+    return instances.cell_of(instance_uuid).name
+
+
+def _where_now(instance_uuid: str) -> tuple[str | None, str | None, str | None]:
+    """``(host, vm_state, task_state)`` of the server's visible copy (Nones when it is gone)."""
+    from ferry.compute import instances
+
+    try:
+        cell = instances.cell_of(instance_uuid)
+    except errors.InstanceNotFound:
+        return None, None, None
+    with cell_session(cell) as session:
+        try:
+            instance = instances.get(session, instance_uuid)
+        except errors.InstanceNotFound:
+            return None, None, None
+        return instance.host, instance.vm_state, instance.task_state
+
+
+def record_moved(drain_uuid: str, instance_uuid: str, *, confirmed: bool) -> dict[str, Any]:
+    """Record a server's finished move (idempotent).
+
+    Raises:
+        MoveNotPrepared: the server is not where a finished move leaves it (still on its source,
+            or not in VERIFY_RESIZE/confirmed as asked); the caller records the failure.
+    """
+    host, vm_state, task_state = _where_now(instance_uuid)
+    with api_session() as session:
+        _drain, server = _load_server(session, drain_uuid, instance_uuid)
+        if server.state == DONE:
+            return _server_view(server)
+        expected = (states.ACTIVE, states.STOPPED) if confirmed else (states.RESIZED,)
+        if host is None or host == server.source_host or vm_state not in expected or task_state is not None:
+            raise errors.MoveNotPrepared(
+                f"Server {instance_uuid} is on {host} in {vm_state}/{task_state} after its move from "
+                f"{server.source_host}.")
+        server.state, server.dest_host, server.finished_at, server.error = DONE, host, utcnow(), None
+        return _server_view(server)
+
+
+def record_failure(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any],
+                   error: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Record a failed attempt; say whether to try again.
+
+    A move accepted whose workflow never ran is undone first. The server is tried again when it
+    is back on its source unchanged (its move rolled back), attempts are left (``retries``) and
+    the drain is still running or paused; otherwise it is ``failed`` with the error.
+
+    Returns:
+        ``{"retry": bool, "state", "error"}``.
+    """
+    from ferry.compute import moves
+
+    message = workflows.error_message(dict(error or {})) if error else "The move failed."
+    with api_session() as session:
+        drain, server = _load_server(session, drain_uuid, instance_uuid)
+        cell, retries, status = server.cell, int(drain.options.get("retries") or 0), drain.status
+        if server.state in SETTLED_STATES:
+            return {"retry": False, "state": server.state, "error": server.error}
+    if slot.get("migration_uuid"):
+        try:
+            moves.abandon_prepared_move(cell, instance_uuid, slot["migration_uuid"], slot.get("request_id") or "")
+        except errors.InstanceNotFound:
+            pass
+    host, vm_state, task_state = _where_now(instance_uuid)
+    with api_session() as session:
+        drain, server = _load_server(session, drain_uuid, instance_uuid)
+        back_home = host == server.source_host and vm_state in _MOVABLE and task_state is None
+        retry = back_home and server.attempts <= retries and drain.status in (RUNNING, PAUSED)
+        server.error = message
+        if retry:
+            server.state = PENDING
+        else:
+            server.state, server.finished_at = SERVER_FAILED, utcnow()
+            if host is None:
+                server.error = f"{message} (the server no longer exists)"
+            elif host != server.source_host:
+                server.dest_host = host
+        logger.warning("drain move failed", extra={"drain": drain_uuid, "instance_uuid": instance_uuid,
+                                                   "retry": retry, "attempt": server.attempts, "error": message,
+                                                   "status": status})
+        return {"retry": retry, "state": server.state, "error": server.error}
+
+
+# --- starting and finishing ----------------------------------------------------------------------
+
+
+def begin(execution_input: Mapping[str, Any], execution_name: str) -> dict[str, Any]:
+    """The workflow's first step: load the drain the API recorded, or record one from the input.
+
+    Raises:
+        InvalidWorkflowInput: the input does not match ``drain.input.schema.json``.
+        BadRequest, Forbidden, DrainInvalidState: the request in the input, as the API refuses it.
+    """
+    try:
+        jsonschema.validate(dict(execution_input), INPUT_SCHEMA)
+    except jsonschema.ValidationError as exc:
+        raise errors.InvalidWorkflowInput(f"Invalid drain input: {exc.message}") from exc
+    if execution_input.get("drain_uuid"):
+        drain_uuid = execution_input["drain_uuid"]
+    else:
+        drain_uuid, _created = record_drain(operator_context(execution_input.get("request_id")),
+                                            execution_input["drain"], origin="execution",
+                                            idempotency_key=f"execution:{execution_name}",
+                                            execution_name=execution_name)
+    with api_session() as session:
+        drain = _load(session, drain_uuid)
+        if drain.status in FINAL_STATUSES:
+            raise errors.DrainInvalidState(f"Drain {drain_uuid} is {drain.status} already.")
+        return {"drain_uuid": drain.uuid, "dry_run": drain.dry_run}
+
+
+def start(drain_uuid: str) -> dict[str, Any]:
+    """Disable the targets, plan, and decide whether to move (the PlanDrain step).
+
+    Returns:
+        ``{"proceed", "servers", "max_concurrency", "fits"}``; ``proceed`` is False for a dry
+        run, a plan that does not fit (unless ``move_what_fits``) and a drain cancelled meanwhile.
+    """
+    with api_session() as session:
+        drain = _load(session, drain_uuid)
+        dry_run, options = drain.dry_run, dict(drain.options)
+    if not dry_run:
+        disable_targets(drain_uuid)
+    result = plan(drain_uuid)
+    proceed = not dry_run and bool(result["servers"]) and (result["fits"] or options.get("move_what_fits"))
+    if not dry_run:
+        if proceed:
+            with api_session() as session:
+                drain = _load(session, drain_uuid, for_update=True)
+                if drain.status == PLANNING:
+                    drain.status, drain.started_at = RUNNING, drain.started_at or utcnow()
+                    started = True
+                else:
+                    started = False
+                    proceed = drain.status in (RUNNING, PAUSED)
+            if started:
+                _announce(drain_uuid, DRAIN_START)
+        elif not result["fits"]:
+            give_back_targets(drain_uuid)
+    return {"proceed": bool(proceed), "servers": result["servers"], "fits": result["fits"],
+            "max_concurrency": int(options.get("max_concurrency") or DEFAULT_MAX_CONCURRENCY)}
+
+
+def finish(drain_uuid: str, error: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Settle the drain's status from its servers, announce it once, and return the report.
+
+    ``completed`` when every server moved; ``cancelled`` after a cancel; ``failed`` when a
+    server could not be moved or placed, or the workflow itself failed (``error``). Servers
+    still pending (the Map stopped early) are marked cancelled.
+    """
+    with api_session() as session:
+        drain = _load(session, drain_uuid, for_update=True)
+        servers = _servers(session, drain)
+        already_final = drain.status in FINAL_STATUSES
+        if not already_final:
+            for server in servers:
+                if server.state in (PENDING, MOVING):
+                    server.state, server.finished_at = SERVER_CANCELLED, utcnow()
+                    server.error = server.error or "The drain ended before this server was moved."
+            counts = _counts(servers)
+            if error:
+                status, message = FAILED, f"The drain workflow failed: {workflows.error_message(dict(error))}"
+            elif drain.status == CANCELLING:
+                status, message = CANCELLED, f"Cancelled: {counts['done']} of {counts['total']} servers moved."
+            elif drain.fits is False and not drain.options.get("move_what_fits"):
+                status = FAILED
+                message = (f"The plan does not fit: {counts['unplaceable']} of {counts['total']} servers cannot "
+                           f"be placed. Nothing was moved.")
+            elif counts["failed"] or counts["unplaceable"] or counts["cancelled"]:
+                status = FAILED
+                message = (f"{counts['done']} of {counts['total']} servers moved; {counts['failed']} failed, "
+                           f"{counts['unplaceable']} could not be placed.")
+            else:
+                status, message = COMPLETED, f"All {counts['total']} servers moved."
+            drain.status, drain.message, drain.finished_at, drain.updated_at = status, message, utcnow(), utcnow()
+            drain.version += 1
+    if not already_final:
+        with api_session() as session:
+            drain = _load(session, drain_uuid)
+            dry_run, status = drain.dry_run, drain.status
+        if not dry_run:
+            _announce(drain_uuid, DRAIN_ERROR if status == FAILED else DRAIN_END)
+    view = get_view(drain_uuid)
+    logger.info("drain finished", extra={"drain": drain_uuid, "status": view["status"], "counts": view["counts"]})
+    return {"status": view["status"], "counts": view["counts"], "message": view["message"]}
+
+
+def _announce(drain_uuid: str, event_type: str) -> None:
+    """One grouped notification on the bus, and the signed callback when the request named one."""
+    view = get_view(drain_uuid)
+    summary = {**{k: v for k, v in view.items() if k != "servers"},
+               "servers": [{k: s[k] for k in ("id", "name", "source_host", "dest_host", "state", "error")}
+                           for s in view["servers"]]}
+    notifications.notify_drain(event_type, drain_uuid=drain_uuid, payload=summary)
+    url = view["options"].get("callback_url")
+    if url:
+        from ferry import signing
+
+        signing.post_callback(url, {"event_type": event_type, "drain": summary}, config.get().webhook_secret)
