@@ -367,3 +367,18 @@ class WebhookDeliveryConflict(Conflict):
 
 class WebhookRequestInvalid(BadRequest):
     """The delivery id is missing or too long, or the body is not a valid drain request."""
+
+
+# --- drains -------------------------------------------------------------------------------------
+
+
+class DrainNotFound(NotFound):
+    """No drain has this id (or the server is not part of it)."""
+
+
+class DrainInvalidState(Conflict):
+    """The drain's status does not allow this action, or its targets are being drained already."""
+
+
+class DrainFailed(FerryError):
+    """A drain ended with servers left on its targets (the drain's message says how many and why)."""
