@@ -633,6 +633,10 @@ def _handler(run: Callable[[Connection, argparse.Namespace], int]) -> Callable[[
         except DrainError as exc:
             print(f"ferry drain: {exc}", file=sys.stderr)
             return 1
+        except BrokenPipeError:
+            # The reader left (``ferry drain list | head``): nothing more to say, even at exit.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 1
 
     return handle
 
