@@ -29,6 +29,8 @@ HOST_OP_TIMEOUT_SECONDS = 60
 HOST_OP_HEARTBEAT_SECONDS = 30
 # Agents report their guests and disks (what ferry audit compares) this often.
 AGENT_REPORT_INTERVAL_SECONDS = 10
+# A drain's waiting moves (paused, or at a per-host limit) look again this often.
+DRAIN_POLL_SECONDS = 1
 # Schedules in the template run 100 times faster than declared.
 RATE_SCALE = 0.01
 
@@ -176,7 +178,7 @@ def local_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack
         rate_scale=RATE_SCALE,
         host_op_timeout_seconds=HOST_OP_TIMEOUT_SECONDS,
         host_op_heartbeat_seconds=HOST_OP_HEARTBEAT_SECONDS,
-        parameters={POLICY_FILE_PARAMETER: str(policy_file)},
+        parameters={POLICY_FILE_PARAMETER: str(policy_file), "DrainPollSeconds": DRAIN_POLL_SECONDS},
         agent_report_interval=AGENT_REPORT_INTERVAL_SECONDS,
     )
     try:

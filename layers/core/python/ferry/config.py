@@ -69,6 +69,8 @@ class Settings:
     drain_state_machine_arn: str
     # The shared secret of the drain webhook and of drain callbacks ("" turns the webhook off).
     webhook_secret: str
+    # The DynamoDB table of the webhook's deliveries and one-time signatures.
+    idempotency_table: str
 
     @property
     def default_cell_dir(self) -> Path:
@@ -108,6 +110,7 @@ def load() -> Settings:
         volume_attachment_state_machine_arn=os.environ.get("FERRY_VOLUME_ATTACHMENT_STATE_MACHINE_ARN", ""),
         drain_state_machine_arn=os.environ.get("FERRY_DRAIN_STATE_MACHINE_ARN", ""),
         webhook_secret=os.environ.get("FERRY_WEBHOOK_SECRET", ""),
+        idempotency_table=os.environ.get("FERRY_IDEMPOTENCY_TABLE", ""),
     )
 
 

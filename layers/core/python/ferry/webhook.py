@@ -25,7 +25,6 @@ import base64
 import binascii
 import functools
 import json
-import os
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -92,7 +91,7 @@ def _start_drain_once(event: Mapping[str, Any], context: Any) -> dict[str, Any]:
     secret = config.get().webhook_secret
     if not secret:
         raise errors.WebhookNotConfigured()
-    table = os.environ.get(TABLE_VARIABLE, "")
+    table = config.get().idempotency_table
     if not table:
         raise errors.WebhookNotConfigured(f"The drain webhook is not configured: {TABLE_VARIABLE} is not set.")
     body = _raw_body(event)

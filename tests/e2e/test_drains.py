@@ -1,0 +1,306 @@
+"""Drains on the local stack: empty a host or a cell through ``/ferry/drains``.
+
+Servers are put on the host to drain as an operator would: every other compute service is
+disabled (``os-services``) while they boot. After each drain: the drained host is disabled, its
+placement usage is zero, every server lives elsewhere in the power state it had, and the drain's
+record lists each server's result. A plan that does not fit moves nothing and gives the hosts back.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+from move_helpers import TINY, host_of
+
+from ferry import faults
+
+pytestmark = pytest.mark.e2e
+
+CROSS_CELL_RULE = "compute:servers:resize:cross_cell"
+FINAL = {"planned", "completed", "failed", "cancelled"}
+
+
+# --- helpers -------------------------------------------------------------------------------------
+
+
+MICROVERSION = {"OpenStack-API-Version": "compute 2.53"}
+
+
+def _services(admin) -> list[dict[str, Any]]:
+    listed = admin.get("/os-services", params={"binary": "nova-compute"}, headers=MICROVERSION)
+    assert listed.status_code == 200, listed.text
+    return listed.json()["services"]
+
+
+def _set_service(admin, host: str, *, disabled: bool, reason: str | None = None) -> None:
+    [service] = [s for s in _services(admin) if s["host"] == host]
+    body: dict[str, Any] = {"status": "disabled" if disabled else "enabled"}
+    if disabled and reason:
+        body["disabled_reason"] = reason
+    changed = admin.put(f"/os-services/{service['id']}", json=body, headers=MICROVERSION)
+    assert changed.status_code == 200, changed.text
+
+
+def _disabled(admin) -> dict[str, bool]:
+    return {s["host"]: s["status"] == "disabled" for s in _services(admin)}
+
+
+@contextmanager
+def only_hosts_enabled(local_stack, hosts: set[str]) -> Iterator[None]:
+    """Every other compute host disabled while the block runs, then enabled again."""
+    admin = local_stack.session("admin")
+    others = sorted(set(local_stack.hosts) - hosts)
+    for host in others:
+        _set_service(admin, host, disabled=True, reason="e2e: steer boots")
+    try:
+        yield
+    finally:
+        for host in others:
+            _set_service(admin, host, disabled=False)
+
+
+@pytest.fixture
+def enabled_again(local_stack) -> Iterator[None]:
+    """Whatever a drain disabled is enabled again after the test."""
+    yield
+    admin = local_stack.session("admin")
+    for host, disabled in _disabled(admin).items():
+        if disabled:
+            _set_service(admin, host, disabled=False)
+
+
+def _boot_on(local_stack, servers, host: str, count: int, *, identities=("demo", "alt"), volume_backed: int = 0,
+             stopped: int = 0) -> list[dict[str, Any]]:
+    """``count`` servers on ``host``: the first ``volume_backed`` from a volume, the last ``stopped`` stopped."""
+    booted = []
+    with only_hosts_enabled(local_stack, {host}):
+        for index in range(count):
+            extra: dict[str, Any] = {}
+            if index < volume_backed:
+                extra = {"imageRef": "", "block_device_mapping_v2": [{
+                    "source_type": "image", "destination_type": "volume", "uuid": local_stack.seeded.image["id"],
+                    "boot_index": 0, "volume_size": 1, "delete_on_termination": True}]}
+            identity = identities[index % len(identities)]
+            server = servers.boot(identity, flavor=TINY, name=f"drain-{index}", **extra)
+            assert host_of(server) == host
+            booted.append(server)
+    for server in booted[count - stopped:]:
+        assert servers.action(server["id"], {"os-stop": None}, identity="admin").status_code == 202
+        servers.wait_for_status(server["id"], "SHUTOFF")
+    return [servers.show(s["id"]) for s in booted]
+
+
+def _start(local_stack, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    answer = local_stack.session("admin").post("/ferry/drains", json={"drain": body})
+    assert answer.status_code in (200, 202), answer.text
+    return answer.status_code, answer.json()["drain"]
+
+
+def _show(local_stack, drain_id: str) -> dict[str, Any]:
+    shown = local_stack.session("admin").get(f"/ferry/drains/{drain_id}")
+    assert shown.status_code == 200, shown.text
+    return shown.json()["drain"]
+
+
+def _wait_final(local_stack, drain_id: str, timeout: float = 300) -> dict[str, Any]:
+    return local_stack.wait_for(lambda: (d := _show(local_stack, drain_id))["status"] in FINAL and d, timeout=timeout,
+                                interval=1)
+
+
+def _act(local_stack, drain_id: str, action: str) -> dict[str, Any]:
+    answer = local_stack.session("admin").post(f"/ferry/drains/{drain_id}/action", json={action: None})
+    assert answer.status_code == 202, answer.text
+    return answer.json()["drain"]
+
+
+def _status_of(servers, server_id: str) -> str:
+    shown = servers.show(server_id)
+    assert shown is not None
+    return shown["status"]
+
+
+def _a_host(local_stack, cell: str | None = None) -> str:
+    return sorted(h for h, c in local_stack.hosts.items() if cell is None or c == cell)[0]
+
+
+# --- host drains ---------------------------------------------------------------------------------
+
+
+def test_a_host_drain_moves_ten_servers_and_keeps_their_power_states(local_stack, servers, records, enabled_again):
+    host = _a_host(local_stack)
+    booted = _boot_on(local_stack, servers, host, 10, volume_backed=1, stopped=3)
+    before = {s["id"]: s["status"] for s in booted}
+    assert sorted(before.values()).count("SHUTOFF") == 3
+
+    status, drain = _start(local_stack, {"host": host, "reason": "e2e: decommission", "max_concurrency": 4})
+    assert status == 202 and drain["status"] in ("planning", "running")
+    finished = _wait_final(local_stack, drain["id"])
+
+    assert finished["status"] == "completed", finished
+    assert finished["counts"] == {"total": 10, "done": 10, "failed": 0, "in_progress": 0, "left": 0,
+                                  "cancelled": 0, "unplaceable": 0}
+    assert {s["id"] for s in finished["servers"]} == set(before)
+    for server in finished["servers"]:
+        assert server["state"] == "done" and server["source_host"] == host and server["dest_host"] != host
+        shown = servers.show(server["id"])
+        assert host_of(shown) == server["dest_host"]
+        assert shown["status"] == before[server["id"]]
+    assert _disabled(local_stack.session("admin"))[host] is True
+    assert records.usages(host) == {}
+    assert finished["average_move_seconds"] is not None and finished["eta_seconds"] is None
+
+
+def test_a_dry_run_that_does_not_fit_names_the_servers_and_moves_nothing(local_stack, servers, records,
+                                                                         enabled_again):
+    cell = local_stack.hosts[_a_host(local_stack)]
+    cell_hosts = sorted(h for h, c in local_stack.hosts.items() if c == cell)
+    booted = _boot_on(local_stack, servers, cell_hosts[0], 2)
+    usage_before = {h: records.usages(h) for h in cell_hosts}
+
+    # Without the cross-cell policy, draining both hosts of a cell leaves the servers nowhere to go.
+    status, plan = _start(local_stack, {"hosts": cell_hosts, "dry_run": True})
+
+    assert status == 200 and plan["status"] == "planned" and plan["plan"]["fits"] is False
+    assert {u["id"] for u in plan["plan"]["unplaceable"]} == {s["id"] for s in booted}
+    assert all("No valid host" in u["reason"] for u in plan["plan"]["unplaceable"])
+    assert not any(_disabled(local_stack.session("admin"))[h] for h in cell_hosts)
+
+    # The same drain for real fails fast, and gives the hosts back.
+    status, drain = _start(local_stack, {"hosts": cell_hosts})
+    failed = _wait_final(local_stack, drain["id"], timeout=60)
+
+    assert failed["status"] == "failed" and "does not fit" in failed["message"]
+    assert failed["counts"]["done"] == 0
+    assert not any(_disabled(local_stack.session("admin"))[h] for h in cell_hosts)
+    assert {h: records.usages(h) for h in cell_hosts} == usage_before
+    assert {host_of(servers.show(s["id"])) for s in booted} == {cell_hosts[0]}
+
+
+def test_a_failed_move_is_rolled_back_and_reported_while_the_rest_complete(local_stack, servers, records,
+                                                                          enabled_again):
+    host = _a_host(local_stack)
+    booted = _boot_on(local_stack, servers, host, 3)
+    faults.arm("*:finish_resize", faults.ONCE, "SpawnFailed")
+    try:
+        _status, drain = _start(local_stack, {"host": host, "max_concurrency": 1, "retries": 0})
+        finished = _wait_final(local_stack, drain["id"])
+    finally:
+        faults.disarm_all()
+
+    assert finished["status"] == "failed"
+    by_state: dict[str, list[dict[str, Any]]] = {}
+    for server in finished["servers"]:
+        by_state.setdefault(server["state"], []).append(server)
+    assert len(by_state["failed"]) == 1 and len(by_state["done"]) == 2, finished["servers"]
+    [failed] = by_state["failed"]
+    assert "SpawnFailed" in failed["error"] or "spawn" in failed["error"].lower()
+    shown = servers.show(failed["id"])
+    assert host_of(shown) == host and shown["status"] == "ACTIVE"  # rolled back to its source
+    assert records.usages(host) != {}  # the failed one still lives there
+    assert {s["id"] for s in booted} == {s["id"] for s in finished["servers"]}
+
+
+def test_a_move_that_fails_once_is_retried(local_stack, servers, enabled_again):
+    host = _a_host(local_stack)
+    _boot_on(local_stack, servers, host, 2)
+    faults.arm("*:finish_resize", faults.ONCE, "SpawnFailed")
+    try:
+        _status, drain = _start(local_stack, {"host": host, "max_concurrency": 1, "retries": 1})
+        finished = _wait_final(local_stack, drain["id"])
+    finally:
+        faults.disarm_all()
+
+    assert finished["status"] == "completed", finished
+    assert sorted(s["attempts"] for s in finished["servers"]) == [1, 2]
+
+
+def test_pause_resume_and_cancel(local_stack, servers, enabled_again):
+    host = _a_host(local_stack)
+    booted = _boot_on(local_stack, servers, host, 4)
+    _status, drain = _start(local_stack, {"host": host, "max_concurrency": 1})
+    local_stack.wait_for(lambda: _show(local_stack, drain["id"])["status"] == "running", timeout=60)
+
+    paused = _act(local_stack, drain["id"], "pause")
+    assert paused["status"] == "paused"
+    # The move in flight finishes; no new one starts while paused.
+    settled = local_stack.wait_for(lambda: (d := _show(local_stack, drain["id"]))["counts"]["in_progress"] == 0 and d,
+                                   timeout=120, interval=1)
+    done_while_paused = settled["counts"]["done"]
+    time.sleep(4)
+    still = _show(local_stack, drain["id"])
+    assert still["counts"]["done"] == done_while_paused and still["counts"]["in_progress"] == 0
+    assert local_stack.session("admin").post(f"/ferry/drains/{drain['id']}/action",
+                                             json={"resume": None}).status_code == 202
+
+    local_stack.wait_for(lambda: _show(local_stack, drain["id"])["counts"]["done"] > done_while_paused,
+                         timeout=120, interval=1)
+    cancelled = _act(local_stack, drain["id"], "cancel")
+    assert cancelled["status"] == "cancelling"
+    final = _wait_final(local_stack, drain["id"])
+
+    assert final["status"] == "cancelled"
+    counts = final["counts"]
+    assert counts["done"] + counts["cancelled"] == 4 and counts["cancelled"] >= 1, final
+    for server in final["servers"]:
+        shown = servers.show(server["id"])
+        expected_host = server["dest_host"] if server["state"] == "done" else host
+        assert host_of(shown) == expected_host and shown["status"] == "ACTIVE"
+    assert {s["id"] for s in booted} == {s["id"] for s in final["servers"]}
+    # A drain that ended takes no more actions.
+    refused = local_stack.session("admin").post(f"/ferry/drains/{drain['id']}/action", json={"resume": None})
+    assert refused.status_code == 409
+
+
+def test_a_cell_drain_moves_servers_to_the_other_cell(local_stack, servers, records, enabled_again):
+    source = _a_host(local_stack)
+    cell = local_stack.hosts[source]
+    booted = _boot_on(local_stack, servers, source, 2, stopped=1)
+    before = {s["id"]: s["status"] for s in booted}
+    with local_stack.override_policy({CROSS_CELL_RULE: "admin"}):
+        _status, drain = _start(local_stack, {"cell": cell, "max_concurrency": 2})
+        finished = _wait_final(local_stack, drain["id"])
+
+    assert finished["status"] == "completed", finished
+    assert finished["target"] == {"kind": "cell", "names": [cell]}
+    for server in finished["servers"]:
+        shown = servers.show(server["id"])
+        assert local_stack.hosts[host_of(shown)] != cell
+        assert shown["status"] == before[server["id"]]
+    cell_hosts = [h for h, c in local_stack.hosts.items() if c == cell]
+    assert all(_disabled(local_stack.session("admin"))[h] for h in cell_hosts)
+    assert all(records.usages(h) == {} for h in cell_hosts)
+
+
+def test_a_cell_drain_needs_the_cross_cell_policy(local_stack):
+    cell = local_stack.hosts[_a_host(local_stack)]
+    before = len(local_stack.session("admin").get("/ferry/drains").json()["drains"])
+    refused = local_stack.session("admin").post("/ferry/drains", json={"drain": {"cell": cell}})
+
+    assert refused.status_code == 403 and CROSS_CELL_RULE in refused.text
+    assert len(local_stack.session("admin").get("/ferry/drains").json()["drains"]) == before
+
+
+@pytest.mark.parametrize("body, status", [
+    ({}, 400),
+    ({"host": "no-such-host"}, 400),
+    ({"host": "x", "cell": "y"}, 400),
+    ({"host": "x", "max_concurrency": 0}, 400),
+    ({"host": "x", "surprise": True}, 400),
+])
+def test_bad_drain_requests_are_refused_and_start_nothing(local_stack, body, status):
+    before = len(local_stack.session("admin").get("/ferry/drains").json()["drains"])
+    answer = local_stack.session("admin").post("/ferry/drains", json={"drain": body})
+
+    assert answer.status_code == status and "message" in next(iter(answer.json().values()))
+    assert len(local_stack.session("admin").get("/ferry/drains").json()["drains"]) == before
+
+
+def test_only_admins_drain(local_stack):
+    host = _a_host(local_stack)
+    assert local_stack.session("demo").post("/ferry/drains", json={"drain": {"host": host}}).status_code == 403
+    assert local_stack.session("demo").get("/ferry/drains").status_code == 403
+    assert local_stack.session(None).get("/ferry/drains").status_code == 401
