@@ -1,0 +1,199 @@
+"""Drains in the store: requests, plans that count what they placed, move slots and limits, actions.
+
+The workflow around these (nested resize and confirm executions on real agents) is exercised
+end to end in tests/e2e/test_drains.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+from placement_helpers import PROJECT, USER, add_compute, add_instance, flavor, resources
+from sqlalchemy import select, update
+
+from ferry import drains, errors, placement
+from ferry.auth import RequestContext
+from ferry.compute import services
+from ferry.store.api_models import Drain, DrainServer
+from ferry.store.cell_models import Instance
+from ferry.store.db import api_session, cell_session
+
+ADMIN = RequestContext(user_id="op", project_id="ops", roles=("admin",))
+SMALL = flavor(vcpus=1, memory_mb=2048, root_gb=1)
+
+
+def _server_on(host: str, rp_uuid: str, cell: str = "cell1", size: dict | None = None) -> str:
+    uuid = add_instance(host, cell)
+    size = size or SMALL
+    with cell_session(cell) as session:
+        session.execute(update(Instance).where(Instance.uuid == uuid).values(vm_state="active", flavor=size))
+    placement.claim(uuid, PROJECT, USER, {rp_uuid: resources(size["vcpus"], size["memory_mb"], size["root_gb"])})
+    return uuid
+
+
+def _record(request: dict, **kwargs) -> str:
+    drain_uuid, created = drains.record_drain(ADMIN, request, origin="api", **kwargs)
+    assert created
+    return drain_uuid
+
+
+def _servers(drain_uuid: str) -> dict[str, DrainServer]:
+    with api_session() as session:
+        drain = session.scalars(select(Drain).where(Drain.uuid == drain_uuid)).one()
+        rows = session.scalars(select(DrainServer).where(DrainServer.drain_id == drain.id)).all()
+        for row in rows:
+            session.expunge(row)
+        return {row.instance_uuid: row for row in rows}
+
+
+def test_a_plan_counts_the_servers_placed_before_it(store):
+    source = add_compute("source", memory_mb=16384)
+    add_compute("small-dest", memory_mb=4096)
+    moving = [_server_on("source", source) for _ in range(3)]
+    drain = _record({"host": "source", "dry_run": True})
+
+    result = drains.plan(drain)
+
+    # small-dest has room for two of them: the third has nowhere to go.
+    assert result["fits"] is False and result["unplaceable"] == 1 and len(result["servers"]) == 2
+    rows = _servers(drain)
+    assert set(rows) == set(moving)
+    assert sorted(row.state for row in rows.values()) == ["pending", "pending", "unplaceable"]
+    assert {row.planned_host for row in rows.values() if row.state == "pending"} == {"small-dest"}
+    [unplaced] = [row for row in rows.values() if row.state == "unplaceable"]
+    assert "No valid host" in unplaced.error
+    view = drains.get_view(drain)
+    assert view["status"] == "planned" and view["plan"]["fits"] is False
+    assert [u["id"] for u in view["plan"]["unplaceable"]] == [unplaced.instance_uuid]
+    # A dry run disables nothing and claims nothing.
+    assert not any(s.disabled for s in services.list_services())
+    assert placement.get_allocations(moving[0]) == {source: resources(1, 2048, 1)}
+
+
+def test_the_largest_servers_are_planned_first(store):
+    source = add_compute("source", memory_mb=16384, vcpus=16)
+    add_compute("dest", memory_mb=4096, vcpus=16)
+    small = _server_on("source", source)
+    large = _server_on("source", source, size=flavor(vcpus=1, memory_mb=4096, root_gb=1))
+    drain = _record({"host": "source", "dry_run": True})
+
+    drains.plan(drain)
+
+    rows = _servers(drain)
+    assert rows[large].state == "pending" and rows[large].planned_host == "dest"
+    assert rows[small].state == "unplaceable"
+
+
+def test_servers_that_cannot_move_are_named_in_the_plan(store):
+    source = add_compute("source")
+    add_compute("dest")
+    busy = _server_on("source", source)
+    with cell_session("cell1") as session:
+        session.execute(update(Instance).where(Instance.uuid == busy).values(vm_state="error"))
+    drain = _record({"host": "source", "dry_run": True})
+
+    assert drains.plan(drain)["fits"] is False
+    assert "error" in _servers(drain)[busy].error
+
+
+def test_starting_disables_the_hosts_and_a_plan_that_does_not_fit_gives_them_back(store):
+    source = add_compute("source")
+    _server_on("source", source)  # no other host: nowhere to go
+    drain = _record({"host": "source", "reason": "retire"})
+
+    started = drains.start(drain)
+
+    assert started["proceed"] is False and started["fits"] is False
+    assert not any(s.disabled for s in services.list_services(host="source"))
+    report = drains.finish(drain)
+    assert report["status"] == "failed" and "does not fit" in report["message"]
+
+
+def test_starting_a_drain_that_fits_disables_its_hosts_with_the_reason(store):
+    source = add_compute("source")
+    add_compute("dest")
+    _server_on("source", source)
+    drain = _record({"host": "source", "reason": "retire"})
+
+    started = drains.start(drain)
+
+    assert started["proceed"] is True and started["max_concurrency"] == drains.DEFAULT_MAX_CONCURRENCY
+    [service] = services.list_services(host="source")
+    assert service.disabled and service.disabled_reason == f"drain {drain}: retire"
+    assert drains.get_view(drain)["status"] == "running"
+
+
+def test_move_what_fits_moves_the_servers_that_fit(store):
+    source = add_compute("source", memory_mb=16384)
+    add_compute("dest", memory_mb=2048)
+    _server_on("source", source)
+    _server_on("source", source)
+    drain = _record({"host": "source", "move_what_fits": True})
+
+    started = drains.start(drain)
+
+    assert started["proceed"] is True and len(started["servers"]) == 1 and started["fits"] is False
+
+
+def test_move_slots_respect_the_per_host_limits_pause_and_cancel(store):
+    source = add_compute("source", memory_mb=16384)
+    add_compute("dest", memory_mb=16384)
+    uuids = [_server_on("source", source) for _ in range(3)]
+    drain = _record({"host": "source", "max_per_source_host": 2})
+    drains.start(drain)
+
+    first, second, third = (drains.acquire_slot(drain, uuid) for uuid in uuids)
+
+    assert (first.action, second.action, third.action) == ("move", "move", "wait")
+    assert first.migration_uuid != second.migration_uuid and first.request_id.startswith("req-")
+    # The same step run again hands out the same attempt.
+    assert drains.acquire_slot(drain, uuids[0]) == first
+    assert drains.act(drain, "pause")["status"] == "paused"
+    assert drains.act(drain, "pause")["status"] == "paused"  # asked twice: no change, no error
+    with api_session() as session:
+        session.execute(update(DrainServer).where(DrainServer.instance_uuid == uuids[0]).values(state="done"))
+    assert drains.acquire_slot(drain, uuids[2]).action == "wait"  # a slot is free, but paused
+    assert drains.act(drain, "resume")["status"] == "running"
+    assert drains.acquire_slot(drain, uuids[2]).action == "move"
+    drains.act(drain, "cancel")
+    with pytest.raises(errors.DrainInvalidState):
+        drains.act(drain, "pause")
+
+
+def test_cancel_settles_pending_servers_as_cancelled(store):
+    source = add_compute("source")
+    add_compute("dest")
+    uuids = [_server_on("source", source) for _ in range(2)]
+    drain = _record({"host": "source", "max_per_dest_host": 1})
+    drains.start(drain)
+    assert drains.acquire_slot(drain, uuids[0]).action == "move"
+    assert drains.acquire_slot(drain, uuids[1]).action == "wait"  # dest takes one at a time
+
+    drains.act(drain, "cancel")
+
+    assert drains.acquire_slot(drain, uuids[1]).action == "stop"
+    assert _servers(drain)[uuids[1]].state == "cancelled"
+
+
+def test_requests_are_checked_before_anything_is_written(store):
+    add_compute("source")
+    with pytest.raises(errors.BadRequest, match="no-such-host"):
+        drains.record_drain(ADMIN, {"host": "no-such-host"}, origin="api")
+    with pytest.raises(errors.BadRequest, match="exactly one"):
+        drains.record_drain(ADMIN, {"host": "source", "cell": "cell1"}, origin="api")
+    with pytest.raises(errors.BadRequest, match="max_concurrency"):
+        drains.record_drain(ADMIN, {"host": "source", "max_concurrency": 0}, origin="api")
+    with pytest.raises(errors.Forbidden, match="compute:servers:resize:cross_cell"):
+        drains.record_drain(ADMIN, {"cell": "cell1"}, origin="api")
+    assert drains.list_views() == []
+
+
+def test_one_drain_per_host_at_a_time_and_the_idempotency_key_answers_with_the_first(store):
+    add_compute("source")
+    first = _record({"host": "source"}, idempotency_key="delivery-1")
+
+    again, created = drains.record_drain(ADMIN, {"host": "source"}, origin="webhook", idempotency_key="delivery-1")
+    assert (again, created) == (first, False)
+    with pytest.raises(errors.DrainInvalidState, match=first):
+        drains.record_drain(ADMIN, {"hosts": ["source"]}, origin="api")
+    # A dry run may look while the drain runs.
+    assert drains.record_drain(ADMIN, {"host": "source", "dry_run": True}, origin="api")[1] is True
