@@ -8,15 +8,20 @@ record lists each server's result. A plan that does not fit moves nothing and gi
 
 from __future__ import annotations
 
+import http.server
+import json
+import threading
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import pytest
+import requests
 from move_helpers import TINY, host_of
 
-from ferry import faults
+from ferry import faults, signing
 
 pytestmark = pytest.mark.e2e
 
@@ -304,3 +309,100 @@ def test_only_admins_drain(local_stack):
     assert local_stack.session("demo").post("/ferry/drains", json={"drain": {"host": host}}).status_code == 403
     assert local_stack.session("demo").get("/ferry/drains").status_code == 403
     assert local_stack.session(None).get("/ferry/drains").status_code == 401
+
+
+# --- the webhook, callbacks, and executions started directly ---------------------------------------
+
+
+@contextmanager
+def callback_receiver() -> Iterator[tuple[str, list[tuple[dict[str, str], bytes]]]]:
+    """A local HTTP endpoint that keeps every POST (headers, body) it gets."""
+    received: list[tuple[dict[str, str], bytes]] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - the http.server hook's name
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            received.append((dict(self.headers.items()), body))
+            self.send_response(204)
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/drain-events", received
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _webhook_secret(local_stack) -> str:
+    return local_stack.stack.webhook_secret or local_stack.stack.webhook_secret_file.read_text().strip()
+
+
+def _drain_count(local_stack) -> int:
+    return len(local_stack.session("admin").get("/ferry/drains").json()["drains"])
+
+
+def test_a_signed_webhook_starts_one_drain_and_its_callback_is_signed(local_stack, servers, enabled_again):
+    host = _a_host(local_stack)
+    _boot_on(local_stack, servers, host, 1)
+    secret = _webhook_secret(local_stack)
+    before = _drain_count(local_stack)
+    with callback_receiver() as (url, received):
+        body = json.dumps({"drain": {"host": host, "reason": "e2e: webhook", "callback_url": url}}).encode()
+        headers = {**signing.signed_headers(secret, body, delivery_id=str(uuid.uuid4())),
+                   "Content-Type": "application/json"}
+        first = requests.post(local_stack.stack.webhook_url, data=body, headers=headers, timeout=60)
+        again = requests.post(local_stack.stack.webhook_url, data=body, headers=headers, timeout=60)
+
+        assert first.status_code == 202, first.text
+        assert again.status_code == 202 and again.json()["drain"]["id"] == first.json()["drain"]["id"]
+        assert _drain_count(local_stack) == before + 1
+        finished = _wait_final(local_stack, first.json()["drain"]["id"])
+        assert finished["status"] == "completed" and finished["origin"] == "webhook"
+        local_stack.wait_for(lambda: len(received) >= 2, timeout=30)
+
+    assert [json.loads(body)["event_type"] for _headers, body in received] == ["drain.start", "drain.end"]
+    for posted_headers, posted_body in received:
+        signing.verify(secret, posted_headers, posted_body)  # raises unless signed with the secret
+    assert json.loads(received[1][1])["drain"]["counts"]["done"] == 1
+
+    tampered = {**headers, "X-Ferry-Delivery": str(uuid.uuid4()), "X-Ferry-Signature": "sha256=" + "0" * 64}
+    refused = requests.post(local_stack.stack.webhook_url, data=body, headers=tampered, timeout=60)
+    assert refused.status_code == 401 and _drain_count(local_stack) == before + 1
+
+
+def _drain_state_machine(local_stack) -> str:
+    machines = local_stack.client("stepfunctions").list_state_machines()["stateMachines"]
+    [arn] = [m["stateMachineArn"] for m in machines if m["name"].endswith("-drain")]
+    return arn
+
+
+def _execution_result(local_stack, arn: str, name: str, payload: dict[str, Any]) -> dict[str, Any]:
+    sfn = local_stack.client("stepfunctions")
+    execution = sfn.start_execution(stateMachineArn=arn, name=name, input=json.dumps(payload))["executionArn"]
+    return local_stack.wait_for(
+        lambda: (d := sfn.describe_execution(executionArn=execution))["status"] != "RUNNING" and d, timeout=60)
+
+
+def test_a_drain_started_directly_on_the_state_machine(local_stack):
+    host = _a_host(local_stack)
+    arn = _drain_state_machine(local_stack)
+    before = _drain_count(local_stack)
+    name = f"e2e-direct-{uuid.uuid4()}"
+
+    done = _execution_result(local_stack, arn, name, {"drain": {"host": host, "dry_run": True}})
+
+    assert done["status"] == "SUCCEEDED", done
+    [drain] = [d for d in local_stack.session("admin").get("/ferry/drains").json()["drains"]
+               if d["origin"] == "execution" and d["target"]["names"] == [host] and d["status"] == "planned"][:1]
+    assert drain["dry_run"] is True and _drain_count(local_stack) == before + 1
+
+    refused = _execution_result(local_stack, arn, f"e2e-direct-{uuid.uuid4()}", {"drain": {"host": "no-such-host"}})
+    assert refused["status"] == "FAILED" and _drain_count(local_stack) == before + 1
+    malformed = _execution_result(local_stack, arn, f"e2e-direct-{uuid.uuid4()}", {"drain_uuid": "not-a-uuid"})
+    assert malformed["status"] == "FAILED" and _drain_count(local_stack) == before + 1
