@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import http.server
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -406,3 +410,32 @@ def test_a_drain_started_directly_on_the_state_machine(local_stack):
     assert refused["status"] == "FAILED" and _drain_count(local_stack) == before + 1
     malformed = _execution_result(local_stack, arn, f"e2e-direct-{uuid.uuid4()}", {"drain_uuid": "not-a-uuid"})
     assert malformed["status"] == "FAILED" and _drain_count(local_stack) == before + 1
+
+
+# --- the ferry drain command, with the openstack CLI's clouds.yaml ----------------------------------
+
+FERRY = Path(sys.executable).with_name("ferry")
+
+
+def _ferry(local_stack, tmp_path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OS_")}
+    env.update(OS_CLIENT_CONFIG_FILE=str(local_stack.clouds_yaml), OS_CLOUD="ferry-admin", HOME=str(tmp_path))
+    return subprocess.run([str(FERRY), "drain", *args], env=env, capture_output=True, text=True, timeout=300,
+                          stdin=subprocess.DEVNULL)
+
+
+def test_the_ferry_command_drains_a_host_and_watches_it_to_the_end(local_stack, servers, tmp_path, enabled_again):
+    host = _a_host(local_stack)
+    [server] = _boot_on(local_stack, servers, host, 1)
+
+    planned = _ferry(local_stack, tmp_path, "start", "--host", host, "--dry-run")
+    assert planned.returncode == 0, planned.stderr
+    assert server["id"] in planned.stdout or "drain-0" in planned.stdout
+    watched = _ferry(local_stack, tmp_path, "start", "--host", host, "--reason", "e2e: cli", "--watch")
+
+    assert watched.returncode == 0, watched.stdout + watched.stderr
+    assert "completed" in watched.stdout
+    listed = json.loads(_ferry(local_stack, tmp_path, "list", "--json").stdout)
+    [mine] = [d for d in listed["drains"] if d["reason"] == "e2e: cli"]
+    assert mine["status"] == "completed" and mine["counts"]["done"] == 1
+    assert host_of(servers.show(server["id"])) != host
