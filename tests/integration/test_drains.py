@@ -197,3 +197,20 @@ def test_one_drain_per_host_at_a_time_and_the_idempotency_key_answers_with_the_f
         drains.record_drain(ADMIN, {"hosts": ["source"]}, origin="api")
     # A dry run may look while the drain runs.
     assert drains.record_drain(ADMIN, {"host": "source", "dry_run": True}, origin="api")[1] is True
+
+
+def test_finishing_settles_what_the_map_left_pending_or_moving(store):
+    source = add_compute("source")
+    add_compute("dest")
+    moving, pending = _server_on("source", source), _server_on("source", source)
+    drain = _record({"host": "source"})
+    drains.start(drain)
+    assert drains.acquire_slot(drain, moving).action == "move"
+
+    report = drains.finish(drain)
+
+    assert report["status"] == "failed"
+    rows = _servers(drain)
+    assert rows[pending].state == "cancelled" and "ended before" in rows[pending].error
+    assert rows[moving].state == "failed" and "could not record" in rows[moving].error
+    assert drains.finish(drain) == report  # run again: the same report, announced once

@@ -948,7 +948,8 @@ def finish(drain_uuid: str, error: Mapping[str, Any] | None = None) -> dict[str,
 
     ``completed`` when every server moved; ``cancelled`` after a cancel; ``failed`` when a
     server could not be moved or placed, or the workflow itself failed (``error``). Servers
-    still pending (the Map stopped early) are marked cancelled.
+    still pending (the Map stopped early) are marked cancelled; servers still moving (their
+    iteration could not record the result) failed, pointing at the server's own records.
     """
     with api_session() as session:
         drain = _load(session, drain_uuid, for_update=True)
@@ -956,9 +957,13 @@ def finish(drain_uuid: str, error: Mapping[str, Any] | None = None) -> dict[str,
         already_final = drain.status in FINAL_STATUSES
         if not already_final:
             for server in servers:
-                if server.state in (PENDING, MOVING):
+                if server.state == PENDING:
                     server.state, server.finished_at = SERVER_CANCELLED, utcnow()
                     server.error = server.error or "The drain ended before this server was moved."
+                elif server.state == MOVING:
+                    server.state, server.finished_at = SERVER_FAILED, utcnow()
+                    server.error = ("The drain could not record the result of this server's move; "
+                                    "see the server's actions and migrations.")
             counts = _counts(servers)
             if error:
                 status, message = FAILED, f"The drain workflow failed: {workflows.error_message(dict(error))}"
