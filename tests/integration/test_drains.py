@@ -6,11 +6,14 @@ end to end in tests/e2e/test_drains.py.
 
 from __future__ import annotations
 
+import json
+
 import pytest
+from moto import mock_aws
 from placement_helpers import PROJECT, USER, add_compute, add_instance, flavor, resources
 from sqlalchemy import select, update
 
-from ferry import drains, errors, placement
+from ferry import aws, config, drains, errors, notifications, placement
 from ferry.auth import RequestContext
 from ferry.compute import services
 from ferry.store.api_models import Drain, DrainServer
@@ -214,3 +217,49 @@ def test_finishing_settles_what_the_map_left_pending_or_moving(store):
     assert rows[pending].state == "cancelled" and "ended before" in rows[pending].error
     assert rows[moving].state == "failed" and "could not record" in rows[moving].error
     assert drains.finish(drain) == report  # run again: the same report, announced once
+
+
+@pytest.fixture
+def bus(monkeypatch):
+    """The notification bus on moto, read back through a rule that forwards to a queue."""
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    monkeypatch.setenv("FERRY_NOTIFICATION_BUS", "ferry-test-notifications")
+    config.reset()
+    with mock_aws():
+        aws.reset()
+        events, sqs = aws.client("events"), aws.client("sqs")
+        events.create_event_bus(Name="ferry-test-notifications")
+        url = sqs.create_queue(QueueName="tap")["QueueUrl"]
+        arn = sqs.get_queue_attributes(QueueUrl=url, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
+        events.put_rule(Name="tap", EventBusName="ferry-test-notifications",
+                        EventPattern=json.dumps({"source": [notifications.SOURCE]}))
+        events.put_targets(Rule="tap", EventBusName="ferry-test-notifications", Targets=[{"Id": "q", "Arn": arn}])
+
+        def received() -> list[dict]:
+            messages = sqs.receive_message(QueueUrl=url, MaxNumberOfMessages=10).get("Messages") or []
+            return [json.loads(m["Body"]) for m in messages]
+
+        yield received
+        aws.reset()
+    config.reset()
+
+
+def test_a_drain_publishes_one_grouped_event_when_it_starts_and_one_when_it_ends(store, bus):
+    source = add_compute("source")
+    add_compute("dest")
+    uuid = _server_on("source", source)
+    drain = _record({"host": "source"})
+
+    drains.start(drain)
+    drains.finish(drain)
+    drains.finish(drain)  # a step run twice announces nothing more
+
+    events = bus()
+    assert [e["detail-type"] for e in events] == ["drain.start", "drain.error"]
+    end = events[1]["detail"]
+    assert end["priority"] == "ERROR" and end["payload"]["drain_id"] == drain
+    assert end["payload"]["counts"]["cancelled"] == 1
+    assert [s["id"] for s in end["payload"]["servers"]] == [uuid]
