@@ -19,3 +19,5 @@ echo
 "$py" scripts/bench/bench_disks.py ${BENCH_DISK_ARGS:-}
 echo
 "$py" scripts/bench/bench_orchestration.py --runs "${BENCH_RESIZES:-20}"
+echo
+"$py" scripts/bench/bench_drain.py --servers "${BENCH_DRAIN_SERVERS:-200}" --concurrency "${BENCH_DRAIN_CONCURRENCY:-20}"
