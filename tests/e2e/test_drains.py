@@ -11,6 +11,7 @@ from __future__ import annotations
 import http.server
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -457,7 +458,9 @@ def _lambda_task_states() -> list[str]:
             if state["Type"] == "Map":
                 walk(state["ItemProcessor"]["States"])
 
-    walk(json.loads(DRAIN_ASL.read_text())["States"])
+    # Numbers such as ${DrainPollSeconds} stand unquoted in the file; function ARNs are quoted strings.
+    text = re.sub(r":\s*\$\{\w+\}", ": 0", DRAIN_ASL.read_text())
+    walk(json.loads(text)["States"])
     return found
 
 
