@@ -1,14 +1,16 @@
 #!/usr/bin/env python3
-"""Benchmark a drain: empty one host of the local stack, servers moved and confirmed, then audit.
+"""Benchmark a drain: empty hosts of the local stack, servers moved and confirmed, then audit.
 
 Brings up the local stack in a temporary directory on free ports (``--cells`` × ``--hosts``
-hosts, agents as processes), boots ``--servers`` tiny servers onto the first host (the other
-hosts disabled meanwhile, as an operator steers them), lifts the per-project server quota for
-the run, and drains that host through ``POST /ferry/drains`` with ``--concurrency``. Prints the
+hosts, agents as processes), boots ``--servers`` tiny servers onto the first ``--drain-hosts``
+hosts (the other hosts disabled meanwhile, as an operator steers them; a local host holds 32
+tiny servers), lifts the admin project's quota for the run, and drains those hosts through
+``POST /ferry/drains`` with ``--concurrency``. Prints the
 drain's total time, moves per minute, the median and p95 of each server's move (from its
 ``started_at`` to ``finished_at``), and what ``ferry audit`` finds afterwards (it must be nothing).
 
-    .venv/bin/python scripts/bench/bench_drain.py [--servers 100] [--concurrency 20] [--cells 2] [--hosts 10]
+    .venv/bin/python scripts/bench/bench_drain.py [--servers 100] [--drain-hosts 5] [--concurrency 20]
+        [--cells 2] [--hosts 10]
 """
 
 from __future__ import annotations
@@ -94,12 +96,13 @@ def _seconds(start: str | None, end: str | None) -> float | None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--servers", type=int, default=100)
+    parser.add_argument("--drain-hosts", type=int, default=5, help="hosts to drain (the servers boot on them)")
     parser.add_argument("--concurrency", type=int, default=20)
     parser.add_argument("--cells", type=int, default=2)
     parser.add_argument("--hosts", type=int, default=10, help="hosts per cell")
     args = parser.parse_args(argv)
-    print_header(f"drain: {args.servers} servers off one host of {args.cells} cells x {args.hosts} hosts, "
-                 f"concurrency {args.concurrency}")
+    print_header(f"drain: {args.servers} servers off {args.drain_hosts} hosts of {args.cells} cells x "
+                 f"{args.hosts} hosts, concurrency {args.concurrency}")
 
     from ferry import audit
     from ferry.local.stack import LocalStack
@@ -116,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  stack up in {time.perf_counter() - started:.1f} s", flush=True)
             cloud = Cloud(stack)
             hosts = sorted(stack.seeded.hosts)
-            source, others = hosts[0], hosts[1:]
+            sources, others = hosts[:args.drain_hosts], hosts[args.drain_hosts:]
             cloud.set_hosts_enabled(others, False)
             try:
                 cloud.boot_many(args.servers)
@@ -124,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                 cloud.set_hosts_enabled(others, True)
             begun = time.perf_counter()
             drain = cloud.call("POST", "/ferry/drains", (202,),
-                               json={"drain": {"host": source, "max_concurrency": args.concurrency,
+                               json={"drain": {"hosts": sources, "max_concurrency": args.concurrency,
                                                "reason": "benchmark"}})["drain"]
             while True:
                 view = cloud.call("GET", f"/ferry/drains/{drain['id']}", (200,))["drain"]

@@ -20,4 +20,4 @@ echo
 echo
 "$py" scripts/bench/bench_orchestration.py --runs "${BENCH_RESIZES:-20}"
 echo
-"$py" scripts/bench/bench_drain.py --servers "${BENCH_DRAIN_SERVERS:-200}" --concurrency "${BENCH_DRAIN_CONCURRENCY:-20}"
+"$py" scripts/bench/bench_drain.py --servers "${BENCH_DRAIN_SERVERS:-150}" --drain-hosts "${BENCH_DRAIN_HOSTS:-5}" --concurrency "${BENCH_DRAIN_CONCURRENCY:-20}"
