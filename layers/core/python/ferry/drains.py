@@ -33,13 +33,13 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
-from sqlalchemy import func, select, update
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from ferry import config, errors, hosts, notifications, policy, scheduler, workflows
+from ferry import config, errors, hosts, notifications, policy, scheduler, signing, workflows
 from ferry.auth import RequestContext
 from ferry.compute import api as compute_api
-from ferry.compute import services, states
+from ferry.compute import instances, moves, services, states
 from ferry.compute.moves import CROSS_CELL_RULE
 from ferry.observability import logger
 from ferry.store.api_models import CellMapping, Drain, DrainServer, HostMapping, utcnow
@@ -111,16 +111,20 @@ INPUT_SCHEMA: dict[str, Any] = json.loads(
 # --- identities -----------------------------------------------------------------------------------
 
 
-def webhook_context(request_id: str | None = None) -> RequestContext:
-    """Who a drain the webhook started runs as: an operator identity of Ferry's own."""
-    return RequestContext(user_id="ferry-webhook", project_id="ferry", roles=("admin",),
+def _service_context(user_id: str, request_id: str | None) -> RequestContext:
+    """An operator identity of Ferry's own (role admin, project ``ferry``)."""
+    return RequestContext(user_id=user_id, project_id="ferry", roles=("admin",),
                           **({"request_id": request_id} if request_id else {}))
+
+
+def webhook_context(request_id: str | None = None) -> RequestContext:
+    """Who a drain the webhook started runs as."""
+    return _service_context("ferry-webhook", request_id)
 
 
 def operator_context(request_id: str | None = None) -> RequestContext:
     """Who a drain started directly on the state machine runs as (its caller has the IAM right to)."""
-    return RequestContext(user_id="ferry-operator", project_id="ferry", roles=("admin",),
-                          **({"request_id": request_id} if request_id else {}))
+    return _service_context("ferry-operator", request_id)
 
 
 def _drain_context(drain: Drain, request_id: str) -> RequestContext:
@@ -425,18 +429,14 @@ def act(drain_uuid: str, action: str) -> dict[str, Any]:
     return get_view(drain_uuid)
 
 
-def _set_status(drain_uuid: str, status: str, *, message: str | None = None,
-                expected: Iterable[str] | None = None) -> bool:
+def _set_status(drain_uuid: str, status: str, *, message: str | None = None) -> None:
     values: dict[str, Any] = {"status": status, "updated_at": utcnow(), "version": Drain.version + 1}
     if message is not None:
         values["message"] = message
     if status in FINAL_STATUSES:
         values["finished_at"] = utcnow()
-    query = update(Drain).where(Drain.uuid == drain_uuid)
-    if expected is not None:
-        query = query.where(Drain.status.in_(tuple(expected)))
     with api_session() as session:
-        return bool(session.execute(query.values(**values)).rowcount)  # type: ignore[attr-defined]
+        session.execute(update(Drain).where(Drain.uuid == drain_uuid).values(**values))
 
 
 # --- planning ------------------------------------------------------------------------------------
@@ -444,18 +444,8 @@ def _set_status(drain_uuid: str, status: str, *, message: str | None = None,
 _MOVABLE = (states.ACTIVE, states.STOPPED)
 
 
-@dataclass
-class _Candidate:
-    instance: Instance
-    cell: str
-    is_bfv: bool
-    base_spec: dict[str, Any]
-
-
 def _instances_on(drain: Drain) -> list[tuple[str, Instance, bool]]:
     """``(cell, instance, volume-backed)`` for every visible server on the drain's hosts or in its cell."""
-    from ferry.workflows.resize import is_bfv
-
     found: list[tuple[str, Instance, bool]] = []
     by_cell: dict[str, list[str]] = defaultdict(list)
     if drain.target_kind == CELL:
@@ -472,7 +462,7 @@ def _instances_on(drain: Drain) -> list[tuple[str, Instance, bool]]:
             if drain.target_kind == HOST:
                 query = query.where(Instance.host.in_(cell_hosts))
             for instance in session.scalars(query.order_by(Instance.created_at, Instance.id)):
-                found.append((cell, instance, is_bfv(session, instance.uuid)))
+                found.append((cell, instance, instances.is_bfv(session, instance.uuid)))
                 session.expunge(instance)
     return found
 
@@ -612,17 +602,15 @@ def disable_targets(drain_uuid: str) -> list[str]:
         drain = _load(session, drain_uuid)
         session.expunge(drain)
     reason = f"drain {drain.uuid}" + (f": {drain.reason}" if drain.reason else "")
-    newly: list[str] = list(drain.disabled_hosts)
-    for host in _target_hosts(drain):
-        for record in services.list_services(host=host):
-            if record.disabled:
-                continue
-            services.update_service(record, disabled=True, disabled_reason=reason[:255])
-            newly.append(host)
+    enabled = [record for host in _target_hosts(drain) for record in services.list_services(host=host)
+               if not record.disabled]
+    ours = sorted(set(drain.disabled_hosts) | {record.host for record in enabled})
+    # Recorded before any service changes, so a run that stops half-way can still give them back.
     with api_session() as session:
-        live = _load(session, drain_uuid, for_update=True)
-        live.disabled_hosts = sorted(set(newly))
-    return sorted(set(newly))
+        _load(session, drain_uuid, for_update=True).disabled_hosts = ours
+    for record in enabled:
+        services.update_service(record, disabled=True, disabled_reason=reason[:255])
+    return ours
 
 
 def give_back_targets(drain_uuid: str) -> list[str]:
@@ -653,10 +641,11 @@ class Slot:
     migration_uuid: str | None = None
     request_id: str | None = None
     attempt: int = 0
+    confirm: bool = True  # confirm the move (False: the server stays in VERIFY_RESIZE)
 
     def to_dict(self) -> dict[str, Any]:
         return {"action": self.action, "migration_uuid": self.migration_uuid, "request_id": self.request_id,
-                "attempt": self.attempt}
+                "attempt": self.attempt, "confirm": self.confirm}
 
 
 def _attempt_ids(drain_uuid: str, instance_uuid: str, attempt: int) -> tuple[str, str]:
@@ -664,14 +653,16 @@ def _attempt_ids(drain_uuid: str, instance_uuid: str, attempt: int) -> tuple[str
             "req-" + _derived_uuid("request", drain_uuid, instance_uuid, attempt))
 
 
-def _busy_hosts(servers: list[DrainServer]) -> tuple[dict[str, int], dict[str, int]]:
+def _busy_hosts(session: Session, drain: Drain) -> tuple[dict[str, int], dict[str, int]]:
+    """How many of the drain's moves are under way off each source host and onto each planned host."""
     sources: dict[str, int] = defaultdict(int)
     dests: dict[str, int] = defaultdict(int)
-    for server in servers:
-        if server.state == MOVING:
-            sources[server.source_host] += 1
-            if server.planned_host:
-                dests[server.planned_host] += 1
+    for source_host, planned_host in session.execute(
+            select(DrainServer.source_host, DrainServer.planned_host)
+            .where(DrainServer.drain_id == drain.id, DrainServer.state == MOVING)):
+        sources[source_host] += 1
+        if planned_host:
+            dests[planned_host] += 1
     return sources, dests
 
 
@@ -680,43 +671,37 @@ def acquire_slot(drain_uuid: str, instance_uuid: str) -> Slot:
 
     ``wait`` while the drain is paused or a per-host limit is reached; ``stop`` once the server
     is settled, or the drain is cancelled or failed (a pending server is then ``cancelled``);
-    ``move`` marks it ``moving`` and hands out the ids of this attempt. The drain row is locked
+    ``move`` marks it ``moving`` and hands out the ids of this attempt; every answer says whether
+    the drain confirms its moves. The drain row is locked
     (and its version bumped) so two iterations cannot both take the last slot of a host. A
     server already ``moving`` gets its attempt again (the step ran twice).
     """
     with api_session() as session:
-        drain = _load(session, drain_uuid, for_update=True)
-        servers = _servers(session, drain)
-        server = next((s for s in servers if s.instance_uuid == instance_uuid), None)
-        if server is None or server.state in SETTLED_STATES:
-            return Slot("stop")
+        drain, server = _load_server(session, drain_uuid, instance_uuid)
+        confirm = bool(drain.options.get("confirm", True))
+        if server.state in SETTLED_STATES:
+            return Slot("stop", confirm=confirm)
         if server.state == MOVING:
             migration_uuid, request_id = _attempt_ids(drain_uuid, instance_uuid, server.attempts)
-            return Slot("move", migration_uuid, request_id, server.attempts)
+            return Slot("move", migration_uuid, request_id, server.attempts, confirm)
         if drain.status in (CANCELLING, CANCELLED, FAILED):
             server.state, server.finished_at = SERVER_CANCELLED, utcnow()
-            return Slot("stop")
+            return Slot("stop", confirm=confirm)
         if drain.status == PAUSED:
-            return Slot("wait")
-        sources, dests = _busy_hosts(servers)
+            return Slot("wait", confirm=confirm)
+        sources, dests = _busy_hosts(session, drain)
         per_source = drain.options.get("max_per_source_host")
         per_dest = drain.options.get("max_per_dest_host")
         if per_source and sources[server.source_host] >= per_source:
-            return Slot("wait")
+            return Slot("wait", confirm=confirm)
         if per_dest and server.planned_host and dests[server.planned_host] >= per_dest:
-            return Slot("wait")
+            return Slot("wait", confirm=confirm)
         server.state = MOVING
         server.attempts += 1
         server.started_at = server.started_at or utcnow()
         server.migration_uuid, request_id = _attempt_ids(drain_uuid, instance_uuid, server.attempts)
         drain.version += 1
-        return Slot("move", server.migration_uuid, request_id, server.attempts)
-
-
-def confirms(drain_uuid: str) -> bool:
-    """Whether the drain confirms each move (False: servers stay in VERIFY_RESIZE)."""
-    with api_session() as session:
-        return bool(_load(session, drain_uuid).options.get("confirm", True))
+        return Slot("move", server.migration_uuid, request_id, server.attempts, confirm)
 
 
 def _load_server(session: Session, drain_uuid: str, instance_uuid: str) -> tuple[Drain, DrainServer]:
@@ -734,15 +719,13 @@ def _replan(drain_uuid: str, instance_uuid: str) -> str:
     Raises:
         NoValidHost.
     """
-    from ferry.workflows.resize import is_bfv
-
     with api_session() as session:
         drain, server = _load_server(session, drain_uuid, instance_uuid)
         session.expunge(drain)
         cell = server.cell
     with cell_session(cell) as session:
         instance = session.scalars(select(Instance).where(Instance.uuid == instance_uuid)).one()
-        bfv = is_bfv(session, instance_uuid)
+        bfv = instances.is_bfv(session, instance_uuid)
         session.expunge(instance)
     base = _request_specs([instance_uuid])[instance_uuid]
     selection, reason = plan_server(drain, cell, instance, bfv, base, {},
@@ -758,24 +741,19 @@ def _replan(drain_uuid: str, instance_uuid: str) -> str:
 def prepare_move(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any]) -> dict[str, Any]:
     """Accept the server's cold migration to its planned host; the workflow starts it as a nested execution.
 
-    A retry (attempt 2 or later) plans the server again first. Idempotent per attempt: the
-    migration id derives from the drain, the server and the attempt.
+    A retry (attempt 2 or later) plans the server again first, unless this attempt's move was
+    accepted already. Idempotent per attempt: the migration id derives from the drain, the
+    server and the attempt.
 
     Returns:
         ``{"name", "input"}`` of the resize workflow's execution.
     """
-    from ferry.compute import moves
-
     with api_session() as session:
         drain, server = _load_server(session, drain_uuid, instance_uuid)
         ctx = _drain_context(drain, slot["request_id"])
         planned = server.planned_host
-    if int(slot.get("attempt") or 1) > 1:
-        with cell_session(server.cell) as session:
-            prepared = session.scalar(select(func.count()).select_from(Instance).where(
-                Instance.uuid == instance_uuid, Instance.task_state == states.RESIZE_PREP))
-        if not prepared:
-            planned = _replan(drain_uuid, instance_uuid)
+    if int(slot.get("attempt") or 1) > 1 and not moves.migration_exists(server.cell, slot["migration_uuid"]):
+        planned = _replan(drain_uuid, instance_uuid)
     location = compute_api.locate(ctx, instance_uuid)
     execution = moves.prepare_migrate(ctx, location, planned, slot["migration_uuid"])
     return {"name": execution.name, "input": execution.input}
@@ -783,29 +761,18 @@ def prepare_move(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any]) -
 
 def prepare_confirm(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any]) -> dict[str, Any]:
     """Accept the confirm of the server's move; ``{"name", "input"}`` of the confirm workflow's execution."""
-    from ferry.compute import moves
-
     with api_session() as session:
         drain, server = _load_server(session, drain_uuid, instance_uuid)
         ctx = _drain_context(drain, slot["request_id"])
-    cell = instances_cell(instance_uuid)
+    cell = instances.cell_of(instance_uuid).name
     execution = moves.prepare_confirm(cell, instance_uuid, slot["migration_uuid"],
                                       request_id=ctx.request_id + "-confirm", user_id=ctx.user_id,
                                       project_id=ctx.project_id)
     return {"name": execution.name, "input": execution.input}
 
 
-def instances_cell(instance_uuid: str) -> str:
-    """The name of the cell the server lives in now (its mapping's)."""
-    from ferry.compute import instances
-
-    return instances.cell_of(instance_uuid).name
-
-
 def _where_now(instance_uuid: str) -> tuple[str | None, str | None, str | None]:
     """``(host, vm_state, task_state)`` of the server's visible copy (Nones when it is gone)."""
-    from ferry.compute import instances
-
     try:
         cell = instances.cell_of(instance_uuid)
     except errors.InstanceNotFound:
@@ -850,8 +817,6 @@ def record_failure(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any],
     Returns:
         ``{"retry": bool, "state", "error"}``.
     """
-    from ferry.compute import moves
-
     message = workflows.error_message(dict(error or {})) if error else "The move failed."
     with api_session() as session:
         drain, server = _load_server(session, drain_uuid, instance_uuid)
@@ -1001,6 +966,4 @@ def _announce(drain_uuid: str, event_type: str) -> None:
     notifications.notify_drain(event_type, drain_uuid=drain_uuid, payload=summary)
     url = view["options"].get("callback_url")
     if url:
-        from ferry import signing
-
         signing.post_callback(url, {"event_type": event_type, "drain": summary}, config.get().webhook_secret)

@@ -103,16 +103,15 @@ def instance_payload(instance: Instance, **extra: Any) -> dict[str, Any]:
     return payload
 
 
-def _document(event_type: str, instance_uuid: str, publisher_id: str, payload: Mapping[str, Any] | None,
-              priority: str) -> dict[str, Any]:
+def _document(event_type: str, publisher_id: str, payload: Mapping[str, Any], priority: str | None) -> dict[str, Any]:
     return {
         "message_id": str(uuid.uuid4()),
         "event_type": event_type,
         "publisher_id": publisher_id,
-        "priority": priority,
+        "priority": priority or (ERROR if event_type.endswith(".error") else INFO),
         "timestamp": dt.datetime.now(dt.UTC).isoformat(),
         "payload_version": PAYLOAD_VERSION,
-        "payload": {**(payload or {}), "instance_uuid": instance_uuid},
+        "payload": dict(payload),
     }
 
 
@@ -121,12 +120,7 @@ def notify_drain(event_type: str, *, drain_uuid: str, payload: dict[str, Any]) -
 
     The payload is the drain's summary: status, counts and each server's result.
     """
-    document = {
-        "message_id": str(uuid.uuid4()), "event_type": event_type, "publisher_id": conductor_publisher(),
-        "priority": ERROR if event_type.endswith(".error") else INFO,
-        "timestamp": dt.datetime.now(dt.UTC).isoformat(), "payload_version": PAYLOAD_VERSION,
-        "payload": {**payload, "drain_id": drain_uuid},
-    }
+    document = _document(event_type, conductor_publisher(), {**payload, "drain_id": drain_uuid}, None)
     _put(event_type, document, subject=f"drain {drain_uuid}")
 
 
@@ -141,8 +135,8 @@ def notify(event_type: str, *, instance_uuid: str, publisher_id: str, payload: d
         payload: what to say about the server, usually :func:`instance_payload`.
         priority: ``INFO``, or ``ERROR`` (the default for ``*.error`` event types).
     """
-    level = priority or (ERROR if event_type.endswith(".error") else INFO)
-    _put(event_type, _document(event_type, instance_uuid, publisher_id, payload, level), subject=instance_uuid)
+    document = _document(event_type, publisher_id, {**(payload or {}), "instance_uuid": instance_uuid}, priority)
+    _put(event_type, document, subject=instance_uuid)
 
 
 def _put(event_type: str, document: dict[str, Any], *, subject: str) -> None:

@@ -10,7 +10,7 @@ from sqlalchemy.orm import Session
 
 from ferry import errors
 from ferry.store.api_models import CellMapping, InstanceMapping
-from ferry.store.cell_models import Instance, InstanceFault
+from ferry.store.cell_models import BlockDeviceMapping, Instance, InstanceFault
 from ferry.store.db import api_session
 
 
@@ -90,3 +90,10 @@ def add_fault(session: Session, instance_uuid: str, error: BaseException | str, 
                           details=details, host=host)
     session.add(fault)
     return fault
+
+
+def is_bfv(session: Session, instance_uuid: str) -> bool:
+    """Whether the instance boots from a volume (its boot device is one)."""
+    return session.scalars(select(BlockDeviceMapping.id).where(
+        BlockDeviceMapping.instance_uuid == instance_uuid, BlockDeviceMapping.deleted.is_(False),
+        BlockDeviceMapping.boot_index == 0, BlockDeviceMapping.destination_type == "volume")).first() is not None

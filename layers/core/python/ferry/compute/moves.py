@@ -517,15 +517,18 @@ def prepare_migrate(ctx: RequestContext, location: compute_api.Location, host: s
     """
     uuid = location.instance_uuid
     name = move_execution_name("resize", uuid, migration_uuid)
-    if location.cell is not None:
-        with cell_session(location.cell) as session:
-            existing = session.scalars(select(Migration).where(Migration.uuid == migration_uuid)).one_or_none()
-            if existing is not None:
-                payload = _move_payload(ctx, uuid, migration_uuid, location.cell.name, host)
-                return PreparedExecution(name, {**payload, "execution_name": name})
+    if location.cell is not None and migration_exists(location.cell, migration_uuid):
+        payload = _move_payload(ctx, uuid, migration_uuid, location.cell.name, host)
+        return PreparedExecution(name, {**payload, "execution_name": name})
     _cell, payload, _previous = _accept_move(
         ctx, location, _Move(action=actions.MIGRATE, new_flavor=None, requested_host=host), migration_uuid)
     return PreparedExecution(name, {**payload, "execution_name": name})
+
+
+def migration_exists(cell: str | CellMapping, migration_uuid: str) -> bool:
+    """Whether the cell has a migration record ``migration_uuid``."""
+    with cell_session(cell) as session:
+        return session.scalars(select(Migration.id).where(Migration.uuid == migration_uuid)).first() is not None
 
 
 def abandon_prepared_move(cell: str, instance_uuid: str, migration_uuid: str, request_id: str) -> bool:
@@ -544,18 +547,19 @@ def abandon_prepared_move(cell: str, instance_uuid: str, migration_uuid: str, re
         instance = instances.get(session, instance_uuid)
         if migration is None or migration.status != PRE_MIGRATING or instance.task_state != states.RESIZE_PREP:
             return False
-        previous = {"old_flavor": None, "new_flavor": None, "old_vm_state": None}
-    _undo_move(cell, instance_uuid, migration_uuid, request_id, previous, forget_migration=False)
+    # What the flavors were before is not known here; they only matter while a move is under way.
+    _undo_move(cell, instance_uuid, migration_uuid, request_id, None, forget_migration=False)
     return True
 
 
 def _undo_move(cell: str | CellMapping, instance_uuid: str, migration_uuid: str, request_id: str,
-               previous: dict[str, Any], *, forget_migration: bool) -> None:
-    """Put an accepted move back: task_state None with the flavors as they were, the action
-    forgotten, and the migration deleted (``forget_migration``) or marked ``error``."""
+               previous: dict[str, Any] | None, *, forget_migration: bool) -> None:
+    """Put an accepted move back: task_state None with the flavors as they were (``previous``;
+    None leaves them), the action forgotten, and the migration deleted (``forget_migration``) or
+    marked ``error``."""
     with cell_session(cell) as session:
         try:
-            instances.update_cas(session, instance_uuid, {"task_state": None, **previous},
+            instances.update_cas(session, instance_uuid, {"task_state": None, **(previous or {})},
                                  expected_task_state=(states.RESIZE_PREP,))
         except errors.UnexpectedTaskState:
             logger.warning("state changed meanwhile; left as is", extra={"instance_uuid": instance_uuid})

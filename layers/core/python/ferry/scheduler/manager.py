@@ -121,20 +121,22 @@ def _filter_candidates(spec: SchedulingSpec, request: placement.CandidateRequest
     return _Filtered(hosts=passed, request=request, seen=seen, removed_by_filters=list(removed.items()))
 
 
-def _filter(spec: SchedulingSpec, migration_uuid: str | None) -> _Filtered:
+def _filter(spec: SchedulingSpec, excluded: list[str],
+            pending: Mapping[str, Mapping[str, int]] | None = None) -> _Filtered:
     """The hosts that can take ``spec``: placement's candidates through every host filter.
 
+    ``excluded`` are the consumers whose allocations count as free (see
+    :func:`_replaced_consumers`); ``pending`` is counted as used (see :func:`_filter_candidates`).
     Placement's query is narrowed by the request's host restrictions (see
     :mod:`ferry.scheduler.request_filter`). When that leaves no host, the search runs once more
     without the narrowing, so the error counts what each filter removed (a failing request pays
     for a full pass, a succeeding one does not).
     """
-    excluded = _replaced_consumers(spec, migration_uuid)
     request = request_filter.placement_request(spec, exclude_consumers=excluded)
-    filtered = _filter_candidates(spec, request)
+    filtered = _filter_candidates(spec, request, pending)
     if not filtered.hosts and request_filter.is_narrowed(request):
         filtered = _filter_candidates(
-            spec, request_filter.placement_request(spec, exclude_consumers=excluded, narrow=False))
+            spec, request_filter.placement_request(spec, exclude_consumers=excluded, narrow=False), pending)
     return filtered
 
 
@@ -187,7 +189,7 @@ def select_destinations(request_spec: Mapping[str, Any], *, claim: bool = True,
         AllocationConflict: placement kept conflicting.
     """
     spec = build_spec(request_spec)
-    filtered = _filter(spec, migration_uuid)
+    filtered = _filter(spec, _replaced_consumers(spec, migration_uuid))
     ranked = [host for host, _ in host_weighers.weigh_hosts(filtered.hosts, spec)]
     if not ranked:
         message = _explain(spec, filtered)
@@ -232,10 +234,7 @@ def plan_destination(request_spec: Mapping[str, Any],
         NoValidHost: no host passes with room left.
     """
     spec = build_spec(request_spec)
-    request = request_filter.placement_request(spec)
-    filtered = _filter_candidates(spec, request, pending)
-    if not filtered.hosts and request_filter.is_narrowed(request):
-        filtered = _filter_candidates(spec, request_filter.placement_request(spec, narrow=False), pending)
+    filtered = _filter(spec, [], pending)
     ranked = [host for host, _ in host_weighers.weigh_hosts(filtered.hosts, spec)]
     if not ranked:
         raise errors.NoValidHost(_explain(spec, filtered), removed=dict(filtered.removed))
@@ -260,7 +259,7 @@ def claim_alternate(request_spec: Mapping[str, Any], selection: Selection, *,
     """
     spec = dataclasses.replace(build_spec(request_spec), requested_host=selection.host,
                                requested_node=selection.node, requested_cell=selection.cell)
-    filtered = _filter(spec, migration_uuid)
+    filtered = _filter(spec, _replaced_consumers(spec, migration_uuid))
     if not filtered.hosts:
         raise errors.NoValidHost(_explain(spec, filtered), removed=dict(filtered.removed))
     chosen = _selection(filtered.hosts[0], spec)

@@ -227,7 +227,7 @@ def prep_resize_at_source(event: dict[str, Any]) -> dict[str, Any]:
         actions.start_event(session, instance_uuid=uuid, request_id=request_id,
                             event=EVENT_PREP_AT_SOURCE_CROSS_CELL, host=source["host"])
         instance = instances.get(session, uuid)
-        bfv = resize.is_bfv(session, uuid) or not instance.image_ref
+        bfv = instances.is_bfv(session, uuid) or not instance.image_ref
         name = instance.display_name
         extra = resize._move_extra(instance, migration_uuid)
         pending = [

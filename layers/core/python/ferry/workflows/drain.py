@@ -44,8 +44,7 @@ def plan_drain(event: dict[str, Any]) -> dict[str, Any]:
 
 def acquire_slot(event: dict[str, Any]) -> dict[str, Any]:
     """AcquireSlot: ``move``, ``wait`` or ``stop`` for one server, and whether to confirm."""
-    slot = drains.acquire_slot(event["drain_uuid"], event["instance_uuid"])
-    return {**slot.to_dict(), "confirm": drains.confirms(event["drain_uuid"])}
+    return drains.acquire_slot(event["drain_uuid"], event["instance_uuid"]).to_dict()
 
 
 def prepare_move(event: dict[str, Any]) -> dict[str, Any]:

@@ -182,13 +182,6 @@ def _move_extra(instance: Instance, migration_uuid: str) -> dict[str, Any]:
             "new_flavor": notifications.flavor_payload(instance.new_flavor)}
 
 
-def is_bfv(session: Session, instance_uuid: str) -> bool:
-    """Whether the instance boots from a volume (its boot device is one)."""
-    return session.scalars(select(BlockDeviceMapping.id).where(
-        BlockDeviceMapping.instance_uuid == instance_uuid, BlockDeviceMapping.deleted.is_(False),
-        BlockDeviceMapping.boot_index == 0, BlockDeviceMapping.destination_type == "volume")).first() is not None
-
-
 # --- ValidateInput ------------------------------------------------------------------------------
 
 
@@ -360,7 +353,7 @@ def select_destinations(event: dict[str, Any]) -> dict[str, Any]:
                 f"Instance {uuid} is in task_state {instance.task_state} with migration {migration.status}: "
                 f"it is not waiting to be scheduled.")
         actions.start_event(session, instance_uuid=uuid, request_id=event["request_id"], event=EVENT_MIGRATE)
-        spec = _move_spec(instance, migration, cell, event.get("requested_host"), is_bfv(session, uuid))
+        spec = _move_spec(instance, migration, cell, event.get("requested_host"), instances.is_bfv(session, uuid))
         source_host = cast(str, instance.host)
     chosen = _claimed_selection(uuid, migration_uuid, cell)
     alternates: list[scheduler.Selection] = []
@@ -450,7 +443,8 @@ def reschedule_move(event: dict[str, Any]) -> dict[str, Any]:
         instance, migration = _load(session, event)
         _update_migration(session, migration_uuid, {"dest_compute": None, "dest_node": None, "dest_host": None},
                           (PRE_MIGRATING,))
-        spec = _move_spec(instance, migration, cell, None, is_bfv(session, uuid), also_ignore=[failed["host"]])
+        spec = _move_spec(instance, migration, cell, None, instances.is_bfv(session, uuid),
+                          also_ignore=[failed["host"]])
     reasons = []
     for index, alternate in enumerate(alternates):
         try:
