@@ -439,7 +439,7 @@ class HostAgent(MoveOperations):
         with self._keepalive(op, receipt, context), self._instance_lock(op.instance_uuid):
             try:
                 # A fault armed for this operation (tests and drills; off unless configured) fails it here.
-                faults.check(*faults.host_points(self.host, op.name))
+                faults.check(*faults.host_points(self.host, op.name, op.operation_id))
                 result = self._handlers[op.name](op)
             except errors.FerryError as exc:
                 error, cause = exc.name, exc.message

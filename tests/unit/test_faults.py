@@ -51,3 +51,12 @@ def test_other_points_are_untouched(armed_file):
 def test_an_unknown_mode_is_refused(armed_file):
     with pytest.raises(errors.InvalidOperation):
         faults.arm("X", "sometimes")
+
+
+def test_a_host_operation_is_armed_by_the_task_state_that_sent_it(armed_file):
+    faults.arm("FinishResizeOnDestHost")
+    operation_id = "exec-1/FinishResizeOnDestHost/cell1-host2"
+
+    faults.check(*faults.host_points("cell1-host2", "finish_resize", "exec-1/PrepResizeOnDestHost/cell1-host2"))
+    with pytest.raises(errors.InjectedFault, match="FinishResizeOnDestHost"):
+        faults.check(*faults.host_points("cell1-host2", "finish_resize", operation_id))

@@ -3,7 +3,8 @@
 Off unless ``FERRY_FAULT_INJECTION`` is set to a file path. The file holds JSON,
 ``{"<point>": {"mode": "once" | "always", "error": "<error name>"}}`` (``DiskCopyFailed``
 or ``Ferry.DiskCopyFailed``); a point is a
-Lambda step's name (``PrepResizeAtDest``) or ``<host>:<operation>`` for a host operation
+Lambda step's name (``PrepResizeAtDest``); for a host operation, the name of the Task state that
+sent it (``FinishResizeOnDestHost``, on any host), ``<host>:<operation>``
 (``cell1-host2:finish_resize``), or ``*:<operation>`` for that operation on any host. A ``once``
 fault disarms itself when it fires. Tests and drills arm faults with :func:`arm` and
 :func:`disarm_all`; production deployments never set the variable, and then :func:`check` is
@@ -93,6 +94,11 @@ def check(*points: str) -> None:
     raise error_class(f"Fault injected at {point}.")
 
 
-def host_points(host: str, operation: str) -> tuple[str, str]:
-    """The points a host operation checks: this host's, and any host's."""
-    return f"{host}:{operation}", f"*:{operation}"
+def host_points(host: str, operation: str, operation_id: str = "") -> tuple[str, ...]:
+    """The points a host operation checks: the Task state that sent it, this host's, and any host's.
+
+    ``operation_id`` is ``<execution>/<state>/<host>`` as the state machines format it.
+    """
+    parts = operation_id.split("/")
+    state = (parts[1],) if len(parts) == 3 and parts[1] else ()
+    return (*state, f"{host}:{operation}", f"*:{operation}")
