@@ -1,8 +1,11 @@
-"""What the end-to-end tests of moves share: the seeded flavors, disk digests, a booted server."""
+"""What the end-to-end tests of moves share: the seeded flavors, disk digests, a booted server, compute
+services switched off to steer boots, and a flavor per cell's hardware generation."""
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -83,3 +86,89 @@ def boot_with_digest(local_stack, servers, flavor: str = TINY, **extra: Any) -> 
     root = local_stack.instances_dir(host_of(server)) / server["id"] / "disk"
     digest = root_digest(root, FLAVORS[flavor]["DISK_GB"] * GiB) if root.exists() else ""
     return server, digest
+
+
+# --- compute services, to steer where servers boot ------------------------------------------------
+
+SERVICES_MICROVERSION = {"OpenStack-API-Version": "compute 2.53"}
+
+
+def compute_services(admin) -> list[dict[str, Any]]:
+    listed = admin.get("/os-services", params={"binary": "nova-compute"}, headers=SERVICES_MICROVERSION)
+    assert listed.status_code == 200, listed.text
+    return listed.json()["services"]
+
+
+def set_service(admin, host: str, *, disabled: bool, reason: str | None = None) -> None:
+    [service] = [s for s in compute_services(admin) if s["host"] == host]
+    body: dict[str, Any] = {"status": "disabled" if disabled else "enabled"}
+    if disabled and reason:
+        body["disabled_reason"] = reason
+    changed = admin.put(f"/os-services/{service['id']}", json=body, headers=SERVICES_MICROVERSION)
+    assert changed.status_code == 200, changed.text
+
+
+def disabled_services(admin) -> dict[str, bool]:
+    return {s["host"]: s["status"] == "disabled" for s in compute_services(admin)}
+
+
+@contextmanager
+def only_hosts_enabled(local_stack, hosts: set[str]) -> Iterator[None]:
+    """Every other compute host disabled while the block runs, then enabled again."""
+    admin = local_stack.session("admin")
+    others = sorted(set(local_stack.hosts) - hosts)
+    for host in others:
+        set_service(admin, host, disabled=True, reason="e2e: steer boots")
+    try:
+        yield
+    finally:
+        for host in others:
+            set_service(admin, host, disabled=False)
+
+
+# --- a flavor per cell's hardware generation --------------------------------------------------------
+
+CROSS_CELL_RULE = "compute:servers:resize:cross_cell"
+
+
+@contextmanager
+def generation_flavors(local_stack) -> Iterator[dict[str, str]]:
+    """``{cell: flavor id}``: a flavor of the small size that only that cell's hosts offer.
+
+    Set up as an operator would: an aggregate per cell with ``hw_generation=<cell>``
+    (``os-aggregates``) and the flavor's matching extra spec; all removed afterwards.
+    """
+    cells = sorted(set(local_stack.hosts.values()))
+    admin = local_stack.session("admin")
+    aggregates: list[tuple[int, list[str]]] = []
+    flavors: dict[str, str] = {}
+    try:
+        for cell in cells:
+            created = admin.post("/os-aggregates", json={"aggregate": {"name": f"e2e-generation-{cell}"}})
+            assert created.status_code == 200, created.text
+            aggregate, members = created.json()["aggregate"]["id"], []
+            aggregates.append((aggregate, members))
+            for host in sorted(h for h, c in local_stack.hosts.items() if c == cell):
+                added = admin.post(f"/os-aggregates/{aggregate}/action", json={"add_host": {"host": host}})
+                assert added.status_code == 200, added.text
+                members.append(host)
+            tagged = admin.post(f"/os-aggregates/{aggregate}/action",
+                                json={"set_metadata": {"metadata": {"hw_generation": cell}}})
+            assert tagged.status_code == 200, tagged.text
+            small = FLAVORS[SMALL]
+            created = admin.post("/flavors", json={"flavor": {
+                "name": f"e2e.small.{cell}", "id": f"small-{cell}", "vcpus": small["VCPU"],
+                "ram": small["MEMORY_MB"], "disk": small["DISK_GB"]}})
+            assert created.status_code == 200, created.text
+            flavors[cell] = created.json()["flavor"]["id"]
+            spec = admin.post(f"/flavors/{flavors[cell]}/os-extra_specs", json={
+                "extra_specs": {"aggregate_instance_extra_specs:hw_generation": cell}})
+            assert spec.status_code == 200, spec.text
+        yield flavors
+    finally:
+        for flavor in flavors.values():
+            admin.delete(f"/flavors/{flavor}")
+        for aggregate, members in aggregates:
+            for host in members:
+                admin.post(f"/os-aggregates/{aggregate}/action", json={"remove_host": {"host": host}})
+            admin.delete(f"/os-aggregates/{aggregate}")

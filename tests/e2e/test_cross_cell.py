@@ -20,11 +20,13 @@ from typing import Any
 
 import pytest
 from move_helpers import (
+    CROSS_CELL_RULE,
     FLAVORS,
     SMALL,
     TINY,
     GiB,
     boot_with_digest,
+    generation_flavors,
     host_of,
     port_bindings,
     resize_to_verify,
@@ -44,7 +46,6 @@ from ferry.store.db import api_session, cell_session
 
 pytestmark = pytest.mark.e2e
 
-CROSS_CELL_RULE = "compute:servers:resize:cross_cell"
 ASL = Path(__file__).resolve().parents[2] / "statemachine" / "resize.asl.json"
 SNAPSHOT_SUFFIX = "-resize-temp"
 
@@ -60,45 +61,9 @@ def cross_cell_allowed(local_stack) -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def generation_flavor(local_stack) -> Iterator[dict[str, str]]:
-    """``{cell: flavor id}``: a flavor of the small size that only that cell's hosts offer.
-
-    Set up as an operator would: an aggregate per cell with ``hw_generation=<cell>``
-    (``os-aggregates``) and the flavor's matching extra spec.
-    """
-    cells = sorted(set(local_stack.hosts.values()))
-    admin = local_stack.session("admin")
-    aggregates: list[tuple[int, list[str]]] = []
-    flavors: dict[str, str] = {}
-    try:
-        for cell in cells:
-            created = admin.post("/os-aggregates", json={"aggregate": {"name": f"e2e-generation-{cell}"}})
-            assert created.status_code == 200, created.text
-            aggregate, members = created.json()["aggregate"]["id"], []
-            aggregates.append((aggregate, members))
-            for host in sorted(h for h, c in local_stack.hosts.items() if c == cell):
-                added = admin.post(f"/os-aggregates/{aggregate}/action", json={"add_host": {"host": host}})
-                assert added.status_code == 200, added.text
-                members.append(host)
-            tagged = admin.post(f"/os-aggregates/{aggregate}/action",
-                                json={"set_metadata": {"metadata": {"hw_generation": cell}}})
-            assert tagged.status_code == 200, tagged.text
-            small = FLAVORS[SMALL]
-            created = admin.post("/flavors", json={"flavor": {
-                "name": f"e2e.small.{cell}", "id": f"small-{cell}", "vcpus": small["VCPU"],
-                "ram": small["MEMORY_MB"], "disk": small["DISK_GB"]}})
-            assert created.status_code == 200, created.text
-            flavors[cell] = created.json()["flavor"]["id"]
-            spec = admin.post(f"/flavors/{flavors[cell]}/os-extra_specs", json={
-                "extra_specs": {"aggregate_instance_extra_specs:hw_generation": cell}})
-            assert spec.status_code == 200, spec.text
+    """``{cell: flavor id}``: a flavor of the small size that only that cell's hosts offer."""
+    with generation_flavors(local_stack) as flavors:
         yield flavors
-    finally:
-        for flavor in flavors.values():
-            admin.delete(f"/flavors/{flavor}")
-        for aggregate, members in aggregates:
-            for host in members:
-                admin.post(f"/os-aggregates/{aggregate}/action", json={"remove_host": {"host": host}})
-            admin.delete(f"/os-aggregates/{aggregate}")
 
 
 @pytest.fixture

@@ -24,53 +24,16 @@ from typing import Any
 
 import pytest
 import requests
-from move_helpers import TINY, host_of
+from move_helpers import CROSS_CELL_RULE, TINY, disabled_services, host_of, only_hosts_enabled, set_service
 
 from ferry import faults, signing
 
 pytestmark = pytest.mark.e2e
 
-CROSS_CELL_RULE = "compute:servers:resize:cross_cell"
 FINAL = {"planned", "completed", "failed", "cancelled"}
 
 
 # --- helpers -------------------------------------------------------------------------------------
-
-
-MICROVERSION = {"OpenStack-API-Version": "compute 2.53"}
-
-
-def _services(admin) -> list[dict[str, Any]]:
-    listed = admin.get("/os-services", params={"binary": "nova-compute"}, headers=MICROVERSION)
-    assert listed.status_code == 200, listed.text
-    return listed.json()["services"]
-
-
-def _set_service(admin, host: str, *, disabled: bool, reason: str | None = None) -> None:
-    [service] = [s for s in _services(admin) if s["host"] == host]
-    body: dict[str, Any] = {"status": "disabled" if disabled else "enabled"}
-    if disabled and reason:
-        body["disabled_reason"] = reason
-    changed = admin.put(f"/os-services/{service['id']}", json=body, headers=MICROVERSION)
-    assert changed.status_code == 200, changed.text
-
-
-def _disabled(admin) -> dict[str, bool]:
-    return {s["host"]: s["status"] == "disabled" for s in _services(admin)}
-
-
-@contextmanager
-def only_hosts_enabled(local_stack, hosts: set[str]) -> Iterator[None]:
-    """Every other compute host disabled while the block runs, then enabled again."""
-    admin = local_stack.session("admin")
-    others = sorted(set(local_stack.hosts) - hosts)
-    for host in others:
-        _set_service(admin, host, disabled=True, reason="e2e: steer boots")
-    try:
-        yield
-    finally:
-        for host in others:
-            _set_service(admin, host, disabled=False)
 
 
 @pytest.fixture
@@ -78,9 +41,9 @@ def enabled_again(local_stack) -> Iterator[None]:
     """Whatever a drain disabled is enabled again after the test."""
     yield
     admin = local_stack.session("admin")
-    for host, disabled in _disabled(admin).items():
+    for host, disabled in disabled_services(admin).items():
         if disabled:
-            _set_service(admin, host, disabled=False)
+            set_service(admin, host, disabled=False)
 
 
 def _boot_on(local_stack, servers, host: str, count: int, *, identities=("demo", "alt"), volume_backed: int = 0,
@@ -159,7 +122,7 @@ def test_a_host_drain_moves_ten_servers_and_keeps_their_power_states(local_stack
         shown = servers.show(server["id"])
         assert host_of(shown) == server["dest_host"]
         assert shown["status"] == before[server["id"]]
-    assert _disabled(local_stack.session("admin"))[host] is True
+    assert disabled_services(local_stack.session("admin"))[host] is True
     assert records.usages(host) == {}
     assert finished["average_move_seconds"] is not None and finished["eta_seconds"] is None
 
@@ -177,7 +140,7 @@ def test_a_dry_run_that_does_not_fit_names_the_servers_and_moves_nothing(local_s
     assert status == 200 and plan["status"] == "planned" and plan["plan"]["fits"] is False
     assert {u["id"] for u in plan["plan"]["unplaceable"]} == {s["id"] for s in booted}
     assert all("No valid host" in u["reason"] for u in plan["plan"]["unplaceable"])
-    assert not any(_disabled(local_stack.session("admin"))[h] for h in cell_hosts)
+    assert not any(disabled_services(local_stack.session("admin"))[h] for h in cell_hosts)
 
     # The same drain for real fails fast, and gives the hosts back.
     status, drain = _start(local_stack, {"hosts": cell_hosts})
@@ -185,7 +148,7 @@ def test_a_dry_run_that_does_not_fit_names_the_servers_and_moves_nothing(local_s
 
     assert failed["status"] == "failed" and "does not fit" in failed["message"]
     assert failed["counts"]["done"] == 0
-    assert not any(_disabled(local_stack.session("admin"))[h] for h in cell_hosts)
+    assert not any(disabled_services(local_stack.session("admin"))[h] for h in cell_hosts)
     assert {h: records.usages(h) for h in cell_hosts} == usage_before
     assert {host_of(servers.show(s["id"])) for s in booted} == {cell_hosts[0]}
 
@@ -281,7 +244,7 @@ def test_a_cell_drain_moves_servers_to_the_other_cell(local_stack, servers, reco
         assert local_stack.hosts[host_of(shown)] != cell
         assert shown["status"] == before[server["id"]]
     cell_hosts = [h for h, c in local_stack.hosts.items() if c == cell]
-    assert all(_disabled(local_stack.session("admin"))[h] for h in cell_hosts)
+    assert all(disabled_services(local_stack.session("admin"))[h] for h in cell_hosts)
     assert all(records.usages(h) == {} for h in cell_hosts)
 
 
