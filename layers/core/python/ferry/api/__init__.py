@@ -21,6 +21,7 @@ from ferry.api import (
     images,
     migrations,
     moves,
+    openapi,
     quotas,
     request,
     servers,
@@ -60,6 +61,7 @@ def get_resolver() -> APIGatewayRestResolver:
     app = APIGatewayRestResolver()
     app.use(middlewares=[request.prepare])
     app.include_router(versions.router)
+    app.include_router(openapi.router)
     for module in (servers, flavors, images, migrations, quotas, volume_attachments, aggregates, services,
                    drains):
         app.include_router(module.router, prefix=request.API_PREFIX)
