@@ -2,7 +2,10 @@
 
 Without ``--libvirt-uri`` the agent simulates a hypervisor with libvirt's test driver: it writes
 a node description (``--vcpus``, ``--memory-mb``) under ``--state-dir`` and opens it, so each
-agent has its own fresh hypervisor. On a real hypervisor pass ``--libvirt-uri qemu:///system``.
+agent has its own hypervisor. That hypervisor writes its guests back into the node description
+after every change, so an agent restarted on the same state directory (after a crash, say) finds
+its guests as a real hypervisor would keep them. On a real hypervisor pass
+``--libvirt-uri qemu:///system``.
 
 Environment: ``AWS_ENDPOINT_URL`` (the local stack), ``FERRY_HOST_QUEUE_PREFIX``,
 ``FERRY_HOST_REPORTS_QUEUE_URL``, ``FERRY_STATE_DIR``.
@@ -89,10 +92,13 @@ def main(argv: list[str] | None = None) -> int:
     state_dir: Path = (args.state_dir or settings.state_dir / "hosts" / host).resolve()
     instances_dir: Path = (args.instances_dir or state_dir / "instances").resolve()
     uri = args.libvirt_uri or write_test_node_xml(
-        state_dir / "node.xml", args.vcpus or DEFAULT_TEST_VCPUS, args.memory_mb or DEFAULT_TEST_MEMORY_MB
+        state_dir / "node.xml",
+        args.vcpus or DEFAULT_TEST_VCPUS,
+        args.memory_mb or DEFAULT_TEST_MEMORY_MB,
+        keep_guests=True,
     )
     try:
-        driver = LibvirtDriver(uri, disk_path=instances_dir)
+        driver = LibvirtDriver(uri, disk_path=instances_dir, persist_test_guests=not args.libvirt_uri)
         capacity = driver.host_capacity()
     except errors.HypervisorError as exc:
         logger.error("cannot open the hypervisor", extra={"host": host, "uri": uri, "error": exc.message})

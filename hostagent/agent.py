@@ -48,6 +48,9 @@ from hostagent.journal import Journal, JournalEntry
 from hostagent.moves import MoveOperations, volume_disks
 
 DEFAULT_VISIBILITY_TIMEOUT = 120
+# Drills only: ``<operation>=<seconds>[,...]`` (``*`` for every operation) makes this agent wait that
+# long once an operation is journaled as started, before its work, to catch it there (kill it, say).
+OPERATION_DELAY_ENV = "FERRY_AGENT_OPERATION_DELAY"
 DEFAULT_MAX_RECEIVE_COUNT = 5
 DLQ_RETENTION_SECONDS = 14 * 24 * 3600
 # Step Functions limits on SendTaskFailure.
@@ -144,6 +147,18 @@ def parse_message(body: Any) -> Operation:
         args=body["args"],
         task_token=body.get("task_token"),
     )
+
+
+def operation_delay(operation: str) -> float:
+    """Seconds :data:`OPERATION_DELAY_ENV` asks this agent to hold ``operation`` before its work (0: none)."""
+    for item in os.environ.get(OPERATION_DELAY_ENV, "").split(","):
+        name, _, seconds = item.strip().partition("=")
+        if name in (operation, "*"):
+            try:
+                return max(0.0, float(seconds))
+            except ValueError:
+                return 0.0
+    return 0.0
 
 
 def _message_token(body: Any) -> str | None:
@@ -428,16 +443,27 @@ class HostAgent(MoveOperations):
     def _run(
         self, op: Operation, receipt: str, context: dict[str, Any]
     ) -> tuple[dict[str, Any] | None, str | None, str | None]:
-        """Run ``op`` under the journal; return (result, error name, cause)."""
+        """Run ``op`` under the journal; return (result, error name, cause).
+
+        A copy of the message that another worker ran meanwhile (it held the instance's lock) is
+        answered with that run's outcome instead of running again.
+        """
         assert self.journal is not None
-        self.journal.start(op.operation_id, op.name, op.instance_uuid, op.task_token)
-        logger.info("operation started", extra=context)
-        started = time.monotonic()
         result: dict[str, Any] | None = None
         error: str | None = None
         cause: str | None = None
         with self._keepalive(op, receipt, context), self._instance_lock(op.instance_uuid):
+            recorded = self.journal.get(op.operation_id)
+            if recorded is not None and recorded.finished and recorded.answers(op.task_token):
+                logger.info("operation done meanwhile: answering from the journal", extra=context)
+                return recorded.result, recorded.error, recorded.cause
+            self.journal.start(op.operation_id, op.name, op.instance_uuid, op.task_token)
+            logger.info("operation started", extra=context)
+            started = time.monotonic()
             try:
+                delay = operation_delay(op.name)
+                if delay:
+                    self._stop.wait(delay)
                 # A fault armed for this operation (tests and drills; off unless configured) fails it here.
                 faults.check(*faults.host_points(self.host, op.name, op.operation_id))
                 result = self._handlers[op.name](op)

@@ -52,6 +52,9 @@ _POWER_STATE_BY_LIBVIRT_STATE = {
 METADATA_NS = "urn:ferry:instance:1"
 METADATA_PREFIX = "ferry"
 ET.register_namespace(METADATA_PREFIX, METADATA_NS)
+# libvirt's test driver reads a guest's run state from this namespace in its node description.
+TEST_DRIVER_NS = "http://libvirt.org/schemas/domain/test/1.0"
+ET.register_namespace("test", TEST_DRIVER_NS)
 
 # Disk roles; local disks get fixed device names, volumes bring theirs.
 ROOT = "root"
@@ -260,11 +263,14 @@ def _hypervisor_errors(action: str, instance_uuid: str | None = None) -> Iterato
         ) from exc
 
 
-def write_test_node_xml(path: str | os.PathLike[str], vcpus: int, memory_mb: int) -> str:
+def write_test_node_xml(path: str | os.PathLike[str], vcpus: int, memory_mb: int, keep_guests: bool = False) -> str:
     """Write a node description for libvirt's test driver and return its ``test:///`` URI.
 
     Each open of the URI is a fresh hypervisor with ``vcpus`` CPUs and ``memory_mb`` MiB of memory
-    and no guests. The file is replaced atomically, so a running hypervisor never reads half of it.
+    and no guests, unless ``keep_guests``: then the guests an earlier description holds (saved by
+    a :class:`LibvirtDriver` with ``persist_test_guests``) are defined again, in the state they
+    were saved in, as a real hypervisor keeps its guests when its agent restarts. The file is
+    replaced atomically, so a running hypervisor never reads half of it.
     """
     target = Path(path).resolve()
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -281,10 +287,19 @@ def write_test_node_xml(path: str | os.PathLike[str], vcpus: int, memory_mb: int
     ):
         ET.SubElement(cpu, tag).text = str(value)
     ET.SubElement(node, "memory").text = str(memory_mb * 1024)
-    tmp = target.with_name(f".{target.name}.tmp")
-    tmp.write_bytes(ET.tostring(node))
-    os.replace(tmp, target)
+    if keep_guests and target.exists():
+        node.extend(ET.parse(target).getroot().findall("domain"))
+    _replace_file(target, ET.tostring(node))
     return f"test://{target}"
+
+
+def _replace_file(target: Path, content: bytes) -> None:
+    tmp = target.with_name(f".{target.name}.tmp")
+    with open(tmp, "wb") as out:
+        out.write(content)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(tmp, target)
 
 
 class LibvirtDriver(Driver):
@@ -297,6 +312,10 @@ class LibvirtDriver(Driver):
             ``None`` chooses from the connection: the test driver cannot, so devices change there by
             redefining the persistent definition (the running guest sees them on its next boot).
         shutdown_poll_interval: how often :meth:`power_off` checks whether the guest has stopped.
+        persist_test_guests: on libvirt's test driver opened from a node description file, write
+            the guests and their run state back into that file after every change, so that a
+            restarted agent (:func:`write_test_node_xml` with ``keep_guests``) finds them again.
+            Ignored on other drivers, which keep their guests themselves.
 
     Raises:
         HypervisorError: the connection cannot be opened.
@@ -308,6 +327,7 @@ class LibvirtDriver(Driver):
         disk_path: str | os.PathLike[str] | None = None,
         live_device_updates: bool | None = None,
         shutdown_poll_interval: float = 0.5,
+        persist_test_guests: bool = False,
     ) -> None:
         self.uri = uri
         self.disk_path = Path(disk_path) if disk_path is not None else None
@@ -320,6 +340,26 @@ class LibvirtDriver(Driver):
         self.live_device_updates = (
             live_device_updates if live_device_updates is not None else self._conn_type.upper() != "TEST"
         )
+        node_file = uri[len("test://") :] if uri.startswith("test:///") else ""
+        self._test_node_file = (
+            Path(node_file)
+            if persist_test_guests and self._conn_type.upper() == "TEST" and node_file != "/default"
+            else None
+        )
+
+    def _save_test_guests(self) -> None:
+        """Write the guests and their run state into the test node description (``persist_test_guests``)."""
+        if self._test_node_file is None:
+            return
+        with self._lock, _hypervisor_errors("save the test hypervisor's guests"):
+            node = ET.parse(self._test_node_file).getroot()
+            for old in node.findall("domain"):
+                node.remove(old)
+            for dom in self._conn.listAllDomains():
+                domain = ET.fromstring(dom.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE))
+                ET.SubElement(domain, f"{{{TEST_DRIVER_NS}}}runstate").text = str(dom.state()[0])
+                node.append(domain)
+            _replace_file(self._test_node_file, ET.tostring(node))
 
     # -- connection and lookups
 
@@ -423,6 +463,7 @@ class LibvirtDriver(Driver):
         _check_devices(spec)
         with self._lock, _hypervisor_errors("define guest", spec.instance_uuid):
             self.connection.defineXML(self.guest_xml(spec))
+        self._save_test_guests()
 
     def power_on(self, instance_uuid: str) -> None:
         with self._lock:
@@ -430,6 +471,7 @@ class LibvirtDriver(Driver):
             with _hypervisor_errors("power on", instance_uuid):
                 if not dom.isActive():
                     dom.create()
+        self._save_test_guests()
 
     def power_off(self, instance_uuid: str, timeout: float = 60.0, clean_shutdown: bool = True) -> None:
         dom = self._domain(instance_uuid)
@@ -443,6 +485,7 @@ class LibvirtDriver(Driver):
                     time.sleep(self.shutdown_poll_interval)
             if dom.isActive():
                 dom.destroy()
+        self._save_test_guests()
 
     def destroy(self, instance_uuid: str) -> None:
         with self._lock:
@@ -453,6 +496,7 @@ class LibvirtDriver(Driver):
                 if dom.isActive():
                     dom.destroy()
                 self._undefine(dom)
+        self._save_test_guests()
 
     @staticmethod
     def _undefine(dom: libvirt.virDomain) -> None:
@@ -557,6 +601,7 @@ class LibvirtDriver(Driver):
                 )
             else:
                 self._redefine(dom, new_spec, device_xml, attach)
+        self._save_test_guests()
 
     def _redefine(self, dom: libvirt.virDomain, new_spec: GuestSpec, device_xml: str, attach: bool) -> None:
         """Edit the persistent definition in place (keeping the uuid and everything libvirt added)."""
