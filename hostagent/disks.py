@@ -14,6 +14,10 @@ Between two hosts a disk travels through S3 as a *transfer* (:func:`upload_disk`
 after the other, and ``<prefix>/<kind>.manifest.json`` says where they go
 (``{"size", "extents": [[offset, length], ...], "sha256", "chunk_size"}``). The manifest is
 written last, so its presence means the data object is complete.
+
+For drills, ``FERRY_DISK_THROTTLE_MIBPS`` (read when a copy starts) caps every disk stream of
+the process (copies, downloads, uploads) at that many MiB per second, so that a test can catch
+an agent in the middle of moving a disk.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -51,6 +56,30 @@ MANIFEST_SUFFIX = ".manifest.json"
 # Multipart part size of a transfer upload (S3's minimum part is 5 MiB); parts in flight at once.
 TRANSFER_PART_SIZE = 8 * MiB
 TRANSFER_CONCURRENCY = 4
+# Drills only: the MiB per second every disk stream of this process is held to (unset: no limit).
+THROTTLE_ENV = "FERRY_DISK_THROTTLE_MIBPS"
+
+
+class _Pace:
+    """Holds a stream to :data:`THROTTLE_ENV` MiB/s (read when the stream starts); does nothing without it."""
+
+    def __init__(self) -> None:
+        try:
+            rate = float(os.environ.get(THROTTLE_ENV) or 0)
+        except ValueError:
+            rate = 0.0
+        self.bytes_per_second = rate * MiB if rate > 0 else 0.0
+        self._started = time.monotonic()
+        self._moved = 0
+
+    def moved(self, count: int) -> None:
+        """``count`` more bytes went through: sleep until the stream is back at its rate."""
+        if not self.bytes_per_second:
+            return
+        self._moved += count
+        ahead = self._moved / self.bytes_per_second - (time.monotonic() - self._started)
+        if ahead > 0:
+            time.sleep(ahead)
 
 
 def instance_dir(instances_dir: str | os.PathLike[str], instance_uuid: str) -> Path:
@@ -86,6 +115,26 @@ def remove_dir(directory: str | os.PathLike[str]) -> None:
         shutil.rmtree(directory)
     except FileNotFoundError:
         pass
+
+
+def remove_partial_files(instances_dir: str | os.PathLike[str]) -> list[Path]:
+    """Delete the temporary files an interrupted write left in the instance directories and the image cache.
+
+    Disks are written to ``.<name>.<random>.part`` beside their destination and renamed once
+    complete; a process killed mid-way leaves the temporary file behind, which nothing else
+    would ever remove. Call it only while no operation writes (when the agent starts).
+    Returns the files deleted.
+    """
+    removed: list[Path] = []
+    root = Path(instances_dir)
+    if not root.is_dir():
+        return removed
+    for directory in (d for d in root.iterdir() if d.is_dir() and not d.is_symlink()):
+        for leftover in directory.glob(".*.part"):
+            if leftover.is_file():
+                leftover.unlink(missing_ok=True)
+                removed.append(leftover)
+    return removed
 
 
 @contextmanager
@@ -207,6 +256,7 @@ def copy_sparse_digest(src: str | os.PathLike[str], dst: str | os.PathLike[str],
         with open(src_path, "rb") as fin, _temp_beside(dst_path) as (out, _tmp):
             size = os.fstat(fin.fileno()).st_size
             writer = _SparseWriter(out)
+            pace = _Pace()
             position = 0
             for start, end in data_segments(fin.fileno(), size):
                 _hash_zeros(hasher, start - position, chunk_size)
@@ -219,6 +269,7 @@ def copy_sparse_digest(src: str | os.PathLike[str], dst: str | os.PathLike[str],
                         raise errors.DiskCopyFailed(f"{src_path} shrank while it was being copied.")
                     hasher.update(chunk)
                     writer.write(chunk)
+                    pace.moved(len(chunk))
                     remaining -= len(chunk)
                 position = end
             _hash_zeros(hasher, size - position, chunk_size)
@@ -258,10 +309,12 @@ def download_image(
         with _temp_beside(dest_path) as (out, _tmp):
             body = s3_client.get_object(Bucket=bucket, Key=key)["Body"]
             writer = _SparseWriter(out)
+            pace = _Pace()
             try:
                 for chunk in body.iter_chunks(chunk_size):
                     hasher.update(chunk)
                     writer.write(chunk)
+                    pace.moved(len(chunk))
                     size += len(chunk)
             finally:
                 body.close()
@@ -416,6 +469,7 @@ class _ExtentReader:
         self._offset = 0  # next read position inside the current segment
         self._buffer = memoryview(b"")
         self._done = False
+        self._pace = _Pace()
 
     def readable(self) -> bool:
         return True
@@ -454,6 +508,7 @@ class _ExtentReader:
             chunk = self._file.read(min(self.chunk_size, self._segment[1] - start))
             if not chunk:
                 raise errors.DiskCopyFailed(f"{self._file.name} shrank while it was being sent.")
+            self._pace.moved(len(chunk))
             _hash_zeros(self._hasher, start - self._hashed, self.chunk_size)
             self._hasher.update(chunk)
             self._hashed = start + len(chunk)
@@ -595,6 +650,7 @@ def download_disk(
             body = s3_client.get_object(Bucket=bucket, Key=data_key)["Body"]
             try:
                 writer = _SparseWriter(out)
+                pace = _Pace()
                 position = 0
                 for offset, length in extents:
                     _hash_zeros(hasher, offset - position, chunk_size)
@@ -602,6 +658,7 @@ def download_disk(
                     for chunk in _read_exactly(body, length, chunk_size):
                         hasher.update(chunk)
                         writer.write(chunk)
+                        pace.moved(len(chunk))
                     data_bytes += length
                     position = offset + length
                 if body.read(1):

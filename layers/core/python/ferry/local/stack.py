@@ -5,6 +5,10 @@ handlers patched in, creates the template's resources, seeds the default topolog
 serves the compute API, runs the SQS event sources and schedules, starts one host agent per
 simulated hypervisor and waits until every host has reported. ``stop()`` undoes all of it and
 leaves no process behind.
+
+For crash drills, :meth:`LocalStack.kill_agent` SIGKILLs one host's agent process and
+:meth:`LocalStack.restart_agent` starts it again on the same state (its journal, its disks and
+its simulated hypervisor's guests, which the test driver keeps in the host's node description).
 """
 
 from __future__ import annotations
@@ -49,6 +53,9 @@ AGENT_VCPUS = 8
 AGENT_MEMORY_MB = 16384
 AGENT_DISK_GB = 200
 AGENT_STOP_TIMEOUT = 15.0
+AGENT_START_TIMEOUT = 60.0
+# The message in the agent's log once it polls its queue (hostagent.agent.HostAgent.start).
+AGENT_STARTED_LOG = b"host agent started"
 DEFAULT_KEEPALIVE_SECONDS = 30.0
 API_PATH = "/v2.1"
 IDENTITY_PATH = "/identity/v3"
@@ -83,6 +90,13 @@ class _AgentProcess:
         if self.alive():
             self.process.terminate()
 
+    def kill(self) -> None:
+        """SIGKILL the agent, as a crash or the OOM killer would: nothing of it runs any more."""
+        if self.alive():
+            self.process.kill()
+        self.process.wait()
+        self._log.close()
+
     def wait(self, timeout: float) -> None:
         try:
             self.process.wait(timeout=timeout)
@@ -102,7 +116,9 @@ class _AgentThread:
         settings = config.get()
         self.host = host
         self.driver = LibvirtDriver(
-            write_test_node_xml(state_dir / "node.xml", AGENT_VCPUS, AGENT_MEMORY_MB), disk_path=instances_dir
+            write_test_node_xml(state_dir / "node.xml", AGENT_VCPUS, AGENT_MEMORY_MB, keep_guests=True),
+            disk_path=instances_dir,
+            persist_test_guests=True,
         )
         self.agent = HostAgent(
             host=host,
@@ -157,6 +173,9 @@ class LocalStack:
         ready_timeout: how long to wait for every host's first heartbeat.
         agent_heartbeat_interval: seconds between the agents' heartbeats.
         agent_report_interval: seconds between the agents' inventory reports (their guests and disks).
+        agent_visibility_timeout: seconds an operation message an agent received stays invisible
+            (renewed while it runs); after an agent crash its message comes back this long after
+            the last renewal. None: the agent's default.
         redirect_logs: send handlers' and moto's logs to ``<state>/logs/stack.log``.
         webhook_secret: the drain webhook's secret (the template's DrainWebhookSecret); None
             keeps one in ``<state>/webhook-secret``, made on the first start.
@@ -180,6 +199,7 @@ class LocalStack:
         ready_timeout: float = 120.0,
         agent_heartbeat_interval: float = 10.0,
         agent_report_interval: float = 60.0,
+        agent_visibility_timeout: int | None = None,
         redirect_logs: bool = True,
         webhook_secret: str | None = None,
     ) -> None:
@@ -197,6 +217,7 @@ class LocalStack:
         self.ready_timeout = ready_timeout
         self.agent_heartbeat_interval = agent_heartbeat_interval
         self.agent_report_interval = agent_report_interval
+        self.agent_visibility_timeout = agent_visibility_timeout
         self.redirect_logs = redirect_logs
         self.webhook_secret = webhook_secret
         self.parameters: dict[str, Any] = {STATE_DIR_PARAMETER: str(self.state_dir), **(parameters or {})}
@@ -220,7 +241,11 @@ class LocalStack:
         """Seconds between an agent's task heartbeats: well inside the template's HeartbeatSeconds."""
         assert self.model is not None
         heartbeat = float(self.model.parameters.get(HOST_OP_HEARTBEAT_PARAMETER) or DEFAULT_KEEPALIVE_SECONDS * 2)
-        return max(1.0, min(DEFAULT_KEEPALIVE_SECONDS, heartbeat / 3))
+        interval = min(DEFAULT_KEEPALIVE_SECONDS, heartbeat / 3)
+        if self.agent_visibility_timeout is not None:
+            # Renew the message well before it would become visible again.
+            interval = min(interval, self.agent_visibility_timeout / 3)
+        return max(1.0, interval)
 
     # where things are
 
@@ -325,33 +350,114 @@ class LocalStack:
         path.chmod(0o600)
         return made
 
-    def _start_agent(self, host: str, cell: str) -> _AgentProcess | _AgentThread:
+    def _start_agent(
+        self,
+        host: str,
+        cell: str,
+        environment: Mapping[str, str] | None = None,
+        visibility_timeout: int | None = None,
+    ) -> _AgentProcess | _AgentThread:
+        visibility_timeout = visibility_timeout or self.agent_visibility_timeout
+        keepalive = self.keepalive_interval
+        if visibility_timeout is not None:
+            keepalive = max(1.0, min(keepalive, visibility_timeout / 3))
         state_dir = self.host_state_dir(host)
         instances_dir = self.instances_dir(host)
         instances_dir.mkdir(parents=True, exist_ok=True)
         if self.agent_mode == "thread":
-            return _AgentThread(
-                host,
-                cell,
-                state_dir,
-                instances_dir,
-                {
-                    "poll_wait_seconds": 1,
-                    "heartbeat_interval": self.agent_heartbeat_interval,
-                    "report_interval": self.agent_report_interval,
-                    "keepalive_interval": self.keepalive_interval,
-                },
-            )
+            options: dict[str, Any] = {
+                "poll_wait_seconds": 1,
+                "heartbeat_interval": self.agent_heartbeat_interval,
+                "report_interval": self.agent_report_interval,
+                "keepalive_interval": keepalive,
+            }
+            if visibility_timeout is not None:
+                options["visibility_timeout"] = visibility_timeout
+            return _AgentThread(host, cell, state_dir, instances_dir, options)
         command = [
             sys.executable, "-m", "hostagent",
             "--host", host, "--cell", cell,
             "--state-dir", str(state_dir), "--instances-dir", str(instances_dir),
             "--vcpus", str(AGENT_VCPUS), "--memory-mb", str(AGENT_MEMORY_MB), "--disk-gb", str(AGENT_DISK_GB),
             "--poll-wait-seconds", "1", "--heartbeat-interval", str(self.agent_heartbeat_interval),
-            "--keepalive-interval", str(self.keepalive_interval),
+            "--keepalive-interval", str(keepalive),
             "--report-interval", str(self.agent_report_interval),
         ]  # fmt: skip
-        return _AgentProcess(host, command, os.environ, self.logs_dir / f"agent-{host}.log")
+        if visibility_timeout is not None:
+            command += ["--visibility-timeout", str(visibility_timeout)]
+        return _AgentProcess(host, command, {**os.environ, **(environment or {})}, self.agent_log(host))
+
+    def agent_log(self, host: str) -> Path:
+        """Where the agent process of ``host`` writes its log."""
+        return self.logs_dir / f"agent-{host}.log"
+
+    # crash drills
+
+    def _agent_process(self, host: str) -> _AgentProcess:
+        agent = self.agents.get(host)
+        if agent is None:
+            raise errors.LocalStackError(f"No agent for host {host}.")
+        if not isinstance(agent, _AgentProcess):
+            raise errors.LocalStackError("Agents run as threads: only agent processes can be killed and restarted.")
+        return agent
+
+    def kill_agent(self, host: str) -> None:
+        """SIGKILL the agent of ``host``: it stops where it is, without answering, deleting or cleaning up.
+
+        Its operation in flight stays in its journal as started and its message comes back to the
+        queue once the message's visibility timeout runs out. Only for ``agent_mode="process"``.
+
+        Raises:
+            LocalStackError: no such host, or the agents run as threads.
+        """
+        self._agent_process(host).kill()
+        log.info("agent %s killed", host)
+
+    def restart_agent(
+        self,
+        host: str,
+        environment: Mapping[str, str] | None = None,
+        *,
+        visibility_timeout: int | None = None,
+        timeout: float = AGENT_START_TIMEOUT,
+    ) -> None:
+        """Start the agent of ``host`` again on its state directory; returns once it polls its queue.
+
+        A live agent is stopped first (SIGTERM: it finishes what it runs). ``environment`` adds
+        variables for this agent process only (a disk throttle, say) and ``visibility_timeout``
+        replaces the stack's ``agent_visibility_timeout`` for it (a message this agent held comes
+        back that long after the agent is killed); the next restart without them drops them.
+
+        Raises:
+            LocalStackError: no such host, the agents run as threads, or the agent did not start
+                within ``timeout`` seconds (see its log).
+        """
+        agent = self._agent_process(host)
+        if agent.alive():
+            agent.signal_stop()
+            agent.wait(AGENT_STOP_TIMEOUT)
+        assert self.seeded is not None
+        log_file = self.agent_log(host)
+        offset = log_file.stat().st_size if log_file.exists() else 0
+        restarted = self._start_agent(host, self.seeded.hosts[host], environment, visibility_timeout)
+        self.agents[host] = restarted
+        deadline = time.monotonic() + timeout
+        while not self._logged_since(log_file, offset, AGENT_STARTED_LOG):
+            if not restarted.alive():
+                raise errors.LocalStackError(f"The agent of {host} exited on restart (see {log_file}).")
+            if time.monotonic() > deadline:
+                raise errors.LocalStackError(f"The agent of {host} did not start in {timeout:.0f} s (see {log_file}).")
+            time.sleep(0.1)
+        log.info("agent %s restarted", host)
+
+    @staticmethod
+    def _logged_since(log_file: Path, offset: int, text: bytes) -> bool:
+        try:
+            with log_file.open("rb") as f:
+                f.seek(offset)
+                return text in f.read()
+        except FileNotFoundError:
+            return False
 
     def reporting_hosts(self) -> set[str]:
         """Hosts whose service record in their cell has a heartbeat."""
