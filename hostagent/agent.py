@@ -7,6 +7,15 @@ inventory and heartbeat reports on the host reports queue.
 
 Every operation is idempotent and journaled (:mod:`hostagent.journal`): a redelivered message is
 answered from the journal; an operation interrupted by a crash runs again.
+
+An answer can come too late. A Task state that hears nothing (no answer, no task heartbeat) for its
+``HeartbeatSeconds``, or no answer within its ``TimeoutSeconds``, fails with ``States.Timeout`` and
+the workflow rolls back without the host. So, right before it starts an operation, the agent asks
+Step Functions whether the workflow still waits (a task heartbeat): if not (``TaskTimedOut``,
+``InvalidToken``, ``TaskDoesNotExist``) the message is dropped without running the operation, which,
+run late, would leave a guest or disks on the host that nothing owns. When Step Functions cannot
+tell (it keeps failing), the operation waits for the message's next delivery. An answer the
+workflow no longer waits for (the Task timed out while the operation ran) is logged and dropped.
 """
 
 from __future__ import annotations
@@ -52,6 +61,14 @@ DEFAULT_VISIBILITY_TIMEOUT = 120
 # long once an operation is journaled as started, before its work, to catch it there (kill it, say).
 OPERATION_DELAY_ENV = "FERRY_AGENT_OPERATION_DELAY"
 DEFAULT_MAX_RECEIVE_COUNT = 5
+# Calls to Step Functions about a task (is it still awaited, its answer) are tried this often, waiting
+# ``attempt * STEP_FUNCTIONS_RETRY_SECONDS`` in between, before the message is left for its next delivery.
+STEP_FUNCTIONS_ATTEMPTS = 3
+STEP_FUNCTIONS_RETRY_SECONDS = 0.5
+# When Step Functions cannot tell whether a task is still awaited, its message comes back this much later.
+UNSURE_REDELIVERY_SECONDS = 10
+# How often an operation held by an injected timeout (drills) looks whether the fault still holds it.
+HOLD_POLL_SECONDS = 0.5
 DLQ_RETENTION_SECONDS = 14 * 24 * 3600
 # Step Functions limits on SendTaskFailure.
 _MAX_ERROR_LEN = 256
@@ -159,6 +176,14 @@ def operation_delay(operation: str) -> float:
             except ValueError:
                 return 0.0
     return 0.0
+
+
+class _NotRun(Exception):
+    """The operation was not started: its workflow no longer waits (``awaited`` False) or may not (None)."""
+
+    def __init__(self, awaited: bool | None) -> None:
+        super().__init__("not awaited" if awaited is False else "not known to be awaited")
+        self.awaited = awaited
 
 
 def _message_token(body: Any) -> str | None:
@@ -438,7 +463,20 @@ class HostAgent(MoveOperations):
                 self._delete(receipt)
             return
 
-        result, error, cause = self._run(op, receipt, context)
+        try:
+            # A timeout armed for this operation (tests and drills; off unless configured): the host goes quiet.
+            faults.check_timeout(*faults.host_points(self.host, op.name, op.operation_id))
+        except faults.InjectedTimeout as timeout:
+            self._hold(message, timeout, context)
+            return
+        try:
+            result, error, cause = self._run(op, receipt, context)
+        except _NotRun as not_run:
+            if not_run.awaited is False:
+                self._delete(receipt)
+            else:
+                self._redeliver_later(receipt, context)
+            return
         if self._answer(op.task_token, result, error, cause, context):
             self._delete(receipt)
 
@@ -449,6 +487,10 @@ class HostAgent(MoveOperations):
 
         A copy of the message that another worker ran meanwhile (it held the instance's lock) is
         answered with that run's outcome instead of running again.
+
+        Raises:
+            _NotRun: the workflow no longer waits for the operation, or Step Functions cannot tell;
+                the operation was not started.
         """
         assert self.journal is not None
         result: dict[str, Any] | None = None
@@ -459,6 +501,11 @@ class HostAgent(MoveOperations):
             if recorded is not None and recorded.finished and recorded.answers(op.task_token):
                 logger.info("operation done meanwhile: answering from the journal", extra=context)
                 return recorded.result, recorded.error, recorded.cause
+            if op.task_token:
+                awaited = self._still_awaited(op.task_token, context)
+                if not awaited:
+                    self._count_dropped(op, awaited, context)
+                    raise _NotRun(awaited)
             self.journal.start(op.operation_id, op.name, op.instance_uuid, op.task_token)
             logger.info("operation started", extra=context)
             started = time.monotonic()
@@ -502,30 +549,125 @@ class HostAgent(MoveOperations):
         """Send the answer for ``token``; True when the message is settled (delivered or no longer awaited)."""
         if not token:
             return True
-        try:
-            if error is None:
-                self.sfn.send_task_success(taskToken=token, output=json.dumps(result or {}))
-            else:
-                self.sfn.send_task_failure(
-                    taskToken=token, error=error[:_MAX_ERROR_LEN], cause=(cause or "")[:_MAX_CAUSE_LEN]
+        failure: Exception | None = None
+        for attempt in range(STEP_FUNCTIONS_ATTEMPTS):
+            if attempt:
+                self._stop.wait(attempt * STEP_FUNCTIONS_RETRY_SECONDS)
+            try:
+                if error is None:
+                    self.sfn.send_task_success(taskToken=token, output=json.dumps(result or {}))
+                else:
+                    self.sfn.send_task_failure(
+                        taskToken=token, error=error[:_MAX_ERROR_LEN], cause=(cause or "")[:_MAX_CAUSE_LEN]
+                    )
+                return True
+            except self._task_gone_errors() as exc:
+                # The workflow gave up on this task (timed out or ended): the answer is stale, nobody waits for it.
+                logger.warning(
+                    "the workflow no longer waits for this answer: dropped",
+                    extra={**context, "error": type(exc).__name__},
                 )
-        except (
-            self.sfn.exceptions.TaskTimedOut,
-            self.sfn.exceptions.InvalidToken,
-            self.sfn.exceptions.TaskDoesNotExist,
-        ) as exc:
-            # The workflow gave up on this task (timed out or ended): nobody waits for the answer.
-            logger.warning(
-                "the workflow no longer waits for this answer", extra={**context, "error": type(exc).__name__}
+                return True
+            except (ClientError, BotoCoreError) as exc:
+                # Throttling or a 5xx; moto also answers a 500 while another execution is starting.
+                failure = exc
+        logger.warning(
+            "answering the workflow failed; the message will be answered again",
+            extra={**context, "error": str(failure)},
+        )
+        return False
+
+    def _task_gone_errors(self) -> tuple[type[Exception], ...]:
+        """What Step Functions answers about a task token whose Task no longer waits (timed out, or ended)."""
+        exceptions = self.sfn.exceptions
+        return (exceptions.TaskTimedOut, exceptions.InvalidToken, exceptions.TaskDoesNotExist)
+
+    def _still_awaited(self, token: str, context: dict[str, Any]) -> bool | None:
+        """Whether a workflow still waits for ``token``'s answer; None when Step Functions cannot tell now.
+
+        Asked with a task heartbeat, which also tells a waiting workflow that the host took the task.
+        """
+        failure: Exception | None = None
+        for attempt in range(STEP_FUNCTIONS_ATTEMPTS):
+            if attempt:
+                self._stop.wait(attempt * STEP_FUNCTIONS_RETRY_SECONDS)
+            try:
+                self.sfn.send_task_heartbeat(taskToken=token)
+                return True
+            except self._task_gone_errors() as exc:
+                logger.warning(
+                    "the workflow no longer waits for this operation", extra={**context, "error": type(exc).__name__}
+                )
+                return False
+            except (ClientError, BotoCoreError) as exc:
+                failure = exc
+        logger.warning(
+            "asking whether the workflow still waits for this operation failed",
+            extra={**context, "error": str(failure)},
+        )
+        return None
+
+    def _count_dropped(self, op: Operation, awaited: bool | None, context: dict[str, Any]) -> None:
+        if awaited is False:
+            logger.warning("operation dropped without running: its workflow timed out or ended", extra=context)
+        else:
+            logger.warning("operation not started: it runs when its message comes back", extra=context)
+        with single_metric(
+            name="HostOperationNotStarted",
+            unit=MetricUnit.Count,
+            value=1,
+            default_dimensions={"Host": self.host, "Operation": op.name},
+        ) as metric:
+            metric.add_metadata(key="reason", value="not awaited" if awaited is False else "unknown")
+
+    def _redeliver_later(self, receipt: str, context: dict[str, Any]) -> None:
+        """Let the message come back in :data:`UNSURE_REDELIVERY_SECONDS` rather than its full visibility timeout."""
+        try:
+            self.sqs.change_message_visibility(
+                QueueUrl=self.queue_url, ReceiptHandle=receipt, VisibilityTimeout=UNSURE_REDELIVERY_SECONDS
             )
-            return True
         except (ClientError, BotoCoreError) as exc:
-            logger.warning(
-                "answering the workflow failed; the message will be answered again",
-                extra={**context, "error": str(exc)},
-            )
-            return False
-        return True
+            logger.warning("shortening the message's visibility failed", extra={**context, "error": str(exc)})
+
+    def _hold(self, message: dict[str, Any], timeout: faults.InjectedTimeout, context: dict[str, Any]) -> None:
+        """Keep ``message`` taken and unanswered while the timeout fault that fired for it holds (drills).
+
+        No answer, failure or task heartbeat goes out, so its Task state times out. The message stays
+        invisible (its visibility is extended) so the queue does not hand it out again; its worker is
+        free for other messages (the workflow's rollback comes to this host too). When the fault lets
+        go (disarmed, re-armed, or its ``hold_seconds`` are over) or the agent stops, the message is
+        made visible at once and taken again like any other: a host that comes back finds its queue.
+        """
+        logger.warning(
+            "operation held by an injected timeout: no answer, no heartbeat", extra={**context, "point": timeout.point}
+        )
+        thread = threading.Thread(
+            target=self._keep_held, args=(message, timeout, context), name=f"held-{timeout.fired_id}", daemon=True
+        )
+        thread.start()
+
+    def _keep_held(self, message: dict[str, Any], timeout: faults.InjectedTimeout, context: dict[str, Any]) -> None:
+        interval = max(HOLD_POLL_SECONDS, min(self.keepalive_interval, self.visibility_timeout / 3))
+        extend_at = time.monotonic() + interval
+        while not self._stop.wait(HOLD_POLL_SECONDS):
+            try:
+                if not faults.holding(timeout):
+                    break
+            except (OSError, ValueError) as exc:  # the faults file is unreadable: let the operation go
+                logger.warning("reading the armed faults failed", extra={**context, "error": str(exc)})
+                break
+            if time.monotonic() >= extend_at:
+                extend_at = time.monotonic() + interval
+                try:
+                    self.sqs.change_message_visibility(
+                        QueueUrl=self.queue_url,
+                        ReceiptHandle=message["ReceiptHandle"],
+                        VisibilityTimeout=self.visibility_timeout,
+                    )
+                except (ClientError, BotoCoreError) as exc:
+                    logger.warning("extending a held message's visibility failed", extra={**context, "error": str(exc)})
+        logger.info("held operation let go: its message is visible again", extra=context)
+        self._release(message)
 
     def _delete(self, receipt: str) -> None:
         try:
