@@ -272,7 +272,7 @@ def take_snapshot(local_stack, servers, records, server_id: str) -> Snapshot:
             if allocations := records.allocations(migration.uuid):
                 held[migration.uuid] = allocations
     digest = ""
-    if shown is not None:
+    if shown is not None and host_of(shown):
         root = records.instance_dir(host_of(shown), server_id) / "disk"
         if root.exists():
             digest = root_digest(root, FLAVORS[TINY]["DISK_GB"] * GiB)
