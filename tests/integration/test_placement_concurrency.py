@@ -118,3 +118,176 @@ def test_concurrent_scheduling_fills_hosts_exactly_to_capacity(pg_store):
     assert outcomes.count("claimed") == 8
     assert [placement.usages(rp)[VCPU] for rp in providers] == [2, 2, 2, 2]
     assert_used_counters_match_allocations()
+
+
+# --- generation conflicts are retried and lose nothing --------------------------------------------
+
+
+def test_thirty_concurrent_claims_on_one_provider_all_land(pg_store):
+    # Room for everyone: every writer but one per round loses the generation swap and must retry.
+    rp = add_compute("host-a", vcpus=64)
+    consumers = [str(uuid.uuid4()) for _ in range(30)]
+    barrier = threading.Barrier(len(consumers))
+
+    def claim(consumer: str) -> None:
+        barrier.wait(timeout=60)
+        placement.claim(consumer, PROJECT, USER, {rp: {VCPU: 1}})
+
+    with ThreadPoolExecutor(max_workers=len(consumers)) as pool:
+        list(pool.map(claim, consumers))
+
+    assert placement.usages(rp)[VCPU] == len(consumers)
+    assert all(placement.get_allocations(c) == {rp: {VCPU: 1}} for c in consumers)
+    assert_used_counters_match_allocations()
+
+
+def test_concurrent_claims_moves_reverts_and_confirms_keep_every_allocation(pg_store):
+    # On two providers at once: ten instances start a move to host-b (source handed to the
+    # migration), ten moved ones revert (their migration's source allocation goes back to the
+    # instance), ten moved ones confirm (the migration's allocation is dropped), ten fresh claims.
+    source = add_compute("host-a", vcpus=64)
+    dest = add_compute("host-b", vcpus=64)
+    old, new = {VCPU: 1}, {VCPU: 2}
+    starting = [(str(uuid.uuid4()), str(uuid.uuid4())) for _ in range(10)]
+    reverting = [(str(uuid.uuid4()), str(uuid.uuid4())) for _ in range(10)]
+    confirming = [(str(uuid.uuid4()), str(uuid.uuid4())) for _ in range(10)]
+    fresh = [str(uuid.uuid4()) for _ in range(10)]
+    for instance, _ in starting:
+        placement.claim(instance, PROJECT, USER, {source: old})
+    for instance, migration in reverting + confirming:
+        placement.claim(instance, PROJECT, USER, {source: old})
+        placement.claim_for_move(instance, migration, PROJECT, USER, {dest: new})
+    work = ([lambda i=i, m=m: placement.claim_for_move(i, m, PROJECT, USER, {dest: new}) for i, m in starting]
+            + [lambda i=i, m=m: placement.move_allocations(m, i) for i, m in reverting]
+            + [lambda m=m: placement.delete_allocations(m) for _, m in confirming]
+            + [lambda c=c: placement.claim(c, PROJECT, USER, {source: old}) for c in fresh])
+    barrier = threading.Barrier(len(work))
+
+    def run(job) -> None:  # noqa: ANN001 - a closure
+        barrier.wait(timeout=60)
+        job()
+
+    with ThreadPoolExecutor(max_workers=len(work)) as pool:
+        list(pool.map(run, work))
+
+    for instance, migration in starting:
+        assert placement.get_allocations(instance) == {dest: new}
+        assert placement.get_allocations(migration) == {source: old}
+    for instance, migration in reverting:
+        assert placement.get_allocations(instance) == {source: old}
+        assert placement.get_allocations(migration) == {}
+    for instance, migration in confirming:
+        assert placement.get_allocations(instance) == {dest: new}
+        assert placement.get_allocations(migration) == {}
+    for consumer in fresh:
+        assert placement.get_allocations(consumer) == {source: old}
+    # host-a: 10 migrations, 10 reverted instances, 10 fresh; host-b: 10 started, 10 confirmed.
+    assert placement.usages(source)[VCPU] == 30
+    assert placement.usages(dest)[VCPU] == 40
+    assert_used_counters_match_allocations()
+
+
+def _paused_after_reading(monkeypatch, reads: int):  # noqa: ANN001, ANN202 - pytest's monkeypatch
+    """Make the next thread that calls ``pause.arm()`` stop after its ``reads``-th read of a
+    consumer's allocations (first attempt only) until ``pause.release()``."""
+    original = placement._allocations_of
+    paused, go = threading.Event(), threading.Event()
+    armed: dict[int, int] = {}
+
+    def reading(session, consumer_uuid):  # noqa: ANN001, ANN202
+        held = original(session, consumer_uuid)
+        me = threading.get_ident()
+        if me in armed:
+            armed[me] += 1
+            if armed[me] == reads:
+                paused.set()
+                assert go.wait(timeout=30)
+        return held
+
+    monkeypatch.setattr(placement, "_allocations_of", reading)
+
+    class Pause:
+        @staticmethod
+        def arm() -> None:
+            armed[threading.get_ident()] = 0
+
+        @staticmethod
+        def wait_until_paused() -> None:
+            assert paused.wait(timeout=30)
+
+        @staticmethod
+        def release() -> None:
+            go.set()
+
+    return Pause
+
+
+def _in_thread(job) -> tuple[threading.Thread, list[BaseException]]:  # noqa: ANN001
+    failures: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            job()
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            failures.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, failures
+
+
+def test_a_move_does_not_hand_over_allocations_that_changed_after_it_read_them(pg_store, monkeypatch):
+    # GIVEN an instance on host-a, and a move of its allocations to its migration that has read them
+    source = add_compute("host-a", vcpus=16)
+    dest = add_compute("host-b", vcpus=16)
+    instance, migration = str(uuid.uuid4()), str(uuid.uuid4())
+    placement.claim(instance, PROJECT, USER, {source: {VCPU: 1}})
+    pause = _paused_after_reading(monkeypatch, reads=1)
+
+    def move() -> None:
+        pause.arm()
+        placement.move_allocations(instance, migration)
+
+    thread, failures = _in_thread(move)
+    pause.wait_until_paused()
+    # WHEN the instance's allocations change before the move writes
+    placement.claim(instance, PROJECT, USER, {dest: {VCPU: 3}})
+    pause.release()
+    thread.join(timeout=60)
+
+    # THEN the move hands over what the instance holds now: the committed claim is not lost
+    assert failures == []
+    assert placement.get_allocations(migration) == {dest: {VCPU: 3}}
+    assert placement.get_allocations(instance) == {}
+    assert placement.usages(dest)[VCPU] == 3
+    assert VCPU not in placement.usages(source)
+    assert_used_counters_match_allocations()
+
+
+def test_a_step_delivered_twice_at_once_hands_the_source_to_the_migration_once(pg_store, monkeypatch):
+    # GIVEN a claim for a move that has seen the migration holding nothing (reads=1), and the same
+    # step delivered again, racing it to host-c
+    source = add_compute("host-a", vcpus=16)
+    dest_b = add_compute("host-b", vcpus=16)
+    dest_c = add_compute("host-c", vcpus=16)
+    instance, migration = str(uuid.uuid4()), str(uuid.uuid4())
+    placement.claim(instance, PROJECT, USER, {source: {VCPU: 1}})
+    pause = _paused_after_reading(monkeypatch, reads=1)
+
+    def first_delivery() -> None:
+        pause.arm()
+        placement.claim_for_move(instance, migration, PROJECT, USER, {dest_b: {VCPU: 2}})
+
+    thread, failures = _in_thread(first_delivery)
+    pause.wait_until_paused()
+    # WHEN the second delivery claims for the same migration first
+    placement.claim_for_move(instance, migration, PROJECT, USER, {dest_c: {VCPU: 2}})
+    pause.release()
+    thread.join(timeout=60)
+
+    # THEN the migration holds the source allocation (never a destination), the instance one destination
+    assert failures == []
+    assert placement.get_allocations(migration) == {source: {VCPU: 1}}
+    assert placement.get_allocations(instance) == {dest_b: {VCPU: 2}}
+    assert VCPU not in placement.usages(dest_c)
+    assert_used_counters_match_allocations()

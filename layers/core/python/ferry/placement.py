@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import time
 import uuid as uuidlib
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -76,6 +77,9 @@ _INVENTORY_DEFAULTS = {"reserved": 0, "min_unit": 1, "max_unit": 2147483647, "st
 
 # PostgreSQL SQLSTATEs after which the whole transaction may simply be run again.
 _RETRYABLE_PGCODES = {"40001", "40P01"}  # serialization_failure, deadlock_detected
+# Seconds: the longest pause before retry n (from 0) is min(CAP, BASE * 2**n), the pause a random part of it.
+_RETRY_PAUSE_BASE = 0.01
+_RETRY_PAUSE_CAP = 0.5
 
 T = TypeVar("T")
 Allocations = dict[str, dict[str, int]]
@@ -156,6 +160,11 @@ def _in_transaction(work: Callable[[Session], T], what: str) -> T:
             reason = type(exc.orig).__name__
         logger.info("placement write conflicted, retrying",
                     extra={"operation": what, "attempt": attempt + 1, "reason": reason})
+        if attempt < retries:
+            # Writers that lost together would collide again if they all retried at once: only
+            # one of them wins each round, so a burst of claims on one provider would use up the
+            # retries of the last ones. A random, growing pause spreads them out.
+            time.sleep(random.uniform(0, min(_RETRY_PAUSE_CAP, _RETRY_PAUSE_BASE * 2 ** attempt)))
     logger.warning("placement write gave up after conflicts", extra={"operation": what, "retries": retries})
     raise errors.AllocationConflict(
         f"{what}: resource provider or consumer generations kept changing; gave up after {retries} retries.",
@@ -378,8 +387,14 @@ def _normalise_change(consumer: str, change: Mapping[str, Any]) -> _Change:
     )
 
 
-def _write_allocations(session: Session, changes: list[_Change]) -> None:
+def _write_allocations(session: Session, changes: list[_Change], *,
+                       based_on: Mapping[str, Allocations] | None = None) -> None:
     """Replace the allocations of every consumer in ``changes`` inside ``session``'s transaction.
+
+    ``based_on`` gives, for consumers whose allocations the caller read to build ``changes`` (a
+    move hands over what the source held), the allocations it read: if they are no longer what
+    the consumer holds once the providers are locked, the write is stale and is run again.
+    Every provider of those allocations must be among the ones the changes touch.
 
     Raises:
         _GenerationConflict: a provider or consumer changed after it was read (the caller retries).
@@ -430,6 +445,11 @@ def _write_allocations(session: Session, changes: list[_Change]) -> None:
 
     for provider_id in sorted(generations):
         _bump_provider(session, provider_id, generations[provider_id])
+    # The swaps above hold the providers' rows until commit, so anything that changes these
+    # consumers' allocations from now on waits for this transaction and then finds a new generation.
+    for consumer, expected in (based_on or {}).items():
+        if _allocations_of(session, consumer) != expected:
+            raise _GenerationConflict(f"consumer {consumer}'s allocations changed after they were read")
     for change in sorted(changes, key=lambda c: c.consumer):
         _write_consumer(session, change, consumers.get(change.consumer))
 
@@ -579,11 +599,12 @@ def claim_for_move(instance_uuid: str, migration_uuid: str, project_id: str, use
 
     def work(session: Session) -> None:
         changes = [wanted]
-        if not _allocations_of(session, migration_uuid):
-            held = _allocations_of(session, instance_uuid)
+        read = {migration_uuid: _allocations_of(session, migration_uuid)}
+        if not read[migration_uuid]:
+            held = read[instance_uuid] = _allocations_of(session, instance_uuid)
             if held:
                 changes.append(_Change(migration_uuid, project_id, user_id, held, False, None))
-        _write_allocations(session, changes)
+        _write_allocations(session, changes, based_on=read)
 
     _in_transaction(work, f"claim for migration {migration_uuid}")
 
@@ -609,7 +630,7 @@ def move_allocations(source_consumer: str, target_consumer: str) -> None:
         _write_allocations(session, [
             _Change(source_consumer, None, None, {}, False, None),
             _Change(target_consumer, owner.project_id, owner.user_id, held, False, None),
-        ])
+        ], based_on={source_consumer: held})
 
     _in_transaction(work, f"move allocations {source_consumer} -> {target_consumer}")
 
