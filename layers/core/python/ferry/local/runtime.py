@@ -12,6 +12,16 @@ in ``os.environ`` when the runtime starts (:meth:`LocalTemplate.environment` ref
 functions giving one variable different values). Setting variables per invocation would need
 a process-wide lock around every handler, which serialises the whole stack and deadlocks when
 one handler waits on another (a synchronous execution calling back into Lambda).
+
+At-least-once drills: AWS delivers SQS messages and invokes Lambda steps at least once, and
+Ferry must end the same when it happens twice. Two switches, read on every call so a test can
+turn them on and off while the stack runs:
+
+* ``FERRY_LOCAL_DUPLICATE_DELIVERY=1``: every host operation message (a message with an
+  ``operation_id`` on a host's queue) is put on the queue twice.
+* ``FERRY_LOCAL_INVOKE_TWICE=1``: every invocation through Lambda's Invoke API (the workflows'
+  Lambda steps, and asynchronous invocations) runs the handler twice with the same event and
+  returns the second outcome, as a Step Functions retry after a lost response would.
 """
 
 from __future__ import annotations
@@ -41,11 +51,18 @@ from ferry.local.template import Function, LocalTemplate
 
 log = logging.getLogger("ferry-local")
 
+DUPLICATE_DELIVERY_ENV = "FERRY_LOCAL_DUPLICATE_DELIVERY"
+INVOKE_TWICE_ENV = "FERRY_LOCAL_INVOKE_TWICE"
 FAKE_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_SESSION_TOKEN": "testing"}
 MOTO_CONFIG = {"stepfunctions": {"execute_state_machine": True}, "lambda": {"use_docker": False}}
 
 
 # --- running handlers ---------------------------------------------------------------------------
+
+
+def switched_on(variable: str) -> bool:
+    """Whether the environment variable ``variable`` is set to a true value (``1``, ``true``, ``yes``, ``on``)."""
+    return os.environ.get(variable, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 class LambdaContext:
@@ -157,6 +174,22 @@ class FunctionRunner:
             sys.path.remove(str(function.code_dir))
         return module
 
+    def invoke_step(self, name_or_arn: str, event: Any) -> Invocation:
+        """Run a function as Lambda's Invoke API does: once, or twice with :data:`INVOKE_TWICE_ENV` on.
+
+        Twice means two invocations of the handler with equal events (each its own copy) and the
+        second's outcome returned: what a workflow sees when Lambda ran a step but its answer was
+        lost and the step was retried.
+
+        Raises:
+            TemplateError: no function has this name, or its handler cannot be found.
+        """
+        if switched_on(INVOKE_TWICE_ENV):
+            first = self.invoke(name_or_arn, copy.deepcopy(event))
+            log.info("%s invoked twice: first %s", first.function, "failed" if first.failed else "succeeded")
+            return self.invoke(name_or_arn, copy.deepcopy(event))
+        return self.invoke(name_or_arn, event)
+
     def invoke(self, name_or_arn: str, event: Any, *, request_id: str | None = None) -> Invocation:
         """Run a function's handler on ``event``; an exception becomes Lambda's error document.
 
@@ -205,9 +238,9 @@ def _invoke_handler(
     if invocation_type == "DryRun":
         return b""
     if invocation_type == "Event":
-        threading.Thread(target=runner.invoke, args=(function.name, event), daemon=True).start()  # type: ignore[union-attr]
+        threading.Thread(target=runner.invoke_step, args=(function.name, event), daemon=True).start()  # type: ignore[union-attr]
         return b""
-    invocation = runner.invoke(function.name, event)  # type: ignore[union-attr]
+    invocation = runner.invoke_step(function.name, event)  # type: ignore[union-attr]
     if invocation.failed:
         response_headers["x-amz-function-error"] = "Unhandled"
     response_headers["x-amz-executed-version"] = "$LATEST"
@@ -280,16 +313,103 @@ def _sfn_task_response(
     self._from_boto_response(response, _sfn_operation(service_action_name, self).output_shape)
 
 
+def _sfn_started_executions(original: Callable[..., list[Any]]) -> Callable[..., list[Any]]:
+    def started(self: Any, execution_status: Any = None) -> list[Any]:
+        # An execution being created has no worker yet (and no task token): moto's SendTask* would
+        # fail on it with a 500 ('NoneType' object has no attribute 'callback_pool_manager').
+        return [e for e in original(self, execution_status) if e.exec_worker is not None]
+
+    return started
+
+
+def _task_closed(callback_id: str) -> Exception:
+    from moto.core.exceptions import AWSError
+
+    # moto's own TaskTimedOut/TaskDoesNotExist cannot be raised (they lack the message AWSError needs).
+    return AWSError(f"Task Timed Out: '{callback_id[:16]}...' does not exist anymore", exception_type="TaskTimedOut")
+
+
+def _sfn_notify_once(self: Any, callback_id: str, outcome: Any) -> bool:
+    """``CallbackPoolManager.notify`` refusing an answer to a closed task with ``TaskTimedOut``, as Step Functions does.
+
+    moto would accept a second answer silently (overwriting the first), and answer a task that
+    timed out with a 500.
+    """
+    endpoint = self._pool.get(callback_id)
+    if endpoint is None:
+        return False
+    if endpoint.consumer_error is not None or endpoint.get_outcome() is not None:
+        raise _task_closed(callback_id)
+    endpoint.notify(outcome=outcome)
+    return True
+
+
+def _sfn_heartbeat(self: Any, callback_id: str) -> bool:
+    """``CallbackPoolManager.heartbeat``, answering a closed task with ``TaskTimedOut`` instead of a 500."""
+    endpoint = self._pool.get(callback_id)
+    if endpoint is None:
+        return False
+    if endpoint.consumer_error is not None or endpoint.get_outcome() is not None:
+        raise _task_closed(callback_id)
+    return bool(endpoint.notify_heartbeat())
+
+
+def _is_host_operation(body: str) -> bool:
+    try:
+        message = json.loads(body)
+    except ValueError:
+        return False
+    return isinstance(message, dict) and "operation" in message and "operation_id" in message
+
+
+def _sqs_send_message(original: Callable[..., Any]) -> Callable[..., Any]:
+    def send(self: Any, queue_name: str, message_body: str, *args: Any, **kwargs: Any) -> Any:
+        sent = original(self, queue_name, message_body, *args, **kwargs)
+        if switched_on(DUPLICATE_DELIVERY_ENV) and _is_host_operation(message_body):
+            prefix = config.get().host_queue_prefix
+            if not prefix or (queue_name.startswith(prefix) and not queue_name.endswith("-dlq")):
+                log.info("host operation message put on %s twice", queue_name)
+                original(self, queue_name, message_body, *args, **kwargs)
+        return sent
+
+    return send
+
+
+def _sfn_token_per_attempt(original: Callable[..., None]) -> Callable[..., None]:
+    def evaluate(self: Any, env: Any) -> None:
+        # Step Functions gives every attempt of a waitForTaskToken task its own token; moto keeps the
+        # first one across Retry attempts, so a host answering the retried operation would answer
+        # the attempt that already failed.
+        data = env.states.context_object.context_object_data
+        if "Task" in data and data.get("State", {}).get("RetryCount"):
+            env.callback_pool_manager.add(env.states.context_object.update_task_token())
+        original(self, env)
+
+    return evaluate
+
+
 def install_moto_fixes() -> None:
     """Patch what Ferry's workflows need and moto 5.2 gets wrong (process-wide until removed).
 
     * SendTaskFailure loses its ``cause``.
     * ``arn:aws:states:::states:startExecution(.sync|.sync:2)`` tasks fail with a KeyError: the
       Step Functions integration passes ASL-cased parameters to boto3 and reads boto-cased output.
+    * SendTaskSuccess/Failure/Heartbeat fail with a 500 while any execution is being created or
+      when the task timed out, and a second answer to a task that already has one is accepted
+      (and overwrites it); Step Functions answers ``TaskTimedOut`` to a closed task.
+    * A waitForTaskToken task keeps its token across Retry attempts (Step Functions issues a new one).
+
+    Also the switch :data:`DUPLICATE_DELIVERY_ENV`, on SQS's SendMessage.
     """
+    from moto.sqs.models import SQSBackend
+    from moto.stepfunctions.parser.asl.component.state.exec.state_task.service.state_task_service_callback import (
+        StateTaskServiceCallback,
+    )
     from moto.stepfunctions.parser.asl.component.state.exec.state_task.service.state_task_service_sfn import (
         StateTaskServiceSfn,
     )
+    from moto.stepfunctions.parser.asl.eval.callback.callback import CallbackPoolManager
+    from moto.stepfunctions.parser.models import StepFunctionsParserBackend
     from moto.stepfunctions.responses import StepFunctionResponse
 
     if _moto_fixes:
@@ -298,6 +418,13 @@ def install_moto_fixes() -> None:
         (StepFunctionResponse, "send_task_failure"): _sfn_send_task_failure,
         (StateTaskServiceSfn, "_normalise_parameters"): _sfn_task_parameters(StateTaskServiceSfn._normalise_parameters),
         (StateTaskServiceSfn, "_normalise_response"): _sfn_task_response,
+        (StepFunctionsParserBackend, "_get_executions"): _sfn_started_executions(
+            StepFunctionsParserBackend._get_executions
+        ),
+        (CallbackPoolManager, "notify"): _sfn_notify_once,
+        (CallbackPoolManager, "heartbeat"): _sfn_heartbeat,
+        (SQSBackend, "send_message"): _sqs_send_message(SQSBackend.send_message),
+        (StateTaskServiceCallback, "_eval_execution"): _sfn_token_per_attempt(StateTaskServiceCallback._eval_execution),
     }
     for (owner, attribute), replacement in replacements.items():
         _moto_fixes[(owner, attribute)] = owner.__dict__.get(attribute)
