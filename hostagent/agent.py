@@ -426,7 +426,9 @@ class HostAgent(MoveOperations):
 
         A message that cannot be parsed is answered with ``Ferry.InvalidOperation`` (when it has a
         task token) and deleted. A message whose answer could not be delivered for a reason other
-        than the workflow having moved on stays on the queue, to be answered from the journal.
+        than the workflow having moved on stays on the queue, to be answered from the journal. A
+        message whose workflow no longer waits is deleted without running its operation; one held
+        by an injected timeout (drills) stays taken and unanswered until the fault lets go.
         """
         if self.journal is None:
             self.start()
@@ -504,7 +506,7 @@ class HostAgent(MoveOperations):
             if op.task_token:
                 awaited = self._still_awaited(op.task_token, context)
                 if not awaited:
-                    self._count_dropped(op, awaited, context)
+                    self._record_not_started(op, awaited, context)
                     raise _NotRun(awaited)
             self.journal.start(op.operation_id, op.name, op.instance_uuid, op.task_token)
             logger.info("operation started", extra=context)
@@ -607,7 +609,7 @@ class HostAgent(MoveOperations):
         )
         return None
 
-    def _count_dropped(self, op: Operation, awaited: bool | None, context: dict[str, Any]) -> None:
+    def _record_not_started(self, op: Operation, awaited: bool | None, context: dict[str, Any]) -> None:
         if awaited is False:
             logger.warning("operation dropped without running: its workflow timed out or ended", extra=context)
         else:
