@@ -6,6 +6,7 @@ import base64
 import json
 import textwrap
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -80,11 +81,23 @@ def handler(event, context):
 ECHO = """
 import base64
 import json
+import threading
+import time
 
 calls = []
+running = {"now": 0, "most": 0}
+counting = threading.Lock()
 
 def handler(event, context):
     calls.append(event)
+    if event["path"].endswith("/slow"):
+        with counting:
+            running["now"] += 1
+            running["most"] = max(running["most"], running["now"])
+        time.sleep(0.05)
+        with counting:
+            running["now"] -= 1
+        return {"statusCode": 200, "body": json.dumps({"most": running["most"]})}
     if event["path"].endswith("/explode"):
         raise RuntimeError("boom")
     if event["path"].endswith("/binary"):
@@ -230,6 +243,17 @@ def test_the_function_response_is_written_back(gateway):
     binary = requests.get(gateway.url + "/v9/binary", headers={"X-Auth-Token": "good"})
     assert binary.content == b"\x00\x01\xff"
     assert binary.headers["Content-Type"] == "application/octet-stream"
+
+
+def test_a_function_gets_one_request_at_a_time_as_one_lambda_environment_does(gateway):
+    def call(_index: int) -> int:
+        response = requests.get(gateway.url + "/v9/slow", headers={"X-Auth-Token": "good"})
+        assert response.status_code == 200
+        return int(response.json()["most"])
+
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        most = max(pool.map(call, range(12)))
+    assert most == 1
 
 
 def test_a_function_error_is_502(gateway):

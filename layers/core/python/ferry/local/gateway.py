@@ -99,6 +99,10 @@ class ApiGateway:
         self._routes = sorted((_compile(r) for r in routes), key=lambda c: c.rank)
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
+        # Lambda gives each execution environment one event at a time, and the handlers rely on it
+        # (Powertools' router keeps the current request on the class): one environment per function.
+        self._environments: dict[str, threading.Lock] = {}
+        self._environments_lock = threading.Lock()
 
     @property
     def url(self) -> str:
@@ -180,11 +184,17 @@ class ApiGateway:
             if denied is not None:
                 return denied
             event["requestContext"]["authorizer"] = context
-        invocation = self.runner.invoke(route.function, event, request_id=request_id)
+        with self._environment(route.function):
+            invocation = self.runner.invoke(route.function, event, request_id=request_id)
         if invocation.failed:
             log.warning("%s %s: %s failed: %s", method, path, route.function, invocation.error)
             return _json_response(502, {"message": "Internal server error"})
         return self._integration_response(route, invocation.result, request_id)
+
+    def _environment(self, function: str) -> threading.Lock:
+        """The lock of ``function``'s one execution environment (requests to it run one at a time)."""
+        with self._environments_lock:
+            return self._environments.setdefault(function, threading.Lock())
 
     def _forwarded(self, headers: list[tuple[str, str]], source_ip: str) -> list[tuple[str, str]]:
         """The client's headers plus the X-Forwarded-* ones API Gateway adds (the API builds links from them)."""
@@ -292,7 +302,8 @@ class ApiGateway:
                 "methodArn": method_arn,
                 "authorizationToken": headers.get(token_header.lower()),
             }
-        invocation = self.runner.invoke(authorizer.function, request)
+        with self._environment(authorizer.function):
+            invocation = self.runner.invoke(authorizer.function, request)
         if invocation.failed:
             assert invocation.error is not None
             if invocation.error.get("errorMessage") == "Unauthorized":
