@@ -130,3 +130,28 @@ def test_a_destination_that_times_out_rolls_back_and_its_late_operation_changes_
     deadline = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=AGENT_REPORT_INTERVAL_SECONDS + 2)
     local_stack.wait_for(lambda: dt.datetime.now(dt.UTC) > deadline, timeout=AGENT_REPORT_INTERVAL_SECONDS + 10)
     audit.assert_consistent(grace_seconds=0)
+
+
+def test_a_lambda_step_that_times_out_rolls_the_resize_back(local_stack, servers, records, armed):
+    server, digest = boot_with_digest(local_stack, servers, TINY)
+    destination = destination_for(local_stack, host_of(server))
+    armed("FinishResizeAtDest", faults.TIMEOUT)
+    since = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=5)
+
+    response = servers.action(server["id"], {"resize": {"flavorRef": SMALL}})
+    assert response.status_code == 202, response.text
+
+    [execution] = local_stack.wait_for(
+        lambda: [e for e in resize_executions(local_stack, server["id"], since) if e["status"] != "RUNNING"],
+        timeout=120,
+    )
+    assert execution["status"] == "FAILED", execution
+    errors = {
+        details.get("error")
+        for event in history(local_stack, execution["executionArn"])
+        for key, details in event.items()
+        if key.endswith("EventDetails") and isinstance(details, dict)
+    }
+    assert faults.LAMBDA_TIMEOUT_ERROR in errors
+    assert_rolled_back(local_stack, servers, records, server, digest, destination)
+    audit.assert_consistent(grace_seconds=0)
