@@ -512,7 +512,9 @@ class MoveOperations:
     # -- confirm_resize (source)
 
     def confirm_resize(self, op: Operation) -> dict[str, Any]:
-        """Forget the old side of a move: the kept disks and, unless the move stayed here, any guest.
+        """Forget the old side of a move: the kept disks and, unless the move stayed here, any guest
+        and instance directory (a host that is not the server's keeps nothing of it; the directory
+        is there only when a revert between cells failed after giving the server back to its source).
 
         On the same host the live guest is the resized one and is left alone.
 
@@ -524,6 +526,8 @@ class MoveOperations:
             self.driver.destroy(uuid)
         kept = disks.resize_dir(self.instances_dir, uuid)
         try:
+            if not same_host:
+                disks.remove_instance_dir(self.instances_dir, uuid)
             disks.remove_dir(kept)
         except OSError as exc:
             raise errors.HostOperationFailed(f"Removing {kept} failed: {exc}", instance_uuid=uuid) from exc

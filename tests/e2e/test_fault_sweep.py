@@ -425,7 +425,9 @@ SCENARIOS: dict[str, Scenario] = {
                      lambda run, b, a: a.status == "SHUTOFF" and a.power_state == 4),
     "attach": Scenario(Run.boot, _attach, lambda run, b, a: a.volumes == [run.volume_id]),
     "detach": Scenario(_attached, _detach, lambda run, b, a: a.volumes == []),
-    "drain": Scenario(_drained, _drain, lambda run, b, a: a.status == "ACTIVE" and _moved(b, a)),
+    # A drain whose confirm fails leaves the moved server waiting in VERIFY_RESIZE (docs/drains.md).
+    "drain": Scenario(_drained, _drain, lambda run, b, a: a.status == "ACTIVE" and _moved(b, a),
+                      failed=frozenset({"before", "awaiting confirm"})),
 }
 
 
@@ -475,6 +477,8 @@ def outcome_of(scenario: Scenario, run: Run, before: Snapshot, after: Snapshot) 
         return "error"
     if after == before:
         return "before"
+    if after.status == "VERIFY_RESIZE" and before.status != "VERIFY_RESIZE" and after.host != before.host:
+        return "awaiting confirm"
     if scenario.done(run, before, after):
         return "done"
     return "neither"

@@ -57,6 +57,11 @@ def find_resize_to_confirm(event: dict[str, Any]) -> dict[str, Any]:
             return {}
         source = str(migration.source_compute)
         cells = cross_cell_settle.cells_of(migration, event["cell"])
+        if cells and cells["source_cell"] == event["cell"]:
+            # A revert between cells gave the server back to its source cell and then failed: what
+            # is left of the move (the hidden copy, the guest and disks) is on the destination.
+            source = str(migration.dest_compute)
+            cells = {"source_cell": cross_cell_settle.cell_of_host(source), "target_cell": event["cell"]}
         if cells:
             up = cross_cell_settle.host_is_up(source, event["cell"], session)
             event_name = cross_cell_settle.EVENT_CONFIRM_AT_SOURCE
@@ -68,7 +73,7 @@ def find_resize_to_confirm(event: dict[str, Any]) -> dict[str, Any]:
         instance = session.scalars(select(Instance).where(Instance.uuid == uuid)).one_or_none()
         payload = notifications.instance_payload(instance, migration_uuid=migration.uuid) if instance else None
         found: dict[str, Any] = {"migration_uuid": migration.uuid, "host": source,
-                                 "same_host": source == migration.dest_compute, "event": event_name}
+                                 "same_host": migration.source_compute == migration.dest_compute, "event": event_name}
         if cells:
             found["source_cell"] = cells["source_cell"]
     if not up:
