@@ -177,6 +177,7 @@ DEFINITIONS = {
                 "TimeoutSeconds": "__TIMEOUT__",
                 "HeartbeatSeconds": "__HEARTBEAT__",
                 "ResultPath": "$.result",
+                "Retry": [{"ErrorEquals": ["Ferry.HypervisorError"], "IntervalSeconds": 1, "MaxAttempts": 1}],
                 "Catch": [
                     {"ErrorEquals": ["Ferry.DiskCopyFailed"], "ResultPath": "$.error", "Next": "Rollback"},
                     {"ErrorEquals": ["States.Timeout"], "ResultPath": "$.error", "Next": "TimedOut"},
@@ -184,7 +185,8 @@ DEFINITIONS = {
                 "End": True,
             },
             "Rollback": {"Type": "Pass", "End": True},
-            "TimedOut": {"Type": "Pass", "End": True},
+            # The rollback after a timeout takes a while: a late answer arrives while the execution runs.
+            "TimedOut": {"Type": "Wait", "Seconds": 2, "End": True},
         },
     },
     "map": {
@@ -399,6 +401,31 @@ def test_heartbeats_do_not_extend_the_task_timeout(app):
         stop.set()
         beater.join()
     assert output["error"]["Error"] == "States.Timeout"
+
+
+def test_a_late_heartbeat_or_answer_to_a_timed_out_task_is_refused(app):
+    execution = app.start("CallbackMachine", {"instance_uuid": "i-6"})
+    body, _ = app.receive_operation()
+    time.sleep(2.5)  # past HeartbeatSeconds (2): the task timed out, its rollback waits
+    assert app.sfn.describe_execution(executionArn=execution)["status"] == "RUNNING"
+    with pytest.raises(app.sfn.exceptions.TaskTimedOut):
+        app.sfn.send_task_heartbeat(taskToken=body["task_token"])
+    with pytest.raises(app.sfn.exceptions.TaskTimedOut):
+        app.sfn.send_task_success(taskToken=body["task_token"], output="{}")
+    output = json.loads(app.finish(execution)["output"])
+    assert output["error"]["Error"] == "States.Timeout" and "result" not in output
+
+
+def test_each_retry_of_a_task_gets_its_own_token(app):
+    execution = app.start("CallbackMachine", {"instance_uuid": "i-7"})
+    first, _ = app.receive_operation()
+    app.sfn.send_task_failure(taskToken=first["task_token"], error="Ferry.HypervisorError", cause="try again")
+    second, _ = app.receive_operation()
+    assert second["task_token"] != first["task_token"]
+    with pytest.raises(app.sfn.exceptions.TaskTimedOut):
+        app.sfn.send_task_success(taskToken=first["task_token"], output=json.dumps({"late": True}))
+    app.sfn.send_task_success(taskToken=second["task_token"], output=json.dumps({"done": True}))
+    assert json.loads(app.finish(execution)["output"])["result"] == {"done": True}
 
 
 def test_map_runs_every_item_with_at_most_max_concurrency_at_once(app):

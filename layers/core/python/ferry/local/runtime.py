@@ -388,6 +388,26 @@ def _sfn_token_per_attempt(original: Callable[..., None]) -> Callable[..., None]
     return evaluate
 
 
+def _sfn_close_timed_out_task(original: Callable[..., Any]) -> Callable[..., Any]:
+    def wait(self: Any, env: Any, timeout_seconds: int, callback_endpoint: Any, heartbeat_endpoint: Any) -> Any:
+        from moto.stepfunctions.parser.asl.eval.callback.callback import (
+            CallbackConsumerError,
+            CallbackConsumerTimeout,
+            CallbackOutcomeTimedOut,
+        )
+
+        outcome = original(self, env, timeout_seconds, callback_endpoint, heartbeat_endpoint)
+        # Step Functions closes a task that timed out (no answer, or no heartbeat): a late heartbeat
+        # or answer gets TaskTimedOut. moto would accept both until the execution ends.
+        if isinstance(outcome, CallbackConsumerError):
+            callback_endpoint.report(outcome)
+        elif isinstance(outcome, CallbackOutcomeTimedOut):
+            callback_endpoint.report(CallbackConsumerTimeout())
+        return outcome
+
+    return wait
+
+
 def install_moto_fixes() -> None:
     """Patch what Ferry's workflows need and moto 5.2 gets wrong (process-wide until removed).
 
@@ -397,7 +417,8 @@ def install_moto_fixes() -> None:
     * SendTaskSuccess/Failure/Heartbeat fail with a 500 while any execution is being created or
       when the task timed out, and a second answer to a task that already has one is accepted
       (and overwrites it); Step Functions answers ``TaskTimedOut`` to a closed task.
-    * A waitForTaskToken task keeps its token across Retry attempts (Step Functions issues a new one).
+    * A waitForTaskToken task keeps its token across Retry attempts (Step Functions issues a new one),
+      and stays open after it timed out (Step Functions closes it).
 
     Also the switch :data:`DUPLICATE_DELIVERY_ENV`, on SQS's SendMessage.
     """
@@ -425,6 +446,9 @@ def install_moto_fixes() -> None:
         (CallbackPoolManager, "heartbeat"): _sfn_heartbeat,
         (SQSBackend, "send_message"): _sqs_send_message(SQSBackend.send_message),
         (StateTaskServiceCallback, "_eval_execution"): _sfn_token_per_attempt(StateTaskServiceCallback._eval_execution),
+        (StateTaskServiceCallback, "_eval_wait_for_task_token"): _sfn_close_timed_out_task(
+            StateTaskServiceCallback._eval_wait_for_task_token
+        ),
     }
     for (owner, attribute), replacement in replacements.items():
         _moto_fixes[(owner, attribute)] = owner.__dict__.get(attribute)
