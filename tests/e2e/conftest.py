@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 import pytest
 import requests
+from move_helpers import SUMMARY
 
 from ferry.local.stack import POLICY_FILE_PARAMETER, LocalStack
 
@@ -385,3 +386,9 @@ def servers(local_stack: LocalStackHandle) -> Iterator[Servers]:
 @pytest.fixture
 def records(local_stack: LocalStackHandle) -> Records:
     return Records(local_stack)
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """Print what test modules left for the end of the run (the fault sweep's coverage)."""
+    for line in config.stash.get(SUMMARY, []):
+        terminalreporter.write_line(line)

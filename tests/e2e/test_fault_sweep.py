@@ -41,6 +41,7 @@ from move_helpers import (
     CROSS_CELL_RULE,
     FLAVORS,
     SMALL,
+    SUMMARY,
     TINY,
     GiB,
     disabled_services,
@@ -489,10 +490,7 @@ def report_coverage(request) -> Iterator[None]:
     """Print how many Task states the module's cases covered (those that passed)."""
     yield
     line = f"fault sweep: {len(COVERED)} of {len(STATES)} Task states of {len(WORKFLOWS)} workflows covered"
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_line("")
-        reporter.write_line(line)
+    request.config.stash.setdefault(SUMMARY, []).append(line)
 
 
 @pytest.fixture
