@@ -2,7 +2,7 @@
 # Runs the benchmark suite one benchmark after the other (they would skew each other in parallel)
 # and prints every figure with the machine's description. PostgreSQL figures need the test server:
 # FERRY_TEST_PG_URL is taken from the environment, or the server is started (and stopped after).
-#   scripts/bench/run_all.sh            all four: scheduler, cold start, disk moves, orchestration
+#   scripts/bench/run_all.sh            all: scheduler, cold start, disk moves, orchestration, drain, throughput
 #   BENCH_HOSTS=1000,10000,100000 BENCH_RESIZES=50 scripts/bench/run_all.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -21,3 +21,5 @@ echo
 "$py" scripts/bench/bench_orchestration.py --runs "${BENCH_RESIZES:-20}"
 echo
 "$py" scripts/bench/bench_drain.py --servers "${BENCH_DRAIN_SERVERS:-150}" --drain-hosts "${BENCH_DRAIN_HOSTS:-5}" --concurrency "${BENCH_DRAIN_CONCURRENCY:-20}"
+echo
+"$py" scripts/bench/bench_throughput.py --servers "${BENCH_THROUGHPUT_SERVERS:-200}"
