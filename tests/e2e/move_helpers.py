@@ -9,7 +9,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import pytest
 from sqlalchemy import select
 
 from ferry.store.api_models import Port, PortBinding
@@ -24,8 +23,6 @@ FLAVORS = {  # the seeded flavors, as placement amounts
     LARGE: {"VCPU": 4, "MEMORY_MB": 2048, "DISK_GB": 10},
 }
 GiB = 2**30
-# Lines a test module leaves for the end of the run (printed by conftest's terminal summary).
-SUMMARY = pytest.StashKey[list[str]]()
 
 
 def root_digest(path: Path, size: int) -> str:

@@ -21,7 +21,7 @@ A nested execution (a drain's ``RunMove``) is failed by failing the first state 
 workflow it starts. Every case checks that the armed state ran, that the server is in an
 allowed outcome (compared field by field with a snapshot taken before), and that after the
 server is deleted ``ferry audit`` finds nothing anywhere and no host keeps a file of it.
-The number of states covered is printed at the end of the module.
+The number of states covered is printed at the end of the run (``conftest.py``).
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ from move_helpers import (
     CROSS_CELL_RULE,
     FLAVORS,
     SMALL,
-    SUMMARY,
     TINY,
     GiB,
     disabled_services,
@@ -215,7 +214,6 @@ def plan_case(state: TaskState, forward: dict[str, str]) -> Case:
 STATES = task_states()
 FORWARD = forward_routes()
 CASES = [plan_case(state, FORWARD) for state in STATES if state.id in FORWARD or state.id in TRIGGERS]
-COVERED: set[str] = set()
 
 
 def test_every_task_state_of_every_workflow_has_a_case():
@@ -485,14 +483,6 @@ def outcome_of(scenario: Scenario, run: Run, before: Snapshot, after: Snapshot) 
     return "neither"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def report_coverage(request) -> Iterator[None]:
-    """Print how many Task states the module's cases covered (those that passed)."""
-    yield
-    line = f"fault sweep: {len(COVERED)} of {len(STATES)} Task states of {len(WORKFLOWS)} workflows covered"
-    request.config.stash.setdefault(SUMMARY, []).append(line)
-
-
 @pytest.fixture
 def run(local_stack, servers, records) -> Iterator[Run]:
     with ExitStack() as cleanup:
@@ -540,4 +530,3 @@ def test_a_fault_at_the_state_loses_nothing(local_stack, servers, records, run, 
         assert records.allocations(run.server_id) == {}
     run.cleanup.close()
     audit.assert_consistent(grace_seconds=0)
-    COVERED.add(case.id)
