@@ -179,10 +179,10 @@ def body(router: BaseRouter, schema: dict[str, Any]) -> Any:
     Raises:
         BadRequest: the body is not JSON or does not match.
     """
-    raw = router.current_event.decoded_body
     try:
+        raw = router.current_event.decoded_body
         document = json.loads(raw) if raw not in (None, "") else None
-    except ValueError as exc:
+    except ValueError as exc:  # not UTF-8 (UnicodeDecodeError is a ValueError) or not JSON
         raise errors.BadRequest("Malformed request body") from exc
     validate(document, schema)
     return document
