@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -96,3 +97,18 @@ def test_the_resolver_serves_the_document_with_the_callers_base_url():
     served = json.loads(response["body"])
     assert served["servers"] == [{"url": "https://compute.example"}]
     assert served["paths"].keys() == openapi.document().get("paths", {}).keys()
+
+
+def test_a_body_that_is_not_utf8_is_a_bad_request_not_a_fault():
+    """Found by the fuzz: the body decoded before the JSON parse could fail with a 500."""
+    event = {"resource": "/v2.1/{proxy+}", "path": "/v2.1/os-aggregates", "httpMethod": "POST",
+             "headers": {"Host": "compute.example"}, "multiValueHeaders": {}, "queryStringParameters": None,
+             "multiValueQueryStringParameters": None, "pathParameters": None,
+             "requestContext": {"requestId": "c6af9ac6-7b61-11e6-9a41-93e8deadbeef", "path": "/v2.1/os-aggregates",
+                                "authorizer": {"user_id": "admin", "project_id": "admin", "roles": "admin"}},
+             "body": base64.b64encode(b'{"aggregate": "\xbb"}').decode(), "isBase64Encoded": True}
+
+    response = get_resolver().resolve(event, SimpleNamespace())
+
+    assert response["statusCode"] == 400, response
+    assert json.loads(response["body"]) == {"badRequest": {"code": 400, "message": "Malformed request body"}}
