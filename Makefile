@@ -9,8 +9,10 @@ SHELL := bash
 VENV ?= .venv
 export VENV
 BIN := $(VENV)/bin
-# pytest-xdist workers for the unit and integration tests; the end-to-end tests run in one process.
+# pytest-xdist workers for the unit and integration tests, and for the end-to-end tests (each of
+# those workers brings up its own local stack on free ports and takes whole test files).
 TEST_WORKERS ?= auto
+E2E_WORKERS ?= 2
 # Extra pip-compile options for `make lock`, e.g. LOCK_ARGS=--upgrade or LOCK_ARGS="--upgrade-package boto3".
 LOCK_ARGS ?=
 LOCK_TOOLS := .ferry/lock-tools
@@ -38,9 +40,9 @@ up: bootstrap
 	exec $(BIN)/ferry-local
 
 # Starts the test PostgreSQL server unless it already runs (and then leaves it running), runs the
-# unit and integration tests in parallel, then the end-to-end tests in one process, since they
-# bring up the local stack on its fixed ports. The first failing exit status wins; a pytest run
-# that collects no test exits 5, which fails the target too.
+# unit and integration tests in parallel, then the end-to-end tests, E2E_WORKERS local stacks side
+# by side (whole files per worker: a module's fixtures set up its stack once). The first failing
+# exit status wins; a pytest run that collects no test exits 5, which fails the target too.
 test: bootstrap
 	@if scripts/test-postgres.sh status; then started_pg=; else started_pg=1; fi
 	FERRY_TEST_PG_URL=$$(scripts/test-postgres.sh start)
@@ -49,7 +51,7 @@ test: bootstrap
 	rc=0
 	$(BIN)/pytest -n $(TEST_WORKERS) --maxprocesses=8 --ignore=tests/e2e tests || rc=$$?
 	if [ -n "$$(find tests/e2e -name 'test_*.py' -print -quit 2>/dev/null)" ]; then
-	  $(BIN)/pytest tests/e2e || { e2e_rc=$$?; [ "$$rc" -ne 0 ] || rc=$$e2e_rc; }
+	  $(BIN)/pytest -n $(E2E_WORKERS) --dist loadfile tests/e2e || { e2e_rc=$$?; [ "$$rc" -ne 0 ] || rc=$$e2e_rc; }
 	fi
 	exit "$$rc"
 
