@@ -345,13 +345,19 @@ def _sfn_notify_once(self: Any, callback_id: str, outcome: Any) -> bool:
 
 
 def _sfn_heartbeat(self: Any, callback_id: str) -> bool:
-    """``CallbackPoolManager.heartbeat``, answering a closed task with ``TaskTimedOut`` instead of a 500."""
+    """``CallbackPoolManager.heartbeat``: an open task takes a heartbeat, a closed one answers ``TaskTimedOut``.
+
+    moto sends a Task's SQS message before it sets up the task's heartbeat timer; a heartbeat in
+    between (an agent checking at once whether the task is still awaited) found no timer and was
+    refused with InvalidToken, and a closed task's heartbeat failed with a 500.
+    """
     endpoint = self._pool.get(callback_id)
     if endpoint is None:
         return False
     if endpoint.consumer_error is not None or endpoint.get_outcome() is not None:
         raise _task_closed(callback_id)
-    return bool(endpoint.notify_heartbeat())
+    endpoint.notify_heartbeat()  # without a timer yet there is nothing to reset
+    return True
 
 
 def _is_host_operation(body: str) -> bool:
