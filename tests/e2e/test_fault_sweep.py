@@ -22,6 +22,10 @@ workflow it starts. Every case checks that the armed state ran, that the server 
 allowed outcome (compared field by field with a snapshot taken before), and that after the
 server is deleted ``ferry audit`` finds nothing anywhere and no host keeps a file of it.
 The number of states covered is printed at the end of the run (``conftest.py``).
+
+The same routes also run undisturbed but twice over: every host operation message delivered
+twice (``FERRY_LOCAL_DUPLICATE_DELIVERY``), then every Lambda step run twice with the same event
+(``FERRY_LOCAL_INVOKE_TWICE``); each must end exactly as an undisturbed run, leaking nothing.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ from move_helpers import (
 from sqlalchemy import select
 
 from ferry import audit, config, faults
+from ferry.local.runtime import DUPLICATE_DELIVERY_ENV, INVOKE_TWICE_ENV
 from ferry.store.api_models import Volume, VolumeAttachment
 from ferry.store.db import api_session
 
@@ -476,10 +481,10 @@ def outcome_of(scenario: Scenario, run: Run, before: Snapshot, after: Snapshot) 
         return "error"
     if after == before:
         return "before"
-    if after.status == "VERIFY_RESIZE" and before.status != "VERIFY_RESIZE" and after.host != before.host:
-        return "awaiting confirm"
     if scenario.done(run, before, after):
         return "done"
+    if after.status == "VERIFY_RESIZE" and before.status != "VERIFY_RESIZE" and after.host != before.host:
+        return "awaiting confirm"
     return "neither"
 
 
@@ -490,43 +495,79 @@ def run(local_stack, servers, records) -> Iterator[Run]:
         yield Run(local_stack, servers, records, cleanup)
 
 
-@pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
-def test_a_fault_at_the_state_loses_nothing(local_stack, servers, records, run, case):
-    scenario = SCENARIOS[case.route]
+def prepared(run: Run, scenario: Scenario) -> Snapshot:
+    """Set the scenario's server up; what it looks like once settled (nothing yet for a boot)."""
     scenario.prepare(run)
+    if not run.server_id:
+        return Snapshot(None, None, None, None, {}, set(), set(), [], "")
+    run.servers.wait_for_status(run.server_id, run.servers.show(run.server_id)["status"])
+    return take_snapshot(run.local_stack, run.servers, run.records, run.server_id)
+
+
+def acted(run: Run, scenario: Scenario) -> set[str]:
+    """Start the scenario's workflow and wait until every execution it led to ended; the states they entered."""
+    since = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1)
+    scenario.act(run)
+    executions = wait_until_settled(run.local_stack, since)
+    if run.drain_id:  # the drain's own execution ends once its record is final
+        run.local_stack.wait_for(lambda: run.local_stack.session("admin").get(f"/ferry/drains/{run.drain_id}")
+                                 .json()["drain"]["status"] in {"completed", "failed", "cancelled"}, timeout=120)
+    return entered_states(run.local_stack, executions)
+
+
+def settled(run: Run) -> Snapshot:
+    if run.server_id and (shown := run.servers.show(run.server_id)) is not None:
+        run.servers.wait_for_status(run.server_id, shown["status"], timeout=60)
+    return take_snapshot(run.local_stack, run.servers, run.records, run.server_id)
+
+
+def assert_nothing_left(run: Run) -> None:
+    """Whatever happened, deleting the server leaves nothing behind anywhere."""
+    run.servers.delete_all()
+    for host in run.local_stack.hosts:
+        assert not list(run.local_stack.instances_dir(host).glob(f"{run.server_id}*")), host
     if run.server_id:
-        servers.wait_for_status(run.server_id, servers.show(run.server_id)["status"])
-        before = take_snapshot(local_stack, servers, records, run.server_id)
-    else:
-        before = Snapshot(None, None, None, None, {}, set(), set(), [], "")
+        assert run.records.allocations(run.server_id) == {}
+    run.cleanup.close()
+    audit.assert_consistent(grace_seconds=0)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
+def test_a_fault_at_the_state_loses_nothing(run, case):
+    scenario = SCENARIOS[case.route]
+    before = prepared(run, scenario)
     for point, mode, error in case.faults:
         faults.arm(point, mode, error)
-    since = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1)
 
-    scenario.act(run)
-    executions = wait_until_settled(local_stack, since)
-    if run.drain_id:  # the drain's own execution ends once its record is final
-        local_stack.wait_for(lambda: local_stack.session("admin").get(f"/ferry/drains/{run.drain_id}").json()[
-            "drain"]["status"] in {"completed", "failed", "cancelled"}, timeout=120)
-    entered = entered_states(local_stack, executions)
+    entered = acted(run, scenario)
     faults.disarm_all()
 
     assert set(case.entered) <= entered, f"not run: {sorted(set(case.entered) - entered)}"
-    if run.server_id and servers.show(run.server_id) is not None:
-        shown = servers.show(run.server_id)
-        servers.wait_for_status(run.server_id, shown["status"], timeout=60)
-    after = take_snapshot(local_stack, servers, records, run.server_id)
+    after = settled(run)
     outcome = outcome_of(scenario, run, before, after)
     allowed = {"done"} if case.undisturbed else scenario.failed
     assert outcome in allowed, f"{outcome}: before {before}, after {after}"
     if outcome != "error" and after.digest and before.digest:
         assert after.digest == before.digest
+    assert_nothing_left(run)
 
-    # Whatever happened, deleting the server leaves nothing behind anywhere.
-    servers.delete_all()
-    for host in local_stack.hosts:
-        assert not list(local_stack.instances_dir(host).glob(f"{run.server_id}*")), host
-    if run.server_id:
-        assert records.allocations(run.server_id) == {}
-    run.cleanup.close()
-    audit.assert_consistent(grace_seconds=0)
+
+# --- at-least-once: every route with each host message delivered twice, each Lambda step run twice ----
+
+
+@pytest.mark.parametrize("switch", [DUPLICATE_DELIVERY_ENV, INVOKE_TWICE_ENV], ids=["messages-twice", "steps-twice"])
+@pytest.mark.parametrize("route", sorted(SCENARIOS))
+def test_a_route_run_twice_over_ends_as_an_undisturbed_run(run, monkeypatch, route, switch):
+    """SQS may deliver a message twice and Step Functions may run a step again: the outcome is the same."""
+    scenario = SCENARIOS[route]
+    before = prepared(run, scenario)
+    monkeypatch.setenv(switch, "1")
+
+    acted(run, scenario)
+    monkeypatch.delenv(switch)
+
+    after = settled(run)
+    assert outcome_of(scenario, run, before, after) == "done", f"before {before}, after {after}"
+    if after.digest and before.digest:
+        assert after.digest == before.digest
+    assert_nothing_left(run)
