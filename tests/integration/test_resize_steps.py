@@ -603,6 +603,28 @@ def test_a_resize_reaches_verify_resize_with_migration_based_allocations(cloud):
                          ("instance.resize_finish.end", f"compute:{dest}")}
 
 
+@pytest.mark.parametrize("status", ["confirming", "confirmed", "reverting", "reverted"])
+def test_mark_resized_run_again_after_a_confirm_or_revert_took_over_changes_nothing(cloud, status):
+    """A redelivered MarkResized must not undo what the owner's confirm or revert has done since."""
+    uuid = make_server()
+    inp = prepare_move(uuid, BIG)
+    doc = run(inp)
+    with cell_session("cell1") as session:
+        session.scalars(select(Migration).where(Migration.uuid == inp["migration_uuid"])).one().status = status
+        server = session.scalars(select(Instance).where(Instance.uuid == uuid)).one()
+        server.task_state = "resize_reverting" if status == "reverting" else None
+    with api_session() as session:
+        for port in session.scalars(select(Port).where(Port.device_id == uuid)):
+            for binding in port.bindings:
+                binding.status = "INACTIVE"  # so that activating the destination's again would show
+    before = snapshot(uuid)
+
+    assert resize.mark_resized(doc) == {}
+
+    assert snapshot(uuid) == before
+    assert migration(inp["migration_uuid"]).status == status
+
+
 def test_a_stopped_server_stays_off_and_shows_verify_resize_with_power_state_4(cloud):
     uuid = make_server(vm_state=states.STOPPED, power_state=states.SHUTDOWN)
     inp = prepare_move(uuid)

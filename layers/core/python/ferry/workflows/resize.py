@@ -49,6 +49,8 @@ from sqlalchemy.orm import Session
 from ferry import config, errors, hosts, network, notifications, placement, scheduler, volumes
 from ferry.compute import actions, instances, states
 from ferry.compute.moves import (
+    CONFIRMED,
+    CONFIRMING,
     ERROR,
     FINISHED,
     MIGRATING,
@@ -56,6 +58,8 @@ from ferry.compute.moves import (
     POST_MIGRATING,
     PRE_MIGRATING,
     RESIZE,
+    REVERTED,
+    REVERTING,
 )
 from ferry.observability import logger
 from ferry.store.api_models import RequestSpec
@@ -545,6 +549,10 @@ def finish_resize_at_dest(event: dict[str, Any]) -> dict[str, Any]:
 # --- MarkResized --------------------------------------------------------------------------------
 
 
+# A migration in one of these has been marked resized: the owner may have confirmed or reverted since.
+_MARKED = (FINISHED, CONFIRMING, CONFIRMED, REVERTING, REVERTED)
+
+
 def mark_resized(event: dict[str, Any]) -> dict[str, Any]:
     """VERIFY_RESIZE: destination bindings active, attachments attached, new flavor, migration ``finished``.
 
@@ -555,12 +563,16 @@ def mark_resized(event: dict[str, Any]) -> dict[str, Any]:
     uuid, migration_uuid, cell = event["instance_uuid"], event["migration_uuid"], event["cell"]
     dest = event["destination"]
     finished = event.get("finished") or {}
+    with cell_session(cell) as session:
+        _instance, migration = _load(session, event)
+        if migration.status in _MARKED:
+            return {}  # this step ran before; a confirm or revert may already have taken over
     with api_session() as session:
         network.activate(session, uuid, dest["host"])
         volumes.complete_on(session, uuid, dest["host"])
     with cell_session(cell) as session:
         instance, migration = _load(session, event)
-        if instance.vm_state == states.RESIZED and instance.task_state is None and migration.status == FINISHED:
+        if migration.status in _MARKED:
             return {}
         default_power = states.SHUTDOWN if instance.old_vm_state == states.STOPPED else states.RUNNING
         power_state = int(finished.get("power_state", default_power))
