@@ -156,6 +156,27 @@ def test_a_move_across_cells_reaches_verify_resize_in_the_target_cell(two_cells)
         placement.provider_by_host("cell1-host1"): {"VCPU": 1, "MEMORY_MB": 512, "DISK_GB": 1}}
 
 
+@pytest.mark.parametrize("status", ["confirming", "reverting", "reverted"])
+def test_complete_move_run_again_after_a_confirm_or_revert_took_over_changes_nothing(two_cells, status):
+    """A redelivered CompleteMoveAcrossCells must leave a confirm or a revert (mapping flipped back) alone."""
+    uuid, inp = server_in_cell1()
+    doc = run(inp)
+    for cell in ("cell1", "cell2"):
+        with cell_session(cell) as session:
+            session.scalars(select(Migration).where(Migration.uuid == inp["migration_uuid"])).one().status = status
+            if status != "confirming":  # the revert has shown the source copy again and mapped it back
+                session.scalars(select(Instance).where(Instance.uuid == uuid)).one().hidden = cell == "cell2"
+    if status != "confirming":
+        cross_cell._map_to(uuid, "cell1")
+    before = (rows("cell1", uuid, inp["migration_uuid"]), rows("cell2", uuid, inp["migration_uuid"]),
+              instances.cell_of(uuid).name)
+
+    assert cross_cell.complete_move(doc) == {}
+
+    assert (rows("cell1", uuid, inp["migration_uuid"]), rows("cell2", uuid, inp["migration_uuid"]),
+            instances.cell_of(uuid).name) == before
+
+
 def test_an_image_backed_server_is_snapshotted_and_spawned_from_the_snapshot(two_cells):
     uuid = make_server()
     allow_cross_cell(uuid)

@@ -28,7 +28,16 @@ from sqlalchemy.orm import Session
 
 from ferry import config, errors, images, network, notifications, volumes
 from ferry.compute import actions, instances, states
-from ferry.compute.moves import FINISHED, MIGRATING, POST_MIGRATING, PRE_MIGRATING
+from ferry.compute.moves import (
+    CONFIRMED,
+    CONFIRMING,
+    FINISHED,
+    MIGRATING,
+    POST_MIGRATING,
+    PRE_MIGRATING,
+    REVERTED,
+    REVERTING,
+)
 from ferry.observability import logger
 from ferry.store.api_models import CellMapping, InstanceMapping
 from ferry.store.cell_models import (
@@ -309,6 +318,17 @@ def _hide_source(cell: str, uuid: str) -> None:
         session.execute(update(Instance).where(Instance.uuid == uuid).values(hidden=True, task_state=None))
 
 
+def _settled_since(event: dict[str, Any]) -> bool:
+    """Whether the owner has confirmed or reverted the move since this step first ran (on either copy)."""
+    settling = (CONFIRMING, CONFIRMED, REVERTING, REVERTED)
+    for cell in (event["cell"], _target(event)):
+        with cell_session(cell) as session:
+            status = session.scalars(select(Migration.status).where(Migration.uuid == event["migration_uuid"])).first()
+        if status in settling:
+            return True
+    return False
+
+
 def complete_move(event: dict[str, Any]) -> dict[str, Any]:
     """VERIFY_RESIZE in the target cell: the snapshot goes, the target copy shows, the mapping follows.
 
@@ -322,6 +342,8 @@ def complete_move(event: dict[str, Any]) -> dict[str, Any]:
     dest, request_id = event["destination"], event["request_id"]
     spawned = event.get("spawned") or {}
     images.delete_image(snapshot_image_id(migration_uuid))
+    if _settled_since(event):
+        return {}  # a confirm or revert has taken over: run again, this step must not undo it
     if instances.cell_of(uuid).name == target:
         _hide_source(cell, uuid)  # an earlier run switched the mapping
         return {}
