@@ -12,8 +12,14 @@ resize or cold migration is in progress, the source host keeps the instance's ol
 Between two hosts a disk travels through S3 as a *transfer* (:func:`upload_disk`,
 :func:`download_disk`): the object ``<prefix>/<kind>`` holds only the disk's data extents, one
 after the other, and ``<prefix>/<kind>.manifest.json`` says where they go
-(``{"size", "extents": [[offset, length], ...], "sha256", "chunk_size"}``). The manifest is
+(``{"size", "extents": [[offset, length], ...], "sha256", "digest", "chunk_size"}``). The manifest is
 written last, so its presence means the data object is complete.
+
+A disk moved between hosts is checked with its *block digest* (:class:`BlockSha256`, manifest
+``"digest": "sha256-blocks"``): the SHA-256 of the SHA-256 digests of its 4 MiB blocks, in order.
+It identifies the logical content as a plain SHA-256 does, but a hole costs one precomputed
+block digest instead of hashing its zeros, so checking a mostly empty disk costs what its data
+costs. Images keep the plain SHA-256 (``"digest": "sha256"``) that the image API shows.
 
 For drills, ``FERRY_DISK_THROTTLE_MIBPS`` (read when a copy starts) caps every disk stream of
 the process (copies, downloads, uploads) at that many MiB per second, so that a test can catch
@@ -23,6 +29,7 @@ an agent in the middle of moving a disk.
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import json
 import os
@@ -171,13 +178,111 @@ class _SparseWriter:
         self.out.truncate(size)
 
 
-def _hash_zeros(hasher: Any, count: int, chunk_size: int) -> None:
-    zeros = bytes(min(chunk_size, count)) if count else b""
-    view = memoryview(zeros)
+# --- digests of a disk's logical content ----------------------------------------------------------
+
+SHA256 = "sha256"
+BLOCK_SHA256 = "sha256-blocks"
+DIGEST_BLOCK_SIZE = 4 * MiB
+
+
+@functools.cache
+def _zero_block() -> memoryview:
+    return memoryview(bytes(DIGEST_BLOCK_SIZE))
+
+
+@functools.cache
+def _zero_block_digest() -> bytes:
+    return hashlib.sha256(_zero_block()).digest()
+
+
+def _zeros(count: int) -> Iterator[memoryview]:
+    """``count`` zero bytes, in views of at most one block."""
     while count > 0:
-        step = min(count, len(view))
-        hasher.update(view[:step])
+        step = min(count, DIGEST_BLOCK_SIZE)
+        yield _zero_block()[:step]
         count -= step
+
+
+class Sha256:
+    """The plain SHA-256 of a disk's logical content, holes as zeros (what ``sha256sum`` prints)."""
+
+    name = SHA256
+
+    def __init__(self) -> None:
+        self._hash = hashlib.sha256()
+
+    def update(self, data: bytes | memoryview) -> None:
+        self._hash.update(data)
+
+    def update_zeros(self, count: int) -> None:
+        """Hash ``count`` zero bytes (a hole): as costly as reading them."""
+        for zeros in _zeros(count):
+            self._hash.update(zeros)
+
+    def copy(self) -> Sha256:
+        other = Sha256()
+        other._hash = self._hash.copy()
+        return other
+
+    def hexdigest(self) -> str:
+        return self._hash.hexdigest()
+
+
+class BlockSha256:
+    """The block digest of a disk: SHA-256 over the SHA-256 of each 4 MiB block of its logical content.
+
+    Blocks are counted from the start of the disk; the last one may be shorter; an empty disk
+    has the SHA-256 of nothing. Equal content gives an equal digest however sparse its file is.
+    A whole block of zeros adds the zero block's digest (computed once per process), so holes
+    cost almost nothing.
+    """
+
+    name = BLOCK_SHA256
+
+    def __init__(self) -> None:
+        self._outer = hashlib.sha256()
+        self._block = hashlib.sha256()
+        self._filled = 0  # bytes of the current block hashed so far
+
+    def update(self, data: bytes | memoryview) -> None:
+        view = memoryview(data)
+        while len(view):
+            take = min(len(view), DIGEST_BLOCK_SIZE - self._filled)
+            self._block.update(view[:take])
+            self._filled += take
+            view = view[take:]
+            if self._filled == DIGEST_BLOCK_SIZE:
+                self._outer.update(self._block.digest())
+                self._block, self._filled = hashlib.sha256(), 0
+
+    def update_zeros(self, count: int) -> None:
+        """Hash ``count`` zero bytes (a hole): whole blocks by their precomputed digest."""
+        if self._filled and count:
+            head = min(count, DIGEST_BLOCK_SIZE - self._filled)
+            self.update(_zero_block()[:head])
+            count -= head
+        whole, rest = divmod(count, DIGEST_BLOCK_SIZE)
+        while whole:
+            batch = min(whole, 4096)  # at most 128 KiB of digests at once
+            self._outer.update(_zero_block_digest() * batch)
+            whole -= batch
+        if rest:
+            self.update(_zero_block()[:rest])
+
+    def copy(self) -> BlockSha256:
+        other = BlockSha256()
+        other._outer, other._block, other._filled = self._outer.copy(), self._block.copy(), self._filled
+        return other
+
+    def hexdigest(self) -> str:
+        outer = self._outer.copy()
+        if self._filled:
+            outer.update(self._block.digest())
+        return outer.hexdigest()
+
+
+Digest = Sha256 | BlockSha256
+DIGESTS: dict[str, type[Sha256] | type[BlockSha256]] = {SHA256: Sha256, BLOCK_SHA256: BlockSha256}
 
 
 def data_segments(fd: int, size: int) -> Iterator[tuple[int, int]]:
@@ -217,12 +322,17 @@ def sha256_file(path: str | os.PathLike[str]) -> str:
 
 def sparse_sha256(path: str | os.PathLike[str], chunk_size: int = CHUNK_SIZE) -> str:
     """The same digest as :func:`sha256_file`, reading only the file's data (holes are hashed, not read)."""
-    hasher = hashlib.sha256()
+    return file_digest(path, SHA256, chunk_size)
+
+
+def file_digest(path: str | os.PathLike[str], algorithm: str = BLOCK_SHA256, chunk_size: int = CHUNK_SIZE) -> str:
+    """The ``algorithm`` digest (:data:`DIGESTS`) of a file's logical content, reading only its data."""
+    hasher = DIGESTS[algorithm]()
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         position = 0
         for start, end in data_segments(f.fileno(), size):
-            _hash_zeros(hasher, start - position, chunk_size)
+            hasher.update_zeros(start - position)
             f.seek(start)
             remaining = end - start
             while remaining > 0:
@@ -232,12 +342,13 @@ def sparse_sha256(path: str | os.PathLike[str], chunk_size: int = CHUNK_SIZE) ->
                 hasher.update(chunk)
                 remaining -= len(chunk)
             position = end
-        _hash_zeros(hasher, size - position, chunk_size)
+        hasher.update_zeros(size - position)
     return hasher.hexdigest()
 
 
-def copy_sparse(src: str | os.PathLike[str], dst: str | os.PathLike[str], chunk_size: int = CHUNK_SIZE) -> str:
-    """Copy ``src`` to ``dst`` keeping holes, and return the sha256 of the content copied.
+def copy_sparse(src: str | os.PathLike[str], dst: str | os.PathLike[str], chunk_size: int = CHUNK_SIZE,
+                algorithm: str = SHA256) -> str:
+    """Copy ``src`` to ``dst`` keeping holes, and return the ``algorithm`` digest of the content copied.
 
     Only the data ranges of ``src`` are read; zero chunks are not written, so ``dst`` is at
     least as sparse as ``src``. ``dst`` appears atomically when the copy is complete.
@@ -245,13 +356,14 @@ def copy_sparse(src: str | os.PathLike[str], dst: str | os.PathLike[str], chunk_
     Raises:
         DiskCopyFailed: reading or writing failed, or ``src`` changed size during the copy.
     """
-    return copy_sparse_digest(src, dst, chunk_size).hexdigest()
+    return copy_sparse_digest(src, dst, chunk_size, algorithm).hexdigest()
 
 
-def copy_sparse_digest(src: str | os.PathLike[str], dst: str | os.PathLike[str], chunk_size: int = CHUNK_SIZE) -> Any:
-    """:func:`copy_sparse`, returning the sha256 object itself (to extend with :func:`grown_sha256`)."""
+def copy_sparse_digest(src: str | os.PathLike[str], dst: str | os.PathLike[str], chunk_size: int = CHUNK_SIZE,
+                       algorithm: str = SHA256) -> Digest:
+    """:func:`copy_sparse`, returning the digest object itself (to extend with :func:`grown_digest`)."""
     src_path, dst_path = Path(src), Path(dst)
-    hasher = hashlib.sha256()
+    hasher = DIGESTS[algorithm]()
     try:
         with open(src_path, "rb") as fin, _temp_beside(dst_path) as (out, _tmp):
             size = os.fstat(fin.fileno()).st_size
@@ -259,7 +371,7 @@ def copy_sparse_digest(src: str | os.PathLike[str], dst: str | os.PathLike[str],
             pace = _Pace()
             position = 0
             for start, end in data_segments(fin.fileno(), size):
-                _hash_zeros(hasher, start - position, chunk_size)
+                hasher.update_zeros(start - position)
                 fin.seek(start)
                 out.seek(start)
                 remaining = end - start
@@ -272,19 +384,19 @@ def copy_sparse_digest(src: str | os.PathLike[str], dst: str | os.PathLike[str],
                     pace.moved(len(chunk))
                     remaining -= len(chunk)
                 position = end
-            _hash_zeros(hasher, size - position, chunk_size)
+            hasher.update_zeros(size - position)
             writer.finish(size)
     except OSError as exc:
         raise errors.DiskCopyFailed(f"Copying {src_path} to {dst_path} failed: {exc}") from exc
     return hasher
 
 
-def grown_sha256(hasher: Any, old_size: int, new_size: int, chunk_size: int = CHUNK_SIZE) -> str:
-    """The sha256 of a disk grown from ``old_size`` to ``new_size`` by :func:`grow`, from the sha256
+def grown_digest(hasher: Digest, old_size: int, new_size: int) -> str:
+    """The digest of a disk grown from ``old_size`` to ``new_size`` by :func:`grow`, from the digest
     object of its content before (the growth is zeros: only they are hashed, the content is not read again)."""
     extended = hasher.copy()
-    _hash_zeros(extended, new_size - old_size, chunk_size)
-    return str(extended.hexdigest())
+    extended.update_zeros(new_size - old_size)
+    return extended.hexdigest()
 
 
 def download_image(
@@ -428,12 +540,14 @@ def create_root_disk(
 class Transferred:
     """What one disk transfer moved: the disk's logical size and digest, and the data bytes that travelled.
 
-    ``hasher`` is the sha256 object of the content (for :func:`grown_sha256`).
+    ``sha256`` is the hex digest of the transfer's ``digest`` algorithm; ``hasher`` is the digest
+    object of the content (for :func:`grown_digest`).
     """
 
     size: int
     sha256: str
     data_bytes: int
+    digest: str = BLOCK_SHA256
     hasher: Any = field(default=None, compare=False, repr=False)
 
 
@@ -452,17 +566,17 @@ class _ExtentReader:
 
     Holes are skipped without reading them, and so are chunks that read as all zeros. While it
     reads, it records the extents it returned (``[offset, length]``, adjacent ones merged) and
-    hashes the file's whole logical content, zeros included. Non-seekable, so an upload reads it
-    once, in order, and the digest covers exactly what was sent.
+    digests the file's whole logical content, zeros included. Non-seekable, so an upload reads
+    it once, in order, and the digest covers exactly what was sent.
     """
 
-    def __init__(self, f: IO[bytes], size: int, chunk_size: int) -> None:
+    def __init__(self, f: IO[bytes], size: int, chunk_size: int, algorithm: str) -> None:
         self._file = f
         self.size = size
         self.chunk_size = chunk_size
         self.extents: list[list[int]] = []
         self.data_bytes = 0
-        self._hasher = hashlib.sha256()
+        self._hasher = DIGESTS[algorithm]()
         self._hashed = 0  # the logical content up to here is hashed
         self._segments = data_segments(f.fileno(), size)
         self._segment: tuple[int, int] | None = None
@@ -498,7 +612,7 @@ class _ExtentReader:
             if self._segment is None or self._offset >= self._segment[1]:
                 self._segment = next(self._segments, None)
                 if self._segment is None:
-                    _hash_zeros(self._hasher, self.size - self._hashed, self.chunk_size)
+                    self._hasher.update_zeros(self.size - self._hashed)
                     self._hashed = self.size
                     self._done = True
                     return False
@@ -509,7 +623,7 @@ class _ExtentReader:
             if not chunk:
                 raise errors.DiskCopyFailed(f"{self._file.name} shrank while it was being sent.")
             self._pace.moved(len(chunk))
-            _hash_zeros(self._hasher, start - self._hashed, self.chunk_size)
+            self._hasher.update_zeros(start - self._hashed)
             self._hasher.update(chunk)
             self._hashed = start + len(chunk)
             self._offset = self._hashed
@@ -533,11 +647,13 @@ def upload_disk(
     kind: str,
     chunk_size: int = CHUNK_SIZE,
     part_size: int = TRANSFER_PART_SIZE,
+    algorithm: str = BLOCK_SHA256,
 ) -> Transferred:
     """Send a disk to ``s3://bucket/<prefix>/<kind>`` as its data extents, then its manifest.
 
     Streams with a multipart upload; only the data (non-zero chunks of the data ranges) is read
-    and sent, and memory holds at most a few parts. Sending again replaces both objects.
+    and sent, and memory holds at most a few parts. Sending again replaces both objects. The
+    manifest carries the ``algorithm`` digest (:data:`DIGESTS`) of the whole disk.
 
     Raises:
         DiskCopyFailed: the disk cannot be read or the upload failed.
@@ -549,7 +665,7 @@ def upload_disk(
     )
     try:
         with open(source, "rb") as f:
-            reader = _ExtentReader(f, os.fstat(f.fileno()).st_size, chunk_size)
+            reader = _ExtentReader(f, os.fstat(f.fileno()).st_size, chunk_size, algorithm)
             s3_client.upload_fileobj(reader, bucket, key, Config=config)
             if reader.read(1):
                 raise errors.DiskCopyFailed(f"The upload of {source} stopped before its end.")
@@ -557,6 +673,7 @@ def upload_disk(
             "size": reader.size,
             "extents": reader.extents,
             "sha256": reader.sha256,
+            "digest": algorithm,
             "chunk_size": chunk_size,
         }
         s3_client.put_object(
@@ -569,11 +686,13 @@ def upload_disk(
         raise errors.DiskCopyFailed(
             f"Sending {source} to s3://{bucket}/{key} failed: {exc}", bucket=bucket, key=key
         ) from exc
-    return Transferred(size=reader.size, sha256=reader.sha256, data_bytes=reader.data_bytes)
+    return Transferred(size=reader.size, sha256=reader.sha256, data_bytes=reader.data_bytes, digest=algorithm)
 
 
-def _read_manifest(s3_client: Any, bucket: str, key: str) -> tuple[int, list[tuple[int, int]], str]:
-    """The (size, extents, sha256) of a transfer manifest, checked for sense.
+def _read_manifest(s3_client: Any, bucket: str, key: str) -> tuple[int, list[tuple[int, int]], str, str]:
+    """The (size, extents, digest, digest algorithm) of a transfer manifest, checked for sense.
+
+    A manifest without ``digest`` is a plain SHA-256 one (as agents before block digests wrote).
 
     Raises:
         DiskCopyFailed: the manifest is missing, unreadable or inconsistent.
@@ -589,14 +708,17 @@ def _read_manifest(s3_client: Any, bucket: str, key: str) -> tuple[int, list[tup
         size = int(manifest["size"])
         sha = str(manifest["sha256"]).lower()
         extents = [(int(offset), int(length)) for offset, length in manifest["extents"]]
-    except (ValueError, TypeError, KeyError) as exc:
+        algorithm = str(manifest.get("digest", SHA256))
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
         raise errors.DiskCopyFailed(f"The transfer manifest s3://{bucket}/{key} is not valid: {exc}") from exc
     position = 0
     for offset, length in extents:
         if offset < position or length <= 0 or offset + length > size:
             raise errors.DiskCopyFailed(f"The transfer manifest s3://{bucket}/{key} has overlapping or stray extents.")
         position = offset + length
-    return size, extents, sha
+    if algorithm not in DIGESTS:
+        raise errors.DiskCopyFailed(f"The transfer manifest s3://{bucket}/{key} has an unknown digest {algorithm!r}.")
+    return size, extents, sha, algorithm
 
 
 def _read_exactly(body: Any, count: int, chunk_size: int) -> Iterator[bytes]:
@@ -630,7 +752,7 @@ def download_disk(
     dest_path = Path(dest)
     data_key, man_key = transfer_key(prefix, kind), manifest_key(prefix, kind)
     try:
-        size, extents, manifest_sha = _read_manifest(s3_client, bucket, man_key)
+        size, extents, manifest_sha, algorithm = _read_manifest(s3_client, bucket, man_key)
         if expected_sha256 is not None and manifest_sha != expected_sha256.lower():
             raise errors.DiskCopyFailed(
                 f"The transfer s3://{bucket}/{data_key} is of another disk (sha256 {manifest_sha}, expected "
@@ -644,7 +766,7 @@ def download_disk(
                 bucket=bucket,
                 key=data_key,
             )
-        hasher = hashlib.sha256()
+        hasher = DIGESTS[algorithm]()
         data_bytes = 0
         with _temp_beside(dest_path) as (out, _tmp):
             body = s3_client.get_object(Bucket=bucket, Key=data_key)["Body"]
@@ -653,7 +775,7 @@ def download_disk(
                 pace = _Pace()
                 position = 0
                 for offset, length in extents:
-                    _hash_zeros(hasher, offset - position, chunk_size)
+                    hasher.update_zeros(offset - position)
                     out.seek(offset)
                     for chunk in _read_exactly(body, length, chunk_size):
                         hasher.update(chunk)
@@ -667,12 +789,12 @@ def download_disk(
                     )
             finally:
                 body.close()
-            _hash_zeros(hasher, size - position, chunk_size)
+            hasher.update_zeros(size - position)
             writer.finish(size)
             digest = hasher.hexdigest()
             if digest != manifest_sha:
                 raise errors.DiskCopyFailed(
-                    f"The transfer s3://{bucket}/{data_key} has sha256 {digest}, expected {manifest_sha}.",
+                    f"The transfer s3://{bucket}/{data_key} has {algorithm} {digest}, expected {manifest_sha}.",
                     bucket=bucket,
                     key=data_key,
                 )
@@ -682,7 +804,7 @@ def download_disk(
         raise errors.DiskCopyFailed(
             f"Fetching s3://{bucket}/{data_key} to {dest_path} failed: {exc}", bucket=bucket, key=data_key
         ) from exc
-    return Transferred(size=size, sha256=digest, data_bytes=data_bytes, hasher=hasher)
+    return Transferred(size=size, sha256=digest, data_bytes=data_bytes, digest=algorithm, hasher=hasher)
 
 
 def delete_transfer(s3_client: Any, bucket: str, prefix: str) -> int:
@@ -740,7 +862,7 @@ def upload_sparse_image(
     Raises:
         DiskCopyFailed: the disk cannot be read or the upload failed.
     """
-    sent = upload_disk(s3_client, path, bucket, data_prefix, IMAGE_DATA_KIND)
+    sent = upload_disk(s3_client, path, bucket, data_prefix, IMAGE_DATA_KIND, algorithm=SHA256)
     faults.check(f"*:{SNAPSHOT_WRITTEN_FAULT}")  # drills: the data is sent, the image not yet written
     pointer = {"layout": EXTENTS_LAYOUT, "prefix": data_prefix, "kind": IMAGE_DATA_KIND}
     try:

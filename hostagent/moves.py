@@ -194,7 +194,7 @@ class MoveOperations:
             if args["same_host"]:
                 # The destination copies from the kept directory; the checksum lets it verify the copy.
                 try:
-                    sent[kind] = {"sha256": disks.sparse_sha256(path), "size": path.stat().st_size}
+                    sent[kind] = {"sha256": disks.file_digest(path), "size": path.stat().st_size}
                 except OSError as exc:
                     raise errors.DiskCopyFailed(f"Reading {path} failed: {exc}", instance_uuid=uuid) from exc
                 continue
@@ -322,7 +322,7 @@ class MoveOperations:
     def _receive_disks(self, op: Operation, live: Path, kept: Path) -> dict[str, tuple[Any, int]]:
         """Copy or fetch each disk of the ``disks`` argument into ``live``, verified.
 
-        Returns each disk's sha256 object and size, to checksum it once grown without reading it again.
+        Returns each disk's digest object and size, to checksum it once grown without reading it again.
         """
         uuid, args = op.instance_uuid, op.args
         received: dict[str, tuple[Any, int]] = {}
@@ -332,13 +332,13 @@ class MoveOperations:
                 source = kept / disks.DISK_FILES[kind]
                 if not source.exists():
                     raise errors.DiskCopyFailed(f"The kept {kind} disk {source} is missing.", instance_uuid=uuid)
-                hasher = disks.copy_sparse_digest(source, dest)
+                hasher = disks.copy_sparse_digest(source, dest, algorithm=disks.BLOCK_SHA256)
                 digest, size = hasher.hexdigest(), dest.stat().st_size
                 received[kind] = (hasher, size)
                 if digest != expected["sha256"] or size != expected["size"]:
                     raise errors.DiskCopyFailed(
                         f"The {kind} disk of instance {uuid} changed since it was moved aside "
-                        f"(sha256 {digest}, {size} bytes; expected {expected['sha256']}, {expected['size']} bytes).",
+                        f"(digest {digest}, {size} bytes; expected {expected['sha256']}, {expected['size']} bytes).",
                         instance_uuid=uuid,
                     )
                 continue
@@ -386,9 +386,9 @@ class MoveOperations:
     def _disk_checksums(
         self, instance_uuid: str, directory: Path, known: dict[str, tuple[Any, int]] | None = None
     ) -> dict[str, dict[str, Any]]:
-        """The sha256 and size of the root and ephemeral disks in ``directory`` (whole files, zeros included).
+        """The block digest and size of the root and ephemeral disks in ``directory`` (whole files, zeros included).
 
-        ``known`` has the sha256 objects of disks just written, before they were grown.
+        ``known`` has the digest objects of disks just written, before they were grown.
         """
         found: dict[str, dict[str, Any]] = {}
         for kind in protocol.MOVED_DISKS:
@@ -398,9 +398,9 @@ class MoveOperations:
                     size = path.stat().st_size
                     if known and kind in known and size >= known[kind][1]:
                         hasher, old_size = known[kind]
-                        found[kind] = {"sha256": disks.grown_sha256(hasher, old_size, size), "size": size}
+                        found[kind] = {"sha256": disks.grown_digest(hasher, old_size, size), "size": size}
                     else:
-                        found[kind] = {"sha256": disks.sparse_sha256(path), "size": size}
+                        found[kind] = {"sha256": disks.file_digest(path), "size": size}
                 except OSError as exc:
                     raise errors.DiskCopyFailed(f"Reading {path} failed: {exc}", instance_uuid=instance_uuid) from exc
         return found

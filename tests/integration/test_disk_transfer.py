@@ -8,6 +8,7 @@ import os
 
 import boto3
 import pytest
+from digest_helpers import block_digest, block_digest_of
 from moto import mock_aws
 
 from ferry import errors
@@ -69,7 +70,7 @@ def test_a_sparse_disk_sends_only_its_data_and_comes_back_identical(s3, tmp_path
     src, dst = tmp_path / "src", tmp_path / "dest" / "disk"
     data = {0: os.urandom(64 * 1024), 300 * MiB: os.urandom(MiB), GiB - 4096: os.urandom(4096)}
     content = _sparse_file(src, GiB, data)
-    expected = hashlib.sha256(content).hexdigest()
+    expected = block_digest_of(content)
 
     sent = disks.upload_disk(s3, src, BUCKET, PREFIX, "root")
 
@@ -82,6 +83,7 @@ def test_a_sparse_disk_sends_only_its_data_and_comes_back_identical(s3, tmp_path
         "size": GiB,
         "extents": [[offset, len(chunk)] for offset, chunk in data.items()],
         "sha256": expected,
+        "digest": "sha256-blocks",
         "chunk_size": disks.CHUNK_SIZE,
     }
 
@@ -89,7 +91,8 @@ def test_a_sparse_disk_sends_only_its_data_and_comes_back_identical(s3, tmp_path
 
     assert received.sha256 == expected and received.size == GiB
     assert os.path.getsize(dst) == GiB
-    assert disks.sparse_sha256(dst) == expected
+    assert disks.file_digest(dst) == expected == block_digest(dst)
+    assert disks.sparse_sha256(dst) == hashlib.sha256(content).hexdigest()
     assert os.stat(dst).st_blocks * 512 < 4 * MiB
     assert sorted(p.name for p in dst.parent.iterdir()) == ["disk"]
 
@@ -101,7 +104,7 @@ def test_written_zeros_are_not_sent(s3, tmp_path):
 
     sent = disks.upload_disk(s3, src, BUCKET, PREFIX, "root", chunk_size=MiB)
 
-    assert sent.sha256 == hashlib.sha256(content).hexdigest()
+    assert sent.sha256 == block_digest_of(content)
     assert _manifest(s3)["extents"] == [[0, MiB], [9 * MiB, MiB]]
     assert len(_object(s3, disks.transfer_key(PREFIX, "root"))) == 2 * MiB
 
@@ -115,7 +118,7 @@ def test_an_all_hole_disk_sends_no_data(s3, tmp_path):
 
     assert sent.data_bytes == 0
     assert _manifest(s3, "ephemeral")["extents"] == []
-    assert sent.sha256 == hashlib.sha256(bytes(64 * MiB)).hexdigest()
+    assert sent.sha256 == block_digest_of(bytes(64 * MiB))
     assert os.path.getsize(dst) == 64 * MiB and os.stat(dst).st_blocks == 0
 
 
@@ -151,7 +154,7 @@ def test_corrupt_data_fails_and_leaves_no_file(s3, tmp_path):
     stored[100] ^= 0xFF
     s3.put_object(Bucket=BUCKET, Key=disks.transfer_key(PREFIX, "root"), Body=bytes(stored))
 
-    with pytest.raises(errors.DiskCopyFailed, match="sha256"):
+    with pytest.raises(errors.DiskCopyFailed, match="sha256-blocks"):
         disks.download_disk(s3, BUCKET, PREFIX, "root", dst, expected_sha256=sent.sha256)
 
     assert not dst.exists()
@@ -193,8 +196,9 @@ def test_a_transfer_of_another_disk_is_refused_before_it_is_fetched(s3, tmp_path
         json.dumps({"size": 10}).encode(),
         json.dumps({"size": MiB, "extents": [[0, 10], [5, 10]], "sha256": "0" * 64, "chunk_size": 1}).encode(),
         json.dumps({"size": MiB, "extents": [[MiB - 1, 10]], "sha256": "0" * 64, "chunk_size": 1}).encode(),
+        json.dumps({"size": MiB, "extents": [], "sha256": "0" * 64, "digest": "md5", "chunk_size": 1}).encode(),
     ],
-    ids=["not-json", "incomplete", "overlapping", "beyond-the-end"],
+    ids=["not-json", "incomplete", "overlapping", "beyond-the-end", "unknown-digest"],
 )
 def test_a_bad_manifest_fails(s3, tmp_path, manifest):
     s3.put_object(Bucket=BUCKET, Key=disks.transfer_key(PREFIX, "root"), Body=b"x" * 20)
@@ -250,3 +254,68 @@ def test_the_kept_directory_sits_beside_the_live_one(tmp_path):
     kept = disks.resize_dir(tmp_path, "abc")
 
     assert kept.parent == live.parent and kept.name == "abc_resize"
+
+
+# --- the block digest ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [0, 1, 4 * MiB - 1, 4 * MiB, 4 * MiB + 1, 13 * MiB + 12345])
+def test_the_block_digest_is_sha256_of_the_4_mib_block_digests_whatever_the_feeding(size):
+    content = bytearray(size)
+    for offset in range(0, size, 3 * MiB + 7):  # some data, some zeros, across block edges
+        content[offset:offset + 100_000] = os.urandom(len(content[offset:offset + 100_000]))
+    content = bytes(content)
+    expected = block_digest_of(content)
+
+    by_bytes, by_holes = disks.BlockSha256(), disks.BlockSha256()
+    for start in range(0, size, 777_777):
+        by_bytes.update(content[start:start + 777_777])
+    position = 0
+    for start in range(0, size, 100_003):  # zero runs as holes, data as bytes, at odd offsets
+        piece = content[start:start + 100_003]
+        if piece.count(0) == len(piece):
+            by_holes.update_zeros(len(piece))
+        else:
+            by_holes.update(piece)
+        position = start + len(piece)
+    assert position == size
+
+    assert by_bytes.hexdigest() == by_holes.hexdigest() == expected
+    assert expected != hashlib.sha256(content).hexdigest() or size == 0
+
+
+def test_a_block_digest_copy_goes_on_alone():
+    first = disks.BlockSha256()
+    first.update(os.urandom(5 * MiB))
+    before = first.hexdigest()
+    grown = first.copy()
+    grown.update_zeros(9 * MiB + 3)
+
+    assert first.hexdigest() == before
+    assert grown.hexdigest() != before
+    assert disks.grown_digest(first, 5 * MiB, 14 * MiB + 3) == grown.hexdigest()
+
+
+def test_a_sparse_disk_and_its_dense_copy_have_the_same_digest(tmp_path):
+    sparse, dense = tmp_path / "sparse", tmp_path / "dense"
+    content = _sparse_file(sparse, 64 * MiB + 5, {MiB: os.urandom(3 * MiB), 40 * MiB: os.urandom(10)})
+    dense.write_bytes(content)
+
+    assert disks.file_digest(sparse) == disks.file_digest(dense) == block_digest(dense) == block_digest_of(content)
+    assert disks.file_digest(sparse, disks.SHA256) == hashlib.sha256(content).hexdigest()
+
+
+def test_a_manifest_without_a_digest_name_is_a_plain_sha256_one(s3, tmp_path):
+    """What an agent that predates block digests sends is still received and verified."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    content = _sparse_file(src, 16 * MiB, {2 * MiB: os.urandom(MiB)})
+    sent = disks.upload_disk(s3, src, BUCKET, PREFIX, "root", algorithm=disks.SHA256)
+    manifest = _manifest(s3)
+    del manifest["digest"]
+    s3.put_object(Bucket=BUCKET, Key=disks.manifest_key(PREFIX, "root"), Body=json.dumps(manifest).encode())
+
+    received = disks.download_disk(s3, BUCKET, PREFIX, "root", dst, expected_sha256=sent.sha256)
+
+    assert received.sha256 == sent.sha256 == hashlib.sha256(content).hexdigest()
+    assert received.digest == disks.SHA256
+    assert dst.read_bytes() == content

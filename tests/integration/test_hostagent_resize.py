@@ -22,6 +22,7 @@ from typing import Any
 
 import boto3
 import pytest
+from digest_helpers import block_digest
 from moto import mock_aws
 
 from ferry import errors, faults, protocol
@@ -228,6 +229,7 @@ def image(cloud: Cloud, content: bytes) -> dict[str, str]:
 class Server:
     uuid: str
     root_sha256: str | None
+    root_digest: str | None  # the block digest the agents report
     flavor: dict[str, Any]
     volumes: list[dict[str, Any]]
 
@@ -254,7 +256,9 @@ def boot(host: Host, flavor: dict[str, Any] = OLD, running: bool = True, volumes
         with open(live / disks.SWAP_DISK, "r+b") as f:
             f.write(b"swap junk" * 1000)
     root = live / disks.ROOT_DISK
-    return Server(instance_uuid, logical_sha256(root) if root.exists() else None, flavor, volumes or [])
+    if not root.exists():
+        return Server(instance_uuid, None, None, flavor, volumes or [])
+    return Server(instance_uuid, logical_sha256(root), block_digest(root), flavor, volumes or [])
 
 
 def transfer(migration_uuid: str) -> dict[str, str]:
@@ -363,7 +367,7 @@ def test_resize_to_a_bigger_flavor_moves_the_disks_and_defines_the_new_guest_at_
     assert resized["was_running"] is True
     assert resized["power_state"] == NOSTATE
     assert set(resized["disks"]) == {"root", "ephemeral"}
-    assert resized["disks"]["root"] == {"sha256": server.root_sha256, "size": disks.GiB}
+    assert resized["disks"]["root"] == {"sha256": server.root_digest, "size": disks.GiB}
     assert resized["disks"]["ephemeral"]["size"] == disks.GiB
     assert not source.driver.guest_exists(server.uuid)
     assert not source.live(server.uuid).exists()
@@ -387,7 +391,7 @@ def test_resize_to_a_bigger_flavor_moves_the_disks_and_defines_the_new_guest_at_
     root, ephemeral, swap = live / disks.ROOT_DISK, live / disks.EPHEMERAL_DISK, live / disks.SWAP_DISK
     assert os.path.getsize(root) == 2 * disks.GiB
     assert logical_sha256(root, disks.GiB) == server.root_sha256
-    assert finished["disks"]["root"] == {"sha256": logical_sha256(root), "size": 2 * disks.GiB}
+    assert finished["disks"]["root"] == {"sha256": block_digest(root), "size": 2 * disks.GiB}
     assert os.path.getsize(ephemeral) == 2 * disks.GiB
     assert read_at(ephemeral, EPHEMERAL_OFFSET, len(EPHEMERAL_DATA)) == EPHEMERAL_DATA
     assert os.path.getsize(swap) == 128 * MiB
@@ -422,7 +426,7 @@ def test_cold_migrate_keeps_the_flavor_and_the_disk_sizes(source, dest):
 
     live = dest.live(server.uuid)
     assert os.path.getsize(live / disks.ROOT_DISK) == disks.GiB
-    assert finished["disks"]["root"]["sha256"] == server.root_sha256
+    assert finished["disks"]["root"]["sha256"] == server.root_digest
     assert_guest_has_flavor(dest, server.uuid, OLD)
     assert finished["power_state"] == RUNNING
 
@@ -558,7 +562,7 @@ def test_same_host_resize_then_confirm_keeps_the_resized_guest(cloud, source):
     assert os.path.getsize(live / disks.ROOT_DISK) == 2 * disks.GiB
     assert logical_sha256(live / disks.ROOT_DISK, disks.GiB) == server.root_sha256
     assert os.path.getsize(kept / disks.ROOT_DISK) == disks.GiB
-    assert resized["disks"]["root"]["sha256"] == server.root_sha256
+    assert resized["disks"]["root"]["sha256"] == server.root_digest
 
     confirmed = source.ok("confirm_resize", server.uuid, {"migration_uuid": migration_uuid, "same_host": True})
 
@@ -605,7 +609,7 @@ def test_same_host_finish_without_kept_disks_fails_and_keeps_the_live_ones(sourc
     server = boot(source)
     migration_uuid = str(uuid.uuid4())
     source.driver.destroy(server.uuid)  # the guest is gone but its disks were never moved aside
-    moved = {"was_running": True, "disks": {"root": {"sha256": server.root_sha256, "size": disks.GiB}}}
+    moved = {"was_running": True, "disks": {"root": {"sha256": server.root_digest, "size": disks.GiB}}}
 
     error = source.fails("finish_resize", server.uuid, finish_args(migration_uuid, server, moved, same_host=True))
 
@@ -713,7 +717,7 @@ def test_revert_at_a_destination_that_has_nothing_succeeds(cloud, dest):
 
 
 def test_finish_revert_without_anything_to_restore_fails_with_guest_not_found(source):
-    server = Server(str(uuid.uuid4()), None, OLD, [])
+    server = Server(str(uuid.uuid4()), None, None, OLD, [])
     args = finish_revert_args(str(uuid.uuid4()), server, True)
 
     assert source.fails("finish_revert_resize", server.uuid, args) == "Ferry.GuestNotFound"
@@ -778,7 +782,7 @@ def test_a_resize_interrupted_after_the_guest_was_undefined_still_reports_it_was
     resized = source.ok("resize_instance", server.uuid, resize_args(migration_uuid, dest))
 
     assert resized["was_running"] is True
-    assert resized["disks"]["root"]["sha256"] == server.root_sha256
+    assert resized["disks"]["root"]["sha256"] == server.root_digest
     assert source.instance_dirs() == [f"{server.uuid}_resize"]
 
 
@@ -805,7 +809,7 @@ def test_a_kept_directory_left_by_an_earlier_move_does_not_block_a_new_one(sourc
 
     _migration, resized, finished = move(source, dest, server)
 
-    assert resized["disks"]["root"]["sha256"] == server.root_sha256
+    assert resized["disks"]["root"]["sha256"] == server.root_digest
     assert finished["power_state"] == RUNNING
 
 
