@@ -19,7 +19,8 @@ A disk moved between hosts is checked with its *block digest* (:class:`BlockSha2
 ``"digest": "sha256-blocks"``): the SHA-256 of the SHA-256 digests of its 4 MiB blocks, in order.
 It identifies the logical content as a plain SHA-256 does, but a hole costs one precomputed
 block digest instead of hashing its zeros, so checking a mostly empty disk costs what its data
-costs. Images keep the plain SHA-256 (``"digest": "sha256"``) that the image API shows.
+costs. Snapshot images stored sparse use it too (their metadata says ``digest``); raw images
+keep the plain SHA-256 (``"digest": "sha256"``) that the image API shows.
 
 For drills, ``FERRY_DISK_THROTTLE_MIBPS`` (read when a copy starts) caps every disk stream of
 the process (copies, downloads, uploads) at that many MiB per second, so that a test can catch
@@ -502,6 +503,7 @@ def create_root_disk(
         metadata = head.get("Metadata") or {}
         sparse = metadata.get("layout") == EXTENTS_LAYOUT
         image_size = int(metadata.get("virtual-size") or 0) if sparse else int(head["ContentLength"])
+        algorithm = (metadata.get("digest") or SHA256) if sparse else SHA256
     except (ClientError, BotoCoreError) as exc:
         raise errors.ImageDownloadFailed(
             f"Image s3://{bucket}/{key} cannot be read: {exc}", bucket=bucket, key=key
@@ -511,6 +513,9 @@ def create_root_disk(
             f"Image {image.get('id')} ({image_size} bytes) is larger than the root disk ({root_bytes} bytes).",
             image_id=image.get("id"),
         )
+    if algorithm not in DIGESTS:
+        raise errors.ImageDownloadFailed(f"Image s3://{bucket}/{key} has an unknown digest {algorithm!r}.",
+                                         bucket=bucket, key=key)
     fetch = _download_sparse_image if sparse else download_image
     if cache_dir is None:
         fetch(s3_client, bucket, key, dest_path, expected, chunk_size)
@@ -518,12 +523,12 @@ def create_root_disk(
         cached = Path(cache_dir) / expected
         if not cached.exists():
             fetch(s3_client, bucket, key, cached, expected, chunk_size)
-        if copy_sparse(cached, dest_path, chunk_size) != expected:
+        if copy_sparse(cached, dest_path, chunk_size, algorithm) != expected:
             # The cached copy rotted on disk: drop it and the copy, and fetch the image afresh.
             dest_path.unlink(missing_ok=True)
             cached.unlink(missing_ok=True)
             fetch(s3_client, bucket, key, cached, expected, chunk_size)
-            if copy_sparse(cached, dest_path, chunk_size) != expected:
+            if copy_sparse(cached, dest_path, chunk_size, algorithm) != expected:
                 dest_path.unlink(missing_ok=True)
                 raise errors.ImageDownloadFailed(f"Image {image.get('id')} changed while it was being copied.")
     if root_bytes > 0 and os.path.getsize(dest_path) > root_bytes:
@@ -856,13 +861,14 @@ def upload_sparse_image(
 
     The disk's written extents and their manifest go under ``data_prefix`` (as a transfer
     between hosts does: holes and zero blocks are not sent), then the image object itself, a
-    small pointer to them, with ``metadata`` plus the ``sha256`` of the whole disk, its
-    ``virtual-size`` and ``data-size``: the image exists, finished, from that one write on.
+    small pointer to them, with ``metadata`` plus the block digest of the whole disk (``sha256``,
+    named by ``digest``), its ``virtual-size`` and ``data-size``: the image exists, finished,
+    from that one write on.
 
     Raises:
         DiskCopyFailed: the disk cannot be read or the upload failed.
     """
-    sent = upload_disk(s3_client, path, bucket, data_prefix, IMAGE_DATA_KIND, algorithm=SHA256)
+    sent = upload_disk(s3_client, path, bucket, data_prefix, IMAGE_DATA_KIND)
     faults.check(f"*:{SNAPSHOT_WRITTEN_FAULT}")  # drills: the data is sent, the image not yet written
     pointer = {"layout": EXTENTS_LAYOUT, "prefix": data_prefix, "kind": IMAGE_DATA_KIND}
     try:
@@ -871,7 +877,7 @@ def upload_sparse_image(
             Key=key,
             Body=json.dumps(pointer).encode(),
             ContentType="application/json",
-            Metadata={**metadata, "layout": EXTENTS_LAYOUT, "sha256": sent.sha256,
+            Metadata={**metadata, "layout": EXTENTS_LAYOUT, "sha256": sent.sha256, "digest": sent.digest,
                       "virtual-size": str(sent.size), "data-size": str(sent.data_bytes)},
         )
     except (ClientError, BotoCoreError) as exc:

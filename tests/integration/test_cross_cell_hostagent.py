@@ -49,12 +49,12 @@ def test_snapshot_prep_uploads_the_root_disk_as_an_image_and_keeps_the_disks(clo
     assert logical_sha256(root) == server.root_sha256
     snapshot = result["snapshot"]
     assert (snapshot["image_id"], snapshot["sha256"], snapshot["size"]) == (
-        image_id, server.root_sha256, root.stat().st_size)
+        image_id, server.root_digest, root.stat().st_size)
     # Only the written blocks travel: the data object holds them, far less than the disk's size.
     assert 0 < snapshot["data_bytes"] == object_size(cloud, f"image-data/{image_id}/disk") < root.stat().st_size // 4
     meta = cloud.s3.head_object(Bucket=IMAGES, Key=f"images/{image_id}")["Metadata"]
-    assert (meta["sha256"], meta["layout"], meta["virtual-size"], meta["data-size"]) == (
-        server.root_sha256, "extents", str(root.stat().st_size), str(snapshot["data_bytes"]))
+    assert (meta["sha256"], meta["digest"], meta["layout"], meta["virtual-size"], meta["data-size"]) == (
+        server.root_digest, "sha256-blocks", "extents", str(root.stat().st_size), str(snapshot["data_bytes"]))
     assert (meta["disk-format"], meta["name"], meta["image-id"]) == ("raw", "web-1-resize-temp", image_id)
 
 

@@ -94,6 +94,21 @@ def test_a_sparse_image_shows_its_disk_size_and_goes_with_its_extents(cloud):
     assert not [key for key in left if image_id in key], left
 
 
+@pytest.mark.parametrize("digest", [None, "sha256", "sha256-blocks"])
+def test_only_a_plain_sha256_shows_as_the_images_hash_and_the_host_gets_the_recorded_digest(cloud, digest):
+    s3, bucket, image_id = aws.client("s3"), config.get().image_bucket, "7f1d6c0e-2b7a-4d7e-8a0c-5e9a1b2c3d4e"
+    meta = {"image-id": image_id, "name": "vm-resize-temp", "layout": "extents", "sha256": "cd" * 32,
+            "virtual-size": str(2**30), "data-size": "0", **({"digest": digest} if digest else {})}
+    s3.put_object(Bucket=bucket, Key=f"images/{image_id}", Body=b'{"layout": "extents"}', Metadata=meta)
+
+    image = images.get_image(image_id)
+
+    plain = digest != "sha256-blocks"
+    assert image["status"] == "active"
+    assert (image["os_hash_algo"], image["os_hash_value"]) == (("sha256", "cd" * 32) if plain else (None, None))
+    assert images.image_location(image_id)["sha256"] == "cd" * 32
+
+
 def test_deleting_a_snapshot_whose_image_was_never_written_removes_its_extents(cloud):
     s3, bucket, image_id = aws.client("s3"), config.get().image_bucket, "5d1f0a2b-7c3e-4f5a-8b9c-0d1e2f3a4b5c"
     s3.put_object(Bucket=bucket, Key=f"{images.data_prefix(image_id)}/disk", Body=b"partial")

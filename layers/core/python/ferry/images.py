@@ -7,10 +7,12 @@ without ``sha256`` is an upload that has not finished: it shows as ``saving`` an
 be booted.
 
 Most images are raw objects. A snapshot of a disk is stored sparse (``layout: extents``): the
-object ``images/<id>`` is then a small pointer, written last with the ``sha256`` of the whole
-disk, and the disk's written extents and their manifest live under ``image-data/<id>/`` (the
-host agent's transfer format), so the holes of a mostly empty disk never travel. Its metadata
-also carries ``virtual-size`` (the disk's size) and ``data-size`` (the bytes stored).
+object ``images/<id>`` is then a small pointer, written last with the digest of the whole
+disk (``sha256``; ``digest`` names the algorithm, the host agent's block digest), and the disk's
+written extents and their manifest live under ``image-data/<id>/`` (the host agent's transfer
+format), so the holes of a mostly empty disk never travel. Its metadata also carries
+``virtual-size`` (the disk's size) and ``data-size`` (the bytes stored). A block digest is not
+an algorithm of the Image API's ``os_hash_algo``: such an image shows no hash there.
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ def _image(image_id: str, head: dict[str, Any]) -> dict[str, Any]:
     meta = head.get("Metadata") or {}
     sha256 = meta.get("sha256") or None
     sparse = meta.get("layout") == EXTENTS_LAYOUT
+    plain_hash = sha256 is not None and meta.get("digest", "sha256") == "sha256"
     modified = _isotime(head.get("LastModified"))
     return {
         "id": image_id,
@@ -99,8 +102,8 @@ def _image(image_id: str, head: dict[str, Any]) -> dict[str, Any]:
         "size": int(meta.get("data-size") or 0) if sparse else head.get("ContentLength"),
         "virtual_size": int(meta.get("virtual-size") or 0) if sparse else None,
         "checksum": None,
-        "os_hash_algo": "sha256" if sha256 else None,
-        "os_hash_value": sha256,
+        "os_hash_algo": "sha256" if plain_hash else None,
+        "os_hash_value": sha256 if plain_hash else None,
         "owner": None,
         "tags": [],
         "created_at": modified,
@@ -198,10 +201,10 @@ def image_location(image_id: str) -> dict[str, Any]:
     Raises:
         ImageNotFound: no such image, or its upload has not finished.
     """
-    image = get_image(image_id)
-    if image["status"] != ACTIVE:
+    digest = (_head(image_id).get("Metadata") or {}).get("sha256")
+    if not digest:
         raise errors.ImageNotFound(f"Image {image_id} is not active.")
-    return {"id": image_id, "bucket": _bucket(), "key": _key(image_id), "sha256": image["os_hash_value"]}
+    return {"id": image_id, "bucket": _bucket(), "key": _key(image_id), "sha256": digest}
 
 
 def delete_image(image_id: str) -> bool:
