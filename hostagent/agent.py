@@ -873,9 +873,9 @@ class HostAgent(MoveOperations):
         return self._result(op.instance_uuid, self.driver.guest_power_state(op.instance_uuid))
 
     def destroy(self, op: Operation) -> dict[str, Any]:
-        """Remove the guest and, unless ``keep_disks``, the instance directory and the old disks a
-        move kept here (``<uuid>_resize``: a server deleted after its revert failed). An absent
-        guest is fine.
+        """Remove the guest and, unless ``keep_disks``, the instance directory, the old disks a
+        move kept here (``<uuid>_resize``: a server deleted after its revert failed) and disks a
+        move was copying in (``<uuid>_incoming``). An absent guest is fine.
 
         Raises:
             HypervisorError, HostOperationFailed (the disks cannot be removed).
@@ -885,6 +885,7 @@ class HostAgent(MoveOperations):
             try:
                 disks.remove_instance_dir(self.instances_dir, op.instance_uuid)
                 disks.remove_dir(disks.resize_dir(self.instances_dir, op.instance_uuid))
+                disks.remove_dir(disks.incoming_dir(self.instances_dir, op.instance_uuid))
             except OSError as exc:
                 raise errors.HostOperationFailed(
                     f"Removing the disks of instance {op.instance_uuid} failed: {exc}", instance_uuid=op.instance_uuid

@@ -37,7 +37,9 @@ import os
 import shutil
 import tempfile
 import time
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,6 +60,13 @@ EPHEMERAL_DISK = "disk.eph0"
 SWAP_DISK = "disk.swap"
 IMAGE_CACHE_DIR = "_base"
 RESIZE_SUFFIX = "_resize"
+INCOMING_SUFFIX = "_incoming"
+# This host's name and token in its instances directory: whoever reads the same there shares the storage.
+HOST_MARKER = ".ferry-host.json"
+# Beside a disk copied directly: the SHA-256 of each of its 4 MiB blocks, in order.
+BLOCKS_SUFFIX = ".blocks"
+# Threads that read, digest and write the blocks of one direct copy at once.
+COPY_WORKERS = 2
 # The file name of each kind of local disk in an instance directory.
 DISK_FILES = {"root": ROOT_DISK, "ephemeral": EPHEMERAL_DISK, "swap": SWAP_DISK}
 MANIFEST_SUFFIX = ".manifest.json"
@@ -110,6 +119,11 @@ def swap_disk_path(instances_dir: str | os.PathLike[str], instance_uuid: str) ->
 def resize_dir(instances_dir: str | os.PathLike[str], instance_uuid: str) -> Path:
     """Where the source host keeps an instance's old disks while a move waits for confirm or revert."""
     return Path(instances_dir) / f"{instance_uuid}{RESIZE_SUFFIX}"
+
+
+def incoming_dir(instances_dir: str | os.PathLike[str], instance_uuid: str) -> Path:
+    """Where another host copies an instance's disks directly for a move here (:func:`copy_to_host`)."""
+    return Path(instances_dir) / f"{instance_uuid}{INCOMING_SUFFIX}"
 
 
 def remove_instance_dir(instances_dir: str | os.PathLike[str], instance_uuid: str) -> None:
@@ -186,9 +200,13 @@ BLOCK_SHA256 = "sha256-blocks"
 DIGEST_BLOCK_SIZE = 4 * MiB
 
 
-@functools.cache
 def _zero_block() -> memoryview:
-    return memoryview(bytes(DIGEST_BLOCK_SIZE))
+    return memoryview(_zero_bytes())
+
+
+@functools.cache
+def _zero_bytes() -> bytes:
+    return bytes(DIGEST_BLOCK_SIZE)
 
 
 @functools.cache
@@ -269,6 +287,12 @@ class BlockSha256:
             whole -= batch
         if rest:
             self.update(_zero_block()[:rest])
+
+    def add_block_digests(self, digests: bytes) -> None:
+        """Whole blocks by their SHA-256 digests (32 bytes each, hashed elsewhere); only at a block boundary."""
+        if self._filled or len(digests) % 32:
+            raise ValueError("block digests go in whole, at a block boundary")
+        self._outer.update(digests)
 
     def copy(self) -> BlockSha256:
         other = BlockSha256()
@@ -536,6 +560,150 @@ def create_root_disk(
         dest_path.unlink(missing_ok=True)
         raise errors.SpawnFailed(f"Image {image.get('id')} is larger than the root disk ({root_bytes} bytes).")
     return grow(dest_path, root_bytes) if root_bytes > 0 else os.path.getsize(dest_path)
+
+
+# --- direct copies into another host's instances directory ------------------------------------------
+
+
+def host_token(instances_dir: str | os.PathLike[str], host: str) -> str:
+    """This host's token in ``<instances_dir>/.ferry-host.json``, created once.
+
+    Another host that reads this host's name and the same token at the path this host gives for
+    its instances directory shares that storage, and may copy a move's disks straight into it.
+
+    Raises:
+        OSError: the marker cannot be read or written.
+    """
+    marker = Path(instances_dir) / HOST_MARKER
+    try:
+        known = json.loads(marker.read_text())
+        if known.get("host") == host and known.get("token"):
+            return str(known["token"])
+    except (OSError, ValueError, AttributeError):
+        pass
+    token = os.urandom(16).hex()
+    with _temp_beside(marker) as (out, _tmp):
+        out.write(json.dumps({"host": host, "token": token}).encode())
+    return token
+
+
+def reaches(instances_dir: str | os.PathLike[str], host: str, token: str) -> bool:
+    """Whether ``instances_dir`` is ``host``'s instances directory (its marker holds ``token``), as seen from here."""
+    try:
+        known = json.loads((Path(instances_dir) / HOST_MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(known, dict) and known.get("host") == host and known.get("token") == token
+
+
+def _data_blocks(fd: int, size: int) -> list[int]:
+    """The indexes of the 4 MiB blocks that the file's data ranges touch."""
+    touched: list[int] = []
+    for start, end in data_segments(fd, size):
+        first, last = start // DIGEST_BLOCK_SIZE, (end - 1) // DIGEST_BLOCK_SIZE
+        touched.extend(range(max(first, touched[-1] + 1 if touched else 0), last + 1))
+    return touched
+
+
+def copy_to_host(src: str | os.PathLike[str], dst: str | os.PathLike[str], workers: int = COPY_WORKERS) -> Transferred:
+    """Copy a disk into another host's instances directory, sparse, its block digest computed on the way.
+
+    The 4 MiB blocks that the source's data ranges touch are read, digested and (unless all
+    zeros) written in place by ``workers`` threads at once (the file calls and SHA-256 release
+    the GIL); holes are neither read nor written. The block digests go beside the copy
+    (``<dst>.blocks``) so that the receiver has the digest without reading the disk again
+    (:func:`received_digest`). Each file is fsynced and appears atomically; the digest is of the
+    bytes written.
+
+    Raises:
+        DiskCopyFailed: reading or writing failed, or ``src`` changed size during the copy.
+    """
+    src_path, dst_path = Path(src), Path(dst)
+    blocks_path = dst_path.with_name(dst_path.name + BLOCKS_SUFFIX)
+    try:
+        with open(src_path, "rb") as fin, _temp_beside(dst_path) as (out, _tmp):
+            size = os.fstat(fin.fileno()).st_size
+            out.truncate(size)
+            pace = _Pace()
+
+            def copy_block(index: int) -> tuple[bytes, int]:
+                start = index * DIGEST_BLOCK_SIZE
+                length = min(DIGEST_BLOCK_SIZE, size - start)
+                block = os.pread(fin.fileno(), length, start)
+                if len(block) != length:
+                    raise errors.DiskCopyFailed(f"{src_path} shrank while it was being copied.")
+                if block == (_zero_bytes() if length == DIGEST_BLOCK_SIZE else bytes(length)):
+                    return _zero_block_digest() if length == DIGEST_BLOCK_SIZE else hashlib.sha256(block).digest(), 0
+                written = os.pwrite(out.fileno(), block, start)
+                if written != length:
+                    raise errors.DiskCopyFailed(f"Writing {dst_path} stopped short at offset {start + written}.")
+                return hashlib.sha256(block).digest(), length
+
+            count = -(-size // DIGEST_BLOCK_SIZE)
+            digests = [_zero_block_digest()] * count
+            if count and size % DIGEST_BLOCK_SIZE:
+                digests[-1] = hashlib.sha256(_zero_block()[:size % DIGEST_BLOCK_SIZE]).digest()
+            data_bytes = 0
+            todo = iter(_data_blocks(fin.fileno(), size))
+            with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="disk-copy") as pool:
+                running: deque[tuple[int, Future[tuple[bytes, int]]]] = deque()
+                for index in todo:  # a window of blocks in flight: memory stays at a few blocks
+                    running.append((index, pool.submit(copy_block, index)))
+                    while len(running) >= 2 * max(1, workers):
+                        data_bytes += _settle(running, digests, pace)
+                while running:
+                    data_bytes += _settle(running, digests, pace)
+            with _temp_beside(blocks_path) as (sums, _sums_tmp):
+                sums.write(b"".join(digests))
+    except OSError as exc:
+        raise errors.DiskCopyFailed(f"Copying {src_path} to {dst_path} failed: {exc}") from exc
+    hasher = BlockSha256()
+    hasher.add_block_digests(b"".join(digests))
+    return Transferred(size=size, sha256=hasher.hexdigest(), data_bytes=data_bytes)
+
+
+def _settle(running: deque[tuple[int, Future[tuple[bytes, int]]]], digests: list[bytes], pace: _Pace) -> int:
+    index, future = running.popleft()
+    digests[index], written = future.result()
+    pace.moved(written or DIGEST_BLOCK_SIZE)
+    return written
+
+
+def received_digest(path: str | os.PathLike[str], expected_sha256: str, expected_size: int) -> BlockSha256:
+    """The block digest object of a disk :func:`copy_to_host` wrote here, from its ``.blocks`` file.
+
+    The disk must have the expected size and its block digests must make up ``expected_sha256``
+    (what the sender reported); the disk itself is not read again.
+
+    Raises:
+        DiskCopyFailed: the disk or its block digests are missing or do not match.
+    """
+    disk = Path(path)
+    blocks_path = disk.with_name(disk.name + BLOCKS_SUFFIX)
+    try:
+        size = disk.stat().st_size
+        digests = blocks_path.read_bytes()
+    except OSError as exc:
+        raise errors.DiskCopyFailed(f"The disk copied to {disk} is incomplete: {exc}") from exc
+    count = -(-size // DIGEST_BLOCK_SIZE)
+    if size != expected_size or len(digests) != 32 * count:
+        raise errors.DiskCopyFailed(
+            f"The disk copied to {disk} is {size} bytes with {len(digests) // 32} block digests; expected "
+            f"{expected_size} bytes.")
+    hasher = BlockSha256()
+    whole = size // DIGEST_BLOCK_SIZE
+    hasher.add_block_digests(digests[:32 * whole])
+    if size % DIGEST_BLOCK_SIZE:  # the last, shorter block: read again to carry on from inside it
+        with open(disk, "rb") as f:
+            f.seek(whole * DIGEST_BLOCK_SIZE)
+            last = f.read()
+        if hashlib.sha256(last).digest() != digests[32 * whole:]:
+            raise errors.DiskCopyFailed(f"The last block of the disk copied to {disk} does not match its digest.")
+        hasher.update(last)
+    if hasher.hexdigest() != expected_sha256.lower():
+        raise errors.DiskCopyFailed(
+            f"The disk copied to {disk} has block digest {hasher.hexdigest()}, expected {expected_sha256}.")
+    return hasher
 
 
 # --- transfers between hosts ---------------------------------------------------------------------

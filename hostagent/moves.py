@@ -121,7 +121,10 @@ class MoveOperations:
         """The destination's resize claim: memory and instance disk space for the new flavor.
 
         Placement has claimed VCPU, MEMORY_MB and DISK_GB already; this checks what the
-        hypervisor and the filesystem really have. Nothing is reserved or written.
+        hypervisor and the filesystem really have. Nothing is reserved or written. Unless the
+        move stays on this host, the result offers this host's instances directory (``direct``:
+        its path and this host's token) for the source to copy the disks into, should it see
+        the same storage.
 
         Raises:
             ResizeClaimFailed: the memory of the guests defined here, or the free space of the
@@ -132,7 +135,16 @@ class MoveOperations:
         self._claim_memory(uuid, flavor)
         if self.disk_headroom_check:
             self._claim_disk(uuid, flavor)
-        return {**self._result(uuid, self._power_state_here(uuid)), "claimed": True}
+        result = {**self._result(uuid, self._power_state_here(uuid)), "claimed": True}
+        if not op.args["same_host"]:
+            try:
+                self.instances_dir.mkdir(parents=True, exist_ok=True)
+                token = disks.host_token(self.instances_dir, self.host)
+            except OSError as exc:
+                logger.warning("no direct copies into this host", extra={"host": self.host, "error": str(exc)})
+            else:
+                result["direct"] = {"instances_dir": str(self.instances_dir.resolve()), "token": token}
+        return result
 
     def _claim_memory(self, instance_uuid: str, flavor: dict[str, Any]) -> None:
         capacity = self.driver.host_capacity().memory_mb
@@ -187,6 +199,7 @@ class MoveOperations:
         migration = args["migration_uuid"]
         kept, record = self._set_aside(op)
         sent: dict[str, dict[str, Any]] = {}
+        incoming = None if args["same_host"] else self._direct_target(op)
         for kind in protocol.MOVED_DISKS:
             path = kept / disks.DISK_FILES[kind]
             if not path.exists():
@@ -198,8 +211,11 @@ class MoveOperations:
                 except OSError as exc:
                     raise errors.DiskCopyFailed(f"Reading {path} failed: {exc}", instance_uuid=uuid) from exc
                 continue
-            transfer = args["transfer"]
-            moved = disks.upload_disk(self.s3, path, transfer["bucket"], transfer["prefix"], kind)
+            if incoming is not None:
+                moved = disks.copy_to_host(path, incoming / disks.DISK_FILES[kind])
+            else:
+                transfer = args["transfer"]
+                moved = disks.upload_disk(self.s3, path, transfer["bucket"], transfer["prefix"], kind)
             self._emit_metric("DiskBytesSent", MetricUnit.Bytes, moved.data_bytes, op.name)
             logger.info(
                 "disk sent",
@@ -211,10 +227,35 @@ class MoveOperations:
                     "disk": kind,
                     "size": moved.size,
                     "data_bytes": moved.data_bytes,
+                    "direct": incoming is not None,
                 },
             )
             sent[kind] = {"sha256": moved.sha256, "size": moved.size}
-        return {**self._result(uuid, NOSTATE), "was_running": bool(record["was_running"]), "disks": sent}
+        result = {**self._result(uuid, NOSTATE), "was_running": bool(record["was_running"]), "disks": sent}
+        if incoming is not None:
+            result["direct"] = True
+        return result
+
+    def _direct_target(self, op: Operation) -> Path | None:
+        """The destination's directory for this instance's incoming disks, if this host sees its storage.
+
+        The destination offered its instances directory and token at ``prep_resize``; when the
+        marker there holds the same, the disks are copied straight in (created here, emptied of
+        an earlier attempt). Otherwise, or when the directory cannot be prepared, None: the
+        disks go through the transfer.
+        """
+        uuid, offer = op.instance_uuid, op.args.get("direct")
+        if not offer or not disks.reaches(offer["instances_dir"], op.args["dest_host"], offer["token"]):
+            return None
+        incoming = disks.incoming_dir(offer["instances_dir"], uuid)
+        try:
+            disks.remove_dir(incoming)
+            incoming.mkdir(parents=True)
+        except OSError as exc:
+            logger.warning("copying directly failed to start; sending through the transfer",
+                           extra={"host": self.host, "instance_uuid": uuid, "path": str(incoming), "error": str(exc)})
+            return None
+        return incoming
 
     def _set_aside(self, op: Operation) -> tuple[Path, dict[str, Any]]:
         """The guest's directory moved aside for this migration (done now unless an earlier run did), and its record."""
@@ -305,6 +346,8 @@ class MoveOperations:
             disks.remove_dir(live)  # what an interrupted attempt left
             live.mkdir(parents=True)
             received = self._receive_disks(op, live, kept)
+            if args.get("direct"):
+                disks.remove_dir(disks.incoming_dir(self.instances_dir, uuid))  # linked into place
             local = self._prepare_local_disks(uuid, live, args["flavor"])
             checksums = self._disk_checksums(uuid, live, received)
             _write_record(live, {"migration_uuid": args["migration_uuid"], "disks": checksums})
@@ -326,8 +369,20 @@ class MoveOperations:
         """
         uuid, args = op.instance_uuid, op.args
         received: dict[str, tuple[Any, int]] = {}
+        incoming = disks.incoming_dir(self.instances_dir, uuid)
         for kind, expected in args["disks"].items():
             dest = live / disks.DISK_FILES[kind]
+            if args.get("direct"):
+                # Copied straight into this host by the source: link it into place, digest from its blocks.
+                copied = incoming / disks.DISK_FILES[kind]
+                blocks = disks.received_digest(copied, expected["sha256"], expected["size"])
+                try:
+                    os.link(copied, dest)
+                except OSError as exc:
+                    raise errors.DiskCopyFailed(f"The {kind} disk copied to {copied} cannot be taken: {exc}",
+                                                instance_uuid=uuid) from exc
+                received[kind] = (blocks, expected["size"])
+                continue
             if args["same_host"]:
                 source = kept / disks.DISK_FILES[kind]
                 if not source.exists():
@@ -558,6 +613,7 @@ class MoveOperations:
             self.driver.destroy(uuid)
             try:
                 disks.remove_dir(live)
+                disks.remove_dir(disks.incoming_dir(self.instances_dir, uuid))
             except OSError as exc:
                 raise errors.HostOperationFailed(f"Removing {live} failed: {exc}", instance_uuid=uuid) from exc
         if args.get("transfer"):

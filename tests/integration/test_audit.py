@@ -425,6 +425,17 @@ def test_a_resize_directory_left_after_the_move_was_confirmed_is_found(cloud):
     assert report.problems[0].resource == f"host/{SOURCE}/dir/{uuid}_resize"
 
 
+@pytest.mark.parametrize("status", [moves.MIGRATING, moves.FINISHED])
+def test_disks_copied_in_for_a_move_are_owned_only_while_the_move_runs(cloud, status):
+    uuid = cloud.resized.instance_uuid
+    cell_write(CELL, update(Migration).where(Migration.uuid == cloud.resized.migration_uuid).values(status=status))
+    report_view(DEST, [uuid], [uuid, f"{uuid}_incoming"])
+
+    orphans = [p.resource for p in check().problems if p.kind == audit.INSTANCE_DIR_ORPHAN]
+
+    assert orphans == ([] if status == moves.MIGRATING else [f"host/{DEST}/dir/{uuid}_incoming"])
+
+
 # --- ports and volumes ----------------------------------------------------------------------------
 
 

@@ -319,3 +319,62 @@ def test_a_manifest_without_a_digest_name_is_a_plain_sha256_one(s3, tmp_path):
     assert received.sha256 == sent.sha256 == hashlib.sha256(content).hexdigest()
     assert received.digest == disks.SHA256
     assert dst.read_bytes() == content
+
+
+# --- direct copies ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_a_direct_copy_keeps_the_content_and_the_holes_and_records_its_block_digests(tmp_path, workers):
+    src, dst = tmp_path / "src", tmp_path / "dest" / "disk"
+    dst.parent.mkdir()
+    size = 64 * MiB + 12345  # a shorter last block
+    data = {0: os.urandom(5 * MiB), 20 * MiB: bytes(4 * MiB), 40 * MiB + 7: os.urandom(100), size - 10: b"end" * 3}
+    content = _sparse_file(src, size, data)
+
+    copied = disks.copy_to_host(src, dst, workers=workers)
+
+    assert dst.read_bytes() == content
+    assert (copied.size, copied.sha256) == (size, block_digest_of(content))
+    assert copied.data_bytes == 2 * 4 * MiB + 4 * MiB + 12345, "written zeros and holes are not written"
+    assert os.stat(dst).st_blocks * 512 <= copied.data_bytes + 4 * MiB
+    sums = (tmp_path / "dest" / "disk.blocks").read_bytes()
+    blocks = [content[i:i + 4 * MiB] for i in range(0, size, 4 * MiB)]
+    assert sums == b"".join(hashlib.sha256(b).digest() for b in blocks)
+    assert sorted(p.name for p in dst.parent.iterdir()) == ["disk", "disk.blocks"]
+
+    received = disks.received_digest(dst, copied.sha256, size)
+    assert received.hexdigest() == copied.sha256
+    received.update_zeros(MiB)
+    assert received.hexdigest() == block_digest_of(content + bytes(MiB))
+
+
+@pytest.mark.parametrize("spoil", ["digest", "size", "blocks-missing", "last-block"])
+def test_a_direct_copy_that_is_not_what_was_reported_is_refused(tmp_path, spoil):
+    src, dst = tmp_path / "src", tmp_path / "disk"
+    content = _sparse_file(src, 8 * MiB + 100, {MiB: os.urandom(MiB), 8 * MiB: os.urandom(100)})
+    copied = disks.copy_to_host(src, dst)
+    expected, size = copied.sha256, copied.size
+    if spoil == "digest":
+        expected = block_digest_of(content[:-1] + b"x")
+    elif spoil == "size":
+        size += 1
+    elif spoil == "blocks-missing":
+        (tmp_path / "disk.blocks").unlink()
+    else:
+        with open(dst, "r+b") as f:
+            f.seek(8 * MiB)
+            f.write(b"changed")
+
+    with pytest.raises(errors.DiskCopyFailed):
+        disks.received_digest(dst, expected, size)
+
+
+def test_a_host_marker_is_made_once_and_read_only_for_its_host(tmp_path):
+    token = disks.host_token(tmp_path, "compute1")
+
+    assert disks.host_token(tmp_path, "compute1") == token
+    assert disks.reaches(tmp_path, "compute1", token)
+    assert not disks.reaches(tmp_path, "compute2", token)
+    assert not disks.reaches(tmp_path, "compute1", "another")
+    assert not disks.reaches(tmp_path / "elsewhere", "compute1", token)

@@ -125,7 +125,7 @@ class Host:
         return disks.resize_dir(self.instances_dir, instance_uuid)
 
     def instance_dirs(self) -> list[str]:
-        return sorted(p.name for p in self.instances_dir.iterdir() if p.name != disks.IMAGE_CACHE_DIR)
+        return sorted(p.name for p in self.instances_dir.iterdir() if p.is_dir() and p.name != disks.IMAGE_CACHE_DIR)
 
 
 @dataclass
@@ -615,6 +615,96 @@ def test_same_host_finish_without_kept_disks_fails_and_keeps_the_live_ones(sourc
 
     assert error == "Ferry.DiskCopyFailed"
     assert logical_sha256(source.live(server.uuid) / disks.ROOT_DISK) == server.root_sha256
+
+
+# --- direct copies into the destination's directory -----------------------------------------------
+
+
+def direct_resize(source: Host, dest: Host, server: Server, offer: dict[str, Any] | None = None,
+                  flavor: dict[str, Any] = NEW) -> tuple[str, dict, dict]:
+    """Prep at the destination, then resize_instance with the destination's offer (or ``offer``)."""
+    migration_uuid = str(uuid.uuid4())
+    prep = {"migration_uuid": migration_uuid, "flavor": flavor, "same_host": False}
+    claim = dest.ok("prep_resize", server.uuid, prep)
+    args = {**resize_args(migration_uuid, dest), "direct": offer or claim["direct"]}
+    return migration_uuid, claim, source.ok("resize_instance", server.uuid, args)
+
+
+def test_a_source_that_sees_the_destinations_directory_copies_the_disks_straight_in(
+    cloud, source, dest, full_size_disks
+):
+    server = boot(source)
+
+    migration_uuid, claim, resized = direct_resize(source, dest, server)
+
+    marker = json.loads((dest.instances_dir / disks.HOST_MARKER).read_text())
+    assert claim["direct"] == {"instances_dir": str(dest.instances_dir.resolve()), "token": marker["token"]}
+    assert marker["host"] == dest.name
+    assert resized["direct"] is True
+    assert resized["disks"]["root"] == {"sha256": server.root_digest, "size": disks.GiB}
+    assert cloud.transfer_keys(transfer(migration_uuid)["prefix"]) == []
+    incoming = disks.incoming_dir(dest.instances_dir, server.uuid)
+    assert sorted(p.name for p in incoming.iterdir()) == ["disk", "disk.blocks", "disk.eph0", "disk.eph0.blocks"]
+    assert os.stat(incoming / disks.ROOT_DISK).st_blocks * 512 < 8 * MiB, "holes stay holes"
+
+    finished = dest.ok("finish_resize", server.uuid,
+                       {**finish_args(migration_uuid, server, resized), "direct": True})
+
+    assert finished["power_state"] == RUNNING
+    live = dest.live(server.uuid)
+    root, ephemeral = live / disks.ROOT_DISK, live / disks.EPHEMERAL_DISK
+    assert logical_sha256(root, disks.GiB) == server.root_sha256
+    assert finished["disks"]["root"] == {"sha256": block_digest(root), "size": 2 * disks.GiB}
+    assert finished["disks"]["ephemeral"] == {"sha256": block_digest(ephemeral), "size": 2 * disks.GiB}
+    assert read_at(ephemeral, EPHEMERAL_OFFSET, len(EPHEMERAL_DATA)) == EPHEMERAL_DATA
+    assert dest.instance_dirs() == [server.uuid], "the incoming directory is gone once the disks are in place"
+    assert logical_sha256(source.kept(server.uuid) / disks.ROOT_DISK) == server.root_sha256, "kept for a revert"
+
+
+def test_an_offer_the_source_cannot_verify_sends_the_disks_through_the_transfer(cloud, source, dest):
+    server = boot(source)
+    offer = {"instances_dir": str(dest.instances_dir.resolve()), "token": "not-the-destinations"}
+
+    migration_uuid, _claim, resized = direct_resize(source, dest, server, offer)
+
+    assert "direct" not in resized
+    assert len(cloud.transfer_keys(transfer(migration_uuid)["prefix"])) == 4
+    assert dest.instance_dirs() == []
+    finished = dest.ok("finish_resize", server.uuid, finish_args(migration_uuid, server, resized))
+    assert logical_sha256(dest.live(server.uuid) / disks.ROOT_DISK, disks.GiB) == server.root_sha256
+    assert finished["disks"]["root"]["size"] == 2 * disks.GiB
+
+
+def test_a_direct_copy_that_does_not_match_what_the_source_reported_fails_and_revert_clears_it(cloud, source, dest):
+    server = boot(source)
+    migration_uuid, _claim, resized = direct_resize(source, dest, server)
+    blocks = disks.incoming_dir(dest.instances_dir, server.uuid) / (disks.ROOT_DISK + disks.BLOCKS_SUFFIX)
+    spoiled = bytearray(blocks.read_bytes())
+    spoiled[0] ^= 0x01
+    blocks.write_bytes(bytes(spoiled))
+
+    error = dest.fails("finish_resize", server.uuid, {**finish_args(migration_uuid, server, resized), "direct": True})
+
+    assert error == "Ferry.DiskCopyFailed"
+    assert not dest.driver.guest_exists(server.uuid)
+    assert dest.instance_dirs() == [f"{server.uuid}_incoming"]
+    dest.ok("revert_resize", server.uuid, revert_args(migration_uuid))
+    assert dest.instance_dirs() == []
+    restored = source.ok("finish_revert_resize", server.uuid, finish_revert_args(migration_uuid, server, True))
+    assert restored["power_state"] == RUNNING
+    assert logical_sha256(source.live(server.uuid) / disks.ROOT_DISK) == server.root_sha256
+
+
+def test_a_direct_resize_run_again_copies_again_and_a_destroy_clears_what_came_in(cloud, source, dest):
+    server = boot(source)
+    migration_uuid, claim, first = direct_resize(source, dest, server)
+    args = {**resize_args(migration_uuid, dest), "direct": claim["direct"]}
+
+    again = source.ok("resize_instance", server.uuid, args)
+
+    assert again["disks"] == first["disks"] and again["direct"] is True
+    dest.ok("destroy", server.uuid, {})
+    assert dest.instance_dirs() == []
 
 
 # --- failures and rollbacks ---------------------------------------------------------------------

@@ -625,6 +625,34 @@ def test_mark_resized_run_again_after_a_confirm_or_revert_took_over_changes_noth
     assert migration(inp["migration_uuid"]).status == status
 
 
+def test_the_destinations_offer_of_a_direct_copy_reaches_the_source_and_the_copy_reaches_the_destination(cloud):
+    uuid = make_server()
+    inp = prepare_move(uuid, BIG)
+    doc = run(inp, until="ResizeInstanceAtSource")
+    offer = {"instances_dir": "/var/lib/ferry/instances", "token": "4f1c"}
+    doc["claim"] = host_result(doc, doc["destination"]["host"], states.NOSTATE, claimed=True, direct=offer)
+    protocol.validate(doc["claim"], protocol.RESULT_SCHEMAS[protocol.PREP_RESIZE])
+
+    args = resize.resize_instance_at_source(doc)["args"]
+
+    protocol.validate(args, protocol.ARGS_SCHEMAS[protocol.RESIZE_INSTANCE])
+    assert args["direct"] == offer and args["transfer"]["prefix"] == f"transfers/{inp['migration_uuid']}"
+    doc["resized"] = host_result(doc, SOURCE, states.SHUTDOWN, was_running=True, disks=DISKS, direct=True)
+    protocol.validate(doc["resized"], protocol.RESULT_SCHEMAS[protocol.RESIZE_INSTANCE])
+    finish = resize.finish_resize_at_dest(doc)["args"]
+    protocol.validate(finish, protocol.ARGS_SCHEMAS[protocol.FINISH_RESIZE])
+    assert finish["direct"] is True and finish["disks"] == DISKS
+
+
+def test_without_an_offer_the_disks_go_through_the_transfer(cloud):
+    uuid = make_server()
+    doc = run(prepare_move(uuid, BIG), until="ResizeInstanceAtSource")
+
+    assert "direct" not in resize.resize_instance_at_source(doc)["args"]
+    doc["resized"] = host_result(doc, SOURCE, states.SHUTDOWN, was_running=True, disks=DISKS)
+    assert "direct" not in resize.finish_resize_at_dest(doc)["args"]
+
+
 def test_a_stopped_server_stays_off_and_shows_verify_resize_with_power_state_4(cloud):
     uuid = make_server(vm_state=states.STOPPED, power_state=states.SHUTDOWN)
     inp = prepare_move(uuid)

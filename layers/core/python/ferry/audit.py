@@ -119,7 +119,7 @@ DEFAULT_GRACE_SECONDS = 120.0
 DEFAULT_CLOCK_SKEW_SECONDS = 5.0
 
 _UUID = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
-_INSTANCE_DIR = re.compile(rf"^(?P<uuid>{_UUID})(?P<resize>_resize)?$")
+_INSTANCE_DIR = re.compile(rf"^(?P<uuid>{_UUID})(?P<kind>_resize|_incoming)?$")
 
 
 @dataclass(frozen=True)
@@ -594,8 +594,10 @@ def _check_hosts(world: _World) -> Iterable[Problem]:
             uuid = matched["uuid"]
             if not world.report_covers(view, uuid):
                 continue
-            if matched["resize"]:
+            if matched["kind"] == "_resize":
                 owned = any(m.source_compute == host for m in world.unsettled_migrations(uuid))
+            elif matched["kind"] == "_incoming":  # disks a move is copying here
+                owned = any(m.dest_compute == host and m.status in FORWARD for m in world.unsettled_migrations(uuid))
             else:
                 owned = host in _owner_hosts(world, uuid)
             if not owned:

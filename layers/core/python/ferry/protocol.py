@@ -159,6 +159,17 @@ TRANSFER_SCHEMA: dict[str, Any] = {
     },
 }
 
+# The destination's offer, in prep_resize's result: the source may copy the disks straight into
+# ``<instances_dir>/<uuid>_incoming/`` if it reads ``token`` in the destination's host marker there.
+DIRECT_OFFER_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["instances_dir", "token"],
+    "properties": {
+        "instances_dir": {"type": "string", "minLength": 1},
+        "token": {"type": "string", "minLength": 1},
+    },
+}
+
 DISK_CHECKSUM_SCHEMA: dict[str, Any] = {
     "type": "object",
     "required": ["sha256", "size"],
@@ -203,6 +214,7 @@ RESIZE_INSTANCE_ARGS_SCHEMA: dict[str, Any] = {
         "dest_host": {"type": "string", "minLength": 1},
         "same_host": {"type": "boolean"},
         "transfer": TRANSFER_SCHEMA,
+        "direct": DIRECT_OFFER_SCHEMA,
         "clean_shutdown": {"type": "boolean"},
         "timeout": {"type": "number", "minimum": 0},
     },
@@ -230,6 +242,8 @@ FINISH_RESIZE_ARGS_SCHEMA: dict[str, Any] = {
         "old_flavor": FLAVOR_SCHEMA,
         "same_host": {"type": "boolean"},
         "transfer": TRANSFER_SCHEMA,
+        # The source copied the disks into this host's ``<uuid>_incoming/`` rather than the transfer.
+        "direct": {"type": "boolean"},
         "disks": MOVED_DISKS_SCHEMA,
         "ports": PORTS_SCHEMA,
         "volumes": VOLUMES_SCHEMA,
@@ -362,9 +376,10 @@ def _result_with(required: list[str], properties: dict[str, Any]) -> dict[str, A
 
 # Results with more than the common keys.
 RESULT_SCHEMAS: dict[str, dict[str, Any]] = {
-    PREP_RESIZE: _result_with(["claimed"], {"claimed": {"const": True}}),
+    PREP_RESIZE: _result_with(["claimed"], {"claimed": {"const": True}, "direct": DIRECT_OFFER_SCHEMA}),
     RESIZE_INSTANCE: _result_with(
-        ["was_running", "disks"], {"was_running": {"type": "boolean"}, "disks": MOVED_DISKS_SCHEMA}
+        ["was_running", "disks"],
+        {"was_running": {"type": "boolean"}, "disks": MOVED_DISKS_SCHEMA, "direct": {"type": "boolean"}},
     ),
     FINISH_RESIZE: _result_with(["disks"], {"disks": MOVED_DISKS_SCHEMA}),
     PREP_SNAPSHOT_BASED_RESIZE_AT_SOURCE: _result_with(

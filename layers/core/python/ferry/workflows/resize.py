@@ -490,8 +490,12 @@ def resize_instance_at_source(event: dict[str, Any]) -> dict[str, Any]:
             _notify(notifications.RESIZE_START, instance, notifications.compute_publisher(source["host"]), **extra),
         ]
     _publish(*pending)
-    return {"args": {"migration_uuid": migration_uuid, "dest_host": dest["host"], "same_host": dest["same_host"],
-                     "transfer": event["move"]["transfer"], "clean_shutdown": True}}
+    args = {"migration_uuid": migration_uuid, "dest_host": dest["host"], "same_host": dest["same_host"],
+            "transfer": event["move"]["transfer"], "clean_shutdown": True}
+    offer = (event.get("claim") or {}).get("direct")
+    if offer and not dest["same_host"]:
+        args["direct"] = offer  # the destination's directory, should the source see its storage
+    return {"args": args}
 
 
 # --- FinishResizeAtDest -------------------------------------------------------------------------
@@ -543,6 +547,7 @@ def finish_resize_at_dest(event: dict[str, Any]) -> dict[str, Any]:
         "old_flavor": host_flavor(cast(dict[str, Any], old_flavor)), "same_host": dest["same_host"],
         "transfer": event["move"]["transfer"], "disks": resized.get("disks") or {}, "ports": ports,
         "volumes": _volumes_on(dest["host"], uuid, cell), "power_on": power_on,
+        **({"direct": True} if resized.get("direct") else {}),
     }}
 
 
