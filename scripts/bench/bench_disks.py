@@ -1,18 +1,20 @@
 #!/usr/bin/env python3
-"""Benchmark disk moves: the host agent's transfer through S3 against ``cp`` of the same file.
+"""Benchmark disk moves: the host agent's direct copy and its transfer through S3, against ``cp``.
 
-A move between two hosts is what ``resize_instance`` (``hostagent.disks.upload_disk`` at the
-source) and ``finish_resize`` (``hostagent.disks.download_disk`` at the destination) do: the
-disk's data extents go to S3 and are rebuilt, verified, at the destination. Here S3 is moto's
-server in its own process, as on the local stack, and each side of the move runs in a fresh
-child process so its peak RSS is its own.
+A move between two hosts is what ``resize_instance`` at the source and ``finish_resize`` at the
+destination do. When the source sees the destination's instances directory it copies the disk
+straight in (``hostagent.disks.copy_to_host``) and the destination checks it from its block
+digests (``received_digest``): the "direct" figures. Otherwise the disk's data extents go to S3
+(``upload_disk``) and are rebuilt, verified, at the destination (``download_disk``), as snapshots
+always do: the "S3" figures, with S3 being moto's server in its own process as on the local
+stack. Each side runs in a fresh child process so its peak RSS is its own.
 
 Cases, each in one run on one filesystem:
 
-* a fully written disk (2 GiB by default): ``cp`` of it, then the move; the ratio is cp time /
-  move time (the target is at least 0.9);
+* a fully written disk (2 GiB by default): ``cp`` of it, then the direct move, then the move
+  through S3; the ratio is cp time / move time (the target is at least 0.9);
 * a fully written 1 GiB disk and a 20 GiB sparse disk holding 1 GiB of data spread over it:
-  the sparse move should take about the time of the 1 GiB one.
+  the sparse move should take about the time of the 1 GiB one (both ways).
 
 Files live under a temporary directory on ``--dir``'s filesystem (the system temporary directory
 by default) and are removed afterwards. When that filesystem has less free space than the run
@@ -54,13 +56,20 @@ op, endpoint, path, prefix = sys.argv[1:5]
 s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="x",
                   aws_secret_access_key="x", config=Config(max_pool_connections=16))
 started = time.perf_counter()
+checked = 0.0
 if op == "upload":
     moved = disks.upload_disk(s3, path, BUCKET, prefix, "root")
-else:
+elif op == "download":
     moved = disks.download_disk(s3, BUCKET, prefix, "root", path, expected_sha256=sys.argv[5])
+else:  # direct: the source's copy into the destination's directory, then the destination's check
+    moved = disks.copy_to_host(path, prefix)
+    copied = time.perf_counter()
+    disks.received_digest(prefix, moved.sha256, moved.size)
+    checked = time.perf_counter() - copied
 elapsed = time.perf_counter() - started
-print(json.dumps({"seconds": elapsed, "sha256": moved.sha256, "data_bytes": moved.data_bytes,
-                  "size": moved.size, "max_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+print(json.dumps({"seconds": elapsed, "check_seconds": checked, "sha256": moved.sha256,
+                  "data_bytes": moved.data_bytes, "size": moved.size,
+                  "max_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
 """
 
 MOTO = r"""
@@ -130,6 +139,21 @@ def move(endpoint: str, src: Path, dest: Path, prefix: str) -> dict:
     return {"upload": up, "download": down, "seconds": up["seconds"] + down["seconds"]}
 
 
+def direct(endpoint: str, src: Path, dest: Path) -> dict:
+    """Copy ``src`` to ``dest`` as a source that sees the destination's directory does; its figures."""
+    drop_cache(src)
+    copied = run_side("direct", endpoint, str(src), str(dest))
+    Path(str(dest) + ".blocks").unlink()
+    return copied
+
+
+def report_direct(label: str, copied: dict) -> None:
+    print(f"  {label}: direct {copied['seconds']:6.2f} s ({rate(copied['size'], copied['seconds'])} of disk, "
+          f"{rate(copied['data_bytes'], copied['seconds'])} of data; the destination's check "
+          f"{copied['check_seconds'] * 1000:.0f} ms); data written {copied['data_bytes'] / MiB:.0f} MiB of "
+          f"{copied['size'] / MiB:.0f} MiB; peak RSS {copied['max_rss_kib'] / 1024:.0f} MiB", flush=True)
+
+
 def timed_cp(src: Path, dest: Path) -> float:
     drop_cache(src)
     started = time.perf_counter()
@@ -170,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
     args = parser.parse_args(argv)
     size, sparse, written = int(args.size_gib * GiB), int(args.sparse_gib * GiB), int(args.written_gib * GiB)
-    print_header("disk moves: host agent transfer through S3 (moto server) vs cp")
+    print_header("disk moves: host agent direct copy and transfer through S3 (moto server) vs cp")
     # moto keeps the object (its temporary files go to the same place) next to source and copy.
     needed = 3 * max(size, written) + GiB // 2
     base = pick_directory(args.dir, needed)
@@ -198,10 +222,15 @@ def main(argv: list[str] | None = None) -> int:
             cp_seconds = timed_cp(src, dest)
             dest.unlink()
             print(f"  cp:   {cp_seconds:6.2f} s ({rate(size, cp_seconds)})")
+            copied = direct(endpoint, src, dest)
+            report_direct("move", copied)
+            dest.unlink()
+            ratio = cp_seconds / copied["seconds"]
+            print(f"  direct move speed / cp speed = {ratio:.2f} "
+                  f"(target >= 0.90: {'met' if ratio >= 0.9 else 'missed'})")
             moved = move(endpoint, src, dest, "full")
-            report_move("move", moved)
-            ratio = cp_seconds / moved["seconds"]
-            print(f"  move speed / cp speed = {ratio:.2f} (target >= 0.90: {'met' if ratio >= 0.9 else 'missed'})")
+            report_move("S3  ", moved)
+            print(f"  S3 move speed / cp speed = {cp_seconds / moved['seconds']:.2f}")
             for path in (src, dest):
                 path.unlink()
             s3.delete_objects(Bucket=BUCKET, Delete={"Objects": [{"Key": "full/root"},
@@ -210,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n{written / GiB:g} GiB fully written vs {sparse / GiB:g} GiB sparse with "
                   f"{written / GiB:g} GiB written")
             write_disk(src, written, [(0, written)])
+            dense_direct = direct(endpoint, src, dest)
+            report_direct(f"{written / GiB:g} GiB dense ", dense_direct)
+            dest.unlink()
             dense = move(endpoint, src, dest, "dense")
             report_move(f"{written / GiB:g} GiB dense ", dense)
             for path in (src, dest):
@@ -217,12 +249,17 @@ def main(argv: list[str] | None = None) -> int:
             s3.delete_objects(Bucket=BUCKET, Delete={"Objects": [{"Key": "dense/root"},
                                                                   {"Key": "dense/root.manifest.json"}]})
             write_disk(src, sparse, spread_extents(sparse, written))
+            thin_direct = direct(endpoint, src, dest)
+            report_direct(f"{sparse / GiB:g} GiB sparse", thin_direct)
+            print(f"  direct: destination allocates {dest.stat().st_blocks * 512 / MiB:.0f} MiB; sparse / dense "
+                  f"time = {thin_direct['seconds'] / dense_direct['seconds']:.2f} (target about 1)")
+            dest.unlink()
             thin = move(endpoint, src, dest, "sparse")
             report_move(f"{sparse / GiB:g} GiB sparse", thin)
             allocated = dest.stat().st_blocks * 512
             print(f"  destination allocates {allocated / MiB:.0f} MiB of {sparse / MiB:.0f} MiB")
             factor = thin["seconds"] / dense["seconds"]
-            print(f"  sparse / dense time = {factor:.2f} (target about 1)")
+            print(f"  S3: sparse / dense time = {factor:.2f} (target about 1)")
         finally:
             if moto.stdin:
                 moto.stdin.close()
