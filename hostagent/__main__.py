@@ -75,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the resize claim refuses a flavor whose disks, fully written, do not fit the instances filesystem",
     )
     parser.add_argument(
+        "--direct-copies",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="offer this host's instances directory to a move's source, which copies the disks straight in "
+        "when it sees that storage (otherwise, or with --no-direct-copies, disks travel through S3)",
+    )
+    parser.add_argument(
         "--disk-overcommit-ratio",
         type=float,
         default=1.0,
@@ -132,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         max_workers=args.workers,
         disk_headroom_check=args.disk_headroom_check,
         disk_overcommit_ratio=args.disk_overcommit_ratio,
+        direct_copies=args.direct_copies,
     )
     agent.install_signal_handlers()
     try:

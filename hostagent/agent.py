@@ -252,6 +252,7 @@ class HostAgent(MoveOperations):
         journal_retention: timedelta = timedelta(days=15),
         disk_headroom_check: bool = True,
         disk_overcommit_ratio: float = 1.0,
+        direct_copies: bool = True,
     ) -> None:
         if queue_url is None and queue_prefix is None:
             raise ValueError("HostAgent needs a queue_url or a queue_prefix to derive it from.")
@@ -282,6 +283,7 @@ class HostAgent(MoveOperations):
         self.journal_retention = journal_retention
         self.disk_headroom_check = disk_headroom_check
         self.disk_overcommit_ratio = disk_overcommit_ratio
+        self.direct_copies = direct_copies
         self.journal: Journal | None = None
         self._stop = threading.Event()
         self._started = threading.Event()

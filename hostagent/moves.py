@@ -99,6 +99,7 @@ class MoveOperations:
     power_off_timeout: float
     disk_headroom_check: bool
     disk_overcommit_ratio: float
+    direct_copies: bool
 
     def _result(self, instance_uuid: str, power_state: int) -> dict[str, Any]:
         raise NotImplementedError
@@ -122,9 +123,9 @@ class MoveOperations:
 
         Placement has claimed VCPU, MEMORY_MB and DISK_GB already; this checks what the
         hypervisor and the filesystem really have. Nothing is reserved or written. Unless the
-        move stays on this host, the result offers this host's instances directory (``direct``:
-        its path and this host's token) for the source to copy the disks into, should it see
-        the same storage.
+        move stays on this host (or ``direct_copies`` is off), the result offers this host's
+        instances directory (``direct``: its path and this host's token) for the source to copy
+        the disks into, should it see the same storage.
 
         Raises:
             ResizeClaimFailed: the memory of the guests defined here, or the free space of the
@@ -136,7 +137,7 @@ class MoveOperations:
         if self.disk_headroom_check:
             self._claim_disk(uuid, flavor)
         result = {**self._result(uuid, self._power_state_here(uuid)), "claimed": True}
-        if not op.args["same_host"]:
+        if self.direct_copies and not op.args["same_host"]:
             try:
                 self.instances_dir.mkdir(parents=True, exist_ok=True)
                 token = disks.host_token(self.instances_dir, self.host)

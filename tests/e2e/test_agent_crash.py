@@ -12,6 +12,7 @@ revert works, and ``ferry audit`` finds nothing.
 
 from __future__ import annotations
 
+import json
 import os
 import sqlite3
 from collections.abc import Iterator
@@ -33,7 +34,7 @@ from move_helpers import (
     root_digest,
 )
 
-from ferry import audit
+from ferry import audit, config
 from hostagent.agent import OPERATION_DELAY_ENV
 from hostagent.disks import THROTTLE_ENV
 
@@ -54,10 +55,12 @@ class Drill:
         self.records = records
         self.drilled: set[str] = set()
 
-    def arm(self, host: str, environment: dict[str, str]) -> None:
-        """Restart ``host``'s agent slowed down by ``environment``, with a short visibility timeout."""
+    def arm(self, host: str, environment: dict[str, str], direct_copies: bool = True) -> None:
+        """Restart ``host``'s agent slowed down by ``environment``, with a short visibility timeout
+        (and, with ``direct_copies=False``, offering no direct copies: moves to it go through S3)."""
         self.drilled.add(host)
-        self.local_stack.stack.restart_agent(host, environment, visibility_timeout=DRILL_VISIBILITY_SECONDS)
+        self.local_stack.stack.restart_agent(host, environment, visibility_timeout=DRILL_VISIBILITY_SECONDS,
+                                             direct_copies=direct_copies)
 
     def catch(self, host: str, server_id: str, operation: str, also: Any = None) -> None:
         """Wait until ``host``'s journal shows ``operation`` of the server started (and ``also()`` holds), then kill."""
@@ -101,6 +104,24 @@ def partial_files(*directories: Path) -> list[Path]:
     return [found for directory in directories if directory.is_dir() for found in directory.glob(".*.part")]
 
 
+def sent_directly(local_stack, host: str, server_id: str) -> set[bool]:
+    """How ``host``'s agent sent the server's disks (its "disk sent" log records): directly or not."""
+    routes = set()
+    for line in local_stack.stack.agent_log(host).read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if record.get("message") == "disk sent" and record.get("instance_uuid") == server_id:
+            routes.add(bool(record.get("direct")))
+    return routes
+
+
+def transfers_left(local_stack) -> list[str]:
+    listed = local_stack.client("s3").list_objects_v2(Bucket=config.get().image_bucket, Prefix="transfers/")
+    return [item["Key"] for item in listed.get("Contents", [])]
+
+
 def boot_written(local_stack, servers, **extra: Any) -> tuple[dict[str, Any], str]:
     """A TINY server whose root disk holds WRITTEN_MIB of fresh data; returns it and its disk's digest."""
     server = servers.boot(flavor=TINY, **extra)
@@ -138,26 +159,34 @@ def finish_and_check(local_stack, servers, records, server_id: str, finish: str,
 # --- same cell: the destination's claim and finish, the source's disk copy ----------------------------
 
 
-@pytest.mark.parametrize(("operation", "at", "finish"), [
-    ("prep_resize", "dest", "revertResize"),
-    ("resize_instance", "source", "confirmResize"),
-    ("finish_resize", "dest", "confirmResize"),
+@pytest.mark.parametrize(("operation", "at", "finish", "route"), [
+    ("prep_resize", "dest", "revertResize", "direct"),
+    ("resize_instance", "source", "confirmResize", "direct"),
+    ("resize_instance", "source", "confirmResize", "s3"),
+    ("finish_resize", "dest", "confirmResize", "s3"),
 ])
 def test_an_agent_killed_during_a_move_operation_finishes_it_after_restart(local_stack, servers, records, drill,
-                                                                            operation, at, finish):
+                                                                            operation, at, finish, route):
+    """``route``: the disks are copied straight into the destination's directory (every host of the
+    local stack sees the others'), or go through S3 (the destination offers no direct copy)."""
     server, digest = boot_written(local_stack, servers)
     source = host_of(server)
     dest = other_host_of_cell(local_stack, source)
     victim = source if at == "source" else dest
+    if route == "s3" and victim != dest:
+        drill.arm(dest, {}, direct_copies=False)
     if operation == "prep_resize":
         drill.arm(victim, {OPERATION_DELAY_ENV: "prep_resize=60"})
         mid_way = None
     else:
-        drill.arm(victim, {THROTTLE_ENV: "4"})
+        drill.arm(victim, {THROTTLE_ENV: "4"}, direct_copies=route == "direct")
         if at == "dest":  # writing the disk it receives
             mid_way = lambda: partial_files(records.instance_dir(dest, server["id"]))  # noqa: E731
-        else:  # sending the disk: the guest is off and undefined, its directory set aside
-            mid_way = lambda: (local_stack.instances_dir(source) / f"{server['id']}_resize").is_dir()  # noqa: E731
+        else:  # sending the disk: the guest is off and undefined, its directory set aside, a part written
+            incoming = local_stack.instances_dir(dest) / f"{server['id']}_incoming"
+            mid_way = lambda: (  # noqa: E731
+                (local_stack.instances_dir(source) / f"{server['id']}_resize").is_dir()
+                and (route == "s3" or bool(partial_files(incoming))))
 
     start_resize(servers, server["id"], {"resize": {"flavorRef": SMALL}})
     drill.catch(victim, server["id"], operation, mid_way)
@@ -171,6 +200,9 @@ def test_an_agent_killed_during_a_move_operation_finishes_it_after_restart(local
     assert root_digest(dest_root, FLAVORS[TINY]["DISK_GB"] * GiB) == digest
     assert attempts(local_stack, victim, server["id"], operation) == [("succeeded", 2)]
     assert not partial_files(records.instance_dir(dest, server["id"]))
+    assert not (local_stack.instances_dir(dest) / f"{server['id']}_incoming").exists()
+    assert transfers_left(local_stack) == []
+    assert sent_directly(local_stack, source, server["id"]) == {route == "direct"}
 
     finish_and_check(local_stack, servers, records, server["id"], finish, source, dest, digest)
 

@@ -356,6 +356,7 @@ class LocalStack:
         cell: str,
         environment: Mapping[str, str] | None = None,
         visibility_timeout: int | None = None,
+        direct_copies: bool = True,
     ) -> _AgentProcess | _AgentThread:
         visibility_timeout = visibility_timeout or self.agent_visibility_timeout
         keepalive = self.keepalive_interval
@@ -370,6 +371,7 @@ class LocalStack:
                 "heartbeat_interval": self.agent_heartbeat_interval,
                 "report_interval": self.agent_report_interval,
                 "keepalive_interval": keepalive,
+                "direct_copies": direct_copies,
             }
             if visibility_timeout is not None:
                 options["visibility_timeout"] = visibility_timeout
@@ -385,6 +387,8 @@ class LocalStack:
         ]  # fmt: skip
         if visibility_timeout is not None:
             command += ["--visibility-timeout", str(visibility_timeout)]
+        if not direct_copies:
+            command.append("--no-direct-copies")
         return _AgentProcess(host, command, {**os.environ, **(environment or {})}, self.agent_log(host))
 
     def agent_log(self, host: str) -> Path:
@@ -419,6 +423,7 @@ class LocalStack:
         environment: Mapping[str, str] | None = None,
         *,
         visibility_timeout: int | None = None,
+        direct_copies: bool = True,
         timeout: float = AGENT_START_TIMEOUT,
     ) -> None:
         """Start the agent of ``host`` again on its state directory; returns once it polls its queue.
@@ -427,6 +432,7 @@ class LocalStack:
         variables for this agent process only (a disk throttle, say) and ``visibility_timeout``
         replaces the stack's ``agent_visibility_timeout`` for it (a message this agent held comes
         back that long after the agent is killed); the next restart without them drops them.
+        ``direct_copies=False`` starts it with ``--no-direct-copies``: moves to it go through S3.
 
         Raises:
             LocalStackError: no such host, the agents run as threads, or the agent did not start
@@ -439,7 +445,7 @@ class LocalStack:
         assert self.seeded is not None
         log_file = self.agent_log(host)
         offset = log_file.stat().st_size if log_file.exists() else 0
-        restarted = self._start_agent(host, self.seeded.hosts[host], environment, visibility_timeout)
+        restarted = self._start_agent(host, self.seeded.hosts[host], environment, visibility_timeout, direct_copies)
         self.agents[host] = restarted
         deadline = time.monotonic() + timeout
         while not self._logged_since(log_file, offset, AGENT_STARTED_LOG):
