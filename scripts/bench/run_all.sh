@@ -18,7 +18,9 @@ echo
 echo
 "$py" scripts/bench/bench_disks.py ${BENCH_DISK_ARGS:-}
 echo
-"$py" scripts/bench/bench_orchestration.py --runs "${BENCH_RESIZES:-20}"
+"$py" scripts/bench/bench_orchestration.py --runs "${BENCH_RESIZES:-50}"
+echo
+"$py" scripts/bench/bench_orchestration.py --runs "${BENCH_RESIZES:-50}" --cross-cell
 echo
 "$py" scripts/bench/bench_drain.py --servers "${BENCH_DRAIN_SERVERS:-150}" --drain-hosts "${BENCH_DRAIN_HOSTS:-5}" --concurrency "${BENCH_DRAIN_CONCURRENCY:-20}"
 echo
