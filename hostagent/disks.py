@@ -49,7 +49,7 @@ from boto3.exceptions import S3UploadFailedError
 from boto3.s3.transfer import TransferConfig
 from botocore.exceptions import BotoCoreError, ClientError
 
-from ferry import errors, faults
+from ferry import aws, errors, faults
 
 CHUNK_SIZE = 4 * 2**20
 GiB = 2**30
@@ -839,7 +839,7 @@ def upload_disk(
     try:
         with open(source, "rb") as f:
             reader = _ExtentReader(f, os.fstat(f.fileno()).st_size, chunk_size, algorithm)
-            s3_client.upload_fileobj(reader, bucket, key, Config=config)
+            aws.upload_fileobj(s3_client, reader, bucket, key, Config=config)
             if reader.read(1):
                 raise errors.DiskCopyFailed(f"The upload of {source} stopped before its end.")
         manifest = {

@@ -6,7 +6,12 @@ with ``layers/core/python`` on PYTHONPATH (what Lambda does with the core layer)
 and reports the best and median cumulative import time of ``app`` in milliseconds, flagging
 those over the target (300 ms). ``--top`` lists the slowest modules under the slowest handler.
 
-    .venv/bin/python scripts/bench/bench_cold_start.py [--repeat 3] [--top 12]
+By default the interpreter is a virtualenv holding only ``layers/core/requirements.txt`` (what
+``sam build`` puts in the layer), made under ``.bench/layer-venv`` on the first run, so that
+packages only the tests install (format checkers, test tools) do not count; ``--python`` names
+another interpreter (``--python .venv/bin/python`` measures the development virtualenv).
+
+    .venv/bin/python scripts/bench/bench_cold_start.py [--repeat 3] [--top 12] [--python PATH]
 """
 
 from __future__ import annotations
@@ -24,11 +29,27 @@ from machine import print_header  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TARGET_MS = 300.0
+LAYER_REQUIREMENTS = ROOT / "layers" / "core" / "requirements.txt"
+LAYER_VENV = ROOT / ".bench" / "layer-venv"
 
 
-def import_app(function_dir: Path) -> list[ImportTime]:
+def layer_python() -> Path:
+    """The interpreter of a virtualenv holding only the layer's requirements (made when missing or stale)."""
+    python, stamp = LAYER_VENV / "bin" / "python", LAYER_VENV / "requirements.txt"
+    wanted = LAYER_REQUIREMENTS.read_text()
+    if python.exists() and stamp.exists() and stamp.read_text() == wanted:
+        return python
+    print(f"  making {LAYER_VENV.relative_to(ROOT)} from {LAYER_REQUIREMENTS.relative_to(ROOT)}", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(LAYER_VENV)], check=True)
+    subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "-r",
+                    str(LAYER_REQUIREMENTS)], check=True)
+    stamp.write_text(wanted)
+    return python
+
+
+def import_app(function_dir: Path, python: Path) -> list[ImportTime]:
     env = dict(os.environ, PYTHONPATH=str(ROOT / "layers" / "core" / "python"), PYTHONDONTWRITEBYTECODE="")
-    out = subprocess.run([sys.executable, "-X", "importtime", "-c", "import app"], cwd=function_dir, env=env,
+    out = subprocess.run([str(python), "-X", "importtime", "-c", "import app"], cwd=function_dir, env=env,
                          capture_output=True, text=True, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"importing {function_dir.name}/app.py failed:\n{out.stderr[-2000:]}")
@@ -39,8 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--python", type=Path, help="the interpreter (default: a virtualenv of the layer's "
+                        "requirements, made under .bench/layer-venv)")
     args = parser.parse_args(argv)
     print_header("cold start: python -X importtime -c 'import app' per handler")
+    python = args.python or layer_python()
+    print(f"  interpreter {python}")
     results: dict[str, list[float]] = {}
     slowest_tree: list[ImportTime] = []
     for function_dir in sorted((ROOT / "functions").iterdir()):
@@ -48,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         samples = []
         for _ in range(args.repeat):
-            entries = import_app(function_dir)
+            entries = import_app(function_dir, python)
             app = next(e for e in entries if e.module == "app")
             samples.append(app.cumulative_us / 1000)
         results[function_dir.name] = samples

@@ -111,8 +111,18 @@ def spread_extents(size: int, data: int, pieces: int = 16) -> list[tuple[int, in
     return [(n * stride, piece) for n in range(pieces)]
 
 
+SETTLE_SECONDS = 2.0
+
+
 def drop_cache(path: Path) -> None:
-    """Ask the kernel to forget the file's cached pages, so every case starts from the disk alike."""
+    """Let earlier writes and deletions reach the disk, then forget the file's cached pages.
+
+    Every case starts from the disk alike: without the wait, the write-back of the previous
+    case's copy and the discard of the blocks it freed when it was deleted would land on the
+    next case's time.
+    """
+    os.sync()
+    time.sleep(SETTLE_SECONDS)
     try:
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -200,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sparse-gib", type=float, default=20.0, help="the sparse disk's size (default 20)")
     parser.add_argument("--written-gib", type=float, default=1.0, help="data in the sparse disk (default 1)")
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
-    parser.add_argument("--repeat", type=int, default=3, help="cp and direct copies of the full disk (medians)")
+    parser.add_argument("--repeat", type=int, default=5, help="cp and direct copies of the full disk (medians)")
     args = parser.parse_args(argv)
     size, sparse, written = int(args.size_gib * GiB), int(args.sparse_gib * GiB), int(args.written_gib * GiB)
     print_header("disk moves: host agent direct copy and transfer through S3 (moto server) vs cp")
@@ -208,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     needed = 3 * max(size, written) + GiB // 2
     base = pick_directory(args.dir, needed)
     stat = os.statvfs(base)
-    print(f"  files under {base} (filesystem block size {stat.f_bsize}); page cache dropped before each read")
+    print(f"  files under {base} (filesystem block size {stat.f_bsize}); before each case the disk is synced, "
+          f"left {SETTLE_SECONDS:g} s to settle, and the source's cached pages dropped")
 
     with tempfile.TemporaryDirectory(prefix="ferry-bench-disks-", dir=base) as tmp:
         work = Path(tmp)

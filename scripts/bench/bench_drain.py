@@ -4,13 +4,13 @@
 Brings up the local stack in a temporary directory on free ports (``--cells`` × ``--hosts``
 hosts, agents as processes), boots ``--servers`` tiny servers onto the first ``--drain-hosts``
 hosts (the other hosts disabled meanwhile, as an operator steers them; a local host holds 32
-tiny servers), lifts the admin project's quota for the run, and drains those hosts through
-``POST /ferry/drains`` with ``--concurrency``. Prints the
+tiny servers unless ``--host-*`` make it bigger), lifts the admin project's quota for the run,
+and drains those hosts through ``POST /ferry/drains`` with ``--concurrency``. Prints the
 drain's total time, moves per minute, the median and p95 of each server's move (from its
 ``started_at`` to ``finished_at``), and what ``ferry audit`` finds afterwards (it must be nothing).
 
     .venv/bin/python scripts/bench/bench_drain.py [--servers 100] [--drain-hosts 5] [--concurrency 20]
-        [--cells 2] [--hosts 10]
+        [--cells 2] [--hosts 10] [--host-vcpus 8] [--host-memory-mb 16384] [--host-disk-gb 200]
 """
 
 from __future__ import annotations
@@ -100,20 +100,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=20)
     parser.add_argument("--cells", type=int, default=2)
     parser.add_argument("--hosts", type=int, default=10, help="hosts per cell")
+    parser.add_argument("--host-vcpus", type=int, default=None, help="each host's vCPUs (default: the local "
+                        "stack's small hypervisor, 8)")
+    parser.add_argument("--host-memory-mb", type=int, default=None, help="each host's memory (default 16384)")
+    parser.add_argument("--host-disk-gb", type=int, default=None, help="each host's disk (default 200)")
     args = parser.parse_args(argv)
     print_header(f"drain: {args.servers} servers off {args.drain_hosts} hosts of {args.cells} cells x "
                  f"{args.hosts} hosts, concurrency {args.concurrency}")
 
     from ferry import audit
-    from ferry.local.stack import LocalStack
+    from ferry.local.stack import LocalStack, default_host_capacity
     from ferry.observability import logger
+    from hostagent.driver import HostCapacity
 
     logger.setLevel("WARNING")
+    small = default_host_capacity()
+    capacity = HostCapacity(args.host_vcpus or small.vcpus, args.host_memory_mb or small.memory_mb,
+                            args.host_disk_gb or small.disk_gb)
+    print(f"  each host: {capacity.vcpus} vCPUs, {capacity.memory_mb} MiB, {capacity.disk_gb} GB")
     with tempfile.TemporaryDirectory(prefix="ferry-bench-drain-") as tmp:
         started = time.perf_counter()
         stack = LocalStack(Path(tmp), cells=args.cells, hosts_per_cell=args.hosts, moto_port=0, api_port=0,
                            agent_mode="process", host_op_timeout_seconds=300, host_op_heartbeat_seconds=60,
-                           parameters={"DrainPollSeconds": 1})
+                           parameters={"DrainPollSeconds": 1}, host_capacity=capacity)
         stack.start()
         try:
             print(f"  stack up in {time.perf_counter() - started:.1f} s", flush=True)

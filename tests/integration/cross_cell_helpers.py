@@ -20,7 +20,7 @@ from sqlalchemy import select
 from verify_resize_helpers import NEW, NEW_USAGE, OLD, OLD_USAGE, PROJECT, SOURCE, USER, make_volume, provider, report
 
 from ferry import aws, config, placement, protocol
-from ferry.compute import moves, states
+from ferry.compute import migration_states, states
 from ferry.store.api_models import CellMapping, InstanceMapping, Port, PortBinding, RequestSpec, VolumeAttachment
 from ferry.store.cell_models import BlockDeviceMapping, Instance, InstanceAction, InstanceActionEvent, Migration, Tag
 from ferry.store.db import api_session, cell_session
@@ -54,8 +54,9 @@ def _copy(cell: str, uuid: str, migration_uuid: str, volume_id: str, *, hidden: 
                              host=host, node=host, launched_on=SOURCE))
         session.add(Migration(uuid=migration_uuid, instance_uuid=uuid, source_compute=SOURCE, source_node=SOURCE,
                               dest_compute=CROSS_DEST, dest_node=CROSS_DEST, dest_host=CROSS_DEST,
-                              old_instance_type_id=OLD["id"], new_instance_type_id=NEW["id"], status=moves.FINISHED,
-                              migration_type=moves.RESIZE, user_id=USER, project_id=PROJECT, cross_cell_move=True))
+                              old_instance_type_id=OLD["id"], new_instance_type_id=NEW["id"],
+                              status=migration_states.FINISHED, migration_type=migration_states.RESIZE, user_id=USER,
+                              project_id=PROJECT, cross_cell_move=True))
         session.add(BlockDeviceMapping(instance_uuid=uuid, source_type="volume", destination_type="volume",
                                        device_name="vdd", boot_index=None, volume_id=volume_id))
         session.add(Tag(instance_uuid=uuid, tag="blue"))

@@ -42,7 +42,7 @@ from ferry.api import fault_response, servers
 from ferry.api.microversions import APIVersion
 from ferry.auth import RequestContext
 from ferry.compute import api as compute_api
-from ferry.compute import moves, states
+from ferry.compute import migration_states, states
 from ferry.placement import DISK_GB, MEMORY_MB, VCPU
 from ferry.store import db
 from ferry.store.api_models import Allocation, Consumer, Inventory, ResourceProvider
@@ -162,8 +162,8 @@ def test_fifty_conflicting_actions_on_an_active_server_admit_exactly_one(cloud):
     else:
         assert row.task_state == states.RESIZE_PREP and recorded.action == name
         [migration] = migrations_of(server_id)
-        assert migration.status == moves.PRE_MIGRATING
-        assert migration.migration_type == (moves.RESIZE if name == "resize" else moves.MIGRATION)
+        assert migration.status == migration_states.PRE_MIGRATING
+        assert migration.migration_type == (migration_states.RESIZE if name == "resize" else migration_states.MIGRATION)
         [execution] = cloud.executions("resize")
         assert execution["input"]["migration_uuid"] == migration.uuid
         assert execution["input"]["request_id"] == recorded.request_id
@@ -195,11 +195,11 @@ def test_fifty_conflicting_settles_of_a_resized_server_admit_exactly_one(cloud):
     assert migration.uuid == migration_uuid and row.vm_state == states.RESIZED
     if "confirmResize" in won:
         assert status == 204 and recorded.action == "confirmResize"
-        assert (migration.status, row.task_state) == (moves.CONFIRMING, None)
+        assert (migration.status, row.task_state) == (migration_states.CONFIRMING, None)
         assert len(cloud.executions("confirm_resize")) == 1 and cloud.executions("revert_resize") == []
     else:
         assert status == 202 and recorded.action == "revertResize"
-        assert (migration.status, row.task_state) == (moves.REVERTING, states.RESIZE_REVERTING)
+        assert (migration.status, row.task_state) == (migration_states.REVERTING, states.RESIZE_REVERTING)
         assert len(cloud.executions("revert_resize")) == 1 and cloud.executions("confirm_resize") == []
     assert cloud.executions("resize") == [] and cloud.executions("power") == []
 

@@ -10,7 +10,7 @@ from sqlalchemy import select
 from test_api_moves import action, active_server, resized_server, start_move_cloud, write_policy
 from test_api_support import ADMIN, ALICE, BOB, call, mocked_cloud
 
-from ferry.compute import actions, moves
+from ferry.compute import actions, migration_states, moves
 from ferry.store.cell_models import InstanceAction, Migration
 from ferry.store.db import cell_session
 
@@ -28,8 +28,9 @@ def cloud(store, monkeypatch, tmp_path):
 def add_migration(cell: str = "cell1", *, minutes: int = 0, **values: Any) -> str:
     fields: dict[str, Any] = {
         "instance_uuid": "11111111-1111-4111-8111-111111111111", "source_compute": "host1", "source_node": "host1",
-        "dest_compute": "host2", "dest_node": "host2", "dest_host": "host2", "status": moves.FINISHED,
-        "migration_type": moves.RESIZE, "old_instance_type_id": 1, "new_instance_type_id": 2, "user_id": "alice",
+        "dest_compute": "host2", "dest_node": "host2", "dest_host": "host2", "status": migration_states.FINISHED,
+        "migration_type": migration_states.RESIZE, "old_instance_type_id": 1, "new_instance_type_id": 2,
+        "user_id": "alice",
         "project_id": "project-a", "created_at": T0 + dt.timedelta(minutes=minutes)}
     fields.update(values)
     with cell_session(cell) as session:
@@ -73,7 +74,7 @@ def test_os_migrations_is_for_admins_unless_the_policy_file_says_otherwise(cloud
     ("2.80", {"migration_type", "uuid", "user_id", "project_id"}),
 ])
 def test_migration_fields_follow_the_microversion(cloud, version, extra):
-    uuid = add_migration(migration_type=moves.MIGRATION, old_instance_type_id=1, new_instance_type_id=1)
+    uuid = add_migration(migration_type=migration_states.MIGRATION, old_instance_type_id=1, new_instance_type_id=1)
 
     [shown] = listed(version)
 
@@ -111,8 +112,8 @@ def test_oldest_first_below_2_59(cloud):
 
 
 def test_filters(cloud):
-    a = add_migration(minutes=1, status="finished", migration_type=moves.RESIZE)
-    b = add_migration(minutes=2, status="confirmed", migration_type=moves.MIGRATION, source_compute="host2",
+    a = add_migration(minutes=1, status="finished", migration_type=migration_states.RESIZE)
+    b = add_migration(minutes=2, status="confirmed", migration_type=migration_states.MIGRATION, source_compute="host2",
                       dest_compute="host9")
     c = add_migration("cell2", minutes=3, status="error", instance_uuid="22222222-2222-4222-8222-222222222222",
                       source_compute="host3", dest_compute=None, user_id="bob", project_id="project-b")
@@ -263,7 +264,7 @@ def test_move_actions_are_listed_newest_first_with_their_events(cloud):
                                          "compute_resize_instance", "compute_finish_resize"])
     with cell_session("cell1") as session:
         migration = session.scalars(select(Migration)).one()
-        migration.status = moves.FINISHED
+        migration.status = migration_states.FINISHED
         row = session.scalars(select(moves.Instance).where(moves.Instance.uuid == server_id)).one()
         row.vm_state, row.task_state = "resized", None
     revert = action(server_id, {"revertResize": None})

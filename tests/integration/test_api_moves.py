@@ -28,7 +28,7 @@ from test_api_support import (
 
 from ferry import config, errors, quotas
 from ferry.compute import api as compute_api
-from ferry.compute import moves, states
+from ferry.compute import migration_states, moves, states
 from ferry.store import setup
 from ferry.store.api_models import Flavor, RequestSpec
 from ferry.store.cell_models import BlockDeviceMapping, Instance, InstanceAction, Migration
@@ -116,7 +116,7 @@ def snapshot_of(name: str) -> dict[str, Any]:
     return compute_api.flavor_snapshot(flavor)
 
 
-def resized_server(caller: Caller = ALICE, *, status: str = moves.FINISHED,
+def resized_server(caller: Caller = ALICE, *, status: str = migration_states.FINISHED,
                    old_vm_state: str = states.ACTIVE) -> tuple[str, str]:
     """A server in VERIFY_RESIZE from m1.small on host1 to m1.medium on host2; returns (server, migration)."""
     server_id = active_server(caller)
@@ -126,7 +126,7 @@ def resized_server(caller: Caller = ALICE, *, status: str = moves.FINISHED,
     with cell_session("cell1") as session:
         migration = Migration(instance_uuid=server_id, source_compute="host1", source_node="host1",
                               dest_compute="host2", dest_node="host2", dest_host="host2", status=status,
-                              migration_type=moves.RESIZE, old_instance_type_id=old["id"],
+                              migration_type=migration_states.RESIZE, old_instance_type_id=old["id"],
                               new_instance_type_id=new["id"], user_id=caller.user_id,
                               project_id=caller.project_id)
         session.add(migration)
@@ -616,7 +616,7 @@ def test_confirm_of_a_server_that_was_not_resized_is_400(cloud):
 
 
 def test_confirm_without_a_finished_migration_is_400(cloud):
-    server_id, _ = resized_server(status=moves.ERROR)
+    server_id, _ = resized_server(status=migration_states.ERROR)
     before = snapshot(cloud, server_id)
 
     response = action(server_id, {"confirmResize": None})
@@ -852,7 +852,8 @@ def test_a_confirm_asked_again_after_its_workflow_gave_the_migration_back_gets_a
     [first] = cloud.sfn.list_executions(stateMachineArn=cloud.state_machines["confirm_resize"])["executions"]
     cloud.sfn.stop_execution(executionArn=first["executionArn"])
     with cell_session("cell1") as session:  # what the workflow's RestoreVerifyResize does
-        session.execute(update(Migration).where(Migration.uuid == migration_uuid).values(status=moves.FINISHED))
+        session.execute(update(Migration).where(Migration.uuid == migration_uuid).values(
+            status=migration_states.FINISHED))
 
     again = action(server_id, {"confirmResize": None})
 
@@ -866,7 +867,8 @@ def test_the_same_request_started_twice_keeps_its_execution_name(cloud):
     server_id, migration_uuid = resized_server()
     moves.begin_revert("cell1", server_id, request_id="req-same", user_id=None, project_id=None)
     with cell_session("cell1") as session:
-        session.execute(update(Migration).where(Migration.uuid == migration_uuid).values(status=moves.FINISHED))
+        session.execute(update(Migration).where(Migration.uuid == migration_uuid).values(
+            status=migration_states.FINISHED))
     set_instance(server_id, task_state=None)
 
     moves.begin_revert("cell1", server_id, request_id="req-same", user_id=None, project_id=None)

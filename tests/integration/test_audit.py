@@ -35,7 +35,7 @@ from verify_resize_helpers import (
 )
 
 from ferry import audit, aws, config, hosts, images, placement
-from ferry.compute import moves, states
+from ferry.compute import migration_states, states
 from ferry.store.api_models import (
     CellMapping,
     InstanceMapping,
@@ -136,7 +136,7 @@ def add_migration(instance_uuid: str, status: str, *, cell: str = CELL, **values
     migration_uuid = str(uuidlib.uuid4())
     fields: dict[str, Any] = {"uuid": migration_uuid, "instance_uuid": instance_uuid, "source_compute": SOURCE,
                               "source_node": SOURCE, "dest_compute": OTHER, "dest_node": OTHER, "dest_host": OTHER,
-                              "status": status, "migration_type": moves.MIGRATION, "user_id": USER,
+                              "status": status, "migration_type": migration_states.MIGRATION, "user_id": USER,
                               "project_id": PROJECT, **values}
     with cell_session(cell) as session:
         session.add(Migration(**fields))
@@ -218,7 +218,7 @@ def test_a_visible_server_without_a_mapping_is_found(cloud):
 
 def test_a_stale_hidden_copy_is_found_and_hard_deleted(cloud):
     add_copy("cell2", cloud.active, hidden=True)
-    add_migration(cloud.active, moves.CONFIRMED, cell="cell2", cross_cell_move=True)
+    add_migration(cloud.active, migration_states.CONFIRMED, cell="cell2", cross_cell_move=True)
 
     report = check()
 
@@ -235,7 +235,7 @@ def test_a_stale_hidden_copy_is_found_and_hard_deleted(cloud):
 
 def test_a_hidden_copy_of_a_move_between_cells_under_way_is_not_stale(cloud):
     add_copy("cell2", cloud.active, hidden=True)
-    add_migration(cloud.active, moves.FINISHED, cell="cell2", cross_cell_move=True)
+    add_migration(cloud.active, migration_states.FINISHED, cell="cell2", cross_cell_move=True)
 
     assert audit.HIDDEN_COPY_STALE not in check().kinds()
 
@@ -275,7 +275,7 @@ def test_an_allocation_of_a_deleted_server_is_found_and_deleted(cloud):
 
 
 def test_an_allocation_held_by_a_confirmed_migration_is_found_and_deleted(cloud):
-    migration = add_migration(cloud.active, moves.CONFIRMED)
+    migration = add_migration(cloud.active, migration_states.CONFIRMED)
     placement.claim(migration, PROJECT, USER, {provider(OTHER): OLD_USAGE})
 
     assert check().kinds() == [audit.ALLOCATION_ORPHAN]
@@ -319,7 +319,7 @@ def test_an_allocation_on_another_host_than_the_server_is_found(cloud):
 def test_a_failed_migration_still_holding_its_allocation_is_found(cloud):
     uuid = cloud.resized.instance_uuid
     cell_write(CELL, update(Migration).where(Migration.uuid == cloud.resized.migration_uuid)
-               .values(status=moves.ERROR))
+               .values(status=migration_states.ERROR))
     cell_write(CELL, update(Instance).where(Instance.uuid == uuid).values(
         vm_state=states.ACTIVE, old_flavor=None, new_flavor=None))
 
@@ -410,7 +410,7 @@ def test_a_resize_directory_left_after_the_move_was_confirmed_is_found(cloud):
     uuid = cloud.resized.instance_uuid
     placement.delete_allocations(cloud.resized.migration_uuid)
     cell_write(CELL, update(Migration).where(Migration.uuid == cloud.resized.migration_uuid)
-               .values(status=moves.CONFIRMED))
+               .values(status=migration_states.CONFIRMED))
     cell_write(CELL, update(Instance).where(Instance.uuid == uuid).values(vm_state=states.ACTIVE))
     with api_session() as session:
         session.execute(PortBinding.__table__.delete().where(PortBinding.host == SOURCE,
@@ -425,7 +425,7 @@ def test_a_resize_directory_left_after_the_move_was_confirmed_is_found(cloud):
     assert report.problems[0].resource == f"host/{SOURCE}/dir/{uuid}_resize"
 
 
-@pytest.mark.parametrize("status", [moves.MIGRATING, moves.FINISHED])
+@pytest.mark.parametrize("status", [migration_states.MIGRATING, migration_states.FINISHED])
 def test_disks_copied_in_for_a_move_are_owned_only_while_the_move_runs(cloud, status):
     uuid = cloud.resized.instance_uuid
     cell_write(CELL, update(Migration).where(Migration.uuid == cloud.resized.migration_uuid).values(status=status))
@@ -433,7 +433,7 @@ def test_disks_copied_in_for_a_move_are_owned_only_while_the_move_runs(cloud, st
 
     orphans = [p.resource for p in check().problems if p.kind == audit.INSTANCE_DIR_ORPHAN]
 
-    assert orphans == ([] if status == moves.MIGRATING else [f"host/{DEST}/dir/{uuid}_incoming"])
+    assert orphans == ([] if status == migration_states.MIGRATING else [f"host/{DEST}/dir/{uuid}_incoming"])
 
 
 # --- ports and volumes ----------------------------------------------------------------------------
@@ -517,7 +517,7 @@ def test_a_volume_attachment_of_a_deleted_server_is_found_and_the_volume_freed(c
 
 
 def test_a_temporary_snapshot_left_by_a_failed_move_between_cells_is_found_and_deleted(cloud):
-    migration = add_migration(cloud.active, moves.ERROR, cross_cell_move=True)
+    migration = add_migration(cloud.active, migration_states.ERROR, cross_cell_move=True)
     image_id = snapshot_image_id(migration)
     images.upload_image(BytesIO(b"disk"), "active-resize-temp", image_id=image_id)
 
@@ -531,7 +531,7 @@ def test_a_temporary_snapshot_left_by_a_failed_move_between_cells_is_found_and_d
 
 
 def test_the_snapshot_of_a_move_under_way_is_not_an_orphan(cloud):
-    migration = add_migration(cloud.active, moves.POST_MIGRATING, cross_cell_move=True)
+    migration = add_migration(cloud.active, migration_states.POST_MIGRATING, cross_cell_move=True)
     cell_write(CELL, update(Instance).where(Instance.uuid == cloud.active)
                .values(task_state=states.RESIZE_MIGRATED))
     images.upload_image(BytesIO(b"disk"), "active-resize-temp", image_id=snapshot_image_id(migration))
@@ -567,7 +567,7 @@ def test_disk_transfer_objects_of_a_finished_move_are_found_and_deleted(cloud):
 
 
 def test_a_finished_migration_of_a_server_not_in_verify_resize_is_found_and_put_in_error(cloud):
-    migration = add_migration(cloud.active, moves.FINISHED)
+    migration = add_migration(cloud.active, migration_states.FINISHED)
 
     report = check()
 
@@ -576,11 +576,12 @@ def test_a_finished_migration_of_a_server_not_in_verify_resize_is_found_and_put_
     assert report.kinds() == [audit.MIGRATION_STATE_MISMATCH]
     assert_fixed(audit.MIGRATION_STATE_MISMATCH)
     with cell_session(CELL) as session:
-        assert session.scalars(select(Migration.status).where(Migration.uuid == migration)).one() == moves.ERROR
+        status = session.scalars(select(Migration.status).where(Migration.uuid == migration)).one()
+        assert status == migration_states.ERROR
 
 
 def test_a_migration_stuck_without_a_workflow_is_found_and_put_in_error(cloud):
-    migration = add_migration(cloud.active, moves.MIGRATING, created_at=LONG_AGO)
+    migration = add_migration(cloud.active, migration_states.MIGRATING, created_at=LONG_AGO)
 
     report = check()
 
@@ -589,11 +590,12 @@ def test_a_migration_stuck_without_a_workflow_is_found_and_put_in_error(cloud):
     assert report.kinds() == [audit.MIGRATION_STUCK]
     assert_fixed(audit.MIGRATION_STUCK)
     with cell_session(CELL) as session:
-        assert session.scalars(select(Migration.status).where(Migration.uuid == migration)).one() == moves.ERROR
+        status = session.scalars(select(Migration.status).where(Migration.uuid == migration)).one()
+        assert status == migration_states.ERROR
 
 
 def test_a_migration_whose_workflow_runs_is_not_stuck(cloud):
-    migration = add_migration(cloud.active, moves.MIGRATING, created_at=LONG_AGO)
+    migration = add_migration(cloud.active, migration_states.MIGRATING, created_at=LONG_AGO)
     cell_write(CELL, update(Instance).where(Instance.uuid == cloud.active)
                .values(task_state=states.RESIZE_MIGRATING))
 
@@ -601,7 +603,7 @@ def test_a_migration_whose_workflow_runs_is_not_stuck(cloud):
 
 
 def test_without_a_view_of_the_workflows_a_stuck_migration_is_reported_but_not_repaired(cloud):
-    add_migration(cloud.active, moves.MIGRATING, created_at=LONG_AGO)
+    add_migration(cloud.active, migration_states.MIGRATING, created_at=LONG_AGO)
 
     report = check(fix=True, running_executions=None)
 

@@ -20,7 +20,7 @@ from verify_resize_helpers import (
 )
 
 from ferry import config, workflows
-from ferry.compute import moves, states
+from ferry.compute import migration_states, moves, states
 from ferry.local import template
 from ferry.local.pollers import Pollers, ScheduleRunner
 from ferry.local.runtime import FunctionRunner
@@ -73,8 +73,8 @@ def test_only_migrations_older_than_the_window_are_confirmed(started):
     assert result == {"window": WINDOW, "confirmed": 1, "skipped": 0, "errored": 0, "failed": 0}
     assert started.instances() == [old.instance_uuid]
     assert started.payloads[0]["request_id"] == f"req-auto-confirm-{old.migration_uuid}"
-    assert migration_row(old.migration_uuid).status == moves.CONFIRMING
-    assert migration_row(recent.migration_uuid).status == moves.FINISHED
+    assert migration_row(old.migration_uuid).status == migration_states.CONFIRMING
+    assert migration_row(recent.migration_uuid).status == migration_states.FINISHED
 
 
 def test_a_window_of_zero_turns_it_off(started, monkeypatch):
@@ -96,9 +96,9 @@ def test_nova_skip_rules(started):
 
     assert (result["confirmed"], result["skipped"], result["errored"]) == (1, 2, 1)
     assert started.instances() == [ready.instance_uuid]
-    assert migration_row(deleted.migration_uuid).status == moves.FINISHED
-    assert migration_row(busy.migration_uuid).status == moves.FINISHED
-    assert migration_row(not_resized.migration_uuid).status == moves.ERROR
+    assert migration_row(deleted.migration_uuid).status == migration_states.FINISHED
+    assert migration_row(busy.migration_uuid).status == migration_states.FINISHED
+    assert migration_row(not_resized.migration_uuid).status == migration_states.ERROR
     assert instance_row(not_resized.instance_uuid).vm_state == states.ACTIVE
 
 
@@ -117,7 +117,7 @@ def test_one_failing_confirm_does_not_stop_the_others(started, monkeypatch):
 
     assert (result["confirmed"], result["failed"]) == (1, 1)
     assert started.instances() == [second.instance_uuid]
-    assert migration_row(first.migration_uuid).status == moves.FINISHED
+    assert migration_row(first.migration_uuid).status == migration_states.FINISHED
 
 
 def test_a_migration_confirmed_meanwhile_is_not_confirmed_twice(started):
@@ -127,7 +127,7 @@ def test_a_migration_confirmed_meanwhile_is_not_confirmed_twice(started):
     result = auto_confirm.run()
 
     assert result["confirmed"] == 0
-    assert len(started.payloads) == 1 and migration_row(resized.migration_uuid).status == moves.CONFIRMING
+    assert len(started.payloads) == 1 and migration_row(resized.migration_uuid).status == migration_states.CONFIRMING
 
 
 # --- the template's schedule on the local stack ------------------------------------------------------

@@ -36,7 +36,7 @@ from verify_resize_helpers import (
 )
 
 from ferry import errors, notifications, placement, protocol
-from ferry.compute import moves, states
+from ferry.compute import migration_states, states
 from ferry.workflows import confirm_resize
 
 SCHEMAS = ("confirm_resize", "revert_resize", "volume_attachment", "drain")
@@ -74,7 +74,7 @@ def test_confirm_leaves_the_new_flavor_on_the_destination_only_and_the_migration
     assert usage(SOURCE) == {}
     assert usage(DEST) == NEW_USAGE
     assert placement.get_allocations(resized.migration_uuid) == {}
-    assert migration_row(resized.migration_uuid).status == moves.CONFIRMED
+    assert migration_row(resized.migration_uuid).status == migration_states.CONFIRMED
     row = instance_row(resized.instance_uuid)
     assert (row.vm_state, row.task_state, row.host, row.flavor) == (states.ACTIVE, None, DEST, NEW)
     assert (row.old_flavor, row.new_flavor, row.old_vm_state) == (None, None, None)
@@ -147,13 +147,13 @@ def test_a_down_source_host_is_not_a_refusal_and_the_rollback_restores_verify_re
     error = {"Error": raised.value.name, "Cause": raised.value.message}
     confirm_resize.restore_verify_resize({**event, "error": error})
 
-    assert migration_row(resized.migration_uuid).status == moves.FINISHED
+    assert migration_row(resized.migration_uuid).status == migration_states.FINISHED
     row = instance_row(resized.instance_uuid)
     assert (row.vm_state, row.task_state) == (states.RESIZED, None)
     assert placement.get_allocations(resized.migration_uuid) != {}
     assert events(resized.instance_uuid) == {confirm_resize.EVENT_CONFIRM: "Error"}
     begin("confirm", resized, monkeypatch)  # the owner can confirm again
-    assert migration_row(resized.migration_uuid).status == moves.CONFIRMING
+    assert migration_row(resized.migration_uuid).status == migration_states.CONFIRMING
 
 
 def test_a_failure_at_the_source_leaves_the_server_usable_and_says_what_is_left(cloud, monkeypatch, tmp_path):
@@ -167,7 +167,7 @@ def test_a_failure_at_the_source_leaves_the_server_usable_and_says_what_is_left(
     row = instance_row(resized.instance_uuid)
     assert (row.vm_state, row.task_state, row.host, row.flavor, row.old_flavor) == (
         states.ACTIVE, None, DEST, NEW, None)
-    assert migration_row(resized.migration_uuid).status == moves.ERROR
+    assert migration_row(resized.migration_uuid).status == migration_states.ERROR
     assert usage(SOURCE) == OLD_USAGE, "the migration keeps its allocation while the old disks may be there"
     [fault] = faults(resized.instance_uuid)
     assert SOURCE in fault.message and "disk busy" in fault.message
@@ -184,7 +184,7 @@ def test_an_operator_confirm_of_the_failed_migration_cleans_up_without_touching_
     retry = checked(retry)
     confirm_resize.finish_confirm(confirmed_at_source(retry))
 
-    assert migration_row(resized.migration_uuid).status == moves.CONFIRMED
+    assert migration_row(resized.migration_uuid).status == migration_states.CONFIRMED
     assert usage(SOURCE) == {} and usage(DEST) == NEW_USAGE
     assert bindings(resized.instance_uuid) == {DEST: "ACTIVE"}
     assert instance_row(resized.instance_uuid).vm_state == states.ACTIVE
@@ -209,7 +209,7 @@ def test_a_failure_after_the_source_was_cleaned_says_so(cloud, monkeypatch):
 
     [fault] = faults(resized.instance_uuid)
     assert "removed the old guest and disks" in fault.message
-    assert migration_row(resized.migration_uuid).status == moves.ERROR
+    assert migration_row(resized.migration_uuid).status == migration_states.ERROR
 
 
 def test_a_server_deleted_during_the_confirm_is_left_to_its_delete(cloud, monkeypatch):
@@ -221,7 +221,7 @@ def test_a_server_deleted_during_the_confirm_is_left_to_its_delete(cloud, monkey
 
     row = instance_row(resized.instance_uuid)
     assert (row.vm_state, row.task_state) == (states.RESIZED, states.DELETING)
-    assert migration_row(resized.migration_uuid).status == moves.CONFIRMED
+    assert migration_row(resized.migration_uuid).status == migration_states.CONFIRMED
     assert usage(SOURCE) == {}
 
 

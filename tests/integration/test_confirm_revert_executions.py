@@ -42,7 +42,7 @@ from verify_resize_helpers import (
 from ferry import aws, hosts, placement, protocol
 from ferry.auth import RequestContext
 from ferry.compute import api as compute_api
-from ferry.compute import moves, states
+from ferry.compute import migration_states, moves, states
 from ferry.local import provision, runtime, template
 from ferry.store.api_models import Network
 from ferry.store.db import api_session
@@ -172,7 +172,7 @@ def test_a_confirm_runs_to_the_end(stack):
     [(host, operation, args)] = stack.agents.received
     assert (host, operation) == (SOURCE, protocol.CONFIRM_RESIZE)
     jsonschema.validate(args, protocol.ARGS_SCHEMAS[protocol.CONFIRM_RESIZE])
-    assert migration_row(resized.migration_uuid).status == moves.CONFIRMED
+    assert migration_row(resized.migration_uuid).status == migration_states.CONFIRMED
     assert (usage(SOURCE), usage(DEST)) == ({}, NEW_USAGE)
     assert instance_row(resized.instance_uuid).vm_state == states.ACTIVE
 
@@ -184,7 +184,7 @@ def test_a_confirm_failing_at_the_source_ends_failed_with_the_migration_in_error
     execution = confirm(resized, stack)
 
     assert (execution["status"], execution.get("error")) == ("FAILED", "Ferry.ConfirmResizeFailed")
-    assert migration_row(resized.migration_uuid).status == moves.ERROR
+    assert migration_row(resized.migration_uuid).status == migration_states.ERROR
     assert instance_row(resized.instance_uuid).vm_state == states.ACTIVE
     assert usage(SOURCE) == OLD_USAGE
 
@@ -214,7 +214,7 @@ def test_a_revert_runs_to_the_end(stack, tmp_path):
         jsonschema.validate(args, protocol.ARGS_SCHEMAS[operation])
     row = instance_row(resized.instance_uuid)
     assert (row.vm_state, row.task_state, row.host, row.power_state) == (states.ACTIVE, None, SOURCE, states.RUNNING)
-    assert migration_row(resized.migration_uuid).status == moves.REVERTED
+    assert migration_row(resized.migration_uuid).status == migration_states.REVERTED
     assert (usage(SOURCE), usage(DEST)) == (OLD_USAGE, {})
     assert bindings(resized.instance_uuid) == {SOURCE: "ACTIVE"}
     assert attachments(resized.instance_uuid) == {SOURCE: "attached"}
@@ -229,7 +229,7 @@ def test_a_revert_the_destination_cannot_clean_up_leaves_verify_resize(stack):
     assert (execution["status"], execution.get("error")) == ("FAILED", "Ferry.RevertResizeFailed")
     row = instance_row(resized.instance_uuid)
     assert (row.vm_state, row.task_state, row.host) == (states.RESIZED, None, DEST)
-    assert migration_row(resized.migration_uuid).status == moves.FINISHED
+    assert migration_row(resized.migration_uuid).status == migration_states.FINISHED
     assert (usage(SOURCE), usage(DEST)) == (OLD_USAGE, NEW_USAGE)
 
 
@@ -242,7 +242,7 @@ def test_a_revert_the_source_cannot_finish_is_error(stack):
     assert (execution["status"], execution.get("error")) == ("FAILED", "Ferry.RevertResizeFailed")
     row = instance_row(resized.instance_uuid)
     assert (row.vm_state, row.task_state) == (states.ERROR, None)
-    assert migration_row(resized.migration_uuid).status == moves.ERROR
+    assert migration_row(resized.migration_uuid).status == migration_states.ERROR
 
 
 def test_a_stopped_server_reverted_stays_shutoff(stack):
@@ -264,7 +264,7 @@ def test_deleting_a_resized_server_confirms_at_the_source_then_destroys_at_the_d
 
     assert execution["status"] == "SUCCEEDED", execution
     assert stack.agents.operations() == [(SOURCE, protocol.CONFIRM_RESIZE), (DEST, protocol.DESTROY)]
-    assert migration_row(resized.migration_uuid).status == moves.CONFIRMED
+    assert migration_row(resized.migration_uuid).status == migration_states.CONFIRMED
     assert placement.get_allocations(resized.migration_uuid) == {}
     assert placement.get_allocations(resized.instance_uuid) == {}
     assert (usage(SOURCE), usage(DEST)) == ({}, {})
@@ -309,7 +309,7 @@ def test_a_revert_rolled_back_to_verify_resize_can_be_asked_again(stack):
     moves.begin_revert("cell1", resized.instance_uuid, request_id=f"req-{uuidlib.uuid4()}", user_id=USER,
                        project_id=PROJECT)
     deadline = time.monotonic() + 60
-    while migration_row(resized.migration_uuid).status == moves.REVERTING and time.monotonic() < deadline:
+    while migration_row(resized.migration_uuid).status == migration_states.REVERTING and time.monotonic() < deadline:
         time.sleep(0.2)
 
-    assert migration_row(resized.migration_uuid).status == moves.REVERTED
+    assert migration_row(resized.migration_uuid).status == migration_states.REVERTED

@@ -44,7 +44,7 @@ from verify_resize_helpers import (
 
 from ferry import placement, workflows
 from ferry.auth import RequestContext
-from ferry.compute import actions, moves, states
+from ferry.compute import actions, migration_states, moves, states
 from ferry.compute import api as compute_api
 from ferry.store.cell_models import Migration
 from ferry.store.db import cell_session
@@ -102,7 +102,7 @@ def test_confirm_removes_the_source_cell_copy_and_keeps_the_server_on_the_destin
     assert (row.vm_state, row.task_state, row.host, row.flavor, row.hidden) == (states.ACTIVE, None, CROSS_DEST,
                                                                                  NEW, False)
     assert mapped_cell(moved.instance_uuid) == TARGET_CELL
-    assert migration_in(TARGET_CELL, moved.migration_uuid).status == moves.CONFIRMED
+    assert migration_in(TARGET_CELL, moved.migration_uuid).status == migration_states.CONFIRMED
     assert placement.get_allocations(moved.migration_uuid) == {}
     assert (usage(SOURCE), usage(CROSS_DEST)) == ({}, NEW_USAGE)
     assert bindings(moved.instance_uuid) == {CROSS_DEST: "ACTIVE"}
@@ -124,7 +124,7 @@ def test_confirm_that_fails_at_the_source_keeps_both_copies_and_says_where_they_
     row = copy_in(TARGET_CELL, moved.instance_uuid)
     assert (row.vm_state, row.task_state, row.hidden) == (states.ACTIVE, None, False)
     assert copy_in(SOURCE_CELL, moved.instance_uuid).hidden is True
-    assert migration_in(TARGET_CELL, moved.migration_uuid).status == moves.ERROR
+    assert migration_in(TARGET_CELL, moved.migration_uuid).status == migration_states.ERROR
     assert placement.get_allocations(moved.migration_uuid) != {}
     assert events_in(TARGET_CELL, moved.instance_uuid)[EVENT_CONFIRM] == "Error"
 
@@ -154,7 +154,7 @@ def test_revert_brings_the_server_back_to_its_source_cell_and_host(cloud, monkey
     assert mapped_cell(moved.instance_uuid) == SOURCE_CELL
     assert (copy_in(SOURCE_CELL, moved.instance_uuid).hidden, copy_in(TARGET_CELL, moved.instance_uuid).hidden) \
         == (False, True)
-    assert migration_in(SOURCE_CELL, moved.migration_uuid).status == moves.REVERTING
+    assert migration_in(SOURCE_CELL, moved.migration_uuid).status == migration_states.REVERTING
 
     event["reverted_at_dest"] = host_result(CROSS_DEST, moved.instance_uuid)
     event["restore"] = revert_resize.revert_resources_to_source(event)
@@ -172,7 +172,7 @@ def test_revert_brings_the_server_back_to_its_source_cell_and_host(cloud, monkey
     assert (row.vm_state, row.task_state, row.host, row.flavor, row.hidden) == (states.ACTIVE, None, SOURCE, OLD,
                                                                                  False)
     assert (row.old_flavor, row.new_flavor, row.old_vm_state) == (None, None, None)
-    assert migration_in(SOURCE_CELL, moved.migration_uuid).status == moves.REVERTED
+    assert migration_in(SOURCE_CELL, moved.migration_uuid).status == migration_states.REVERTED
     assert leftovers(SOURCE_CELL, moved.instance_uuid)["bdms"] == 2
     assert placement.get_allocations(moved.migration_uuid) == {}
     assert (usage(SOURCE), usage(CROSS_DEST)) == (OLD_USAGE, {})
@@ -218,8 +218,8 @@ def test_flip_that_fails_half_way_is_undone_and_the_server_stays_in_verify_resiz
     assert (target.hidden, target.vm_state, target.task_state, target.host) == (False, states.RESIZED, None,
                                                                                  CROSS_DEST)
     assert (source.hidden, source.task_state) == (True, None)
-    assert migration_in(TARGET_CELL, moved.migration_uuid).status == moves.FINISHED
-    assert migration_in(SOURCE_CELL, moved.migration_uuid).status == moves.FINISHED
+    assert migration_in(TARGET_CELL, moved.migration_uuid).status == migration_states.FINISHED
+    assert migration_in(SOURCE_CELL, moved.migration_uuid).status == migration_states.FINISHED
     assert (usage(SOURCE), usage(CROSS_DEST)) == (OLD_USAGE, NEW_USAGE)
     assert events_in(TARGET_CELL, moved.instance_uuid)[EVENT_REVERT] == "Error"
     begin("revert", moved, monkeypatch)  # and it can be reverted again
@@ -237,7 +237,7 @@ def test_revert_that_fails_at_the_destination_after_the_flip_is_error_with_the_c
 
     row = copy_in(SOURCE_CELL, moved.instance_uuid)
     assert (row.vm_state, row.task_state, row.hidden) == (states.ERROR, None, False)
-    assert migration_in(SOURCE_CELL, moved.migration_uuid).status == moves.ERROR
+    assert migration_in(SOURCE_CELL, moved.migration_uuid).status == migration_states.ERROR
     from verify_resize_helpers import faults  # noqa: F401 - cell1 is the helpers' cell
 
     fault = faults(moved.instance_uuid)[-1]
@@ -262,7 +262,7 @@ def test_delete_in_verify_resize_cleans_both_cells_and_both_hosts(cloud, tmp_pat
 
     assert leftovers(SOURCE_CELL, moved.instance_uuid) == NOTHING
     assert copy_in(TARGET_CELL, moved.instance_uuid).deleted is True
-    assert migration_in(TARGET_CELL, moved.migration_uuid).status == moves.CONFIRMED
+    assert migration_in(TARGET_CELL, moved.migration_uuid).status == migration_states.CONFIRMED
     assert placement.get_allocations(moved.instance_uuid) == {}
     assert placement.get_allocations(moved.migration_uuid) == {}
     assert (usage(SOURCE), usage(CROSS_DEST)) == ({}, {})
@@ -274,8 +274,9 @@ def test_delete_records_the_snapshot_based_confirm_and_keeps_the_earlier_moves(c
     earlier = str(uuidlib.uuid4())
     with cell_session(SOURCE_CELL) as session:  # a move within the source cell, before this one
         session.add(Migration(uuid=earlier, instance_uuid=moved.instance_uuid, source_compute=SOURCE,
-                              source_node=SOURCE, dest_compute=SOURCE, dest_node=SOURCE, status=moves.CONFIRMED,
-                              migration_type=moves.MIGRATION, user_id=USER, project_id=PROJECT))
+                              source_node=SOURCE, dest_compute=SOURCE, dest_node=SOURCE,
+                              status=migration_states.CONFIRMED,
+                              migration_type=migration_states.MIGRATION, user_id=USER, project_id=PROJECT))
     with cell_session(TARGET_CELL) as session:
         actions.start_action(session, instance_uuid=moved.instance_uuid, action="delete", request_id="req-del",
                              user_id=USER, project_id=PROJECT)
@@ -288,7 +289,7 @@ def test_delete_records_the_snapshot_based_confirm_and_keeps_the_earlier_moves(c
     assert events_in(TARGET_CELL, moved.instance_uuid)[EVENT_CONFIRM_AT_SOURCE] == "Success"
     assert confirm_resize.EVENT_CONFIRM not in events_in(TARGET_CELL, moved.instance_uuid)
     assert leftovers(SOURCE_CELL, moved.instance_uuid) == NOTHING
-    assert migration_in(TARGET_CELL, earlier).status == moves.CONFIRMED
+    assert migration_in(TARGET_CELL, earlier).status == migration_states.CONFIRMED
 
 
 def test_a_visible_copy_is_never_hard_deleted(cloud, tmp_path):
@@ -321,7 +322,7 @@ def test_auto_confirm_confirms_a_cross_cell_move_once_from_the_mapped_cell(cloud
 
     assert (outcome["confirmed"], outcome["skipped"], outcome["failed"]) == (1, 0, 0)
     assert [(p["cell"], p["migration_uuid"]) for p in started] == [(TARGET_CELL, moved.migration_uuid)]
-    assert migration_in(TARGET_CELL, moved.migration_uuid).status == moves.CONFIRMING
+    assert migration_in(TARGET_CELL, moved.migration_uuid).status == migration_states.CONFIRMING
 
 
 # --- what the API shows --------------------------------------------------------------------------
@@ -339,6 +340,6 @@ def test_api_shows_the_mapped_copy_only_and_one_migration_per_uuid(cloud, tmp_pa
     assert [(s.host, s.cell) for s in listed] == [(CROSS_DEST, TARGET_CELL)]
     assert len(migrations) == 1 and migrations[0]["cross_cell_move"] is True
     with cell_session(SOURCE_CELL) as session:  # the hidden copy's migration wins nothing even when newer
-        session.execute(update(Migration).values(status=moves.ERROR))
+        session.execute(update(Migration).values(status=migration_states.ERROR))
     merged = [m for m in moves.list_migrations(moves.MigrationFilters()) if m["uuid"] == moved.migration_uuid]
-    assert [m["status"] for m in merged] == [moves.FINISHED]
+    assert [m["status"] for m in merged] == [migration_states.FINISHED]

@@ -27,7 +27,7 @@ from verify_resize_helpers import (
 )
 
 from ferry import notifications, placement
-from ferry.compute import actions, moves, states
+from ferry.compute import actions, migration_states, states
 from ferry.store.db import cell_session
 from ferry.workflows import confirm_resize, delete
 
@@ -59,7 +59,7 @@ def test_delete_while_resized_confirms_first_and_leaves_nothing(cloud, tmp_path)
     event["confirm"] = found
     delete.confirm_before_delete(event)
     delete.confirm_before_delete(event)  # delivered twice
-    assert migration_row(resized.migration_uuid).status == moves.CONFIRMED
+    assert migration_row(resized.migration_uuid).status == migration_states.CONFIRMED
     assert usage(SOURCE) == {}
     assert bindings(resized.instance_uuid) == {DEST: "ACTIVE"}
     delete.finish_delete(event)
@@ -80,14 +80,14 @@ def test_delete_while_resized_confirms_first_and_leaves_nothing(cloud, tmp_path)
 
 def test_a_server_without_a_resize_to_settle_is_deleted_as_before(cloud):
     resized = make_resized()
-    set_migration(resized.migration_uuid, status=moves.REVERTED)
+    set_migration(resized.migration_uuid, status=migration_states.REVERTED)
 
     assert delete.find_resize_to_confirm(deleting(resized)) == {}
 
 
 def test_a_confirm_left_in_error_with_its_allocation_is_settled_by_the_delete(cloud):
     resized = make_resized()
-    set_migration(resized.migration_uuid, status=moves.ERROR)
+    set_migration(resized.migration_uuid, status=migration_states.ERROR)
     set_instance(resized.instance_uuid, vm_state=states.ACTIVE)
     event = deleting(resized)
 
@@ -95,7 +95,7 @@ def test_a_confirm_left_in_error_with_its_allocation_is_settled_by_the_delete(cl
     delete.confirm_before_delete(event)
 
     assert placement.get_allocations(resized.migration_uuid) == {}
-    assert migration_row(resized.migration_uuid).status == moves.ERROR
+    assert migration_row(resized.migration_uuid).status == migration_states.ERROR
 
 
 def test_a_down_source_host_is_skipped_and_the_allocation_still_released(cloud):
@@ -108,7 +108,7 @@ def test_a_down_source_host_is_skipped_and_the_allocation_still_released(cloud):
     delete.confirm_before_delete(event)
 
     assert usage(SOURCE) == {}
-    assert migration_row(resized.migration_uuid).status == moves.CONFIRMED
+    assert migration_row(resized.migration_uuid).status == migration_states.CONFIRMED
 
 
 def test_a_failed_confirm_before_the_delete_is_error_naming_the_source_and_can_be_retried(cloud):
@@ -122,7 +122,7 @@ def test_a_failed_confirm_before_the_delete_is_error_naming_the_source_and_can_b
     assert (row.vm_state, row.task_state) == (states.ERROR, None)
     [fault] = faults(resized.instance_uuid)
     assert fault.host == SOURCE and SOURCE in fault.details and "Delete the server again" in fault.details
-    assert migration_row(resized.migration_uuid).status == moves.FINISHED
+    assert migration_row(resized.migration_uuid).status == migration_states.FINISHED
     assert placement.get_allocations(resized.migration_uuid) != {}
     assert events(resized.instance_uuid)[confirm_resize.EVENT_CONFIRM] == "Error"
     retry = deleting(resized, "req-delete-again")

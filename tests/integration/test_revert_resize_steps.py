@@ -34,7 +34,7 @@ from verify_resize_helpers import (
 
 from ferry import config, errors, notifications, placement, protocol
 from ferry.compute import api as compute_api
-from ferry.compute import moves, states
+from ferry.compute import migration_states, states
 from ferry.store.api_models import Flavor
 from ferry.store.db import api_session
 from ferry.workflows import confirm_resize, revert_resize
@@ -86,7 +86,7 @@ def test_revert_leaves_the_old_flavor_on_the_source_only(cloud, monkeypatch, tmp
     assert usage(SOURCE) == OLD_USAGE
     assert usage(DEST) == {}
     assert placement.get_allocations(resized.migration_uuid) == {}
-    assert migration_row(resized.migration_uuid).status == moves.REVERTED
+    assert migration_row(resized.migration_uuid).status == migration_states.REVERTED
     row = instance_row(resized.instance_uuid)
     assert (row.vm_state, row.task_state, row.power_state, row.host, row.node, row.flavor) == (
         states.ACTIVE, None, states.RUNNING, SOURCE, SOURCE, OLD)
@@ -162,7 +162,7 @@ def test_a_destination_that_cannot_clean_up_leaves_verify_resize_and_a_finished_
 
     row = instance_row(resized.instance_uuid)
     assert (row.vm_state, row.task_state, row.host) == (states.RESIZED, None, DEST)
-    assert migration_row(resized.migration_uuid).status == moves.FINISHED
+    assert migration_row(resized.migration_uuid).status == migration_states.FINISHED
     assert (usage(SOURCE), usage(DEST)) == (OLD_USAGE, NEW_USAGE)
     assert bindings(resized.instance_uuid) == {DEST: "ACTIVE", SOURCE: "INACTIVE"}
     [fault] = faults(resized.instance_uuid)
@@ -191,7 +191,7 @@ def test_a_failed_restore_at_the_source_is_error_with_a_fault_saying_what_is_whe
 
     row = instance_row(resized.instance_uuid)
     assert (row.vm_state, row.task_state, row.host) == (states.ERROR, None, SOURCE)
-    assert migration_row(resized.migration_uuid).status == moves.ERROR
+    assert migration_row(resized.migration_uuid).status == migration_states.ERROR
     [fault] = faults(resized.instance_uuid)
     assert f"restoring the old guest on {SOURCE}" in fault.message and "no kept disks" in fault.message
     assert f"on {DEST} were removed" in fault.details

@@ -23,7 +23,7 @@ from moto import mock_aws
 from sqlalchemy import select, update
 
 from ferry import aws, config, hosts, notifications, placement, protocol, workflows
-from ferry.compute import moves, states
+from ferry.compute import migration_states, moves, states
 from ferry.store.api_models import (
     CellMapping,
     InstanceMapping,
@@ -155,7 +155,8 @@ def make_resized(*, source: str = SOURCE, dest: str = DEST, old_vm_state: str = 
                              host=dest, node=dest, launched_on=source))
         session.add(Migration(uuid=migration_uuid, instance_uuid=uuid, source_compute=source, source_node=source,
                               dest_compute=dest, dest_node=dest, dest_host=dest, old_instance_type_id=OLD["id"],
-                              new_instance_type_id=NEW["id"], status=moves.FINISHED, migration_type=moves.RESIZE,
+                              new_instance_type_id=NEW["id"], status=migration_states.FINISHED,
+                              migration_type=migration_states.RESIZE,
                               user_id=USER, project_id=PROJECT))
         if volume_id:
             session.add(BlockDeviceMapping(instance_uuid=uuid, source_type="volume", destination_type="volume",

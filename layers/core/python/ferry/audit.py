@@ -33,7 +33,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 from sqlalchemy import CursorResult, func, select, update
 
 from ferry import aws, config, errors, hosts, images, network, placement
-from ferry.compute import moves, states
+from ferry.compute import migration_states, states
 from ferry.observability import logger
 from ferry.store.api_models import (
     Allocation,
@@ -104,10 +104,10 @@ HINTS: dict[str, str] = {
 KINDS = tuple(HINTS)
 
 # Migration statuses by what they mean for the records around them.
-FORWARD = (moves.PRE_MIGRATING, moves.MIGRATING, moves.POST_MIGRATING)
-SETTLING = (moves.CONFIRMING, moves.REVERTING)
+FORWARD = (migration_states.PRE_MIGRATING, migration_states.MIGRATING, migration_states.POST_MIGRATING)
+SETTLING = (migration_states.CONFIRMING, migration_states.REVERTING)
 IN_FLIGHT = FORWARD + SETTLING
-OPEN = IN_FLIGHT + (moves.FINISHED,)
+OPEN = IN_FLIGHT + (migration_states.FINISHED,)
 
 # vm_states of a server that has a guest and an allocation on its host.
 SETTLED_VM_STATES = (states.ACTIVE, states.STOPPED, states.RESIZED, states.SUSPENDED, states.PAUSED)
@@ -272,7 +272,7 @@ class _World:
     def unsettled_migrations(self, uuid: str) -> list[Migration]:
         """Open migrations, and failed ones still holding their allocation (a confirm that failed at the source)."""
         return [m for m in self.migrations_of.get(uuid, [])
-                if m.status in OPEN or (m.status == moves.ERROR and m.uuid in self.allocations)]
+                if m.status in OPEN or (m.status == migration_states.ERROR and m.uuid in self.allocations)]
 
     def in_flight(self, uuid: str) -> bool:
         """Whether a workflow may be changing the server now: a task, or a migration under way."""
@@ -481,7 +481,7 @@ def _expected_allocations(world: _World) -> dict[str, tuple[str, dict[str, dict[
             expected[uuid] = (f"server {uuid} on {provider.name}",
                               _amounts(provider.uuid, placement.resources_from_flavor(instance.flavor, bfv)))
         if instance.vm_state == states.RESIZED:
-            finished = [m for m in world.open_migrations(uuid) if m.status == moves.FINISHED]
+            finished = [m for m in world.open_migrations(uuid) if m.status == migration_states.FINISHED]
             if finished and instance.old_flavor:
                 migration = finished[-1]
                 source = world.provider_for(migration.source_node, migration.source_compute)
@@ -524,7 +524,7 @@ def _check_allocations(world: _World) -> Iterable[Problem]:
                               _repair_allocation(world, consumer))
             elif migration.status in IN_FLIGHT or world.in_flight(instance_uuid):
                 continue
-            elif migration.status in (moves.CONFIRMED, moves.REVERTED):
+            elif migration.status in (migration_states.CONFIRMED, migration_states.REVERTED):
                 yield Problem(ALLOCATION_ORPHAN, resource,
                               f"Migration {consumer} is {migration.status} but still holds {where(held)}.",
                               _repair_allocation(world, consumer))
@@ -691,7 +691,7 @@ def _check_storage(world: _World, skipped: list[str]) -> Iterable[Problem]:
                           f"{migration.uuid}, which is {migration.status}.", _repair_image(image["id"]))
     for migration_uuid, objects in sorted(transfers.items()):
         migration = world.migrations.get(migration_uuid)
-        if migration is not None and migration.status in FORWARD + (moves.REVERTING,):
+        if migration is not None and migration.status in FORWARD + (migration_states.REVERTING,):
             continue
         newest = max(cast(dt.datetime, o["LastModified"]) for o in objects)
         if world.recent(newest.astimezone(dt.UTC).replace(tzinfo=None) if newest.tzinfo else newest):
@@ -709,14 +709,14 @@ def _check_migrations(world: _World) -> Iterable[Problem]:
         if world.recent(_changed(migration)):
             continue
         instance = world.visible(uuid)
-        if migration.status == moves.FINISHED:
+        if migration.status == migration_states.FINISHED:
             newest = world.open_migrations(uuid)[-1]
             if instance is None or instance.vm_state != states.RESIZED or newest.uuid != migration_uuid:
                 state = f"is {instance.vm_state}" if instance is not None else "is gone"
                 yield Problem(MIGRATION_STATE_MISMATCH, f"migration/{migration_uuid}",
                               f"Migration {migration_uuid} is finished but its server {uuid} {state}"
                               f"{'' if newest.uuid == migration_uuid else ' and has a newer move'}.",
-                              _repair_migration(world, migration_uuid, moves.FINISHED)
+                              _repair_migration(world, migration_uuid, migration_states.FINISHED)
                               if not world.in_flight(uuid) else None)
         elif migration.status in IN_FLIGHT:
             live = world.live(uuid)
@@ -856,7 +856,7 @@ def _repair_migration(world: _World, migration_uuid: str, seen_status: str) -> C
             with cell_session(cell) as session:
                 result = cast(CursorResult[Any], session.execute(
                     update(Migration).where(Migration.uuid == migration_uuid, Migration.status == seen_status)
-                    .values(status=moves.ERROR).execution_options(synchronize_session=False)))
+                    .values(status=migration_states.ERROR).execution_options(synchronize_session=False)))
                 changed += result.rowcount
         if not changed:
             raise errors.FerryError(f"migration {migration_uuid} is no longer {seen_status}; left as it is")

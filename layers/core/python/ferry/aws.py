@@ -1,32 +1,53 @@
-"""boto3 clients, one per service per process, pointed at AWS or at the local stack.
+"""AWS clients, one per service per process, pointed at AWS or at the local stack.
 
-``AWS_ENDPOINT_URL`` (honoured by boto3 itself) points every client at the local stack.
+The clients are botocore's: what every function calls is the service API, and loading boto3 (its
+resource layer and S3 transfer manager) would lengthen each cold start for nothing. The one
+operation that needs boto3, S3's managed upload, is :func:`upload_fileobj`.
+``AWS_ENDPOINT_URL`` (honoured by botocore itself) points every client at the local stack.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from typing import Any
+from typing import Any, Protocol
 
-import boto3
+import botocore.session
 from botocore.config import Config
+
+
+class Readable(Protocol):
+    """What an upload reads from."""
+
+    def read(self, size: int = -1) -> bytes: ...
+
 
 _clients: dict[str, Any] = {}
 _lock = threading.Lock()
 
 
 def client(service: str) -> Any:
-    """A cached boto3 client for ``service`` in the configured region."""
+    """A cached client for ``service`` in the configured region."""
     with _lock:
         existing = _clients.get(service)
         if existing is None:
             region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
-            existing = boto3.session.Session().client(
+            existing = botocore.session.get_session().create_client(
                 service, region_name=region, config=Config(retries={"max_attempts": 5, "mode": "standard"})
             )
             _clients[service] = existing
         return existing
+
+
+def upload_fileobj(s3_client: Any, fileobj: Readable, bucket: str, key: str, **kwargs: Any) -> None:
+    """Upload ``fileobj`` to ``bucket``/``key`` through S3's transfer manager (multipart, concurrent parts).
+
+    ``s3_client`` may be any S3 client; ``kwargs`` are those of boto3's ``upload_fileobj``
+    (``ExtraArgs``, ``Config``, ``Callback``).
+    """
+    from boto3.s3.inject import upload_fileobj as managed_upload  # loaded by the uploads alone
+
+    managed_upload(s3_client, fileobj, bucket, key, **kwargs)
 
 
 def reset() -> None:

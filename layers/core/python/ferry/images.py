@@ -166,7 +166,7 @@ def upload_image(source: BinaryIO, name: str, *, image_id: str | None = None, di
                 "visibility": visibility}
     s3, bucket, key = aws.client("s3"), _bucket(), _key(image_id)
     reader = _HashingReader(source)
-    s3.upload_fileobj(reader, bucket, key, ExtraArgs={"Metadata": metadata})
+    aws.upload_fileobj(s3, reader, bucket, key, ExtraArgs={"Metadata": metadata})
     digest = reader.sha256.hexdigest()
     finished = {**metadata, "sha256": digest}
     if reader.size <= SINGLE_COPY_LIMIT:  # one request: S3's multipart copy of an object onto itself is not needed

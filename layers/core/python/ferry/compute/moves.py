@@ -29,6 +29,17 @@ from ferry import aws, config, errors, hosts, policy, quotas, workflows
 from ferry.auth import RequestContext
 from ferry.compute import actions, instances, states
 from ferry.compute import api as compute_api
+from ferry.compute.migration_states import (
+    CONFIRMED,
+    CONFIRMING,
+    ERROR,
+    FINISHED,
+    MIGRATION,
+    PRE_MIGRATING,
+    RESIZE,
+    REVERTING,
+    SETTLING,
+)
 from ferry.observability import logger
 from ferry.store.api_models import CellMapping, Flavor, HostMapping, InstanceMapping, new_uuid
 from ferry.store.cell_models import (
@@ -38,24 +49,6 @@ from ferry.store.cell_models import (
     Service,
 )
 from ferry.store.db import all_cells, api_session, cell_session
-
-# Migration statuses (Nova's).
-PRE_MIGRATING = "pre-migrating"
-MIGRATING = "migrating"
-POST_MIGRATING = "post-migrating"
-FINISHED = "finished"
-CONFIRMING = "confirming"
-CONFIRMED = "confirmed"
-REVERTING = "reverting"
-REVERTED = "reverted"
-ERROR = "error"
-
-# Migration types.
-RESIZE = "resize"
-MIGRATION = "migration"
-
-# Statuses of a migration whose confirm or revert is under way.
-_SETTLING = (CONFIRMING, REVERTING)
 
 
 def move_execution_name(kind: str, instance_uuid: str, migration_uuid: str) -> str:
@@ -129,7 +122,7 @@ def _check_settle_state(session: Session, action: str, instance_uuid: str) -> tu
     if instance.task_state is not None:
         raise _invalid_state(action, instance_uuid, "task_state", instance.task_state)
     migration = _latest_migration(session, instance_uuid)
-    if migration is not None and migration.status in _SETTLING:
+    if migration is not None and migration.status in SETTLING:
         raise errors.MigrationInProgress(
             f"Cannot '{action}' instance {instance_uuid}: its migration {migration.uuid} is {migration.status}.")
     if migration is None or migration.status != FINISHED:

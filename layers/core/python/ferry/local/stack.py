@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import IO, Any, Literal
+from typing import IO, TYPE_CHECKING, Any, Literal
 
 from sqlalchemy import select
 
@@ -36,6 +36,9 @@ from ferry.local.pollers import Pollers
 from ferry.local.provision import provision
 from ferry.local.runtime import LocalAws, free_port
 from ferry.local.template import LocalTemplate, load_template, resolve
+
+if TYPE_CHECKING:
+    from hostagent.driver import HostCapacity
 
 log = logging.getLogger("ferry-local")
 
@@ -107,16 +110,24 @@ class _AgentProcess:
         self._log.close()
 
 
+def default_host_capacity() -> HostCapacity:
+    """What a local host offers unless told otherwise: a small hypervisor."""
+    from hostagent.driver import HostCapacity  # loads libvirt: only where agents are started
+
+    return HostCapacity(AGENT_VCPUS, AGENT_MEMORY_MB, AGENT_DISK_GB)
+
+
 class _AgentThread:
-    def __init__(self, host: str, cell: str, state_dir: Path, instances_dir: Path, options: Mapping[str, Any]) -> None:
+    def __init__(self, host: str, cell: str, state_dir: Path, instances_dir: Path, capacity: HostCapacity,
+                 options: Mapping[str, Any]) -> None:
         from ferry import config
         from hostagent.agent import HostAgent, inventory_from_capacity
-        from hostagent.driver import HostCapacity, LibvirtDriver, write_test_node_xml
+        from hostagent.driver import LibvirtDriver, write_test_node_xml
 
         settings = config.get()
         self.host = host
         self.driver = LibvirtDriver(
-            write_test_node_xml(state_dir / "node.xml", AGENT_VCPUS, AGENT_MEMORY_MB, keep_guests=True),
+            write_test_node_xml(state_dir / "node.xml", capacity.vcpus, capacity.memory_mb, keep_guests=True),
             disk_path=instances_dir,
             persist_test_guests=True,
         )
@@ -129,7 +140,7 @@ class _AgentThread:
             driver=self.driver,
             instances_dir=instances_dir,
             state_dir=state_dir,
-            inventory=inventory_from_capacity(HostCapacity(AGENT_VCPUS, AGENT_MEMORY_MB, AGENT_DISK_GB)),
+            inventory=inventory_from_capacity(capacity),
             queue_prefix=settings.host_queue_prefix,
             **options,
         )
@@ -179,6 +190,8 @@ class LocalStack:
         redirect_logs: send handlers' and moto's logs to ``<state>/logs/stack.log``.
         webhook_secret: the drain webhook's secret (the template's DrainWebhookSecret); None
             keeps one in ``<state>/webhook-secret``, made on the first start.
+        host_capacity: what each host offers guests (vCPUs, memory, disk); None: a small
+            hypervisor (``AGENT_VCPUS``, ``AGENT_MEMORY_MB``, ``AGENT_DISK_GB``).
     """
 
     def __init__(
@@ -202,6 +215,7 @@ class LocalStack:
         agent_visibility_timeout: int | None = None,
         redirect_logs: bool = True,
         webhook_secret: str | None = None,
+        host_capacity: HostCapacity | None = None,
     ) -> None:
         if agent_mode not in ("process", "thread"):
             raise ValueError(f"agent_mode must be 'process' or 'thread', not {agent_mode!r}")
@@ -220,6 +234,7 @@ class LocalStack:
         self.agent_visibility_timeout = agent_visibility_timeout
         self.redirect_logs = redirect_logs
         self.webhook_secret = webhook_secret
+        self.host_capacity = host_capacity or default_host_capacity()
         self.parameters: dict[str, Any] = {STATE_DIR_PARAMETER: str(self.state_dir), **(parameters or {})}
         if host_op_timeout_seconds is not None:
             self.parameters[HOST_OP_TIMEOUT_PARAMETER] = host_op_timeout_seconds
@@ -375,12 +390,13 @@ class LocalStack:
             }
             if visibility_timeout is not None:
                 options["visibility_timeout"] = visibility_timeout
-            return _AgentThread(host, cell, state_dir, instances_dir, options)
+            return _AgentThread(host, cell, state_dir, instances_dir, self.host_capacity, options)
         command = [
             sys.executable, "-m", "hostagent",
             "--host", host, "--cell", cell,
             "--state-dir", str(state_dir), "--instances-dir", str(instances_dir),
-            "--vcpus", str(AGENT_VCPUS), "--memory-mb", str(AGENT_MEMORY_MB), "--disk-gb", str(AGENT_DISK_GB),
+            "--vcpus", str(self.host_capacity.vcpus), "--memory-mb", str(self.host_capacity.memory_mb),
+            "--disk-gb", str(self.host_capacity.disk_gb),
             "--poll-wait-seconds", "1", "--heartbeat-interval", str(self.agent_heartbeat_interval),
             "--keepalive-interval", str(keepalive),
             "--report-interval", str(self.agent_report_interval),

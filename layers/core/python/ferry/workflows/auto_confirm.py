@@ -27,7 +27,7 @@ from aws_lambda_powertools.metrics import MetricUnit
 from sqlalchemy import func, select
 
 from ferry import config, errors
-from ferry.compute import instances, moves, states
+from ferry.compute import instances, migration_states, moves, states
 from ferry.observability import logger, metrics
 from ferry.store.api_models import utcnow
 from ferry.store.cell_models import Instance, Migration
@@ -59,7 +59,7 @@ def unconfirmed(cell: str, older_than: dt.datetime) -> list[Unconfirmed]:
     changed = func.coalesce(Migration.updated_at, Migration.created_at)
     with cell_session(cell) as session:
         rows = session.execute(select(Migration.uuid, Migration.instance_uuid).where(
-            Migration.status == moves.FINISHED, Migration.deleted.is_(False), Migration.hidden.is_(False),
+            Migration.status == migration_states.FINISHED, Migration.deleted.is_(False), Migration.hidden.is_(False),
             changed < older_than).order_by(changed, Migration.id)).all()
     return [Unconfirmed(cell, str(row.uuid), str(row.instance_uuid)) for row in rows]
 
@@ -79,8 +79,8 @@ def confirm_one(found: Unconfirmed) -> str:
             return SKIPPED
         if instance.vm_state != states.RESIZED:
             migration = session.scalars(select(Migration).where(Migration.uuid == found.migration_uuid)).one()
-            if migration.status == moves.FINISHED:
-                migration.status = moves.ERROR
+            if migration.status == migration_states.FINISHED:
+                migration.status = migration_states.ERROR
             logger.warning("auto-confirm: instance not in resized; migration set to error",
                            extra={**context, "vm_state": instance.vm_state})
             return ERRORED

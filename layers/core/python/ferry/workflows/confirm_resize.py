@@ -32,7 +32,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from ferry import errors, hosts, network, notifications, placement, volumes
-from ferry.compute import actions, instances, moves, states
+from ferry.compute import actions, instances, migration_states, states
 from ferry.observability import logger
 from ferry.store.api_models import ResourceProvider
 from ferry.store.cell_models import Instance, InstanceAction, InstanceActionEvent, Migration, Service
@@ -164,7 +164,7 @@ def event_finished(session: Session, instance_uuid: str, request_id: str, event:
 def _is_leftover(instance: Instance, migration: Migration) -> bool:
     """A migration a failed confirm left in ``error``: its server runs on the destination, settled,
     and the migration still holds its allocation on the source."""
-    return (migration.status == moves.ERROR and instance.host == migration.dest_compute
+    return (migration.status == migration_states.ERROR and instance.host == migration.dest_compute
             and instance.vm_state in (states.ACTIVE, states.STOPPED) and instance.task_state is None
             and bool(placement.get_allocations(migration.uuid)))
 
@@ -192,7 +192,7 @@ def check_resize_to_confirm(event: dict[str, Any]) -> dict[str, Any]:
         instance = live_instance(session, uuid)
         if instance is None:
             raise errors.InstanceNotFound(f"Instance {uuid} could not be found.")
-        confirming = (migration.status == moves.CONFIRMING and instance.vm_state == states.RESIZED
+        confirming = (migration.status == migration_states.CONFIRMING and instance.vm_state == states.RESIZED
                       and instance.task_state is None and instance.host == migration.dest_compute)
         if not confirming and not _is_leftover(instance, migration):
             raise errors.UnexpectedMigrationState(
@@ -239,7 +239,7 @@ def finish_confirm(event: dict[str, Any]) -> dict[str, Any]:
     source = move["source"]["host"]
     cells = cross_cell_settle.cross_cell(event)
     with cell_session(cell) as session:
-        if migration_of(session, uuid, migration_uuid).status == moves.CONFIRMED:
+        if migration_of(session, uuid, migration_uuid).status == migration_states.CONFIRMED:
             return {}
     if cells:
         cross_cell_settle.hard_delete_copy(cells["source_cell"], uuid, migration_uuid)
@@ -247,12 +247,12 @@ def finish_confirm(event: dict[str, Any]) -> dict[str, Any]:
     payload = None
     with cell_session(cell) as session:
         migration = migration_of(session, uuid, migration_uuid)
-        if migration.status == moves.CONFIRMED:
+        if migration.status == migration_states.CONFIRMED:
             return {}
         settle(session, live_instance(session, uuid))
         instance = live_instance(session, uuid)
         migration = migration_of(session, uuid, migration_uuid)
-        migration.status = moves.CONFIRMED
+        migration.status = migration_states.CONFIRMED
         for name, host in _confirm_events(cells, source):
             actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"], event=name, host=host)
         if instance is not None:
@@ -280,7 +280,7 @@ def fail_confirm(event: dict[str, Any]) -> dict[str, Any]:
     where = cross_cell_settle.where_things_are(uuid, cells) if cells else ""
     with cell_session(event["cell"]) as session:
         migration = migration_of(session, uuid, migration_uuid)
-        if migration.status == moves.CONFIRMED or event_finished(session, uuid, request_id,
+        if migration.status == migration_states.CONFIRMED or event_finished(session, uuid, request_id,
                                                                  _confirm_events(cells, "")[-1][0]):
             return {}
         source = str(migration.source_compute)
@@ -300,7 +300,7 @@ def fail_confirm(event: dict[str, Any]) -> dict[str, Any]:
         instance = live_instance(session, uuid)
         settle(session, instance)
         migration = migration_of(session, uuid, migration_uuid)
-        migration.status = moves.ERROR
+        migration.status = migration_states.ERROR
         if instance is not None:
             instances.add_fault(session, uuid, message, host=source, details=details)
         for name, host in _confirm_events(cells, move.get("source", {}).get("host", source)):
@@ -334,9 +334,9 @@ def restore_verify_resize(event: dict[str, Any]) -> dict[str, Any]:
     cross_cell_settle.undo_flip(event)
     with cell_session(event["cell"]) as session:
         migration = migration_of(session, uuid, migration_uuid)
-        if migration.status not in (moves.CONFIRMING, moves.REVERTING):
+        if migration.status not in (migration_states.CONFIRMING, migration_states.REVERTING):
             return {}
-        reverting = migration.status == moves.REVERTING
+        reverting = migration.status == migration_states.REVERTING
         name, verb = (EVENT_REVERT, "Reverting") if reverting else (EVENT_CONFIRM, "Confirming")
         if cells:
             name = cross_cell_settle.EVENT_REVERT if reverting else cross_cell_settle.EVENT_CONFIRM
@@ -360,7 +360,7 @@ def restore_verify_resize(event: dict[str, Any]) -> dict[str, Any]:
             except errors.UnexpectedTaskState:
                 logger.warning("task changed meanwhile; left as is", extra={"instance_uuid": uuid})
         migration = migration_of(session, uuid, migration_uuid)
-        migration.status = moves.FINISHED
+        migration.status = migration_states.FINISHED
         if instance is not None:
             instances.add_fault(session, uuid, message, host=dest, details=details)
         actions.finish_event(session, instance_uuid=uuid, request_id=request_id, event=name,

@@ -28,7 +28,7 @@ from sqlalchemy.orm import Session
 
 from ferry import config, errors, images, network, notifications, volumes
 from ferry.compute import actions, instances, states
-from ferry.compute.moves import (
+from ferry.compute.migration_states import (
     CONFIRMED,
     CONFIRMING,
     FINISHED,

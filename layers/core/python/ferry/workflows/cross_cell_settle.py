@@ -24,7 +24,7 @@ from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
 from ferry import errors, hosts
-from ferry.compute import actions, instances, moves, states
+from ferry.compute import actions, instances, migration_states, states
 from ferry.observability import logger
 from ferry.store.api_models import CellMapping, HostMapping, InstanceMapping
 from ferry.store.cell_models import (
@@ -262,11 +262,11 @@ def flip_to_source_cell(event: dict[str, Any]) -> dict[str, Any]:
         mirror = source.scalars(select(Migration).where(Migration.uuid == migration_uuid)).one_or_none()
         if mirror is None:
             mirror = Migration(uuid=migration_uuid, instance_uuid=uuid, cross_cell_move=True, hidden=False,
-                               status=moves.REVERTING, **copied)
+                               status=migration_states.REVERTING, **copied)
             source.add(mirror)
         for column, value in copied.items():
             setattr(mirror, column, value)
-        mirror.status = moves.REVERTING
+        mirror.status = migration_states.REVERTING
         for column in _CARRIED_COLUMNS:
             setattr(hidden, column, getattr(visible, column))
         hidden.vm_state, hidden.task_state = states.RESIZED, states.RESIZE_REVERTING
@@ -297,8 +297,8 @@ def undo_flip(event: dict[str, Any]) -> None:
     _set_hidden(cells["source_cell"], uuid, True, {"task_state": None})
     with cell_session(cells["source_cell"]) as session:
         session.execute(update(Migration).where(Migration.uuid == migration_uuid,
-                                                Migration.status == moves.REVERTING)
-                        .values(status=moves.FINISHED))
+                                                Migration.status == migration_states.REVERTING)
+                        .values(status=migration_states.FINISHED))
     logger.warning("revert between cells undone: the server stays in its target cell",
                    extra={"instance_uuid": uuid, "migration_uuid": migration_uuid, "cell": cells["target_cell"]})
 

@@ -20,7 +20,7 @@ from typing import Any
 from sqlalchemy import select, update
 
 from ferry import hosts, network, notifications, placement
-from ferry.compute import actions, instances, moves, states
+from ferry.compute import actions, instances, migration_states, states
 from ferry.observability import logger
 from ferry.store.api_models import InstanceMapping, Volume, VolumeAttachment, utcnow
 from ferry.store.cell_models import BlockDeviceMapping, Instance, Migration
@@ -31,7 +31,7 @@ EVENT_TERMINATE = "compute_terminate_instance"
 
 # Migrations a delete settles first: awaiting confirmation or being confirmed, or left in error by
 # a failed confirm or revert while still holding their allocation.
-_TO_CONFIRM = (moves.FINISHED, moves.CONFIRMING)
+_TO_CONFIRM = (migration_states.FINISHED, migration_states.CONFIRMING)
 
 
 def find_resize_to_confirm(event: dict[str, Any]) -> dict[str, Any]:
@@ -50,7 +50,7 @@ def find_resize_to_confirm(event: dict[str, Any]) -> dict[str, Any]:
     with cell_session(event["cell"]) as session:
         candidates = session.scalars(select(Migration).where(
             Migration.instance_uuid == uuid, Migration.deleted.is_(False),
-            Migration.status.in_((*_TO_CONFIRM, moves.ERROR))).order_by(Migration.id.desc()))
+            Migration.status.in_((*_TO_CONFIRM, migration_states.ERROR))).order_by(Migration.id.desc()))
         migration = next((m for m in candidates
                           if m.status in _TO_CONFIRM or placement.get_allocations(m.uuid)), None)
         if migration is None:
@@ -99,7 +99,7 @@ def confirm_before_delete(event: dict[str, Any]) -> dict[str, Any]:
             return {}  # this step ran before
         migration = confirm_resize.migration_of(session, uuid, migration_uuid)
         if migration.status in _TO_CONFIRM:
-            migration.status = moves.CONFIRMED
+            migration.status = migration_states.CONFIRMED
         actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"],
                              event=event_name, host=source)
         instance = session.scalars(select(Instance).where(Instance.uuid == uuid)).one_or_none()

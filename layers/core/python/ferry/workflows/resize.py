@@ -48,7 +48,7 @@ from sqlalchemy.orm import Session
 
 from ferry import config, errors, hosts, network, notifications, placement, scheduler, volumes
 from ferry.compute import actions, instances, states
-from ferry.compute.moves import (
+from ferry.compute.migration_states import (
     CONFIRMED,
     CONFIRMING,
     ERROR,

@@ -28,7 +28,7 @@ from typing import Any
 from sqlalchemy import select
 
 from ferry import config, errors, network, notifications, placement, volumes
-from ferry.compute import actions, instances, moves, states
+from ferry.compute import actions, instances, migration_states, states
 from ferry.observability import logger
 from ferry.store.api_models import VolumeAttachment
 from ferry.store.cell_models import BlockDeviceMapping
@@ -81,7 +81,7 @@ def check_resize_to_revert(event: dict[str, Any]) -> dict[str, Any]:
         instance = live_instance(session, uuid)
         if instance is None:
             raise errors.InstanceNotFound(f"Instance {uuid} could not be found.")
-        if not (migration.status == moves.REVERTING and instance.vm_state == states.RESIZED
+        if not (migration.status == migration_states.REVERTING and instance.vm_state == states.RESIZED
                 and instance.task_state == states.RESIZE_REVERTING and instance.host == migration.dest_compute
                 and instance.old_flavor):
             raise errors.UnexpectedMigrationState(
@@ -188,7 +188,7 @@ def finish_revert(event: dict[str, Any]) -> dict[str, Any]:
     cells = cross_cell_settle.cross_cell(event)
     with cell_session(cross_cell_settle.revert_cell(event)) as session:
         migration = migration_of(session, uuid, migration_uuid)
-        if migration.status == moves.REVERTED:
+        if migration.status == migration_states.REVERTED:
             return {}
         instance = instances.get(session, uuid)
         vm_state = instance.old_vm_state or states.ACTIVE
@@ -198,7 +198,7 @@ def finish_revert(event: dict[str, Any]) -> dict[str, Any]:
                                              "old_flavor": None, "new_flavor": None, "old_vm_state": None},
                              expected_task_state=(states.RESIZE_REVERTING,))
         migration = migration_of(session, uuid, migration_uuid)
-        migration.status = moves.REVERTED
+        migration.status = migration_states.REVERTED
         actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"],
                              event=_revert_events(cells)[1], host=source)
         if cells:
@@ -228,7 +228,7 @@ def fail_revert(event: dict[str, Any]) -> dict[str, Any]:
     reverted_event, finish_event = _revert_events(cells)
     with cell_session(cross_cell_settle.revert_cell(event)) as session:
         migration = migration_of(session, uuid, migration_uuid)
-        if migration.status != moves.REVERTING:
+        if migration.status != migration_states.REVERTING:
             return {}
         source, dest = migration.source_compute, migration.dest_compute
         on_dest = f"The new guest and its disks on {dest} were removed."
@@ -262,7 +262,7 @@ def fail_revert(event: dict[str, Any]) -> dict[str, Any]:
                 logger.warning("task changed meanwhile; vm_state left as is", extra={"instance_uuid": uuid})
             instances.add_fault(session, uuid, message, host=instance.host, details=details)
         migration = migration_of(session, uuid, migration_uuid)
-        migration.status = moves.ERROR
+        migration.status = migration_states.ERROR
         failure = error or {"Error": errors.RevertResizeFailed.__name__, "Cause": message}
         actions.finish_event(session, instance_uuid=uuid, request_id=request_id, event=event_name,
                              host=source if event_name == finish_event else dest, error=failure)

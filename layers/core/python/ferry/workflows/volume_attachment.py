@@ -43,7 +43,7 @@ from sqlalchemy.orm import Session
 
 from ferry import config, errors, hosts, volumes, workflows
 from ferry.auth import RequestContext
-from ferry.compute import actions, instances, moves, states
+from ferry.compute import actions, instances, migration_states, states
 from ferry.compute.api import Location
 from ferry.observability import logger
 from ferry.store.api_models import CellMapping, Volume, VolumeAttachment
@@ -171,7 +171,7 @@ def _settling(session: Session, instance_uuid: str) -> bool:
     status = session.scalars(select(Migration.status).where(
         Migration.instance_uuid == instance_uuid, Migration.deleted.is_(False))
         .order_by(Migration.id.desc()).limit(1)).first()
-    return status in (moves.CONFIRMING, moves.REVERTING)
+    return status in (migration_states.CONFIRMING, migration_states.REVERTING)
 
 
 def _take_server(ctx: RequestContext, session: Session, instance_uuid: str, action: str, task_state: str) -> None:
@@ -196,7 +196,7 @@ def _source_of_resize(session: Session, instance_uuid: str, host: str) -> str | 
     """The source host of the server's finished migration when it is elsewhere (VERIFY_RESIZE)."""
     migration = session.scalars(select(Migration).where(
         Migration.instance_uuid == instance_uuid, Migration.deleted.is_(False),
-        Migration.status == moves.FINISHED).order_by(Migration.id.desc())).first()
+        Migration.status == migration_states.FINISHED).order_by(Migration.id.desc())).first()
     if migration is None or not migration.source_compute or migration.source_compute == host:
         return None
     return migration.source_compute
