@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -32,6 +33,7 @@ from stats import summary  # noqa: E402
 
 TINY = "1"
 POLL = 0.5
+MAX_POLL_ERRORS = 20
 SERVICES = {"OpenStack-API-Version": "compute 2.53"}
 
 
@@ -124,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                            agent_mode="process", host_op_timeout_seconds=300, host_op_heartbeat_seconds=60,
                            parameters={"DrainPollSeconds": 1}, host_capacity=capacity)
         stack.start()
+        failed = False
+        poll_errors: list[str] = []
         try:
             print(f"  stack up in {time.perf_counter() - started:.1f} s", flush=True)
             cloud = Cloud(stack)
@@ -139,14 +143,28 @@ def main(argv: list[str] | None = None) -> int:
                                json={"drain": {"hosts": sources, "max_concurrency": args.concurrency,
                                                "reason": "benchmark"}})["drain"]
             while True:
-                view = cloud.call("GET", f"/ferry/drains/{drain['id']}", (200,))["drain"]
+                try:
+                    view = cloud.call("GET", f"/ferry/drains/{drain['id']}", (200,))["drain"]
+                except RuntimeError as exc:  # as an operator's poll would, try again; reported below
+                    poll_errors.append(str(exc))
+                    if len(poll_errors) > MAX_POLL_ERRORS:
+                        raise
+                    time.sleep(POLL)
+                    continue
                 if view["status"] in ("completed", "failed", "cancelled"):
                     break
                 time.sleep(POLL)
             elapsed = time.perf_counter() - begun
             problems = audit.run_audit(grace_seconds=0).problems
+        except BaseException:
+            failed = True
+            raise
         finally:
             stack.stop()
+            if failed or poll_errors:
+                kept = Path(tempfile.gettempdir()) / f"ferry-bench-drain-logs-{int(time.time())}"
+                shutil.copytree(stack.logs_dir, kept, dirs_exist_ok=True)
+                print(f"  the stack's logs are kept in {kept}", flush=True)
     moves = [s for s in (_seconds(x["started_at"], x["finished_at"]) for x in view["servers"]) if s is not None]
     figures = summary(moves) if moves else {"p50": 0.0, "p95": 0.0}
     counts = view["counts"]
@@ -154,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
           f"in {elapsed:.1f} s = {counts['done'] / elapsed * 60:.1f} moves per minute")
     print(f"  one server's move and confirm: median {figures['p50']:.2f} s, p95 {figures['p95']:.2f} s")
     print(f"  ferry audit afterwards: {len(problems)} problem(s)")
+    print(f"  polls of the drain that failed: {len(poll_errors)}")
+    for error in poll_errors[:5]:
+        print(f"    {error}")
     for problem in problems[:10]:
         print(f"    {problem}")
     return 0 if view["status"] == "completed" and not problems else 1

@@ -4,6 +4,8 @@
 # FERRY_TEST_PG_URL is taken from the environment, or the server is started (and stopped after).
 #   scripts/bench/run_all.sh            all: scheduler, cold start, disk moves, orchestration, drain, throughput
 #   BENCH_HOSTS=1000,10000,100000 BENCH_RESIZES=50 scripts/bench/run_all.sh
+#   BENCH_DRAIN_SERVERS=1000 BENCH_DRAIN_ARGS="--host-vcpus 64 --host-memory-mb 131072 --host-disk-gb 400" \
+#     scripts/bench/run_all.sh      the 1,000-server drain (about 30 minutes here)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 py=${VENV:-.venv}/bin/python
@@ -22,6 +24,6 @@ echo
 echo
 "$py" scripts/bench/bench_orchestration.py --runs "${BENCH_RESIZES:-50}" --cross-cell
 echo
-"$py" scripts/bench/bench_drain.py --servers "${BENCH_DRAIN_SERVERS:-150}" --drain-hosts "${BENCH_DRAIN_HOSTS:-5}" --concurrency "${BENCH_DRAIN_CONCURRENCY:-20}"
+"$py" scripts/bench/bench_drain.py --servers "${BENCH_DRAIN_SERVERS:-150}" --drain-hosts "${BENCH_DRAIN_HOSTS:-5}" --concurrency "${BENCH_DRAIN_CONCURRENCY:-20}" ${BENCH_DRAIN_ARGS:-}
 echo
 "$py" scripts/bench/bench_throughput.py --servers "${BENCH_THROUGHPUT_SERVERS:-200}"

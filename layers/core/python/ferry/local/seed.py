@@ -39,7 +39,7 @@ SECTOR = 512
 IMAGE_MARKER = b"FERRY-LOCAL-TEST-IMAGE"
 DEFAULT_IMAGE_NAME = "ferry-test-raw"
 DEFAULT_IMAGE_SIZE_MIB = 4
-SHARED_NETWORK_CIDR = "10.0.0.0/24"
+SHARED_NETWORK_CIDR = "10.0.0.0/20"  # room for the benchmarks' thousands of servers
 CLOUD_PREFIX = "ferry-"
 
 
