@@ -172,11 +172,11 @@ def main(argv: list[str] | None = None) -> int:
           f"in {elapsed:.1f} s = {counts['done'] / elapsed * 60:.1f} moves per minute")
     print(f"  one server's move and confirm: median {figures['p50']:.2f} s, p95 {figures['p95']:.2f} s")
     print(f"  ferry audit afterwards: {len(problems)} problem(s)")
+    for problem in problems[:10]:
+        print(f"    {problem}")
     print(f"  polls of the drain that failed: {len(poll_errors)}")
     for error in poll_errors[:5]:
         print(f"    {error}")
-    for problem in problems[:10]:
-        print(f"    {problem}")
     return 0 if view["status"] == "completed" and not problems else 1
 
 

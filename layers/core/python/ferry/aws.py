@@ -23,16 +23,23 @@ class Readable(Protocol):
 
 
 _clients: dict[str, Any] = {}
+_session: botocore.session.Session | None = None
 _lock = threading.Lock()
 
 
 def client(service: str) -> Any:
-    """A cached client for ``service`` in the configured region."""
+    """A cached client for ``service`` in the configured region.
+
+    The clients share one botocore session, so the service models and endpoint data it loads
+    are read once per process, not once per service.
+    """
+    global _session
     with _lock:
         existing = _clients.get(service)
         if existing is None:
             region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
-            existing = botocore.session.get_session().create_client(
+            _session = _session or botocore.session.get_session()
+            existing = _session.create_client(
                 service, region_name=region, config=Config(retries={"max_attempts": 5, "mode": "standard"})
             )
             _clients[service] = existing
@@ -51,6 +58,8 @@ def upload_fileobj(s3_client: Any, fileobj: Readable, bucket: str, key: str, **k
 
 
 def reset() -> None:
-    """Forget cached clients (after the endpoint or credentials changed)."""
+    """Forget cached clients and their session (after the endpoint or credentials changed)."""
+    global _session
     with _lock:
         _clients.clear()
+        _session = None
