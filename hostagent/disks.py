@@ -36,6 +36,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -65,7 +66,7 @@ INCOMING_SUFFIX = "_incoming"
 HOST_MARKER = ".ferry-host.json"
 # Beside a disk copied directly: the SHA-256 of each of its 4 MiB blocks, in order.
 BLOCKS_SUFFIX = ".blocks"
-# Threads that read, digest and write the blocks of one direct copy at once.
+# Threads that read, digest and copy the blocks of one direct copy at once.
 COPY_WORKERS = 2
 # The file name of each kind of local disk in an instance directory.
 DISK_FILES = {"root": ROOT_DISK, "ephemeral": EPHEMERAL_DISK, "swap": SWAP_DISK}
@@ -608,12 +609,14 @@ def _data_blocks(fd: int, size: int) -> list[int]:
 def copy_to_host(src: str | os.PathLike[str], dst: str | os.PathLike[str], workers: int = COPY_WORKERS) -> Transferred:
     """Copy a disk into another host's instances directory, sparse, its block digest computed on the way.
 
-    The 4 MiB blocks that the source's data ranges touch are read, digested and (unless all
-    zeros) written in place by ``workers`` threads at once (the file calls and SHA-256 release
-    the GIL); holes are neither read nor written. The block digests go beside the copy
-    (``<dst>.blocks``) so that the receiver has the digest without reading the disk again
-    (:func:`received_digest`). Each file is fsynced and appears atomically; the digest is of the
-    bytes written.
+    The 4 MiB blocks that the source's data ranges touch are handled by ``workers`` threads at
+    once (the file calls and SHA-256 release the GIL): each block is read into the thread's own
+    buffer and digested, and unless it is all zeros the kernel copies the same range into place
+    (``copy_file_range``: the data does not pass through this process a second time, and no
+    fresh buffers are allocated per block); where the file systems do not offer that, the block
+    is written from the buffer. Holes are neither read nor written. The block digests go beside
+    the copy (``<dst>.blocks``) so that the receiver has the digest without reading the disk
+    again (:func:`received_digest`). Each file is fsynced and appears atomically.
 
     Raises:
         DiskCopyFailed: reading or writing failed, or ``src`` changed size during the copy.
@@ -625,19 +628,23 @@ def copy_to_host(src: str | os.PathLike[str], dst: str | os.PathLike[str], worke
             size = os.fstat(fin.fileno()).st_size
             out.truncate(size)
             pace = _Pace()
+            copier = _RangeCopier(fin.fileno(), out.fileno(), dst_path)
+            buffers = threading.local()
 
             def copy_block(index: int) -> tuple[bytes, int]:
                 start = index * DIGEST_BLOCK_SIZE
                 length = min(DIGEST_BLOCK_SIZE, size - start)
-                block = os.pread(fin.fileno(), length, start)
-                if len(block) != length:
+                buffer = getattr(buffers, "block", None)
+                if buffer is None:
+                    buffer = buffers.block = bytearray(DIGEST_BLOCK_SIZE)
+                view = memoryview(buffer)[:length]
+                if os.preadv(fin.fileno(), [view], start) != length:
                     raise errors.DiskCopyFailed(f"{src_path} shrank while it was being copied.")
-                if block == (_zero_bytes() if length == DIGEST_BLOCK_SIZE else bytes(length)):
-                    return _zero_block_digest() if length == DIGEST_BLOCK_SIZE else hashlib.sha256(block).digest(), 0
-                written = os.pwrite(out.fileno(), block, start)
-                if written != length:
-                    raise errors.DiskCopyFailed(f"Writing {dst_path} stopped short at offset {start + written}.")
-                return hashlib.sha256(block).digest(), length
+                digest = hashlib.sha256(view).digest()
+                if (buffer == _zero_bytes()) if length == DIGEST_BLOCK_SIZE else buffer[:length] == bytes(length):
+                    return digest, 0
+                copier.copy(start, view)
+                return digest, length
 
             count = -(-size // DIGEST_BLOCK_SIZE)
             digests = [_zero_block_digest()] * count
@@ -660,6 +667,42 @@ def copy_to_host(src: str | os.PathLike[str], dst: str | os.PathLike[str], worke
     hasher = BlockSha256()
     hasher.add_block_digests(b"".join(digests))
     return Transferred(size=size, sha256=hasher.hexdigest(), data_bytes=data_bytes)
+
+
+class _RangeCopier:
+    """Puts one block of the source at the same offset of the destination, in the kernel where it can.
+
+    ``copy_file_range`` copies between the two files' page caches; file systems (or kernels) that
+    refuse it for this pair of files make every later block go through :func:`os.pwrite` of the
+    buffer already read.
+    """
+
+    UNSUPPORTED = frozenset({errno.EXDEV, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL})
+
+    def __init__(self, src_fd: int, dst_fd: int, dst_path: Path) -> None:
+        self.src_fd, self.dst_fd, self.dst_path = src_fd, dst_fd, dst_path
+        self.in_kernel = hasattr(os, "copy_file_range")
+
+    def copy(self, start: int, block: memoryview) -> None:
+        if self.in_kernel:
+            try:
+                self._copy_range(start, len(block))
+                return
+            except OSError as exc:
+                if exc.errno not in self.UNSUPPORTED:
+                    raise
+                self.in_kernel = False
+        written = os.pwrite(self.dst_fd, block, start)
+        if written != len(block):
+            raise errors.DiskCopyFailed(f"Writing {self.dst_path} stopped short at offset {start + written}.")
+
+    def _copy_range(self, start: int, length: int) -> None:
+        done = 0
+        while done < length:
+            copied = os.copy_file_range(self.src_fd, self.dst_fd, length - done, start + done, start + done)
+            if copied == 0:
+                raise errors.DiskCopyFailed(f"Copying into {self.dst_path} stopped short at offset {start + done}.")
+            done += copied
 
 
 def _settle(running: deque[tuple[int, Future[tuple[bytes, int]]]], digests: list[bytes], pace: _Pace) -> int:

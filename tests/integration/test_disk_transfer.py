@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -324,8 +325,21 @@ def test_a_manifest_without_a_digest_name_is_a_plain_sha256_one(s3, tmp_path):
 # --- direct copies ---------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("kernel_copy", ["offered", "refused"])
 @pytest.mark.parametrize("workers", [1, 3])
-def test_a_direct_copy_keeps_the_content_and_the_holes_and_records_its_block_digests(tmp_path, workers):
+def test_a_direct_copy_keeps_the_content_and_the_holes_and_records_its_block_digests(
+        tmp_path, monkeypatch, workers, kernel_copy):
+    """The kernel copies the data ranges where it can; where it refuses, the blocks are written from user space."""
+    ranges = []
+    copy_file_range = os.copy_file_range
+
+    def kernel(src_fd, dst_fd, count, offset_src=None, offset_dst=None):
+        ranges.append((offset_src, count))
+        if kernel_copy == "refused":
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        return copy_file_range(src_fd, dst_fd, count, offset_src, offset_dst)
+
+    monkeypatch.setattr(os, "copy_file_range", kernel)
     src, dst = tmp_path / "src", tmp_path / "dest" / "disk"
     dst.parent.mkdir()
     size = 64 * MiB + 12345  # a shorter last block
@@ -343,10 +357,30 @@ def test_a_direct_copy_keeps_the_content_and_the_holes_and_records_its_block_dig
     assert sums == b"".join(hashlib.sha256(b).digest() for b in blocks)
     assert sorted(p.name for p in dst.parent.iterdir()) == ["disk", "disk.blocks"]
 
+    if kernel_copy == "offered":
+        assert sorted(ranges) == [(0, 4 * MiB), (4 * MiB, 4 * MiB), (40 * MiB, 4 * MiB), (64 * MiB, 12345)]
+    else:
+        assert len(ranges) == 1, "after one refusal the copy stops asking the kernel"
+
     received = disks.received_digest(dst, copied.sha256, size)
     assert received.hexdigest() == copied.sha256
     received.update_zeros(MiB)
     assert received.hexdigest() == block_digest_of(content + bytes(MiB))
+
+
+def test_a_direct_copy_that_the_kernel_fails_for_another_reason_fails_and_leaves_nothing(tmp_path, monkeypatch):
+    src, dst = tmp_path / "src", tmp_path / "dest" / "disk"
+    dst.parent.mkdir()
+    _sparse_file(src, 12 * MiB, {0: os.urandom(9 * MiB)})
+
+    def full(*_args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "copy_file_range", full)
+    with pytest.raises(errors.DiskCopyFailed, match="No space left"):
+        disks.copy_to_host(src, dst)
+
+    assert list(dst.parent.iterdir()) == []
 
 
 @pytest.mark.parametrize("spoil", ["digest", "size", "blocks-missing", "last-block"])
