@@ -34,11 +34,10 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-import jsonschema
 from aws_lambda_powertools.metrics import MetricUnit, single_metric
 from botocore.exceptions import BotoCoreError, ClientError
 
-from ferry import aws, errors, faults, protocol
+from ferry import aws, errors, faults, protocol, validation
 from ferry.observability import logger
 from hostagent import disks
 from hostagent.driver import (
@@ -147,7 +146,7 @@ def parse_message(body: Any) -> Operation:
     try:
         protocol.validate(body, protocol.OPERATION_SCHEMA)
         protocol.validate(body["args"], protocol.ARGS_SCHEMAS[body["operation"]])
-    except jsonschema.ValidationError as exc:
+    except validation.SchemaMismatch as exc:
         raise errors.InvalidOperation(
             f"Invalid operation message: {exc.message}", operation=body.get("operation")
         ) from exc

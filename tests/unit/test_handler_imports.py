@@ -36,6 +36,14 @@ def test_a_move_step_does_not_load_the_api_side(function):
     assert sorted(set(API_SIDE) & loaded) == []
 
 
+@pytest.mark.parametrize("function", STEP_FUNCTIONS)
+def test_a_move_step_loads_neither_jsonschema_nor_an_aws_client_to_start(function):
+    """Step inputs are checked by the compiled validator; botocore loads with the first AWS call."""
+    loaded = loaded_modules(function)
+    assert "ferry.validation" in loaded
+    assert sorted({"jsonschema", "botocore.session", "botocore.client"} & loaded) == []
+
+
 def test_the_api_handler_does_load_the_api_side():
     assert {"ferry.compute.moves", "ferry.policy"} <= loaded_modules("api")
 

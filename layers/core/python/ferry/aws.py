@@ -2,7 +2,8 @@
 
 The clients are botocore's: what every function calls is the service API, and loading boto3 (its
 resource layer and S3 transfer manager) would lengthen each cold start for nothing. The one
-operation that needs boto3, S3's managed upload, is :func:`upload_fileobj`.
+operation that needs boto3, S3's managed upload, is :func:`upload_fileobj`. botocore itself is
+loaded by the first :func:`client` call, so a function that never calls AWS never loads it.
 ``AWS_ENDPOINT_URL`` (honoured by botocore itself) points every client at the local stack.
 """
 
@@ -10,10 +11,10 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import botocore.session
-from botocore.config import Config
+if TYPE_CHECKING:
+    import botocore.session
 
 
 class Readable(Protocol):
@@ -37,6 +38,9 @@ def client(service: str) -> Any:
     with _lock:
         existing = _clients.get(service)
         if existing is None:
+            import botocore.session  # noqa: PLC0415 - loaded by the first client, not by importing this module
+            from botocore.config import Config  # noqa: PLC0415
+
             region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
             _session = _session or botocore.session.get_session()
             existing = _session.create_client(

@@ -32,11 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import jsonschema
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from ferry import config, errors, hosts, notifications, policy, scheduler, signing, workflows
+from ferry import config, errors, hosts, notifications, policy, scheduler, signing, validation, workflows
 from ferry.auth import RequestContext
 from ferry.compute import api as compute_api
 from ferry.compute import instances, moves, services, states
@@ -206,10 +205,10 @@ def validate_request(request: Any) -> None:
         BadRequest: with the schema's message.
     """
     try:
-        jsonschema.validate(request, REQUEST_SCHEMA)
-    except jsonschema.ValidationError as exc:
-        where = "/".join(str(p) for p in exc.absolute_path)
-        message = exc.message if exc.validator != "oneOf" else "name exactly one of 'host', 'hosts' or 'cell'"
+        validation.check(request, REQUEST_SCHEMA)
+    except validation.SchemaMismatch as exc:
+        where = exc.where()
+        message = exc.message if exc.keyword != "oneOf" else "name exactly one of 'host', 'hosts' or 'cell'"
         raise errors.BadRequest(f"Invalid drain request{' at ' + where if where else ''}: {message}.") from exc
 
 
@@ -859,8 +858,8 @@ def begin(execution_input: Mapping[str, Any], execution_name: str) -> dict[str, 
         BadRequest, Forbidden, DrainInvalidState: the request in the input, as the API refuses it.
     """
     try:
-        jsonschema.validate(dict(execution_input), INPUT_SCHEMA)
-    except jsonschema.ValidationError as exc:
+        validation.check(dict(execution_input), INPUT_SCHEMA)
+    except validation.SchemaMismatch as exc:
         raise errors.InvalidWorkflowInput(f"Invalid drain input: {exc.message}") from exc
     if execution_input.get("drain_uuid"):
         drain_uuid = execution_input["drain_uuid"]

@@ -16,9 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import jsonschema
-
-from ferry import errors, faults
+from ferry import errors, faults, validation
 from ferry.observability import logger, metrics, timed_step
 
 # Every step receives the workflow's state document; these keys are always present.
@@ -42,8 +40,8 @@ def step_handler(
     @metrics.log_metrics
     def handler(event: dict[str, Any], context: Any) -> Any:
         try:
-            jsonschema.validate(event, schema or STEP_EVENT_SCHEMA)
-        except jsonschema.ValidationError as exc:
+            validation.check(event, schema or STEP_EVENT_SCHEMA)
+        except validation.SchemaMismatch as exc:
             raise InvalidStepInput(f"{name}: {exc.message}") from exc
         logger.append_keys(step=name, instance_uuid=event.get("instance_uuid"),
                            execution=event.get("execution_name"))

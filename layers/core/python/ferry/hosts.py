@@ -48,7 +48,7 @@ def apply_report(report: dict[str, Any]) -> None:
     equivalent of discovering hosts); a host with no mapping and no cell is refused.
 
     Raises:
-        jsonschema.ValidationError: the report does not match the protocol.
+        SchemaMismatch: the report does not match the protocol (:mod:`ferry.validation`).
         HostNotMapped: the host is in no cell.
     """
     protocol.validate(report, protocol.REPORT_SCHEMA)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import jsonschema
+from ferry import validation
 
 # Operations a host agent performs.
 SPAWN = "spawn"
@@ -415,8 +415,8 @@ REPORT_SCHEMA: dict[str, Any] = {
 
 
 def validate(document: dict[str, Any], schema: dict[str, Any]) -> None:
-    """Raise ``jsonschema.ValidationError`` unless ``document`` matches ``schema``."""
-    jsonschema.validate(document, schema)
+    """Raise :class:`ferry.validation.SchemaMismatch` unless ``document`` matches ``schema``."""
+    validation.check(document, schema)
 
 
 def host_queue_name(prefix: str, host: str) -> str:

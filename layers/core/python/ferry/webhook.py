@@ -29,7 +29,6 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-import jsonschema
 from aws_lambda_powertools.metrics import MetricUnit
 from aws_lambda_powertools.utilities.idempotency import (
     DynamoDBPersistenceLayer,
@@ -42,7 +41,7 @@ from aws_lambda_powertools.utilities.idempotency.exceptions import (
 )
 from aws_lambda_powertools.utilities.idempotency.persistence.datarecord import DataRecord
 
-from ferry import aws, config, drains, errors, signing
+from ferry import aws, config, drains, errors, signing, validation
 from ferry.observability import logger, metrics
 
 TABLE_VARIABLE = "FERRY_IDEMPOTENCY_TABLE"
@@ -227,9 +226,9 @@ def _drain_request(body: bytes) -> dict[str, Any]:
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
         raise errors.WebhookRequestInvalid(f"The body is not valid JSON: {exc}.") from exc
     try:
-        jsonschema.validate(document, _BODY_SCHEMA)
-    except jsonschema.ValidationError as exc:
-        where = ".".join(str(part) for part in exc.absolute_path)
+        validation.check(document, _BODY_SCHEMA)
+    except validation.SchemaMismatch as exc:
+        where = exc.where(".")
         raise errors.WebhookRequestInvalid(
             f"Invalid drain request{f' at {where}' if where else ''}: {exc.message}"
         ) from exc

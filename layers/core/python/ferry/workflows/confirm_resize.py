@@ -27,11 +27,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-import jsonschema
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from ferry import errors, hosts, network, notifications, placement, volumes
+from ferry import errors, hosts, network, notifications, placement, validation, volumes
 from ferry.compute import actions, instances, migration_states, states
 from ferry.observability import logger
 from ferry.store.api_models import ResourceProvider
@@ -60,9 +59,9 @@ def validate_input(event: dict[str, Any], schema: dict[str, Any]) -> None:
         InvalidWorkflowInput: it does not match (the message says where).
     """
     try:
-        jsonschema.validate(event, schema)
-    except jsonschema.ValidationError as exc:
-        where = "/".join(str(part) for part in exc.absolute_path)
+        validation.check(event, schema)
+    except validation.SchemaMismatch as exc:
+        where = exc.where()
         raise errors.InvalidWorkflowInput(f"Execution input{' at ' + where if where else ''}: {exc.message}") from exc
 
 

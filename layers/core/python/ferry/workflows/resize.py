@@ -42,11 +42,10 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, cast
 
-import jsonschema
 from sqlalchemy import CursorResult, select, update
 from sqlalchemy.orm import Session
 
-from ferry import config, errors, hosts, network, notifications, placement, scheduler, volumes
+from ferry import config, errors, hosts, network, notifications, placement, scheduler, validation, volumes
 from ferry.compute import actions, instances, states
 from ferry.compute.migration_states import (
     CONFIRMED,
@@ -214,9 +213,9 @@ def validate_input(event: dict[str, Any]) -> dict[str, Any]:
     """
     raw = event.get("input")
     try:
-        jsonschema.validate(raw, INPUT_SCHEMA)
-    except jsonschema.ValidationError as exc:
-        where = "/".join(str(p) for p in exc.absolute_path) or "the input"
+        validation.check(raw, INPUT_SCHEMA)
+    except validation.SchemaMismatch as exc:
+        where = exc.where() or "the input"
         raise errors.InvalidWorkflowInput(f"Invalid resize input at {where}: {exc.message}") from exc
     document: dict[str, Any] = {"user_id": None, "project_id": None, **cast(dict[str, Any], raw)}
     document.setdefault("execution_name", event.get("execution_name"))
