@@ -354,7 +354,7 @@ def test_malformed_json_is_refused(cloud):
         ({"host": "h1", "max_concurrency": 0}, "0 is less than the minimum of 1"),
         ({"host": "h1", "color": "blue"}, "Additional properties are not allowed"),
         ({"reason": "no target"}, "Invalid drain request at drain"),
-        (None, "'drain' is a required property"),
+        (None, '"drain" is a required property'),
     ],
 )
 def test_a_body_that_is_not_a_drain_request_is_refused(cloud, document, complaint):

@@ -41,6 +41,13 @@ def test_a_mismatch_says_what_where_and_which_keyword(document, path, keyword, s
     assert raised.value.where(".") == ".".join(str(part) for part in path)
 
 
+def test_of_several_errors_the_one_nearest_the_top_is_told_a_missing_property_first():
+    with pytest.raises(validation.SchemaMismatch) as raised:
+        validation.check({"servers": [1], "extra": True}, SCHEMA)
+
+    assert (raised.value.keyword, raised.value.path) == ("required", ())
+
+
 def test_a_schema_is_compiled_once_and_a_new_dict_gets_its_own_validator():
     validation.check({"host": "a"}, SCHEMA)
     compiled = validation._validators[id(SCHEMA)][1]

@@ -18,10 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aws_lambda_powertools.metrics import MetricUnit
-from aws_lambda_powertools.utilities.data_classes.api_gateway_authorizer_event import (
-    APIGatewayAuthorizerRequestEvent,
-    APIGatewayAuthorizerResponse,
-)
 from sqlalchemy import select
 
 from ferry import errors
@@ -115,6 +111,12 @@ def authorize(event: Mapping[str, Any]) -> dict[str, Any]:
     Raises:
         Unauthorized: the ``X-Auth-Token`` header is missing, unknown or expired.
     """
+    # The authorizer's event classes load in the authorizer alone (every function imports this module).
+    from aws_lambda_powertools.utilities.data_classes.api_gateway_authorizer_event import (
+        APIGatewayAuthorizerRequestEvent,
+        APIGatewayAuthorizerResponse,
+    )
+
     request = APIGatewayAuthorizerRequestEvent(dict(event))
     try:
         ctx = validate(request.headers.get(TOKEN_HEADER))  # headers are case-insensitive

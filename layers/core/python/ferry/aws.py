@@ -38,8 +38,8 @@ def client(service: str) -> Any:
     with _lock:
         existing = _clients.get(service)
         if existing is None:
-            import botocore.session  # noqa: PLC0415 - loaded by the first client, not by importing this module
-            from botocore.config import Config  # noqa: PLC0415
+            import botocore.session  # loaded by the first client, not by importing this module
+            from botocore.config import Config
 
             region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
             _session = _session or botocore.session.get_session()

@@ -22,8 +22,6 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-import yaml
-
 from ferry import config, errors
 from ferry.auth import RequestContext
 from ferry.observability import logger
@@ -132,6 +130,8 @@ def rules() -> dict[str, str]:
     except OSError as exc:
         raise errors.InvalidPolicy(f"Policy file {path} cannot be read: {exc.strerror}.") from exc
     if _loaded["key"] != key:
+        import yaml  # the parser loads with a policy file, not with every function
+
         with open(path, encoding="utf-8") as handle:
             try:
                 overrides = yaml.safe_load(handle) or {}

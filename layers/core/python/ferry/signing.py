@@ -22,8 +22,8 @@ import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cache
 from typing import Any
-from urllib import request as urlrequest
 from urllib.parse import urlsplit
 
 from aws_lambda_powertools.metrics import MetricUnit
@@ -172,15 +172,20 @@ def verify(
     return SignedRequest(timestamp=timestamp, signature=given, delivery=header(headers, DELIVERY_HEADER))
 
 
-class _NoRedirects(urlrequest.HTTPRedirectHandler):
-    """Callbacks are not followed to another URL: a redirect would turn the POST into a GET
-    without its body, and the receiver named is the one meant to get it."""
+@cache
+def _opener() -> Any:
+    """The HTTP client of callbacks, made by the first one (the webhook's receiving side never needs it).
 
-    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
-        return None
+    Callbacks are not followed to another URL: a redirect would turn the POST into a GET
+    without its body, and the receiver named is the one meant to get it.
+    """
+    from urllib import request as urlrequest
 
+    class NoRedirects(urlrequest.HTTPRedirectHandler):
+        def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+            return None
 
-_opener = urlrequest.build_opener(_NoRedirects)
+    return urlrequest.build_opener(NoRedirects)
 
 
 def _where(url: str) -> str:
@@ -216,8 +221,10 @@ def post_callback(url: str, document: Any, secret: str | bytes, delivery_id: str
             "User-Agent": "ferry-callback",
             **signed_headers(secret, body, delivery_id=delivery),
         }
-        request = urlrequest.Request(url, data=body, headers=headers, method="POST")
-        with _opener.open(request, timeout=CALLBACK_TIMEOUT_SECONDS) as response:
+        from urllib.request import Request
+
+        request = Request(url, data=body, headers=headers, method="POST")
+        with _opener().open(request, timeout=CALLBACK_TIMEOUT_SECONDS) as response:
             status = response.status
         if not 200 <= status < 300:
             raise ValueError(f"the receiver answered {status}")

@@ -43,13 +43,19 @@ def check(document: Any, schema: dict[str, Any]) -> None:
     """Return if ``document`` matches ``schema``.
 
     Raises:
-        SchemaMismatch: it does not; the first error found.
+        SchemaMismatch: it does not. Of several errors, the one nearest the document's top, and
+            there a missing property before an unexpected one (what the sender most needs to hear).
     """
-    try:
-        _validator(schema).validate(document)
-    except jsonschema_rs.ValidationError as exc:
-        keyword = next((str(part) for part in reversed(exc.schema_path) if isinstance(part, str)), "")
-        raise SchemaMismatch(exc.message, tuple(exc.instance_path), keyword) from None
+    validator = _validator(schema)
+    if validator.is_valid(document):
+        return
+    error = min(validator.iter_errors(document),
+                key=lambda e: (len(e.instance_path), _keyword(e) == "additionalProperties"))
+    raise SchemaMismatch(error.message, tuple(error.instance_path), _keyword(error))
+
+
+def _keyword(error: jsonschema_rs.ValidationError) -> str:
+    return next((str(part) for part in reversed(error.schema_path) if isinstance(part, str)), "")
 
 
 def _validator(schema: dict[str, Any]) -> Any:
