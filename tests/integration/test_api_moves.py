@@ -238,7 +238,7 @@ def test_volume_backed_server_may_resize_to_a_zero_disk_flavor(cloud):
     ({"resize": {"flavorRef": "disabled"}}, "Unable to locate requested flavor."),
     ({"resize": {"flavorRef": None}}, "Invalid input for field/attribute resize/flavorRef"),
     ({"resize": {"flavorRef": ""}}, "Invalid input for field/attribute resize/flavorRef"),
-    ({"resize": {}}, "'flavorRef' is a required property"),
+    ({"resize": {}}, '"flavorRef" is a required property'),
     ({"resize": {"flavorRef": "2", "extra": 1}}, "Additional properties are not allowed"),
     ({"resize": {"flavorRef": "2", "OS-DCF:diskConfig": "SIDEWAYS"}}, "OS-DCF:diskConfig"),
     ({"resize": None}, "Invalid input for field/attribute resize"),

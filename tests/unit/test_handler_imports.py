@@ -45,12 +45,14 @@ def test_a_move_step_loads_neither_jsonschema_nor_an_aws_client_to_start(functio
 
 
 def test_the_api_handler_does_load_the_api_side():
-    assert {"ferry.compute.moves", "ferry.policy"} <= loaded_modules("api")
+    loaded = loaded_modules("api")
+    assert {"ferry.compute.moves", "ferry.policy", "ferry.validation"} <= loaded
+    assert sorted({"jsonschema", "yaml", "botocore.client"} & loaded) == []
 
 
 LAYER_REQUIREMENTS = ROOT / "layers" / "core" / "requirements.txt"
-# Imported only when installed (jsonschema's format checkers, botocore's CA bundle): not needed.
-OPTIONAL = {"certifi", "idna", "jsonpointer", "rfc3339-validator"}
+# Imported only when installed (botocore's CA bundle, urllib3's IDNA codec): not needed.
+OPTIONAL = {"certifi", "idna"}
 LOAD_EVERY_HANDLER = """
 import importlib.util, json, pathlib, sys
 for app in sorted(pathlib.Path("functions").glob("*/app.py")):

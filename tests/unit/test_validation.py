@@ -38,7 +38,21 @@ def test_a_mismatch_says_what_where_and_which_keyword(document, path, keyword, s
 
     assert (raised.value.path, raised.value.keyword) == (path, keyword)
     assert says in raised.value.message
+    assert raised.value.instance == _at(document, path)
     assert raised.value.where(".") == ".".join(str(part) for part in path)
+
+
+def _at(document, path):
+    for part in path:
+        document = document[part]
+    return document
+
+
+def test_the_cache_of_compiled_schemas_is_bounded():
+    for size in range(2 * validation.CACHE_SIZE):
+        validation.check("x" * size, {"type": "string", "maxLength": size})
+
+    assert len(validation._validators) <= validation.CACHE_SIZE
 
 
 def test_of_several_errors_the_one_nearest_the_top_is_told_a_missing_property_first():

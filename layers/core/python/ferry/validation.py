@@ -5,8 +5,8 @@ checked here, against the schemas their modules define. The validators are jsons
 (compiled; Draft 2020-12 unless a schema names another ``$schema``; ``format`` is an annotation,
 not checked), built on a schema's first check and kept for the life of the process. Every
 workflow step loads this module, so its cost is part of every cold start: a few milliseconds,
-where the pure-Python ``jsonschema`` took about fifty. The compute API keeps ``jsonschema`` for
-its request bodies, whose error messages follow Nova's (``ferry.api.request``).
+where the pure-Python ``jsonschema`` took about fifty. The compute API checks its request bodies here
+too (``ferry.api.request`` words the error as Nova does).
 """
 
 from __future__ import annotations
@@ -24,11 +24,12 @@ class SchemaMismatch(ValueError):
         message: what is wrong, e.g. ``"host" is a required property``.
         path: where, as keys and indexes from the document's top (empty for the top itself).
         keyword: the schema keyword that failed (``required``, ``oneOf``, ``pattern``, …).
+        instance: the part of the document at ``path``.
     """
 
-    def __init__(self, message: str, path: tuple[str | int, ...], keyword: str) -> None:
+    def __init__(self, message: str, path: tuple[str | int, ...], keyword: str, instance: Any = None) -> None:
         super().__init__(message)
-        self.message, self.path, self.keyword = message, path, keyword
+        self.message, self.path, self.keyword, self.instance = message, path, keyword, instance
 
     def where(self, separator: str = "/") -> str:
         """The path joined with ``separator`` (empty for the document's top)."""
@@ -37,6 +38,8 @@ class SchemaMismatch(ValueError):
 
 _validators: dict[int, tuple[dict[str, Any], Any]] = {}
 _lock = threading.Lock()
+# Compiled validators kept at most; the API builds a few schemas per request, which must not pile up.
+CACHE_SIZE = 256
 
 
 def check(document: Any, schema: dict[str, Any]) -> None:
@@ -51,7 +54,7 @@ def check(document: Any, schema: dict[str, Any]) -> None:
         return
     error = min(validator.iter_errors(document),
                 key=lambda e: (len(e.instance_path), _keyword(e) == "additionalProperties"))
-    raise SchemaMismatch(error.message, tuple(error.instance_path), _keyword(error))
+    raise SchemaMismatch(error.message, tuple(error.instance_path), _keyword(error), error.instance)
 
 
 def _keyword(error: jsonschema_rs.ValidationError) -> str:
@@ -59,10 +62,12 @@ def _keyword(error: jsonschema_rs.ValidationError) -> str:
 
 
 def _validator(schema: dict[str, Any]) -> Any:
-    """The compiled validator of ``schema`` (the same dict object: schemas are module constants)."""
+    """The compiled validator of ``schema``, kept by identity (most schemas are module constants)."""
     entry = _validators.get(id(schema))
     if entry is None or entry[0] is not schema:
+        entry = (schema, jsonschema_rs.validator_for(schema, validate_formats=False))
         with _lock:
-            entry = (schema, jsonschema_rs.validator_for(schema, validate_formats=False))
+            if len(_validators) >= CACHE_SIZE:
+                _validators.clear()
             _validators[id(schema)] = entry
     return entry[1]

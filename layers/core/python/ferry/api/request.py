@@ -13,13 +13,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import jsonschema
 from aws_lambda_powertools.event_handler import Response
 from aws_lambda_powertools.event_handler.api_gateway import BaseRouter
 from aws_lambda_powertools.metrics import MetricUnit
-from jsonschema.exceptions import best_match
 
-from ferry import auth, errors
+from ferry import auth, errors, validation
 from ferry.api.microversions import MIN_VERSION, APIVersion, negotiate, response_headers
 from ferry.observability import logger, metrics
 
@@ -161,16 +159,16 @@ def validate(document: Any, schema: dict[str, Any]) -> None:
     Raises:
         BadRequest: it does not match; the message names the field and what is wrong.
     """
-    error = best_match(jsonschema.Draft7Validator(schema).iter_errors(document))
-    if error is None:
-        return
-    field = "/".join(str(part) for part in error.absolute_path)
-    value = json.dumps(error.instance, default=str)
-    if len(value) > 200:
-        value = value[:200] + "..."
-    if field:
-        raise errors.BadRequest(f"Invalid input for field/attribute {field}. Value: {value}. {error.message}")
-    raise errors.BadRequest(f"Invalid input. {error.message}")
+    try:
+        validation.check(document, schema)
+    except validation.SchemaMismatch as error:
+        field, value = error.where(), json.dumps(error.instance, default=str)
+        if len(value) > 200:
+            value = value[:200] + "..."
+        if field:
+            raise errors.BadRequest(
+                f"Invalid input for field/attribute {field}. Value: {value}. {error.message}") from None
+        raise errors.BadRequest(f"Invalid input. {error.message}") from None
 
 
 def body(router: BaseRouter, schema: dict[str, Any]) -> Any:
