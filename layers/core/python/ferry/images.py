@@ -24,8 +24,6 @@ from pathlib import Path
 from typing import Any, BinaryIO
 from urllib.parse import quote, unquote
 
-from botocore.exceptions import ClientError
-
 from ferry import aws, config, errors
 from ferry.observability import logger
 
@@ -117,9 +115,10 @@ def _image(image_id: str, head: dict[str, Any]) -> dict[str, Any]:
 def _head(image_id: str) -> dict[str, Any]:
     if not image_id or "/" in image_id:
         raise errors.ImageNotFound(f"Image {image_id} could not be found.")
+    s3 = aws.client("s3")
     try:
-        return aws.client("s3").head_object(Bucket=_bucket(), Key=_key(image_id))
-    except ClientError as exc:
+        return s3.head_object(Bucket=_bucket(), Key=_key(image_id))
+    except s3.exceptions.ClientError as exc:  # the client's own: botocore loads with it, not with this module
         if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
             raise errors.ImageNotFound(f"Image {image_id} could not be found.") from exc
         raise
