@@ -6,6 +6,7 @@ from aws_lambda_powertools.utilities.batch import BatchProcessor, EventType, pro
 from aws_lambda_powertools.utilities.data_classes.sqs_event import SQSRecord
 
 from ferry import hosts
+from ferry.handlers import lambda_entry
 from ferry.observability import logger, metrics
 
 processor = BatchProcessor(event_type=EventType.SQS)
@@ -15,6 +16,7 @@ def record_handler(record: SQSRecord) -> None:
     hosts.apply_report(json.loads(record.body))
 
 
+@lambda_entry
 @logger.inject_lambda_context(clear_state=True)
 @metrics.log_metrics
 def handler(event, context):

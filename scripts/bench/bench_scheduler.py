@@ -7,15 +7,17 @@ fills it with hosts spread over the cells (10 by default), their inventories, se
 aggregates and five existing instances' allocations per host (with the inventories' ``used``
 counters to match), then times ``select_destinations`` without the claim, with an aggregate extra
 spec, and with the claim, and prints p50/p95/max in milliseconds and the median CPU time of this
-process per call.
+process per call. Before timing, the process's heap is frozen (``gc.freeze``) as a Ferry function's
+is on its first invocation; ``--no-freeze`` measures without.
 
     .venv/bin/python scripts/bench/bench_scheduler.py [--hosts 1000,10000,100000] [--cells 10] [--runs 30]
-        [--backends sqlite,postgresql] [--max-placement-results N] [--profile DIR]
+        [--backends sqlite,postgresql] [--max-placement-results N] [--profile DIR] [--no-freeze]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import tempfile
@@ -187,10 +189,13 @@ def postgres_databases(base_url: str) -> Iterator[dict[str, str]]:
         admin.dispose()
 
 
-def bench(backend: str, hosts: int, runs: int, profile: Path | None = None) -> None:
+def bench(backend: str, hosts: int, runs: int, profile: Path | None = None, freeze: bool = True) -> None:
     started = time.perf_counter()
     populate(hosts)
     settle()
+    gc.collect()
+    if freeze:  # what a Ferry function does with its startup heap on its first invocation (ferry.handlers)
+        gc.freeze()
     print(f"{backend}: {hosts} hosts in {len(CELLS)} cells built and settled in "
           f"{time.perf_counter() - started:.1f} s; {runs} runs each", flush=True)
     time_runs("select_destinations(claim=False)", runs, lambda: scheduler.select_destinations(spec(), claim=False))
@@ -205,6 +210,7 @@ def bench(backend: str, hosts: int, runs: int, profile: Path | None = None) -> N
         cProfile.runctx("scheduler.select_destinations(spec())", globals(), {"spec": spec}, str(out))
         print(f"  profile of one claimed call: {out}")
         pstats.Stats(str(out)).sort_stats("cumulative").print_stats(15)
+    gc.unfreeze()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -217,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", type=Path, help="write a cProfile of one claimed call per size here")
     parser.add_argument("--max-placement-results", type=int,
                         help="placement's batch of candidates (FERRY_MAX_PLACEMENT_RESULTS; default: the setting's)")
+    parser.add_argument("--no-freeze", dest="freeze", action="store_false",
+                        help="leave the process's objects to the collector's full passes (as before ferry.handlers "
+                             "froze the startup heap)")
     args = parser.parse_args(argv)
     if args.max_placement_results is not None:
         os.environ["FERRY_MAX_PLACEMENT_RESULTS"] = str(args.max_placement_results)
@@ -234,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
                 state = Path(tmp)
                 cells = {name: f"sqlite:///{state / f'cell-{name}.sqlite'}" for name in CELLS}
                 with configured(f"sqlite:///{state / 'api.sqlite'}", cells, state):
-                    bench("sqlite", hosts, args.runs, args.profile)
+                    bench("sqlite", hosts, args.runs, args.profile, args.freeze)
         if "postgresql" not in backends:
             continue
         if not pg_url:
@@ -242,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         with tempfile.TemporaryDirectory(prefix="ferry-bench-") as tmp, postgres_databases(pg_url) as urls:
             with configured(urls["api"], {c: urls[c] for c in CELLS}, Path(tmp)):
-                bench("postgresql", hosts, args.runs, args.profile)
+                bench("postgresql", hosts, args.runs, args.profile, args.freeze)
     return 0
 
 

@@ -6,6 +6,9 @@
     from ferry.workflows import boot
     handler = step_handler(boot.finish_build, "FinishBuild")
 
+Every handler (``step_handler``'s, and the others through :func:`lambda_entry`) freezes the
+heap its imports built on its first invocation (:func:`freeze_startup_heap`).
+
 A fault armed for the step's name (:mod:`ferry.faults`, off unless configured) fails it
 before it runs. Typed errors propagate unchanged: their class name (``Ferry.NoValidHost``, …) is the
 ``errorType`` the state machine's ``Retry``/``Catch`` match on.
@@ -13,6 +16,8 @@ before it runs. Typed errors propagate unchanged: their class name (``Ferry.NoVa
 
 from __future__ import annotations
 
+import functools
+import gc
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +34,35 @@ STEP_EVENT_SCHEMA: dict[str, Any] = {
 
 class InvalidStepInput(errors.FerryError):
     """A workflow step received input that does not match its schema."""
+
+
+_heap_frozen = False
+
+
+def freeze_startup_heap() -> None:
+    """Exempt what the process has built so far from the cyclic garbage collector, once per process.
+
+    A function's modules, SQLAlchemy and the ORM mappings are some 100,000 objects that live as
+    long as its environment. A full collection walks every tracked object, so each full pass
+    that fell inside an invocation added tens of milliseconds to it (the scheduler's p95 was three
+    times its median). :func:`gc.freeze` moves them to the permanent generation; collections go on
+    over what invocations allocate.
+    """
+    global _heap_frozen
+    if not _heap_frozen:
+        gc.freeze()
+        _heap_frozen = True
+
+
+def lambda_entry(handler: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    """Wrap a module's Lambda handler so that its first invocation first freezes the startup heap."""
+
+    @functools.wraps(handler)
+    def entry(event: Any, context: Any) -> Any:
+        freeze_startup_heap()
+        return handler(event, context)
+
+    return entry
 
 
 def step_handler(
@@ -51,4 +85,4 @@ def step_handler(
             return step(event)
 
     handler.__name__ = f"{name}_handler"
-    return handler
+    return lambda_entry(handler)
