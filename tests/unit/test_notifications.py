@@ -74,7 +74,7 @@ def instance(**values: Any) -> Instance:
 
 
 def failed_publishes() -> float:
-    metric = metrics.metric_set.get("NotificationPublishFailed")
+    metric = metrics.provider.metric_set.get("NotificationPublishFailed")
     return sum(metric["Value"]) if metric else 0
 
 

@@ -249,10 +249,83 @@ def _invoke_handler(
     return payload
 
 
+class ThreadMetricsProvider:
+    """Powertools' EMF metrics provider, one per thread, behind the provider ``Metrics`` delegates to.
+
+    On Lambda an environment runs one invocation at a time and Powertools keeps one metric set
+    per process. The local stack runs every function's invocations on threads of one process,
+    where that one set would mix them: a step's ``Step`` dimension overwritten by another's, one
+    flushed line carrying several steps' durations. With this provider each thread adds to and
+    flushes its own set. ``log_metrics`` decorates a handler once, at import, on whichever thread
+    imported it, so the decorator picks the thread's provider at each call.
+    """
+
+    def __init__(self, namespace: str | None, service: str | None) -> None:
+        self.namespace, self.service = namespace, service
+        self._local = threading.local()
+
+    def current(self) -> Any:
+        """This thread's provider, made on the thread's first metric."""
+        provider = getattr(self._local, "provider", None)
+        if provider is None:
+            from aws_lambda_powertools.metrics.provider.cloudwatch_emf.cloudwatch import (
+                AmazonCloudWatchEMFProvider,
+            )
+
+            provider = self._local.provider = AmazonCloudWatchEMFProvider(namespace=self.namespace,
+                                                                          service=self.service)
+        return provider
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.current(), name)
+
+    def log_metrics(self, lambda_handler: Callable[..., Any] | None = None, **options: Any) -> Any:
+        """Powertools' ``log_metrics``, flushing the metrics of the thread that runs the handler."""
+        if lambda_handler is None:
+            return lambda handler: self.log_metrics(handler, **options)
+        handler = lambda_handler
+
+        def decorate(event: Any, context: Any, *args: Any, **kwargs: Any) -> Any:
+            return self.current().log_metrics(handler, **options)(event, context, *args, **kwargs)
+
+        decorate.__name__ = getattr(handler, "__name__", "handler")
+        decorate.__doc__ = handler.__doc__
+        return decorate
+
+
+_shared_metrics_provider: Any = None
+
+
+def isolate_metrics_per_thread() -> None:
+    """Give ``ferry.observability.metrics`` a provider per thread (see :class:`ThreadMetricsProvider`)."""
+    global _shared_metrics_provider
+    from ferry.observability import metrics
+
+    if not isinstance(metrics.provider, ThreadMetricsProvider):
+        _shared_metrics_provider = metrics.provider
+        metrics.provider = ThreadMetricsProvider(  # type: ignore[assignment]
+            _shared_metrics_provider.namespace, _shared_metrics_provider.service)
+
+
+def share_metrics_again() -> None:
+    """Give ``ferry.observability.metrics`` back its one process-wide provider."""
+    global _shared_metrics_provider
+    from ferry.observability import metrics
+
+    if _shared_metrics_provider is not None:
+        metrics.provider = _shared_metrics_provider
+        _shared_metrics_provider = None
+
+
 def install_lambda_patch(runner: FunctionRunner) -> None:
-    """Make moto's Docker-less Lambda run ``runner``'s handlers (process-wide until removed)."""
+    """Make moto's Docker-less Lambda run ``runner``'s handlers (process-wide until removed).
+
+    The functions' metrics are kept per thread from then on (:func:`isolate_metrics_per_thread`).
+    """
     global _runner, _original_invoke
     from moto.awslambda_simple.models import LambdaSimpleBackend
+
+    isolate_metrics_per_thread()
 
     if _original_invoke is None:
         _original_invoke = LambdaSimpleBackend.invoke
@@ -261,7 +334,7 @@ def install_lambda_patch(runner: FunctionRunner) -> None:
 
 
 def remove_lambda_patch() -> None:
-    """Give moto its own ``invoke`` back."""
+    """Give moto its own ``invoke`` back, and the functions' metrics their one shared provider."""
     global _runner, _original_invoke
     from moto.awslambda_simple.models import LambdaSimpleBackend
 
@@ -269,6 +342,7 @@ def remove_lambda_patch() -> None:
         LambdaSimpleBackend.invoke = _original_invoke  # type: ignore[method-assign]
     _original_invoke = None
     _runner = None
+    share_metrics_again()
 
 
 # --- fixes to moto's Step Functions, each as small as it can be --------------------------------
