@@ -1,12 +1,12 @@
-"""JSON Schema checks of what Ferry receives outside the compute API's request bodies.
+"""JSON Schema checks of what Ferry receives.
 
-Workflow step inputs, host agent messages and reports, drain requests and webhook bodies are
-checked here, against the schemas their modules define. The validators are jsonschema-rs's
-(compiled; Draft 2020-12 unless a schema names another ``$schema``; ``format`` is an annotation,
-not checked), built on a schema's first check and kept for the life of the process. Every
-workflow step loads this module, so its cost is part of every cold start: a few milliseconds,
-where the pure-Python ``jsonschema`` took about fifty. The compute API checks its request bodies here
-too (``ferry.api.request`` words the error as Nova does).
+Workflow step inputs, host agent messages and reports, drain requests, webhook bodies and the
+compute API's request bodies are checked here, against the schemas their modules define. The
+validators are jsonschema-rs's (compiled; Draft 2020-12 unless a schema names another
+``$schema``; ``format`` is an annotation, not checked), built on a schema's first check and
+kept for the life of the process. Every workflow step loads this module, so its cost is part
+of every cold start: a few milliseconds, where the pure-Python ``jsonschema`` took about fifty.
+``ferry.api.request`` words the API's errors as Nova does.
 """
 
 from __future__ import annotations

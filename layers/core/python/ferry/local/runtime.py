@@ -27,6 +27,7 @@ turn them on and off while the stack runs:
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.util
 import json
 import logging
@@ -285,11 +286,10 @@ class ThreadMetricsProvider:
             return lambda handler: self.log_metrics(handler, **options)
         handler = lambda_handler
 
+        @functools.wraps(handler)
         def decorate(event: Any, context: Any, *args: Any, **kwargs: Any) -> Any:
             return self.current().log_metrics(handler, **options)(event, context, *args, **kwargs)
 
-        decorate.__name__ = getattr(handler, "__name__", "handler")
-        decorate.__doc__ = handler.__doc__
         return decorate
 
 
