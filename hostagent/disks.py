@@ -33,6 +33,7 @@ import errno
 import functools
 import hashlib
 import json
+import mmap
 import os
 import shutil
 import tempfile
@@ -212,7 +213,13 @@ def _zero_bytes() -> bytes:
 
 @functools.cache
 def _zero_block_digest() -> bytes:
-    return hashlib.sha256(_zero_block()).digest()
+    return _zeros_digest(DIGEST_BLOCK_SIZE)
+
+
+@functools.lru_cache(maxsize=8)
+def _zeros_digest(length: int) -> bytes:
+    """The SHA-256 of ``length`` zero bytes (a whole block, or a disk's last partial one)."""
+    return hashlib.sha256(_zero_block()[:length]).digest()
 
 
 def _zeros(count: int) -> Iterator[memoryview]:
@@ -634,14 +641,15 @@ def copy_to_host(src: str | os.PathLike[str], dst: str | os.PathLike[str], worke
             def copy_block(index: int) -> tuple[bytes, int]:
                 start = index * DIGEST_BLOCK_SIZE
                 length = min(DIGEST_BLOCK_SIZE, size - start)
-                buffer = getattr(buffers, "block", None)
-                if buffer is None:
-                    buffer = buffers.block = bytearray(DIGEST_BLOCK_SIZE)
-                view = memoryview(buffer)[:length]
+                view = getattr(buffers, "block", None)
+                if view is None:
+                    view = buffers.block = memoryview(mmap.mmap(-1, DIGEST_BLOCK_SIZE))
+                if length < DIGEST_BLOCK_SIZE:
+                    view = view[:length]
                 if os.preadv(fin.fileno(), [view], start) != length:
                     raise errors.DiskCopyFailed(f"{src_path} shrank while it was being copied.")
                 digest = hashlib.sha256(view).digest()
-                if (buffer == _zero_bytes()) if length == DIGEST_BLOCK_SIZE else buffer[:length] == bytes(length):
+                if digest == _zeros_digest(length):
                     return digest, 0
                 copier.copy(start, view)
                 return digest, length
@@ -649,7 +657,7 @@ def copy_to_host(src: str | os.PathLike[str], dst: str | os.PathLike[str], worke
             count = -(-size // DIGEST_BLOCK_SIZE)
             digests = [_zero_block_digest()] * count
             if count and size % DIGEST_BLOCK_SIZE:
-                digests[-1] = hashlib.sha256(_zero_block()[:size % DIGEST_BLOCK_SIZE]).digest()
+                digests[-1] = _zeros_digest(size % DIGEST_BLOCK_SIZE)
             data_bytes = 0
             todo = iter(_data_blocks(fin.fileno(), size))
             with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="disk-copy") as pool:
