@@ -11,7 +11,11 @@ By default the interpreter is a virtualenv holding only ``layers/core/requiremen
 packages only the tests install (format checkers, test tools) do not count; ``--python`` names
 another interpreter (``--python .venv/bin/python`` measures the development virtualenv).
 
-    .venv/bin/python scripts/bench/bench_cold_start.py [--repeat 3] [--top 12] [--python PATH]
+Each import runs with ``AWS_LAMBDA_FUNCTION_NAME`` set, as Lambda sets it; Ferry then keeps the
+garbage collector paused until the handler's first invocation (see ``ferry/__init__.py``).
+``--compare`` also imports each handler without it, alternately, to show what that pause saves.
+
+    .venv/bin/python scripts/bench/bench_cold_start.py [--repeat 3] [--top 12] [--python PATH] [--compare]
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TARGET_MS = 300.0
 LAYER_REQUIREMENTS = ROOT / "layers" / "core" / "requirements.txt"
 LAYER_VENV = ROOT / ".bench" / "layer-venv"
+LAMBDA_VARIABLE = "AWS_LAMBDA_FUNCTION_NAME"
 
 
 def layer_python() -> Path:
@@ -47,13 +52,21 @@ def layer_python() -> Path:
     return python
 
 
-def import_app(function_dir: Path, python: Path) -> list[ImportTime]:
+def import_app(function_dir: Path, python: Path, lambda_environment: bool = True) -> list[ImportTime]:
     env = dict(os.environ, PYTHONPATH=str(ROOT / "layers" / "core" / "python"), PYTHONDONTWRITEBYTECODE="")
+    env.pop(LAMBDA_VARIABLE, None)
+    if lambda_environment:  # as Lambda sets it: Ferry then pauses the garbage collector while it loads
+        env[LAMBDA_VARIABLE] = f"ferry-{function_dir.name}"
     out = subprocess.run([str(python), "-X", "importtime", "-c", "import app"], cwd=function_dir, env=env,
                          capture_output=True, text=True, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"importing {function_dir.name}/app.py failed:\n{out.stderr[-2000:]}")
     return parse_importtime(out.stderr)
+
+
+def app_ms(entries: list[ImportTime]) -> float:
+    """The cumulative import time of ``app``, in milliseconds."""
+    return next(e for e in entries if e.module == "app").cumulative_us / 1000
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,11 +75,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--python", type=Path, help="the interpreter (default: a virtualenv of the layer's "
                         "requirements, made under .bench/layer-venv)")
+    parser.add_argument("--compare", action="store_true",
+                        help=f"also import each handler without {LAMBDA_VARIABLE}, alternately (the garbage "
+                        "collector then runs during imports), and print both")
     args = parser.parse_args(argv)
     print_header("cold start: python -X importtime -c 'import app' per handler")
     python = args.python or layer_python()
-    print(f"  interpreter {python}")
+    print(f"  interpreter {python}; {LAMBDA_VARIABLE} set, as on Lambda"
+          + (", and unset alternately (--compare)" if args.compare else ""))
     results: dict[str, list[float]] = {}
+    unset: dict[str, list[float]] = {}
     slowest_tree: list[ImportTime] = []
     for function_dir in sorted((ROOT / "functions").iterdir()):
         if not (function_dir / "app.py").is_file():
@@ -74,19 +92,29 @@ def main(argv: list[str] | None = None) -> int:
         samples = []
         for _ in range(args.repeat):
             entries = import_app(function_dir, python)
-            app = next(e for e in entries if e.module == "app")
-            samples.append(app.cumulative_us / 1000)
+            samples.append(app_ms(entries))
+            if args.compare:
+                unset.setdefault(function_dir.name, []).append(app_ms(import_app(function_dir, python, False)))
         results[function_dir.name] = samples
         if not slowest_tree or statistics.median(samples) >= max(statistics.median(s) for s in results.values()):
             slowest_tree = entries
-    over = 0
-    print(f"  {'handler':<28} {'best':>8} {'median':>8}")
+    over = over_unset = 0
+    print(f"  {'handler':<28} {'best':>8} {'median':>8}" + (f" {'unset: median':>14}" if args.compare else ""))
     for name, samples in sorted(results.items(), key=lambda item: -statistics.median(item[1])):
         median = statistics.median(samples)
         flag = "  OVER 300 ms" if median > TARGET_MS else ""
         over += bool(flag)
-        print(f"  {name:<28} {min(samples):6.0f} ms {median:6.0f} ms{flag}")
+        line = f"  {name:<28} {min(samples):6.0f} ms {median:6.0f} ms"
+        if args.compare:
+            without = statistics.median(unset[name])
+            over_unset += without > TARGET_MS
+            line += f" {without:11.0f} ms"
+        print(line + flag)
     print(f"\n  {over} of {len(results)} handlers over {TARGET_MS:.0f} ms (median of {args.repeat} fresh processes)")
+    if args.compare:
+        print(f"  without {LAMBDA_VARIABLE}: {over_unset} over; median handler "
+              f"{statistics.median(statistics.median(v) for v in unset.values()):.0f} ms against "
+              f"{statistics.median(statistics.median(v) for v in results.values()):.0f} ms")
     if args.top and slowest_tree:
         print("\n  heaviest imports (cumulative) under the slowest handler:")
         for entry in sorted(slowest_tree, key=lambda e: -e.cumulative_us)[1 : args.top + 1]:

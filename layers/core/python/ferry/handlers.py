@@ -21,6 +21,7 @@ import gc
 from collections.abc import Callable
 from typing import Any
 
+import ferry
 from ferry import errors, faults, validation
 from ferry.observability import logger, metrics, timed_step
 
@@ -46,12 +47,16 @@ def freeze_startup_heap() -> None:
     long as its environment. A full collection walks every tracked object, so each full pass
     that fell inside an invocation added tens of milliseconds to it (the scheduler's p95 was three
     times its median). :func:`gc.freeze` moves them to the permanent generation; collections go on
-    over what invocations allocate.
+    over what invocations allocate. In a Lambda environment the collector was paused while the
+    modules loaded (:mod:`ferry`); it runs again from here.
     """
     global _heap_frozen
     if not _heap_frozen:
         gc.freeze()
         _heap_frozen = True
+        if ferry.collector_paused_for_startup:
+            ferry.collector_paused_for_startup = False
+            gc.enable()
 
 
 def lambda_entry(handler: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
