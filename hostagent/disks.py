@@ -618,10 +618,11 @@ def copy_to_host(src: str | os.PathLike[str], dst: str | os.PathLike[str], worke
 
     The 4 MiB blocks that the source's data ranges touch are handled by ``workers`` threads at
     once (the file calls and SHA-256 release the GIL): each block is read into the thread's own
-    buffer and digested, and unless it is all zeros the kernel copies the same range into place
-    (``copy_file_range``: the data does not pass through this process a second time, and no
-    fresh buffers are allocated per block); where the file systems do not offer that, the block
-    is written from the buffer. Holes are neither read nor written. The block digests go beside
+    page-aligned buffer and digested, and unless its digest is that of zeros (SHA-256 tells an
+    all-zero block apart as surely as it tells a whole copy) the kernel copies the same range
+    into place (``copy_file_range``: the data does not pass through this process a second time,
+    and no fresh buffers are allocated per block); where the file systems do not offer that, the
+    block is written from the buffer. Holes are neither read nor written. The block digests go beside
     the copy (``<dst>.blocks``) so that the receiver has the digest without reading the disk
     again (:func:`received_digest`). Each file is fsynced and appears atomically.
 
