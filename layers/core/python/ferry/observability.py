@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -14,6 +15,11 @@ os.environ.setdefault("POWERTOOLS_METRICS_NAMESPACE", "Ferry")
 
 logger = Logger(service=os.environ.get("POWERTOOLS_SERVICE_NAME", "ferry"))
 metrics = Metrics(namespace=os.environ["POWERTOOLS_METRICS_NAMESPACE"])
+
+# Many invocations publish no metric of their own (an API read, a refused request, a consumer
+# batch of nothing new), and Powertools warns at every such flush; the filter is the one its
+# documentation gives for functions where that is expected.
+warnings.filterwarnings("ignore", message="No application metrics to publish*")
 
 
 @contextmanager
