@@ -16,9 +16,9 @@ os.environ.setdefault("POWERTOOLS_METRICS_NAMESPACE", "Ferry")
 logger = Logger(service=os.environ.get("POWERTOOLS_SERVICE_NAME", "ferry"))
 metrics = Metrics(namespace=os.environ["POWERTOOLS_METRICS_NAMESPACE"])
 
-# A scheduled or queue-driven invocation that finds nothing to do (the auto-confirm sweep with no
-# resize due, host reports that change nothing) publishes no metric, and Powertools warns at
-# each such flush; the filter is the one its documentation gives where that is expected.
+# Some invocations publish no metric (the auto-confirm sweep when no resize is due; the host-report
+# consumer, which records state and counts nothing), and Powertools warns at each such flush;
+# the filter is the one its documentation gives where that is expected.
 warnings.filterwarnings("ignore", message="No application metrics to publish*")
 
 
