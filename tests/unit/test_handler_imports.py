@@ -50,6 +50,14 @@ def test_the_api_handler_does_load_the_api_side():
     assert sorted({"jsonschema", "yaml", "botocore.client"} & loaded) == []
 
 
+def test_the_drain_webhook_loads_neither_boto3_nor_an_aws_client_to_start():
+    """Its delivery records go through botocore's client, loaded with the first request."""
+    loaded = loaded_modules("drain_webhook")
+    assert {"ferry.webhook", "ferry.deliveries", "ferry.drains"} <= loaded
+    assert sorted({"boto3", "s3transfer", "botocore.session", "botocore.client", "jsonschema",
+                   "aws_lambda_powertools.utilities.idempotency"} & loaded) == []
+
+
 LAYER_REQUIREMENTS = ROOT / "layers" / "core" / "requirements.txt"
 # Imported only when installed (botocore's CA bundle, urllib3's IDNA codec): not needed.
 OPTIONAL = {"certifi", "idna"}

@@ -6,9 +6,9 @@ signed with the shared secret (:mod:`ferry.signing`). The webhook answers in thi
 1. no secret configured (``FERRY_WEBHOOK_SECRET`` from the template's ``DrainWebhookSecret``): 503;
 2. a missing, malformed or wrong signature: 401; a timestamp over 5 minutes off either way: 401;
 3. a missing or too long ``X-Ferry-Delivery``, a body that is not JSON or not a drain request: 400;
-4. the same delivery id again: the first answer, and nothing is started again (Powertools
-   idempotency on ``FERRY_IDEMPOTENCY_TABLE``, 24 hours); the same delivery id with another
-   body: 409;
+4. the same delivery id again: the first answer, and nothing is started again (a record per
+   delivery in ``FERRY_IDEMPOTENCY_TABLE``, 24 hours, :mod:`ferry.deliveries`); the same
+   delivery id with another body, or while its first request is still being answered: 409;
 5. a signature another delivery already used (a captured request sent again under a new
    delivery id): 409. Accepted signatures are kept as one-time nonces in the same table for
    600 s, longer than the window in which their timestamp is accepted;
@@ -23,39 +23,22 @@ from __future__ import annotations
 
 import base64
 import binascii
-import functools
 import json
 import time
 from collections.abc import Mapping
 from typing import Any
 
 from aws_lambda_powertools.metrics import MetricUnit
-from aws_lambda_powertools.utilities.idempotency import (
-    DynamoDBPersistenceLayer,
-    IdempotencyConfig,
-    idempotent_function,
-)
-from aws_lambda_powertools.utilities.idempotency.exceptions import (
-    IdempotencyAlreadyInProgressError,
-    IdempotencyValidationError,
-)
-from aws_lambda_powertools.utilities.idempotency.persistence.datarecord import DataRecord
 
-from ferry import aws, config, drains, errors, signing, validation
+from ferry import aws, config, deliveries, drains, errors, signing, validation
 from ferry.observability import logger, metrics
 
 TABLE_VARIABLE = "FERRY_IDEMPOTENCY_TABLE"
 DELIVERY_MAX_LENGTH = 128
-# A delivery's answer is kept this long: a sender retrying within it gets the first answer.
-DELIVERY_EXPIRY_SECONDS = 24 * 60 * 60
 # A signature is accepted while its timestamp is within MAX_AGE_SECONDS either way of the clock:
 # remembering it from its first use for twice that covers every moment it could be replayed.
 SIGNATURE_NONCE_SECONDS = 2 * signing.MAX_AGE_SECONDS
-DELIVERY_KEY_PREFIX = "drain-webhook-delivery"
 SIGNATURE_KEY_PREFIX = "webhook-signature#"
-# IdempotencyTable's partition key and TTL attribute (template.yaml); Powertools' defaults too.
-KEY_ATTRIBUTE = "id"
-EXPIRY_ATTRIBUTE = "expiration"
 
 _BODY_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -102,47 +85,21 @@ def _start_drain_once(event: Mapping[str, Any], context: Any) -> dict[str, Any]:
             + (f", not {len(delivery)}." if delivery else "; it is missing.")
         )
     request = _drain_request(body)
-
-    once = IdempotencyConfig(
-        event_key_jmespath="delivery",
-        payload_validation_jmespath="request",
-        raise_on_no_idempotency_key=True,
-        expires_after_seconds=DELIVERY_EXPIRY_SECONDS,
-        response_hook=_mark_repeated,
+    answer = deliveries.answer_once(
+        table, delivery, request,
+        lambda: _start_drain(delivery=delivery, request=request, signature=signed.signature, table=table),
+        context,
     )
-    if callable(getattr(context, "get_remaining_time_in_millis", None)):
-        # An invocation that dies mid-way then blocks its delivery id only until its timeout.
-        once.register_lambda_context(context)
-    start = idempotent_function(
-        data_keyword_argument="webhook",
-        persistence_store=_persistence(table, aws.client("dynamodb")),
-        config=once,
-        key_prefix=DELIVERY_KEY_PREFIX,
-    )(_start_drain)
-    try:
-        answer: dict[str, Any] = start(webhook={"delivery": delivery, "request": request},
-                                       signature=signed.signature, table=table)
-    except IdempotencyAlreadyInProgressError as exc:
-        raise errors.WebhookDeliveryConflict(
-            f"Delivery {delivery!r} is being answered right now; send it again later to get its answer."
-        ) from exc
-    except IdempotencyValidationError as exc:
-        raise errors.WebhookDeliveryConflict(
-            f"{signing.DELIVERY_HEADER} {delivery!r} was already used for a different drain request; "
-            f"a new request needs a new delivery id."
-        ) from exc
-    return {**answer, "delivery": delivery}
+    return {**answer.document, "repeated": answer.repeated, "delivery": delivery}
 
 
-def _start_drain(*, webhook: dict[str, Any], signature: str, table: str) -> dict[str, Any]:
-    """Run once per delivery id (Powertools keeps the answer): spend the signature, start the drain.
-
-    Raising lets Powertools forget the delivery, so the sender may try it again.
+def _start_drain(*, delivery: str, request: dict[str, Any], signature: str, table: str) -> dict[str, Any]:
+    """Run once per delivery id (:mod:`ferry.deliveries` keeps the answer): spend the signature,
+    start the drain. Raising withdraws the delivery's claim, so the sender may try it again.
     """
-    delivery = webhook["delivery"]
     _spend_signature(table, signature, delivery)
     status, document = drains.create_drain(
-        drains.webhook_context(), webhook["request"], origin="webhook", idempotency_key=delivery
+        drains.webhook_context(), request, origin="webhook", idempotency_key=delivery
     )
     # Stored in the table as JSON and sent as JSON: keep only what JSON holds.
     return {"status": status, "body": json.loads(json.dumps(document, default=str))}
@@ -164,13 +121,14 @@ def _spend_signature(table: str, signature: str, delivery: str) -> None:
         client.put_item(
             TableName=table,
             Item={
-                KEY_ATTRIBUTE: {"S": SIGNATURE_KEY_PREFIX + signature},
-                EXPIRY_ATTRIBUTE: {"N": str(now + SIGNATURE_NONCE_SECONDS)},
+                deliveries.KEY_ATTRIBUTE: {"S": SIGNATURE_KEY_PREFIX + signature},
+                deliveries.EXPIRY_ATTRIBUTE: {"N": str(now + SIGNATURE_NONCE_SECONDS)},
                 "delivery": {"S": delivery},
             },
             # DynamoDB deletes expired items late: an expired nonce counts as gone.
             ConditionExpression="attribute_not_exists(#key) OR #expiry < :now OR #delivery = :delivery",
-            ExpressionAttributeNames={"#key": KEY_ATTRIBUTE, "#expiry": EXPIRY_ATTRIBUTE, "#delivery": "delivery"},
+            ExpressionAttributeNames={"#key": deliveries.KEY_ATTRIBUTE, "#expiry": deliveries.EXPIRY_ATTRIBUTE,
+                                      "#delivery": "delivery"},
             ExpressionAttributeValues={":now": {"N": str(now)}, ":delivery": {"S": delivery}},
         )
     except client.exceptions.ConditionalCheckFailedException as exc:
@@ -178,20 +136,6 @@ def _spend_signature(table: str, signature: str, delivery: str) -> None:
             f"This {signing.SIGNATURE_HEADER} was already used by another delivery: the request is a replay "
             f"and is refused. Sign every delivery anew."
         ) from exc
-
-
-def _mark_repeated(response: Any, idempotent_data: DataRecord) -> Any:
-    """Powertools' hook for an answer it returns from the table instead of running the function."""
-    return {**response, "repeated": True}
-
-
-@functools.lru_cache(maxsize=4)
-def _persistence(table: str, client: Any) -> DynamoDBPersistenceLayer:
-    """Built on first use, not at import: it takes the process's client (the local stack's
-    endpoint, a test's moto), which exists only once the environment is set."""
-    return DynamoDBPersistenceLayer(
-        table_name=table, key_attr=KEY_ATTRIBUTE, expiry_attr=EXPIRY_ATTRIBUTE, boto3_client=client
-    )
 
 
 def _headers(event: Mapping[str, Any]) -> dict[str, Any]:
