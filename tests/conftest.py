@@ -152,3 +152,12 @@ def pg_store(request, tmp_path, monkeypatch) -> Iterator[Store]:
     made = _make_store("postgres", tmp_path, monkeypatch, request)
     yield made
     _finish_store(made)
+
+
+@pytest.fixture
+def aws_test_credentials(monkeypatch) -> None:
+    """The region and placeholder credentials botocore needs under moto, no endpoint override."""
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)

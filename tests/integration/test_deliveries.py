@@ -20,11 +20,7 @@ MINUTE_LEFT = SimpleNamespace(get_remaining_time_in_millis=lambda: 60_000)
 
 
 @pytest.fixture
-def table(monkeypatch) -> Iterator[str]:
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+def table(aws_test_credentials) -> Iterator[str]:
     spec = resolve(ROOT / "template.yaml").tables["IdempotencyTable"]
     with mock_aws():
         aws.reset()
