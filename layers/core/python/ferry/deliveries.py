@@ -7,8 +7,8 @@ deleted, so that the sender may try again. A claim left behind by an invocation 
 when that invocation's time would have run out. The record keeps a digest of the request: the
 same delivery id with another request is a conflict, never an answer to the wrong question.
 
-The records live in the template's ``IdempotencyTable`` (partition key ``id``, time-to-live
-attribute ``expiration``, both seconds since the epoch), beside the webhook's one-time
+The records live in the template's ``IdempotencyTable`` (partition key ``id``; time-to-live
+attribute ``expiration``, in seconds since the epoch), beside the webhook's one-time
 signatures. Calls go through the function's botocore client (:func:`ferry.aws.client`).
 """
 
