@@ -28,12 +28,8 @@ IMAGE_BYTES = b"ferry-test-image" * 4096
 
 
 @pytest.fixture
-def cloud(store, monkeypatch):
+def cloud(aws_test_credentials, store):
     """A store with two reporting hosts in cell1, their queues, and an image in S3."""
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
     with mock_aws():
         aws.reset()
         hosts._queue_urls.clear()

@@ -70,13 +70,9 @@ def _template(secret: str) -> LocalTemplate:
 
 
 @pytest.fixture
-def cloud(sqlite_store, monkeypatch) -> Iterator[Cloud]:
+def cloud(aws_test_credentials, sqlite_store, monkeypatch) -> Iterator[Cloud]:
     """moto with the template's idempotency table and a placeholder drain state machine; hosts h1
     and h2 in cell1; the webhook function's settings from the template."""
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
     model = _template(SECRET)
     webhook = model.functions["DrainWebhookFunction"]
     for name in FUNCTION_SETTINGS:

@@ -220,12 +220,8 @@ def test_finishing_settles_what_the_map_left_pending_or_moving(store):
 
 
 @pytest.fixture
-def bus(monkeypatch):
+def bus(aws_test_credentials, monkeypatch):
     """The notification bus on moto, read back through a rule that forwards to a queue."""
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
     monkeypatch.setenv("FERRY_NOTIFICATION_BUS", "ferry-test-notifications")
     config.reset()
     with mock_aws():

@@ -81,12 +81,8 @@ class Tap:
 
 
 @pytest.fixture
-def cloud(store, monkeypatch):
+def cloud(aws_test_credentials, store, monkeypatch):
     """Three reporting hosts in cell1 with queues, the image bucket and a tapped notification bus."""
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
     monkeypatch.setenv("FERRY_NOTIFICATION_BUS", BUS)
     config.reset()
     with mock_aws():

@@ -38,11 +38,7 @@ class Bus:
 
 
 @pytest.fixture
-def bus(monkeypatch) -> Iterator[Bus]:
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+def bus(aws_test_credentials, monkeypatch) -> Iterator[Bus]:
     monkeypatch.setenv("FERRY_NOTIFICATION_BUS", BUS)
     config.reset()
     with mock_aws():
