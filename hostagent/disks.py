@@ -202,18 +202,9 @@ BLOCK_SHA256 = "sha256-blocks"
 DIGEST_BLOCK_SIZE = 4 * MiB
 
 
+@functools.cache
 def _zero_block() -> memoryview:
-    return memoryview(_zero_bytes())
-
-
-@functools.cache
-def _zero_bytes() -> bytes:
-    return bytes(DIGEST_BLOCK_SIZE)
-
-
-@functools.cache
-def _zero_block_digest() -> bytes:
-    return _zeros_digest(DIGEST_BLOCK_SIZE)
+    return memoryview(bytes(DIGEST_BLOCK_SIZE))
 
 
 @functools.lru_cache(maxsize=8)
@@ -291,7 +282,7 @@ class BlockSha256:
         whole, rest = divmod(count, DIGEST_BLOCK_SIZE)
         while whole:
             batch = min(whole, 4096)  # at most 128 KiB of digests at once
-            self._outer.update(_zero_block_digest() * batch)
+            self._outer.update(_zeros_digest(DIGEST_BLOCK_SIZE) * batch)
             whole -= batch
         if rest:
             self.update(_zero_block()[:rest])
@@ -656,7 +647,7 @@ def copy_to_host(src: str | os.PathLike[str], dst: str | os.PathLike[str], worke
                 return digest, length
 
             count = -(-size // DIGEST_BLOCK_SIZE)
-            digests = [_zero_block_digest()] * count
+            digests = [_zeros_digest(DIGEST_BLOCK_SIZE)] * count
             if count and size % DIGEST_BLOCK_SIZE:
                 digests[-1] = _zeros_digest(size % DIGEST_BLOCK_SIZE)
             data_bytes = 0
