@@ -208,7 +208,8 @@ class MoveOperations:
             if args["same_host"]:
                 # The destination copies from the kept directory; the checksum lets it verify the copy.
                 try:
-                    sent[kind] = {"sha256": disks.file_digest(path), "size": path.stat().st_size}
+                    sent[kind] = {"sha256": disks.file_digest(path, protocol.MOVE_DIGEST),
+                                  "size": path.stat().st_size, "digest": protocol.MOVE_DIGEST}
                 except OSError as exc:
                     raise errors.DiskCopyFailed(f"Reading {path} failed: {exc}", instance_uuid=uuid) from exc
                 continue
@@ -216,7 +217,8 @@ class MoveOperations:
                 moved = disks.copy_to_host(path, incoming / disks.DISK_FILES[kind])
             else:
                 transfer = args["transfer"]
-                moved = disks.upload_disk(self.s3, path, transfer["bucket"], transfer["prefix"], kind)
+                moved = disks.upload_disk(self.s3, path, transfer["bucket"], transfer["prefix"], kind,
+                                          algorithm=protocol.MOVE_DIGEST)
             self._emit_metric("DiskBytesSent", MetricUnit.Bytes, moved.data_bytes, op.name)
             logger.info(
                 "disk sent",
@@ -231,7 +233,7 @@ class MoveOperations:
                     "direct": incoming is not None,
                 },
             )
-            sent[kind] = {"sha256": moved.sha256, "size": moved.size}
+            sent[kind] = {"sha256": moved.sha256, "size": moved.size, "digest": moved.digest}
         result = {**self._result(uuid, NOSTATE), "was_running": bool(record["was_running"]), "disks": sent}
         if incoming is not None:
             result["direct"] = True
@@ -373,10 +375,11 @@ class MoveOperations:
         incoming = disks.incoming_dir(self.instances_dir, uuid)
         for kind, expected in args["disks"].items():
             dest = live / disks.DISK_FILES[kind]
+            algorithm = expected.get("digest", protocol.BLOCK_SHA256)  # absent: from an agent older than BLAKE3
             if args.get("direct"):
                 # Copied straight into this host by the source: link it into place, digest from its blocks.
                 copied = incoming / disks.DISK_FILES[kind]
-                blocks = disks.received_digest(copied, expected["sha256"], expected["size"])
+                blocks = disks.received_digest(copied, expected["sha256"], expected["size"], algorithm)
                 try:
                     os.link(copied, dest)
                 except OSError as exc:
@@ -388,7 +391,7 @@ class MoveOperations:
                 source = kept / disks.DISK_FILES[kind]
                 if not source.exists():
                     raise errors.DiskCopyFailed(f"The kept {kind} disk {source} is missing.", instance_uuid=uuid)
-                hasher = disks.copy_sparse_digest(source, dest, algorithm=disks.BLOCK_SHA256)
+                hasher = disks.copy_sparse_digest(source, dest, algorithm=algorithm)
                 digest, size = hasher.hexdigest(), dest.stat().st_size
                 received[kind] = (hasher, size)
                 if digest != expected["sha256"] or size != expected["size"]:
@@ -442,9 +445,11 @@ class MoveOperations:
     def _disk_checksums(
         self, instance_uuid: str, directory: Path, known: dict[str, tuple[Any, int]] | None = None
     ) -> dict[str, dict[str, Any]]:
-        """The block digest and size of the root and ephemeral disks in ``directory`` (whole files, zeros included).
+        """The block digest, its name and the size of the root and ephemeral disks in ``directory`` (whole files,
+        zeros included).
 
-        ``known`` has the digest objects of disks just written, before they were grown.
+        ``known`` has the digest objects of disks just written, before they were grown (their digest
+        is carried on in the algorithm they arrived with); other disks get the move digest.
         """
         found: dict[str, dict[str, Any]] = {}
         for kind in protocol.MOVED_DISKS:
@@ -454,9 +459,11 @@ class MoveOperations:
                     size = path.stat().st_size
                     if known and kind in known and size >= known[kind][1]:
                         hasher, old_size = known[kind]
-                        found[kind] = {"sha256": disks.grown_digest(hasher, old_size, size), "size": size}
+                        found[kind] = {"sha256": disks.grown_digest(hasher, old_size, size), "size": size,
+                                       "digest": hasher.name}
                     else:
-                        found[kind] = {"sha256": disks.file_digest(path), "size": size}
+                        found[kind] = {"sha256": disks.file_digest(path, protocol.MOVE_DIGEST), "size": size,
+                                       "digest": protocol.MOVE_DIGEST}
                 except OSError as exc:
                     raise errors.DiskCopyFailed(f"Reading {path} failed: {exc}", instance_uuid=instance_uuid) from exc
         return found

@@ -9,6 +9,7 @@ from __future__ import annotations
 import uuid
 
 import test_hostagent_resize as harness
+from digest_helpers import block_digest
 from test_hostagent_resize import IMAGES, NEW, PORTS, boot, finish_revert_args, logical_sha256
 
 from ferry import protocol
@@ -48,13 +49,14 @@ def test_snapshot_prep_uploads_the_root_disk_as_an_image_and_keeps_the_disks(clo
     assert root.exists() and (kept / disks.EPHEMERAL_DISK).exists()
     assert logical_sha256(root) == server.root_sha256
     snapshot = result["snapshot"]
+    image_digest = block_digest(root)  # snapshots keep SHA-256 block digests (moves use BLAKE3 ones)
     assert (snapshot["image_id"], snapshot["sha256"], snapshot["size"]) == (
-        image_id, server.root_digest, root.stat().st_size)
+        image_id, image_digest, root.stat().st_size)
     # Only the written blocks travel: the data object holds them, far less than the disk's size.
     assert 0 < snapshot["data_bytes"] == object_size(cloud, f"image-data/{image_id}/disk") < root.stat().st_size // 4
     meta = cloud.s3.head_object(Bucket=IMAGES, Key=f"images/{image_id}")["Metadata"]
     assert (meta["sha256"], meta["digest"], meta["layout"], meta["virtual-size"], meta["data-size"]) == (
-        server.root_digest, "sha256-blocks", "extents", str(root.stat().st_size), str(snapshot["data_bytes"]))
+        image_digest, "sha256-blocks", "extents", str(root.stat().st_size), str(snapshot["data_bytes"]))
     assert (meta["disk-format"], meta["name"], meta["image-id"]) == ("raw", "web-1-resize-temp", image_id)
 
 

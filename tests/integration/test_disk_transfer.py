@@ -9,7 +9,8 @@ import os
 
 import boto3
 import pytest
-from digest_helpers import block_digest, block_digest_of
+from blake3 import blake3
+from digest_helpers import MOVES, block_digest, block_digest_of
 from moto import mock_aws
 
 from ferry import errors
@@ -257,15 +258,16 @@ def test_the_kept_directory_sits_beside_the_live_one(tmp_path):
 # --- the block digest ------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("algorithm", ["sha256-blocks", "blake3-blocks"])
 @pytest.mark.parametrize("size", [0, 1, 4 * MiB - 1, 4 * MiB, 4 * MiB + 1, 13 * MiB + 12345])
-def test_the_block_digest_is_sha256_of_the_4_mib_block_digests_whatever_the_feeding(size):
+def test_the_block_digest_is_the_hash_of_the_4_mib_block_digests_whatever_the_feeding(size, algorithm):
     content = bytearray(size)
     for offset in range(0, size, 3 * MiB + 7):  # some data, some zeros, across block edges
         content[offset:offset + 100_000] = os.urandom(len(content[offset:offset + 100_000]))
     content = bytes(content)
-    expected = block_digest_of(content)
+    expected = block_digest_of(content, algorithm)
 
-    by_bytes, by_holes = disks.BlockSha256(), disks.BlockSha256()
+    by_bytes, by_holes = disks.DIGESTS[algorithm](), disks.DIGESTS[algorithm]()
     for start in range(0, size, 777_777):
         by_bytes.update(content[start:start + 777_777])
     position = 0
@@ -279,11 +281,20 @@ def test_the_block_digest_is_sha256_of_the_4_mib_block_digests_whatever_the_feed
     assert position == size
 
     assert by_bytes.hexdigest() == by_holes.hexdigest() == expected
-    assert expected != hashlib.sha256(content).hexdigest() or size == 0
+    assert expected not in (hashlib.sha256(content).hexdigest(), blake3(content).hexdigest()) or size == 0
+    assert by_bytes.name == algorithm
 
 
-def test_a_block_digest_copy_goes_on_alone():
-    first = disks.BlockSha256()
+def test_the_two_block_digests_differ_and_moves_use_blake3():
+    content = os.urandom(5 * MiB)
+
+    assert block_digest_of(content, "sha256-blocks") != block_digest_of(content, "blake3-blocks")
+    assert disks.MOVE_DIGEST == MOVES == "blake3-blocks"
+
+
+@pytest.mark.parametrize("algorithm", ["sha256-blocks", "blake3-blocks"])
+def test_a_block_digest_copy_goes_on_alone(algorithm):
+    first = disks.DIGESTS[algorithm]()
     first.update(os.urandom(5 * MiB))
     before = first.hexdigest()
     grown = first.copy()
@@ -326,7 +337,10 @@ def test_a_manifest_without_a_digest_name_is_a_plain_sha256_one(s3, tmp_path):
 @pytest.mark.parametrize("workers", [1, 3])
 def test_a_direct_copy_keeps_the_content_and_the_holes_and_records_its_block_digests(
         tmp_path, monkeypatch, workers, kernel_copy):
-    """The kernel copies the data ranges where it can; where it refuses, the blocks are written from user space."""
+    """The kernel copies the data ranges where it can; where it refuses, the blocks are written from user space.
+
+    The copy's digest is the move digest (BLAKE3 block digests) unless asked for another.
+    """
     ranges = []
     copy_file_range = os.copy_file_range
 
@@ -346,12 +360,12 @@ def test_a_direct_copy_keeps_the_content_and_the_holes_and_records_its_block_dig
     copied = disks.copy_to_host(src, dst, workers=workers)
 
     assert dst.read_bytes() == content
-    assert (copied.size, copied.sha256) == (size, block_digest_of(content))
+    assert (copied.size, copied.sha256, copied.digest) == (size, block_digest_of(content, MOVES), MOVES)
     assert copied.data_bytes == 2 * 4 * MiB + 4 * MiB + 12345, "written zeros and holes are not written"
     assert os.stat(dst).st_blocks * 512 <= copied.data_bytes + 4 * MiB
     sums = (tmp_path / "dest" / "disk.blocks").read_bytes()
     blocks = [content[i:i + 4 * MiB] for i in range(0, size, 4 * MiB)]
-    assert sums == b"".join(hashlib.sha256(b).digest() for b in blocks)
+    assert sums == b"".join(blake3(b).digest() for b in blocks)
     assert sorted(p.name for p in dst.parent.iterdir()) == ["disk", "disk.blocks"]
 
     if kernel_copy == "offered":
@@ -359,10 +373,25 @@ def test_a_direct_copy_keeps_the_content_and_the_holes_and_records_its_block_dig
     else:
         assert len(ranges) == 1, "after one refusal the copy stops asking the kernel"
 
-    received = disks.received_digest(dst, copied.sha256, size)
+    received = disks.received_digest(dst, copied.sha256, size, MOVES)
     assert received.hexdigest() == copied.sha256
     received.update_zeros(MiB)
-    assert received.hexdigest() == block_digest_of(content + bytes(MiB))
+    assert received.hexdigest() == block_digest_of(content + bytes(MiB), MOVES)
+
+
+def test_a_direct_copy_by_sha256_blocks_is_received_as_such_and_not_as_blake3(tmp_path):
+    """What an agent older than BLAKE3 block digests copied is checked by SHA-256; the names are not interchangeable."""
+    src, dst = tmp_path / "src", tmp_path / "dest" / "disk"
+    content = _sparse_file(src, 9 * MiB + 3, {MiB: os.urandom(2 * MiB), 9 * MiB: b"end"})
+
+    copied = disks.copy_to_host(src, dst, algorithm="sha256-blocks")
+
+    assert copied.sha256 == block_digest_of(content, "sha256-blocks")
+    assert disks.received_digest(dst, copied.sha256, copied.size, "sha256-blocks").hexdigest() == copied.sha256
+    with pytest.raises(errors.DiskCopyFailed, match="does not match"):
+        disks.received_digest(dst, copied.sha256, copied.size, MOVES)
+    with pytest.raises(errors.DiskCopyFailed, match="Unknown disk digest 'md5-blocks'"):
+        disks.received_digest(dst, copied.sha256, copied.size, "md5-blocks")
 
 
 def test_a_direct_copy_that_the_kernel_fails_for_another_reason_fails_and_leaves_nothing(tmp_path, monkeypatch):
@@ -387,7 +416,7 @@ def test_a_direct_copy_that_is_not_what_was_reported_is_refused(tmp_path, spoil)
     copied = disks.copy_to_host(src, dst)
     expected, size = copied.sha256, copied.size
     if spoil == "digest":
-        expected = block_digest_of(content[:-1] + b"x")
+        expected = block_digest_of(content[:-1] + b"x", MOVES)
     elif spoil == "size":
         size += 1
     elif spoil == "blocks-missing":
@@ -398,7 +427,7 @@ def test_a_direct_copy_that_is_not_what_was_reported_is_refused(tmp_path, spoil)
             f.write(b"changed")
 
     with pytest.raises(errors.DiskCopyFailed):
-        disks.received_digest(dst, expected, size)
+        disks.received_digest(dst, expected, size, MOVES)
 
 
 def test_a_host_marker_is_made_once_and_read_only_for_its_host(tmp_path):

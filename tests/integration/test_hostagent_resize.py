@@ -22,7 +22,7 @@ from typing import Any
 
 import boto3
 import pytest
-from digest_helpers import block_digest
+from digest_helpers import MOVES, block_digest
 from moto import mock_aws
 
 from ferry import errors, faults, protocol
@@ -258,7 +258,7 @@ def boot(host: Host, flavor: dict[str, Any] = OLD, running: bool = True, volumes
     root = live / disks.ROOT_DISK
     if not root.exists():
         return Server(instance_uuid, None, None, flavor, volumes or [])
-    return Server(instance_uuid, logical_sha256(root), block_digest(root), flavor, volumes or [])
+    return Server(instance_uuid, logical_sha256(root), block_digest(root, algorithm=MOVES), flavor, volumes or [])
 
 
 def transfer(migration_uuid: str) -> dict[str, str]:
@@ -367,7 +367,7 @@ def test_resize_to_a_bigger_flavor_moves_the_disks_and_defines_the_new_guest_at_
     assert resized["was_running"] is True
     assert resized["power_state"] == NOSTATE
     assert set(resized["disks"]) == {"root", "ephemeral"}
-    assert resized["disks"]["root"] == {"sha256": server.root_digest, "size": disks.GiB}
+    assert resized["disks"]["root"] == {"sha256": server.root_digest, "size": disks.GiB, "digest": MOVES}
     assert resized["disks"]["ephemeral"]["size"] == disks.GiB
     assert not source.driver.guest_exists(server.uuid)
     assert not source.live(server.uuid).exists()
@@ -391,7 +391,8 @@ def test_resize_to_a_bigger_flavor_moves_the_disks_and_defines_the_new_guest_at_
     root, ephemeral, swap = live / disks.ROOT_DISK, live / disks.EPHEMERAL_DISK, live / disks.SWAP_DISK
     assert os.path.getsize(root) == 2 * disks.GiB
     assert logical_sha256(root, disks.GiB) == server.root_sha256
-    assert finished["disks"]["root"] == {"sha256": block_digest(root), "size": 2 * disks.GiB}
+    assert finished["disks"]["root"] == {"sha256": block_digest(root, algorithm=MOVES), "size": 2 * disks.GiB,
+                                         "digest": MOVES}
     assert os.path.getsize(ephemeral) == 2 * disks.GiB
     assert read_at(ephemeral, EPHEMERAL_OFFSET, len(EPHEMERAL_DATA)) == EPHEMERAL_DATA
     assert os.path.getsize(swap) == 128 * MiB
@@ -609,7 +610,8 @@ def test_same_host_finish_without_kept_disks_fails_and_keeps_the_live_ones(sourc
     server = boot(source)
     migration_uuid = str(uuid.uuid4())
     source.driver.destroy(server.uuid)  # the guest is gone but its disks were never moved aside
-    moved = {"was_running": True, "disks": {"root": {"sha256": server.root_digest, "size": disks.GiB}}}
+    moved = {"was_running": True, "disks": {"root": {"sha256": server.root_digest, "size": disks.GiB,
+                                                     "digest": MOVES}}}
 
     error = source.fails("finish_resize", server.uuid, finish_args(migration_uuid, server, moved, same_host=True))
 
@@ -641,7 +643,7 @@ def test_a_source_that_sees_the_destinations_directory_copies_the_disks_straight
     assert claim["direct"] == {"instances_dir": str(dest.instances_dir.resolve()), "token": marker["token"]}
     assert marker["host"] == dest.name
     assert resized["direct"] is True
-    assert resized["disks"]["root"] == {"sha256": server.root_digest, "size": disks.GiB}
+    assert resized["disks"]["root"] == {"sha256": server.root_digest, "size": disks.GiB, "digest": MOVES}
     assert cloud.transfer_keys(transfer(migration_uuid)["prefix"]) == []
     incoming = disks.incoming_dir(dest.instances_dir, server.uuid)
     assert sorted(p.name for p in incoming.iterdir()) == ["disk", "disk.blocks", "disk.eph0", "disk.eph0.blocks"]
@@ -654,8 +656,10 @@ def test_a_source_that_sees_the_destinations_directory_copies_the_disks_straight
     live = dest.live(server.uuid)
     root, ephemeral = live / disks.ROOT_DISK, live / disks.EPHEMERAL_DISK
     assert logical_sha256(root, disks.GiB) == server.root_sha256
-    assert finished["disks"]["root"] == {"sha256": block_digest(root), "size": 2 * disks.GiB}
-    assert finished["disks"]["ephemeral"] == {"sha256": block_digest(ephemeral), "size": 2 * disks.GiB}
+    assert finished["disks"]["root"] == {"sha256": block_digest(root, algorithm=MOVES), "size": 2 * disks.GiB,
+                                         "digest": MOVES}
+    assert finished["disks"]["ephemeral"] == {"sha256": block_digest(ephemeral, algorithm=MOVES),
+                                              "size": 2 * disks.GiB, "digest": MOVES}
     assert read_at(ephemeral, EPHEMERAL_OFFSET, len(EPHEMERAL_DATA)) == EPHEMERAL_DATA
     assert dest.instance_dirs() == [server.uuid], "the incoming directory is gone once the disks are in place"
     assert logical_sha256(source.kept(server.uuid) / disks.ROOT_DISK) == server.root_sha256, "kept for a revert"
@@ -673,6 +677,57 @@ def test_an_offer_the_source_cannot_verify_sends_the_disks_through_the_transfer(
     finished = dest.ok("finish_resize", server.uuid, finish_args(migration_uuid, server, resized))
     assert logical_sha256(dest.live(server.uuid) / disks.ROOT_DISK, disks.GiB) == server.root_sha256
     assert finished["disks"]["root"]["size"] == 2 * disks.GiB
+
+
+@pytest.mark.parametrize("path", ["transfer", "direct", "same_host"])
+def test_disks_sent_by_an_agent_older_than_blake3_digests_are_checked_by_sha256_blocks(cloud, source, dest, path):
+    """A sender before BLAKE3 block digests reports no ``digest``: its SHA-256 block digests still check the move."""
+    server = boot(source)
+    target = source if path == "same_host" else dest
+    if path == "direct":
+        migration_uuid, _claim, resized = direct_resize(source, dest, server)
+    else:
+        migration_uuid = str(uuid.uuid4())
+        target.ok("prep_resize", server.uuid,
+                  {"migration_uuid": migration_uuid, "flavor": NEW, "same_host": path == "same_host"})
+        resized = source.ok("resize_instance", server.uuid, resize_args(migration_uuid, target, path == "same_host"))
+    kept = source.kept(server.uuid)
+    incoming = disks.incoming_dir(dest.instances_dir, server.uuid)
+    old_style: dict[str, dict[str, Any]] = {}
+    for kind in resized["disks"]:  # what the older sender would have left: SHA-256 block digests, unnamed
+        disk = kept / disks.DISK_FILES[kind]
+        if path == "transfer":
+            sent = disks.upload_disk(cloud.s3, disk, TRANSFERS, transfer(migration_uuid)["prefix"], kind,
+                                     algorithm=disks.BLOCK_SHA256)
+        elif path == "direct":
+            sent = disks.copy_to_host(disk, incoming / disks.DISK_FILES[kind], algorithm=disks.BLOCK_SHA256)
+        else:
+            sent = disks.Transferred(size=disk.stat().st_size, sha256=block_digest(disk), data_bytes=0)
+        old_style[kind] = {"sha256": sent.sha256, "size": sent.size}
+    assert old_style["root"]["sha256"] == block_digest(kept / disks.ROOT_DISK) != server.root_digest
+    args = finish_args(migration_uuid, server, {**resized, "disks": old_style}, same_host=path == "same_host")
+    if path == "direct":
+        args["direct"] = True
+
+    finished = target.ok("finish_resize", server.uuid, args)
+
+    root = target.live(server.uuid) / disks.ROOT_DISK
+    assert logical_sha256(root, disks.GiB) == server.root_sha256
+    assert finished["disks"]["root"] == {"sha256": block_digest(root), "size": 2 * disks.GiB,
+                                         "digest": disks.BLOCK_SHA256}
+
+
+def test_a_disk_digest_this_agent_does_not_know_is_refused_before_anything_moves(source, dest):
+    server = boot(source)
+    migration_uuid = str(uuid.uuid4())
+    resized = source.ok("resize_instance", server.uuid, resize_args(migration_uuid, dest))
+    resized["disks"]["root"]["digest"] = "md5-blocks"
+
+    error = dest.fails("finish_resize", server.uuid, finish_args(migration_uuid, server, resized))
+
+    assert error == "Ferry.InvalidOperation"
+    assert dest.instance_dirs() == [] and not dest.driver.guest_exists(server.uuid)
+    assert logical_sha256(source.kept(server.uuid) / disks.ROOT_DISK) == server.root_sha256
 
 
 def test_a_direct_copy_that_does_not_match_what_the_source_reported_fails_and_revert_clears_it(cloud, source, dest):

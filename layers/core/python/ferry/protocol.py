@@ -47,6 +47,12 @@ OPERATIONS = (
 
 # The local disks a move carries between hosts (swap is re-created, never copied).
 MOVED_DISKS = ("root", "ephemeral")
+# How a moved disk's digest is computed (its ``digest`` in ``disks``; see docs/host-agent.md): the
+# digest of the digests of its 4 MiB blocks, by SHA-256 or by BLAKE3. Senders use MOVE_DIGEST; an
+# entry without ``digest`` (from an agent older than BLAKE3 block digests) is BLOCK_SHA256.
+BLOCK_SHA256 = "sha256-blocks"
+BLOCK_BLAKE3 = "blake3-blocks"
+MOVE_DIGEST = BLOCK_BLAKE3
 
 # Kinds of report an agent sends.
 REPORT_INVENTORY = "inventory"
@@ -174,8 +180,10 @@ DISK_CHECKSUM_SCHEMA: dict[str, Any] = {
     "type": "object",
     "required": ["sha256", "size"],
     "properties": {
+        # The hex digest by the ``digest`` algorithm (the key keeps the name it had when SHA-256 was the only one).
         "sha256": {"type": "string", "pattern": "^[0-9a-f]{64}$"},
         "size": {"type": "integer", "minimum": 0},
+        "digest": {"enum": [BLOCK_SHA256, BLOCK_BLAKE3]},
     },
 }
 
