@@ -20,7 +20,8 @@ Files live under a temporary directory on ``--dir``'s filesystem (the system tem
 by default) and are removed afterwards. When that filesystem has less free space than the run
 needs, ``/dev/shm`` is used instead and the output says so.
 
-    .venv/bin/python scripts/bench/bench_disks.py [--size-gib 2] [--sparse-gib 20] [--dir /var/tmp]
+    .venv/bin/python scripts/bench/bench_disks.py [--size-gib 2] [--sparse-gib 20] [--dir /var/tmp] \
+        [--compare-digest] [--unsynced]
 """
 
 from __future__ import annotations
@@ -37,7 +38,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+from blake3 import blake3
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import print_header  # noqa: E402 - the sibling modules of this script
@@ -60,13 +65,16 @@ s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_acce
 started = time.perf_counter()
 checked = 0.0
 if op == "upload":
-    moved = disks.upload_disk(s3, path, BUCKET, prefix, "root")
+    moved = disks.upload_disk(s3, path, BUCKET, prefix, "root", algorithm=disks.MOVE_DIGEST)
 elif op == "download":
     moved = disks.download_disk(s3, BUCKET, prefix, "root", path, expected_sha256=sys.argv[5])
 else:  # direct: the source's copy into the destination's directory, then the destination's check
-    moved = disks.copy_to_host(path, prefix)
+    if sys.argv[6] == "unsynced":  # what durability costs: the same copy with its fsyncs left out
+        import os
+        os.fsync = lambda fd: None
+    moved = disks.copy_to_host(path, prefix, algorithm=sys.argv[5])
     copied = time.perf_counter()
-    disks.received_digest(prefix, moved.sha256, moved.size)
+    disks.received_digest(prefix, moved.sha256, moved.size, moved.digest)
     checked = time.perf_counter() - copied
 elapsed = time.perf_counter() - started
 print(json.dumps({"seconds": elapsed, "check_seconds": checked, "sha256": moved.sha256,
@@ -151,10 +159,14 @@ def move(endpoint: str, src: Path, dest: Path, prefix: str) -> dict:
     return {"upload": up, "download": down, "seconds": up["seconds"] + down["seconds"]}
 
 
-def direct(endpoint: str, src: Path, dest: Path) -> dict:
+MOVE_DIGEST = "blake3-blocks"  # what moves use (ferry.protocol.MOVE_DIGEST)
+EARLIER_DIGEST = "sha256-blocks"  # what they used before (--compare-digest)
+
+
+def direct(endpoint: str, src: Path, dest: Path, algorithm: str = MOVE_DIGEST, synced: bool = True) -> dict:
     """Copy ``src`` to ``dest`` as a source that sees the destination's directory does; its figures."""
     drop_cache(src)
-    copied = run_side("direct", endpoint, str(src), str(dest))
+    copied = run_side("direct", endpoint, str(src), str(dest), algorithm, "synced" if synced else "unsynced")
     Path(str(dest) + ".blocks").unlink()
     return copied
 
@@ -180,13 +192,13 @@ def timed_cp(src: Path, dest: Path) -> tuple[float, float]:
     return copied, time.perf_counter() - started
 
 
-def sha256_rate() -> float:
-    """Bytes per second of SHA-256 on one core, over a block in memory (the copy's digest, its CPU cost)."""
+def hash_rate(new: Callable[[bytes], Any]) -> float:
+    """Bytes per second of a hash on one core over 4 MiB blocks in memory (a block digest's CPU cost)."""
     block = os.urandom(4 * MiB)
-    hashlib.sha256(block).digest()
+    new(block).digest()
     started = time.perf_counter()
     for _ in range(64):
-        hashlib.sha256(block).digest()
+        new(block).digest()
     return 64 * len(block) / (time.perf_counter() - started)
 
 
@@ -222,6 +234,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--written-gib", type=float, default=1.0, help="data in the sparse disk (default 1)")
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
     parser.add_argument("--repeat", type=int, default=5, help="cp and direct copies of the full disk (medians)")
+    parser.add_argument("--compare-digest", action="store_true",
+                        help=f"also copy the full disk with {EARLIER_DIGEST} digests, alternately (before and after)")
+    parser.add_argument("--unsynced", action="store_true",
+                        help="also copy the full disk without its fsyncs, alternately (what durability costs)")
     args = parser.parse_args(argv)
     size, sparse, written = int(args.size_gib * GiB), int(args.sparse_gib * GiB), int(args.written_gib * GiB)
     print_header("disk moves: host agent direct copy and transfer through S3 (moto server) vs cp")
@@ -250,14 +266,20 @@ def main(argv: list[str] | None = None) -> int:
             src, dest = work / "src-disk", work / "dest-disk"
             print(f"\nfully written disk, {size / GiB:g} GiB")
             write_disk(src, size, [(0, size)])
-            cps, synced, copies = [], [], []
-            for _ in range(max(1, args.repeat)):  # alternately, so that both meet the storage alike
+            cps, synced, copies, earlier, unsynced = [], [], [], [], []
+            for _ in range(max(1, args.repeat)):  # alternately, so that all meet the storage alike
                 plain, durable = timed_cp(src, dest)
                 cps.append(plain)
                 synced.append(durable)
                 dest.unlink()
                 copies.append(direct(endpoint, src, dest))
                 dest.unlink()
+                if args.compare_digest:
+                    earlier.append(direct(endpoint, src, dest, EARLIER_DIGEST))
+                    dest.unlink()
+                if args.unsynced:
+                    unsynced.append(direct(endpoint, src, dest, synced=False))
+                    dest.unlink()
             cp_seconds, cp_synced = statistics.median(cps), statistics.median(synced)
             copied = sorted(copies, key=lambda c: c["seconds"])[len(copies) // 2]
             print(f"  cp:   {cp_seconds:6.2f} s ({rate(size, cp_seconds)}); cp and fsync of the copy "
@@ -266,14 +288,26 @@ def main(argv: list[str] | None = None) -> int:
             report_direct("move", copied)
             runs = ", ".join(f"{c['seconds']:.2f}" for c in copies)
             print(f"    direct runs: {runs} s")
+            if earlier:
+                before = statistics.median(c["seconds"] for c in earlier)
+                earlier_runs = ", ".join(f"{c['seconds']:.2f}" for c in earlier)
+                print(f"    with {EARLIER_DIGEST} digests instead: median {before:.2f} s ({earlier_runs}); "
+                      f"cp / that = {cp_seconds / before:.2f}")
+            if unsynced:
+                loose = statistics.median(c["seconds"] for c in unsynced)
+                loose_runs = ", ".join(f"{c['seconds']:.2f}" for c in unsynced)
+                print(f"    without its fsyncs (not a move: the copy would not be on disk when it ends): median "
+                      f"{loose:.2f} s ({loose_runs}); cp / that = {cp_seconds / loose:.2f}")
             ratio = cp_seconds / copied["seconds"]
             print(f"  direct move speed / cp speed = {ratio:.2f} "
                   f"(target >= 0.90: {'met' if ratio >= 0.9 else 'missed'}); / cp and fsync = "
                   f"{cp_synced / copied['seconds']:.2f}")
-            per_core = sha256_rate()
-            digest_floor = size / per_core / (os.cpu_count() or 1)
-            print(f"  floors of a digested, durable copy: the SHA-256 of {size / GiB:g} GiB alone takes "
-                  f"{digest_floor:.2f} s on all {os.cpu_count()} cores ({per_core / MiB:.0f} MiB/s per core), "
+            cores = os.cpu_count() or 1
+            blake3_rate, sha256_rate = hash_rate(blake3), hash_rate(hashlib.sha256)
+            print(f"  floors of a digested, durable copy: the move digest (BLAKE3 blocks) of {size / GiB:g} GiB "
+                  f"alone takes {size / blake3_rate / cores:.2f} s on all {cores} cores "
+                  f"({blake3_rate / MiB:.0f} MiB/s per core; SHA-256 blocks, as before, "
+                  f"{size / sha256_rate / cores:.2f} s at {sha256_rate / MiB:.0f} MiB/s), "
                   f"the fsync after cp {cp_synced - cp_seconds:.2f} s")
             moved = move(endpoint, src, dest, "full")
             report_move("S3  ", moved)
