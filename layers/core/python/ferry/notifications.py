@@ -23,7 +23,7 @@ from typing import Any
 
 from aws_lambda_powertools.metrics import MetricUnit
 
-from ferry import aws, config
+from ferry import LAMBDA_VARIABLE, aws, config
 from ferry.compute import states
 from ferry.observability import logger, metrics
 from ferry.store.cell_models import Instance
@@ -56,7 +56,7 @@ def compute_publisher(host: str | None) -> str:
 
 def conductor_publisher() -> str:
     """``conductor:<where this runs>``: the publisher of steps the orchestrator runs itself."""
-    return f"conductor:{os.environ.get('AWS_LAMBDA_FUNCTION_NAME') or socket.gethostname()}"
+    return f"conductor:{os.environ.get(LAMBDA_VARIABLE) or socket.gethostname()}"
 
 
 def _iso(value: dt.datetime | None) -> str | None:
