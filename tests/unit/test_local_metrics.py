@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 
@@ -39,10 +40,14 @@ def test_concurrent_invocations_flush_their_own_dimension_and_values(capsys, iso
     results = []
     threads = [threading.Thread(target=lambda e=e: results.append(handler(e, None)))
                for e in ({"step": "MarkResized", "ms": 5.0}, {"step": "PrepResizeAtDest", "ms": 7.0})]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    # A shared metric set has one Step: the second invocation's overwrites the first's, and Powertools says so.
+    overwritten = (contextlib.nullcontext() if isolated else
+                   pytest.warns(UserWarning, match="Dimension 'Step' has already been added"))
+    with overwritten:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
 
     lines = _flushed(capsys.readouterr().out)
     assert sorted(results) == ["MarkResized", "PrepResizeAtDest"]
