@@ -14,8 +14,11 @@ Environment: ``AWS_ENDPOINT_URL`` (the local stack), ``FERRY_HOST_QUEUE_PREFIX``
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import sys
+import threading
+import time
 from pathlib import Path
 
 from ferry import config, errors
@@ -26,6 +29,8 @@ from hostagent.driver import HostCapacity, LibvirtDriver, write_test_node_xml
 DEFAULT_TEST_VCPUS = 8
 DEFAULT_TEST_MEMORY_MB = 16384
 DEFAULT_RESERVED_MEMORY_MB = 512
+# How often an agent started with --parent-pid checks that its parent is still there.
+PARENT_CHECK_SECONDS = 1.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,6 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="offer this host's instances directory to a move's source, which copies the disks straight in "
         "when it sees that storage (otherwise, or with --no-direct-copies, disks travel through S3)",
+    )
+    parser.add_argument(
+        "--parent-pid",
+        type=int,
+        help="stop, as on SIGTERM, once the process with this id is no longer the agent's parent (it exited): "
+        "whoever starts agents for itself alone, as the local stack does, keeps them from outliving it",
     )
     parser.add_argument(
         "--disk-overcommit-ratio",
@@ -142,11 +153,35 @@ def main(argv: list[str] | None = None) -> int:
         direct_copies=args.direct_copies,
     )
     agent.install_signal_handlers()
+    if args.parent_pid is not None:
+        stop_with_parent(agent, args.parent_pid)
     try:
         agent.run()
     finally:
         driver.close()
     return 0
+
+
+def stop_with_parent(agent: HostAgent, parent_pid: int, interval: float = PARENT_CHECK_SECONDS) -> threading.Thread:
+    """Stop ``agent`` as SIGTERM would once ``parent_pid`` is no longer this process's parent.
+
+    A process whose parent exits is handed to another (init, or a subreaper), so its parent id
+    changes; a parent that already exited before the agent started is noticed at once. Returns
+    the watching (daemon) thread, which ends with the agent.
+    """
+
+    def watch() -> None:
+        while not agent.stopping:
+            if os.getppid() != parent_pid:
+                logger.warning("the process that started this agent has exited: stopping",
+                               extra={"host": agent.host, "parent_pid": parent_pid})
+                agent.stop()
+                return
+            time.sleep(interval)
+
+    watcher = threading.Thread(target=watch, name="parent-watch", daemon=True)
+    watcher.start()
+    return watcher
 
 
 if __name__ == "__main__":

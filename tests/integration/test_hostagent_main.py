@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -125,3 +126,90 @@ def test_the_disk_headroom_check_is_on_unless_turned_off():
 
     assert (default.disk_headroom_check, default.disk_overcommit_ratio) == (True, 1.0)
     assert (relaxed.disk_headroom_check, relaxed.disk_overcommit_ratio) == (False, 2.5)
+
+
+class _Stoppable:
+    """What ``stop_with_parent`` needs of an agent."""
+
+    host = "compute9"
+
+    def __init__(self) -> None:
+        self.stopped = threading.Event()
+
+    @property
+    def stopping(self) -> bool:
+        return self.stopped.is_set()
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+
+def test_an_agent_watching_its_parent_stops_only_when_the_parent_is_another():
+    from hostagent.__main__ import stop_with_parent
+
+    kept, orphaned = _Stoppable(), _Stoppable()
+    stop_with_parent(kept, os.getppid(), interval=0.01)
+    watcher = stop_with_parent(orphaned, -1, interval=0.01)  # no process has that id: the parent is gone
+
+    watcher.join(timeout=5)
+    assert orphaned.stopped.is_set()
+    assert not kept.stopped.wait(0.2)
+    kept.stop()
+
+
+# Started by the test, it starts an agent with --parent-pid of itself, then exits when its stdin closes.
+MIDDLE = r"""
+import os, subprocess, sys
+log = open(sys.argv[1], "ab")
+agent = subprocess.Popen([sys.executable, "-m", "hostagent", *sys.argv[2:], "--parent-pid", str(os.getpid())],
+                         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+print(agent.pid, flush=True)
+sys.stdin.read()
+"""
+
+
+def _exited(pid: int) -> bool:
+    """Gone, or a zombie waiting for whoever took it over to reap it."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return state in ("Z", "X")
+
+
+def test_an_agent_started_with_parent_pid_stops_when_that_process_exits(moto_endpoint, tmp_path):
+    """The local stack starts its agents so: killed, it leaves none behind polling for ever."""
+    env = {
+        **os.environ,
+        "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": REGION,
+        "AWS_ENDPOINT_URL": moto_endpoint,
+        "FERRY_STATE_DIR": str(tmp_path),
+        "FERRY_HOST_QUEUE_PREFIX": "ferry-orphan-host-",
+        "FERRY_HOST_REPORTS_QUEUE_URL": "",
+    }  # fmt: skip
+    log = tmp_path / "agent.log"
+    middle = subprocess.Popen(
+        [sys.executable, "-c", MIDDLE, str(log), "--host", "compute8", "--poll-wait-seconds", "1"],
+        cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert middle.stdout is not None and middle.stdin is not None
+    agent_pid = int(middle.stdout.readline())
+    try:
+        deadline = time.monotonic() + 60
+        while b"host agent started" not in (log.read_bytes() if log.exists() else b""):
+            assert time.monotonic() < deadline and not _exited(agent_pid), log.read_text()
+            time.sleep(0.1)
+
+        middle.stdin.close()  # the agent's parent exits, as a killed local stack would
+        assert middle.wait(timeout=30) == 0
+
+        deadline = time.monotonic() + 30
+        while not _exited(agent_pid):
+            assert time.monotonic() < deadline, "the agent outlived its parent: " + log.read_text()
+            time.sleep(0.1)
+        text = log.read_text()
+        assert "the process that started this agent has exited" in text
+        assert "host agent stopped" in text, "it stops as on SIGTERM, not by being killed"
+    finally:
+        if not _exited(agent_pid):
+            os.kill(agent_pid, signal.SIGKILL)

@@ -400,6 +400,7 @@ class LocalStack:
             "--poll-wait-seconds", "1", "--heartbeat-interval", str(self.agent_heartbeat_interval),
             "--keepalive-interval", str(keepalive),
             "--report-interval", str(self.agent_report_interval),
+            "--parent-pid", str(os.getpid()),  # an interrupted stack (or benchmark) leaves no agents behind
         ]  # fmt: skip
         if visibility_timeout is not None:
             command += ["--visibility-timeout", str(visibility_timeout)]
