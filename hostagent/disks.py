@@ -759,7 +759,7 @@ def _settle(running: deque[tuple[int, Future[tuple[bytes, int]]]], digests: list
 
 
 def received_digest(path: str | os.PathLike[str], expected_sha256: str, expected_size: int,
-                    algorithm: str = BLOCK_SHA256) -> BlockDigest:
+                    algorithm: str) -> BlockDigest:
     """The ``algorithm`` block digest object of a disk :func:`copy_to_host` wrote here, from its ``.blocks`` file.
 
     The disk must have the expected size and its block digests must make up ``expected_sha256``

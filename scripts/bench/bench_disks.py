@@ -44,8 +44,11 @@ from typing import Any
 
 from blake3 import blake3
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(ROOT / "layers" / "core" / "python")]
 from machine import print_header  # noqa: E402 - the sibling modules of this script
+
+from ferry.protocol import BLOCK_SHA256, MOVE_DIGEST  # noqa: E402 - the digests' names, from the layer
 
 MiB = 2**20
 GiB = 2**30
@@ -159,8 +162,7 @@ def move(endpoint: str, src: Path, dest: Path, prefix: str) -> dict:
     return {"upload": up, "download": down, "seconds": up["seconds"] + down["seconds"]}
 
 
-MOVE_DIGEST = "blake3-blocks"  # what moves use (ferry.protocol.MOVE_DIGEST)
-EARLIER_DIGEST = "sha256-blocks"  # what they used before (--compare-digest)
+EARLIER_DIGEST = BLOCK_SHA256  # what moves used before (--compare-digest)
 
 
 def direct(endpoint: str, src: Path, dest: Path, algorithm: str = MOVE_DIGEST, synced: bool = True) -> dict:
@@ -213,9 +215,6 @@ def report_move(label: str, moved: dict) -> None:
           f"{rate(down['data_bytes'], down['seconds'])}); data sent {up['data_bytes'] / MiB:.0f} MiB of "
           f"{up['size'] / MiB:.0f} MiB; peak RSS upload {up['max_rss_kib'] / 1024:.0f} MiB, "
           f"download {down['max_rss_kib'] / 1024:.0f} MiB", flush=True)
-
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def pick_directory(requested: Path, needed: int) -> Path:
@@ -288,16 +287,13 @@ def main(argv: list[str] | None = None) -> int:
             report_direct("move", copied)
             runs = ", ".join(f"{c['seconds']:.2f}" for c in copies)
             print(f"    direct runs: {runs} s")
-            if earlier:
-                before = statistics.median(c["seconds"] for c in earlier)
-                earlier_runs = ", ".join(f"{c['seconds']:.2f}" for c in earlier)
-                print(f"    with {EARLIER_DIGEST} digests instead: median {before:.2f} s ({earlier_runs}); "
-                      f"cp / that = {cp_seconds / before:.2f}")
-            if unsynced:
-                loose = statistics.median(c["seconds"] for c in unsynced)
-                loose_runs = ", ".join(f"{c['seconds']:.2f}" for c in unsynced)
-                print(f"    without its fsyncs (not a move: the copy would not be on disk when it ends): median "
-                      f"{loose:.2f} s ({loose_runs}); cp / that = {cp_seconds / loose:.2f}")
+            for label, variant in ((f"with {EARLIER_DIGEST} digests instead", earlier),
+                                   ("without its fsyncs (not a move: the copy would not be on disk when it ends)",
+                                    unsynced)):
+                if variant:
+                    median = statistics.median(c["seconds"] for c in variant)
+                    variant_runs = ", ".join(f"{c['seconds']:.2f}" for c in variant)
+                    print(f"    {label}: median {median:.2f} s ({variant_runs}); cp / that = {cp_seconds / median:.2f}")
             ratio = cp_seconds / copied["seconds"]
             print(f"  direct move speed / cp speed = {ratio:.2f} "
                   f"(target >= 0.90: {'met' if ratio >= 0.9 else 'missed'}); / cp and fsync = "
