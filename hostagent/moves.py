@@ -375,7 +375,7 @@ class MoveOperations:
         incoming = disks.incoming_dir(self.instances_dir, uuid)
         for kind, expected in args["disks"].items():
             dest = live / disks.DISK_FILES[kind]
-            algorithm = expected.get("digest", protocol.BLOCK_SHA256)  # absent: from an agent older than BLAKE3
+            algorithm = protocol.disk_digest(expected)
             if args.get("direct"):
                 # Copied straight into this host by the source: link it into place, digest from its blocks.
                 copied = incoming / disks.DISK_FILES[kind]

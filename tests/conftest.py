@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from moto_credentials import use_moto_credentials
 from sqlalchemy import create_engine, text
 
 from ferry import config
@@ -157,7 +158,4 @@ def pg_store(request, tmp_path, monkeypatch) -> Iterator[Store]:
 @pytest.fixture
 def aws_test_credentials(monkeypatch) -> None:
     """The region and placeholder credentials botocore needs under moto, no endpoint override."""
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    use_moto_credentials(monkeypatch)

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 from moto import mock_aws
+from moto_credentials import use_moto_credentials
 from sqlalchemy import select
 
 from ferry import aws, config, hosts, images, protocol
@@ -156,10 +157,7 @@ def mocked_cloud(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Cl
     moto for S3, SQS and Step Functions, three dummy state machines (they do not run), the
     image ``cirros`` and the flavors ``1`` (m1.small) and ``2`` (m1.medium).
     """
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    use_moto_credentials(monkeypatch)
     with mock_aws():
         aws.reset()
         hosts._queue_urls.clear()

@@ -20,6 +20,7 @@ from typing import Any
 import boto3
 import pytest
 from moto import mock_aws
+from moto_credentials import REGION, use_moto_credentials
 
 from ferry import protocol
 from hostagent import disks
@@ -27,7 +28,6 @@ from hostagent.agent import HostAgent, ensure_host_queue
 from hostagent.driver import RUNNING, SHUTDOWN, LibvirtDriver, write_test_node_xml
 from hostagent.journal import SUCCEEDED
 
-REGION = "us-east-1"
 BUCKET = "ferry-images"
 QUEUE_PREFIX = "ferry-test-host-"
 MiB = 2**20
@@ -204,12 +204,7 @@ def state_machine_definition(queue_url: str) -> str:
 
 @pytest.fixture
 def cloud(monkeypatch) -> Iterator[None]:
-    for name, value in (
-        ("AWS_ACCESS_KEY_ID", "testing"),
-        ("AWS_SECRET_ACCESS_KEY", "testing"),
-        ("AWS_DEFAULT_REGION", REGION),
-    ):
-        monkeypatch.setenv(name, value)
+    use_moto_credentials(monkeypatch)
     with mock_aws(config={"stepfunctions": {"execute_state_machine": True}}):
         yield
 

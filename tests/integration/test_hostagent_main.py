@@ -15,11 +15,11 @@ from pathlib import Path
 import boto3
 import pytest
 from moto.server import ThreadedMotoServer
+from moto_credentials import CREDENTIALS, REGION
 
 from hostagent.journal import Journal
 
 ROOT = Path(__file__).resolve().parents[2]
-REGION = "us-east-1"
 
 
 @pytest.fixture
@@ -39,18 +39,17 @@ def test_help_describes_the_agent():
 
 
 def test_agent_process_reports_runs_operations_and_exits_cleanly_on_sigterm(moto_endpoint, tmp_path):
-    credentials = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": REGION}
     sqs = boto3.client(
         "sqs",
         endpoint_url=moto_endpoint,
         region_name=REGION,
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
+        aws_access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
     )
     reports_url = sqs.create_queue(QueueName="ferry-main-host-reports")["QueueUrl"]
     env = {
         **os.environ,
-        **credentials,
+        **CREDENTIALS,
         "AWS_ENDPOINT_URL": moto_endpoint,
         "FERRY_STATE_DIR": str(tmp_path),
         "FERRY_HOST_QUEUE_PREFIX": "ferry-main-host-",
@@ -181,7 +180,7 @@ def test_an_agent_started_with_parent_pid_stops_when_that_process_exits(moto_end
     """The local stack starts its agents so: killed, it leaves none behind polling for ever."""
     env = {
         **os.environ,
-        "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": REGION,
+        **CREDENTIALS,
         "AWS_ENDPOINT_URL": moto_endpoint,
         "FERRY_STATE_DIR": str(tmp_path),
         "FERRY_HOST_QUEUE_PREFIX": "ferry-orphan-host-",

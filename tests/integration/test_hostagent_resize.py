@@ -24,13 +24,13 @@ import boto3
 import pytest
 from digest_helpers import MOVES, block_digest
 from moto import mock_aws
+from moto_credentials import REGION, use_moto_credentials
 
 from ferry import errors, faults, protocol
 from hostagent import disks
 from hostagent.agent import HostAgent
 from hostagent.driver import NOSTATE, RUNNING, SHUTDOWN, LibvirtDriver, write_test_node_xml
 
-REGION = "us-east-1"
 IMAGES = "ferry-images"
 TRANSFERS = "ferry-transfers"
 MiB = 2**20
@@ -172,12 +172,7 @@ class Cloud:
 
 @pytest.fixture
 def cloud(monkeypatch, tmp_path) -> Iterator[Cloud]:
-    for name, value in (
-        ("AWS_ACCESS_KEY_ID", "testing"),
-        ("AWS_SECRET_ACCESS_KEY", "testing"),
-        ("AWS_DEFAULT_REGION", REGION),
-    ):
-        monkeypatch.setenv(name, value)
+    use_moto_credentials(monkeypatch)
     monkeypatch.delenv(faults.ENV_VAR, raising=False)
     with mock_aws():
         s3 = boto3.client("s3", region_name=REGION)

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 from moto import mock_aws
+from moto_credentials import use_moto_credentials
 from sqlalchemy import select, update
 
 from ferry import aws, config, hosts, notifications, placement, protocol, workflows
@@ -81,10 +82,7 @@ class Tap:
 @contextmanager
 def mocked_aws(monkeypatch: pytest.MonkeyPatch) -> Iterator[Tap]:
     """moto for SQS (three host queues), S3 (the image bucket) and the notification bus; hosts reporting."""
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    use_moto_credentials(monkeypatch)
     monkeypatch.setenv("FERRY_NOTIFICATION_BUS", BUS)
     config.reset()
     with mock_aws():

@@ -180,3 +180,9 @@ def test_result_schemas_describe_the_extra_keys():
         protocol.validate(base, protocol.RESULT_SCHEMAS["resize_instance"])
     with pytest.raises(validation.SchemaMismatch):
         protocol.validate({**base, "claimed": False}, protocol.RESULT_SCHEMAS["prep_resize"])
+
+
+def test_a_disk_entry_names_its_digest_and_one_without_is_sha256_blocks():
+    assert protocol.disk_digest({**DISKS["root"], "digest": protocol.BLOCK_BLAKE3}) == protocol.BLOCK_BLAKE3
+    assert protocol.disk_digest(DISKS["root"]) == protocol.BLOCK_SHA256
+    assert protocol.MOVE_DIGEST != protocol.BLOCK_SHA256  # senders name theirs; the fallback is the older one

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from moto import mock_aws
+from moto_credentials import use_moto_credentials
 
 from ferry import aws, config, notifications
 from ferry.observability import metrics
@@ -131,10 +132,7 @@ def test_a_missing_bus_is_logged_and_counted_but_never_raised(bus, monkeypatch):
 
 
 def test_an_unreachable_endpoint_is_counted_but_never_raised(monkeypatch):
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    use_moto_credentials(monkeypatch, endpoint="http://127.0.0.1:9")
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
     aws.reset()
     metrics.clear_metrics()

@@ -28,6 +28,12 @@ KEY_PREFIX = "drain-webhook-delivery#"
 # IdempotencyTable's partition key and time-to-live attribute (template.yaml).
 KEY_ATTRIBUTE = "id"
 EXPIRY_ATTRIBUTE = "expiration"
+# The record's own attributes: its state, when an unfinished claim lapses, the request's digest
+# and the stored answer.
+STATUS_ATTRIBUTE = "status"
+CLAIM_ATTRIBUTE = "claim_expiration"
+DIGEST_ATTRIBUTE = "request_digest"
+ANSWER_ATTRIBUTE = "answer"
 # A delivery's answer is kept this long: a sender retrying within it gets the first answer.
 ANSWER_SECONDS = 24 * 60 * 60
 # How long a claim holds when the invocation's own deadline is unknown (Lambda's longest timeout).
@@ -64,14 +70,15 @@ def answer_once(table: str, delivery: str, request: Mapping[str, Any],
     try:
         client.put_item(
             TableName=table,
-            Item={**key, EXPIRY_ATTRIBUTE: {"N": str(int(now) + ANSWER_SECONDS)}, "status": {"S": IN_PROGRESS},
-                  "claim_expiration": {"N": str(int(now + _claim_seconds(context)))},
-                  "request_digest": {"S": digest}},
+            Item={**key, EXPIRY_ATTRIBUTE: {"N": str(int(now) + ANSWER_SECONDS)},
+                  STATUS_ATTRIBUTE: {"S": IN_PROGRESS},
+                  CLAIM_ATTRIBUTE: {"N": str(int(now + _claim_seconds(context)))},
+                  DIGEST_ATTRIBUTE: {"S": digest}},
             # DynamoDB deletes expired items late: an expired record counts as gone.
             ConditionExpression="attribute_not_exists(#key) OR #expiry < :now "
                                 "OR (#status = :in_progress AND #claim < :now)",
-            ExpressionAttributeNames={"#key": KEY_ATTRIBUTE, "#expiry": EXPIRY_ATTRIBUTE, "#status": "status",
-                                      "#claim": "claim_expiration"},
+            ExpressionAttributeNames={"#key": KEY_ATTRIBUTE, "#expiry": EXPIRY_ATTRIBUTE,
+                                      "#status": STATUS_ATTRIBUTE, "#claim": CLAIM_ATTRIBUTE},
             ExpressionAttributeValues={":now": {"N": str(int(now))}, ":in_progress": {"S": IN_PROGRESS}},
             ReturnValuesOnConditionCheckFailure="ALL_OLD",
         )
@@ -88,8 +95,8 @@ def answer_once(table: str, delivery: str, request: Mapping[str, Any],
         client.update_item(
             TableName=table, Key=key,
             UpdateExpression="SET #status = :completed, #answer = :answer, #expiry = :expiry REMOVE #claim",
-            ExpressionAttributeNames={"#status": "status", "#answer": "answer", "#expiry": EXPIRY_ATTRIBUTE,
-                                      "#claim": "claim_expiration"},
+            ExpressionAttributeNames={"#status": STATUS_ATTRIBUTE, "#answer": ANSWER_ATTRIBUTE,
+                                      "#expiry": EXPIRY_ATTRIBUTE, "#claim": CLAIM_ATTRIBUTE},
             ExpressionAttributeValues={":completed": {"S": COMPLETED}, ":answer": {"S": json.dumps(document)},
                                        ":expiry": {"N": str(int(time.time()) + ANSWER_SECONDS)}},
         )
@@ -111,16 +118,16 @@ def _withdraw(client: Any, table: str, key: Mapping[str, Any], delivery: str) ->
 
 def _earlier_answer(delivery: str, digest: str, record: Mapping[str, Any]) -> Answer:
     """The stored answer of a record that kept this delivery's put out, or why there is none."""
-    if record.get("request_digest", {}).get("S") != digest:
+    if record.get(DIGEST_ATTRIBUTE, {}).get("S") != digest:
         raise errors.WebhookDeliveryConflict(
             f"Delivery {delivery!r} was already used for a different drain request; "
             f"a new request needs a new delivery id."
         )
-    if record.get("status", {}).get("S") != COMPLETED or "answer" not in record:
+    if record.get(STATUS_ATTRIBUTE, {}).get("S") != COMPLETED or ANSWER_ATTRIBUTE not in record:
         raise errors.WebhookDeliveryConflict(
             f"Delivery {delivery!r} is being answered right now; send it again later to get its answer."
         )
-    return Answer(json.loads(record["answer"]["S"]), repeated=True)
+    return Answer(json.loads(record[ANSWER_ATTRIBUTE]["S"]), repeated=True)
 
 
 def _digest(request: Mapping[str, Any]) -> str:

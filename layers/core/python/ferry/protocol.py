@@ -427,6 +427,11 @@ def validate(document: dict[str, Any], schema: dict[str, Any]) -> None:
     validation.check(document, schema)
 
 
+def disk_digest(entry: dict[str, Any]) -> str:
+    """How a ``disks`` entry's digest was computed: its ``digest``, or BLOCK_SHA256 when it names none."""
+    return str(entry.get("digest", BLOCK_SHA256))
+
+
 def host_queue_name(prefix: str, host: str) -> str:
     """The SQS queue name of a host's agent (``<prefix><host>``)."""
     return f"{prefix}{host}"
