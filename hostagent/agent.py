@@ -215,7 +215,8 @@ class HostAgent(MoveOperations):
         visibility_timeout: how long a received message stays invisible, renewed while it runs.
         max_workers: operations run at once (operations on one instance never overlap).
         power_off_timeout: default seconds a guest gets to shut down before it is forced off.
-        use_image_cache: keep downloaded images under ``<instances_dir>/_base`` for later spawns.
+        use_image_cache: keep downloaded images under ``<instances_dir>/_base`` for later spawns (never
+            an image the spawn marks ``cache: false``, such as a cross-cell move's snapshot).
         journal_retention: how long finished operations stay in the journal.
         disk_headroom_check: the resize claim (``prep_resize``) refuses a flavor whose disks, fully
             written, do not fit the free space of the instances filesystem.
@@ -811,7 +812,8 @@ class HostAgent(MoveOperations):
 
     def _prepare_disks(self, instance_uuid: str, args: dict[str, Any], created_volumes: list[Path]) -> list[DiskSpec]:
         flavor, image, volumes = args["flavor"], args["image"], args["volumes"]
-        cache = self.instances_dir / disks.IMAGE_CACHE_DIR if self.use_image_cache else None
+        cacheable = self.use_image_cache and image is not None and image.get("cache", True)
+        cache = self.instances_dir / disks.IMAGE_CACHE_DIR if cacheable else None
         result: list[DiskSpec] = []
         try:
             disks.instance_dir(self.instances_dir, instance_uuid).mkdir(parents=True, exist_ok=True)

@@ -110,6 +110,24 @@ def test_the_destination_spawns_from_the_snapshot_with_the_new_flavor(cloud, sou
     assert logical_sha256(root, snap["size"]) == server.root_sha256
 
 
+def test_a_spawn_from_the_move_s_snapshot_keeps_no_copy_in_the_image_cache(cloud, source, dest):
+    """The snapshot is deleted once the move settles: a cached copy would outlive it for ever."""
+    server = boot(source)
+    image_id = str(uuid.uuid4())
+    snap = source.ok(OP, server.uuid, snapshot_args(str(uuid.uuid4()), image_id))["snapshot"]
+    image = {"id": image_id, "bucket": IMAGES, "key": f"images/{image_id}", "sha256": snap["sha256"]}
+    spawn = {"name": "web-1", "flavor": NEW, "ports": PORTS, "volumes": [], "power_on": False}
+    cache = dest.instances_dir / disks.IMAGE_CACHE_DIR
+
+    dest.ok("spawn", server.uuid, {**spawn, "image": {**image, "cache": False}})
+
+    assert logical_sha256(dest.live(server.uuid) / disks.ROOT_DISK, snap["size"]) == server.root_sha256
+    assert not cache.exists() or not any(cache.iterdir())
+    # The same image, not marked: an ordinary image is cached for later spawns.
+    dest.ok("spawn", str(uuid.uuid4()), {**spawn, "image": image})
+    assert [p.name for p in cache.iterdir()] == [snap["sha256"]]
+
+
 def test_the_source_guest_is_restored_from_the_kept_disks_after_a_snapshot_prep(source):
     server = boot(source)
     migration_uuid = str(uuid.uuid4())

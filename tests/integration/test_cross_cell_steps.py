@@ -187,6 +187,7 @@ def test_an_image_backed_server_is_snapshotted_and_spawned_from_the_snapshot(two
     snap = doc["snapshot_prep"]["args"]["snapshot"]
     assert snap["name"] == "vm1-resize-temp"
     assert doc["spawn"]["args"]["image"]["id"] == snap["image_id"]
+    assert doc["spawn"]["args"]["image"]["cache"] is False  # the destination keeps no copy of it
     assert images_left() == [snap["key"]]
     cross_cell.complete_move(doc)
     assert images_left() == []

@@ -120,6 +120,9 @@ SPAWN_ARGS_SCHEMA: dict[str, Any] = {
                 "bucket": {"type": "string"},
                 "key": {"type": "string"},
                 "sha256": {"type": "string"},
+                # False for an image that is deleted once the spawn is done (a cross-cell move's
+                # snapshot): the host then writes it into the instance only, never into its image cache.
+                "cache": {"type": "boolean"},
             },
         },
         "ports": PORTS_SCHEMA,

@@ -303,7 +303,8 @@ def finish_resize_at_dest(event: dict[str, Any]) -> dict[str, Any]:
     image = None
     if snap:
         image = {"id": snap["image_id"], "bucket": config.get().image_bucket,
-                 "key": f"{images.PREFIX}{snap['image_id']}", "sha256": snap["sha256"]}
+                 "key": f"{images.PREFIX}{snap['image_id']}", "sha256": snap["sha256"],
+                 "cache": False}  # deleted once the move settles: no host keeps a copy
     resize._publish(*pending)
     return {"args": {"name": name, "flavor": resize.host_flavor(flavor), "image": image, "ports": ports,
                      "volumes": resize._volumes_on(dest["host"], uuid, cell), "power_on": power_on}}
