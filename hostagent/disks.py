@@ -353,12 +353,11 @@ def block_digest_class(algorithm: str) -> type[BlockDigest]:
             f"Unknown disk digest {algorithm!r}: this agent checks {', '.join(sorted(BLOCK_DIGESTS))}.") from None
 
 
-def data_segments(fd: int, size: int) -> Iterator[tuple[int, int]]:
-    """The ``(start, end)`` byte ranges of an open file that hold data, skipping holes.
+def data_segments(fd: int, size: int, offset: int = 0) -> Iterator[tuple[int, int]]:
+    """The ``(start, end)`` byte ranges of an open file from ``offset`` on that hold data, skipping holes.
 
-    On a filesystem without SEEK_DATA/SEEK_HOLE the whole file is one data range.
+    On a filesystem without SEEK_DATA/SEEK_HOLE the whole rest of the file is one data range.
     """
-    offset = 0
     while offset < size:
         try:
             start = os.lseek(fd, offset, os.SEEK_DATA)
@@ -763,7 +762,9 @@ def received_digest(path: str | os.PathLike[str], expected_sha256: str, expected
     """The ``algorithm`` block digest object of a disk :func:`copy_to_host` wrote here, from its ``.blocks`` file.
 
     The disk must have the expected size and its block digests must make up ``expected_sha256``
-    (what the sender reported); the disk itself is not read again.
+    (what the sender reported); the disk itself is not read again. A disk that is larger only by
+    a hole is the same copy, grown in place by a finish that was interrupted before its guest was
+    defined (the instance's disk is a link to it); its first ``expected_size`` bytes are checked.
 
     Raises:
         DiskCopyFailed: the disk or its block digests are missing or do not match, or ``algorithm``
@@ -777,18 +778,20 @@ def received_digest(path: str | os.PathLike[str], expected_sha256: str, expected
         digests = blocks_path.read_bytes()
     except OSError as exc:
         raise errors.DiskCopyFailed(f"The disk copied to {disk} is incomplete: {exc}") from exc
-    count = -(-size // DIGEST_BLOCK_SIZE)
-    if size != expected_size or len(digests) != 32 * count:
+    count = -(-expected_size // DIGEST_BLOCK_SIZE)
+    if size < expected_size or len(digests) != 32 * count or (size > expected_size
+                                                              and _holds_data(disk, expected_size, size)):
         raise errors.DiskCopyFailed(
             f"The disk copied to {disk} is {size} bytes with {len(digests) // 32} block digests; expected "
             f"{expected_size} bytes.")
+    size = expected_size
     hasher = digest_class()
     whole = size // DIGEST_BLOCK_SIZE
     hasher.add_block_digests(digests[:32 * whole])
     if size % DIGEST_BLOCK_SIZE:  # the last, shorter block: read again to carry on from inside it
         with open(disk, "rb") as f:
             f.seek(whole * DIGEST_BLOCK_SIZE)
-            last = f.read()
+            last = f.read(size - whole * DIGEST_BLOCK_SIZE)
         if digest_class.block(last) != digests[32 * whole:]:
             raise errors.DiskCopyFailed(f"The last block of the disk copied to {disk} does not match its digest.")
         hasher.update(last)
@@ -796,6 +799,20 @@ def received_digest(path: str | os.PathLike[str], expected_sha256: str, expected
         raise errors.DiskCopyFailed(
             f"The disk copied to {disk} has block digest {hasher.hexdigest()}, expected {expected_sha256}.")
     return hasher
+
+
+def _holds_data(path: Path, start: int, end: int) -> bool:
+    """Whether the file holds anything but zeros between ``start`` and ``end``.
+
+    Up to the next MiB the bytes are read (the filesystem block that holds ``start`` is data);
+    beyond it there must be only a hole.
+    """
+    aligned = min(-(-start // MiB) * MiB, end)
+    with open(path, "rb") as f:
+        f.seek(start)
+        if f.read(aligned - start).strip(b"\0"):
+            return True
+        return next(data_segments(f.fileno(), end, aligned), None) is not None
 
 
 # --- transfers between hosts ---------------------------------------------------------------------

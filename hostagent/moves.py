@@ -336,8 +336,7 @@ class MoveOperations:
                 self.driver.power_on(uuid)
             record = _record_of(live, args["migration_uuid"])
             done = record["disks"] if record is not None else self._disk_checksums(uuid, live)
-            if not args["same_host"]:
-                self._delete_transfer(op, args["transfer"], fail=False)
+            self._drop_what_was_sent(op)
             return {**self._result(uuid, self.driver.guest_power_state(uuid)), "disks": done}
         if args["same_host"] and not kept.exists():
             # Without the kept directory the live one may be the instance's only copy: never remove it.
@@ -349,8 +348,6 @@ class MoveOperations:
             disks.remove_dir(live)  # what an interrupted attempt left
             live.mkdir(parents=True)
             received = self._receive_disks(op, live, kept)
-            if args.get("direct"):
-                disks.remove_dir(disks.incoming_dir(self.instances_dir, uuid))  # linked into place
             local = self._prepare_local_disks(uuid, live, args["flavor"])
             checksums = self._disk_checksums(uuid, live, received)
             _write_record(live, {"migration_uuid": args["migration_uuid"], "disks": checksums})
@@ -361,9 +358,19 @@ class MoveOperations:
         except Exception:
             self._forget_here(op, live)
             raise
-        if not args["same_host"]:
-            self._delete_transfer(op, args["transfer"], fail=False)
+        self._drop_what_was_sent(op)
         return result
+
+    def _drop_what_was_sent(self, op: Operation) -> None:
+        """Once the guest is defined on its disks: remove the direct copy (linked into place) and the transfer.
+
+        Not before: until the guest exists, a run again receives the disks anew from these.
+        """
+        if op.args["same_host"]:
+            return
+        if op.args.get("direct"):
+            disks.remove_dir(disks.incoming_dir(self.instances_dir, op.instance_uuid))
+        self._delete_transfer(op, op.args["transfer"], fail=False)
 
     def _receive_disks(self, op: Operation, live: Path, kept: Path) -> dict[str, tuple[Any, int]]:
         """Copy or fetch each disk of the ``disks`` argument into ``live``, verified.

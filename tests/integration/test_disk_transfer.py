@@ -394,6 +394,22 @@ def test_a_direct_copy_by_sha256_blocks_is_received_as_such_and_not_as_blake3(tm
         disks.received_digest(dst, copied.sha256, copied.size, "md5-blocks")
 
 
+def test_a_direct_copy_grown_by_a_hole_is_still_received_and_one_grown_with_data_is_not(tmp_path):
+    """A finish interrupted after growing the disk (linked into the instance) receives the same copy again."""
+    src, dst = tmp_path / "src", tmp_path / "dest" / "disk"
+    content = _sparse_file(src, 9 * MiB + 3, {MiB: os.urandom(2 * MiB), 9 * MiB: b"end"})
+    copied = disks.copy_to_host(src, dst)
+
+    os.truncate(dst, 16 * MiB)
+
+    assert disks.received_digest(dst, copied.sha256, copied.size, MOVES).hexdigest() == block_digest_of(content, MOVES)
+    with open(dst, "r+b") as f:
+        f.seek(12 * MiB)
+        f.write(b"not a hole")
+    with pytest.raises(errors.DiskCopyFailed, match="16777216 bytes"):
+        disks.received_digest(dst, copied.sha256, copied.size, MOVES)
+
+
 def test_a_direct_copy_that_the_kernel_fails_for_another_reason_fails_and_leaves_nothing(tmp_path, monkeypatch):
     src, dst = tmp_path / "src", tmp_path / "dest" / "disk"
     dst.parent.mkdir()

@@ -941,6 +941,33 @@ def test_a_finish_interrupted_before_the_guest_was_defined_runs_again_from_the_t
     assert logical_sha256(live / disks.ROOT_DISK, disks.GiB) == server.root_sha256
 
 
+class Killed(BaseException):
+    """The agent process dying mid-operation: no ``except Exception`` cleanup runs."""
+
+
+def test_a_direct_finish_killed_before_the_guest_was_defined_runs_again_from_the_direct_copy(
+    source, dest, monkeypatch
+):
+    server = boot(source)
+    migration_uuid, _claim, resized = direct_resize(source, dest, server)
+    args = {**finish_args(migration_uuid, server, resized), "direct": True}
+
+    def die(spec):
+        raise Killed
+
+    with monkeypatch.context() as patch:
+        patch.setattr(dest.driver, "define_guest", die)
+        with pytest.raises(Killed):
+            dest.call("finish_resize", server.uuid, args)
+    assert not dest.driver.guest_exists(server.uuid)
+
+    finished = dest.ok("finish_resize", server.uuid, args)
+
+    assert finished["power_state"] == RUNNING
+    assert logical_sha256(dest.live(server.uuid) / disks.ROOT_DISK, disks.GiB) == server.root_sha256
+    assert dest.instance_dirs() == [server.uuid], "the direct copy goes once the guest is defined on it"
+
+
 def test_a_kept_directory_left_by_an_earlier_move_does_not_block_a_new_one(source, dest):
     server = boot(source)
     stale = source.kept(server.uuid)
