@@ -1090,7 +1090,9 @@ def download_disk(
 
 
 def delete_transfer(s3_client: Any, bucket: str, prefix: str) -> int:
-    """Delete every object under ``<prefix>/``; return how many. Nothing there is fine.
+    """Delete every object under ``<prefix>/`` and abort its unfinished uploads; return how many objects.
+
+    Nothing there is fine.
 
     Raises:
         ClientError, BotoCoreError: S3 failed.
@@ -1103,6 +1105,7 @@ def delete_transfer(s3_client: Any, bucket: str, prefix: str) -> int:
         if keys:
             s3_client.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
             deleted += len(keys)
+    aws.abort_uploads(s3_client, bucket, folder)
     return deleted
 
 

@@ -550,7 +550,7 @@ def test_an_image_named_like_a_snapshot_that_no_move_made_is_reported_not_delete
 
 def test_disk_transfer_objects_of_a_finished_move_are_found_and_deleted(cloud):
     s3, bucket = aws.client("s3"), config.get().image_bucket
-    prefix = f"{audit.TRANSFER_PREFIX}{cloud.resized.migration_uuid}"
+    prefix = f"{images.TRANSFER_PREFIX}{cloud.resized.migration_uuid}"
     for kind in ("root", "root.manifest.json"):
         s3.put_object(Bucket=bucket, Key=f"{prefix}/{kind}", Body=b"x")
 
@@ -560,7 +560,7 @@ def test_disk_transfer_objects_of_a_finished_move_are_found_and_deleted(cloud):
     assert problem.resource == f"s3://{bucket}/{prefix}/" and problem.fixable
     assert report.kinds() == [audit.TRANSFER_ORPHAN]
     assert_fixed(audit.TRANSFER_ORPHAN)
-    assert s3.list_objects_v2(Bucket=bucket, Prefix=audit.TRANSFER_PREFIX).get("KeyCount") == 0
+    assert s3.list_objects_v2(Bucket=bucket, Prefix=images.TRANSFER_PREFIX).get("KeyCount") == 0
 
 
 # --- migrations -----------------------------------------------------------------------------------

@@ -241,6 +241,18 @@ def test_deleting_a_transfer_removes_only_its_prefix(s3, tmp_path):
     assert sorted(left) == [f"{PREFIX}0/root", f"{PREFIX}0/root.manifest.json"]
 
 
+def test_deleting_a_transfer_aborts_the_upload_a_killed_sender_left_open(s3):
+    """Open uploads never show among the objects, yet S3 keeps their parts until they are aborted."""
+    for key in (f"{PREFIX}/root", f"{PREFIX}0/root"):
+        upload = s3.create_multipart_upload(Bucket=BUCKET, Key=key)
+        s3.upload_part(Bucket=BUCKET, Key=key, UploadId=upload["UploadId"], PartNumber=1, Body=b"x" * 5 * MiB)
+
+    assert disks.delete_transfer(s3, BUCKET, PREFIX) == 0
+
+    left = s3.list_multipart_uploads(Bucket=BUCKET).get("Uploads", [])
+    assert [u["Key"] for u in left] == [f"{PREFIX}0/root"]
+
+
 def test_sparse_sha256_reads_like_the_whole_file(tmp_path):
     path = tmp_path / "disk"
     content = _sparse_file(path, 40 * MiB, {3 * MiB: os.urandom(12345), 39 * MiB: os.urandom(MiB)})

@@ -116,3 +116,13 @@ def test_deleting_a_snapshot_whose_image_was_never_written_removes_its_extents(c
     assert images.delete_image(image_id) is False  # no image, but its data goes
     listed = s3.list_objects_v2(Bucket=bucket, Prefix=images.data_prefix(image_id))
     assert listed.get("KeyCount", 0) == 0
+
+
+def test_deleting_a_snapshot_aborts_the_uploads_a_killed_agent_left_open(cloud):
+    s3, bucket, image_id = aws.client("s3"), config.get().image_bucket, "5d1f0a2b-7c3e-4f5a-8b9c-0d1e2f3a4b5c"
+    for key in (f"{images.data_prefix(image_id)}/disk", f"images/{image_id}", "images/another"):
+        s3.create_multipart_upload(Bucket=bucket, Key=key)
+
+    images.delete_image(image_id)
+
+    assert [u["Key"] for u in s3.list_multipart_uploads(Bucket=bucket).get("Uploads", [])] == ["images/another"]

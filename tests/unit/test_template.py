@@ -14,8 +14,8 @@ from pathlib import Path
 import cfnlint.api
 import pytest
 
-from ferry import config
-from ferry.local.template import resolve
+from ferry import config, images
+from ferry.local.template import load_template, resolve
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE_PATH = ROOT / "template.yaml"
@@ -121,3 +121,16 @@ def test_every_resource_setting_the_code_reads_is_set_by_the_template():
 
 def test_every_setting_the_template_sets_is_read_by_the_code():
     assert _settings_set_by_template() - _settings_read_by_config() == set()
+
+
+@pytest.mark.parametrize("logical_id", ["DrainWebhookFunction", "PlanDrainFunction", "FinishDrainFunction"])
+def test_functions_that_sign_or_check_drain_callbacks_get_the_webhook_secret(logical_id):
+    """The webhook checks signed requests; PlanDrain (drain.start) and FinishDrain (drain.end) sign callbacks."""
+    assert "FERRY_WEBHOOK_SECRET" in TEMPLATE.functions[logical_id].environment
+
+
+def test_the_image_bucket_expires_transfers_where_the_code_writes_them_and_aborts_open_uploads():
+    rules = load_template(TEMPLATE_PATH)["Resources"]["ImageBucket"]["Properties"]["LifecycleConfiguration"]["Rules"]
+
+    assert any(r.get("Prefix") == images.TRANSFER_PREFIX and r.get("ExpirationInDays") for r in rules)
+    assert any("AbortIncompleteMultipartUpload" in r and not r.get("Prefix") for r in rules)

@@ -112,7 +112,6 @@ OPEN = IN_FLIGHT + (migration_states.FINISHED,)
 # vm_states of a server that has a guest and an allocation on its host.
 SETTLED_VM_STATES = (states.ACTIVE, states.STOPPED, states.RESIZED, states.SUSPENDED, states.PAUSED)
 
-TRANSFER_PREFIX = "transfers/"
 SNAPSHOT_SUFFIX = "-resize-temp"
 
 DEFAULT_GRACE_SECONDS = 120.0
@@ -667,9 +666,9 @@ def _check_storage(world: _World, skipped: list[str]) -> Iterable[Problem]:
         listed = images.list_images()
         transfers: dict[str, list[dict[str, Any]]] = defaultdict(list)
         paginator = aws.client("s3").get_paginator("list_objects_v2")
-        for page in paginator.paginate(Bucket=bucket, Prefix=TRANSFER_PREFIX):
+        for page in paginator.paginate(Bucket=bucket, Prefix=images.TRANSFER_PREFIX):
             for item in page.get("Contents", []):
-                parts = item["Key"][len(TRANSFER_PREFIX):].split("/", 1)
+                parts = item["Key"][len(images.TRANSFER_PREFIX):].split("/", 1)
                 transfers[parts[0]].append(item)
     except (ClientError, BotoCoreError) as exc:
         skipped.append(f"image bucket {bucket}: listing failed ({exc}); snapshots and transfers were not checked")
@@ -697,7 +696,7 @@ def _check_storage(world: _World, skipped: list[str]) -> Iterable[Problem]:
         if world.recent(newest.astimezone(dt.UTC).replace(tzinfo=None) if newest.tzinfo else newest):
             continue
         state = f"is {migration.status}" if migration is not None else "does not exist"
-        yield Problem(TRANSFER_ORPHAN, f"s3://{bucket}/{TRANSFER_PREFIX}{migration_uuid}/",
+        yield Problem(TRANSFER_ORPHAN, f"s3://{bucket}/{images.TRANSFER_PREFIX}{migration_uuid}/",
                       f"{len(objects)} disk transfer object(s) of migration {migration_uuid} remain; the migration "
                       f"{state}.", _repair_transfer(bucket, [o["Key"] for o in objects]))
 

@@ -61,6 +61,21 @@ def upload_fileobj(s3_client: Any, fileobj: Readable, bucket: str, key: str, **k
     managed_upload(s3_client, fileobj, bucket, key, **kwargs)
 
 
+def abort_uploads(s3_client: Any, bucket: str, prefix: str) -> int:
+    """Abort the multipart uploads under ``prefix`` that never completed; return how many.
+
+    An uploader killed mid-way leaves its upload open, and S3 keeps (and bills) its parts until
+    it is aborted; listing objects never shows them. The bucket's lifecycle rule aborts what is
+    missed here.
+    """
+    aborted = 0
+    for page in s3_client.get_paginator("list_multipart_uploads").paginate(Bucket=bucket, Prefix=prefix):
+        for upload in page.get("Uploads", []):
+            s3_client.abort_multipart_upload(Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+            aborted += 1
+    return aborted
+
+
 def reset() -> None:
     """Forget cached clients and their session (after the endpoint or credentials changed)."""
     global _session

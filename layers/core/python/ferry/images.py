@@ -29,6 +29,9 @@ from ferry.observability import logger
 
 PREFIX = "images/"
 DATA_PREFIX = "image-data/"
+# Where a move's disks wait between two hosts, one folder per migration (the bucket's lifecycle
+# rule in template.yaml expires what a failed move left here).
+TRANSFER_PREFIX = "transfers/"
 EXTENTS_LAYOUT = "extents"
 # The largest object S3 copies in one request (larger ones take a multipart copy).
 SINGLE_COPY_LIMIT = 5 * 2**30
@@ -67,6 +70,11 @@ def _bucket() -> str:
 
 def _key(image_id: str) -> str:
     return f"{PREFIX}{image_id}"
+
+
+def transfer_location(migration_uuid: str) -> dict[str, str]:
+    """Where a move's disks wait between the hosts (the destination deletes them once it has them)."""
+    return {"bucket": _bucket(), "prefix": f"{TRANSFER_PREFIX}{migration_uuid}"}
 
 
 def data_prefix(image_id: str) -> str:
@@ -221,6 +229,9 @@ def delete_image(image_id: str) -> bool:
     for page in s3.get_paginator("list_objects_v2").paginate(Bucket=_bucket(), Prefix=data_prefix(image_id) + "/"):
         for item in page.get("Contents", []):
             s3.delete_object(Bucket=_bucket(), Key=item["Key"])
+    # And what a killed upload left unfinished, of the extents or of the image itself.
+    aws.abort_uploads(s3, _bucket(), data_prefix(image_id) + "/")
+    aws.abort_uploads(s3, _bucket(), _key(image_id))
     if found:
         logger.info("image deleted", extra={"image_id": image_id})
     return found

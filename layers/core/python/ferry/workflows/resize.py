@@ -45,7 +45,7 @@ from typing import Any, cast
 from sqlalchemy import CursorResult, select, update
 from sqlalchemy.orm import Session
 
-from ferry import config, errors, hosts, network, notifications, placement, scheduler, validation, volumes
+from ferry import config, errors, hosts, images, network, notifications, placement, scheduler, validation, volumes
 from ferry.compute import actions, instances, states
 from ferry.compute.migration_states import (
     CONFIRMED,
@@ -258,7 +258,7 @@ def validate_input(event: dict[str, Any]) -> dict[str, Any]:
     document["move"] = {
         "migration_type": migration_type,
         "source": source,
-        "transfer": {"bucket": config.get().image_bucket, "prefix": f"transfers/{migration_uuid}"},
+        "transfer": images.transfer_location(migration_uuid),
         "restore_args": {"migration_uuid": migration_uuid, "name": name, "flavor": host_flavor(old_flavor),
                          "ports": ports, "volumes": _volumes_on(source["host"], uuid, cell),
                          "power_on": power_on},

@@ -27,7 +27,7 @@ from typing import Any
 
 from sqlalchemy import select
 
-from ferry import config, errors, network, notifications, placement, volumes
+from ferry import errors, images, network, notifications, placement, volumes
 from ferry.compute import actions, instances, migration_states, states
 from ferry.observability import logger
 from ferry.store.api_models import VolumeAttachment
@@ -50,11 +50,6 @@ INPUT_SCHEMA: dict[str, Any] = json.loads(
     Path(__file__).with_name("revert_resize.input.schema.json").read_text())
 
 _FLAVOR_KEYS = ("flavorid", "name", "vcpus", "memory_mb", "root_gb", "ephemeral_gb", "swap")
-
-
-def transfer_location(migration_uuid: str) -> dict[str, str]:
-    """Where the move's disks waited between the hosts (the destination deletes what is left)."""
-    return {"bucket": config.get().image_bucket, "prefix": f"transfers/{migration_uuid}"}
 
 
 def check_resize_to_revert(event: dict[str, Any]) -> dict[str, Any]:
@@ -98,7 +93,7 @@ def check_resize_to_revert(event: dict[str, Any]) -> dict[str, Any]:
                             host=None if cells else dest)
         payload = notifications.instance_payload(instance, migration_uuid=migration_uuid)
         move = {"source": host_ref(source, migration.source_node), "dest": host_ref(dest, migration.dest_node),
-                "same_host": source == dest, "transfer": transfer_location(migration_uuid)}
+                "same_host": source == dest, "transfer": images.transfer_location(migration_uuid)}
         if cells:
             move["cross_cell"] = cells
     publisher = notifications.conductor_publisher() if cells else notifications.compute_publisher(dest)
