@@ -150,14 +150,17 @@ def remove_partial_files(instances_dir: str | os.PathLike[str]) -> list[Path]:
 
     Disks are written to ``.<name>.<random>.part`` beside their destination and renamed once
     complete; a process killed mid-way leaves the temporary file behind, which nothing else
-    would ever remove. Call it only while no operation writes (when the agent starts).
+    would ever remove. Call it only while no operation of this host writes (when the agent
+    starts). Incoming directories are left alone: another host's agent writes there (a direct
+    copy may be running), and the whole directory goes with the move's finish or revert.
     Returns the files deleted.
     """
     removed: list[Path] = []
     root = Path(instances_dir)
     if not root.is_dir():
         return removed
-    for directory in (d for d in root.iterdir() if d.is_dir() and not d.is_symlink()):
+    for directory in (d for d in root.iterdir()
+                      if d.is_dir() and not d.is_symlink() and not d.name.endswith(INCOMING_SUFFIX)):
         for leftover in directory.glob(".*.part"):
             if leftover.is_file():
                 leftover.unlink(missing_ok=True)

@@ -466,3 +466,15 @@ def test_a_host_marker_is_made_once_and_read_only_for_its_host(tmp_path):
     assert not disks.reaches(tmp_path, "compute2", token)
     assert not disks.reaches(tmp_path, "compute1", "another")
     assert not disks.reaches(tmp_path / "elsewhere", "compute1", token)
+
+
+def test_an_agent_starting_removes_its_own_partial_writes_but_not_a_copy_another_host_is_sending(tmp_path):
+    own = [tmp_path / "a1" / ".disk.x1.part", tmp_path / disks.IMAGE_CACHE_DIR / ".ab12.x2.part"]
+    sending = disks.incoming_dir(tmp_path, "a2") / ".disk.x3.part"
+    kept = tmp_path / "a1" / "disk"
+    for path in [*own, sending, kept]:
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(b"x")
+
+    assert sorted(disks.remove_partial_files(tmp_path)) == sorted(own)
+    assert sending.exists() and kept.exists()
