@@ -15,7 +15,10 @@ Step Functions whether the workflow still waits (a task heartbeat): if not (``Ta
 ``InvalidToken``, ``TaskDoesNotExist``) the message is dropped without running the operation, which,
 run late, would leave a guest or disks on the host that nothing owns. When Step Functions cannot
 tell (it keeps failing), the operation waits for the message's next delivery. An answer the
-workflow no longer waits for (the Task timed out while the operation ran) is logged and dropped.
+workflow no longer waits for (the Task timed out while the operation ran) is logged and dropped;
+what such an operation sent off this host (a source's disks in the destination's directory or in
+the transfer, a snapshot) is then taken back, since the workflow's rollback may already have
+deleted it, and nothing else would again.
 """
 
 from __future__ import annotations
@@ -177,6 +180,12 @@ def operation_delay(operation: str) -> float:
     return 0.0
 
 
+# How an answer went (HostAgent._answer).
+DELIVERED = "delivered"
+NOT_AWAITED = "not awaited"
+UNDELIVERED = "undelivered"
+
+
 class _NotRun(Exception):
     """The operation was not started: its workflow no longer waits (``awaited`` False) or may not (None)."""
 
@@ -304,6 +313,12 @@ class HostAgent(MoveOperations):
             protocol.ATTACH_VOLUME: self.attach_volume,
             protocol.DETACH_VOLUME: self.detach_volume,
             protocol.PREP_SNAPSHOT_BASED_RESIZE_AT_SOURCE: self.prep_snapshot_based_resize_at_source,
+        }
+        # What an operation whose workflow stopped waiting takes back: only what it wrote off this
+        # host, which the workflow's rollback (another host, or a Lambda) may have deleted before.
+        self._take_back: dict[str, Callable[[Operation], None]] = {
+            protocol.RESIZE_INSTANCE: self.take_back_sent_disks,
+            protocol.PREP_SNAPSHOT_BASED_RESIZE_AT_SOURCE: self.take_back_snapshot,
         }
 
     # -- lifecycle
@@ -463,8 +478,8 @@ class HostAgent(MoveOperations):
             logger.info(
                 "operation already done: answering from the journal", extra={**context, "status": recorded.status}
             )
-            if self._answer(op.task_token, recorded.result, recorded.error, recorded.cause, context):
-                self._delete(receipt)
+            self._settle(op, receipt, self._answer(op.task_token, recorded.result, recorded.error, recorded.cause,
+                                                   context), context)
             return
 
         try:
@@ -481,8 +496,24 @@ class HostAgent(MoveOperations):
             else:
                 self._redeliver_later(receipt, context)
             return
-        if self._answer(op.task_token, result, error, cause, context):
-            self._delete(receipt)
+        self._settle(op, receipt, self._answer(op.task_token, result, error, cause, context), context)
+
+    def _settle(self, op: Operation, receipt: str, answered: str, context: dict[str, Any]) -> None:
+        """Delete a message once answered; first take back what it sent when nobody waited for it."""
+        if answered == UNDELIVERED:
+            return
+        take_back = self._take_back.get(op.name)
+        if answered == NOT_AWAITED and take_back is not None:
+            try:
+                with self._instance_lock(op.instance_uuid):  # never beside a later operation on the instance
+                    take_back(op)
+            except Exception:
+                # The message comes back and the answer, still stale, tries again.
+                logger.exception("taking back what an abandoned operation sent failed", extra=context)
+                self._emit_metric("HostCleanupFailed", MetricUnit.Count, 1, op.name)
+                return
+            logger.warning("what the abandoned operation sent was taken back", extra=context)
+        self._delete(receipt)
 
     def _run(
         self, op: Operation, receipt: str, context: dict[str, Any]
@@ -549,10 +580,10 @@ class HostAgent(MoveOperations):
         error: str | None,
         cause: str | None,
         context: dict[str, Any],
-    ) -> bool:
-        """Send the answer for ``token``; True when the message is settled (delivered or no longer awaited)."""
+    ) -> str:
+        """Send the answer for ``token``: DELIVERED, NOT_AWAITED (the workflow gave up on it) or UNDELIVERED."""
         if not token:
-            return True
+            return DELIVERED
         failure: Exception | None = None
         for attempt in range(STEP_FUNCTIONS_ATTEMPTS):
             if attempt:
@@ -564,14 +595,14 @@ class HostAgent(MoveOperations):
                     self.sfn.send_task_failure(
                         taskToken=token, error=error[:_MAX_ERROR_LEN], cause=(cause or "")[:_MAX_CAUSE_LEN]
                     )
-                return True
+                return DELIVERED
             except self._task_gone_errors() as exc:
                 # The workflow gave up on this task (timed out or ended): the answer is stale, nobody waits for it.
                 logger.warning(
                     "the workflow no longer waits for this answer: dropped",
                     extra={**context, "error": type(exc).__name__},
                 )
-                return True
+                return NOT_AWAITED
             except (ClientError, BotoCoreError) as exc:
                 # Throttling or a 5xx; moto also answers a 500 while another execution is starting.
                 failure = exc
@@ -579,7 +610,7 @@ class HostAgent(MoveOperations):
             "answering the workflow failed; the message will be answered again",
             extra={**context, "error": str(failure)},
         )
-        return False
+        return UNDELIVERED
 
     def _task_gone_errors(self) -> tuple[type[Exception], ...]:
         """What Step Functions answers about a task token whose Task no longer waits (timed out, or ended)."""

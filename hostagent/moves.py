@@ -29,7 +29,7 @@ from urllib.parse import quote
 from aws_lambda_powertools.metrics import MetricUnit
 from botocore.exceptions import BotoCoreError, ClientError
 
-from ferry import errors, protocol
+from ferry import aws, errors, protocol
 from ferry.observability import logger
 from hostagent import disks
 from hostagent.driver import (
@@ -526,6 +526,42 @@ class MoveOperations:
                 "transfer deleted",
                 extra={"host": self.host, "instance_uuid": op.instance_uuid, "objects": deleted, **transfer},
             )
+
+    # -- what an operation nobody waited for sent off this host
+
+    def take_back_sent_disks(self, op: Operation) -> None:
+        """Remove the disks a ``resize_instance`` sent: its direct copy at the destination, its transfer.
+
+        For a run whose workflow stopped waiting: the rollback deletes both, but it may have run
+        before this run finished sending. The kept disks stay for the rollback's revert.
+
+        Raises:
+            OSError, ClientError, BotoCoreError: the message comes back to try again.
+        """
+        args = op.args
+        if args["same_host"]:
+            return
+        offer = args.get("direct")
+        if offer and disks.reaches(offer["instances_dir"], args["dest_host"], offer["token"]):
+            disks.remove_dir(disks.incoming_dir(offer["instances_dir"], op.instance_uuid))
+        disks.delete_transfer(self.s3, args["transfer"]["bucket"], args["transfer"]["prefix"])
+
+    def take_back_snapshot(self, op: Operation) -> None:
+        """Delete the snapshot a ``prep_snapshot_based_resize_at_source`` wrote, with its extents.
+
+        For a run whose workflow stopped waiting: the rollback deletes the snapshot, but it may
+        have run before this run finished writing it.
+
+        Raises:
+            ClientError, BotoCoreError: the message comes back to try again.
+        """
+        snapshot = op.args.get("snapshot")
+        if snapshot is None:
+            return
+        bucket = snapshot["bucket"]
+        self.s3.delete_object(Bucket=bucket, Key=snapshot["key"])
+        aws.abort_uploads(self.s3, bucket, snapshot["key"])
+        disks.delete_transfer(self.s3, bucket, snapshot["data_prefix"])
 
     # -- prep_snapshot_based_resize_at_source (source of a cross-cell move)
 

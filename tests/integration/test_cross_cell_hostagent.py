@@ -81,6 +81,18 @@ def test_a_stopped_server_is_reported_as_not_running(source):
     assert result["was_running"] is False
 
 
+def test_a_snapshot_prep_whose_workflow_gave_up_takes_back_the_snapshot(cloud, source):
+    """The rollback deletes the snapshot, but may do so before a late source finishes writing it."""
+    server = boot(source)
+    image_id = str(uuid.uuid4())
+
+    source.abandoned(OP, server.uuid, snapshot_args(str(uuid.uuid4()), image_id))
+
+    for prefix in (f"images/{image_id}", f"image-data/{image_id}/"):
+        assert cloud.s3.list_objects_v2(Bucket=IMAGES, Prefix=prefix).get("KeyCount", 0) == 0
+    assert logical_sha256(source.kept(server.uuid) / disks.ROOT_DISK) == server.root_sha256, "kept for the revert"
+
+
 def test_a_volume_backed_server_is_not_snapshotted(cloud, source, tmp_path):
     volume_path = tmp_path / "vol-1"
     volume_path.write_bytes(b"boot volume")

@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import uuid
+from types import SimpleNamespace
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,16 +51,27 @@ EPHEMERAL_DATA = b"ephemeral data that must travel"
 EPHEMERAL_OFFSET = 3 * MiB
 
 
+class TaskTimedOut(Exception):
+    """What Step Functions answers for a Task that no longer waits."""
+
+
 class RecordingStepFunctions:
-    """Receives the agents' answers, by task token."""
+    """Receives the agents' answers, by task token; or, once ``gave_up``, refuses them as Step Functions would."""
+
+    exceptions = SimpleNamespace(TaskTimedOut=TaskTimedOut, InvalidToken=TaskTimedOut, TaskDoesNotExist=TaskTimedOut)
 
     def __init__(self) -> None:
         self.answers: dict[str, tuple[dict[str, Any] | None, str | None, str | None]] = {}
+        self.gave_up = False
 
     def send_task_success(self, taskToken: str, output: str) -> None:  # noqa: N803 - boto3's names
+        if self.gave_up:
+            raise TaskTimedOut(taskToken)
         self.answers[taskToken] = (json.loads(output), None, None)
 
     def send_task_failure(self, taskToken: str, error: str, cause: str) -> None:  # noqa: N803
+        if self.gave_up:
+            raise TaskTimedOut(taskToken)
         self.answers[taskToken] = (None, error, cause)
 
     def send_task_heartbeat(self, taskToken: str) -> None:  # noqa: N803
@@ -86,8 +98,8 @@ class Host:
     instances_dir: Path
     cloud: Cloud
 
-    def call(self, operation: str, instance_uuid: str, args: dict[str, Any]) -> tuple[dict | None, str | None]:
-        """Send the operation to this host's queue, let the agent take it, and return (result, error name)."""
+    def deliver(self, operation: str, instance_uuid: str, args: dict[str, Any]) -> str:
+        """Send the operation to this host's queue and let the agent take it; return its task token."""
         token = f"token-{uuid.uuid4()}"
         body = {
             "operation": operation,
@@ -100,11 +112,25 @@ class Host:
         self.cloud.sqs.send_message(QueueUrl=self.agent.queue_url, MessageBody=json.dumps(body))
         (message,) = self.cloud.sqs.receive_message(QueueUrl=self.agent.queue_url, MaxNumberOfMessages=1)["Messages"]
         self.agent.process_message(message)
-        result, error, _cause = self.cloud.sfn.answers[token]
+        return token
+
+    def call(self, operation: str, instance_uuid: str, args: dict[str, Any]) -> tuple[dict | None, str | None]:
+        """Send the operation to this host's queue, let the agent take it, and return (result, error name)."""
+        result, error, _cause = self.cloud.sfn.answers[self.deliver(operation, instance_uuid, args)]
         if result is not None:
             protocol.validate(result, protocol.RESULT_SCHEMAS.get(operation, protocol.RESULT_SCHEMA))
             assert (result["instance_uuid"], result["host"], result["node"]) == (instance_uuid, self.name, self.name)
         return result, error
+
+    def abandoned(self, operation: str, instance_uuid: str, args: dict[str, Any]) -> None:
+        """Run the operation as if its Task timed out while it ran: its answer is refused, its message deleted."""
+        self.cloud.sfn.gave_up = True
+        try:
+            token = self.deliver(operation, instance_uuid, args)
+        finally:
+            self.cloud.sfn.gave_up = False
+        assert token not in self.cloud.sfn.answers
+        assert self.cloud.sqs.receive_message(QueueUrl=self.agent.queue_url).get("Messages") is None
 
     def ok(self, operation: str, instance_uuid: str, args: dict[str, Any]) -> dict[str, Any]:
         result, error = self.call(operation, instance_uuid, args)
@@ -755,6 +781,28 @@ def test_a_direct_resize_run_again_copies_again_and_a_destroy_clears_what_came_i
     assert again["disks"] == first["disks"] and again["direct"] is True
     dest.ok("destroy", server.uuid, {})
     assert dest.instance_dirs() == []
+
+
+def test_a_resize_whose_workflow_gave_up_takes_back_the_disks_it_copied_into_the_destination(cloud, source, dest):
+    """The rollback empties the destination, but may do so before a late source finishes sending."""
+    server = boot(source)
+    migration_uuid = str(uuid.uuid4())
+    claim = dest.ok("prep_resize", server.uuid, {"migration_uuid": migration_uuid, "flavor": NEW, "same_host": False})
+
+    source.abandoned("resize_instance", server.uuid, {**resize_args(migration_uuid, dest), "direct": claim["direct"]})
+
+    assert dest.instance_dirs() == []
+    assert logical_sha256(source.kept(server.uuid) / disks.ROOT_DISK) == server.root_sha256, "kept for the revert"
+
+
+def test_a_resize_whose_workflow_gave_up_takes_back_its_transfer(cloud, source, dest):
+    server = boot(source)
+    migration_uuid = str(uuid.uuid4())
+
+    source.abandoned("resize_instance", server.uuid, resize_args(migration_uuid, dest))
+
+    assert cloud.transfer_keys(transfer(migration_uuid)["prefix"]) == []
+    assert source.instance_dirs() == [f"{server.uuid}_resize"]
 
 
 # --- failures and rollbacks ---------------------------------------------------------------------
