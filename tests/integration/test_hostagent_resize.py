@@ -15,10 +15,10 @@ import hashlib
 import json
 import os
 import uuid
-from types import SimpleNamespace
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import boto3
