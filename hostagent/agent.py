@@ -478,8 +478,8 @@ class HostAgent(MoveOperations):
             logger.info(
                 "operation already done: answering from the journal", extra={**context, "status": recorded.status}
             )
-            self._settle(op, receipt, self._answer(op.task_token, recorded.result, recorded.error, recorded.cause,
-                                                   context), context)
+            if self._answer(op.task_token, recorded.result, recorded.error, recorded.cause, context) != UNDELIVERED:
+                self._delete(receipt)
             return
 
         try:
@@ -489,36 +489,42 @@ class HostAgent(MoveOperations):
             self._hold(message, timeout, context)
             return
         try:
-            result, error, cause = self._run(op, receipt, context)
+            result, error, cause, ran = self._run(op, receipt, context)
         except _NotRun as not_run:
             if not_run.awaited is False:
                 self._delete(receipt)
             else:
                 self._redeliver_later(receipt, context)
             return
-        self._settle(op, receipt, self._answer(op.task_token, result, error, cause, context), context)
+        answered = self._answer(op.task_token, result, error, cause, context)
+        if answered == NOT_AWAITED and ran:
+            self._take_back_sent(op, context)
+        if answered != UNDELIVERED:
+            self._delete(receipt)
 
-    def _settle(self, op: Operation, receipt: str, answered: str, context: dict[str, Any]) -> None:
-        """Delete a message once answered; first take back what it sent when nobody waited for it."""
-        if answered == UNDELIVERED:
-            return
+    def _take_back_sent(self, op: Operation, context: dict[str, Any]) -> None:
+        """Remove what ``op``, just run and refused its answer, sent off this host (see ``_take_back``).
+
+        Only for a run of this delivery: an answer from the journal may be refused because an
+        earlier copy's answer was taken, and the workflow then goes on with what was sent.
+        A failure is logged and counted; the audit and the bucket's lifecycle find what is left.
+        """
         take_back = self._take_back.get(op.name)
-        if answered == NOT_AWAITED and take_back is not None:
-            try:
-                with self._instance_lock(op.instance_uuid):  # never beside a later operation on the instance
-                    take_back(op)
-            except Exception:
-                # The message comes back and the answer, still stale, tries again.
-                logger.exception("taking back what an abandoned operation sent failed", extra=context)
-                self._emit_metric("HostCleanupFailed", MetricUnit.Count, 1, op.name)
-                return
-            logger.warning("what the abandoned operation sent was taken back", extra=context)
-        self._delete(receipt)
+        if take_back is None:
+            return
+        try:
+            with self._instance_lock(op.instance_uuid):  # never beside a later operation on the instance
+                take_back(op)
+        except Exception:
+            logger.exception("taking back what an abandoned operation sent failed", extra=context)
+            self._emit_metric("HostCleanupFailed", MetricUnit.Count, 1, op.name)
+            return
+        logger.warning("what the abandoned operation sent was taken back", extra=context)
 
     def _run(
         self, op: Operation, receipt: str, context: dict[str, Any]
-    ) -> tuple[dict[str, Any] | None, str | None, str | None]:
-        """Run ``op`` under the journal; return (result, error name, cause).
+    ) -> tuple[dict[str, Any] | None, str | None, str | None, bool]:
+        """Run ``op`` under the journal; return (result, error name, cause, whether it ran here).
 
         A copy of the message that another worker ran meanwhile (it held the instance's lock) is
         answered with that run's outcome instead of running again.
@@ -535,7 +541,7 @@ class HostAgent(MoveOperations):
             recorded = self.journal.get(op.operation_id)
             if recorded is not None and recorded.finished and recorded.answers(op.task_token):
                 logger.info("operation done meanwhile: answering from the journal", extra=context)
-                return recorded.result, recorded.error, recorded.cause
+                return recorded.result, recorded.error, recorded.cause, False
             if op.task_token:
                 awaited = self._still_awaited(op.task_token, context)
                 if not awaited:
@@ -571,7 +577,7 @@ class HostAgent(MoveOperations):
             )
             self._count_failure(op.name, error)
         self._emit_metric("HostOperationDuration", MetricUnit.Milliseconds, duration_ms, op.name)
-        return result, error, cause
+        return result, error, cause, True
 
     def _answer(
         self,

@@ -795,6 +795,24 @@ def test_a_resize_whose_workflow_gave_up_takes_back_the_disks_it_copied_into_the
     assert logical_sha256(source.kept(server.uuid) / disks.ROOT_DISK) == server.root_sha256, "kept for the revert"
 
 
+def test_a_second_copy_of_a_delivered_resize_refused_its_answer_takes_nothing_back(cloud, source, dest):
+    """Step Functions refuses an answer given twice as it refuses a late one: the move goes on with the copy."""
+    server = boot(source)
+    migration_uuid, claim, _resized = direct_resize(source, dest, server)
+    body = {"operation": "resize_instance", "operation_id": f"{migration_uuid}:again", "instance_uuid": server.uuid,
+            "args": {**resize_args(migration_uuid, dest), "direct": claim["direct"]}, "task_token": "token-twice"}
+    queue = source.agent.queue_url
+    for gave_up in (False, True):
+        cloud.sfn.gave_up = gave_up
+        cloud.sqs.send_message(QueueUrl=queue, MessageBody=json.dumps(body))
+        (message,) = cloud.sqs.receive_message(QueueUrl=queue, MaxNumberOfMessages=1)["Messages"]
+        source.agent.process_message(message)
+    cloud.sfn.gave_up = False
+
+    assert cloud.sfn.answers["token-twice"][1] is None
+    assert dest.instance_dirs() == [f"{server.uuid}_incoming"]
+
+
 def test_a_resize_whose_workflow_gave_up_takes_back_its_transfer(cloud, source, dest):
     server = boot(source)
     migration_uuid = str(uuid.uuid4())
