@@ -303,6 +303,24 @@ def test_a_no_valid_host_migrate_shows_the_error_in_its_event(cloud):
     assert "No valid host was found." in event["details"]
 
 
+def test_a_failed_action_says_only_error_and_keeps_the_details_on_its_event(cloud):
+    server_id = active_server()
+    resize = action(server_id, {"resize": {"flavorRef": "2"}})
+    request_id = resize.header("x-openstack-request-id")
+    record_events(server_id, request_id, ["conductor_migrate_server"], error_on="conductor_migrate_server")
+
+    [listed_action] = call("GET", f"/v2.1/servers/{server_id}/os-instance-actions",
+                           version="2.90").body["instanceActions"]
+    member_view = call("GET", f"/v2.1/servers/{server_id}/os-instance-actions/{request_id}",
+                       version="2.90").body["instanceAction"]
+    admin_view = call("GET", f"/v2.1/servers/{server_id}/os-instance-actions/{request_id}", caller=ADMIN,
+                      version="2.90").body["instanceAction"]
+
+    assert listed_action["message"] == member_view["message"] == admin_view["message"] == "Error"
+    assert "details" not in member_view["events"][0]
+    assert "No valid host was found." in admin_view["events"][0]["details"]
+
+
 def test_confirm_action_is_recorded_under_the_request_id(cloud):
     server_id, _ = resized_server()
 

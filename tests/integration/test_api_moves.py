@@ -305,6 +305,23 @@ def test_resize_in_the_wrong_state_is_409_and_changes_nothing(cloud, values, mes
     assert snapshot(cloud, server_id) == before
 
 
+@pytest.mark.parametrize("values", [
+    {"locked": True}, {"vm_state": states.SUSPENDED}, {"task_state": states.POWERING_OFF},
+    {"host": "host-down", "node": "host-down"},
+])
+def test_a_server_that_cannot_move_is_409_even_for_an_unknown_flavor(cloud, values):
+    """Lock, state and host come before the flavor: the caller learns first that the server cannot move."""
+    add_host("host-down", up=False)
+    server_id = active_server()
+    set_instance(server_id, **values)
+    before = snapshot(cloud, server_id)
+
+    response = action(server_id, {"resize": {"flavorRef": "no-such-flavor"}})
+
+    assert response.status == 409, response.body
+    assert snapshot(cloud, server_id) == before
+
+
 def test_resize_from_a_down_host_is_409(cloud):
     add_host("host-down", up=False)
     server_id = active_server()

@@ -26,6 +26,7 @@ from ferry.store.api_models import (
 )
 from ferry.store.cell_models import Instance, InstanceAction, InstanceActionEvent, InstanceFault, Tag
 from ferry.store.db import api_session, cell_session
+from ferry.workflows import delete
 
 
 @pytest.fixture
@@ -534,6 +535,79 @@ def test_instance_actions_list_and_show_with_events(cloud):
     assert "traceback" not in event and "host" not in event and event["hostId"]
     assert by_admin["instanceAction"]["events"][0]["traceback"] == "tb"
     assert call("GET", f"/v2.1/servers/{server_id}/os-instance-actions/req-nope").status == 404
+
+
+def deleted_server(cloud) -> tuple[str, str, str]:
+    """A server stopped once, then deleted to the end (its delete workflow's last step run).
+
+    Returns the server and the request ids of its stop and its delete.
+    """
+    add_host("host1")
+    server_id = create_server()
+    schedule(server_id)
+    stop = call("POST", f"/v2.1/servers/{server_id}/action", body={"os-stop": None})
+    with cell_session("cell1") as session:  # what the power workflow ends with
+        session.execute(update(Instance).where(Instance.uuid == server_id)
+                        .values(vm_state=states.STOPPED, task_state=None, power_state=states.SHUTDOWN))
+    removal = call("DELETE", f"/v2.1/servers/{server_id}")
+    assert (stop.status, removal.status) == (202, 204)
+    [execution] = cloud.executions("delete")
+    delete.finish_delete(execution["input"])
+    return server_id, stop.header("x-openstack-request-id"), removal.header("x-openstack-request-id")
+
+
+def test_actions_of_a_deleted_server_are_shown_from_2_21(cloud):
+    server_id, stop_id, delete_id = deleted_server(cloud)
+    base = f"/v2.1/servers/{server_id}/os-instance-actions"
+
+    listed = call("GET", base, version="2.21")
+    shown = call("GET", f"{base}/{delete_id}", version="2.21")
+
+    assert listed.status == 200, listed.body
+    assert [(a["action"], a["request_id"]) for a in listed.body["instanceActions"]] == \
+        [("delete", delete_id), ("stop", stop_id)]
+    assert shown.status == 200 and shown.body["instanceAction"]["action"] == "delete"
+    assert call("GET", f"{base}/{stop_id}", caller=ADMIN, version="2.21").status == 200
+    assert call("GET", base, caller=BOB, version="2.21").status == 404
+    assert call("GET", base, version="2.20").status == 404
+    assert call("GET", f"{base}/{stop_id}", version="2.20").status == 404
+    assert call("GET", f"/v2.1/servers/{server_id}", version="2.21").status == 404
+
+
+@pytest.mark.parametrize(("caller", "version", "shows_events"), [
+    (ALICE, "2.1", False),
+    (ALICE, "2.50", False),
+    (ALICE, "2.51", True),
+    (ADMIN, "2.1", True),
+    (ADMIN, "2.50", True),
+])
+def test_events_below_2_51_are_shown_only_under_the_events_policy(cloud, caller, version, shows_events):
+    add_host("host1")
+    server_id = create_server()
+    schedule(server_id)
+    request_id = call("POST", f"/v2.1/servers/{server_id}/action", body={"os-stop": None}
+                      ).header("x-openstack-request-id")
+
+    shown = call("GET", f"/v2.1/servers/{server_id}/os-instance-actions/{request_id}", caller=caller,
+                 version=version)
+
+    assert shown.status == 200
+    assert ("events" in shown.body["instanceAction"]) is shows_events
+
+
+def test_the_events_policy_can_show_events_to_members_below_2_51(cloud, tmp_path, monkeypatch):
+    add_host("host1")
+    server_id = create_server()
+    schedule(server_id)
+    request_id = call("POST", f"/v2.1/servers/{server_id}/action", body={"os-stop": None}
+                      ).header("x-openstack-request-id")
+    (tmp_path / "policy.yaml").write_text('"os_compute_api:os-instance-actions:events": "member"\n')
+    monkeypatch.setenv("FERRY_POLICY_FILE", str(tmp_path / "policy.yaml"))
+    config.reset()
+
+    shown = call("GET", f"/v2.1/servers/{server_id}/os-instance-actions/{request_id}", version="2.50")
+
+    assert shown.body["instanceAction"]["events"] == []
 
 
 def test_domain_get_server_rereads_a_server_scheduled_meanwhile(cloud):

@@ -30,6 +30,8 @@ ACTION = {
     "minProperties": 1,
     "maxProperties": 1,
     "propertyNames": {"enum": list(drains.ACTIONS)},
+    # An action takes no arguments: its value is null, as in {"pause": null}.
+    "properties": {name: schemas.NULL_ACTION for name in drains.ACTIONS},
 }
 
 

@@ -201,10 +201,15 @@ def start(ctx: RequestContext, location: compute_api.Location, _value: Any, _ver
 # --- instance actions ------------------------------------------------------------------------------
 
 
+def _action_server(view: request.ViewContext, server_id: str) -> compute_api.Location:
+    """The server whose actions are asked for; from 2.21 a deleted server's as well."""
+    return compute_api.locate(view.ctx, server_id, read_deleted=view.at_least("2.21"))
+
+
 @router.get("/servers/<server_id>/os-instance-actions")
 def list_instance_actions(server_id: str) -> Response:
     view = request.view_context(router)
-    location = compute_api.locate(view.ctx, server_id)
+    location = _action_server(view, server_id)
     policy.enforce(view.ctx, "os_compute_api:os-instance-actions:list", location.target)
     actions = compute_api.list_instance_actions(location)
     return request.json_response(200, {"instanceActions": [views.instance_action(view, a) for a in actions]})
@@ -213,9 +218,12 @@ def list_instance_actions(server_id: str) -> Response:
 @router.get("/servers/<server_id>/os-instance-actions/<request_id>")
 def show_instance_action(server_id: str, request_id: str) -> Response:
     view = request.view_context(router)
-    location = compute_api.locate(view.ctx, server_id)
+    location = _action_server(view, server_id)
     policy.enforce(view.ctx, "os_compute_api:os-instance-actions:show", location.target)
     action = compute_api.get_instance_action(location, request_id)
     body = views.instance_action(view, action)
-    body["events"] = views.instance_action_events(view, action["events"], location.project_id)
+    # Below 2.51 the events are shown only to callers the events policy allows (admins by default).
+    if view.at_least("2.51") or policy.check(view.ctx, "os_compute_api:os-instance-actions:events",
+                                             {"project_id": location.project_id}):
+        body["events"] = views.instance_action_events(view, action["events"], location.project_id)
     return request.json_response(200, {"instanceAction": body})

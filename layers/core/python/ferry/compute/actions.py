@@ -73,7 +73,10 @@ def start_event(session: Session, *, instance_uuid: str, request_id: str, event:
 
 def finish_event(session: Session, *, instance_uuid: str, request_id: str, event: str,
                  host: str | None = None, error: BaseException | dict[str, Any] | None = None) -> None:
-    """Record a step's end: ``Success``, or ``Error`` with the error's name and message."""
+    """Record a step's end: ``Success``, or ``Error`` with the error's name and message.
+
+    A failed event marks its action's ``message`` ``Error`` (the error itself stays on the event).
+    """
     action = _action(session, instance_uuid, request_id)
     if action is None:
         return
@@ -93,7 +96,8 @@ def finish_event(session: Session, *, instance_uuid: str, request_id: str, event
             record.traceback = "".join(tb.format_exception(error))
         else:
             record.details = f"{error.get('Error', 'Error')}: {error.get('Cause', '')}"
-        if action.message is None:
-            action.message = record.details[:255] if record.details else ERROR
+        # The action says only that it failed: the details may name hosts and internals, so they
+        # stay on the event, where the events:details policy decides who reads them.
+        action.message = ERROR
     action.finish_time = utcnow()
     session.flush()

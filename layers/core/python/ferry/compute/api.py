@@ -237,20 +237,25 @@ def save_request_spec(session: Session, instance_uuid: str, spec: Mapping[str, A
 # --- locating and reading servers ------------------------------------------------------------------
 
 
-def locate(ctx: RequestContext, server_id: str) -> Location:
+def locate(ctx: RequestContext, server_id: str, *, read_deleted: bool = False) -> Location:
     """Find a server through its instance mapping.
 
     Non-admin callers only find servers of their own project.
 
+    Args:
+        read_deleted: also find a deleted server (its mapping queued for delete). Its records
+            (the soft-deleted instance row, its actions and events) stay in its cell.
+
     Raises:
-        InstanceNotFound: not a uuid, no such server, deleted, or another project's.
+        InstanceNotFound: not a uuid, no such server, deleted (unless ``read_deleted``), or
+            another project's.
     """
     uuid = normalize_uuid(server_id)
     if uuid is None:
         raise errors.InstanceNotFound(f"Instance {server_id} could not be found.")
     with api_session() as session:
         mapping = session.scalars(select(InstanceMapping).where(InstanceMapping.instance_uuid == uuid)).one_or_none()
-        if (mapping is None or mapping.queued_for_delete
+        if (mapping is None or (mapping.queued_for_delete and not read_deleted)
                 or (not ctx.is_admin and mapping.project_id != ctx.project_id)):
             raise errors.InstanceNotFound(f"Instance {server_id} could not be found.")
         return Location(instance_uuid=uuid, project_id=mapping.project_id, user_id=mapping.user_id,
@@ -890,7 +895,10 @@ def _action_dict(action: InstanceAction) -> dict[str, Any]:
 
 
 def list_instance_actions(location: Location) -> list[dict[str, Any]]:
-    """The actions recorded for a server, newest first (none while it is a build request)."""
+    """The actions recorded for a server, newest first (none while it is a build request).
+
+    The actions of a deleted server are read as well: its cell keeps them.
+    """
     if location.cell is None:
         return []
     with cell_session(location.cell) as session:

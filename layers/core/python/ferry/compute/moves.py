@@ -283,10 +283,10 @@ _MOVABLE_VM_STATES = (states.ACTIVE, states.STOPPED)
 
 @dataclass(frozen=True)
 class _Move:
-    """What a resize or migrate request asks for, once checked."""
+    """What a resize or migrate request asks for (its flavor is looked up once the server may move)."""
 
     action: str
-    new_flavor: dict[str, Any] | None  # None: keep the current flavor (cold migrate)
+    flavor_ref: str | None  # None: keep the current flavor (cold migrate)
     requested_host: str | None = None
 
 
@@ -330,15 +330,18 @@ def _is_volume_backed(session: Session, instance: Instance) -> bool:
     return not instance.image_ref
 
 
-def _check_disks_fit(session: Session, instance: Instance, new_flavor: dict[str, Any]) -> None:
+def _check_disks_fit(current: dict[str, Any], new_flavor: dict[str, Any], *, volume_backed: bool) -> None:
     """Refuse flavors that cannot hold the server's disks, before anything moves.
+
+    Args:
+        current: the server's flavor snapshot.
+        new_flavor: the snapshot of the flavor asked for.
+        volume_backed: whether the server boots from a volume (its root disk is not the flavor's).
 
     Raises:
         CannotResizeDisk: a zero root disk for an image-backed server that has one (Nova's
             rule), or a smaller root (image-backed) or ephemeral disk: disks never shrink.
     """
-    current = instance.flavor or {}
-    volume_backed = _is_volume_backed(session, instance)
     old_root, new_root = int(current.get("root_gb") or 0), int(new_flavor.get("root_gb") or 0)
     if not volume_backed and new_root == 0 and old_root != 0:
         raise errors.CannotResizeDisk(
@@ -426,16 +429,19 @@ def _accept_move(ctx: RequestContext, location: compute_api.Location, move: _Mov
         instance = instances.get(session, uuid)
         _check_movable(ctx, session, instance, move.action)
         current = dict(instance.flavor or {})
-        if move.new_flavor is not None:
-            if move.new_flavor.get("id") == current.get("id"):
-                raise errors.CannotResizeToSameFlavor()
-            _check_disks_fit(session, instance, move.new_flavor)
+        volume_backed = _is_volume_backed(session, instance)
         source_host, project_id = instance.host, instance.project_id
+    new_flavor = current
+    if move.flavor_ref is not None:
+        # Only a server that may move has its flavor looked at (409 before 400, as Nova answers).
+        new_flavor = _resizable_flavor(ctx, move.flavor_ref)
+        if new_flavor.get("id") == current.get("id"):
+            raise errors.CannotResizeToSameFlavor()
+        _check_disks_fit(current, new_flavor, volume_backed=volume_backed)
     if move.requested_host is not None:
         _check_requested_host(move.requested_host)
         if move.requested_host == source_host:
             raise errors.CannotMigrateToSameHost()
-    new_flavor = dict(move.new_flavor) if move.new_flavor is not None else current
     deltas = upsize_deltas(current, new_flavor)
     quotas.check(project_id, deltas)
     with cell_session(cell) as session:
@@ -453,7 +459,7 @@ def _accept_move(ctx: RequestContext, location: compute_api.Location, move: _Mov
             raise errors.InstanceInvalidState(f"Cannot '{move.action}' instance {uuid}: it moved meanwhile.")
         session.add(Migration(
             uuid=migration_uuid, instance_uuid=uuid, source_compute=instance.host, source_node=instance.node,
-            status=PRE_MIGRATING, migration_type=RESIZE if move.new_flavor is not None else MIGRATION,
+            status=PRE_MIGRATING, migration_type=RESIZE if move.flavor_ref is not None else MIGRATION,
             old_instance_type_id=current.get("id"), new_instance_type_id=new_flavor.get("id"),
             user_id=ctx.user_id, project_id=ctx.project_id, hidden=False, cross_cell_move=False))
         actions.start_action(session, instance_uuid=uuid, action=move.action, request_id=ctx.request_id,
@@ -514,7 +520,7 @@ def prepare_migrate(ctx: RequestContext, location: compute_api.Location, host: s
         payload = _move_payload(ctx, uuid, migration_uuid, location.cell.name, host)
         return PreparedExecution(name, {**payload, "execution_name": name})
     _cell, payload, _previous = _accept_move(
-        ctx, location, _Move(action=actions.MIGRATE, new_flavor=None, requested_host=host), migration_uuid)
+        ctx, location, _Move(action=actions.MIGRATE, flavor_ref=None, requested_host=host), migration_uuid)
     return PreparedExecution(name, {**payload, "execution_name": name})
 
 
@@ -590,8 +596,7 @@ def begin_resize(ctx: RequestContext, location: compute_api.Location, flavor_ref
         BadRequest, CannotResizeToSameFlavor, CannotResizeDisk: 400.
         OverQuota: 403.
     """
-    new_flavor = _resizable_flavor(ctx, flavor_ref)
-    return _begin_move(ctx, location, _Move(action=actions.RESIZE, new_flavor=new_flavor))
+    return _begin_move(ctx, location, _Move(action=actions.RESIZE, flavor_ref=flavor_ref))
 
 
 def begin_migrate(ctx: RequestContext, location: compute_api.Location, host: str | None = None) -> str:
@@ -609,7 +614,7 @@ def begin_migrate(ctx: RequestContext, location: compute_api.Location, host: str
         InstanceIsLocked, InstanceInvalidState, ComputeServiceUnavailable: 409.
         ComputeHostNotFound, CannotMigrateToSameHost: 400.
     """
-    return _begin_move(ctx, location, _Move(action=actions.MIGRATE, new_flavor=None, requested_host=host))
+    return _begin_move(ctx, location, _Move(action=actions.MIGRATE, flavor_ref=None, requested_host=host))
 
 
 def confirm_resize(ctx: RequestContext, location: compute_api.Location) -> str:

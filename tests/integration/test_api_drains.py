@@ -1,0 +1,68 @@
+"""``/ferry/drains/{id}/action`` through the real API handler (SQLite and PostgreSQL)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from sqlalchemy import select, update
+from test_api_support import ADMIN, add_host, call, mocked_cloud
+
+from ferry import drains
+from ferry.auth import RequestContext
+from ferry.store import setup
+from ferry.store.api_models import Drain
+from ferry.store.db import api_session
+
+OPERATOR = RequestContext(user_id=ADMIN.user_id, project_id=ADMIN.project_id, roles=ADMIN.roles)
+
+
+@pytest.fixture
+def cloud(store, monkeypatch, tmp_path):
+    yield from mocked_cloud(monkeypatch, tmp_path)
+
+
+def running_drain() -> str:
+    """A drain of host1 whose workflow is moving servers."""
+    add_host("host1")
+    setup.map_host("host1", "cell1")
+    drain_uuid, created = drains.record_drain(OPERATOR, {"host": "host1"}, origin="api")
+    assert created
+    with api_session() as session:
+        session.execute(update(Drain).where(Drain.uuid == drain_uuid).values(status=drains.RUNNING))
+    return drain_uuid
+
+
+def status_of(drain_uuid: str) -> str:
+    with api_session() as session:
+        return session.scalars(select(Drain.status).where(Drain.uuid == drain_uuid)).one()
+
+
+@pytest.mark.parametrize("value", [True, "now", {}, {"force": True}, [], 0])
+def test_a_drain_action_with_a_value_other_than_null_is_400_and_changes_nothing(cloud, value: Any):
+    drain_uuid = running_drain()
+
+    response = call("POST", f"/v2.1/ferry/drains/{drain_uuid}/action", caller=ADMIN, body={"pause": value})
+
+    assert response.status == 400, response.body
+    assert "Invalid input for field/attribute pause" in response.body["badRequest"]["message"]
+    assert 'is not of type "null"' in response.body["badRequest"]["message"]
+    assert status_of(drain_uuid) == drains.RUNNING
+
+
+def test_a_drain_action_with_null_is_accepted(cloud):
+    drain_uuid = running_drain()
+
+    response = call("POST", f"/v2.1/ferry/drains/{drain_uuid}/action", caller=ADMIN, body={"pause": None})
+
+    assert response.status == 202, response.body
+    assert response.body["drain"]["status"] == drains.PAUSED == status_of(drain_uuid)
+
+
+def test_an_unknown_drain_action_is_400(cloud):
+    drain_uuid = running_drain()
+
+    response = call("POST", f"/v2.1/ferry/drains/{drain_uuid}/action", caller=ADMIN, body={"stop": None})
+
+    assert response.status == 400
+    assert status_of(drain_uuid) == drains.RUNNING
