@@ -19,6 +19,7 @@ import socket
 import sys
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 
 from ferry import config, errors
@@ -29,6 +30,8 @@ from hostagent.driver import HostCapacity, LibvirtDriver, write_test_node_xml
 DEFAULT_TEST_VCPUS = 8
 DEFAULT_TEST_MEMORY_MB = 16384
 DEFAULT_RESERVED_MEMORY_MB = 512
+# A cached image no spawn used for a day is deleted.
+DEFAULT_IMAGE_CACHE_MAX_AGE = 24 * 60 * 60.0
 # How often an agent started with --parent-pid checks that its parent is still there.
 PARENT_CHECK_SECONDS = 1.0
 
@@ -93,6 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
         "whoever starts agents for itself alone, as the local stack does, keeps them from outliving it",
     )
     parser.add_argument(
+        "--image-cache-max-age",
+        type=float,
+        default=DEFAULT_IMAGE_CACHE_MAX_AGE,
+        help="seconds after its last use a cached image (<instances-dir>/_base) is deleted; 0 keeps them all",
+    )
+    parser.add_argument(
         "--disk-overcommit-ratio",
         type=float,
         default=1.0,
@@ -151,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         disk_headroom_check=args.disk_headroom_check,
         disk_overcommit_ratio=args.disk_overcommit_ratio,
         direct_copies=args.direct_copies,
+        image_cache_max_age=timedelta(seconds=args.image_cache_max_age) if args.image_cache_max_age > 0 else None,
     )
     agent.install_signal_handlers()
     if args.parent_pid is not None:

@@ -29,6 +29,7 @@ import signal
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -226,6 +227,8 @@ class HostAgent(MoveOperations):
         power_off_timeout: default seconds a guest gets to shut down before it is forced off.
         use_image_cache: keep downloaded images under ``<instances_dir>/_base`` for later spawns (never
             an image the spawn marks ``cache: false``, such as a cross-cell move's snapshot).
+        image_cache_max_age: a cached image no spawn used for this long is deleted (checked with
+            each inventory report); None keeps them all. Instance disks never refer to the cache.
         journal_retention: how long finished operations stay in the journal.
         disk_headroom_check: the resize claim (``prep_resize``) refuses a flavor whose disks, fully
             written, do not fit the free space of the instances filesystem.
@@ -258,6 +261,7 @@ class HostAgent(MoveOperations):
         max_workers: int = 1,
         power_off_timeout: float = 60.0,
         use_image_cache: bool = True,
+        image_cache_max_age: timedelta | None = timedelta(days=1),
         journal_retention: timedelta = timedelta(days=15),
         disk_headroom_check: bool = True,
         disk_overcommit_ratio: float = 1.0,
@@ -289,6 +293,10 @@ class HostAgent(MoveOperations):
         self.max_workers = max_workers
         self.power_off_timeout = power_off_timeout
         self.use_image_cache = use_image_cache
+        self.image_cache_max_age = image_cache_max_age
+        # Cached images a spawn is using now, by name: never pruned under it.
+        self._cache_in_use: Counter[str] = Counter()
+        self._cache_guard = threading.Lock()
         self.journal_retention = journal_retention
         self.disk_headroom_check = disk_headroom_check
         self.disk_overcommit_ratio = disk_overcommit_ratio
@@ -836,6 +844,37 @@ class HostAgent(MoveOperations):
             self._undo_spawn(op, created_directory, created_volumes)
             raise
 
+    @contextmanager
+    def _cached_image_in_use(self, name: str | None) -> Iterator[None]:
+        """Keep the image cache's ``name`` from being pruned while the block runs (None: nothing)."""
+        if name is None:
+            yield
+            return
+        with self._cache_guard:
+            self._cache_in_use[name] += 1
+        try:
+            yield
+        finally:
+            with self._cache_guard:
+                self._cache_in_use[name] -= 1
+                if not self._cache_in_use[name]:
+                    del self._cache_in_use[name]
+
+    def prune_image_cache(self) -> list[Path]:
+        """Delete the cached images no spawn used for ``image_cache_max_age``; return them.
+
+        An image a spawn is using right now is kept whatever its age; one a spawn asks for after
+        it was deleted is downloaded again.
+        """
+        if self.image_cache_max_age is None:
+            return []
+        cache = self.instances_dir / disks.IMAGE_CACHE_DIR
+        with self._cache_guard:
+            removed = disks.prune_image_cache(cache, self.image_cache_max_age.total_seconds(), set(self._cache_in_use))
+        for path in removed:
+            logger.info("cached image removed: unused", extra={"host": self.host, "path": str(path)})
+        return removed
+
     def _undo_spawn(self, op: Operation, remove_directory: bool, created_volumes: list[Path]) -> None:
         try:
             self.driver.destroy(op.instance_uuid)
@@ -860,7 +899,8 @@ class HostAgent(MoveOperations):
                     # Written by an interrupted attempt: complete and verified, since it appears only by rename.
                     disks.grow(root, flavor["root_gb"] * disks.GiB)
                 else:
-                    disks.create_root_disk(self.s3, image, flavor["root_gb"] * disks.GiB, root, cache_dir=cache)
+                    with self._cached_image_in_use(image["sha256"] if cache is not None else None):
+                        disks.create_root_disk(self.s3, image, flavor["root_gb"] * disks.GiB, root, cache_dir=cache)
                 result.append(DiskSpec(kind=ROOT, path=str(root), device=LOCAL_DEVICES[ROOT], boot=True))
             elif not volumes:
                 raise errors.InvalidOperation(
@@ -1014,5 +1054,6 @@ class HostAgent(MoveOperations):
                     next_inventory = now + self.report_interval
                     if self.journal is not None:
                         self.journal.prune(self.journal_retention)
+                    self.prune_image_cache()
             except Exception:
                 logger.exception("host report failed", extra={"host": self.host})

@@ -42,7 +42,7 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -165,6 +165,28 @@ def remove_partial_files(instances_dir: str | os.PathLike[str]) -> list[Path]:
             if leftover.is_file():
                 leftover.unlink(missing_ok=True)
                 removed.append(leftover)
+    return removed
+
+
+def prune_image_cache(cache_dir: str | os.PathLike[str], max_age_seconds: float, keep: Container[str]) -> list[Path]:
+    """Delete the cached images not used for ``max_age_seconds`` (by their time stamp) but those in ``keep``.
+
+    A spawn marks a cached image used (:func:`create_root_disk`); instance disks are full copies
+    and never refer to the cache. Temporary files are left to :func:`remove_partial_files`.
+    Returns the files deleted.
+    """
+    removed: list[Path] = []
+    oldest = time.time() - max_age_seconds
+    try:
+        entries = list(os.scandir(cache_dir))
+    except FileNotFoundError:
+        return removed
+    for entry in entries:
+        if entry.name.startswith(".") or entry.name in keep or not entry.is_file(follow_symlinks=False):
+            continue
+        if entry.stat(follow_symlinks=False).st_mtime < oldest:
+            Path(entry.path).unlink(missing_ok=True)
+            removed.append(Path(entry.path))
     return removed
 
 
@@ -590,7 +612,9 @@ def create_root_disk(
         fetch(s3_client, bucket, key, dest_path, expected, chunk_size)
     else:
         cached = Path(cache_dir) / expected
-        if not cached.exists():
+        if cached.exists():
+            os.utime(cached)  # used now: pruning goes by the last use
+        else:
             fetch(s3_client, bucket, key, cached, expected, chunk_size)
         if copy_sparse(cached, dest_path, chunk_size, algorithm) != expected:
             # The cached copy rotted on disk: drop it and the copy, and fetch the image afresh.

@@ -682,3 +682,37 @@ def test_the_inventory_report_lists_the_instance_directories_but_not_the_image_c
     protocol.validate(report, protocol.REPORT_SCHEMA)
     assert (host.agent.instances_dir / "_base").is_dir()
     assert report["instance_dirs"] == sorted([instance_uuid, f"{instance_uuid}_resize"])
+
+
+def test_a_cached_image_no_spawn_used_for_its_max_age_is_pruned_and_one_in_use_is_not(host):
+    image = host.image(b"x" * 4096)
+    output(host.execute("spawn", str(uuid.uuid4()), spawn_args(image)))
+    cached = host.agent.instances_dir / disks.IMAGE_CACHE_DIR / image["sha256"]
+    day_and_a_bit = time.time() - 25 * 3600
+    os.utime(cached, (day_and_a_bit, day_and_a_bit))
+
+    with host.agent._cached_image_in_use(image["sha256"]):  # a spawn copying from it right now
+        assert host.agent.prune_image_cache() == []
+    # A spawn that uses the cached image marks it used: it stays another day.
+    output(host.execute("spawn", str(uuid.uuid4()), spawn_args(image)))
+    assert host.agent.prune_image_cache() == []
+    os.utime(cached, (day_and_a_bit, day_and_a_bit))
+
+    assert host.agent.prune_image_cache() == [cached]
+    assert not cached.exists()
+    # The next spawn fetches it again.
+    output(host.execute("spawn", str(uuid.uuid4()), spawn_args(image)))
+    assert cached.exists()
+
+
+def test_pruning_the_image_cache_leaves_recent_kept_and_temporary_files(tmp_path):
+    old = time.time() - 3600
+    files = {name: tmp_path / name for name in ("old", "recent", "kept", ".old.x1.part")}
+    for name, path in files.items():
+        path.write_bytes(b"x")
+        if name != "recent":
+            os.utime(path, (old, old))
+
+    assert disks.prune_image_cache(tmp_path, 60, keep={"kept"}) == [files["old"]]
+    assert disks.prune_image_cache(tmp_path / "absent", 60, keep=set()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".old.x1.part", "kept", "recent"]
