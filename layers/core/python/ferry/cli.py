@@ -7,7 +7,8 @@ Each command is a function that adds its sub-parser and sets ``handler`` to what
 command (``ferry drain …``, say) is one more entry in :data:`COMMANDS`. A handler returns the
 exit status.
 
-Exit statuses: 0 success (for ``audit``: no problem left), 1 problems remain, 2 bad usage.
+Exit statuses: 0 success (for ``audit``: no problem left), 1 problems remain (or, for the set-up
+commands of :mod:`ferry.cli_cells`, refused), 2 bad usage.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ferry import cli_drain
+from ferry import cli_cells, cli_drain
 from ferry.audit import DEFAULT_GRACE_SECONDS
 
 Handler = Callable[[argparse.Namespace], int]
@@ -57,6 +58,9 @@ def add_audit(commands: Any) -> None:
 COMMANDS: list[tuple[str, Callable[[Any], None]]] = [
     ("audit", add_audit),
     ("drain", cli_drain.add_drain),
+    ("db", cli_cells.add_db),
+    ("cell", cli_cells.add_cell),
+    ("host", cli_cells.add_host),
 ]
 
 

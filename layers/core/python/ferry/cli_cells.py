@@ -1,0 +1,131 @@
+"""``ferry db``, ``ferry cell`` and ``ferry host``: set up the store of a deployment.
+
+What an operator runs once per deployment, and again after an upgrade or when hardware is
+added, where the control plane's settings are (``FERRY_API_DATABASE_URL``, as the template's
+``ApiDatabaseUrl`` gives the functions):
+
+- ``ferry db sync``: the API database and every mapped cell's database to the newest schema;
+- ``ferry cell create NAME --database-url URL``: a cell's database migrated and mapped (``cell0``
+  holds the servers that were never scheduled; every deployment needs it);
+- ``ferry cell list``: the mapped cells (passwords hidden);
+- ``ferry host map HOST --cell NAME``: which cell a compute host belongs to, ahead of its agent
+  (whose first report maps its host to the cell it names with ``--cell``, when unmapped).
+
+Each is idempotent: run again, it changes nothing. A cell is never re-pointed at another
+database, and a host never moved to another cell by these commands: both would strand the
+servers recorded there, so they are refused (exit status 1) with what is mapped now.
+
+Exit statuses: 0 success, 1 refused, 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from ferry import config
+
+
+def _hidden(url: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)
+
+
+def _refused(message: str) -> int:
+    print(f"ferry: {message}", file=sys.stderr)
+    return 1
+
+
+def _cells() -> list[Any]:
+    from sqlalchemy import select
+
+    from ferry.store.api_models import CellMapping
+    from ferry.store.db import api_session
+
+    with api_session() as session:
+        return list(session.scalars(select(CellMapping).order_by(CellMapping.name)))
+
+
+def _run_db_sync(_args: argparse.Namespace) -> int:
+    from ferry.store import migrate, setup
+
+    setup.init_api_database()
+    print(f"API database {_hidden(config.get().api_database_url)}: up to date")
+    for cell in _cells():
+        migrate.upgrade("cell", cell.database_connection)
+        print(f"cell {cell.name} database {_hidden(cell.database_connection)}: up to date")
+    return 0
+
+
+def _run_cell_create(args: argparse.Namespace) -> int:
+    from ferry.store import setup
+
+    setup.init_api_database()
+    existing = {cell.name: cell for cell in _cells()}.get(args.name)
+    if existing is not None and existing.database_connection != args.database_url:
+        return _refused(f"cell {args.name} is mapped to {_hidden(existing.database_connection)}; "
+                        f"a cell is never re-pointed at another database.")
+    setup.create_cell(args.name, args.database_url)
+    print(f"cell {args.name} database {_hidden(args.database_url)}: "
+          f"{'up to date' if existing is not None else 'created and mapped'}")
+    return 0
+
+
+def _run_cell_list(_args: argparse.Namespace) -> int:
+    for cell in _cells():
+        print(f"{cell.name}\t{_hidden(cell.database_connection)}")
+    return 0
+
+
+def _run_host_map(args: argparse.Namespace) -> int:
+    from sqlalchemy import select
+
+    from ferry.store import setup
+    from ferry.store.api_models import CellMapping, HostMapping
+    from ferry.store.db import api_session
+
+    with api_session() as session:
+        cell = session.scalars(select(CellMapping).where(CellMapping.name == args.cell)).one_or_none()
+        current = session.scalars(select(CellMapping.name).join(HostMapping, HostMapping.cell_id == CellMapping.id)
+                                  .where(HostMapping.host == args.host)).one_or_none()
+    if cell is None:
+        return _refused(f"no cell named {args.cell}; create it first with `ferry cell create`.")
+    if current is not None and current != args.cell:
+        return _refused(f"host {args.host} is mapped to cell {current}; a host with servers recorded there "
+                        f"is never moved to another cell.")
+    setup.map_host(args.host, args.cell)
+    print(f"host {args.host}: cell {args.cell}")
+    return 0
+
+
+def add_db(commands: Any) -> None:
+    parser = commands.add_parser("db", help="bring the databases to the newest schema",
+                                 description="Migrate the API database and every mapped cell's database.")
+    sub = parser.add_subparsers(dest="db_command", metavar="<db command>", required=True)
+    sync = sub.add_parser("sync", help="migrate the API database and every cell database (idempotent)")
+    sync.set_defaults(handler=_run_db_sync)
+
+
+def add_cell(commands: Any) -> None:
+    parser = commands.add_parser("cell", help="create and list cells",
+                                 description="A cell is a database of servers and the hosts mapped to it.")
+    sub = parser.add_subparsers(dest="cell_command", metavar="<cell command>", required=True)
+    create = sub.add_parser("create", help="migrate a cell's database and map it (idempotent)")
+    create.add_argument("name", help="the cell's name (cell0 holds servers that were never scheduled)")
+    create.add_argument("--database-url", required=True, metavar="URL",
+                        help="the cell database's SQLAlchemy URL, e.g. postgresql+psycopg://user:pw@db/cell1")
+    create.set_defaults(handler=_run_cell_create)
+    listing = sub.add_parser("list", help="the mapped cells and their databases (passwords hidden)")
+    listing.set_defaults(handler=_run_cell_list)
+
+
+def add_host(commands: Any) -> None:
+    parser = commands.add_parser("host", help="map compute hosts to cells",
+                                 description="Record which cell a compute host belongs to.")
+    sub = parser.add_subparsers(dest="host_command", metavar="<host command>", required=True)
+    mapping = sub.add_parser("map", help="map a host to a cell (idempotent; never moves a mapped host)")
+    mapping.add_argument("host", help="the compute host's name, as its agent reports it (--host)")
+    mapping.add_argument("--cell", required=True, help="the cell's name")
+    mapping.set_defaults(handler=_run_host_map)

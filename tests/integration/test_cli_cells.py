@@ -1,0 +1,82 @@
+"""``ferry db``, ``ferry cell`` and ``ferry host``: a deployment's store set up from nothing, idempotently."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, inspect
+
+from ferry import cli, cli_cells, config, hosts
+from ferry.store import db
+
+
+@pytest.fixture
+def empty_deployment(tmp_path: Path, monkeypatch) -> Iterator[Path]:
+    """Settings pointing at an API database that does not exist yet."""
+    monkeypatch.setenv("FERRY_STATE_DIR", str(tmp_path))
+    monkeypatch.setenv("FERRY_API_DATABASE_URL", f"sqlite:///{tmp_path / 'api.sqlite'}")
+    config.reset()
+    yield tmp_path
+    db.dispose_all()
+    config.reset()
+
+
+def tables(url: str) -> set[str]:
+    engine = create_engine(url)
+    try:
+        return set(inspect(engine).get_table_names())
+    finally:
+        engine.dispose()
+
+
+def test_a_deployment_is_set_up_from_nothing_and_every_step_can_run_again(empty_deployment, capsys):
+    cell1 = f"sqlite:///{empty_deployment / 'cell1.sqlite'}"
+
+    assert cli.main(["db", "sync"]) == 0
+    assert "cell_mappings" in tables(config.get().api_database_url)
+    for _ in range(2):
+        assert cli.main(["cell", "create", "cell1", "--database-url", cell1]) == 0
+        assert cli.main(["host", "map", "compute1", "--cell", "cell1"]) == 0
+    assert cli.main(["db", "sync"]) == 0
+
+    assert "instances" in tables(cell1) and "migrations" in tables(cell1)
+    assert hosts.cell_of_host("compute1") == "cell1"
+    out = capsys.readouterr().out
+    assert "cell cell1 database sqlite:///" in out and "created and mapped" in out
+    assert "host compute1: cell cell1" in out
+    assert cli.main(["cell", "list"]) == 0
+    assert capsys.readouterr().out == f"cell1\t{cell1}\n"
+
+
+def test_a_cell_is_never_re_pointed_and_a_host_never_moved(empty_deployment, capsys):
+    first, other = (f"sqlite:///{empty_deployment / name}" for name in ("cell1.sqlite", "other.sqlite"))
+    assert cli.main(["cell", "create", "cell1", "--database-url", first]) == 0
+    assert cli.main(["cell", "create", "cell2", "--database-url", other]) == 0
+    assert cli.main(["host", "map", "compute1", "--cell", "cell1"]) == 0
+    capsys.readouterr()
+
+    assert cli.main(["cell", "create", "cell1", "--database-url", other]) == 1
+    assert "cell cell1 is mapped to sqlite:///" in capsys.readouterr().err
+    assert cli.main(["host", "map", "compute1", "--cell", "cell2"]) == 1
+    assert "host compute1 is mapped to cell cell1" in capsys.readouterr().err
+    assert cli.main(["host", "map", "compute2", "--cell", "cell9"]) == 1
+    assert "no cell named cell9" in capsys.readouterr().err
+
+    assert hosts.cell_of_host("compute1") == "cell1" and hosts.cell_of_host("compute2") is None
+    assert capsys.readouterr().out == "" and cli.main(["cell", "list"]) == 0
+    assert capsys.readouterr().out == f"cell1\t{first}\ncell2\t{other}\n"
+
+
+def test_a_database_password_is_never_printed():
+    hidden = cli_cells._hidden("postgresql+psycopg://ferry:s3cret@db.example/cell1")
+
+    assert "s3cret" not in hidden and hidden.startswith("postgresql+psycopg://ferry:***@db.example/cell1")
+
+
+def test_set_up_commands_need_their_arguments():
+    for argv in (["cell", "create", "cell1"], ["host", "map", "compute1"], ["db"]):
+        with pytest.raises(SystemExit) as exited:
+            cli.main(argv)
+        assert exited.value.code == 2
