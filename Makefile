@@ -27,7 +27,7 @@ help:
 	@echo "make up         run the local stack in the foreground (Ctrl-C stops it)"
 	@echo "make lint       ruff and mypy"
 	@echo "make lock       re-resolve requirements.lock from pyproject.toml (LOCK_ARGS=--upgrade to move pins)"
-	@echo "make clean      remove local state (.ferry) and tool caches; keeps the virtualenv"
+	@echo "make clean      stop the test PostgreSQL server, remove its data, local state (.ferry) and tool caches"
 	@echo "make distclean  clean, and remove the virtualenv too"
 
 bootstrap:
@@ -68,8 +68,10 @@ lock:
 	CUSTOM_COMPILE_COMMAND="make lock" $(LOCK_TOOLS)/bin/pip-compile --quiet --allow-unsafe --all-extras \
 	  --strip-extras --no-emit-index-url --no-emit-find-links $(LOCK_ARGS) --output-file requirements.lock pyproject.toml
 
+# Also where PostgreSQL is not installed. The test server's data goes too, wherever it is
+# (.ferry/test-postgres, /tmp/ferry-test-postgres-<hash> or $FERRY_PG_DIR). Keeps the virtualenv.
 clean:
-	scripts/test-postgres.sh stop
+	scripts/test-postgres.sh remove
 	rm -rf .ferry .pytest_cache .mypy_cache .ruff_cache
 
 distclean: clean
