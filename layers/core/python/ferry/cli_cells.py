@@ -115,7 +115,7 @@ def add_cell(commands: Any) -> None:
     create = sub.add_parser("create", help="migrate a cell's database and map it (idempotent)")
     create.add_argument("name", help="the cell's name (cell0 holds servers that were never scheduled)")
     create.add_argument("--database-url", required=True, metavar="URL",
-                        help="the cell database's SQLAlchemy URL, e.g. postgresql+psycopg://user:pw@db/cell1")
+                        help="the cell database's SQLAlchemy URL, e.g. postgresql+psycopg2://ferry:pw@db/ferry_cell1")
     create.set_defaults(handler=_run_cell_create)
     listing = sub.add_parser("list", help="the mapped cells and their databases (passwords hidden)")
     listing.set_defaults(handler=_run_cell_list)
