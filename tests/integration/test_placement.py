@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 
 import pytest
-from placement_helpers import PROJECT, USER, add_compute, cell_id, resources
+from placement_helpers import PROJECT, USER, add_compute, assert_used_counters_match_allocations, cell_id, resources
 
 from ferry import config, errors, placement
 from ferry.placement import DISK_GB, MEMORY_MB, VCPU
@@ -43,19 +43,35 @@ def test_ensure_provider_unchanged_report_keeps_generation(store):
     assert set(placement.get_inventories(rp)) == {VCPU}
 
 
-def test_inventory_update_below_usage_is_refused(store):
+def test_removing_a_class_with_allocations_is_refused(store):
     rp = add_compute("host-a", vcpus=8)
     placement.claim(new_uuid(), PROJECT, USER, {rp: resources(vcpus=6)})
 
     with pytest.raises(errors.InventoryInUse):
-        placement.ensure_provider("host-a", "host-a", cell_id("cell1"),
-                                  {VCPU: {"total": 5, "allocation_ratio": 1.0},
-                                   MEMORY_MB: {"total": 8192, "allocation_ratio": 1.0},
-                                   DISK_GB: {"total": 100, "allocation_ratio": 1.0}})
-    with pytest.raises(errors.InventoryInUse):
         placement.ensure_provider("host-a", "host-a", cell_id("cell1"), {VCPU: {"total": 8, "allocation_ratio": 1.0}})
-    assert placement.get_inventories(rp)[VCPU]["total"] == 8
     assert set(placement.get_inventories(rp)) == {VCPU, MEMORY_MB, DISK_GB}
+
+
+def test_a_capacity_below_usage_is_taken_and_only_writes_that_add_nothing_fit_there(store):
+    """A host reporting less (a lower ratio, more reserved) is believed; what it holds can still move back."""
+    rp = add_compute("host-a", vcpus=8)
+    server, migration = new_uuid(), new_uuid()
+    placement.claim(server, PROJECT, USER, {rp: resources(vcpus=6)})
+    shrunk = {VCPU: {"total": 5, "allocation_ratio": 1.0}, MEMORY_MB: {"total": 8192, "allocation_ratio": 1.0},
+              DISK_GB: {"total": 100, "allocation_ratio": 1.0}}
+
+    placement.ensure_provider("host-a", "host-a", cell_id("cell1"), shrunk)
+
+    assert placement.get_inventories(rp)[VCPU]["total"] == 5
+    with pytest.raises(errors.InsufficientCapacity):
+        placement.claim(new_uuid(), PROJECT, USER, {rp: resources(vcpus=1)})
+    # The server's allocation handed to a migration and back adds nothing to the provider.
+    placement.move_allocations(server, migration)
+    placement.move_allocations(migration, server)
+    assert placement.get_allocations(server)[rp][VCPU] == 6
+    with pytest.raises(errors.InsufficientCapacity):
+        placement.set_allocations({server: {"allocations": {rp: resources(vcpus=7)}}})
+    assert_used_counters_match_allocations()
 
 
 def test_claim_is_all_or_nothing_across_resource_classes(store):

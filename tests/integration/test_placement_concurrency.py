@@ -297,3 +297,29 @@ def test_a_step_delivered_twice_at_once_hands_the_source_to_the_migration_once(p
     assert placement.get_allocations(instance) == {dest_b: {VCPU: 2}}
     assert VCPU not in placement.usages(dest_c)
     assert_used_counters_match_allocations()
+
+
+def test_deleting_a_consumer_s_allocations_while_its_first_claim_commits_leaves_no_phantom_usage(
+    pg_store, monkeypatch
+):
+    """A consumer not yet recorded has no generation to swap: the delete sees the claim it did not read."""
+    rp = add_compute("h1", vcpus=8)
+    consumer = str(uuid.uuid4())
+    read_generations = placement._read_provider_generations
+    claimed = threading.Event()
+
+    def claim_meanwhile(session, provider_ids):  # noqa: ANN001 - placement's own session
+        generations = read_generations(session, provider_ids)
+        if not claimed.is_set():
+            claimed.set()
+            racer = threading.Thread(target=placement.claim, args=(consumer, PROJECT, USER, {rp: {VCPU: 4}}))
+            racer.start()
+            racer.join()
+        return generations
+
+    monkeypatch.setattr(placement, "_read_provider_generations", claim_meanwhile)
+    placement.delete_allocations(consumer)
+
+    assert claimed.is_set()
+    assert placement.get_allocations(consumer) == {}
+    assert_used_counters_match_allocations()

@@ -270,7 +270,8 @@ def ensure_provider(host: str, node: str, cell_id: int | None, inventories: Mapp
 
     Raises:
         BadRequest: an inventory field is invalid.
-        InventoryInUse: a class's new capacity would be below what its allocations already use.
+        InventoryInUse: a class that has allocations would be removed. A capacity below what is
+            already allocated is taken, with a warning: nothing more fits until enough is freed.
         AllocationConflict: the provider kept changing under the update.
     """
     wanted = {rc: _inventory_record(rc, spec) for rc, spec in inventories.items()}
@@ -308,11 +309,21 @@ def ensure_provider(host: str, node: str, cell_id: int | None, inventories: Mapp
         )
         for rc, amount in used.items():
             record = wanted.get(rc)
-            room = capacity(record["total"], record["reserved"], record["allocation_ratio"]) if record else 0
+            if record is None:
+                if amount:
+                    raise errors.InventoryInUse(
+                        f"Resource provider {node}: {amount} {rc} are allocated; the class cannot be removed.",
+                        provider=provider_uuid, resource_class=rc, used=amount, capacity=0,
+                    )
+                continue
+            room = capacity(record["total"], record["reserved"], record["allocation_ratio"])
             if amount > room:
-                raise errors.InventoryInUse(
-                    f"Resource provider {node}: {amount} {rc} are allocated, more than the new capacity {room:g}.",
-                    provider=provider_uuid, resource_class=rc, used=amount, capacity=room,
+                # The host is what it is (a lower ratio, more reserved, a smaller disk): take it as
+                # it reports, so that nothing more is placed there until enough is freed.
+                logger.warning(
+                    "inventory below what is allocated: no new claim fits until enough is freed",
+                    extra={"provider": provider_uuid, "node": node, "resource_class": rc, "used": amount,
+                           "capacity": room},
                 )
 
         _bump_provider(session, provider_id, generation, host=host, cell_id=cell_id)
@@ -453,7 +464,14 @@ def _write_allocations(session: Session, changes: list[_Change], *,
     for change in sorted(changes, key=lambda c: c.consumer):
         _write_consumer(session, change, consumers.get(change.consumer))
 
-    session.execute(delete(Allocation).where(Allocation.consumer_uuid.in_(names)))
+    deleted_from = set(session.scalars(
+        delete(Allocation).where(Allocation.consumer_uuid.in_(names)).returning(Allocation.resource_provider_id)
+    ))
+    if deleted_from - set(generations):
+        # A claim for one of these consumers committed after their allocations were read (a
+        # consumer not yet recorded has no generation to swap): its provider was neither checked
+        # nor will its usage be refreshed, so start again from what is there now.
+        raise _GenerationConflict(f"allocations of {names} were written after they were read")
     rows = [
         {"resource_provider_id": providers[rp_uuid], "consumer_uuid": change.consumer, "resource_class": rc,
          "used": amount}
@@ -467,7 +485,12 @@ def _write_allocations(session: Session, changes: list[_Change], *,
 
 
 def _check_capacity(session: Session, changes: list[_Change], providers: dict[str, int], names: list[str]) -> None:
-    """Raise InsufficientCapacity unless every requested amount fits its provider's inventory."""
+    """Raise InsufficientCapacity unless every requested amount fits its provider's inventory.
+
+    What these consumers already hold there counts as fitting: a provider whose capacity shrank
+    below its usage still takes a write that adds nothing to it (a move handed back, a smaller
+    claim), never one that adds.
+    """
     requested: dict[tuple[int, str], int] = defaultdict(int)
     for change in changes:
         for rp_uuid, resources in change.allocations.items():
@@ -485,6 +508,14 @@ def _check_capacity(session: Session, changes: list[_Change], providers: dict[st
         for row in session.execute(
             select(Allocation.resource_provider_id, Allocation.resource_class, func.sum(Allocation.used).label("used"))
             .where(Allocation.resource_provider_id.in_(provider_ids), Allocation.consumer_uuid.not_in(names))
+            .group_by(Allocation.resource_provider_id, Allocation.resource_class)
+        )
+    }
+    held = {
+        (row.resource_provider_id, row.resource_class): row.used
+        for row in session.execute(
+            select(Allocation.resource_provider_id, Allocation.resource_class, func.sum(Allocation.used).label("used"))
+            .where(Allocation.resource_provider_id.in_(provider_ids), Allocation.consumer_uuid.in_(names))
             .group_by(Allocation.resource_provider_id, Allocation.resource_class)
         )
     }
@@ -507,7 +538,7 @@ def _check_capacity(session: Session, changes: list[_Change], providers: dict[st
         inv = inventories[(rp_id, rc)]
         room = capacity(inv.total, inv.reserved, inv.allocation_ratio)
         used = used_by_others.get((rp_id, rc), 0)
-        if used + amount > room:
+        if used + amount > room and amount > held.get((rp_id, rc), 0):
             raise errors.InsufficientCapacity(
                 f"Resource provider {uuid_of[rp_id]} cannot fit {amount} {rc}: {used} of {room:g} in use.",
                 provider=uuid_of[rp_id], resource_class=rc, requested=amount, used=used, capacity=room,
