@@ -66,6 +66,21 @@ def test_aggregate_spec_key_takes_own_scope_and_unscoped_keys_only():
         ("<or> gen1 <or> gen3", {"gen2"}, False),
         ("<in> nvme", {"ssd-nvme"}, True),
         ("<in> nvme", {"ssd-sata"}, False),
+        ("= 3", {"4"}, True),  # "=" means at least
+        ("= 3", {"2"}, False),
+        (">= 3", {"3"}, True),
+        ("<= 3", {"4"}, False),
+        ("== 4", {"4.0"}, True),  # numbers compare as numbers
+        ("!= 4", {"5"}, True),
+        ("= 3", {"three"}, False),  # a value that is no number matches no numeric operator
+        ("s== gen4", {"gen4"}, True),
+        ("s!= gen4", {"gen4"}, False),
+        ("s< b", {"a"}, True),
+        ("s>= b", {"a"}, False),
+        ("<all-in> avx2 sse4", {"avx2,sse4,aes"}, True),
+        ("<all-in> avx2 avx512", {"avx2,sse4"}, False),
+        ("<in> nvme extra", {"ssd-nvme"}, True),  # <in> looks for its first word
+        ("> 3", {"> 3"}, True),  # no operator: the whole value must be equal
     ],
 )
 def test_spec_matches(required, offered, matches):

@@ -8,6 +8,8 @@ runs through every filter like any other host.
 from __future__ import annotations
 
 import datetime as dt
+import operator
+from collections.abc import Callable
 from typing import ClassVar
 
 from ferry import config
@@ -80,20 +82,49 @@ def aggregate_spec_key(key: str) -> str | None:
     return rest if scope == AGGREGATE_SPEC_SCOPE else None
 
 
-def spec_matches(required: str, offered: set[str]) -> bool:
-    """Whether one of the ``offered`` aggregate values satisfies the extra spec value ``required``.
+# Extra spec value operators: the first word of the value, then the operand(s).
+_NUMERIC_OPS: dict[str, Callable[[float, float], bool]] = {
+    "=": operator.ge,  # at least: "= 4" is met by 4 or more
+    "==": operator.eq, "!=": operator.ne, ">=": operator.ge, "<=": operator.le,
+}
+_STRING_OPS: dict[str, Callable[[str, str], bool]] = {
+    "s==": operator.eq, "s!=": operator.ne, "s<": operator.lt, "s<=": operator.le, "s>": operator.gt,
+    "s>=": operator.ge,
+}
 
-    ``<or> a <or> b`` accepts any of the alternatives; ``<in> text`` accepts a value containing
-    ``text``; anything else must equal an offered value (surrounding spaces ignored).
+
+def value_matches(required: str, value: str) -> bool:
+    """Whether one offered aggregate ``value`` satisfies the extra spec value ``required``.
+
+    ``required`` is a plain value (equal, surrounding spaces ignored), or an operator and its
+    operand: ``= n`` (a number at least n), ``== n``, ``!= n``, ``>= n``, ``<= n`` (numbers),
+    ``s== t``, ``s!= t``, ``s< t``, ``s<= t``, ``s> t``, ``s>= t`` (strings), ``<in> t`` (the
+    value contains t), ``<all-in> t u …`` (it contains each), ``<or> a <or> b …`` (it is one of
+    them). A number that does not parse matches nothing.
     """
-    required = required.strip()
-    if required.startswith("<or>"):
-        alternatives = {part.strip() for part in required.split("<or>") if part.strip()}
-        return bool(alternatives & offered)
-    if required.startswith("<in>"):
-        needle = required[len("<in>"):].strip()
-        return any(needle in value for value in offered)
-    return required in offered
+    words = required.split()
+    if not words:
+        return value == required
+    op, operands = words[0], words[1:]
+    if op == "<or>":
+        return value in {part.strip() for part in required.split("<or>") if part.strip()}
+    if op == "<in>":
+        return bool(operands) and operands[0] in value
+    if op == "<all-in>":
+        return bool(operands) and all(word in value for word in operands)
+    if op in _NUMERIC_OPS and operands:
+        try:
+            return _NUMERIC_OPS[op](float(value), float(operands[0]))
+        except ValueError:
+            return False
+    if op in _STRING_OPS and operands:
+        return _STRING_OPS[op](value, operands[0])
+    return value == required.strip()
+
+
+def spec_matches(required: str, offered: set[str]) -> bool:
+    """Whether one of the ``offered`` aggregate values satisfies the extra spec value ``required``."""
+    return any(value_matches(required, value) for value in offered)
 
 
 @register
