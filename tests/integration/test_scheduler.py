@@ -298,6 +298,21 @@ def test_cross_cell_weigher_keeps_a_move_in_its_source_cell(store, attempts):
     assert hosts_of(scheduler.select_destinations(request_spec(), claim=False))[0] == "host-cell1"
 
 
+def test_a_move_finds_room_in_its_source_cell_beyond_placement_s_sample_of_every_cell(store, monkeypatch):
+    """Candidates come in samples of every allowed cell: the one free host of the source cell is
+    rarely in a sample of 5 among 31, yet a move that may leave its cell stays when it can."""
+    monkeypatch.setenv("FERRY_MAX_PLACEMENT_RESULTS", "5")
+    config.reset()
+    add_compute("host-source", "cell1")
+    for index in range(30):
+        add_compute(f"host-other-{index}", "cell2")
+
+    chosen = {scheduler.select_destinations(request_spec(allowed_cells=["cell1", "cell2"], source_cell="cell1"),
+                                            claim=False)[0].host for _ in range(20)}
+
+    assert chosen == {"host-source"}
+
+
 def test_negative_cross_cell_multiplier_prefers_other_cells(store, monkeypatch):
     monkeypatch.setenv("FERRY_CROSS_CELL_MOVE_WEIGHT_MULTIPLIER", "-1000000")
     config.reset()

@@ -133,11 +133,34 @@ def _filter(spec: SchedulingSpec, excluded: list[str],
     for a full pass, a succeeding one does not).
     """
     request = request_filter.placement_request(spec, exclude_consumers=excluded)
+    preferred: list[HostState] = []
+    if _source_cell_first(spec, request):
+        # Placement's batches sample every allowed cell; a host of the source cell that is not in
+        # the sample would never be weighed. So the source cell is searched first, and only its
+        # hosts the cross-cell weigher favours (a positive multiplier) count.
+        weigher = host_weighers.CrossCellWeigher()
+        in_source = _filter_candidates(spec, dataclasses.replace(request, cell=spec.source_cell), pending)
+        preferred = [host for host in in_source.hosts if weigher.multiplier(host, spec) > 0]
+        if len(preferred) >= max(config.get().scheduler_max_attempts, 1):
+            return dataclasses.replace(in_source, hosts=preferred)
     filtered = _filter_candidates(spec, request, pending)
     if not filtered.hosts and request_filter.is_narrowed(request):
         filtered = _filter_candidates(
             spec, request_filter.placement_request(spec, exclude_consumers=excluded, narrow=False), pending)
+    if preferred:
+        found = {host.provider_uuid for host in preferred}
+        filtered.hosts = preferred + [host for host in filtered.hosts if host.provider_uuid not in found]
     return filtered
+
+
+def _source_cell_first(spec: SchedulingSpec, request: placement.CandidateRequest) -> bool:
+    """Whether a move may leave its cell but would rather not, so that its own cell is searched first."""
+    if not spec.source_cell or request.cell is not None or request.host is not None:
+        return False
+    if request.cells is not None and (spec.source_cell not in request.cells or len(request.cells) < 2):
+        return False
+    multiplier = spec.cross_cell_weight_multiplier
+    return (multiplier if multiplier is not None else config.get().cross_cell_move_weight_multiplier) > 0
 
 
 def _explain(spec: SchedulingSpec, filtered: _Filtered, raced: int = 0) -> str:
