@@ -25,7 +25,7 @@ from pathlib import Path
 from ferry import config, errors
 from ferry.observability import logger
 from hostagent.agent import DEFAULT_VISIBILITY_TIMEOUT, HostAgent, inventory_from_capacity
-from hostagent.driver import HostCapacity, LibvirtDriver, write_test_node_xml
+from hostagent.driver import CPU_MODES, PORT_VIF_TYPES, HostCapacity, LibvirtDriver, write_test_node_xml
 
 DEFAULT_TEST_VCPUS = 8
 DEFAULT_TEST_MEMORY_MB = 16384
@@ -108,6 +108,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="the disk headroom check needs a flavor's full disk size divided by this ratio free "
         "(above 1 for sparse disks that are expected to stay sparse)",
     )
+    parser.add_argument(
+        "--cpu-mode",
+        choices=CPU_MODES,
+        default="host-model",
+        help="the CPU guests see: the host's model and features (host-model), the host CPU exactly "
+        "(host-passthrough: moves only between identical hosts), or the hypervisor's default (none)",
+    )
+    parser.add_argument(
+        "--port-bridge",
+        help="the bridge ports are plugged into (br-int for Open vSwitch); unset, ports are tap devices "
+        "of type ethernet that nothing plugs in, which is all libvirt's test driver needs",
+    )
+    parser.add_argument(
+        "--port-vif-type",
+        choices=PORT_VIF_TYPES,
+        default="ovs",
+        help="how a port joins --port-bridge: an Open vSwitch port carrying the port id, or a Linux bridge port",
+    )
     return parser
 
 
@@ -125,7 +143,14 @@ def main(argv: list[str] | None = None) -> int:
         keep_guests=True,
     )
     try:
-        driver = LibvirtDriver(uri, disk_path=instances_dir, persist_test_guests=not args.libvirt_uri)
+        driver = LibvirtDriver(
+            uri,
+            disk_path=instances_dir,
+            persist_test_guests=not args.libvirt_uri,
+            cpu_mode=args.cpu_mode,
+            port_bridge=args.port_bridge,
+            port_vif_type=args.port_vif_type,
+        )
         capacity = driver.host_capacity()
     except errors.HypervisorError as exc:
         logger.error("cannot open the hypervisor", extra={"host": host, "uri": uri, "error": exc.message})

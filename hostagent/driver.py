@@ -10,21 +10,31 @@ instance's display name, flavor, local disks, volumes and ports, so the host can
 guest is without asking the database.
 
 Every libvirt failure surfaces as :class:`ferry.errors.HypervisorError`; an operation on a guest
-the hypervisor does not know raises :class:`ferry.errors.GuestNotFound`.
+the hypervisor does not know raises :class:`ferry.errors.GuestNotFound`. A call that finds the
+connection dropped (libvirtd restarted) is made once more on a new connection.
+
+Disks are raw, on virtio: a block device (a volume's path, usually) as ``type='block'``, anything
+else as a file; with ``cache='none'`` where the storage takes O_DIRECT and ``writethrough`` where
+it does not. Guests get ``<cpu mode=...>`` (``cpu_mode``), and ports are plugged into
+``port_bridge`` as Open vSwitch or Linux bridge ports on a tap device named after the port.
 """
 
 from __future__ import annotations
 
 import abc
+import functools
+import mmap
 import os
+import stat
+import tempfile
 import threading
 import time
 import xml.etree.ElementTree as ET
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import libvirt
 
@@ -63,6 +73,13 @@ SWAP = "swap"
 VOLUME = "volume"
 LOCAL_DEVICES = {ROOT: "vda", EPHEMERAL: "vdb", SWAP: "vdc"}
 
+# How a guest sees the host's CPU, written as ``<cpu mode='...'/>``; "none" writes no ``<cpu>``
+# element (KVM then gives the guest QEMU's generic qemu64 model).
+CPU_MODES = ("host-model", "host-passthrough", "none")
+# How a port is plugged into the bridge named by ``port_bridge``: an Open vSwitch port carrying
+# the port id (what an OVS agent looks for), or a port of a Linux bridge.
+PORT_VIF_TYPES = ("ovs", "bridge")
+
 _FLAVOR_INT_FIELDS = ("vcpus", "memory_mb", "root_gb", "ephemeral_gb", "swap")
 _FLAVOR_STR_FIELDS = ("flavorid", "name")
 
@@ -70,6 +87,11 @@ _FLAVOR_STR_FIELDS = ("flavorid", "name")
 def guest_name(instance_uuid: str) -> str:
     """The libvirt domain name of an instance's guest."""
     return f"instance-{instance_uuid}"
+
+
+def tap_device(port_id: str) -> str:
+    """The host's tap device of a port: ``tap`` and the port id's first 11 characters (15 at most, as Linux allows)."""
+    return f"tap{port_id[:11]}"
 
 
 def short_device(device: str) -> str:
@@ -137,7 +159,7 @@ class Driver(abc.ABC):
 
     @abc.abstractmethod
     def power_on(self, instance_uuid: str) -> None:
-        """Start the guest; a running guest is left alone.
+        """Start the guest; a paused guest is resumed, a suspended one woken, a running one left alone.
 
         Raises:
             GuestNotFound, HypervisorError.
@@ -263,6 +285,73 @@ def _hypervisor_errors(action: str, instance_uuid: str | None = None) -> Iterato
         ) from exc
 
 
+# Messages of libvirt's RPC client once the daemon has gone away (libvirtd restarted).
+_CONNECTION_LOST_MESSAGES = ("End of file", "client socket is closed")
+
+
+def _libvirt_cause(exc: BaseException) -> libvirt.libvirtError | None:
+    """The libvirt error behind ``exc`` (itself, or the cause of a :class:`HypervisorError`)."""
+    if isinstance(exc, libvirt.libvirtError):
+        return exc
+    cause = exc.__cause__
+    return cause if isinstance(cause, libvirt.libvirtError) else None
+
+
+def _is_connection_error(exc: libvirt.libvirtError) -> bool:
+    """Whether ``exc`` says the connection to the daemon is gone, rather than the call failing.
+
+    Only errors of the RPC layer count: QEMU's own "End of file from qemu monitor" (the guest's
+    process died) is a failed call on a working connection.
+    """
+    if exc.get_error_domain() not in (libvirt.VIR_FROM_RPC, libvirt.VIR_FROM_REMOTE):
+        return False
+    if exc.get_error_code() == libvirt.VIR_ERR_SYSTEM_ERROR:
+        return True
+    message = exc.get_error_message() or str(exc)
+    return any(lost in message for lost in _CONNECTION_LOST_MESSAGES)
+
+
+_REOPEN = "reopen connection"
+
+
+def _failed_reopening(exc: BaseException) -> bool:
+    """Whether ``exc`` is the failure to reopen the connection (the daemon is still down): no use trying again."""
+    return isinstance(exc, errors.HypervisorError) and exc.details.get("action") == _REOPEN
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _reconnecting(
+    method: Callable[Concatenate[LibvirtDriver, _P], _R],
+) -> Callable[Concatenate[LibvirtDriver, _P], _R]:
+    """Run a driver call again, once, on a new connection when the daemon dropped the old one.
+
+    A restarted libvirtd leaves the agent holding a dead connection whose next call fails; the
+    call is repeated from the start (every call looks its guest up again, so no handle of the old
+    connection survives). Calls made from within a call are not repeated on their own.
+    """
+
+    @functools.wraps(method)
+    def call(self: LibvirtDriver, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        if getattr(self._calls, "active", False):
+            return method(self, *args, **kwargs)
+        self._calls.active = True
+        try:
+            try:
+                return method(self, *args, **kwargs)
+            except (errors.HypervisorError, libvirt.libvirtError) as exc:
+                if not self._connection_lost(exc) or _failed_reopening(exc):
+                    raise
+                self._reconnect()
+            return method(self, *args, **kwargs)
+        finally:
+            self._calls.active = False
+
+    return call
+
+
 def write_test_node_xml(path: str | os.PathLike[str], vcpus: int, memory_mb: int, keep_guests: bool = False) -> str:
     """Write a node description for libvirt's test driver and return its ``test:///`` URI.
 
@@ -316,9 +405,25 @@ class LibvirtDriver(Driver):
             the guests and their run state back into that file after every change, so that a
             restarted agent (:func:`write_test_node_xml` with ``keep_guests``) finds them again.
             Ignored on other drivers, which keep their guests themselves.
+        cpu_mode: the CPU guests see, one of :data:`CPU_MODES`: ``host-model`` (the host's CPU
+            model and features, still migratable between like hosts), ``host-passthrough`` (the
+            host CPU exactly; moves only between identical hosts), ``none`` (no ``<cpu>`` element).
+        port_bridge: the bridge ports are plugged into. ``None`` defines them as ``ethernet``
+            interfaces: a tap device no bridge knows of, which is all the test driver needs.
+        port_vif_type: how a port joins ``port_bridge``, one of :data:`PORT_VIF_TYPES`.
+        shutdown_retry_interval: seconds between the shutdown requests :meth:`power_off` sends
+            while it waits (a guest still booting, or busy, can miss one).
+        destroy_attempts: how many times :meth:`power_off` and :meth:`destroy` try to stop a guest
+            that libvirt failed to stop with a system error (QEMU slow to exit).
+        destroy_retry_interval: seconds between those attempts.
+        device_detach_attempts: how many detach requests a device of a running guest is sent before
+            the detach fails (the guest must release the device; it may ignore a request).
+        device_detach_timeout: seconds each request waits for the device to leave the running guest.
+        device_poll_interval: how often the running guest's definition is read while waiting.
 
     Raises:
         HypervisorError: the connection cannot be opened.
+        ValueError: an unknown ``cpu_mode`` or ``port_vif_type``.
     """
 
     def __init__(
@@ -328,23 +433,49 @@ class LibvirtDriver(Driver):
         live_device_updates: bool | None = None,
         shutdown_poll_interval: float = 0.5,
         persist_test_guests: bool = False,
+        *,
+        cpu_mode: str = "host-model",
+        port_bridge: str | None = None,
+        port_vif_type: str = "ovs",
+        shutdown_retry_interval: float = 10.0,
+        destroy_attempts: int = 3,
+        destroy_retry_interval: float = 1.0,
+        device_detach_attempts: int = 3,
+        device_detach_timeout: float = 10.0,
+        device_poll_interval: float = 0.5,
     ) -> None:
+        if cpu_mode not in CPU_MODES:
+            raise ValueError(f"cpu_mode must be one of {', '.join(CPU_MODES)}, not {cpu_mode!r}.")
+        if port_vif_type not in PORT_VIF_TYPES:
+            raise ValueError(f"port_vif_type must be one of {', '.join(PORT_VIF_TYPES)}, not {port_vif_type!r}.")
         self.uri = uri
-        self.disk_path = Path(disk_path) if disk_path is not None else None
+        self.disk_path = Path(os.path.abspath(disk_path)) if disk_path is not None else None
         self.shutdown_poll_interval = shutdown_poll_interval
+        self.cpu_mode = cpu_mode
+        self.port_bridge = port_bridge or None
+        self.port_vif_type = port_vif_type
+        self.shutdown_retry_interval = shutdown_retry_interval
+        self.destroy_attempts = max(1, destroy_attempts)
+        self.destroy_retry_interval = destroy_retry_interval
+        self.device_detach_attempts = max(1, device_detach_attempts)
+        self.device_detach_timeout = device_detach_timeout
+        self.device_poll_interval = device_poll_interval
         self._lock = threading.RLock()
+        # Whether O_DIRECT works, by directory holding disk files (see _cache_mode).
+        self._direct_io: dict[Path, bool] = {}
+        # Per thread: whether a driver call is running, so that only the outermost one is repeated
+        # after a reconnection.
+        self._calls = threading.local()
         with _hypervisor_errors("open connection"):
             self._conn = libvirt.open(uri)
             self._conn_type = self._conn.getType()
             self._domain_type, self._arch = self._guest_type()
-        self.live_device_updates = (
-            live_device_updates if live_device_updates is not None else self._conn_type.upper() != "TEST"
-        )
+        # The test driver's state lives in its connection: it is never reopened.
+        self._is_test = self._conn_type.upper() == "TEST"
+        self.live_device_updates = live_device_updates if live_device_updates is not None else not self._is_test
         node_file = uri[len("test://") :] if uri.startswith("test:///") else ""
         self._test_node_file = (
-            Path(node_file)
-            if persist_test_guests and self._conn_type.upper() == "TEST" and node_file != "/default"
-            else None
+            Path(node_file) if persist_test_guests and self._is_test and node_file != "/default" else None
         )
 
     def _save_test_guests(self) -> None:
@@ -365,13 +496,36 @@ class LibvirtDriver(Driver):
 
     @property
     def connection(self) -> libvirt.virConnect:
-        """The open libvirt connection (reopened if a remote daemon dropped it)."""
+        """The open libvirt connection (reopened if the daemon dropped it)."""
         with self._lock:
-            # The test driver's state lives in the connection: never reopen it.
-            if self._conn_type.upper() != "TEST" and not self._conn.isAlive():
-                with _hypervisor_errors("reopen connection"):
-                    self._conn = libvirt.open(self.uri)
+            if not self._is_test and not self._alive():
+                self._reconnect()
             return self._conn
+
+    def _alive(self) -> bool:
+        try:
+            return bool(self._conn.isAlive())
+        except libvirt.libvirtError:
+            return False
+
+    def _connection_lost(self, exc: BaseException) -> bool:
+        """Whether ``exc`` (a libvirt error, or a HypervisorError caused by one) means the connection is gone."""
+        if self._is_test:
+            return False
+        cause = _libvirt_cause(exc)
+        if cause is None:
+            return False
+        return _is_connection_error(cause) or not self._alive()
+
+    def _reconnect(self) -> None:
+        """Close the (dead) connection and open a new one; domain handles of the old one are void."""
+        with self._lock:
+            try:
+                self._conn.close()
+            except libvirt.libvirtError:
+                pass
+            with _hypervisor_errors(_REOPEN):
+                self._conn = libvirt.open(self.uri)
 
     def close(self) -> None:
         with self._lock:
@@ -447,46 +601,161 @@ class LibvirtDriver(Driver):
             features = ET.SubElement(domain, "features")
             ET.SubElement(features, "acpi")
             ET.SubElement(features, "apic")
+        if self.cpu_mode != "none":
+            # Without it KVM offers the guest QEMU's generic qemu64 CPU, lacking most host features.
+            ET.SubElement(domain, "cpu", mode=self.cpu_mode)
         ET.SubElement(domain, "on_poweroff").text = "destroy"
         ET.SubElement(domain, "on_reboot").text = "restart"
         ET.SubElement(domain, "on_crash").text = "destroy"
         devices = ET.SubElement(domain, "devices")
         for disk in spec.disks:
-            devices.append(_disk_element(disk))
+            devices.append(self.disk_element(disk))
         for port in spec.ports:
-            devices.append(_interface_element(port))
+            devices.append(self.interface_element(port))
         return ET.tostring(domain, encoding="unicode")
+
+    def disk_element(self, disk: DiskSpec) -> ET.Element:
+        """The ``<disk>`` of ``disk``: a block device (``type='block'``) or a file, raw, on virtio."""
+        block = _is_block_device(disk.path)
+        el = ET.Element("disk", type="block" if block else "file", device="disk")
+        ET.SubElement(el, "driver", name="qemu", type="raw", cache=self._cache_mode(disk.path, block))
+        # QEMU refuses a block device given as a file.
+        ET.SubElement(el, "source", {"dev" if block else "file": disk.path})
+        ET.SubElement(el, "target", dev=short_device(disk.device), bus="virtio")
+        if disk.volume_id:
+            # The serial is how a guest (and an operator) tells which volume is which.
+            ET.SubElement(el, "serial").text = disk.volume_id
+        if disk.boot:
+            ET.SubElement(el, "boot", order="1")
+        return el
+
+    def interface_element(self, port: PortSpec) -> ET.Element:
+        """The ``<interface>`` of ``port``, plugged as ``port_bridge`` and ``port_vif_type`` say."""
+        el = ET.Element("interface", type="ethernet" if self.port_bridge is None else "bridge")
+        ET.SubElement(el, "mac", address=port.mac_address)
+        if self.port_bridge is not None:
+            ET.SubElement(el, "source", bridge=self.port_bridge)
+            if self.port_vif_type == "ovs":
+                # The interface id is how the network agent finds the port behind the tap.
+                virtualport = ET.SubElement(el, "virtualport", type="openvswitch")
+                ET.SubElement(virtualport, "parameters", interfaceid=port.port_id)
+        ET.SubElement(el, "target", dev=tap_device(port.port_id))
+        ET.SubElement(el, "model", type="virtio")
+        return el
+
+    def _cache_mode(self, path: str, block: bool) -> str:
+        """``none`` (O_DIRECT, no host page cache) where the disk's storage takes it, else ``writethrough``."""
+        if block:
+            return "none"
+        directory = Path(os.path.abspath(path)).parent
+        if self.disk_path is not None and directory.is_relative_to(self.disk_path):
+            directory = self.disk_path
+        with self._lock:
+            direct = self._direct_io.get(directory)
+            if direct is None:
+                direct = self._direct_io[directory] = _supports_direct_io(directory)
+        return "none" if direct else "writethrough"
 
     # -- Driver
 
+    @_reconnecting
     def define_guest(self, spec: GuestSpec) -> None:
         _check_devices(spec)
         with self._lock, _hypervisor_errors("define guest", spec.instance_uuid):
             self.connection.defineXML(self.guest_xml(spec))
         self._save_test_guests()
 
+    @_reconnecting
     def power_on(self, instance_uuid: str) -> None:
+        """Start the guest; a paused guest is resumed and a suspended (S3) one woken; a running one is left alone.
+
+        Raises:
+            GuestNotFound, HypervisorError.
+        """
         with self._lock:
             dom = self._domain(instance_uuid)
             with _hypervisor_errors("power on", instance_uuid):
-                if not dom.isActive():
-                    dom.create()
+                state, _reason = dom.state()
+                if state == libvirt.VIR_DOMAIN_PAUSED:
+                    dom.resume()
+                elif state == libvirt.VIR_DOMAIN_PMSUSPENDED:
+                    dom.pMWakeup(0)
+                elif not dom.isActive():
+                    try:
+                        dom.create()
+                    except libvirt.libvirtError as exc:
+                        # Started by someone else since isActive().
+                        if exc.get_error_code() != libvirt.VIR_ERR_OPERATION_INVALID or not dom.isActive():
+                            raise
         self._save_test_guests()
 
+    @_reconnecting
     def power_off(self, instance_uuid: str, timeout: float = 60.0, clean_shutdown: bool = True) -> None:
+        """Stop the guest: ask it to shut down (again every ``shutdown_retry_interval``), then pull the plug.
+
+        The plug is pulled after ``timeout`` seconds. A stopped guest is left alone;
+        ``clean_shutdown=False`` pulls the plug at once, and so does a paused guest, which cannot
+        react to the request. A guest that stops by itself meanwhile is stopped as asked.
+
+        Raises:
+            GuestNotFound, HypervisorError.
+        """
         dom = self._domain(instance_uuid)
         with _hypervisor_errors("power off", instance_uuid):
+            state, _reason = dom.state()
             if not dom.isActive():
                 return
-            if clean_shutdown:
-                dom.shutdown()
-                deadline = time.monotonic() + timeout
-                while dom.isActive() and time.monotonic() < deadline:
-                    time.sleep(self.shutdown_poll_interval)
+            if clean_shutdown and state != libvirt.VIR_DOMAIN_PAUSED:
+                self._shut_down(dom, timeout)
             if dom.isActive():
-                dom.destroy()
+                self._force_off(dom)
         self._save_test_guests()
 
+    def _shut_down(self, dom: libvirt.virDomain, timeout: float) -> None:
+        """Request a shutdown, again every ``shutdown_retry_interval``, until the guest stops or ``timeout`` passes."""
+        deadline = time.monotonic() + timeout
+        next_request = time.monotonic()
+        while True:
+            if time.monotonic() >= next_request:
+                if not self._request_shutdown(dom):
+                    return
+                next_request = time.monotonic() + self.shutdown_retry_interval
+            if not dom.isActive():
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            time.sleep(max(0.0, min(self.shutdown_poll_interval, left, next_request - time.monotonic())))
+
+    @staticmethod
+    def _request_shutdown(dom: libvirt.virDomain) -> bool:
+        """Send the guest a shutdown request; False if it had stopped already."""
+        try:
+            dom.shutdown()
+        except libvirt.libvirtError as exc:
+            if _stopped_meanwhile(dom, exc):
+                return False
+            raise
+        return True
+
+    def _force_off(self, dom: libvirt.virDomain) -> None:
+        """Pull the plug, trying again while QEMU is slow to exit (libvirt then reports a system error)."""
+        for attempt in range(1, self.destroy_attempts + 1):
+            try:
+                dom.destroy()
+                return
+            except libvirt.libvirtError as exc:
+                if _stopped_meanwhile(dom, exc):
+                    return
+                if (
+                    exc.get_error_code() != libvirt.VIR_ERR_SYSTEM_ERROR
+                    or _is_connection_error(exc)
+                    or attempt == self.destroy_attempts
+                ):
+                    raise
+            time.sleep(self.destroy_retry_interval)
+
+    @_reconnecting
     def destroy(self, instance_uuid: str) -> None:
         with self._lock:
             dom = self._lookup(instance_uuid)
@@ -494,7 +763,7 @@ class LibvirtDriver(Driver):
                 return
             with _hypervisor_errors("destroy", instance_uuid):
                 if dom.isActive():
-                    dom.destroy()
+                    self._force_off(dom)
                 self._undefine(dom)
         self._save_test_guests()
 
@@ -511,107 +780,190 @@ class LibvirtDriver(Driver):
                 raise
             dom.undefineFlags(basic)
 
+    @_reconnecting
     def guest_exists(self, instance_uuid: str) -> bool:
         return self._lookup(instance_uuid) is not None
 
+    @_reconnecting
     def guest_power_state(self, instance_uuid: str) -> int:
         dom = self._domain(instance_uuid)
         with _hypervisor_errors("read power state", instance_uuid):
             state, _reason = dom.state()
         return _POWER_STATE_BY_LIBVIRT_STATE.get(state, NOSTATE)
 
+    @_reconnecting
     def guest_spec(self, instance_uuid: str) -> GuestSpec:
         dom = self._domain(instance_uuid)
         with _hypervisor_errors("read guest definition", instance_uuid):
             root = ET.fromstring(dom.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE))
         return _spec_from_xml(root, instance_uuid)
 
+    @_reconnecting
     def list_guests(self) -> list[str]:
         with _hypervisor_errors("list guests"):
             return sorted(dom.UUIDString() for dom in self.connection.listAllDomains())
 
+    @_reconnecting
     def guest_memory_mb(self, instance_uuid: str) -> int:
         # From the definition itself, so guests Ferry did not define count too.
         dom = self._domain(instance_uuid)
         with _hypervisor_errors("read guest memory", instance_uuid):
             return int(dom.maxMemory()) // 1024
 
+    # Attaching and detaching is a device change and a metadata change, two libvirt calls: an
+    # attempt interrupted between them is completed by the next one, which reads from the guest's
+    # definitions (persistent and running) whether the device is there and changes only what is
+    # still to change.
+
+    @_reconnecting
     def attach_volume(self, instance_uuid: str, disk: DiskSpec) -> None:
         if disk.kind != VOLUME or not disk.volume_id:
             raise errors.InvalidOperation("Only volumes can be attached to a guest.", instance_uuid=instance_uuid)
         with self._lock:
             spec = self.guest_spec(instance_uuid)
-            if any(d.volume_id == disk.volume_id for d in spec.disks):
+            known = next((d for d in spec.disks if d.volume_id == disk.volume_id), None)
+            if known is not None and not self.live_device_updates:
                 return
-            new_spec = replace(spec, disks=spec.disks + (disk,))
+            new_spec = spec if known is not None else replace(spec, disks=spec.disks + (disk,))
             _check_devices(new_spec)
-            self._change_device(
-                instance_uuid, new_spec, ET.tostring(_disk_element(disk), encoding="unicode"), attach=True
-            )
+            self._change_device(instance_uuid, spec, new_spec, self.disk_element(known or disk), attach=True)
 
+    @_reconnecting
     def detach_volume(self, instance_uuid: str, volume_id: str) -> None:
         with self._lock:
             spec = self.guest_spec(instance_uuid)
             found = [d for d in spec.disks if d.volume_id == volume_id]
-            if not found:
+            if not found and not self.live_device_updates:
                 return
             new_spec = replace(spec, disks=tuple(d for d in spec.disks if d.volume_id != volume_id))
-            self._change_device(
-                instance_uuid, new_spec, ET.tostring(_disk_element(found[0]), encoding="unicode"), attach=False
-            )
+            # A volume's disk is found by its serial, whatever its path or type.
+            wanted = ET.Element("disk")
+            ET.SubElement(wanted, "serial").text = volume_id
+            self._change_device(instance_uuid, spec, new_spec, wanted, attach=False)
 
+    @_reconnecting
     def attach_interface(self, instance_uuid: str, port: PortSpec) -> None:
         with self._lock:
             spec = self.guest_spec(instance_uuid)
-            if any(p.port_id == port.port_id for p in spec.ports):
+            known = next((p for p in spec.ports if p.port_id == port.port_id), None)
+            if known is not None and not self.live_device_updates:
                 return
-            new_spec = replace(spec, ports=spec.ports + (port,))
-            self._change_device(
-                instance_uuid, new_spec, ET.tostring(_interface_element(port), encoding="unicode"), attach=True
-            )
+            new_spec = spec if known is not None else replace(spec, ports=spec.ports + (port,))
+            self._change_device(instance_uuid, spec, new_spec, self.interface_element(known or port), attach=True)
 
+    @_reconnecting
     def detach_interface(self, instance_uuid: str, port_id: str) -> None:
         with self._lock:
             spec = self.guest_spec(instance_uuid)
             found = [p for p in spec.ports if p.port_id == port_id]
-            if not found:
+            if not found and not self.live_device_updates:
                 return
             new_spec = replace(spec, ports=tuple(p for p in spec.ports if p.port_id != port_id))
-            self._change_device(
-                instance_uuid, new_spec, ET.tostring(_interface_element(found[0]), encoding="unicode"), attach=False
-            )
+            # By its MAC when Ferry recorded the port, and by its tap device name in any case.
+            wanted = ET.Element("interface")
+            if found:
+                ET.SubElement(wanted, "mac", address=found[0].mac_address)
+            ET.SubElement(wanted, "target", dev=tap_device(port_id))
+            self._change_device(instance_uuid, spec, new_spec, wanted, attach=False)
 
-    def _change_device(self, instance_uuid: str, new_spec: GuestSpec, device_xml: str, attach: bool) -> None:
+    def _change_device(
+        self, instance_uuid: str, spec: GuestSpec, new_spec: GuestSpec, device: ET.Element, attach: bool
+    ) -> None:
         dom = self._domain(instance_uuid)
         action = "attach device" if attach else "detach device"
         with _hypervisor_errors(action, instance_uuid):
-            active = bool(dom.isActive())
-            if self.live_device_updates:
-                flags = libvirt.VIR_DOMAIN_AFFECT_CONFIG | (libvirt.VIR_DOMAIN_AFFECT_LIVE if active else 0)
-                if attach:
-                    dom.attachDeviceFlags(device_xml, flags)
-                else:
-                    dom.detachDeviceFlags(device_xml, flags)
-                dom.setMetadata(
-                    libvirt.VIR_DOMAIN_METADATA_ELEMENT,
-                    ET.tostring(_metadata_element(new_spec), encoding="unicode"),
-                    METADATA_PREFIX,
-                    METADATA_NS,
-                    flags,
-                )
+            if not self.live_device_updates:
+                self._redefine(dom, new_spec, device, attach)
             else:
-                self._redefine(dom, new_spec, device_xml, attach)
+                active = bool(dom.isActive())
+                if attach:
+                    self._attach_device(dom, device, active)
+                else:
+                    self._detach_device(dom, device, active, instance_uuid)
+                if new_spec != spec:
+                    # Only once the device is where it should be: metadata never claims a device
+                    # the guest does not have.
+                    dom.setMetadata(
+                        libvirt.VIR_DOMAIN_METADATA_ELEMENT,
+                        ET.tostring(_metadata_element(new_spec), encoding="unicode"),
+                        METADATA_PREFIX,
+                        METADATA_NS,
+                        libvirt.VIR_DOMAIN_AFFECT_CONFIG | (libvirt.VIR_DOMAIN_AFFECT_LIVE if active else 0),
+                    )
         self._save_test_guests()
 
-    def _redefine(self, dom: libvirt.virDomain, new_spec: GuestSpec, device_xml: str, attach: bool) -> None:
+    @staticmethod
+    def _attach_device(dom: libvirt.virDomain, device: ET.Element, active: bool) -> None:
+        """Attach ``device`` to the definitions (persistent, and running if ``active``) that lack it."""
+        flags = 0
+        if _find_device(_persistent_root(dom), device) is None:
+            flags |= libvirt.VIR_DOMAIN_AFFECT_CONFIG
+        if active and _find_device(_live_root(dom), device) is None:
+            flags |= libvirt.VIR_DOMAIN_AFFECT_LIVE
+        if flags:
+            dom.attachDeviceFlags(ET.tostring(device, encoding="unicode"), flags)
+
+    def _detach_device(self, dom: libvirt.virDomain, wanted: ET.Element, active: bool, instance_uuid: str) -> None:
+        """Detach ``wanted`` from the running guest (waiting for it to leave), then from the persistent definition."""
+        if active:
+            self._detach_from_running_guest(dom, wanted, instance_uuid)
+        device = _find_device(_persistent_root(dom), wanted)
+        if device is not None:
+            dom.detachDeviceFlags(ET.tostring(device, encoding="unicode"), libvirt.VIR_DOMAIN_AFFECT_CONFIG)
+
+    def _detach_from_running_guest(self, dom: libvirt.virDomain, wanted: ET.Element, instance_uuid: str) -> None:
+        """Ask the running guest to release the device until it is gone from its live definition.
+
+        libvirt may answer a live detach before the guest has released the device (or the guest
+        may ignore the request), so its answer proves nothing: the live definition does.
+
+        Raises:
+            HypervisorError: the device is still attached after ``device_detach_attempts`` requests.
+        """
+        last_error = ""
+        for _attempt in range(self.device_detach_attempts):
+            device = self._live_device(dom, wanted)
+            if device is None:
+                return
+            try:
+                dom.detachDeviceFlags(ET.tostring(device, encoding="unicode"), libvirt.VIR_DOMAIN_AFFECT_LIVE)
+            except libvirt.libvirtError as exc:
+                # The device may have left meanwhile, or QEMU refuses a request while an earlier one
+                # is pending: the live definition decides.
+                if _is_connection_error(exc):
+                    raise
+                last_error = f" ({exc.get_error_message() or exc})"
+            deadline = time.monotonic() + self.device_detach_timeout
+            while self._live_device(dom, wanted) is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                time.sleep(min(self.device_poll_interval, left))
+            else:
+                return
+        raise errors.HypervisorError(
+            f"The running guest of instance {instance_uuid} still has the device after "
+            f"{self.device_detach_attempts} detach requests{last_error}.",
+            action="detach device",
+            instance_uuid=instance_uuid,
+        )
+
+    @staticmethod
+    def _live_device(dom: libvirt.virDomain, wanted: ET.Element) -> ET.Element | None:
+        """The device matching ``wanted`` in the running guest's definition (None once the guest has stopped)."""
+        if not dom.isActive():
+            return None
+        return _find_device(_live_root(dom), wanted)
+
+    def _redefine(self, dom: libvirt.virDomain, new_spec: GuestSpec, device: ET.Element, attach: bool) -> None:
         """Edit the persistent definition in place (keeping the uuid and everything libvirt added)."""
-        root = ET.fromstring(dom.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE))
+        root = _persistent_root(dom)
         devices = root.find("devices")
         if devices is None:
             devices = ET.SubElement(root, "devices")
-        device = ET.fromstring(device_xml)
         if attach:
-            devices.append(device)
+            if _find_device(root, device) is None:
+                devices.append(device)
         else:
             for existing in list(devices):
                 if _same_device(existing, device):
@@ -624,6 +976,7 @@ class LibvirtDriver(Driver):
         metadata.append(_metadata_element(new_spec))
         self.connection.defineXML(ET.tostring(root, encoding="unicode"))
 
+    @_reconnecting
     def host_capacity(self) -> HostCapacity:
         with _hypervisor_errors("read host capacity"):
             _model, memory_mb, cpus, *_rest = self.connection.getInfo()
@@ -649,40 +1002,92 @@ def _check_devices(spec: GuestSpec) -> None:
         seen.add(dev)
 
 
-def _disk_element(disk: DiskSpec) -> ET.Element:
-    el = ET.Element("disk", type="file", device="disk")
-    ET.SubElement(el, "driver", name="qemu", type="raw", cache="none")
-    ET.SubElement(el, "source", file=disk.path)
-    ET.SubElement(el, "target", dev=short_device(disk.device), bus="virtio")
-    if disk.volume_id:
-        # The serial is how a guest (and an operator) tells which volume is which.
-        ET.SubElement(el, "serial").text = disk.volume_id
-    if disk.boot:
-        ET.SubElement(el, "boot", order="1")
-    return el
+def _is_block_device(path: str) -> bool:
+    try:
+        return stat.S_ISBLK(os.stat(path).st_mode)
+    except OSError:
+        return False
 
 
-def _interface_element(port: PortSpec) -> ET.Element:
-    el = ET.Element("interface", type="ethernet")
-    ET.SubElement(el, "mac", address=port.mac_address)
-    ET.SubElement(el, "model", type="virtio")
-    return el
+def _supports_direct_io(directory: Path) -> bool:
+    """Whether files in ``directory`` (or its nearest existing parent) can be written with O_DIRECT.
+
+    Some filesystems (tmpfs before Linux 6.6, some network and FUSE filesystems) refuse it, and
+    QEMU then cannot open a disk with ``cache='none'``.
+    """
+    o_direct = getattr(os, "O_DIRECT", None)
+    if o_direct is None:
+        return False
+    while not directory.is_dir() and directory != directory.parent:
+        directory = directory.parent
+    try:
+        fd, name = tempfile.mkstemp(prefix=".ferry-direct-io-", dir=directory)
+    except OSError:
+        return False
+    os.close(fd)
+    try:
+        direct = os.open(name, os.O_WRONLY | o_direct)
+        try:
+            # O_DIRECT wants an aligned buffer: an anonymous mapping is page-aligned.
+            with mmap.mmap(-1, mmap.PAGESIZE) as block:
+                os.write(direct, block)
+        finally:
+            os.close(direct)
+    except OSError:
+        return False
+    finally:
+        os.unlink(name)
+    return True
+
+
+def _stopped_meanwhile(dom: libvirt.virDomain, exc: libvirt.libvirtError) -> bool:
+    """Whether a stop request failed only because the guest had stopped already."""
+    return exc.get_error_code() == libvirt.VIR_ERR_OPERATION_INVALID and not dom.isActive()
+
+
+def _persistent_root(dom: libvirt.virDomain) -> ET.Element:
+    return ET.fromstring(dom.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE))
+
+
+def _live_root(dom: libvirt.virDomain) -> ET.Element:
+    return ET.fromstring(dom.XMLDesc(0))
+
+
+def _find_device(root: ET.Element, wanted: ET.Element) -> ET.Element | None:
+    """The device of a domain definition that is ``wanted`` (see :func:`_same_device`)."""
+    devices = root.find("devices")
+    if devices is None:
+        return None
+    return next((existing for existing in devices if _same_device(existing, wanted)), None)
 
 
 def _same_device(existing: ET.Element, wanted: ET.Element) -> bool:
+    """Whether ``existing`` is the device ``wanted`` describes.
+
+    A disk with a serial (a volume) is found by its serial, another by its target device; an
+    interface by its MAC address or its target (tap) device.
+    """
     if existing.tag != wanted.tag:
         return False
     if wanted.tag == "disk":
-        target, wanted_target = existing.find("target"), wanted.find("target")
-        return target is not None and wanted_target is not None and target.get("dev") == wanted_target.get("dev")
-    if wanted.tag == "interface":
-        mac, wanted_mac = existing.find("mac"), wanted.find("mac")
-        return (
-            mac is not None
-            and wanted_mac is not None
-            and (mac.get("address") or "").lower() == (wanted_mac.get("address") or "").lower()
+        wanted_serial = wanted.findtext("serial")
+        if wanted_serial:
+            return existing.findtext("serial") == wanted_serial
+        return _attr(existing, "target", "dev") is not None and _attr(existing, "target", "dev") == _attr(
+            wanted, "target", "dev"
         )
+    if wanted.tag == "interface":
+        mac, wanted_mac = _attr(existing, "mac", "address"), _attr(wanted, "mac", "address")
+        if mac is not None and wanted_mac is not None and mac.lower() == wanted_mac.lower():
+            return True
+        tap = _attr(existing, "target", "dev")
+        return tap is not None and tap == _attr(wanted, "target", "dev")
     return False
+
+
+def _attr(el: ET.Element, child: str, name: str) -> str | None:
+    found = el.find(child)
+    return found.get(name) if found is not None else None
 
 
 def _q(tag: str) -> str:
