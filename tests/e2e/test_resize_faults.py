@@ -1,9 +1,10 @@
-"""What the owner sees when the host side of a confirm or a revert fails.
+"""What the owner sees when the host side of a confirm or a revert fails, or a move's last step.
 
-A fault at every Task state of every workflow is in ``test_fault_sweep.py``; these follow two
+A fault at every Task state of every workflow is in ``test_fault_sweep.py``; these follow
 failures through to what the owner does next: a revert whose destination fails stays in
 VERIFY_RESIZE and can be retried; a confirm whose source fails leaves the server confirmed on
-its destination, the source's allocation held by the migration, and a delete cleans up all.
+its destination, the source's allocation held by the migration, and a delete cleans up all; a
+move whose last step failed after it committed stays in VERIFY_RESIZE and can be confirmed.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from move_helpers import (
     root_digest,
 )
 
-from ferry import faults
+from ferry import config, faults, notifications
+from ferry.workflows import resize
 
 pytestmark = pytest.mark.e2e
 
@@ -91,3 +93,41 @@ def test_a_confirm_whose_source_fails_keeps_the_server_and_delete_cleans_up(loca
     for host in (source, host_of(resized)):
         assert not records.instance_dir(host, server["id"]).exists()
         assert not (local_stack.instances_dir(host) / f"{server['id']}_resize").exists()
+
+
+def test_a_move_whose_last_step_failed_after_committing_stands_and_can_be_confirmed(local_stack, servers, records,
+                                                                                    boot, monkeypatch):
+    # GIVEN MarkResized commits VERIFY_RESIZE and then fails (here: while publishing its notification)
+    server, digest = boot(TINY)
+    publish = resize._publish
+
+    def commit_then_fail(*pending: dict[str, Any]) -> None:
+        if any(item["event_type"] == notifications.RESIZE_FINISH_END for item in pending):
+            raise RuntimeError("MarkResized failed after its commit")
+        publish(*pending)
+
+    monkeypatch.setattr(resize, "_publish", commit_then_fail)
+    sfn = local_stack.client("stepfunctions")
+
+    def ended() -> list[dict[str, Any]]:
+        executions = [e for e in sfn.list_executions(stateMachineArn=config.get().resize_state_machine_arn)[
+            "executions"] if server["id"] in e["name"]]
+        return executions if executions and all(e["status"] != "RUNNING" for e in executions) else []
+
+    # WHEN the server is resized
+    assert servers.action(server["id"], {"resize": {"flavorRef": SMALL}}).status_code == 202
+    [execution] = local_stack.wait_for(ended, timeout=120)
+    monkeypatch.undo()
+
+    # THEN the move stands: VERIFY_RESIZE on the destination, whose guest and disks are there
+    assert execution["status"] == "SUCCEEDED"
+    resized = servers.show(server["id"])
+    dest = host_of(resized)
+    assert resized["status"] == "VERIFY_RESIZE" and dest != host_of(server)
+    assert root_digest(records.instance_dir(dest, server["id"]) / "disk", FLAVORS[TINY]["DISK_GB"] * GiB) == digest
+    assert (local_stack.instances_dir(host_of(server)) / f"{server['id']}_resize").exists()
+    # AND the owner can confirm it
+    assert servers.action(server["id"], {"confirmResize": None}).status_code == 204
+    confirmed = servers.wait_for_status(server["id"], "ACTIVE", timeout=120)
+    assert host_of(confirmed) == dest and confirmed["flavor"]["original_name"] == "ferry.small"
+    assert records.allocations(server["id"]) == {records.provider(dest): FLAVORS[SMALL]}

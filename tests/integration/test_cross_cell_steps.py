@@ -177,6 +177,42 @@ def test_complete_move_run_again_after_a_confirm_or_revert_took_over_changes_not
             instances.cell_of(uuid).name) == before
 
 
+def test_a_complete_move_that_failed_after_switching_the_mapping_stands_and_the_source_copy_is_hidden(
+        two_cells, monkeypatch):
+    # GIVEN CompleteMoveAcrossCells switched the instance mapping to the target cell, then failed
+    uuid, inp = server_in_cell1()
+    doc = run(inp, until="CompleteMoveAcrossCells")
+    def connection_lost(cell: str, uuid: str) -> None:
+        raise RuntimeError("the connection to the cell database was lost")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(cross_cell, "_hide_source", connection_lost)
+        with pytest.raises(RuntimeError):
+            cross_cell.complete_move(doc)
+    assert instances.cell_of(uuid).name == "cell2"
+    assert rows("cell1", uuid, inp["migration_uuid"])["instance"][0] is False  # both copies visible
+
+    # WHEN its Catch asks before rolling back
+    answer = cross_cell.check_move_committed({**doc, "error": {"Error": "Sandbox.Timedout", "Cause": "timed out"}})
+
+    # THEN the move stands, finished as the step would have finished it
+    assert answer == {"committed": True}
+    assert rows("cell1", uuid, inp["migration_uuid"])["instance"][0] is True
+    assert rows("cell2", uuid, inp["migration_uuid"])["instance"] == (False, states.RESIZED, None, TARGET_HOST,
+                                                                      BIG["flavorid"])
+
+
+def test_a_complete_move_that_failed_before_switching_the_mapping_is_rolled_back(two_cells):
+    uuid, inp = server_in_cell1()
+    doc = run(inp, until="CompleteMoveAcrossCells")
+
+    answer = cross_cell.check_move_committed({**doc, "error": {"Error": "Ferry.InjectedFault", "Cause": "x"}})
+
+    assert answer == {"committed": False}
+    assert instances.cell_of(uuid).name == "cell1"
+    assert rows("cell1", uuid, inp["migration_uuid"])["instance"][0] is False
+
+
 def test_an_image_backed_server_is_snapshotted_and_spawned_from_the_snapshot(two_cells):
     uuid = make_server()
     allow_cross_cell(uuid)

@@ -7,6 +7,7 @@ end to end in tests/e2e/test_drains.py.
 from __future__ import annotations
 
 import json
+import uuid
 
 import pytest
 from moto import mock_aws
@@ -217,6 +218,47 @@ def test_finishing_settles_what_the_map_left_pending_or_moving(store):
     assert rows[pending].state == "cancelled" and "ended before" in rows[pending].error
     assert rows[moving].state == "failed" and "could not record" in rows[moving].error
     assert drains.finish(drain) == report  # run again: the same report, announced once
+
+
+def test_an_iteration_that_cannot_record_its_move_settles_its_server_and_frees_its_host_slot(store):
+    # GIVEN one move at a time onto the destination, taken by a server whose iteration then
+    # could not record the move's result (RecordFailure failed after its retries)
+    source = add_compute("source")
+    add_compute("dest")
+    stuck, waiting = _server_on("source", source), _server_on("source", source)
+    drain = _record({"host": "source", "max_per_dest_host": 1})
+    drains.start(drain)
+    assert drains.acquire_slot(drain, stuck).action == "move"
+    assert drains.acquire_slot(drain, waiting).action == "wait"
+
+    # WHEN the iteration ends through SettleServer (twice: Step Functions may run it again)
+    error = {"Error": "OperationalError", "Cause": json.dumps({"errorMessage": "could not connect to server"})}
+    drains.settle_server(drain, stuck, error)
+    settled = drains.settle_server(drain, stuck, error)
+
+    # THEN the server is failed with the error, its slot is free, and the drain reports it
+    assert settled["state"] == "failed"
+    assert "could not record the result" in settled["error"] and "could not connect to server" in settled["error"]
+    assert drains.acquire_slot(drain, waiting).action == "move"
+    assert drains.finish(drain)["status"] == "failed"
+    [shown] = [server for server in drains.get_view(drain)["servers"] if server["id"] == stuck]
+    assert (shown["state"], shown["error"]) == ("failed", settled["error"])
+
+
+def test_settling_fails_a_server_whose_move_never_started_and_leaves_a_settled_one(store):
+    source = add_compute("source")
+    add_compute("dest")
+    pending, done = _server_on("source", source), _server_on("source", source)
+    drain = _record({"host": "source"})
+    drains.start(drain)
+    with api_session() as session:
+        session.execute(update(DrainServer).where(DrainServer.instance_uuid == done).values(state="done"))
+
+    failed = drains.settle_server(drain, pending, {"Error": "Ferry.DrainNotFound", "Cause": "the drain is gone"})
+
+    assert failed == {"state": "failed", "error": "The drain could not start this server's move (the drain is gone)."}
+    assert drains.settle_server(drain, done, None) == {"state": "done", "error": None}
+    assert drains.settle_server(str(uuid.uuid4()), pending, None) == {"state": None, "error": None}
 
 
 @pytest.fixture

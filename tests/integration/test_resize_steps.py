@@ -42,7 +42,7 @@ from ferry.store.cell_models import (
     Migration,
 )
 from ferry.store.db import api_session, cell_session
-from ferry.workflows import resize
+from ferry.workflows import cross_cell, resize
 
 ROOT = Path(__file__).resolve().parents[2]
 PROJECT, USER = "demo", "u1"
@@ -619,6 +619,46 @@ def test_mark_resized_run_again_after_a_confirm_or_revert_took_over_changes_noth
 
     assert snapshot(uuid) == before
     assert migration(inp["migration_uuid"]).status == status
+
+
+def test_a_mark_resized_that_failed_after_it_committed_is_not_rolled_back(cloud):
+    # GIVEN MarkResized committed VERIFY_RESIZE, then failed (its response lost, a timeout)
+    uuid = make_server()
+    inp = prepare_move(uuid, BIG)
+    doc = {**run(inp), "error": {"Error": "Sandbox.Timedout", "Cause": "Task timed out after 60.00 seconds"}}
+    before = snapshot(uuid)
+
+    # WHEN its Catch asks before rolling back
+    answer = cross_cell.check_move_committed(doc)
+
+    # THEN the move stands: the state machine ends as resized, and nothing was changed
+    assert answer == {"committed": True}
+    assert snapshot(uuid) == before
+    server = instance(uuid)
+    assert (server.vm_state, server.host) == (states.RESIZED, doc["destination"]["host"])
+
+
+@pytest.mark.parametrize("status", ["confirming", "confirmed", "reverting", "reverted"])
+def test_a_move_the_owner_confirmed_or_reverted_since_its_last_step_committed_stands(cloud, status):
+    uuid = make_server()
+    inp = prepare_move(uuid, BIG)
+    doc = {**run(inp), "error": {"Error": "Sandbox.Timedout", "Cause": "timed out"}}
+    with cell_session("cell1") as session:
+        session.scalars(select(Migration).where(Migration.uuid == inp["migration_uuid"])).one().status = status
+
+    assert cross_cell.check_move_committed(doc) == {"committed": True}
+
+
+def test_a_mark_resized_that_failed_before_it_committed_is_rolled_back(cloud):
+    uuid = make_server()
+    before = snapshot(uuid)
+    doc = run(prepare_move(uuid, BIG), until="FinishResizeOnDestHost")
+    doc["finished"] = host_result(doc, doc["destination"]["host"], states.RUNNING, disks=DISKS)
+
+    assert cross_cell.check_move_committed({**doc, "error": {"Error": "Ferry.InjectedFault", "Cause": "x"}}) == {
+        "committed": False}
+    fail_and_roll_back(doc)
+    assert snapshot(uuid) == before
 
 
 def test_the_destinations_offer_of_a_direct_copy_reaches_the_source_and_the_copy_reaches_the_destination(cloud):

@@ -23,12 +23,13 @@ from verify_resize_helpers import (
     instance_row,
     make_resized,
     make_volume,
+    migration_row,
     mocked_aws,
     set_instance,
     volume_status,
 )
 
-from ferry import errors, protocol, workflows
+from ferry import errors, placement, protocol, workflows
 from ferry.auth import RequestContext
 from ferry.compute import api as compute_api
 from ferry.compute import states
@@ -280,3 +281,63 @@ def test_a_confirm_that_raced_an_attach_settles_the_server_and_leaves_the_attach
 
     row = instance_row(resized.instance_uuid)
     assert (row.vm_state, row.task_state, row.old_flavor) == (states.ACTIVE, va.ATTACHING_VOLUME, None)
+
+
+def accepted_between_check_and_take(kind: str, resized: Resized, monkeypatch) -> list[dict[str, Any]]:
+    """Make the next attach's acceptance race a confirm or revert: the compute API accepts ``kind``
+    after the attach checked the server and before it takes the server's task. The execution
+    input of the accepted confirm or revert is appended to the returned list."""
+    accepted: list[dict[str, Any]] = []
+    swap = va._swap_volume_status
+
+    def swap_after_accepting(volume_id: str, expected: str, status: str) -> bool:
+        if not accepted:
+            accepted.append(begin(kind, resized, monkeypatch))
+        return swap(volume_id, expected, status)
+
+    monkeypatch.setattr(va, "_swap_volume_status", swap_after_accepting)
+    return accepted
+
+
+def test_a_confirm_accepted_while_an_attach_takes_the_server_is_confirmed_and_the_attach_completes(
+        started, monkeypatch, tmp_path):
+    # GIVEN an attach that checked the server while its migration was finished, and a confirm
+    # accepted right after (the migration confirming, no task set), before the attach took the task
+    resized = make_resized(state_dir=tmp_path)
+    volume_id = make_volume(tmp_path)
+    accepted = accepted_between_check_and_take("confirm", resized, monkeypatch)
+    va.begin_attach(owner(), location(resized), volume_id)
+    [confirm] = accepted
+    assert instance_row(resized.instance_uuid).task_state == va.ATTACHING_VOLUME
+    assert migration_row(resized.migration_uuid).status == "confirming"
+
+    # WHEN the confirm workflow and the attach workflow both run
+    confirm = {**confirm, "move": confirm_resize.check_resize_to_confirm(confirm)}
+    confirm["confirmed_at_source"] = host_result(SOURCE, resized.instance_uuid)
+    confirm_resize.finish_confirm(confirm)
+    run_attach(started.payloads[0])
+
+    # THEN the move is confirmed (nothing is left confirming) and the volume is attached
+    row = instance_row(resized.instance_uuid)
+    assert (row.vm_state, row.task_state, row.host, row.old_flavor) == (states.ACTIVE, None, DEST, None)
+    assert migration_row(resized.migration_uuid).status == "confirmed"
+    assert placement.get_allocations(resized.migration_uuid) == {}
+    assert attachments(resized.instance_uuid) == {DEST: "attached"}
+    assert volume_status(volume_id) == "in-use"
+    assert events(resized.instance_uuid) == {confirm_resize.EVENT_CONFIRM: "Success", va.EVENT_ATTACH: "Success"}
+
+
+def test_a_revert_accepted_while_an_attach_checks_the_server_wins_and_the_attach_is_refused(
+        started, monkeypatch, tmp_path):
+    # The revert takes the task with the migration, so the attach cannot take the server after it.
+    resized = make_resized(state_dir=tmp_path)
+    volume_id = make_volume(tmp_path)
+    accepted = accepted_between_check_and_take("revert", resized, monkeypatch)
+
+    with pytest.raises(errors.InstanceInvalidState):
+        va.begin_attach(owner(), location(resized), volume_id)
+
+    [revert] = accepted
+    assert volume_status(volume_id) == "available" and attachments(resized.instance_uuid) == {}
+    assert started.payloads == []
+    assert revert_resize.check_resize_to_revert(revert)["dest"]["host"] == DEST

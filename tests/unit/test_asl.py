@@ -172,3 +172,100 @@ def test_rollback_step_is_terminal_only_when_no_work_can_follow():
     assert _is_terminal_rollback(states, "Release")
     assert not _is_terminal_rollback(states, "Unbind"), "Release, a Task, runs after it"
     assert not _is_terminal_rollback(states, "Claim"), "its Comment does not mark it as a rollback"
+
+
+# --- steps that must outlast an outage of the store ---------------------------------------------
+
+# A store outage of a few minutes must not leave a task, a migration or a drain slot stuck: these
+# steps are idempotent, and are retried on any error for at least this long before giving up.
+OUTAGE_SECONDS = 240
+# (definition, state): the rollback tails, the check before rolling back a move whose last step
+# failed, and a drain iteration's bookkeeping.
+OUTLAST_AN_OUTAGE = [
+    ("resize", "RollbackMove"), ("resize", "CheckMoveCommitted"),
+    ("confirm_resize", "RestoreVerifyResize"), ("confirm_resize", "FailConfirm"),
+    ("revert_resize", "RestoreVerifyResize"), ("revert_resize", "FailRevert"),
+    ("drain", "RecordFailure"), ("drain", "SettleServer"),
+]
+
+
+def _states_named(workflow: str) -> dict[str, dict[str, Any]]:
+    """Every state of ``statemachine/<workflow>.asl.json``, nested scopes included (names are unique)."""
+    found: dict[str, dict[str, Any]] = {}
+    for _where, scope in _scopes(_definition(ROOT / "statemachine" / f"{workflow}.asl.json")):
+        found.update(scope["States"])
+    return found
+
+
+def _expected_wait(rule: dict[str, Any]) -> float:
+    """How long a Retry rule waits in all before giving up, on average (full jitter halves each wait)."""
+    interval, rate = rule.get("IntervalSeconds", 1), rule.get("BackoffRate", 2.0)
+    cap = rule.get("MaxDelaySeconds", float("inf"))
+    total = sum(min(interval * rate ** attempt, cap) for attempt in range(rule.get("MaxAttempts", 3)))
+    return total / 2 if rule.get("JitterStrategy") == "FULL" else total
+
+
+def test_expected_wait_counts_backoff_the_cap_and_jitter():
+    assert _expected_wait({"IntervalSeconds": 1, "MaxAttempts": 3, "BackoffRate": 2}) == 7
+    assert _expected_wait({"IntervalSeconds": 2, "MaxAttempts": 4, "BackoffRate": 2, "MaxDelaySeconds": 5}) == 16
+    assert _expected_wait({"IntervalSeconds": 2, "MaxAttempts": 2, "JitterStrategy": "FULL"}) == 3
+
+
+@pytest.mark.parametrize(("workflow", "name"), OUTLAST_AN_OUTAGE, ids=[f"{w}:{n}" for w, n in OUTLAST_AN_OUTAGE])
+def test_idempotent_clean_up_steps_retry_every_error_for_minutes(workflow, name):
+    state = _states_named(workflow)[name]
+    [rule] = [rule for rule in state.get("Retry", []) if "States.ALL" in rule["ErrorEquals"]]
+
+    assert _expected_wait(rule) >= OUTAGE_SECONDS
+    assert rule.get("JitterStrategy") == "FULL", "many executions retrying a store that comes back: spread them"
+    assert rule.get("MaxDelaySeconds", 0) <= 120, "a store that is back is used within two minutes"
+
+
+ROLLBACK_TAILS = [("resize", "RollbackMove"), ("confirm_resize", "RestoreVerifyResize"),
+                  ("confirm_resize", "FailConfirm"), ("revert_resize", "RestoreVerifyResize"),
+                  ("revert_resize", "FailRevert")]
+
+
+@pytest.mark.parametrize(("workflow", "name"), ROLLBACK_TAILS, ids=[f"{w}:{n}" for w, n in ROLLBACK_TAILS])
+def test_a_rollback_tail_that_fails_for_good_fails_the_execution_with_a_typed_error(workflow, name):
+    states = _states_named(workflow)
+    [catcher] = states[name]["Catch"]
+    failed = states[catcher["Next"]]
+
+    assert catcher["ErrorEquals"] == ["States.ALL"]
+    assert catcher["ResultPath"] != "$.error", "the move's own error stays in the document"
+    assert failed["Type"] == "Fail" and failed["Error"].startswith("Ferry.")
+    assert catcher["Next"] != states[name]["Next"], "a rollback that failed is told apart from a failure rolled back"
+
+
+def test_a_move_whose_last_step_failed_is_rolled_back_only_when_that_step_had_not_committed():
+    states = _states_named("resize")
+
+    for last in ("MarkResized", "CompleteMoveAcrossCells"):
+        assert [c["Next"] for c in states[last]["Catch"]] == ["CheckMoveCommitted"], last
+    check = states["CheckMoveCommitted"]
+    choice = states[check["Next"]]
+    assert choice["Type"] == "Choice"
+    committed = [rule["Next"] for rule in choice["Choices"]
+                 if rule["Variable"] == f"{check['ResultPath']}.committed" and rule.get("BooleanEquals") is True]
+    assert [states[target]["Type"] for target in committed] == ["Succeed"]
+    rollbacks = {rule["Next"] for rule in choice["Choices"]} - set(committed) | {choice["Default"]}
+    assert rollbacks == {"RevertResizeOnDestHost", "WasSpawnSent"}  # each branch's own rollback
+    # When it cannot tell, nothing is rolled back: no host operation or rollback runs after it.
+    [unknown] = [c["Next"] for c in check["Catch"]]
+    assert states[unknown]["Type"] == "Fail"
+
+
+def test_a_drain_iteration_cannot_end_with_its_server_still_moving():
+    states = _states_named("drain")["MoveServers"]["ItemProcessor"]["States"]
+
+    # Every failure leads to a step that records the server's fate, never straight to the end.
+    targets = {catcher["Next"] for state in states.values() for catcher in state.get("Catch", [])}
+    assert targets <= {"RecordFailure", "SettleServer", "WaitToSettle"}
+    assert [c["Next"] for c in states["RecordFailure"]["Catch"]] == ["SettleServer"]
+    # SettleServer records it; if even that fails, the iteration waits and settles again.
+    assert states["SettleServer"]["Next"] == "ServerSettled"
+    unsettled = {name: state for name, state in states.items() if name != "SettleServer"}
+    for catcher in states["SettleServer"]["Catch"]:
+        assert "SettleServer" in _reachable(states, catcher["Next"])
+        assert "ServerSettled" not in _reachable(unsettled, catcher["Next"])

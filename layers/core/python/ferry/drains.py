@@ -847,6 +847,39 @@ def record_failure(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any],
         return {"retry": retry, "state": server.state, "error": server.error}
 
 
+def settle_server(drain_uuid: str, instance_uuid: str, error: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The last step of a Map iteration whose bookkeeping failed (AcquireSlot or RecordFailure, after retries).
+
+    The iteration will not move its server any more, so a server still ``pending`` or ``moving`` is
+    recorded ``failed`` with the error: a server left ``moving`` would hold its per-host slot (see
+    :func:`acquire_slot`) and make the other servers wait for ever. A server already settled, or no
+    longer in the drain, is left as it is. Idempotent.
+
+    Returns:
+        ``{"state", "error"}`` of the server (Nones when it is not in the drain).
+    """
+    message = workflows.error_message(dict(error)) if error else "unknown error"
+    with api_session() as session:
+        try:
+            drain, server = _load_server(session, drain_uuid, instance_uuid)
+        except errors.DrainNotFound:
+            return {"state": None, "error": None}
+        if server.state not in SETTLED_STATES:
+            was = server.state
+            if was == MOVING:
+                server.error = (f"The drain could not record the result of this server's move ({message}); "
+                                f"see the server's actions and migrations.")
+            elif server.attempts:
+                server.error = f"The drain could not try this server's move again ({message})."
+            else:
+                server.error = f"The drain could not start this server's move ({message})."
+            server.state, server.finished_at = SERVER_FAILED, utcnow()
+            drain.version += 1
+            logger.warning("drain server settled as failed", extra={"drain": drain_uuid, "instance_uuid": instance_uuid,
+                                                                   "was": was, "error": message})
+        return {"state": server.state, "error": server.error}
+
+
 # --- starting and finishing ----------------------------------------------------------------------
 
 

@@ -308,6 +308,11 @@ class RevertResizeFailed(FerryError):
     """A revert did not complete; the instance fault says where the guest, disks and allocations are."""
 
 
+class MoveNotSettled(FerryError):
+    """A move failed and could not be settled: its rollback could not be recorded, or whether its
+    last step had committed could not be read. ``ferry audit`` reports what is left."""
+
+
 class VolumeNotFound(NotFound):
     """No such volume (or another project's)."""
 

@@ -95,8 +95,8 @@ def host_ref(host: str, node: str | None) -> dict[str, Any]:
     return {"host": host, "node": node or host, "queue_url": hosts.queue_url(host)}
 
 
-# Tasks a confirm settles the server under without ending them: a volume attach or detach that
-# raced the confirm's acceptance (the confirm sets no task, as in Nova). Named as in
+# Tasks a confirm accepts and settles the server under without ending them: a volume attach or
+# detach that raced the confirm's acceptance (the confirm sets no task, as in Nova). Named as in
 # :mod:`ferry.workflows.volume_attachment`.
 VOLUME_TASK_STATES = ("attaching_volume", "detaching_volume")
 SETTLEABLE_TASK_STATES: tuple[str | None, ...] = (None, *VOLUME_TASK_STATES)
@@ -171,10 +171,14 @@ def _is_leftover(instance: Instance, migration: Migration) -> bool:
 def check_resize_to_confirm(event: dict[str, Any]) -> dict[str, Any]:
     """Check that the records are those of a confirm under way and name the hosts.
 
-    Accepts a migration in ``confirming`` of a server in vm_state ``resized`` with no task on
-    the migration's destination, or a migration a failed confirm left in ``error`` (see the
-    module's docstring). Records the start of ``compute_confirm_resize`` and sends
-    ``instance.resize_confirm.start``.
+    Accepts a migration in ``confirming`` of a server in vm_state ``resized`` on the migration's
+    destination with no task, or with the task of a volume attach or detach: the confirm's
+    acceptance sets no task, so an attach that checked the server just before the migration went
+    ``confirming`` may take the server just after. Refusing then would leave the migration
+    ``confirming`` with nothing running for it; the confirm goes on instead, and the volume
+    operation keeps its task and ends it (see :data:`SETTLEABLE_TASK_STATES`). Also accepts a
+    migration a failed confirm left in ``error`` (see the module's docstring). Records the start
+    of ``compute_confirm_resize`` and sends ``instance.resize_confirm.start``.
 
     Returns:
         ``{"source": {host, node, queue_url}, "dest": {host, node}, "same_host": bool}``.
@@ -192,7 +196,7 @@ def check_resize_to_confirm(event: dict[str, Any]) -> dict[str, Any]:
         if instance is None:
             raise errors.InstanceNotFound(f"Instance {uuid} could not be found.")
         confirming = (migration.status == migration_states.CONFIRMING and instance.vm_state == states.RESIZED
-                      and instance.task_state is None and instance.host == migration.dest_compute)
+                      and instance.task_state in SETTLEABLE_TASK_STATES and instance.host == migration.dest_compute)
         if not confirming and not _is_leftover(instance, migration):
             raise errors.UnexpectedMigrationState(
                 f"Migration {migration_uuid} is {migration.status} and instance {uuid} is in vm_state "
@@ -228,10 +232,11 @@ def _confirm_events(cells: dict[str, str] | None, source: str) -> list[tuple[str
 def finish_confirm(event: dict[str, Any]) -> dict[str, Any]:
     """Drop what the source held for the move; migration ``confirmed``; the server settles.
 
-    The server (if still resized with no task) gets vm_state from its power state, no task and
-    no move flavors. A server being deleted meanwhile is left to its delete. Idempotent: a
-    confirmed migration ends the step at once. After a cross-cell move the source cell's hidden
-    copy of the server (and of the migration) is hard-deleted first.
+    The server (if still resized) gets vm_state from its power state and no move flavors; a
+    volume attach or detach keeps its task (its own workflow ends it). A server being deleted
+    meanwhile is left to its delete. Idempotent: a confirmed migration ends the step at once.
+    After a cross-cell move the source cell's hidden copy of the server (and of the migration)
+    is hard-deleted first.
     """
     uuid, migration_uuid, cell = event["instance_uuid"], event["migration_uuid"], event["cell"]
     move = event["move"]

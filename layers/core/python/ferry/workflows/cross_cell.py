@@ -16,6 +16,9 @@ target copies) and the same-cell ``rollback_move`` for the rest.
 The state document is the same-cell one with ``target`` (what TargetDBSetup copied),
 ``snapshot_prep`` / ``snapshotted`` (the source host operation's arguments and result) and
 ``spawn`` / ``spawned`` (the destination's).
+
+:func:`check_move_committed` serves both branches: it runs when the last step of either failed,
+before any rollback (see :mod:`ferry.workflows.resize`).
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ from ferry.store.cell_models import (
     Tag,
 )
 from ferry.store.db import api_session, cell_session
-from ferry.workflows import cross_cell_settle, resize
+from ferry.workflows import cross_cell_settle, error_message, resize
 from ferry.workflows.resize import (
     EVENT_FINISH_AT_DEST_CROSS_CELL,
     EVENT_PREP_AT_DEST_CROSS_CELL,
@@ -375,3 +378,45 @@ def complete_move(event: dict[str, Any]) -> dict[str, Any]:
     logger.info("server resized across cells", extra={"instance_uuid": uuid, "migration_uuid": migration_uuid,
                                                       "host": dest["host"], "target_cell": target})
     return {}
+
+
+# --- CheckMoveCommitted ---------------------------------------------------------------------------
+
+
+def check_move_committed(event: dict[str, Any]) -> dict[str, Any]:
+    """Whether the move's last step committed before it failed (both branches' CheckMoveCommitted).
+
+    The ``Catch`` of MarkResized and of CompleteMoveAcrossCells comes here before any rollback. A
+    step that committed and then failed (its response lost, the function timed out after the
+    commit) has put the server in VERIFY_RESIZE on the destination, where its owner may already
+    be confirming or reverting it: rolling the move back then would destroy the guest the records
+    point at. So the move stands, and the execution ends as an undisturbed one would.
+
+    Committed means, within one cell, that the migration is ``finished`` or beyond; across cells,
+    that the instance mapping names the target cell (the switch that makes the target copy the
+    server), or that either migration copy is being confirmed or reverted. A move between cells
+    whose step failed after the switch but before hiding the source copy gets that copy hidden
+    here, as the step would have done.
+
+    Returns:
+        ``{"committed": bool}``.
+    """
+    uuid, migration_uuid, cell = event["instance_uuid"], event["migration_uuid"], event["cell"]
+    if not resize.is_cross_cell(event):
+        with cell_session(cell) as session:
+            migration = resize._get_migration(session, migration_uuid)
+            committed = migration is not None and migration.status in resize.MARKED
+    elif _settled_since(event):
+        committed = True
+    else:
+        try:
+            committed = instances.cell_of(uuid).name == _target(event)
+        except errors.InstanceNotFound:
+            committed = True  # deleted: only possible once the target copy was the server
+        if committed:
+            _hide_source(cell, uuid)
+    if committed:
+        logger.warning("the move's last step failed after it committed: the move stands",
+                       extra={"instance_uuid": uuid, "migration_uuid": migration_uuid,
+                              "error": error_message(event.get("error") or {})})
+    return {"committed": committed}

@@ -4,7 +4,9 @@ The workflow: BeginDrain (load or record the drain) → PlanDrain (disable the t
 a ``Map`` over the planned servers, each iteration AcquireSlot (wait while paused or a host
 limit is reached) → PrepareMove → the resize workflow as a nested execution → PrepareConfirm →
 the confirm workflow as a nested execution → RecordMoved, with RecordFailure deciding on a
-retry → FinishDrain (status, notification, callback).
+retry, and SettleServer recording the server failed when that bookkeeping itself fails (the
+iteration never ends with its server counted as moving) → FinishDrain (status, notification,
+callback).
 """
 
 from __future__ import annotations
@@ -67,6 +69,11 @@ def record_failure(event: dict[str, Any]) -> dict[str, Any]:
     """RecordFailure: note the failed attempt; ``{"retry": bool, …}``."""
     return drains.record_failure(event["drain_uuid"], event["instance_uuid"], event.get("slot") or {},
                                  event.get("error"))
+
+
+def settle_server(event: dict[str, Any]) -> dict[str, Any]:
+    """SettleServer: the iteration ends without moving its server; a server not yet settled is failed."""
+    return drains.settle_server(event["drain_uuid"], event["instance_uuid"], event.get("error"))
 
 
 def finish_drain(event: dict[str, Any]) -> dict[str, Any]:

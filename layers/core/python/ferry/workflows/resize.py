@@ -33,6 +33,11 @@ under its ``ResultPath``. The document holds the execution input and, as the mov
 Which of these keys are present tells :func:`rollback_move` how far the move got. Every step
 is idempotent: the records are compare-and-swapped on the states a step moves from *or to*,
 and placement and binding changes are no-ops when already done.
+
+The ``Catch`` of the last step (MarkResized, or CompleteMoveAcrossCells across cells) goes
+through :func:`ferry.workflows.cross_cell.check_move_committed` before any rollback: a step that
+failed after it committed (a lost response, a timeout) has put the server in VERIFY_RESIZE,
+where its owner may already confirm or revert it, so the move stands.
 """
 
 from __future__ import annotations
@@ -554,7 +559,7 @@ def finish_resize_at_dest(event: dict[str, Any]) -> dict[str, Any]:
 
 
 # A migration in one of these has been marked resized: the owner may have confirmed or reverted since.
-_MARKED = (FINISHED, CONFIRMING, CONFIRMED, REVERTING, REVERTED)
+MARKED = (FINISHED, CONFIRMING, CONFIRMED, REVERTING, REVERTED)
 
 
 def mark_resized(event: dict[str, Any]) -> dict[str, Any]:
@@ -569,14 +574,14 @@ def mark_resized(event: dict[str, Any]) -> dict[str, Any]:
     finished = event.get("finished") or {}
     with cell_session(cell) as session:
         _instance, migration = _load(session, event)
-        if migration.status in _MARKED:
+        if migration.status in MARKED:
             return {}  # this step ran before; a confirm or revert may already have taken over
     with api_session() as session:
         network.activate(session, uuid, dest["host"])
         volumes.complete_on(session, uuid, dest["host"])
     with cell_session(cell) as session:
         instance, migration = _load(session, event)
-        if migration.status in _MARKED:
+        if migration.status in MARKED:
             return {}
         default_power = states.SHUTDOWN if instance.old_vm_state == states.STOPPED else states.RUNNING
         power_state = int(finished.get("power_state", default_power))
