@@ -186,6 +186,8 @@ OUTLAST_AN_OUTAGE = [
     ("confirm_resize", "RestoreVerifyResize"), ("confirm_resize", "FailConfirm"),
     ("revert_resize", "RestoreVerifyResize"), ("revert_resize", "FailRevert"),
     ("drain", "RecordFailure"), ("drain", "SettleServer"),
+    ("boot", "FailBuild"), ("delete", "FailDelete"), ("power", "FailPowerAction"),
+    ("volume_attachment", "FailVolumeOperation"),
 ]
 
 
@@ -223,7 +225,8 @@ def test_idempotent_clean_up_steps_retry_every_error_for_minutes(workflow, name)
 
 ROLLBACK_TAILS = [("resize", "RollbackMove"), ("confirm_resize", "RestoreVerifyResize"),
                   ("confirm_resize", "FailConfirm"), ("revert_resize", "RestoreVerifyResize"),
-                  ("revert_resize", "FailRevert")]
+                  ("revert_resize", "FailRevert"), ("boot", "FailBuild"), ("delete", "FailDelete"),
+                  ("power", "FailPowerAction"), ("volume_attachment", "FailVolumeOperation")]
 
 
 @pytest.mark.parametrize(("workflow", "name"), ROLLBACK_TAILS, ids=[f"{w}:{n}" for w, n in ROLLBACK_TAILS])
