@@ -503,22 +503,8 @@ def _check_capacity(session: Session, changes: list[_Change], providers: dict[st
         (inv.resource_provider_id, inv.resource_class): inv
         for inv in session.scalars(select(Inventory).where(Inventory.resource_provider_id.in_(provider_ids)))
     }
-    used_by_others = {
-        (row.resource_provider_id, row.resource_class): row.used
-        for row in session.execute(
-            select(Allocation.resource_provider_id, Allocation.resource_class, func.sum(Allocation.used).label("used"))
-            .where(Allocation.resource_provider_id.in_(provider_ids), Allocation.consumer_uuid.not_in(names))
-            .group_by(Allocation.resource_provider_id, Allocation.resource_class)
-        )
-    }
-    held = {
-        (row.resource_provider_id, row.resource_class): row.used
-        for row in session.execute(
-            select(Allocation.resource_provider_id, Allocation.resource_class, func.sum(Allocation.used).label("used"))
-            .where(Allocation.resource_provider_id.in_(provider_ids), Allocation.consumer_uuid.in_(names))
-            .group_by(Allocation.resource_provider_id, Allocation.resource_class)
-        )
-    }
+    used_by_others = _usage(session, provider_ids, Allocation.consumer_uuid.not_in(names))
+    held = _usage(session, provider_ids, Allocation.consumer_uuid.in_(names))
     uuid_of = {rp_id: rp_uuid for rp_uuid, rp_id in providers.items()}
     for change in changes:
         for rp_uuid, resources in change.allocations.items():
@@ -543,6 +529,18 @@ def _check_capacity(session: Session, changes: list[_Change], providers: dict[st
                 f"Resource provider {uuid_of[rp_id]} cannot fit {amount} {rc}: {used} of {room:g} in use.",
                 provider=uuid_of[rp_id], resource_class=rc, requested=amount, used=used, capacity=room,
             )
+
+
+def _usage(session: Session, provider_ids: set[int], consumers: ColumnElement[bool]) -> dict[tuple[int, str], int]:
+    """``{(provider id, resource class): amount}`` that the ``consumers`` matched use on those providers."""
+    return {
+        (row.resource_provider_id, row.resource_class): row.used
+        for row in session.execute(
+            select(Allocation.resource_provider_id, Allocation.resource_class, func.sum(Allocation.used).label("used"))
+            .where(Allocation.resource_provider_id.in_(provider_ids), consumers)
+            .group_by(Allocation.resource_provider_id, Allocation.resource_class)
+        )
+    }
 
 
 def _write_consumer(session: Session, change: _Change, row: Any) -> None:
