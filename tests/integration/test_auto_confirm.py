@@ -72,9 +72,22 @@ def test_only_migrations_older_than_the_window_are_confirmed(started):
 
     assert result == {"window": WINDOW, "confirmed": 1, "skipped": 0, "errored": 0, "failed": 0}
     assert started.instances() == [old.instance_uuid]
-    assert started.payloads[0]["request_id"] == f"req-auto-confirm-{old.migration_uuid}"
+    assert started.payloads[0]["request_id"].startswith(f"req-auto-confirm-{old.migration_uuid}-")
     assert migration_row(old.migration_uuid).status == migration_states.CONFIRMING
     assert migration_row(recent.migration_uuid).status == migration_states.FINISHED
+
+
+def test_a_confirm_that_failed_early_is_tried_again_as_a_new_request(started):
+    """Its workflow put the migration back to finished; the same request id would name the closed execution."""
+    old = expired()
+    auto_confirm.run()
+    set_migration(old.migration_uuid, status=migration_states.FINISHED, updated_at=LONG_AGO)  # RestoreVerifyResize
+
+    assert auto_confirm.run()["confirmed"] == 1
+
+    first, again = (payload["request_id"] for payload in started.payloads)
+    assert first != again
+    assert migration_row(old.migration_uuid).status == migration_states.CONFIRMING
 
 
 def test_a_window_of_zero_turns_it_off(started, monkeypatch):

@@ -3,7 +3,8 @@
 A scheduled function runs :func:`run` every minute. With ``resize_confirm_window`` (seconds,
 ``FERRY_RESIZE_CONFIRM_WINDOW``) above zero it looks in every cell for migrations that have
 been ``finished`` for longer than the window and confirms each through the compute API's own
-path (:func:`ferry.compute.moves.begin_confirm`, request id ``req-auto-confirm-<migration uuid>``),
+path (:func:`ferry.compute.moves.begin_confirm`, request id
+``req-auto-confirm-<migration uuid>-<8 random hex digits>``, new for every attempt),
 with Nova's rules:
 
 * the instance is gone (deleted, or not in this cell) → skipped, logged;
@@ -19,6 +20,7 @@ names is confirmed, once.
 from __future__ import annotations
 
 import datetime as dt
+import uuid
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -50,8 +52,13 @@ class Unconfirmed:
 
 
 def request_id_for(migration_uuid: str) -> str:
-    """The request id an automatic confirm is recorded under."""
-    return f"req-auto-confirm-{migration_uuid}"
+    """The request id of one automatic confirm of the migration: a new one for every attempt.
+
+    A confirm whose workflow failed early puts the migration back to ``finished``; the next
+    attempt is another request, with an execution of its own (the name of a closed execution
+    cannot be started again).
+    """
+    return f"req-auto-confirm-{migration_uuid}-{uuid.uuid4().hex[:8]}"
 
 
 def unconfirmed(cell: str, older_than: dt.datetime) -> list[Unconfirmed]:
