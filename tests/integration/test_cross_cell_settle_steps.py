@@ -36,13 +36,14 @@ from verify_resize_helpers import (
     USER,
     attachments,
     bindings,
+    host_down,
     host_result,
     make_volume,
     mocked_aws,
     usage,
 )
 
-from ferry import placement, workflows
+from ferry import errors, placement, workflows
 from ferry.auth import RequestContext
 from ferry.compute import actions, migration_states, moves, states
 from ferry.compute import api as compute_api
@@ -343,3 +344,37 @@ def test_api_shows_the_mapped_copy_only_and_one_migration_per_uuid(cloud, tmp_pa
         session.execute(update(Migration).values(status=migration_states.ERROR))
     merged = [m for m in moves.list_migrations(moves.MigrationFilters()) if m["uuid"] == moved.migration_uuid]
     assert [m["status"] for m in merged] == [migration_states.FINISHED]
+
+
+@pytest.mark.parametrize("kind", ["confirm", "revert"])
+def test_a_settle_that_fails_at_its_first_step_records_the_cross_cell_event(cloud, monkeypatch, tmp_path, kind):
+    """The step failed before it read the move: the migration still says it is a move between cells."""
+    moved = make_cross_cell(tmp_path)
+    host_down(SOURCE)
+    event = begin(kind, moved, monkeypatch)
+    check = confirm_resize.check_resize_to_confirm if kind == "confirm" else revert_resize.check_resize_to_revert
+    with pytest.raises(errors.ComputeServiceUnavailable):
+        check(event)
+
+    confirm_resize.restore_verify_resize({**event, "error": {"Error": "Ferry.ComputeServiceUnavailable",
+                                                             "Cause": "the source host is down"}})
+
+    recorded = events_in(TARGET_CELL, moved.instance_uuid)
+    expected = cross_cell_settle.EVENT_CONFIRM if kind == "confirm" else cross_cell_settle.EVENT_REVERT
+    assert expected in recorded
+    assert not {confirm_resize.EVENT_CONFIRM, confirm_resize.EVENT_REVERT} & set(recorded)
+    assert migration_in(TARGET_CELL, moved.migration_uuid).status == migration_states.FINISHED
+
+
+def test_a_late_restore_leaves_alone_the_confirm_that_took_the_migration_since(cloud, monkeypatch, tmp_path):
+    """A revert's restore committed, its answer was lost, the owner confirmed: the retry must not undo that."""
+    moved = make_cross_cell(tmp_path)
+    revert = begin("revert", moved, monkeypatch)
+    failed = {**revert, "error": {"Error": "Ferry.HypervisorError", "Cause": "the destination failed"}}
+    confirm_resize.restore_verify_resize(failed)
+    begin("confirm", moved, monkeypatch)
+
+    confirm_resize.restore_verify_resize(failed)  # the state machine's retry of the step
+
+    assert migration_in(TARGET_CELL, moved.migration_uuid).status == migration_states.CONFIRMING
+    assert mapped_cell(moved.instance_uuid) == TARGET_CELL

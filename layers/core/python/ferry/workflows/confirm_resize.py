@@ -319,6 +319,16 @@ def fail_confirm(event: dict[str, Any]) -> dict[str, Any]:
 EVENT_REVERT = "compute_revert_resize"
 
 
+def _newest_settle_request(session: Session, instance_uuid: str) -> str | None:
+    """The request id of the instance's newest confirm or revert (accepted with its migration's status)."""
+    return session.scalars(
+        select(InstanceAction.request_id)
+        .where(InstanceAction.instance_uuid == instance_uuid,
+               InstanceAction.action.in_((actions.CONFIRM_RESIZE, actions.REVERT_RESIZE)))
+        .order_by(InstanceAction.id.desc()).limit(1)
+    ).first()
+
+
 def restore_verify_resize(event: dict[str, Any]) -> dict[str, Any]:
     """Rollback of a confirm or revert that failed before the server left VERIFY_RESIZE.
 
@@ -334,6 +344,15 @@ def restore_verify_resize(event: dict[str, Any]) -> dict[str, Any]:
     uuid, migration_uuid, request_id = event["instance_uuid"], event["migration_uuid"], event["request_id"]
     error = event.get("error") or {}
     cause = error_message(error)
+    with cell_session(event["cell"]) as session:
+        newest = _newest_settle_request(session, uuid)
+    if newest not in (None, request_id):
+        # This step ran late (its first answer was lost): the migration's state is a newer
+        # confirm's or revert's now, not this one's to put back.
+        logger.warning("a newer confirm or revert owns the migration; nothing restored",
+                       extra={"instance_uuid": uuid, "migration_uuid": migration_uuid, "request_id": request_id,
+                              "newer_request_id": newest})
+        return {}
     cells = cross_cell_settle.cross_cell(event)
     cross_cell_settle.undo_flip(event)
     with cell_session(event["cell"]) as session:
@@ -342,7 +361,7 @@ def restore_verify_resize(event: dict[str, Any]) -> dict[str, Any]:
             return {}
         reverting = migration.status == migration_states.REVERTING
         name, verb = (EVENT_REVERT, "Reverting") if reverting else (EVENT_CONFIRM, "Confirming")
-        if cells:
+        if cells or migration.cross_cell_move:  # failed before the move was read (no $.move): still cross-cell
             name = cross_cell_settle.EVENT_REVERT if reverting else cross_cell_settle.EVENT_CONFIRM
         source, dest = migration.source_compute, migration.dest_compute
         if reverting and cells:
