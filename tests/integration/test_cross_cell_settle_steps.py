@@ -40,6 +40,7 @@ from verify_resize_helpers import (
     host_result,
     make_volume,
     mocked_aws,
+    provider,
     usage,
 )
 
@@ -378,3 +379,28 @@ def test_a_late_restore_leaves_alone_the_confirm_that_took_the_migration_since(c
 
     assert migration_in(TARGET_CELL, moved.migration_uuid).status == migration_states.CONFIRMING
     assert mapped_cell(moved.instance_uuid) == TARGET_CELL
+
+
+def test_deleting_a_server_releases_what_an_older_failed_confirm_left_held(cloud, monkeypatch, tmp_path):
+    """The failed confirm's migration keeps its source allocation; a newer move is the one the delete confirms."""
+    moved = make_cross_cell(tmp_path)
+    event = begin("confirm", moved, monkeypatch)
+    confirm_resize.fail_confirm({**event, "move": confirm_resize.check_resize_to_confirm(event),
+                                 "error": {"Error": "Ferry.HypervisorError", "Cause": "the disk is busy"}})
+    assert placement.get_allocations(moved.migration_uuid)
+    newer = str(uuidlib.uuid4())
+    with cell_session(TARGET_CELL) as session:
+        session.add(Migration(uuid=newer, instance_uuid=moved.instance_uuid, source_compute=CROSS_DEST,
+                              source_node=CROSS_DEST, dest_compute=CROSS_DEST, dest_node=CROSS_DEST,
+                              status=migration_states.FINISHED, migration_type="resize"))
+    placement.claim(newer, PROJECT, USER, {provider(CROSS_DEST): {"VCPU": 1}})
+    removal = {"instance_uuid": moved.instance_uuid, "cell": TARGET_CELL, "request_id": "req-delete",
+               "host": CROSS_DEST}
+    removal["confirm"] = delete.find_resize_to_confirm(removal)
+    assert removal["confirm"]["migration_uuid"] == newer
+
+    delete.confirm_before_delete(removal)
+    delete.finish_delete(removal)
+
+    assert placement.get_allocations(moved.migration_uuid) == {}
+    assert placement.get_allocations(newer) == {} and placement.get_allocations(moved.instance_uuid) == {}

@@ -24,7 +24,7 @@ from ferry.compute import actions, instances, migration_states, states
 from ferry.observability import logger
 from ferry.store.api_models import InstanceMapping, Volume, VolumeAttachment, utcnow
 from ferry.store.cell_models import BlockDeviceMapping, Instance, Migration
-from ferry.store.db import api_session, cell_session
+from ferry.store.db import all_cells, api_session, cell_session
 from ferry.workflows import confirm_resize, cross_cell_settle, error_message
 
 EVENT_TERMINATE = "compute_terminate_instance"
@@ -110,7 +110,12 @@ def confirm_before_delete(event: dict[str, Any]) -> dict[str, Any]:
 
 
 def finish_delete(event: dict[str, Any]) -> dict[str, Any]:
-    """Release the server's ports, volumes and allocations and mark it deleted (idempotent)."""
+    """Release the server's ports, volumes and allocations and mark it deleted (idempotent).
+
+    The allocations go with every migration of the server too, in every cell: an older move
+    whose confirm failed (migration ``error``) still holds its source host's, and the server
+    that held them is gone.
+    """
     uuid, cell = event["instance_uuid"], event["cell"]
     with cell_session(cell) as session:
         bdms = list(session.scalars(select(BlockDeviceMapping).where(
@@ -126,6 +131,11 @@ def finish_delete(event: dict[str, Any]) -> dict[str, Any]:
         session.execute(update(InstanceMapping).where(InstanceMapping.instance_uuid == uuid)
                         .values(queued_for_delete=True))
     placement.delete_allocations(uuid)
+    for migration_uuid in _migrations_of(uuid):
+        if placement.get_allocations(migration_uuid):
+            placement.delete_allocations(migration_uuid)
+            logger.info("allocation of an earlier move released with the server",
+                        extra={"instance_uuid": uuid, "migration_uuid": migration_uuid})
     now = utcnow()
     with cell_session(cell) as session:
         instance = session.scalars(select(Instance).where(Instance.uuid == uuid)).one_or_none()
@@ -138,6 +148,15 @@ def finish_delete(event: dict[str, Any]) -> dict[str, Any]:
         actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"], event=EVENT_TERMINATE,
                              host=event.get("host"))
     return {}
+
+
+def _migrations_of(instance_uuid: str) -> set[str]:
+    """The uuids of the server's migration records in every cell (a move between cells has one in each)."""
+    found: set[str] = set()
+    for cell in all_cells(include_cell0=False):
+        with cell_session(cell.name) as session:
+            found.update(session.scalars(select(Migration.uuid).where(Migration.instance_uuid == instance_uuid)))
+    return found
 
 
 def fail_delete(event: dict[str, Any]) -> dict[str, Any]:
