@@ -15,10 +15,11 @@ Step Functions whether the workflow still waits (a task heartbeat): if not (``Ta
 ``InvalidToken``, ``TaskDoesNotExist``) the message is dropped without running the operation, which,
 run late, would leave a guest or disks on the host that nothing owns. When Step Functions cannot
 tell (it keeps failing), the operation waits for the message's next delivery. An answer the
-workflow no longer waits for (the Task timed out while the operation ran) is logged and dropped;
-what such an operation sent off this host (a source's disks in the destination's directory or in
-the transfer, a snapshot) is then taken back, since the workflow's rollback may already have
-deleted it, and nothing else would again.
+workflow no longer waits for (the Task timed out while the operation ran) is logged and dropped.
+An operation that sends something off its host (a source's disks into the destination's
+directory or the transfer, a snapshot) asks again once it has run; when the workflow no longer
+waits, what it sent is taken back instead of answering, since the workflow's rollback may
+already have deleted it, and nothing else would again.
 """
 
 from __future__ import annotations
@@ -179,12 +180,6 @@ def operation_delay(operation: str) -> float:
             except ValueError:
                 return 0.0
     return 0.0
-
-
-# How an answer went (HostAgent._answer).
-DELIVERED = "delivered"
-NOT_AWAITED = "not awaited"
-UNDELIVERED = "undelivered"
 
 
 class _NotRun(Exception):
@@ -486,7 +481,7 @@ class HostAgent(MoveOperations):
             logger.info(
                 "operation already done: answering from the journal", extra={**context, "status": recorded.status}
             )
-            if self._answer(op.task_token, recorded.result, recorded.error, recorded.cause, context) != UNDELIVERED:
+            if self._answer(op.task_token, recorded.result, recorded.error, recorded.cause, context):
                 self._delete(receipt)
             return
 
@@ -504,18 +499,25 @@ class HostAgent(MoveOperations):
             else:
                 self._redeliver_later(receipt, context)
             return
-        answered = self._answer(op.task_token, result, error, cause, context)
-        if answered == NOT_AWAITED and ran:
+        if ran and op.task_token and op.name in self._take_back \
+                and self._still_awaited(op.task_token, context) is False:
+            # The Task timed out while the operation ran: nobody takes its answer, and the rollback
+            # may already have deleted what it sent. Asked before answering: a refused answer
+            # cannot tell a Task that timed out from one that took this very answer already (a
+            # response lost and the call retried).
             self._take_back_sent(op, context)
-        if answered != UNDELIVERED:
+            self._delete(receipt)
+            return
+        if self._answer(op.task_token, result, error, cause, context):
             self._delete(receipt)
 
     def _take_back_sent(self, op: Operation, context: dict[str, Any]) -> None:
-        """Remove what ``op``, just run and refused its answer, sent off this host (see ``_take_back``).
+        """Remove what ``op`` sent off this host, its workflow having stopped waiting (see ``_take_back``).
 
-        Only for a run of this delivery: an answer from the journal may be refused because an
-        earlier copy's answer was taken, and the workflow then goes on with what was sent.
-        A failure is logged and counted; the audit and the bucket's lifecycle find what is left.
+        Only for a run of this delivery, whose answer was never given: a copy answered from the
+        journal belongs to a run whose answer may have been taken, and the workflow then goes on
+        with what was sent. A failure is logged and counted; ``ferry audit`` and the bucket's
+        lifecycle rules find what is left.
         """
         take_back = self._take_back.get(op.name)
         if take_back is None:
@@ -594,10 +596,10 @@ class HostAgent(MoveOperations):
         error: str | None,
         cause: str | None,
         context: dict[str, Any],
-    ) -> str:
-        """Send the answer for ``token``: DELIVERED, NOT_AWAITED (the workflow gave up on it) or UNDELIVERED."""
+    ) -> bool:
+        """Send the answer for ``token``; True when the message is settled (delivered or no longer awaited)."""
         if not token:
-            return DELIVERED
+            return True
         failure: Exception | None = None
         for attempt in range(STEP_FUNCTIONS_ATTEMPTS):
             if attempt:
@@ -609,14 +611,14 @@ class HostAgent(MoveOperations):
                     self.sfn.send_task_failure(
                         taskToken=token, error=error[:_MAX_ERROR_LEN], cause=(cause or "")[:_MAX_CAUSE_LEN]
                     )
-                return DELIVERED
+                return True
             except self._task_gone_errors() as exc:
                 # The workflow gave up on this task (timed out or ended): the answer is stale, nobody waits for it.
                 logger.warning(
                     "the workflow no longer waits for this answer: dropped",
                     extra={**context, "error": type(exc).__name__},
                 )
-                return NOT_AWAITED
+                return True
             except (ClientError, BotoCoreError) as exc:
                 # Throttling or a 5xx; moto also answers a 500 while another execution is starting.
                 failure = exc
@@ -624,7 +626,7 @@ class HostAgent(MoveOperations):
             "answering the workflow failed; the message will be answered again",
             extra={**context, "error": str(failure)},
         )
-        return UNDELIVERED
+        return False
 
     def _task_gone_errors(self) -> tuple[type[Exception], ...]:
         """What Step Functions answers about a task token whose Task no longer waits (timed out, or ended)."""
@@ -899,7 +901,7 @@ class HostAgent(MoveOperations):
                     # Written by an interrupted attempt: complete and verified, since it appears only by rename.
                     disks.grow(root, flavor["root_gb"] * disks.GiB)
                 else:
-                    with self._cached_image_in_use(image["sha256"] if cache is not None else None):
+                    with self._cached_image_in_use(image["sha256"].lower() if cache is not None else None):
                         disks.create_root_disk(self.s3, image, flavor["root_gb"] * disks.GiB, root, cache_dir=cache)
                 result.append(DiskSpec(kind=ROOT, path=str(root), device=LOCAL_DEVICES[ROOT], boot=True))
             elif not volumes:

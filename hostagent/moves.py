@@ -536,7 +536,7 @@ class MoveOperations:
         before this run finished sending. The kept disks stay for the rollback's revert.
 
         Raises:
-            OSError, ClientError, BotoCoreError: the message comes back to try again.
+            OSError, ClientError, BotoCoreError: logged and counted by the agent; `ferry audit` finds what is left.
         """
         args = op.args
         if args["same_host"]:
@@ -553,7 +553,7 @@ class MoveOperations:
         have run before this run finished writing it.
 
         Raises:
-            ClientError, BotoCoreError: the message comes back to try again.
+            ClientError, BotoCoreError: logged and counted by the agent; `ferry audit` finds what is left.
         """
         snapshot = op.args.get("snapshot")
         if snapshot is None:

@@ -23,11 +23,13 @@ from typing import Any
 
 import boto3
 import pytest
+from botocore.exceptions import ReadTimeoutError
 from digest_helpers import MOVES, block_digest
 from moto import mock_aws
 from moto_credentials import REGION, use_moto_credentials
 
 from ferry import errors, faults, protocol
+from hostagent import agent as agent_module
 from hostagent import disks
 from hostagent.agent import HostAgent
 from hostagent.driver import NOSTATE, RUNNING, SHUTDOWN, LibvirtDriver, write_test_node_xml
@@ -56,13 +58,18 @@ class TaskTimedOut(Exception):
 
 
 class RecordingStepFunctions:
-    """Receives the agents' answers, by task token; or, once ``gave_up``, refuses them as Step Functions would."""
+    """Receives the agents' answers, by task token; or, once ``gave_up``, refuses them as Step Functions would.
+
+    ``heartbeats_left``, when set, is how many more task heartbeats are taken before the Task
+    times out (heartbeats then answer ``TaskTimedOut``).
+    """
 
     exceptions = SimpleNamespace(TaskTimedOut=TaskTimedOut, InvalidToken=TaskTimedOut, TaskDoesNotExist=TaskTimedOut)
 
     def __init__(self) -> None:
         self.answers: dict[str, tuple[dict[str, Any] | None, str | None, str | None]] = {}
         self.gave_up = False
+        self.heartbeats_left: int | None = None
 
     def send_task_success(self, taskToken: str, output: str) -> None:  # noqa: N803 - boto3's names
         if self.gave_up:
@@ -75,7 +82,10 @@ class RecordingStepFunctions:
         self.answers[taskToken] = (None, error, cause)
 
     def send_task_heartbeat(self, taskToken: str) -> None:  # noqa: N803
-        pass
+        if self.heartbeats_left is not None:
+            if self.heartbeats_left <= 0:
+                raise TaskTimedOut(taskToken)
+            self.heartbeats_left -= 1
 
 
 class CountingDriver(LibvirtDriver):
@@ -123,12 +133,13 @@ class Host:
         return result, error
 
     def abandoned(self, operation: str, instance_uuid: str, args: dict[str, Any]) -> None:
-        """Run the operation as if its Task timed out while it ran: its answer is refused, its message deleted."""
-        self.cloud.sfn.gave_up = True
+        """Run the operation as if its Task timed out while it ran (after the heartbeat that let it
+        start): no answer is taken, the message is deleted."""
+        self.cloud.sfn.gave_up, self.cloud.sfn.heartbeats_left = True, 1
         try:
             token = self.deliver(operation, instance_uuid, args)
         finally:
-            self.cloud.sfn.gave_up = False
+            self.cloud.sfn.gave_up, self.cloud.sfn.heartbeats_left = False, None
         assert token not in self.cloud.sfn.answers
         assert self.cloud.sqs.receive_message(QueueUrl=self.agent.queue_url).get("Messages") is None
 
@@ -811,6 +822,28 @@ def test_a_second_copy_of_a_delivered_resize_refused_its_answer_takes_nothing_ba
 
     assert cloud.sfn.answers["token-twice"][1] is None
     assert dest.instance_dirs() == [f"{server.uuid}_incoming"]
+
+
+def test_an_answer_taken_whose_response_was_lost_takes_nothing_back(cloud, source, dest, monkeypatch):
+    """The retried answer is refused as a late one would be: the workflow took the first and needs the transfer."""
+    monkeypatch.setattr(agent_module, "STEP_FUNCTIONS_RETRY_SECONDS", 0)
+    server = boot(source)
+    migration_uuid = str(uuid.uuid4())
+    take = cloud.sfn.send_task_success
+    calls: list[str] = []
+
+    def taken_then_refused(taskToken: str, output: str) -> None:  # noqa: N803 - boto3's names
+        calls.append(taskToken)
+        if len(calls) == 1:
+            take(taskToken=taskToken, output=output)
+            raise ReadTimeoutError(endpoint_url="https://states.us-east-1.amazonaws.com")
+        raise TaskTimedOut(taskToken)
+
+    monkeypatch.setattr(cloud.sfn, "send_task_success", taken_then_refused)
+    source.ok("resize_instance", server.uuid, resize_args(migration_uuid, dest))
+
+    assert len(calls) == 2
+    assert len(cloud.transfer_keys(transfer(migration_uuid)["prefix"])) == 4
 
 
 def test_a_resize_whose_workflow_gave_up_takes_back_its_transfer(cloud, source, dest):

@@ -17,6 +17,7 @@ gets ``-2``, ``-3``… appended). Every execution gets
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -57,27 +58,26 @@ def move_execution_name(kind: str, instance_uuid: str, migration_uuid: str) -> s
 
 
 def _fresh_execution_name(state_machine_arn: str, name: str, request_id: str) -> str:
-    """``name``, or ``name-2``, ``name-3``… when an execution of that name exists for another request.
+    """``name``, or ``name-<8 hex digits of the request id's SHA-256>`` when an execution of that
+    name exists for another request.
 
     A confirm or revert whose workflow failed early puts the migration back to ``finished`` so
     it can be asked again; Step Functions keeps an execution's name for 90 days, so the next
     request needs a name of its own. The same request started again keeps its name (starting
-    it twice is then a no-op).
+    it twice is then a no-op). The name is found with at most one look-up, however often the
+    migration was asked before (the automatic confirm asks every minute while a host is down).
     """
     if not state_machine_arn:
         return name
     sfn = aws.client("stepfunctions")
     prefix = state_machine_arn.replace(":stateMachine:", ":execution:") + ":"
-    candidate, attempt = name, 1
-    while True:
-        try:
-            existing = sfn.describe_execution(executionArn=prefix + candidate)
-        except sfn.exceptions.ExecutionDoesNotExist:
-            return candidate
-        if json.loads(existing.get("input") or "{}").get("request_id") == request_id:
-            return candidate
-        attempt += 1
-        candidate = f"{name}-{attempt}"
+    try:
+        existing = sfn.describe_execution(executionArn=prefix + name)
+    except sfn.exceptions.ExecutionDoesNotExist:
+        return name
+    if json.loads(existing.get("input") or "{}").get("request_id") == request_id:
+        return name
+    return f"{name}-{hashlib.sha256(request_id.encode()).hexdigest()[:8]}"
 
 
 def _invalid_state(action: str, instance_uuid: str, attr: str, state: Any) -> errors.InstanceInvalidState:

@@ -24,7 +24,7 @@ from ferry.compute import actions, instances, migration_states, states
 from ferry.observability import logger
 from ferry.store.api_models import InstanceMapping, Volume, VolumeAttachment, utcnow
 from ferry.store.cell_models import BlockDeviceMapping, Instance, Migration
-from ferry.store.db import all_cells, api_session, cell_session
+from ferry.store.db import api_session, cell_session
 from ferry.workflows import confirm_resize, cross_cell_settle, error_message
 
 EVENT_TERMINATE = "compute_terminate_instance"
@@ -112,9 +112,9 @@ def confirm_before_delete(event: dict[str, Any]) -> dict[str, Any]:
 def finish_delete(event: dict[str, Any]) -> dict[str, Any]:
     """Release the server's ports, volumes and allocations and mark it deleted (idempotent).
 
-    The allocations go with every migration of the server too, in every cell: an older move
-    whose confirm failed (migration ``error``) still holds its source host's, and the server
-    that held them is gone.
+    The allocations go with every migration of the server too: an older move whose confirm
+    failed (migration ``error``) still holds its source host's, and the server that held them
+    is gone. The server's cell has a record of each (a move between cells keeps one in both).
     """
     uuid, cell = event["instance_uuid"], event["cell"]
     with cell_session(cell) as session:
@@ -131,7 +131,7 @@ def finish_delete(event: dict[str, Any]) -> dict[str, Any]:
         session.execute(update(InstanceMapping).where(InstanceMapping.instance_uuid == uuid)
                         .values(queued_for_delete=True))
     placement.delete_allocations(uuid)
-    for migration_uuid in _migrations_of(uuid):
+    for migration_uuid in _migrations_of(cell, uuid):
         if placement.get_allocations(migration_uuid):
             placement.delete_allocations(migration_uuid)
             logger.info("allocation of an earlier move released with the server",
@@ -150,13 +150,10 @@ def finish_delete(event: dict[str, Any]) -> dict[str, Any]:
     return {}
 
 
-def _migrations_of(instance_uuid: str) -> set[str]:
-    """The uuids of the server's migration records in every cell (a move between cells has one in each)."""
-    found: set[str] = set()
-    for cell in all_cells(include_cell0=False):
-        with cell_session(cell.name) as session:
-            found.update(session.scalars(select(Migration.uuid).where(Migration.instance_uuid == instance_uuid)))
-    return found
+def _migrations_of(cell: str, instance_uuid: str) -> list[str]:
+    """The uuids of the server's migration records in its cell."""
+    with cell_session(cell) as session:
+        return list(session.scalars(select(Migration.uuid).where(Migration.instance_uuid == instance_uuid)))
 
 
 def fail_delete(event: dict[str, Any]) -> dict[str, Any]:
