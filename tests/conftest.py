@@ -34,6 +34,10 @@ def pg_base_url() -> Iterator[str]:
     for template in list(_templates.values()):
         _drop_databases(url, [template])
     _templates.clear()
+    for spares in _pg_spares.values():
+        for api_url, cell_urls in spares:
+            _drop_databases(url, [u.rsplit("/", 1)[1] for u in (api_url, *cell_urls.values())])
+    _pg_spares.clear()
 
 
 _templates: dict[str, str] = {}
@@ -102,13 +106,45 @@ class Store:
     cells: dict[str, str] = field(default_factory=dict)
 
 
+# PostgreSQL stores a test left empty, by their cells' names, for the next test of this process:
+# emptying a database takes a fraction of the time creating one from a template does.
+_pg_spares: dict[tuple[str, ...], list[tuple[str, dict[str, str]]]] = {}
+
+
+def _empty_databases(urls: list[str]) -> bool:
+    """Empty every table of these databases but the migration version; False when that cannot be done.
+
+    A connection a test left open (a thread still at work) holds its locks: the wait is bounded,
+    and such databases are dropped instead of kept.
+    """
+    for url in urls:
+        engine = create_engine(url, isolation_level="AUTOCOMMIT")
+        try:
+            with engine.connect() as conn:
+                conn.execute(text("SET lock_timeout = '5s'"))
+                tables = [name for (name,) in conn.execute(text(
+                    "SELECT tablename FROM pg_tables WHERE schemaname = 'public' AND tablename <> 'alembic_version'"))]
+                if tables:
+                    quoted = ", ".join(f'"{table}"' for table in tables)
+                    conn.execute(text(f"TRUNCATE {quoted} RESTART IDENTITY CASCADE"))
+        except Exception:
+            return False
+        finally:
+            engine.dispose()
+    return True
+
+
 def _make_store(
     backend: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request, cells=("cell0", "cell1", "cell2")
 ):
     if backend == "postgres":
         base = request.getfixturevalue("pg_base_url")
-        api_url = _pg_database(base, "api")
-        cell_urls = {name: _pg_database(base, "cell") for name in cells}
+        spares = _pg_spares.get(tuple(cells))
+        if spares:
+            api_url, cell_urls = spares.pop()
+        else:
+            api_url = _pg_database(base, "api")
+            cell_urls = {name: _pg_database(base, "cell") for name in cells}
     else:
         api_url = _sqlite_database(tmp_path / "api.sqlite", "api")
         cell_urls = {name: _sqlite_database(tmp_path / f"cell-{name}.sqlite", "cell") for name in cells}
@@ -122,11 +158,15 @@ def _make_store(
 
 
 def _finish_store(store: Store) -> None:
-    """Close every connection of the test's store and drop its PostgreSQL databases."""
+    """Close every connection of the test's store; empty its PostgreSQL databases for the next test
+    (or drop them, when they cannot be emptied)."""
     db.dispose_all()
     config.reset()
     if store.backend == "postgres":
         urls = [store.api_url, *store.cells.values()]
+        if _empty_databases(urls):
+            _pg_spares.setdefault(tuple(store.cells), []).append((store.api_url, dict(store.cells)))
+            return
         base = store.api_url.rsplit("/", 1)[0] + "/"
         _drop_databases(base, [url.rsplit("/", 1)[1] for url in urls])
 
