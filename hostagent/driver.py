@@ -520,10 +520,7 @@ class LibvirtDriver(Driver):
     def _reconnect(self) -> None:
         """Close the (dead) connection and open a new one; domain handles of the old one are void."""
         with self._lock:
-            try:
-                self._conn.close()
-            except libvirt.libvirtError:
-                pass
+            self.close()
             with _hypervisor_errors(_REOPEN):
                 self._conn = libvirt.open(self.uri)
 

@@ -92,7 +92,7 @@ def _filter_candidates(spec: SchedulingSpec, request: placement.CandidateRequest
     candidate it leaves too small is dropped: a plan counts what it placed before.
     """
     settings = config.get()
-    enough = max(settings.scheduler_max_attempts, 1)
+    enough = _enough()
     filters = host_filters.enabled_filters()
     removed: dict[str, int] = {}
     passed: list[HostState] = []
@@ -141,7 +141,7 @@ def _filter(spec: SchedulingSpec, excluded: list[str],
         weigher = host_weighers.CrossCellWeigher()
         in_source = _filter_candidates(spec, dataclasses.replace(request, cell=spec.source_cell), pending)
         preferred = [host for host in in_source.hosts if weigher.multiplier(host, spec) > 0]
-        if len(preferred) >= max(config.get().scheduler_max_attempts, 1):
+        if len(preferred) >= _enough():
             return dataclasses.replace(in_source, hosts=preferred)
     filtered = _filter_candidates(spec, request, pending)
     if not filtered.hosts and request_filter.is_narrowed(request):
@@ -151,6 +151,11 @@ def _filter(spec: SchedulingSpec, excluded: list[str],
         found = {host.provider_uuid for host in preferred}
         filtered.hosts = preferred + [host for host in filtered.hosts if host.provider_uuid not in found]
     return filtered
+
+
+def _enough() -> int:
+    """How many hosts a search wants: the choice and its alternates (``scheduler_max_attempts``)."""
+    return max(config.get().scheduler_max_attempts, 1)
 
 
 def _source_cell_first(spec: SchedulingSpec, request: placement.CandidateRequest) -> bool:
