@@ -18,7 +18,7 @@ from ferry import aws, config, drains, errors, notifications, placement
 from ferry.auth import RequestContext
 from ferry.compute import services
 from ferry.store.api_models import Drain, DrainServer
-from ferry.store.cell_models import Instance
+from ferry.store.cell_models import Instance, Migration
 from ferry.store.db import api_session, cell_session
 
 ADMIN = RequestContext(user_id="op", project_id="ops", roles=("admin",))
@@ -301,3 +301,100 @@ def test_a_drain_publishes_one_grouped_event_when_it_starts_and_one_when_it_ends
     assert end["priority"] == "ERROR" and end["payload"]["drain_id"] == drain
     assert end["payload"]["counts"]["cancelled"] == 1
     assert [s["id"] for s in end["payload"]["servers"]] == [uuid]
+
+
+@pytest.fixture
+def resize_machine(aws_test_credentials, monkeypatch):
+    """A resize state machine on moto whose executions run until they are stopped (moto does not
+    play them here), named in the configuration as the template names it for RecordFailure."""
+    with mock_aws():
+        aws.reset()
+        sfn = aws.client("stepfunctions")
+        arn = sfn.create_state_machine(
+            name="ferry-test-resize", roleArn="arn:aws:iam::123456789012:role/ferry-test",
+            definition=json.dumps({"StartAt": "Done", "States": {"Done": {"Type": "Succeed"}}}))["stateMachineArn"]
+        monkeypatch.setenv("FERRY_RESIZE_STATE_MACHINE_ARN", arn)
+        config.reset()
+        yield sfn, arn
+        aws.reset()
+    config.reset()
+
+
+def _prepared_move(drain: str, server: str) -> tuple[dict, dict]:
+    """The server's slot and its accepted move (``{"name", "input"}``), as PrepareMove leaves them."""
+    slot = drains.acquire_slot(drain, server).to_dict()
+    return slot, drains.prepare_move(drain, server, slot)
+
+
+def _move_records(server: str, migration_uuid: str) -> tuple[str | None, str]:
+    with cell_session("cell1") as session:
+        task_state = session.scalars(select(Instance.task_state).where(Instance.uuid == server)).one()
+        status = session.scalars(select(Migration.status).where(Migration.uuid == migration_uuid)).one()
+    return task_state, status
+
+
+def test_a_failed_wait_for_a_move_whose_workflow_still_runs_undoes_nothing_until_it_has_ended(store, resize_machine):
+    # GIVEN a drained server whose move was accepted and whose resize execution runs, while the
+    # RunMove step that waited for it failed (the nested-execution integration, not the move)
+    sfn, arn = resize_machine
+    source = add_compute("source")
+    add_compute("dest")
+    server = _server_on("source", source)
+    drain = _record({"host": "source", "retries": 1})
+    drains.start(drain)
+    slot, move = _prepared_move(drain, server)
+    execution = sfn.start_execution(stateMachineArn=arn, name=move["name"], input=json.dumps(move["input"]))
+    assert sfn.describe_execution(executionArn=execution["executionArn"])["status"] == "RUNNING"
+    error = {"Error": "States.Runtime", "Cause": "the nested execution could not be followed"}
+
+    # WHEN RecordFailure runs: it refuses to record anything while that workflow runs
+    with pytest.raises(errors.MoveStillRunning):
+        drains.record_failure(drain, server, slot, error)
+
+    # THEN the move is as it was accepted: still the workflow's to finish or roll back
+    assert _move_records(server, slot["migration_uuid"]) == ("resize_prep", "pre-migrating")
+    assert _servers(drain)[server].state == "moving"
+
+    # WHEN the workflow has ended without leaving its first state (stopped), RecordFailure runs again
+    sfn.stop_execution(executionArn=execution["executionArn"])
+    outcome = drains.record_failure(drain, server, slot, error)
+
+    # THEN the accepted move is undone and the server tried again
+    assert _move_records(server, slot["migration_uuid"]) == (None, "error")
+    assert outcome["retry"] is True and _servers(drain)[server].state == "pending"
+
+
+def test_a_failed_move_whose_workflow_never_started_is_undone_and_tried_again(store, resize_machine):
+    source = add_compute("source")
+    add_compute("dest")
+    server = _server_on("source", source)
+    drain = _record({"host": "source", "retries": 1})
+    drains.start(drain)
+    slot, _move = _prepared_move(drain, server)
+
+    outcome = drains.record_failure(drain, server, slot, {"Error": "States.Runtime", "Cause": "throttled"})
+
+    assert _move_records(server, slot["migration_uuid"]) == (None, "error")
+    assert outcome == {"retry": True, "state": "pending", "error": "throttled"}
+
+
+def test_a_failed_wait_for_a_move_that_finished_records_the_server_failed_where_it_waits_for_its_confirm(
+        store, resize_machine):
+    source = add_compute("source")
+    add_compute("dest")
+    server = _server_on("source", source)
+    drain = _record({"host": "source", "retries": 1})
+    drains.start(drain)
+    slot, _move = _prepared_move(drain, server)
+    # the move's workflow ended with the server resized onto dest, but RunMove did not learn it
+    with cell_session("cell1") as session:
+        session.execute(update(Instance).where(Instance.uuid == server)
+                        .values(host="dest", node="dest", vm_state="resized", task_state=None))
+        session.execute(update(Migration).where(Migration.uuid == slot["migration_uuid"]).values(status="finished"))
+
+    outcome = drains.record_failure(drain, server, slot, {"Error": "States.Runtime", "Cause": "lost track"})
+
+    assert outcome["retry"] is False and outcome["state"] == "failed"
+    assert outcome["error"] == "lost track. The move itself finished on dest: confirm or revert it."
+    assert _servers(drain)[server].dest_host == "dest"
+    assert _move_records(server, slot["migration_uuid"]) == (None, "finished")

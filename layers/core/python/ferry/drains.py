@@ -815,6 +815,10 @@ def record_failure(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any],
 
     Returns:
         ``{"retry": bool, "state", "error"}``.
+
+    Raises:
+        MoveStillRunning: the step that waited for the move failed while the move's workflow
+            still runs (nothing is recorded; the workflow retries this step until it has ended).
     """
     message = workflows.error_message(dict(error or {})) if error else "The move failed."
     with api_session() as session:
@@ -841,6 +845,8 @@ def record_failure(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any],
                 server.error = f"{message} (the server no longer exists)"
             elif host != server.source_host:
                 server.dest_host = host
+                if vm_state == states.RESIZED and task_state is None:
+                    server.error = f"{message.rstrip('.')}. The move itself finished on {host}: confirm or revert it."
         logger.warning("drain move failed", extra={"drain": drain_uuid, "instance_uuid": instance_uuid,
                                                    "retry": retry, "attempt": server.attempts, "error": message,
                                                    "status": status})

@@ -313,6 +313,11 @@ class MoveNotSettled(FerryError):
     last step had committed could not be read. ``ferry audit`` reports what is left."""
 
 
+class MoveStillRunning(FerryError):
+    """The move's workflow still runs although the step that waited for it failed: what becomes of
+    the server is not known yet (a drain's RecordFailure is retried until that workflow ends)."""
+
+
 class VolumeNotFound(NotFound):
     """No such volume (or another project's)."""
 

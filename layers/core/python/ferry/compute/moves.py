@@ -9,7 +9,7 @@ written is undone and the error is raised: a refused or failed request leaves no
 Execution names are ``<kind>-<instance uuid>-<first 8 characters of the migration uuid>``,
 so a retried start of the same request cannot run its workflow twice (a confirm or revert
 asked again by a new request, after an earlier attempt's workflow gave the migration back,
-gets ``-2``, ``-3``… appended). Every execution gets
+gets ``-`` and 8 hex digits of its request id's SHA-256 appended). Every execution gets
 ``instance_uuid``, ``migration_uuid``, ``cell`` and ``request_id`` (resize and migrate also
 ``requested_host``, ``user_id`` and ``project_id``).
 """
@@ -530,17 +530,43 @@ def migration_exists(cell: str | CellMapping, migration_uuid: str) -> bool:
         return session.scalars(select(Migration.id).where(Migration.uuid == migration_uuid)).first() is not None
 
 
+def move_workflow_running(instance_uuid: str, migration_uuid: str) -> bool:
+    """Whether the resize workflow's execution of this move is running (False when it never started).
+
+    Without a resize state machine configured (steps run in-process, no Step Functions) there is
+    no execution to ask about, and False is returned.
+    """
+    state_machine_arn = config.get().resize_state_machine_arn
+    if not state_machine_arn:
+        return False
+    sfn = aws.client("stepfunctions")
+    name = move_execution_name("resize", instance_uuid, migration_uuid)
+    try:
+        execution = sfn.describe_execution(
+            executionArn=state_machine_arn.replace(":stateMachine:", ":execution:") + ":" + name)
+    except sfn.exceptions.ExecutionDoesNotExist:
+        return False
+    return bool(execution["status"] == "RUNNING")
+
+
 def abandon_prepared_move(cell: str, instance_uuid: str, migration_uuid: str, request_id: str) -> bool:
     """Undo a move :func:`prepare_migrate` accepted whose workflow never ran.
 
     Only a move still waiting to be scheduled (task_state ``resize_prep``, migration
     ``pre-migrating``) is undone: the instance gets its task back to None, the migration is
     marked ``error`` and the action forgotten. A move whose workflow ran is its workflow's to
-    finish or roll back.
+    finish or roll back, and one whose workflow still runs is never undone here.
 
     Returns:
         Whether anything was undone.
+
+    Raises:
+        MoveStillRunning: the move's workflow runs (its first steps leave the same states); the
+            caller asks again once it has ended.
     """
+    if move_workflow_running(instance_uuid, migration_uuid):
+        raise errors.MoveStillRunning(
+            f"The workflow of move {migration_uuid} of server {instance_uuid} still runs.")
     with cell_session(cell) as session:
         migration = session.scalars(select(Migration).where(Migration.uuid == migration_uuid)).one_or_none()
         instance = instances.get(session, instance_uuid)
