@@ -134,3 +134,33 @@ def test_the_image_bucket_expires_transfers_where_the_code_writes_them_and_abort
 
     assert any(r.get("Prefix") == images.TRANSFER_PREFIX and r.get("ExpirationInDays") for r in rules)
     assert any("AbortIncompleteMultipartUpload" in r and not r.get("Prefix") for r in rules)
+
+
+def _agent_policy() -> dict:
+    return load_template(TEMPLATE_PATH)["Resources"]["HostAgentPolicy"]["Properties"]["PolicyDocument"]
+
+
+def test_the_host_agent_policy_grants_what_the_agent_guide_lists():
+    # docs/host-agent.md lists, for operators, the actions an agent's identity needs
+    guide = (ROOT / "docs" / "host-agent.md").read_text().split("### AWS permissions", 1)[1].split("\n### ", 1)[0]
+    listed = {action for row in guide.splitlines() if row.startswith("| ") and ":" in row
+              for action in re.findall(r"`([a-z0-9]+:[A-Za-z]+)`", row.split("|")[2])}
+    granted: set[str] = set()
+    for statement in _agent_policy()["Statement"]:
+        if statement["Effect"] == "Allow":
+            actions = statement["Action"]
+            granted.update([actions] if isinstance(actions, str) else actions)
+
+    assert listed and listed == granted
+
+
+def test_the_host_agent_policy_covers_the_host_queues_and_keeps_the_reports_queue_send_only():
+    statements = {s["Sid"]: s for s in _agent_policy()["Statement"]}
+    prefix = load_template(TEMPLATE_PATH)["Globals"]["Function"]["Environment"]["Variables"]["FERRY_HOST_QUEUE_PREFIX"]
+
+    own = statements["OwnQueue"]["Resource"]["Fn::Sub"]
+    assert own == "arn:${AWS::Partition}:sqs:${AWS::Region}:${AWS::AccountId}:" + prefix["Fn::Sub"] + "*"
+    denied = statements["ReportsAreSendOnly"]
+    assert denied["Effect"] == "Deny" and "sqs:ReceiveMessage" in denied["Action"]
+    assert {r["Fn::GetAtt"][0] for r in denied["Resource"]} == {"HostReportsQueue", "HostReportsDeadLetterQueue"}
+    assert TEMPLATE.outputs["HostAgentPolicyArn"].endswith(":policy/ferry-local-host-agent")

@@ -40,6 +40,7 @@ EVENT_BUS_TYPES = {"AWS::Events::EventBus"}
 STATE_MACHINE_TYPES = {"AWS::Serverless::StateMachine", "AWS::StepFunctions::StateMachine"}
 API_TYPES = {"AWS::Serverless::Api"}
 LAYER_TYPES = {"AWS::Serverless::LayerVersion", "AWS::Lambda::LayerVersion"}
+MANAGED_POLICY_TYPES = {"AWS::IAM::ManagedPolicy"}
 
 # Where each resource type keeps its physical name.
 NAME_PROPERTIES = {
@@ -52,6 +53,7 @@ NAME_PROPERTIES = {
     "AWS::StepFunctions::StateMachine": "StateMachineName",
     **dict.fromkeys(API_TYPES, "Name"),
     **dict.fromkeys(LAYER_TYPES, "LayerName"),
+    **dict.fromkeys(MANAGED_POLICY_TYPES, "ManagedPolicyName"),
 }
 
 _RATE = re.compile(r"^rate\(\s*(\d+)\s+(minute|minutes|hour|hours|day|days)\s*\)$")
@@ -472,6 +474,8 @@ class _Resolver:
             return f"{prefix}:events:{self.region}:{self.account_id}:event-bus/{name}"
         if kind in LAYER_TYPES:
             return f"{prefix}:lambda:{self.region}:{self.account_id}:layer:{name}:1"
+        if kind in MANAGED_POLICY_TYPES:
+            return f"{prefix}:iam::{self.account_id}:policy/{name}"
         raise TemplateError(f"The local stack cannot give {logical_id} ({kind}) an ARN.")
 
     def queue_url(self, logical_id: str) -> str:
@@ -492,7 +496,7 @@ class _Resolver:
         kind = self.resources[name].get("Type", "")
         if kind in QUEUE_TYPES:
             return self.queue_url(name)
-        if kind in STATE_MACHINE_TYPES or kind in LAYER_TYPES:
+        if kind in STATE_MACHINE_TYPES or kind in LAYER_TYPES or kind in MANAGED_POLICY_TYPES:
             return self.arn_of(name)
         if kind in API_TYPES:
             return self.rest_api_id(name)
