@@ -33,6 +33,8 @@ AGENT_REPORT_INTERVAL_SECONDS = 10
 DRAIN_POLL_SECONDS = 1
 # Schedules in the template run 100 times faster than declared.
 RATE_SCALE = 0.01
+# The state machines wait a tenth of their declared Retry intervals (FERRY_LOCAL_RETRY_SCALE).
+RETRY_SCALE = 0.1
 
 
 class ApiSession(requests.Session):
@@ -156,18 +158,21 @@ def local_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack
     """Ferry's local stack in a temporary state directory, shared by the session's tests.
 
     Fault injection is on (``ferry.faults``, a file in the state directory): the Lambda steps run
-    in this process and the agents inherit the environment, so a test can arm any step. The
+    in this process and the agents inherit the environment, so a test can arm any step. Retry
+    intervals are scaled by :data:`RETRY_SCALE`. The
     policy file (``policy.yaml`` in the state directory, re-read when it changes) starts empty:
     the default rules; tests change it with :meth:`LocalStackHandle.override_policy`. After the
     last test, ``ferry audit`` must find nothing wrong.
     """
     from ferry import audit, faults
+    from ferry.local.runtime import RETRY_SCALE_ENV
 
     state_dir = tmp_path_factory.mktemp("local-stack")
     policy_file = state_dir / "policy.yaml"
     policy_file.write_text("{}\n")
-    previous = os.environ.get(faults.ENV_VAR)
+    previous = {name: os.environ.get(name) for name in (faults.ENV_VAR, RETRY_SCALE_ENV)}
     os.environ[faults.ENV_VAR] = str(state_dir / "faults.json")
+    os.environ[RETRY_SCALE_ENV] = str(RETRY_SCALE)
     stack = LocalStack(
         state_dir,
         cells=2,
@@ -190,10 +195,11 @@ def local_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack
         finally:
             stack.stop()
     finally:
-        if previous is None:
-            os.environ.pop(faults.ENV_VAR, None)
-        else:
-            os.environ[faults.ENV_VAR] = previous
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 # --- servers through the API, and Ferry's records behind it -------------------------------------

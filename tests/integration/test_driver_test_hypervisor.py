@@ -7,10 +7,10 @@ import xml.etree.ElementTree as ET
 
 import libvirt
 import pytest
+from flavors import TINY as FLAVOR
 
 from hostagent.driver import RUNNING, SHUTDOWN, DiskSpec, GuestSpec, LibvirtDriver, PortSpec, write_test_node_xml
 
-FLAVOR = {"flavorid": "1", "name": "m1.tiny", "vcpus": 1, "memory_mb": 512, "root_gb": 1, "ephemeral_gb": 0, "swap": 0}
 PORT_ID = "5b0e9c3a-1f2d-4e6a-8b7c-9d0e1f2a3b4c"
 
 

@@ -7,6 +7,7 @@ import xml.etree.ElementTree as ET
 
 import libvirt
 import pytest
+from flavors import SMALL as FLAVOR
 
 from ferry import errors
 from hostagent.driver import (
@@ -21,16 +22,6 @@ from hostagent.driver import (
     guest_name,
     write_test_node_xml,
 )
-
-FLAVOR = {
-    "flavorid": "2",
-    "name": "m1.small",
-    "vcpus": 2,
-    "memory_mb": 1024,
-    "root_gb": 1,
-    "ephemeral_gb": 0,
-    "swap": 0,
-}
 
 
 @pytest.fixture

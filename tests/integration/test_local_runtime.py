@@ -513,3 +513,20 @@ def test_a_result_that_is_not_json_is_a_marshal_error(tmp_path):
     (tmp_path / "functions/echo/app.py").write_text("def handler(event, context):\n    return {1, 2}\n")
     invocation = runtime.FunctionRunner(template.resolve(path)).invoke("EchoFunction", {})
     assert invocation.error["errorType"] == "Runtime.MarshalError"
+
+
+def test_retry_waits_last_the_retry_scale_times_as_long(app, monkeypatch):
+    from moto.stepfunctions.parser.asl.component.common.retry import retrier_decl
+
+    waited: list[float] = []
+    clock = runtime.ScaledRetryClock(sleep=waited.append)
+    clock.sleep(4)
+    monkeypatch.setenv(runtime.RETRY_SCALE_ENV, "0.25")
+    clock.sleep(4)
+
+    assert waited == [4, 1]
+    assert clock.monotonic() <= time.monotonic(), "the rest of the time module is the real one"
+    # moto's Retry evaluation waits on such a clock while the stack runs, and on the real one after
+    assert isinstance(retrier_decl.time, runtime.ScaledRetryClock)
+    app.aws.stop()
+    assert retrier_decl.time is time

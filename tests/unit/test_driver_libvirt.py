@@ -17,6 +17,7 @@ from typing import Any
 
 import libvirt
 import pytest
+from flavors import SMALL as FLAVOR
 
 from ferry import errors
 from hostagent import driver as driver_module
@@ -34,15 +35,6 @@ from hostagent.driver import (
     tap_device,
 )
 
-FLAVOR = {
-    "flavorid": "2",
-    "name": "m1.small",
-    "vcpus": 2,
-    "memory_mb": 1024,
-    "root_gb": 1,
-    "ephemeral_gb": 0,
-    "swap": 0,
-}
 PORT_ID = "3f1c0a52-7d4e-4b8e-9a51-0c2d6e8f9a10"
 
 CAPABILITIES = """<capabilities>

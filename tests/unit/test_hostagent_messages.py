@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import pytest
+from flavors import TINY as FLAVOR
 
 from ferry import errors
 from hostagent.agent import inventory_from_capacity, parse_message
 from hostagent.driver import HostCapacity
 
 INSTANCE = "7b0c6f2e-5d1a-4f0e-9a57-3c2d8e4b1f60"
-FLAVOR = {"flavorid": "1", "name": "m1.tiny", "vcpus": 1, "memory_mb": 512, "root_gb": 1, "ephemeral_gb": 0, "swap": 0}
 
 
 def _spawn_body(**changes):

@@ -54,6 +54,8 @@ log = logging.getLogger("ferry-local")
 
 DUPLICATE_DELIVERY_ENV = "FERRY_LOCAL_DUPLICATE_DELIVERY"
 INVOKE_TWICE_ENV = "FERRY_LOCAL_INVOKE_TWICE"
+# Multiplies the wait before each Retry attempt of the state machines (read at every wait; 1 when unset).
+RETRY_SCALE_ENV = "FERRY_LOCAL_RETRY_SCALE"
 FAKE_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_SESSION_TOKEN": "testing"}
 MOTO_CONFIG = {"stepfunctions": {"execute_state_machine": True}, "lambda": {"use_docker": False}}
 
@@ -488,6 +490,25 @@ def _sfn_close_timed_out_task(original: Callable[..., Any]) -> Callable[..., Any
     return wait
 
 
+def retry_scale() -> float:
+    """:data:`RETRY_SCALE_ENV` as a number (1 when unset)."""
+    return float(os.environ.get(RETRY_SCALE_ENV) or 1)
+
+
+class ScaledRetryClock:
+    """The ``time`` module as moto's Retry evaluation sees it: its waits last :func:`retry_scale` times
+    as long (end-to-end runs then spend seconds, not minutes, in backoff)."""
+
+    def __init__(self, sleep: Callable[[float], None] = time.sleep) -> None:
+        self._sleep = sleep
+
+    def sleep(self, seconds: float) -> None:
+        self._sleep(seconds * retry_scale())
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
 def install_moto_fixes() -> None:
     """Patch what Ferry's workflows need and moto 5.2 gets wrong (process-wide until removed).
 
@@ -500,9 +521,11 @@ def install_moto_fixes() -> None:
     * A waitForTaskToken task keeps its token across Retry attempts (Step Functions issues a new one),
       and stays open after it timed out (Step Functions closes it).
 
-    Also the switch :data:`DUPLICATE_DELIVERY_ENV`, on SQS's SendMessage.
+    Also the switch :data:`DUPLICATE_DELIVERY_ENV`, on SQS's SendMessage, and the factor
+    :data:`RETRY_SCALE_ENV` on the waits between Retry attempts.
     """
     from moto.sqs.models import SQSBackend
+    from moto.stepfunctions.parser.asl.component.common.retry import retrier_decl
     from moto.stepfunctions.parser.asl.component.state.exec.state_task.service.state_task_service_callback import (
         StateTaskServiceCallback,
     )
@@ -529,6 +552,7 @@ def install_moto_fixes() -> None:
         (StateTaskServiceCallback, "_eval_wait_for_task_token"): _sfn_close_timed_out_task(
             StateTaskServiceCallback._eval_wait_for_task_token
         ),
+        (retrier_decl, "time"): ScaledRetryClock(),
     }
     for (owner, attribute), replacement in replacements.items():
         _moto_fixes[(owner, attribute)] = owner.__dict__.get(attribute)
