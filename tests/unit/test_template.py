@@ -14,7 +14,7 @@ from pathlib import Path
 import cfnlint.api
 import pytest
 
-from ferry import config, images
+from ferry import config, deliveries, images
 from ferry.local.template import load_template, resolve
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -164,3 +164,12 @@ def test_the_host_agent_policy_covers_the_host_queues_and_keeps_the_reports_queu
     assert denied["Effect"] == "Deny" and "sqs:ReceiveMessage" in denied["Action"]
     assert {r["Fn::GetAtt"][0] for r in denied["Resource"]} == {"HostReportsQueue", "HostReportsDeadLetterQueue"}
     assert TEMPLATE.outputs["HostAgentPolicyArn"].endswith(":policy/ferry-local-host-agent")
+
+
+def test_the_delivery_table_keys_and_expires_records_by_the_attributes_the_code_writes():
+    table = load_template(TEMPLATE_PATH)["Resources"]["IdempotencyTable"]["Properties"]
+
+    assert [k["AttributeName"] for k in table["KeySchema"]] == [deliveries.KEY_ATTRIBUTE]
+    assert {a["AttributeName"]: a["AttributeType"] for a in table["AttributeDefinitions"]} == {
+        deliveries.KEY_ATTRIBUTE: "S"}
+    assert table["TimeToLiveSpecification"] == {"AttributeName": deliveries.EXPIRY_ATTRIBUTE, "Enabled": True}
