@@ -137,7 +137,7 @@ class LocalStackHandle:
         return self.stack.aws.client(service)
 
     @staticmethod
-    def wait_for(predicate: Callable[[], T], timeout: float = 60, interval: float = 0.25) -> T:
+    def wait_for(predicate: Callable[[], T], timeout: float = 60, interval: float = 0.1) -> T:
         """Call ``predicate`` until it returns something truthy, and return that.
 
         Raises:

@@ -4,11 +4,13 @@ services switched off to steer boots, and a flavor per cell's hardware generatio
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from blake3 import blake3
 from sqlalchemy import select
 
 from ferry.store.api_models import Port, PortBinding
@@ -25,18 +27,37 @@ FLAVORS = {  # the seeded flavors, as placement amounts
 GiB = 2**30
 
 
-def root_digest(path: Path, size: int) -> str:
-    """SHA-256 of the first ``size`` bytes of a disk (what the guest wrote before the move)."""
-    digest = hashlib.sha256()
+_ZEROS = memoryview(bytes(4 * 2**20))
+
+
+def root_digest(path: Path, size: int, algorithm: str = "blake3") -> str:
+    """Digest of the first ``size`` bytes of a disk (what the guest wrote before the move).
+
+    Holes count as the zeros they read as, so a copy whose zero blocks became holes has the same
+    digest; they are fed to the hash without being read. BLAKE3 on all cores by default (a
+    1 GiB disk in a tenth of the time SHA-256 takes); ``"sha256"`` to compare with an image's.
+    """
+    digest: Any = blake3(max_threads=blake3.AUTO) if algorithm == "blake3" else hashlib.new(algorithm)
     with open(path, "rb") as disk:
-        remaining = size
-        while remaining:
-            chunk = disk.read(min(remaining, 4 * 2**20))
-            if not chunk:
-                break
-            digest.update(chunk)
-            remaining -= len(chunk)
-    return digest.hexdigest()
+        fd, end = disk.fileno(), min(size, os.fstat(disk.fileno()).st_size)
+        position = 0
+        while position < end:
+            try:
+                data = min(os.lseek(fd, position, os.SEEK_DATA), end)
+            except OSError:  # ENXIO: only a hole is left
+                data = end
+            while position < data:
+                step = min(len(_ZEROS), data - position)
+                digest.update(_ZEROS[:step])
+                position += step
+            hole = min(os.lseek(fd, position, os.SEEK_HOLE), end) if position < end else end
+            while position < hole:
+                chunk = os.pread(fd, min(len(_ZEROS), hole - position), position)
+                if not chunk:
+                    raise AssertionError(f"{path} shrank while it was read")
+                digest.update(chunk)
+                position += len(chunk)
+    return str(digest.hexdigest())
 
 
 def host_of(server: dict[str, Any]) -> str:

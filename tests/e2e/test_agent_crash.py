@@ -228,7 +228,7 @@ def test_an_agent_killed_while_spawning_a_server_finishes_the_boot_after_restart
     assert host_of(server) == host and server["OS-EXT-STS:power_state"] == 1
     assert attempts(local_stack, host, server_id, "spawn") == [("succeeded", 2)]
     image = local_stack.seeded.image
-    assert root_digest(instance_dir / "disk", Path(image["path"]).stat().st_size) == image["sha256"]
+    assert root_digest(instance_dir / "disk", Path(image["path"]).stat().st_size, "sha256") == image["sha256"]
     assert not partial_files(instance_dir, local_stack.instances_dir(host) / "_base")
     assert records.allocations(server_id) == {records.provider(host): FLAVORS[TINY]}
     assert port_bindings(server_id) == {(host, "ACTIVE")}

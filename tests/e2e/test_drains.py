@@ -80,7 +80,7 @@ def _show(local_stack, drain_id: str) -> dict[str, Any]:
 
 def _wait_final(local_stack, drain_id: str, timeout: float = 300) -> dict[str, Any]:
     return local_stack.wait_for(lambda: (d := _show(local_stack, drain_id))["status"] in FINAL and d, timeout=timeout,
-                                interval=1)
+                                interval=0.25)
 
 
 def _act(local_stack, drain_id: str, action: str) -> dict[str, Any]:
@@ -200,7 +200,7 @@ def test_pause_resume_and_cancel(local_stack, servers, enabled_again):
     assert paused["status"] == "paused"
     # The move in flight finishes; no new one starts while paused.
     settled = local_stack.wait_for(lambda: (d := _show(local_stack, drain["id"]))["counts"]["in_progress"] == 0 and d,
-                                   timeout=120, interval=1)
+                                   timeout=120, interval=0.25)
     done_while_paused = settled["counts"]["done"]
     time.sleep(4)
     still = _show(local_stack, drain["id"])
@@ -209,7 +209,7 @@ def test_pause_resume_and_cancel(local_stack, servers, enabled_again):
                                              json={"resume": None}).status_code == 202
 
     local_stack.wait_for(lambda: _show(local_stack, drain["id"])["counts"]["done"] > done_while_paused,
-                         timeout=120, interval=1)
+                         timeout=120, interval=0.25)
     cancelled = _act(local_stack, drain["id"], "cancel")
     assert cancelled["status"] == "cancelling"
     final = _wait_final(local_stack, drain["id"])

@@ -449,11 +449,14 @@ def _state_machines() -> dict[str, str]:
     return {workflow: getattr(settings, f"{workflow}_state_machine_arn") for workflow in WORKFLOWS}
 
 
-def executions_since(local_stack, since: dt.datetime) -> list[tuple[str, dict[str, Any]]]:
+def executions_since(local_stack, since: dt.datetime, status: str | None = None) -> list[tuple[str, dict[str, Any]]]:
+    """The executions of every workflow started since ``since`` (only those in ``status`` when given)."""
     sfn = local_stack.client("stepfunctions")
     found = []
     for workflow, arn in _state_machines().items():
-        for page in sfn.get_paginator("list_executions").paginate(stateMachineArn=arn):
+        pages = sfn.get_paginator("list_executions").paginate(
+            stateMachineArn=arn, **({"statusFilter": status} if status else {}))
+        for page in pages:
             found += [(workflow, e) for e in page["executions"] if e["startDate"] >= since]
     return found
 
@@ -472,10 +475,12 @@ def wait_until_settled(local_stack, since: dt.datetime) -> list[tuple[str, dict[
     """Every execution started since ``since``, once none of them runs any more."""
 
     def settled() -> list[tuple[str, dict[str, Any]]] | None:
+        if executions_since(local_stack, since, "RUNNING"):  # the short list, while any runs
+            return None
         executions = executions_since(local_stack, since)
         return executions if executions and all(e["status"] != "RUNNING" for _w, e in executions) else None
 
-    return local_stack.wait_for(settled, timeout=300, interval=0.5)
+    return local_stack.wait_for(settled, timeout=300, interval=0.2)
 
 
 def outcome_of(scenario: Scenario, run: Run, before: Snapshot, after: Snapshot) -> str:
