@@ -25,6 +25,9 @@ class Readable(Protocol):
 
 _clients: dict[str, Any] = {}
 _session: botocore.session.Session | None = None
+# The loader of botocore's data files (service models, endpoints): it caches what it parsed, and
+# what it reads never changes, so it outlives :func:`reset`.
+_loader: Any = None
 _lock = threading.Lock()
 
 
@@ -34,7 +37,7 @@ def client(service: str) -> Any:
     The clients share one botocore session, so the service models and endpoint data it loads
     are read once per process, not once per service.
     """
-    global _session
+    global _session, _loader
     with _lock:
         existing = _clients.get(service)
         if existing is None:
@@ -42,7 +45,12 @@ def client(service: str) -> Any:
             from botocore.config import Config
 
             region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
-            _session = _session or botocore.session.get_session()
+            if _session is None:
+                _session = botocore.session.get_session()
+                if _loader is None:
+                    _loader = _session.get_component("data_loader")
+                else:
+                    _session.register_component("data_loader", _loader)
             existing = _session.create_client(
                 service, region_name=region, config=Config(retries={"max_attempts": 5, "mode": "standard"})
             )
@@ -77,7 +85,10 @@ def abort_uploads(s3_client: Any, bucket: str, prefix: str) -> int:
 
 
 def reset() -> None:
-    """Forget cached clients and their session (after the endpoint or credentials changed)."""
+    """Forget cached clients and their session (after the endpoint or credentials changed).
+
+    The service models already parsed are kept: they do not depend on either.
+    """
     global _session
     with _lock:
         _clients.clear()
