@@ -41,7 +41,8 @@ up: bootstrap
 
 # Starts the test PostgreSQL server unless it already runs (and then leaves it running), runs the
 # unit and integration tests in parallel, then the end-to-end tests, E2E_WORKERS local stacks side
-# by side (whole files per worker: a module's fixtures set up its stack once). The first failing
+# by side (whole files per worker: a module's fixtures set up its stack once; the files start in
+# the order tests/e2e/conftest.py sets, the longest first, which xdist would otherwise re-sort). The first failing
 # exit status wins; a pytest run that collects no test exits 5, which fails the target too.
 test: bootstrap
 	@if scripts/test-postgres.sh status; then started_pg=; else started_pg=1; fi
@@ -51,7 +52,7 @@ test: bootstrap
 	rc=0
 	$(BIN)/pytest -n $(TEST_WORKERS) --maxprocesses=8 --ignore=tests/e2e tests || rc=$$?
 	if [ -n "$$(find tests/e2e -name 'test_*.py' -print -quit 2>/dev/null)" ]; then
-	  $(BIN)/pytest -n $(E2E_WORKERS) --dist loadfile tests/e2e || { e2e_rc=$$?; [ "$$rc" -ne 0 ] || rc=$$e2e_rc; }
+	  $(BIN)/pytest -n $(E2E_WORKERS) --dist loadfile --no-loadscope-reorder tests/e2e || { e2e_rc=$$?; [ "$$rc" -ne 0 ] || rc=$$e2e_rc; }
 	fi
 	exit "$$rc"
 
