@@ -320,10 +320,16 @@ def resize_machine(aws_test_credentials, monkeypatch):
     config.reset()
 
 
-def _prepared_move(drain: str, server: str) -> tuple[dict, dict]:
-    """The server's slot and its accepted move (``{"name", "input"}``), as PrepareMove leaves them."""
+def _prepared_move() -> tuple[str, str, dict, dict]:
+    """A drain of host ``source`` (one retry) whose one server's move was accepted, as PrepareMove
+    leaves it: ``(drain, server, slot, move)``, the move being ``{"name", "input"}`` of its execution."""
+    source = add_compute("source")
+    add_compute("dest")
+    server = _server_on("source", source)
+    drain = _record({"host": "source", "retries": 1})
+    drains.start(drain)
     slot = drains.acquire_slot(drain, server).to_dict()
-    return slot, drains.prepare_move(drain, server, slot)
+    return drain, server, slot, drains.prepare_move(drain, server, slot)
 
 
 def _move_records(server: str, migration_uuid: str) -> tuple[str | None, str]:
@@ -337,12 +343,7 @@ def test_a_failed_wait_for_a_move_whose_workflow_still_runs_undoes_nothing_until
     # GIVEN a drained server whose move was accepted and whose resize execution runs, while the
     # RunMove step that waited for it failed (the nested-execution integration, not the move)
     sfn, arn = resize_machine
-    source = add_compute("source")
-    add_compute("dest")
-    server = _server_on("source", source)
-    drain = _record({"host": "source", "retries": 1})
-    drains.start(drain)
-    slot, move = _prepared_move(drain, server)
+    drain, server, slot, move = _prepared_move()
     execution = sfn.start_execution(stateMachineArn=arn, name=move["name"], input=json.dumps(move["input"]))
     assert sfn.describe_execution(executionArn=execution["executionArn"])["status"] == "RUNNING"
     error = {"Error": "States.Runtime", "Cause": "the nested execution could not be followed"}
@@ -365,12 +366,7 @@ def test_a_failed_wait_for_a_move_whose_workflow_still_runs_undoes_nothing_until
 
 
 def test_a_failed_move_whose_workflow_never_started_is_undone_and_tried_again(store, resize_machine):
-    source = add_compute("source")
-    add_compute("dest")
-    server = _server_on("source", source)
-    drain = _record({"host": "source", "retries": 1})
-    drains.start(drain)
-    slot, _move = _prepared_move(drain, server)
+    drain, server, slot, _move = _prepared_move()
 
     outcome = drains.record_failure(drain, server, slot, {"Error": "States.Runtime", "Cause": "throttled"})
 
@@ -380,12 +376,7 @@ def test_a_failed_move_whose_workflow_never_started_is_undone_and_tried_again(st
 
 def test_a_failed_wait_for_a_move_that_finished_records_the_server_failed_where_it_waits_for_its_confirm(
         store, resize_machine):
-    source = add_compute("source")
-    add_compute("dest")
-    server = _server_on("source", source)
-    drain = _record({"host": "source", "retries": 1})
-    drains.start(drain)
-    slot, _move = _prepared_move(drain, server)
+    drain, server, slot, _move = _prepared_move()
     # the move's workflow ended with the server resized onto dest, but RunMove did not learn it
     with cell_session("cell1") as session:
         session.execute(update(Instance).where(Instance.uuid == server)
