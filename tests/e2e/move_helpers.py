@@ -3,6 +3,7 @@ services switched off to steer boots, and a flavor per cell's hardware generatio
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 from collections.abc import Iterator
@@ -44,7 +45,9 @@ def root_digest(path: Path, size: int, algorithm: str = "blake3") -> str:
         while position < end:
             try:
                 data = min(os.lseek(fd, position, os.SEEK_DATA), end)
-            except OSError:  # ENXIO: only a hole is left
+            except OSError as exc:
+                if exc.errno != errno.ENXIO:  # ENXIO: only a hole is left
+                    raise
                 data = end
             while position < data:
                 step = min(len(_ZEROS), data - position)

@@ -374,18 +374,23 @@ def test_a_failed_move_whose_workflow_never_started_is_undone_and_tried_again(st
     assert outcome == {"retry": True, "state": "pending", "error": "throttled"}
 
 
+@pytest.mark.parametrize("migration", ["finished", "confirming"])
 def test_a_failed_wait_for_a_move_that_finished_records_the_server_failed_where_it_waits_for_its_confirm(
-        store, resize_machine):
+        store, resize_machine, migration):
     drain, server, slot, _move = _prepared_move()
     # the move's workflow ended with the server resized onto dest, but RunMove did not learn it
+    # (finished), or the drain's own confirm is under way while RunConfirm failed (confirming)
     with cell_session("cell1") as session:
         session.execute(update(Instance).where(Instance.uuid == server)
                         .values(host="dest", node="dest", vm_state="resized", task_state=None))
-        session.execute(update(Migration).where(Migration.uuid == slot["migration_uuid"]).values(status="finished"))
+        session.execute(update(Migration).where(Migration.uuid == slot["migration_uuid"]).values(status=migration))
 
     outcome = drains.record_failure(drain, server, slot, {"Error": "States.Runtime", "Cause": "lost track"})
 
     assert outcome["retry"] is False and outcome["state"] == "failed"
-    assert outcome["error"] == "lost track. The move itself finished on dest: confirm or revert it."
+    if migration == "finished":
+        assert outcome["error"] == "lost track. The move itself finished on dest: confirm or revert it."
+    else:  # no advice to confirm or revert what is being confirmed
+        assert outcome["error"] == "lost track"
     assert _servers(drain)[server].dest_host == "dest"
-    assert _move_records(server, slot["migration_uuid"]) == (None, "finished")
+    assert _move_records(server, slot["migration_uuid"]) == (None, migration)

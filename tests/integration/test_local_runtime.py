@@ -530,3 +530,16 @@ def test_retry_waits_last_the_retry_scale_times_as_long(app, monkeypatch):
     assert isinstance(retrier_decl.time, runtime.ScaledRetryClock)
     app.aws.stop()
     assert retrier_decl.time is time
+
+
+@pytest.mark.parametrize("value", ["fast", "-1", "inf", "nan"])
+def test_a_retry_scale_that_is_not_a_number_at_least_zero_stops_the_start(tmp_path, monkeypatch, value):
+    from ferry.errors import LocalStackError
+
+    monkeypatch.setenv(runtime.RETRY_SCALE_ENV, value)
+    model = template.resolve(write_app(tmp_path), endpoint_url=f"http://127.0.0.1:{runtime.free_port()}")
+    aws = runtime.LocalAws(model, port=0)
+
+    with pytest.raises(LocalStackError, match=runtime.RETRY_SCALE_ENV):
+        aws.start()
+    aws.stop()  # nothing to stop: it failed before starting anything

@@ -38,7 +38,7 @@ from sqlalchemy.orm import Session
 from ferry import config, errors, hosts, notifications, policy, scheduler, signing, validation, workflows
 from ferry.auth import RequestContext
 from ferry.compute import api as compute_api
-from ferry.compute import instances, moves, services, states
+from ferry.compute import instances, migration_states, moves, services, states
 from ferry.compute.moves import CROSS_CELL_RULE
 from ferry.observability import logger
 from ferry.store.api_models import CellMapping, Drain, DrainServer, HostMapping, utcnow
@@ -784,6 +784,15 @@ def _where_now(instance_uuid: str) -> tuple[str | None, str | None, str | None]:
         return instance.host, instance.vm_state, instance.task_state
 
 
+def _migration_status(instance_uuid: str, migration_uuid: str) -> str | None:
+    """The migration's status in the server's cell now (None when the server or the record is gone)."""
+    try:
+        cell = instances.cell_of(instance_uuid)
+    except errors.InstanceNotFound:
+        return None
+    return moves.migration_status(cell, migration_uuid)
+
+
 def record_moved(drain_uuid: str, instance_uuid: str, *, confirmed: bool) -> dict[str, Any]:
     """Record a server's finished move (idempotent).
 
@@ -832,6 +841,9 @@ def record_failure(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any],
         except errors.InstanceNotFound:
             pass
     host, vm_state, task_state = _where_now(instance_uuid)
+    # Waiting for its confirm or revert (not one under way, as after a failed RunConfirm).
+    move_finished = bool(slot.get("migration_uuid")) and _migration_status(
+        instance_uuid, slot["migration_uuid"]) == migration_states.FINISHED
     with api_session() as session:
         drain, server = _load_server(session, drain_uuid, instance_uuid)
         back_home = host == server.source_host and vm_state in _MOVABLE and task_state is None
@@ -845,7 +857,7 @@ def record_failure(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any],
                 server.error = f"{message} (the server no longer exists)"
             elif host != server.source_host:
                 server.dest_host = host
-                if vm_state == states.RESIZED and task_state is None:
+                if vm_state == states.RESIZED and task_state is None and move_finished:
                     server.error = f"{message.rstrip('.')}. The move itself finished on {host}: confirm or revert it."
         logger.warning("drain move failed", extra={"drain": drain_uuid, "instance_uuid": instance_uuid,
                                                    "retry": retry, "attempt": server.attempts, "error": message,

@@ -526,8 +526,13 @@ def prepare_migrate(ctx: RequestContext, location: compute_api.Location, host: s
 
 def migration_exists(cell: str | CellMapping, migration_uuid: str) -> bool:
     """Whether the cell has a migration record ``migration_uuid``."""
+    return migration_status(cell, migration_uuid) is not None
+
+
+def migration_status(cell: str | CellMapping, migration_uuid: str) -> str | None:
+    """The status of the cell's migration record ``migration_uuid`` (None when it has none)."""
     with cell_session(cell) as session:
-        return session.scalars(select(Migration.id).where(Migration.uuid == migration_uuid)).first() is not None
+        return session.scalars(select(Migration.status).where(Migration.uuid == migration_uuid)).first()
 
 
 def move_workflow_running(instance_uuid: str, migration_uuid: str) -> bool:

@@ -491,8 +491,19 @@ def _sfn_close_timed_out_task(original: Callable[..., Any]) -> Callable[..., Any
 
 
 def retry_scale() -> float:
-    """:data:`RETRY_SCALE_ENV` as a number (1 when unset)."""
-    return float(os.environ.get(RETRY_SCALE_ENV) or 1)
+    """:data:`RETRY_SCALE_ENV` as a number (1 when unset).
+
+    Raises:
+        LocalStackError: it is not a number at least 0.
+    """
+    value = os.environ.get(RETRY_SCALE_ENV) or "1"
+    try:
+        scale = float(value)
+    except ValueError:
+        scale = -1.0
+    if not 0 <= scale < float("inf"):
+        raise LocalStackError(f"{RETRY_SCALE_ENV} must be a number at least 0, not {value!r}.")
+    return scale
 
 
 class ScaledRetryClock:
@@ -669,7 +680,7 @@ class LocalAws:
         """Start moto, configure it, install the Lambda patch and set the environment.
 
         Raises:
-            LocalStackError: the port is taken.
+            LocalStackError: the port is taken, or :data:`RETRY_SCALE_ENV` is not a number at least 0.
             TemplateError: the functions' environments conflict.
         """
         from moto.core.config import default_user_config
@@ -677,6 +688,7 @@ class LocalAws:
         from moto.server import ThreadedMotoServer
 
         self.model.environment()  # refuse conflicting function environments before starting anything
+        retry_scale()  # and a retry scale that would fail an execution's first Retry
         if self.port:
             _check_port(self.host, self.port)
         self._server = ThreadedMotoServer(ip_address=self.host, port=self.port, verbose=False)
