@@ -203,12 +203,18 @@ def test_one_drain_per_host_at_a_time_and_the_idempotency_key_answers_with_the_f
     assert drains.record_drain(ADMIN, {"host": "source", "dry_run": True}, origin="api")[1] is True
 
 
-def test_finishing_settles_what_the_map_left_pending_or_moving(store):
+def _started_with_two(**options) -> tuple[str, str, str]:
+    """A started drain of host ``source`` (``options`` added to the request), with two servers there."""
     source = add_compute("source")
     add_compute("dest")
-    moving, pending = _server_on("source", source), _server_on("source", source)
-    drain = _record({"host": "source"})
+    first, second = _server_on("source", source), _server_on("source", source)
+    drain = _record({"host": "source", **options})
     drains.start(drain)
+    return drain, first, second
+
+
+def test_finishing_settles_what_the_map_left_pending_or_moving(store):
+    drain, moving, pending = _started_with_two()
     assert drains.acquire_slot(drain, moving).action == "move"
 
     report = drains.finish(drain)
@@ -223,11 +229,7 @@ def test_finishing_settles_what_the_map_left_pending_or_moving(store):
 def test_an_iteration_that_cannot_record_its_move_settles_its_server_and_frees_its_host_slot(store):
     # GIVEN one move at a time onto the destination, taken by a server whose iteration then
     # could not record the move's result (RecordFailure failed after its retries)
-    source = add_compute("source")
-    add_compute("dest")
-    stuck, waiting = _server_on("source", source), _server_on("source", source)
-    drain = _record({"host": "source", "max_per_dest_host": 1})
-    drains.start(drain)
+    drain, stuck, waiting = _started_with_two(max_per_dest_host=1)
     assert drains.acquire_slot(drain, stuck).action == "move"
     assert drains.acquire_slot(drain, waiting).action == "wait"
 
@@ -246,11 +248,7 @@ def test_an_iteration_that_cannot_record_its_move_settles_its_server_and_frees_i
 
 
 def test_settling_fails_a_server_whose_move_never_started_and_leaves_a_settled_one(store):
-    source = add_compute("source")
-    add_compute("dest")
-    pending, done = _server_on("source", source), _server_on("source", source)
-    drain = _record({"host": "source"})
-    drains.start(drain)
+    drain, pending, done = _started_with_two()
     with api_session() as session:
         session.execute(update(DrainServer).where(DrainServer.instance_uuid == done).values(state="done"))
 

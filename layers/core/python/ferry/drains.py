@@ -42,7 +42,7 @@ from ferry.compute import instances, migration_states, moves, services, states
 from ferry.compute.moves import CROSS_CELL_RULE
 from ferry.observability import logger
 from ferry.store.api_models import CellMapping, Drain, DrainServer, HostMapping, utcnow
-from ferry.store.cell_models import Instance
+from ferry.store.cell_models import Instance, Migration
 from ferry.store.db import all_cells, api_session, cell_session
 
 # Drain statuses.
@@ -770,27 +770,31 @@ def prepare_confirm(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any]
     return {"name": execution.name, "input": execution.input}
 
 
-def _where_now(instance_uuid: str) -> tuple[str | None, str | None, str | None]:
-    """``(host, vm_state, task_state)`` of the server's visible copy (Nones when it is gone)."""
+@dataclass(frozen=True)
+class _Whereabouts:
+    """The server's visible copy now (Nones when it is gone), and the status there of the migration asked about."""
+
+    host: str | None = None
+    vm_state: str | None = None
+    task_state: str | None = None
+    migration_status: str | None = None
+
+
+def _where_now(instance_uuid: str, migration_uuid: str | None = None) -> _Whereabouts:
+    """Where the server is, read in its cell, with the status of ``migration_uuid`` there when given."""
     try:
         cell = instances.cell_of(instance_uuid)
     except errors.InstanceNotFound:
-        return None, None, None
+        return _Whereabouts()
     with cell_session(cell) as session:
         try:
             instance = instances.get(session, instance_uuid)
         except errors.InstanceNotFound:
-            return None, None, None
-        return instance.host, instance.vm_state, instance.task_state
-
-
-def _migration_status(instance_uuid: str, migration_uuid: str) -> str | None:
-    """The migration's status in the server's cell now (None when the server or the record is gone)."""
-    try:
-        cell = instances.cell_of(instance_uuid)
-    except errors.InstanceNotFound:
-        return None
-    return moves.migration_status(cell, migration_uuid)
+            return _Whereabouts()
+        status = None
+        if migration_uuid:
+            status = session.scalars(select(Migration.status).where(Migration.uuid == migration_uuid)).first()
+        return _Whereabouts(instance.host, instance.vm_state, instance.task_state, status)
 
 
 def record_moved(drain_uuid: str, instance_uuid: str, *, confirmed: bool) -> dict[str, Any]:
@@ -800,7 +804,8 @@ def record_moved(drain_uuid: str, instance_uuid: str, *, confirmed: bool) -> dic
         MoveNotPrepared: the server is not where a finished move leaves it (still on its source,
             or not in VERIFY_RESIZE/confirmed as asked); the caller records the failure.
     """
-    host, vm_state, task_state = _where_now(instance_uuid)
+    now = _where_now(instance_uuid)
+    host, vm_state, task_state = now.host, now.vm_state, now.task_state
     with api_session() as session:
         _drain, server = _load_server(session, drain_uuid, instance_uuid)
         if server.state == DONE:
@@ -840,10 +845,10 @@ def record_failure(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any],
             moves.abandon_prepared_move(cell, instance_uuid, slot["migration_uuid"], slot.get("request_id") or "")
         except errors.InstanceNotFound:
             pass
-    host, vm_state, task_state = _where_now(instance_uuid)
+    now = _where_now(instance_uuid, slot.get("migration_uuid"))
+    host, vm_state, task_state = now.host, now.vm_state, now.task_state
     # Waiting for its confirm or revert (not one under way, as after a failed RunConfirm).
-    move_finished = bool(slot.get("migration_uuid")) and _migration_status(
-        instance_uuid, slot["migration_uuid"]) == migration_states.FINISHED
+    move_finished = now.migration_status == migration_states.FINISHED
     with api_session() as session:
         drain, server = _load_server(session, drain_uuid, instance_uuid)
         back_home = host == server.source_host and vm_state in _MOVABLE and task_state is None

@@ -26,7 +26,7 @@ from typing import Any, cast
 from sqlalchemy import CursorResult, Select, delete, func, or_, select, update
 from sqlalchemy.orm import Session
 
-from ferry import aws, config, errors, hosts, policy, quotas, workflows
+from ferry import config, errors, hosts, policy, quotas, workflows
 from ferry.auth import RequestContext
 from ferry.compute import actions, instances, states
 from ferry.compute import api as compute_api
@@ -69,13 +69,8 @@ def _fresh_execution_name(state_machine_arn: str, name: str, request_id: str) ->
     """
     if not state_machine_arn:
         return name
-    sfn = aws.client("stepfunctions")
-    prefix = state_machine_arn.replace(":stateMachine:", ":execution:") + ":"
-    try:
-        existing = sfn.describe_execution(executionArn=prefix + name)
-    except sfn.exceptions.ExecutionDoesNotExist:
-        return name
-    if json.loads(existing.get("input") or "{}").get("request_id") == request_id:
+    existing = workflows.describe_execution(state_machine_arn, name)
+    if existing is None or json.loads(existing.get("input") or "{}").get("request_id") == request_id:
         return name
     return f"{name}-{hashlib.sha256(request_id.encode()).hexdigest()[:8]}"
 
@@ -526,13 +521,8 @@ def prepare_migrate(ctx: RequestContext, location: compute_api.Location, host: s
 
 def migration_exists(cell: str | CellMapping, migration_uuid: str) -> bool:
     """Whether the cell has a migration record ``migration_uuid``."""
-    return migration_status(cell, migration_uuid) is not None
-
-
-def migration_status(cell: str | CellMapping, migration_uuid: str) -> str | None:
-    """The status of the cell's migration record ``migration_uuid`` (None when it has none)."""
     with cell_session(cell) as session:
-        return session.scalars(select(Migration.status).where(Migration.uuid == migration_uuid)).first()
+        return session.scalars(select(Migration.id).where(Migration.uuid == migration_uuid)).first() is not None
 
 
 def move_workflow_running(instance_uuid: str, migration_uuid: str) -> bool:
@@ -544,14 +534,9 @@ def move_workflow_running(instance_uuid: str, migration_uuid: str) -> bool:
     state_machine_arn = config.get().resize_state_machine_arn
     if not state_machine_arn:
         return False
-    sfn = aws.client("stepfunctions")
-    name = move_execution_name("resize", instance_uuid, migration_uuid)
-    try:
-        execution = sfn.describe_execution(
-            executionArn=state_machine_arn.replace(":stateMachine:", ":execution:") + ":" + name)
-    except sfn.exceptions.ExecutionDoesNotExist:
-        return False
-    return bool(execution["status"] == "RUNNING")
+    execution = workflows.describe_execution(state_machine_arn, move_execution_name("resize", instance_uuid,
+                                                                                     migration_uuid))
+    return execution is not None and execution["status"] == "RUNNING"
 
 
 def abandon_prepared_move(cell: str, instance_uuid: str, migration_uuid: str, request_id: str) -> bool:
@@ -569,14 +554,15 @@ def abandon_prepared_move(cell: str, instance_uuid: str, migration_uuid: str, re
         MoveStillRunning: the move's workflow runs (its first steps leave the same states); the
             caller asks again once it has ended.
     """
-    if move_workflow_running(instance_uuid, migration_uuid):
-        raise errors.MoveStillRunning(
-            f"The workflow of move {migration_uuid} of server {instance_uuid} still runs.")
     with cell_session(cell) as session:
         migration = session.scalars(select(Migration).where(Migration.uuid == migration_uuid)).one_or_none()
         instance = instances.get(session, instance_uuid)
         if migration is None or migration.status != PRE_MIGRATING or instance.task_state != states.RESIZE_PREP:
             return False
+    # Step Functions is asked only about a move that could be undone (not after a failed confirm, say).
+    if move_workflow_running(instance_uuid, migration_uuid):
+        raise errors.MoveStillRunning(
+            f"The workflow of move {migration_uuid} of server {instance_uuid} still runs.")
     # What the flavors were before is not known here; they only matter while a move is under way.
     _undo_move(cell, instance_uuid, migration_uuid, request_id, None, forget_migration=False)
     return True

@@ -13,6 +13,20 @@ class WorkflowNotConfigured(errors.FerryError):
     """The state machine ARN for a workflow is not set in this function's environment."""
 
 
+def execution_arn(state_machine_arn: str, name: str) -> str:
+    """The ARN of the execution ``name`` of ``state_machine_arn``."""
+    return state_machine_arn.replace(":stateMachine:", ":execution:") + f":{name}"
+
+
+def describe_execution(state_machine_arn: str, name: str) -> dict[str, Any] | None:
+    """Step Functions' description of the execution ``name`` (its ``status``, ``input``…); None when there is none."""
+    sfn = aws.client("stepfunctions")
+    try:
+        return dict(sfn.describe_execution(executionArn=execution_arn(state_machine_arn, name)))
+    except sfn.exceptions.ExecutionDoesNotExist:
+        return None
+
+
 def start_execution(state_machine_arn: str, name: str, payload: dict[str, Any]) -> str:
     """Start ``state_machine_arn`` with ``payload`` under the execution name ``name``.
 
@@ -30,9 +44,8 @@ def start_execution(state_machine_arn: str, name: str, payload: dict[str, Any]) 
     try:
         response = sfn.start_execution(stateMachineArn=state_machine_arn, name=name, input=json.dumps(body))
     except sfn.exceptions.ExecutionAlreadyExists:
-        arn = state_machine_arn.replace(":stateMachine:", ":execution:") + f":{name}"
         logger.info("execution already started", extra={"execution": name})
-        return arn
+        return execution_arn(state_machine_arn, name)
     logger.info("execution started", extra={"execution": name, "state_machine": state_machine_arn})
     return response["executionArn"]
 
