@@ -16,7 +16,7 @@ from sqlalchemy import select, update
 
 from ferry import aws, config, drains, errors, notifications, placement
 from ferry.auth import RequestContext
-from ferry.compute import services
+from ferry.compute import moves, services
 from ferry.store.api_models import Drain, DrainServer
 from ferry.store.cell_models import Instance, Migration
 from ferry.store.db import api_session, cell_session
@@ -302,29 +302,34 @@ def test_a_drain_publishes_one_grouped_event_when_it_starts_and_one_when_it_ends
 
 
 @pytest.fixture
-def resize_machine(aws_test_credentials, monkeypatch):
-    """A resize state machine on moto whose executions run until they are stopped (moto does not
-    play them here), named in the configuration as the template names it for RecordFailure."""
+def move_machines(aws_test_credentials, monkeypatch):
+    """Resize and confirm state machines on moto whose executions run until they are stopped (moto
+    does not play them here), named in the configuration as the template names them for
+    RecordFailure: ``(client, {"resize": arn, "confirm": arn})``."""
     with mock_aws():
         aws.reset()
         sfn = aws.client("stepfunctions")
-        arn = sfn.create_state_machine(
-            name="ferry-test-resize", roleArn="arn:aws:iam::123456789012:role/ferry-test",
-            definition=json.dumps({"StartAt": "Done", "States": {"Done": {"Type": "Succeed"}}}))["stateMachineArn"]
-        monkeypatch.setenv("FERRY_RESIZE_STATE_MACHINE_ARN", arn)
+        arns = {}
+        for kind, name, variable in (("resize", "resize", "FERRY_RESIZE_STATE_MACHINE_ARN"),
+                                     ("confirm", "confirm-resize", "FERRY_CONFIRM_RESIZE_STATE_MACHINE_ARN")):
+            arns[kind] = sfn.create_state_machine(
+                name=f"ferry-test-{name}", roleArn="arn:aws:iam::123456789012:role/ferry-test",
+                definition=json.dumps({"StartAt": "Done", "States": {"Done": {"Type": "Succeed"}}}))["stateMachineArn"]
+            monkeypatch.setenv(variable, arns[kind])
         config.reset()
-        yield sfn, arn
+        yield sfn, arns
         aws.reset()
     config.reset()
 
 
-def _prepared_move() -> tuple[str, str, dict, dict]:
-    """A drain of host ``source`` (one retry) whose one server's move was accepted, as PrepareMove
-    leaves it: ``(drain, server, slot, move)``, the move being ``{"name", "input"}`` of its execution."""
+def _prepared_move(**request) -> tuple[str, str, dict, dict]:
+    """A drain of host ``source`` (one retry, and ``request``) whose one server's move was accepted,
+    as PrepareMove leaves it: ``(drain, server, slot, move)``, the move being ``{"name", "input"}``
+    of its execution."""
     source = add_compute("source")
     add_compute("dest")
     server = _server_on("source", source)
-    drain = _record({"host": "source", "retries": 1})
+    drain = _record({"host": "source", "retries": 1, **request})
     drains.start(drain)
     slot = drains.acquire_slot(drain, server).to_dict()
     return drain, server, slot, drains.prepare_move(drain, server, slot)
@@ -337,12 +342,20 @@ def _move_records(server: str, migration_uuid: str) -> tuple[str | None, str]:
     return task_state, status
 
 
-def test_a_failed_wait_for_a_move_whose_workflow_still_runs_undoes_nothing_until_it_has_ended(store, resize_machine):
+def _moved_to_dest(server: str, migration_uuid: str, vm_state: str, migration: str) -> None:
+    """The server's records as its move's workflows leave them on host ``dest``."""
+    with cell_session("cell1") as session:
+        session.execute(update(Instance).where(Instance.uuid == server)
+                        .values(host="dest", node="dest", vm_state=vm_state, task_state=None))
+        session.execute(update(Migration).where(Migration.uuid == migration_uuid).values(status=migration))
+
+
+def test_a_failed_wait_for_a_move_whose_workflow_still_runs_undoes_nothing_until_it_has_ended(store, move_machines):
     # GIVEN a drained server whose move was accepted and whose resize execution runs, while the
     # RunMove step that waited for it failed (the nested-execution integration, not the move)
-    sfn, arn = resize_machine
+    sfn, arns = move_machines
     drain, server, slot, move = _prepared_move()
-    execution = sfn.start_execution(stateMachineArn=arn, name=move["name"], input=json.dumps(move["input"]))
+    execution = sfn.start_execution(stateMachineArn=arns["resize"], name=move["name"], input=json.dumps(move["input"]))
     assert sfn.describe_execution(executionArn=execution["executionArn"])["status"] == "RUNNING"
     error = {"Error": "States.Runtime", "Cause": "the nested execution could not be followed"}
 
@@ -363,7 +376,7 @@ def test_a_failed_wait_for_a_move_whose_workflow_still_runs_undoes_nothing_until
     assert outcome["retry"] is True and _servers(drain)[server].state == "pending"
 
 
-def test_a_failed_move_whose_workflow_never_started_is_undone_and_tried_again(store, resize_machine):
+def test_a_failed_move_whose_workflow_never_started_is_undone_and_tried_again(store, move_machines):
     drain, server, slot, _move = _prepared_move()
 
     outcome = drains.record_failure(drain, server, slot, {"Error": "States.Runtime", "Cause": "throttled"})
@@ -374,14 +387,11 @@ def test_a_failed_move_whose_workflow_never_started_is_undone_and_tried_again(st
 
 @pytest.mark.parametrize("migration", ["finished", "confirming"])
 def test_a_failed_wait_for_a_move_that_finished_records_the_server_failed_where_it_waits_for_its_confirm(
-        store, resize_machine, migration):
+        store, move_machines, migration):
     drain, server, slot, _move = _prepared_move()
     # the move's workflow ended with the server resized onto dest, but RunMove did not learn it
-    # (finished), or the drain's own confirm is under way while RunConfirm failed (confirming)
-    with cell_session("cell1") as session:
-        session.execute(update(Instance).where(Instance.uuid == server)
-                        .values(host="dest", node="dest", vm_state="resized", task_state=None))
-        session.execute(update(Migration).where(Migration.uuid == slot["migration_uuid"]).values(status=migration))
+    # (finished), or the drain's own confirm is under way (confirming; its execution not running)
+    _moved_to_dest(server, slot["migration_uuid"], "resized", migration)
 
     outcome = drains.record_failure(drain, server, slot, {"Error": "States.Runtime", "Cause": "lost track"})
 
@@ -392,3 +402,64 @@ def test_a_failed_wait_for_a_move_that_finished_records_the_server_failed_where_
         assert outcome["error"] == "lost track"
     assert _servers(drain)[server].dest_host == "dest"
     assert _move_records(server, slot["migration_uuid"]) == (None, migration)
+
+
+def test_a_failed_wait_for_the_drains_confirm_waits_for_it_and_records_the_server_done_once_confirmed(
+        store, move_machines):
+    # GIVEN a drained server moved to dest whose confirm the drain started, while the RunConfirm
+    # step that waited for the confirm execution failed and that execution still runs
+    sfn, arns = move_machines
+    drain, server, slot, _move = _prepared_move()
+    _moved_to_dest(server, slot["migration_uuid"], "resized", "confirming")
+    execution = sfn.start_execution(stateMachineArn=arns["confirm"],
+                                    name=moves.move_execution_name("confirm", server, slot["migration_uuid"]),
+                                    input="{}")
+    error = {"Error": "States.Runtime", "Cause": "the nested execution could not be followed"}
+
+    # WHEN RecordFailure runs: it records nothing while the confirm runs
+    with pytest.raises(errors.MoveStillRunning):
+        drains.record_failure(drain, server, slot, error)
+    assert _servers(drain)[server].state == "moving"
+
+    # WHEN the confirm has ended, having confirmed the move, and RecordFailure runs again
+    _moved_to_dest(server, slot["migration_uuid"], "active", "confirmed")
+    sfn.stop_execution(executionArn=execution["executionArn"])
+    outcome = drains.record_failure(drain, server, slot, error)
+
+    # THEN the server is recorded done on dest, as RecordMoved would have
+    assert outcome == {"retry": False, "state": "done", "error": None}
+    row = _servers(drain)[server]
+    assert (row.state, row.dest_host, row.error) == ("done", "dest", None)
+    assert row.finished_at is not None
+
+
+@pytest.mark.parametrize(("confirm", "vm_state", "migration"), [
+    (True, "active", "confirmed"),  # RecordMoved ran out of retries after the confirm
+    (True, "stopped", "confirmed"),
+    (False, "resized", "finished"),  # RunMove lost the result of a move the drain keeps in VERIFY_RESIZE
+])
+def test_a_failed_step_after_the_move_completed_as_asked_records_the_server_done(
+        store, move_machines, confirm, vm_state, migration):
+    drain, server, slot, _move = _prepared_move(confirm=confirm)
+    _moved_to_dest(server, slot["migration_uuid"], vm_state, migration)
+
+    outcome = drains.record_failure(drain, server, slot, {"Error": "States.Runtime", "Cause": "lost track"})
+
+    assert outcome == {"retry": False, "state": "done", "error": None}
+    assert _servers(drain)[server].dest_host == "dest"
+
+
+@pytest.mark.parametrize(("confirm", "vm_state", "migration"), [
+    (True, "active", "error"),  # the confirm failed late: not confirmed
+    (False, "active", "confirmed"),  # not what a drain that keeps VERIFY_RESIZE leaves
+    (True, "resized", "confirmed"),
+])
+def test_a_failed_step_records_the_server_failed_when_its_move_is_not_as_the_drain_asked(
+        store, move_machines, confirm, vm_state, migration):
+    drain, server, slot, _move = _prepared_move(confirm=confirm)
+    _moved_to_dest(server, slot["migration_uuid"], vm_state, migration)
+
+    outcome = drains.record_failure(drain, server, slot, {"Error": "States.Runtime", "Cause": "lost track"})
+
+    assert outcome == {"retry": False, "state": "failed", "error": "lost track"}
+    assert _servers(drain)[server].dest_host == "dest"

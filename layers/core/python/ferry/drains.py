@@ -823,16 +823,20 @@ def record_failure(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any],
                    error: Mapping[str, Any] | None) -> dict[str, Any]:
     """Record a failed attempt; say whether to try again.
 
-    A move accepted whose workflow never ran is undone first. The server is tried again when it
+    A move accepted whose workflow never ran is undone first. A step that failed although the
+    move completed as the drain asks (the nested execution's result lost, say, or RecordMoved
+    out of retries) records the server ``done``: moved and confirmed, or moved and in
+    VERIFY_RESIZE when the drain keeps servers there. Otherwise the server is tried again when it
     is back on its source unchanged (its move rolled back), attempts are left (``retries``) and
-    the drain is still running or paused; otherwise it is ``failed`` with the error.
+    the drain is still running or paused; or it is ``failed`` with the error.
 
     Returns:
         ``{"retry": bool, "state", "error"}``.
 
     Raises:
-        MoveStillRunning: the step that waited for the move failed while the move's workflow
-            still runs (nothing is recorded; the workflow retries this step until it has ended).
+        MoveStillRunning: the step that waited for the move, or for the drain's confirm of it,
+            failed while that workflow still runs (nothing is recorded; the workflow retries
+            this step until it has ended).
     """
     message = workflows.error_message(dict(error or {})) if error else "The move failed."
     with api_session() as session:
@@ -840,17 +844,30 @@ def record_failure(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any],
         cell, retries, status = server.cell, int(drain.options.get("retries") or 0), drain.status
         if server.state in SETTLED_STATES:
             return {"retry": False, "state": server.state, "error": server.error}
-    if slot.get("migration_uuid"):
+    migration_uuid, confirm = slot.get("migration_uuid"), bool(slot.get("confirm"))
+    if migration_uuid:
         try:
-            moves.abandon_prepared_move(cell, instance_uuid, slot["migration_uuid"], slot.get("request_id") or "")
+            moves.abandon_prepared_move(cell, instance_uuid, migration_uuid, slot.get("request_id") or "")
         except errors.InstanceNotFound:
             pass
-    now = _where_now(instance_uuid, slot.get("migration_uuid"))
+    now = _where_now(instance_uuid, migration_uuid)
+    if migration_uuid and confirm and now.migration_status == migration_states.CONFIRMING:
+        # Step Functions is asked only while the confirm is under way (RunConfirm failed).
+        if moves.move_workflow_running(instance_uuid, migration_uuid, kind="confirm"):
+            raise errors.MoveStillRunning(
+                f"The drain's confirm of move {migration_uuid} of server {instance_uuid} still runs.")
+        now = _where_now(instance_uuid, migration_uuid)
     host, vm_state, task_state = now.host, now.vm_state, now.task_state
     # Waiting for its confirm or revert (not one under way, as after a failed RunConfirm).
     move_finished = now.migration_status == migration_states.FINISHED
     with api_session() as session:
         drain, server = _load_server(session, drain_uuid, instance_uuid)
+        if _completed_as_asked(now, server.source_host, confirm=confirm):
+            server.state, server.dest_host, server.finished_at, server.error = DONE, host, utcnow(), None
+            logger.warning("drain step failed after the move completed; recorded done",
+                           extra={"drain": drain_uuid, "instance_uuid": instance_uuid, "host": host,
+                                  "error": message})
+            return {"retry": False, "state": server.state, "error": None}
         back_home = host == server.source_host and vm_state in _MOVABLE and task_state is None
         retry = back_home and server.attempts <= retries and drain.status in (RUNNING, PAUSED)
         server.error = message
@@ -868,6 +885,16 @@ def record_failure(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any],
                                                    "retry": retry, "attempt": server.attempts, "error": message,
                                                    "status": status})
         return {"retry": retry, "state": server.state, "error": server.error}
+
+
+def _completed_as_asked(now: _Whereabouts, source_host: str, *, confirm: bool) -> bool:
+    """Whether the server is where the drain's move leaves it: on another host with no task,
+    confirmed (``confirm``) or waiting in VERIFY_RESIZE for its confirm or revert."""
+    if now.host is None or now.host == source_host or now.task_state is not None:
+        return False
+    if confirm:
+        return now.vm_state in (states.ACTIVE, states.STOPPED) and now.migration_status == migration_states.CONFIRMED
+    return now.vm_state == states.RESIZED and now.migration_status == migration_states.FINISHED
 
 
 def settle_server(drain_uuid: str, instance_uuid: str, error: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -525,16 +525,19 @@ def migration_exists(cell: str | CellMapping, migration_uuid: str) -> bool:
         return session.scalars(select(Migration.id).where(Migration.uuid == migration_uuid)).first() is not None
 
 
-def move_workflow_running(instance_uuid: str, migration_uuid: str) -> bool:
-    """Whether the resize workflow's execution of this move is running (False when it never started).
+def move_workflow_running(instance_uuid: str, migration_uuid: str, kind: str = "resize") -> bool:
+    """Whether the execution of this move's ``kind`` workflow (``resize``, or ``confirm`` as
+    :func:`prepare_confirm` names it) is running; False when it never started.
 
-    Without a resize state machine configured (steps run in-process, no Step Functions) there is
-    no execution to ask about, and False is returned.
+    Without that state machine configured (steps run in-process, no Step Functions) there is no
+    execution to ask about, and False is returned.
     """
-    state_machine_arn = config.get().resize_state_machine_arn
+    settings = config.get()
+    state_machine_arn = {"resize": settings.resize_state_machine_arn,
+                         "confirm": settings.confirm_resize_state_machine_arn}[kind]
     if not state_machine_arn:
         return False
-    execution = workflows.describe_execution(state_machine_arn, move_execution_name("resize", instance_uuid,
+    execution = workflows.describe_execution(state_machine_arn, move_execution_name(kind, instance_uuid,
                                                                                      migration_uuid))
     return execution is not None and execution["status"] == "RUNNING"
 
