@@ -16,7 +16,7 @@ from sqlalchemy import select, update
 
 from ferry import aws, config, drains, errors, notifications, placement
 from ferry.auth import RequestContext
-from ferry.compute import moves, services
+from ferry.compute import actions, moves, services
 from ferry.store.api_models import Drain, DrainServer
 from ferry.store.cell_models import Instance, Migration
 from ferry.store.db import api_session, cell_session
@@ -385,23 +385,52 @@ def test_a_failed_move_whose_workflow_never_started_is_undone_and_tried_again(st
     assert outcome == {"retry": True, "state": "pending", "error": "throttled"}
 
 
-@pytest.mark.parametrize("migration", ["finished", "confirming"])
 def test_a_failed_wait_for_a_move_that_finished_records_the_server_failed_where_it_waits_for_its_confirm(
-        store, move_machines, migration):
+        store, move_machines):
     drain, server, slot, _move = _prepared_move()
     # the move's workflow ended with the server resized onto dest, but RunMove did not learn it
-    # (finished), or the drain's own confirm is under way (confirming; its execution not running)
-    _moved_to_dest(server, slot["migration_uuid"], "resized", migration)
+    _moved_to_dest(server, slot["migration_uuid"], "resized", "finished")
 
     outcome = drains.record_failure(drain, server, slot, {"Error": "States.Runtime", "Cause": "lost track"})
 
-    assert outcome["retry"] is False and outcome["state"] == "failed"
-    if migration == "finished":
-        assert outcome["error"] == "lost track. The move itself finished on dest: confirm or revert it."
-    else:  # no advice to confirm or revert what is being confirmed
-        assert outcome["error"] == "lost track"
+    assert outcome == {"retry": False, "state": "failed",
+                       "error": "lost track. The move itself finished on dest: confirm or revert it."}
     assert _servers(drain)[server].dest_host == "dest"
-    assert _move_records(server, slot["migration_uuid"]) == (None, migration)
+    assert _move_records(server, slot["migration_uuid"]) == (None, "finished")
+
+
+def test_a_failed_wait_for_a_move_still_under_way_waits_for_it_and_never_undoes_it(store, move_machines):
+    # GIVEN a move past its first state (migrating) whose resize execution runs, RunMove failed
+    sfn, arns = move_machines
+    drain, server, slot, move = _prepared_move()
+    execution = sfn.start_execution(stateMachineArn=arns["resize"], name=move["name"], input=json.dumps(move["input"]))
+    with cell_session("cell1") as session:
+        session.execute(update(Instance).where(Instance.uuid == server).values(task_state="resize_migrating"))
+        session.execute(update(Migration).where(Migration.uuid == slot["migration_uuid"]).values(status="migrating"))
+    error = {"Error": "States.Runtime", "Cause": "lost track"}
+
+    with pytest.raises(errors.MoveStillRunning):
+        drains.record_failure(drain, server, slot, error)
+    assert _servers(drain)[server].state == "moving"
+
+    # WHEN that execution has ended leaving the move where it was (stopped by hand, say)
+    sfn.stop_execution(executionArn=execution["executionArn"])
+    outcome = drains.record_failure(drain, server, slot, error)
+
+    # THEN the server is failed and the move left as it is, for an operator: never undone here
+    assert outcome == {"retry": False, "state": "failed", "error": "lost track"}
+    assert _move_records(server, slot["migration_uuid"]) == ("resize_migrating", "migrating")
+
+
+def _confirm_prepared(drain: str, server: str, slot: dict) -> dict:
+    """The server moved to dest and the drain's confirm accepted, as PrepareConfirm leaves it."""
+    _moved_to_dest(server, slot["migration_uuid"], "resized", "finished")
+    return drains.prepare_confirm(drain, server, slot)
+
+
+def _confirm_action_recorded(server: str, request_id: str) -> bool:
+    with cell_session("cell1") as session:
+        return actions.exists(session, server, request_id)
 
 
 def test_a_failed_wait_for_the_drains_confirm_waits_for_it_and_records_the_server_done_once_confirmed(
@@ -410,16 +439,16 @@ def test_a_failed_wait_for_the_drains_confirm_waits_for_it_and_records_the_serve
     # step that waited for the confirm execution failed and that execution still runs
     sfn, arns = move_machines
     drain, server, slot, _move = _prepared_move()
-    _moved_to_dest(server, slot["migration_uuid"], "resized", "confirming")
-    execution = sfn.start_execution(stateMachineArn=arns["confirm"],
-                                    name=moves.move_execution_name("confirm", server, slot["migration_uuid"]),
-                                    input="{}")
+    confirm = _confirm_prepared(drain, server, slot)
+    execution = sfn.start_execution(stateMachineArn=arns["confirm"], name=confirm["name"],
+                                    input=json.dumps(confirm["input"]))
     error = {"Error": "States.Runtime", "Cause": "the nested execution could not be followed"}
 
-    # WHEN RecordFailure runs: it records nothing while the confirm runs
+    # WHEN RecordFailure runs: it records and undoes nothing while the confirm runs
     with pytest.raises(errors.MoveStillRunning):
         drains.record_failure(drain, server, slot, error)
     assert _servers(drain)[server].state == "moving"
+    assert _move_records(server, slot["migration_uuid"]) == (None, "confirming")
 
     # WHEN the confirm has ended, having confirmed the move, and RecordFailure runs again
     _moved_to_dest(server, slot["migration_uuid"], "active", "confirmed")
@@ -431,6 +460,66 @@ def test_a_failed_wait_for_the_drains_confirm_waits_for_it_and_records_the_serve
     row = _servers(drain)[server]
     assert (row.state, row.dest_host, row.error) == ("done", "dest", None)
     assert row.finished_at is not None
+
+
+def test_a_drains_confirm_whose_workflow_never_started_is_undone_and_the_server_waits_in_verify_resize(
+        store, move_machines):
+    # GIVEN the drain accepted the confirm, but RunConfirm could not start its execution
+    drain, server, slot, _move = _prepared_move()
+    confirm = _confirm_prepared(drain, server, slot)
+    request_id = confirm["input"]["request_id"]
+    assert _move_records(server, slot["migration_uuid"]) == (None, "confirming")
+    assert _confirm_action_recorded(server, request_id)
+
+    outcome = drains.record_failure(drain, server, slot, {"Error": "StepFunctions.SdkClientException",
+                                                          "Cause": "throttled"})
+
+    # THEN the confirm is undone: the server can be confirmed or reverted again, as advised
+    assert _move_records(server, slot["migration_uuid"]) == (None, "finished")
+    assert not _confirm_action_recorded(server, request_id)
+    assert outcome == {"retry": False, "state": "failed",
+                       "error": "throttled. The move itself finished on dest: confirm or revert it."}
+
+
+def test_a_drains_confirm_whose_workflow_ended_half_way_is_left_as_it_is(store, move_machines):
+    # GIVEN the drain's confirm execution ran and ended (stopped) leaving the migration confirming
+    sfn, arns = move_machines
+    drain, server, slot, _move = _prepared_move()
+    confirm = _confirm_prepared(drain, server, slot)
+    execution = sfn.start_execution(stateMachineArn=arns["confirm"], name=confirm["name"],
+                                    input=json.dumps(confirm["input"]))
+    sfn.stop_execution(executionArn=execution["executionArn"])
+
+    outcome = drains.record_failure(drain, server, slot, {"Error": "States.Runtime", "Cause": "lost track"})
+
+    # THEN nothing is undone (the confirm may have cleaned up the source): no advice either
+    assert _move_records(server, slot["migration_uuid"]) == (None, "confirming")
+    assert outcome == {"retry": False, "state": "failed", "error": "lost track"}
+
+
+def test_another_requests_confirm_is_waited_for_and_not_taken_over(store, move_machines):
+    # GIVEN the moved server's owner confirmed it (the name taken by an earlier attempt, so its
+    # execution has a suffixed name) while the drain was about to
+    sfn, arns = move_machines
+    drain, server, slot, _move = _prepared_move()
+    _moved_to_dest(server, slot["migration_uuid"], "resized", "finished")
+    base = moves.move_execution_name("confirm", server, slot["migration_uuid"])
+    sfn.start_execution(stateMachineArn=arns["confirm"], name=base, input=json.dumps({"request_id": "req-earlier"}))
+    sfn.stop_execution(executionArn=f"{arns['confirm'].replace(':stateMachine:', ':execution:')}:{base}")
+    owner = moves.prepare_confirm("cell1", server, slot["migration_uuid"], request_id="req-owner",
+                                  user_id=USER, project_id=PROJECT)
+    assert owner.name != base
+    sfn.start_execution(stateMachineArn=arns["confirm"], name=owner.name, input=json.dumps(owner.input))
+
+    # WHEN the drain's PrepareConfirm runs: the confirm is another request's
+    with pytest.raises(errors.MigrationInProgress):
+        drains.prepare_confirm(drain, server, slot)
+
+    # THEN RecordFailure waits for that confirm while it runs, and never undoes it
+    with pytest.raises(errors.MoveStillRunning):
+        drains.record_failure(drain, server, slot, {"Error": "Ferry.MigrationInProgress", "Cause": "taken"})
+    assert _move_records(server, slot["migration_uuid"]) == (None, "confirming")
+    assert _confirm_action_recorded(server, "req-owner")
 
 
 @pytest.mark.parametrize(("confirm", "vm_state", "migration"), [

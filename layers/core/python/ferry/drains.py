@@ -765,9 +765,14 @@ def prepare_confirm(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any]
         ctx = _drain_context(drain, slot["request_id"])
     cell = instances.cell_of(instance_uuid).name
     execution = moves.prepare_confirm(cell, instance_uuid, slot["migration_uuid"],
-                                      request_id=ctx.request_id + "-confirm", user_id=ctx.user_id,
+                                      request_id=_confirm_request_id(slot), user_id=ctx.user_id,
                                       project_id=ctx.project_id)
     return {"name": execution.name, "input": execution.input}
+
+
+def _confirm_request_id(slot: Mapping[str, Any]) -> str:
+    """The request id the drain confirms the slot's move under."""
+    return f"{slot['request_id']}-confirm"
 
 
 @dataclass(frozen=True)
@@ -823,7 +828,8 @@ def record_failure(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any],
                    error: Mapping[str, Any] | None) -> dict[str, Any]:
     """Record a failed attempt; say whether to try again.
 
-    A move accepted whose workflow never ran is undone first. A step that failed although the
+    A move, or the drain's confirm of it, accepted whose workflow never started is undone first
+    (while either workflow still runs, nothing is done). A step that failed although the
     move completed as the drain asks (the nested execution's result lost, say, or RecordMoved
     out of retries) records the server ``done``: moved and confirmed, or moved and in
     VERIFY_RESIZE when the drain keeps servers there. Otherwise the server is tried again when it
@@ -834,29 +840,21 @@ def record_failure(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any],
         ``{"retry": bool, "state", "error"}``.
 
     Raises:
-        MoveStillRunning: the step that waited for the move, or for the drain's confirm of it,
-            failed while that workflow still runs (nothing is recorded; the workflow retries
-            this step until it has ended).
+        MoveStillRunning: the step that waited for the move, or for its confirm, failed while
+            that workflow still runs (nothing is recorded; the workflow retries this step until
+            it has ended).
     """
     message = workflows.error_message(dict(error or {})) if error else "The move failed."
     with api_session() as session:
         drain, server = _load_server(session, drain_uuid, instance_uuid)
         cell, retries, status = server.cell, int(drain.options.get("retries") or 0), drain.status
+        confirm = bool(drain.options.get("confirm", True))
         if server.state in SETTLED_STATES:
             return {"retry": False, "state": server.state, "error": server.error}
-    migration_uuid, confirm = slot.get("migration_uuid"), bool(slot.get("confirm"))
-    if migration_uuid:
-        try:
-            moves.abandon_prepared_move(cell, instance_uuid, migration_uuid, slot.get("request_id") or "")
-        except errors.InstanceNotFound:
-            pass
+    migration_uuid = slot.get("migration_uuid")
+    if migration_uuid and slot.get("request_id"):
+        _abandon_unstarted(cell, instance_uuid, migration_uuid, slot, confirm=confirm)
     now = _where_now(instance_uuid, migration_uuid)
-    if migration_uuid and confirm and now.migration_status == migration_states.CONFIRMING:
-        # Step Functions is asked only while the confirm is under way (RunConfirm failed).
-        if moves.move_workflow_running(instance_uuid, migration_uuid, kind="confirm"):
-            raise errors.MoveStillRunning(
-                f"The drain's confirm of move {migration_uuid} of server {instance_uuid} still runs.")
-        now = _where_now(instance_uuid, migration_uuid)
     host, vm_state, task_state = now.host, now.vm_state, now.task_state
     # Waiting for its confirm or revert (not one under way, as after a failed RunConfirm).
     move_finished = now.migration_status == migration_states.FINISHED
@@ -885,6 +883,23 @@ def record_failure(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any],
                                                    "retry": retry, "attempt": server.attempts, "error": message,
                                                    "status": status})
         return {"retry": retry, "state": server.state, "error": server.error}
+
+
+def _abandon_unstarted(cell: str, instance_uuid: str, migration_uuid: str, slot: Mapping[str, Any], *,
+                       confirm: bool) -> None:
+    """Undo what the drain accepted for this move and whose workflow never started: the move
+    (PrepareMove, in the source cell), then the confirm (PrepareConfirm, where the server is now).
+
+    Raises:
+        MoveStillRunning: the move's or its confirm's workflow still runs.
+    """
+    try:
+        moves.abandon_prepared_move(cell, instance_uuid, migration_uuid, slot["request_id"])
+        if confirm:
+            moves.abandon_prepared_confirm(instances.cell_of(instance_uuid).name, instance_uuid, migration_uuid,
+                                           _confirm_request_id(slot))
+    except errors.InstanceNotFound:
+        pass
 
 
 def _completed_as_asked(now: _Whereabouts, source_host: str, *, confirm: bool) -> bool:

@@ -53,6 +53,18 @@ def forget_action(session: Session, instance_uuid: str, request_id: str) -> None
         session.flush()
 
 
+def exists(session: Session, instance_uuid: str, request_id: str) -> bool:
+    """Whether the instance has an action recorded under ``request_id``."""
+    return _action(session, instance_uuid, request_id) is not None
+
+
+def newest_request_id(session: Session, instance_uuid: str, action: str) -> str | None:
+    """The request id of the instance's newest ``action`` (None when it has none)."""
+    return session.scalars(select(InstanceAction.request_id).where(
+        InstanceAction.instance_uuid == instance_uuid, InstanceAction.action == action)
+        .order_by(InstanceAction.id.desc()).limit(1)).first()
+
+
 def _action(session: Session, instance_uuid: str, request_id: str) -> InstanceAction | None:
     return session.scalars(select(InstanceAction).where(
         InstanceAction.instance_uuid == instance_uuid, InstanceAction.request_id == request_id)).one_or_none()

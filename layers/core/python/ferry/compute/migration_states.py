@@ -11,6 +11,9 @@ REVERTING = "reverting"
 REVERTED = "reverted"
 ERROR = "error"
 
+# Statuses of a migration whose move is under way (its resize workflow has not ended it).
+MOVING = (PRE_MIGRATING, MIGRATING, POST_MIGRATING)
+
 # Statuses of a migration whose confirm or revert is under way.
 SETTLING = (CONFIRMING, REVERTING)
 

@@ -36,6 +36,7 @@ from ferry.compute.migration_states import (
     ERROR,
     FINISHED,
     MIGRATION,
+    MOVING,
     PRE_MIGRATING,
     RESIZE,
     REVERTING,
@@ -70,8 +71,27 @@ def _fresh_execution_name(state_machine_arn: str, name: str, request_id: str) ->
     if not state_machine_arn:
         return name
     existing = workflows.describe_execution(state_machine_arn, name)
-    if existing is None or json.loads(existing.get("input") or "{}").get("request_id") == request_id:
+    if existing is None or _request_of(existing) == request_id:
         return name
+    return _suffixed(name, request_id)
+
+
+def _settle_execution(state_machine_arn: str, kind: str, instance_uuid: str, migration_uuid: str,
+                      request_id: str) -> dict[str, Any] | None:
+    """The execution of the ``kind`` (confirm/revert) workflow started for ``request_id``, under
+    the name :func:`_fresh_execution_name` gave it; None when none was started."""
+    name = move_execution_name(kind, instance_uuid, migration_uuid)
+    existing = workflows.describe_execution(state_machine_arn, name)
+    if existing is None or _request_of(existing) == request_id:
+        return existing
+    return workflows.describe_execution(state_machine_arn, _suffixed(name, request_id))
+
+
+def _request_of(execution: dict[str, Any]) -> str | None:
+    return cast(str | None, json.loads(execution.get("input") or "{}").get("request_id"))
+
+
+def _suffixed(name: str, request_id: str) -> str:
     return f"{name}-{hashlib.sha256(request_id.encode()).hexdigest()[:8]}"
 
 
@@ -183,27 +203,74 @@ def prepare_confirm(cell: str, instance_uuid: str, migration_uuid: str, *, reque
                     user_id: str | None, project_id: str | None) -> PreparedExecution:
     """Accept a confirm as :func:`begin_confirm` does, but leave starting the workflow to the caller.
 
-    Idempotent: when ``migration_uuid`` is already ``confirming`` (or ``confirmed``) after this
-    step ran before, the same execution is returned and nothing is written.
+    Idempotent: when this request already took ``migration_uuid`` (its action is recorded and
+    the migration is ``confirming`` or ``confirmed``), the same execution is returned and
+    nothing is written. The execution is named as :func:`begin_confirm` names it, so a name an
+    earlier confirm's execution holds is not asked for again.
 
     Raises:
         What :func:`begin_confirm` raises; UnexpectedMigrationState when the server's newest
-        migration is not ``migration_uuid``.
+        migration is not ``migration_uuid``; MigrationInProgress also when another request
+        confirmed it or is confirming it.
     """
-    name = move_execution_name("confirm", instance_uuid, migration_uuid)
-    payload = {**_settle_payload(cell, instance_uuid, migration_uuid, request_id), "execution_name": name}
+    payload = _settle_payload(cell, instance_uuid, migration_uuid, request_id)
     with cell_session(cell) as session:
         migration = session.scalars(select(Migration).where(Migration.uuid == migration_uuid)).one_or_none()
-        if migration is not None and migration.status in (CONFIRMING, CONFIRMED):
-            return PreparedExecution(name, payload)
-    accepted = _accept_confirm(cell, instance_uuid, request_id=request_id, user_id=user_id, project_id=project_id)
-    if accepted != migration_uuid:
-        with cell_session(cell) as session:
-            _swap_migration_status(session, accepted, CONFIRMING, FINISHED)
-            actions.forget_action(session, instance_uuid, request_id)
-        raise errors.UnexpectedMigrationState(
-            f"Instance {instance_uuid}'s newest migration is {accepted}, not {migration_uuid}.")
-    return PreparedExecution(name, payload)
+        taken = migration is not None and migration.status in (CONFIRMING, CONFIRMED)
+        if taken and not actions.exists(session, instance_uuid, request_id):
+            raise errors.MigrationInProgress(
+                f"Cannot 'confirmResize' instance {instance_uuid}: another request took migration "
+                f"{migration_uuid} ({migration.status if migration else None}).")
+    if not taken:
+        accepted = _accept_confirm(cell, instance_uuid, request_id=request_id, user_id=user_id,
+                                   project_id=project_id)
+        if accepted != migration_uuid:
+            with cell_session(cell) as session:
+                _swap_migration_status(session, accepted, CONFIRMING, FINISHED)
+                actions.forget_action(session, instance_uuid, request_id)
+            raise errors.UnexpectedMigrationState(
+                f"Instance {instance_uuid}'s newest migration is {accepted}, not {migration_uuid}.")
+    name = _fresh_execution_name(config.get().confirm_resize_state_machine_arn,
+                                 move_execution_name("confirm", instance_uuid, migration_uuid), request_id)
+    return PreparedExecution(name, {**payload, "execution_name": name})
+
+
+def abandon_prepared_confirm(cell: str, instance_uuid: str, migration_uuid: str, request_id: str) -> bool:
+    """Undo a confirm :func:`prepare_confirm` accepted under ``request_id`` whose workflow never started.
+
+    The migration goes back from ``confirming`` to ``finished`` and the action is forgotten, so
+    the server waits in VERIFY_RESIZE for a confirm or revert as before. A confirm whose
+    workflow ran is left as that workflow left it, and a confirm another request accepted is
+    never undone here. Without a confirm state machine configured (steps run in-process) there
+    is no execution to ask about, and nothing is undone.
+
+    Returns:
+        Whether anything was undone.
+
+    Raises:
+        MoveStillRunning: the migration's confirm workflow runs (this request's or another's).
+    """
+    state_machine_arn = config.get().confirm_resize_state_machine_arn
+    with cell_session(cell) as session:
+        status = session.scalars(select(Migration.status).where(Migration.uuid == migration_uuid)).first()
+        if status != CONFIRMING or not state_machine_arn:
+            return False
+        owner = actions.newest_request_id(session, instance_uuid, actions.CONFIRM_RESIZE) or request_id
+    execution = _settle_execution(state_machine_arn, "confirm", instance_uuid, migration_uuid, owner)
+    if execution is not None:
+        if execution["status"] == "RUNNING":
+            raise errors.MoveStillRunning(
+                f"The confirm workflow of move {migration_uuid} of server {instance_uuid} still runs.")
+        return False
+    if owner != request_id:
+        return False
+    with cell_session(cell) as session:
+        if not _swap_migration_status(session, migration_uuid, CONFIRMING, FINISHED):
+            return False
+        actions.forget_action(session, instance_uuid, request_id)
+    logger.warning("confirm workflow never started; confirm undone",
+                   extra={"instance_uuid": instance_uuid, "migration_uuid": migration_uuid})
+    return True
 
 
 def _start_settle(kind: str, arn: str, cell: str, instance_uuid: str, migration_uuid: str, request_id: str,
@@ -525,19 +592,16 @@ def migration_exists(cell: str | CellMapping, migration_uuid: str) -> bool:
         return session.scalars(select(Migration.id).where(Migration.uuid == migration_uuid)).first() is not None
 
 
-def move_workflow_running(instance_uuid: str, migration_uuid: str, kind: str = "resize") -> bool:
-    """Whether the execution of this move's ``kind`` workflow (``resize``, or ``confirm`` as
-    :func:`prepare_confirm` names it) is running; False when it never started.
+def move_workflow_running(instance_uuid: str, migration_uuid: str) -> bool:
+    """Whether the resize workflow's execution of this move is running (False when it never started).
 
-    Without that state machine configured (steps run in-process, no Step Functions) there is no
-    execution to ask about, and False is returned.
+    Without a resize state machine configured (steps run in-process, no Step Functions) there is
+    no execution to ask about, and False is returned.
     """
-    settings = config.get()
-    state_machine_arn = {"resize": settings.resize_state_machine_arn,
-                         "confirm": settings.confirm_resize_state_machine_arn}[kind]
+    state_machine_arn = config.get().resize_state_machine_arn
     if not state_machine_arn:
         return False
-    execution = workflows.describe_execution(state_machine_arn, move_execution_name(kind, instance_uuid,
+    execution = workflows.describe_execution(state_machine_arn, move_execution_name("resize", instance_uuid,
                                                                                      migration_uuid))
     return execution is not None and execution["status"] == "RUNNING"
 
@@ -554,18 +618,22 @@ def abandon_prepared_move(cell: str, instance_uuid: str, migration_uuid: str, re
         Whether anything was undone.
 
     Raises:
-        MoveStillRunning: the move's workflow runs (its first steps leave the same states); the
-            caller asks again once it has ended.
+        MoveStillRunning: the migration is still under way (``pre-migrating``, ``migrating``,
+            ``post-migrating``) and the move's workflow runs; the caller asks again once it has
+            ended.
     """
     with cell_session(cell) as session:
         migration = session.scalars(select(Migration).where(Migration.uuid == migration_uuid)).one_or_none()
         instance = instances.get(session, instance_uuid)
-        if migration is None or migration.status != PRE_MIGRATING or instance.task_state != states.RESIZE_PREP:
+        if migration is None or migration.status not in MOVING:
             return False
-    # Step Functions is asked only about a move that could be undone (not after a failed confirm, say).
+        undoable = migration.status == PRE_MIGRATING and instance.task_state == states.RESIZE_PREP
+    # Step Functions is asked only about a move still under way (not after a failed confirm, say).
     if move_workflow_running(instance_uuid, migration_uuid):
         raise errors.MoveStillRunning(
             f"The workflow of move {migration_uuid} of server {instance_uuid} still runs.")
+    if not undoable:
+        return False
     # What the flavors were before is not known here; they only matter while a move is under way.
     _undo_move(cell, instance_uuid, migration_uuid, request_id, None, forget_migration=False)
     return True
