@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import ipaddress
 import uuid
+from urllib.parse import parse_qs, urlsplit
 
 import pytest
 from sqlalchemy import select, update
@@ -315,6 +317,146 @@ def test_list_filters_by_status(cloud):
         [active]
     assert [s["id"] for s in call("GET", "/v2.1/servers/detail", query={"status": "BUILD"}).body["servers"]] == \
         [building]
+
+
+def _listed(query: dict, *, caller=ALICE, version: str | None = "2.90") -> list[str]:
+    response = call("GET", "/v2.1/servers/detail", caller=caller, query=query, version=version)
+    assert response.status == 200, response.body
+    return [s["name"] for s in response.body["servers"]]
+
+
+def test_list_filters_by_flavor_and_image_ids(cloud):
+    create_server(name="small")
+    create_server(name="medium", flavorRef="2")
+
+    assert _listed({"flavor": "2"}) == ["medium"]
+    assert _listed({"flavor": "http://compute/v2.1/flavors/1"}) == ["small"]
+    assert _listed({"flavor": "no-such-flavor"}) == []
+    assert sorted(_listed({"image": cloud.image_id})) == ["medium", "small"]
+    assert _listed({"image": str(uuid.uuid4())}) == []
+
+
+def test_list_filters_by_the_time_of_the_last_change(cloud):
+    old, new = create_server(name="old"), create_server(name="new")
+    for server_id, changed in ((old, dt.datetime(2020, 1, 1)), (new, dt.datetime(2030, 1, 1))):
+        schedule(server_id)
+        with cell_session("cell1") as session:
+            session.execute(update(Instance).where(Instance.uuid == server_id).values(updated_at=changed))
+
+    assert _listed({"changes-since": "2025-01-01T00:00:00Z"}) == ["new"]
+    assert _listed({"changes-before": "2025-01-01T00:00:00+00:00"}) == ["old"]
+    assert _listed({"changes-since": "2020-01-01T00:00:00", "changes-before": "2020-01-01T00:00:00"}) == ["old"]
+    assert sorted(_listed({"changes-before": "2025-01-01T00:00:00"}, version="2.65")) == ["new", "old"]  # not before 2.66
+    bad = call("GET", "/v2.1/servers", query={"changes-since": "yesterday"}, version="2.90")
+    assert bad.status == 400 and "changes-since" in bad.body["badRequest"]["message"]
+    crossed = call("GET", "/v2.1/servers", query={"changes-since": "2030-01-01", "changes-before": "2020-01-01"},
+                   version="2.90")
+    assert crossed.status == 400
+
+
+def test_list_filters_by_tags(cloud):
+    create_server(name="ab", tags=["a", "b"])
+    create_server(name="a", tags=["a"])
+    create_server(name="none")
+    schedule(create_server(name="scheduled-b", tags=["b"]))
+
+    assert sorted(_listed({"tags": "a,b"})) == ["ab"]
+    assert sorted(_listed({"tags-any": "a,b"})) == ["a", "ab", "scheduled-b"]
+    assert sorted(_listed({"not-tags": "a,b"})) == ["a", "none", "scheduled-b"]
+    assert sorted(_listed({"not-tags-any": "a"})) == ["none", "scheduled-b"]
+    assert sorted(_listed({"tags": "b"})) == ["ab", "scheduled-b"]
+    shown = call("GET", "/v2.1/servers/detail", query={"tags": "b"}, version="2.90").body["servers"]
+    assert {s["name"]: s["tags"] for s in shown} == {"ab": ["a", "b"], "scheduled-b": ["b"]}
+
+
+def test_list_filters_by_fixed_address_from_its_start(cloud):
+    first, second = create_server(name="first"), create_server(name="second")
+    with api_session() as session:
+        session.execute(update(Port).where(Port.device_id == first).values(fixed_ip="10.0.0.15"))
+        session.execute(update(Port).where(Port.device_id == second).values(fixed_ip="10.0.1.5"))
+
+    assert _listed({"ip": r"10\.0\.0\."}) == ["first"]
+    assert _listed({"ip": r"0\.0\.15"}) == []  # a regular expression matched from the start
+    assert _listed({"ip6": "fe80"}) == []
+    assert call("GET", "/v2.1/servers", query={"ip": "("}, version="2.90").status == 400
+
+
+def test_list_filters_meant_for_admins_are_dropped_for_members_and_applied_for_admins(cloud):
+    on_one, on_two = create_server(name="on-one"), create_server(name="on-two")
+    schedule(on_one, host="host1")
+    schedule(on_two, host="host2", vm_state=states.STOPPED, power_state=states.SHUTDOWN)
+
+    assert sorted(_listed({"host": "host1"})) == ["on-one", "on-two"]  # a member's host filter is dropped
+    assert _listed({"host": "host1", "all_tenants": "1"}, caller=ADMIN) == ["on-one"]
+    assert _listed({"node": "host2", "all_tenants": "1"}, caller=ADMIN) == ["on-two"]
+    assert _listed({"uuid": on_two, "all_tenants": "1"}, caller=ADMIN) == ["on-two"]
+    # vm_state, task_state, power_state, user_id, key_name, availability_zone: members from 2.83
+    assert sorted(_listed({"vm_state": "stopped"}, version="2.82")) == ["on-one", "on-two"]
+    assert _listed({"vm_state": "stopped"}, version="2.83") == ["on-two"]
+    assert _listed({"power_state": "1"}, version="2.83") == ["on-one"]
+    assert _listed({"user_id": "someone-else"}, version="2.83") == []
+    assert call("GET", "/v2.1/servers", query={"power_state": "on"}, version="2.83").status == 400
+
+
+def test_list_filters_by_lock_from_2_73(cloud):
+    locked, free = create_server(name="locked"), create_server(name="free")
+    for server_id in (locked, free):
+        schedule(server_id)
+    with cell_session("cell1") as session:
+        session.execute(update(Instance).where(Instance.uuid == locked).values(locked=True, locked_by="admin"))
+
+    assert _listed({"locked": "true"}) == ["locked"]
+    assert _listed({"locked": "false"}) == ["free"]
+    assert sorted(_listed({"locked": "true"}, version="2.72")) == ["free", "locked"]
+    assert call("GET", "/v2.1/servers", query={"locked": "maybe"}, version="2.90").status == 400
+
+
+def test_list_refuses_what_it_cannot_filter_by_and_unknown_parameters_from_2_75(cloud):
+    create_server(name="vm")
+
+    unsupported = call("GET", "/v2.1/servers", query={"reservation_id": "r-1"}, version="2.90")
+    assert unsupported.status == 400
+    assert unsupported.body["badRequest"]["message"] == "Ferry does not filter servers by reservation_id."
+    unknown = call("GET", "/v2.1/servers", query={"colour": "blue"}, version="2.75")
+    assert unknown.status == 400 and "'colour' was unexpected" in unknown.body["badRequest"]["message"]
+    assert _listed({"colour": "blue"}, version="2.74") == ["vm"]
+    # what the CLI's `server list` sends by default
+    assert _listed({"deleted": "False", "all_tenants": "False"}) == ["vm"]
+    assert call("GET", "/v2.1/servers", caller=ADMIN, query={"deleted": "True"}, version="2.90").status == 400
+    assert _listed({"deleted": "True"}) == ["vm"]  # admins only: dropped for a member, as in Nova
+
+
+def test_list_sorts_by_the_keys_asked_for(cloud):
+    for name in ("b", "c", "a"):
+        create_server(name=name)
+
+    assert _listed({"sort_key": "display_name", "sort_dir": "asc"}) == ["a", "b", "c"]
+    assert _listed({"sort_key": "display_name"}) == ["c", "b", "a"]  # descending by default
+    assert _listed({"sort_key": ["created_at"], "sort_dir": ["asc"]}) == ["b", "c", "a"]
+    assert call("GET", "/v2.1/servers", query={"sort_key": "host"}, version="2.90").status == 403
+    assert call("GET", "/v2.1/servers", caller=ADMIN, query={"sort_key": "host"}, version="2.90").status == 200
+    assert call("GET", "/v2.1/servers", query={"sort_key": "kernel_id"}, version="2.90").status == 400
+    assert call("GET", "/v2.1/servers", query={"sort_key": "display_name", "sort_dir": "up"},
+                version="2.90").status == 400
+    first = call("GET", "/v2.1/servers", query={"sort_key": "display_name", "sort_dir": "asc", "limit": "2"},
+                 version="2.90").body
+    after = call("GET", "/v2.1/servers", query={"sort_key": "display_name", "sort_dir": "asc", "limit": "2",
+                                                "marker": first["servers"][-1]["id"]}, version="2.90").body
+    assert [s["name"] for s in first["servers"] + after["servers"]] == ["a", "b", "c"]
+
+
+def test_the_next_link_keeps_the_filters_and_follows_the_largest_page(cloud, monkeypatch):
+    for name in ("web-1", "web-2", "web-3", "db-1"):
+        create_server(name=name)
+    monkeypatch.setattr(compute_api, "MAX_LIST_LIMIT", 2)
+
+    page = call("GET", "/v2.1/servers", query={"name": "^web", "limit": "5"}, version="2.90").body
+    assert len(page["servers"]) == 2  # the largest page, though more was asked for
+    href = page["servers_links"][0]["href"]
+    query = parse_qs(urlsplit(href).query)
+    assert query == {"name": ["^web"], "limit": ["2"], "marker": [page["servers"][-1]["id"]]}
+    rest = call("GET", "/v2.1/servers", query={k: v[-1] for k, v in query.items()}, version="2.90").body
+    assert [s["name"] for s in rest["servers"]] == ["web-1"] and "servers_links" not in rest
 
 
 def test_a_scheduled_server_shows_from_the_cell_its_mapping_names(cloud):

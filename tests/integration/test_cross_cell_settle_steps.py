@@ -48,6 +48,7 @@ from ferry import errors, placement, workflows
 from ferry.auth import RequestContext
 from ferry.compute import actions, migration_states, moves, states
 from ferry.compute import api as compute_api
+from ferry.compute.server_filters import ServerFilters
 from ferry.store.cell_models import Migration
 from ferry.store.db import cell_session
 from ferry.workflows import auto_confirm, confirm_resize, cross_cell_settle, delete, revert_resize
@@ -335,7 +336,8 @@ def test_api_shows_the_mapped_copy_only_and_one_migration_per_uuid(cloud, tmp_pa
     ctx = RequestContext(user_id=USER, project_id=PROJECT, roles=("admin",))
 
     server = compute_api.get_server(ctx, moved.instance_uuid)
-    listed = [s for s in compute_api.list_servers(ctx, {"all_tenants": True}) if s.uuid == moved.instance_uuid]
+    listed = [s for s in compute_api.list_servers(ctx, ServerFilters(all_tenants=True))
+              if s.uuid == moved.instance_uuid]
     migrations = [m for m in moves.list_migrations(moves.MigrationFilters()) if m["uuid"] == moved.migration_uuid]
 
     assert (server.host, server.cell, server.flavor["flavorid"]) == (CROSS_DEST, TARGET_CELL, NEW["flavorid"])

@@ -11,9 +11,7 @@ Ferry has no live migration, so a server's in-progress live migrations are alway
 
 from __future__ import annotations
 
-import datetime as dt
 from typing import Any
-from urllib.parse import urlencode
 
 from aws_lambda_powertools.event_handler import Response
 from aws_lambda_powertools.event_handler.api_gateway import Router
@@ -29,31 +27,14 @@ router = Router()
 MAX_LIMIT = 1000
 
 
-def _timestamp(name: str, value: str | None) -> dt.datetime | None:
-    """An ISO 8601 query parameter as naive UTC.
-
-    Raises:
-        BadRequest: not a timestamp.
-    """
-    if value is None:
-        return None
-    try:
-        parsed = dt.datetime.fromisoformat(value.strip().replace(" ", "+"))
-    except ValueError as exc:
-        raise errors.BadRequest(f"Invalid input for query parameters {name}. Value: {value}. "
-                                f"'{value}' is not a 'date-time'") from exc
-    if parsed.tzinfo is not None:
-        parsed = parsed.astimezone(dt.UTC).replace(tzinfo=None)
-    return parsed
-
-
 def _filters(view: ViewContext, params: dict[str, list[str]]) -> moves.MigrationFilters:
     def last(name: str) -> str | None:
         values = params.get(name)
         return values[-1] if values else None
 
-    changes_since = _timestamp("changes-since", last("changes-since")) if view.at_least("2.59") else None
-    changes_before = _timestamp("changes-before", last("changes-before")) if view.at_least("2.66") else None
+    since, before = last("changes-since"), last("changes-before")
+    changes_since = request.parse_timestamp("changes-since", since) if view.at_least("2.59") else None
+    changes_before = request.parse_timestamp("changes-before", before) if view.at_least("2.66") else None
     if changes_since and changes_before and changes_since > changes_before:
         raise errors.BadRequest("The value of changes-since must be less than or equal to changes-before.")
     by_owner = view.at_least("2.80")
@@ -63,15 +44,6 @@ def _filters(view: ViewContext, params: dict[str, list[str]]) -> moves.Migration
         source_compute=last("source_compute"), user_id=last("user_id") if by_owner else None,
         project_id=last("project_id") if by_owner else None, changes_since=changes_since,
         changes_before=changes_before)
-
-
-def _next_link(view: ViewContext, params: dict[str, list[str]], page: list[dict[str, Any]],
-               limit: int) -> list[dict[str, str]]:
-    if not page or len(page) < limit:
-        return []
-    query = [(k, v) for k, values in params.items() if k not in ("limit", "marker") for v in values]
-    query += [("limit", str(limit)), ("marker", page[-1]["uuid"])]
-    return [{"rel": "next", "href": f"{view.api_url}/os-migrations?{urlencode(query)}"}]
 
 
 @router.get("/os-migrations")
@@ -89,7 +61,7 @@ def list_migrations() -> Response:
     found = moves.list_migrations(filters, newest_first=paged, limit=limit, marker=marker)
     body: dict[str, Any] = {"migrations": [views.migration(view, m) for m in found]}
     if paged and limit is not None:
-        links = _next_link(view, params, found, limit)
+        links = views.next_link(view, "os-migrations", params, [m["uuid"] for m in found], limit)
         if links:
             body["migrations_links"] = links
     return request.json_response(200, body)

@@ -117,7 +117,12 @@ def _bodies() -> dict[str, dict[str, Any]]:
 _LIMIT: Schema = {"type": "integer", "minimum": 0}
 _SERVER_QUERY: dict[str, Schema] = {
     "name": _STRING, "status": {"type": "array", "items": _STRING}, "limit": _LIMIT, "marker": _STRING,
-    "all_tenants": _STRING, "project_id": _STRING, "tenant_id": _STRING, "host": _STRING}
+    "all_tenants": _STRING, "project_id": _STRING, "tenant_id": _STRING, "host": _STRING,
+    **{name: _STRING for name in ("node", "uuid", "user_id", "flavor", "image", "availability_zone", "key_name",
+                                  "locked", "changes-since", "changes-before", "ip", "ip6", "tags", "tags-any",
+                                  "not-tags", "not-tags-any", "deleted")},
+    **{name: {"type": "array", "items": _STRING} for name in ("vm_state", "task_state", "sort_key", "sort_dir")},
+    "power_state": {"type": "array", "items": _INTEGER}}
 _FLAVOR_QUERY: dict[str, Schema] = {
     "is_public": _STRING, "minDisk": _INTEGER, "minRam": _INTEGER, "limit": _LIMIT, "marker": _STRING}
 _MIGRATION_QUERY: dict[str, Schema] = {

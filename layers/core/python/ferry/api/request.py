@@ -7,6 +7,7 @@ context, and stamps the response with the request id and version headers.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import uuid
 from collections.abc import Callable
@@ -134,6 +135,24 @@ def parse_bool(name: str, value: str) -> bool:
     if lowered in _FALSE:
         return False
     raise errors.BadRequest(f"Invalid value '{value}' for {name}: expected a boolean.")
+
+
+def parse_timestamp(name: str, value: str | None) -> dt.datetime | None:
+    """An ISO 8601 query parameter as naive UTC (None when absent).
+
+    Raises:
+        BadRequest: not a timestamp.
+    """
+    if value is None:
+        return None
+    try:
+        parsed = dt.datetime.fromisoformat(value.strip().replace(" ", "+"))
+    except ValueError as exc:
+        raise errors.BadRequest(f"Invalid input for query parameters {name}. Value: {value}. "
+                                f"'{value}' is not a 'date-time'") from exc
+    if parsed.tzinfo is not None:
+        parsed = parsed.astimezone(dt.UTC).replace(tzinfo=None)
+    return parsed
 
 
 def parse_limit(value: str | None) -> int | None:

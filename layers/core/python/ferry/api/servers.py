@@ -15,7 +15,7 @@ from aws_lambda_powertools.event_handler import Response
 from aws_lambda_powertools.event_handler.api_gateway import Router
 
 from ferry import errors, policy
-from ferry.api import request, schemas, views
+from ferry.api import request, schemas, server_query, views
 from ferry.api.microversions import APIVersion
 from ferry.auth import RequestContext
 from ferry.compute import api as compute_api
@@ -54,23 +54,16 @@ def _list(detail: bool) -> Response:
     kind = "detail" if detail else "index"
     policy.enforce(view.ctx, f"os_compute_api:servers:{kind}")
     params = request.query(router)
-
-    def first(name: str) -> str | None:
-        values = params.get(name)
-        return values[-1] if values else None
-
-    all_tenants = "all_tenants" in params and request.parse_bool("all_tenants", first("all_tenants") or "true")
-    if all_tenants:
+    filters = server_query.parse(view, params)
+    if filters.all_tenants:
         policy.enforce(view.ctx, f"os_compute_api:servers:{kind}:get_all_tenants")
-    limit = request.parse_limit(first("limit"))
-    filters = {"name": first("name"), "status": params.get("status"), "limit": limit, "marker": first("marker"),
-               "all_tenants": all_tenants, "project_id": first("project_id") or first("tenant_id"),
-               "host": first("host")}
     servers = compute_api.list_servers(view.ctx, filters)
     render = views.server_detail if detail else views.server_summary
     body: dict[str, Any] = {"servers": [render(view, server) for server in servers]}
-    next_link = views.servers_next_link(view, "servers/detail" if detail else "servers", servers, limit,
-                                        compute_api.MAX_LIST_LIMIT)
+    page_size = min(filters.limit, compute_api.MAX_LIST_LIMIT) if filters.limit is not None \
+        else compute_api.MAX_LIST_LIMIT
+    next_link = views.next_link(view, "servers/detail" if detail else "servers", params,
+                                [s.uuid for s in servers], page_size)
     if next_link:
         body["servers_links"] = next_link
     return request.json_response(200, body)

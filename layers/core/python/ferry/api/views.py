@@ -5,8 +5,9 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import ipaddress
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
+from urllib.parse import urlencode
 
 from ferry import policy
 from ferry.api.request import ViewContext
@@ -138,13 +139,15 @@ def server_detail(view: ViewContext, server: Server) -> dict[str, Any]:
     return body
 
 
-def servers_next_link(view: ViewContext, path: str, servers: list[Server], limit: int | None,
-                      max_limit: int) -> list[dict[str, str]]:
-    """``servers_links`` when the page is full (there may be more)."""
-    page_size = limit if limit is not None else max_limit
-    if not servers or len(servers) < page_size:
+def next_link(view: ViewContext, path: str, params: Mapping[str, list[str]], ids: list[str],
+              page_size: int) -> list[dict[str, str]]:
+    """``[{"rel": "next", "href"}]`` when the page is full (there may be more): the same query
+    with the page's last id as the marker; empty otherwise."""
+    if not ids or len(ids) < page_size:
         return []
-    return [{"rel": "next", "href": f"{view.api_url}/{path}?limit={page_size}&marker={servers[-1].uuid}"}]
+    query = [(k, v) for k, values in params.items() if k not in ("limit", "marker") for v in values]
+    query += [("limit", str(page_size)), ("marker", ids[-1])]
+    return [{"rel": "next", "href": f"{view.api_url}/{path}?{urlencode(query)}"}]
 
 
 # --- flavors -----------------------------------------------------------------------------------

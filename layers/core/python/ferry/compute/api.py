@@ -31,7 +31,6 @@ from __future__ import annotations
 import datetime as dt
 import ipaddress
 import itertools
-import re
 import secrets
 import uuid as uuidlib
 from collections.abc import Iterable, Mapping, Sequence
@@ -44,7 +43,8 @@ from sqlalchemy.orm import Session
 
 from ferry import config, errors, hosts, images, network, policy, protocol, quotas, workflows
 from ferry.auth import RequestContext
-from ferry.compute import actions, instances, states
+from ferry.compute import actions, instances, server_filters, states
+from ferry.compute.server_filters import ServerFilters
 from ferry.observability import logger
 from ferry.store.api_models import (
     BuildRequest,
@@ -294,18 +294,36 @@ def _chunks(items: Sequence[str], size: int = 500) -> Iterable[Sequence[str]]:
         yield items[start:start + size]
 
 
-def _add_details(servers: list[Server]) -> None:
-    """Fill in tags, faults, volumes (from each cell) and ports (from the API database)."""
-    by_cell: dict[str, list[Server]] = {}
+def _by_cell(servers: Iterable[Server]) -> dict[str, dict[str, Server]]:
+    """The servers that have a cell, by cell and uuid."""
+    found: dict[str, dict[str, Server]] = {}
     for server in servers:
         if server.cell is not None:
-            by_cell.setdefault(server.cell, []).append(server)
-    for cell, members in by_cell.items():
-        wanted = {s.uuid: s for s in members}
+            found.setdefault(server.cell, {})[server.uuid] = server
+    return found
+
+
+def _load_tags(session: Session, wanted: Mapping[str, Server], chunk: Sequence[str]) -> None:
+    for tag in session.scalars(select(Tag).where(Tag.instance_uuid.in_(chunk)).order_by(Tag.tag)):
+        wanted[tag.instance_uuid].tags.append(tag.tag)
+
+
+def _add_tags(servers: Iterable[Server]) -> None:
+    """Fill in the tags of the servers that have a cell (a build request carries its own)."""
+    for cell, wanted in _by_cell(servers).items():
         with cell_session(cell) as session:
             for chunk in _chunks(list(wanted)):
-                for tag in session.scalars(select(Tag).where(Tag.instance_uuid.in_(chunk)).order_by(Tag.tag)):
-                    wanted[tag.instance_uuid].tags.append(tag.tag)
+                _load_tags(session, wanted, chunk)
+
+
+def _add_details(servers: list[Server], *, tags: bool = True) -> None:
+    """Fill in tags (unless ``tags`` is False: loaded already), faults, volumes (from each
+    cell) and ports (from the API database)."""
+    for cell, wanted in _by_cell(servers).items():
+        with cell_session(cell) as session:
+            for chunk in _chunks(list(wanted)):
+                if tags:
+                    _load_tags(session, wanted, chunk)
                 for bdm in session.scalars(select(BlockDeviceMapping).where(
                         BlockDeviceMapping.instance_uuid.in_(chunk), BlockDeviceMapping.deleted.is_(False),
                         BlockDeviceMapping.destination_type == "volume").order_by(BlockDeviceMapping.id)):
@@ -362,40 +380,32 @@ def get_server(ctx: RequestContext, server_id: str) -> Server:
     raise errors.InstanceNotFound(f"Instance {server_id} could not be found.")
 
 
-def _parse_statuses(value: Any) -> set[str] | None:
-    if value in (None, "", []):
-        return None
-    values = [value] if isinstance(value, str) else list(value)
-    return {v.upper() for v in values}
+def list_servers(ctx: RequestContext, filters: ServerFilters) -> list[Server]:
+    """Servers the caller may see, filtered, ordered and paged like Nova (see
+    :mod:`ferry.compute.server_filters`); newest first unless ``filters.sort`` says otherwise.
 
-
-def list_servers(ctx: RequestContext, filters: Mapping[str, Any]) -> list[Server]:
-    """Servers the caller may see, newest first, filtered and paged like Nova.
-
-    ``filters``: ``name`` (a regular expression searched in the name), ``status`` (one or a
-    list), ``limit``, ``marker`` (the last id of the previous page), ``all_tenants`` (every
-    project; the caller must be allowed), ``project_id`` (with ``all_tenants``), ``host``
-    (admins only).
+    Only the caller's project is listed unless ``filters.all_tenants`` (every project, or
+    ``filters.project_id``): the caller must have been allowed that, and the filters meant for
+    admins only, by the HTTP layer.
 
     Raises:
-        BadRequest: an invalid name pattern, or a marker that is not in the list.
+        BadRequest: a marker that is not in the list.
     """
     project: str | None = ctx.project_id
-    if filters.get("all_tenants"):
-        project = filters.get("project_id") or None
-    pattern = None
-    if filters.get("name"):
-        try:
-            pattern = re.compile(str(filters["name"]))
-        except re.error as exc:
-            raise errors.BadRequest(f"Invalid name filter {filters['name']!r}: {exc}.") from exc
-    statuses = _parse_statuses(filters.get("status"))
-    host = filters.get("host") if ctx.is_admin else None
+    if filters.all_tenants:
+        project = filters.project_id or None
 
     with api_session() as session:
+        flavor_id = None
+        if filters.flavor is not None:
+            flavor_id = session.scalars(select(Flavor.id).where(Flavor.flavorid == ref_id(filters.flavor))).first()
+            if flavor_id is None:
+                return []
         query = select(InstanceMapping).where(InstanceMapping.queued_for_delete.is_(False))
         if project is not None:
             query = query.where(InstanceMapping.project_id == project)
+        if filters.uuid is not None:
+            query = query.where(InstanceMapping.instance_uuid == filters.uuid)
         mappings = list(session.scalars(query))
         unscheduled = [m.instance_uuid for m in mappings if m.cell is None]
         servers = [_server_from_build(b) for chunk in _chunks(unscheduled)
@@ -410,24 +420,32 @@ def list_servers(ctx: RequestContext, filters: Mapping[str, Any]) -> list[Server
                 rows = session.scalars(select(Instance).where(
                     Instance.uuid.in_(chunk), Instance.deleted.is_(False), Instance.hidden.is_(False)))
                 servers.extend(_server_from_instance(row, cell.name) for row in rows)
+    if filters.by_tags:
+        _add_tags(servers)
+    addresses = _fixed_addresses([s.uuid for s in servers]) if filters.by_address else None
 
-    def wanted(server: Server) -> bool:
-        return ((pattern is None or pattern.search(server.name) is not None)
-                and (statuses is None or server.status in statuses)
-                and (host is None or server.host == host))
-
-    servers = sorted(filter(wanted, servers), key=lambda s: (s.created_at, s.uuid), reverse=True)
-    marker = filters.get("marker")
-    if marker:
-        index = next((i for i, s in enumerate(servers) if s.uuid == marker), None)
+    servers = server_filters.order((s for s in servers if server_filters.matches(
+        s, filters, flavor_id=flavor_id, addresses=addresses)), filters.sort)
+    if filters.marker:
+        index = next((i for i, s in enumerate(servers) if s.uuid == filters.marker), None)
         if index is None:
-            raise errors.BadRequest(f"marker [{marker}] not found")
+            raise errors.BadRequest(f"marker [{filters.marker}] not found")
         servers = servers[index + 1:]
-    limit = filters.get("limit")
-    limit = MAX_LIST_LIMIT if limit is None else min(int(limit), MAX_LIST_LIMIT)
+    limit = MAX_LIST_LIMIT if filters.limit is None else min(filters.limit, MAX_LIST_LIMIT)
     page = servers[:limit]
-    _add_details(page)
+    _add_details(page, tags=not filters.by_tags)
     return page
+
+
+def _fixed_addresses(uuids: Sequence[str]) -> dict[str, list[str]]:
+    """Each server's fixed addresses (from its ports)."""
+    found: dict[str, list[str]] = {}
+    with api_session() as session:
+        for chunk in _chunks(uuids):
+            for device_id, fixed_ip in session.execute(select(Port.device_id, Port.fixed_ip).where(
+                    Port.device_id.in_(chunk), Port.fixed_ip.is_not(None))):
+                found.setdefault(str(device_id), []).append(str(fixed_ip))
+    return found
 
 
 # --- creating servers ------------------------------------------------------------------------------

@@ -1,0 +1,155 @@
+"""The server list's query string: which parameters are read, for whom, from which microversion.
+
+As in Nova, a filter meant for admins is dropped (not refused) when a member sends it, a
+parameter newer than the request's microversion is ignored, and from 2.75 a parameter Nova
+does not know is refused (400). A parameter Nova knows but Ferry cannot filter by is refused
+too, whoever may use it: a list must never look filtered when it is not.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+from ferry import errors
+from ferry.api import request
+from ferry.api.request import ViewContext
+from ferry.compute.server_filters import ADMIN_SORT_KEYS, SORT_DIRECTIONS, SORT_KEYS, ServerFilters
+
+# Parameter → (the microversion it exists from, the one members may use it from; None: admins only).
+PARAMETERS: Mapping[str, tuple[str, str | None]] = {
+    **{name: ("2.1", "2.1") for name in ("name", "status", "image", "flavor", "ip", "changes-since", "all_tenants",
+                                         "limit", "marker", "sort_key", "sort_dir", "reservation_id")},
+    "ip6": ("2.1", "2.5"),
+    **{name: ("2.26", "2.26") for name in ("tags", "tags-any", "not-tags", "not-tags-any")},
+    "changes-before": ("2.66", "2.66"),
+    "locked": ("2.73", "2.73"),
+    **{name: ("2.1", "2.83") for name in ("availability_zone", "config_drive", "key_name", "created_at",
+                                          "launched_at", "terminated_at", "power_state", "task_state", "vm_state",
+                                          "progress", "user_id")},
+    **{name: ("2.1", None) for name in ("project_id", "tenant_id", "host", "node", "uuid", "deleted", "soft_deleted",
+                                        "hostname", "kernel_id", "ramdisk_id", "root_device_name", "launch_index",
+                                        "access_ip_v4", "access_ip_v6", "auto_disk_config", "locked_by",
+                                        "description", "display_name", "display_description", "image_ref",
+                                        "instance_name")},
+    "pinned_availability_zone": ("2.96", "2.96"),
+}
+# Known to Nova, not filtered by in Ferry (``deleted``/``soft_deleted`` only when true).
+UNSUPPORTED = frozenset({
+    "reservation_id", "config_drive", "created_at", "launched_at", "terminated_at", "progress", "hostname",
+    "kernel_id", "ramdisk_id", "root_device_name", "launch_index", "access_ip_v4", "access_ip_v6",
+    "auto_disk_config", "locked_by", "description", "display_name", "display_description", "image_ref",
+    "instance_name", "pinned_availability_zone"})
+
+
+def parse(view: ViewContext, params: Mapping[str, list[str]]) -> ServerFilters:
+    """The filters of a server list request (the caller's right to list every project is
+    checked by the caller of this function).
+
+    Raises:
+        BadRequest: an unknown parameter (from 2.75), one Ferry cannot filter by, or a value
+            that is not valid (a regular expression, time, boolean, number, sort key or direction).
+        Forbidden: a member sorting by host or node.
+    """
+    admin = view.ctx.is_admin
+    usable: dict[str, list[str]] = {}
+    for name, values in params.items():
+        known = PARAMETERS.get(name)
+        if known is None or not view.at_least(known[0]):
+            if view.at_least("2.75"):
+                raise errors.BadRequest(f"Invalid input for query parameters {name}. "
+                                        f"Additional properties are not allowed ('{name}' was unexpected)")
+            continue
+        members_from = known[1]
+        if admin or (members_from is not None and view.at_least(members_from)):
+            usable[name] = values
+    for name in sorted(usable):
+        if name in UNSUPPORTED or (name in ("deleted", "soft_deleted")
+                                   and request.parse_bool(name, _last(usable, name) or "")):
+            raise errors.BadRequest(f"Ferry does not filter servers by {name}.")
+
+    def last(name: str) -> str | None:
+        return _last(usable, name)
+
+    changes_since = request.parse_timestamp("changes-since", last("changes-since"))
+    changes_before = request.parse_timestamp("changes-before", last("changes-before"))
+    if changes_since and changes_before and changes_since > changes_before:
+        raise errors.BadRequest("The value of changes-since must be less than or equal to changes-before.")
+    locked = last("locked")
+    return ServerFilters(
+        name=_pattern("name", last("name")),
+        statuses=_upper(usable.get("status")),
+        all_tenants="all_tenants" in usable and request.parse_bool("all_tenants", last("all_tenants") or "true"),
+        project_id=last("project_id") or last("tenant_id"),
+        user_id=last("user_id"), host=last("host"), node=last("node"), uuid=last("uuid"),
+        flavor=last("flavor"), image=last("image"),
+        availability_zone=last("availability_zone"), key_name=last("key_name"),
+        vm_states=_set(usable.get("vm_state")), task_states=_set(usable.get("task_state")),
+        power_states=_power_states(usable.get("power_state")),
+        locked=None if locked is None else request.parse_bool("locked", locked),
+        changes_since=changes_since, changes_before=changes_before,
+        ip=_pattern("ip", last("ip")), ip6=_pattern("ip6", last("ip6")),
+        tags=_tags(last("tags")), tags_any=_tags(last("tags-any")),
+        not_tags=_tags(last("not-tags")), not_tags_any=_tags(last("not-tags-any")),
+        sort=_sort(usable.get("sort_key") or [], usable.get("sort_dir") or [], admin=admin),
+        limit=request.parse_limit(last("limit")), marker=last("marker"))
+
+
+def _last(params: Mapping[str, list[str]], name: str) -> str | None:
+    values = params.get(name)
+    return values[-1] if values else None
+
+
+def _pattern(name: str, value: str | None) -> re.Pattern[str] | None:
+    if not value:
+        return None
+    try:
+        return re.compile(value)
+    except re.error as exc:
+        raise errors.BadRequest(f"Invalid {name} filter {value!r}: {exc}.") from exc
+
+
+def _upper(values: list[str] | None) -> frozenset[str] | None:
+    found = frozenset(v.upper() for v in values or () if v)
+    return found or None
+
+
+def _set(values: list[str] | None) -> frozenset[str] | None:
+    found = frozenset(v for v in values or () if v)
+    return found or None
+
+
+def _power_states(values: list[str] | None) -> frozenset[int] | None:
+    if not values:
+        return None
+    for value in values:
+        if not value.strip().isdigit():
+            raise errors.BadRequest(f"Invalid value '{value}' for power_state: expected a number.")
+    return frozenset(int(v) for v in values)
+
+
+def _tags(value: str | None) -> frozenset[str] | None:
+    tags = frozenset(t.strip() for t in (value or "").split(",") if t.strip())
+    return tags or None
+
+
+def _sort(keys: list[str], directions: list[str], *, admin: bool) -> tuple[tuple[str, str], ...]:
+    """``(key, direction)`` pairs; a key without a direction sorts descending, as in Nova.
+
+    Raises:
+        BadRequest: an unknown key or direction, or more directions than keys.
+        Forbidden: a member sorting by host or node.
+    """
+    if len(directions) > len(keys):
+        raise errors.BadRequest("There are more sort directions than sort keys.")
+    pairs = []
+    for index, key in enumerate(keys):
+        if key not in SORT_KEYS:
+            raise errors.BadRequest(f"Ferry does not sort servers by {key}.")
+        if key in ADMIN_SORT_KEYS and not admin:
+            raise errors.Forbidden(f"Only administrators can sort servers by {key}.")
+        direction = directions[index].lower() if index < len(directions) else "desc"
+        if direction not in SORT_DIRECTIONS:
+            raise errors.BadRequest(f"Invalid sort direction {directions[index]!r}: use asc or desc.")
+        pairs.append((key, direction))
+    return tuple(pairs)

@@ -1,0 +1,160 @@
+"""What a server list asks for, and how a server is matched and ordered (Nova's semantics).
+
+The HTTP layer parses the query into :class:`ServerFilters` (which filters a caller may use,
+and from which microversion, is decided there); :func:`ferry.compute.api.list_servers` reads
+the candidates and keeps those :func:`matches` accepts, in :func:`order`.
+
+- ``name`` is a regular expression searched anywhere in the name; ``ip``/``ip6`` regular
+  expressions must match a fixed address from its start.
+- ``flavor`` and ``image`` are ids (or hrefs); a flavor that does not exist matches nothing.
+- ``changes_since``/``changes_before`` compare the time of the server's last change (its
+  creation when it never changed), both ends included.
+- ``tags`` needs every tag, ``tags_any`` one of them; ``not_tags`` refuses servers that have
+  every tag, ``not_tags_any`` servers that have any.
+- ``sort`` is ``(key, direction)`` pairs; creation time and uuid, in the first direction,
+  break ties. Unset values sort first when ascending.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ferry.compute.api import Server
+
+# Sort keys Ferry orders by (Nova's names); host and node are for admins only.
+SORT_KEYS: Mapping[str, Callable[[Server], Any]] = {
+    "created_at": lambda s: s.created_at,
+    "updated_at": lambda s: s.updated_at or s.created_at,
+    "display_name": lambda s: s.name,
+    "uuid": lambda s: s.uuid,
+    "host": lambda s: s.host,
+    "node": lambda s: s.node,
+    "vm_state": lambda s: s.vm_state,
+    "task_state": lambda s: s.task_state,
+    "power_state": lambda s: s.power_state,
+    "launched_at": lambda s: s.launched_at,
+    "key_name": lambda s: s.key_name,
+    "availability_zone": lambda s: s.availability_zone,
+    "user_id": lambda s: s.user_id,
+    "project_id": lambda s: s.project_id,
+}
+ADMIN_SORT_KEYS = frozenset({"host", "node"})
+SORT_DIRECTIONS = ("asc", "desc")
+
+
+@dataclass(frozen=True)
+class ServerFilters:
+    """A server list's filters, paging and order; None (or empty) leaves a filter out."""
+
+    name: re.Pattern[str] | None = None
+    statuses: frozenset[str] | None = None
+    all_tenants: bool = False
+    project_id: str | None = None
+    user_id: str | None = None
+    host: str | None = None
+    node: str | None = None
+    uuid: str | None = None
+    flavor: str | None = None
+    image: str | None = None
+    availability_zone: str | None = None
+    key_name: str | None = None
+    vm_states: frozenset[str] | None = None
+    task_states: frozenset[str] | None = None
+    power_states: frozenset[int] | None = None
+    locked: bool | None = None
+    changes_since: dt.datetime | None = None
+    changes_before: dt.datetime | None = None
+    ip: re.Pattern[str] | None = None
+    ip6: re.Pattern[str] | None = None
+    tags: frozenset[str] | None = None
+    tags_any: frozenset[str] | None = None
+    not_tags: frozenset[str] | None = None
+    not_tags_any: frozenset[str] | None = None
+    sort: tuple[tuple[str, str], ...] = ()
+    limit: int | None = None
+    marker: str | None = None
+
+    @property
+    def by_tags(self) -> bool:
+        return any(t is not None for t in (self.tags, self.tags_any, self.not_tags, self.not_tags_any))
+
+    @property
+    def by_address(self) -> bool:
+        return self.ip is not None or self.ip6 is not None
+
+
+def _same_ref(ref: str | None, wanted: str) -> bool:
+    return ref is not None and ref.rstrip("/").rsplit("/", 1)[-1] == wanted
+
+
+def matches(server: Server, filters: ServerFilters, *, flavor_id: int | None = None,
+            addresses: Mapping[str, Iterable[str]] | None = None) -> bool:
+    """Whether ``server`` passes ``filters``.
+
+    ``flavor_id`` is the internal id of the flavor ``filters.flavor`` names; ``addresses`` the
+    fixed addresses of each server (needed for ``ip``/``ip6``). ``server.tags`` must be loaded
+    when filtering by tags.
+    """
+    f = filters
+    exact = ((f.user_id, server.user_id), (f.host, server.host), (f.node, server.node), (f.uuid, server.uuid),
+             (f.availability_zone, server.availability_zone), (f.key_name, server.key_name))
+    if any(wanted is not None and value != wanted for wanted, value in exact):
+        return False
+    among = ((f.statuses, server.status), (f.vm_states, server.vm_state), (f.task_states, server.task_state),
+             (f.power_states, server.power_state))
+    if any(allowed is not None and value not in allowed for allowed, value in among):
+        return False
+    if f.name is not None and f.name.search(server.name) is None:
+        return False
+    if f.flavor is not None and server.flavor.get("id") != flavor_id:
+        return False
+    if f.image is not None and not _same_ref(server.image_ref, f.image):
+        return False
+    if f.locked is not None and server.locked != f.locked:
+        return False
+    changed = server.updated_at or server.created_at
+    if f.changes_since is not None and changed < f.changes_since:
+        return False
+    if f.changes_before is not None and changed > f.changes_before:
+        return False
+    if f.by_address and not _address_matches(list((addresses or {}).get(server.uuid, ())), f.ip, f.ip6):
+        return False
+    return not f.by_tags or _tags_match(set(server.tags), f)
+
+
+def _address_matches(addresses: list[str], ip: re.Pattern[str] | None, ip6: re.Pattern[str] | None) -> bool:
+    v4 = [a for a in addresses if ":" not in a]
+    v6 = [a for a in addresses if ":" in a]
+    return ((ip is None or any(ip.match(a) for a in v4))
+            and (ip6 is None or any(ip6.match(a) for a in v6)))
+
+
+def _tags_match(have: set[str], f: ServerFilters) -> bool:
+    return ((f.tags is None or f.tags <= have)
+            and (f.tags_any is None or bool(f.tags_any & have))
+            and (f.not_tags is None or not f.not_tags <= have)
+            and (f.not_tags_any is None or not f.not_tags_any & have))
+
+
+def order(servers: Iterable[Server], sort: tuple[tuple[str, str], ...]) -> list[Server]:
+    """``servers`` in the order ``sort`` asks for; newest first when it asks for none."""
+    keys = list(sort) or [("created_at", "desc")]
+    first_direction = keys[0][1]
+    keys += [(k, first_direction) for k in ("created_at", "uuid") if k not in {key for key, _ in keys}]
+    ordered = list(servers)
+    for key, direction in reversed(keys):  # stable sorts, the least significant key first
+        ordered.sort(key=_sortable(SORT_KEYS[key]), reverse=direction == "desc")
+    return ordered
+
+
+def _sortable(value: Callable[[Server], Any]) -> Callable[[Server], tuple[bool, Any]]:
+    """A sort key from ``value`` that puts unset values before every set one (ascending)."""
+    def key(server: Server) -> tuple[bool, Any]:
+        found = value(server)
+        return (found is not None, found if found is not None else 0)
+    return key
