@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import datetime as dt
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import select, update
 from test_api_moves import action, active_server, resized_server, start_move_cloud, write_policy
 from test_api_support import ADMIN, ALICE, BOB, call, mocked_cloud
 
@@ -256,6 +257,44 @@ def record_events(server_id: str, request_id: str, names: list[str], *, error_on
                                  host="host2", error=failure)
 
 
+def _action_ids(server_id: str, query: dict, version: str = "2.90") -> tuple[list[str], list[dict]]:
+    response = call("GET", f"/v2.1/servers/{server_id}/os-instance-actions", query=query, version=version)
+    assert response.status == 200, response.body
+    return [a["request_id"] for a in response.body["instanceActions"]], response.body.get("links", [])
+
+
+def test_instance_actions_page_from_2_58_and_filter_by_their_last_change(cloud):
+    server_id = active_server()
+    resize_id = action(server_id, {"resize": {"flavorRef": "2"}}).header("x-openstack-request-id")
+    with cell_session("cell1") as session:
+        session.execute(update(InstanceAction).where(InstanceAction.request_id == resize_id)
+                        .values(start_time=dt.datetime(2020, 1, 1), updated_at=None))
+        for request_id in ("req-stop", "req-start"):
+            actions.start_action(session, instance_uuid=server_id, action=request_id[4:], request_id=request_id,
+                                 user_id="u", project_id="p")
+    newest_first = _action_ids(server_id, {})[0]
+    assert newest_first == ["req-start", "req-stop", resize_id]
+
+    first, links = _action_ids(server_id, {"limit": "1"})
+    assert first == newest_first[:1]
+    query = parse_qs(urlsplit(links[0]["href"]).query)
+    assert query == {"limit": ["1"], "marker": first}
+    rest, _ = _action_ids(server_id, {"limit": "5", "marker": first[0]})
+    assert rest == newest_first[1:]
+    assert _action_ids(server_id, {"limit": "1"}, version="2.57") == (newest_first, [])  # no paging before 2.58
+    bad_marker = call("GET", f"/v2.1/servers/{server_id}/os-instance-actions", query={"marker": "req-none"},
+                      version="2.90")
+    assert bad_marker.status == 400
+
+    # the last change: an event started on an action moves it
+    assert _action_ids(server_id, {"changes-before": "2021-01-01T00:00:00Z"})[0] == [resize_id]
+    record_events(server_id, resize_id, ["conductor_migrate_server"])
+    assert resize_id in _action_ids(server_id, {"changes-since": "2021-01-01T00:00:00Z"})[0]
+    assert _action_ids(server_id, {"changes-before": "2021-01-01T00:00:00Z"})[0] == []
+    assert call("GET", f"/v2.1/servers/{server_id}/os-instance-actions", query={"changes-since": "soon"},
+                version="2.90").status == 400
+
+
 def test_move_actions_are_listed_newest_first_with_their_events(cloud):
     server_id = active_server()
     resize = action(server_id, {"resize": {"flavorRef": "2"}})
@@ -281,8 +320,8 @@ def test_move_actions_are_listed_newest_first_with_their_events(cloud):
                       version="2.90")
     assert member_view.status == admin_view.status == 200
     events = member_view.body["instanceAction"]["events"]
-    assert [e["event"] for e in events] == ["conductor_migrate_server", "compute_prep_resize",
-                                            "compute_resize_instance", "compute_finish_resize"]
+    assert [e["event"] for e in events] == ["compute_finish_resize", "compute_resize_instance",
+                                            "compute_prep_resize", "conductor_migrate_server"]  # newest first
     assert {e["result"] for e in events} == {"Success"}
     assert all("traceback" not in e and "host" not in e for e in events)
     assert all("traceback" in e and e["host"] == "host2" for e in admin_view.body["instanceAction"]["events"])

@@ -29,8 +29,7 @@ MAX_LIMIT = 1000
 
 def _filters(view: ViewContext, params: dict[str, list[str]]) -> moves.MigrationFilters:
     def last(name: str) -> str | None:
-        values = params.get(name)
-        return values[-1] if values else None
+        return request.last(params, name)
 
     since, before = last("changes-since"), last("changes-before")
     changes_since = request.parse_timestamp("changes-since", since) if view.at_least("2.59") else None

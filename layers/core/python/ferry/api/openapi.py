@@ -129,6 +129,8 @@ _MIGRATION_QUERY: dict[str, Schema] = {
     "host": _STRING, "status": {"type": "array", "items": _STRING}, "migration_type": _STRING,
     "instance_uuid": _STRING, "source_compute": _STRING, "limit": _LIMIT, "marker": _STRING,
     "changes-since": _STRING, "changes-before": _STRING, "user_id": _STRING, "project_id": _STRING}
+_ACTION_QUERY: dict[str, Schema] = {
+    "limit": _LIMIT, "marker": _STRING, "changes-since": _STRING, "changes-before": _STRING}
 _USER_ID: dict[str, Schema] = {"user_id": _STRING}
 
 _WRITE_ERRORS = (400, 401, 403, 404, 406, 409)
@@ -158,8 +160,10 @@ def _operations(bodies: dict[str, dict[str, Any]]) -> dict[tuple[str, str], Oper
             "Run a server action: os-stop, os-start, resize, migrate, revertResize (202) or confirmResize (204)",
             {202: None, 204: None}, bodies["server_action"], errors=_WRITE_ERRORS),
         ("GET", f"{server}/os-instance-actions"): Operation(
-            "List a server's instance actions", {200: _keyed("instanceActions",
-                                                             {"type": "array", "items": _INSTANCE_ACTION})}),
+            "List a server's instance actions (paged and filtered from 2.58)",
+            {200: {"type": "object", "required": ["instanceActions"],
+                   "properties": {"instanceActions": {"type": "array", "items": _INSTANCE_ACTION}, "links": _LINKS}}},
+            query=_ACTION_QUERY),
         ("GET", f"{server}/os-instance-actions/{{request_id}}"): Operation(
             "Show an instance action with its events", {200: _keyed("instanceAction", _INSTANCE_ACTION)}),
         ("GET", f"{server}/migrations"): Operation(

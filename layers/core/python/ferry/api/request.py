@@ -123,6 +123,12 @@ def query(router: BaseRouter) -> dict[str, list[str]]:
     return {**{k: [v] for k, v in single.items()}, **{k: list(v) for k, v in multi.items()}}
 
 
+def last(params: dict[str, list[str]], name: str) -> str | None:
+    """The last value of query parameter ``name`` (Nova reads the last of repeated values)."""
+    values = params.get(name)
+    return values[-1] if values else None
+
+
 def parse_bool(name: str, value: str) -> bool:
     """A query parameter as a boolean (Nova's strict spellings).
 

@@ -65,11 +65,11 @@ def parse(view: ViewContext, params: Mapping[str, list[str]]) -> ServerFilters:
             usable[name] = values
     for name in sorted(usable):
         if name in UNSUPPORTED or (name in ("deleted", "soft_deleted")
-                                   and request.parse_bool(name, _last(usable, name) or "")):
+                                   and request.parse_bool(name, request.last(usable, name) or "")):
             raise errors.BadRequest(f"Ferry does not filter servers by {name}.")
 
     def last(name: str) -> str | None:
-        return _last(usable, name)
+        return request.last(usable, name)
 
     changes_since = request.parse_timestamp("changes-since", last("changes-since"))
     changes_before = request.parse_timestamp("changes-before", last("changes-before"))
@@ -93,11 +93,6 @@ def parse(view: ViewContext, params: Mapping[str, list[str]]) -> ServerFilters:
         not_tags=_tags(last("not-tags")), not_tags_any=_tags(last("not-tags-any")),
         sort=_sort(usable.get("sort_key") or [], usable.get("sort_dir") or [], admin=admin),
         limit=request.parse_limit(last("limit")), marker=last("marker"))
-
-
-def _last(params: Mapping[str, list[str]], name: str) -> str | None:
-    values = params.get(name)
-    return values[-1] if values else None
 
 
 def _pattern(name: str, value: str | None) -> re.Pattern[str] | None:

@@ -204,8 +204,28 @@ def list_instance_actions(server_id: str) -> Response:
     view = request.view_context(router)
     location = _action_server(view, server_id)
     policy.enforce(view.ctx, "os_compute_api:os-instance-actions:list", location.target)
-    actions = compute_api.list_instance_actions(location)
-    return request.json_response(200, {"instanceActions": [views.instance_action(view, a) for a in actions]})
+    params = request.query(router)
+
+    def last(name: str) -> str | None:
+        return request.last(params, name)
+
+    # Paging and the time filters exist from 2.58 (changes-before from 2.66), as in Nova.
+    paged = view.at_least("2.58")
+    limit = request.parse_limit(last("limit")) if paged else None
+    since = request.parse_timestamp("changes-since", last("changes-since")) if paged else None
+    before = request.parse_timestamp("changes-before", last("changes-before")) if view.at_least("2.66") else None
+    if since and before and since > before:
+        raise errors.BadRequest("The value of changes-since must be less than or equal to changes-before.")
+    actions = compute_api.list_instance_actions(location, limit=limit, marker=last("marker") if paged else None,
+                                                changes_since=since, changes_before=before)
+    body: dict[str, Any] = {"instanceActions": [views.instance_action(view, a) for a in actions]}
+    if paged:
+        page_size = compute_api.MAX_LIST_LIMIT if limit is None else min(limit, compute_api.MAX_LIST_LIMIT)
+        links = views.next_link(view, f"servers/{server_id}/os-instance-actions", params,
+                                [a["request_id"] for a in actions], page_size)
+        if links:
+            body["links"] = links
+    return request.json_response(200, body)
 
 
 @router.get("/servers/<server_id>/os-instance-actions/<request_id>")

@@ -80,6 +80,7 @@ def start_event(session: Session, *, instance_uuid: str, request_id: str, event:
         InstanceActionEvent.action_id == action.id, InstanceActionEvent.event == event)).one_or_none()
     if existing is None:
         session.add(InstanceActionEvent(action_id=action.id, event=event, host=host))
+        action.updated_at = utcnow()
         session.flush()
 
 

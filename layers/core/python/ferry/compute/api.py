@@ -37,7 +37,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from sqlalchemy import CursorResult, delete, select
+from sqlalchemy import CursorResult, delete, func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -912,21 +912,40 @@ def _action_dict(action: InstanceAction) -> dict[str, Any]:
             "finish_time": action.finish_time, "message": action.message, "updated_at": action.updated_at}
 
 
-def list_instance_actions(location: Location) -> list[dict[str, Any]]:
+def list_instance_actions(location: Location, *, limit: int | None = None, marker: str | None = None,
+                          changes_since: dt.datetime | None = None,
+                          changes_before: dt.datetime | None = None) -> list[dict[str, Any]]:
     """The actions recorded for a server, newest first (none while it is a build request).
 
-    The actions of a deleted server are read as well: its cell keeps them.
+    The actions of a deleted server are read as well: its cell keeps them. ``changes_since``
+    and ``changes_before`` compare the action's last change (an event started or finished;
+    its start when none did), both ends included; ``marker`` is the request id of the last
+    action of the page before; ``limit`` is at most :data:`MAX_LIST_LIMIT`.
+
+    Raises:
+        BadRequest: the marker is not one of the server's actions.
     """
     if location.cell is None:
         return []
+    changed = func.coalesce(InstanceAction.updated_at, InstanceAction.start_time)
     with cell_session(location.cell) as session:
-        rows = session.scalars(select(InstanceAction).where(InstanceAction.instance_uuid == location.instance_uuid)
-                               .order_by(InstanceAction.start_time.desc(), InstanceAction.id.desc()))
-        return [_action_dict(row) for row in rows]
+        query = select(InstanceAction).where(InstanceAction.instance_uuid == location.instance_uuid)
+        if changes_since is not None:
+            query = query.where(changed >= changes_since)
+        if changes_before is not None:
+            query = query.where(changed <= changes_before)
+        rows = list(session.scalars(query.order_by(InstanceAction.start_time.desc(), InstanceAction.id.desc())))
+        if marker is not None:
+            index = next((i for i, row in enumerate(rows) if row.request_id == marker), None)
+            if index is None:
+                raise errors.BadRequest(f"Marker {marker} could not be found.")
+            rows = rows[index + 1:]
+        page_size = MAX_LIST_LIMIT if limit is None else min(limit, MAX_LIST_LIMIT)
+        return [_action_dict(row) for row in rows[:page_size]]
 
 
 def get_instance_action(location: Location, request_id: str) -> dict[str, Any]:
-    """One action of a server with its ``events`` (oldest first).
+    """One action of a server with its ``events`` (newest first, as Nova lists them).
 
     Raises:
         NotFound: the server has no action with that request id.
@@ -941,7 +960,7 @@ def get_instance_action(location: Location, request_id: str) -> dict[str, Any]:
         if action is None:
             raise missing
         events = session.scalars(select(InstanceActionEvent).where(InstanceActionEvent.action_id == action.id)
-                                 .order_by(InstanceActionEvent.start_time, InstanceActionEvent.id))
+                                 .order_by(InstanceActionEvent.start_time.desc(), InstanceActionEvent.id.desc()))
         result = _action_dict(action)
         result["events"] = [{"event": e.event, "start_time": e.start_time, "finish_time": e.finish_time,
                              "result": e.result, "traceback": e.traceback, "host": e.host, "details": e.details}
