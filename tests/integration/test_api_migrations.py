@@ -12,6 +12,7 @@ from test_api_moves import action, active_server, resized_server, start_move_clo
 from test_api_support import ADMIN, ALICE, BOB, call, mocked_cloud
 
 from ferry.compute import actions, migration_states, moves
+from ferry.compute import api as compute_api
 from ferry.store.cell_models import InstanceAction, Migration
 from ferry.store.db import cell_session
 
@@ -263,7 +264,7 @@ def _action_ids(server_id: str, query: dict, version: str = "2.90") -> tuple[lis
     return [a["request_id"] for a in response.body["instanceActions"]], response.body.get("links", [])
 
 
-def test_instance_actions_page_from_2_58_and_filter_by_their_last_change(cloud):
+def test_instance_actions_page_from_2_58_and_filter_by_their_last_change(cloud, monkeypatch):
     server_id = active_server()
     resize_id = action(server_id, {"resize": {"flavorRef": "2"}}).header("x-openstack-request-id")
     with cell_session("cell1") as session:
@@ -282,9 +283,17 @@ def test_instance_actions_page_from_2_58_and_filter_by_their_last_change(cloud):
     rest, _ = _action_ids(server_id, {"limit": "5", "marker": first[0]})
     assert rest == newest_first[1:]
     assert _action_ids(server_id, {"limit": "1"}, version="2.57") == (newest_first, [])  # no paging before 2.58
+    with monkeypatch.context() as patched:
+        patched.setattr(compute_api, "MAX_LIST_LIMIT", 2)
+        assert _action_ids(server_id, {}, version="2.57")[0] == newest_first  # nor a largest page
+        assert _action_ids(server_id, {})[0] == newest_first[:2]
     bad_marker = call("GET", f"/v2.1/servers/{server_id}/os-instance-actions", query={"marker": "req-none"},
                       version="2.90")
     assert bad_marker.status == 400
+
+    # a marker is found whether or not it passes the time filters
+    assert _action_ids(server_id, {"marker": "req-start", "changes-before": "2021-01-01T00:00:00Z"})[0] == \
+        [resize_id]
 
     # the last change: an event started on an action moves it
     assert _action_ids(server_id, {"changes-before": "2021-01-01T00:00:00Z"})[0] == [resize_id]

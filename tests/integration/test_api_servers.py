@@ -333,6 +333,7 @@ def test_list_filters_by_flavor_and_image_ids(cloud):
     assert _listed({"flavor": "http://compute/v2.1/flavors/1"}) == ["small"]
     assert _listed({"flavor": "no-such-flavor"}) == []
     assert sorted(_listed({"image": cloud.image_id})) == ["medium", "small"]
+    assert sorted(_listed({"image": f"http://image/v2/images/{cloud.image_id}"})) == ["medium", "small"]
     assert _listed({"image": str(uuid.uuid4())}) == []
 
 
@@ -369,15 +370,18 @@ def test_list_filters_by_tags(cloud):
     assert {s["name"]: s["tags"] for s in shown} == {"ab": ["a", "b"], "scheduled-b": ["b"]}
 
 
-def test_list_filters_by_fixed_address_from_its_start(cloud):
-    first, second = create_server(name="first"), create_server(name="second")
+def test_list_filters_by_fixed_address_either_family(cloud):
+    first, second, third = create_server(name="first"), create_server(name="second"), create_server(name="third")
     with api_session() as session:
         session.execute(update(Port).where(Port.device_id == first).values(fixed_ip="10.0.0.15"))
         session.execute(update(Port).where(Port.device_id == second).values(fixed_ip="10.0.1.5"))
+        session.execute(update(Port).where(Port.device_id == third).values(fixed_ip="fd00::15"))
 
     assert _listed({"ip": r"10\.0\.0\."}) == ["first"]
-    assert _listed({"ip": r"0\.0\.15"}) == []  # a regular expression matched from the start
-    assert _listed({"ip6": "fe80"}) == []
+    assert _listed({"ip": r"0\.0\.15"}) == ["first"]  # found anywhere in the address
+    assert _listed({"ip": "15"}) == ["first"]  # an IPv4 filter never matches an IPv6 address
+    assert _listed({"ip6": "fd00::"}) == ["third"]
+    assert sorted(_listed({"ip": r"^10\.0\.1\.", "ip6": "::15$"})) == ["second", "third"]  # either
     assert call("GET", "/v2.1/servers", query={"ip": "("}, version="2.90").status == 400
 
 
@@ -396,6 +400,7 @@ def test_list_filters_meant_for_admins_are_dropped_for_members_and_applied_for_a
     assert _listed({"power_state": "1"}, version="2.83") == ["on-one"]
     assert _listed({"user_id": "someone-else"}, version="2.83") == []
     assert call("GET", "/v2.1/servers", query={"power_state": "on"}, version="2.83").status == 400
+    assert call("GET", "/v2.1/servers", query={"power_state": "\u00b2"}, version="2.83").status == 400
 
 
 def test_list_filters_by_lock_from_2_73(cloud):
@@ -423,6 +428,7 @@ def test_list_refuses_what_it_cannot_filter_by_and_unknown_parameters_from_2_75(
     # what the CLI's `server list` sends by default
     assert _listed({"deleted": "False", "all_tenants": "False"}) == ["vm"]
     assert call("GET", "/v2.1/servers", caller=ADMIN, query={"deleted": "True"}, version="2.90").status == 400
+    assert call("GET", "/v2.1/servers", caller=ADMIN, query={"deleted": ""}, version="2.90").status == 200
     assert _listed({"deleted": "True"}) == ["vm"]  # admins only: dropped for a member, as in Nova
 
 
@@ -435,7 +441,11 @@ def test_list_sorts_by_the_keys_asked_for(cloud):
     assert _listed({"sort_key": ["created_at"], "sort_dir": ["asc"]}) == ["b", "c", "a"]
     assert call("GET", "/v2.1/servers", query={"sort_key": "host"}, version="2.90").status == 403
     assert call("GET", "/v2.1/servers", caller=ADMIN, query={"sort_key": "host"}, version="2.90").status == 200
-    assert call("GET", "/v2.1/servers", query={"sort_key": "kernel_id"}, version="2.90").status == 400
+    assert call("GET", "/v2.1/servers", query={"sort_key": "kernel_id"}, version="2.90").body["badRequest"][
+        "message"] == "Ferry does not sort servers by kernel_id."
+    assert call("GET", "/v2.1/servers", query={"sort_key": "colour"}, version="2.90").status == 400
+    assert _listed({"sort_key": ["id", "display_name"], "sort_dir": ["asc", "asc"]}) == ["a", "b", "c"]  # id ignored
+    assert _listed({"sort_dir": "asc"}) == ["b", "c", "a"]  # created_at when no key is given
     assert call("GET", "/v2.1/servers", query={"sort_key": "display_name", "sort_dir": "up"},
                 version="2.90").status == 400
     first = call("GET", "/v2.1/servers", query={"sort_key": "display_name", "sort_dir": "asc", "limit": "2"},
@@ -443,6 +453,27 @@ def test_list_sorts_by_the_keys_asked_for(cloud):
     after = call("GET", "/v2.1/servers", query={"sort_key": "display_name", "sort_dir": "asc", "limit": "2",
                                                 "marker": first["servers"][-1]["id"]}, version="2.90").body
     assert [s["name"] for s in first["servers"] + after["servers"]] == ["a", "b", "c"]
+
+
+def test_list_pads_sort_directions_with_the_first_one(cloud):
+    older, newer, other = create_server(name="twin"), create_server(name="twin"), create_server(name="other")
+    listed = call("GET", "/v2.1/servers", query={"sort_key": ["display_name", "created_at"], "sort_dir": "asc"},
+                  version="2.90").body["servers"]
+    assert [s["id"] for s in listed] == [other, older, newer]
+
+
+def test_list_pages_from_a_marker_that_no_longer_passes_the_filters(cloud):
+    ids = [create_server(name=f"vm{i}") for i in range(3)]
+    for server_id in ids:
+        schedule(server_id)
+    first = call("GET", "/v2.1/servers", query={"status": "ACTIVE", "limit": "1"}, version="2.90").body
+    marker = first["servers"][0]["id"]
+    with cell_session("cell1") as session:  # the marker's server stops between the pages
+        session.execute(update(Instance).where(Instance.uuid == marker).values(vm_state=states.STOPPED))
+
+    rest = call("GET", "/v2.1/servers", query={"status": "ACTIVE", "marker": marker}, version="2.90")
+
+    assert rest.status == 200 and [s["id"] for s in rest.body["servers"]] == list(reversed(ids))[1:]
 
 
 def test_the_next_link_keeps_the_filters_and_follows_the_largest_page(cloud, monkeypatch):

@@ -42,6 +42,20 @@ UNSUPPORTED = frozenset({
     "instance_name", "pinned_availability_zone"})
 
 
+# Sort keys Nova accepts (those Ferry cannot sort by are refused with a clear message) and
+# those it accepts and ignores.
+NOVA_SORT_KEYS = frozenset({
+    "access_ip_v4", "access_ip_v6", "auto_disk_config", "availability_zone", "config_drive", "created_at",
+    "display_description", "display_name", "host", "hostname", "image_ref", "instance_type_id", "kernel_id",
+    "key_name", "launch_index", "launched_at", "locked_by", "node", "power_state", "progress", "project_id",
+    "ramdisk_id", "root_device_name", "reservation_id", "task_state", "terminated_at", "updated_at", "user_id",
+    "uuid", "vm_state"})
+IGNORED_SORT_KEYS = frozenset({
+    "architecture", "cell_name", "cleaned", "default_ephemeral_device", "default_swap_device", "deleted",
+    "deleted_at", "disable_terminate", "ephemeral_gb", "ephemeral_key_uuid", "id", "key_data", "launched_on",
+    "locked", "memory_mb", "os_type", "root_gb", "shutdown_terminate", "user_data", "vcpus", "vm_mode"})
+
+
 def parse(view: ViewContext, params: Mapping[str, list[str]]) -> ServerFilters:
     """The filters of a server list request (the caller's right to list every project is
     checked by the caller of this function).
@@ -65,7 +79,7 @@ def parse(view: ViewContext, params: Mapping[str, list[str]]) -> ServerFilters:
             usable[name] = values
     for name in sorted(usable):
         if name in UNSUPPORTED or (name in ("deleted", "soft_deleted")
-                                   and request.parse_bool(name, request.last(usable, name) or "")):
+                                   and request.parse_bool(name, request.last(usable, name) or "false")):
             raise errors.BadRequest(f"Ferry does not filter servers by {name}.")
 
     def last(name: str) -> str | None:
@@ -117,10 +131,13 @@ def _set(values: list[str] | None) -> frozenset[str] | None:
 def _power_states(values: list[str] | None) -> frozenset[int] | None:
     if not values:
         return None
+    found = set()
     for value in values:
-        if not value.strip().isdigit():
-            raise errors.BadRequest(f"Invalid value '{value}' for power_state: expected a number.")
-    return frozenset(int(v) for v in values)
+        try:
+            found.add(int(value.strip(), 10))
+        except ValueError as exc:
+            raise errors.BadRequest(f"Invalid value '{value}' for power_state: expected a number.") from exc
+    return frozenset(found)
 
 
 def _tags(value: str | None) -> frozenset[str] | None:
@@ -129,22 +146,31 @@ def _tags(value: str | None) -> frozenset[str] | None:
 
 
 def _sort(keys: list[str], directions: list[str], *, admin: bool) -> tuple[tuple[str, str], ...]:
-    """``(key, direction)`` pairs; a key without a direction sorts descending, as in Nova.
+    """``(key, direction)`` pairs, as Nova pairs them: ``created_at`` when directions come without
+    keys; a key without a direction takes the first direction given (descending when none is).
+    Keys Nova ignores are left out.
 
     Raises:
-        BadRequest: an unknown key or direction, or more directions than keys.
+        BadRequest: a key Nova refuses or Ferry cannot sort by, an unknown direction, or more
+            directions than keys.
         Forbidden: a member sorting by host or node.
     """
+    if directions and not keys:
+        keys = ["created_at"]
     if len(directions) > len(keys):
         raise errors.BadRequest("There are more sort directions than sort keys.")
+    for direction in directions:
+        if direction.lower() not in SORT_DIRECTIONS:
+            raise errors.BadRequest(f"Invalid sort direction {direction!r}: use asc or desc.")
+    default = directions[0].lower() if directions else "desc"
     pairs = []
     for index, key in enumerate(keys):
+        if key in IGNORED_SORT_KEYS:
+            continue
         if key not in SORT_KEYS:
-            raise errors.BadRequest(f"Ferry does not sort servers by {key}.")
+            refused = "Ferry does not sort servers by" if key in NOVA_SORT_KEYS else "Invalid sort key"
+            raise errors.BadRequest(f"{refused} {key}.")
         if key in ADMIN_SORT_KEYS and not admin:
             raise errors.Forbidden(f"Only administrators can sort servers by {key}.")
-        direction = directions[index].lower() if index < len(directions) else "desc"
-        if direction not in SORT_DIRECTIONS:
-            raise errors.BadRequest(f"Invalid sort direction {directions[index]!r}: use asc or desc.")
-        pairs.append((key, direction))
+        pairs.append((key, directions[index].lower() if index < len(directions) else default))
     return tuple(pairs)

@@ -211,7 +211,9 @@ def list_instance_actions(server_id: str) -> Response:
 
     # Paging and the time filters exist from 2.58 (changes-before from 2.66), as in Nova.
     paged = view.at_least("2.58")
-    limit = request.parse_limit(last("limit")) if paged else None
+    requested = request.parse_limit(last("limit")) if paged else None
+    limit = min(compute_api.MAX_LIST_LIMIT if requested is None else requested, compute_api.MAX_LIST_LIMIT) \
+        if paged else None
     since = request.parse_timestamp("changes-since", last("changes-since")) if paged else None
     before = request.parse_timestamp("changes-before", last("changes-before")) if view.at_least("2.66") else None
     if since and before and since > before:
@@ -219,10 +221,9 @@ def list_instance_actions(server_id: str) -> Response:
     actions = compute_api.list_instance_actions(location, limit=limit, marker=last("marker") if paged else None,
                                                 changes_since=since, changes_before=before)
     body: dict[str, Any] = {"instanceActions": [views.instance_action(view, a) for a in actions]}
-    if paged:
-        page_size = compute_api.MAX_LIST_LIMIT if limit is None else min(limit, compute_api.MAX_LIST_LIMIT)
+    if limit is not None:
         links = views.next_link(view, f"servers/{server_id}/os-instance-actions", params,
-                                [a["request_id"] for a in actions], page_size)
+                                [a["request_id"] for a in actions], limit)
         if links:
             body["links"] = links
     return request.json_response(200, body)

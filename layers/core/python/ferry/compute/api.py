@@ -37,7 +37,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from sqlalchemy import CursorResult, delete, func, select
+from sqlalchemy import CursorResult, delete, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -404,7 +404,7 @@ def list_servers(ctx: RequestContext, filters: ServerFilters) -> list[Server]:
         query = select(InstanceMapping).where(InstanceMapping.queued_for_delete.is_(False))
         if project is not None:
             query = query.where(InstanceMapping.project_id == project)
-        if filters.uuid is not None:
+        if filters.uuid is not None and not filters.marker:  # the marker is looked up among every server
             query = query.where(InstanceMapping.instance_uuid == filters.uuid)
         mappings = list(session.scalars(query))
         unscheduled = [m.instance_uuid for m in mappings if m.cell is None]
@@ -420,19 +420,20 @@ def list_servers(ctx: RequestContext, filters: ServerFilters) -> list[Server]:
                 rows = session.scalars(select(Instance).where(
                     Instance.uuid.in_(chunk), Instance.deleted.is_(False), Instance.hidden.is_(False)))
                 servers.extend(_server_from_instance(row, cell.name) for row in rows)
-    if filters.by_tags:
-        _add_tags(servers)
-    addresses = _fixed_addresses([s.uuid for s in servers]) if filters.by_address else None
-
-    servers = server_filters.order((s for s in servers if server_filters.matches(
-        s, filters, flavor_id=flavor_id, addresses=addresses)), filters.sort)
+    servers = server_filters.order(servers, filters.sort)
     if filters.marker:
+        # As in Nova, the marker is found whether or not it passes the filters (it may have
+        # changed since the page before), and the page starts after its place in the order.
         index = next((i for i, s in enumerate(servers) if s.uuid == filters.marker), None)
         if index is None:
             raise errors.BadRequest(f"marker [{filters.marker}] not found")
         servers = servers[index + 1:]
+    if filters.by_tags:
+        _add_tags(servers)
+    addresses = _fixed_addresses([s.uuid for s in servers]) if filters.by_address else None
     limit = MAX_LIST_LIMIT if filters.limit is None else min(filters.limit, MAX_LIST_LIMIT)
-    page = servers[:limit]
+    page = list(itertools.islice((s for s in servers if server_filters.matches(
+        s, filters, flavor_id=flavor_id, addresses=addresses)), limit))
     _add_details(page, tags=not filters.by_tags)
     return page
 
@@ -920,28 +921,30 @@ def list_instance_actions(location: Location, *, limit: int | None = None, marke
     The actions of a deleted server are read as well: its cell keeps them. ``changes_since``
     and ``changes_before`` compare the action's last change (an event started or finished;
     its start when none did), both ends included; ``marker`` is the request id of the last
-    action of the page before; ``limit`` is at most :data:`MAX_LIST_LIMIT`.
+    action of the page before (found whether or not it passes the time filters); ``limit``
+    None lists every action.
 
     Raises:
         BadRequest: the marker is not one of the server's actions.
     """
     if location.cell is None:
         return []
-    changed = func.coalesce(InstanceAction.updated_at, InstanceAction.start_time)
     with cell_session(location.cell) as session:
-        query = select(InstanceAction).where(InstanceAction.instance_uuid == location.instance_uuid)
-        if changes_since is not None:
-            query = query.where(changed >= changes_since)
-        if changes_before is not None:
-            query = query.where(changed <= changes_before)
-        rows = list(session.scalars(query.order_by(InstanceAction.start_time.desc(), InstanceAction.id.desc())))
+        rows = list(session.scalars(select(InstanceAction).where(
+            InstanceAction.instance_uuid == location.instance_uuid)
+            .order_by(InstanceAction.start_time.desc(), InstanceAction.id.desc())))
         if marker is not None:
             index = next((i for i, row in enumerate(rows) if row.request_id == marker), None)
             if index is None:
                 raise errors.BadRequest(f"Marker {marker} could not be found.")
             rows = rows[index + 1:]
-        page_size = MAX_LIST_LIMIT if limit is None else min(limit, MAX_LIST_LIMIT)
-        return [_action_dict(row) for row in rows[:page_size]]
+
+        def wanted(row: InstanceAction) -> bool:
+            changed = row.updated_at or row.start_time
+            return ((changes_since is None or changed >= changes_since)
+                    and (changes_before is None or changed <= changes_before))
+
+        return [_action_dict(row) for row in itertools.islice(filter(wanted, rows), limit)]
 
 
 def get_instance_action(location: Location, request_id: str) -> dict[str, Any]:

@@ -4,8 +4,8 @@ The HTTP layer parses the query into :class:`ServerFilters` (which filters a cal
 and from which microversion, is decided there); :func:`ferry.compute.api.list_servers` reads
 the candidates and keeps those :func:`matches` accepts, in :func:`order`.
 
-- ``name`` is a regular expression searched anywhere in the name; ``ip``/``ip6`` regular
-  expressions must match a fixed address from its start.
+- ``name`` is a regular expression searched anywhere in the name; so are ``ip`` and ``ip6`` in
+  the fixed addresses (IPv4 and IPv6), and a server matching either is kept.
 - ``flavor`` and ``image`` are ids (or hrefs); a flavor that does not exist matches nothing.
 - ``changes_since``/``changes_before`` compare the time of the server's last change (its
   creation when it never changed), both ends included.
@@ -88,8 +88,13 @@ class ServerFilters:
         return self.ip is not None or self.ip6 is not None
 
 
+def _ref_id(ref: str) -> str:
+    """The id in a reference that may be an href (``…/images/<id>``) or a bare id."""
+    return ref.rstrip("/").rsplit("/", 1)[-1]
+
+
 def _same_ref(ref: str | None, wanted: str) -> bool:
-    return ref is not None and ref.rstrip("/").rsplit("/", 1)[-1] == wanted
+    return ref is not None and _ref_id(ref) == wanted
 
 
 def matches(server: Server, filters: ServerFilters, *, flavor_id: int | None = None,
@@ -113,7 +118,7 @@ def matches(server: Server, filters: ServerFilters, *, flavor_id: int | None = N
         return False
     if f.flavor is not None and server.flavor.get("id") != flavor_id:
         return False
-    if f.image is not None and not _same_ref(server.image_ref, f.image):
+    if f.image is not None and not _same_ref(server.image_ref, _ref_id(f.image)):
         return False
     if f.locked is not None and server.locked != f.locked:
         return False
@@ -128,10 +133,12 @@ def matches(server: Server, filters: ServerFilters, *, flavor_id: int | None = N
 
 
 def _address_matches(addresses: list[str], ip: re.Pattern[str] | None, ip6: re.Pattern[str] | None) -> bool:
-    v4 = [a for a in addresses if ":" not in a]
-    v6 = [a for a in addresses if ":" in a]
-    return ((ip is None or any(ip.match(a) for a in v4))
-            and (ip6 is None or any(ip6.match(a) for a in v6)))
+    """Whether ``ip`` is found in an IPv4 address, or ``ip6`` in an IPv6 one (Nova keeps either)."""
+    for address in addresses:
+        pattern = ip6 if ":" in address else ip
+        if pattern is not None and pattern.search(address) is not None:
+            return True
+    return False
 
 
 def _tags_match(have: set[str], f: ServerFilters) -> bool:
