@@ -6,6 +6,7 @@ end to end in tests/e2e/test_drains.py.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import uuid
 
@@ -16,9 +17,9 @@ from sqlalchemy import select, update
 
 from ferry import aws, config, drains, errors, notifications, placement
 from ferry.auth import RequestContext
-from ferry.compute import actions, moves, services
-from ferry.store.api_models import Drain, DrainServer
-from ferry.store.cell_models import Instance, Migration
+from ferry.compute import actions, instances, moves, services
+from ferry.store.api_models import CellMapping, Drain, DrainServer, InstanceMapping
+from ferry.store.cell_models import Instance, InstanceAction, Migration
 from ferry.store.db import api_session, cell_session
 
 ADMIN = RequestContext(user_id="op", project_id="ops", roles=("admin",))
@@ -305,13 +306,14 @@ def test_a_drain_publishes_one_grouped_event_when_it_starts_and_one_when_it_ends
 def move_machines(aws_test_credentials, monkeypatch):
     """Resize and confirm state machines on moto whose executions run until they are stopped (moto
     does not play them here), named in the configuration as the template names them for
-    RecordFailure: ``(client, {"resize": arn, "confirm": arn})``."""
+    RecordFailure: ``(client, {"resize": arn, "confirm": arn, "revert": arn})``."""
     with mock_aws():
         aws.reset()
         sfn = aws.client("stepfunctions")
         arns = {}
         for kind, name, variable in (("resize", "resize", "FERRY_RESIZE_STATE_MACHINE_ARN"),
-                                     ("confirm", "confirm-resize", "FERRY_CONFIRM_RESIZE_STATE_MACHINE_ARN")):
+                                     ("confirm", "confirm-resize", "FERRY_CONFIRM_RESIZE_STATE_MACHINE_ARN"),
+                                     ("revert", "revert-resize", "FERRY_REVERT_RESIZE_STATE_MACHINE_ARN")):
             arns[kind] = sfn.create_state_machine(
                 name=f"ferry-test-{name}", roleArn="arn:aws:iam::123456789012:role/ferry-test",
                 definition=json.dumps({"StartAt": "Done", "States": {"Done": {"Type": "Succeed"}}}))["stateMachineArn"]
@@ -428,9 +430,16 @@ def _confirm_prepared(drain: str, server: str, slot: dict) -> dict:
     return drains.prepare_confirm(drain, server, slot)
 
 
+def _accepted_long_ago(server: str, request_id: str) -> None:
+    with cell_session(instances.cell_of(server).name) as session:
+        session.execute(update(InstanceAction).where(InstanceAction.instance_uuid == server,
+                                                     InstanceAction.request_id == request_id)
+                        .values(start_time=dt.datetime(2020, 1, 1)))
+
+
 def _confirm_action_recorded(server: str, request_id: str) -> bool:
-    with cell_session("cell1") as session:
-        return actions.exists(session, server, request_id)
+    with cell_session(instances.cell_of(server).name) as session:
+        return actions.find(session, server, request_id) is not None
 
 
 def test_a_failed_wait_for_the_drains_confirm_waits_for_it_and_records_the_server_done_once_confirmed(
@@ -471,8 +480,16 @@ def test_a_drains_confirm_whose_workflow_never_started_is_undone_and_the_server_
     assert _move_records(server, slot["migration_uuid"]) == (None, "confirming")
     assert _confirm_action_recorded(server, request_id)
 
-    outcome = drains.record_failure(drain, server, slot, {"Error": "StepFunctions.SdkClientException",
-                                                          "Cause": "throttled"})
+    error = {"Error": "StepFunctions.SdkClientException", "Cause": "throttled"}
+
+    # WHEN RecordFailure runs at once: Step Functions may not show a just-started execution yet
+    with pytest.raises(errors.MoveStillRunning):
+        drains.record_failure(drain, server, slot, error)
+    assert _move_records(server, slot["migration_uuid"]) == (None, "confirming")
+
+    # WHEN it runs again once the grace has passed
+    _accepted_long_ago(server, request_id)
+    outcome = drains.record_failure(drain, server, slot, error)
 
     # THEN the confirm is undone: the server can be confirmed or reverted again, as advised
     assert _move_records(server, slot["migration_uuid"]) == (None, "finished")
@@ -552,3 +569,81 @@ def test_a_failed_step_records_the_server_failed_when_its_move_is_not_as_the_dra
 
     assert outcome == {"retry": False, "state": "failed", "error": "lost track"}
     assert _servers(drain)[server].dest_host == "dest"
+
+
+def test_a_confirm_without_the_action_that_took_it_is_never_undone(store, move_machines):
+    drain, server, slot, _move = _prepared_move()
+    _moved_to_dest(server, slot["migration_uuid"], "resized", "confirming")  # no confirmResize action
+
+    outcome = drains.record_failure(drain, server, slot, {"Error": "States.Runtime", "Cause": "lost track"})
+
+    assert _move_records(server, slot["migration_uuid"]) == (None, "confirming")
+    assert outcome == {"retry": False, "state": "failed", "error": "lost track"}
+
+
+def test_a_revert_under_way_is_waited_for(store, move_machines):
+    # GIVEN the owner reverted the moved server before the drain could confirm it
+    drain, server, slot, _move = _prepared_move()
+    _moved_to_dest(server, slot["migration_uuid"], "resized", "finished")
+    moves.begin_revert("cell1", server, request_id="req-revert", user_id=USER, project_id=PROJECT)
+    assert _move_records(server, slot["migration_uuid"]) == ("resize_reverting", "reverting")
+    with pytest.raises(errors.InstanceInvalidState):
+        drains.prepare_confirm(drain, server, slot)
+
+    # THEN RecordFailure waits while the revert's workflow (started by begin_revert) runs
+    with pytest.raises(errors.MoveStillRunning):
+        drains.record_failure(drain, server, slot, {"Error": "Ferry.InstanceInvalidState", "Cause": "reverting"})
+    assert _servers(drain)[server].state == "moving"
+
+
+def test_a_failed_move_still_under_way_keeps_its_action(store, move_machines):
+    drain, server, slot, _move = _prepared_move()
+    with cell_session("cell1") as session:
+        session.execute(update(Migration).where(Migration.uuid == slot["migration_uuid"]).values(status="migrating"))
+
+    drains.record_failure(drain, server, slot, {"Error": "States.Runtime", "Cause": "lost track"})
+
+    assert _move_records(server, slot["migration_uuid"]) == ("resize_prep", "migrating")
+    assert _confirm_action_recorded(server, slot["request_id"])
+
+
+def _switch_to_cell2(server: str, migration_uuid: str) -> None:
+    """What a cross-cell move leaves once it has switched: the server resized on dest in cell2,
+    its copy in cell1 hidden, the migration finished in both, the mapping on cell2."""
+    _moved_to_dest(server, migration_uuid, "resized", "finished")
+    copies = []
+    with cell_session("cell1") as session:
+        for model, column in ((Instance, Instance.uuid), (Migration, Migration.instance_uuid)):
+            row = session.scalars(select(model).where(column == server)).one()
+            copies.append(model(**{a.key: getattr(row, a.key) for a in model.__mapper__.column_attrs if a.key != "id"}))
+        session.execute(update(Instance).where(Instance.uuid == server).values(hidden=True))
+    with cell_session("cell2") as session:
+        session.add_all(copies)
+    with api_session() as session:
+        cell2 = session.scalars(select(CellMapping.id).where(CellMapping.name == "cell2")).one()
+        session.execute(update(InstanceMapping).where(InstanceMapping.instance_uuid == server).values(cell_id=cell2))
+
+
+@pytest.mark.parametrize("started", [True, False])
+def test_after_a_cross_cell_move_the_drains_confirm_is_waited_for_or_undone_in_the_new_cell(
+        store, move_machines, started):
+    sfn, arns = move_machines
+    drain, server, slot, _move = _prepared_move()
+    _switch_to_cell2(server, slot["migration_uuid"])
+    confirm = drains.prepare_confirm(drain, server, slot)
+    assert confirm["input"]["cell"] == "cell2"
+    error = {"Error": "States.Runtime", "Cause": "lost track"}
+
+    if started:  # the confirm runs: RecordFailure waits
+        sfn.start_execution(stateMachineArn=arns["confirm"], name=confirm["name"], input=json.dumps(confirm["input"]))
+        with pytest.raises(errors.MoveStillRunning):
+            drains.record_failure(drain, server, slot, error)
+        return
+    # it never started: undone in cell2, where the server now is
+    _accepted_long_ago(server, confirm["input"]["request_id"])
+    outcome = drains.record_failure(drain, server, slot, error)
+    assert outcome["state"] == "failed" and outcome["error"].endswith("confirm or revert it.")
+    with cell_session("cell2") as session:
+        assert session.scalars(select(Migration.status).where(Migration.uuid == slot["migration_uuid"])).one() \
+            == "finished"
+    assert not _confirm_action_recorded(server, confirm["input"]["request_id"])

@@ -853,7 +853,7 @@ def record_failure(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any],
             return {"retry": False, "state": server.state, "error": server.error}
     migration_uuid = slot.get("migration_uuid")
     if migration_uuid and slot.get("request_id"):
-        _abandon_unstarted(cell, instance_uuid, migration_uuid, slot, confirm=confirm)
+        _abandon_unstarted(cell, instance_uuid, migration_uuid, slot)
     now = _where_now(instance_uuid, migration_uuid)
     host, vm_state, task_state = now.host, now.vm_state, now.task_state
     # Waiting for its confirm or revert (not one under way, as after a failed RunConfirm).
@@ -885,19 +885,21 @@ def record_failure(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any],
         return {"retry": retry, "state": server.state, "error": server.error}
 
 
-def _abandon_unstarted(cell: str, instance_uuid: str, migration_uuid: str, slot: Mapping[str, Any], *,
-                       confirm: bool) -> None:
+def _abandon_unstarted(cell: str, instance_uuid: str, migration_uuid: str, slot: Mapping[str, Any]) -> None:
     """Undo what the drain accepted for this move and whose workflow never started: the move
-    (PrepareMove, in the source cell), then the confirm (PrepareConfirm, where the server is now).
+    (PrepareMove, in the source cell), then the confirm (PrepareConfirm, where the server is
+    now: another cell after a cross-cell move).
 
     Raises:
-        MoveStillRunning: the move's or its confirm's workflow still runs.
+        MoveStillRunning: the move's workflow, or its confirm's or revert's, still runs.
     """
     try:
         moves.abandon_prepared_move(cell, instance_uuid, migration_uuid, slot["request_id"])
-        if confirm:
-            moves.abandon_prepared_confirm(instances.cell_of(instance_uuid).name, instance_uuid, migration_uuid,
-                                           _confirm_request_id(slot))
+    except errors.InstanceNotFound:
+        pass
+    try:
+        moves.abandon_prepared_confirm(instances.cell_of(instance_uuid).name, instance_uuid, migration_uuid,
+                                       _confirm_request_id(slot))
     except errors.InstanceNotFound:
         pass
 

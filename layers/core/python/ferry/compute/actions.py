@@ -53,9 +53,9 @@ def forget_action(session: Session, instance_uuid: str, request_id: str) -> None
         session.flush()
 
 
-def exists(session: Session, instance_uuid: str, request_id: str) -> bool:
-    """Whether the instance has an action recorded under ``request_id``."""
-    return _action(session, instance_uuid, request_id) is not None
+def find(session: Session, instance_uuid: str, request_id: str) -> InstanceAction | None:
+    """The instance's action recorded under ``request_id``, if any."""
+    return _action(session, instance_uuid, request_id)
 
 
 def newest_request_id(session: Session, instance_uuid: str, action: str) -> str | None:

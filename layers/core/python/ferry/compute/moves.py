@@ -43,7 +43,7 @@ from ferry.compute.migration_states import (
     SETTLING,
 )
 from ferry.observability import logger
-from ferry.store.api_models import CellMapping, Flavor, HostMapping, InstanceMapping, new_uuid
+from ferry.store.api_models import CellMapping, Flavor, HostMapping, InstanceMapping, new_uuid, utcnow
 from ferry.store.cell_models import (
     BlockDeviceMapping,
     Instance,
@@ -217,7 +217,7 @@ def prepare_confirm(cell: str, instance_uuid: str, migration_uuid: str, *, reque
     with cell_session(cell) as session:
         migration = session.scalars(select(Migration).where(Migration.uuid == migration_uuid)).one_or_none()
         taken = migration is not None and migration.status in (CONFIRMING, CONFIRMED)
-        if taken and not actions.exists(session, instance_uuid, request_id):
+        if taken and actions.find(session, instance_uuid, request_id) is None:
             raise errors.MigrationInProgress(
                 f"Cannot 'confirmResize' instance {instance_uuid}: another request took migration "
                 f"{migration_uuid} ({migration.status if migration else None}).")
@@ -235,35 +235,55 @@ def prepare_confirm(cell: str, instance_uuid: str, migration_uuid: str, *, reque
     return PreparedExecution(name, {**payload, "execution_name": name})
 
 
-def abandon_prepared_confirm(cell: str, instance_uuid: str, migration_uuid: str, request_id: str) -> bool:
-    """Undo a confirm :func:`prepare_confirm` accepted under ``request_id`` whose workflow never started.
+# How long a confirm accepted moments ago may stay out of Step Functions' answers (DescribeExecution
+# is eventually consistent) before its workflow is taken for one that never started.
+SETTLE_START_GRACE = dt.timedelta(seconds=60)
 
-    The migration goes back from ``confirming`` to ``finished`` and the action is forgotten, so
-    the server waits in VERIFY_RESIZE for a confirm or revert as before. A confirm whose
-    workflow ran is left as that workflow left it, and a confirm another request accepted is
-    never undone here. Without a confirm state machine configured (steps run in-process) there
-    is no execution to ask about, and nothing is undone.
+
+def abandon_prepared_confirm(cell: str, instance_uuid: str, migration_uuid: str, request_id: str) -> bool:
+    """Wait for the migration's confirm or revert, and undo a confirm :func:`prepare_confirm`
+    accepted under ``request_id`` whose workflow never started.
+
+    The confirm or revert under way is the one its newest ``confirmResize``/``revertResize``
+    action recorded. While that workflow runs, nothing is done. A confirm of ``request_id``
+    whose workflow never started (at least :data:`SETTLE_START_GRACE` after it was accepted)
+    gives the migration back, ``confirming`` to ``finished``, and its action is forgotten, so the
+    server waits in VERIFY_RESIZE for a confirm or revert as before. Whatever ran is left as it
+    left things, and another request's confirm or revert is never undone here. Without the
+    state machine configured (steps run in-process) there is no execution to ask about.
 
     Returns:
         Whether anything was undone.
 
     Raises:
-        MoveStillRunning: the migration's confirm workflow runs (this request's or another's).
+        MoveStillRunning: the confirm or revert workflow runs, or the confirm was accepted too
+            recently to tell.
     """
-    state_machine_arn = config.get().confirm_resize_state_machine_arn
+    settings = config.get()
     with cell_session(cell) as session:
         status = session.scalars(select(Migration.status).where(Migration.uuid == migration_uuid)).first()
-        if status != CONFIRMING or not state_machine_arn:
+        if status not in SETTLING:
             return False
-        owner = actions.newest_request_id(session, instance_uuid, actions.CONFIRM_RESIZE) or request_id
-    execution = _settle_execution(state_machine_arn, "confirm", instance_uuid, migration_uuid, owner)
+        kind, action, state_machine_arn = (
+            ("confirm", actions.CONFIRM_RESIZE, settings.confirm_resize_state_machine_arn) if status == CONFIRMING
+            else ("revert", actions.REVERT_RESIZE, settings.revert_resize_state_machine_arn))
+        owner = actions.newest_request_id(session, instance_uuid, action)
+        recorded = actions.find(session, instance_uuid, owner) if owner else None
+        if not state_machine_arn or recorded is None:
+            return False
+        accepted_at = recorded.start_time
+    execution = _settle_execution(state_machine_arn, kind, instance_uuid, migration_uuid, owner or "")
     if execution is not None:
         if execution["status"] == "RUNNING":
             raise errors.MoveStillRunning(
-                f"The confirm workflow of move {migration_uuid} of server {instance_uuid} still runs.")
+                f"The {kind} workflow of move {migration_uuid} of server {instance_uuid} still runs.")
         return False
-    if owner != request_id:
+    if kind != "confirm" or owner != request_id:
         return False
+    if utcnow() - accepted_at < SETTLE_START_GRACE:
+        raise errors.MoveStillRunning(
+            f"The confirm of move {migration_uuid} of server {instance_uuid} was accepted moments ago; "
+            f"whether its workflow started is not known yet.")
     with cell_session(cell) as session:
         if not _swap_migration_status(session, migration_uuid, CONFIRMING, FINISHED):
             return False
@@ -623,11 +643,14 @@ def abandon_prepared_move(cell: str, instance_uuid: str, migration_uuid: str, re
             ended.
     """
     with cell_session(cell) as session:
-        migration = session.scalars(select(Migration).where(Migration.uuid == migration_uuid)).one_or_none()
-        instance = instances.get(session, instance_uuid)
-        if migration is None or migration.status not in MOVING:
+        status = session.scalars(select(Migration.status).where(Migration.uuid == migration_uuid)).first()
+        if status not in MOVING:
             return False
-        undoable = migration.status == PRE_MIGRATING and instance.task_state == states.RESIZE_PREP
+        try:
+            task_state = instances.get(session, instance_uuid).task_state
+        except errors.InstanceNotFound:  # after a cross-cell move's switch the copy here is hidden
+            task_state = None
+        undoable = status == PRE_MIGRATING and task_state == states.RESIZE_PREP
     # Step Functions is asked only about a move still under way (not after a failed confirm, say).
     if move_workflow_running(instance_uuid, migration_uuid):
         raise errors.MoveStillRunning(
