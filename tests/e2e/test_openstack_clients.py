@@ -65,6 +65,11 @@ def test_the_openstack_cli_drives_a_server_through_its_life(cli, servers, local_
     assert listed[server_id]["Name"] == name
     assert listed[server_id]["Status"] == "ACTIVE"
     assert listed[server_id]["Flavor"] == "ferry.tiny"
+    # the CLI's filters reach the API, which applies them (flavor and image names become ids)
+    assert server_id in {s["ID"] for s in cli.json("server", "list", "--flavor", "ferry.tiny", "--image",
+                                                    image["name"], "--status", "ACTIVE", "--long")}
+    assert server_id not in {s["ID"] for s in cli.json("server", "list", "--flavor", "ferry.small")}
+    assert server_id not in {s["ID"] for s in cli.json("server", "list", "--changes-since", "2999-01-01T00:00:00Z")}
 
     shown = cli.json("server", "show", name)
     assert shown["id"] == server_id
