@@ -69,6 +69,21 @@ def test_admin_creates_a_flavor_with_a_generated_id_and_description(cloud):
     assert call("GET", f"/v2.1/flavors/{created['id']}").body["flavor"]["name"] == "m1.large"
 
 
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("ram", 10**20, "greater than the maximum of 2147483647"),
+    ("ram", "99999999999", "greater than the maximum of 2147483647"),
+    ("vcpus", "0", "less than the minimum of 1"),
+    ("disk", -1, "less than the minimum of 0"),
+])
+def test_flavor_numbers_out_of_range_are_400_and_create_nothing(cloud, field, value, message):
+    body = {"name": "huge", "ram": 512, "vcpus": 1, "disk": 1, field: value}
+
+    response = call("POST", "/v2.1/flavors", caller=ADMIN, body={"flavor": body})
+
+    assert response.status == 400 and message in response.body["badRequest"]["message"]
+    assert flavor_named("huge") is None
+
+
 def test_duplicate_flavor_is_409(cloud):
     response = call("POST", "/v2.1/flavors", caller=ADMIN, body={"flavor": {
         "name": "m1.small", "ram": 1, "vcpus": 1, "disk": 0}})

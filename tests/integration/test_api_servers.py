@@ -319,6 +319,19 @@ def test_list_filters_by_status(cloud):
         [building]
 
 
+@pytest.mark.parametrize(("counts", "message"), [
+    ({"min_count": "0"}, "min_count. Value: 0. 0 is less than the minimum of 1"),
+    ({"max_count": "99999999999"}, "greater than the maximum of 2147483647"),
+    ({"min_count": 2, "max_count": 1}, "min_count must be <= max_count"),
+])
+def test_create_refuses_counts_out_of_range(cloud, counts, message):
+    response = call("POST", "/v2.1/servers", version="2.90", body={"server": {
+        "name": "many", "flavorRef": "1", "imageRef": cloud.image_id, "networks": "none", **counts}})
+
+    assert response.status == 400 and message in response.body["badRequest"]["message"]
+    assert api_rows(BuildRequest) == []
+
+
 def _listed(query: dict, *, caller=ALICE, version: str | None = "2.90") -> list[str]:
     response = call("GET", "/v2.1/servers/detail", caller=caller, query=query, version=version)
     assert response.status == 200, response.body

@@ -267,3 +267,15 @@ def test_an_invalid_default_is_reported(cloud, monkeypatch):
     response = call("GET", "/v2.1/os-quota-sets/project-a", caller=ALICE)
 
     assert response.status == 500
+
+
+@pytest.mark.parametrize("value", [10**20, "2147483648", "-2"])
+def test_a_quota_out_of_range_is_400_and_changes_nothing(cloud, value):
+    before = call("GET", "/v2.1/os-quota-sets/project-a", caller=ADMIN, version="2.90").body["quota_set"]["cores"]
+
+    response = call("PUT", "/v2.1/os-quota-sets/project-a", caller=ADMIN, body={"quota_set": {"cores": value}},
+                    version="2.90")
+
+    assert response.status == 400, response.body
+    assert call("GET", "/v2.1/os-quota-sets/project-a", caller=ADMIN, version="2.90").body["quota_set"]["cores"] \
+        == before

@@ -68,9 +68,13 @@ def create_flavor() -> Response:
     policy.enforce(view.ctx, "os_compute_api:os-flavor-manage:create")
     flavor = request.body(router, schemas.flavor_create(view.version))["flavor"]
     is_public = flavor.get("os-flavor-access:is_public", True)
+    def number(name: str, minimum: int, default: int | None = None) -> int:
+        value = flavor.get(name, default)
+        return request.bounded_int(name, value if value not in (None, "") else 0, minimum, schemas.MAX_INT)
+
     created = compute_api.create_flavor(
-        name=flavor["name"], vcpus=int(flavor["vcpus"]), memory_mb=int(flavor["ram"]), root_gb=int(flavor["disk"]),
-        ephemeral_gb=int(flavor.get("OS-FLV-EXT-DATA:ephemeral", 0)), swap=int(flavor.get("swap") or 0),
+        name=flavor["name"], vcpus=number("vcpus", 1), memory_mb=number("ram", 1), root_gb=number("disk", 0),
+        ephemeral_gb=number("OS-FLV-EXT-DATA:ephemeral", 0, 0), swap=number("swap", 0, 0),
         flavorid=flavor.get("id"), rxtx_factor=float(flavor.get("rxtx_factor", 1.0)),
         is_public=is_public if isinstance(is_public, bool) else request.parse_bool("is_public", is_public),
         description=flavor.get("description"))

@@ -61,7 +61,8 @@ def update_quota_set(project_id: str) -> Response:
     wanted = dict(request.body(router, schemas.quota_set_update(resources))["quota_set"])
     force = wanted.pop("force", False)
     force = force if isinstance(force, bool) else request.parse_bool("force", str(force))
-    values = quotas.update(project_id, {k: int(v) for k, v in wanted.items()}, force=force)
+    values = quotas.update(project_id, {k: request.bounded_int(k, v, -1, schemas.MAX_INT) for k, v in wanted.items()},
+                           force=force)
     return request.json_response(200, {"quota_set": views.quota_set(view, values, resources)})
 
 

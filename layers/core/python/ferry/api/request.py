@@ -143,6 +143,23 @@ def parse_bool(name: str, value: str) -> bool:
     raise errors.BadRequest(f"Invalid value '{value}' for {name}: expected a boolean.")
 
 
+def bounded_int(name: str, value: int | str, minimum: int, maximum: int) -> int:
+    """A body's integer field (a number or a string of digits, as the schema let through) within
+    its bounds (the schema checks a number's, not a string's).
+
+    Raises:
+        BadRequest: out of bounds, in Nova's words.
+    """
+    number = int(value)
+    if number < minimum:
+        raise errors.BadRequest(f"Invalid input for field/attribute {name}. Value: {value}. "
+                                f"{value} is less than the minimum of {minimum}")
+    if number > maximum:
+        raise errors.BadRequest(f"Invalid input for field/attribute {name}. Value: {value}. "
+                                f"{value} is greater than the maximum of {maximum}")
+    return number
+
+
 def parse_timestamp(name: str, value: str | None) -> dt.datetime | None:
     """An ISO 8601 query parameter as naive UTC (None when absent).
 

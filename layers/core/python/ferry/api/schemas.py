@@ -12,8 +12,10 @@ UUID_PATTERN = "^[0-9a-fA-F]{8}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-
 UUID = {"type": "string", "pattern": UUID_PATTERN}
 NAME = {"type": "string", "minLength": 1, "maxLength": 255}
 DESCRIPTION = {"type": ["string", "null"], "maxLength": 65535}
-POSITIVE_INT = {"type": ["integer", "string"], "pattern": "^[0-9]+$", "minimum": 1}
-NON_NEGATIVE_INT = {"type": ["integer", "string"], "pattern": "^[0-9]+$", "minimum": 0}
+MAX_INT = 2**31 - 1  # the largest value the databases' integer columns hold, as in Nova
+# A number or a string of digits; a string's bounds are checked where it is read (request.bounded_int).
+POSITIVE_INT = {"type": ["integer", "string"], "pattern": "^[0-9]+$", "minimum": 1, "maximum": MAX_INT}
+NON_NEGATIVE_INT = {"type": ["integer", "string"], "pattern": "^[0-9]+$", "minimum": 0, "maximum": MAX_INT}
 BOOLEAN = {"type": ["boolean", "string"],
            "enum": [True, False, "True", "False", "true", "false", "1", "0", "yes", "no", "on", "off"]}
 TAG = {"type": "string", "minLength": 1, "maxLength": 60, "pattern": "^[^,/]*$"}
@@ -190,7 +192,7 @@ MIGRATE_ACTION_V256 = {
 
 # --- quotas -----------------------------------------------------------------------------------------
 
-QUOTA_LIMIT = {"type": ["integer", "string"], "pattern": "^-?[0-9]+$", "minimum": -1}
+QUOTA_LIMIT = {"type": ["integer", "string"], "pattern": "^-?[0-9]+$", "minimum": -1, "maximum": MAX_INT}
 
 
 def quota_set_update(resources: Iterable[str]) -> dict[str, Any]:

@@ -116,10 +116,8 @@ def boot_request(document: dict[str, Any]) -> compute_api.BootRequest:
         BadRequest: asking for more than one server.
     """
     server = document["server"]
-    min_count = int(server.get("min_count", 1))
-    max_count = int(server.get("max_count", min_count))
-    if min_count < 1 or max_count < 1:
-        raise errors.BadRequest("min_count and max_count must be at least 1.")
+    min_count = request.bounded_int("min_count", server.get("min_count", 1), 1, schemas.MAX_INT)
+    max_count = request.bounded_int("max_count", server.get("max_count", min_count), 1, schemas.MAX_INT)
     if min_count > max_count:
         raise errors.BadRequest("min_count must be <= max_count")
     if max_count > 1:
