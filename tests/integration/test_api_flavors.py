@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 
 import pytest
-from test_api_support import ADMIN, ALICE, call, flavor_named, mocked_cloud
+from test_api_support import ADMIN, ALICE, BOB, call, flavor_named, mocked_cloud
 
 from ferry.compute import api as compute_api
 
@@ -136,3 +136,61 @@ def test_a_server_keeps_its_flavor_after_the_flavor_is_deleted(cloud):
 
     shown = call("GET", f"/v2.1/servers/{server['id']}", version="2.90").body["server"]
     assert shown["flavor"]["original_name"] == "m1.medium" and shown["flavor"]["vcpus"] == 2
+
+
+# --- flavor access -----------------------------------------------------------------------------------
+
+
+def _access(flavor_id: str, action: str | None = None, project: str = "project-a", caller=ADMIN):
+    if action is None:
+        return call("GET", f"/v2.1/flavors/{flavor_id}/os-flavor-access", caller=caller)
+    return call("POST", f"/v2.1/flavors/{flavor_id}/action", caller=caller, body={action: {"tenant": project}})
+
+
+def test_admins_give_and_take_away_a_projects_access_to_a_private_flavor(private_flavor):
+    assert _access(private_flavor).body == {"flavor_access": []}
+
+    added = _access(private_flavor, "addTenantAccess")
+    assert added.status == 200
+    assert added.body == {"flavor_access": [{"flavor_id": "9", "tenant_id": "project-a"}]}
+    assert _access(private_flavor, "addTenantAccess", "project-b").body["flavor_access"] == [
+        {"flavor_id": "9", "tenant_id": "project-a"}, {"flavor_id": "9", "tenant_id": "project-b"}]
+
+    again = _access(private_flavor, "addTenantAccess")
+    assert again.status == 409
+    assert again.body["conflictingRequest"]["message"] == \
+        "Flavor access already exists for flavor 9 and project project-a combination."
+    removed = _access(private_flavor, "removeTenantAccess")
+    assert removed.status == 200 and removed.body == {"flavor_access": [{"flavor_id": "9", "tenant_id": "project-b"}]}
+    assert _access(private_flavor, "removeTenantAccess").status == 404
+
+
+@pytest.mark.parametrize(("request_", "status"), [
+    (lambda: _access("1"), 404),  # a public flavor has no access list
+    (lambda: _access("1", "addTenantAccess"), 409),
+    (lambda: _access("no-such-flavor", "addTenantAccess"), 404),
+    (lambda: _access("9", caller=ALICE), 403),
+    (lambda: _access("9", "addTenantAccess", caller=ALICE), 403),
+    (lambda: call("POST", "/v2.1/flavors/9/action", caller=ADMIN, body={"addTenantAccess": {}}), 400),
+    (lambda: call("POST", "/v2.1/flavors/9/action", caller=ADMIN, body={"grant": {"tenant": "p"}}), 400),
+])
+def test_flavor_access_refusals_change_nothing(private_flavor, request_, status):
+    assert request_().status == status
+    assert _access(private_flavor).body == {"flavor_access": []}
+
+
+def test_a_private_flavor_is_for_the_projects_with_access_only(cloud, private_flavor):
+    def visible(caller) -> tuple[int, bool]:
+        listed = names(call("GET", "/v2.1/flavors/detail", caller=caller, query={"is_public": "None"}))
+        return call("GET", "/v2.1/flavors/9", caller=caller).status, "secret" in listed
+
+    def boot(caller) -> int:
+        return call("POST", "/v2.1/servers", caller=caller, version="2.90", body={"server": {
+            "name": "on-secret", "flavorRef": "9", "imageRef": cloud.image_id, "networks": "none"}}).status
+
+    assert visible(ALICE) == (404, False) and boot(ALICE) == 400
+    _access(private_flavor, "addTenantAccess")
+
+    assert visible(ALICE) == (200, True) and boot(ALICE) == 202
+    assert visible(BOB) == (404, False) and boot(BOB) == 400
+    assert visible(ADMIN) == (200, True)

@@ -220,6 +220,16 @@ def test_resize_accepts_a_flavor_href_and_admins_may_use_private_flavors(cloud):
     assert instance(server_id).new_flavor["name"] == "m1.private"
 
 
+def test_a_member_may_resize_to_a_private_flavor_her_project_has_access_to(cloud):
+    server_id = active_server()
+    assert action(server_id, {"resize": {"flavorRef": "private"}}).status == 400
+    assert call("POST", "/v2.1/flavors/private/action", caller=ADMIN,
+                body={"addTenantAccess": {"tenant": "project-a"}}).status == 200
+
+    assert action(server_id, {"resize": {"flavorRef": "private"}}).status == 202
+    assert instance(server_id).new_flavor["name"] == "m1.private"
+
+
 def test_volume_backed_server_may_resize_to_a_zero_disk_flavor(cloud):
     server_id = active_server()
     set_instance(server_id, image_ref="")

@@ -83,6 +83,10 @@ class FlavorNotFound(NotFound):
     pass
 
 
+class FlavorAccessNotFound(NotFound):
+    """The project has no access to the flavor (or the flavor is public and has no access list)."""
+
+
 class ImageNotFound(NotFound):
     pass
 
@@ -232,6 +236,10 @@ class InstanceIsLocked(Conflict):
 
 class FlavorExists(Conflict):
     pass
+
+
+class FlavorAccessExists(Conflict):
+    """The project has access to the flavor already, or the flavor is public (anyone's)."""
 
 
 # --- Fault injection -----------------------------------------------------------------------------

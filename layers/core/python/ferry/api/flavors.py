@@ -10,6 +10,7 @@ from aws_lambda_powertools.event_handler.api_gateway import Router
 from ferry import errors, policy
 from ferry.api import request, schemas, views
 from ferry.compute import api as compute_api
+from ferry.compute import flavor_access
 
 router = Router()
 
@@ -59,7 +60,8 @@ def list_flavors_detail() -> Response:
 @router.get("/flavors/<flavor_id>")
 def show_flavor(flavor_id: str) -> Response:
     view = request.view_context(router)
-    return request.json_response(200, {"flavor": views.flavor_detail(view, compute_api.get_flavor(flavor_id))})
+    flavor = compute_api.get_flavor(flavor_id, view.ctx)
+    return request.json_response(200, {"flavor": views.flavor_detail(view, flavor)})
 
 
 @router.post("/flavors")
@@ -150,3 +152,30 @@ def delete_extra_spec(flavor_id: str, key: str) -> Response:
     policy.enforce(ctx, "os_compute_api:os-flavor-extra-specs:delete")
     compute_api.delete_extra_spec(flavor_id, key)
     return request.empty(202)
+
+
+# --- flavor access ---------------------------------------------------------------------------------
+
+
+def _access(flavor_id: str, projects: list[str]) -> Response:
+    return request.json_response(200, {"flavor_access": [{"flavor_id": flavor_id, "tenant_id": project}
+                                                         for project in projects]})
+
+
+@router.get("/flavors/<flavor_id>/os-flavor-access")
+def list_flavor_access(flavor_id: str) -> Response:
+    ctx = request.caller(router)
+    policy.enforce(ctx, "os_compute_api:os-flavor-access")
+    return _access(flavor_id, flavor_access.projects(flavor_id))
+
+
+@router.post("/flavors/<flavor_id>/action")
+def flavor_action(flavor_id: str) -> Response:
+    """``addTenantAccess`` / ``removeTenantAccess`` ``{"tenant": <project id>}``."""
+    ctx = request.caller(router)
+    body = request.body(router, schemas.FLAVOR_ACTION)
+    if "addTenantAccess" in body:
+        policy.enforce(ctx, "os_compute_api:os-flavor-access:add_tenant_access")
+        return _access(flavor_id, flavor_access.add(flavor_id, body["addTenantAccess"]["tenant"]))
+    policy.enforce(ctx, "os_compute_api:os-flavor-access:remove_tenant_access")
+    return _access(flavor_id, flavor_access.remove(flavor_id, body["removeTenantAccess"]["tenant"]))

@@ -102,6 +102,7 @@ def _bodies() -> dict[str, dict[str, Any]]:
         "flavor_create": schemas.flavor_create(MAX_VERSION),
         "flavor_update": schemas.FLAVOR_UPDATE,
         "extra_specs_create": schemas.EXTRA_SPECS_CREATE,
+        "flavor_action": schemas.FLAVOR_ACTION,
         "extra_spec_update": schemas.EXTRA_SPEC_UPDATE,
         "quota_set_update": schemas.quota_set_update(resources),
         "attach": volume_attachments.attach_schema(MAX_VERSION),
@@ -190,6 +191,12 @@ def _operations(bodies: dict[str, dict[str, Any]]) -> dict[tuple[str, str], Oper
         ("PUT", flavor): Operation("Change a flavor's description (admins, 2.55+)", {200: _keyed("flavor", _FLAVOR)},
                                    bodies["flavor_update"], errors=_WRITE_ERRORS),
         ("DELETE", flavor): Operation("Delete a flavor (admins)", {202: None}, errors=_WRITE_ERRORS),
+        ("GET", f"{flavor}/os-flavor-access"): Operation(
+            "List the projects with access to a private flavor (admins; 404 for a public flavor)",
+            {200: _keyed("flavor_access", _OBJECTS)}),
+        ("POST", f"{flavor}/action"): Operation(
+            "Give (addTenantAccess) or take away (removeTenantAccess) a project's access to a private flavor (admins)",
+            {200: _keyed("flavor_access", _OBJECTS)}, bodies["flavor_action"], errors=_WRITE_ERRORS),
         ("GET", f"{flavor}/os-extra_specs"): Operation("List a flavor's extra specs", {200: _EXTRA_SPECS}),
         ("POST", f"{flavor}/os-extra_specs"): Operation("Set extra specs (admins)", {200: _EXTRA_SPECS},
                                                         bodies["extra_specs_create"], errors=_WRITE_ERRORS),

@@ -192,6 +192,11 @@ MIGRATE_ACTION_V256 = {
 
 # --- quotas -----------------------------------------------------------------------------------------
 
+_TENANT = {"type": "object", "properties": {"tenant": {"type": "string", "minLength": 1, "maxLength": 255,
+                                                         "pattern": "^[a-zA-Z0-9-_]*$"}},
+           "required": ["tenant"], "additionalProperties": False}
+FLAVOR_ACTION = {"oneOf": [{"type": "object", "properties": {name: _TENANT}, "required": [name],
+                            "additionalProperties": False} for name in ("addTenantAccess", "removeTenantAccess")]}
 QUOTA_LIMIT = {"type": ["integer", "string"], "pattern": "^-?[0-9]+$", "minimum": -1, "maximum": MAX_INT}
 
 

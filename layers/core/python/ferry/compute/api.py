@@ -43,7 +43,7 @@ from sqlalchemy.orm import Session
 
 from ferry import config, errors, hosts, images, network, policy, protocol, quotas, workflows
 from ferry.auth import RequestContext
-from ferry.compute import actions, instances, server_filters, states
+from ferry.compute import actions, flavor_access, instances, server_filters, states
 from ferry.compute.server_filters import ServerFilters
 from ferry.observability import logger
 from ferry.store.api_models import (
@@ -452,9 +452,9 @@ def _fixed_addresses(uuids: Sequence[str]) -> dict[str, list[str]]:
 # --- creating servers ------------------------------------------------------------------------------
 
 
-def _bootable_flavor(session: Session, flavor_ref: str) -> Flavor:
+def _bootable_flavor(session: Session, ctx: RequestContext, flavor_ref: str) -> Flavor:
     flavor = session.scalars(select(Flavor).where(Flavor.flavorid == ref_id(flavor_ref))).one_or_none()
-    if flavor is None or flavor.disabled:
+    if flavor is None or flavor.disabled or not flavor_access.usable(ctx, flavor):
         raise errors.BadRequest("Invalid flavorRef provided.")
     return flavor
 
@@ -663,7 +663,7 @@ def create_server(ctx: RequestContext, request: BootRequest) -> str:
     """
     root = _root_device(request)
     with api_session() as session:
-        flavor = _bootable_flavor(session, request.flavor_ref)
+        flavor = _bootable_flavor(session, ctx, request.flavor_ref)
         snapshot = flavor_snapshot(flavor)
     image_id = ref_id(request.image_ref) if request.image_ref else _local_image_root(request)
     local_image = _local_image_root(request)
@@ -981,29 +981,34 @@ def _flavor(session: Session, flavorid: str) -> Flavor:
     return flavor
 
 
-def get_flavor(flavorid: str) -> Flavor:
-    """The flavor with the public id ``flavorid`` (a name is not an id).
+def get_flavor(flavorid: str, ctx: RequestContext | None = None) -> Flavor:
+    """The flavor with the public id ``flavorid`` (a name is not an id); with ``ctx``, only one
+    the caller may use (see :mod:`ferry.compute.flavor_access`).
 
     Raises:
-        FlavorNotFound: no such flavor.
+        FlavorNotFound: no such flavor (or a private one the caller has no access to).
     """
     with api_session() as session:
-        return _flavor(session, flavorid)
+        flavor = _flavor(session, flavorid)
+        if ctx is not None and not flavor_access.usable(ctx, flavor):
+            raise errors.FlavorNotFound(f"Flavor {flavorid} could not be found.")
+        return flavor
 
 
 def list_flavors(ctx: RequestContext, *, is_public: bool | None = True, min_disk: int | None = None,
                  min_ram: int | None = None, limit: int | None = None, marker: str | None = None) -> list[Flavor]:
     """Flavors sorted by id, as Nova lists them.
 
-    Non-admins see enabled public flavors whatever they ask; admins choose with
-    ``is_public`` (``None`` means public and private).
+    Non-admins see the enabled flavors they may use (public ones and private ones their project
+    has access to) whatever they ask; admins choose with ``is_public`` (``None`` means public
+    and private).
 
     Raises:
         BadRequest: the marker is not a flavor in the list.
     """
     query = select(Flavor).order_by(Flavor.flavorid)
     if not ctx.is_admin:
-        query = query.where(Flavor.is_public.is_(True), Flavor.disabled.is_(False))
+        query = query.where(flavor_access.usable_clause(ctx), Flavor.disabled.is_(False))
     elif is_public is not None:
         query = query.where(Flavor.is_public.is_(is_public))
     if min_disk is not None:

@@ -28,7 +28,7 @@ from sqlalchemy.orm import Session
 
 from ferry import config, errors, hosts, policy, quotas, workflows
 from ferry.auth import RequestContext
-from ferry.compute import actions, instances, states
+from ferry.compute import actions, flavor_access, instances, states
 from ferry.compute import api as compute_api
 from ferry.compute.migration_states import (
     CONFIRMED,
@@ -382,7 +382,7 @@ def _resizable_flavor(ctx: RequestContext, flavor_ref: str) -> dict[str, Any]:
     with api_session() as session:
         flavor = session.scalars(select(Flavor).where(Flavor.flavorid == compute_api.ref_id(str(flavor_ref)))
                                  ).one_or_none()
-        if flavor is None or flavor.disabled or (not flavor.is_public and not ctx.is_admin):
+        if flavor is None or flavor.disabled or not flavor_access.usable(ctx, flavor):
             raise errors.BadRequest("Unable to locate requested flavor.")
         return compute_api.flavor_snapshot(flavor)
 

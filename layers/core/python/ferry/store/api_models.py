@@ -100,6 +100,7 @@ class Flavor(TimestampMixin, ApiBase):
     extra_specs: Mapped[list[FlavorExtraSpec]] = relationship(
         cascade="all, delete-orphan", lazy="selectin", back_populates="flavor"
     )
+    projects: Mapped[list[FlavorProject]] = relationship(cascade="all, delete-orphan", lazy="selectin")
 
     @property
     def specs(self) -> dict[str, str]:
@@ -114,6 +115,16 @@ class FlavorExtraSpec(ApiBase):
     key: Mapped[str] = mapped_column(String(255))
     value: Mapped[str] = mapped_column(String(255))
     flavor: Mapped[Flavor] = relationship(back_populates="extra_specs")
+
+
+class FlavorProject(ApiBase):
+    """A project allowed to use a private flavor (Nova's flavor access)."""
+
+    __tablename__ = "flavor_projects"
+    __table_args__ = (UniqueConstraint("flavor_id", "project_id"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    flavor_id: Mapped[int] = mapped_column(ForeignKey("flavors.id", ondelete="CASCADE"))
+    project_id: Mapped[str] = mapped_column(String(255))
 
 
 class Aggregate(TimestampMixin, ApiBase):
