@@ -178,3 +178,27 @@ def test_openstacksdk_drives_aggregates_and_services(local_stack, monkeypatch, a
         assert next(iter(conn.compute.services(host=host))).status == "enabled"
     finally:
         conn.close()
+
+
+def test_the_cli_looks_projects_up_for_quotas_and_private_flavors(cli, admin_api):
+    # quota show/set and flavor create --project look the project up in the identity API first
+    cores = admin_api.get("/os-quota-sets/alt").json()["quota_set"]["cores"]
+    try:
+        cli.run("quota", "set", "--cores", str(cores + 7), "alt")
+        assert admin_api.get("/os-quota-sets/alt").json()["quota_set"]["cores"] == cores + 7
+        cli.run("quota", "show", "--compute", "alt")
+    finally:
+        assert admin_api.put("/os-quota-sets/alt", json={"quota_set": {"cores": cores}}).status_code == 200
+
+    name = f"e2e-private-{uuid.uuid4().hex[:8]}"
+    created = cli.json("flavor", "create", "--private", "--project", "alt", "--vcpus", "1", "--ram", "256",
+                       "--disk", "1", name)
+    try:
+        assert created["os-flavor-access:is_public"] is False
+        assert admin_api.get(f"/flavors/{created['id']}/os-flavor-access").json() == \
+            {"flavor_access": [{"flavor_id": created["id"], "tenant_id": "alt"}]}
+        assert cli.json("flavor", "show", name)["access_project_ids"] == ["alt"]
+        cli.run("flavor", "unset", "--project", "alt", name)
+        assert admin_api.get(f"/flavors/{created['id']}/os-flavor-access").json() == {"flavor_access": []}
+    finally:
+        cli.run("flavor", "delete", name)

@@ -94,6 +94,13 @@ PROBES: dict[str, Probe] = {
     "os_compute_api:os-flavor-manage:update": Probe("PUT", f"{V}/flavors/{{flavor_id}}", body={"flavor": {}}),
     "os_compute_api:os-flavor-manage:delete": Probe("DELETE", f"{V}/flavors/{{flavor_id}}", passes=NOT_FOUND,
                                                     values={"flavor_id": "e2e-no-such-flavor"}),
+    "os_compute_api:os-flavor-access": Probe("GET", f"{V}/flavors/{{flavor_id}}/os-flavor-access",
+                                             passes=NOT_FOUND),  # a public flavor has no access list
+    "os_compute_api:os-flavor-access:add_tenant_access": Probe(
+        "POST", f"{V}/flavors/{{flavor_id}}/action", body={"addTenantAccess": {"tenant": OTHER_PROJECT}}),
+    "os_compute_api:os-flavor-access:remove_tenant_access": Probe(
+        "POST", f"{V}/flavors/{{flavor_id}}/action", body={"removeTenantAccess": {"tenant": OTHER_PROJECT}},
+        passes=NOT_FOUND),
     "os_compute_api:os-flavor-extra-specs:index": Probe("GET", f"{V}/flavors/{{flavor_id}}/os-extra_specs"),
     "os_compute_api:os-flavor-extra-specs:show": Probe("GET", f"{V}/flavors/{{flavor_id}}/os-extra_specs/{{key}}",
                                                        passes=NOT_FOUND),
@@ -156,6 +163,10 @@ TOKEN_ONLY: dict[str, Probe] = {
     "flavors:show": Probe("GET", f"{V}/flavors/{{flavor_id}}"),
     "images:index": Probe("GET", f"{V}/images"),
     "images:show": Probe("GET", f"{V}/images/{{image_id}}"),
+    # a member sees her own project only: another is 404, as if unknown
+    "identity:projects:index": Probe("GET", "/identity/v3/projects"),
+    "identity:projects:show": Probe("GET", "/identity/v3/projects/{project_id}", passes=NOT_FOUND,
+                                    values={"project_id": OWNER_PROJECT}),
 }
 
 # Rules that decide what an answer shows or what a workflow may do, not whether a request is

@@ -22,6 +22,7 @@ from ferry.api import (
     migrations,
     moves,
     openapi,
+    projects,
     quotas,
     request,
     servers,
@@ -62,6 +63,7 @@ def get_resolver() -> APIGatewayRestResolver:
     app.use(middlewares=[request.prepare])
     app.include_router(versions.router)
     app.include_router(openapi.router)
+    app.include_router(projects.router)
     for module in (servers, flavors, images, migrations, quotas, volume_attachments, aggregates, services,
                    drains):
         app.include_router(module.router, prefix=request.API_PREFIX)

@@ -145,6 +145,11 @@ def _operations(bodies: dict[str, dict[str, Any]]) -> dict[tuple[str, str], Oper
     quota, attachments = f"{v}/os-quota-sets/{{project_id}}", f"{server}/os-volume_attachments"
     return {
         ("GET", v): Operation("The versions of the compute API (no token)", {200: _VERSION}, errors=_PUBLIC_ERRORS),
+        ("GET", "/identity/v3/projects"): Operation(
+            "Projects Ferry knows (admins: all; members: their own), ?name= narrowing (the name is the id)",
+            {200: _keyed("projects", _OBJECTS)}, errors=(401,)),
+        ("GET", "/identity/v3/projects/{project_id}"): Operation(
+            "A project Ferry knows (members: their own only)", {200: _keyed("project", _OBJECT)}, errors=(401, 404)),
         ("GET", "/identity/v3"): Operation("An identity version document for clients' discovery (no token)",
                                            {200: _VERSION}, errors=()),
         ("GET", PATH): Operation("This document (no token)", {200: _OBJECT}, errors=_PUBLIC_ERRORS),

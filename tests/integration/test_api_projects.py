@@ -1,0 +1,39 @@
+"""The identity API's project look-ups through the real handler (SQLite and PostgreSQL)."""
+
+from __future__ import annotations
+
+import pytest
+from test_api_support import ADMIN, ALICE, BOB, call, create_server, mocked_cloud
+
+from ferry import auth
+
+
+@pytest.fixture
+def cloud(store, monkeypatch, tmp_path):
+    yield from mocked_cloud(monkeypatch, tmp_path)
+
+
+def test_a_project_is_known_by_its_tokens_and_its_servers(cloud):
+    auth.issue_token("carol", "project-c", ["member"])
+    create_server(ALICE)
+
+    shown = call("GET", "/identity/v3/projects/project-c", caller=ADMIN)
+    assert shown.status == 200
+    assert {k: shown.body["project"][k] for k in ("id", "name", "domain_id", "enabled")} == \
+        {"id": "project-c", "name": "project-c", "domain_id": "default", "enabled": True}
+    assert call("GET", "/identity/v3/projects/project-a", caller=ADMIN).status == 200  # owns a server
+    assert call("GET", "/identity/v3/projects/no-such-project", caller=ADMIN).status == 404
+    listed = call("GET", "/identity/v3/projects", caller=ADMIN).body["projects"]
+    assert {"project-a", "project-c"} <= {p["id"] for p in listed}
+    assert [p["id"] for p in call("GET", "/identity/v3/projects", caller=ADMIN,
+                                  query={"name": "project-c"}).body["projects"]] == ["project-c"]
+
+
+def test_a_member_sees_only_her_own_project(cloud):
+    create_server(ALICE)
+    create_server(BOB)
+
+    assert call("GET", "/identity/v3/projects/project-a", caller=ALICE).status == 200
+    assert call("GET", "/identity/v3/projects/project-b", caller=ALICE).status == 404
+    assert [p["id"] for p in call("GET", "/identity/v3/projects", caller=ALICE).body["projects"]] == ["project-a"]
+    assert call("GET", "/identity/v3/projects", caller=ALICE, query={"name": "project-b"}).body["projects"] == []
