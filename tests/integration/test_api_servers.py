@@ -14,9 +14,11 @@ from test_api_support import ADMIN, ALICE, BOB, add_host, call, create_server, m
 
 from ferry import config, errors, workflows
 from ferry.auth import RequestContext
+from ferry.compute import aggregates
 from ferry.compute import api as compute_api
 from ferry.compute import states
 from ferry.store.api_models import (
+    AggregateHost,
     BuildRequest,
     CellMapping,
     InstanceMapping,
@@ -330,6 +332,34 @@ def test_create_refuses_counts_out_of_range(cloud, counts, message):
 
     assert response.status == 400 and message in response.body["badRequest"]["message"]
     assert api_rows(BuildRequest) == []
+
+
+def test_create_refuses_an_availability_zone_there_is_not(cloud):
+    response = call("POST", "/v2.1/servers", version="2.90", body={"server": {
+        "name": "nowhere", "flavorRef": "1", "imageRef": cloud.image_id, "networks": "none",
+        "availability_zone": "bogus"}})
+
+    assert response.status == 400
+    assert response.body["badRequest"]["message"] == "The requested availability zone is not available"
+    assert api_rows(BuildRequest) == [] and api_rows(InstanceMapping) == []
+
+
+def test_a_server_shows_the_zone_of_its_host(cloud):
+    zone = aggregates.create_aggregate("zone-1", "az1")
+    with api_session() as session:  # as aggregates.add_host records it
+        session.add(AggregateHost(aggregate_id=zone.id, host="host1"))
+    pinned = create_server(name="pinned", availability_zone="az1")
+    waiting = create_server(name="waiting", availability_zone="az1")
+    anywhere = create_server(name="anywhere")
+    schedule(pinned, host="host1")
+    schedule(anywhere, host="host2")
+
+    def zone_of(server_id: str) -> str:
+        return call("GET", f"/v2.1/servers/{server_id}", version="2.90").body["server"]["OS-EXT-AZ:availability_zone"]
+
+    assert (zone_of(pinned), zone_of(waiting), zone_of(anywhere)) == ("az1", "az1", "nova")
+    assert sorted(_listed({"availability_zone": "az1"}, version="2.83")) == ["pinned", "waiting"]
+    assert _listed({"availability_zone": "nova"}, version="2.83") == ["anywhere"]
 
 
 def _listed(query: dict, *, caller=ALICE, version: str | None = "2.90") -> list[str]:

@@ -86,6 +86,17 @@ def test_aggregate_extra_specs_must_match_host_aggregates(store):
     assert hosts_of(scheduler.select_destinations(request_spec(flavor=wanted))) == ["host-gen2"]
 
 
+def test_a_server_asked_for_in_a_zone_lands_there_and_one_in_the_default_zone_outside_every_zone(store):
+    add_compute("host-az1")
+    add_compute("host-big", memory_mb=65536)  # the weighers' favourite, in no zone
+    add_aggregate("zone-1", ["host-az1"], {"availability_zone": "az1"})
+
+    assert hosts_of(scheduler.select_destinations(request_spec(availability_zone="az1"))) == ["host-az1"]
+    assert hosts_of(scheduler.select_destinations(request_spec(availability_zone="nova"))) == ["host-big"]
+    with pytest.raises(errors.NoValidHost):
+        scheduler.select_destinations(request_spec(availability_zone="az2"))
+
+
 def test_ignore_hosts_are_never_chosen(store):
     add_compute("host-a", memory_mb=65536)
     add_compute("host-b")

@@ -115,8 +115,21 @@ def test_hint_and_group_filters():
     assert filters.ServerGroupAntiAffinityFilter().host_passes(a, affinity)
 
 
+def test_a_server_asked_for_in_a_zone_passes_only_hosts_of_that_zone():
+    zone_filter = filters.AvailabilityZoneFilter()
+    in_az1 = host(aggregates=[{"ssd": "true"}, {"availability_zone": "az1"}])
+    in_none = host(aggregates=[{"ssd": "true"}])
+
+    assert zone_filter.host_passes(in_az1, spec(availability_zone="az1"))
+    assert not zone_filter.host_passes(in_none, spec(availability_zone="az1"))
+    assert zone_filter.host_passes(in_none, spec(availability_zone="nova"))  # the default zone
+    assert not zone_filter.host_passes(in_az1, spec(availability_zone="nova"))
+    assert zone_filter.host_passes(in_az1, spec()) and zone_filter.host_passes(in_none, spec())
+
+
 def test_every_filter_is_enabled_in_order():
     assert [f.name for f in filters.enabled_filters()] == [
-        "ComputeFilter", "IgnoreHostsFilter", "AggregateInstanceExtraSpecsFilter", "SameHostFilter",
+        "ComputeFilter", "IgnoreHostsFilter", "AggregateInstanceExtraSpecsFilter", "AvailabilityZoneFilter",
+        "SameHostFilter",
         "DifferentHostFilter", "ServerGroupAffinityFilter", "ServerGroupAntiAffinityFilter",
     ]

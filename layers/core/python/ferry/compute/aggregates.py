@@ -29,6 +29,8 @@ from ferry.store.cell_models import Instance, Service
 from ferry.store.db import api_session, cell_session
 
 AZ_KEY = "availability_zone"
+# Nova's default availability zone: hosts in no aggregate with a zone are in it.
+DEFAULT_AVAILABILITY_ZONE = "nova"
 
 # Operator-facing names of the actions, used in the messages of refused requests.
 ACTION_ADD_HOST = "add host to"
@@ -320,13 +322,25 @@ def set_metadata(aggregate_id: int, metadata: Mapping[str, str | None]) -> Aggre
     return record
 
 
-def zones_of_hosts(hosts: Iterable[str], default: str) -> dict[str, str]:
-    """The availability zone of each host: its aggregates' zone, else ``default``."""
+def zones_of_hosts(hosts: Iterable[str]) -> dict[str, str]:
+    """The availability zone of each host: its aggregates' zone, else the default zone."""
     hosts = list(hosts)
-    zones = dict.fromkeys(hosts, default)
+    zones = dict.fromkeys(hosts, DEFAULT_AVAILABILITY_ZONE)
     if not hosts:
         return zones
     with api_session() as session:
         for host, found in _zones_elsewhere(session, hosts, None).items():
             zones[host] = sorted(found)[0]
     return zones
+
+
+def zone_names() -> set[str]:
+    """The availability zones there are: those aggregates give their hosts, and the default zone."""
+    with api_session() as session:
+        return {DEFAULT_AVAILABILITY_ZONE, *session.scalars(
+            select(AggregateMetadata.value).where(AggregateMetadata.key == AZ_KEY).distinct())}
+
+
+def zone_in(metadata: Iterable[Mapping[str, str]]) -> str:
+    """The zone a host is in, from the metadata of its aggregates (the default zone when none has one)."""
+    return min((m[AZ_KEY] for m in metadata if AZ_KEY in m), default=DEFAULT_AVAILABILITY_ZONE)

@@ -43,7 +43,7 @@ from sqlalchemy.orm import Session
 
 from ferry import config, errors, hosts, images, network, policy, protocol, quotas, workflows
 from ferry.auth import RequestContext
-from ferry.compute import actions, flavor_access, instances, server_filters, states
+from ferry.compute import actions, aggregates, flavor_access, instances, server_filters, states
 from ferry.compute.server_filters import ServerFilters
 from ferry.observability import logger
 from ferry.store.api_models import (
@@ -303,6 +303,15 @@ def _by_cell(servers: Iterable[Server]) -> dict[str, dict[str, Server]]:
     return found
 
 
+def _add_zones(servers: Iterable[Server]) -> None:
+    """A placed server is in its host's availability zone (one it was asked for stays, as the
+    scheduler keeps it there); one not placed yet shows the zone it was asked for, if any."""
+    placed = [s for s in servers if s.host]
+    zones = aggregates.zones_of_hosts({s.host for s in placed if s.host})
+    for server in placed:
+        server.availability_zone = zones[server.host or ""]
+
+
 def _load_tags(session: Session, wanted: Mapping[str, Server], chunk: Sequence[str]) -> None:
     for tag in session.scalars(select(Tag).where(Tag.instance_uuid.in_(chunk)).order_by(Tag.tag)):
         wanted[tag.instance_uuid].tags.append(tag.tag)
@@ -375,6 +384,7 @@ def get_server(ctx: RequestContext, server_id: str) -> Server:
         location = locate(ctx, server_id)
         server = _read(location)
         if server is not None:
+            _add_zones([server])
             _add_details([server])
             return server
     raise errors.InstanceNotFound(f"Instance {server_id} could not be found.")
@@ -420,6 +430,7 @@ def list_servers(ctx: RequestContext, filters: ServerFilters) -> list[Server]:
                 rows = session.scalars(select(Instance).where(
                     Instance.uuid.in_(chunk), Instance.deleted.is_(False), Instance.hidden.is_(False)))
                 servers.extend(_server_from_instance(row, cell.name) for row in rows)
+    _add_zones(servers)
     servers = server_filters.order(servers, filters.sort)
     if filters.marker:
         # As in Nova, the marker is found whether or not it passes the filters (it may have
@@ -662,6 +673,8 @@ def create_server(ctx: RequestContext, request: BootRequest) -> str:
         Conflict: a port already in use, a fixed IP taken, a network out of addresses.
     """
     root = _root_device(request)
+    if request.availability_zone and request.availability_zone not in aggregates.zone_names():
+        raise errors.BadRequest("The requested availability zone is not available")
     with api_session() as session:
         flavor = _bootable_flavor(session, ctx, request.flavor_ref)
         snapshot = flavor_snapshot(flavor)

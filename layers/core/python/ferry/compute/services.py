@@ -34,8 +34,6 @@ from ferry.store.cell_models import Instance, Migration, Service
 from ferry.store.db import all_cells, api_session, cell_session
 
 COMPUTE_BINARY = "nova-compute"
-# Nova's default availability zone: hosts in no aggregate with a zone are in it.
-DEFAULT_AVAILABILITY_ZONE = "nova"
 # A migration in one of these statuses no longer involves its hosts.
 MIGRATION_DONE_STATUSES = ("confirmed", "reverted", "error", "failed", "completed", "cancelled", "done")
 UNCHANGED: Any = object()
@@ -78,7 +76,7 @@ def _find(*criteria: Any) -> list[tuple[str, Service]]:
 
 
 def _records(found: list[tuple[str, Service]]) -> list[ServiceRecord]:
-    zones = aggregates.zones_of_hosts({s.host for _, s in found}, DEFAULT_AVAILABILITY_ZONE)
+    zones = aggregates.zones_of_hosts({s.host for _, s in found})
     now = utcnow()
     return [_record(cell, s, zones[s.host], now) for cell, s in found]
 

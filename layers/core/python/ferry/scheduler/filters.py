@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import ClassVar
 
 from ferry import config
+from ferry.compute import aggregates
 from ferry.scheduler.host_state import HostState, SchedulingSpec
 from ferry.store.api_models import utcnow
 
@@ -149,6 +150,15 @@ class AggregateInstanceExtraSpecsFilter(BaseHostFilter):
             if not offered or not spec_matches(str(required), offered):
                 return False
         return True
+
+
+@register
+class AvailabilityZoneFilter(BaseHostFilter):
+    """A server asked for in a zone lands, and moves, only on hosts of that zone (their aggregates'
+    zone; a host in no aggregate with a zone is in the default zone)."""
+
+    def host_passes(self, host_state: HostState, spec: SchedulingSpec) -> bool:
+        return spec.availability_zone is None or aggregates.zone_in(host_state.aggregates) == spec.availability_zone
 
 
 @register

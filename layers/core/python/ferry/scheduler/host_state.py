@@ -106,6 +106,8 @@ class SchedulingSpec:
     group_policy: str | None = None
     group_hosts: frozenset[str] = frozenset()
     source_cell: str | None = None
+    # The zone the server was asked for at creation (it stays there when it moves), or None.
+    availability_zone: str | None = None
     # A multiplier for CrossCellWeigher that wins over the aggregates' and the default (a drain's).
     cross_cell_weight_multiplier: float | None = None
 
@@ -167,6 +169,7 @@ def build_spec(request_spec: Mapping[str, Any]) -> SchedulingSpec:
         group_policy=group.get("policy"),
         group_hosts=frozenset(group.get("hosts") or ()),
         source_cell=request_spec.get("source_cell"),
+        availability_zone=request_spec.get("availability_zone") or None,
         cross_cell_weight_multiplier=request_spec.get("cross_cell_move_weight_multiplier"),
     )
 
