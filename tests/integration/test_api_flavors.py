@@ -189,7 +189,12 @@ def test_a_private_flavor_is_for_the_projects_with_access_only(cloud, private_fl
             "name": "on-secret", "flavorRef": "9", "imageRef": cloud.image_id, "networks": "none"}}).status
 
     assert visible(ALICE) == (404, False) and boot(ALICE) == 400
+    assert call("GET", "/v2.1/flavors/9/os-extra_specs", caller=ALICE).status == 404
+    assert "secret" not in names(call("GET", "/v2.1/flavors/detail", caller=ADMIN))  # admin's project: no access
     _access(private_flavor, "addTenantAccess")
+    _access(private_flavor, "addTenantAccess", ADMIN.project_id)
+    assert "secret" in names(call("GET", "/v2.1/flavors/detail", caller=ADMIN))  # as Nova: now it has access
+    assert call("GET", "/v2.1/flavors/9/os-extra_specs", caller=ALICE).status == 200
 
     assert visible(ALICE) == (200, True) and boot(ALICE) == 202
     assert visible(BOB) == (404, False) and boot(BOB) == 400

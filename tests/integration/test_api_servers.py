@@ -133,6 +133,17 @@ def test_two_servers_get_distinct_addresses_on_the_shared_network(cloud):
     assert len(api_rows(Network, name="shared")) == 1
 
 
+@pytest.mark.parametrize("size", ["99999999999", 2**31])
+def test_create_refuses_a_root_volume_larger_than_a_volume_can_be(cloud, size):
+    response = call("POST", "/v2.1/servers", version="2.90", body={"server": {
+        "name": "huge", "flavorRef": "1", "networks": "none", "block_device_mapping_v2": [{
+            "source_type": "image", "destination_type": "volume", "uuid": cloud.image_id, "boot_index": 0,
+            "volume_size": size}]}})
+
+    assert response.status == 400 and "volume_size" in response.body["badRequest"]["message"]
+    assert api_rows(Volume) == [] and api_rows(BuildRequest) == []
+
+
 def test_create_volume_backed_server_creates_the_root_volume(cloud):
     server_id = create_server(block_device_mapping_v2=[{
         "source_type": "image", "destination_type": "volume", "uuid": cloud.image_id, "boot_index": 0,
@@ -358,6 +369,9 @@ def test_a_server_shows_the_zone_of_its_host(cloud):
         return call("GET", f"/v2.1/servers/{server_id}", version="2.90").body["server"]["OS-EXT-AZ:availability_zone"]
 
     assert (zone_of(pinned), zone_of(waiting), zone_of(anywhere)) == ("az1", "az1", "nova")
+    detail = {s["name"]: s for s in call("GET", "/v2.1/servers/detail", version="2.96").body["servers"]}
+    assert {name: s["pinned_availability_zone"] for name, s in detail.items()} == \
+        {"pinned": "az1", "waiting": "az1", "anywhere": None}
     assert sorted(_listed({"availability_zone": "az1"}, version="2.83")) == ["pinned", "waiting"]
     assert _listed({"availability_zone": "nova"}, version="2.83") == ["anywhere"]
 

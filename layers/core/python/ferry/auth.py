@@ -22,7 +22,7 @@ from sqlalchemy import select
 
 from ferry import errors
 from ferry.observability import metrics
-from ferry.store.api_models import AuthToken, InstanceMapping, utcnow
+from ferry.store.api_models import AuthToken, FlavorProject, InstanceMapping, Quota, utcnow
 from ferry.store.db import api_session
 
 TOKEN_HEADER = "X-Auth-Token"
@@ -87,11 +87,12 @@ def revoke_token(token: str) -> None:
 
 
 def known_projects(project_id: str | None = None) -> list[str]:
-    """The projects Ferry knows (those its tokens stand for, and those owning servers), sorted;
-    only ``project_id`` (if known) when given. Ferry has no identity service: a project is an id."""
+    """The projects Ferry knows (those its tokens stand for, that own servers, have quotas set or
+    access to private flavors), sorted; only ``project_id`` (if known) when given. Ferry has no
+    identity service: a project is an id."""
     with api_session() as session:
         found: set[str] = set()
-        for column in (AuthToken.project_id, InstanceMapping.project_id):
+        for column in (AuthToken.project_id, InstanceMapping.project_id, Quota.project_id, FlavorProject.project_id):
             query = select(column).distinct()
             if project_id is not None:
                 query = query.where(column == project_id)

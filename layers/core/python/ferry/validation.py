@@ -16,6 +16,10 @@ from typing import Any
 
 import jsonschema_rs
 
+# The largest value the databases' integer columns hold (Nova's MAX_INT): a bound for every
+# integer Ferry takes in and stores.
+MAX_INT = 2**31 - 1
+
 
 class SchemaMismatch(ValueError):
     """A document does not match its schema.

@@ -113,7 +113,7 @@ def _spec_values(specs: dict[str, Any]) -> dict[str, str]:
 def list_extra_specs(flavor_id: str) -> Response:
     ctx = request.caller(router)
     policy.enforce(ctx, "os_compute_api:os-flavor-extra-specs:index")
-    return request.json_response(200, {"extra_specs": compute_api.get_extra_specs(flavor_id)})
+    return request.json_response(200, {"extra_specs": compute_api.get_extra_specs(flavor_id, ctx)})
 
 
 @router.post("/flavors/<flavor_id>/os-extra_specs")
@@ -129,7 +129,7 @@ def create_extra_specs(flavor_id: str) -> Response:
 def show_extra_spec(flavor_id: str, key: str) -> Response:
     ctx = request.caller(router)
     policy.enforce(ctx, "os_compute_api:os-flavor-extra-specs:show")
-    specs = compute_api.get_extra_specs(flavor_id)
+    specs = compute_api.get_extra_specs(flavor_id, ctx)
     if key not in specs:
         raise errors.NotFound(f"Flavor {flavor_id} has no extra specs with key {key}.")
     return request.json_response(200, {key: specs[key]})

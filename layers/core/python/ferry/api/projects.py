@@ -1,13 +1,16 @@
 """Enough of the identity API's projects for clients that look a project up before acting on it.
 
-Ferry has no identity service: a project is an id that a token stands for or that owns
-servers, and its name is its id. ``openstack quota show/set P``, ``flavor create --project P``,
-``flavor set --project P`` and ``server list --project P`` look ``P`` up here first, by id and
-then by name. Admins see every project; a member only her own (another is 404, as if unknown).
+Ferry has no identity service: a project is an id, and its name is its id. ``openstack quota
+show/set P``, ``flavor create --project P``, ``flavor set --project P`` and ``server list
+--project P`` look ``P`` up here first, by id and then by name. To an admin every well-formed id
+is a project (one that has nothing yet, about to get a quota or a flavor, included), and the list
+holds the projects Ferry knows (:func:`ferry.auth.known_projects`). A member sees her own project
+only: another is 404, as if unknown.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from aws_lambda_powertools.event_handler import Response
@@ -19,6 +22,8 @@ from ferry.api import request
 router = Router()
 
 PREFIX = "/identity/v3/projects"
+# What an admin may name as a project (Keystone's ids and the names Ferry's tokens use).
+PROJECT_ID = re.compile(r"^[A-Za-z0-9_.@-]{1,255}$")
 
 
 def _project(base_url: str, project_id: str) -> dict[str, Any]:
@@ -27,14 +32,21 @@ def _project(base_url: str, project_id: str) -> dict[str, Any]:
             "links": {"self": f"{base_url}{PREFIX}/{project_id}"}}
 
 
-def _visible(ctx: auth.RequestContext, projects: list[str]) -> list[str]:
-    return projects if ctx.is_admin else [p for p in projects if p == ctx.project_id]
+def _visible(ctx: auth.RequestContext, project_id: str | None) -> list[str]:
+    """The projects the caller may see: all Ferry knows, or only ``project_id`` (for an admin,
+    any well-formed id; for a member, her own)."""
+    if not ctx.is_admin:
+        own = ctx.project_id
+        return [own] if own and project_id in (None, own) else []
+    if project_id is None:
+        return auth.known_projects()
+    return [project_id] if PROJECT_ID.match(project_id) else []
 
 
 @router.get(f"{PREFIX}/<project_id>")
 def show_project(project_id: str) -> Response:
     ctx = request.caller(router)
-    if not _visible(ctx, auth.known_projects(project_id)):
+    if not _visible(ctx, project_id):
         raise errors.NotFound(f"Could not find project: {project_id}.")
     return request.json_response(200, {"project": _project(request.base_url(router), project_id)})
 
@@ -44,8 +56,7 @@ def list_projects() -> Response:
     """``?name=`` (or ``?id=``) narrows the list to that project."""
     ctx = request.caller(router)
     params = request.query(router)
-    wanted = request.last(params, "name") or request.last(params, "id")
-    projects = _visible(ctx, auth.known_projects(wanted))
+    projects = _visible(ctx, request.last(params, "name") or request.last(params, "id"))
     base_url = request.base_url(router)
     return request.json_response(200, {"projects": [_project(base_url, p) for p in projects],
                                        "links": {"self": f"{base_url}{PREFIX}", "next": None, "previous": None}})

@@ -7,12 +7,12 @@ from collections.abc import Iterable
 from typing import Any
 
 from ferry.api.microversions import APIVersion
+from ferry.validation import MAX_INT
 
 UUID_PATTERN = "^[0-9a-fA-F]{8}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{12}$"
 UUID = {"type": "string", "pattern": UUID_PATTERN}
 NAME = {"type": "string", "minLength": 1, "maxLength": 255}
 DESCRIPTION = {"type": ["string", "null"], "maxLength": 65535}
-MAX_INT = 2**31 - 1  # the largest value the databases' integer columns hold, as in Nova
 # A number or a string of digits; a string's bounds are checked where it is read (request.bounded_int).
 POSITIVE_INT = {"type": ["integer", "string"], "pattern": "^[0-9]+$", "minimum": 1, "maximum": MAX_INT}
 NON_NEGATIVE_INT = {"type": ["integer", "string"], "pattern": "^[0-9]+$", "minimum": 0, "maximum": MAX_INT}
@@ -42,7 +42,8 @@ _BLOCK_DEVICE = {
         "destination_type": {"enum": ["local", "volume"]},
         "uuid": {"type": "string", "minLength": 1, "maxLength": 255, "pattern": "^[a-zA-Z0-9._-]*$"},
         "boot_index": {"type": ["integer", "string", "null"], "pattern": "^-?[0-9]+$"},
-        "volume_size": {"type": ["integer", "string", "null"], "pattern": "^[0-9]+$", "minimum": 1},
+        "volume_size": {"type": ["integer", "string", "null"], "pattern": "^[0-9]+$", "minimum": 1,
+                        "maximum": MAX_INT},
         "delete_on_termination": BOOLEAN,
         "device_name": {"type": "string", "minLength": 1, "maxLength": 255},
         "device_type": {"type": "string", "maxLength": 255},
@@ -127,7 +128,7 @@ def flavor_create(version: APIVersion) -> dict[str, Any]:
             "vcpus": POSITIVE_INT,
             "disk": NON_NEGATIVE_INT,
             "OS-FLV-EXT-DATA:ephemeral": NON_NEGATIVE_INT,
-            "swap": {"type": ["integer", "string"], "pattern": "^[0-9]*$", "minimum": 0},
+            "swap": {"type": ["integer", "string"], "pattern": "^[0-9]*$", "minimum": 0, "maximum": MAX_INT},
             "rxtx_factor": {"type": ["number", "string"], "pattern": "^[0-9]+(\\.[0-9]+)?$"},
             "os-flavor-access:is_public": BOOLEAN,
         },

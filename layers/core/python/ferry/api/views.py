@@ -135,7 +135,7 @@ def server_detail(view: ViewContext, server: Server) -> dict[str, Any]:
     if view.at_least("2.73"):
         body["locked_reason"] = None
     if view.at_least("2.96"):
-        body["pinned_availability_zone"] = None
+        body["pinned_availability_zone"] = server.pinned_availability_zone
     return body
 
 

@@ -41,7 +41,7 @@ from sqlalchemy import CursorResult, delete, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from ferry import config, errors, hosts, images, network, policy, protocol, quotas, workflows
+from ferry import config, errors, hosts, images, network, policy, protocol, quotas, validation, workflows
 from ferry.auth import RequestContext
 from ferry.compute import actions, aggregates, flavor_access, instances, server_filters, states
 from ferry.compute.server_filters import ServerFilters
@@ -129,6 +129,8 @@ class Server:
     ports: list[dict[str, Any]] = field(default_factory=list)
     volumes: list[dict[str, Any]] = field(default_factory=list)
     cell: str | None = None
+    # The zone the server was asked for (the scheduler keeps it there), from its request spec.
+    pinned_availability_zone: str | None = None
 
     @property
     def status(self) -> str:
@@ -355,6 +357,9 @@ def _add_details(servers: list[Server], *, tags: bool = True) -> None:
                 wanted_all[str(port.device_id)].ports.append(
                     {"id": port.id, "network_id": port.network_id, "network_name": network_name,
                      "fixed_ip": port.fixed_ip, "mac_address": port.mac_address})
+            for uuid, spec in session.execute(select(RequestSpec.instance_uuid, RequestSpec.spec)
+                                              .where(RequestSpec.instance_uuid.in_(chunk))):
+                wanted_all[uuid].pinned_availability_zone = (spec or {}).get("availability_zone") or None
 
 
 def _read(location: Location) -> Server | None:
@@ -516,6 +521,9 @@ def _root_device(request: BootRequest) -> dict[str, Any] | None:
                                 "volume) or an existing volume (source_type volume) is supported.")
     if source == "image" and not bdm.get("volume_size"):
         raise errors.BadRequest("volume_size is required to create a root volume from an image.")
+    if bdm.get("volume_size") and not 1 <= int(bdm["volume_size"]) <= validation.MAX_INT:
+        raise errors.BadRequest(f"Invalid input for field/attribute volume_size. Value: {bdm['volume_size']}. "
+                                f"It must be from 1 to {validation.MAX_INT}")
     device = bdm.get("device_name")
     return {
         "source_type": source,
@@ -1022,8 +1030,10 @@ def list_flavors(ctx: RequestContext, *, is_public: bool | None = True, min_disk
     query = select(Flavor).order_by(Flavor.flavorid)
     if not ctx.is_admin:
         query = query.where(flavor_access.usable_clause(ctx), Flavor.disabled.is_(False))
+    elif is_public:  # as Nova: the public flavors and those the admin's own project has access to
+        query = query.where(flavor_access.usable_clause(ctx))
     elif is_public is not None:
-        query = query.where(Flavor.is_public.is_(is_public))
+        query = query.where(Flavor.is_public.is_(False))
     if min_disk is not None:
         query = query.where(Flavor.root_gb >= min_disk)
     if min_ram is not None:
@@ -1096,13 +1106,13 @@ def delete_flavor(flavorid: str) -> None:
     logger.info("flavor deleted", extra={"flavorid": flavorid})
 
 
-def get_extra_specs(flavorid: str) -> dict[str, str]:
-    """A flavor's extra specs.
+def get_extra_specs(flavorid: str, ctx: RequestContext | None = None) -> dict[str, str]:
+    """A flavor's extra specs (with ``ctx``, of a flavor the caller may use).
 
     Raises:
-        FlavorNotFound: no such flavor.
+        FlavorNotFound: no such flavor (or a private one the caller has no access to).
     """
-    return dict(get_flavor(flavorid).specs)
+    return dict(get_flavor(flavorid, ctx).specs)
 
 
 def set_extra_specs(flavorid: str, specs: Mapping[str, Any]) -> dict[str, str]:

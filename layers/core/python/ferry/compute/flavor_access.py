@@ -7,6 +7,7 @@ to it; to anyone else it does not exist: it is not listed, shown, booted or resi
 from __future__ import annotations
 
 from sqlalchemy import ColumnElement, or_, select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from ferry import errors
@@ -54,14 +55,18 @@ def add(flavorid: str, project_id: str) -> list[str]:
         FlavorNotFound: no such flavor.
         FlavorAccessExists: the flavor is public, or the project has access already.
     """
-    with api_session() as session:
-        flavor = _flavor(session, flavorid)
-        if flavor.is_public:
-            raise errors.FlavorAccessExists("Can not add access to a public flavor.")
-        if any(p.project_id == project_id for p in flavor.projects):
-            raise errors.FlavorAccessExists(
-                f"Flavor access already exists for flavor {flavorid} and project {project_id} combination.")
-        flavor.projects.append(FlavorProject(project_id=project_id))
+    exists = errors.FlavorAccessExists(
+        f"Flavor access already exists for flavor {flavorid} and project {project_id} combination.")
+    try:
+        with api_session() as session:
+            flavor = _flavor(session, flavorid)
+            if flavor.is_public:
+                raise errors.FlavorAccessExists("Can not add access to a public flavor.")
+            if any(p.project_id == project_id for p in flavor.projects):
+                raise exists
+            flavor.projects.append(FlavorProject(project_id=project_id))
+    except IntegrityError as exc:  # the same access given by a concurrent request
+        raise exists from exc
     logger.info("flavor access added", extra={"flavorid": flavorid, "project_id": project_id})
     return projects(flavorid)
 
