@@ -38,6 +38,21 @@ def test_is_public_filter_follows_nova_for_admins_and_members(private_flavor):
     assert call("GET", "/v2.1/flavors", caller=ADMIN, query={"is_public": "maybe"}).status == 400
 
 
+def test_flavors_sort_and_page_as_nova_does(cloud):
+    assert names(call("GET", "/v2.1/flavors/detail", query={"sort_key": "memory_mb", "sort_dir": "desc"})) == \
+        ["m1.medium", "m1.small"]
+    assert names(call("GET", "/v2.1/flavors", query={"sort_key": "name"})) == ["m1.medium", "m1.small"]
+    assert call("GET", "/v2.1/flavors", query={"sort_dir": "sideways"}).status == 400
+    assert call("GET", "/v2.1/flavors", query={"sort_key": "colour"}).status == 400
+
+    first = call("GET", "/v2.1/flavors", query={"limit": "1"}).body
+    assert [f["id"] for f in first["flavors"]] == ["1"]
+    assert first["flavors_links"][0]["href"].endswith("/v2.1/flavors?limit=1&marker=1")
+    rest = call("GET", "/v2.1/flavors", query={"limit": "1", "marker": "1"}).body
+    assert [f["id"] for f in rest["flavors"]] == ["2"]
+    assert "flavors_links" not in call("GET", "/v2.1/flavors").body
+
+
 def test_flavor_detail_has_the_fields_clients_read(cloud):
     flavor = call("GET", "/v2.1/flavors/detail", version="2.61").body["flavors"][0]
 

@@ -14,9 +14,8 @@ from test_api_support import ADMIN, ALICE, BOB, add_host, call, create_server, m
 
 from ferry import config, errors, workflows
 from ferry.auth import RequestContext
-from ferry.compute import aggregates
+from ferry.compute import aggregates, states
 from ferry.compute import api as compute_api
-from ferry.compute import states
 from ferry.store.api_models import (
     AggregateHost,
     BuildRequest,

@@ -38,13 +38,21 @@ def _int_param(name: str, value: str | None) -> int | None:
 
 def _list(detail: bool) -> Response:
     view = request.view_context(router)
-    params = {k: v[-1] for k, v in request.query(router).items() if v}
+    query = request.query(router)
+    params = {k: v[-1] for k, v in query.items() if v}
+    limit = request.parse_limit(params.get("limit"))
     flavors = compute_api.list_flavors(
         view.ctx, is_public=_is_public(params.get("is_public")), min_disk=_int_param("minDisk", params.get("minDisk")),
-        min_ram=_int_param("minRam", params.get("minRam")), limit=request.parse_limit(params.get("limit")),
-        marker=params.get("marker"))
+        min_ram=_int_param("minRam", params.get("minRam")), limit=limit, marker=params.get("marker"),
+        sort_key=params.get("sort_key") or "flavorid", sort_dir=(params.get("sort_dir") or "asc").lower())
     render = views.flavor_detail if detail else views.flavor_summary
-    return request.json_response(200, {"flavors": [render(view, flavor) for flavor in flavors]})
+    body: dict[str, Any] = {"flavors": [render(view, flavor) for flavor in flavors]}
+    page_size = compute_api.MAX_LIST_LIMIT if limit is None else min(limit, compute_api.MAX_LIST_LIMIT)
+    links = views.next_link(view, "flavors/detail" if detail else "flavors", query,
+                            [f.flavorid for f in flavors], page_size)
+    if links:
+        body["flavors_links"] = links
+    return request.json_response(200, body)
 
 
 @router.get("/flavors")

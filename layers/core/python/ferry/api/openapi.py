@@ -125,7 +125,8 @@ _SERVER_QUERY: dict[str, Schema] = {
     **{name: {"type": "array", "items": _STRING} for name in ("vm_state", "task_state", "sort_key", "sort_dir")},
     "power_state": {"type": "array", "items": _INTEGER}}
 _FLAVOR_QUERY: dict[str, Schema] = {
-    "is_public": _STRING, "minDisk": _INTEGER, "minRam": _INTEGER, "limit": _LIMIT, "marker": _STRING}
+    "is_public": _STRING, "minDisk": _INTEGER, "minRam": _INTEGER, "limit": _LIMIT, "marker": _STRING,
+    "sort_key": _STRING, "sort_dir": _STRING}
 _MIGRATION_QUERY: dict[str, Schema] = {
     "host": _STRING, "status": {"type": "array", "items": _STRING}, "migration_type": _STRING,
     "instance_uuid": _STRING, "source_compute": _STRING, "limit": _LIMIT, "marker": _STRING,

@@ -1016,18 +1016,34 @@ def get_flavor(flavorid: str, ctx: RequestContext | None = None) -> Flavor:
         return flavor
 
 
+# Flavor list sort keys (Nova's) and the columns they order by.
+FLAVOR_SORT_KEYS = {
+    "flavorid": Flavor.flavorid, "id": Flavor.flavorid, "name": Flavor.name, "memory_mb": Flavor.memory_mb,
+    "vcpus": Flavor.vcpus, "root_gb": Flavor.root_gb, "ephemeral_gb": Flavor.ephemeral_gb, "swap": Flavor.swap,
+    "rxtx_factor": Flavor.rxtx_factor, "is_public": Flavor.is_public, "disabled": Flavor.disabled,
+    "description": Flavor.description, "created_at": Flavor.created_at, "updated_at": Flavor.updated_at,
+}
+
+
 def list_flavors(ctx: RequestContext, *, is_public: bool | None = True, min_disk: int | None = None,
-                 min_ram: int | None = None, limit: int | None = None, marker: str | None = None) -> list[Flavor]:
-    """Flavors sorted by id, as Nova lists them.
+                 min_ram: int | None = None, limit: int | None = None, marker: str | None = None,
+                 sort_key: str = "flavorid", sort_dir: str = "asc") -> list[Flavor]:
+    """Flavors ordered by ``sort_key`` (one of :data:`FLAVOR_SORT_KEYS`; the flavor id breaks
+    ties) in ``sort_dir``, by id ascending by default, as Nova lists them.
 
     Non-admins see the enabled flavors they may use (public ones and private ones their project
     has access to) whatever they ask; admins choose with ``is_public`` (``None`` means public
     and private).
 
     Raises:
-        BadRequest: the marker is not a flavor in the list.
+        BadRequest: an unknown sort key or direction, or the marker is not a flavor in the list.
     """
-    query = select(Flavor).order_by(Flavor.flavorid)
+    if sort_key not in FLAVOR_SORT_KEYS or sort_dir not in ("asc", "desc"):
+        raise errors.BadRequest(f"Invalid sort key {sort_key!r} or direction {sort_dir!r} for flavors.")
+    column = FLAVOR_SORT_KEYS[sort_key]
+    ordering = column.desc() if sort_dir == "desc" else column.asc()
+    tiebreak = Flavor.flavorid.desc() if sort_dir == "desc" else Flavor.flavorid.asc()
+    query = select(Flavor).order_by(ordering, tiebreak)
     if not ctx.is_admin:
         query = query.where(flavor_access.usable_clause(ctx), Flavor.disabled.is_(False))
     elif is_public:  # as Nova: the public flavors and those the admin's own project has access to
