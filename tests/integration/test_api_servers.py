@@ -26,8 +26,9 @@ from ferry.store.api_models import (
     RequestSpec,
     Volume,
     VolumeAttachment,
+    utcnow,
 )
-from ferry.store.cell_models import Instance, InstanceAction, InstanceActionEvent, InstanceFault, Tag
+from ferry.store.cell_models import Instance, InstanceAction, InstanceActionEvent, InstanceFault, Service, Tag
 from ferry.store.db import api_session, cell_session
 from ferry.workflows import delete
 
@@ -342,6 +343,29 @@ def test_create_refuses_counts_out_of_range(cloud, counts, message):
 
     assert response.status == 400 and message in response.body["badRequest"]["message"]
     assert api_rows(BuildRequest) == []
+
+
+def test_admins_see_the_status_of_a_servers_host_from_2_16(cloud):
+    placed = {}
+    for name, host, service in (("up", "host-up", {}), ("off", "host-off", {"disabled": True}),
+                                ("down", "host-down", {"forced_down": True}),
+                                ("quiet", "host-quiet", {"last_seen_at": dt.datetime(2020, 1, 1)})):
+        placed[name] = create_server(name=name)
+        schedule(placed[name], host=host)
+        with cell_session("cell1") as session:
+            session.add(Service(host=host, **{"last_seen_at": utcnow(), **service}))
+    placed["waiting"] = create_server(name="waiting")
+
+    def status(server_id: str, caller=ADMIN, version: str = "2.16"):
+        return call("GET", f"/v2.1/servers/{server_id}", caller=caller, version=version).body["server"].get(
+            "host_status")
+
+    assert {name: status(server_id) for name, server_id in placed.items()} == \
+        {"up": "UP", "off": "MAINTENANCE", "down": "DOWN", "quiet": "UNKNOWN", "waiting": ""}
+    assert status(placed["up"], caller=ALICE) is None  # admins only
+    assert status(placed["up"], version="2.15") is None
+    listed = call("GET", "/v2.1/servers/detail", caller=ADMIN, version="2.16", query={"all_tenants": "1"})
+    assert {s["name"]: s["host_status"] for s in listed.body["servers"]}["off"] == "MAINTENANCE"
 
 
 def test_create_refuses_an_availability_zone_there_is_not(cloud):

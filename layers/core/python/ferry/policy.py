@@ -54,6 +54,7 @@ DEFAULT_RULES: dict[str, str] = {
     "os_compute_api:os-flavor-manage:create": ADMIN,
     "os_compute_api:os-flavor-manage:update": ADMIN,
     "os_compute_api:os-flavor-manage:delete": ADMIN,
+    "os_compute_api:servers:show:host_status": ADMIN,
     "os_compute_api:os-flavor-access": ADMIN,
     "os_compute_api:os-flavor-access:add_tenant_access": ADMIN,
     "os_compute_api:os-flavor-access:remove_tenant_access": ADMIN,

@@ -19,6 +19,7 @@ from ferry.api import request, schemas, server_query, views
 from ferry.api.microversions import APIVersion
 from ferry.auth import RequestContext
 from ferry.compute import api as compute_api
+from ferry.compute import services
 
 router = Router()
 
@@ -58,6 +59,8 @@ def _list(detail: bool) -> Response:
     if filters.all_tenants:
         policy.enforce(view.ctx, f"os_compute_api:servers:{kind}:get_all_tenants")
     servers = compute_api.list_servers(view.ctx, filters)
+    if detail:
+        _add_host_status(view, servers)
     render = views.server_detail if detail else views.server_summary
     body: dict[str, Any] = {"servers": [render(view, server) for server in servers]}
     page_size = min(filters.limit, compute_api.MAX_LIST_LIMIT) if filters.limit is not None \
@@ -67,6 +70,16 @@ def _list(detail: bool) -> Response:
     if next_link:
         body["servers_links"] = next_link
     return request.json_response(200, body)
+
+
+def _add_host_status(view: request.ViewContext, servers: list[compute_api.Server]) -> None:
+    """From 2.16, each server's ``host_status`` for the callers the policy allows (admins)."""
+    if not view.at_least("2.16"):
+        return
+    allowed = [s for s in servers if policy.check(view.ctx, "os_compute_api:servers:show:host_status", s.target)]
+    statuses = services.host_statuses(s.host for s in allowed if s.host)
+    for server in allowed:
+        server.host_status = statuses.get(server.host or "", services.HOST_NONE)
 
 
 @router.get("/servers")
@@ -84,6 +97,7 @@ def show_server(server_id: str) -> Response:
     view = request.view_context(router)
     server = compute_api.get_server(view.ctx, server_id)
     policy.enforce(view.ctx, "os_compute_api:servers:show", server.target)
+    _add_host_status(view, [server])
     return request.json_response(200, {"server": views.server_detail(view, server)})
 
 

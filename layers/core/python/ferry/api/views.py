@@ -124,6 +124,8 @@ def server_detail(view: ViewContext, server: Server) -> dict[str, Any]:
         body["OS-EXT-SRV-ATTR:instance_name"] = server.instance_name
     if view.at_least("2.9"):
         body["locked"] = server.locked
+    if view.at_least("2.16") and server.host_status is not None:
+        body["host_status"] = server.host_status
     if view.at_least("2.19"):
         body["description"] = None
     if view.at_least("2.26"):

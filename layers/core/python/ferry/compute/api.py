@@ -131,6 +131,8 @@ class Server:
     cell: str | None = None
     # The zone the server was asked for (the scheduler keeps it there), from its request spec.
     pinned_availability_zone: str | None = None
+    # Its host's status (2.16; only for callers the host_status policy allows), else None.
+    host_status: str | None = None
 
     @property
     def status(self) -> str:

@@ -12,6 +12,7 @@ so that clients written for Nova find it under the name they expect.
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,6 +80,29 @@ def _records(found: list[tuple[str, Service]]) -> list[ServiceRecord]:
     zones = aggregates.zones_of_hosts({s.host for _, s in found})
     now = utcnow()
     return [_record(cell, s, zones[s.host], now) for cell, s in found]
+
+
+# A server's host_status (2.16), from its host's compute service, as Nova words it.
+HOST_UP, HOST_DOWN, HOST_MAINTENANCE, HOST_UNKNOWN, HOST_NONE = "UP", "DOWN", "MAINTENANCE", "UNKNOWN", ""
+
+
+def host_statuses(host_names: Iterable[str]) -> dict[str, str]:
+    """Each host's status for the servers on it: ``DOWN`` when forced down, ``MAINTENANCE`` when
+    disabled, ``UP`` when heard from recently, else ``UNKNOWN``; ``""`` for a host without a
+    compute service."""
+    wanted = sorted(set(host_names))
+    statuses = dict.fromkeys(wanted, HOST_NONE)
+    if not wanted:
+        return statuses
+    now = utcnow()
+    for _cell, service in _find(Service.host.in_(wanted)):
+        if service.forced_down:
+            statuses[service.host] = HOST_DOWN
+        elif service.disabled:
+            statuses[service.host] = HOST_MAINTENANCE
+        else:
+            statuses[service.host] = HOST_UP if hosts.is_up(service, now) else HOST_UNKNOWN
+    return statuses
 
 
 def list_services(host: str | None = None, binary: str | None = None) -> list[ServiceRecord]:
