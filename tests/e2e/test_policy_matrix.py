@@ -175,6 +175,7 @@ NOT_A_REQUEST = {
     "os_compute_api:servers:create:zero_disk_flavor": "checked on create with a zero-disk flavor (boots a server)",
     "os_compute_api:os-extended-server-attributes": "which fields a server shows",
     "os_compute_api:servers:show:host_status": "which fields a server shows",
+    "compute:servers:create:requested_destination": "checked on create with a host (boots a server)",
     "os_compute_api:os-instance-actions:events": "which fields an event shows",
     "os_compute_api:os-instance-actions:events:details": "which fields an event shows",
     "compute:servers:resize:cross_cell": "whether the scheduler may pick another cell",

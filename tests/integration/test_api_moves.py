@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from sqlalchemy import select, update
-from test_api_servers import instance, schedule
+from test_api_servers import api_rows, instance, schedule
 from test_api_support import (
     ADMIN,
     ALICE,
@@ -27,7 +27,7 @@ from test_api_support import (
     mocked_cloud,
 )
 
-from ferry import config, errors, quotas
+from ferry import config, errors, images, quotas
 from ferry.compute import api as compute_api
 from ferry.compute import migration_states, moves, states
 from ferry.store import setup
@@ -524,6 +524,35 @@ def test_migrate_keeps_the_flavor_and_starts_the_resize_workflow(cloud):
     [execution] = cloud.executions("resize")
     assert execution["name"] == f"resize-{server_id}-{migration.uuid[:8]}"
     assert execution["input"]["requested_host"] is None
+
+
+def _create_on(host: dict, caller: Caller = ADMIN, version: str = "2.74"):
+    return call("POST", "/v2.1/servers", caller=caller, version=version, body={"server": {
+        "name": "placed", "flavorRef": "1", "imageRef": cloud_image(), "networks": "none", **host}})
+
+
+def cloud_image() -> str:
+    return images.list_images(name="cirros")[0]["id"]
+
+
+def test_admins_create_a_server_on_a_named_host_from_2_74(cloud):
+    created = _create_on({"host": "host2", "hypervisor_hostname": "host2"})
+
+    assert created.status == 202, created.body
+    spec = api_rows(RequestSpec, instance_uuid=created.body["server"]["id"])[0].spec
+    assert spec["requested_destination"] == {"host": "host2", "node": "host2"}
+
+
+@pytest.mark.parametrize(("host", "caller", "version", "status"), [
+    ({"host": "no-such-host"}, ADMIN, "2.74", 400),
+    ({"hypervisor_hostname": "no-such-node"}, ADMIN, "2.74", 400),
+    ({"host": "host1", "hypervisor_hostname": "host2"}, ADMIN, "2.74", 400),
+    ({"host": "host2"}, ALICE, "2.74", 403),
+    ({"host": "host2"}, ADMIN, "2.73", 400),  # not in the body before 2.74
+])
+def test_a_requested_host_that_is_not_one_or_not_allowed_creates_nothing(cloud, host, caller, version, status):
+    assert _create_on(host, caller, version).status == status
+    assert api_rows(RequestSpec) == []
 
 
 def test_migrate_to_a_named_host_from_2_56(cloud):

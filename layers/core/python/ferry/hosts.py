@@ -38,6 +38,15 @@ def cell_of_host(host: str) -> str | None:
         return mapping.cell.name if mapping else None
 
 
+def is_compute_host(host: str) -> bool:
+    """Whether ``host`` is a compute host: mapped to a cell, with a service record there."""
+    cell = cell_of_host(host)
+    if cell is None:
+        return False
+    with cell_session(cell) as session:
+        return session.scalars(select(Service.id).where(Service.host == host)).first() is not None
+
+
 def apply_report(report: dict[str, Any]) -> None:
     """Apply one agent report: inventory to placement, heartbeat to the host's service record.
 

@@ -55,6 +55,7 @@ DEFAULT_RULES: dict[str, str] = {
     "os_compute_api:os-flavor-manage:update": ADMIN,
     "os_compute_api:os-flavor-manage:delete": ADMIN,
     "os_compute_api:servers:show:host_status": ADMIN,
+    "compute:servers:create:requested_destination": ADMIN,
     "os_compute_api:os-flavor-access": ADMIN,
     "os_compute_api:os-flavor-access:add_tenant_access": ADMIN,
     "os_compute_api:os-flavor-access:remove_tenant_access": ADMIN,

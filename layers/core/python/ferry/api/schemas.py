@@ -21,6 +21,7 @@ BOOLEAN = {"type": ["boolean", "string"],
 TAG = {"type": "string", "minLength": 1, "maxLength": 60, "pattern": "^[^,/]*$"}
 METADATA = {"type": "object", "patternProperties": {"^.{1,255}$": {"type": "string", "maxLength": 255}},
             "additionalProperties": False}
+HOST_NAME = {"type": "string", "minLength": 1, "maxLength": 255, "pattern": "^[a-zA-Z0-9-._]*$"}
 HOST_HINT = {"oneOf": [UUID, {"type": "array", "items": UUID}]}
 
 _NETWORK_ITEM = {
@@ -92,7 +93,8 @@ _SCHEDULER_HINTS = {
 
 
 def server_create(version: APIVersion) -> dict[str, Any]:
-    """The body of ``POST /servers`` at ``version`` (networks required from 2.37, tags from 2.52)."""
+    """The body of ``POST /servers`` at ``version`` (networks required from 2.37, tags from 2.52,
+    a requested ``host``/``hypervisor_hostname`` from 2.74)."""
     server = copy.deepcopy(_SERVER_BASE)
     properties = server["properties"]
     if version.at_least("2.19"):
@@ -102,6 +104,8 @@ def server_create(version: APIVersion) -> dict[str, Any]:
         server["required"].append("networks")
     if version.at_least("2.52"):
         properties["tags"] = {"type": "array", "items": TAG, "maxItems": 50}
+    if version.at_least("2.74"):
+        properties["host"] = properties["hypervisor_hostname"] = HOST_NAME
     return {
         "type": "object",
         "properties": {"server": server, "os:scheduler_hints": _SCHEDULER_HINTS,

@@ -143,7 +143,8 @@ def boot_request(document: dict[str, Any]) -> compute_api.BootRequest:
         name=server["name"], flavor_ref=str(server["flavorRef"]), image_ref=server.get("imageRef") or None,
         networks=_networks(server), metadata=dict(server.get("metadata", {})), key_name=server.get("key_name"),
         availability_zone=server.get("availability_zone"), block_device_mapping=bdms,
-        tags=list(server.get("tags", [])), scheduler_hints=dict(hints))
+        tags=list(server.get("tags", [])), scheduler_hints=dict(hints), requested_host=server.get("host"),
+        requested_node=server.get("hypervisor_hostname"))
 
 
 @router.post("/servers")

@@ -23,9 +23,10 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from ferry import errors
+from ferry.hosts import is_compute_host
 from ferry.observability import logger
 from ferry.store.api_models import Aggregate, AggregateHost, AggregateMetadata, CellMapping, HostMapping, utcnow
-from ferry.store.cell_models import Instance, Service
+from ferry.store.cell_models import Instance
 from ferry.store.db import api_session, cell_session
 
 AZ_KEY = "availability_zone"
@@ -231,15 +232,6 @@ def delete_aggregate(aggregate_id: int) -> None:
     logger.info("aggregate deleted", extra={"aggregate_id": aggregate_id})
 
 
-def _known_host(session: Session, host: str) -> bool:
-    """Whether ``host`` is a compute host: mapped to a cell with a service record there."""
-    mapping = session.scalars(select(HostMapping).where(HostMapping.host == host)).one_or_none()
-    if mapping is None:
-        return False
-    with cell_session(mapping.cell) as cell:
-        return cell.scalars(select(Service.id).where(Service.host == host)).first() is not None
-
-
 def add_host(aggregate_id: int, host: str) -> AggregateRecord:
     """Put a compute host in an aggregate.
 
@@ -249,7 +241,7 @@ def add_host(aggregate_id: int, host: str) -> AggregateRecord:
     """
     with api_session() as session:
         aggregate = _load(session, aggregate_id, for_update=True)
-        if not _known_host(session, host):
+        if not is_compute_host(host):
             raise errors.NotFound(f"Compute host {host} could not be found.")
         if any(h.host == host for h in aggregate.hosts):
             raise errors.Conflict(f"Aggregate {aggregate_id} already has host {host}.")
@@ -275,7 +267,7 @@ def remove_host(aggregate_id: int, host: str) -> AggregateRecord:
         aggregate = _load(session, aggregate_id, for_update=True)
         member = next((h for h in aggregate.hosts if h.host == host), None)
         if member is None:
-            if not _known_host(session, host):
+            if not is_compute_host(host):
                 raise errors.NotFound(f"Compute host {host} could not be found.")
             raise errors.Conflict(f"Aggregate {aggregate_id} has no host {host}.")
         aggregate.hosts.remove(member)

@@ -166,6 +166,10 @@ class BootRequest:
     block_device_mapping: list[dict[str, Any]] = field(default_factory=list)
     tags: list[str] = field(default_factory=list)
     scheduler_hints: dict[str, Any] = field(default_factory=dict)
+    # The host and node (a node is named as its host) asked for (2.74, admins): the scheduler
+    # then checks that one only.
+    requested_host: str | None = None
+    requested_node: str | None = None
 
 
 # --- small helpers -------------------------------------------------------------------------------
@@ -477,6 +481,25 @@ def _bootable_flavor(session: Session, ctx: RequestContext, flavor_ref: str) -> 
     return flavor
 
 
+def _requested_destination(ctx: RequestContext, request: BootRequest) -> dict[str, str] | None:
+    """The host and node a create asks for, checked (None when it names neither).
+
+    Raises:
+        Forbidden: the caller may not choose where a server lands (admins only by default).
+        BadRequest: no such compute host, or a node that is not the named host's.
+    """
+    host, node = request.requested_host, request.requested_node
+    if host is None and node is None:
+        return None
+    policy.enforce(ctx, "compute:servers:create:requested_destination", {"project_id": ctx.project_id})
+    for name in (host, node):
+        if name is not None and not hosts.is_compute_host(name):
+            raise errors.BadRequest(f"Compute host {name} could not be found.")
+    if host is not None and node is not None and node != host:
+        raise errors.BadRequest(f"Compute node {node} could not be found on host {host}.")
+    return {key: value for key, value in (("host", host), ("node", node)) if value is not None}
+
+
 def _bootable_image(image_id: str) -> dict[str, Any]:
     try:
         image = images.get_image(image_id)
@@ -685,6 +708,7 @@ def create_server(ctx: RequestContext, request: BootRequest) -> str:
     root = _root_device(request)
     if request.availability_zone and request.availability_zone not in aggregates.zone_names():
         raise errors.BadRequest("The requested availability zone is not available")
+    destination = _requested_destination(ctx, request)
     with api_session() as session:
         flavor = _bootable_flavor(session, ctx, request.flavor_ref)
         snapshot = flavor_snapshot(flavor)
@@ -726,7 +750,7 @@ def create_server(ctx: RequestContext, request: BootRequest) -> str:
         save_request_spec(session, uuid, {
             "instance_uuid": uuid, "project_id": ctx.project_id, "user_id": ctx.user_id, "flavor": snapshot,
             "image": {"id": image_id}, "is_bfv": root is not None, "ignore_hosts": [],
-            "requested_destination": None, "allowed_cells": None,
+            "requested_destination": destination, "allowed_cells": None,
             "scheduler_hints": _scheduler_hints(request.scheduler_hints), "group": None,
             "availability_zone": request.availability_zone, "requested_networks": requested_networks,
         })

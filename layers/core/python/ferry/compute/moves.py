@@ -43,7 +43,7 @@ from ferry.compute.migration_states import (
     SETTLING,
 )
 from ferry.observability import logger
-from ferry.store.api_models import CellMapping, Flavor, HostMapping, InstanceMapping, new_uuid, utcnow
+from ferry.store.api_models import CellMapping, Flavor, InstanceMapping, new_uuid, utcnow
 from ferry.store.cell_models import (
     BlockDeviceMapping,
     Instance,
@@ -393,14 +393,8 @@ def _check_requested_host(host: str) -> None:
     Raises:
         ComputeHostNotFound: it is not.
     """
-    with api_session() as session:
-        mapping = session.scalars(select(HostMapping).where(HostMapping.host == host)).one_or_none()
-        cell = mapping.cell if mapping is not None else None
-    if cell is not None:
-        with cell_session(cell) as session:
-            if session.scalars(select(Service.id).where(Service.host == host)).first() is not None:
-                return
-    raise errors.ComputeHostNotFound(f"Compute host {host} could not be found.")
+    if not hosts.is_compute_host(host):
+        raise errors.ComputeHostNotFound(f"Compute host {host} could not be found.")
 
 
 def _is_volume_backed(session: Session, instance: Instance) -> bool:
