@@ -368,6 +368,15 @@ def test_admins_see_the_status_of_a_servers_host_from_2_16(cloud):
     assert {s["name"]: s["host_status"] for s in listed.body["servers"]}["off"] == "MAINTENANCE"
 
 
+@pytest.mark.parametrize("name", ["   ", " leading", "trailing ", "bell\x07"])
+def test_create_refuses_a_name_nova_refuses(cloud, name):
+    response = call("POST", "/v2.1/servers", version="2.90", body={"server": {
+        "name": name, "flavorRef": "1", "imageRef": cloud.image_id, "networks": "none"}})
+
+    assert response.status == 400 and "name" in response.body["badRequest"]["message"]
+    assert api_rows(BuildRequest) == []
+
+
 def test_create_refuses_an_availability_zone_there_is_not(cloud):
     response = call("POST", "/v2.1/servers", version="2.90", body={"server": {
         "name": "nowhere", "flavorRef": "1", "imageRef": cloud.image_id, "networks": "none",

@@ -12,6 +12,8 @@ from ferry.validation import MAX_INT
 UUID_PATTERN = "^[0-9a-fA-F]{8}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{12}$"
 UUID = {"type": "string", "pattern": UUID_PATTERN}
 NAME = {"type": "string", "minLength": 1, "maxLength": 255}
+# A server's name, as Nova takes it: no control characters, no leading or trailing blank.
+SERVER_NAME = {"type": "string", "minLength": 1, "maxLength": 255, "pattern": "^(?! )[^\\x00-\\x1f]+(?<! )$"}
 DESCRIPTION = {"type": ["string", "null"], "maxLength": 65535}
 # A number or a string of digits; a string's bounds are checked where it is read (request.bounded_int).
 POSITIVE_INT = {"type": ["integer", "string"], "pattern": "^[0-9]+$", "minimum": 1, "maximum": MAX_INT}
@@ -61,7 +63,7 @@ _BLOCK_DEVICE = {
 _SERVER_BASE: dict[str, Any] = {
     "type": "object",
     "properties": {
-        "name": NAME,
+        "name": SERVER_NAME,
         "imageRef": {"type": "string", "maxLength": 255},
         "flavorRef": {"type": ["string", "integer"], "minLength": 1},
         "networks": {"type": "array", "items": _NETWORK_ITEM},
