@@ -239,9 +239,10 @@ def add_host(aggregate_id: int, host: str) -> AggregateRecord:
         NotFound: no such aggregate, or ``host`` is not a compute host.
         Conflict: the host is in the aggregate already, or is in another availability zone.
     """
+    known = is_compute_host(host)  # read before the aggregate is locked (its own sessions)
     with api_session() as session:
         aggregate = _load(session, aggregate_id, for_update=True)
-        if not is_compute_host(host):
+        if not known:
             raise errors.NotFound(f"Compute host {host} could not be found.")
         if any(h.host == host for h in aggregate.hosts):
             raise errors.Conflict(f"Aggregate {aggregate_id} already has host {host}.")
@@ -263,11 +264,12 @@ def remove_host(aggregate_id: int, host: str) -> AggregateRecord:
         NotFound: no such aggregate, or ``host`` is not a compute host.
         Conflict: the host is not in the aggregate.
     """
+    known = is_compute_host(host)  # read before the aggregate is locked (its own sessions)
     with api_session() as session:
         aggregate = _load(session, aggregate_id, for_update=True)
         member = next((h for h in aggregate.hosts if h.host == host), None)
         if member is None:
-            if not is_compute_host(host):
+            if not known:
                 raise errors.NotFound(f"Compute host {host} could not be found.")
             raise errors.Conflict(f"Aggregate {aggregate_id} has no host {host}.")
         aggregate.hosts.remove(member)
