@@ -39,17 +39,21 @@ def test_is_public_filter_follows_nova_for_admins_and_members(private_flavor):
 
 
 def test_flavors_sort_and_page_as_nova_does(cloud):
+    compute_api.create_flavor(name="a.big", vcpus=1, memory_mb=8192, root_gb=1, flavorid="0")
     assert names(call("GET", "/v2.1/flavors/detail", query={"sort_key": "memory_mb", "sort_dir": "desc"})) == \
-        ["m1.medium", "m1.small"]
-    assert names(call("GET", "/v2.1/flavors", query={"sort_key": "name"})) == ["m1.medium", "m1.small"]
+        ["a.big", "m1.medium", "m1.small"]
+    assert names(call("GET", "/v2.1/flavors", query={"sort_key": "name"})) == ["a.big", "m1.medium", "m1.small"]
+    assert names(call("GET", "/v2.1/flavors", query={"sort_key": "id", "sort_dir": "desc"})) == \
+        ["a.big", "m1.medium", "m1.small"]  # the internal id: creation order
+    assert names(call("GET", "/v2.1/flavors")) == ["a.big", "m1.small", "m1.medium"]  # flavor id ascending
     assert call("GET", "/v2.1/flavors", query={"sort_dir": "sideways"}).status == 400
     assert call("GET", "/v2.1/flavors", query={"sort_key": "colour"}).status == 400
 
     first = call("GET", "/v2.1/flavors", query={"limit": "1"}).body
-    assert [f["id"] for f in first["flavors"]] == ["1"]
-    assert first["flavors_links"][0]["href"].endswith("/v2.1/flavors?limit=1&marker=1")
-    rest = call("GET", "/v2.1/flavors", query={"limit": "1", "marker": "1"}).body
-    assert [f["id"] for f in rest["flavors"]] == ["2"]
+    assert [f["id"] for f in first["flavors"]] == ["0"]
+    assert first["flavors_links"][0]["href"].endswith("/v2.1/flavors?limit=1&marker=0")
+    rest = call("GET", "/v2.1/flavors", query={"limit": "2", "marker": "0"}).body
+    assert [f["id"] for f in rest["flavors"]] == ["1", "2"]
     assert "flavors_links" not in call("GET", "/v2.1/flavors").body
 
 

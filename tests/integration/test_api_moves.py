@@ -27,7 +27,7 @@ from test_api_support import (
     mocked_cloud,
 )
 
-from ferry import config, errors, images, quotas
+from ferry import config, errors, images, placement, quotas
 from ferry.compute import api as compute_api
 from ferry.compute import migration_states, moves, states
 from ferry.store import setup
@@ -535,22 +535,33 @@ def cloud_image() -> str:
     return images.list_images(name="cirros")[0]["id"]
 
 
-def test_admins_create_a_server_on_a_named_host_from_2_74(cloud):
-    created = _create_on({"host": "host2", "hypervisor_hostname": "host2"})
+@pytest.fixture
+def nodes(cloud):
+    """Compute nodes named apart from their hosts, as an agent started with --node reports them."""
+    for host in ("host1", "host2"):
+        placement.ensure_provider(host, f"{host}-node", None, {})
+
+
+@pytest.mark.parametrize("asked", [{"host": "host2", "hypervisor_hostname": "host2-node"}, {"host": "host2"},
+                                   {"hypervisor_hostname": "host2-node"}])
+def test_admins_create_a_server_on_a_named_host_or_node_from_2_74(cloud, nodes, asked):
+    created = _create_on(asked)
 
     assert created.status == 202, created.body
     spec = api_rows(RequestSpec, instance_uuid=created.body["server"]["id"])[0].spec
-    assert spec["requested_destination"] == {"host": "host2", "node": "host2"}
+    assert spec["requested_destination"] == {("node" if k == "hypervisor_hostname" else k): v for k, v in asked.items()}
 
 
 @pytest.mark.parametrize(("host", "caller", "version", "status"), [
     ({"host": "no-such-host"}, ADMIN, "2.74", 400),
     ({"hypervisor_hostname": "no-such-node"}, ADMIN, "2.74", 400),
-    ({"host": "host1", "hypervisor_hostname": "host2"}, ADMIN, "2.74", 400),
+    ({"hypervisor_hostname": "host2"}, ADMIN, "2.74", 400),  # a host's name is not its node's here
+    ({"host": "host1", "hypervisor_hostname": "host2-node"}, ADMIN, "2.74", 400),
     ({"host": "host2"}, ALICE, "2.74", 403),
     ({"host": "host2"}, ADMIN, "2.73", 400),  # not in the body before 2.74
 ])
-def test_a_requested_host_that_is_not_one_or_not_allowed_creates_nothing(cloud, host, caller, version, status):
+def test_a_requested_host_that_is_not_one_or_not_allowed_creates_nothing(cloud, nodes, host, caller, version,
+                                                                        status):
     assert _create_on(host, caller, version).status == status
     assert api_rows(RequestSpec) == []
 

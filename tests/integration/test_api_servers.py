@@ -355,13 +355,17 @@ def test_admins_see_the_status_of_a_servers_host_from_2_16(cloud):
         with cell_session("cell1") as session:
             session.add(Service(host=host, **{"last_seen_at": utcnow(), **service}))
     placed["waiting"] = create_server(name="waiting")
+    placed["elsewhere"] = create_server(name="elsewhere")  # the same host name in another cell
+    schedule(placed["elsewhere"], "cell2", host="host-off")
+    with cell_session("cell2") as session:
+        session.add(Service(host="host-off", last_seen_at=utcnow()))
 
     def status(server_id: str, caller=ADMIN, version: str = "2.16"):
         return call("GET", f"/v2.1/servers/{server_id}", caller=caller, version=version).body["server"].get(
             "host_status")
 
     assert {name: status(server_id) for name, server_id in placed.items()} == \
-        {"up": "UP", "off": "MAINTENANCE", "down": "DOWN", "quiet": "UNKNOWN", "waiting": ""}
+        {"up": "UP", "off": "MAINTENANCE", "down": "DOWN", "quiet": "UNKNOWN", "waiting": "", "elsewhere": "UP"}
     assert status(placed["up"], caller=ALICE) is None  # admins only
     assert status(placed["up"], version="2.15") is None
     listed = call("GET", "/v2.1/servers/detail", caller=ADMIN, version="2.16", query={"all_tenants": "1"})

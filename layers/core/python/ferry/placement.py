@@ -775,6 +775,12 @@ def provider_by_node(node: str) -> str:
     return provider.uuid
 
 
+def host_of_node(node: str) -> str | None:
+    """The host of compute node ``node`` (its resource provider's), or None when there is no such node."""
+    provider = _provider_where(ResourceProvider.name == node)
+    return provider.host if provider is not None else None
+
+
 # --- allocation candidates ----------------------------------------------------------------------
 
 

@@ -77,9 +77,13 @@ def _add_host_status(view: request.ViewContext, servers: list[compute_api.Server
     if not view.at_least("2.16"):
         return
     allowed = [s for s in servers if policy.check(view.ctx, "os_compute_api:servers:show:host_status", s.target)]
-    statuses = services.host_statuses(s.host for s in allowed if s.host)
+    by_cell: dict[str, set[str]] = {}
     for server in allowed:
-        server.host_status = statuses.get(server.host or "", services.HOST_NONE)
+        if server.cell and server.host:
+            by_cell.setdefault(server.cell, set()).add(server.host)
+    statuses = services.host_statuses(by_cell)
+    for server in allowed:
+        server.host_status = statuses.get((server.cell or "", server.host or ""), services.HOST_NONE)
 
 
 @router.get("/servers")

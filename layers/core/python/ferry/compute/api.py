@@ -41,7 +41,7 @@ from sqlalchemy import CursorResult, delete, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from ferry import config, errors, hosts, images, network, policy, protocol, quotas, validation, workflows
+from ferry import config, errors, hosts, images, network, placement, policy, protocol, quotas, validation, workflows
 from ferry.auth import RequestContext
 from ferry.compute import actions, aggregates, flavor_access, instances, server_filters, states
 from ferry.compute.server_filters import ServerFilters
@@ -166,8 +166,7 @@ class BootRequest:
     block_device_mapping: list[dict[str, Any]] = field(default_factory=list)
     tags: list[str] = field(default_factory=list)
     scheduler_hints: dict[str, Any] = field(default_factory=dict)
-    # The host and node (a node is named as its host) asked for (2.74, admins): the scheduler
-    # then checks that one only.
+    # The host and compute node asked for (2.74, admins): the scheduler then checks that one only.
     requested_host: str | None = None
     requested_node: str | None = None
 
@@ -492,11 +491,13 @@ def _requested_destination(ctx: RequestContext, request: BootRequest) -> dict[st
     if host is None and node is None:
         return None
     policy.enforce(ctx, "compute:servers:create:requested_destination", {"project_id": ctx.project_id})
-    for name in (host, node):
-        if name is not None and not hosts.is_compute_host(name):
-            raise errors.BadRequest(f"Compute host {name} could not be found.")
-    if host is not None and node is not None and node != host:
-        raise errors.BadRequest(f"Compute node {node} could not be found on host {host}.")
+    if host is not None and not hosts.is_compute_host(host):
+        raise errors.BadRequest(f"Compute host {host} could not be found.")
+    if node is not None:
+        node_host = placement.host_of_node(node)
+        if node_host is None or (host is not None and node_host != host):
+            raise errors.BadRequest(f"Compute node {node} could not be found"
+                                    + (f" on host {host}." if host is not None else "."))
     return {key: value for key, value in (("host", host), ("node", node)) if value is not None}
 
 
@@ -1044,7 +1045,7 @@ def get_flavor(flavorid: str, ctx: RequestContext | None = None) -> Flavor:
 
 # Flavor list sort keys (Nova's) and the columns they order by.
 FLAVOR_SORT_KEYS = {
-    "flavorid": Flavor.flavorid, "id": Flavor.flavorid, "name": Flavor.name, "memory_mb": Flavor.memory_mb,
+    "flavorid": Flavor.flavorid, "id": Flavor.id, "name": Flavor.name, "memory_mb": Flavor.memory_mb,
     "vcpus": Flavor.vcpus, "root_gb": Flavor.root_gb, "ephemeral_gb": Flavor.ephemeral_gb, "swap": Flavor.swap,
     "rxtx_factor": Flavor.rxtx_factor, "is_public": Flavor.is_public, "disabled": Flavor.disabled,
     "description": Flavor.description, "created_at": Flavor.created_at, "updated_at": Flavor.updated_at,

@@ -65,7 +65,9 @@ def add(flavorid: str, project_id: str) -> list[str]:
             if any(p.project_id == project_id for p in flavor.projects):
                 raise exists
             flavor.projects.append(FlavorProject(project_id=project_id))
-    except IntegrityError as exc:  # the same access given by a concurrent request
+    except IntegrityError as exc:  # the same access given, or the flavor deleted, by a concurrent request
+        with api_session() as session:
+            _flavor(session, flavorid)
         raise exists from exc
     logger.info("flavor access added", extra={"flavorid": flavorid, "project_id": project_id})
     return projects(flavorid)

@@ -12,7 +12,7 @@ so that clients written for Nova find it under the name they expect.
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,23 +86,30 @@ def _records(found: list[tuple[str, Service]]) -> list[ServiceRecord]:
 HOST_UP, HOST_DOWN, HOST_MAINTENANCE, HOST_UNKNOWN, HOST_NONE = "UP", "DOWN", "MAINTENANCE", "UNKNOWN", ""
 
 
-def host_statuses(host_names: Iterable[str]) -> dict[str, str]:
-    """Each host's status for the servers on it: ``DOWN`` when forced down, ``MAINTENANCE`` when
-    disabled, ``UP`` when heard from recently, else ``UNKNOWN``; ``""`` for a host without a
-    compute service."""
-    wanted = sorted(set(host_names))
-    statuses = dict.fromkeys(wanted, HOST_NONE)
-    if not wanted:
-        return statuses
+def host_statuses(hosts_by_cell: Mapping[str, Iterable[str]]) -> dict[tuple[str, str], str]:
+    """The status of each ``(cell, host)`` for the servers on it, read in those cells only:
+    ``DOWN`` when forced down, ``MAINTENANCE`` when disabled, ``UP`` when heard from recently,
+    else ``UNKNOWN``; ``""`` for a host without a compute service."""
+    statuses: dict[tuple[str, str], str] = {}
     now = utcnow()
-    for _cell, service in _find(Service.host.in_(wanted)):
-        if service.forced_down:
-            statuses[service.host] = HOST_DOWN
-        elif service.disabled:
-            statuses[service.host] = HOST_MAINTENANCE
-        else:
-            statuses[service.host] = HOST_UP if hosts.is_up(service, now) else HOST_UNKNOWN
+    for cell, names in hosts_by_cell.items():
+        wanted = sorted(set(names))
+        statuses.update(((cell, host), HOST_NONE) for host in wanted)
+        if not wanted:
+            continue
+        with cell_session(cell) as session:
+            found = list(session.scalars(select(Service).where(Service.host.in_(wanted))))
+        for service in found:
+            statuses[(cell, service.host)] = _host_status(service, now)
     return statuses
+
+
+def _host_status(service: Service, now: dt.datetime) -> str:
+    if service.forced_down:
+        return HOST_DOWN
+    if service.disabled:
+        return HOST_MAINTENANCE
+    return HOST_UP if hosts.is_up(service, now) else HOST_UNKNOWN
 
 
 def list_services(host: str | None = None, binary: str | None = None) -> list[ServiceRecord]:
