@@ -218,3 +218,9 @@ def test_a_private_flavor_is_for_the_projects_with_access_only(cloud, private_fl
     assert visible(ALICE) == (200, True) and boot(ALICE) == 202
     assert visible(BOB) == (404, False) and boot(BOB) == 400
     assert visible(ADMIN) == (200, True)
+
+
+def test_a_project_id_the_identity_look_up_finds_can_be_given_access(private_flavor):
+    assert call("GET", "/identity/v3/projects/team.a@example", caller=ADMIN).status == 200
+    assert _access(private_flavor, "addTenantAccess", "team.a@example").status == 200
+    assert _access(private_flavor, "addTenantAccess", "not a project").status == 400

@@ -17,13 +17,12 @@ from aws_lambda_powertools.event_handler import Response
 from aws_lambda_powertools.event_handler.api_gateway import Router
 
 from ferry import auth, errors
-from ferry.api import request
+from ferry.api import request, schemas
 
 router = Router()
 
 PREFIX = "/identity/v3/projects"
-# What an admin may name as a project (Keystone's ids and the names Ferry's tokens use).
-PROJECT_ID = re.compile(r"^[A-Za-z0-9_.@-]{1,255}$")
+PROJECT_ID = re.compile(schemas.PROJECT_ID_PATTERN)
 
 
 def _project(base_url: str, project_id: str) -> dict[str, Any]:

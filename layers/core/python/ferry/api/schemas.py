@@ -199,8 +199,9 @@ MIGRATE_ACTION_V256 = {
 
 # --- quotas -----------------------------------------------------------------------------------------
 
-_TENANT = {"type": "object", "properties": {"tenant": {"type": "string", "minLength": 1, "maxLength": 255,
-                                                         "pattern": "^[a-zA-Z0-9-_]*$"}},
+# A project id as Ferry takes one (Keystone's ids, and the names Ferry's tokens use).
+PROJECT_ID_PATTERN = "^[A-Za-z0-9_.@-]{1,255}$"
+_TENANT = {"type": "object", "properties": {"tenant": {"type": "string", "pattern": PROJECT_ID_PATTERN}},
            "required": ["tenant"], "additionalProperties": False}
 FLAVOR_ACTION = {"oneOf": [{"type": "object", "properties": {name: _TENANT}, "required": [name],
                             "additionalProperties": False} for name in ("addTenantAccess", "removeTenantAccess")]}
