@@ -381,10 +381,18 @@ def test_create_refuses_a_name_nova_refuses(cloud, name):
     assert api_rows(BuildRequest) == []
 
 
-def test_create_refuses_an_availability_zone_there_is_not(cloud):
+@pytest.mark.parametrize("zone", ["bogus", "empty-zone", "disabled-zone"])
+def test_create_refuses_an_availability_zone_no_enabled_host_is_in(cloud, zone):
+    aggregates.create_aggregate("empty", "empty-zone")
+    disabled = aggregates.create_aggregate("disabled", "disabled-zone")
+    with api_session() as session:
+        session.add(AggregateHost(aggregate_id=disabled.id, host="host-off"))
+    with cell_session("cell1") as session:
+        session.add(Service(host="host-off", disabled=True, last_seen_at=utcnow()))
+
     response = call("POST", "/v2.1/servers", version="2.90", body={"server": {
         "name": "nowhere", "flavorRef": "1", "imageRef": cloud.image_id, "networks": "none",
-        "availability_zone": "bogus"}})
+        "availability_zone": zone}})
 
     assert response.status == 400
     assert response.body["badRequest"]["message"] == "The requested availability zone is not available"
@@ -395,6 +403,8 @@ def test_a_server_shows_the_zone_of_its_host(cloud):
     zone = aggregates.create_aggregate("zone-1", "az1")
     with api_session() as session:  # as aggregates.add_host records it
         session.add(AggregateHost(aggregate_id=zone.id, host="host1"))
+    with cell_session("cell1") as session:
+        session.add(Service(host="host1", last_seen_at=utcnow()))
     pinned = create_server(name="pinned", availability_zone="az1")
     waiting = create_server(name="waiting", availability_zone="az1")
     anywhere = create_server(name="anywhere")

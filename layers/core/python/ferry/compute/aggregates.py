@@ -328,13 +328,6 @@ def zones_of_hosts(hosts: Iterable[str]) -> dict[str, str]:
     return zones
 
 
-def zone_names() -> set[str]:
-    """The availability zones there are: those aggregates give their hosts, and the default zone."""
-    with api_session() as session:
-        return {DEFAULT_AVAILABILITY_ZONE, *session.scalars(
-            select(AggregateMetadata.value).where(AggregateMetadata.key == AZ_KEY).distinct())}
-
-
 def zone_in(metadata: Iterable[Mapping[str, str]]) -> str:
     """The zone a host is in, from the metadata of its aggregates (the default zone when none has one)."""
     return min((m[AZ_KEY] for m in metadata if AZ_KEY in m), default=DEFAULT_AVAILABILITY_ZONE)

@@ -43,7 +43,7 @@ from sqlalchemy.orm import Session
 
 from ferry import config, errors, hosts, images, network, placement, policy, protocol, quotas, validation, workflows
 from ferry.auth import RequestContext
-from ferry.compute import actions, aggregates, flavor_access, instances, server_filters, states
+from ferry.compute import actions, aggregates, flavor_access, instances, server_filters, services, states
 from ferry.compute.server_filters import ServerFilters
 from ferry.observability import logger
 from ferry.store.api_models import (
@@ -707,7 +707,7 @@ def create_server(ctx: RequestContext, request: BootRequest) -> str:
         Conflict: a port already in use, a fixed IP taken, a network out of addresses.
     """
     root = _root_device(request)
-    if request.availability_zone and request.availability_zone not in aggregates.zone_names():
+    if request.availability_zone and request.availability_zone not in services.available_zones():
         raise errors.BadRequest("The requested availability zone is not available")
     destination = _requested_destination(ctx, request)
     with api_session() as session:

@@ -112,6 +112,12 @@ def _host_status(service: Service, now: dt.datetime) -> str:
     return HOST_UP if hosts.is_up(service, now) else HOST_UNKNOWN
 
 
+def available_zones() -> set[str]:
+    """The zones a server may be asked for: those with an enabled compute service (Nova's
+    available zones; a disabled zone, or one with no hosts, leaves a server nowhere to go)."""
+    return {record.zone for record in list_services() if not record.disabled}
+
+
 def list_services(host: str | None = None, binary: str | None = None) -> list[ServiceRecord]:
     """Every compute service, cell by cell, optionally only ``host``'s or only ``binary``'s."""
     if binary is not None and binary != COMPUTE_BINARY:
