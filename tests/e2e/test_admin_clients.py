@@ -150,6 +150,22 @@ def test_the_cli_disables_a_host_and_the_scheduler_skips_it(cli, local_stack, se
     assert (enabled[hosts[0]]["Status"], enabled[hosts[0]]["Disabled Reason"]) == ("enabled", None)
 
 
+def test_the_cli_places_a_server_on_a_named_host_and_lists_one_projects_servers(cli, local_stack, servers):
+    host = sorted(local_stack.hosts)[-1]
+    name = f"e2e-placed-{uuid.uuid4().hex[:8]}"
+    created = cli.json("--os-compute-api-version", "2.74", "server", "create", "--flavor", "ferry.tiny",
+                       "--image", local_stack.seeded.image["name"], "--nic", "none", "--host", host, "--wait", name)
+    servers.created.append(created["id"])
+
+    shown = cli.json("--os-compute-api-version", "2.74", "server", "show", name)
+    assert (shown["status"], shown["OS-EXT-SRV-ATTR:host"], shown["host_status"]) == ("ACTIVE", host, "UP")
+
+    # the admin lists the project demo's servers, the CLI looking the project up first
+    demo_server = servers.boot(name="e2e-project-list")
+    listed = {s["ID"] for s in cli.json("server", "list", "--project", "demo")}
+    assert demo_server["id"] in listed and created["id"] not in listed
+
+
 # openstacksdk warns about its own deprecations on nearly every call.
 @pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::PendingDeprecationWarning")
 def test_openstacksdk_drives_aggregates_and_services(local_stack, monkeypatch, aggregate_names, restore_services):
