@@ -893,11 +893,8 @@ def _abandon_unstarted(cell: str, instance_uuid: str, migration_uuid: str, slot:
     Raises:
         MoveStillRunning: the move's workflow, or its confirm's or revert's, still runs.
     """
-    try:
-        moves.abandon_prepared_move(cell, instance_uuid, migration_uuid, slot["request_id"])
-    except errors.InstanceNotFound:
-        pass
-    try:
+    moves.abandon_prepared_move(cell, instance_uuid, migration_uuid, slot["request_id"])
+    try:  # the server is looked for where it is now; a deleted one has nothing left to undo
         moves.abandon_prepared_confirm(instances.cell_of(instance_uuid).name, instance_uuid, migration_uuid,
                                        _confirm_request_id(slot))
     except errors.InstanceNotFound:

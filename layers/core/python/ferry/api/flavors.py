@@ -10,7 +10,6 @@ from aws_lambda_powertools.event_handler.api_gateway import Router
 from ferry import errors, policy
 from ferry.api import request, schemas, views
 from ferry.compute import api as compute_api
-from ferry.compute import flavor_access
 
 router = Router()
 
@@ -47,9 +46,8 @@ def _list(detail: bool) -> Response:
         sort_key=params.get("sort_key") or "flavorid", sort_dir=(params.get("sort_dir") or "asc").lower())
     render = views.flavor_detail if detail else views.flavor_summary
     body: dict[str, Any] = {"flavors": [render(view, flavor) for flavor in flavors]}
-    page_size = compute_api.MAX_LIST_LIMIT if limit is None else min(limit, compute_api.MAX_LIST_LIMIT)
     links = views.next_link(view, "flavors/detail" if detail else "flavors", query,
-                            [f.flavorid for f in flavors], page_size)
+                            [f.flavorid for f in flavors], compute_api.page_size(limit))
     if links:
         body["flavors_links"] = links
     return request.json_response(200, body)
@@ -174,7 +172,7 @@ def _access(flavor_id: str, projects: list[str]) -> Response:
 def list_flavor_access(flavor_id: str) -> Response:
     ctx = request.caller(router)
     policy.enforce(ctx, "os_compute_api:os-flavor-access")
-    return _access(flavor_id, flavor_access.projects(flavor_id))
+    return _access(flavor_id, compute_api.flavor_projects(flavor_id))
 
 
 @router.post("/flavors/<flavor_id>/action")
@@ -184,6 +182,6 @@ def flavor_action(flavor_id: str) -> Response:
     body = request.body(router, schemas.FLAVOR_ACTION)
     if "addTenantAccess" in body:
         policy.enforce(ctx, "os_compute_api:os-flavor-access:add_tenant_access")
-        return _access(flavor_id, flavor_access.add(flavor_id, body["addTenantAccess"]["tenant"]))
+        return _access(flavor_id, compute_api.add_flavor_access(flavor_id, body["addTenantAccess"]["tenant"]))
     policy.enforce(ctx, "os_compute_api:os-flavor-access:remove_tenant_access")
-    return _access(flavor_id, flavor_access.remove(flavor_id, body["removeTenantAccess"]["tenant"]))
+    return _access(flavor_id, compute_api.remove_flavor_access(flavor_id, body["removeTenantAccess"]["tenant"]))

@@ -31,11 +31,8 @@ def _filters(view: ViewContext, params: dict[str, list[str]]) -> moves.Migration
     def last(name: str) -> str | None:
         return request.last(params, name)
 
-    since, before = last("changes-since"), last("changes-before")
-    changes_since = request.parse_timestamp("changes-since", since) if view.at_least("2.59") else None
-    changes_before = request.parse_timestamp("changes-before", before) if view.at_least("2.66") else None
-    if changes_since and changes_before and changes_since > changes_before:
-        raise errors.BadRequest("The value of changes-since must be less than or equal to changes-before.")
+    changes_since, changes_before = request.time_window(last("changes-since") if view.at_least("2.59") else None,
+                                                        last("changes-before") if view.at_least("2.66") else None)
     by_owner = view.at_least("2.80")
     return moves.MigrationFilters(
         host=last("host"), statuses=tuple(params["status"]) if params.get("status") else None,

@@ -178,6 +178,19 @@ def parse_timestamp(name: str, value: str | None) -> dt.datetime | None:
     return parsed
 
 
+def time_window(since: str | None, before: str | None) -> tuple[dt.datetime | None, dt.datetime | None]:
+    """``changes-since`` and ``changes-before`` (each None when not asked for) as naive UTC.
+
+    Raises:
+        BadRequest: either is not a timestamp, or the window ends before it starts.
+    """
+    changes_since = parse_timestamp("changes-since", since)
+    changes_before = parse_timestamp("changes-before", before)
+    if changes_since and changes_before and changes_since > changes_before:
+        raise errors.BadRequest("The value of changes-since must be less than or equal to changes-before.")
+    return changes_since, changes_before
+
+
 def parse_limit(value: str | None) -> int | None:
     """The ``limit`` query parameter.
 

@@ -85,10 +85,7 @@ def parse(view: ViewContext, params: Mapping[str, list[str]]) -> ServerFilters:
     def last(name: str) -> str | None:
         return request.last(usable, name)
 
-    changes_since = request.parse_timestamp("changes-since", last("changes-since"))
-    changes_before = request.parse_timestamp("changes-before", last("changes-before"))
-    if changes_since and changes_before and changes_since > changes_before:
-        raise errors.BadRequest("The value of changes-since must be less than or equal to changes-before.")
+    changes_since, changes_before = request.time_window(last("changes-since"), last("changes-before"))
     locked = last("locked")
     return ServerFilters(
         name=_pattern("name", last("name")),

@@ -63,10 +63,8 @@ def _list(detail: bool) -> Response:
         _add_host_status(view, servers)
     render = views.server_detail if detail else views.server_summary
     body: dict[str, Any] = {"servers": [render(view, server) for server in servers]}
-    page_size = min(filters.limit, compute_api.MAX_LIST_LIMIT) if filters.limit is not None \
-        else compute_api.MAX_LIST_LIMIT
     next_link = views.next_link(view, "servers/detail" if detail else "servers", params,
-                                [s.uuid for s in servers], page_size)
+                                [s.uuid for s in servers], compute_api.page_size(filters.limit))
     if next_link:
         body["servers_links"] = next_link
     return request.json_response(200, body)
@@ -228,13 +226,9 @@ def list_instance_actions(server_id: str) -> Response:
 
     # Paging and the time filters exist from 2.58 (changes-before from 2.66), as in Nova.
     paged = view.at_least("2.58")
-    requested = request.parse_limit(last("limit")) if paged else None
-    limit = min(compute_api.MAX_LIST_LIMIT if requested is None else requested, compute_api.MAX_LIST_LIMIT) \
-        if paged else None
-    since = request.parse_timestamp("changes-since", last("changes-since")) if paged else None
-    before = request.parse_timestamp("changes-before", last("changes-before")) if view.at_least("2.66") else None
-    if since and before and since > before:
-        raise errors.BadRequest("The value of changes-since must be less than or equal to changes-before.")
+    limit = compute_api.page_size(request.parse_limit(last("limit"))) if paged else None
+    since, before = request.time_window(last("changes-since") if paged else None,
+                                        last("changes-before") if view.at_least("2.66") else None)
     actions = compute_api.list_instance_actions(location, limit=limit, marker=last("marker") if paged else None,
                                                 changes_since=since, changes_before=before)
     body: dict[str, Any] = {"instanceActions": [views.instance_action(view, a) for a in actions]}

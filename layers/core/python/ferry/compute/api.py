@@ -33,9 +33,9 @@ import ipaddress
 import itertools
 import secrets
 import uuid as uuidlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 from sqlalchemy import CursorResult, delete, select
 from sqlalchemy.exc import IntegrityError
@@ -51,6 +51,7 @@ from ferry.store.api_models import (
     CellMapping,
     Flavor,
     FlavorExtraSpec,
+    FlavorProject,
     InstanceMapping,
     Network,
     Port,
@@ -75,6 +76,7 @@ SHARED_NETWORK_CIDR = "10.0.0.0/16"
 SHARED_NETWORK_ID = str(uuidlib.uuid5(uuidlib.NAMESPACE_URL, "urn:ferry:network:shared"))
 MAC_PREFIX = "fa:16:3e"
 MAX_LIST_LIMIT = 1000
+T = TypeVar("T")
 
 # task_states a delete may interrupt (any task_state is accepted when vm_state is error).
 DELETABLE_TASK_STATES: tuple[str | None, ...] = (None, states.DELETING, states.SCHEDULING, states.SPAWNING)
@@ -296,6 +298,26 @@ def _server_from_build(build: BuildRequest) -> Server:
     )
 
 
+def page_size(limit: int | None) -> int:
+    """How many items a page holds: ``limit``, at most :data:`MAX_LIST_LIMIT` (all when None)."""
+    return MAX_LIST_LIMIT if limit is None else min(limit, MAX_LIST_LIMIT)
+
+
+def after_marker(items: list[T], marker: str | None, key: Callable[[T], str], missing: str) -> list[T]:
+    """The items after the one whose ``key`` is ``marker`` (all of them when ``marker`` is None):
+    the next page of a list paged the way Nova pages.
+
+    Raises:
+        BadRequest: no item is the marker (``missing`` is the message).
+    """
+    if marker is None:
+        return items
+    index = next((i for i, item in enumerate(items) if key(item) == marker), None)
+    if index is None:
+        raise errors.BadRequest(missing)
+    return items[index + 1:]
+
+
 def _chunks(items: Sequence[str], size: int = 500) -> Iterable[Sequence[str]]:
     for start in range(0, len(items), size):
         yield items[start:start + size]
@@ -442,19 +464,14 @@ def list_servers(ctx: RequestContext, filters: ServerFilters) -> list[Server]:
                 servers.extend(_server_from_instance(row, cell.name) for row in rows)
     _add_zones(servers)
     servers = server_filters.order(servers, filters.sort)
-    if filters.marker:
-        # As in Nova, the marker is found whether or not it passes the filters (it may have
-        # changed since the page before), and the page starts after its place in the order.
-        index = next((i for i, s in enumerate(servers) if s.uuid == filters.marker), None)
-        if index is None:
-            raise errors.BadRequest(f"marker [{filters.marker}] not found")
-        servers = servers[index + 1:]
+    # As in Nova, the marker is found whether or not it passes the filters (it may have changed
+    # since the page before), and the page starts after its place in the order.
+    servers = after_marker(servers, filters.marker or None, lambda s: s.uuid, f"marker [{filters.marker}] not found")
     if filters.by_tags:
         _add_tags(servers)
     addresses = _fixed_addresses([s.uuid for s in servers]) if filters.by_address else None
-    limit = MAX_LIST_LIMIT if filters.limit is None else min(filters.limit, MAX_LIST_LIMIT)
     page = list(itertools.islice((s for s in servers if server_filters.matches(
-        s, filters, flavor_id=flavor_id, addresses=addresses)), limit))
+        s, filters, flavor_id=flavor_id, addresses=addresses)), page_size(filters.limit)))
     _add_details(page, tags=not filters.by_tags)
     return page
 
@@ -981,11 +998,7 @@ def list_instance_actions(location: Location, *, limit: int | None = None, marke
         rows = list(session.scalars(select(InstanceAction).where(
             InstanceAction.instance_uuid == location.instance_uuid)
             .order_by(InstanceAction.start_time.desc(), InstanceAction.id.desc())))
-        if marker is not None:
-            index = next((i for i, row in enumerate(rows) if row.request_id == marker), None)
-            if index is None:
-                raise errors.BadRequest(f"Marker {marker} could not be found.")
-            rows = rows[index + 1:]
+        rows = after_marker(rows, marker, lambda row: row.request_id, f"Marker {marker} could not be found.")
 
         def wanted(row: InstanceAction) -> bool:
             changed = row.updated_at or row.start_time
@@ -1083,13 +1096,8 @@ def list_flavors(ctx: RequestContext, *, is_public: bool | None = True, min_disk
         query = query.where(Flavor.memory_mb >= min_ram)
     with api_session() as session:
         flavors = list(session.scalars(query))
-    if marker:
-        index = next((i for i, f in enumerate(flavors) if f.flavorid == marker), None)
-        if index is None:
-            raise errors.BadRequest(f"marker [{marker}] not found")
-        flavors = flavors[index + 1:]
-    limit = MAX_LIST_LIMIT if limit is None else min(limit, MAX_LIST_LIMIT)
-    return flavors[:limit]
+    flavors = after_marker(flavors, marker or None, lambda f: f.flavorid, f"marker [{marker}] not found")
+    return flavors[:page_size(limit)]
 
 
 def create_flavor(*, name: str, vcpus: int, memory_mb: int, root_gb: int, ephemeral_gb: int = 0, swap: int = 0,
@@ -1147,6 +1155,63 @@ def delete_flavor(flavorid: str) -> None:
     with api_session() as session:
         session.delete(_flavor(session, flavorid))
     logger.info("flavor deleted", extra={"flavorid": flavorid})
+
+
+def flavor_projects(flavorid: str) -> list[str]:
+    """The projects with access to a private flavor, in the order they were given it.
+
+    Raises:
+        FlavorNotFound: no such flavor.
+        FlavorAccessNotFound: the flavor is public (it has no access list).
+    """
+    with api_session() as session:
+        flavor = _flavor(session, flavorid)
+        if flavor.is_public:
+            raise errors.FlavorAccessNotFound("Access list not available for public flavors.")
+        return [p.project_id for p in sorted(flavor.projects, key=lambda p: p.id)]
+
+
+def add_flavor_access(flavorid: str, project_id: str) -> list[str]:
+    """Give a project access to a private flavor; the projects with access afterwards.
+
+    Raises:
+        FlavorNotFound: no such flavor.
+        FlavorAccessExists: the flavor is public, or the project has access already.
+    """
+    exists = errors.FlavorAccessExists(
+        f"Flavor access already exists for flavor {flavorid} and project {project_id} combination.")
+    try:
+        with api_session() as session:
+            flavor = _flavor(session, flavorid)
+            if flavor.is_public:
+                raise errors.FlavorAccessExists("Can not add access to a public flavor.")
+            if any(p.project_id == project_id for p in flavor.projects):
+                raise exists
+            flavor.projects.append(FlavorProject(project_id=project_id))
+    except IntegrityError as exc:  # the same access given, or the flavor deleted, by a concurrent request
+        with api_session() as session:
+            _flavor(session, flavorid)
+        raise exists from exc
+    logger.info("flavor access added", extra={"flavorid": flavorid, "project_id": project_id})
+    return flavor_projects(flavorid)
+
+
+def remove_flavor_access(flavorid: str, project_id: str) -> list[str]:
+    """Take a project's access to a private flavor away; the projects with access afterwards.
+
+    Raises:
+        FlavorNotFound: no such flavor.
+        FlavorAccessNotFound: the project has no access to it.
+    """
+    with api_session() as session:
+        flavor = _flavor(session, flavorid)
+        granted = next((p for p in flavor.projects if p.project_id == project_id), None)
+        if granted is None:
+            raise errors.FlavorAccessNotFound(
+                f"Flavor access not found for {flavorid} / {project_id} combination.")
+        flavor.projects.remove(granted)
+    logger.info("flavor access removed", extra={"flavorid": flavorid, "project_id": project_id})
+    return flavor_projects(flavorid)
 
 
 def get_extra_specs(flavorid: str, ctx: RequestContext | None = None) -> dict[str, str]:

@@ -827,11 +827,7 @@ def list_migrations(filters: MigrationFilters, *, newest_first: bool = False, li
     merged = [_preferred_copy(copies[uuid], located) for uuid in order]
     if newest_first:
         merged.sort(key=lambda m: (m["created_at"], m["id"], m["uuid"]), reverse=True)
-    if marker is not None:
-        index = next((i for i, m in enumerate(merged) if m["uuid"] == marker), None)
-        if index is None:
-            raise errors.BadRequest(f"Marker {marker} could not be found.")
-        merged = merged[index + 1:]
+    merged = compute_api.after_marker(merged, marker, lambda m: m["uuid"], f"Marker {marker} could not be found.")
     if limit is not None:
         merged = merged[:limit]
     return merged
