@@ -7,10 +7,15 @@ import os
 import subprocess
 import sys
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy import delete
+
+from ferry.store.api_models import Volume
+from ferry.store.db import api_session
 
 pytestmark = pytest.mark.e2e
 
@@ -23,6 +28,7 @@ class OpenStackCli:
 
     def __init__(self, clouds_yaml: Path, cloud: str, workdir: Path) -> None:
         self.cloud = cloud
+        self.workdir = workdir
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("OS_")}
         # No user-wide clouds.yaml or cache may leak in.
         self.env.update(OS_CLIENT_CONFIG_FILE=str(clouds_yaml), HOME=str(workdir), XDG_CONFIG_HOME=str(workdir))
@@ -119,3 +125,46 @@ def test_openstacksdk_boots_stops_starts_and_deletes_a_server(local_stack, serve
         assert conn.compute.find_server(server.id) is None
     finally:
         conn.close()
+
+
+@pytest.fixture
+def volume(local_stack) -> Iterator[dict[str, str]]:
+    """A volume of the project ``demo``, registered as an operator would; forgotten afterwards."""
+    volume_id, name = str(uuid.uuid4()), f"e2e-data-{uuid.uuid4().hex[:8]}"
+    with api_session() as session:
+        session.add(Volume(id=volume_id, name=name, project_id=local_stack.seeded.identities["demo"].project_id,
+                           size_gb=1, path=str(local_stack.state_dir / "volumes" / volume_id)))
+    yield {"id": volume_id, "name": name}
+    with api_session() as session:
+        session.execute(delete(Volume).where(Volume.id == volume_id))
+
+
+def test_the_cli_looks_volumes_up_to_attach_detach_and_boot_from_them(cli, servers, local_stack, volume):
+    def status() -> str:
+        return cli.json("volume", "show", volume["name"], "-c", "status")["status"]
+
+    listed = {v["ID"]: v for v in cli.json("volume", "list")}
+    assert (listed[volume["id"]]["Name"], listed[volume["id"]]["Status"]) == (volume["name"], "available")
+    server = servers.boot(name="e2e-cli-volume")
+
+    # the CLI finds the volume by name in the Block Storage API, then attaches it through the compute API
+    attached = cli.json("server", "add", "volume", server["id"], volume["name"])
+    assert attached["Volume ID"] == volume["id"]
+    local_stack.wait_for(lambda: status() == "in-use")
+    [attachment] = cli.json("volume", "show", volume["name"])["attachments"]
+    assert (attachment["server_id"], attachment["device"]) == (server["id"], attached["Device"])
+    assert attachment["host_name"] == servers.show(server["id"], "admin")["OS-EXT-SRV-ATTR:host"]
+    # another project's member does not find it
+    other = OpenStackCli(local_stack.clouds_yaml, local_stack.cloud("alt"), cli.workdir)
+    assert volume["id"] not in {v["ID"] for v in other.json("volume", "list")}
+
+    cli.run("server", "remove", "volume", server["id"], volume["name"])
+    local_stack.wait_for(lambda: status() == "available")
+
+    booted = cli.json("server", "create", "--flavor", "ferry.tiny", "--volume", volume["name"], "--nic", "none",
+                      "--wait", "e2e-cli-from-volume")
+    servers.created.append(booted["id"])
+    assert booted["status"] == "ACTIVE"
+    assert [v["id"] for v in cli.json("server", "show", booted["id"])["volumes_attached"]] == [volume["id"]]
+    cli.run("server", "delete", "--wait", booted["id"])
+    assert status() == "available"

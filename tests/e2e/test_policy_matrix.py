@@ -56,6 +56,7 @@ class Probe:
 
 
 V = "/v2.1"
+VOLUME = "/volume/v3"
 S = f"{V}/servers/{{server_id}}"
 NOT_FOUND = frozenset({404})
 _action = f"{S}/action"
@@ -154,7 +155,15 @@ PROBES: dict[str, Probe] = {
     "ferry:drains:show": Probe("GET", f"{V}/ferry/drains/{{drain_id}}", passes=NOT_FOUND),
     "ferry:drains:action": Probe("POST", f"{V}/ferry/drains/{{drain_id}}/action", body={"pause": None},
                                  passes=NOT_FOUND),
+    # volume look-ups (Block Storage v3)
+    "volume:get_all": Probe("GET", f"{VOLUME}/volumes/detail"),
+    "volume:get": Probe("GET", f"{VOLUME}/volumes/{{volume_id}}", passes=NOT_FOUND),
 }
+
+# Rules that more than one route checks: their other routes.
+MORE_PROBES: list[tuple[str, Probe]] = [
+    ("volume:get_all", Probe("GET", f"{VOLUME}/volumes")),
+]
 
 # Routes without a policy rule of their own: any caller with a token.
 TOKEN_ONLY: dict[str, Probe] = {
@@ -179,6 +188,7 @@ NOT_A_REQUEST = {
     "os_compute_api:os-instance-actions:events": "which fields an event shows",
     "os_compute_api:os-instance-actions:events:details": "which fields an event shows",
     "compute:servers:resize:cross_cell": "whether the scheduler may pick another cell",
+    "volume_extension:volume_tenant_attribute": "which fields a volume shows",
 }
 
 # What the probes put in the paths besides the module's resources (unknown ids, refused after the policy).
@@ -193,7 +203,7 @@ def test_every_default_rule_has_a_probe_or_a_reason():
 
 
 def test_every_route_that_needs_a_token_is_probed():
-    probed = {(p.method, p.route) for p in [*PROBES.values(), *TOKEN_ONLY.values()]}
+    probed = {(p.method, p.route) for p in [*PROBES.values(), *TOKEN_ONLY.values(), *(p for _, p in MORE_PROBES)]}
     needs_token = {(m, p) for m, p in openapi.routes() if p not in openapi.PUBLIC_PATHS}
 
     assert needs_token - probed == set()
@@ -254,7 +264,9 @@ def _request(local_stack, resources, identity: str | None, probe: Probe):
         values["server_id"] = resources[probe.server]
     if probe.project is not None:
         values["project_id"] = probe.project
-    path = _fill(probe.route, values).removeprefix(V)
+    path = _fill(probe.route, values)
+    # Compute paths are relative to the session's /v2.1; identity and volume paths sit beside it.
+    path = path.removeprefix(V) if path.startswith(V + "/") else local_stack.api_url.removesuffix(V) + path
     body = probe.body
     if body is not None:
         body = _fill_body(body, values)
@@ -271,7 +283,7 @@ def _fill_body(body: Any, values: dict[str, str]) -> Any:
 
 MATRIX = [pytest.param(rule, identity, probe,
                        id=f"{rule or f'{probe.method} {probe.route}'}-{identity or 'no-token'}")
-          for rule, probe in [*PROBES.items(), *((None, p) for p in TOKEN_ONLY.values())]
+          for rule, probe in [*PROBES.items(), *MORE_PROBES, *((None, p) for p in TOKEN_ONLY.values())]
           for identity in IDENTITIES]
 
 

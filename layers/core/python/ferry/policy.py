@@ -87,6 +87,10 @@ DEFAULT_RULES: dict[str, str] = {
     "os_compute_api:os-volumes-attachments:show": ADMIN_OR_OWNER,
     "os_compute_api:os-volumes-attachments:create": ADMIN_OR_OWNER,
     "os_compute_api:os-volumes-attachments:delete": ADMIN_OR_OWNER,
+    # volume look-ups (/volume/v3, Cinder's rule names)
+    "volume:get": ADMIN_OR_OWNER,
+    "volume:get_all": MEMBER,
+    "volume_extension:volume_tenant_attribute": ADMIN,
     # host aggregates
     "os_compute_api:os-aggregates:index": ADMIN,
     "os_compute_api:os-aggregates:create": ADMIN,

@@ -11,10 +11,45 @@ from __future__ import annotations
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from ferry import errors
+from ferry.auth import RequestContext
 from ferry.store.api_models import Volume, VolumeAttachment
 
 RESERVED = "reserved"
 ATTACHED = "attached"
+
+
+def device_path(device: str | None) -> str | None:
+    """``/dev/vdd`` for the device ``vdd`` an attachment records (None for none)."""
+    return f"/dev/{device}" if device else None
+
+
+def visible(session: Session, ctx: RequestContext, volume_id: str) -> Volume:
+    """The volume ``volume_id`` if the caller may see it: her project's, or any for an admin.
+
+    Raises:
+        VolumeNotFound: no such volume, or another project's and the caller is no admin.
+    """
+    volume = session.get(Volume, volume_id)
+    if volume is None or (volume.project_id != ctx.project_id and not ctx.is_admin):
+        raise errors.VolumeNotFound(f"Volume {volume_id} could not be found.")
+    return volume
+
+
+def listed(session: Session, *, project_id: str | None, name: str | None = None,
+           status: str | None = None, bootable: bool | None = None) -> list[Volume]:
+    """The volumes of ``project_id`` (of every project when None) that match the filters, newest
+    first (the order Cinder lists in)."""
+    query = select(Volume)
+    if project_id is not None:
+        query = query.where(Volume.project_id == project_id)
+    if name is not None:
+        query = query.where(Volume.name == name)
+    if status is not None:
+        query = query.where(Volume.status == status)
+    if bootable is not None:
+        query = query.where(Volume.image_id.is_not(None) if bootable else Volume.image_id.is_(None))
+    return list(session.scalars(query.order_by(Volume.created_at.desc(), Volume.id.desc())))
 
 
 def attachments(session: Session, instance_uuid: str, host: str | None = None) -> list[VolumeAttachment]:

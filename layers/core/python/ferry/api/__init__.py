@@ -16,6 +16,7 @@ from aws_lambda_powertools.metrics import MetricUnit
 from ferry import errors
 from ferry.api import (
     aggregates,
+    block_storage,
     drains,
     flavors,
     images,
@@ -64,6 +65,7 @@ def get_resolver() -> APIGatewayRestResolver:
     app.include_router(versions.router)
     app.include_router(openapi.router)
     app.include_router(projects.router)
+    app.include_router(block_storage.router)
     for module in (servers, flavors, images, migrations, quotas, volume_attachments, aggregates, services,
                    drains):
         app.include_router(module.router, prefix=request.API_PREFIX)

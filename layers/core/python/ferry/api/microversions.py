@@ -1,9 +1,10 @@
-"""Compute API microversions: parsing the request headers and naming the version used.
+"""API microversions: parsing the request headers and naming the version used.
 
-A request may name its version in ``OpenStack-API-Version: compute X`` or in the older
+A compute request may name its version in ``OpenStack-API-Version: compute X`` or in the older
 ``X-OpenStack-Nova-API-Version: X`` (the first wins); without either it gets the minimum.
 ``latest`` means the maximum. Every response names the version used in both headers and
-lists them in ``Vary``.
+lists them in ``Vary``. The volume look-ups (``/volume/v3``) serve one version, 3.0, named in
+``OpenStack-API-Version: volume X`` the same way.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import NamedTuple
 from ferry import errors
 
 SERVICE = "compute"
+VOLUME_SERVICE = "volume"
 HEADER = "OpenStack-API-Version"
 LEGACY_HEADER = "X-OpenStack-Nova-API-Version"
 
@@ -50,6 +52,9 @@ class APIVersion(NamedTuple):
 
 MIN_VERSION = APIVersion(2, 1)
 MAX_VERSION = APIVersion(2, 96)
+VOLUME_VERSION = APIVersion(3, 0)
+# The versions each service serves, oldest and newest.
+_RANGES = {SERVICE: (MIN_VERSION, MAX_VERSION), VOLUME_SERVICE: (VOLUME_VERSION, VOLUME_VERSION)}
 
 
 def _header(headers: Mapping[str, str], name: str) -> str | None:
@@ -60,38 +65,41 @@ def _header(headers: Mapping[str, str], name: str) -> str | None:
     return None
 
 
-def requested_version(headers: Mapping[str, str] | None) -> str | None:
-    """The compute version a request names, as written, or None when it names none."""
+def requested_version(headers: Mapping[str, str] | None, service: str = SERVICE) -> str | None:
+    """The version of ``service`` a request names, as written, or None when it names none."""
     headers = headers or {}
     combined = _header(headers, HEADER)
     if combined:
         for item in combined.split(","):
             parts = item.strip().split(None, 1)
-            if len(parts) == 2 and parts[0].lower() == SERVICE:
+            if len(parts) == 2 and parts[0].lower() == service:
                 return parts[1].strip()
-    legacy = _header(headers, LEGACY_HEADER)
+    legacy = _header(headers, LEGACY_HEADER) if service == SERVICE else None
     return legacy.strip() if legacy and legacy.strip() else None
 
 
-def negotiate(headers: Mapping[str, str] | None) -> APIVersion:
-    """The version a request gets.
+def negotiate(headers: Mapping[str, str] | None, service: str = SERVICE) -> APIVersion:
+    """The version of ``service`` a request gets.
 
     Raises:
         BadRequest: the version is malformed.
-        NotAcceptable: the version is outside ``MIN_VERSION``..``MAX_VERSION``.
+        NotAcceptable: the version is outside what the service serves.
     """
-    text = requested_version(headers)
+    minimum, maximum = _RANGES[service]
+    text = requested_version(headers, service)
     if text is None:
-        return MIN_VERSION
+        return minimum
     if text.lower() == "latest":
-        return MAX_VERSION
+        return maximum
     version = APIVersion.parse(text)
-    if not MIN_VERSION <= version <= MAX_VERSION:
+    if not minimum <= version <= maximum:
         raise errors.NotAcceptable(f"Version {version} is not supported by the API. "
-                                   f"Minimum is {MIN_VERSION} and maximum is {MAX_VERSION}.")
+                                   f"Minimum is {minimum} and maximum is {maximum}.")
     return version
 
 
-def response_headers(version: APIVersion) -> dict[str, str]:
+def response_headers(version: APIVersion, service: str = SERVICE) -> dict[str, str]:
     """The headers that name the version a response was made with."""
+    if service != SERVICE:
+        return {HEADER: f"{service} {version}", "Vary": HEADER}
     return {HEADER: f"{SERVICE} {version}", LEGACY_HEADER: str(version), "Vary": f"{HEADER}, {LEGACY_HEADER}"}

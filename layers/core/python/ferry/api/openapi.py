@@ -27,7 +27,7 @@ PATH = f"{request.API_PREFIX}/openapi.json"
 OPENAPI_VERSION = "3.1.0"
 
 # The paths served without a token (the template gives them no authorizer).
-PUBLIC_PATHS = frozenset({request.API_PREFIX, "/identity/v3", PATH})
+PUBLIC_PATHS = frozenset({request.API_PREFIX, "/identity/v3", request.VOLUME_PREFIX, PATH})
 
 Schema = dict[str, Any]
 
@@ -131,6 +131,9 @@ _MIGRATION_QUERY: dict[str, Schema] = {
     "host": _STRING, "status": {"type": "array", "items": _STRING}, "migration_type": _STRING,
     "instance_uuid": _STRING, "source_compute": _STRING, "limit": _LIMIT, "marker": _STRING,
     "changes-since": _STRING, "changes-before": _STRING, "user_id": _STRING, "project_id": _STRING}
+_VOLUME_QUERY: dict[str, Schema] = {
+    "all_tenants": _STRING, "project_id": _STRING, "name": _STRING, "status": _STRING, "bootable": _STRING,
+    "limit": _LIMIT, "marker": _STRING}
 _ACTION_QUERY: dict[str, Schema] = {
     "limit": _LIMIT, "marker": _STRING, "changes-since": _STRING, "changes-before": _STRING}
 _USER_ID: dict[str, Schema] = {"user_id": _STRING}
@@ -154,6 +157,16 @@ def _operations(bodies: dict[str, dict[str, Any]]) -> dict[tuple[str, str], Oper
         ("GET", "/identity/v3"): Operation("An identity version document for clients' discovery (no token)",
                                            {200: _VERSION}, errors=()),
         ("GET", PATH): Operation("This document (no token)", {200: _OBJECT}, errors=_PUBLIC_ERRORS),
+        # volume look-ups (Block Storage v3.0 shapes)
+        ("GET", request.VOLUME_PREFIX): Operation("The Block Storage version served for volume look-ups (no token)",
+                                                  {200: _VERSION}, errors=_PUBLIC_ERRORS),
+        ("GET", f"{request.VOLUME_PREFIX}/volumes"): Operation(
+            "List volumes (a member: her project's; an admin with all_tenants: every project's)",
+            {200: _keyed("volumes", _OBJECTS)}, query=_VOLUME_QUERY),
+        ("GET", f"{request.VOLUME_PREFIX}/volumes/detail"): Operation(
+            "List volumes with details", {200: _keyed("volumes", _OBJECTS)}, query=_VOLUME_QUERY),
+        ("GET", f"{request.VOLUME_PREFIX}/volumes/{{volume_id}}"): Operation(
+            "Show a volume (404 for another project's)", {200: _keyed("volume", _OBJECT)}),
         # servers
         ("GET", f"{v}/servers"): Operation("List servers", {200: _SERVERS}, query=_SERVER_QUERY),
         ("GET", f"{v}/servers/detail"): Operation("List servers with details", {200: _SERVERS_DETAIL},

@@ -1,7 +1,7 @@
 """What a route needs from the current API Gateway proxy event: caller, version, body, URLs.
 
 ``prepare`` runs as the resolver's middleware: it names the request (``req-<uuid>``),
-negotiates the microversion of ``/v2.1`` requests and puts both in the resolver's
+negotiates the microversion of ``/v2.1`` (and ``/volume/v3``) requests and puts both in the resolver's
 context, and stamps the response with the request id and version headers.
 """
 
@@ -19,10 +19,11 @@ from aws_lambda_powertools.event_handler.api_gateway import BaseRouter
 from aws_lambda_powertools.metrics import MetricUnit
 
 from ferry import auth, errors, validation
-from ferry.api.microversions import MIN_VERSION, APIVersion, negotiate, response_headers
+from ferry.api.microversions import MIN_VERSION, VOLUME_SERVICE, APIVersion, negotiate, response_headers
 from ferry.observability import logger, metrics
 
 API_PREFIX = "/v2.1"
+VOLUME_PREFIX = "/volume/v3"
 REQUEST_ID_HEADERS = ("x-openstack-request-id", "x-compute-request-id")
 
 _TRUE = frozenset({"1", "t", "true", "on", "y", "yes"})
@@ -58,10 +59,12 @@ def _request_id(router: BaseRouter) -> str:
 
 
 def common_headers(context: dict[str, Any]) -> dict[str, str]:
-    """Headers every response carries: the request id and, under /v2.1, the version used."""
+    """Headers every response carries: the request id and, under /v2.1 and /volume/v3, the version used."""
     headers = {name: context["request_id"] for name in REQUEST_ID_HEADERS} if "request_id" in context else {}
     if "microversion" in context:
         headers.update(response_headers(context["microversion"]))
+    if "volume_version" in context:
+        headers.update(response_headers(context["volume_version"], VOLUME_SERVICE))
     return headers
 
 
@@ -78,6 +81,8 @@ def prepare(app: BaseRouter, next_middleware: Callable[[BaseRouter], Response]) 
     path = app.current_event.path or ""
     if path == API_PREFIX or path.startswith(API_PREFIX + "/"):
         app.append_context(microversion=negotiate(app.current_event.headers))
+    elif path == VOLUME_PREFIX or path.startswith(VOLUME_PREFIX + "/"):
+        app.append_context(volume_version=negotiate(app.current_event.headers, VOLUME_SERVICE))
     response = next_middleware(app)
     response.headers.update(common_headers(app.context))
     return response

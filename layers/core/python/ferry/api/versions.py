@@ -7,7 +7,7 @@ from typing import Any
 from aws_lambda_powertools.event_handler.api_gateway import Router
 
 from ferry.api import request
-from ferry.api.microversions import MAX_VERSION, MIN_VERSION
+from ferry.api.microversions import MAX_VERSION, MIN_VERSION, VOLUME_VERSION
 
 IDENTITY_VERSION = "v3.14"
 
@@ -27,6 +27,13 @@ def identity_document(base_url: str) -> dict[str, Any]:
                         "links": [{"rel": "self", "href": f"{base_url}/identity/v3"}]}}
 
 
+def volume_document(base_url: str) -> dict[str, Any]:
+    """``GET /volume/v3``: the Block Storage version served (the volume look-ups, at 3.0 only)."""
+    return {"version": {"id": "v3.0", "status": "CURRENT", "version": str(VOLUME_VERSION),
+                        "min_version": str(VOLUME_VERSION),
+                        "links": [{"rel": "self", "href": f"{base_url}{request.VOLUME_PREFIX}"}]}}
+
+
 @router.get(request.API_PREFIX)
 def show_version() -> dict[str, Any]:
     return version_document(request.base_url(router))
@@ -35,3 +42,8 @@ def show_version() -> dict[str, Any]:
 @router.get("/identity/v3")
 def show_identity_version() -> dict[str, Any]:
     return identity_document(request.base_url(router))
+
+
+@router.get(request.VOLUME_PREFIX)
+def show_volume_version() -> dict[str, Any]:
+    return volume_document(request.base_url(router))

@@ -145,11 +145,16 @@ def next_link(view: ViewContext, path: str, params: Mapping[str, list[str]], ids
               page_size: int) -> list[dict[str, str]]:
     """``[{"rel": "next", "href"}]`` when the page is full (there may be more): the same query
     with the page's last id as the marker; empty otherwise."""
+    return next_link_at(f"{view.api_url}/{path}", params, ids, page_size)
+
+
+def next_link_at(url: str, params: Mapping[str, list[str]], ids: list[str], page_size: int) -> list[dict[str, str]]:
+    """:func:`next_link` for the collection at ``url`` (of any API)."""
     if not ids or len(ids) < page_size:
         return []
     query = [(k, v) for k, values in params.items() if k not in ("limit", "marker") for v in values]
     query += [("limit", str(page_size)), ("marker", ids[-1])]
-    return [{"rel": "next", "href": f"{view.api_url}/{path}?{urlencode(query)}"}]
+    return [{"rel": "next", "href": f"{url}?{urlencode(query)}"}]
 
 
 # --- flavors -----------------------------------------------------------------------------------

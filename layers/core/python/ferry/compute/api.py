@@ -303,18 +303,19 @@ def page_size(limit: int | None) -> int:
     return MAX_LIST_LIMIT if limit is None else min(limit, MAX_LIST_LIMIT)
 
 
-def after_marker(items: list[T], marker: str | None, key: Callable[[T], str], missing: str) -> list[T]:
+def after_marker(items: list[T], marker: str | None, key: Callable[[T], str], missing: str,
+                 error: type[errors.FerryError] = errors.BadRequest) -> list[T]:
     """The items after the one whose ``key`` is ``marker`` (all of them when ``marker`` is None):
     the next page of a list paged the way Nova pages.
 
     Raises:
-        BadRequest: no item is the marker (``missing`` is the message).
+        BadRequest (or ``error``): no item is the marker (``missing`` is the message).
     """
     if marker is None:
         return items
     index = next((i for i, item in enumerate(items) if key(item) == marker), None)
     if index is None:
-        raise errors.BadRequest(missing)
+        raise error(missing)
     return items[index + 1:]
 
 

@@ -92,6 +92,7 @@ class SeedResult:
     clouds_yaml: str
     api_url: str
     identity_url: str
+    volume_url: str
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -179,7 +180,8 @@ def _ensure_network() -> str:
         return network.id
 
 
-def clouds_document(api_url: str, identity_url: str, identities: dict[str, Identity]) -> dict[str, Any]:
+def clouds_document(api_url: str, identity_url: str, volume_url: str,
+                    identities: dict[str, Identity]) -> dict[str, Any]:
     """A clouds.yaml document with one cloud per identity (``ferry-<name>``), token auth."""
     return {
         "clouds": {
@@ -188,6 +190,8 @@ def clouds_document(api_url: str, identity_url: str, identities: dict[str, Ident
                 "auth": {"endpoint": api_url, "token": identity.token},
                 "identity_api_version": 3,
                 "identity_endpoint_override": identity_url,
+                "volume_api_version": 3,
+                "block_storage_endpoint_override": volume_url,
             }
             for name, identity in identities.items()
         }
@@ -199,6 +203,7 @@ def seed(
     *,
     api_url: str,
     identity_url: str,
+    volume_url: str,
     cells: int = 2,
     hosts_per_cell: int = 2,
     flavors: tuple[FlavorSeed, ...] = DEFAULT_FLAVORS,
@@ -212,6 +217,7 @@ def seed(
         state_dir: where the SQLite files, the image file, seed.json and clouds.yaml go.
         api_url: the compute endpoint clients use (``http://127.0.0.1:8774/v2.1``).
         identity_url: the identity endpoint override (``http://127.0.0.1:8774/identity/v3``).
+        volume_url: the block-storage endpoint override (``http://127.0.0.1:8774/volume/v3``).
         cells, hosts_per_cell: the topology (cell0 comes on top, without hosts).
         flavors, identities, image_name, image_size_mib: what else to seed.
 
@@ -250,7 +256,7 @@ def seed(
         seeded[name] = Identity(identity.user_id, identity.project_id, tuple(identity.roles), token)
 
     clouds_yaml = state / "clouds.yaml"
-    clouds_yaml.write_text(yaml.safe_dump(clouds_document(api_url, identity_url, seeded), sort_keys=False))
+    clouds_yaml.write_text(yaml.safe_dump(clouds_document(api_url, identity_url, volume_url, seeded), sort_keys=False))
     clouds_yaml.chmod(0o600)
 
     result = SeedResult(
@@ -263,6 +269,7 @@ def seed(
         clouds_yaml=str(clouds_yaml),
         api_url=api_url,
         identity_url=identity_url,
+        volume_url=volume_url,
     )
     record = asdict(result)
     record["tokens"] = result.tokens

@@ -62,6 +62,7 @@ AGENT_STARTED_LOG = b"host agent started"
 DEFAULT_KEEPALIVE_SECONDS = 30.0
 API_PATH = "/v2.1"
 IDENTITY_PATH = "/identity/v3"
+VOLUME_PATH = "/volume/v3"
 WEBHOOK_PATH = "/webhooks/drain"
 
 
@@ -277,6 +278,10 @@ class LocalStack:
         return f"http://127.0.0.1:{self.api_port}{IDENTITY_PATH}"
 
     @property
+    def volume_url(self) -> str:
+        return f"http://127.0.0.1:{self.api_port}{VOLUME_PATH}"
+
+    @property
     def webhook_url(self) -> str:
         return f"http://127.0.0.1:{self.api_port}{WEBHOOK_PATH}"
 
@@ -343,6 +348,7 @@ class LocalStack:
             self.state_dir,
             api_url=self.api_url,
             identity_url=self.identity_url,
+            volume_url=self.volume_url,
             cells=self.cells,
             hosts_per_cell=self.hosts_per_cell,
         )

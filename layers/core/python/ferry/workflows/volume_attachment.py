@@ -95,7 +95,7 @@ class Attachment:
 
     @property
     def device_path(self) -> str | None:
-        return f"/dev/{self.device}" if self.device else None
+        return volumes.device_path(self.device)
 
 
 def _attachment(bdm: BlockDeviceMapping) -> Attachment:
@@ -229,9 +229,7 @@ def _visible_volume(ctx: RequestContext, volume_id: str) -> tuple[str, int]:
         VolumeNotFound: no such volume, or another project's and the caller is no admin.
     """
     with api_session() as session:
-        volume = session.get(Volume, volume_id)
-        if volume is None or (volume.project_id != ctx.project_id and not ctx.is_admin):
-            raise errors.VolumeNotFound(f"Volume {volume_id} could not be found.")
+        volume = volumes.visible(session, ctx, volume_id)
         return volume.status, volume.size_gb
 
 
