@@ -1,4 +1,4 @@
-"""RecordFailure: note the failed attempt; ``{"retry": bool, …}``."""
+"""RecordFailure: note the failed attempt; ``{"retry": bool, "confirm": bool, …}``."""
 
 from ferry.handlers import step_handler
 from ferry.workflows import drain

@@ -124,7 +124,7 @@ ROUTES: dict[str, dict[str, dict[str, str]]] = {
     "confirm_resize": {"confirm": {}},
     "delete": {"delete": {"OnAHost": "DestroyAtHost"},
                "delete-resized": {"ConfirmFirst": "ConfirmAtSource", "OnAHost": "DestroyAtHost"}},
-    "drain": {"drain": {"Proceed": "MoveServers", "SlotChoice": "PrepareMove", "ConfirmChoice": "PrepareConfirm"}},
+    "drain": {"drain": {"Proceed": "MoveServers", "SlotChoice": "PrepareMove", "ConfirmChoice": "MarkConfirm"}},
     "power": {"stop": {}},
     "resize": {"resize": {"IsMoveAcrossCells": "PrepResizeAtDest"}, "resize-cross-cell": {}},
     "revert_resize": {"revert": {}, "revert-cross-cell": {"BetweenCells": "FlipToSourceCell"}},

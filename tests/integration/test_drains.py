@@ -384,18 +384,27 @@ def test_a_failed_move_whose_workflow_never_started_is_undone_and_tried_again(st
     outcome = drains.record_failure(drain, server, slot, {"Error": "States.Runtime", "Cause": "throttled"})
 
     assert _move_records(server, slot["migration_uuid"]) == (None, "error")
-    assert outcome == {"retry": True, "state": "pending", "error": "throttled"}
+    assert outcome == {"retry": True, "confirm": False, "state": "pending", "error": "throttled"}
 
 
-def test_a_failed_wait_for_a_move_that_finished_records_the_server_failed_where_it_waits_for_its_confirm(
-        store, move_machines):
+def test_a_failed_wait_for_a_move_that_finished_goes_on_to_confirm_it_once(store, move_machines):
     drain, server, slot, _move = _prepared_move()
     # the move's workflow ended with the server resized onto dest, but RunMove did not learn it
     _moved_to_dest(server, slot["migration_uuid"], "resized", "finished")
+    lost = {"Error": "States.Runtime", "Cause": "lost track"}
 
-    outcome = drains.record_failure(drain, server, slot, {"Error": "States.Runtime", "Cause": "lost track"})
+    # WHEN RecordFailure runs for the failed RunMove: the drain confirms, so it goes on to the confirm
+    outcome = drains.record_failure(drain, server, slot, lost)
 
-    assert outcome == {"retry": False, "state": "failed",
+    assert outcome == {"retry": False, "confirm": True, "state": "moving", "error": None}
+    assert _servers(drain)[server].state == "moving"
+    assert _move_records(server, slot["migration_uuid"]) == (None, "finished")
+
+    # WHEN the confirm this attempt went on to failed too (it was undone, the move waits again)
+    outcome = drains.record_failure(drain, server, slot, lost, confirm_slot=slot["request_id"])
+
+    # THEN the server is failed, with the advice, rather than sent to confirm again
+    assert outcome == {"retry": False, "confirm": False, "state": "failed",
                        "error": "lost track. The move itself finished on dest: confirm or revert it."}
     assert _servers(drain)[server].dest_host == "dest"
     assert _move_records(server, slot["migration_uuid"]) == (None, "finished")
@@ -420,7 +429,7 @@ def test_a_failed_wait_for_a_move_still_under_way_waits_for_it_and_never_undoes_
     outcome = drains.record_failure(drain, server, slot, error)
 
     # THEN the server is failed and the move left as it is, for an operator: never undone here
-    assert outcome == {"retry": False, "state": "failed", "error": "lost track"}
+    assert outcome == {"retry": False, "confirm": False, "state": "failed", "error": "lost track"}
     assert _move_records(server, slot["migration_uuid"]) == ("resize_migrating", "migrating")
 
 
@@ -455,17 +464,17 @@ def test_a_failed_wait_for_the_drains_confirm_waits_for_it_and_records_the_serve
 
     # WHEN RecordFailure runs: it records and undoes nothing while the confirm runs
     with pytest.raises(errors.MoveStillRunning):
-        drains.record_failure(drain, server, slot, error)
+        drains.record_failure(drain, server, slot, error, confirm_slot=slot["request_id"])
     assert _servers(drain)[server].state == "moving"
     assert _move_records(server, slot["migration_uuid"]) == (None, "confirming")
 
     # WHEN the confirm has ended, having confirmed the move, and RecordFailure runs again
     _moved_to_dest(server, slot["migration_uuid"], "active", "confirmed")
     sfn.stop_execution(executionArn=execution["executionArn"])
-    outcome = drains.record_failure(drain, server, slot, error)
+    outcome = drains.record_failure(drain, server, slot, error, confirm_slot=slot["request_id"])
 
     # THEN the server is recorded done on dest, as RecordMoved would have
-    assert outcome == {"retry": False, "state": "done", "error": None}
+    assert outcome == {"retry": False, "confirm": False, "state": "done", "error": None}
     row = _servers(drain)[server]
     assert (row.state, row.dest_host, row.error) == ("done", "dest", None)
     assert row.finished_at is not None
@@ -484,17 +493,17 @@ def test_a_drains_confirm_whose_workflow_never_started_is_undone_and_the_server_
 
     # WHEN RecordFailure runs at once: Step Functions may not show a just-started execution yet
     with pytest.raises(errors.MoveStillRunning):
-        drains.record_failure(drain, server, slot, error)
+        drains.record_failure(drain, server, slot, error, confirm_slot=slot["request_id"])
     assert _move_records(server, slot["migration_uuid"]) == (None, "confirming")
 
     # WHEN it runs again once the grace has passed
     _accepted_long_ago(server, request_id)
-    outcome = drains.record_failure(drain, server, slot, error)
+    outcome = drains.record_failure(drain, server, slot, error, confirm_slot=slot["request_id"])
 
     # THEN the confirm is undone: the server can be confirmed or reverted again, as advised
     assert _move_records(server, slot["migration_uuid"]) == (None, "finished")
     assert not _confirm_action_recorded(server, request_id)
-    assert outcome == {"retry": False, "state": "failed",
+    assert outcome == {"retry": False, "confirm": False, "state": "failed",
                        "error": "throttled. The move itself finished on dest: confirm or revert it."}
 
 
@@ -507,11 +516,12 @@ def test_a_drains_confirm_whose_workflow_ended_half_way_is_left_as_it_is(store, 
                                     input=json.dumps(confirm["input"]))
     sfn.stop_execution(executionArn=execution["executionArn"])
 
-    outcome = drains.record_failure(drain, server, slot, {"Error": "States.Runtime", "Cause": "lost track"})
+    outcome = drains.record_failure(drain, server, slot, {"Error": "States.Runtime", "Cause": "lost track"},
+                                    confirm_slot=slot["request_id"])
 
     # THEN nothing is undone (the confirm may have cleaned up the source): no advice either
     assert _move_records(server, slot["migration_uuid"]) == (None, "confirming")
-    assert outcome == {"retry": False, "state": "failed", "error": "lost track"}
+    assert outcome == {"retry": False, "confirm": False, "state": "failed", "error": "lost track"}
 
 
 def test_another_requests_confirm_is_waited_for_and_not_taken_over(store, move_machines):
@@ -534,7 +544,8 @@ def test_another_requests_confirm_is_waited_for_and_not_taken_over(store, move_m
 
     # THEN RecordFailure waits for that confirm while it runs, and never undoes it
     with pytest.raises(errors.MoveStillRunning):
-        drains.record_failure(drain, server, slot, {"Error": "Ferry.MigrationInProgress", "Cause": "taken"})
+        drains.record_failure(drain, server, slot, {"Error": "Ferry.MigrationInProgress", "Cause": "taken"},
+                              confirm_slot=slot["request_id"])
     assert _move_records(server, slot["migration_uuid"]) == (None, "confirming")
     assert _confirm_action_recorded(server, "req-owner")
 
@@ -551,7 +562,7 @@ def test_a_failed_step_after_the_move_completed_as_asked_records_the_server_done
 
     outcome = drains.record_failure(drain, server, slot, {"Error": "States.Runtime", "Cause": "lost track"})
 
-    assert outcome == {"retry": False, "state": "done", "error": None}
+    assert outcome == {"retry": False, "confirm": False, "state": "done", "error": None}
     assert _servers(drain)[server].dest_host == "dest"
 
 
@@ -567,7 +578,7 @@ def test_a_failed_step_records_the_server_failed_when_its_move_is_not_as_the_dra
 
     outcome = drains.record_failure(drain, server, slot, {"Error": "States.Runtime", "Cause": "lost track"})
 
-    assert outcome == {"retry": False, "state": "failed", "error": "lost track"}
+    assert outcome == {"retry": False, "confirm": False, "state": "failed", "error": "lost track"}
     assert _servers(drain)[server].dest_host == "dest"
 
 
@@ -578,7 +589,7 @@ def test_a_confirm_without_the_action_that_took_it_is_never_undone(store, move_m
     outcome = drains.record_failure(drain, server, slot, {"Error": "States.Runtime", "Cause": "lost track"})
 
     assert _move_records(server, slot["migration_uuid"]) == (None, "confirming")
-    assert outcome == {"retry": False, "state": "failed", "error": "lost track"}
+    assert outcome == {"retry": False, "confirm": False, "state": "failed", "error": "lost track"}
 
 
 def test_a_revert_under_way_is_waited_for(store, move_machines):
@@ -592,7 +603,8 @@ def test_a_revert_under_way_is_waited_for(store, move_machines):
 
     # THEN RecordFailure waits while the revert's workflow (started by begin_revert) runs
     with pytest.raises(errors.MoveStillRunning):
-        drains.record_failure(drain, server, slot, {"Error": "Ferry.InstanceInvalidState", "Cause": "reverting"})
+        drains.record_failure(drain, server, slot, {"Error": "Ferry.InstanceInvalidState", "Cause": "reverting"},
+                              confirm_slot=slot["request_id"])
     assert _servers(drain)[server].state == "moving"
 
 
@@ -637,11 +649,11 @@ def test_after_a_cross_cell_move_the_drains_confirm_is_waited_for_or_undone_in_t
     if started:  # the confirm runs: RecordFailure waits
         sfn.start_execution(stateMachineArn=arns["confirm"], name=confirm["name"], input=json.dumps(confirm["input"]))
         with pytest.raises(errors.MoveStillRunning):
-            drains.record_failure(drain, server, slot, error)
+            drains.record_failure(drain, server, slot, error, confirm_slot=slot["request_id"])
         return
     # it never started: undone in cell2, where the server now is
     _accepted_long_ago(server, confirm["input"]["request_id"])
-    outcome = drains.record_failure(drain, server, slot, error)
+    outcome = drains.record_failure(drain, server, slot, error, confirm_slot=slot["request_id"])
     assert outcome["state"] == "failed" and outcome["error"].endswith("confirm or revert it.")
     with cell_session("cell2") as session:
         assert session.scalars(select(Migration.status).where(Migration.uuid == slot["migration_uuid"])).one() \

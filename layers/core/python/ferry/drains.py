@@ -825,19 +825,24 @@ def record_moved(drain_uuid: str, instance_uuid: str, *, confirmed: bool) -> dic
 
 
 def record_failure(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any],
-                   error: Mapping[str, Any] | None) -> dict[str, Any]:
-    """Record a failed attempt; say whether to try again.
+                   error: Mapping[str, Any] | None, confirm_slot: str | None = None) -> dict[str, Any]:
+    """Record a failed attempt; say whether to try again, or to go on to the confirm.
 
     A move, or the drain's confirm of it, accepted whose workflow never started is undone first
     (while either workflow still runs, nothing is done). A step that failed although the
     move completed as the drain asks (the nested execution's result lost, say, or RecordMoved
     out of retries) records the server ``done``: moved and confirmed, or moved and in
-    VERIFY_RESIZE when the drain keeps servers there. Otherwise the server is tried again when it
-    is back on its source unchanged (its move rolled back), attempts are left (``retries``) and
-    the drain is still running or paused; or it is ``failed`` with the error.
+    VERIFY_RESIZE when the drain keeps servers there. A drain that confirms goes on to confirm a
+    move that finished (VERIFY_RESIZE on another host) although the step waiting for it failed,
+    once per attempt: ``confirm_slot`` is the request id of the attempt whose confirm the
+    workflow already went to, and then the server is failed instead ("confirm or revert it").
+    Otherwise the server is tried again when it is back on its source unchanged (its move
+    rolled back), attempts are left (``retries``) and the drain is still running or paused; or
+    it is ``failed`` with the error.
 
     Returns:
-        ``{"retry": bool, "state", "error"}``.
+        ``{"retry": bool, "confirm": bool, "state", "error"}``: ``confirm`` sends the workflow
+        to PrepareConfirm.
 
     Raises:
         MoveStillRunning: the step that waited for the move, or for its confirm, failed while
@@ -850,7 +855,7 @@ def record_failure(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any],
         cell, retries, status = server.cell, int(drain.options.get("retries") or 0), drain.status
         confirm = bool(drain.options.get("confirm", True))
         if server.state in SETTLED_STATES:
-            return {"retry": False, "state": server.state, "error": server.error}
+            return {"retry": False, "confirm": False, "state": server.state, "error": server.error}
     migration_uuid = slot.get("migration_uuid")
     if migration_uuid and slot.get("request_id"):
         _abandon_unstarted(cell, instance_uuid, migration_uuid, slot)
@@ -865,7 +870,14 @@ def record_failure(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any],
             logger.warning("drain step failed after the move completed; recorded done",
                            extra={"drain": drain_uuid, "instance_uuid": instance_uuid, "host": host,
                                   "error": message})
-            return {"retry": False, "state": server.state, "error": None}
+            return {"retry": False, "confirm": False, "state": server.state, "error": None}
+        awaits_confirm = host not in (None, server.source_host) and vm_state == states.RESIZED and \
+            task_state is None and move_finished
+        if confirm and awaits_confirm and confirm_slot != slot.get("request_id"):
+            logger.warning("drain step failed after the move finished; going on to confirm it",
+                           extra={"drain": drain_uuid, "instance_uuid": instance_uuid, "host": host,
+                                  "error": message})
+            return {"retry": False, "confirm": True, "state": server.state, "error": None}
         back_home = host == server.source_host and vm_state in _MOVABLE and task_state is None
         retry = back_home and server.attempts <= retries and drain.status in (RUNNING, PAUSED)
         server.error = message
@@ -877,12 +889,12 @@ def record_failure(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any],
                 server.error = f"{message} (the server no longer exists)"
             elif host != server.source_host:
                 server.dest_host = host
-                if vm_state == states.RESIZED and task_state is None and move_finished:
+                if awaits_confirm:
                     server.error = f"{message.rstrip('.')}. The move itself finished on {host}: confirm or revert it."
         logger.warning("drain move failed", extra={"drain": drain_uuid, "instance_uuid": instance_uuid,
                                                    "retry": retry, "attempt": server.attempts, "error": message,
                                                    "status": status})
-        return {"retry": retry, "state": server.state, "error": server.error}
+        return {"retry": retry, "confirm": False, "state": server.state, "error": server.error}
 
 
 def _abandon_unstarted(cell: str, instance_uuid: str, migration_uuid: str, slot: Mapping[str, Any]) -> None:

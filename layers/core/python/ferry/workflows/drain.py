@@ -30,7 +30,8 @@ DRAIN_SCHEMA: dict[str, Any] = {
 SERVER_SCHEMA: dict[str, Any] = {
     "type": "object",
     "required": ["drain_uuid", "instance_uuid"],
-    "properties": {"drain_uuid": _UUID, "instance_uuid": _UUID, "slot": {"type": "object"}},
+    "properties": {"drain_uuid": _UUID, "instance_uuid": _UUID, "slot": {"type": "object"},
+                   "confirm_slot": {"type": ["string", "null"]}},
 }
 
 
@@ -66,9 +67,9 @@ def record_moved(event: dict[str, Any]) -> dict[str, Any]:
 
 
 def record_failure(event: dict[str, Any]) -> dict[str, Any]:
-    """RecordFailure: note the failed attempt; ``{"retry": bool, …}``."""
+    """RecordFailure: note the failed attempt; ``{"retry": bool, "confirm": bool, …}``."""
     return drains.record_failure(event["drain_uuid"], event["instance_uuid"], event.get("slot") or {},
-                                 event.get("error"))
+                                 event.get("error"), event.get("confirm_slot"))
 
 
 def settle_server(event: dict[str, Any]) -> dict[str, Any]:
