@@ -186,7 +186,8 @@ def test_update_to_a_taken_name_is_409_and_changes_nothing(cloud):
 
 
 @pytest.mark.parametrize("body", [{"aggregate": {}}, {"aggregate": {"hosts": ["x"]}}, {"name": "x"},
-                                  {"aggregate": {"name": ""}}])
+                                  {"aggregate": {"name": ""}}, {"aggregate": {"name": "gen\u200b4"}},
+                                  {"aggregate": {"name": "gen4", "availability_zone": "\u00a0zone"}}])
 def test_a_bad_update_body_is_400(cloud, body):
     created = create("gen3")
 

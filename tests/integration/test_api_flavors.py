@@ -103,6 +103,16 @@ def test_flavor_numbers_out_of_range_are_400_and_create_nothing(cloud, field, va
     assert flavor_named("huge") is None
 
 
+@pytest.mark.parametrize("name", [" m1.edge", "m1.edge\u00a0", "m1\u200bedge", "m1\x7fedge"])
+def test_flavor_names_nova_refuses_are_400_and_create_nothing(cloud, name):
+    response = call("POST", "/v2.1/flavors", caller=ADMIN, body={"flavor": {
+        "name": name, "ram": 512, "vcpus": 1, "disk": 1}})
+
+    assert response.status == 400
+    assert "Invalid input for field/attribute flavor/name" in response.body["badRequest"]["message"]
+    assert flavor_named(name) is None
+
+
 def test_duplicate_flavor_is_409(cloud):
     response = call("POST", "/v2.1/flavors", caller=ADMIN, body={"flavor": {
         "name": "m1.small", "ram": 1, "vcpus": 1, "disk": 0}})

@@ -372,13 +372,24 @@ def test_admins_see_the_status_of_a_servers_host_from_2_16(cloud):
     assert {s["name"]: s["host_status"] for s in listed.body["servers"]}["off"] == "MAINTENANCE"
 
 
-@pytest.mark.parametrize("name", ["   ", " leading", "trailing ", "bell\x07"])
+@pytest.mark.parametrize("name", [
+    "   ", " leading", "trailing ", "bell\x07",
+    "\u00a0no-break space first", "ideographic space last\u3000", "delete\x7f", "zero\u200bwidth",
+    "line\u2028separator", "private\ue000use", "unassigned\u0378"])
 def test_create_refuses_a_name_nova_refuses(cloud, name):
     response = call("POST", "/v2.1/servers", version="2.90", body={"server": {
         "name": name, "flavorRef": "1", "imageRef": cloud.image_id, "networks": "none"}})
 
     assert response.status == 400 and "name" in response.body["badRequest"]["message"]
     assert api_rows(BuildRequest) == []
+
+
+@pytest.mark.parametrize("name", ["café ☕ 中文", "inner\u3000space", "a", "Ωμέγα-1"])
+def test_create_takes_printable_names_in_any_script(cloud, name):
+    response = call("POST", "/v2.1/servers", version="2.90", body={"server": {
+        "name": name, "flavorRef": "1", "imageRef": cloud.image_id, "networks": "none"}})
+
+    assert response.status == 202, response.body
 
 
 @pytest.mark.parametrize("zone", ["bogus", "empty-zone", "disabled-zone"])

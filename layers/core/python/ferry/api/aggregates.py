@@ -110,6 +110,7 @@ def create_aggregate() -> Response:
     view = request.view_context(router)
     policy.enforce(view.ctx, RULE.format("create"))
     wanted = request.body(router, CREATE)["aggregate"]
+    request.require_printable(wanted, "aggregate", "name", "availability_zone")
     created = aggregates.create_aggregate(wanted["name"], wanted.get("availability_zone"))
     return _answer(view, created, with_members=False)
 
@@ -127,6 +128,7 @@ def update_aggregate(aggregate_id: str) -> Response:
     policy.enforce(view.ctx, RULE.format("update"))
     number = _aggregate_id(aggregate_id)
     wanted = request.body(router, UPDATE)["aggregate"]
+    request.require_printable(wanted, "aggregate", "name", "availability_zone")
     return _answer(view, aggregates.update_aggregate(number, **wanted))
 
 

@@ -75,6 +75,7 @@ def create_flavor() -> Response:
     view = request.view_context(router)
     policy.enforce(view.ctx, "os_compute_api:os-flavor-manage:create")
     flavor = request.body(router, schemas.flavor_create(view.version))["flavor"]
+    request.require_printable(flavor, "flavor", "name")
     is_public = flavor.get("os-flavor-access:is_public", True)
     def number(name: str, minimum: int, default: int | None = None) -> int:
         value = flavor.get(name, default)

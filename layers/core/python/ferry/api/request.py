@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +19,7 @@ from aws_lambda_powertools.event_handler.api_gateway import BaseRouter
 from aws_lambda_powertools.metrics import MetricUnit
 
 from ferry import auth, errors, validation
+from ferry.api import schemas
 from ferry.api.microversions import MIN_VERSION, VOLUME_SERVICE, APIVersion, negotiate, response_headers
 from ferry.observability import logger, metrics
 
@@ -222,13 +223,29 @@ def validate(document: Any, schema: dict[str, Any]) -> None:
     try:
         validation.check(document, schema)
     except validation.SchemaMismatch as error:
-        field, value = error.where(), json.dumps(error.instance, default=str)
-        if len(value) > 200:
-            value = value[:200] + "..."
-        if field:
-            raise errors.BadRequest(
-                f"Invalid input for field/attribute {field}. Value: {value}. {error.message}") from None
-        raise errors.BadRequest(f"Invalid input. {error.message}") from None
+        raise invalid_input(error.where(), error.instance, error.message) from None
+
+
+def require_printable(document: Mapping[str, Any], prefix: str, *fields: str) -> None:
+    """Check that each of ``fields`` of ``document`` (where given) is a name Nova takes.
+
+    Raises:
+        BadRequest: a name with a control, format or unassigned character, or whitespace at an end.
+    """
+    for field in fields:
+        value = document.get(field)
+        if isinstance(value, str) and not schemas.is_printable_name(value):
+            raise invalid_input(f"{prefix}/{field}", value, schemas.PRINTABLE_NAME_RULE)
+
+
+def invalid_input(field: str, value: Any, reason: str) -> errors.BadRequest:
+    """The error for a bad value, worded as Nova words it (``field`` empty for the whole body)."""
+    shown = json.dumps(value, default=str)
+    if len(shown) > 200:
+        shown = shown[:200] + "..."
+    if field:
+        return errors.BadRequest(f"Invalid input for field/attribute {field}. Value: {shown}. {reason}")
+    return errors.BadRequest(f"Invalid input. {reason}")
 
 
 def body(router: BaseRouter, schema: dict[str, Any]) -> Any:

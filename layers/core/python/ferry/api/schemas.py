@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import unicodedata
 from collections.abc import Iterable
 from typing import Any
 
@@ -12,8 +13,10 @@ from ferry.validation import MAX_INT
 UUID_PATTERN = "^[0-9a-fA-F]{8}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{12}$"
 UUID = {"type": "string", "pattern": UUID_PATTERN}
 NAME = {"type": "string", "minLength": 1, "maxLength": 255}
-# A server's name, as Nova takes it: no control characters, no leading or trailing blank.
-SERVER_NAME = {"type": "string", "minLength": 1, "maxLength": 255, "pattern": "^(?! )[^\\x00-\\x1f]+(?<! )$"}
+# A server's or flavor's name: the pattern is the part of Nova's rule a JSON Schema pattern can say
+# in every client's regex dialect (the OpenAPI document publishes it); is_printable_name says the rest.
+PRINTABLE_NAME = {"type": "string", "minLength": 1, "maxLength": 255, "pattern": "^(?! )[^\\x00-\\x1f]+(?<! )$"}
+PRINTABLE_NAME_RULE = "Must be printable characters. Can not start or end with whitespace."
 DESCRIPTION = {"type": ["string", "null"], "maxLength": 65535}
 # A number or a string of digits; a string's bounds are checked where it is read (request.bounded_int).
 POSITIVE_INT = {"type": ["integer", "string"], "pattern": "^[0-9]+$", "minimum": 1, "maximum": MAX_INT}
@@ -63,7 +66,7 @@ _BLOCK_DEVICE = {
 _SERVER_BASE: dict[str, Any] = {
     "type": "object",
     "properties": {
-        "name": SERVER_NAME,
+        "name": PRINTABLE_NAME,
         "imageRef": {"type": "string", "maxLength": 255},
         "flavorRef": {"type": ["string", "integer"], "minLength": 1},
         "networks": {"type": "array", "items": _NETWORK_ITEM},
@@ -128,7 +131,7 @@ def flavor_create(version: APIVersion) -> dict[str, Any]:
     flavor: dict[str, Any] = {
         "type": "object",
         "properties": {
-            "name": {"type": "string", "minLength": 1, "maxLength": 255, "pattern": "^(?! )[^\\x00-\\x1f]+(?<! )$"},
+            "name": PRINTABLE_NAME,
             "id": FLAVOR_ID,
             "ram": POSITIVE_INT,
             "vcpus": POSITIVE_INT,
@@ -218,3 +221,16 @@ def quota_set_update(resources: Iterable[str]) -> dict[str, Any]:
         "required": ["quota_set"],
         "additionalProperties": False,
     }
+
+
+def is_printable_name(name: str) -> bool:
+    """Nova's rule for names: printable characters only (no control, format, private-use,
+    surrogate or unassigned code points; of the separators, spaces only) and no whitespace at
+    either end (a no-break space included)."""
+    if not name or name[0].isspace() or name[-1].isspace():
+        return False
+    for char in name:
+        category = unicodedata.category(char)
+        if category[0] == "C" or (category[0] == "Z" and category != "Zs"):
+            return False
+    return True

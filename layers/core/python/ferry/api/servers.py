@@ -153,6 +153,7 @@ def boot_request(document: dict[str, Any]) -> compute_api.BootRequest:
 def create_server() -> Response:
     view = request.view_context(router)
     document = request.body(router, schemas.server_create(view.version))
+    request.require_printable(document["server"], "server", "name")
     policy.enforce(view.ctx, "os_compute_api:servers:create",
                    {"project_id": view.ctx.project_id, "user_id": view.ctx.user_id})
     server_id = compute_api.create_server(view.ctx, boot_request(document))
