@@ -18,14 +18,18 @@ A new rule without a probe, or a new route no probe exercises, fails the coverag
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 from conftest import Servers
+from sqlalchemy import delete
 
 from ferry import policy
 from ferry.api import openapi
+from ferry.store.api_models import Volume
+from ferry.store.db import api_session
 
 pytestmark = pytest.mark.e2e
 
@@ -72,6 +76,7 @@ PROBES: dict[str, Probe] = {
     "os_compute_api:servers:create": Probe("POST", f"{V}/servers", body={"server": {
         "name": "e2e-policy", "flavorRef": "no-such-flavor", "networks": "auto"}}),
     "os_compute_api:servers:delete": Probe("DELETE", S, server="fresh"),
+    "os_compute_api:servers:update": Probe("PUT", S, body={"server": {"name": "e2e-policy-active"}}, server="active"),
     "os_compute_api:servers:start": Probe("POST", _action, body={"os-start": None}, server="active"),
     "os_compute_api:servers:stop": Probe("POST", _action, body={"os-stop": None}, server="shutoff"),
     "os_compute_api:os-instance-actions:list": Probe("GET", f"{S}/os-instance-actions", server="active"),
@@ -157,7 +162,8 @@ PROBES: dict[str, Probe] = {
                                  passes=NOT_FOUND),
     # volume look-ups (Block Storage v3)
     "volume:get_all": Probe("GET", f"{VOLUME}/volumes/detail"),
-    "volume:get": Probe("GET", f"{VOLUME}/volumes/{{volume_id}}", passes=NOT_FOUND),
+    # demo's own volume: another project's member is told 404, as for a server
+    "volume:get": Probe("GET", f"{VOLUME}/volumes/{{volume_id}}", values={"volume_id": "{demo_volume}"}),
 }
 
 # Rules that more than one route checks: their other routes.
@@ -230,19 +236,26 @@ def _expected(rule: str | None, identity: str | None, probe: Probe) -> str:
 def resources(local_stack):
     """An ACTIVE and a SHUTOFF server of ``demo``, and the other values the probes' paths need."""
     helper = Servers(local_stack)
+    demo_volume = str(uuid.uuid4())
     try:
         active = helper.boot("demo", name="e2e-policy-active")
         shutoff = helper.boot("demo", name="e2e-policy-shutoff")["id"]
         assert helper.action(shutoff, {"os-stop": None}).status_code == 202
         helper.wait_for_status(shutoff, "SHUTOFF")
         actions = helper.api("admin").get(f"/servers/{active['id']}/os-instance-actions").json()["instanceActions"]
-        yield {"helper": helper, "active": active["id"], "shutoff": shutoff,
+        with api_session() as session:
+            session.add(Volume(id=demo_volume, name="e2e-policy-volume", size_gb=1,
+                               project_id=local_stack.seeded.identities["demo"].project_id,
+                               path=str(local_stack.state_dir / "volumes" / demo_volume)))
+        yield {"helper": helper, "active": active["id"], "shutoff": shutoff, "demo_volume": demo_volume,
                "host": active["OS-EXT-SRV-ATTR:host"], "request_id": actions[0]["request_id"],
                "flavor_id": local_stack.seeded.flavors[0], "image_id": local_stack.seeded.image["id"]}
         seeded = {f: helper.api("admin").get(f"/flavors/{f}").status_code for f in local_stack.seeded.flavors}
         assert set(seeded.values()) == {200}, f"a probe changed the seeded flavors: {seeded}"
     finally:
         helper.delete_all()
+        with api_session() as session:
+            session.execute(delete(Volume).where(Volume.id == demo_volume))
 
 
 def _fill(text: str, values: dict[str, str]) -> str:

@@ -22,8 +22,9 @@ def cloud(store, monkeypatch, tmp_path):
 
 @pytest.fixture
 def volumes(cloud):
-    """Alice's ``data`` (in use on two hosts, one attachment still reserved), ``boot`` (from an
-    image, in use) and ``old`` (available, the oldest); Bob's ``bobs``."""
+    """Alice's ``data`` (in use: attached on host-1, and on host-2 where its server has just been
+    resized to, with a third attachment still reserved), ``boot`` (from an image, in use) and
+    ``old`` (available, the oldest); Bob's ``bobs``."""
     start = dt.datetime(2026, 1, 1)
     with api_session() as session:
         for offset, (volume_id, name, project, status, image) in enumerate([
@@ -36,7 +37,10 @@ def volumes(cloud):
         session.add(VolumeAttachment(id="att-1", volume_id=DATA, instance_uuid=SERVER, host="host-1", device="vdd",
                                      status="attached", created_at=start))
         session.add(VolumeAttachment(id="att-2", volume_id=DATA, instance_uuid=SERVER, host="host-2", device="vdd",
-                                     status="reserved", created_at=start))
+                                     status="attached", created_at=start + dt.timedelta(hours=1),
+                                     updated_at=start + dt.timedelta(hours=2)))
+        session.add(VolumeAttachment(id="att-4", volume_id=DATA, instance_uuid=SERVER, host="host-3", device="vdd",
+                                     status="reserved", created_at=start + dt.timedelta(hours=3)))
         session.add(VolumeAttachment(id="att-3", volume_id=BOOT, instance_uuid=SERVER, host="host-1", device="vda",
                                      status="attached", created_at=start))
 
@@ -58,8 +62,11 @@ def test_the_version_document_needs_no_token_and_names_the_version(cloud):
 def test_a_member_lists_her_projects_volumes_newest_first(volumes):
     assert _ids(call("GET", "/volume/v3/volumes/detail", caller=ALICE)) == [DATA, BOOT, OLD]
     assert _ids(call("GET", "/volume/v3/volumes", caller=BOB)) == [BOBS]
-    # all_tenants is an admin's: a member's list stays her own
+    # all_tenants and project_id are an admin's: a member's list stays her own
     assert _ids(call("GET", "/volume/v3/volumes", caller=BOB, query={"all_tenants": "1"})) == [BOBS]
+    assert _ids(call("GET", "/volume/v3/volumes", caller=BOB, query={"project_id": "project-a"})) == [BOBS]
+    assert _ids(call("GET", "/volume/v3/volumes", caller=BOB,
+                     query={"all_tenants": "1", "project_id": "project-a"})) == [BOBS]
     summary = call("GET", "/volume/v3/volumes", caller=BOB).body["volumes"][0]
     assert summary == {"id": BOBS, "name": "bobs", "links": [
         {"rel": "self", "href": f"{BASE_URL}/volume/v3/volumes/{BOBS}"},
@@ -74,21 +81,25 @@ def test_an_admin_lists_her_own_project_unless_she_asks_for_all(volumes):
                      query={"all_tenants": "1", "project_id": "project-b"})) == [BOBS]
 
 
-def test_the_list_filters_by_name_status_and_bootable(volumes):
+def test_the_list_filters_by_name_status_bootable_and_metadata(volumes):
     def listed(**query: str) -> list[str]:
         return _ids(call("GET", "/volume/v3/volumes/detail", caller=ALICE, query=query))
 
     assert listed(name="old") == [OLD]
     assert listed(status="in-use") == [DATA, BOOT]
-    assert listed(bootable="true") == [BOOT]
-    assert listed(bootable="false", status="in-use") == [DATA]
     assert listed(name="bobs") == []
+    # Ferry boots from any volume, so all are bootable; it keeps no volume metadata
+    assert listed(bootable="true") == [DATA, BOOT, OLD]
+    assert listed(bootable="false") == []
+    assert listed(metadata="{}") == [DATA, BOOT, OLD]
+    assert listed(metadata="{'tier': 'gold'}") == []
+    assert call("GET", "/volume/v3/volumes", caller=ALICE, query={"metadata": "tier=gold"}).status == 400
 
 
 def test_unknown_filters_and_bad_values_are_refused(volumes):
-    refused = call("GET", "/volume/v3/volumes/detail", caller=ALICE, query={"metadata": "{}", "user_id": "alice"})
+    refused = call("GET", "/volume/v3/volumes/detail", caller=ALICE, query={"created_at": "x", "user_id": "alice"})
     assert refused.status == 400
-    assert refused.body["badRequest"]["message"] == "Invalid filters metadata, user_id are found in query options."
+    assert refused.body["badRequest"]["message"] == "Invalid filters created_at, user_id are found in query options."
     assert call("GET", "/volume/v3/volumes", caller=ALICE, query={"bootable": "maybe"}).status == 400
     assert call("GET", "/volume/v3/volumes", caller=ALICE, query={"limit": "-1"}).status == 400
     assert call("GET", "/volume/v3/volumes", caller=ADMIN, query={"all_tenants": "perhaps"}).status == 400
@@ -106,7 +117,10 @@ def test_the_list_pages_with_limit_and_marker(volumes):
     assert _ids(second) == [OLD]
     assert "volumes_links" not in second.body
 
-    missing = call("GET", "/volume/v3/volumes", caller=ALICE, query={"marker": BOBS})
+    # a marker that no longer passes the filters still marks its place
+    assert _ids(call("GET", "/volume/v3/volumes", caller=ALICE, query={"marker": DATA, "status": "available"})) \
+        == [OLD]
+    missing = call("GET", "/volume/v3/volumes", caller=ALICE, query={"marker": BOBS})  # another project's
     assert missing.status == 404
     assert missing.body["itemNotFound"]["message"] == f"Marker {BOBS} could not be found."
 
@@ -119,18 +133,22 @@ def test_show_gives_cinders_shape_with_the_attachments_in_place(volumes):
     volume = response.body["volume"]
     assert {k: volume[k] for k in ("id", "name", "status", "size", "bootable", "availability_zone", "volume_type",
                                    "multiattach", "encrypted", "metadata")} == {
-        "id": DATA, "name": "data", "status": "in-use", "size": 4, "bootable": "false", "availability_zone": "nova",
+        "id": DATA, "name": "data", "status": "in-use", "size": 4, "bootable": "true", "availability_zone": "nova",
         "volume_type": "__DEFAULT__", "multiattach": False, "encrypted": False, "metadata": {}}
-    # the reserved attachment (a move's destination, not yet in place) is not shown
-    assert volume["attachments"] == [{"id": DATA, "attachment_id": "att-1", "volume_id": DATA, "server_id": SERVER,
-                                      "host_name": "host-1", "device": "/dev/vdd",
-                                      "attached_at": volume["attachments"][0]["attached_at"]}]
-    assert volume["attachments"][0]["attached_at"]
+    # one attachment per server, the newest in place (the server's host after a resize); a
+    # member is not told the host
+    assert volume["attachments"] == [{"id": DATA, "attachment_id": "att-2", "volume_id": DATA, "server_id": SERVER,
+                                      "host_name": None, "device": "/dev/vdd",
+                                      "attached_at": "2026-01-01T02:00:00.000000"}]
+    assert volume["created_at"] == "2026-01-01T00:03:00.000000"
     assert "os-vol-tenant-attr:tenant_id" not in volume
+    as_admin = call("GET", f"/volume/v3/volumes/{DATA}", caller=ADMIN).body["volume"]
+    assert [a["host_name"] for a in as_admin["attachments"]] == ["host-2"]
 
     boot = call("GET", f"/volume/v3/volumes/{BOOT}", caller=ADMIN).body["volume"]
     assert boot["bootable"] == "true" and boot["volume_image_metadata"] == {"image_id": "image-1"}
     assert boot["os-vol-tenant-attr:tenant_id"] == "project-a"
+    assert "volume_image_metadata" not in call("GET", f"/volume/v3/volumes/{OLD}", caller=ALICE).body["volume"]
 
 
 def test_another_projects_volume_is_not_found(volumes):
@@ -165,3 +183,10 @@ def test_the_policy_file_can_close_the_look_ups(volumes, tmp_path, monkeypatch):
     assert call("GET", "/volume/v3/volumes", caller=ALICE).status == 403
     assert call("GET", "/volume/v3/volumes", caller=ADMIN).status == 200
     assert call("GET", f"/volume/v3/volumes/{DATA}", caller=ADMIN).status == 403
+
+
+def test_methods_other_than_get_are_not_found(volumes):
+    response = call("POST", "/volume/v3/volumes", caller=ALICE, body={"volume": {"size": 1}})
+
+    assert response.status == 404
+    assert "itemNotFound" in response.body

@@ -906,3 +906,79 @@ def test_domain_get_server_rereads_a_server_scheduled_meanwhile(cloud):
     assert compute_api.get_server(ctx, server_id).cell == "cell1"
     with pytest.raises(errors.InstanceNotFound):
         compute_api.get_server(ctx, "not-a-uuid")
+
+
+# --- update (PUT /servers/{id}) ---------------------------------------------------------------------
+
+
+def _update(server_id: str, body: dict, *, caller=ALICE, version: str = "2.19"):
+    return call("PUT", f"/v2.1/servers/{server_id}", caller=caller, version=version, body={"server": body})
+
+
+def test_create_keeps_the_description_from_2_19(cloud):
+    server_id = create_server(name="described", description="the build box")
+
+    shown = call("GET", f"/v2.1/servers/{server_id}", version="2.19").body["server"]
+    assert shown["description"] == "the build box"
+    schedule(server_id)
+    assert instance(server_id).display_description == "the build box"
+    assert call("GET", f"/v2.1/servers/{server_id}", version="2.19").body["server"]["description"] == "the build box"
+    assert "description" not in call("GET", f"/v2.1/servers/{server_id}", version="2.18").body["server"]
+
+
+def test_update_renames_a_server_and_changes_its_description(cloud):
+    server_id = create_server(name="old-name")
+    schedule(server_id, hidden_copy_in="cell2")
+
+    response = _update(server_id, {"name": "new-name", "description": "line one\nline two"})
+
+    assert response.status == 200, response.body
+    assert (response.body["server"]["name"], response.body["server"]["description"]) == (
+        "new-name", "line one\nline two")
+    assert response.body["server"]["id"] == server_id and response.body["server"]["status"] == "ACTIVE"
+    assert (instance(server_id).display_name, instance(server_id).display_description) == (
+        "new-name", "line one\nline two")
+    assert instance(server_id, "cell2").display_name == "stale-copy"  # a hidden copy is not the server
+    # a description of null clears it; a body naming nothing changes nothing
+    assert _update(server_id, {"description": None}).body["server"]["description"] is None
+    assert _update(server_id, {}).body["server"]["name"] == "new-name"
+
+
+def test_update_of_a_server_still_being_scheduled_changes_its_build_request(cloud):
+    server_id = create_server(name="early")
+
+    assert _update(server_id, {"name": "renamed-early"}).status == 200
+
+    assert call("GET", f"/v2.1/servers/{server_id}").body["server"]["name"] == "renamed-early"
+    schedule(server_id)  # the boot workflow copies the build request into the cell
+    assert instance(server_id).display_name == "renamed-early"
+
+
+@pytest.mark.parametrize(("body", "version"), [
+    ({"name": " leading"}, "2.19"),
+    ({"name": "zero\u200bwidth"}, "2.19"),
+    ({"name": ""}, "2.19"),
+    ({"description": "bell\x07"}, "2.19"),
+    ({"description": "x" * 256}, "2.19"),
+    ({"description": "from 2.19 only"}, "2.18"),
+    ({"hostname": "vm1"}, "2.90"),
+    ({"accessIPv4": "10.0.0.1"}, "2.19"),
+])
+def test_update_refuses_what_it_does_not_take_and_changes_nothing(cloud, body, version):
+    server_id = create_server(name="steady", description="kept")
+    schedule(server_id)
+
+    response = _update(server_id, body, version=version)
+
+    assert response.status == 400, response.body
+    assert (instance(server_id).display_name, instance(server_id).display_description) == ("steady", "kept")
+
+
+def test_update_of_another_projects_server_is_not_found_but_an_admin_may(cloud):
+    server_id = create_server(name="alices")
+    schedule(server_id)
+
+    assert _update(server_id, {"name": "bobs-now"}, caller=BOB).status == 404
+    assert _update(server_id, {"name": "by-admin"}, caller=ADMIN).status == 200
+    assert instance(server_id).display_name == "by-admin"
+    assert _update(str(uuid.uuid4()), {"name": "nobody"}).status == 404

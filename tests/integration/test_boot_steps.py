@@ -12,9 +12,11 @@ import uuid
 
 import pytest
 from moto import mock_aws
-from sqlalchemy import select
+from sqlalchemy import select, update
 
 from ferry import aws, config, errors, hosts, placement, protocol
+from ferry.auth import RequestContext
+from ferry.compute import api as compute_api
 from ferry.compute import states
 from ferry.store.api_models import BuildRequest, InstanceMapping, Network, Port, RequestSpec, utcnow
 from ferry.store.cell_models import Instance, InstanceAction, InstanceActionEvent, InstanceFault, Service
@@ -313,3 +315,49 @@ def test_host_report_maps_new_host_and_records_heartbeat(cloud):
 def test_host_report_without_mapping_or_cell_is_refused(cloud):
     with pytest.raises(errors.HostNotMapped):
         hosts.apply_report({"kind": "heartbeat", "host": "stray", "sent_at": utcnow().isoformat()})
+
+
+def _rename_build_request(instance_uuid: str, name: str) -> None:
+    ctx = RequestContext(user_id="u1", project_id="demo", roles=("member",))
+    compute_api.update_server(ctx, compute_api.locate(ctx, instance_uuid), {"name": name, "description": "new"})
+
+
+@pytest.mark.parametrize("no_host", [False, True])
+def test_a_rename_made_while_the_server_is_handed_to_its_cell_is_not_lost(cloud, monkeypatch, no_host):
+    # GIVEN the owner renames the server just after the boot workflow copied its build request
+    event = accept_server(cloud["image_id"], flavor={**FLAVOR, "vcpus": 64} if no_host else None)
+    copy = boot._create_in_cell
+
+    def copy_then_rename(build, cell, request_id, **values):
+        copy(build, cell, request_id, **values)
+        _rename_build_request(event["instance_uuid"], "renamed")
+
+    monkeypatch.setattr(boot, "_create_in_cell", copy_then_rename)
+
+    # WHEN the workflow hands the server over to its cell (or buries it in cell0)
+    if no_host:
+        with pytest.raises(errors.NoValidHost) as raised:
+            boot.select_destinations(event)
+        boot.fail_build({**event, "error": {"Error": "Ferry.NoValidHost", "Cause": raised.value.message}})
+    else:
+        boot.select_destinations(event)
+
+    # THEN the instance carries the new name and description
+    with cell_session("cell0" if no_host else "cell1") as session:
+        instance = session.scalars(select(Instance)).one()
+    assert (instance.display_name, instance.display_description) == ("renamed", "new")
+
+
+def test_catching_up_keeps_a_change_made_on_the_instance_since(cloud):
+    event = accept_server(cloud["image_id"])
+    boot.select_destinations(event)
+    with cell_session("cell1") as session:
+        session.execute(update(Instance).values(display_name="owner-latest"))
+    build = BuildRequest(instance_uuid=event["instance_uuid"], project_id="demo",
+                         instance={"display_name": "vm1", "display_description": None})
+
+    boot._catch_up("cell1", build, {"display_name": "stale-rename", "display_description": "added"})
+
+    with cell_session("cell1") as session:
+        instance = session.scalars(select(Instance)).one()
+    assert (instance.display_name, instance.display_description) == ("owner-latest", "added")

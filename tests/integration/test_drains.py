@@ -21,6 +21,7 @@ from ferry.compute import actions, instances, moves, services
 from ferry.store.api_models import CellMapping, Drain, DrainServer, InstanceMapping
 from ferry.store.cell_models import Instance, InstanceAction, Migration
 from ferry.store.db import api_session, cell_session
+from ferry.workflows import drain as drain_steps
 
 ADMIN = RequestContext(user_id="op", project_id="ops", roles=("admin",))
 SMALL = flavor(vcpus=1, memory_mb=2048, root_gb=1)
@@ -408,6 +409,41 @@ def test_a_failed_wait_for_a_move_that_finished_goes_on_to_confirm_it_once(store
                        "error": "lost track. The move itself finished on dest: confirm or revert it."}
     assert _servers(drain)[server].dest_host == "dest"
     assert _move_records(server, slot["migration_uuid"]) == (None, "finished")
+
+
+def test_a_move_the_drain_lost_track_of_is_confirmed_and_recorded_done(store, move_machines):
+    # GIVEN RunMove failed after the move finished, and RecordFailure sent the try to its confirm
+    drain, server, slot, _move = _prepared_move()
+    _moved_to_dest(server, slot["migration_uuid"], "resized", "finished")
+    lost = {"Error": "States.Runtime", "Cause": "lost track"}
+    assert drain_steps.record_failure({"drain_uuid": drain, "instance_uuid": server, "slot": slot, "error": lost,
+                                       "confirm_slot": None})["confirm"] is True
+
+    # WHEN the iteration goes on as after a RunMove that succeeded: PrepareConfirm, the confirm
+    # workflow (done here by hand), RecordMoved
+    confirm = drain_steps.prepare_confirm({"drain_uuid": drain, "instance_uuid": server, "slot": slot})
+    assert _move_records(server, slot["migration_uuid"]) == (None, "confirming")
+    assert confirm["input"]["request_id"] == f"{slot['request_id']}-confirm"
+    _moved_to_dest(server, slot["migration_uuid"], "active", "confirmed")
+    drain_steps.record_moved({"drain_uuid": drain, "instance_uuid": server, "slot": slot})
+
+    # THEN the server is done on dest, with no error left from the lost step
+    row = _servers(drain)[server]
+    assert (row.state, row.dest_host, row.error) == ("done", "dest", None)
+
+
+def test_an_execution_started_before_confirms_were_marked_never_goes_on_to_a_confirm(store, move_machines):
+    # GIVEN a drain execution of the state machine before MarkConfirm: its RecordFailure event
+    # has no confirm_slot, and its RetryChoice would settle a server sent to its confirm
+    drain, server, slot, _move = _prepared_move()
+    _moved_to_dest(server, slot["migration_uuid"], "resized", "finished")
+
+    outcome = drain_steps.record_failure({"drain_uuid": drain, "instance_uuid": server, "slot": slot,
+                                          "error": {"Error": "States.Runtime", "Cause": "lost track"}})
+
+    # THEN the server is failed with the advice, as before, not left moving
+    assert (outcome["confirm"], outcome["state"]) == (False, "failed")
+    assert _servers(drain)[server].state == "failed"
 
 
 def test_a_failed_wait_for_a_move_still_under_way_waits_for_it_and_never_undoes_it(store, move_machines):

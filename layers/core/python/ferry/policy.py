@@ -43,6 +43,7 @@ DEFAULT_RULES: dict[str, str] = {
     "os_compute_api:servers:create": MEMBER,
     "os_compute_api:servers:create:zero_disk_flavor": ADMIN,
     "os_compute_api:servers:delete": ADMIN_OR_OWNER,
+    "os_compute_api:servers:update": ADMIN_OR_OWNER,
     "os_compute_api:servers:start": ADMIN_OR_OWNER,
     "os_compute_api:servers:stop": ADMIN_OR_OWNER,
     "os_compute_api:os-extended-server-attributes": ADMIN,

@@ -24,22 +24,23 @@ def device_path(device: str | None) -> str | None:
     return f"/dev/{device}" if device else None
 
 
-def visible(session: Session, ctx: RequestContext, volume_id: str) -> Volume:
+def visible(session: Session, ctx: RequestContext, volume_id: str, *, missing: str | None = None) -> Volume:
     """The volume ``volume_id`` if the caller may see it: her project's, or any for an admin.
 
     Raises:
-        VolumeNotFound: no such volume, or another project's and the caller is no admin.
+        VolumeNotFound: no such volume, or another project's and the caller is no admin
+            (``missing`` is the message, when given).
     """
     volume = session.get(Volume, volume_id)
     if volume is None or (volume.project_id != ctx.project_id and not ctx.is_admin):
-        raise errors.VolumeNotFound(f"Volume {volume_id} could not be found.")
+        raise errors.VolumeNotFound(missing or f"Volume {volume_id} could not be found.")
     return volume
 
 
 def listed(session: Session, *, project_id: str | None, name: str | None = None,
-           status: str | None = None, bootable: bool | None = None) -> list[Volume]:
+           status: str | None = None) -> list[Volume]:
     """The volumes of ``project_id`` (of every project when None) that match the filters, newest
-    first (the order Cinder lists in)."""
+    first (the order Cinder lists in: created_at, then id, descending)."""
     query = select(Volume)
     if project_id is not None:
         query = query.where(Volume.project_id == project_id)
@@ -47,8 +48,6 @@ def listed(session: Session, *, project_id: str | None, name: str | None = None,
         query = query.where(Volume.name == name)
     if status is not None:
         query = query.where(Volume.status == status)
-    if bootable is not None:
-        query = query.where(Volume.image_id.is_not(None) if bootable else Volume.image_id.is_(None))
     return list(session.scalars(query.order_by(Volume.created_at.desc(), Volume.id.desc())))
 
 

@@ -7,17 +7,23 @@ create --volume``, and ``volume list``/``volume show`` read from here. Only read
 version 3.0, under the project-less URLs (``/volume/v3/volumes``, not ``/v3/{project_id}/…``).
 
 Listing is Cinder's: a member lists her project's volumes; an admin too, unless she asks for
-``all_tenants`` (then every project's, or ``project_id``'s). ``name``, ``status`` and
-``bootable`` filter; other filters are refused (400) rather than ignored, so a list never looks
-filtered when it is not. Newest first, paged with ``limit`` and ``marker`` (a volume id).
+``all_tenants`` (then every project's, or ``project_id``'s). ``name``, ``status``, ``bootable``
+and ``metadata`` filter; other filters are refused (400) rather than ignored, so a list never
+looks filtered when it is not. Newest first, paged with ``limit`` and ``marker`` (a volume id,
+found whether or not it still passes the filters).
+
+Every Ferry volume can be booted from, so every volume is ``bootable``. Ferry keeps no volume
+metadata: a ``metadata`` filter naming any key matches nothing.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from aws_lambda_powertools.event_handler import Response
 from aws_lambda_powertools.event_handler.api_gateway import Router
+from sqlalchemy.orm import Session
 
 from ferry import errors, policy
 from ferry import volumes as volume_store
@@ -25,7 +31,7 @@ from ferry.api import request, views
 from ferry.auth import RequestContext
 from ferry.compute import aggregates
 from ferry.compute import api as compute_api
-from ferry.store.api_models import Volume
+from ferry.store.api_models import Volume, VolumeAttachment
 from ferry.store.db import api_session
 
 router = Router()
@@ -34,7 +40,8 @@ PREFIX = request.VOLUME_PREFIX
 # Volumes have no type in Ferry; Cinder names its built-in default type so.
 DEFAULT_VOLUME_TYPE = "__DEFAULT__"
 # The query parameters a volume list understands; any other is refused.
-_LIST_PARAMETERS = frozenset({"all_tenants", "project_id", "name", "status", "bootable", "limit", "marker"})
+_LIST_PARAMETERS = frozenset({"all_tenants", "project_id", "name", "status", "bootable", "metadata", "limit",
+                              "marker"})
 
 
 def _links(base_url: str, volume_id: str) -> list[dict[str, str]]:
@@ -42,14 +49,19 @@ def _links(base_url: str, volume_id: str) -> list[dict[str, str]]:
             {"rel": "bookmark", "href": f"{base_url}/volume/volumes/{volume_id}"}]
 
 
-def _attachments(volume: Volume) -> list[dict[str, Any]]:
-    """The volume's attachments that are in place, one per host (a server in VERIFY_RESIZE has
-    its volume attached on both hosts, as in Cinder during a Nova resize)."""
+def _attachments(ctx: RequestContext, volume: Volume) -> list[dict[str, Any]]:
+    """The volume's attachments in place, one per server: the newest, which is on the server's
+    host (during VERIFY_RESIZE the source host keeps one too, for a revert, which Cinder does not
+    show). The host is shown to those who may see servers' hosts (admins), as in Cinder."""
+    newest: dict[str, VolumeAttachment] = {}
+    for attachment in sorted(volume.attachments, key=lambda a: (a.created_at, a.id)):
+        if attachment.status == volume_store.ATTACHED:
+            newest[attachment.instance_uuid] = attachment
+    show_host = policy.check(ctx, "os_compute_api:os-extended-server-attributes", {"project_id": volume.project_id})
     return [{"id": volume.id, "attachment_id": a.id, "volume_id": volume.id, "server_id": a.instance_uuid,
-             "host_name": a.host, "device": volume_store.device_path(a.device),
-             "attached_at": views.isotime(a.updated_at or a.created_at)}
-            for a in sorted(volume.attachments, key=lambda a: (a.created_at, a.id))
-            if a.status == volume_store.ATTACHED]
+             "host_name": a.host if show_host else None, "device": volume_store.device_path(a.device),
+             "attached_at": views.isotime_micro(a.updated_at or a.created_at)}
+            for a in newest.values()]
 
 
 def volume_view(ctx: RequestContext, base_url: str, volume: Volume) -> dict[str, Any]:
@@ -57,10 +69,10 @@ def volume_view(ctx: RequestContext, base_url: str, volume: Volume) -> dict[str,
     body: dict[str, Any] = {
         "id": volume.id, "name": volume.name, "description": None, "status": volume.status, "size": volume.size_gb,
         "availability_zone": aggregates.DEFAULT_AVAILABILITY_ZONE, "volume_type": DEFAULT_VOLUME_TYPE,
-        "bootable": "true" if volume.image_id else "false", "encrypted": False, "multiattach": False,
+        "bootable": "true", "encrypted": False, "multiattach": False,
         "metadata": {}, "snapshot_id": None, "source_volid": None, "consistencygroup_id": None,
-        "replication_status": None, "user_id": None, "attachments": _attachments(volume),
-        "created_at": views.isotime(volume.created_at), "updated_at": views.isotime(volume.updated_at),
+        "replication_status": None, "user_id": None, "attachments": _attachments(ctx, volume),
+        "created_at": views.isotime_micro(volume.created_at), "updated_at": views.isotime_micro(volume.updated_at),
         "links": _links(base_url, volume.id),
     }
     if volume.image_id:
@@ -84,16 +96,18 @@ def _list(detail: bool) -> Response:
     every_project = ctx.is_admin and request.parse_bool("all_tenants", request.last(params, "all_tenants") or "0")
     project_id = request.last(params, "project_id") if every_project else ctx.project_id
     bootable = request.last(params, "bootable")
+    metadata = request.last(params, "metadata")
     limit = request.parse_limit(request.last(params, "limit"))
     marker = request.last(params, "marker")
     base_url = request.base_url(router)
     with api_session() as session:
         found = volume_store.listed(session, project_id=project_id, name=request.last(params, "name"),
-                                    status=request.last(params, "status"),
-                                    bootable=None if bootable is None else request.parse_bool("bootable", bootable))
-        after = compute_api.after_marker(found, marker, key=lambda v: v.id,
-                                         missing=f"Marker {marker} could not be found.", error=errors.NotFound)
-        page = after[:compute_api.page_size(limit)]
+                                    status=request.last(params, "status"))
+        if (bootable is not None and not request.parse_bool("bootable", bootable)) or _names_metadata(metadata):
+            found = []
+        if marker is not None:
+            found = _after(session, ctx, found, marker)
+        page = found[:compute_api.page_size(limit)]
         items = [volume_view(ctx, base_url, v) if detail else _summary(base_url, v) for v in page]
     document: dict[str, Any] = {"volumes": items}
     more = views.next_link_at(f"{base_url}{PREFIX}/volumes{'/detail' if detail else ''}", params,
@@ -101,6 +115,37 @@ def _list(detail: bool) -> Response:
     if more:
         document["volumes_links"] = more
     return request.json_response(200, document)
+
+
+def _after(session: Session, ctx: RequestContext, found: list[Volume], marker: str) -> list[Volume]:
+    """The volumes of ``found`` (newest first) after ``marker``, which need not be among them
+    (a volume that no longer passes the filters still marks its place).
+
+    Raises:
+        VolumeNotFound: no volume ``marker`` the caller may see.
+    """
+    ids = [v.id for v in found]
+    if marker in ids:
+        return found[ids.index(marker) + 1:]
+    last = volume_store.visible(session, ctx, marker, missing=f"Marker {marker} could not be found.")
+    return [v for v in found if (v.created_at, v.id) < (last.created_at, last.id)]
+
+
+def _names_metadata(value: str | None) -> bool:
+    """Whether a ``metadata`` filter names a key (``{}`` or none names none).
+
+    Raises:
+        BadRequest: not a JSON object.
+    """
+    if value is None:
+        return False
+    try:
+        wanted = json.loads(value.replace("'", '"'))
+    except ValueError:
+        wanted = None
+    if not isinstance(wanted, dict):
+        raise errors.BadRequest(f"Invalid metadata filter {value}: must be a JSON object.")
+    return bool(wanted)
 
 
 @router.get(f"{PREFIX}/volumes")

@@ -98,6 +98,7 @@ def _bodies() -> dict[str, dict[str, Any]]:
     drain_create["properties"]["drain"] = drain_store.REQUEST_SCHEMA
     return {
         "server_create": schemas.server_create(MAX_VERSION),
+        "server_update": schemas.server_update(MAX_VERSION),
         "server_action": _one_key_each(actions),
         "flavor_create": schemas.flavor_create(MAX_VERSION),
         "flavor_update": schemas.FLAVOR_UPDATE,
@@ -175,6 +176,8 @@ def _operations(bodies: dict[str, dict[str, Any]]) -> dict[tuple[str, str], Oper
                                             errors=_WRITE_ERRORS),
         ("GET", server): Operation("Show a server (404 for a name or another project's)",
                                    {200: _keyed("server", _SERVER)}),
+        ("PUT", server): Operation("Rename a server or (2.19) change its description; the server back",
+                                   {200: _keyed("server", _SERVER)}, bodies["server_update"], errors=_WRITE_ERRORS),
         ("DELETE", server): Operation("Delete a server", {204: None}, errors=_WRITE_ERRORS),
         ("POST", f"{server}/action"): Operation(
             "Run a server action: os-stop, os-start, resize, migrate, revertResize (202) or confirmResize (204)",

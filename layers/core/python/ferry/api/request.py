@@ -226,16 +226,19 @@ def validate(document: Any, schema: dict[str, Any]) -> None:
         raise invalid_input(error.where(), error.instance, error.message) from None
 
 
-def require_printable(document: Mapping[str, Any], prefix: str, *fields: str) -> None:
-    """Check that each of ``fields`` of ``document`` (where given) is a name Nova takes.
+def require_printable(document: Mapping[str, Any], prefix: str, *fields: str, text: bool = False) -> None:
+    """Check that each of ``fields`` of ``document`` (where given) is a name Nova takes (``text``:
+    a description, where whitespace may be anywhere).
 
     Raises:
-        BadRequest: a name with a control, format or unassigned character, or whitespace at an end.
+        BadRequest: a control, format or unassigned character, or (a name) whitespace at an end.
     """
+    check, rule = ((schemas.is_printable_text, schemas.PRINTABLE_TEXT_RULE) if text
+                   else (schemas.is_printable_name, schemas.PRINTABLE_NAME_RULE))
     for field in fields:
         value = document.get(field)
-        if isinstance(value, str) and not schemas.is_printable_name(value):
-            raise invalid_input(f"{prefix}/{field}", value, schemas.PRINTABLE_NAME_RULE)
+        if isinstance(value, str) and not check(value):
+            raise invalid_input(f"{prefix}/{field}", value, rule)
 
 
 def invalid_input(field: str, value: Any, reason: str) -> errors.BadRequest:

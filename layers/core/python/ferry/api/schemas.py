@@ -17,6 +17,9 @@ NAME = {"type": "string", "minLength": 1, "maxLength": 255}
 # in every client's regex dialect (the OpenAPI document publishes it); is_printable_name says the rest.
 PRINTABLE_NAME = {"type": "string", "minLength": 1, "maxLength": 255, "pattern": "^(?! )[^\\x00-\\x1f]+(?<! )$"}
 PRINTABLE_NAME_RULE = "Must be printable characters. Can not start or end with whitespace."
+PRINTABLE_TEXT_RULE = "Must be printable characters."
+# A server's description (2.19).
+SERVER_DESCRIPTION = {"type": ["string", "null"], "maxLength": 255}
 DESCRIPTION = {"type": ["string", "null"], "maxLength": 65535}
 # A number or a string of digits; a string's bounds are checked where it is read (request.bounded_int).
 POSITIVE_INT = {"type": ["integer", "string"], "pattern": "^[0-9]+$", "minimum": 1, "maximum": MAX_INT}
@@ -103,7 +106,7 @@ def server_create(version: APIVersion) -> dict[str, Any]:
     server = copy.deepcopy(_SERVER_BASE)
     properties = server["properties"]
     if version.at_least("2.19"):
-        properties["description"] = {"type": ["string", "null"], "maxLength": 255}
+        properties["description"] = SERVER_DESCRIPTION
     if version.at_least("2.37"):
         properties["networks"] = {"oneOf": [properties["networks"], {"enum": ["auto", "none"]}]}
         server["required"].append("networks")
@@ -223,14 +226,29 @@ def quota_set_update(resources: Iterable[str]) -> dict[str, Any]:
     }
 
 
+def _printable(char: str) -> bool:
+    """Nova's printable character: no control, format, private-use, surrogate or unassigned
+    code point, and of the separators only spaces."""
+    category = unicodedata.category(char)
+    return category[0] != "C" and (category[0] != "Z" or category == "Zs")
+
+
 def is_printable_name(name: str) -> bool:
-    """Nova's rule for names: printable characters only (no control, format, private-use,
-    surrogate or unassigned code points; of the separators, spaces only) and no whitespace at
-    either end (a no-break space included)."""
-    if not name or name[0].isspace() or name[-1].isspace():
-        return False
-    for char in name:
-        category = unicodedata.category(char)
-        if category[0] == "C" or (category[0] == "Z" and category != "Zs"):
-            return False
-    return True
+    """Nova's rule for names: printable characters, and no whitespace at either end (a no-break
+    space included)."""
+    return bool(name) and not name[0].isspace() and not name[-1].isspace() and all(map(_printable, name))
+
+
+def is_printable_text(text: str) -> bool:
+    """Nova's rule for descriptions: printable characters and whitespace (line breaks and tabs too)."""
+    return all(char.isspace() or _printable(char) for char in text)
+
+
+def server_update(version: APIVersion) -> dict[str, Any]:
+    """The body of ``PUT /servers/{id}`` at ``version``: a new name, and from 2.19 a description."""
+    properties: dict[str, Any] = {"name": PRINTABLE_NAME}
+    if version.at_least("2.19"):
+        properties["description"] = SERVER_DESCRIPTION
+    return {"type": "object",
+            "properties": {"server": {"type": "object", "properties": properties, "additionalProperties": False}},
+            "required": ["server"], "additionalProperties": False}

@@ -143,6 +143,7 @@ def boot_request(document: dict[str, Any]) -> compute_api.BootRequest:
     hints = document.get("os:scheduler_hints") or document.get("OS-SCH-HNT:scheduler_hints") or {}
     return compute_api.BootRequest(
         name=server["name"], flavor_ref=str(server["flavorRef"]), image_ref=server.get("imageRef") or None,
+        description=server.get("description"),
         networks=_networks(server), metadata=dict(server.get("metadata", {})), key_name=server.get("key_name"),
         availability_zone=server.get("availability_zone"), block_device_mapping=bdms,
         tags=list(server.get("tags", [])), scheduler_hints=dict(hints), requested_host=server.get("host"),
@@ -154,6 +155,7 @@ def create_server() -> Response:
     view = request.view_context(router)
     document = request.body(router, schemas.server_create(view.version))
     request.require_printable(document["server"], "server", "name")
+    request.require_printable(document["server"], "server", "description", text=True)
     policy.enforce(view.ctx, "os_compute_api:servers:create",
                    {"project_id": view.ctx.project_id, "user_id": view.ctx.user_id})
     server_id = compute_api.create_server(view.ctx, boot_request(document))
@@ -166,6 +168,20 @@ def create_server() -> Response:
         "security_groups": requested.get("security_groups") or [{"name": "default"}],
     }}
     return request.json_response(202, body, headers={"Location": f"{view.api_url}/servers/{server_id}"})
+
+
+@router.put("/servers/<server_id>")
+def update_server(server_id: str) -> Response:
+    """Rename a server, or (2.19) change its description; the server back, as ``GET`` shows it."""
+    view = request.view_context(router)
+    location = compute_api.locate(view.ctx, server_id)
+    policy.enforce(view.ctx, "os_compute_api:servers:update", location.target)
+    changes = request.body(router, schemas.server_update(view.version))["server"]
+    request.require_printable(changes, "server", "name")
+    request.require_printable(changes, "server", "description", text=True)
+    server = compute_api.update_server(view.ctx, location, changes)
+    _add_host_status(view, [server])
+    return request.json_response(200, {"server": views.server_detail(view, server)})
 
 
 # --- delete and actions ----------------------------------------------------------------------------

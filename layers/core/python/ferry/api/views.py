@@ -127,7 +127,7 @@ def server_detail(view: ViewContext, server: Server) -> dict[str, Any]:
     if view.at_least("2.16") and server.host_status is not None:
         body["host_status"] = server.host_status
     if view.at_least("2.19"):
-        body["description"] = None
+        body["description"] = server.description
     if view.at_least("2.26"):
         body["tags"] = list(server.tags)
     if view.at_least("2.63"):

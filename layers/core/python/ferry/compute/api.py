@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
-from sqlalchemy import CursorResult, delete, select
+from sqlalchemy import CursorResult, delete, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -135,6 +135,7 @@ class Server:
     pinned_availability_zone: str | None = None
     # Its host's status (2.16; only for callers the host_status policy allows), else None.
     host_status: str | None = None
+    description: str | None = None
 
     @property
     def status(self) -> str:
@@ -161,6 +162,7 @@ class BootRequest:
     name: str
     flavor_ref: str
     image_ref: str | None = None
+    description: str | None = None
     networks: str | list[dict[str, Any]] = NETWORKS_AUTO
     metadata: dict[str, str] = field(default_factory=dict)
     key_name: str | None = None
@@ -279,7 +281,7 @@ def _server_from_instance(instance: Instance, cell: str) -> Server:
         updated_at=instance.updated_at, host=instance.host, node=instance.node, instance_id=instance.id,
         availability_zone=instance.availability_zone, key_name=instance.key_name,
         metadata=dict(instance.metadata_items or {}), locked=bool(instance.locked),
-        launched_at=instance.launched_at, cell=cell,
+        launched_at=instance.launched_at, cell=cell, description=instance.display_description,
     )
 
 
@@ -293,6 +295,7 @@ def _server_from_build(build: BuildRequest) -> Server:
         updated_at=build.updated_at, availability_zone=fields.get("availability_zone"),
         key_name=fields.get("key_name"), metadata=dict(fields.get("metadata") or {}),
         locked=bool(fields.get("locked")), tags=list(build.tags or []),
+        description=fields.get("display_description"),
         volumes=[{"id": b["volume_id"], "delete_on_termination": bool(b.get("delete_on_termination"))}
                  for b in build.block_device_mappings or [] if b.get("destination_type") == "volume"],
     )
@@ -750,8 +753,9 @@ def create_server(ctx: RequestContext, request: BootRequest) -> str:
 
     uuid = str(uuidlib.uuid4())
     instance = {
-        "display_name": request.name, "project_id": ctx.project_id, "user_id": ctx.user_id,
-        "image_ref": image_id if root is None else "", "flavor": snapshot, "vm_state": states.BUILDING,
+        "display_name": request.name, "display_description": request.description,
+        "project_id": ctx.project_id, "user_id": ctx.user_id, "image_ref": image_id if root is None else "",
+        "flavor": snapshot, "vm_state": states.BUILDING,
         "task_state": states.SCHEDULING, "power_state": states.NOSTATE,
         "availability_zone": request.availability_zone, "key_name": request.key_name,
         "metadata": dict(request.metadata), "locked": False,
@@ -877,6 +881,47 @@ def _start_or_undo(state_machine_arn: str, name: str, payload: dict[str, Any], c
                          extra={"instance_uuid": payload["instance_uuid"]})
         _undo(cell, payload["instance_uuid"], payload["request_id"], undo, undo_from)
         raise
+
+
+def update_server(ctx: RequestContext, location: Location, changes: Mapping[str, str | None]) -> Server:
+    """Rename a server or change its description (``changes`` by the API's field names, see
+    :data:`ferry.compute.instances.UPDATABLE`); the server as it is then.
+
+    Nothing else is checked, as in Nova: a locked, moving or failed server can be renamed too. A
+    server still a build request has the request changed; the boot workflow carries a change
+    made while it hands the server over to its cell (``boot._catch_up``). A server that changed
+    place meanwhile (handed over, or switched cells) is changed where it is then.
+
+    Raises:
+        InstanceNotFound: the server is gone.
+    """
+    values = {instances.UPDATABLE[name]: value for name, value in changes.items()}
+    uuid = location.instance_uuid
+    for _attempt in range(3):
+        if location.cell is None:
+            changed = _update_build_request(uuid, values)
+        else:
+            with cell_session(location.cell) as session:
+                stmt = (update(Instance).where(Instance.uuid == uuid, Instance.deleted.is_(False),
+                                               Instance.hidden.is_(False))
+                        .values(**values).execution_options(synchronize_session=False))
+                changed = cast(CursorResult[Any], session.execute(stmt)).rowcount == 1
+        if changed:
+            logger.info("server updated", extra={"instance_uuid": uuid, "fields": sorted(changes)})
+            return get_server(ctx, uuid)
+        location = locate(ctx, uuid)
+    raise errors.InstanceNotFound(f"Instance {uuid} could not be found.")
+
+
+def _update_build_request(instance_uuid: str, values: Mapping[str, str | None]) -> bool:
+    """Change a build request's instance fields; False when it is gone (handed over to a cell)."""
+    with api_session() as session:
+        build = session.scalars(select(BuildRequest).where(BuildRequest.instance_uuid == instance_uuid)).one_or_none()
+        if build is None:
+            return False
+        stmt = (update(BuildRequest).where(BuildRequest.instance_uuid == instance_uuid)
+                .values(instance={**build.instance, **values}).execution_options(synchronize_session=False))
+        return cast(CursorResult[Any], session.execute(stmt)).rowcount == 1
 
 
 def delete_server(ctx: RequestContext, location: Location) -> None:

@@ -13,6 +13,9 @@ from ferry.store.api_models import CellMapping, InstanceMapping
 from ferry.store.cell_models import BlockDeviceMapping, Instance, InstanceFault
 from ferry.store.db import api_session
 
+# What a server's owner may change (PUT /servers/{id}): the API's name of each field, and its column.
+UPDATABLE = {"name": "display_name", "description": "display_description"}
+
 
 def cell_of(instance_uuid: str) -> CellMapping:
     """The cell the instance mapping names for ``instance_uuid``.

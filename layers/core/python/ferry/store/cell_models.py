@@ -38,6 +38,7 @@ class Instance(TimestampMixin, CellBase):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     uuid: Mapped[str] = mapped_column(String(36), unique=True, default=new_uuid)
     display_name: Mapped[str] = mapped_column(String(255))
+    display_description: Mapped[str | None] = mapped_column(Text, nullable=True)
     project_id: Mapped[str] = mapped_column(String(255), index=True)
     user_id: Mapped[str] = mapped_column(String(255))
     image_ref: Mapped[str | None] = mapped_column(String(255), nullable=True)

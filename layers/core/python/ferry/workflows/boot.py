@@ -8,9 +8,11 @@ state document and is safe to run twice.
 
 from __future__ import annotations
 
-from typing import Any, cast
+from collections.abc import Mapping
+from typing import Any
 
-from sqlalchemy import CursorResult, delete, select, update
+from sqlalchemy import delete, select, update
+from sqlalchemy.orm import Session
 
 from ferry import errors, hosts, images, placement, scheduler
 from ferry.compute import actions, instances, states
@@ -99,14 +101,15 @@ def _materialize(build: BuildRequest, selection: scheduler.Selection, request_id
     _create_in_cell(build, selection.cell, request_id, host=selection.host, node=selection.node,
                     vm_state=states.BUILDING, task_state=states.SCHEDULING)
     with api_session() as session:
-        stmt = delete(BuildRequest).where(BuildRequest.instance_uuid == uuid)
-        result = cast(CursorResult[Any], session.execute(stmt))
-        removed = result.rowcount
+        fresh = _delete_build_request(session, uuid)
         cell_id = session.scalars(select(CellMapping.id).where(CellMapping.name == selection.cell)).one()
-        if removed:
+        if fresh is not None:
             session.execute(update(InstanceMapping).where(InstanceMapping.instance_uuid == uuid,
                                                           InstanceMapping.cell_id.is_(None)).values(cell_id=cell_id))
-            return True
+    if fresh is not None:
+        _catch_up(selection.cell, build, fresh)
+        return True
+    with api_session() as session:
         mapping = session.scalars(select(InstanceMapping).where(InstanceMapping.instance_uuid == uuid)).one_or_none()
         if mapping is not None and mapping.cell_id == cell_id:
             return True  # an earlier run of this step finished the hand-over
@@ -115,6 +118,26 @@ def _materialize(build: BuildRequest, selection: scheduler.Selection, request_id
             session.execute(delete(model).where(model.instance_uuid == uuid))
         session.execute(delete(Instance).where(Instance.uuid == uuid))
     return False
+
+
+def _delete_build_request(session: Session, uuid: str) -> dict[str, Any] | None:
+    """Delete the server's build request; its instance fields as they were then (None when it was gone)."""
+    stmt = delete(BuildRequest).where(BuildRequest.instance_uuid == uuid).returning(BuildRequest.instance)
+    return session.scalars(stmt).first()
+
+
+def _catch_up(cell: str, build: BuildRequest, fresh: Mapping[str, Any]) -> None:
+    """Give the cell's instance what its owner changed in the build request (a rename, say)
+    after the instance was copied from it. Each field changes only where it still holds the
+    copied value, so a change made on the instance since is kept."""
+    with cell_session(cell) as session:
+        for column in instances.UPDATABLE.values():
+            copied, wanted = build.instance.get(column), fresh.get(column)
+            if wanted != copied:
+                current = getattr(Instance, column)
+                unchanged = current.is_(None) if copied is None else current == copied
+                session.execute(update(Instance).where(Instance.uuid == build.instance_uuid, unchanged)
+                                .values({column: wanted}).execution_options(synchronize_session=False))
 
 
 def _create_in_cell(build: BuildRequest, cell: str, request_id: str, **values: Any) -> None:
@@ -285,5 +308,7 @@ def _bury_in_cell0(build: BuildRequest, request_id: str, message: str) -> None:
                              error={"Error": errors.NoValidHost.__name__, "Cause": message})
     with api_session() as session:
         cell0 = session.scalars(select(CellMapping.id).where(CellMapping.name == CELL0_NAME)).one()
-        session.execute(delete(BuildRequest).where(BuildRequest.instance_uuid == uuid))
+        fresh = _delete_build_request(session, uuid)
         session.execute(update(InstanceMapping).where(InstanceMapping.instance_uuid == uuid).values(cell_id=cell0))
+    if fresh is not None:
+        _catch_up(CELL0_NAME, build, fresh)

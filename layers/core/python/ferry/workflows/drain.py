@@ -67,9 +67,15 @@ def record_moved(event: dict[str, Any]) -> dict[str, Any]:
 
 
 def record_failure(event: dict[str, Any]) -> dict[str, Any]:
-    """RecordFailure: note the failed attempt; ``{"retry": bool, "confirm": bool, …}``."""
-    return drains.record_failure(event["drain_uuid"], event["instance_uuid"], event.get("slot") or {},
-                                 event.get("error"), event.get("confirm_slot"))
+    """RecordFailure: note the failed attempt; ``{"retry": bool, "confirm": bool, …}``.
+
+    An execution started before the drain state machine marked its confirms (no ``confirm_slot``
+    key, where a newer one passes null) cannot go on to a confirm: its RetryChoice does not know
+    the way. Its tries are taken as having gone to their confirm already.
+    """
+    slot = event.get("slot") or {}
+    confirm_slot = event["confirm_slot"] if "confirm_slot" in event else slot.get("request_id")
+    return drains.record_failure(event["drain_uuid"], event["instance_uuid"], slot, event.get("error"), confirm_slot)
 
 
 def settle_server(event: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,36 @@
+"""The cell database migrations create exactly the tables the models describe, and 0002 keeps what is there."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from sqlalchemy import text
+
+from ferry.store import migrate
+from ferry.store.cell_models import CellBase
+from ferry.store.db import engine_for
+
+
+def test_migrated_cell_databases_match_the_models(store):
+    for url in store.cells.values():
+        with engine_for(url).connect() as connection:
+            context = MigrationContext.configure(connection, opts={"compare_type": True})
+            assert compare_metadata(context, CellBase.metadata) == []
+
+
+def test_the_description_column_is_added_to_existing_instances(tmp_path):
+    url = f"sqlite:///{tmp_path / 'cell.sqlite'}"
+    migrate.upgrade("cell", url, "0001_cell")
+    with engine_for(url).begin() as connection:
+        connection.execute(text(
+            "INSERT INTO instances (uuid, display_name, project_id, user_id, flavor, vm_state, power_state, metadata, "
+            "locked, hidden, deleted, created_at) VALUES ('u-1', 'before', 'p', 'u', '{}', 'active', 1, '{}', "
+            "0, 0, 0, :now)"), {"now": dt.datetime(2026, 1, 1)})
+
+    migrate.upgrade("cell", url)
+
+    with engine_for(url).connect() as connection:
+        row = connection.execute(text("SELECT display_name, display_description FROM instances")).one()
+    assert tuple(row) == ("before", None)
