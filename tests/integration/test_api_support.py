@@ -94,7 +94,7 @@ def proxy_event(method: str, path: str, *, caller: Caller | None = ALICE, body: 
     request_context: dict[str, Any] = {
         "accountId": ACCOUNT, "apiId": "abc123", "stage": STAGE,
         "path": path if custom_domain else f"/{STAGE}{path}",
-        "resourcePath": path if path in ("/v2.1", "/v2.1/", "/identity/v3", "/volume/v3") else "/v2.1/{proxy+}",
+        "resourcePath": path if path in ("/", "/v2.1", "/v2.1/", "/identity/v3", "/volume/v3") else "/v2.1/{proxy+}",
         "httpMethod": method, "requestId": str(uuid.uuid4()), "domainName": custom_domain or API_HOST,
         "identity": {"sourceIp": "127.0.0.1"},
     }

@@ -22,7 +22,16 @@ def test_version_document_needs_no_token_and_links_to_itself_with_a_slash(path):
 
     assert response.status == 200
     assert response.body == {"version": {"id": "v2.1", "status": "CURRENT", "version": "2.96", "min_version": "2.1",
+                                         "updated": "2013-07-23T11:33:21Z",
                                          "links": [{"rel": "self", "href": f"{BASE_URL}/v2.1/"}]}}
+
+
+def test_the_root_lists_the_major_versions_without_a_token():
+    response = call("GET", "/", caller=None)
+
+    assert response.status == 200
+    assert response.body == {"versions": [call("GET", "/v2.1", caller=None).body["version"]]}
+    assert response.body["versions"][0]["links"] == [{"rel": "self", "href": f"{BASE_URL}/v2.1/"}]
 
 
 def test_version_document_behind_a_custom_domain_has_no_stage_in_its_link():

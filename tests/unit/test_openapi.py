@@ -71,7 +71,7 @@ def test_path_parameters_microversion_headers_and_errors_are_described(document)
 def test_only_discovery_and_the_document_need_no_token(document):
     public = {path for (_method, path), operation in _operations(document).items() if operation.get("security") == []}
 
-    assert public == {"/v2.1", "/identity/v3", "/volume/v3", "/v2.1/openapi.json"}
+    assert public == {"/", "/v2.1", "/identity/v3", "/volume/v3", "/v2.1/openapi.json"}
     assert document["security"] == [{"token": []}]
 
 

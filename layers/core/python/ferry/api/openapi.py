@@ -27,7 +27,7 @@ PATH = f"{request.API_PREFIX}/openapi.json"
 OPENAPI_VERSION = "3.1.0"
 
 # The paths served without a token (the template gives them no authorizer).
-PUBLIC_PATHS = frozenset({request.API_PREFIX, "/identity/v3", request.VOLUME_PREFIX, PATH})
+PUBLIC_PATHS = frozenset({"/", request.API_PREFIX, "/identity/v3", request.VOLUME_PREFIX, PATH})
 
 Schema = dict[str, Any]
 
@@ -149,6 +149,9 @@ def _operations(bodies: dict[str, dict[str, Any]]) -> dict[tuple[str, str], Oper
         f"{v}/os-aggregates/{{aggregate_id}}"
     quota, attachments = f"{v}/os-quota-sets/{{project_id}}", f"{server}/os-volume_attachments"
     return {
+        ("GET", "/"): Operation("The major versions served: v2.1 (no token)",
+                                {200: _keyed("versions", {"type": "array", "items": _VERSION["properties"]["version"]})},
+                                errors=()),
         ("GET", v): Operation("The versions of the compute API (no token)", {200: _VERSION}, errors=_PUBLIC_ERRORS),
         ("GET", "/identity/v3/projects"): Operation(
             "Projects Ferry knows (admins: all; members: their own), ?name= narrowing (the name is the id)",
@@ -363,7 +366,7 @@ def _operation(method: str, path: str, op: Operation) -> dict[str, Any]:
     operation: dict[str, Any] = {
         "operationId": _operation_id(method, path, under_api),
         "summary": op.summary,
-        "tags": [segments[1] if len(segments) > 1 else segments[0]],
+        "tags": [segments[1] if len(segments) > 1 else segments[0] if segments else "versions"],
         "parameters": parameters,
         "responses": responses,
     }
