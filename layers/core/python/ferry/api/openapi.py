@@ -49,6 +49,7 @@ def _shape(*required: str, **properties: dict[str, Any]) -> dict[str, Any]:
 _LINKS = {"type": "array", "items": _shape("rel", "href", rel=_STRING, href=_STRING)}
 _VERSION = _keyed("version", _shape("id", "status", "links", id=_STRING, status=_STRING, version=_STRING,
                                     min_version=_STRING, links=_LINKS))
+_VERSIONS = _keyed("versions", {"type": "array", "items": _VERSION["properties"]["version"]})
 _SERVER_SUMMARY = _shape("id", "name", "links", id=_STRING, name=_STRING, links=_LINKS)
 _SERVER = _shape("id", "name", "status", "links", "flavor", id=_STRING, name=_STRING, status=_STRING,
                  links=_LINKS, flavor=_OBJECT, tenant_id=_STRING, user_id=_STRING)
@@ -149,9 +150,7 @@ def _operations(bodies: dict[str, dict[str, Any]]) -> dict[tuple[str, str], Oper
         f"{v}/os-aggregates/{{aggregate_id}}"
     quota, attachments = f"{v}/os-quota-sets/{{project_id}}", f"{server}/os-volume_attachments"
     return {
-        ("GET", "/"): Operation("The major versions served: v2.1 (no token)",
-                                {200: _keyed("versions", {"type": "array", "items": _VERSION["properties"]["version"]})},
-                                errors=()),
+        ("GET", "/"): Operation("The major versions served: v2.1 (no token)", {200: _VERSIONS}, errors=()),
         ("GET", v): Operation("The versions of the compute API (no token)", {200: _VERSION}, errors=_PUBLIC_ERRORS),
         ("GET", "/identity/v3/projects"): Operation(
             "Projects Ferry knows (admins: all; members: their own), ?name= narrowing (the name is the id)",
