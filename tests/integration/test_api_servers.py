@@ -28,7 +28,15 @@ from ferry.store.api_models import (
     VolumeAttachment,
     utcnow,
 )
-from ferry.store.cell_models import Instance, InstanceAction, InstanceActionEvent, InstanceFault, Service, Tag
+from ferry.store.cell_models import (
+    Instance,
+    InstanceAction,
+    InstanceActionEvent,
+    InstanceFault,
+    Migration,
+    Service,
+    Tag,
+)
 from ferry.store.db import api_session, cell_session
 from ferry.workflows import delete
 
@@ -375,13 +383,22 @@ def test_admins_see_the_status_of_a_servers_host_from_2_16(cloud):
 @pytest.mark.parametrize("name", [
     "   ", " leading", "trailing ", "bell\x07",
     "\u00a0no-break space first", "ideographic space last\u3000", "delete\x7f", "zero\u200bwidth",
-    "line\u2028separator", "private\ue000use", "unassigned\u0378"])
+    "line\u2028separator", "private\ue000use", "unassigned\u0378", "emoji-\U0001f600"])
 def test_create_refuses_a_name_nova_refuses(cloud, name):
     response = call("POST", "/v2.1/servers", version="2.90", body={"server": {
         "name": name, "flavorRef": "1", "imageRef": cloud.image_id, "networks": "none"}})
 
     assert response.status == 400 and "name" in response.body["badRequest"]["message"]
     assert api_rows(BuildRequest) == []
+
+
+def test_a_name_with_a_no_break_space_last_is_refused_in_novas_words(cloud):
+    response = call("POST", "/v2.1/servers", version="2.90", body={"server": {
+        "name": "vm\u00a0", "flavorRef": "1", "imageRef": cloud.image_id, "networks": "none"}})
+
+    assert response.body["badRequest"]["message"] == (
+        "An invalid 'name' value was provided. The name must be: printable characters. "
+        "Can not start or end with whitespace.")
 
 
 @pytest.mark.parametrize("name", ["café ☕ 中文", "inner\u3000space", "a", "Ωμέγα-1"])
@@ -915,6 +932,12 @@ def _update(server_id: str, body: dict, *, caller=ALICE, version: str = "2.19"):
     return call("PUT", f"/v2.1/servers/{server_id}", caller=caller, version=version, body={"server": body})
 
 
+def test_a_server_created_below_2_19_is_described_by_its_name(cloud):
+    server_id = create_server(name="named", version="2.18", networks=[])
+
+    assert call("GET", f"/v2.1/servers/{server_id}", version="2.19").body["server"]["description"] == "named"
+
+
 def test_create_keeps_the_description_from_2_19(cloud):
     server_id = create_server(name="described", description="the build box")
 
@@ -930,18 +953,20 @@ def test_update_renames_a_server_and_changes_its_description(cloud):
     server_id = create_server(name="old-name")
     schedule(server_id, hidden_copy_in="cell2")
 
-    response = _update(server_id, {"name": "new-name", "description": "line one\nline two"})
+    response = _update(server_id, {"name": "new-name", "description": "  spaced  out  ", "accessIPv4": "10.0.0.9"})
 
     assert response.status == 200, response.body
     assert (response.body["server"]["name"], response.body["server"]["description"]) == (
-        "new-name", "line one\nline two")
+        "new-name", "  spaced  out  ")
     assert response.body["server"]["id"] == server_id and response.body["server"]["status"] == "ACTIVE"
     assert (instance(server_id).display_name, instance(server_id).display_description) == (
-        "new-name", "line one\nline two")
+        "new-name", "  spaced  out  ")
     assert instance(server_id, "cell2").display_name == "stale-copy"  # a hidden copy is not the server
     # a description of null clears it; a body naming nothing changes nothing
     assert _update(server_id, {"description": None}).body["server"]["description"] is None
+    before = instance(server_id).updated_at
     assert _update(server_id, {}).body["server"]["name"] == "new-name"
+    assert instance(server_id).updated_at == before
 
 
 def test_update_of_a_server_still_being_scheduled_changes_its_build_request(cloud):
@@ -959,10 +984,11 @@ def test_update_of_a_server_still_being_scheduled_changes_its_build_request(clou
     ({"name": "zero\u200bwidth"}, "2.19"),
     ({"name": ""}, "2.19"),
     ({"description": "bell\x07"}, "2.19"),
+    ({"description": "line one\nline two"}, "2.19"),
+    ({"accessIPv4": 4}, "2.19"),
     ({"description": "x" * 256}, "2.19"),
     ({"description": "from 2.19 only"}, "2.18"),
     ({"hostname": "vm1"}, "2.90"),
-    ({"accessIPv4": "10.0.0.1"}, "2.19"),
 ])
 def test_update_refuses_what_it_does_not_take_and_changes_nothing(cloud, body, version):
     server_id = create_server(name="steady", description="kept")
@@ -982,3 +1008,26 @@ def test_update_of_another_projects_server_is_not_found_but_an_admin_may(cloud):
     assert _update(server_id, {"name": "by-admin"}, caller=ADMIN).status == 200
     assert instance(server_id).display_name == "by-admin"
     assert _update(str(uuid.uuid4()), {"name": "nobody"}).status == 404
+
+
+@pytest.mark.parametrize(("task_state", "cross_cell", "status"), [
+    (states.RESIZE_FINISH, True, 409),  # the move is switching the server to the other cell's copy
+    (states.RESIZE_REVERTING, True, 409),
+    (states.RESIZE_FINISH, False, 200),  # within a cell there is one copy: nothing to lose
+    (states.RESIZE_MIGRATING, True, 200),  # the switch copies the source's values, renames included
+])
+def test_a_rename_is_refused_only_while_a_move_between_cells_switches_the_server(cloud, task_state, cross_cell,
+                                                                                  status):
+    server_id = create_server(name="mover")
+    schedule(server_id)
+    with cell_session("cell1") as session:
+        session.execute(update(Instance).where(Instance.uuid == server_id).values(task_state=task_state))
+        session.add(Migration(instance_uuid=server_id, status="post-migrating", migration_type="resize",
+                              cross_cell_move=cross_cell, source_compute="host1", dest_compute="host9"))
+
+    response = _update(server_id, {"name": "renamed-mid-move"})
+
+    assert response.status == status, response.body
+    assert instance(server_id).display_name == ("mover" if status == 409 else "renamed-mid-move")
+    if status == 409:
+        assert "moving between cells" in response.body["conflictingRequest"]["message"]

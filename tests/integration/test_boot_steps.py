@@ -9,10 +9,11 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import uuid
+from contextlib import contextmanager
 
 import pytest
 from moto import mock_aws
-from sqlalchemy import select, update
+from sqlalchemy import select
 
 from ferry import aws, config, errors, hosts, placement, protocol
 from ferry.auth import RequestContext
@@ -348,16 +349,45 @@ def test_a_rename_made_while_the_server_is_handed_to_its_cell_is_not_lost(cloud,
     assert (instance.display_name, instance.display_description) == ("renamed", "new")
 
 
-def test_catching_up_keeps_a_change_made_on_the_instance_since(cloud):
+def _rename_after_cell_writes(monkeypatch, instance_uuid: str, names: list[str], skip: int = 1) -> None:
+    """Rename the build request after each cell session of the boot step ends, from the
+    ``skip``-th on (the first is the copy into the cell), while names are left."""
+    opened = boot.cell_session
+    count = 0
+
+    @contextmanager
+    def renaming(cell):
+        nonlocal count
+        with opened(cell) as session:
+            yield session
+        count += 1
+        if count > skip and names:
+            _rename_build_request(instance_uuid, names.pop(0))
+
+    monkeypatch.setattr(boot, "cell_session", renaming)
+
+
+def test_a_hand_over_whose_build_request_changed_meanwhile_is_rolled_back_and_tried_again(cloud, monkeypatch):
+    # GIVEN a rename lands between the copy getting the build request's values and the delete
     event = accept_server(cloud["image_id"])
+    _rename_after_cell_writes(monkeypatch, event["instance_uuid"], ["late-rename"])
+
     boot.select_destinations(event)
-    with cell_session("cell1") as session:
-        session.execute(update(Instance).values(display_name="owner-latest"))
-    build = BuildRequest(instance_uuid=event["instance_uuid"], project_id="demo",
-                         instance={"display_name": "vm1", "display_description": None})
 
-    boot._catch_up("cell1", build, {"display_name": "stale-rename", "display_description": "added"})
-
+    # THEN the first delete saw the change and was rolled back; the second carried it over
     with cell_session("cell1") as session:
-        instance = session.scalars(select(Instance)).one()
-    assert (instance.display_name, instance.display_description) == ("owner-latest", "added")
+        assert session.scalars(select(Instance.display_name)).one() == "late-rename"
+    with api_session() as session:
+        assert session.scalars(select(BuildRequest)).first() is None
+        assert session.scalars(select(InstanceMapping)).one().cell.name == "cell1"
+
+
+def test_a_build_request_that_keeps_changing_is_a_retried_error_that_hands_nothing_over(cloud, monkeypatch):
+    event = accept_server(cloud["image_id"])
+    _rename_after_cell_writes(monkeypatch, event["instance_uuid"], [f"name-{n}" for n in range(10)])
+
+    with pytest.raises(errors.BuildRequestChanged):
+        boot.select_destinations(event)
+    with api_session() as session:
+        assert session.scalars(select(BuildRequest)).one() is not None
+        assert session.scalars(select(InstanceMapping)).one().cell is None

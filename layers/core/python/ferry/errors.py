@@ -280,6 +280,10 @@ class ComputeServiceUnavailable(Conflict):
     default_message = "Service is unavailable at this time."
 
 
+class BuildRequestChanged(Conflict):
+    """A server's build request kept changing while the boot workflow handed it to its cell (retried)."""
+
+
 class MigrationInProgress(Conflict):
     """Another confirm or revert took the server's migration first."""
 

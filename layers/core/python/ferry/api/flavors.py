@@ -76,6 +76,7 @@ def create_flavor() -> Response:
     policy.enforce(view.ctx, "os_compute_api:os-flavor-manage:create")
     flavor = request.body(router, schemas.flavor_create(view.version))["flavor"]
     request.require_printable(flavor, "flavor", "name")
+    request.require_printable(flavor, "flavor", "description", text=True)
     is_public = flavor.get("os-flavor-access:is_public", True)
     def number(name: str, minimum: int, default: int | None = None) -> int:
         value = flavor.get(name, default)
@@ -96,7 +97,9 @@ def update_flavor(flavor_id: str) -> Response:
     if not view.at_least("2.55"):
         raise errors.NotFound("The resource could not be found.")
     policy.enforce(view.ctx, "os_compute_api:os-flavor-manage:update")
-    description = request.body(router, schemas.FLAVOR_UPDATE)["flavor"]["description"]
+    wanted = request.body(router, schemas.FLAVOR_UPDATE)["flavor"]
+    request.require_printable(wanted, "flavor", "description", text=True)
+    description = wanted["description"]
     updated = compute_api.update_flavor_description(flavor_id, description)
     return request.json_response(200, {"flavor": views.flavor_detail(view, updated)})
 

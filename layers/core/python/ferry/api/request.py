@@ -228,17 +228,20 @@ def validate(document: Any, schema: dict[str, Any]) -> None:
 
 def require_printable(document: Mapping[str, Any], prefix: str, *fields: str, text: bool = False) -> None:
     """Check that each of ``fields`` of ``document`` (where given) is a name Nova takes (``text``:
-    a description, where whitespace may be anywhere).
+    a description, where spaces may be anywhere), refused in Nova's words.
 
     Raises:
         BadRequest: a control, format or unassigned character, or (a name) whitespace at an end.
     """
-    check, rule = ((schemas.is_printable_text, schemas.PRINTABLE_TEXT_RULE) if text
-                   else (schemas.is_printable_name, schemas.PRINTABLE_NAME_RULE))
     for field in fields:
         value = document.get(field)
-        if isinstance(value, str) and not check(value):
-            raise invalid_input(f"{prefix}/{field}", value, rule)
+        if not isinstance(value, str):
+            continue
+        if text and not schemas.is_printable_text(value):
+            raise invalid_input(f"{prefix}/{field}", value, schemas.PRINTABLE_TEXT_RULE)
+        if not text and not schemas.is_printable_name(value):
+            raise errors.BadRequest(f"An invalid '{field}' value was provided. The {field} must be: "
+                                    f"{schemas.PRINTABLE_NAME_RULE}")
 
 
 def invalid_input(field: str, value: Any, reason: str) -> errors.BadRequest:

@@ -16,7 +16,7 @@ NAME = {"type": "string", "minLength": 1, "maxLength": 255}
 # A server's or flavor's name: the pattern is the part of Nova's rule a JSON Schema pattern can say
 # in every client's regex dialect (the OpenAPI document publishes it); is_printable_name says the rest.
 PRINTABLE_NAME = {"type": "string", "minLength": 1, "maxLength": 255, "pattern": "^(?! )[^\\x00-\\x1f]+(?<! )$"}
-PRINTABLE_NAME_RULE = "Must be printable characters. Can not start or end with whitespace."
+PRINTABLE_NAME_RULE = "printable characters. Can not start or end with whitespace."
 PRINTABLE_TEXT_RULE = "Must be printable characters."
 # A server's description (2.19).
 SERVER_DESCRIPTION = {"type": ["string", "null"], "maxLength": 255}
@@ -228,9 +228,10 @@ def quota_set_update(resources: Iterable[str]) -> dict[str, Any]:
 
 def _printable(char: str) -> bool:
     """Nova's printable character: no control, format, private-use, surrogate or unassigned
-    code point, and of the separators only spaces."""
+    code point, of the separators only spaces, and (as Nova builds its ranges from the Basic
+    Multilingual Plane only) nothing beyond U+FFFE: no emoji."""
     category = unicodedata.category(char)
-    return category[0] != "C" and (category[0] != "Z" or category == "Zs")
+    return ord(char) < 0xFFFF and category[0] != "C" and (category[0] != "Z" or category == "Zs")
 
 
 def is_printable_name(name: str) -> bool:
@@ -240,13 +241,16 @@ def is_printable_name(name: str) -> bool:
 
 
 def is_printable_text(text: str) -> bool:
-    """Nova's rule for descriptions: printable characters and whitespace (line breaks and tabs too)."""
-    return all(char.isspace() or _printable(char) for char in text)
+    """Nova's rule for descriptions: printable characters (spaces anywhere, but no line breaks or tabs)."""
+    return all(map(_printable, text))
 
 
 def server_update(version: APIVersion) -> dict[str, Any]:
-    """The body of ``PUT /servers/{id}`` at ``version``: a new name, and from 2.19 a description."""
-    properties: dict[str, Any] = {"name": PRINTABLE_NAME}
+    """The body of ``PUT /servers/{id}`` at ``version``: a new name, and from 2.19 a description
+    (``accessIPv4``, ``accessIPv6`` and ``OS-DCF:diskConfig`` are taken, as on create, and kept
+    nowhere)."""
+    properties: dict[str, Any] = {"name": PRINTABLE_NAME, **{key: _SERVER_BASE["properties"][key] for key in (
+        "accessIPv4", "accessIPv6", "OS-DCF:diskConfig")}}
     if version.at_least("2.19"):
         properties["description"] = SERVER_DESCRIPTION
     return {"type": "object",

@@ -19,7 +19,7 @@ from ferry.api import request, schemas, server_query, views
 from ferry.api.microversions import APIVersion
 from ferry.auth import RequestContext
 from ferry.compute import api as compute_api
-from ferry.compute import services
+from ferry.compute import instances, services
 
 router = Router()
 
@@ -125,8 +125,9 @@ def _networks(server: dict[str, Any]) -> str | list[dict[str, Any]]:
     return wanted
 
 
-def boot_request(document: dict[str, Any]) -> compute_api.BootRequest:
-    """The domain's view of a create body already checked against the schema.
+def boot_request(document: dict[str, Any], version: APIVersion) -> compute_api.BootRequest:
+    """The domain's view of a create body already checked against the schema (at ``version``:
+    below 2.19 a server's description is its name, as in Nova).
 
     Raises:
         BadRequest: asking for more than one server.
@@ -143,7 +144,7 @@ def boot_request(document: dict[str, Any]) -> compute_api.BootRequest:
     hints = document.get("os:scheduler_hints") or document.get("OS-SCH-HNT:scheduler_hints") or {}
     return compute_api.BootRequest(
         name=server["name"], flavor_ref=str(server["flavorRef"]), image_ref=server.get("imageRef") or None,
-        description=server.get("description"),
+        description=server.get("description") if version.at_least("2.19") else server["name"],
         networks=_networks(server), metadata=dict(server.get("metadata", {})), key_name=server.get("key_name"),
         availability_zone=server.get("availability_zone"), block_device_mapping=bdms,
         tags=list(server.get("tags", [])), scheduler_hints=dict(hints), requested_host=server.get("host"),
@@ -158,7 +159,7 @@ def create_server() -> Response:
     request.require_printable(document["server"], "server", "description", text=True)
     policy.enforce(view.ctx, "os_compute_api:servers:create",
                    {"project_id": view.ctx.project_id, "user_id": view.ctx.user_id})
-    server_id = compute_api.create_server(view.ctx, boot_request(document))
+    server_id = compute_api.create_server(view.ctx, boot_request(document, view.version))
     requested = document["server"]
     body = {"server": {
         "id": server_id,
@@ -174,11 +175,12 @@ def create_server() -> Response:
 def update_server(server_id: str) -> Response:
     """Rename a server, or (2.19) change its description; the server back, as ``GET`` shows it."""
     view = request.view_context(router)
+    body = request.body(router, schemas.server_update(view.version))["server"]
+    request.require_printable(body, "server", "name")
+    request.require_printable(body, "server", "description", text=True)
     location = compute_api.locate(view.ctx, server_id)
     policy.enforce(view.ctx, "os_compute_api:servers:update", location.target)
-    changes = request.body(router, schemas.server_update(view.version))["server"]
-    request.require_printable(changes, "server", "name")
-    request.require_printable(changes, "server", "description", text=True)
+    changes = {k: v for k, v in body.items() if k in instances.UPDATABLE}
     server = compute_api.update_server(view.ctx, location, changes)
     _add_host_status(view, [server])
     return request.json_response(200, {"server": views.server_detail(view, server)})

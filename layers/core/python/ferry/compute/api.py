@@ -37,13 +37,22 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
-from sqlalchemy import CursorResult, delete, select, update
+from sqlalchemy import ColumnElement, CursorResult, and_, delete, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from ferry import config, errors, hosts, images, network, placement, policy, protocol, quotas, validation, workflows
 from ferry.auth import RequestContext
-from ferry.compute import actions, aggregates, flavor_access, instances, server_filters, services, states
+from ferry.compute import (
+    actions,
+    aggregates,
+    flavor_access,
+    instances,
+    migration_states,
+    server_filters,
+    services,
+    states,
+)
 from ferry.compute.server_filters import ServerFilters
 from ferry.observability import logger
 from ferry.store.api_models import (
@@ -65,6 +74,7 @@ from ferry.store.cell_models import (
     InstanceAction,
     InstanceActionEvent,
     InstanceFault,
+    Migration,
     Service,
     Tag,
 )
@@ -887,25 +897,39 @@ def update_server(ctx: RequestContext, location: Location, changes: Mapping[str,
     """Rename a server or change its description (``changes`` by the API's field names, see
     :data:`ferry.compute.instances.UPDATABLE`); the server as it is then.
 
-    Nothing else is checked, as in Nova: a locked, moving or failed server can be renamed too. A
-    server still a build request has the request changed; the boot workflow carries a change
-    made while it hands the server over to its cell (``boot._catch_up``). A server that changed
-    place meanwhile (handed over, or switched cells) is changed where it is then.
+    As in Nova, a locked, moving or failed server can be renamed too, with one exception: while
+    a move between cells switches the server from one cell's copy to the other's (task state
+    ``resize_finish``, or ``resize_reverting`` for a revert), a change could land on the copy
+    being left, so it is refused (409) until the switch is over. A server still a build request
+    has the request changed; the boot workflow gives the change to the server's cell when it
+    hands the server over (``boot._hand_over``). A server that changed place meanwhile (handed
+    over, or switched cells) is changed where it is then.
 
     Raises:
         InstanceNotFound: the server is gone.
+        InstanceInvalidState: it is switching cells.
     """
     values = {instances.UPDATABLE[name]: value for name, value in changes.items()}
     uuid = location.instance_uuid
+    if not values:
+        return get_server(ctx, uuid)
     for _attempt in range(3):
         if location.cell is None:
             changed = _update_build_request(uuid, values)
         else:
             with cell_session(location.cell) as session:
                 stmt = (update(Instance).where(Instance.uuid == uuid, Instance.deleted.is_(False),
-                                               Instance.hidden.is_(False))
+                                               Instance.hidden.is_(False), ~_switching_cells(uuid))
                         .values(**values).execution_options(synchronize_session=False))
                 changed = cast(CursorResult[Any], session.execute(stmt)).rowcount == 1
+                if not changed:
+                    switching = session.scalars(select(Instance.task_state).where(
+                        Instance.uuid == uuid, Instance.deleted.is_(False), Instance.hidden.is_(False),
+                        _switching_cells(uuid))).first()
+                    if switching is not None:
+                        raise errors.InstanceInvalidState(
+                            f"Cannot 'update' instance {uuid} while it is in task_state {switching}: it is "
+                            f"moving between cells. Try again when the move has settled.")
         if changed:
             logger.info("server updated", extra={"instance_uuid": uuid, "fields": sorted(changes)})
             return get_server(ctx, uuid)
@@ -913,10 +937,21 @@ def update_server(ctx: RequestContext, location: Location, changes: Mapping[str,
     raise errors.InstanceNotFound(f"Instance {uuid} could not be found.")
 
 
+def _switching_cells(instance_uuid: str) -> ColumnElement[bool]:
+    """Whether the instance row is one a move between cells is switching from or to: in
+    ``resize_finish`` or ``resize_reverting``, with a cross-cell migration not yet settled."""
+    unsettled = select(Migration.id).where(
+        Migration.instance_uuid == instance_uuid, Migration.cross_cell_move.is_(True),
+        Migration.status.not_in((migration_states.CONFIRMED, migration_states.REVERTED, migration_states.ERROR)))
+    return and_(Instance.task_state.in_((states.RESIZE_FINISH, states.RESIZE_REVERTING)), unsettled.exists())
+
+
 def _update_build_request(instance_uuid: str, values: Mapping[str, str | None]) -> bool:
-    """Change a build request's instance fields; False when it is gone (handed over to a cell)."""
+    """Change a build request's instance fields; False when it is gone (handed over to a cell).
+    The row is locked while it is read and written, so that two changes never undo each other."""
     with api_session() as session:
-        build = session.scalars(select(BuildRequest).where(BuildRequest.instance_uuid == instance_uuid)).one_or_none()
+        build = session.scalars(select(BuildRequest).where(BuildRequest.instance_uuid == instance_uuid)
+                                .with_for_update()).one_or_none()
         if build is None:
             return False
         stmt = (update(BuildRequest).where(BuildRequest.instance_uuid == instance_uuid)

@@ -12,7 +12,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from sqlalchemy import delete, select, update
-from sqlalchemy.orm import Session
 
 from ferry import errors, hosts, images, placement, scheduler
 from ferry.compute import actions, instances, states
@@ -100,16 +99,10 @@ def _materialize(build: BuildRequest, selection: scheduler.Selection, request_id
     uuid = build.instance_uuid
     _create_in_cell(build, selection.cell, request_id, host=selection.host, node=selection.node,
                     vm_state=states.BUILDING, task_state=states.SCHEDULING)
-    with api_session() as session:
-        fresh = _delete_build_request(session, uuid)
-        cell_id = session.scalars(select(CellMapping.id).where(CellMapping.name == selection.cell)).one()
-        if fresh is not None:
-            session.execute(update(InstanceMapping).where(InstanceMapping.instance_uuid == uuid,
-                                                          InstanceMapping.cell_id.is_(None)).values(cell_id=cell_id))
-    if fresh is not None:
-        _catch_up(selection.cell, build, fresh)
+    if _hand_over(uuid, selection.cell):
         return True
     with api_session() as session:
+        cell_id = session.scalars(select(CellMapping.id).where(CellMapping.name == selection.cell)).one()
         mapping = session.scalars(select(InstanceMapping).where(InstanceMapping.instance_uuid == uuid)).one_or_none()
         if mapping is not None and mapping.cell_id == cell_id:
             return True  # an earlier run of this step finished the hand-over
@@ -120,24 +113,54 @@ def _materialize(build: BuildRequest, selection: scheduler.Selection, request_id
     return False
 
 
-def _delete_build_request(session: Session, uuid: str) -> dict[str, Any] | None:
-    """Delete the server's build request; its instance fields as they were then (None when it was gone)."""
-    stmt = delete(BuildRequest).where(BuildRequest.instance_uuid == uuid).returning(BuildRequest.instance)
-    return session.scalars(stmt).first()
+class _BuildRequestChanged(Exception):
+    """The build request changed while it was handed over (the hand-over is rolled back)."""
 
 
-def _catch_up(cell: str, build: BuildRequest, fresh: Mapping[str, Any]) -> None:
-    """Give the cell's instance what its owner changed in the build request (a rename, say)
-    after the instance was copied from it. Each field changes only where it still holds the
-    copied value, so a change made on the instance since is kept."""
-    with cell_session(cell) as session:
-        for column in instances.UPDATABLE.values():
-            copied, wanted = build.instance.get(column), fresh.get(column)
-            if wanted != copied:
-                current = getattr(Instance, column)
-                unchanged = current.is_(None) if copied is None else current == copied
-                session.execute(update(Instance).where(Instance.uuid == build.instance_uuid, unchanged)
-                                .values({column: wanted}).execution_options(synchronize_session=False))
+def _hand_over(uuid: str, cell: str) -> bool:
+    """Point the server's mapping at ``cell``, where its instance was copied from the build
+    request, and delete the build request; False when the build request is gone (the server was
+    deleted, or an earlier run of the step handed it over).
+
+    What the owner may change on a build request (a rename, ``PUT /servers/{id}``) may have
+    changed since the copy. So the copy is given the build request's current values first, and
+    the build request is deleted only if it still holds them (the delete waits for a change
+    under way and returns the row as that left it); otherwise nothing is committed and this is
+    tried again. A change the API accepted is never lost, and a retry of the step finds the
+    copy complete.
+
+    Raises:
+        BuildRequestChanged: the build request kept changing (the step is retried).
+    """
+    for _attempt in range(3):
+        with api_session() as session:
+            build = session.scalars(select(BuildRequest).where(BuildRequest.instance_uuid == uuid)).one_or_none()
+            if build is None:
+                return False
+            wanted = _updatable(build.instance)
+        with cell_session(cell) as session:
+            session.execute(update(Instance).where(Instance.uuid == uuid).values(**wanted)
+                            .execution_options(synchronize_session=False))
+        try:
+            with api_session() as session:
+                stmt = delete(BuildRequest).where(BuildRequest.instance_uuid == uuid).returning(BuildRequest.instance)
+                deleted = session.scalars(stmt).first()
+                if deleted is None:
+                    return False
+                if _updatable(deleted) != wanted:
+                    raise _BuildRequestChanged
+                cell_id = session.scalars(select(CellMapping.id).where(CellMapping.name == cell)).one()
+                session.execute(update(InstanceMapping).where(InstanceMapping.instance_uuid == uuid)
+                                .values(cell_id=cell_id))
+            return True
+        except _BuildRequestChanged:
+            logger.info("build request changed during its hand-over; trying again", extra={"instance_uuid": uuid})
+    raise errors.BuildRequestChanged(f"The build request of server {uuid} kept changing while it was handed over.")
+
+
+def _updatable(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields of an instance (or a build request's) its owner may change."""
+    return {column: fields.get(column) for column in instances.UPDATABLE.values()}
 
 
 def _create_in_cell(build: BuildRequest, cell: str, request_id: str, **values: Any) -> None:
@@ -306,9 +329,4 @@ def _bury_in_cell0(build: BuildRequest, request_id: str, message: str) -> None:
         instances.add_fault(session, uuid, message)
         actions.finish_event(session, instance_uuid=uuid, request_id=request_id, event=EVENT_SCHEDULE,
                              error={"Error": errors.NoValidHost.__name__, "Cause": message})
-    with api_session() as session:
-        cell0 = session.scalars(select(CellMapping.id).where(CellMapping.name == CELL0_NAME)).one()
-        fresh = _delete_build_request(session, uuid)
-        session.execute(update(InstanceMapping).where(InstanceMapping.instance_uuid == uuid).values(cell_id=cell0))
-    if fresh is not None:
-        _catch_up(CELL0_NAME, build, fresh)
+    _hand_over(uuid, CELL0_NAME)
