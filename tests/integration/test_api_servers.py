@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import base64
 import datetime as dt
 import hashlib
 import ipaddress
+import re
 import uuid
 from urllib.parse import parse_qs, urlsplit
 
@@ -551,9 +553,9 @@ def test_list_filters_by_lock_from_2_73(cloud):
 def test_list_refuses_what_it_cannot_filter_by_and_unknown_parameters_from_2_75(cloud):
     create_server(name="vm")
 
-    unsupported = call("GET", "/v2.1/servers", query={"reservation_id": "r-1"}, version="2.90")
+    unsupported = call("GET", "/v2.1/servers", query={"config_drive": "true"}, version="2.90")
     assert unsupported.status == 400
-    assert unsupported.body["badRequest"]["message"] == "Ferry does not filter servers by reservation_id."
+    assert unsupported.body["badRequest"]["message"] == "Ferry does not filter servers by config_drive."
     unknown = call("GET", "/v2.1/servers", query={"colour": "blue"}, version="2.75")
     assert unknown.status == 400 and "'colour' was unexpected" in unknown.body["badRequest"]["message"]
     assert _listed({"colour": "blue"}, version="2.74") == ["vm"]
@@ -988,7 +990,8 @@ def test_update_of_a_server_still_being_scheduled_changes_its_build_request(clou
     ({"accessIPv4": 4}, "2.19"),
     ({"description": "x" * 256}, "2.19"),
     ({"description": "from 2.19 only"}, "2.18"),
-    ({"hostname": "vm1"}, "2.90"),
+    ({"hostname": "vm_1"}, "2.90"),
+    ({"hostname": "vm1"}, "2.89"),
 ])
 def test_update_refuses_what_it_does_not_take_and_changes_nothing(cloud, body, version):
     server_id = create_server(name="steady", description="kept")
@@ -1031,3 +1034,92 @@ def test_a_rename_is_refused_only_while_a_move_between_cells_switches_the_server
     assert instance(server_id).display_name == ("mover" if status == 409 else "renamed-mid-move")
     if status == 409:
         assert "moving between cells" in response.body["conflictingRequest"]["message"]
+
+
+# --- hostname, reservation id, user data ------------------------------------------------------------
+
+
+def _shown(server_id: str, *, caller=ADMIN, version: str = "2.90") -> dict:
+    return call("GET", f"/v2.1/servers/{server_id}", caller=caller, version=version).body["server"]
+
+
+def test_a_server_asks_for_its_hostname_from_2_90_and_everyone_sees_it_from_then(cloud):
+    server_id = create_server(name="Web Server", hostname="web-01")
+
+    assert _shown(server_id, caller=ALICE)["OS-EXT-SRV-ATTR:hostname"] == "web-01"
+    assert "OS-EXT-SRV-ATTR:hostname" not in _shown(server_id, caller=ALICE, version="2.89")
+    assert _shown(server_id, version="2.3")["OS-EXT-SRV-ATTR:hostname"] == "web-01"  # admins' from 2.3
+    assert "OS-EXT-SRV-ATTR:hostname" not in _shown(server_id, version="2.2")
+    # a rename keeps the hostname; PUT changes it from 2.90
+    assert _update(server_id, {"name": "renamed"}, version="2.90").body["server"]["OS-EXT-SRV-ATTR:hostname"] \
+        == "web-01"
+    assert _update(server_id, {"hostname": "web-02"}, version="2.90").body["server"]["OS-EXT-SRV-ATTR:hostname"] \
+        == "web-02"
+
+
+@pytest.mark.parametrize(("name", "hostname"), [
+    ("My Web_Server.1 é☕", "my-web-server-1-é"),
+    ("--edge.", "edge"),
+    ("x" * 70, "x" * 63),
+])
+def test_a_server_without_a_hostname_gets_one_made_from_its_name(cloud, name, hostname):
+    server_id = create_server(name=name)
+
+    assert _shown(server_id)["OS-EXT-SRV-ATTR:hostname"] == hostname
+
+
+def test_a_name_with_nothing_for_a_hostname_gives_server_and_the_uuid(cloud):
+    server_id = create_server(name="☕☕")
+
+    assert _shown(server_id)["OS-EXT-SRV-ATTR:hostname"] == f"Server-{server_id}"
+
+
+@pytest.mark.parametrize(("hostname", "version", "status"), [
+    ("web_01", "2.90", 400), ("w", "2.90", 400), ("web--01", "2.90", 400), ("-web", "2.90", 400),
+    ("web.example.org", "2.90", 400), ("web.example.org", "2.94", 202), ("web-01", "2.89", 400),
+])
+def test_create_checks_the_hostname_as_nova_does_at_each_microversion(cloud, hostname, version, status):
+    response = call("POST", "/v2.1/servers", version=version, body={"server": {
+        "name": "h", "flavorRef": "1", "imageRef": cloud.image_id, "networks": "none", "hostname": hostname}})
+
+    assert response.status == status, response.body
+
+
+def test_admins_see_the_extended_attributes_from_2_3(cloud):
+    user_data = base64.b64encode(b"#cloud-config\n").decode()
+    server_id = create_server(name="extended", user_data=user_data)
+
+    building = _shown(server_id, version="2.3")
+    assert building["OS-EXT-SRV-ATTR:root_device_name"] is None  # not yet in a cell
+    schedule(server_id)
+    shown = _shown(server_id, version="2.3")
+    assert re.fullmatch(r"r-[a-z0-9]{8}", shown["OS-EXT-SRV-ATTR:reservation_id"])
+    assert {k: shown[k] for k in ("OS-EXT-SRV-ATTR:launch_index", "OS-EXT-SRV-ATTR:kernel_id",
+                                  "OS-EXT-SRV-ATTR:ramdisk_id", "OS-EXT-SRV-ATTR:root_device_name",
+                                  "OS-EXT-SRV-ATTR:user_data", "OS-EXT-SRV-ATTR:hostname")} == {
+        "OS-EXT-SRV-ATTR:launch_index": 0, "OS-EXT-SRV-ATTR:kernel_id": "", "OS-EXT-SRV-ATTR:ramdisk_id": "",
+        "OS-EXT-SRV-ATTR:root_device_name": "/dev/vda", "OS-EXT-SRV-ATTR:user_data": user_data,
+        "OS-EXT-SRV-ATTR:hostname": "extended"}
+    assert "OS-EXT-SRV-ATTR:reservation_id" not in _shown(server_id, caller=ALICE, version="2.3")
+
+
+def test_user_data_must_be_base64(cloud):
+    response = call("POST", "/v2.1/servers", version="2.90", body={"server": {
+        "name": "u", "flavorRef": "1", "imageRef": cloud.image_id, "networks": "none", "user_data": "not base64!"}})
+
+    assert response.status == 400
+    assert response.body["badRequest"]["message"] == "User data needs to be valid base 64."
+    assert api_rows(BuildRequest) == []
+
+
+def test_return_reservation_id_answers_the_reservation_the_list_filters_by(cloud):
+    create_server(name="other")
+    response = call("POST", "/v2.1/servers", version="2.90", body={"server": {
+        "name": "reserved", "flavorRef": "1", "imageRef": cloud.image_id, "networks": "none",
+        "return_reservation_id": "True"}})
+
+    assert response.status == 202
+    assert list(response.body) == ["reservation_id"]
+    reservation = response.body["reservation_id"]
+    listed = call("GET", "/v2.1/servers", version="2.90", query={"reservation_id": reservation}).body["servers"]
+    assert [s["name"] for s in listed] == ["reserved"]

@@ -20,6 +20,18 @@ PRINTABLE_NAME_RULE = "printable characters. Can not start or end with whitespac
 PRINTABLE_TEXT_RULE = "Must be printable characters."
 # A server's description (2.19).
 SERVER_DESCRIPTION = {"type": ["string", "null"], "maxLength": 255}
+# A server's hostname: one DNS label of letters, digits and single hyphens (2.90), or from 2.94
+# a fully qualified name of such labels.
+_LABEL = "[a-zA-Z0-9]+(-[a-zA-Z0-9]+)*"
+HOSTNAME_V290 = {"type": "string", "minLength": 2, "maxLength": 63, "pattern": f"^{_LABEL}$"}
+HOSTNAME_V294 = {"type": "string", "minLength": 2, "maxLength": 255, "pattern": f"^({_LABEL}\\.)*{_LABEL}$"}
+
+
+def server_hostname(version: APIVersion) -> dict[str, Any] | None:
+    """The schema of a requested hostname at ``version`` (None below 2.90, where there is none)."""
+    if version.at_least("2.94"):
+        return HOSTNAME_V294
+    return HOSTNAME_V290 if version.at_least("2.90") else None
 DESCRIPTION = {"type": ["string", "null"], "maxLength": 65535}
 # A number or a string of digits; a string's bounds are checked where it is read (request.bounded_int).
 POSITIVE_INT = {"type": ["integer", "string"], "pattern": "^[0-9]+$", "minimum": 1, "maximum": MAX_INT}
@@ -82,7 +94,7 @@ _SERVER_BASE: dict[str, Any] = {
         "return_reservation_id": BOOLEAN,
         "security_groups": {"type": "array", "items": {
             "type": "object", "properties": {"name": NAME}, "additionalProperties": False}},
-        "user_data": {"type": "string"},
+        "user_data": {"type": "string", "maxLength": 65535},
         "config_drive": BOOLEAN,
         "adminPass": {"type": "string"},
         "accessIPv4": {"type": "string"},
@@ -102,7 +114,7 @@ _SCHEDULER_HINTS = {
 
 def server_create(version: APIVersion) -> dict[str, Any]:
     """The body of ``POST /servers`` at ``version`` (networks required from 2.37, tags from 2.52,
-    a requested ``host``/``hypervisor_hostname`` from 2.74)."""
+    a requested ``host``/``hypervisor_hostname`` from 2.74, ``hostname`` from 2.90)."""
     server = copy.deepcopy(_SERVER_BASE)
     properties = server["properties"]
     if version.at_least("2.19"):
@@ -114,6 +126,9 @@ def server_create(version: APIVersion) -> dict[str, Any]:
         properties["tags"] = {"type": "array", "items": TAG, "maxItems": 50}
     if version.at_least("2.74"):
         properties["host"] = properties["hypervisor_hostname"] = HOST_NAME
+    hostname = server_hostname(version)
+    if hostname is not None:
+        properties["hostname"] = hostname
     return {
         "type": "object",
         "properties": {"server": server, "os:scheduler_hints": _SCHEDULER_HINTS,
@@ -246,13 +261,16 @@ def is_printable_text(text: str) -> bool:
 
 
 def server_update(version: APIVersion) -> dict[str, Any]:
-    """The body of ``PUT /servers/{id}`` at ``version``: a new name, and from 2.19 a description
-    (``accessIPv4``, ``accessIPv6`` and ``OS-DCF:diskConfig`` are taken, as on create, and kept
-    nowhere)."""
+    """The body of ``PUT /servers/{id}`` at ``version``: a new name, from 2.19 a description, from
+    2.90 a hostname (``accessIPv4``, ``accessIPv6`` and ``OS-DCF:diskConfig`` are taken, as on
+    create, and kept nowhere)."""
     properties: dict[str, Any] = {"name": PRINTABLE_NAME, **{key: _SERVER_BASE["properties"][key] for key in (
         "accessIPv4", "accessIPv6", "OS-DCF:diskConfig")}}
     if version.at_least("2.19"):
         properties["description"] = SERVER_DESCRIPTION
+    hostname = server_hostname(version)
+    if hostname is not None:
+        properties["hostname"] = hostname
     return {"type": "object",
             "properties": {"server": {"type": "object", "properties": properties, "additionalProperties": False}},
             "required": ["server"], "additionalProperties": False}

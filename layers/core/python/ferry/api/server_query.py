@@ -36,7 +36,7 @@ PARAMETERS: Mapping[str, tuple[str, str | None]] = {
 }
 # Known to Nova, not filtered by in Ferry (``deleted``/``soft_deleted`` only when true).
 UNSUPPORTED = frozenset({
-    "reservation_id", "config_drive", "created_at", "launched_at", "terminated_at", "progress", "hostname",
+    "config_drive", "created_at", "launched_at", "terminated_at", "progress", "hostname",
     "kernel_id", "ramdisk_id", "root_device_name", "launch_index", "access_ip_v4", "access_ip_v6",
     "auto_disk_config", "locked_by", "description", "display_name", "display_description", "image_ref",
     "instance_name", "pinned_availability_zone"})
@@ -93,6 +93,7 @@ def parse(view: ViewContext, params: Mapping[str, list[str]]) -> ServerFilters:
         all_tenants="all_tenants" in usable and request.parse_bool("all_tenants", last("all_tenants") or "true"),
         project_id=last("project_id") or last("tenant_id"),
         user_id=last("user_id"), host=last("host"), node=last("node"), uuid=last("uuid"),
+        reservation_id=last("reservation_id"),
         flavor=last("flavor"), image=last("image"),
         availability_zone=last("availability_zone"), key_name=last("key_name"),
         vm_states=_set(usable.get("vm_state")), task_states=_set(usable.get("task_state")),

@@ -6,6 +6,8 @@ Server actions (``POST /servers/{id}/action``) are looked up by the body's singl
 
 from __future__ import annotations
 
+import base64
+import binascii
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -106,8 +108,8 @@ def show_server(server_id: str) -> Response:
 # --- create ----------------------------------------------------------------------------------------
 
 
-def _as_bool(value: Any) -> bool:
-    return value if isinstance(value, bool) else request.parse_bool("delete_on_termination", str(value))
+def _as_flag(name: str, value: Any) -> bool:
+    return value if isinstance(value, bool) else request.parse_bool(name, str(value))
 
 
 def _networks(server: dict[str, Any]) -> str | list[dict[str, Any]]:
@@ -125,6 +127,21 @@ def _networks(server: dict[str, Any]) -> str | list[dict[str, Any]]:
     return wanted
 
 
+def _user_data(value: str | None) -> str | None:
+    """User data as sent, once it is known to be base64, as Nova checks it.
+
+    Raises:
+        BadRequest: not base64.
+    """
+    if value is None:
+        return None
+    try:
+        base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise errors.BadRequest("User data needs to be valid base 64.") from exc
+    return value
+
+
 def boot_request(document: dict[str, Any], version: APIVersion) -> compute_api.BootRequest:
     """The domain's view of a create body already checked against the schema (at ``version``:
     below 2.19 a server's description is its name, as in Nova).
@@ -139,12 +156,15 @@ def boot_request(document: dict[str, Any], version: APIVersion) -> compute_api.B
         raise errors.BadRequest("min_count must be <= max_count")
     if max_count > 1:
         raise errors.BadRequest("Creating more than one server per request is not supported.")
-    bdms = [{**bdm, "delete_on_termination": _as_bool(bdm.get("delete_on_termination", False))}
+    bdms = [{**bdm, "delete_on_termination": _as_flag("delete_on_termination",
+                                                   bdm.get("delete_on_termination", False))}
             for bdm in server.get("block_device_mapping_v2", [])]
     hints = document.get("os:scheduler_hints") or document.get("OS-SCH-HNT:scheduler_hints") or {}
     return compute_api.BootRequest(
         name=server["name"], flavor_ref=str(server["flavorRef"]), image_ref=server.get("imageRef") or None,
         description=server.get("description") if version.at_least("2.19") else server["name"],
+        hostname=server.get("hostname"), user_data=_user_data(server.get("user_data")),
+        reservation_id=compute_api.new_reservation_id(),
         networks=_networks(server), metadata=dict(server.get("metadata", {})), key_name=server.get("key_name"),
         availability_zone=server.get("availability_zone"), block_device_mapping=bdms,
         tags=list(server.get("tags", [])), scheduler_hints=dict(hints), requested_host=server.get("host"),
@@ -159,8 +179,11 @@ def create_server() -> Response:
     request.require_printable(document["server"], "server", "description", text=True)
     policy.enforce(view.ctx, "os_compute_api:servers:create",
                    {"project_id": view.ctx.project_id, "user_id": view.ctx.user_id})
-    server_id = compute_api.create_server(view.ctx, boot_request(document, view.version))
+    boot = boot_request(document, view.version)
+    server_id = compute_api.create_server(view.ctx, boot)
     requested = document["server"]
+    if _as_flag("return_reservation_id", requested.get("return_reservation_id", False)):
+        return request.json_response(202, {"reservation_id": boot.reservation_id})
     body = {"server": {
         "id": server_id,
         "links": views.links(view, "servers", server_id),

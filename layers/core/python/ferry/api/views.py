@@ -14,6 +14,9 @@ from ferry.api.request import ViewContext
 from ferry.compute.api import Server
 from ferry.store.api_models import Flavor
 
+# Every guest's root disk (the host agent's first virtio disk).
+ROOT_DEVICE = "/dev/vda"
+
 
 def isotime(value: dt.datetime | None) -> str | None:
     """``2024-05-01T12:00:00Z`` (what servers and faults show)."""
@@ -122,6 +125,14 @@ def server_detail(view: ViewContext, server: Server) -> dict[str, Any]:
         body["OS-EXT-SRV-ATTR:host"] = server.host
         body["OS-EXT-SRV-ATTR:hypervisor_hostname"] = server.node
         body["OS-EXT-SRV-ATTR:instance_name"] = server.instance_name
+        if view.at_least("2.3"):
+            body.update({
+                "OS-EXT-SRV-ATTR:reservation_id": server.reservation_id, "OS-EXT-SRV-ATTR:launch_index": 0,
+                "OS-EXT-SRV-ATTR:hostname": server.hostname, "OS-EXT-SRV-ATTR:kernel_id": "",
+                "OS-EXT-SRV-ATTR:ramdisk_id": "", "OS-EXT-SRV-ATTR:user_data": server.user_data,
+                "OS-EXT-SRV-ATTR:root_device_name": ROOT_DEVICE if server.instance_id is not None else None})
+    if view.at_least("2.90"):
+        body["OS-EXT-SRV-ATTR:hostname"] = server.hostname  # everyone's from 2.90
     if view.at_least("2.9"):
         body["locked"] = server.locked
     if view.at_least("2.16") and server.host_status is not None:

@@ -146,6 +146,9 @@ class Server:
     # Its host's status (2.16; only for callers the host_status policy allows), else None.
     host_status: str | None = None
     description: str | None = None
+    hostname: str | None = None
+    reservation_id: str | None = None
+    user_data: str | None = None
 
     @property
     def status(self) -> str:
@@ -173,6 +176,11 @@ class BootRequest:
     flavor_ref: str
     image_ref: str | None = None
     description: str | None = None
+    # The hostname asked for (2.90), else one made from the name; the create request's id
+    # (``r-…``, shared by the servers of one request); user data as sent (base64).
+    hostname: str | None = None
+    reservation_id: str | None = None
+    user_data: str | None = None
     networks: str | list[dict[str, Any]] = NETWORKS_AUTO
     metadata: dict[str, str] = field(default_factory=dict)
     key_name: str | None = None
@@ -186,6 +194,12 @@ class BootRequest:
 
 
 # --- small helpers -------------------------------------------------------------------------------
+
+
+def new_reservation_id() -> str:
+    """A create request's id, as Nova makes them: ``r-`` and eight lower-case letters or digits."""
+    alphabet = "abcdefghijklmnopqrstuvwxyz0123456789"
+    return "r-" + "".join(secrets.choice(alphabet) for _ in range(8))
 
 
 def normalize_uuid(value: str) -> str | None:
@@ -292,6 +306,7 @@ def _server_from_instance(instance: Instance, cell: str) -> Server:
         availability_zone=instance.availability_zone, key_name=instance.key_name,
         metadata=dict(instance.metadata_items or {}), locked=bool(instance.locked),
         launched_at=instance.launched_at, cell=cell, description=instance.display_description,
+        hostname=instance.hostname, reservation_id=instance.reservation_id, user_data=instance.user_data,
     )
 
 
@@ -305,7 +320,8 @@ def _server_from_build(build: BuildRequest) -> Server:
         updated_at=build.updated_at, availability_zone=fields.get("availability_zone"),
         key_name=fields.get("key_name"), metadata=dict(fields.get("metadata") or {}),
         locked=bool(fields.get("locked")), tags=list(build.tags or []),
-        description=fields.get("display_description"),
+        description=fields.get("display_description"), hostname=fields.get("hostname"),
+        reservation_id=fields.get("reservation_id"), user_data=fields.get("user_data"),
         volumes=[{"id": b["volume_id"], "delete_on_termination": bool(b.get("delete_on_termination"))}
                  for b in build.block_device_mappings or [] if b.get("destination_type") == "volume"],
     )
@@ -764,6 +780,8 @@ def create_server(ctx: RequestContext, request: BootRequest) -> str:
     uuid = str(uuidlib.uuid4())
     instance = {
         "display_name": request.name, "display_description": request.description,
+        "hostname": request.hostname or instances.default_hostname(request.name, uuid),
+        "reservation_id": request.reservation_id or new_reservation_id(), "user_data": request.user_data,
         "project_id": ctx.project_id, "user_id": ctx.user_id, "image_ref": image_id if root is None else "",
         "flavor": snapshot, "vm_state": states.BUILDING,
         "task_state": states.SCHEDULING, "power_state": states.NOSTATE,

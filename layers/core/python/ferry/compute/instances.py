@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import Any, cast
 
@@ -14,7 +15,19 @@ from ferry.store.cell_models import BlockDeviceMapping, Instance, InstanceFault
 from ferry.store.db import api_session
 
 # What a server's owner may change (PUT /servers/{id}): the API's name of each field, and its column.
-UPDATABLE = {"name": "display_name", "description": "display_description"}
+UPDATABLE = {"name": "display_name", "description": "display_description", "hostname": "hostname"}
+# The longest hostname made from a server's name (one DNS label).
+HOSTNAME_LENGTH = 63
+
+
+def default_hostname(name: str, instance_uuid: str) -> str:
+    """The hostname a server gets when it asks for none, made from its name as Nova makes it:
+    Latin-1 only, spaces, underscores and dots become hyphens, other characters that are not
+    word characters go, lower case, no hyphen or dot at either end, at most 63 characters;
+    ``Server-<uuid>`` when nothing is left."""
+    latin = name.encode("latin-1", "ignore").decode("latin-1")[:HOSTNAME_LENGTH]
+    hostname = re.sub(r"[^\w.-]+", "", re.sub(r"[ _.]", "-", latin)).lower().strip(".-")
+    return hostname or f"Server-{instance_uuid}"[:HOSTNAME_LENGTH]
 
 
 def cell_of(instance_uuid: str) -> CellMapping:

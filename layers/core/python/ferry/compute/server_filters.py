@@ -42,6 +42,9 @@ SORT_KEYS: Mapping[str, Callable[[Server], Any]] = {
     "availability_zone": lambda s: s.availability_zone,
     "user_id": lambda s: s.user_id,
     "project_id": lambda s: s.project_id,
+    "hostname": lambda s: s.hostname,
+    "reservation_id": lambda s: s.reservation_id,
+    "display_description": lambda s: s.description,
 }
 ADMIN_SORT_KEYS = frozenset({"host", "node"})
 SORT_DIRECTIONS = ("asc", "desc")
@@ -59,6 +62,7 @@ class ServerFilters:
     host: str | None = None
     node: str | None = None
     uuid: str | None = None
+    reservation_id: str | None = None
     flavor: str | None = None
     image: str | None = None
     availability_zone: str | None = None
@@ -107,7 +111,8 @@ def matches(server: Server, filters: ServerFilters, *, flavor_id: int | None = N
     """
     f = filters
     exact = ((f.user_id, server.user_id), (f.host, server.host), (f.node, server.node), (f.uuid, server.uuid),
-             (f.availability_zone, server.availability_zone), (f.key_name, server.key_name))
+             (f.availability_zone, server.availability_zone), (f.key_name, server.key_name),
+             (f.reservation_id, server.reservation_id))
     if any(wanted is not None and value != wanted for wanted, value in exact):
         return False
     among = ((f.statuses, server.status), (f.vm_states, server.vm_state), (f.task_states, server.task_state),
