@@ -109,7 +109,10 @@ def test_flavor_names_nova_refuses_are_400_and_create_nothing(cloud, name):
         "name": name, "ram": 512, "vcpus": 1, "disk": 1}})
 
     assert response.status == 400
-    assert "name" in response.body["badRequest"]["message"]
+    message = response.body["badRequest"]["message"]
+    assert message.startswith("Invalid input for field/attribute flavor/name.") or message == (
+        "An invalid 'name' value was provided. The name must be: printable characters. "
+        "Can not start or end with whitespace.")
     assert flavor_named(name) is None
 
 

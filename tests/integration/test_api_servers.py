@@ -1018,6 +1018,7 @@ def test_update_of_another_projects_server_is_not_found_but_an_admin_may(cloud):
     (states.RESIZE_REVERTING, True, 409),
     (states.RESIZE_FINISH, False, 200),  # within a cell there is one copy: nothing to lose
     (states.RESIZE_MIGRATING, True, 200),  # the switch copies the source's values, renames included
+    (None, True, 200),  # VERIFY_RESIZE after a move between cells: no switch under way
 ])
 def test_a_rename_is_refused_only_while_a_move_between_cells_switches_the_server(cloud, task_state, cross_cell,
                                                                                   status):
@@ -1075,8 +1076,9 @@ def test_a_name_with_nothing_for_a_hostname_gives_server_and_the_uuid(cloud):
 
 
 @pytest.mark.parametrize(("hostname", "version", "status"), [
-    ("web_01", "2.90", 400), ("w", "2.90", 400), ("web--01", "2.90", 400), ("-web", "2.90", 400),
-    ("web.example.org", "2.90", 400), ("web.example.org", "2.94", 202), ("web-01", "2.89", 400),
+    ("web_01", "2.90", 400), ("w", "2.90", 400), ("-web", "2.90", 400), ("web-", "2.90", 400),
+    ("xn--bcher-kva", "2.90", 202), ("web.example.org", "2.90", 400), ("web.example.org", "2.94", 202),
+    ("web_01.example", "2.94", 202), ("web 01", "2.94", 400), ("web-01", "2.89", 400),
 ])
 def test_create_checks_the_hostname_as_nova_does_at_each_microversion(cloud, hostname, version, status):
     response = call("POST", "/v2.1/servers", version=version, body={"server": {
@@ -1091,6 +1093,9 @@ def test_admins_see_the_extended_attributes_from_2_3(cloud):
 
     building = _shown(server_id, version="2.3")
     assert building["OS-EXT-SRV-ATTR:root_device_name"] is None  # not yet in a cell
+    buried = create_server(name="buried")
+    schedule(buried, "cell0", host=None, vm_state=states.ERROR)
+    assert _shown(buried, version="2.3")["OS-EXT-SRV-ATTR:root_device_name"] is None  # never on a host
     schedule(server_id)
     shown = _shown(server_id, version="2.3")
     assert re.fullmatch(r"r-[a-z0-9]{8}", shown["OS-EXT-SRV-ATTR:reservation_id"])
@@ -1101,6 +1106,13 @@ def test_admins_see_the_extended_attributes_from_2_3(cloud):
         "OS-EXT-SRV-ATTR:root_device_name": "/dev/vda", "OS-EXT-SRV-ATTR:user_data": user_data,
         "OS-EXT-SRV-ATTR:hostname": "extended"}
     assert "OS-EXT-SRV-ATTR:reservation_id" not in _shown(server_id, caller=ALICE, version="2.3")
+
+
+def test_user_data_may_be_line_wrapped_base64_as_nova_takes_it(cloud):
+    wrapped = base64.encodebytes(b"x" * 100).decode()  # lines of 76 characters
+    server_id = create_server(name="wrapped", user_data=wrapped)
+
+    assert _shown(server_id, version="2.3")["OS-EXT-SRV-ATTR:user_data"] == wrapped
 
 
 def test_user_data_must_be_base64(cloud):

@@ -391,3 +391,27 @@ def test_a_build_request_that_keeps_changing_is_a_retried_error_that_hands_nothi
     with api_session() as session:
         assert session.scalars(select(BuildRequest)).one() is not None
         assert session.scalars(select(InstanceMapping)).one().cell is None
+    with cell_session("cell1") as session:  # no copy left behind, unmapped: a retry makes it again
+        assert session.scalars(select(Instance)).first() is None
+        assert session.scalars(select(InstanceAction)).first() is None
+
+
+def test_a_server_deleted_while_it_is_buried_leaves_nothing_in_cell0(cloud, monkeypatch):
+    event = accept_server(cloud["image_id"], flavor={**FLAVOR, "vcpus": 64})
+    with pytest.raises(errors.NoValidHost) as raised:
+        boot.select_destinations(event)
+    copy = boot._create_in_cell
+
+    def copy_then_delete(build, cell, request_id, **values):
+        copy(build, cell, request_id, **values)
+        with api_session() as session:  # what the API does to a server that is still a build request
+            session.query(BuildRequest).delete()
+            session.query(InstanceMapping).delete()
+
+    monkeypatch.setattr(boot, "_create_in_cell", copy_then_delete)
+
+    boot.fail_build({**event, "error": {"Error": "Ferry.NoValidHost", "Cause": raised.value.message}})
+
+    with cell_session("cell0") as session:
+        assert session.scalars(select(Instance)).first() is None
+        assert session.scalars(select(InstanceFault)).first() is None

@@ -56,7 +56,9 @@ _SERVER = _shape("id", "name", "status", "links", "flavor", id=_STRING, name=_ST
 _SERVERS = {**_keyed("servers", {"type": "array", "items": _SERVER_SUMMARY}),
             "properties": {"servers": {"type": "array", "items": _SERVER_SUMMARY}, "servers_links": _LINKS}}
 _SERVERS_DETAIL = {**_SERVERS, "properties": {"servers": {"type": "array", "items": _SERVER}, "servers_links": _LINKS}}
-_CREATED_SERVER = _keyed("server", _shape("id", "links", id=_STRING, links=_LINKS, adminPass=_STRING))
+# The server, or with return_reservation_id its create request's reservation id.
+_CREATED_SERVER = {"oneOf": [_keyed("server", _shape("id", "links", id=_STRING, links=_LINKS, adminPass=_STRING)),
+                             {**_keyed("reservation_id", _STRING), "additionalProperties": False}]}
 _FLAVOR = _shape("id", "name", "links", id=_STRING, name=_STRING, links=_LINKS, ram=_INTEGER, vcpus=_INTEGER,
                  disk=_INTEGER)
 _FLAVOR_SUMMARY = _shape("id", "name", "links", id=_STRING, name=_STRING, links=_LINKS)
@@ -178,7 +180,8 @@ def _operations(bodies: dict[str, dict[str, Any]]) -> dict[tuple[str, str], Oper
                                             errors=_WRITE_ERRORS),
         ("GET", server): Operation("Show a server (404 for a name or another project's)",
                                    {200: _keyed("server", _SERVER)}),
-        ("PUT", server): Operation("Rename a server or (2.19) change its description; the server back",
+        ("PUT", server): Operation("Rename a server, or change its description (2.19) or hostname (2.90); the "
+                                   "server back",
                                    {200: _keyed("server", _SERVER)}, bodies["server_update"], errors=_WRITE_ERRORS),
         ("DELETE", server): Operation("Delete a server", {204: None}, errors=_WRITE_ERRORS),
         ("POST", f"{server}/action"): Operation(

@@ -20,11 +20,11 @@ PRINTABLE_NAME_RULE = "printable characters. Can not start or end with whitespac
 PRINTABLE_TEXT_RULE = "Must be printable characters."
 # A server's description (2.19).
 SERVER_DESCRIPTION = {"type": ["string", "null"], "maxLength": 255}
-# A server's hostname: one DNS label of letters, digits and single hyphens (2.90), or from 2.94
-# a fully qualified name of such labels.
-_LABEL = "[a-zA-Z0-9]+(-[a-zA-Z0-9]+)*"
-HOSTNAME_V290 = {"type": "string", "minLength": 2, "maxLength": 63, "pattern": f"^{_LABEL}$"}
-HOSTNAME_V294 = {"type": "string", "minLength": 2, "maxLength": 255, "pattern": f"^({_LABEL}\\.)*{_LABEL}$"}
+# A server's hostname: one DNS label of letters, digits and hyphens, not at either end (2.90),
+# or from 2.94 a fully qualified name (letters, digits, ``-``, ``.``, ``_``), as Nova takes them.
+HOSTNAME_V290 = {"type": "string", "minLength": 2, "maxLength": 63,
+                 "pattern": "^[a-zA-Z0-9]+[a-zA-Z0-9-]*[a-zA-Z0-9]+$"}
+HOSTNAME_V294 = {"type": "string", "minLength": 1, "maxLength": 255, "pattern": "^[a-zA-Z0-9-._]*$"}
 
 
 def server_hostname(version: APIVersion) -> dict[str, Any] | None:

@@ -128,7 +128,8 @@ def _networks(server: dict[str, Any]) -> str | list[dict[str, Any]]:
 
 
 def _user_data(value: str | None) -> str | None:
-    """User data as sent, once it is known to be base64, as Nova checks it.
+    """User data as sent, once it is known to be base64 as Nova checks it (characters outside the
+    alphabet, such as line breaks, are skipped; the padding must be right).
 
     Raises:
         BadRequest: not base64.
@@ -136,7 +137,7 @@ def _user_data(value: str | None) -> str | None:
     if value is None:
         return None
     try:
-        base64.b64decode(value, validate=True)
+        base64.b64decode(value)
     except (binascii.Error, ValueError) as exc:
         raise errors.BadRequest("User data needs to be valid base 64.") from exc
     return value
@@ -164,7 +165,7 @@ def boot_request(document: dict[str, Any], version: APIVersion) -> compute_api.B
         name=server["name"], flavor_ref=str(server["flavorRef"]), image_ref=server.get("imageRef") or None,
         description=server.get("description") if version.at_least("2.19") else server["name"],
         hostname=server.get("hostname"), user_data=_user_data(server.get("user_data")),
-        reservation_id=compute_api.new_reservation_id(),
+        reservation_id=instances.new_reservation_id(),
         networks=_networks(server), metadata=dict(server.get("metadata", {})), key_name=server.get("key_name"),
         availability_zone=server.get("availability_zone"), block_device_mapping=bdms,
         tags=list(server.get("tags", [])), scheduler_hints=dict(hints), requested_host=server.get("host"),

@@ -13,6 +13,7 @@ from ferry import policy
 from ferry.api.request import ViewContext
 from ferry.compute.api import Server
 from ferry.store.api_models import Flavor
+from ferry.store.db import CELL0_NAME
 
 # Every guest's root disk (the host agent's first virtio disk).
 ROOT_DEVICE = "/dev/vda"
@@ -130,7 +131,7 @@ def server_detail(view: ViewContext, server: Server) -> dict[str, Any]:
                 "OS-EXT-SRV-ATTR:reservation_id": server.reservation_id, "OS-EXT-SRV-ATTR:launch_index": 0,
                 "OS-EXT-SRV-ATTR:hostname": server.hostname, "OS-EXT-SRV-ATTR:kernel_id": "",
                 "OS-EXT-SRV-ATTR:ramdisk_id": "", "OS-EXT-SRV-ATTR:user_data": server.user_data,
-                "OS-EXT-SRV-ATTR:root_device_name": ROOT_DEVICE if server.instance_id is not None else None})
+                "OS-EXT-SRV-ATTR:root_device_name": ROOT_DEVICE if server.cell not in (None, CELL0_NAME) else None})
     if view.at_least("2.90"):
         body["OS-EXT-SRV-ATTR:hostname"] = server.hostname  # everyone's from 2.90
     if view.at_least("2.9"):

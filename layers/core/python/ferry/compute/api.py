@@ -196,12 +196,6 @@ class BootRequest:
 # --- small helpers -------------------------------------------------------------------------------
 
 
-def new_reservation_id() -> str:
-    """A create request's id, as Nova makes them: ``r-`` and eight lower-case letters or digits."""
-    alphabet = "abcdefghijklmnopqrstuvwxyz0123456789"
-    return "r-" + "".join(secrets.choice(alphabet) for _ in range(8))
-
-
 def normalize_uuid(value: str) -> str | None:
     """``value`` as a canonical uuid string, or None when it is not a uuid (a name, say)."""
     try:
@@ -781,7 +775,7 @@ def create_server(ctx: RequestContext, request: BootRequest) -> str:
     instance = {
         "display_name": request.name, "display_description": request.description,
         "hostname": request.hostname or instances.default_hostname(request.name, uuid),
-        "reservation_id": request.reservation_id or new_reservation_id(), "user_data": request.user_data,
+        "reservation_id": request.reservation_id or instances.new_reservation_id(), "user_data": request.user_data,
         "project_id": ctx.project_id, "user_id": ctx.user_id, "image_ref": image_id if root is None else "",
         "flavor": snapshot, "vm_state": states.BUILDING,
         "task_state": states.SCHEDULING, "power_state": states.NOSTATE,
@@ -961,7 +955,9 @@ def _switching_cells(instance_uuid: str) -> ColumnElement[bool]:
     unsettled = select(Migration.id).where(
         Migration.instance_uuid == instance_uuid, Migration.cross_cell_move.is_(True),
         Migration.status.not_in((migration_states.CONFIRMED, migration_states.REVERTED, migration_states.ERROR)))
-    return and_(Instance.task_state.in_((states.RESIZE_FINISH, states.RESIZE_REVERTING)), unsettled.exists())
+    # A null task state is no switch: said outright, since NOT (NULL IN (...) AND ...) is NULL.
+    return and_(Instance.task_state.is_not(None),
+                Instance.task_state.in_((states.RESIZE_FINISH, states.RESIZE_REVERTING)), unsettled.exists())
 
 
 def _update_build_request(instance_uuid: str, values: Mapping[str, str | None]) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import secrets
 from collections.abc import Iterable
 from typing import Any, cast
 
@@ -18,6 +19,12 @@ from ferry.store.db import api_session
 UPDATABLE = {"name": "display_name", "description": "display_description", "hostname": "hostname"}
 # The longest hostname made from a server's name (one DNS label).
 HOSTNAME_LENGTH = 63
+
+
+def new_reservation_id() -> str:
+    """A create request's id, as Nova makes them: ``r-`` and eight lower-case letters or digits."""
+    alphabet = "abcdefghijklmnopqrstuvwxyz0123456789"
+    return "r-" + "".join(secrets.choice(alphabet) for _ in range(8))
 
 
 def default_hostname(name: str, instance_uuid: str) -> str:

@@ -28,7 +28,14 @@ from ferry.store.api_models import (
     VolumeAttachment,
     utcnow,
 )
-from ferry.store.cell_models import BlockDeviceMapping, Instance, Tag
+from ferry.store.cell_models import (
+    BlockDeviceMapping,
+    Instance,
+    InstanceAction,
+    InstanceActionEvent,
+    InstanceFault,
+    Tag,
+)
 from ferry.store.db import CELL0_NAME, api_session, cell_session
 from ferry.workflows import error_message
 
@@ -94,23 +101,35 @@ def _materialize(build: BuildRequest, selection: scheduler.Selection, request_id
     """Create the instance in the selection's cell from its build request; point the mapping there.
 
     Returns False when the API deleted the build request meanwhile (the server was deleted):
-    the cell copy is removed again and nothing is left behind.
+    the cell copy is removed again and nothing is left behind. So it is when the hand-over
+    fails (a retry of the step copies it again).
     """
     uuid = build.instance_uuid
     _create_in_cell(build, selection.cell, request_id, host=selection.host, node=selection.node,
                     vm_state=states.BUILDING, task_state=states.SCHEDULING)
-    if _hand_over(uuid, selection.cell):
-        return True
+    try:
+        handed_over = _hand_over(uuid, selection.cell)
+    except errors.BuildRequestChanged:
+        _remove_unmapped_copy(uuid, selection.cell)
+        raise
+    return handed_over or not _remove_unmapped_copy(uuid, selection.cell)
+
+
+def _remove_unmapped_copy(uuid: str, cell: str) -> bool:
+    """Delete the server's copy in ``cell`` unless its mapping names that cell (an earlier run of
+    the step handed it over); whether it was deleted."""
     with api_session() as session:
-        cell_id = session.scalars(select(CellMapping.id).where(CellMapping.name == selection.cell)).one()
+        cell_id = session.scalars(select(CellMapping.id).where(CellMapping.name == cell)).one()
         mapping = session.scalars(select(InstanceMapping).where(InstanceMapping.instance_uuid == uuid)).one_or_none()
         if mapping is not None and mapping.cell_id == cell_id:
-            return True  # an earlier run of this step finished the hand-over
-    with cell_session(selection.cell) as session:
-        for model in (BlockDeviceMapping, Tag):
+            return False
+    with cell_session(cell) as session:
+        actions_of = select(InstanceAction.id).where(InstanceAction.instance_uuid == uuid)
+        session.execute(delete(InstanceActionEvent).where(InstanceActionEvent.action_id.in_(actions_of)))
+        for model in (InstanceAction, InstanceFault, BlockDeviceMapping, Tag):
             session.execute(delete(model).where(model.instance_uuid == uuid))
         session.execute(delete(Instance).where(Instance.uuid == uuid))
-    return False
+    return True
 
 
 class _BuildRequestChanged(Exception):
@@ -329,4 +348,5 @@ def _bury_in_cell0(build: BuildRequest, request_id: str, message: str) -> None:
         instances.add_fault(session, uuid, message)
         actions.finish_event(session, instance_uuid=uuid, request_id=request_id, event=EVENT_SCHEDULE,
                              error={"Error": errors.NoValidHost.__name__, "Cause": message})
-    _hand_over(uuid, CELL0_NAME)
+    if not _hand_over(uuid, CELL0_NAME):
+        _remove_unmapped_copy(uuid, CELL0_NAME)  # deleted meanwhile: no server to bury
