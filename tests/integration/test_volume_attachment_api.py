@@ -124,6 +124,23 @@ def test_delete_on_termination_is_accepted_from_2_79(cloud, tmp_path):
     assert response.body["volumeAttachment"]["delete_on_termination"] is True
 
 
+def test_a_tag_is_taken_from_2_49_kept_and_shown_from_2_70(cloud, tmp_path):
+    resized = make_resized(state_dir=tmp_path)
+    server_id, volume_id = resized.instance_uuid, make_volume(tmp_path)
+
+    too_early = attach(server_id, {"volumeAttachment": {"volumeId": volume_id, "tag": "data"}}, version="2.48")
+    assert too_early.status == 400
+    bad = attach(server_id, {"volumeAttachment": {"volumeId": volume_id, "tag": "a/b"}}, version="2.49")
+    assert bad.status == 400
+    response = attach(server_id, {"volumeAttachment": {"volumeId": volume_id, "tag": "data"}}, version="2.70")
+
+    assert response.status == 200, response.body
+    assert response.body["volumeAttachment"]["tag"] == "data"
+    shown = call("GET", path(server_id, volume_id), caller=OWNER, version="2.70").body["volumeAttachment"]
+    assert shown["tag"] == "data"
+    assert "tag" not in call("GET", path(server_id, volume_id), caller=OWNER, version="2.69").body["volumeAttachment"]
+
+
 def test_unknown_server_unknown_volume_and_another_projects_volume_are_404(cloud, tmp_path):
     resized = make_resized(state_dir=tmp_path)
     volume_id = make_volume(tmp_path)

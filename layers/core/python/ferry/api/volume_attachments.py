@@ -35,6 +35,8 @@ def attach_schema(version: APIVersion) -> dict[str, Any]:
         "required": ["volumeId"],
         "additionalProperties": False,
     }
+    if version.at_least("2.49"):
+        attachment["properties"]["tag"] = schemas.TAG
     if version.at_least("2.79"):
         attachment["properties"]["delete_on_termination"] = {"type": "boolean"}
     return {"type": "object", "properties": {"volumeAttachment": attachment}, "required": ["volumeAttachment"],
@@ -48,7 +50,7 @@ def attachment_view(view: ViewContext, attachment: Attachment) -> dict[str, Any]
     if not view.at_least("2.89"):
         body["id"] = attachment.volume_id
     if view.at_least("2.70"):
-        body["tag"] = None
+        body["tag"] = attachment.tag
     if view.at_least("2.79"):
         body["delete_on_termination"] = attachment.delete_on_termination
     if view.at_least("2.89"):
@@ -95,7 +97,7 @@ def attach_volume(server_id: str) -> Response:
     wanted = document["volumeAttachment"]
     attachment = volume_attachment.begin_attach(
         view.ctx, location, str(compute_api.normalize_uuid(wanted["volumeId"])),
-        delete_on_termination=bool(wanted.get("delete_on_termination", False)))
+        delete_on_termination=bool(wanted.get("delete_on_termination", False)), tag=wanted.get("tag"))
     return request.json_response(200, {"volumeAttachment": attachment_view(view, attachment)})
 
 

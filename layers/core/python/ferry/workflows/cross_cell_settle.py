@@ -49,7 +49,7 @@ EVENT_FINISH_REVERT_AT_SOURCE = "compute_finish_revert_snapshot_based_resize_at_
 # source cell's copy by a revert.
 _CARRIED_COLUMNS = ("display_name", "display_description", "hostname", "metadata_items", "locked", "locked_by",
                     "key_name", "old_flavor", "new_flavor", "old_vm_state", "power_state")
-_BDM_COLUMNS = ("uuid", "source_type", "destination_type", "device_name", "boot_index", "volume_id", "image_id",
+_BDM_COLUMNS = ("uuid", "source_type", "destination_type", "device_name", "boot_index", "volume_id", "image_id", "tag",
                 "volume_size", "guest_format", "delete_on_termination", "attachment_id")
 
 

@@ -92,6 +92,7 @@ class Attachment:
     delete_on_termination: bool
     attachment_id: str | None
     bdm_uuid: str
+    tag: str | None = None
 
     @property
     def device_path(self) -> str | None:
@@ -101,7 +102,7 @@ class Attachment:
 def _attachment(bdm: BlockDeviceMapping) -> Attachment:
     return Attachment(volume_id=str(bdm.volume_id), server_id=bdm.instance_uuid, device=bdm.device_name,
                       delete_on_termination=bool(bdm.delete_on_termination), attachment_id=bdm.attachment_id,
-                      bdm_uuid=bdm.uuid)
+                      bdm_uuid=bdm.uuid, tag=bdm.tag)
 
 
 def _volume_bdms(session: Session, instance_uuid: str) -> list[BlockDeviceMapping]:
@@ -234,7 +235,7 @@ def _visible_volume(ctx: RequestContext, volume_id: str) -> tuple[str, int]:
 
 
 def begin_attach(ctx: RequestContext, location: Location, volume_id: str, *,
-                 delete_on_termination: bool = False) -> Attachment:
+                 delete_on_termination: bool = False, tag: str | None = None) -> Attachment:
     """Accept an attach of ``volume_id`` to the server at ``location`` and start the workflow.
 
     Returns:
@@ -268,7 +269,7 @@ def begin_attach(ctx: RequestContext, location: Location, volume_id: str, *,
             bdm = BlockDeviceMapping(instance_uuid=uuid, source_type="volume", destination_type="volume",
                                      device_name=device, boot_index=None, volume_id=volume_id,
                                      volume_size=size_gb, delete_on_termination=delete_on_termination,
-                                     attachment_id=attachment_id)
+                                     attachment_id=attachment_id, tag=tag)
             session.add(bdm)
             actions.start_action(session, instance_uuid=uuid, action=ACTION_ATTACH, request_id=request_id,
                                  user_id=ctx.user_id, project_id=ctx.project_id)
