@@ -185,6 +185,15 @@ def test_update_to_a_taken_name_is_409_and_changes_nothing(cloud):
     assert stored() == {"gen3": ([], {}), "gen4": ([], {"availability_zone": "zone-a"})}
 
 
+def test_a_zone_set_by_metadata_follows_the_name_rule_too(cloud):
+    created = create("gen5")
+
+    response = action(created["id"], "set_metadata", {"metadata": {"availability_zone": "zone\u200b5"}})
+
+    assert response.status == 400
+    assert stored() == {"gen5": ([], {})}
+
+
 @pytest.mark.parametrize("body", [{"aggregate": {}}, {"aggregate": {"hosts": ["x"]}}, {"name": "x"},
                                   {"aggregate": {"name": ""}}, {"aggregate": {"name": "gen\u200b4"}},
                                   {"aggregate": {"name": "gen4", "availability_zone": "\u00a0zone"}}])

@@ -5,11 +5,13 @@ from __future__ import annotations
 import datetime as dt
 
 import pytest
+from sqlalchemy import select
 from test_api_support import ADMIN, ALICE, BASE_URL, BOB, call, mocked_cloud
 
 from ferry import config
-from ferry.store.api_models import Volume, VolumeAttachment
-from ferry.store.db import api_session
+from ferry.store.api_models import CellMapping, InstanceMapping, Volume, VolumeAttachment
+from ferry.store.cell_models import Instance
+from ferry.store.db import api_session, cell_session
 
 SERVER = "5a1e0000-0000-4000-8000-000000000001"
 DATA, BOOT, OLD, BOBS = (f"7d2c3a52-0000-4000-8000-00000000000{n}" for n in range(1, 5))
@@ -190,3 +192,18 @@ def test_methods_other_than_get_are_not_found(volumes):
 
     assert response.status == 404
     assert "itemNotFound" in response.body
+
+
+def test_the_attachment_shown_is_the_one_on_the_servers_host(volumes):
+    # GIVEN the server is on host-1, the older of its two attachments (a volume attached while the
+    # server waited in VERIFY_RESIZE on host-1 also gets one, newer, on the source host-2)
+    with api_session() as session:
+        cell1 = session.scalars(select(CellMapping.id).where(CellMapping.name == "cell1")).one()
+        session.add(InstanceMapping(instance_uuid=SERVER, cell_id=cell1, project_id="project-a", user_id="alice"))
+    with cell_session("cell1") as session:
+        session.add(Instance(uuid=SERVER, display_name="vm", project_id="project-a", user_id="alice",
+                             flavor={}, vm_state="resized", host="host-1", node="host-1"))
+
+    shown = call("GET", f"/volume/v3/volumes/{DATA}", caller=ADMIN).body["volume"]
+
+    assert [(a["attachment_id"], a["host_name"]) for a in shown["attachments"]] == [("att-1", "host-1")]

@@ -155,5 +155,6 @@ def aggregate_action(aggregate_id: str) -> Response:
     elif name == "remove_host":
         record = aggregates.remove_host(number, argument["host"])
     else:
+        request.require_printable(argument["metadata"], "set_metadata/metadata", "availability_zone")
         record = aggregates.set_metadata(number, argument["metadata"])
     return _answer(view, record)

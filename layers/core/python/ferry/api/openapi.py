@@ -137,7 +137,7 @@ _MIGRATION_QUERY: dict[str, Schema] = {
     "changes-since": _STRING, "changes-before": _STRING, "user_id": _STRING, "project_id": _STRING}
 _VOLUME_QUERY: dict[str, Schema] = {
     "all_tenants": _STRING, "project_id": _STRING, "name": _STRING, "status": _STRING, "bootable": _STRING,
-    "limit": _LIMIT, "marker": _STRING}
+    "metadata": _STRING, "limit": _LIMIT, "marker": _STRING}
 _ACTION_QUERY: dict[str, Schema] = {
     "limit": _LIMIT, "marker": _STRING, "changes-since": _STRING, "changes-before": _STRING}
 _USER_ID: dict[str, Schema] = {"user_id": _STRING}
