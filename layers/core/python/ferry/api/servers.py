@@ -143,6 +143,12 @@ def _user_data(value: str | None) -> str | None:
     return value
 
 
+def _require_printable(server: dict[str, Any]) -> None:
+    """A server's name and description, where given, as Nova takes them (see request.require_printable)."""
+    request.require_printable(server, "server", "name")
+    request.require_printable(server, "server", "description", text=True)
+
+
 def boot_request(document: dict[str, Any], version: APIVersion) -> compute_api.BootRequest:
     """The domain's view of a create body already checked against the schema (at ``version``:
     below 2.19 a server's description is its name, as in Nova).
@@ -176,8 +182,7 @@ def boot_request(document: dict[str, Any], version: APIVersion) -> compute_api.B
 def create_server() -> Response:
     view = request.view_context(router)
     document = request.body(router, schemas.server_create(view.version))
-    request.require_printable(document["server"], "server", "name")
-    request.require_printable(document["server"], "server", "description", text=True)
+    _require_printable(document["server"])
     policy.enforce(view.ctx, "os_compute_api:servers:create",
                    {"project_id": view.ctx.project_id, "user_id": view.ctx.user_id})
     boot = boot_request(document, view.version)
@@ -197,11 +202,11 @@ def create_server() -> Response:
 
 @router.put("/servers/<server_id>")
 def update_server(server_id: str) -> Response:
-    """Rename a server, or (2.19) change its description; the server back, as ``GET`` shows it."""
+    """Rename a server, or change its description (2.19) or hostname (2.90); the server back, as
+    ``GET`` shows it."""
     view = request.view_context(router)
     body = request.body(router, schemas.server_update(view.version))["server"]
-    request.require_printable(body, "server", "name")
-    request.require_printable(body, "server", "description", text=True)
+    _require_printable(body)
     location = compute_api.locate(view.ctx, server_id)
     policy.enforce(view.ctx, "os_compute_api:servers:update", location.target)
     changes = {k: v for k, v in body.items() if k in instances.UPDATABLE}

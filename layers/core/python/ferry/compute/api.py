@@ -326,19 +326,18 @@ def page_size(limit: int | None) -> int:
     return MAX_LIST_LIMIT if limit is None else min(limit, MAX_LIST_LIMIT)
 
 
-def after_marker(items: list[T], marker: str | None, key: Callable[[T], str], missing: str,
-                 error: type[errors.FerryError] = errors.BadRequest) -> list[T]:
+def after_marker(items: list[T], marker: str | None, key: Callable[[T], str], missing: str) -> list[T]:
     """The items after the one whose ``key`` is ``marker`` (all of them when ``marker`` is None):
     the next page of a list paged the way Nova pages.
 
     Raises:
-        BadRequest (or ``error``): no item is the marker (``missing`` is the message).
+        BadRequest: no item is the marker (``missing`` is the message).
     """
     if marker is None:
         return items
     index = next((i for i, item in enumerate(items) if key(item) == marker), None)
     if index is None:
-        raise error(missing)
+        raise errors.BadRequest(missing)
     return items[index + 1:]
 
 
@@ -906,8 +905,8 @@ def _start_or_undo(state_machine_arn: str, name: str, payload: dict[str, Any], c
 
 
 def update_server(ctx: RequestContext, location: Location, changes: Mapping[str, str | None]) -> Server:
-    """Rename a server or change its description (``changes`` by the API's field names, see
-    :data:`ferry.compute.instances.UPDATABLE`); the server as it is then.
+    """Rename a server, or change its description or hostname (``changes`` by the API's field
+    names, see :data:`ferry.compute.instances.UPDATABLE`); the server as it is then.
 
     As in Nova, a locked, moving or failed server can be renamed too, with one exception: while
     a move between cells switches the server from one cell's copy to the other's (task state
@@ -929,15 +928,14 @@ def update_server(ctx: RequestContext, location: Location, changes: Mapping[str,
         if location.cell is None:
             changed = _update_build_request(uuid, values)
         else:
+            the_server = (Instance.uuid == uuid, Instance.deleted.is_(False), Instance.hidden.is_(False))
             with cell_session(location.cell) as session:
-                stmt = (update(Instance).where(Instance.uuid == uuid, Instance.deleted.is_(False),
-                                               Instance.hidden.is_(False), ~_switching_cells(uuid))
+                stmt = (update(Instance).where(*the_server, ~_switching_cells(uuid))
                         .values(**values).execution_options(synchronize_session=False))
                 changed = cast(CursorResult[Any], session.execute(stmt)).rowcount == 1
                 if not changed:
                     switching = session.scalars(select(Instance.task_state).where(
-                        Instance.uuid == uuid, Instance.deleted.is_(False), Instance.hidden.is_(False),
-                        _switching_cells(uuid))).first()
+                        *the_server, _switching_cells(uuid))).first()
                     if switching is not None:
                         raise errors.InstanceInvalidState(
                             f"Cannot 'update' instance {uuid} while it is in task_state {switching}: it is "

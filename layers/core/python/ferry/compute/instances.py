@@ -7,12 +7,20 @@ import secrets
 from collections.abc import Iterable
 from typing import Any, cast
 
-from sqlalchemy import CursorResult, false, or_, select, update
+from sqlalchemy import CursorResult, delete, false, or_, select, update
 from sqlalchemy.orm import Session
 
 from ferry import errors
 from ferry.store.api_models import CellMapping, InstanceMapping
-from ferry.store.cell_models import BlockDeviceMapping, Instance, InstanceFault
+from ferry.store.cell_models import (
+    BlockDeviceMapping,
+    Instance,
+    InstanceAction,
+    InstanceActionEvent,
+    InstanceFault,
+    Migration,
+    Tag,
+)
 from ferry.store.db import api_session
 
 # What a server's owner may change (PUT /servers/{id}): the API's name of each field, and its column.
@@ -50,6 +58,20 @@ def cell_of(instance_uuid: str) -> CellMapping:
         if mapping is None or mapping.cell is None:
             raise errors.InstanceNotFound(f"Instance {instance_uuid} could not be found.")
         return mapping.cell
+
+
+def purge(session: Session, instance_uuid: str) -> bool:
+    """Delete every row of the instance in this cell session: the instance, its actions and their
+    events, faults, block device mappings, tags and migrations (idempotent). Whether there was
+    an instance or an action to delete."""
+    action_ids = list(session.scalars(select(InstanceAction.id).where(InstanceAction.instance_uuid == instance_uuid)))
+    if action_ids:
+        session.execute(delete(InstanceActionEvent).where(InstanceActionEvent.action_id.in_(action_ids)))
+        session.execute(delete(InstanceAction).where(InstanceAction.id.in_(action_ids)))
+    for model in (BlockDeviceMapping, Tag, InstanceFault, Migration):
+        session.execute(delete(model).where(model.instance_uuid == instance_uuid))
+    deleted = cast(CursorResult[Any], session.execute(delete(Instance).where(Instance.uuid == instance_uuid)))
+    return deleted.rowcount > 0 or bool(action_ids)
 
 
 def get(session: Session, instance_uuid: str, *, include_hidden: bool = False) -> Instance:

@@ -31,9 +31,6 @@ from ferry.store.api_models import (
 from ferry.store.cell_models import (
     BlockDeviceMapping,
     Instance,
-    InstanceAction,
-    InstanceActionEvent,
-    InstanceFault,
     Tag,
 )
 from ferry.store.db import CELL0_NAME, api_session, cell_session
@@ -124,11 +121,7 @@ def _remove_unmapped_copy(uuid: str, cell: str) -> bool:
         if mapping is not None and mapping.cell_id == cell_id:
             return False
     with cell_session(cell) as session:
-        actions_of = select(InstanceAction.id).where(InstanceAction.instance_uuid == uuid)
-        session.execute(delete(InstanceActionEvent).where(InstanceActionEvent.action_id.in_(actions_of)))
-        for model in (InstanceAction, InstanceFault, BlockDeviceMapping, Tag):
-            session.execute(delete(model).where(model.instance_uuid == uuid))
-        session.execute(delete(Instance).where(Instance.uuid == uuid))
+        instances.purge(session, uuid)
     return True
 
 

@@ -32,10 +32,8 @@ from ferry.store.cell_models import (
     Instance,
     InstanceAction,
     InstanceActionEvent,
-    InstanceFault,
     Migration,
     Service,
-    Tag,
 )
 from ferry.store.db import api_session, cell_session
 
@@ -157,18 +155,7 @@ def hard_delete_copy(cell: str, instance_uuid: str, migration_uuid: str) -> bool
                 f"Instance {instance_uuid} is visible in cell {cell}: it is not a copy to remove.")
     _carry_older_migrations(cell, instance_uuid, migration_uuid)
     with cell_session(cell) as session:
-        instance = _copy_of(session, instance_uuid)
-        action_ids = list(session.scalars(select(InstanceAction.id).where(
-            InstanceAction.instance_uuid == instance_uuid)))
-        removed = instance is not None or bool(action_ids)
-        if action_ids:
-            session.execute(delete(InstanceActionEvent).where(InstanceActionEvent.action_id.in_(action_ids)))
-            session.execute(delete(InstanceAction).where(InstanceAction.id.in_(action_ids)))
-        for model in (BlockDeviceMapping, Tag, InstanceFault):
-            session.execute(delete(model).where(model.instance_uuid == instance_uuid))
-        session.execute(delete(Migration).where(Migration.instance_uuid == instance_uuid))
-        if instance is not None:
-            session.delete(instance)
+        removed = instances.purge(session, instance_uuid)
     if removed:
         logger.info("copy of the server removed from a cell",
                     extra={"instance_uuid": instance_uuid, "cell": cell, "migration_uuid": migration_uuid})
