@@ -415,3 +415,33 @@ def test_a_server_deleted_while_it_is_buried_leaves_nothing_in_cell0(cloud, monk
     with cell_session("cell0") as session:
         assert session.scalars(select(Instance)).first() is None
         assert session.scalars(select(InstanceFault)).first() is None
+
+
+def test_a_copy_never_handed_over_is_removed_when_the_server_is_buried_in_cell0(cloud, monkeypatch):
+    # GIVEN every run of SelectDestinations copies the server into cell1 and then fails to hand
+    # it over (its API database write breaks), until the workflow's retries run out
+    event = accept_server(cloud["image_id"])
+
+    def broken_hand_over(uuid, cell):
+        raise RuntimeError("the API database went away")
+
+    monkeypatch.setattr(boot, "_hand_over", broken_hand_over)
+    for _attempt in range(2):
+        with pytest.raises(RuntimeError):
+            boot.select_destinations(event)
+    with cell_session("cell1") as session:
+        assert session.scalars(select(Instance.uuid)).one() == event["instance_uuid"]
+    monkeypatch.undo()
+
+    # WHEN the workflow gives up and fails the build
+    boot.fail_build({**event, "error": {"Error": "RuntimeError", "Cause": "the API database went away"}})
+
+    # THEN the server is buried in cell0 alone: no copy, action or claim stays in cell1
+    with cell_session("cell1") as session:
+        assert session.scalars(select(Instance)).first() is None
+        assert session.scalars(select(InstanceAction)).first() is None
+    with cell_session("cell0") as session:
+        assert session.scalars(select(Instance.vm_state)).one() == "error"
+    with api_session() as session:
+        assert session.scalars(select(InstanceMapping)).one().cell.name == "cell0"
+    assert placement.get_allocations(event["instance_uuid"]) == {}

@@ -33,7 +33,7 @@ from ferry.store.cell_models import (
     Instance,
     Tag,
 )
-from ferry.store.db import CELL0_NAME, api_session, cell_session
+from ferry.store.db import CELL0_NAME, all_cells, api_session, cell_session
 from ferry.workflows import error_message
 
 EVENT_SCHEDULE = "conductor_schedule_and_build_instances"
@@ -314,6 +314,7 @@ def fail_build(event: dict[str, Any]) -> dict[str, Any]:
     with api_session() as session:
         build = session.scalars(select(BuildRequest).where(BuildRequest.instance_uuid == uuid)).one_or_none()
     if build is not None:
+        _remove_unhanded_copies(uuid)
         _bury_in_cell0(build, event["request_id"], message)
         return {}
     cell = instances.cell_of(uuid)
@@ -332,6 +333,17 @@ def fail_build(event: dict[str, Any]) -> dict[str, Any]:
         actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"], event=EVENT_BUILD,
                              host=instance.host, error=error or None)
     return {}
+
+
+def _remove_unhanded_copies(uuid: str) -> None:
+    """Delete the copies SelectDestinations made in cells but never handed over (its hand-over
+    failed, or the step stopped between the two, until its retries ran out): the server is
+    buried in cell0, and a copy left in a cell would be a second, unmapped server there. The
+    build request still exists, so no copy was handed over (the hand-over deletes it)."""
+    for cell in all_cells(include_cell0=False):
+        with cell_session(cell) as session:
+            if instances.purge(session, uuid):
+                logger.warning("copy never handed over removed", extra={"instance_uuid": uuid, "cell": cell.name})
 
 
 def _bury_in_cell0(build: BuildRequest, request_id: str, message: str) -> None:
