@@ -959,20 +959,33 @@ class HostAgent(MoveOperations):
         move kept here (``<uuid>_resize``: a server deleted after its revert failed) and disks a
         move was copying in (``<uuid>_incoming``). An absent guest is fine.
 
+        The files of the ``volumes`` deleted with the server go last (shared storage: any host
+        reaches them); ``volumes_removed`` names those whose file is gone. A volume that is no
+        file this host's kind makes (a block device) is left to its storage.
+
         Raises:
             HypervisorError, HostOperationFailed (the disks cannot be removed).
         """
-        self.driver.destroy(op.instance_uuid)
-        if not op.args.get("keep_disks", False):
-            try:
-                disks.remove_instance_dir(self.instances_dir, op.instance_uuid)
-                disks.remove_dir(disks.resize_dir(self.instances_dir, op.instance_uuid))
-                disks.remove_dir(disks.incoming_dir(self.instances_dir, op.instance_uuid))
-            except OSError as exc:
-                raise errors.HostOperationFailed(
-                    f"Removing the disks of instance {op.instance_uuid} failed: {exc}", instance_uuid=op.instance_uuid
-                ) from exc
-        return self._result(op.instance_uuid, NOSTATE)
+        uuid = op.instance_uuid
+        self.driver.destroy(uuid)
+        removed: list[str] = []
+        try:
+            if not op.args.get("keep_disks", False):
+                disks.remove_instance_dir(self.instances_dir, uuid)
+                disks.remove_dir(disks.resize_dir(self.instances_dir, uuid))
+                disks.remove_dir(disks.incoming_dir(self.instances_dir, uuid))
+            for volume in op.args.get("volumes", []):
+                if disks.remove_volume_file(volume["path"], volume["volume_id"]):
+                    removed.append(volume["volume_id"])
+                else:
+                    logger.warning("volume left to its storage: not a file this host made",
+                                   extra={"host": self.host, "instance_uuid": uuid, "volume_id": volume["volume_id"],
+                                          "path": volume["path"]})
+        except OSError as exc:
+            raise errors.HostOperationFailed(
+                f"Removing the disks of instance {uuid} failed: {exc}", instance_uuid=uuid
+            ) from exc
+        return {**self._result(uuid, NOSTATE), "volumes_removed": removed}
 
     # -- reports
 

@@ -38,6 +38,7 @@ import json
 import mmap
 import os
 import shutil
+import stat
 import tempfile
 import threading
 import time
@@ -143,6 +144,24 @@ def remove_dir(directory: str | os.PathLike[str]) -> None:
         shutil.rmtree(directory)
     except FileNotFoundError:
         pass
+
+
+def remove_volume_file(path: str | os.PathLike[str], volume_id: str) -> bool:
+    """Delete a volume's file; whether it is gone (an absent one already is).
+
+    Only a regular file named after the volume is deleted: the file-backed volumes the hosts
+    make. Anything else at the path (a block device, a link, another name) belongs to the
+    storage that made it and is left there (False).
+    """
+    path = Path(path)
+    try:
+        found = path.lstat()
+    except FileNotFoundError:
+        return True
+    if not stat.S_ISREG(found.st_mode) or path.name != volume_id:
+        return False
+    path.unlink(missing_ok=True)
+    return True
 
 
 def remove_partial_files(instances_dir: str | os.PathLike[str]) -> list[Path]:

@@ -8,6 +8,7 @@ left on the other host, and the root disk carries the same bytes it had before t
 from __future__ import annotations
 
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,6 +27,7 @@ from move_helpers import (
     resize_to_verify,
     root_digest,
 )
+from sqlalchemy import select
 
 from ferry.store.api_models import Volume, VolumeAttachment
 from ferry.store.db import api_session
@@ -222,8 +224,6 @@ def test_a_volume_attached_while_resized_survives_revert(local_stack, servers, r
 
 
 def attachment_hosts(server_id: str, volume_id: str) -> set[str]:
-    from sqlalchemy import select
-
     with api_session() as session:
         return set(session.scalars(select(VolumeAttachment.host).where(
             VolumeAttachment.instance_uuid == server_id, VolumeAttachment.volume_id == volume_id,
@@ -244,6 +244,29 @@ def test_volume_backed_server_resizes_and_reverts(local_stack, servers, records)
     reverted = servers.wait_for_status(server["id"], "ACTIVE")
     assert host_of(reverted) == source
     assert records.allocations(server["id"]) == {records.provider(source): {"VCPU": 1, "MEMORY_MB": 256}}
+
+
+def test_a_volume_backed_server_deleted_while_resized_takes_its_new_volume_along(local_stack, servers):
+    # GIVEN a server booted from a new volume deleted with it, in VERIFY_RESIZE
+    server = servers.boot(flavor=TINY, imageRef="", block_device_mapping_v2=[{
+        "source_type": "image", "destination_type": "volume", "uuid": local_stack.seeded.image["id"],
+        "boot_index": 0, "volume_size": 1, "delete_on_termination": True}])
+    [attached] = server["os-extended-volumes:volumes_attached"]
+    with api_session() as session:
+        path = Path(session.get(Volume, attached["id"]).path)
+    assert path.is_file()
+    resize_to_verify(servers, server["id"], {"resize": {"flavorRef": SMALL}})
+
+    # WHEN it is deleted
+    assert servers.delete(server["id"]).status_code == 204
+    servers.wait_until_gone(server["id"])
+
+    # THEN its volume is gone, record and file
+    with api_session() as session:
+        assert session.get(Volume, attached["id"]) is None
+        assert session.scalars(select(VolumeAttachment).where(
+            VolumeAttachment.volume_id == attached["id"])).first() is None
+    assert not path.exists()
 
 
 # --- refusals: nothing changes ----------------------------------------------------------------------

@@ -31,6 +31,7 @@ from ferry.store.api_models import (
     utcnow,
 )
 from ferry.store.cell_models import (
+    BlockDeviceMapping,
     Instance,
     InstanceAction,
     InstanceActionEvent,
@@ -783,6 +784,58 @@ def test_deleting_a_server_on_a_down_host_deletes_locally(cloud):
 
     [execution] = cloud.executions("delete")
     assert "host" not in execution["input"]
+
+
+def volume_backed_server_on(host: str, root: dict, *, up: bool = True) -> tuple[str, Volume]:
+    """A server booted on ``host`` from the volume ``root`` describes; the server and its volume."""
+    add_host(host, up=up)
+    server_id = create_server(block_device_mapping_v2=[{"destination_type": "volume", "boot_index": 0, **root}])
+    [bdm] = api_rows(BuildRequest, instance_uuid=server_id)[0].block_device_mappings
+    schedule(server_id, host=host)
+    with cell_session("cell1") as session:  # what the boot workflow copies into the cell
+        columns = {c.key for c in BlockDeviceMapping.__table__.columns} - {"id"}
+        session.add(BlockDeviceMapping(instance_uuid=server_id, **{k: v for k, v in bdm.items() if k in columns}))
+    with api_session() as session:  # and binds on the host
+        session.execute(update(VolumeAttachment).where(VolumeAttachment.instance_uuid == server_id)
+                        .values(host=host, status="attached"))
+        session.execute(update(Volume).values(status="in-use"))
+    return server_id, api_rows(Volume, id=bdm["volume_id"])[0]
+
+
+@pytest.mark.parametrize("host_up", [True, False])
+def test_a_volume_deleted_with_its_server_goes_once_its_host_removed_its_file(cloud, host_up):
+    server_id, volume = volume_backed_server_on("host1", {
+        "source_type": "image", "uuid": cloud.image_id, "volume_size": 1, "delete_on_termination": True},
+        up=host_up)
+
+    assert call("DELETE", f"/v2.1/servers/{server_id}").status == 204
+
+    [execution] = cloud.executions("delete")
+    assert execution["input"]["delete_volumes"] == [{"volume_id": volume.id, "path": volume.path}]
+    destroyed = {"destroyed": {"volumes_removed": [volume.id]}} if host_up else {}
+    delete.finish_delete({**execution["input"], **destroyed})
+    delete.finish_delete({**execution["input"], **destroyed})
+    assert api_rows(VolumeAttachment) == []
+    if host_up:
+        assert api_rows(Volume) == []
+    else:  # no host removed its file: the volume stays, to be seen
+        assert api_rows(Volume, id=volume.id)[0].status == "deleting"
+
+
+def test_a_volume_kept_after_its_server_is_available_again(cloud):
+    with api_session() as session:
+        session.add(Volume(id="7d2c3a52-0000-4000-8000-00000000000a", project_id="project-a", size_gb=1,
+                           status="available", path="/srv/volumes/7d2c3a52-0000-4000-8000-00000000000a"))
+    server_id, volume = volume_backed_server_on("host1", {
+        "source_type": "volume", "uuid": "7d2c3a52-0000-4000-8000-00000000000a"})
+
+    assert call("DELETE", f"/v2.1/servers/{server_id}").status == 204
+
+    [execution] = cloud.executions("delete")
+    assert execution["input"]["delete_volumes"] == []
+    delete.finish_delete({**execution["input"], "destroyed": {"volumes_removed": []}})
+    assert api_rows(VolumeAttachment) == []
+    assert api_rows(Volume, id=volume.id)[0].status == "available"
 
 
 def test_delete_is_refused_while_another_operation_runs_but_allowed_in_error(cloud):

@@ -477,6 +477,48 @@ def test_destroy_keeping_disks_removes_only_the_guest(host):
     assert (disks.instance_dir(host.instances_dir, instance_uuid) / "disk").exists()
 
 
+def test_destroy_removes_the_files_of_the_volumes_deleted_with_the_server_and_repeats_safely(host):
+    # GIVEN a server booted from a new volume the host made, and a volume whose path is not such a file
+    instance_uuid = str(uuid.uuid4())
+    path = host.instances_dir.parent / "volumes" / "vol-4"
+    boot_volume = {"volume_id": "vol-4", "path": str(path), "device": "/dev/vda", "boot_index": 0, "size_gb": 1}
+    foreign = host.instances_dir.parent / "storage" / "vol-5.img"
+    foreign.parent.mkdir()
+    foreign.write_bytes(b"the storage's own")
+    args = spawn_args(None, volumes=[boot_volume], flavor={**FLAVOR, "root_gb": 0, "ephemeral_gb": 0, "swap": 0})
+    output(host.execute("spawn", instance_uuid, args))
+    assert path.is_file()
+    doomed = {"volumes": [{"volume_id": "vol-4", "path": str(path)},
+                          {"volume_id": "vol-5", "path": str(foreign)}]}
+
+    # WHEN the server is destroyed with both volumes, twice (a redelivered or retried destroy)
+    first = output(host.execute("destroy", instance_uuid, doomed))
+    again = output(host.execute("destroy", instance_uuid, doomed))
+
+    # THEN the host's file is gone and named; what it did not make is left, and not named
+    assert first["volumes_removed"] == again["volumes_removed"] == ["vol-4"]
+    assert not path.exists()
+    assert foreign.read_bytes() == b"the storage's own"
+    assert not host.driver.guest_exists(instance_uuid)
+
+
+@pytest.mark.parametrize("kind", ["directory", "link", "other name"])
+def test_a_volume_path_that_is_no_file_named_after_the_volume_is_never_removed(tmp_path, kind):
+    target = tmp_path / "target"
+    target.write_bytes(b"data")
+    path = tmp_path / "vol-6"
+    if kind == "directory":
+        path.mkdir()
+    elif kind == "link":
+        path.symlink_to(target)
+    else:
+        path = target
+
+    assert disks.remove_volume_file(path, "vol-6") is False
+    assert path.exists() and target.read_bytes() == b"data"
+    assert disks.remove_volume_file(tmp_path / "absent", "absent") is True
+
+
 # --- at-least-once delivery ----------------------------------------------------------------------
 
 

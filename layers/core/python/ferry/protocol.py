@@ -153,9 +153,21 @@ POWER_OFF_ARGS_SCHEMA: dict[str, Any] = {
 
 POWER_ON_ARGS_SCHEMA: dict[str, Any] = {"type": "object"}
 
+# ``volumes``: the volumes deleted with the server (``delete_on_termination``); their files go too.
 DESTROY_ARGS_SCHEMA: dict[str, Any] = {
     "type": "object",
-    "properties": {"keep_disks": {"type": "boolean"}},
+    "properties": {
+        "keep_disks": {"type": "boolean"},
+        "volumes": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["volume_id", "path"],
+                "properties": {"volume_id": {"type": "string", "minLength": 1},
+                               "path": {"type": "string", "minLength": 1}},
+            },
+        },
+    },
 }
 
 # Where a move's disks wait between the source and the destination: ``s3://<bucket>/<prefix>/<kind>``.
@@ -393,6 +405,7 @@ RESULT_SCHEMAS: dict[str, dict[str, Any]] = {
         {"was_running": {"type": "boolean"}, "disks": MOVED_DISKS_SCHEMA, "direct": {"type": "boolean"}},
     ),
     FINISH_RESIZE: _result_with(["disks"], {"disks": MOVED_DISKS_SCHEMA}),
+    DESTROY: _result_with([], {"volumes_removed": {"type": "array", "items": {"type": "string"}}}),
     PREP_SNAPSHOT_BASED_RESIZE_AT_SOURCE: _result_with(
         ["was_running", "snapshot"], {"was_running": {"type": "boolean"}, "snapshot": SNAPSHOT_RESULT_SCHEMA}
     ),

@@ -1001,6 +1001,9 @@ def delete_server(ctx: RequestContext, location: Location) -> None:
             logger.warning("host is down; deleting locally", extra={"instance_uuid": uuid, "host": host})
         elif host:
             payload.update(host=host, queue_url=hosts.queue_url(host))
+        doomed = list(session.scalars(select(BlockDeviceMapping.volume_id).where(
+            BlockDeviceMapping.instance_uuid == uuid, BlockDeviceMapping.deleted.is_(False),
+            BlockDeviceMapping.delete_on_termination.is_(True), BlockDeviceMapping.volume_id.is_not(None))))
         expected = None if instance.vm_state == states.ERROR else DELETABLE_TASK_STATES
         try:
             instances.update_cas(session, uuid, {"task_state": states.DELETING}, expected_task_state=expected)
@@ -1009,6 +1012,9 @@ def delete_server(ctx: RequestContext, location: Location) -> None:
             raise _invalid_state("delete", uuid, "task_state", current.task_state) from exc
         actions.start_action(session, instance_uuid=uuid, action=actions.DELETE, request_id=ctx.request_id,
                              user_id=ctx.user_id, project_id=ctx.project_id)
+    with api_session() as session:
+        payload["delete_volumes"] = [{"volume_id": v.id, "path": v.path} for v in session.scalars(
+            select(Volume).where(Volume.id.in_(doomed)).order_by(Volume.id))]
     _start_or_undo(config.get().delete_state_machine_arn, execution_name("delete", uuid, ctx.request_id), payload,
                    cell, undo=None if previous == states.DELETING else {"task_state": previous},
                    undo_from=states.DELETING)

@@ -112,11 +112,17 @@ def confirm_before_delete(event: dict[str, Any]) -> dict[str, Any]:
 def finish_delete(event: dict[str, Any]) -> dict[str, Any]:
     """Release the server's ports, volumes and allocations and mark it deleted (idempotent).
 
+    A volume deleted with the server (``delete_on_termination``) is deleted once its host
+    removed its file (``destroyed.volumes_removed``); one whose file may remain (the host was
+    down, or the volume is no file the hosts make) is left ``deleting``. Other volumes become
+    ``available``.
+
     The allocations go with every migration of the server too: an older move whose confirm
     failed (migration ``error``) still holds its source host's, and the server that held them
     is gone. The server's cell has a record of each (a move between cells keeps one in both).
     """
     uuid, cell = event["instance_uuid"], event["cell"]
+    removed = set((event.get("destroyed") or {}).get("volumes_removed") or [])
     with cell_session(cell) as session:
         bdms = list(session.scalars(select(BlockDeviceMapping).where(
             BlockDeviceMapping.instance_uuid == uuid, BlockDeviceMapping.deleted.is_(False))))
@@ -126,8 +132,17 @@ def finish_delete(event: dict[str, Any]) -> dict[str, Any]:
         for attachment in session.scalars(select(VolumeAttachment).where(VolumeAttachment.instance_uuid == uuid)):
             volume = session.get(Volume, attachment.volume_id)
             session.delete(attachment)
-            if volume is not None:
-                volume.status = "deleting" if volume.id in delete_on_termination else "available"
+            if volume is None:
+                continue
+            if volume.id not in delete_on_termination:
+                volume.status = "available"
+            elif volume.id in removed:
+                session.delete(volume)
+                logger.info("volume deleted with its server", extra={"instance_uuid": uuid, "volume_id": volume.id})
+            else:
+                volume.status = "deleting"
+                logger.warning("volume left deleting: its file may remain", extra={
+                    "instance_uuid": uuid, "volume_id": volume.id, "path": volume.path})
         session.execute(update(InstanceMapping).where(InstanceMapping.instance_uuid == uuid)
                         .values(queued_for_delete=True))
     placement.delete_allocations(uuid)
