@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import delete
+from sqlalchemy import select
 
+from ferry import cli as ferry_cli
 from ferry.store.api_models import Volume
 from ferry.store.db import api_session
 
@@ -135,15 +136,21 @@ def test_openstacksdk_boots_stops_starts_and_deletes_a_server(local_stack, serve
 
 
 @pytest.fixture
-def volume(local_stack) -> Iterator[dict[str, str]]:
-    """A volume of the project ``demo``, registered as an operator would; forgotten afterwards."""
-    volume_id, name = str(uuid.uuid4()), f"e2e-data-{uuid.uuid4().hex[:8]}"
+def volume(local_stack, capsys) -> Iterator[dict[str, str]]:
+    """A new file-backed volume of the project ``demo``, registered with ``ferry volume`` as an
+    operator does; forgotten and its file removed afterwards."""
+    name, shared = f"e2e-data-{uuid.uuid4().hex[:8]}", local_stack.state_dir / "volumes"
+    shared.mkdir(exist_ok=True)
+    before = set(shared.iterdir())
+    assert ferry_cli.main(["volume", "register", "--project", local_stack.seeded.identities["demo"].project_id,
+                           "--size-gb", "1", "--new-file-in", str(shared), "--name", name]) == 0
+    [path] = set(shared.iterdir()) - before
     with api_session() as session:
-        session.add(Volume(id=volume_id, name=name, project_id=local_stack.seeded.identities["demo"].project_id,
-                           size_gb=1, path=str(local_stack.state_dir / "volumes" / volume_id)))
+        volume_id = session.scalars(select(Volume.id).where(Volume.name == name)).one()
+    assert path.name == volume_id
     yield {"id": volume_id, "name": name}
-    with api_session() as session:
-        session.execute(delete(Volume).where(Volume.id == volume_id))
+    assert ferry_cli.main(["volume", "forget", volume_id]) == 0
+    path.unlink()
 
 
 def test_the_cli_looks_volumes_up_to_attach_detach_and_boot_from_them(cli, servers, local_stack, volume):

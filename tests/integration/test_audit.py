@@ -43,6 +43,7 @@ from ferry.store.api_models import (
     Port,
     PortBinding,
     ResourceProvider,
+    Volume,
     VolumeAttachment,
     utcnow,
 )
@@ -497,6 +498,20 @@ def test_a_volume_attachment_on_another_host_is_found_and_deleted(cloud):
 
     assert report.kinds() == [audit.VOLUME_ATTACHMENT_ORPHAN]
     assert_fixed(audit.VOLUME_ATTACHMENT_ORPHAN)
+
+
+def test_a_volume_left_deleting_after_its_server_is_reported_for_a_person(cloud):
+    volume_id = make_volume(cloud.state_dir)
+    with api_session() as session:
+        session.get(Volume, volume_id).status = "deleting"
+
+    report = check()
+
+    assert report.kinds() == [audit.VOLUME_LEFT_DELETING]
+    [problem] = report.problems
+    assert problem.resource == f"volume/{volume_id}" and not problem.fixable
+    assert str(cloud.state_dir / "volumes" / volume_id) in problem.message
+    assert check(fix=True).kinds() == [audit.VOLUME_LEFT_DELETING]  # nothing the audit may remove
 
 
 def test_a_volume_attachment_of_a_deleted_server_is_found_and_the_volume_freed(cloud):

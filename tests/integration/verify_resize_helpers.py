@@ -124,7 +124,7 @@ def provider(host: str) -> str:
 
 
 def make_volume(state_dir: Path, *, size_gb: int = 1, project: str = PROJECT) -> str:
-    """A volume row as tests create them (Ferry has no volume API): a file path under the state dir."""
+    """A volume row as tests create them (as `ferry volume register` records one): a path under the state dir."""
     volume_id = str(uuidlib.uuid4())
     with api_session() as session:
         session.add(Volume(id=volume_id, name=f"vol-{volume_id[:8]}", project_id=project, size_gb=size_gb,

@@ -70,6 +70,7 @@ INSTANCE_DIR_ORPHAN = "instance_dir_orphan"
 PORT_BINDING_ORPHAN = "port_binding_orphan"
 PORT_BINDING_MISSING = "port_binding_missing"
 VOLUME_ATTACHMENT_ORPHAN = "volume_attachment_orphan"
+VOLUME_LEFT_DELETING = "volume_left_deleting"
 SNAPSHOT_IMAGE_ORPHAN = "snapshot_image_orphan"
 TRANSFER_ORPHAN = "transfer_orphan"
 MIGRATION_STATE_MISMATCH = "migration_state_mismatch"
@@ -94,6 +95,7 @@ HINTS: dict[str, str] = {
     PORT_BINDING_ORPHAN: "ferry audit --fix deletes the binding",
     PORT_BINDING_MISSING: "bind the port to the server's host again (ACTIVE)",
     VOLUME_ATTACHMENT_ORPHAN: "ferry audit --fix deletes the attachment",
+    VOLUME_LEFT_DELETING: "remove what is at the volume's path, then run ferry volume forget <id>",
     SNAPSHOT_IMAGE_ORPHAN: "ferry audit --fix deletes Ferry's own snapshots; check and delete any other by hand",
     TRANSFER_ORPHAN: "ferry audit --fix deletes the objects",
     MIGRATION_STATE_MISMATCH: "ferry audit --fix puts the migration in error",
@@ -240,6 +242,8 @@ class _World:
     consumers: dict[str, Consumer]
     ports: list[Port]
     attachments: list[VolumeAttachment]
+    # Volumes a server was deleted with whose file no host removed (status ``deleting``).
+    left_deleting: list[Volume]
     # Names of the running workflow executions; None when they cannot be listed.
     running: set[str] | None
     migrations: dict[str, Migration] = field(default_factory=dict)
@@ -347,6 +351,7 @@ def _read_world(grace_seconds: float, clock_skew_seconds: float, running: Collec
             allocations[alloc.consumer_uuid][rp_uuid[alloc.resource_provider_id]][alloc.resource_class] = alloc.used
         ports = list(session.scalars(select(Port)))
         attachments = list(session.scalars(select(VolumeAttachment)))
+        left_deleting = list(session.scalars(select(Volume).where(Volume.status == "deleting")))
     copies: dict[str, list[_Copy]] = defaultdict(list)
     migration_copies: dict[str, list[tuple[str, Migration]]] = defaultdict(list)
     bfv: set[tuple[str, str]] = set()
@@ -369,7 +374,7 @@ def _read_world(grace_seconds: float, clock_skew_seconds: float, running: Collec
         cell_names={c.id: c.name for c in cells}, mappings=mappings, build_requests=build_requests,
         copies=dict(copies), migration_copies=dict(migration_copies), bfv=bfv, views=views, providers=providers,
         inventories=inventories, allocations={c: dict(a) for c, a in allocations.items()}, consumers=consumers,
-        ports=ports, attachments=attachments,
+        ports=ports, attachments=attachments, left_deleting=left_deleting,
         running=running_names,
     )
     # One record per migration: the copy in the cell the server is mapped to wins (as GET /os-migrations).
@@ -656,6 +661,15 @@ def _check_ports_and_volumes(world: _World) -> Iterable[Problem]:
                           f"where neither the server nor a move of it is.", _repair_attachment(attachment.id))
 
 
+def _check_volumes_left(world: _World) -> Iterable[Problem]:
+    """A volume deleted with its server whose file no host removed waits for a person."""
+    for volume in sorted(world.left_deleting, key=lambda v: v.id):
+        if not volume.attachments and not world.recent(_changed(volume)):
+            yield Problem(VOLUME_LEFT_DELETING, f"volume/{volume.id}",
+                          f"Volume {volume.id} was deleted with its server, but no host removed what is at "
+                          f"{volume.path}.")
+
+
 def _check_storage(world: _World, skipped: list[str]) -> Iterable[Problem]:
     """Temporary snapshots and disk transfers only while the move that made them is under way."""
     from ferry.workflows.cross_cell import snapshot_image_id
@@ -893,7 +907,7 @@ def _find_problems(grace_seconds: float, clock_skew_seconds: float, running: Col
                    check_storage: bool, skipped: list[str]) -> list[Problem]:
     world = _read_world(grace_seconds, clock_skew_seconds, running, skipped)
     found = [*_check_instances(world), *_check_allocations(world), *_check_hosts(world),
-             *_check_ports_and_volumes(world), *_check_migrations(world)]
+             *_check_ports_and_volumes(world), *_check_volumes_left(world), *_check_migrations(world)]
     if check_storage:
         found += list(_check_storage(world, skipped))
     return found

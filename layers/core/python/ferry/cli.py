@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ferry import cli_cells, cli_drain
+from ferry import cli_cells, cli_drain, cli_volumes
 from ferry.audit import DEFAULT_GRACE_SECONDS
 
 Handler = Callable[[argparse.Namespace], int]
@@ -61,6 +61,7 @@ COMMANDS: list[tuple[str, Callable[[Any], None]]] = [
     ("db", cli_cells.add_db),
     ("cell", cli_cells.add_cell),
     ("host", cli_cells.add_host),
+    ("volume", cli_volumes.add_volume),
 ]
 
 

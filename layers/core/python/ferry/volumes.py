@@ -8,7 +8,9 @@ shared storage (a path every host reaches), so a move never copies them.
 
 from __future__ import annotations
 
-from sqlalchemy import select
+from typing import Any, cast
+
+from sqlalchemy import CursorResult, delete, exists, select
 from sqlalchemy.orm import Session
 
 from ferry import errors
@@ -17,6 +19,10 @@ from ferry.store.api_models import Volume, VolumeAttachment
 
 RESERVED = "reserved"
 ATTACHED = "attached"
+
+# Statuses of a volume nothing holds: an operator may forget it (``ferry volume forget``).
+# ``deleting``: a server was deleted with it and no host removed its file.
+FORGETTABLE = ("available", "deleting", "error")
 
 
 def device_path(device: str | None) -> str | None:
@@ -94,3 +100,52 @@ def detach_from(session: Session, instance_uuid: str, host: str) -> None:
     for attachment in attachments(session, instance_uuid, host):
         session.delete(attachment)
     session.flush()
+
+
+def register(session: Session, *, project_id: str, size_gb: int, path: str, name: str | None = None,
+             volume_id: str | None = None) -> Volume:
+    """Record a volume at ``path`` (storage every host reaches) for ``project_id``; ``available``.
+
+    Raises:
+        BadRequest: the path is not absolute, the size not a whole number of GiB of at least
+            one, the name not printable, or another volume is recorded at the path.
+    """
+    from ferry.api.schemas import is_printable_name
+
+    if not path.startswith("/"):
+        raise errors.BadRequest(f"The volume's path {path!r} is not absolute.")
+    if size_gb < 1:
+        raise errors.BadRequest(f"A volume's size is a whole number of GiB, at least 1 (not {size_gb}).")
+    if name is not None and (len(name) > 255 or not is_printable_name(name)):
+        raise errors.BadRequest("A volume's name is 1 to 255 printable characters, with no space at either end.")
+    if not project_id.strip():
+        raise errors.BadRequest("A volume belongs to a project: name it.")
+    taken = session.scalars(select(Volume.id).where(Volume.path == path)).first()
+    if taken is not None:
+        raise errors.BadRequest(f"Volume {taken} is recorded at {path} already.")
+    volume = Volume(project_id=project_id, size_gb=size_gb, path=path, name=name, status="available",
+                    **({"id": volume_id} if volume_id else {}))
+    session.add(volume)
+    session.flush()
+    return volume
+
+
+def forget(session: Session, volume_id: str) -> dict[str, Any]:
+    """Delete the record of a volume nothing holds (status in :data:`FORGETTABLE`, no attachment),
+    in one statement, so an attach that starts meanwhile either sees it gone or keeps it; what
+    is at its path is left alone. Returns what the record held (``id``, ``path``, ``status``).
+
+    Raises:
+        VolumeNotFound: no such volume.
+        VolumeInUse: it is attached, being attached or detached, or reserved by a boot.
+    """
+    volume = session.get(Volume, volume_id)
+    if volume is None:
+        raise errors.VolumeNotFound(f"Volume {volume_id} could not be found.")
+    held = {"id": volume.id, "path": volume.path, "status": volume.status}
+    stmt = delete(Volume).where(
+        Volume.id == volume_id, Volume.status.in_(FORGETTABLE),
+        ~exists().where(VolumeAttachment.volume_id == Volume.id))
+    if cast(CursorResult[Any], session.execute(stmt.execution_options(synchronize_session=False))).rowcount != 1:
+        raise errors.VolumeInUse(f"Volume {volume_id} is {volume.status} and held by a server; it is not forgotten.")
+    return held
