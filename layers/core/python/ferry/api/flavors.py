@@ -161,7 +161,7 @@ def delete_extra_spec(flavor_id: str, key: str) -> Response:
     ctx = request.caller(router)
     policy.enforce(ctx, "os_compute_api:os-flavor-extra-specs:delete")
     compute_api.delete_extra_spec(flavor_id, key)
-    return request.empty(202)
+    return request.empty(200)
 
 
 # --- flavor access ---------------------------------------------------------------------------------

@@ -230,7 +230,7 @@ def _operations(bodies: dict[str, dict[str, Any]]) -> dict[tuple[str, str], Oper
         ("GET", f"{flavor}/os-extra_specs/{{key}}"): Operation("Show one extra spec", {200: _OBJECT}),
         ("PUT", f"{flavor}/os-extra_specs/{{key}}"): Operation("Set one extra spec (admins)", {200: _OBJECT},
                                                                bodies["extra_spec_update"], errors=_WRITE_ERRORS),
-        ("DELETE", f"{flavor}/os-extra_specs/{{key}}"): Operation("Delete one extra spec (admins)", {202: None},
+        ("DELETE", f"{flavor}/os-extra_specs/{{key}}"): Operation("Delete one extra spec (admins)", {200: None},
                                                                   errors=_WRITE_ERRORS),
         # images
         ("GET", f"{v}/images"): Operation("List images (Image service v2 shapes)",

@@ -1155,12 +1155,14 @@ def get_flavor(flavorid: str, ctx: RequestContext | None = None) -> Flavor:
         return flavor
 
 
-# Flavor list sort keys (Nova's) and the columns they order by.
-FLAVOR_SORT_KEYS = {
+# Flavor list sort keys (Nova's) and the columns they order by. Ferry's flavors have no
+# ``vcpu_weight`` (null on every Nova flavor unless set): ordered by it, they keep the tiebreak's order.
+FLAVOR_SORT_KEYS: dict[str, Any] = {
     "flavorid": Flavor.flavorid, "id": Flavor.id, "name": Flavor.name, "memory_mb": Flavor.memory_mb,
     "vcpus": Flavor.vcpus, "root_gb": Flavor.root_gb, "ephemeral_gb": Flavor.ephemeral_gb, "swap": Flavor.swap,
     "rxtx_factor": Flavor.rxtx_factor, "is_public": Flavor.is_public, "disabled": Flavor.disabled,
     "description": Flavor.description, "created_at": Flavor.created_at, "updated_at": Flavor.updated_at,
+    "vcpu_weight": None,
 }
 
 
@@ -1180,9 +1182,11 @@ def list_flavors(ctx: RequestContext, *, is_public: bool | None = True, min_disk
     if sort_key not in FLAVOR_SORT_KEYS or sort_dir not in ("asc", "desc"):
         raise errors.BadRequest(f"Invalid sort key {sort_key!r} or direction {sort_dir!r} for flavors.")
     column = FLAVOR_SORT_KEYS[sort_key]
-    ordering = column.desc() if sort_dir == "desc" else column.asc()
     tiebreak = Flavor.flavorid.desc() if sort_dir == "desc" else Flavor.flavorid.asc()
-    query = select(Flavor).order_by(ordering, tiebreak)
+    if column is None:
+        query = select(Flavor).order_by(tiebreak)
+    else:
+        query = select(Flavor).order_by(column.desc() if sort_dir == "desc" else column.asc(), tiebreak)
     if not ctx.is_admin:
         query = query.where(flavor_access.usable_clause(ctx), Flavor.disabled.is_(False))
     elif is_public:  # as Nova: the public flavors and those the admin's own project has access to
