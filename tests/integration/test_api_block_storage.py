@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import datetime as dt
+import uuid
 
 import pytest
 from sqlalchemy import select
 from test_api_support import ADMIN, ALICE, BASE_URL, BOB, call, mocked_cloud
 
 from ferry import config
+from ferry.compute import instances
 from ferry.store.api_models import CellMapping, InstanceMapping, Volume, VolumeAttachment
 from ferry.store.cell_models import Instance
 from ferry.store.db import api_session, cell_session
@@ -207,3 +209,35 @@ def test_the_attachment_shown_is_the_one_on_the_servers_host(volumes):
     shown = call("GET", f"/volume/v3/volumes/{DATA}", caller=ADMIN).body["volume"]
 
     assert [(a["attachment_id"], a["host_name"]) for a in shown["attachments"]] == [("att-1", "host-1")]
+
+
+def test_the_hosts_of_servers_in_several_cells_are_read_once_per_cell(cloud, monkeypatch):
+    # GIVEN servers in cell1 and cell2, one hidden copy, one deleted, one still being scheduled
+    servers = {name: str(uuid.uuid4()) for name in ("one", "two", "gone", "unscheduled")}
+    with api_session() as session:
+        cells = {c.name: c.id for c in session.scalars(select(CellMapping))}
+        for name, cell in (("one", "cell1"), ("two", "cell2"), ("gone", "cell1")):
+            session.add(InstanceMapping(instance_uuid=servers[name], cell_id=cells[cell], project_id="project-a",
+                                        user_id="alice"))
+        session.add(InstanceMapping(instance_uuid=servers["unscheduled"], project_id="project-a", user_id="alice"))
+    for name, cell, host, hidden, deleted in (("one", "cell1", "host-1", False, False),
+                                              ("two", "cell2", "host-2", False, False),
+                                              ("two", "cell1", "host-old", True, False),
+                                              ("gone", "cell1", "host-1", False, True)):
+        with cell_session(cell) as session:
+            session.add(Instance(uuid=servers[name], display_name=name, project_id="project-a", user_id="alice",
+                                 flavor={}, host=host, node=host, hidden=hidden, deleted=deleted))
+    opened: list[object] = []
+    real = instances.cell_session
+
+    def counting(cell):
+        opened.append(cell.name)
+        return real(cell)
+
+    monkeypatch.setattr(instances, "cell_session", counting)
+
+    hosts = instances.hosts_of([*servers.values(), servers["one"]])
+
+    assert hosts == {servers["one"]: "host-1", servers["two"]: "host-2", servers["gone"]: None,
+                     servers["unscheduled"]: None}
+    assert sorted(opened) == ["cell1", "cell2"]

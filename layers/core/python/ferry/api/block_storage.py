@@ -19,6 +19,7 @@ metadata: a ``metadata`` filter naming any key matches nothing.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from aws_lambda_powertools.event_handler import Response
@@ -32,7 +33,7 @@ from ferry.auth import RequestContext
 from ferry.compute import aggregates, instances
 from ferry.compute import api as compute_api
 from ferry.store.api_models import Volume, VolumeAttachment
-from ferry.store.db import api_session, cell_session
+from ferry.store.db import api_session
 
 router = Router()
 
@@ -49,20 +50,18 @@ def _links(base_url: str, volume_id: str) -> list[dict[str, str]]:
             {"rel": "bookmark", "href": f"{base_url}/volume/volumes/{volume_id}"}]
 
 
-def _attachments(ctx: RequestContext, volume: Volume, hosts: dict[str, str | None]) -> list[dict[str, Any]]:
+def _attachments(ctx: RequestContext, volume: Volume, hosts: Mapping[str, str | None]) -> list[dict[str, Any]]:
     """The volume's attachments in place, one per server: the one on the server's host (during
     VERIFY_RESIZE the other host keeps one too, for a revert or for the source's clean-up, which
     Cinder does not show), else the newest. The host is shown to those who may see servers'
-    hosts (admins), as in Cinder. ``hosts`` caches each server's host across the volumes of a page."""
+    hosts (admins), as in Cinder. ``hosts`` holds each server's host (:func:`_server_hosts`)."""
     chosen: dict[str, VolumeAttachment] = {}
     for attachment in sorted(volume.attachments, key=lambda a: (a.created_at, a.id)):
         if attachment.status != volume_store.ATTACHED:
             continue
         server = attachment.instance_uuid
-        if server not in hosts:
-            hosts[server] = _host_of(server)
         kept = chosen.get(server)
-        if kept is None or kept.host != hosts[server]:
+        if kept is None or kept.host != hosts.get(server):
             chosen[server] = attachment
     show_host = policy.check(ctx, "os_compute_api:os-extended-server-attributes", {"project_id": volume.project_id})
     return [{"id": volume.id, "attachment_id": a.id, "volume_id": volume.id, "server_id": a.instance_uuid,
@@ -71,26 +70,23 @@ def _attachments(ctx: RequestContext, volume: Volume, hosts: dict[str, str | Non
             for a in chosen.values()]
 
 
-def _host_of(instance_uuid: str) -> str | None:
-    """The host of the server ``instance_uuid`` (None when it has none, or is gone)."""
-    try:
-        cell = instances.cell_of(instance_uuid)
-        with cell_session(cell) as session:
-            return instances.get(session, instance_uuid).host
-    except errors.InstanceNotFound:
-        return None
+def _server_hosts(volumes: Iterable[Volume]) -> dict[str, str | None]:
+    """The host of each server the volumes are attached to, read in the servers' cells (one
+    query per cell); call it once the API database is let go."""
+    return instances.hosts_of(a.instance_uuid for v in volumes for a in v.attachments
+                              if a.status == volume_store.ATTACHED)
 
 
-def volume_view(ctx: RequestContext, base_url: str, volume: Volume,
-                hosts: dict[str, str | None] | None = None) -> dict[str, Any]:
-    """A volume as Cinder v3.0 shows it in ``GET /volumes/{id}`` and ``/volumes/detail``."""
+def volume_view(ctx: RequestContext, base_url: str, volume: Volume, hosts: Mapping[str, str | None]) -> dict[str, Any]:
+    """A volume as Cinder v3.0 shows it in ``GET /volumes/{id}`` and ``/volumes/detail``;
+    ``hosts`` as :func:`_server_hosts` gives them."""
     body: dict[str, Any] = {
         "id": volume.id, "name": volume.name, "description": None, "status": volume.status, "size": volume.size_gb,
         "availability_zone": aggregates.DEFAULT_AVAILABILITY_ZONE, "volume_type": DEFAULT_VOLUME_TYPE,
         "bootable": "true", "encrypted": False, "multiattach": False,
         "metadata": {}, "snapshot_id": None, "source_volid": None, "consistencygroup_id": None,
         "replication_status": None, "user_id": None,
-        "attachments": _attachments(ctx, volume, {} if hosts is None else hosts),
+        "attachments": _attachments(ctx, volume, hosts),
         "created_at": views.isotime_micro(volume.created_at), "updated_at": views.isotime_micro(volume.updated_at),
         "links": _links(base_url, volume.id),
     }
@@ -128,7 +124,7 @@ def _list(detail: bool) -> Response:
             found = _after(session, ctx, found, marker)
         page = found[:compute_api.page_size(limit)]
     # Rendered once the API database is let go: the servers' hosts are read in their cells.
-    hosts: dict[str, str | None] = {}
+    hosts = _server_hosts(page) if detail else {}
     items = [volume_view(ctx, base_url, v, hosts) if detail else _summary(base_url, v) for v in page]
     document: dict[str, Any] = {"volumes": items}
     more = views.next_link_at(f"{base_url}{PREFIX}/volumes{'/detail' if detail else ''}", params,
@@ -185,4 +181,5 @@ def show_volume(volume_id: str) -> Response:
     with api_session() as session:
         volume = volume_store.visible(session, ctx, volume_id)
     policy.enforce(ctx, "volume:get", {"project_id": volume.project_id})
-    return request.json_response(200, {"volume": volume_view(ctx, request.base_url(router), volume)})
+    view = volume_view(ctx, request.base_url(router), volume, _server_hosts([volume]))
+    return request.json_response(200, {"volume": view})

@@ -21,7 +21,7 @@ from ferry.store.cell_models import (
     Migration,
     Tag,
 )
-from ferry.store.db import api_session
+from ferry.store.db import api_session, cell_session
 
 # What a server's owner may change (PUT /servers/{id}): the API's name of each field, and its column.
 UPDATABLE = {"name": "display_name", "description": "display_description", "hostname": "hostname"}
@@ -72,6 +72,31 @@ def purge(session: Session, instance_uuid: str) -> bool:
         session.execute(delete(model).where(model.instance_uuid == instance_uuid))
     deleted = cast(CursorResult[Any], session.execute(delete(Instance).where(Instance.uuid == instance_uuid)))
     return deleted.rowcount > 0 or bool(action_ids)
+
+
+def hosts_of(instance_uuids: Iterable[str]) -> dict[str, str | None]:
+    """The host of each live server among ``instance_uuids``, read with one query per cell they
+    are mapped to; a server with no host, still being scheduled, or gone is given None. Call it
+    outside any API database session."""
+    wanted = set(instance_uuids)
+    found: dict[str, str | None] = dict.fromkeys(wanted)
+    if not wanted:
+        return found
+    by_cell: dict[int, list[str]] = {}
+    with api_session() as session:
+        cells = {c.id: c for c in session.scalars(select(CellMapping))}
+        mapped = session.execute(select(InstanceMapping.instance_uuid, InstanceMapping.cell_id).where(
+            InstanceMapping.instance_uuid.in_(wanted), InstanceMapping.cell_id.is_not(None)))
+        for uuid, cell_id in mapped:
+            if cell_id is not None:
+                by_cell.setdefault(cell_id, []).append(uuid)
+    for cell_id, uuids in by_cell.items():
+        with cell_session(cells[cell_id]) as session:
+            rows = session.execute(select(Instance.uuid, Instance.host).where(
+                Instance.uuid.in_(uuids), Instance.deleted.is_(False), Instance.hidden.is_(False)))
+            for uuid, host in rows:
+                found[uuid] = host
+    return found
 
 
 def get(session: Session, instance_uuid: str, *, include_hidden: bool = False) -> Instance:
