@@ -155,6 +155,25 @@ def test_create_refuses_a_root_volume_larger_than_a_volume_can_be(cloud, size):
     assert api_rows(Volume) == [] and api_rows(BuildRequest) == []
 
 
+@pytest.mark.parametrize("version", ["2.32", "2.42"])
+def test_device_tags_asked_at_create_are_kept(cloud, version):
+    with api_session() as session:
+        session.add(Network(id="11111111-1111-4111-8111-111111111111", name="private", cidr="192.168.7.0/24",
+                            project_id="project-a", shared=False))
+    response = call("POST", "/v2.1/servers", version=version, body={"server": {
+        "name": "tagged", "flavorRef": "1", "networks": [{"uuid": "11111111-1111-4111-8111-111111111111",
+                                                          "tag": "nic-0"}],
+        "block_device_mapping_v2": [{"source_type": "image", "destination_type": "volume", "uuid": cloud.image_id,
+                                     "boot_index": 0, "volume_size": 1, "tag": "root-disk"}]}})
+
+    assert response.status == 202, response.body
+    server_id = response.body["server"]["id"]
+    [bdm] = api_rows(BuildRequest, instance_uuid=server_id)[0].block_device_mappings
+    assert bdm["tag"] == "root-disk"
+    [network] = api_rows(RequestSpec, instance_uuid=server_id)[0].spec["requested_networks"]
+    assert network["tag"] == "nic-0"
+
+
 def test_create_volume_backed_server_creates_the_root_volume(cloud):
     server_id = create_server(block_device_mapping_v2=[{
         "source_type": "image", "destination_type": "volume", "uuid": cloud.image_id, "boot_index": 0,
@@ -232,6 +251,15 @@ BAD_BODIES = {
     "networks not auto/none": ("2.90", {"server": {"name": "x", "flavorRef": "1", "networks": "all"}}),
     "two block devices": ("2.90", {"server": {"name": "x", "flavorRef": "1", "networks": "auto",
                                               "block_device_mapping_v2": [{"source_type": "blank"}] * 2}}),
+    "a block device tag before 2.32": ("2.31", {"server": {"name": "x", "flavorRef": "1", "block_device_mapping_v2": [
+        {"source_type": "volume", "uuid": "v", "boot_index": 0, "tag": "root"}]}}),
+    "a block device tag at 2.33 (lost until 2.42)": ("2.41", {"server": {
+        "name": "x", "flavorRef": "1", "networks": "none", "block_device_mapping_v2": [
+            {"source_type": "volume", "uuid": "v", "boot_index": 0, "tag": "root"}]}}),
+    "a network tag at 2.37 (lost until 2.42)": ("2.37", {"server": {
+        "name": "x", "flavorRef": "1", "networks": [{"uuid": "11111111-1111-4111-8111-111111111111", "tag": "a"}]}}),
+    "a device tag with a slash": ("2.42", {"server": {
+        "name": "x", "flavorRef": "1", "networks": [{"uuid": "11111111-1111-4111-8111-111111111111", "tag": "a/b"}]}}),
 }
 
 

@@ -50,7 +50,6 @@ _NETWORK_ITEM = {
         "uuid": UUID,
         "port": {"oneOf": [UUID, {"type": "null"}]},
         "fixed_ip": {"type": "string", "minLength": 1},
-        "tag": TAG,
     },
     "additionalProperties": False,
     "anyOf": [{"required": ["uuid"]}, {"required": ["port"]}],
@@ -72,7 +71,6 @@ _BLOCK_DEVICE = {
         "guest_format": {"type": "string", "maxLength": 255},
         "no_device": {},
         "volume_type": {"type": ["string", "null"], "maxLength": 255},
-        "tag": TAG,
     },
     "required": ["source_type"],
     "additionalProperties": False,
@@ -114,9 +112,18 @@ _SCHEDULER_HINTS = {
 
 def server_create(version: APIVersion) -> dict[str, Any]:
     """The body of ``POST /servers`` at ``version`` (networks required from 2.37, tags from 2.52,
-    a requested ``host``/``hypervisor_hostname`` from 2.74, ``hostname`` from 2.90)."""
+    a requested ``host``/``hypervisor_hostname`` from 2.74, ``hostname`` from 2.90).
+
+    Device tags, as in Nova: a block device's ``tag`` at 2.32 and from 2.42, a network's at 2.32
+    to 2.36 and from 2.42 (lost in between, and given back by 2.42).
+    """
     server = copy.deepcopy(_SERVER_BASE)
     properties = server["properties"]
+    tagged_from_2_42 = version.at_least("2.42")
+    if tagged_from_2_42 or (version.at_least("2.32") and not version.at_least("2.33")):
+        properties["block_device_mapping_v2"]["items"]["properties"]["tag"] = TAG
+    if tagged_from_2_42 or (version.at_least("2.32") and not version.at_least("2.37")):
+        properties["networks"]["items"]["properties"]["tag"] = TAG
     if version.at_least("2.19"):
         properties["description"] = SERVER_DESCRIPTION
     if version.at_least("2.37"):

@@ -118,7 +118,7 @@ def _networks(server: dict[str, Any]) -> str | list[dict[str, Any]]:
         return networks
     wanted = []
     for item in networks:
-        entry = {k: v for k, v in item.items() if k in ("uuid", "port", "fixed_ip") and v is not None}
+        entry = {k: v for k, v in item.items() if k in ("uuid", "port", "fixed_ip", "tag") and v is not None}
         if "uuid" not in entry and "port" not in entry:
             raise errors.BadRequest("Each requested network needs a network uuid or a port.")
         if "port" in entry:

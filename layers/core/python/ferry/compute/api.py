@@ -597,6 +597,7 @@ def _root_device(request: BootRequest) -> dict[str, Any] | None:
         "volume_size": int(bdm["volume_size"]) if bdm.get("volume_size") else None,
         "delete_on_termination": bool(bdm.get("delete_on_termination", False)),
         "device_name": device.removeprefix("/dev/") if device else None,
+        "tag": bdm.get("tag"),
     }
 
 
@@ -686,15 +687,21 @@ def _allocate_ports(session: Session, ctx: RequestContext, instance_uuid: str,
             if port.device_id is not None:
                 raise errors.Conflict(f"Port {port.id} is still in use.")
             port.device_id = instance_uuid
-            requested.append({"network_id": port.network_id, "port_id": port.id, "preexisting": True})
+            requested.append(_tagged({"network_id": port.network_id, "port_id": port.id, "preexisting": True},
+                                     item))
             continue
         network = _network_for(session, ctx, item["uuid"])
         port = Port(network_id=network.id, project_id=ctx.project_id, device_id=instance_uuid,
                     mac_address=_new_mac(session), fixed_ip=_allocate_ip(session, network, item.get("fixed_ip")))
         session.add(port)
         session.flush()
-        requested.append({"network_id": network.id, "port_id": port.id, "preexisting": False})
+        requested.append(_tagged({"network_id": network.id, "port_id": port.id, "preexisting": False}, item))
     return requested
+
+
+def _tagged(entry: dict[str, Any], requested: Mapping[str, Any]) -> dict[str, Any]:
+    """A requested network's entry, with the device tag it was asked with (2.42)."""
+    return {**entry, "tag": requested["tag"]} if requested.get("tag") else entry
 
 
 def _reserve_root_volume(session: Session, ctx: RequestContext, instance_uuid: str,
@@ -721,7 +728,7 @@ def _reserve_root_volume(session: Session, ctx: RequestContext, instance_uuid: s
     return {"uuid": str(uuidlib.uuid4()), "source_type": root["source_type"], "destination_type": "volume",
             "boot_index": 0, "volume_id": volume_id, "image_id": image_id, "volume_size": root["volume_size"],
             "device_name": root["device_name"], "delete_on_termination": root["delete_on_termination"],
-            "attachment_id": attachment.id}
+            "attachment_id": attachment.id, "tag": root["tag"]}
 
 
 def _scheduler_hints(hints: Mapping[str, Any]) -> dict[str, list[str]]:
@@ -785,8 +792,9 @@ def create_server(ctx: RequestContext, request: BootRequest) -> str:
         session.add(InstanceMapping(instance_uuid=uuid, cell_id=None, project_id=ctx.project_id, user_id=ctx.user_id))
         requested_networks = _allocate_ports(session, ctx, uuid, request.networks)
         if root is None:
+            local_tag = next((b.get("tag") for b in request.block_device_mapping if _is_local_image_root(b)), None)
             bdms = [{"uuid": str(uuidlib.uuid4()), "source_type": "image", "destination_type": "local",
-                     "boot_index": 0, "image_id": image_id, "delete_on_termination": True}]
+                     "boot_index": 0, "image_id": image_id, "delete_on_termination": True, "tag": local_tag}]
         else:
             bdms = [_reserve_root_volume(session, ctx, uuid, root)]
         session.add(BuildRequest(instance_uuid=uuid, project_id=ctx.project_id, instance=instance,
