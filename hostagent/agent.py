@@ -961,30 +961,35 @@ class HostAgent(MoveOperations):
 
         The files of the ``volumes`` deleted with the server go last (shared storage: any host
         reaches them); ``volumes_removed`` names those whose file is gone. A volume that is no
-        file this host's kind makes (a block device) is left to its storage.
+        file the hosts make (a block device), or whose file cannot be removed, is left, logged,
+        and not named: the server's delete goes on, as Nova's does when a volume's delete fails.
 
         Raises:
             HypervisorError, HostOperationFailed (the disks cannot be removed).
         """
         uuid = op.instance_uuid
         self.driver.destroy(uuid)
-        removed: list[str] = []
-        try:
-            if not op.args.get("keep_disks", False):
+        if not op.args.get("keep_disks", False):
+            try:
                 disks.remove_instance_dir(self.instances_dir, uuid)
                 disks.remove_dir(disks.resize_dir(self.instances_dir, uuid))
                 disks.remove_dir(disks.incoming_dir(self.instances_dir, uuid))
-            for volume in op.args.get("volumes", []):
-                if disks.remove_volume_file(volume["path"], volume["volume_id"]):
-                    removed.append(volume["volume_id"])
-                else:
-                    logger.warning("volume left to its storage: not a file this host made",
-                                   extra={"host": self.host, "instance_uuid": uuid, "volume_id": volume["volume_id"],
-                                          "path": volume["path"]})
-        except OSError as exc:
-            raise errors.HostOperationFailed(
-                f"Removing the disks of instance {uuid} failed: {exc}", instance_uuid=uuid
-            ) from exc
+            except OSError as exc:
+                raise errors.HostOperationFailed(
+                    f"Removing the disks of instance {uuid} failed: {exc}", instance_uuid=uuid
+                ) from exc
+        removed: list[str] = []
+        for volume in op.args.get("volumes", []):
+            where = {"host": self.host, "instance_uuid": uuid, "volume_id": volume["volume_id"], "path": volume["path"]}
+            try:
+                gone = disks.remove_volume_file(volume["path"], volume["volume_id"])
+            except OSError as exc:
+                logger.warning("volume file not removed", extra={**where, "error": str(exc)})
+                continue
+            if gone:
+                removed.append(volume["volume_id"])
+            else:
+                logger.warning("volume left to its storage: no file the hosts made", extra=where)
         return {**self._result(uuid, NOSTATE), "volumes_removed": removed}
 
     # -- reports

@@ -147,18 +147,25 @@ def remove_dir(directory: str | os.PathLike[str]) -> None:
 
 
 def remove_volume_file(path: str | os.PathLike[str], volume_id: str) -> bool:
-    """Delete a volume's file; whether it is gone (an absent one already is).
+    """Delete a volume's file; whether it is gone.
 
     Only a regular file named after the volume is deleted: the file-backed volumes the hosts
     make. Anything else at the path (a block device, a link, another name) belongs to the
-    storage that made it and is left there (False).
+    storage that made it and is left there (False). Such a file that is absent from a directory
+    that is there is gone already (True); when the directory is not there either (storage not
+    mounted here), nothing can be told (False).
+
+    Raises:
+        OSError: the file cannot be removed, or its directory not read.
     """
     path = Path(path)
+    if path.name != volume_id:
+        return False
     try:
         found = path.lstat()
     except FileNotFoundError:
-        return True
-    if not stat.S_ISREG(found.st_mode) or path.name != volume_id:
+        return path.parent.is_dir()
+    if not stat.S_ISREG(found.st_mode):
         return False
     path.unlink(missing_ok=True)
     return True

@@ -814,12 +814,14 @@ def test_deleting_a_server_on_a_down_host_deletes_locally(cloud):
     assert "host" not in execution["input"]
 
 
-def volume_backed_server_on(host: str, root: dict, *, up: bool = True) -> tuple[str, Volume]:
+def volume_backed_server_on(host: str | None, root: dict, *, up: bool = True,
+                            vm_state: str = states.ACTIVE) -> tuple[str, Volume]:
     """A server booted on ``host`` from the volume ``root`` describes; the server and its volume."""
-    add_host(host, up=up)
+    if host is not None:
+        add_host(host, up=up)
     server_id = create_server(block_device_mapping_v2=[{"destination_type": "volume", "boot_index": 0, **root}])
     [bdm] = api_rows(BuildRequest, instance_uuid=server_id)[0].block_device_mappings
-    schedule(server_id, host=host)
+    schedule(server_id, host=host, vm_state=vm_state)
     with cell_session("cell1") as session:  # what the boot workflow copies into the cell
         columns = {c.key for c in BlockDeviceMapping.__table__.columns} - {"id"}
         session.add(BlockDeviceMapping(instance_uuid=server_id, **{k: v for k, v in bdm.items() if k in columns}))
@@ -848,6 +850,63 @@ def test_a_volume_deleted_with_its_server_goes_once_its_host_removed_its_file(cl
         assert api_rows(Volume) == []
     else:  # no host removed its file: the volume stays, to be seen
         assert api_rows(Volume, id=volume.id)[0].status == "deleting"
+
+
+def test_a_volume_made_for_a_server_that_never_reached_a_host_goes_with_it(cloud):
+    server_id, volume = volume_backed_server_on(None, {
+        "source_type": "image", "uuid": cloud.image_id, "volume_size": 1, "delete_on_termination": True},
+        vm_state=states.ERROR)
+
+    assert call("DELETE", f"/v2.1/servers/{server_id}").status == 204
+
+    [execution] = cloud.executions("delete")
+    assert "host" not in execution["input"]  # no host to destroy anything on: its file was never written
+    delete.finish_delete(execution["input"])
+    assert api_rows(Volume) == [] and api_rows(VolumeAttachment) == []
+
+
+def test_a_server_deleted_while_it_is_built_leaves_its_volume_deleting(cloud):
+    server_id, volume = volume_backed_server_on("host1", {
+        "source_type": "image", "uuid": cloud.image_id, "volume_size": 1, "delete_on_termination": True},
+        vm_state=states.BUILDING)
+
+    assert call("DELETE", f"/v2.1/servers/{server_id}").status == 204
+
+    # the host is not asked to remove the file: its spawn may still write it
+    [execution] = cloud.executions("delete")
+    assert execution["input"]["delete_volumes"] == []
+    delete.finish_delete({**execution["input"], "destroyed": {"volumes_removed": []}})
+    assert api_rows(Volume, id=volume.id)[0].status == "deleting"
+
+
+def test_a_volume_another_server_holds_is_not_deleted_with_this_one(cloud):
+    server_id, volume = volume_backed_server_on("host1", {
+        "source_type": "image", "uuid": cloud.image_id, "volume_size": 1, "delete_on_termination": True})
+    with api_session() as session:
+        session.add(VolumeAttachment(volume_id=volume.id, instance_uuid="another-server", host="host2",
+                                     status="attached"))
+
+    assert call("DELETE", f"/v2.1/servers/{server_id}").status == 204
+
+    [execution] = cloud.executions("delete")
+    assert execution["input"]["delete_volumes"] == []
+    delete.finish_delete({**execution["input"], "destroyed": {"volumes_removed": [volume.id]}})
+    assert api_rows(Volume, id=volume.id)[0].status == "in-use"
+    assert [a.instance_uuid for a in api_rows(VolumeAttachment)] == ["another-server"]
+
+
+def test_a_delete_tried_again_deletes_the_volume_its_first_try_left_deleting(cloud):
+    server_id, volume = volume_backed_server_on("host1", {
+        "source_type": "image", "uuid": cloud.image_id, "volume_size": 1, "delete_on_termination": True})
+    assert call("DELETE", f"/v2.1/servers/{server_id}").status == 204
+    [execution] = cloud.executions("delete")
+    with api_session() as session:  # a first FinishDelete that ran before its host answered
+        delete._release_volumes(session, server_id, {volume.id: True}, set(), False)
+    assert api_rows(Volume, id=volume.id)[0].status == "deleting" and api_rows(VolumeAttachment) == []
+
+    delete.finish_delete({**execution["input"], "destroyed": {"volumes_removed": [volume.id]}})
+
+    assert api_rows(Volume) == []
 
 
 def test_a_volume_kept_after_its_server_is_available_again(cloud):

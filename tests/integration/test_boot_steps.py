@@ -14,6 +14,7 @@ from contextlib import contextmanager
 import pytest
 from moto import mock_aws
 from sqlalchemy import select
+from sqlalchemy.exc import OperationalError
 
 from ferry import aws, config, errors, hosts, placement, protocol
 from ferry.auth import RequestContext
@@ -445,3 +446,24 @@ def test_a_copy_never_handed_over_is_removed_when_the_server_is_buried_in_cell0(
     with api_session() as session:
         assert session.scalars(select(InstanceMapping)).one().cell.name == "cell0"
     assert placement.get_allocations(event["instance_uuid"]) == {}
+
+
+def test_a_cell_that_cannot_be_reached_does_not_stop_the_burial(cloud, monkeypatch):
+    event = accept_server(cloud["image_id"], flavor={**FLAVOR, "vcpus": 64})
+    with pytest.raises(errors.NoValidHost) as raised:
+        boot.select_destinations(event)
+    remove, tried = boot._remove_unmapped_copy, []
+
+    def cell2_down(uuid, cell):
+        tried.append(cell)
+        if cell == "cell2":
+            raise OperationalError("connect", {}, Exception("connection refused"))
+        return remove(uuid, cell)
+
+    monkeypatch.setattr(boot, "_remove_unmapped_copy", cell2_down)
+
+    boot.fail_build({**event, "error": {"Error": "Ferry.NoValidHost", "Cause": raised.value.message}})
+
+    assert sorted(tried) == ["cell1", "cell2"]
+    with api_session() as session:
+        assert session.scalars(select(InstanceMapping)).one().cell.name == "cell0"

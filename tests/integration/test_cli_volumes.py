@@ -104,7 +104,7 @@ def test_a_size_that_is_no_whole_number_of_gib_is_a_usage_error(deployment, caps
 @pytest.mark.parametrize("status, attached, forgotten", [
     ("available", False, True),
     ("deleting", False, True),
-    ("error", False, True),
+    ("error_detaching", False, False),
     ("in-use", True, False),
     ("reserved", True, False),
     ("available", True, False),  # an attachment holds it, whatever its status says

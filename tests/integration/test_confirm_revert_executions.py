@@ -272,6 +272,24 @@ def test_deleting_a_resized_server_confirms_at_the_source_then_destroys_at_the_d
     assert instance_row(resized.instance_uuid).deleted
 
 
+def test_a_delete_started_without_the_volumes_to_delete_still_runs_to_the_end(stack, monkeypatch):
+    # GIVEN a delete whose input an API function of an earlier release made (no delete_volumes)
+    resized = make_resized()
+    started: list[dict[str, Any]] = []
+    monkeypatch.setattr(compute_api, "_start_or_undo", lambda arn, name, payload, *a, **k: started.append(payload))
+    compute_api.delete_server(owner(), compute_api.locate(owner(), resized.instance_uuid))
+    [payload] = started
+    assert payload.pop("delete_volumes") == []
+
+    execution = stack.run("DeleteStateMachine", payload)
+
+    # THEN the host destroys the server, asked to remove no volume file, and the server is deleted
+    assert execution["status"] == "SUCCEEDED", execution
+    assert [args for host, operation, args in stack.agents.received if operation == protocol.DESTROY] == [
+        {"volumes": []}]
+    assert instance_row(resized.instance_uuid).deleted
+
+
 def test_a_volume_attach_runs_on_the_servers_host(stack, tmp_path):
     resized = make_resized()
     volume_id = make_volume(tmp_path)

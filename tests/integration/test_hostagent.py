@@ -516,7 +516,26 @@ def test_a_volume_path_that_is_no_file_named_after_the_volume_is_never_removed(t
 
     assert disks.remove_volume_file(path, "vol-6") is False
     assert path.exists() and target.read_bytes() == b"data"
-    assert disks.remove_volume_file(tmp_path / "absent", "absent") is True
+
+
+def test_an_absent_volume_file_is_gone_only_when_named_after_the_volume_in_a_directory_that_is_there(tmp_path):
+    assert disks.remove_volume_file(tmp_path / "vol-7", "vol-7") is True
+    assert disks.remove_volume_file(tmp_path / "data-01", "vol-7") is False  # a device not seen here
+    assert disks.remove_volume_file(tmp_path / "unmounted" / "vol-7", "vol-7") is False
+
+
+def test_a_volume_file_that_cannot_be_removed_is_left_and_the_destroy_goes_on(host):
+    instance_uuid = str(uuid.uuid4())
+    output(host.execute("spawn", instance_uuid, spawn_args(host.image(b"x" * 4096))))
+    blocked = host.instances_dir.parent / "not-a-directory"
+    blocked.write_bytes(b"")
+
+    result = output(host.execute("destroy", instance_uuid, {"volumes": [
+        {"volume_id": "vol-8", "path": str(blocked / "vol-8")}]}))
+
+    assert result["volumes_removed"] == []
+    assert not host.driver.guest_exists(instance_uuid)
+    assert not disks.instance_dir(host.instances_dir, instance_uuid).exists()
 
 
 # --- at-least-once delivery ----------------------------------------------------------------------

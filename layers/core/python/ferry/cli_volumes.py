@@ -9,8 +9,8 @@ made and forgotten here, where the control plane's settings are:
   ``DIR/<id>`` (sparse, ``N`` GiB; ``DIR`` is shared storage every host reaches). Like the
   root volumes hosts make at boot, its file is removed when a server is deleted with it;
 - ``ferry volume list [--project P] [--status S]``: every volume, with its path and servers;
-- ``ferry volume forget ID``: the record of a volume nothing holds (``available``,
-  ``deleting`` or ``error``, no attachment) is deleted; what is at its path is left alone.
+- ``ferry volume forget ID``: the record of a volume nothing holds (``available`` or
+  ``deleting``, no attachment) is deleted; what is at its path is left alone.
 
 Exit statuses: 0 success, 1 refused (the reason on standard error), 2 bad usage.
 """
@@ -35,7 +35,7 @@ def _refused(message: str) -> int:
 def _new_file(directory: str, volume_id: str, size_gb: int) -> Path:
     """An empty sparse file ``directory/<volume_id>`` of ``size_gb`` GiB, made here and only here."""
     path = Path(directory) / volume_id
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o660)
     try:
         os.ftruncate(fd, size_gb * GiB)
         os.fsync(fd)

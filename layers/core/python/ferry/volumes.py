@@ -8,6 +8,7 @@ shared storage (a path every host reaches), so a move never copies them.
 
 from __future__ import annotations
 
+import os
 from typing import Any, cast
 
 from sqlalchemy import CursorResult, delete, exists, select
@@ -22,7 +23,7 @@ ATTACHED = "attached"
 
 # Statuses of a volume nothing holds: an operator may forget it (``ferry volume forget``).
 # ``deleting``: a server was deleted with it and no host removed its file.
-FORGETTABLE = ("available", "deleting", "error")
+FORGETTABLE = ("available", "deleting")
 
 
 def device_path(device: str | None) -> str | None:
@@ -114,6 +115,7 @@ def register(session: Session, *, project_id: str, size_gb: int, path: str, name
 
     if not path.startswith("/"):
         raise errors.BadRequest(f"The volume's path {path!r} is not absolute.")
+    path = os.path.normpath(path)
     if size_gb < 1:
         raise errors.BadRequest(f"A volume's size is a whole number of GiB, at least 1 (not {size_gb}).")
     if name is not None and (len(name) > 255 or not is_printable_name(name)):
@@ -147,5 +149,6 @@ def forget(session: Session, volume_id: str) -> dict[str, Any]:
         Volume.id == volume_id, Volume.status.in_(FORGETTABLE),
         ~exists().where(VolumeAttachment.volume_id == Volume.id))
     if cast(CursorResult[Any], session.execute(stmt.execution_options(synchronize_session=False))).rowcount != 1:
-        raise errors.VolumeInUse(f"Volume {volume_id} is {volume.status} and held by a server; it is not forgotten.")
+        raise errors.VolumeInUse(f"Volume {volume_id} is {volume.status}, or a server holds it; it is not forgotten "
+                                 f"(only a volume {' or '.join(FORGETTABLE)} that no server holds is).")
     return held

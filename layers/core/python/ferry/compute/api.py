@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
-from sqlalchemy import ColumnElement, CursorResult, and_, delete, select, update
+from sqlalchemy import ColumnElement, CursorResult, and_, delete, exists, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -717,9 +717,13 @@ def _reserve_root_volume(session: Session, ctx: RequestContext, instance_uuid: s
         volume = session.get(Volume, root["uuid"])
         if volume is None or (volume.project_id != ctx.project_id and not ctx.is_admin):
             raise errors.BadRequest(f"Volume {root['uuid']} could not be found.")
-        if volume.status != "available" or volume.attachments:
+        # One statement: another boot, an attach or ``ferry volume forget`` may be at it too.
+        reserved = session.execute(update(Volume).where(
+            Volume.id == volume.id, Volume.status == "available",
+            ~exists().where(VolumeAttachment.volume_id == Volume.id)).values(status="reserved")
+            .execution_options(synchronize_session=False))
+        if cast("CursorResult[Any]", reserved).rowcount != 1:
             raise errors.BadRequest(f"Volume {volume.id} is not available (status {volume.status}).")
-        volume.status = "reserved"
         volume_id, image_id = volume.id, None
     session.flush()
     attachment = VolumeAttachment(volume_id=volume_id, instance_uuid=instance_uuid, status="reserved")
@@ -985,7 +989,8 @@ def delete_server(ctx: RequestContext, location: Location) -> None:
     A server still in build requests is removed at once (its ports and reserved volume
     released, its mapping queued for delete). Otherwise the instance goes to task_state
     ``deleting`` (compare-and-swap) and the delete workflow runs; a server on a host whose
-    service is down is deleted locally (records only), as Nova does.
+    service is down is deleted locally (records only), as Nova does. The workflow's
+    ``delete_volumes`` names the volumes deleted with the server whose files its host removes.
 
     Raises:
         InstanceIsLocked: the server is locked and the caller is not an admin.
@@ -1009,9 +1014,12 @@ def delete_server(ctx: RequestContext, location: Location) -> None:
             logger.warning("host is down; deleting locally", extra={"instance_uuid": uuid, "host": host})
         elif host:
             payload.update(host=host, queue_url=hosts.queue_url(host))
-        doomed = list(session.scalars(select(BlockDeviceMapping.volume_id).where(
-            BlockDeviceMapping.instance_uuid == uuid, BlockDeviceMapping.deleted.is_(False),
-            BlockDeviceMapping.delete_on_termination.is_(True), BlockDeviceMapping.volume_id.is_not(None))))
+        # The files of volumes deleted with the server, for its host to remove; not while it is
+        # still being built (its spawn may write a new volume's file after the host removed it).
+        doomed = [] if instance.vm_state == states.BUILDING else list(session.scalars(
+            select(BlockDeviceMapping.volume_id).where(
+                BlockDeviceMapping.instance_uuid == uuid, BlockDeviceMapping.deleted.is_(False),
+                BlockDeviceMapping.delete_on_termination.is_(True), BlockDeviceMapping.volume_id.is_not(None))))
         expected = None if instance.vm_state == states.ERROR else DELETABLE_TASK_STATES
         try:
             instances.update_cas(session, uuid, {"task_state": states.DELETING}, expected_task_state=expected)
@@ -1020,9 +1028,10 @@ def delete_server(ctx: RequestContext, location: Location) -> None:
             raise _invalid_state("delete", uuid, "task_state", current.task_state) from exc
         actions.start_action(session, instance_uuid=uuid, action=actions.DELETE, request_id=ctx.request_id,
                              user_id=ctx.user_id, project_id=ctx.project_id)
-    with api_session() as session:
+    with api_session() as session:  # a volume another server holds is not the server's to delete
         payload["delete_volumes"] = [{"volume_id": v.id, "path": v.path} for v in session.scalars(
-            select(Volume).where(Volume.id.in_(doomed)).order_by(Volume.id))]
+            select(Volume).where(Volume.id.in_(doomed)).order_by(Volume.id))
+            if all(a.instance_uuid == uuid for a in v.attachments)]
     _start_or_undo(config.get().delete_state_machine_arn, execution_name("delete", uuid, ctx.request_id), payload,
                    cell, undo=None if previous == states.DELETING else {"task_state": previous},
                    undo_from=states.DELETING)

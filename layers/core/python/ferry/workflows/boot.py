@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from sqlalchemy import delete, select, update
+from sqlalchemy.exc import OperationalError
 
 from ferry import errors, hosts, images, placement, scheduler
 from ferry.compute import actions, instances, states
@@ -121,7 +122,8 @@ def _remove_unmapped_copy(uuid: str, cell: str) -> bool:
         if mapping is not None and mapping.cell_id == cell_id:
             return False
     with cell_session(cell) as session:
-        instances.purge(session, uuid)
+        if instances.purge(session, uuid):
+            logger.info("copy never handed over removed", extra={"instance_uuid": uuid, "cell": cell})
     return True
 
 
@@ -338,12 +340,14 @@ def fail_build(event: dict[str, Any]) -> dict[str, Any]:
 def _remove_unhanded_copies(uuid: str) -> None:
     """Delete the copies SelectDestinations made in cells but never handed over (its hand-over
     failed, or the step stopped between the two, until its retries ran out): the server is
-    buried in cell0, and a copy left in a cell would be a second, unmapped server there. The
-    build request still exists, so no copy was handed over (the hand-over deletes it)."""
+    buried in cell0, and a copy left in a cell would be a second, unmapped server there. A cell
+    that cannot be reached keeps its copy (``ferry audit`` reports it); the burial goes on."""
     for cell in all_cells(include_cell0=False):
-        with cell_session(cell) as session:
-            if instances.purge(session, uuid):
-                logger.warning("copy never handed over removed", extra={"instance_uuid": uuid, "cell": cell.name})
+        try:
+            _remove_unmapped_copy(uuid, cell.name)
+        except OperationalError as exc:
+            logger.warning("cell not reached: a copy never handed over may remain there",
+                           extra={"instance_uuid": uuid, "cell": cell.name, "error": str(exc)})
 
 
 def _bury_in_cell0(build: BuildRequest, request_id: str, message: str) -> None:

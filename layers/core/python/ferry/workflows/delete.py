@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from sqlalchemy import select, update
+from sqlalchemy.orm import Session
 
 from ferry import hosts, network, notifications, placement
 from ferry.compute import actions, instances, migration_states, states
@@ -112,10 +113,7 @@ def confirm_before_delete(event: dict[str, Any]) -> dict[str, Any]:
 def finish_delete(event: dict[str, Any]) -> dict[str, Any]:
     """Release the server's ports, volumes and allocations and mark it deleted (idempotent).
 
-    A volume deleted with the server (``delete_on_termination``) is deleted once its host
-    removed its file (``destroyed.volumes_removed``); one whose file may remain (the host was
-    down, or the volume is no file the hosts make) is left ``deleting``. Other volumes become
-    ``available``.
+    Volumes: see :func:`_release_volumes`.
 
     The allocations go with every migration of the server too: an older move whose confirm
     failed (migration ``error``) still holds its source host's, and the server that held them
@@ -126,23 +124,13 @@ def finish_delete(event: dict[str, Any]) -> dict[str, Any]:
     with cell_session(cell) as session:
         bdms = list(session.scalars(select(BlockDeviceMapping).where(
             BlockDeviceMapping.instance_uuid == uuid, BlockDeviceMapping.deleted.is_(False))))
-        delete_on_termination = {b.volume_id for b in bdms if b.volume_id and b.delete_on_termination}
+        instance = session.scalars(select(Instance).where(Instance.uuid == uuid)).one_or_none()
+        never_hosted = instance is not None and instance.host is None and instance.launched_at is None
+        # Volumes deleted with the server; made for it from an image when the source is one.
+        doomed = {b.volume_id: b.source_type == "image" for b in bdms if b.volume_id and b.delete_on_termination}
     with api_session() as session:
         network.release_ports(session, uuid, network.requested_networks(session, uuid))
-        for attachment in session.scalars(select(VolumeAttachment).where(VolumeAttachment.instance_uuid == uuid)):
-            volume = session.get(Volume, attachment.volume_id)
-            session.delete(attachment)
-            if volume is None:
-                continue
-            if volume.id not in delete_on_termination:
-                volume.status = "available"
-            elif volume.id in removed:
-                session.delete(volume)
-                logger.info("volume deleted with its server", extra={"instance_uuid": uuid, "volume_id": volume.id})
-            else:
-                volume.status = "deleting"
-                logger.warning("volume left deleting: its file may remain", extra={
-                    "instance_uuid": uuid, "volume_id": volume.id, "path": volume.path})
+        _release_volumes(session, uuid, doomed, removed, never_hosted)
         session.execute(update(InstanceMapping).where(InstanceMapping.instance_uuid == uuid)
                         .values(queued_for_delete=True))
     placement.delete_allocations(uuid)
@@ -163,6 +151,40 @@ def finish_delete(event: dict[str, Any]) -> dict[str, Any]:
         actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"], event=EVENT_TERMINATE,
                              host=event.get("host"))
     return {}
+
+
+def _release_volumes(session: Session, uuid: str, doomed: dict[str, bool], removed: set[str],
+                     never_hosted: bool) -> None:
+    """Detach the server's volumes in the records; delete those deleted with it that are gone.
+
+    A volume deleted with the server (``delete_on_termination``, in ``doomed``) is deleted once
+    a host removed its file (``removed``), or when the server never reached a host and the
+    volume was made for it from an image (hosts write its file when they spawn, and a failed
+    spawn removes it). One whose file may remain (the host was down, the server was still
+    building, the volume is no file the hosts make) is left ``deleting`` for an operator. A
+    volume another server holds stays as it is. Other volumes become ``available``.
+    """
+    mine = list(session.scalars(select(VolumeAttachment).where(VolumeAttachment.instance_uuid == uuid)))
+    for attachment in mine:
+        session.delete(attachment)
+    session.flush()
+    for volume_id in sorted({a.volume_id for a in mine} | set(doomed)):
+        volume = session.get(Volume, volume_id)
+        where = {"instance_uuid": uuid, "volume_id": volume_id}
+        if volume is None:
+            continue
+        if session.scalars(select(VolumeAttachment.id).where(VolumeAttachment.volume_id == volume_id)).first():
+            if volume_id in doomed:
+                logger.warning("volume kept: another server holds it", extra=where)
+            continue
+        if volume_id not in doomed:
+            volume.status = "available"
+        elif volume_id in removed or (never_hosted and doomed[volume_id]):
+            session.delete(volume)
+            logger.info("volume deleted with its server", extra=where)
+        else:
+            volume.status = "deleting"
+            logger.warning("volume left deleting: its file may remain", extra={**where, "path": volume.path})
 
 
 def _migrations_of(cell: str, instance_uuid: str) -> list[str]:
