@@ -56,7 +56,7 @@ from boto3.s3.transfer import TransferConfig
 from botocore.exceptions import BotoCoreError, ClientError
 
 from ferry import aws, errors, faults
-from ferry.protocol import BLOCK_BLAKE3, BLOCK_SHA256, MOVE_DIGEST
+from ferry.protocol import BLOCK_BLAKE3, BLOCK_SHA256, MOVE_DIGEST, VOLUME_DIR_MARKER
 
 CHUNK_SIZE = 4 * 2**20
 GiB = 2**30
@@ -146,14 +146,19 @@ def remove_dir(directory: str | os.PathLike[str]) -> None:
         pass
 
 
+def mark_volume_dir(directory: str | os.PathLike[str]) -> None:
+    """Mark ``directory`` as holding file-backed volumes (``VOLUME_DIR_MARKER``; idempotent)."""
+    (Path(directory) / VOLUME_DIR_MARKER).touch(exist_ok=True)
+
+
 def remove_volume_file(path: str | os.PathLike[str], volume_id: str) -> bool:
     """Delete a volume's file; whether it is gone.
 
     Only a regular file named after the volume is deleted: the file-backed volumes the hosts
     make. Anything else at the path (a block device, a link, another name) belongs to the
-    storage that made it and is left there (False). Such a file that is absent from a directory
-    that is there is gone already (True); when the directory is not there either (storage not
-    mounted here), nothing can be told (False).
+    storage that made it and is left there (False). Such a file that is absent is gone only
+    where its directory carries the volumes' marker (:func:`mark_volume_dir`); elsewhere the
+    storage may only be out of sight here (not mounted), and nothing can be told (False).
 
     Raises:
         OSError: the file cannot be removed, or its directory not read.
@@ -164,7 +169,7 @@ def remove_volume_file(path: str | os.PathLike[str], volume_id: str) -> bool:
     try:
         found = path.lstat()
     except FileNotFoundError:
-        return path.parent.is_dir()
+        return (path.parent / VOLUME_DIR_MARKER).is_file()
     if not stat.S_ISREG(found.st_mode):
         return False
     path.unlink(missing_ok=True)

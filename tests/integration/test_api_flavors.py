@@ -46,9 +46,10 @@ def test_flavors_sort_and_page_as_nova_does(cloud):
     assert names(call("GET", "/v2.1/flavors", query={"sort_key": "id", "sort_dir": "desc"})) == \
         ["a.big", "m1.medium", "m1.small"]  # the internal id: creation order
     assert names(call("GET", "/v2.1/flavors")) == ["a.big", "m1.small", "m1.medium"]  # flavor id ascending
-    # no flavor has a vcpu_weight (null on each, as on Nova's unless set): the flavor ids decide
+    # no flavor has a vcpu_weight (null on each, as on Nova's unless set): the internal id decides
     assert names(call("GET", "/v2.1/flavors", query={"sort_key": "vcpu_weight", "sort_dir": "desc"})) == \
-        ["m1.medium", "m1.small", "a.big"]
+        ["a.big", "m1.medium", "m1.small"]
+    assert names(call("GET", "/v2.1/flavors", query={"sort_key": "vcpu_weight"})) == ["m1.small", "m1.medium", "a.big"]
     assert call("GET", "/v2.1/flavors", query={"sort_dir": "sideways"}).status == 400
     assert call("GET", "/v2.1/flavors", query={"sort_key": "colour"}).status == 400
 

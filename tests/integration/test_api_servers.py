@@ -251,16 +251,40 @@ BAD_BODIES = {
     "networks not auto/none": ("2.90", {"server": {"name": "x", "flavorRef": "1", "networks": "all"}}),
     "two block devices": ("2.90", {"server": {"name": "x", "flavorRef": "1", "networks": "auto",
                                               "block_device_mapping_v2": [{"source_type": "blank"}] * 2}}),
-    "a block device tag before 2.32": ("2.31", {"server": {"name": "x", "flavorRef": "1", "block_device_mapping_v2": [
-        {"source_type": "volume", "uuid": "v", "boot_index": 0, "tag": "root"}]}}),
-    "a block device tag at 2.33 (lost until 2.42)": ("2.41", {"server": {
-        "name": "x", "flavorRef": "1", "networks": "none", "block_device_mapping_v2": [
-            {"source_type": "volume", "uuid": "v", "boot_index": 0, "tag": "root"}]}}),
-    "a network tag at 2.37 (lost until 2.42)": ("2.37", {"server": {
-        "name": "x", "flavorRef": "1", "networks": [{"uuid": "11111111-1111-4111-8111-111111111111", "tag": "a"}]}}),
-    "a device tag with a slash": ("2.42", {"server": {
-        "name": "x", "flavorRef": "1", "networks": [{"uuid": "11111111-1111-4111-8111-111111111111", "tag": "a/b"}]}}),
 }
+
+
+@pytest.mark.parametrize("version, where, tag, accepted", [
+    ("2.31", "block device", "root", False), ("2.32", "block device", "root", True),
+    ("2.33", "block device", "root", False), ("2.41", "block device", "root", False),
+    ("2.42", "block device", "root", True), ("2.31", "network", "nic", False), ("2.32", "network", "nic", True),
+    ("2.36", "network", "nic", True), ("2.37", "network", "nic", False), ("2.41", "network", "nic", False),
+    ("2.42", "network", "nic", True), ("2.42", "port", "nic", True), ("2.42", "network", "a/b", False),
+])
+def test_device_tags_are_taken_at_the_versions_nova_takes_them(cloud, version, where, tag, accepted):
+    with api_session() as session:
+        session.add(Network(id="11111111-1111-4111-8111-111111111111", name="private", cidr="192.168.7.0/24",
+                            project_id="project-a", shared=False))
+        session.add(Port(id="22222222-2222-4222-8222-222222222222", network_id="11111111-1111-4111-8111-111111111111",
+                         project_id="project-a", mac_address="fa:16:3e:aa:bb:cc", fixed_ip="192.168.7.50"))
+    network: dict = {"port": "22222222-2222-4222-8222-222222222222"} if where == "port" else {
+        "uuid": "11111111-1111-4111-8111-111111111111"}
+    root = {"source_type": "image", "destination_type": "volume", "uuid": cloud.image_id, "boot_index": 0,
+            "volume_size": 1}
+    if where == "block device":
+        root["tag"] = tag
+    else:
+        network["tag"] = tag
+
+    response = call("POST", "/v2.1/servers", version=version, body={"server": {
+        "name": "tagged", "flavorRef": "1", "networks": [network], "block_device_mapping_v2": [root]}})
+
+    if accepted:
+        assert response.status == 202, response.body
+    else:
+        assert response.status == 400
+        assert "tag" in response.body["badRequest"]["message"]
+        assert api_rows(BuildRequest) == [] and api_rows(Volume) == []
 
 
 @pytest.mark.parametrize("case", sorted(BAD_BODIES))
@@ -814,15 +838,15 @@ def test_deleting_a_server_on_a_down_host_deletes_locally(cloud):
     assert "host" not in execution["input"]
 
 
-def volume_backed_server_on(host: str | None, root: dict, *, up: bool = True,
-                            vm_state: str = states.ACTIVE) -> tuple[str, Volume]:
+def volume_backed_server_on(host: str | None, root: dict, *, up: bool = True, vm_state: str = states.ACTIVE,
+                            cell: str = "cell1") -> tuple[str, Volume]:
     """A server booted on ``host`` from the volume ``root`` describes; the server and its volume."""
     if host is not None:
         add_host(host, up=up)
     server_id = create_server(block_device_mapping_v2=[{"destination_type": "volume", "boot_index": 0, **root}])
     [bdm] = api_rows(BuildRequest, instance_uuid=server_id)[0].block_device_mappings
-    schedule(server_id, host=host, vm_state=vm_state)
-    with cell_session("cell1") as session:  # what the boot workflow copies into the cell
+    schedule(server_id, cell, host=host, vm_state=vm_state)
+    with cell_session(cell) as session:  # what the boot workflow copies into the cell
         columns = {c.key for c in BlockDeviceMapping.__table__.columns} - {"id"}
         session.add(BlockDeviceMapping(instance_uuid=server_id, **{k: v for k, v in bdm.items() if k in columns}))
     with api_session() as session:  # and binds on the host
@@ -852,7 +876,22 @@ def test_a_volume_deleted_with_its_server_goes_once_its_host_removed_its_file(cl
         assert api_rows(Volume, id=volume.id)[0].status == "deleting"
 
 
-def test_a_volume_made_for_a_server_that_never_reached_a_host_goes_with_it(cloud):
+@pytest.mark.parametrize("delete_on_termination", [True, False])
+def test_a_volume_made_for_a_server_that_was_never_scheduled_goes_with_it(cloud, delete_on_termination):
+    server_id, volume = volume_backed_server_on(None, {
+        "source_type": "image", "uuid": cloud.image_id, "volume_size": 1,
+        "delete_on_termination": delete_on_termination}, vm_state=states.ERROR, cell="cell0")
+
+    assert call("DELETE", f"/v2.1/servers/{server_id}").status == 204
+
+    [execution] = cloud.executions("delete")
+    assert "host" not in execution["input"]  # buried in cell0: no host ever wrote its file
+    delete.finish_delete(execution["input"])
+    assert api_rows(Volume) == [] and api_rows(VolumeAttachment) == []
+
+
+def test_a_volume_of_a_server_rescheduled_to_no_host_stays_deleting(cloud):
+    # a spawn on some host may have written (or may still write) the file before the reschedule
     server_id, volume = volume_backed_server_on(None, {
         "source_type": "image", "uuid": cloud.image_id, "volume_size": 1, "delete_on_termination": True},
         vm_state=states.ERROR)
@@ -860,9 +899,8 @@ def test_a_volume_made_for_a_server_that_never_reached_a_host_goes_with_it(cloud
     assert call("DELETE", f"/v2.1/servers/{server_id}").status == 204
 
     [execution] = cloud.executions("delete")
-    assert "host" not in execution["input"]  # no host to destroy anything on: its file was never written
     delete.finish_delete(execution["input"])
-    assert api_rows(Volume) == [] and api_rows(VolumeAttachment) == []
+    assert api_rows(Volume, id=volume.id)[0].status == "deleting"
 
 
 def test_a_server_deleted_while_it_is_built_leaves_its_volume_deleting(cloud):
@@ -901,7 +939,7 @@ def test_a_delete_tried_again_deletes_the_volume_its_first_try_left_deleting(clo
     assert call("DELETE", f"/v2.1/servers/{server_id}").status == 204
     [execution] = cloud.executions("delete")
     with api_session() as session:  # a first FinishDelete that ran before its host answered
-        delete._release_volumes(session, server_id, {volume.id: True}, set(), False)
+        delete._release_volumes(session, server_id, {volume.id}, set(), set())
     assert api_rows(Volume, id=volume.id)[0].status == "deleting" and api_rows(VolumeAttachment) == []
 
     delete.finish_delete({**execution["input"], "destroyed": {"volumes_removed": [volume.id]}})

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from sqlalchemy import select
 
-from ferry import cli, config
+from ferry import cli, config, protocol
 from ferry.store import db, setup
 from ferry.store.api_models import Volume, VolumeAttachment
 from ferry.store.db import api_session
@@ -24,7 +25,9 @@ def deployment(tmp_path: Path, monkeypatch) -> Iterator[Path]:
     config.reset()
     setup.init_api_database()
     (tmp_path / "shared").mkdir()
+    umask = os.umask(0o027)  # a strict one: a new volume's file is 0660 all the same
     yield tmp_path
+    os.umask(umask)
     db.dispose_all()
     config.reset()
 
@@ -45,6 +48,8 @@ def test_a_new_file_backed_volume_is_made_recorded_listed_and_forgotten(deployme
     assert (volume.project_id, volume.size_gb, volume.name, volume.status, volume.path) == (
         "demo", 2, "data", "available", str(path))
     assert path.stat().st_size == 2 * GiB and path.stat().st_blocks == 0  # sparse: nothing written
+    assert stat.S_IMODE(path.stat().st_mode) == 0o660  # whatever the umask
+    assert (shared / protocol.VOLUME_DIR_MARKER).is_file()  # as the hosts mark the directories they write in
     assert f"volume {volume.id}: 2 GiB at {path}" in capsys.readouterr().out
 
     assert cli.main(["volume", "list", "--project", "demo"]) == 0
@@ -62,6 +67,7 @@ def test_existing_storage_is_recorded_once(deployment, capsys):
     capsys.readouterr()
 
     assert cli.main(args) == 1
+    assert cli.main([*args[:-1], "//dev/mapper/../mapper/./vol-a"]) == 1  # the same path, written otherwise
 
     assert [v.path for v in volumes()] == ["/dev/mapper/vol-a"]
     assert "is recorded at /dev/mapper/vol-a already" in capsys.readouterr().err

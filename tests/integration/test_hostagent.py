@@ -518,10 +518,25 @@ def test_a_volume_path_that_is_no_file_named_after_the_volume_is_never_removed(t
     assert path.exists() and target.read_bytes() == b"data"
 
 
-def test_an_absent_volume_file_is_gone_only_when_named_after_the_volume_in_a_directory_that_is_there(tmp_path):
-    assert disks.remove_volume_file(tmp_path / "vol-7", "vol-7") is True
-    assert disks.remove_volume_file(tmp_path / "data-01", "vol-7") is False  # a device not seen here
+def test_an_absent_volume_file_is_gone_only_beside_the_volumes_marker(tmp_path):
+    # an empty directory may be a mount point whose storage is not mounted here: nothing is told
+    assert disks.remove_volume_file(tmp_path / "vol-7", "vol-7") is False
     assert disks.remove_volume_file(tmp_path / "unmounted" / "vol-7", "vol-7") is False
+
+    disks.mark_volume_dir(tmp_path)
+
+    assert disks.remove_volume_file(tmp_path / "vol-7", "vol-7") is True
+    assert disks.remove_volume_file(tmp_path / "data-01", "vol-7") is False  # a device, not a file hosts made
+
+
+def test_a_spawn_that_makes_a_volume_file_marks_its_directory(host):
+    path = host.instances_dir.parent / "volumes" / "vol-9"
+    volume = {"volume_id": "vol-9", "path": str(path), "device": "/dev/vda", "boot_index": 0, "size_gb": 1}
+    args = spawn_args(None, volumes=[volume], flavor={**FLAVOR, "root_gb": 0, "ephemeral_gb": 0, "swap": 0})
+
+    output(host.execute("spawn", str(uuid.uuid4()), args))
+
+    assert (path.parent / protocol.VOLUME_DIR_MARKER).is_file()
 
 
 def test_a_volume_file_that_cannot_be_removed_is_left_and_the_destroy_goes_on(host):

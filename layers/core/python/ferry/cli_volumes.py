@@ -24,6 +24,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from ferry import protocol
+
 GiB = 1024**3
 
 
@@ -33,10 +35,12 @@ def _refused(message: str) -> int:
 
 
 def _new_file(directory: str, volume_id: str, size_gb: int) -> Path:
-    """An empty sparse file ``directory/<volume_id>`` of ``size_gb`` GiB, made here and only here."""
+    """An empty sparse file ``directory/<volume_id>`` of ``size_gb`` GiB (mode 0660, whatever the
+    umask), made here and only here."""
     path = Path(directory) / volume_id
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o660)
     try:
+        os.fchmod(fd, 0o660)
         os.ftruncate(fd, size_gb * GiB)
         os.fsync(fd)
     finally:
@@ -60,14 +64,16 @@ def _run_register(args: argparse.Namespace) -> int:
     recorded = False
     try:
         with api_session() as session:
-            volumes.register(session, project_id=args.project, size_gb=args.size_gb, path=path, name=args.name,
-                             volume_id=volume_id)
+            path = volumes.register(session, project_id=args.project, size_gb=args.size_gb, path=path, name=args.name,
+                                    volume_id=volume_id).path
         recorded = True
     except errors.FerryError as exc:
         return _refused(exc.message)
     finally:
         if made is not None and not recorded:
             os.unlink(made)  # nothing is left of a volume that was not recorded
+    if args.new_file_in is not None:  # marked as the hosts mark the directories they make volumes in
+        (Path(args.new_file_in) / protocol.VOLUME_DIR_MARKER).touch(exist_ok=True)
     print(f"volume {volume_id}: {args.size_gb} GiB at {path}, project {args.project}, available")
     return 0
 

@@ -54,6 +54,11 @@ BLOCK_SHA256 = "sha256-blocks"
 BLOCK_BLAKE3 = "blake3-blocks"
 MOVE_DIGEST = BLOCK_BLAKE3
 
+# Written beside every file-backed volume Ferry makes (by a host's spawn, or ``ferry volume
+# register --new-file-in``): where it is seen, the volumes' storage is there (mounted), so a
+# volume file missing beside it is gone rather than out of sight.
+VOLUME_DIR_MARKER = ".ferry-volumes"
+
 # Kinds of report an agent sends.
 REPORT_INVENTORY = "inventory"
 REPORT_HEARTBEAT = "heartbeat"

@@ -115,7 +115,7 @@ def register(session: Session, *, project_id: str, size_gb: int, path: str, name
 
     if not path.startswith("/"):
         raise errors.BadRequest(f"The volume's path {path!r} is not absolute.")
-    path = os.path.normpath(path)
+    path = "/" + os.path.normpath(path).lstrip("/")  # one form of a path: no "." or "..", one leading "/"
     if size_gb < 1:
         raise errors.BadRequest(f"A volume's size is a whole number of GiB, at least 1 (not {size_gb}).")
     if name is not None and (len(name) > 255 or not is_printable_name(name)):
@@ -149,6 +149,7 @@ def forget(session: Session, volume_id: str) -> dict[str, Any]:
         Volume.id == volume_id, Volume.status.in_(FORGETTABLE),
         ~exists().where(VolumeAttachment.volume_id == Volume.id))
     if cast(CursorResult[Any], session.execute(stmt.execution_options(synchronize_session=False))).rowcount != 1:
-        raise errors.VolumeInUse(f"Volume {volume_id} is {volume.status}, or a server holds it; it is not forgotten "
+        now = session.scalars(select(Volume.status).where(Volume.id == volume_id)).one_or_none()
+        raise errors.VolumeInUse(f"Volume {volume_id} is {now or 'gone'}, or a server holds it; it is not forgotten "
                                  f"(only a volume {' or '.join(FORGETTABLE)} that no server holds is).")
     return held

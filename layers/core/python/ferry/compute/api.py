@@ -21,7 +21,8 @@ What :func:`create_server` writes, for the boot workflow:
   ``image`` ``{id}``, ``is_bfv``, ``ignore_hosts``, ``requested_destination``,
   ``allowed_cells``, ``scheduler_hints`` (``same_host``/``different_host`` lists),
   ``group``, ``availability_zone`` and ``requested_networks`` (``[{network_id, port_id,
-  preexisting}]``: ports the user brought are only detached when the server goes);
+  preexisting, tag?}]``: ports the user brought are only detached when the server goes; ``tag``
+  is the device tag asked for);
 * ports with a MAC and a fixed IP, and for a volume-backed server the root volume (its file
   is created by the host) with a reserved attachment.
 """
@@ -1173,7 +1174,8 @@ def get_flavor(flavorid: str, ctx: RequestContext | None = None) -> Flavor:
 
 
 # Flavor list sort keys (Nova's) and the columns they order by. Ferry's flavors have no
-# ``vcpu_weight`` (null on every Nova flavor unless set): ordered by it, they keep the tiebreak's order.
+# ``vcpu_weight`` (null on every Nova flavor unless set): ordered by it, they keep the tiebreak's
+# order, the internal id's (creation order), as in Nova.
 FLAVOR_SORT_KEYS: dict[str, Any] = {
     "flavorid": Flavor.flavorid, "id": Flavor.id, "name": Flavor.name, "memory_mb": Flavor.memory_mb,
     "vcpus": Flavor.vcpus, "root_gb": Flavor.root_gb, "ephemeral_gb": Flavor.ephemeral_gb, "swap": Flavor.swap,
@@ -1186,8 +1188,8 @@ FLAVOR_SORT_KEYS: dict[str, Any] = {
 def list_flavors(ctx: RequestContext, *, is_public: bool | None = True, min_disk: int | None = None,
                  min_ram: int | None = None, limit: int | None = None, marker: str | None = None,
                  sort_key: str = "flavorid", sort_dir: str = "asc") -> list[Flavor]:
-    """Flavors ordered by ``sort_key`` (one of :data:`FLAVOR_SORT_KEYS`; the flavor id breaks
-    ties) in ``sort_dir``, by id ascending by default, as Nova lists them.
+    """Flavors ordered by ``sort_key`` (one of :data:`FLAVOR_SORT_KEYS`; the internal id breaks
+    ties, in the same direction) in ``sort_dir``, by flavor id ascending by default, as Nova lists them.
 
     Non-admins see the enabled flavors they may use (public ones and private ones their project
     has access to) whatever they ask; admins choose with ``is_public`` (``None`` means public
@@ -1199,7 +1201,7 @@ def list_flavors(ctx: RequestContext, *, is_public: bool | None = True, min_disk
     if sort_key not in FLAVOR_SORT_KEYS or sort_dir not in ("asc", "desc"):
         raise errors.BadRequest(f"Invalid sort key {sort_key!r} or direction {sort_dir!r} for flavors.")
     column = FLAVOR_SORT_KEYS[sort_key]
-    tiebreak = Flavor.flavorid.desc() if sort_dir == "desc" else Flavor.flavorid.asc()
+    tiebreak = Flavor.id.desc() if sort_dir == "desc" else Flavor.id.asc()
     if column is None:
         query = select(Flavor).order_by(tiebreak)
     else:

@@ -340,13 +340,13 @@ def fail_build(event: dict[str, Any]) -> dict[str, Any]:
 def _remove_unhanded_copies(uuid: str) -> None:
     """Delete the copies SelectDestinations made in cells but never handed over (its hand-over
     failed, or the step stopped between the two, until its retries ran out): the server is
-    buried in cell0, and a copy left in a cell would be a second, unmapped server there. A cell
-    that cannot be reached keeps its copy (``ferry audit`` reports it); the burial goes on."""
+    buried in cell0, and a copy left in a cell would be a second, unmapped server there. Where a
+    database cannot be reached the copy stays (``ferry audit`` reports it); the burial goes on."""
     for cell in all_cells(include_cell0=False):
         try:
             _remove_unmapped_copy(uuid, cell.name)
         except OperationalError as exc:
-            logger.warning("cell not reached: a copy never handed over may remain there",
+            logger.warning("copy in the cell not checked: a copy never handed over may remain there",
                            extra={"instance_uuid": uuid, "cell": cell.name, "error": str(exc)})
 
 

@@ -25,7 +25,7 @@ from ferry.compute import actions, instances, migration_states, states
 from ferry.observability import logger
 from ferry.store.api_models import InstanceMapping, Volume, VolumeAttachment, utcnow
 from ferry.store.cell_models import BlockDeviceMapping, Instance, Migration
-from ferry.store.db import api_session, cell_session
+from ferry.store.db import CELL0_NAME, api_session, cell_session
 from ferry.workflows import confirm_resize, cross_cell_settle, error_message
 
 EVENT_TERMINATE = "compute_terminate_instance"
@@ -124,13 +124,12 @@ def finish_delete(event: dict[str, Any]) -> dict[str, Any]:
     with cell_session(cell) as session:
         bdms = list(session.scalars(select(BlockDeviceMapping).where(
             BlockDeviceMapping.instance_uuid == uuid, BlockDeviceMapping.deleted.is_(False))))
-        instance = session.scalars(select(Instance).where(Instance.uuid == uuid)).one_or_none()
-        never_hosted = instance is not None and instance.host is None and instance.launched_at is None
-        # Volumes deleted with the server; made for it from an image when the source is one.
-        doomed = {b.volume_id: b.source_type == "image" for b in bdms if b.volume_id and b.delete_on_termination}
+        doomed = {b.volume_id for b in bdms if b.volume_id and b.delete_on_termination}
+        made_for_it = {b.volume_id for b in bdms if b.volume_id and b.source_type == "image"}
     with api_session() as session:
         network.release_ports(session, uuid, network.requested_networks(session, uuid))
-        _release_volumes(session, uuid, doomed, removed, never_hosted)
+        # A server in cell0 was never scheduled: no host ever wrote a volume made for it.
+        _release_volumes(session, uuid, doomed, removed, made_for_it if cell == CELL0_NAME else set())
         session.execute(update(InstanceMapping).where(InstanceMapping.instance_uuid == uuid)
                         .values(queued_for_delete=True))
     placement.delete_allocations(uuid)
@@ -153,22 +152,21 @@ def finish_delete(event: dict[str, Any]) -> dict[str, Any]:
     return {}
 
 
-def _release_volumes(session: Session, uuid: str, doomed: dict[str, bool], removed: set[str],
-                     never_hosted: bool) -> None:
+def _release_volumes(session: Session, uuid: str, doomed: set[str], removed: set[str], unwritten: set[str]) -> None:
     """Detach the server's volumes in the records; delete those deleted with it that are gone.
 
     A volume deleted with the server (``delete_on_termination``, in ``doomed``) is deleted once
-    a host removed its file (``removed``), or when the server never reached a host and the
-    volume was made for it from an image (hosts write its file when they spawn, and a failed
-    spawn removes it). One whose file may remain (the host was down, the server was still
-    building, the volume is no file the hosts make) is left ``deleting`` for an operator. A
-    volume another server holds stays as it is. Other volumes become ``available``.
+    a host removed its file (``removed``). A volume made for the server that no host ever wrote
+    (``unwritten``: the server was never scheduled) is deleted whatever its flag, as it never
+    existed but in the records. One whose file may remain (the host was down, the server was
+    still being built, the volume is no file the hosts make) is left ``deleting`` for an
+    operator. A volume another server holds stays as it is. Other volumes become ``available``.
     """
     mine = list(session.scalars(select(VolumeAttachment).where(VolumeAttachment.instance_uuid == uuid)))
     for attachment in mine:
         session.delete(attachment)
     session.flush()
-    for volume_id in sorted({a.volume_id for a in mine} | set(doomed)):
+    for volume_id in sorted({a.volume_id for a in mine} | doomed | unwritten):
         volume = session.get(Volume, volume_id)
         where = {"instance_uuid": uuid, "volume_id": volume_id}
         if volume is None:
@@ -177,11 +175,11 @@ def _release_volumes(session: Session, uuid: str, doomed: dict[str, bool], remov
             if volume_id in doomed:
                 logger.warning("volume kept: another server holds it", extra=where)
             continue
-        if volume_id not in doomed:
-            volume.status = "available"
-        elif volume_id in removed or (never_hosted and doomed[volume_id]):
+        if volume_id in unwritten or (volume_id in doomed and volume_id in removed):
             session.delete(volume)
             logger.info("volume deleted with its server", extra=where)
+        elif volume_id not in doomed:
+            volume.status = "available"
         else:
             volume.status = "deleting"
             logger.warning("volume left deleting: its file may remain", extra={**where, "path": volume.path})
