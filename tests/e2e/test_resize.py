@@ -16,12 +16,14 @@ from move_helpers import (
     FLAVORS,
     LARGE,
     MEDIUM,
+    SERVICES_MICROVERSION,
     SMALL,
     TINY,
     GiB,
     assert_lives_only_on,
     boot_with_digest,
     cell_of,
+    compute_services,
     host_of,
     migrations_of,
     resize_to_verify,
@@ -29,8 +31,10 @@ from move_helpers import (
 )
 from sqlalchemy import select
 
+from ferry import hosts
 from ferry.store.api_models import Volume, VolumeAttachment
-from ferry.store.db import api_session
+from ferry.store.cell_models import Service
+from ferry.store.db import api_session, cell_session
 
 pytestmark = pytest.mark.e2e
 
@@ -267,6 +271,42 @@ def test_a_volume_backed_server_deleted_while_resized_takes_its_new_volume_along
         assert session.scalars(select(VolumeAttachment).where(
             VolumeAttachment.volume_id == attached["id"])).first() is None
     assert not path.exists()
+
+
+def test_a_server_deleted_while_its_host_was_down_is_destroyed_there_once_the_host_reports(
+        local_stack, servers, records):
+    # GIVEN a server on a host forced down: its delete only releases its records (the local delete)
+    server = servers.boot(flavor=TINY)
+    host = host_of(server)
+    admin = local_stack.session("admin")
+    [service] = [s for s in compute_services(admin) if s["host"] == host]
+
+    def force_down(down: bool) -> None:
+        changed = admin.put(f"/os-services/{service['id']}", json={"forced_down": down},
+                            headers=SERVICES_MICROVERSION)
+        assert changed.status_code == 200, changed.text
+
+    force_down(True)
+    try:
+        assert servers.delete(server["id"]).status_code == 204
+        servers.wait_until_gone(server["id"])
+        assert records.instance_dir(host, server["id"]).exists()  # nothing reached the host
+
+        # WHEN the host reports its guests again, THEN it is told to destroy the deleted server's
+        local_stack.wait_for(lambda: ("destroy", "succeeded") in records.host_operations(host, server["id"]),
+                             timeout=60)
+        assert not records.instance_dir(host, server["id"]).exists()
+        local_stack.wait_for(lambda: not still_reported(cell_of(local_stack, host), host, server["id"]), timeout=60)
+    finally:
+        force_down(False)
+
+
+def still_reported(cell: str, host: str, instance_uuid: str) -> bool:
+    """Whether ``host``'s last report lists a guest or an instance directory of the instance."""
+    with cell_session(cell) as session:
+        view = hosts.host_view(session.scalars(select(Service).where(Service.host == host)).one()) or {}
+    return instance_uuid in view.get("guests", []) or any(
+        name.startswith(instance_uuid) for name in view.get("instance_dirs") or [])
 
 
 # --- refusals: nothing changes ----------------------------------------------------------------------

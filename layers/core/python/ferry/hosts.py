@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
+import re
 import threading
 from typing import Any
 
@@ -11,8 +13,8 @@ from sqlalchemy import select
 from ferry import aws, config, errors, placement, protocol
 from ferry.observability import logger
 from ferry.store import setup
-from ferry.store.api_models import CellMapping, HostMapping, utcnow
-from ferry.store.cell_models import Service
+from ferry.store.api_models import CellMapping, HostMapping, InstanceMapping, utcnow
+from ferry.store.cell_models import Instance, Service
 from ferry.store.db import api_session, cell_session
 
 _queue_urls: dict[str, str] = {}
@@ -84,7 +86,55 @@ def apply_report(report: dict[str, Any]) -> None:
         with api_session() as session:
             cell_id = session.scalars(select(CellMapping.id).where(CellMapping.name == cell)).one()
         placement.ensure_provider(host, report.get("node") or host, cell_id, report["inventory"])
+    if view is not None:
+        reap_deleted(host, view)
     logger.debug("host report applied", extra={"host": host, "kind": report["kind"]})
+
+
+_UUID = re.compile(r"^([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})(?:_resize|_incoming)?$")
+
+
+def reap_deleted(host: str, view: dict[str, Any]) -> list[str]:
+    """Ask ``host`` to destroy what it still holds of deleted servers; returns their uuids.
+
+    A server deleted while its host was down (the local delete) leaves its guest and instance
+    directories there; when the host reports them again, each such server's guest and disks
+    are destroyed (a ``destroy`` message without a task token, its id naming the report), as
+    Nova reaps running deleted instances. Only a server whose delete finished (its record
+    deleted, its mapping queued for delete) is reaped, and never its volumes: what is left of
+    those is an operator's (``volume_left_deleting``). A destroy repeated by a later report is
+    harmless: an absent guest is already destroyed.
+    """
+    held = {m.group(1) for name in [*view.get("guests", []), *(view.get("instance_dirs") or [])]
+            if (m := _UUID.match(name))}
+    if not held:
+        return []
+    deleted = _deleted_servers(held)
+    for uuid in deleted:
+        message = {"operation": protocol.DESTROY, "operation_id": f"reap/{uuid}/{view['sent_at']}",
+                   "instance_uuid": uuid, "args": {}}
+        aws.client("sqs").send_message(QueueUrl=queue_url(host), MessageBody=json.dumps(message))
+        logger.warning("deleted server's guest and disks still on its host: destroying them",
+                       extra={"host": host, "instance_uuid": uuid})
+    return deleted
+
+
+def _deleted_servers(uuids: set[str]) -> list[str]:
+    """Which of ``uuids`` are servers whose delete finished: mapping queued for delete, record
+    deleted in the mapped cell."""
+    by_cell: dict[int, list[str]] = {}
+    with api_session() as session:
+        cells = {c.id: c for c in session.scalars(select(CellMapping))}
+        for uuid, cell_id in session.execute(select(InstanceMapping.instance_uuid, InstanceMapping.cell_id).where(
+                InstanceMapping.instance_uuid.in_(uuids), InstanceMapping.queued_for_delete.is_(True))):
+            if cell_id is not None:
+                by_cell.setdefault(cell_id, []).append(uuid)
+    deleted: list[str] = []
+    for cell_id, found in by_cell.items():
+        with cell_session(cells[cell_id]) as session:
+            deleted.extend(session.scalars(select(Instance.uuid).where(
+                Instance.uuid.in_(found), Instance.deleted.is_(True))))
+    return sorted(deleted)
 
 
 # The key of ``Service.details`` under which the host's own view of itself is kept.
