@@ -141,13 +141,12 @@ def volume(local_stack, capsys) -> Iterator[dict[str, str]]:
     operator does; forgotten and its file removed afterwards."""
     name, shared = f"e2e-data-{uuid.uuid4().hex[:8]}", local_stack.state_dir / "volumes"
     shared.mkdir(exist_ok=True)
-    before = set(shared.iterdir())
     assert ferry_cli.main(["volume", "register", "--project", local_stack.seeded.identities["demo"].project_id,
                            "--size-gb", "1", "--new-file-in", str(shared), "--name", name]) == 0
-    [path] = set(shared.iterdir()) - before
     with api_session() as session:
-        volume_id = session.scalars(select(Volume.id).where(Volume.name == name)).one()
-    assert path.name == volume_id
+        volume_id, recorded = session.execute(select(Volume.id, Volume.path).where(Volume.name == name)).one()
+    path = shared / volume_id
+    assert recorded == str(path) and path.is_file()
     yield {"id": volume_id, "name": name}
     assert ferry_cli.main(["volume", "forget", volume_id]) == 0
     path.unlink()

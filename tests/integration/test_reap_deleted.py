@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import uuid
 from collections.abc import Iterator
@@ -12,10 +13,11 @@ from sqlalchemy import select
 
 from ferry import aws, config, hosts, protocol
 from ferry.store.api_models import CellMapping, InstanceMapping, utcnow
-from ferry.store.cell_models import Instance
+from ferry.store.cell_models import Instance, Service
 from ferry.store.db import api_session, cell_session
 
 HOST = "compute-1"
+A_MINUTE_AGO = utcnow() - dt.timedelta(minutes=1)
 
 
 @pytest.fixture
@@ -31,54 +33,99 @@ def queue(aws_test_credentials, store) -> Iterator[str]:
         aws.reset()
 
 
-def report(guests: list[str], dirs: list[str]) -> None:
+def report(guests: list[str], dirs: list[str], sent_at: dt.datetime | None = None) -> None:
     hosts.apply_report({"kind": "inventory", "host": HOST, "node": HOST, "cell": "cell1",
-                        "sent_at": utcnow().isoformat(),
+                        "sent_at": (sent_at or utcnow()).isoformat(),
                         "inventory": {"VCPU": {"total": 8}, "MEMORY_MB": {"total": 8192}, "DISK_GB": {"total": 40}},
                         "guests": guests, "instance_dirs": dirs})
 
 
-def server(*, deleted: bool, queued_for_delete: bool) -> str:
-    """A server recorded in cell1 on the host: its delete finished (both true), under way, or not asked."""
+def server(*, deleted: bool, queued_for_delete: bool, cell: str = "cell1") -> str:
+    """A server recorded in ``cell`` on the host: its delete finished a minute ago (both true),
+    under way, or not asked."""
     instance_uuid = str(uuid.uuid4())
     with api_session() as session:
-        cell1 = session.scalars(select(CellMapping.id).where(CellMapping.name == "cell1")).one()
-        session.add(InstanceMapping(instance_uuid=instance_uuid, cell_id=cell1, project_id="p", user_id="u",
+        cell_id = session.scalars(select(CellMapping.id).where(CellMapping.name == cell)).one()
+        session.add(InstanceMapping(instance_uuid=instance_uuid, cell_id=cell_id, project_id="p", user_id="u",
                                     queued_for_delete=queued_for_delete))
-    with cell_session("cell1") as session:
+    with cell_session(cell) as session:
         session.add(Instance(uuid=instance_uuid, display_name="vm", project_id="p", user_id="u", flavor={},
                              host=HOST, node=HOST, vm_state="deleted" if deleted else "active", deleted=deleted,
-                             deleted_at=utcnow() if deleted else None))
+                             deleted_at=A_MINUTE_AGO if deleted else None))
     return instance_uuid
 
 
 def messages(url: str) -> list[dict]:
-    received = aws.client("sqs").receive_message(QueueUrl=url, MaxNumberOfMessages=10).get("Messages") or []
-    return [json.loads(m["Body"]) for m in received]
+    found: list[dict] = []
+    while received := aws.client("sqs").receive_message(QueueUrl=url, MaxNumberOfMessages=10).get("Messages"):
+        found.extend(json.loads(m["Body"]) for m in received)
+        for m in received:
+            aws.client("sqs").delete_message(QueueUrl=url, ReceiptHandle=m["ReceiptHandle"])
+    return found
 
 
 def test_the_guest_and_disks_of_a_server_deleted_while_its_host_was_down_are_destroyed(queue):
-    # GIVEN servers whose delete finished while the host was down, one under way, one alive, a stranger
+    # GIVEN servers whose delete finished (one recorded in another cell after a move between
+    # cells), one whose delete is under way, one deleted but still mapped, one alive, a stranger
     gone, gone_dirs_only = server(deleted=True, queued_for_delete=True), server(deleted=True, queued_for_delete=True)
+    moved_away = server(deleted=True, queued_for_delete=True, cell="cell2")
     deleting, alive = server(deleted=False, queued_for_delete=True), server(deleted=False, queued_for_delete=False)
+    unmapped_delete = server(deleted=True, queued_for_delete=False)
     stranger = str(uuid.uuid4())
 
     # WHEN the host reports them again
-    report([gone, deleting, alive, stranger, "not-a-uuid"], [gone, f"{gone_dirs_only}_resize", alive])
+    report([gone, moved_away, deleting, alive, unmapped_delete, stranger, "not-a-uuid"],
+           [gone, f"{gone_dirs_only}_resize", alive])
 
-    # THEN it is asked to destroy those of the two deleted servers, and nothing else
+    # THEN it is asked to destroy those of the deleted servers, and nothing else
     sent = messages(queue)
-    assert sorted(m["instance_uuid"] for m in sent) == sorted([gone, gone_dirs_only])
+    assert sorted(m["instance_uuid"] for m in sent) == sorted([gone, gone_dirs_only, moved_away])
     for message in sent:
         protocol.validate(message, protocol.OPERATION_SCHEMA)
         assert (message["operation"], message["args"], message.get("task_token")) == (protocol.DESTROY, {}, None)
         assert message["operation_id"].startswith(f"reap/{message['instance_uuid']}/")
 
 
-def test_a_report_without_what_the_host_holds_asks_for_nothing(queue):
-    server(deleted=True, queued_for_delete=True)
+def test_a_report_sent_before_the_delete_finished_asks_for_nothing(queue):
+    # a report sent before an ordinary delete's DestroyAtHost, processed after its FinishDelete
+    gone = server(deleted=True, queued_for_delete=True)
 
-    hosts.apply_report({"kind": protocol.REPORT_HEARTBEAT, "host": HOST, "sent_at": utcnow().isoformat()})
-    report([], [])
+    report([gone], [gone], sent_at=A_MINUTE_AGO - dt.timedelta(seconds=1))
 
     assert messages(queue) == []
+
+
+def test_reports_within_one_period_ask_for_the_same_destroy(queue):
+    gone = server(deleted=True, queued_for_delete=True)
+
+    report([gone], [])
+    report([gone], [])
+
+    first, again = messages(queue)
+    assert first["operation_id"] == again["operation_id"]  # the agent answers the second from its journal
+
+
+def test_with_the_log_action_leftovers_are_only_logged(queue, monkeypatch):
+    gone = server(deleted=True, queued_for_delete=True)
+    monkeypatch.setenv("FERRY_RUNNING_DELETED_ACTION", "log")
+    config.reset()
+    try:
+        report([gone], [gone])
+    finally:
+        monkeypatch.delenv("FERRY_RUNNING_DELETED_ACTION")
+        config.reset()
+
+    assert messages(queue) == []
+
+
+def test_a_reap_that_cannot_be_sent_leaves_the_report_applied(queue):
+    gone = server(deleted=True, queued_for_delete=True)
+    aws.client("sqs").delete_queue(QueueUrl=queue)
+    hosts._queue_urls.clear()
+    sent_at = utcnow()
+
+    report([gone], [gone], sent_at=sent_at)  # does not raise
+
+    with cell_session("cell1") as session:
+        service = session.scalars(select(Service).where(Service.host == HOST)).one()
+    assert hosts.host_view(service)["guests"] == [gone]

@@ -71,6 +71,9 @@ class Settings:
     webhook_secret: str
     # The DynamoDB table of the webhook's deliveries and one-time signatures.
     idempotency_table: str
+    # What is done with a guest or instance directory a host still reports of a server whose
+    # delete finished: "reap" (destroy it there) or "log" (only say so; anything else is "log").
+    running_deleted_action: str = "reap"
 
     @property
     def default_cell_dir(self) -> Path:
@@ -111,6 +114,7 @@ def load() -> Settings:
         drain_state_machine_arn=os.environ.get("FERRY_DRAIN_STATE_MACHINE_ARN", ""),
         webhook_secret=os.environ.get("FERRY_WEBHOOK_SECRET", ""),
         idempotency_table=os.environ.get("FERRY_IDEMPOTENCY_TABLE", ""),
+        running_deleted_action=os.environ.get("FERRY_RUNNING_DELETED_ACTION", "reap").strip().lower(),
     )
 
 

@@ -58,6 +58,9 @@ def apply_report(report: dict[str, Any]) -> None:
     A host that reports for the first time with a ``cell`` is mapped to that cell (Ferry's
     equivalent of discovering hosts); a host with no mapping and no cell is refused.
 
+    What an inventory report still lists of deleted servers is destroyed there
+    (:func:`reap_deleted`), best effort: a failure there is logged, and the report stays applied.
+
     Raises:
         SchemaMismatch: the report does not match the protocol (:mod:`ferry.validation`).
         HostNotMapped: the host is in no cell.
@@ -87,53 +90,83 @@ def apply_report(report: dict[str, Any]) -> None:
             cell_id = session.scalars(select(CellMapping.id).where(CellMapping.name == cell)).one()
         placement.ensure_provider(host, report.get("node") or host, cell_id, report["inventory"])
     if view is not None:
-        reap_deleted(host, view)
+        try:
+            reap_deleted(host, view)
+        except Exception:  # best effort: the report is applied, and the next one tries again
+            logger.exception("reaping deleted servers' leftovers failed", extra={"host": host})
     logger.debug("host report applied", extra={"host": host, "kind": report["kind"]})
 
 
 _UUID = re.compile(r"^([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})(?:_resize|_incoming)?$")
+# Reports sent within this long after a delete finished may predate it (host and store clocks differ).
+REAP_CLOCK_SKEW = dt.timedelta(seconds=5)
+# A leftover is asked to be destroyed once per this long (the destroy's id names the period): a
+# destroy that fails is tried again by a later report, not by every one.
+REAP_PERIOD_SECONDS = 1800
+# At most this many destroys per report; the rest wait for the next report.
+REAP_MAX_PER_REPORT = 20
 
 
 def reap_deleted(host: str, view: dict[str, Any]) -> list[str]:
     """Ask ``host`` to destroy what it still holds of deleted servers; returns their uuids.
 
-    A server deleted while its host was down (the local delete) leaves its guest and instance
-    directories there; when the host reports them again, each such server's guest and disks
-    are destroyed (a ``destroy`` message without a task token, its id naming the report), as
-    Nova reaps running deleted instances. Only a server whose delete finished (its record
-    deleted, its mapping queued for delete) is reaped, and never its volumes: what is left of
-    those is an operator's (``volume_left_deleting``). A destroy repeated by a later report is
+    A server deleted while its host was down (the local delete), or whose source host was down
+    when it was deleted in VERIFY_RESIZE, leaves its guest and instance directories there. When
+    the host reports them in an inventory report sent after the delete finished (its record
+    deleted, its mapping queued for delete), each such server's guest and disks are destroyed
+    there: a ``destroy`` message without a task token, ``reap/<uuid>/<period>``. This is what
+    Nova's ``running_deleted_instance_action = reap`` does; the setting
+    ``FERRY_RUNNING_DELETED_ACTION=log`` only logs. Volume files are never part of it (what is
+    left of those is an operator's: ``volume_left_deleting``). A destroy sent again is
     harmless: an absent guest is already destroyed.
+
+    Raises:
+        Whatever reading the store or sending to the host's queue raises (the caller logs it).
     """
     held = {m.group(1) for name in [*view.get("guests", []), *(view.get("instance_dirs") or [])]
             if (m := _UUID.match(name))}
     if not held:
         return []
-    deleted = _deleted_servers(held)
-    for uuid in deleted:
-        message = {"operation": protocol.DESTROY, "operation_id": f"reap/{uuid}/{view['sent_at']}",
-                   "instance_uuid": uuid, "args": {}}
-        aws.client("sqs").send_message(QueueUrl=queue_url(host), MessageBody=json.dumps(message))
-        logger.warning("deleted server's guest and disks still on its host: destroying them",
-                       extra={"host": host, "instance_uuid": uuid})
+    sent_at = report_time(view["sent_at"])
+    deleted = [uuid for uuid, deleted_at in _deleted_servers(held)
+               if deleted_at is not None and deleted_at + REAP_CLOCK_SKEW < sent_at][:REAP_MAX_PER_REPORT]
+    if not deleted:
+        return []
+    if config.get().running_deleted_action != "reap":
+        logger.warning("deleted servers' guests or disks still on their host (not reaped: "
+                       "FERRY_RUNNING_DELETED_ACTION)", extra={"host": host, "instance_uuids": deleted})
+        return []
+    period = int(sent_at.replace(tzinfo=dt.UTC).timestamp()) // REAP_PERIOD_SECONDS
+    entries = [{"Id": str(n), "MessageBody": json.dumps({
+        "operation": protocol.DESTROY, "operation_id": f"reap/{uuid}/{period}", "instance_uuid": uuid, "args": {}})}
+        for n, uuid in enumerate(deleted)]
+    sqs, url = aws.client("sqs"), queue_url(host)
+    for first in range(0, len(entries), 10):
+        answer = sqs.send_message_batch(QueueUrl=url, Entries=entries[first:first + 10])
+        for failed in answer.get("Failed") or []:
+            logger.warning("reap message not sent", extra={"host": host, "error": failed.get("Message"),
+                                                           "instance_uuid": deleted[int(failed["Id"])]})
+    logger.warning("deleted servers' guests or disks still on their host: destroying them",
+                   extra={"host": host, "instance_uuids": deleted})
     return deleted
 
 
-def _deleted_servers(uuids: set[str]) -> list[str]:
-    """Which of ``uuids`` are servers whose delete finished: mapping queued for delete, record
-    deleted in the mapped cell."""
+def _deleted_servers(uuids: set[str]) -> list[tuple[str, dt.datetime | None]]:
+    """``(uuid, deleted_at)`` of those of ``uuids`` that are servers whose delete finished:
+    mapping queued for delete, record deleted in the mapped cell."""
     by_cell: dict[int, list[str]] = {}
     with api_session() as session:
-        cells = {c.id: c for c in session.scalars(select(CellMapping))}
         for uuid, cell_id in session.execute(select(InstanceMapping.instance_uuid, InstanceMapping.cell_id).where(
                 InstanceMapping.instance_uuid.in_(uuids), InstanceMapping.queued_for_delete.is_(True))):
             if cell_id is not None:
                 by_cell.setdefault(cell_id, []).append(uuid)
-    deleted: list[str] = []
+        cells = {c.id: c for c in session.scalars(select(CellMapping).where(CellMapping.id.in_(by_cell)))}
+    deleted: list[tuple[str, dt.datetime | None]] = []
     for cell_id, found in by_cell.items():
         with cell_session(cells[cell_id]) as session:
-            deleted.extend(session.scalars(select(Instance.uuid).where(
-                Instance.uuid.in_(found), Instance.deleted.is_(True))))
+            rows = session.execute(select(Instance.uuid, Instance.deleted_at).where(
+                Instance.uuid.in_(found), Instance.deleted.is_(True)))
+            deleted.extend((uuid, deleted_at) for uuid, deleted_at in rows)
     return sorted(deleted)
 
 
