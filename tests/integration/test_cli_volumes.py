@@ -153,3 +153,17 @@ def test_the_list_names_the_servers_holding_a_volume_and_filters_by_status(deplo
 
     assert cli.main(["volume", "list", "--status", "deleting"]) == 0
     assert [line.split("\t")[0] for line in capsys.readouterr().out.splitlines()[1:]] == [left_id]
+
+
+def test_a_file_that_cannot_be_sized_is_removed_and_nothing_recorded(deployment, capsys, monkeypatch):
+    shared = deployment / "shared"
+
+    def no_space(fd, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "ftruncate", no_space)
+    refused = cli.main(["volume", "register", "--project", "demo", "--size-gb", "1", "--new-file-in", str(shared)])
+    monkeypatch.undo()
+
+    assert refused == 1 and "No space left on device" in capsys.readouterr().err
+    assert volumes() == [] and os.listdir(shared) == []

@@ -8,7 +8,7 @@ command (``ferry drain …``, say) is one more entry in :data:`COMMANDS`. A hand
 exit status.
 
 Exit statuses: 0 success (for ``audit``: no problem left), 1 problems remain (or, for the set-up
-commands of :mod:`ferry.cli_cells`, refused), 2 bad usage.
+commands of :mod:`ferry.cli_cells` and for ``ferry volume``, refused), 2 bad usage.
 """
 
 from __future__ import annotations

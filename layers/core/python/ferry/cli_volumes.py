@@ -43,6 +43,9 @@ def _new_file(directory: str, volume_id: str, size_gb: int) -> Path:
         os.fchmod(fd, 0o660)
         os.ftruncate(fd, size_gb * GiB)
         os.fsync(fd)
+    except OSError:
+        path.unlink(missing_ok=True)  # a file that could not be made whole is not left
+        raise
     finally:
         os.close(fd)
     return path

@@ -11,7 +11,8 @@ cross-cell move) are never shown.
 What :func:`create_server` writes, for the boot workflow:
 
 * ``InstanceMapping`` (cell NULL);
-* ``BuildRequest.instance``: instance column values (``display_name``, ``project_id``,
+* ``BuildRequest.instance``: instance column values (``display_name``,
+  ``display_description``, ``hostname``, ``reservation_id``, ``user_data``, ``project_id``,
   ``user_id``, ``image_ref`` — ``""`` when volume-backed —, ``flavor`` snapshot,
   ``vm_state`` building, ``task_state`` scheduling, ``power_state`` 0,
   ``availability_zone``, ``key_name``, ``metadata``, ``locked``);
@@ -23,8 +24,9 @@ What :func:`create_server` writes, for the boot workflow:
   ``group``, ``availability_zone`` and ``requested_networks`` (``[{network_id, port_id,
   preexisting, tag?}]``: ports the user brought are only detached when the server goes; ``tag``
   is the device tag asked for);
-* ports with a MAC and a fixed IP, and for a volume-backed server the root volume (its file
-  is created by the host) with a reserved attachment.
+* ports with a MAC and a fixed IP, and for a volume-backed server the root volume with a
+  reserved attachment: a new one for an image (its file created by the host), or an existing
+  one reserved.
 """
 
 from __future__ import annotations
@@ -701,7 +703,7 @@ def _allocate_ports(session: Session, ctx: RequestContext, instance_uuid: str,
 
 
 def _tagged(entry: dict[str, Any], requested: Mapping[str, Any]) -> dict[str, Any]:
-    """A requested network's entry, with the device tag it was asked with (2.42)."""
+    """A requested network's entry, with the device tag it was asked with (2.32–2.36 and from 2.42)."""
     return {**entry, "tag": requested["tag"]} if requested.get("tag") else entry
 
 
