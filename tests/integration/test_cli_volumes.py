@@ -99,7 +99,7 @@ def test_a_file_made_for_a_volume_that_is_refused_is_removed(deployment, capsys)
     assert volumes() == [] and os.listdir(shared) == []
 
 
-@pytest.mark.parametrize("size", ["0", "1.5", "x"])
+@pytest.mark.parametrize("size", ["0", "1.5", "x", "10000000000"])
 def test_a_size_that_is_no_whole_number_of_gib_is_a_usage_error(deployment, capsys, size):
     with pytest.raises(SystemExit) as exited:
         cli.main(["volume", "register", "--project", "demo", "--size-gb", size, "--path", "/dev/vol"])
@@ -161,9 +161,10 @@ def test_a_file_that_cannot_be_sized_is_removed_and_nothing_recorded(deployment,
     def no_space(fd, length):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(os, "ftruncate", no_space)
-    refused = cli.main(["volume", "register", "--project", "demo", "--size-gb", "1", "--new-file-in", str(shared)])
-    monkeypatch.undo()
+    with monkeypatch.context() as patched:
+        patched.setattr(os, "ftruncate", no_space)
+        refused = cli.main(["volume", "register", "--project", "demo", "--size-gb", "1", "--new-file-in",
+                            str(shared)])
 
     assert refused == 1 and "No space left on device" in capsys.readouterr().err
     assert volumes() == [] and os.listdir(shared) == []

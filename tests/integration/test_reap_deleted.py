@@ -86,36 +86,65 @@ def test_the_guest_and_disks_of_a_server_deleted_while_its_host_was_down_are_des
         assert message["operation_id"].startswith(f"reap/{message['instance_uuid']}/")
 
 
+def next_period() -> dt.datetime:
+    """The start of the next reap period (naive UTC), after every delete these tests record."""
+    period = hosts.REAP_PERIOD_SECONDS
+    start = (int(utcnow().replace(tzinfo=dt.UTC).timestamp()) // period + 1) * period
+    return dt.datetime.fromtimestamp(start, dt.UTC).replace(tzinfo=None)
+
+
+def view(guests: list[str], sent_at: dt.datetime) -> dict:
+    return {"sent_at": sent_at.isoformat(), "guests": guests, "instance_dirs": []}
+
+
 def test_a_report_sent_before_the_delete_finished_asks_for_nothing(queue):
     # a report sent before an ordinary delete's DestroyAtHost, processed after its FinishDelete
     gone = server(deleted=True, queued_for_delete=True)
 
-    report([gone], [gone], sent_at=A_MINUTE_AGO - dt.timedelta(seconds=1))
-
-    assert messages(queue) == []
+    assert hosts.reap_deleted(HOST, view([gone], A_MINUTE_AGO - dt.timedelta(seconds=1))) == []
+    assert hosts.reap_deleted(HOST, view([gone], A_MINUTE_AGO + dt.timedelta(seconds=10))) == [gone]
 
 
 def test_reports_within_one_period_ask_for_the_same_destroy(queue):
     gone = server(deleted=True, queued_for_delete=True)
+    start = next_period()
 
-    report([gone], [])
-    report([gone], [])
+    report([gone], [], sent_at=start)
+    report([gone], [], sent_at=start + dt.timedelta(seconds=hosts.REAP_PERIOD_SECONDS - 1))
+    report([gone], [], sent_at=start + dt.timedelta(seconds=hosts.REAP_PERIOD_SECONDS))
 
-    first, again = messages(queue)
+    first, again, later = messages(queue)
     assert first["operation_id"] == again["operation_id"]  # the agent answers the second from its journal
+    assert later["operation_id"] != first["operation_id"]  # a failed one is tried again
 
 
-def test_with_the_log_action_leftovers_are_only_logged(queue, monkeypatch):
+def test_leftovers_beyond_a_reports_cap_are_asked_for_in_turn(queue, monkeypatch):
+    monkeypatch.setattr(hosts, "REAP_MAX_PER_REPORT", 12)  # two batches of messages
+    gone = [server(deleted=True, queued_for_delete=True) for _ in range(25)]
+    start = next_period()
+    picked: list[set[str]] = []
+
+    for n in range(4):  # reports in four periods
+        reaped = hosts.reap_deleted(HOST, view(gone, start + dt.timedelta(seconds=n * hosts.REAP_PERIOD_SECONDS)))
+        sent = [m["instance_uuid"] for m in messages(queue)]
+        assert len(reaped) == 12 and sorted(sent) == sorted(reaped)
+        picked.append(set(reaped))
+
+    assert len(set.union(*picked)) > 12  # not the same twelve each period
+
+
+def test_with_the_log_action_leftovers_are_only_logged(queue, monkeypatch, caplog):
     gone = server(deleted=True, queued_for_delete=True)
     monkeypatch.setenv("FERRY_RUNNING_DELETED_ACTION", "log")
     config.reset()
     try:
-        report([gone], [gone])
+        assert hosts.reap_deleted(HOST, view([gone], utcnow())) == []
     finally:
         monkeypatch.delenv("FERRY_RUNNING_DELETED_ACTION")
         config.reset()
 
     assert messages(queue) == []
+    assert any("not reaped" in r.getMessage() for r in caplog.records)
 
 
 def test_a_reap_that_cannot_be_sent_leaves_the_report_applied(queue):

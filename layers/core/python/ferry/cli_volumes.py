@@ -27,6 +27,8 @@ from typing import Any
 from ferry import protocol
 
 GiB = 1024**3
+# The largest volume recorded: 1 PiB (a file's size must fit in 63 bits of bytes).
+MAX_SIZE_GB = 1024**2
 
 
 def _refused(message: str) -> int:
@@ -43,7 +45,7 @@ def _new_file(directory: str, volume_id: str, size_gb: int) -> Path:
         os.fchmod(fd, 0o660)
         os.ftruncate(fd, size_gb * GiB)
         os.fsync(fd)
-    except OSError:
+    except BaseException:
         path.unlink(missing_ok=True)  # a file that could not be made whole is not left
         raise
     finally:
@@ -120,8 +122,8 @@ def _size(text: str) -> int:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is no whole number of GiB") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError("a volume has at least 1 GiB")
+    if not 1 <= value <= MAX_SIZE_GB:
+        raise argparse.ArgumentTypeError(f"a volume has 1 to {MAX_SIZE_GB} GiB")
     return value
 
 

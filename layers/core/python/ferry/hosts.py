@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import json
 import re
 import threading
 from typing import Any
 
+from aws_lambda_powertools.metrics import MetricUnit
 from sqlalchemy import select
 
 from ferry import aws, config, errors, placement, protocol
-from ferry.observability import logger
+from ferry.observability import logger, metrics
 from ferry.store import setup
 from ferry.store.api_models import CellMapping, HostMapping, InstanceMapping, utcnow
 from ferry.store.cell_models import Instance, Service
@@ -94,16 +96,19 @@ def apply_report(report: dict[str, Any]) -> None:
             reap_deleted(host, view)
         except Exception:  # best effort: the report is applied, and the next one tries again
             logger.exception("reaping deleted servers' leftovers failed", extra={"host": host})
+            metrics.add_metric(name="ReapFailed", unit=MetricUnit.Count, value=1)
     logger.debug("host report applied", extra={"host": host, "kind": report["kind"]})
 
 
 _UUID = re.compile(r"^([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})(?:_resize|_incoming)?$")
 # Reports sent within this long after a delete finished may predate it (host and store clocks differ).
 REAP_CLOCK_SKEW = dt.timedelta(seconds=5)
-# A leftover is asked to be destroyed once per this long (the destroy's id names the period): a
-# destroy that fails is tried again by a later report, not by every one.
+# Every report names a leftover's destroy after the period it falls in, so the agent runs it at
+# most once per period (a repeat is answered from its journal): a destroy that fails is tried
+# again in a later period, not at every report.
 REAP_PERIOD_SECONDS = 1800
-# At most this many destroys per report; the rest wait for the next report.
+# At most this many destroys per report, chosen in an order that changes with the period, so
+# leftovers whose destroy keeps failing do not hold back the others for good.
 REAP_MAX_PER_REPORT = 20
 
 
@@ -128,27 +133,32 @@ def reap_deleted(host: str, view: dict[str, Any]) -> list[str]:
     if not held:
         return []
     sent_at = report_time(view["sent_at"])
-    deleted = [uuid for uuid, deleted_at in _deleted_servers(held)
-               if deleted_at is not None and deleted_at + REAP_CLOCK_SKEW < sent_at][:REAP_MAX_PER_REPORT]
-    if not deleted:
+    left = [uuid for uuid, deleted_at in _deleted_servers(held)
+            if deleted_at is not None and deleted_at + REAP_CLOCK_SKEW < sent_at]
+    if not left:
         return []
     if config.get().running_deleted_action != "reap":
         logger.warning("deleted servers' guests or disks still on their host (not reaped: "
-                       "FERRY_RUNNING_DELETED_ACTION)", extra={"host": host, "instance_uuids": deleted})
+                       "FERRY_RUNNING_DELETED_ACTION)", extra={"host": host, "instance_uuids": left})
         return []
     period = int(sent_at.replace(tzinfo=dt.UTC).timestamp()) // REAP_PERIOD_SECONDS
+    chosen = sorted(left, key=lambda uuid: hashlib.sha256(f"{uuid}/{period}".encode()).digest())
+    chosen = chosen[:REAP_MAX_PER_REPORT]
     entries = [{"Id": str(n), "MessageBody": json.dumps({
         "operation": protocol.DESTROY, "operation_id": f"reap/{uuid}/{period}", "instance_uuid": uuid, "args": {}})}
-        for n, uuid in enumerate(deleted)]
+        for n, uuid in enumerate(chosen)]
     sqs, url = aws.client("sqs"), queue_url(host)
+    unsent: set[str] = set()
     for first in range(0, len(entries), 10):
         answer = sqs.send_message_batch(QueueUrl=url, Entries=entries[first:first + 10])
         for failed in answer.get("Failed") or []:
+            unsent.add(chosen[int(failed["Id"])])
             logger.warning("reap message not sent", extra={"host": host, "error": failed.get("Message"),
-                                                           "instance_uuid": deleted[int(failed["Id"])]})
+                                                           "instance_uuid": chosen[int(failed["Id"])]})
+    reaped = [uuid for uuid in chosen if uuid not in unsent]
     logger.warning("deleted servers' guests or disks still on their host: destroying them",
-                   extra={"host": host, "instance_uuids": deleted})
-    return deleted
+                   extra={"host": host, "instance_uuids": reaped, "left_for_later": len(left) - len(reaped)})
+    return reaped
 
 
 def _deleted_servers(uuids: set[str]) -> list[tuple[str, dt.datetime | None]]:
