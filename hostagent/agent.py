@@ -962,8 +962,9 @@ class HostAgent(MoveOperations):
 
         The files of the ``volumes`` deleted with the server go last (shared storage: any host
         reaches them); ``volumes_removed`` names those whose file is gone. A volume that is no
-        file the hosts make (a block device), or whose file cannot be removed, is left, logged,
-        and not named: the server's delete goes on, as Nova's does when a volume's delete fails.
+        file the hosts make (a block device), whose file is not seen where its directory is not
+        marked (storage not mounted here), or whose file cannot be removed, is left, logged, and
+        not named: the server's delete goes on, as Nova's does when a volume's delete fails.
 
         Raises:
             HypervisorError, HostOperationFailed (the disks cannot be removed).
@@ -989,8 +990,11 @@ class HostAgent(MoveOperations):
                 continue
             if gone:
                 removed.append(volume["volume_id"])
-            else:
+            elif os.path.lexists(volume["path"]) or Path(volume["path"]).name != volume["volume_id"]:
                 logger.warning("volume left to its storage: no file the hosts made", extra=where)
+            else:
+                logger.warning("volume file not seen, in a directory not marked as the volumes': "
+                               "the storage may not be mounted here; left as it is", extra=where)
         return {**self._result(uuid, NOSTATE), "volumes_removed": removed}
 
     # -- reports

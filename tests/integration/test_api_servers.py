@@ -12,6 +12,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 from sqlalchemy import select, update
+from sqlalchemy.exc import OperationalError
 from test_api_support import ADMIN, ALICE, BOB, add_host, call, create_server, mocked_cloud
 
 from ferry import config, errors, workflows
@@ -931,6 +932,43 @@ def test_a_volume_another_server_holds_is_not_deleted_with_this_one(cloud):
     delete.finish_delete({**execution["input"], "destroyed": {"volumes_removed": [volume.id]}})
     assert api_rows(Volume, id=volume.id)[0].status == "in-use"
     assert [a.instance_uuid for a in api_rows(VolumeAttachment)] == ["another-server"]
+
+
+def test_a_volume_detached_before_is_not_deleted_with_the_server(cloud):
+    # GIVEN a volume attached with delete_on_termination and detached again, its mapping left
+    # behind (a detach whose cell half did not finish)
+    server_id, volume = volume_backed_server_on("host1", {
+        "source_type": "image", "uuid": cloud.image_id, "volume_size": 1, "delete_on_termination": True})
+    with api_session() as session:
+        session.execute(VolumeAttachment.__table__.delete())
+        session.execute(update(Volume).values(status="available"))
+
+    assert call("DELETE", f"/v2.1/servers/{server_id}").status == 204
+
+    [execution] = cloud.executions("delete")
+    assert execution["input"]["delete_volumes"] == []
+    delete.finish_delete({**execution["input"], "destroyed": {"volumes_removed": []}})
+    assert api_rows(Volume, id=volume.id)[0].status == "available"
+
+
+def test_a_delete_whose_volume_list_cannot_be_read_puts_the_server_back(cloud, monkeypatch):
+    add_host("host1")
+    server_id = create_server()
+    schedule(server_id)
+    real = compute_api.api_session
+
+    def gone_once_deleting(*args, **kwargs):  # the API database goes away once the delete is accepted
+        if instance(server_id).task_state == states.DELETING:
+            raise OperationalError("select", {}, Exception("API database went away"))
+        return real(*args, **kwargs)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(compute_api, "api_session", gone_once_deleting)
+        response = call("DELETE", f"/v2.1/servers/{server_id}")
+
+    assert response.status == 500
+    assert instance(server_id).task_state is None and cloud.executions("delete") == []
+    assert call("DELETE", f"/v2.1/servers/{server_id}").status == 204  # and it can be deleted again
 
 
 def test_a_delete_tried_again_deletes_the_volume_its_first_try_left_deleting(cloud):

@@ -147,7 +147,7 @@ def test_with_the_log_action_leftovers_are_only_logged(queue, monkeypatch, caplo
     assert any("not reaped" in r.getMessage() for r in caplog.records)
 
 
-def test_a_reap_that_cannot_be_sent_leaves_the_report_applied(queue):
+def test_a_reap_that_cannot_be_sent_leaves_the_report_applied(queue, caplog):
     gone = server(deleted=True, queued_for_delete=True)
     aws.client("sqs").delete_queue(QueueUrl=queue)
     hosts._queue_urls.clear()
@@ -155,6 +155,7 @@ def test_a_reap_that_cannot_be_sent_leaves_the_report_applied(queue):
 
     report([gone], [gone], sent_at=sent_at)  # does not raise
 
+    assert any(r.getMessage() == "reaping deleted servers' leftovers failed" for r in caplog.records)
     with cell_session("cell1") as session:
         service = session.scalars(select(Service).where(Service.host == HOST)).one()
     assert hosts.host_view(service)["guests"] == [gone]

@@ -23,7 +23,6 @@ After repairing, the audit runs again and reports what is left.
 from __future__ import annotations
 
 import datetime as dt
-import re
 from collections import defaultdict
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
@@ -32,7 +31,7 @@ from typing import Any, cast
 from botocore.exceptions import BotoCoreError, ClientError
 from sqlalchemy import CursorResult, func, select, update
 
-from ferry import aws, config, errors, hosts, images, network, placement
+from ferry import aws, config, errors, hosts, images, network, placement, protocol
 from ferry.compute import migration_states, states
 from ferry.observability import logger
 from ferry.store.api_models import (
@@ -119,8 +118,7 @@ SNAPSHOT_SUFFIX = "-resize-temp"
 DEFAULT_GRACE_SECONDS = 120.0
 DEFAULT_CLOCK_SKEW_SECONDS = 5.0
 
-_UUID = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
-_INSTANCE_DIR = re.compile(rf"^(?P<uuid>{_UUID})(?P<kind>_resize|_incoming)?$")
+_INSTANCE_DIR = protocol.INSTANCE_DIR_NAME
 
 
 @dataclass(frozen=True)

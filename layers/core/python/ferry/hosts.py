@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
-import re
 import threading
 from typing import Any
 
@@ -100,7 +99,6 @@ def apply_report(report: dict[str, Any]) -> None:
     logger.debug("host report applied", extra={"host": host, "kind": report["kind"]})
 
 
-_UUID = re.compile(r"^([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})(?:_resize|_incoming)?$")
 # Reports sent within this long after a delete finished may predate it (host and store clocks differ).
 REAP_CLOCK_SKEW = dt.timedelta(seconds=5)
 # Every report names a leftover's destroy after the period it falls in, so the agent runs it at
@@ -128,8 +126,8 @@ def reap_deleted(host: str, view: dict[str, Any]) -> list[str]:
     Raises:
         Whatever reading the store or sending to the host's queue raises (the caller logs it).
     """
-    held = {m.group(1) for name in [*view.get("guests", []), *(view.get("instance_dirs") or [])]
-            if (m := _UUID.match(name))}
+    held = {m.group("uuid") for name in [*view.get("guests", []), *(view.get("instance_dirs") or [])]
+            if (m := protocol.INSTANCE_DIR_NAME.match(name))}
     if not held:
         return []
     sent_at = report_time(view["sent_at"])

@@ -9,6 +9,7 @@ queue, which the ``ReportHostState`` function consumes: agents never touch the d
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from ferry import validation
@@ -53,6 +54,11 @@ MOVED_DISKS = ("root", "ephemeral")
 BLOCK_SHA256 = "sha256-blocks"
 BLOCK_BLAKE3 = "blake3-blocks"
 MOVE_DIGEST = BLOCK_BLAKE3
+
+# The names of a host's instance directories, as its inventory reports list them: ``<uuid>``, and
+# ``<uuid>_resize`` / ``<uuid>_incoming`` while a move keeps or brings disks there.
+INSTANCE_DIR_NAME = re.compile(
+    r"^(?P<uuid>[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})(?P<kind>_resize|_incoming)?$")
 
 # Written beside every file-backed volume Ferry makes (by a host's spawn, or ``ferry volume
 # register --new-file-in``): where it is seen, the volumes' storage is there (mounted), so a

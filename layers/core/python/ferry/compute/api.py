@@ -726,7 +726,9 @@ def _reserve_root_volume(session: Session, ctx: RequestContext, instance_uuid: s
             ~exists().where(VolumeAttachment.volume_id == Volume.id)).values(status="reserved")
             .execution_options(synchronize_session=False))
         if cast("CursorResult[Any]", reserved).rowcount != 1:
-            raise errors.BadRequest(f"Volume {volume.id} is not available (status {volume.status}).")
+            now = session.scalars(select(Volume.status).where(Volume.id == volume.id)).one_or_none()
+            raise errors.BadRequest(f"Volume {volume.id} is not available (status {now or 'gone'}, "
+                                    f"or a server holds it).")
         volume_id, image_id = volume.id, None
     session.flush()
     attachment = VolumeAttachment(volume_id=volume_id, instance_uuid=instance_uuid, status="reserved")
@@ -1031,13 +1033,20 @@ def delete_server(ctx: RequestContext, location: Location) -> None:
             raise _invalid_state("delete", uuid, "task_state", current.task_state) from exc
         actions.start_action(session, instance_uuid=uuid, action=actions.DELETE, request_id=ctx.request_id,
                              user_id=ctx.user_id, project_id=ctx.project_id)
-    with api_session() as session:  # a volume another server holds is not the server's to delete
-        payload["delete_volumes"] = [{"volume_id": v.id, "path": v.path} for v in session.scalars(
-            select(Volume).where(Volume.id.in_(doomed)).order_by(Volume.id))
-            if all(a.instance_uuid == uuid for a in v.attachments)]
+    undo = None if previous == states.DELETING else {"task_state": previous}
+    try:
+        # Only the volumes the server holds, or that a delete of it before left ``deleting``: not
+        # one detached from it, nor one another server holds.
+        with api_session() as session:
+            payload["delete_volumes"] = [{"volume_id": v.id, "path": v.path} for v in session.scalars(
+                select(Volume).where(Volume.id.in_(doomed)).order_by(Volume.id))
+                if (all(a.instance_uuid == uuid for a in v.attachments)
+                    and (v.attachments or v.status == "deleting"))]
+    except Exception:
+        _undo(cell, uuid, ctx.request_id, undo, states.DELETING)
+        raise
     _start_or_undo(config.get().delete_state_machine_arn, execution_name("delete", uuid, ctx.request_id), payload,
-                   cell, undo=None if previous == states.DELETING else {"task_state": previous},
-                   undo_from=states.DELETING)
+                   cell, undo=undo, undo_from=states.DELETING)
 
 
 def _power(ctx: RequestContext, location: Location, action: str, operation: str, from_vm_state: str,

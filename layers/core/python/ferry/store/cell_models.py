@@ -103,7 +103,7 @@ class BlockDeviceMapping(TimestampMixin, CellBase):
     guest_format: Mapped[str | None] = mapped_column(String(32), nullable=True)
     delete_on_termination: Mapped[bool] = mapped_column(Boolean, default=False)
     attachment_id: Mapped[str | None] = mapped_column(String(36), nullable=True)
-    # The tag the volume was attached with (2.49), for the guest to find it by.
+    # The device tag asked for at create (2.32, from 2.42) or at attach (2.49), for the guest to find it by.
     tag: Mapped[str | None] = mapped_column(String(255), nullable=True)
     deleted: Mapped[bool] = mapped_column(Boolean, default=False)
 

@@ -163,18 +163,23 @@ def _release_volumes(session: Session, uuid: str, doomed: set[str], removed: set
     operator. A volume another server holds stays as it is. Other volumes become ``available``.
     """
     mine = list(session.scalars(select(VolumeAttachment).where(VolumeAttachment.instance_uuid == uuid)))
+    held = {a.volume_id for a in mine}
     for attachment in mine:
         session.delete(attachment)
     session.flush()
-    for volume_id in sorted({a.volume_id for a in mine} | doomed | unwritten):
+    for volume_id in sorted(held | doomed | unwritten):
         volume = session.get(Volume, volume_id)
         where = {"instance_uuid": uuid, "volume_id": volume_id}
         if volume is None:
             continue
         if session.scalars(select(VolumeAttachment.id).where(VolumeAttachment.volume_id == volume_id)).first():
-            if volume_id in doomed:
+            if volume_id in removed:
+                logger.error("volume file removed while another server holds it", extra=where)
+            elif volume_id in doomed:
                 logger.warning("volume kept: another server holds it", extra=where)
             continue
+        if volume_id not in held and volume_id not in unwritten and volume.status != "deleting":
+            continue  # detached from the server before (its mapping outlived the detach): not the server's
         if volume_id in unwritten or (volume_id in doomed and volume_id in removed):
             session.delete(volume)
             logger.info("volume deleted with its server", extra=where)
