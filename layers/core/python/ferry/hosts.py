@@ -12,9 +12,10 @@ from aws_lambda_powertools.metrics import MetricUnit
 from sqlalchemy import select
 
 from ferry import aws, config, errors, placement, protocol
+from ferry.compute import instances
 from ferry.observability import logger, metrics
 from ferry.store import setup
-from ferry.store.api_models import CellMapping, HostMapping, InstanceMapping, utcnow
+from ferry.store.api_models import CellMapping, HostMapping, utcnow
 from ferry.store.cell_models import Instance, Service
 from ferry.store.db import api_session, cell_session
 
@@ -162,16 +163,9 @@ def reap_deleted(host: str, view: dict[str, Any]) -> list[str]:
 def _deleted_servers(uuids: set[str]) -> list[tuple[str, dt.datetime | None]]:
     """``(uuid, deleted_at)`` of those of ``uuids`` that are servers whose delete finished:
     mapping queued for delete, record deleted in the mapped cell."""
-    by_cell: dict[int, list[str]] = {}
-    with api_session() as session:
-        for uuid, cell_id in session.execute(select(InstanceMapping.instance_uuid, InstanceMapping.cell_id).where(
-                InstanceMapping.instance_uuid.in_(uuids), InstanceMapping.queued_for_delete.is_(True))):
-            if cell_id is not None:
-                by_cell.setdefault(cell_id, []).append(uuid)
-        cells = {c.id: c for c in session.scalars(select(CellMapping).where(CellMapping.id.in_(by_cell)))}
     deleted: list[tuple[str, dt.datetime | None]] = []
-    for cell_id, found in by_cell.items():
-        with cell_session(cells[cell_id]) as session:
+    for cell, found in instances.by_cell(uuids, queued_for_delete=True):
+        with cell_session(cell) as session:
             rows = session.execute(select(Instance.uuid, Instance.deleted_at).where(
                 Instance.uuid.in_(found), Instance.deleted.is_(True)))
             deleted.extend((uuid, deleted_at) for uuid, deleted_at in rows)

@@ -74,24 +74,35 @@ def purge(session: Session, instance_uuid: str) -> bool:
     return deleted.rowcount > 0 or bool(action_ids)
 
 
+def by_cell(instance_uuids: Iterable[str], *,
+            queued_for_delete: bool | None = None) -> list[tuple[CellMapping, list[str]]]:
+    """The cells ``instance_uuids`` are mapped to, each with its uuids (those mapped to no cell
+    are left out; ``queued_for_delete`` keeps only the mappings with that flag). For reading
+    many servers with one query per cell; call it outside any API database session."""
+    wanted = set(instance_uuids)
+    if not wanted:
+        return []
+    grouped: dict[int, list[str]] = {}
+    with api_session() as session:
+        query = select(InstanceMapping.instance_uuid, InstanceMapping.cell_id).where(
+            InstanceMapping.instance_uuid.in_(wanted))
+        if queued_for_delete is not None:
+            query = query.where(InstanceMapping.queued_for_delete.is_(queued_for_delete))
+        for uuid, cell_id in session.execute(query):
+            if cell_id is not None:
+                grouped.setdefault(cell_id, []).append(uuid)
+        cells = {c.id: c for c in session.scalars(select(CellMapping).where(CellMapping.id.in_(grouped)))}
+    return [(cells[cell_id], sorted(uuids)) for cell_id, uuids in sorted(grouped.items())]
+
+
 def hosts_of(instance_uuids: Iterable[str]) -> dict[str, str | None]:
     """The host of each live server among ``instance_uuids``, read with one query per cell they
     are mapped to; a server with no host, still being scheduled, or gone is given None. Call it
     outside any API database session."""
     wanted = set(instance_uuids)
     found: dict[str, str | None] = dict.fromkeys(wanted)
-    if not wanted:
-        return found
-    by_cell: dict[int, list[str]] = {}
-    with api_session() as session:
-        cells = {c.id: c for c in session.scalars(select(CellMapping))}
-        mapped = session.execute(select(InstanceMapping.instance_uuid, InstanceMapping.cell_id).where(
-            InstanceMapping.instance_uuid.in_(wanted), InstanceMapping.cell_id.is_not(None)))
-        for uuid, cell_id in mapped:
-            if cell_id is not None:
-                by_cell.setdefault(cell_id, []).append(uuid)
-    for cell_id, uuids in by_cell.items():
-        with cell_session(cells[cell_id]) as session:
+    for cell, uuids in by_cell(wanted):
+        with cell_session(cell) as session:
             rows = session.execute(select(Instance.uuid, Instance.host).where(
                 Instance.uuid.in_(uuids), Instance.deleted.is_(False), Instance.hidden.is_(False)))
             for uuid, host in rows:
