@@ -926,7 +926,7 @@ class HostAgent(MoveOperations):
                 else:
                     disks.create_sparse(path, size)
                 created_volumes.append(path)
-                disks.mark_volume_dir(path.parent)
+                protocol.mark_volume_dir(path.parent)
         except OSError as exc:
             raise errors.SpawnFailed(
                 f"Preparing the disks of instance {instance_uuid} failed: {exc}", instance_uuid=instance_uuid

@@ -146,18 +146,13 @@ def remove_dir(directory: str | os.PathLike[str]) -> None:
         pass
 
 
-def mark_volume_dir(directory: str | os.PathLike[str]) -> None:
-    """Mark ``directory`` as holding file-backed volumes (``VOLUME_DIR_MARKER``; idempotent)."""
-    (Path(directory) / VOLUME_DIR_MARKER).touch(exist_ok=True)
-
-
 def remove_volume_file(path: str | os.PathLike[str], volume_id: str) -> bool:
     """Delete a volume's file; whether it is gone.
 
     Only a regular file named after the volume is deleted: the file-backed volumes the hosts
     make. Anything else at the path (a block device, a link, another name) belongs to the
     storage that made it and is left there (False). Such a file that is absent is gone only
-    where its directory carries the volumes' marker (:func:`mark_volume_dir`); elsewhere the
+    where its directory carries the volumes' marker (``protocol.mark_volume_dir``); elsewhere the
     storage may only be out of sight here (not mounted), and nothing can be told (False).
 
     Raises:

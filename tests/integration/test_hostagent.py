@@ -523,7 +523,7 @@ def test_an_absent_volume_file_is_gone_only_beside_the_volumes_marker(tmp_path):
     assert disks.remove_volume_file(tmp_path / "vol-7", "vol-7") is False
     assert disks.remove_volume_file(tmp_path / "unmounted" / "vol-7", "vol-7") is False
 
-    disks.mark_volume_dir(tmp_path)
+    protocol.mark_volume_dir(tmp_path)
 
     assert disks.remove_volume_file(tmp_path / "vol-7", "vol-7") is True
     assert disks.remove_volume_file(tmp_path / "data-01", "vol-7") is False  # a device, not a file hosts made

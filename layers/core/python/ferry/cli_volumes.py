@@ -78,7 +78,7 @@ def _run_register(args: argparse.Namespace) -> int:
         if made is not None and not recorded:
             os.unlink(made)  # nothing is left of a volume that was not recorded
     if args.new_file_in is not None:  # marked as the hosts mark the directories they make volumes in
-        (Path(args.new_file_in) / protocol.VOLUME_DIR_MARKER).touch(exist_ok=True)
+        protocol.mark_volume_dir(args.new_file_in)
     print(f"volume {volume_id}: {args.size_gb} GiB at {path}, project {args.project}, available")
     return 0
 

@@ -9,7 +9,9 @@ queue, which the ``ReportHostState`` function consumes: agents never touch the d
 
 from __future__ import annotations
 
+import os
 import re
+from pathlib import Path
 from typing import Any
 
 from ferry import validation
@@ -64,6 +66,11 @@ INSTANCE_DIR_NAME = re.compile(
 # register --new-file-in``): where it is seen, the volumes' storage is there (mounted), so a
 # volume file missing beside it is gone rather than out of sight.
 VOLUME_DIR_MARKER = ".ferry-volumes"
+
+
+def mark_volume_dir(directory: str | os.PathLike[str]) -> None:
+    """Mark ``directory`` as holding file-backed volumes (:data:`VOLUME_DIR_MARKER`; idempotent)."""
+    (Path(directory) / VOLUME_DIR_MARKER).touch(exist_ok=True)
 
 # Kinds of report an agent sends.
 REPORT_INVENTORY = "inventory"

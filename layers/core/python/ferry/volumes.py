@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any, cast
 
-from sqlalchemy import CursorResult, delete, exists, select
+from sqlalchemy import ColumnElement, CursorResult, delete, exists, select
 from sqlalchemy.orm import Session
 
 from ferry import errors
@@ -103,6 +103,12 @@ def detach_from(session: Session, instance_uuid: str, host: str) -> None:
     session.flush()
 
 
+def unheld() -> ColumnElement[bool]:
+    """The condition that no attachment holds the volume (for one-statement changes that must
+    not race an attach, a boot or a forget)."""
+    return ~exists().where(VolumeAttachment.volume_id == Volume.id)
+
+
 def register(session: Session, *, project_id: str, size_gb: int, path: str, name: str | None = None,
              volume_id: str | None = None) -> Volume:
     """Record a volume at ``path`` (storage every host reaches) for ``project_id``; ``available``.
@@ -147,7 +153,7 @@ def forget(session: Session, volume_id: str) -> dict[str, Any]:
     held = {"id": volume.id, "path": volume.path, "status": volume.status}
     stmt = delete(Volume).where(
         Volume.id == volume_id, Volume.status.in_(FORGETTABLE),
-        ~exists().where(VolumeAttachment.volume_id == Volume.id))
+        unheld())
     if cast(CursorResult[Any], session.execute(stmt.execution_options(synchronize_session=False))).rowcount != 1:
         now = session.scalars(select(Volume.status).where(Volume.id == volume_id)).one_or_none()
         raise errors.VolumeInUse(f"Volume {volume_id} is {now or 'gone'}, or a server holds it; it is not forgotten "

@@ -40,11 +40,12 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
-from sqlalchemy import ColumnElement, CursorResult, and_, delete, exists, select, update
+from sqlalchemy import ColumnElement, CursorResult, and_, delete, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from ferry import config, errors, hosts, images, network, placement, policy, protocol, quotas, validation, workflows
+from ferry import volumes as volume_store
 from ferry.auth import RequestContext
 from ferry.compute import (
     actions,
@@ -723,7 +724,7 @@ def _reserve_root_volume(session: Session, ctx: RequestContext, instance_uuid: s
         # One statement: another boot, an attach or ``ferry volume forget`` may be at it too.
         reserved = session.execute(update(Volume).where(
             Volume.id == volume.id, Volume.status == "available",
-            ~exists().where(VolumeAttachment.volume_id == Volume.id)).values(status="reserved")
+            volume_store.unheld()).values(status="reserved")
             .execution_options(synchronize_session=False))
         if cast("CursorResult[Any]", reserved).rowcount != 1:
             now = session.scalars(select(Volume.status).where(Volume.id == volume.id)).one_or_none()
