@@ -118,8 +118,6 @@ SNAPSHOT_SUFFIX = "-resize-temp"
 DEFAULT_GRACE_SECONDS = 120.0
 DEFAULT_CLOCK_SKEW_SECONDS = 5.0
 
-_INSTANCE_DIR = protocol.INSTANCE_DIR_NAME
-
 
 @dataclass(frozen=True)
 class Problem:
@@ -590,7 +588,7 @@ def _check_hosts(world: _World) -> Iterable[Problem]:
                           f"Host {host} has a guest {uuid} but no server of that uuid lives there"
                           f"{' (the server is deleted)' if uuid in world.copies else ''}.")
         for name in sorted(view.instance_dirs or ()):
-            matched = _INSTANCE_DIR.match(name)
+            matched = protocol.INSTANCE_DIR_NAME.match(name)
             if matched is None:
                 continue
             uuid = matched["uuid"]

@@ -72,6 +72,7 @@ def mark_volume_dir(directory: str | os.PathLike[str]) -> None:
     """Mark ``directory`` as holding file-backed volumes (:data:`VOLUME_DIR_MARKER`; idempotent)."""
     (Path(directory) / VOLUME_DIR_MARKER).touch(exist_ok=True)
 
+
 # Kinds of report an agent sends.
 REPORT_INVENTORY = "inventory"
 REPORT_HEARTBEAT = "heartbeat"

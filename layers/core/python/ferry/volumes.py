@@ -151,9 +151,7 @@ def forget(session: Session, volume_id: str) -> dict[str, Any]:
     if volume is None:
         raise errors.VolumeNotFound(f"Volume {volume_id} could not be found.")
     held = {"id": volume.id, "path": volume.path, "status": volume.status}
-    stmt = delete(Volume).where(
-        Volume.id == volume_id, Volume.status.in_(FORGETTABLE),
-        unheld())
+    stmt = delete(Volume).where(Volume.id == volume_id, Volume.status.in_(FORGETTABLE), unheld())
     if cast(CursorResult[Any], session.execute(stmt.execution_options(synchronize_session=False))).rowcount != 1:
         now = session.scalars(select(Volume.status).where(Volume.id == volume_id)).one_or_none()
         raise errors.VolumeInUse(f"Volume {volume_id} is {now or 'gone'}, or a server holds it; it is not forgotten "

@@ -29,11 +29,7 @@ from ferry.store.api_models import (
     VolumeAttachment,
     utcnow,
 )
-from ferry.store.cell_models import (
-    BlockDeviceMapping,
-    Instance,
-    Tag,
-)
+from ferry.store.cell_models import BlockDeviceMapping, Instance, Tag
 from ferry.store.db import CELL0_NAME, all_cells, api_session, cell_session
 from ferry.workflows import error_message
 
@@ -115,7 +111,7 @@ def _materialize(build: BuildRequest, selection: scheduler.Selection, request_id
 
 def _remove_unmapped_copy(uuid: str, cell: str) -> bool:
     """Delete the server's copy in ``cell`` unless its mapping names that cell (an earlier run of
-    the step handed it over); whether it was deleted."""
+    the step handed it over); False when it does (nothing is deleted then)."""
     with api_session() as session:
         cell_id = session.scalars(select(CellMapping.id).where(CellMapping.name == cell)).one()
         mapping = session.scalars(select(InstanceMapping).where(InstanceMapping.instance_uuid == uuid)).one_or_none()
