@@ -165,6 +165,11 @@ def test_the_cli_places_a_server_on_a_named_host_and_lists_one_projects_servers(
     listed = {s["ID"] for s in cli.json("server", "list", "--project", "demo")}
     assert demo_server["id"] in listed and created["id"] not in listed
 
+    # a deleted server is listed again with --deleted (admins only)
+    cli.run("server", "delete", "--wait", name)
+    deleted = {s["ID"]: s["Status"] for s in cli.json("server", "list", "--deleted", "--all-projects")}
+    assert deleted.get(created["id"]) == "DELETED" and demo_server["id"] not in deleted
+
 
 # openstacksdk warns about its own deprecations on nearly every call.
 @pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::PendingDeprecationWarning")

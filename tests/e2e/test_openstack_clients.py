@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import subprocess
@@ -56,6 +57,7 @@ def cli(local_stack, tmp_path) -> OpenStackCli:
 def test_the_openstack_cli_drives_a_server_through_its_life(cli, servers, local_stack):
     name = f"e2e-cli-{uuid.uuid4().hex[:8]}"
     image = local_stack.seeded.image
+    started = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
     flavors = {f["Name"]: f for f in cli.json("flavor", "list")}
     assert set(flavors) == {"ferry.tiny", "ferry.small", "ferry.medium", "ferry.large"}
@@ -105,6 +107,9 @@ def test_the_openstack_cli_drives_a_server_through_its_life(cli, servers, local_
     cli.run("server", "delete", "--wait", name)
     assert servers.show(server_id, "demo") is None
     assert server_id not in {s["ID"] for s in cli.json("server", "list")}
+    # a client polling for changes sees the deletion
+    changed = {s["ID"]: s["Status"] for s in cli.json("server", "list", "--changes-since", started)}
+    assert changed.get(server_id) == "DELETED"
 
 
 # openstacksdk warns about its own deprecations on nearly every call.

@@ -613,11 +613,55 @@ def test_list_refuses_what_it_cannot_filter_by_and_unknown_parameters_from_2_75(
     unknown = call("GET", "/v2.1/servers", query={"colour": "blue"}, version="2.75")
     assert unknown.status == 400 and "'colour' was unexpected" in unknown.body["badRequest"]["message"]
     assert _listed({"colour": "blue"}, version="2.74") == ["vm"]
+    for refused in ("description", "instance_name", "locked_by", "created_at"):
+        response = call("GET", "/v2.1/servers", caller=ADMIN, query={refused: "x"}, version="2.90")
+        assert response.body["badRequest"]["message"] == f"Ferry does not filter servers by {refused}."
     # what the CLI's `server list` sends by default
     assert _listed({"deleted": "False", "all_tenants": "False"}) == ["vm"]
-    assert call("GET", "/v2.1/servers", caller=ADMIN, query={"deleted": "True"}, version="2.90").status == 400
-    assert call("GET", "/v2.1/servers", caller=ADMIN, query={"deleted": ""}, version="2.90").status == 200
+    assert _listed({"deleted": "", "all_tenants": "1"}, caller=ADMIN) == ["vm"]  # not true: live servers
     assert _listed({"deleted": "True"}) == ["vm"]  # admins only: dropped for a member, as in Nova
+
+
+def test_list_filters_by_name_hostname_description_and_image_ref_for_admins(cloud):
+    create_server(name="web-1", hostname="alpha", description="front end")
+    create_server(name="db-1", hostname="beta")
+    image_id = create_server(name="other-image")
+    with api_session() as session:
+        build = session.scalars(select(BuildRequest).where(BuildRequest.instance_uuid == image_id)).one()
+        build.instance = {**build.instance, "image_ref": "another-image"}
+
+    def admin(query: dict) -> list[str]:
+        return sorted(_listed({**query, "all_tenants": "1"}, caller=ADMIN))
+
+    assert admin({"display_name": "^web"}) == ["web-1"]
+    assert admin({"hostname": "et"}) == ["db-1"]
+    assert admin({"display_description": "front"}) == ["web-1"]
+    assert admin({"display_description": "."}) == ["web-1"]  # no description: no match
+    assert admin({"image_ref": "another-image"}) == ["other-image"]
+    assert admin({"display_name": "-1$", "hostname": "^a"}) == ["web-1"]  # every filter holds
+    assert sorted(_listed({"hostname": "nothing"})) == ["db-1", "other-image", "web-1"]  # dropped for a member
+    assert call("GET", "/v2.1/servers", caller=ADMIN, query={"hostname": "("}, version="2.90").status == 400
+
+
+def test_deleted_servers_are_listed_with_a_time_window_or_deleted_true(cloud):
+    gone, _, _ = deleted_server(cloud)
+    live = create_server(name="live")
+    schedule(live)
+    since = (utcnow() - dt.timedelta(hours=1)).isoformat()
+
+    assert _listed({}) == ["live"]
+    windowed = call("GET", "/v2.1/servers/detail", query={"changes-since": since}, version="2.90").body["servers"]
+    assert {s["id"]: s["status"] for s in windowed} == {gone: "DELETED", live: "ACTIVE"}
+    [shown] = [s for s in windowed if s["id"] == gone]
+    assert shown["OS-EXT-STS:vm_state"] == "deleted" and shown["OS-SRV-USG:terminated_at"]
+    assert [s["id"] for s in call("GET", "/v2.1/servers", query={"changes-before": utcnow().isoformat()},
+                                  version="2.90").body["servers"]] == [live, gone]
+    only = call("GET", "/v2.1/servers", caller=ADMIN, query={"deleted": "yes", "all_tenants": "1"}, version="2.90")
+    assert [s["id"] for s in only.body["servers"]] == [gone]
+    assert _listed({"deleted": "true", "soft_deleted": "true", "all_tenants": "1"}, caller=ADMIN) == ["vm1"]
+    assert _listed({"deleted": "false", "changes-since": since, "all_tenants": "1"}, caller=ADMIN) == ["live"]
+    assert _listed({"deleted": "true"}) == ["live"]  # a member's deleted is dropped
+    assert call("GET", f"/v2.1/servers/{gone}", version="2.90").status == 404
 
 
 def test_list_sorts_by_the_keys_asked_for(cloud):

@@ -125,7 +125,8 @@ _SERVER_QUERY: dict[str, Schema] = {
     "all_tenants": _STRING, "project_id": _STRING, "tenant_id": _STRING, "host": _STRING,
     **{name: _STRING for name in ("node", "uuid", "user_id", "flavor", "image", "availability_zone", "key_name",
                                   "locked", "changes-since", "changes-before", "ip", "ip6", "tags", "tags-any",
-                                  "not-tags", "not-tags-any", "deleted")},
+                                  "not-tags", "not-tags-any", "deleted", "soft_deleted", "reservation_id",
+                                  "display_name", "hostname", "display_description", "image_ref")},
     **{name: {"type": "array", "items": _STRING} for name in ("vm_state", "task_state", "sort_key", "sort_dir")},
     "power_state": {"type": "array", "items": _INTEGER}}
 _FLAVOR_QUERY: dict[str, Schema] = {

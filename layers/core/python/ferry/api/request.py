@@ -135,6 +135,12 @@ def last(params: dict[str, list[str]], name: str) -> str | None:
     return values[-1] if values else None
 
 
+def is_true(value: str) -> bool:
+    """Whether a lenient boolean parameter is one of Nova's true spellings (anything else is
+    false, never an error)."""
+    return value.strip().lower() in _TRUE
+
+
 def parse_bool(name: str, value: str) -> bool:
     """A query parameter as a boolean (Nova's strict spellings).
 

@@ -4,6 +4,11 @@ As in Nova, a filter meant for admins is dropped (not refused) when a member sen
 parameter newer than the request's microversion is ignored, and from 2.75 a parameter Nova
 does not know is refused (400). A parameter Nova knows but Ferry cannot filter by is refused
 too, whoever may use it: a list must never look filtered when it is not.
+
+Deleted servers are listed as Nova lists them: with ``changes-since`` or ``changes-before``
+(whoever asks), and for an admin's ``deleted=true`` (only them; any other value of ``deleted``
+leaves them out, even with a time window). ``soft_deleted`` is taken and changes nothing: Ferry has no soft
+delete, so no server is ``SOFT_DELETED``.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from collections.abc import Mapping
 from ferry import errors
 from ferry.api import request
 from ferry.api.request import ViewContext
-from ferry.compute.server_filters import ADMIN_SORT_KEYS, SORT_DIRECTIONS, SORT_KEYS, ServerFilters
+from ferry.compute.server_filters import ADMIN_SORT_KEYS, SORT_DIRECTIONS, SORT_KEYS, ReadDeleted, ServerFilters
 
 # Parameter → (the microversion it exists from, the one members may use it from; None: admins only).
 PARAMETERS: Mapping[str, tuple[str, str | None]] = {
@@ -34,12 +39,11 @@ PARAMETERS: Mapping[str, tuple[str, str | None]] = {
                                         "instance_name")},
     "pinned_availability_zone": ("2.96", "2.96"),
 }
-# Known to Nova, not filtered by in Ferry (``deleted``/``soft_deleted`` only when true).
+# Known to Nova, not filtered by in Ferry.
 UNSUPPORTED = frozenset({
-    "config_drive", "created_at", "launched_at", "terminated_at", "progress", "hostname",
+    "config_drive", "created_at", "launched_at", "terminated_at", "progress",
     "kernel_id", "ramdisk_id", "root_device_name", "launch_index", "access_ip_v4", "access_ip_v6",
-    "auto_disk_config", "locked_by", "description", "display_name", "display_description", "image_ref",
-    "instance_name", "pinned_availability_zone"})
+    "auto_disk_config", "locked_by", "description", "instance_name", "pinned_availability_zone"})
 
 
 # Sort keys Nova accepts (those Ferry cannot sort by are refused with a clear message) and
@@ -78,8 +82,7 @@ def parse(view: ViewContext, params: Mapping[str, list[str]]) -> ServerFilters:
         if admin or (members_from is not None and view.at_least(members_from)):
             usable[name] = values
     for name in sorted(usable):
-        if name in UNSUPPORTED or (name in ("deleted", "soft_deleted")
-                                   and request.parse_bool(name, request.last(usable, name) or "false")):
+        if name in UNSUPPORTED:
             raise errors.BadRequest(f"Ferry does not filter servers by {name}.")
 
     def last(name: str) -> str | None:
@@ -89,12 +92,16 @@ def parse(view: ViewContext, params: Mapping[str, list[str]]) -> ServerFilters:
     locked = last("locked")
     return ServerFilters(
         name=_pattern("name", last("name")),
+        display_name=_pattern("display_name", last("display_name")),
+        hostname=_pattern("hostname", last("hostname")),
+        description=_pattern("display_description", last("display_description")),
+        read_deleted=_read_deleted(last("deleted"), windowed=changes_since is not None or changes_before is not None),
         statuses=_upper(usable.get("status")),
         all_tenants="all_tenants" in usable and request.parse_bool("all_tenants", last("all_tenants") or "true"),
         project_id=last("project_id") or last("tenant_id"),
         user_id=last("user_id"), host=last("host"), node=last("node"), uuid=last("uuid"),
         reservation_id=last("reservation_id"),
-        flavor=last("flavor"), image=last("image"),
+        flavor=last("flavor"), image=last("image") or last("image_ref"),
         availability_zone=last("availability_zone"), key_name=last("key_name"),
         vm_states=_set(usable.get("vm_state")), task_states=_set(usable.get("task_state")),
         power_states=_power_states(usable.get("power_state")),
@@ -105,6 +112,15 @@ def parse(view: ViewContext, params: Mapping[str, list[str]]) -> ServerFilters:
         not_tags=_tags(last("not-tags")), not_tags_any=_tags(last("not-tags-any")),
         sort=_sort(usable.get("sort_key") or [], usable.get("sort_dir") or [], admin=admin),
         limit=request.parse_limit(last("limit")), marker=last("marker"))
+
+
+def _read_deleted(deleted: str | None, *, windowed: bool) -> ReadDeleted:
+    """Which servers a list reads: an admin's ``deleted`` decides (Nova's true spellings ask for
+    deleted servers, any other value for live ones); else a time window adds the deleted ones
+    to the live ones."""
+    if deleted is not None:
+        return "only" if request.is_true(deleted) else "no"
+    return "yes" if windowed else "no"
 
 
 def _pattern(name: str, value: str | None) -> re.Pattern[str] | None:

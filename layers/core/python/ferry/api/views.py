@@ -113,7 +113,7 @@ def server_detail(view: ViewContext, server: Server) -> dict[str, Any]:
         "OS-EXT-STS:task_state": server.task_state,
         "OS-EXT-STS:power_state": server.power_state,
         "OS-SRV-USG:launched_at": isotime_micro(server.launched_at),
-        "OS-SRV-USG:terminated_at": None,
+        "OS-SRV-USG:terminated_at": isotime_micro(server.terminated_at),
         "security_groups": [{"name": "default"}],
         "os-extended-volumes:volumes_attached": [
             {"id": v["id"], **({"delete_on_termination": v["delete_on_termination"]} if view.at_least("2.3") else {})}

@@ -140,6 +140,7 @@ class Server:
     metadata: dict[str, str] = field(default_factory=dict)
     locked: bool = False
     launched_at: dt.datetime | None = None
+    terminated_at: dt.datetime | None = None
     tags: list[str] = field(default_factory=list)
     fault: dict[str, Any] | None = None
     ports: list[dict[str, Any]] = field(default_factory=list)
@@ -303,7 +304,8 @@ def _server_from_instance(instance: Instance, cell: str) -> Server:
         updated_at=instance.updated_at, host=instance.host, node=instance.node, instance_id=instance.id,
         availability_zone=instance.availability_zone, key_name=instance.key_name,
         metadata=dict(instance.metadata_items or {}), locked=bool(instance.locked),
-        launched_at=instance.launched_at, cell=cell, description=instance.display_description,
+        launched_at=instance.launched_at, terminated_at=instance.terminated_at, cell=cell,
+        description=instance.display_description,
         hostname=instance.hostname, reservation_id=instance.reservation_id, user_data=instance.user_data,
     )
 
@@ -453,7 +455,8 @@ def list_servers(ctx: RequestContext, filters: ServerFilters) -> list[Server]:
     """Servers the caller may see, filtered, ordered and paged like Nova (see
     :mod:`ferry.compute.server_filters`); newest first unless ``filters.sort`` says otherwise.
 
-    Only the caller's project is listed unless ``filters.all_tenants`` (every project, or
+    Deleted servers are read as ``filters.read_deleted`` says (a deleted server is shown from
+    its mapped cell, DELETED). Only the caller's project is listed unless ``filters.all_tenants`` (every project, or
     ``filters.project_id``): the caller must have been allowed that, and the filters meant for
     admins only, by the HTTP layer.
 
@@ -470,7 +473,9 @@ def list_servers(ctx: RequestContext, filters: ServerFilters) -> list[Server]:
             flavor_id = session.scalars(select(Flavor.id).where(Flavor.flavorid == ref_id(filters.flavor))).first()
             if flavor_id is None:
                 return []
-        query = select(InstanceMapping).where(InstanceMapping.queued_for_delete.is_(False))
+        query = select(InstanceMapping)
+        if filters.read_deleted == "no":
+            query = query.where(InstanceMapping.queued_for_delete.is_(False))
         if project is not None:
             query = query.where(InstanceMapping.project_id == project)
         if filters.uuid is not None and not filters.marker:  # the marker is looked up among every server
@@ -483,11 +488,12 @@ def list_servers(ctx: RequestContext, filters: ServerFilters) -> list[Server]:
     for mapping in mappings:
         if mapping.cell is not None:
             by_cell.setdefault(mapping.cell.id, (mapping.cell, []))[1].append(mapping.instance_uuid)
+    deleted = {"no": (False,), "yes": (False, True), "only": (True,)}[filters.read_deleted]
     for cell, uuids in by_cell.values():
         with cell_session(cell) as session:
             for chunk in _chunks(uuids):
                 rows = session.scalars(select(Instance).where(
-                    Instance.uuid.in_(chunk), Instance.deleted.is_(False), Instance.hidden.is_(False)))
+                    Instance.uuid.in_(chunk), Instance.deleted.in_(deleted), Instance.hidden.is_(False)))
                 servers.extend(_server_from_instance(row, cell.name) for row in rows)
     _add_zones(servers)
     servers = server_filters.order(servers, filters.sort)

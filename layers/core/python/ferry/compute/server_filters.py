@@ -5,7 +5,12 @@ and from which microversion, is decided there); :func:`ferry.compute.api.list_se
 the candidates and keeps those :func:`matches` accepts, in :func:`order`.
 
 - ``name`` is a regular expression searched anywhere in the name; so are ``ip`` and ``ip6`` in
-  the fixed addresses (IPv4 and IPv6), and a server matching either is kept.
+  the fixed addresses (IPv4 and IPv6), and a server matching either is kept. The admins'
+  ``display_name``, ``hostname`` and ``display_description`` are searched the same way; a server
+  without a hostname or description does not match.
+- ``read_deleted`` is Nova's: ``no`` lists live servers, ``only`` deleted ones, ``yes`` both
+  (what a list with ``changes-since``/``changes-before`` gets, so that a client polling for
+  changes sees deletions).
 - ``flavor`` and ``image`` are ids (or hrefs); a flavor that does not exist matches nothing.
 - ``changes_since``/``changes_before`` compare the time of the server's last change (its
   creation when it never changed), both ends included.
@@ -21,7 +26,7 @@ import datetime as dt
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from ferry.compute.api import Server
@@ -38,6 +43,7 @@ SORT_KEYS: Mapping[str, Callable[[Server], Any]] = {
     "task_state": lambda s: s.task_state,
     "power_state": lambda s: s.power_state,
     "launched_at": lambda s: s.launched_at,
+    "terminated_at": lambda s: s.terminated_at,
     "key_name": lambda s: s.key_name,
     "availability_zone": lambda s: s.availability_zone,
     "user_id": lambda s: s.user_id,
@@ -47,6 +53,8 @@ SORT_KEYS: Mapping[str, Callable[[Server], Any]] = {
     "display_description": lambda s: s.description,
 }
 ADMIN_SORT_KEYS = frozenset({"host", "node"})
+# Which servers a list reads, by whether they are deleted (Nova's ``read_deleted``).
+ReadDeleted = Literal["no", "yes", "only"]
 SORT_DIRECTIONS = ("asc", "desc")
 
 
@@ -55,6 +63,10 @@ class ServerFilters:
     """A server list's filters, paging and order; None (or empty) leaves a filter out."""
 
     name: re.Pattern[str] | None = None
+    display_name: re.Pattern[str] | None = None
+    hostname: re.Pattern[str] | None = None
+    description: re.Pattern[str] | None = None
+    read_deleted: ReadDeleted = "no"
     statuses: frozenset[str] | None = None
     all_tenants: bool = False
     project_id: str | None = None
@@ -119,7 +131,9 @@ def matches(server: Server, filters: ServerFilters, *, flavor_id: int | None = N
              (f.power_states, server.power_state))
     if any(allowed is not None and value not in allowed for allowed, value in among):
         return False
-    if f.name is not None and f.name.search(server.name) is None:
+    searched = ((f.name, server.name), (f.display_name, server.name), (f.hostname, server.hostname),
+                (f.description, server.description))
+    if any(pattern is not None and (value is None or pattern.search(value) is None) for pattern, value in searched):
         return False
     if f.flavor is not None and server.flavor.get("id") != flavor_id:
         return False
