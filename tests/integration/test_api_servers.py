@@ -654,6 +654,8 @@ def test_deleted_servers_are_listed_with_a_time_window_or_deleted_true(cloud):
     assert {s["id"]: s["status"] for s in windowed} == {gone: "DELETED", live: "ACTIVE"}
     [shown] = [s for s in windowed if s["id"] == gone]
     assert shown["OS-EXT-STS:vm_state"] == "deleted" and shown["OS-SRV-USG:terminated_at"]
+    # progress is shown only in Nova's progress statuses
+    assert "progress" not in shown and [s["progress"] for s in windowed if s["id"] == live] == [0]
     assert [s["id"] for s in call("GET", "/v2.1/servers", query={"changes-before": utcnow().isoformat()},
                                   version="2.90").body["servers"]] == [live, gone]
     only = call("GET", "/v2.1/servers", caller=ADMIN, query={"deleted": "yes", "all_tenants": "1"}, version="2.90")

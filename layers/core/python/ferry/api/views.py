@@ -86,6 +86,10 @@ def _fault(view: ViewContext, server: Server) -> dict[str, Any] | None:
     return fault
 
 
+# The statuses a server view shows ``progress`` in (Nova's).
+PROGRESS_STATUSES = frozenset({"ACTIVE", "BUILD", "REBUILD", "RESIZE", "VERIFY_RESIZE", "MIGRATING"})
+
+
 def server_detail(view: ViewContext, server: Server) -> dict[str, Any]:
     """The full server view (``GET /servers/{id}``, ``/servers/detail``)."""
     body: dict[str, Any] = {
@@ -106,7 +110,6 @@ def server_detail(view: ViewContext, server: Server) -> dict[str, Any]:
         "accessIPv6": "",
         "key_name": server.key_name,
         "config_drive": "",
-        "progress": 0,
         "OS-DCF:diskConfig": "MANUAL",
         "OS-EXT-AZ:availability_zone": server.availability_zone or "",
         "OS-EXT-STS:vm_state": server.vm_state,
@@ -119,6 +122,8 @@ def server_detail(view: ViewContext, server: Server) -> dict[str, Any]:
             {"id": v["id"], **({"delete_on_termination": v["delete_on_termination"]} if view.at_least("2.3") else {})}
             for v in server.volumes],
     }
+    if server.status in PROGRESS_STATUSES:
+        body["progress"] = 0  # Ferry reports no progress within a step; Nova shows the key only here
     fault = _fault(view, server)
     if fault is not None:
         body["fault"] = fault
