@@ -58,7 +58,7 @@ from hostagent.driver import (
     PortSpec,
 )
 from hostagent.journal import Journal, JournalEntry
-from hostagent.moves import MoveOperations, volume_disks
+from hostagent.moves import SPAWN_RECORD, MoveOperations, read_record, volume_disks, write_record
 
 DEFAULT_VISIBILITY_TIMEOUT = 120
 # Drills only: ``<operation>=<seconds>[,...]`` (``*`` for every operation) makes this agent wait that
@@ -815,27 +815,39 @@ class HostAgent(MoveOperations):
         created here, sparse, with the content of its ``source_image`` if it has one. An existing
         path (a block device in production) is never written.
 
-        A guest that already exists is this spawn done before: it is only powered on if asked.
-        On failure a fresh spawn leaves nothing behind (guest undefined, new instance directory removed).
+        The instance directory is this spawn's when its record (``spawn.json``) names the
+        operation: a guest that exists then is this spawn done before, only powered on if asked,
+        and a root disk in it was written by an interrupted attempt. A guest or directory without
+        that record is an earlier operation's leftover (a spawn goes only to a host the server is
+        new to) and is removed first. On failure the spawn leaves nothing behind: no guest, no
+        instance directory, no volume file it created (in any attempt).
 
         Raises:
             SpawnFailed, ImageDownloadFailed, DiskCopyFailed, HypervisorError, InvalidOperation.
         """
         uuid, args = op.instance_uuid, op.args
-        if self.driver.guest_exists(uuid):
-            if args["power_on"]:
-                self.driver.power_on(uuid)
-            return self._result(uuid, self.driver.guest_power_state(uuid))
-
         directory = disks.instance_dir(self.instances_dir, uuid)
-        created_directory = not directory.exists()
-        created_volumes: list[Path] = []
+        record = read_record(directory, SPAWN_RECORD) or {}
+        if record.get("operation_id") == op.operation_id:
+            if self.driver.guest_exists(uuid):
+                if args["power_on"]:
+                    self.driver.power_on(uuid)
+                return self._result(uuid, self.driver.guest_power_state(uuid))
+        elif self.driver.guest_exists(uuid) or directory.exists():
+            logger.warning("removing what an earlier operation left before spawning",
+                           extra={**self._context(op), "left_by": record.get("operation_id")})
+            self.driver.destroy(uuid)
+            disks.remove_dir(directory)
+            record = {}
+        created_volumes = [Path(p) for p in record.get("created_volumes", [])]
         try:
+            directory.mkdir(parents=True, exist_ok=True)
+            self._write_spawn_record(op, created_volumes)
             spec = GuestSpec(
                 instance_uuid=uuid,
                 display_name=args["name"],
                 flavor=args["flavor"],
-                disks=tuple(self._prepare_disks(uuid, args, created_volumes)),
+                disks=tuple(self._prepare_disks(op, created_volumes)),
                 ports=tuple(PortSpec(port_id=p["id"], mac_address=p["mac_address"]) for p in args["ports"]),
             )
             self.driver.define_guest(spec)
@@ -843,7 +855,7 @@ class HostAgent(MoveOperations):
                 self.driver.power_on(uuid)
             return self._result(uuid, self.driver.guest_power_state(uuid))
         except Exception:
-            self._undo_spawn(op, created_directory, created_volumes)
+            self._undo_spawn(op, created_volumes)
             raise
 
     @contextmanager
@@ -877,18 +889,24 @@ class HostAgent(MoveOperations):
             logger.info("cached image removed: unused", extra={"host": self.host, "path": str(path)})
         return removed
 
-    def _undo_spawn(self, op: Operation, remove_directory: bool, created_volumes: list[Path]) -> None:
+    def _undo_spawn(self, op: Operation, created_volumes: list[Path]) -> None:
         try:
             self.driver.destroy(op.instance_uuid)
-            if remove_directory:
-                disks.remove_instance_dir(self.instances_dir, op.instance_uuid)
+            disks.remove_instance_dir(self.instances_dir, op.instance_uuid)
             for path in created_volumes:
                 path.unlink(missing_ok=True)
         except Exception:
             # Never hide the spawn's own error behind the cleanup's.
             logger.exception("cleaning up a failed spawn failed", extra=self._context(op))
 
-    def _prepare_disks(self, instance_uuid: str, args: dict[str, Any], created_volumes: list[Path]) -> list[DiskSpec]:
+    def _write_spawn_record(self, op: Operation, created_volumes: list[Path]) -> None:
+        """Name the spawn in its instance directory, with the volume files it creates (before it creates them)."""
+        write_record(disks.instance_dir(self.instances_dir, op.instance_uuid),
+                     {"operation_id": op.operation_id, "created_volumes": [str(p) for p in created_volumes]},
+                     SPAWN_RECORD)
+
+    def _prepare_disks(self, op: Operation, created_volumes: list[Path]) -> list[DiskSpec]:
+        instance_uuid, args = op.instance_uuid, op.args
         flavor, image, volumes = args["flavor"], args["image"], args["volumes"]
         cacheable = self.use_image_cache and image is not None and image.get("cache", True)
         cache = self.instances_dir / disks.IMAGE_CACHE_DIR if cacheable else None
@@ -921,11 +939,12 @@ class HostAgent(MoveOperations):
                 if path.exists() or not volume.get("size_gb"):
                     continue
                 size = int(volume["size_gb"]) * disks.GiB
+                created_volumes.append(path)
+                self._write_spawn_record(op, created_volumes)
                 if volume.get("source_image"):
                     disks.create_root_disk(self.s3, volume["source_image"], size, path, cache_dir=cache)
                 else:
                     disks.create_sparse(path, size)
-                created_volumes.append(path)
                 protocol.mark_volume_dir(path.parent)
         except OSError as exc:
             raise errors.SpawnFailed(

@@ -50,6 +50,8 @@ if TYPE_CHECKING:
     from hostagent.agent import Operation
 
 MOVE_RECORD = "migration.json"
+# The spawn that made an instance directory (hostagent.agent), with the volume files it created.
+SPAWN_RECORD = "spawn.json"
 
 
 def volume_disks(volumes: list[dict[str, Any]], boot_from_volume: bool) -> list[DiskSpec]:
@@ -64,24 +66,26 @@ def volume_disks(volumes: list[dict[str, Any]], boot_from_volume: bool) -> list[
     ]
 
 
-def _read_record(directory: Path) -> dict[str, Any] | None:
+def read_record(directory: Path, name: str = MOVE_RECORD) -> dict[str, Any] | None:
+    """The JSON record ``name`` in ``directory`` (None when it is missing or not a record)."""
     try:
-        record = json.loads((directory / MOVE_RECORD).read_text())
+        record = json.loads((directory / name).read_text())
     except (FileNotFoundError, NotADirectoryError, ValueError):
         return None
     return record if isinstance(record, dict) else None
 
 
-def _write_record(directory: Path, record: dict[str, Any]) -> None:
-    target = directory / MOVE_RECORD
-    tmp = directory / f".{MOVE_RECORD}.tmp"
+def write_record(directory: Path, record: dict[str, Any], name: str = MOVE_RECORD) -> None:
+    """Write the JSON record ``name`` in ``directory`` whole or not at all."""
+    target = directory / name
+    tmp = directory / f".{name}.tmp"
     tmp.write_text(json.dumps(record))
     os.replace(tmp, target)
 
 
 def _record_of(directory: Path, migration_uuid: str) -> dict[str, Any] | None:
     """The move record in ``directory`` if it belongs to ``migration_uuid``."""
-    record = _read_record(directory)
+    record = read_record(directory)
     return record if record is not None and record.get("migration_uuid") == migration_uuid else None
 
 
@@ -280,7 +284,7 @@ class MoveOperations:
             # Left by an earlier move that was never cleaned up; the live directory is the current one.
             logger.warning(
                 "removing disks kept for an earlier move",
-                extra={"host": self.host, "instance_uuid": uuid, "path": str(kept), "record": _read_record(kept)},
+                extra={"host": self.host, "instance_uuid": uuid, "path": str(kept), "record": read_record(kept)},
             )
             disks.remove_dir(kept)
         record = _record_of(live, migration)
@@ -292,7 +296,7 @@ class MoveOperations:
                     "migration_uuid": migration,
                     "was_running": self.driver.guest_power_state(uuid) == RUNNING,
                 }
-                _write_record(live, record)
+                write_record(live, record)
             self.driver.power_off(
                 uuid,
                 timeout=float(args.get("timeout", self.power_off_timeout)),
@@ -318,7 +322,10 @@ class MoveOperations:
         The disks come from the transfer (checked against its manifest and the ``disks``
         argument) or, on the same host, from the kept directory. Swap is created afresh. The
         guest is powered on only if ``power_on``. Once the guest is defined the transfer objects
-        are deleted. A guest that exists already is this operation done before.
+        are deleted. A guest that exists already is this operation done before when the live
+        directory's record names this move with its disks; any other is an earlier operation's
+        leftover and is destroyed first (on the same host, where it could be the server's own,
+        the operation fails instead).
 
         On failure nothing of the instance is left here (guest undefined, new directory
         removed); the source's disks and the transfer are never touched.
@@ -332,12 +339,13 @@ class MoveOperations:
         live = disks.instance_dir(self.instances_dir, uuid)
         kept = disks.resize_dir(self.instances_dir, uuid)
         if self.driver.guest_exists(uuid):
-            if args["power_on"]:
-                self.driver.power_on(uuid)
             record = _record_of(live, args["migration_uuid"])
-            done = record["disks"] if record is not None else self._disk_checksums(uuid, live)
-            self._drop_what_was_sent(op)
-            return {**self._result(uuid, self.driver.guest_power_state(uuid)), "disks": done}
+            if record is not None and "disks" in record:  # this operation, done before
+                if args["power_on"]:
+                    self.driver.power_on(uuid)
+                self._drop_what_was_sent(op)
+                return {**self._result(uuid, self.driver.guest_power_state(uuid)), "disks": record["disks"]}
+            self._destroy_leftover_guest(op)
         if args["same_host"] and not kept.exists():
             # Without the kept directory the live one may be the instance's only copy: never remove it.
             raise errors.DiskCopyFailed(
@@ -350,7 +358,7 @@ class MoveOperations:
             received = self._receive_disks(op, live, kept)
             local = self._prepare_local_disks(uuid, live, args["flavor"])
             checksums = self._disk_checksums(uuid, live, received)
-            _write_record(live, {"migration_uuid": args["migration_uuid"], "disks": checksums})
+            write_record(live, {"migration_uuid": args["migration_uuid"], "disks": checksums})
             self._define(uuid, args, local)
             if args["power_on"]:
                 self.driver.power_on(uuid)
@@ -360,6 +368,27 @@ class MoveOperations:
             raise
         self._drop_what_was_sent(op)
         return result
+
+    def _destroy_leftover_guest(self, op: Operation) -> None:
+        """Destroy a guest that an earlier operation left on this destination (its disks go with the
+        live directory next).
+
+        Raises:
+            HostOperationFailed: the move stays on this host, where the guest may be the server's own.
+            HypervisorError.
+        """
+        uuid = op.instance_uuid
+        if op.args["same_host"]:
+            raise errors.HostOperationFailed(
+                f"Instance {uuid} has a guest on {self.host} that this move did not define; it is left alone.",
+                instance_uuid=uuid,
+            )
+        logger.warning(
+            "destroying a guest an earlier operation left",
+            extra={"host": self.host, "instance_uuid": uuid, "operation": op.name,
+                   "migration_uuid": op.args["migration_uuid"]},
+        )
+        self.driver.destroy(uuid)
 
     def _drop_what_was_sent(self, op: Operation) -> None:
         """Once the guest is defined on its disks: remove the direct copy (linked into place) and the transfer.
@@ -607,7 +636,7 @@ class MoveOperations:
         sent = disks.upload_sparse_image(self.s3, root, bucket, key, snapshot["data_prefix"], metadata)
         self._emit_metric("SnapshotBytesSent", MetricUnit.Bytes, sent.data_bytes, op.name)
         done = {"image_id": image_id, "sha256": sent.sha256, "size": sent.size, "data_bytes": sent.data_bytes}
-        _write_record(kept, {**record, "snapshot": done})
+        write_record(kept, {**record, "snapshot": done})
         logger.info(
             "snapshot sent",
             extra={"host": self.host, "instance_uuid": uuid, "migration_uuid": migration, "image_id": image_id,
@@ -645,8 +674,9 @@ class MoveOperations:
         """Forget the new side of a move: the guest and disks here, and the transfer objects.
 
         Safe when nothing was created yet. On the same host the kept directory stays (the
-        source's revert restores it); if nothing was moved aside there, the live guest and disks
-        are the instance's only ones and are left alone.
+        source's revert restores it); if nothing was moved aside there for this move (no kept
+        directory, or one an earlier move left), the live guest and disks are the instance's only
+        ones and are left alone.
 
         Raises:
             HypervisorError, DiskCopyFailed (the transfer cannot be deleted),
@@ -655,10 +685,12 @@ class MoveOperations:
         uuid, args = op.instance_uuid, op.args
         live = disks.instance_dir(self.instances_dir, uuid)
         kept = disks.resize_dir(self.instances_dir, uuid)
-        if args["same_host"] and not kept.exists():
+        if args["same_host"] and _record_of(kept, args["migration_uuid"]) is None:
+            # Kept disks of another move are no sign of this one: the live guest may be the only one.
             logger.info(
-                "nothing was moved aside: the instance's guest and disks stay",
-                extra={"host": self.host, "instance_uuid": uuid, "migration_uuid": args["migration_uuid"]},
+                "nothing was moved aside for this move: the instance's guest and disks stay",
+                extra={"host": self.host, "instance_uuid": uuid, "migration_uuid": args["migration_uuid"],
+                       "kept_for_another_move": kept.exists()},
             )
         else:
             self.driver.destroy(uuid)
@@ -677,8 +709,9 @@ class MoveOperations:
         """Put the kept disks back and define the guest with the old flavor; power it on if asked.
 
         Any guest or live directory left here by the move goes first. Swap is re-created if
-        missing. Without kept disks, the live directory is the instance's: its guest is defined
-        if missing, and powered on if asked. Also the rollback of a failed resize_instance or
+        missing. Without disks kept for this move (``migration_uuid``), the live directory is the
+        instance's: its guest is defined if missing, and powered on if asked; disks an earlier
+        move kept are left alone. Also the rollback of a failed resize_instance or
         finish_resize.
 
         Raises:
@@ -689,7 +722,14 @@ class MoveOperations:
         uuid, args = op.instance_uuid, op.args
         live = disks.instance_dir(self.instances_dir, uuid)
         kept = disks.resize_dir(self.instances_dir, uuid)
-        if kept.exists():
+        if kept.exists() and _record_of(kept, args["migration_uuid"]) is None:
+            # Left by an earlier move: never put back over the live disks (a later move removes it).
+            logger.warning(
+                "disks kept for another move left as they are",
+                extra={"host": self.host, "instance_uuid": uuid, "migration_uuid": args["migration_uuid"],
+                       "path": str(kept), "record": read_record(kept)},
+            )
+        elif kept.exists():
             # A guest defined now is the resized one (the original was undefined before its disks moved aside).
             self.driver.destroy(uuid)
             try:

@@ -24,7 +24,7 @@ from moto_credentials import REGION, use_moto_credentials
 
 from ferry import protocol
 from hostagent import disks
-from hostagent.agent import HostAgent, ensure_host_queue
+from hostagent.agent import HostAgent, Operation, ensure_host_queue
 from hostagent.driver import RUNNING, SHUTDOWN, LibvirtDriver, write_test_node_xml
 from hostagent.journal import SUCCEEDED
 
@@ -337,7 +337,7 @@ def test_spawn_without_power_on_leaves_the_guest_shut_off(host):
 
     assert result["power_state"] == SHUTDOWN
     directory = disks.instance_dir(host.instances_dir, instance_uuid)
-    assert sorted(p.name for p in directory.iterdir()) == ["disk"]
+    assert sorted(p.name for p in directory.iterdir()) == ["disk", "spawn.json"]
 
 
 def test_volume_backed_spawn_boots_from_the_volume_without_a_root_disk(host):
@@ -394,15 +394,53 @@ def test_a_volume_whose_image_is_corrupt_is_not_left_behind(host):
     assert not host.driver.guest_exists(instance_uuid)
 
 
-def test_spawn_of_an_existing_guest_succeeds_without_redefining_it(host):
-    instance_uuid = str(uuid.uuid4())
+def test_the_same_spawn_run_again_keeps_its_guest_without_redefining_it(host):
+    instance_uuid, operation_id = str(uuid.uuid4()), f"{uuid.uuid4()}:spawn"
     args = spawn_args(host.image(b"boot" * 1024))
-    output(host.execute("spawn", instance_uuid, args))
+    output(host.execute("spawn", instance_uuid, args, operation_id=operation_id))
+    host.driver.power_off(instance_uuid)
 
-    again = output(host.execute("spawn", instance_uuid, args))
+    # run again as after a crash before its answer was journaled
+    again = host.agent.spawn(Operation("spawn", operation_id, instance_uuid, args, None))
 
     assert again["power_state"] == RUNNING
     assert host.driver.defined == 1
+
+
+@pytest.mark.parametrize("left", ["guest and disks", "disks only"])
+def test_a_spawn_replaces_what_an_earlier_operation_left(host, left):
+    instance_uuid = str(uuid.uuid4())
+    old, new = b"old!" * 1024, b"new!" * 1024
+    output(host.execute("spawn", instance_uuid, spawn_args(host.image(old))))
+    if left == "disks only":
+        host.driver.destroy(instance_uuid)
+    root = disks.root_disk_path(host.instances_dir, instance_uuid)
+    assert root.read_bytes()[:len(old)] == old
+
+    result = output(host.execute("spawn", instance_uuid, spawn_args(host.image(new))))
+
+    assert result["power_state"] == RUNNING
+    assert root.read_bytes()[:len(new)] == new  # never the earlier operation's disk
+    assert host.driver.defined == 2
+
+
+def test_a_spawn_run_again_that_fails_removes_what_its_first_attempt_made(host):
+    instance_uuid, operation_id = str(uuid.uuid4()), f"{uuid.uuid4()}:spawn"
+    volume_path = host.instances_dir.parent / "volumes" / "vol-4"
+    volume_path.parent.mkdir(parents=True, exist_ok=True)
+    volume_path.write_bytes(b"made by the first attempt")
+    directory = disks.instance_dir(host.instances_dir, instance_uuid)
+    directory.mkdir(parents=True)
+    (directory / "spawn.json").write_text(json.dumps({"operation_id": operation_id,
+                                                      "created_volumes": [str(volume_path)]}))
+    volume = {"volume_id": "vol-4", "path": str(volume_path), "device": "/dev/vda", "boot_index": 0, "size_gb": 1}
+    args = spawn_args(None, volumes=[volume], ports=[{"id": "port-1", "mac_address": "not-a-mac"}],
+                      flavor={**FLAVOR, "root_gb": 0, "ephemeral_gb": 0, "swap": 0})
+
+    assert failure(host.execute("spawn", instance_uuid, args, operation_id=operation_id)) == "Ferry.HypervisorError"
+
+    assert not directory.exists() and not volume_path.exists()
+    assert not host.driver.guest_exists(instance_uuid)
 
 
 def test_corrupt_image_fails_with_image_download_failed_and_leaves_no_files(host):

@@ -566,7 +566,7 @@ def test_revert_restores_the_old_guest_at_the_source(cloud, source, dest, runnin
     assert os.path.getsize(live / disks.ROOT_DISK) == disks.GiB
     assert read_at(live / disks.EPHEMERAL_DISK, EPHEMERAL_OFFSET, len(EPHEMERAL_DATA)) == EPHEMERAL_DATA
     assert [d.kind for d in source.driver.guest_spec(server.uuid).disks] == ["root", "ephemeral", "swap"]
-    assert sorted(p.name for p in live.iterdir()) == ["disk", "disk.eph0", "disk.swap"]
+    assert sorted(p.name for p in live.iterdir()) == ["disk", "disk.eph0", "disk.swap", "spawn.json"]
 
 
 def test_finish_revert_recreates_a_missing_swap(source, dest):
@@ -1204,3 +1204,68 @@ def test_volumes_follow_the_server_to_the_destination(source, dest):
         ("swap", None, False),
         ("volume", "vol-7", False),
     ]
+
+
+# --- what earlier moves left -------------------------------------------------------------------
+
+
+def kept_by_another_move(host: Host, server: Server, content: bytes = b"an earlier move's disk") -> Path:
+    """A kept directory an earlier move left (its confirm's clean-up failed), with its record."""
+    stale = host.kept(server.uuid)
+    stale.mkdir()
+    (stale / disks.ROOT_DISK).write_bytes(content)
+    (stale / "migration.json").write_text(json.dumps({"migration_uuid": str(uuid.uuid4()), "was_running": True}))
+    return stale
+
+
+def test_a_same_host_revert_leaves_the_server_alone_beside_disks_another_move_kept(source):
+    server = boot(source)
+    stale = kept_by_another_move(source, server)
+
+    reverted = source.ok("revert_resize", server.uuid, revert_args(str(uuid.uuid4()), same_host=True))
+
+    assert reverted["power_state"] == RUNNING
+    assert source.driver.guest_power_state(server.uuid) == RUNNING
+    assert logical_sha256(source.live(server.uuid) / disks.ROOT_DISK) == server.root_sha256
+    assert stale.exists()
+
+
+def test_finish_revert_never_puts_disks_another_move_kept_over_the_live_ones(source):
+    server = boot(source)
+    stale = kept_by_another_move(source, server)
+
+    restored = source.ok("finish_revert_resize", server.uuid, finish_revert_args(str(uuid.uuid4()), server, True))
+
+    assert restored["power_state"] == RUNNING
+    assert logical_sha256(source.live(server.uuid) / disks.ROOT_DISK) == server.root_sha256
+    assert (stale / disks.ROOT_DISK).read_bytes() == b"an earlier move's disk"
+
+
+def test_finish_resize_replaces_a_guest_an_earlier_move_left_on_the_destination(source, dest):
+    server = boot(source)
+    earlier, _resized, _finished = move(source, dest, server)
+    # rolled back while the destination was unreachable: its guest and disks stay there
+    source.ok("finish_revert_resize", server.uuid, finish_revert_args(earlier, server, True))
+    with open(source.live(server.uuid) / disks.ROOT_DISK, "r+b") as root:
+        root.write(b"written after the earlier move")
+    current = logical_sha256(source.live(server.uuid) / disks.ROOT_DISK)
+
+    _migration, _resized, finished = move(source, dest, server)
+
+    assert finished["power_state"] == RUNNING
+    assert logical_sha256(dest.live(server.uuid) / disks.ROOT_DISK, disks.GiB) == current
+    assert dest.driver.defined == 2
+
+
+def test_a_same_host_finish_refuses_a_guest_it_did_not_define(source):
+    server = boot(source)
+    migration_uuid = str(uuid.uuid4())
+    resized = source.ok("resize_instance", server.uuid, resize_args(migration_uuid, source, same_host=True))
+    source.ok("spawn", server.uuid, {"name": "web-1", "flavor": OLD, "image": None, "ports": PORTS,
+                                     "volumes": [{"volume_id": "v", "path": "/dev/null", "device": "/dev/vda"}],
+                                     "power_on": False})
+
+    error = source.fails("finish_resize", server.uuid, finish_args(migration_uuid, server, resized, same_host=True))
+
+    assert error == "Ferry.HostOperationFailed"
+    assert source.kept(server.uuid).exists()
