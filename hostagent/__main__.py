@@ -24,7 +24,13 @@ from pathlib import Path
 
 from ferry import config, errors
 from ferry.observability import logger
-from hostagent.agent import DEFAULT_VISIBILITY_TIMEOUT, HostAgent, inventory_from_capacity
+from hostagent.agent import (
+    DEFAULT_KEEPALIVE_INTERVAL,
+    DEFAULT_MAX_WAITING,
+    DEFAULT_VISIBILITY_TIMEOUT,
+    HostAgent,
+    inventory_from_capacity,
+)
 from hostagent.driver import CPU_MODES, PORT_VIF_TYPES, HostCapacity, LibvirtDriver, write_test_node_xml
 
 DEFAULT_TEST_VCPUS = 8
@@ -67,7 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--report-interval", type=float, default=60.0, help="seconds between inventory reports")
     parser.add_argument("--heartbeat-interval", type=float, default=10.0, help="seconds between heartbeats")
     parser.add_argument(
-        "--keepalive-interval", type=float, default=30.0, help="seconds between task heartbeats while an operation runs"
+        "--keepalive-interval", type=float, default=DEFAULT_KEEPALIVE_INTERVAL,
+        help="seconds between task heartbeats and visibility renewals while an operation runs or waits for a worker "
+        "(at most half the visibility timeout)"
     )
     parser.add_argument(
         "--visibility-timeout",
@@ -76,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a received operation stays invisible (renewed while it runs)",
     )
     parser.add_argument("--workers", type=int, default=1, help="operations run at once")
+    parser.add_argument(
+        "--waiting", type=int, default=DEFAULT_MAX_WAITING,
+        help="operations received beyond the workers, their tasks heartbeat while they wait for one",
+    )
     parser.add_argument(
         "--disk-headroom-check",
         action=argparse.BooleanOptionalAction,
@@ -131,7 +143,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the agent until SIGTERM or SIGINT; return the process exit code."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.keepalive_interval > args.visibility_timeout / 2:
+        parser.error("--keepalive-interval must be at most half --visibility-timeout: a running operation's "
+                     "message would reappear")
+    if args.workers < 1 or args.waiting < 0:
+        parser.error("--workers must be at least 1 and --waiting at least 0")
     settings = config.get()
     host: str = args.host
     state_dir: Path = (args.state_dir or settings.state_dir / "hosts" / host).resolve()
@@ -182,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         keepalive_interval=args.keepalive_interval,
         visibility_timeout=args.visibility_timeout,
         max_workers=args.workers,
+        max_waiting=args.waiting,
         disk_headroom_check=args.disk_headroom_check,
         disk_overcommit_ratio=args.disk_overcommit_ratio,
         direct_copies=args.direct_copies,

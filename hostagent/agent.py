@@ -60,7 +60,13 @@ from hostagent.driver import (
 from hostagent.journal import Journal, JournalEntry
 from hostagent.moves import SPAWN_RECORD, MoveOperations, read_record, volume_disks, write_record
 
-DEFAULT_VISIBILITY_TIMEOUT = 120
+# A received message reappears this long after its last renewal (an agent that died): well inside
+# the template's HostOpHeartbeatSeconds (60 s), so that the operation runs again before its Task
+# times out. Renewed every keepalive interval, at most half of it.
+DEFAULT_VISIBILITY_TIMEOUT = 45
+DEFAULT_KEEPALIVE_INTERVAL = 15.0
+# Messages received beyond the workers, waiting for one with their tasks heartbeat meanwhile.
+DEFAULT_MAX_WAITING = 4
 # Drills only: ``<operation>=<seconds>[,...]`` (``*`` for every operation) makes this agent wait that
 # long once an operation is journaled as started, before its work, to catch it there (kill it, say).
 OPERATION_DELAY_ENV = "FERRY_AGENT_OPERATION_DELAY"
@@ -216,9 +222,12 @@ class HostAgent(MoveOperations):
         report_interval: seconds between inventory reports (one is sent at start).
         heartbeat_interval: seconds between service heartbeat reports.
         keepalive_interval: seconds between task heartbeats and visibility extensions while an
-            operation runs.
+            operation runs or waits for a worker (at most half the visibility timeout).
         visibility_timeout: how long a received message stays invisible, renewed while it runs.
         max_workers: operations run at once (operations on one instance never overlap).
+        max_waiting: operations received beyond ``max_workers``, waiting for a worker: their
+            tasks are heartbeat meanwhile, so an operation queued behind a long one on this host
+            does not time out while it waits.
         power_off_timeout: default seconds a guest gets to shut down before it is forced off.
         use_image_cache: keep downloaded images under ``<instances_dir>/_base`` for later spawns (never
             an image the spawn marks ``cache: false``, such as a cross-cell move's snapshot).
@@ -251,9 +260,10 @@ class HostAgent(MoveOperations):
         idle_wait_seconds: float = 0.05,
         report_interval: float = 60.0,
         heartbeat_interval: float = 10.0,
-        keepalive_interval: float = 30.0,
+        keepalive_interval: float = DEFAULT_KEEPALIVE_INTERVAL,
         visibility_timeout: int = DEFAULT_VISIBILITY_TIMEOUT,
         max_workers: int = 1,
+        max_waiting: int = DEFAULT_MAX_WAITING,
         power_off_timeout: float = 60.0,
         use_image_cache: bool = True,
         image_cache_max_age: timedelta | None = timedelta(days=1),
@@ -266,6 +276,11 @@ class HostAgent(MoveOperations):
             raise ValueError("HostAgent needs a queue_url or a queue_prefix to derive it from.")
         if disk_overcommit_ratio <= 0:
             raise ValueError("disk_overcommit_ratio must be positive.")
+        if keepalive_interval > visibility_timeout / 2:
+            raise ValueError(f"keepalive_interval ({keepalive_interval} s) must be at most half the visibility "
+                             f"timeout ({visibility_timeout} s): a running operation's message would reappear.")
+        if max_workers < 1 or max_waiting < 0:
+            raise ValueError("max_workers must be at least 1 and max_waiting at least 0.")
         self.host = host
         self.node = node
         self.cell = cell
@@ -286,6 +301,8 @@ class HostAgent(MoveOperations):
         self.keepalive_interval = keepalive_interval
         self.visibility_timeout = visibility_timeout
         self.max_workers = max_workers
+        self.max_waiting = max_waiting
+        self._workers = threading.BoundedSemaphore(max_workers)
         self.power_off_timeout = power_off_timeout
         self.use_image_cache = use_image_cache
         self.image_cache_max_age = image_cache_max_age
@@ -382,8 +399,9 @@ class HostAgent(MoveOperations):
         self.start()
         self._reporter = threading.Thread(target=self._report_loop, name=f"reports-{self.host}", daemon=True)
         self._reporter.start()
-        slots = threading.BoundedSemaphore(self.max_workers)
-        with ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix=f"op-{self.host}") as pool:
+        taken = self.max_workers + self.max_waiting  # messages held at once, running or waiting for a worker
+        slots = threading.BoundedSemaphore(taken)
+        with ThreadPoolExecutor(max_workers=taken, thread_name_prefix=f"op-{self.host}") as pool:
             while not self._stop.is_set():
                 if not slots.acquire(timeout=0.5):
                     continue
@@ -547,7 +565,7 @@ class HostAgent(MoveOperations):
         result: dict[str, Any] | None = None
         error: str | None = None
         cause: str | None = None
-        with self._keepalive(op, receipt, context), self._instance_lock(op.instance_uuid):
+        with self._keepalive(op, receipt, context), self._instance_lock(op.instance_uuid), self._worker():
             recorded = self.journal.get(op.operation_id)
             if recorded is not None and recorded.finished and recorded.answers(op.task_token):
                 logger.info("operation done meanwhile: answering from the journal", extra=context)
@@ -763,6 +781,21 @@ class HostAgent(MoveOperations):
         finally:
             done.set()
             thread.join()
+
+    @contextmanager
+    def _worker(self) -> Iterator[None]:
+        """Hold one of the ``max_workers`` while the block runs, waiting for one first.
+
+        Raises:
+            _NotRun: the agent stops while the operation waits (its message comes back soon).
+        """
+        while not self._workers.acquire(timeout=0.5):
+            if self._stop.is_set():
+                raise _NotRun(None)
+        try:
+            yield
+        finally:
+            self._workers.release()
 
     @contextmanager
     def _instance_lock(self, instance_uuid: str) -> Iterator[None]:

@@ -725,6 +725,28 @@ def test_a_long_operation_sends_task_heartbeats_and_extends_the_message_visibili
     assert extended and all(call["VisibilityTimeout"] == host.agent.visibility_timeout for call in extended)
 
 
+def test_an_operation_waiting_for_the_busy_worker_has_its_task_heartbeat_meanwhile(host):
+    busy, waiting = str(uuid.uuid4()), str(uuid.uuid4())
+    output(host.execute("spawn", busy, spawn_args(host.image(b"x" * 4096), power_on=False)))
+    assert host.agent.max_workers == 1
+    host.driver.gate = threading.Event()
+    running = host.start("power_on", busy, {})
+    def beating_tokens() -> set[str]:
+        return {call["taskToken"] for call in host.sfn.called("send_task_heartbeat")}
+
+    spawned = beating_tokens()
+    wait_for(lambda: beating_tokens() - spawned, "the busy operation to run")
+    before = beating_tokens()
+
+    queued = host.start("destroy", waiting, {})
+
+    wait_for(lambda: beating_tokens() - before, "the waiting operation's task to be heartbeat")
+    assert host.sfn.describe_execution(executionArn=queued)["status"] == "RUNNING"  # it has not run
+    host.driver.gate.set()
+    assert output(host.finished(running))["power_state"] == RUNNING
+    assert output(host.finished(queued))["instance_uuid"] == waiting
+
+
 def test_stopping_lets_the_running_operation_finish(host):
     instance_uuid = str(uuid.uuid4())
     output(host.execute("spawn", instance_uuid, spawn_args(host.image(b"x" * 4096), power_on=False)))

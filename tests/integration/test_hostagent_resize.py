@@ -194,6 +194,7 @@ class Cloud:
             s3=self.s3,
             poll_wait_seconds=0,
             keepalive_interval=3600,
+            visibility_timeout=7200,
             power_off_timeout=5,
             **options,
         )
