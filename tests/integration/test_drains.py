@@ -695,3 +695,156 @@ def test_after_a_cross_cell_move_the_drains_confirm_is_waited_for_or_undone_in_t
         assert session.scalars(select(Migration.status).where(Migration.uuid == slot["migration_uuid"])).one() \
             == "finished"
     assert not _confirm_action_recorded(server, confirm["input"]["request_id"])
+
+
+# --- drains whose workflow is gone, and drains cancelled early --------------------------------------
+
+
+@pytest.fixture
+def drain_machine(aws_test_credentials, monkeypatch):
+    """A drain state machine on moto whose executions run until they are stopped (moto does not
+    play them here), named in the configuration: ``(client, arn)``."""
+    with mock_aws():
+        aws.reset()
+        sfn = aws.client("stepfunctions")
+        arn = sfn.create_state_machine(
+            name="ferry-test-drain", roleArn="arn:aws:iam::123456789012:role/ferry-test",
+            definition=json.dumps({"StartAt": "Done", "States": {"Done": {"Type": "Succeed"}}}))["stateMachineArn"]
+        monkeypatch.setenv("FERRY_DRAIN_STATE_MACHINE_ARN", arn)
+        config.reset()
+        yield sfn, arn
+        aws.reset()
+    config.reset()
+
+
+def _running_drain(sfn, arn: str, host: str) -> tuple[str, str]:
+    """A drain of ``host`` as the API leaves it: recorded, its execution started, planned and running."""
+    drain = _record({"host": host})
+    name = f"drain-{drain}"
+    with api_session() as session:
+        session.execute(update(Drain).where(Drain.uuid == drain).values(execution_name=name))
+    execution = sfn.start_execution(stateMachineArn=arn, name=name, input=json.dumps({"drain_uuid": drain}))
+    drains.start(drain)
+    return drain, execution["executionArn"]
+
+
+def test_a_drain_whose_workflow_ended_without_finishing_it_is_finished_failed_and_frees_its_hosts(
+        store, drain_machine):
+    sfn, arn = drain_machine
+    source = add_compute("source")
+    add_compute("dest")
+    _server_on("source", source)
+    first, execution = _running_drain(sfn, arn, "source")
+    with pytest.raises(errors.DrainInvalidState):  # its workflow runs: the host is its
+        drains.record_drain(ADMIN, {"host": "source"}, origin="api")
+
+    sfn.stop_execution(executionArn=execution)  # stopped by hand, before FinishDrain
+
+    with pytest.raises(errors.DrainInvalidState, match="while it is failed"):
+        drains.act(first, "pause")
+    view = drains.get_view(first)
+    assert view["status"] == "failed" and f"drain-{first} ended aborted" in view["message"]
+    assert view["servers"][0]["state"] == "cancelled"
+    second = _record({"host": "source"})
+    assert drains.get_view(second)["status"] == "planning"
+
+
+def test_a_new_drain_finishes_an_overlapping_one_whose_workflow_ended(store, drain_machine):
+    sfn, arn = drain_machine
+    source = add_compute("source")
+    add_compute("dest")
+    _server_on("source", source)
+    first, execution = _running_drain(sfn, arn, "source")
+    sfn.stop_execution(executionArn=execution)
+
+    second = _record({"host": "source"})
+
+    assert drains.get_view(first)["status"] == "failed"
+    assert second != first
+
+
+def test_a_drain_whose_execution_never_showed_up_holds_its_hosts_only_for_a_while(store, drain_machine):
+    add_compute("source")
+    drain = _record({"host": "source"})
+    with api_session() as session:  # the start's answer was lost, and no execution exists
+        session.execute(update(Drain).where(Drain.uuid == drain).values(execution_name=f"drain-{drain}"))
+    with pytest.raises(errors.DrainInvalidState):  # it may still show up
+        drains.record_drain(ADMIN, {"host": "source"}, origin="api")
+
+    with api_session() as session:
+        session.execute(update(Drain).where(Drain.uuid == drain).values(
+            created_at=drains.utcnow() - drains.UNSTARTED_GRACE - dt.timedelta(seconds=1)))
+    _record({"host": "source"})
+
+    view = drains.get_view(drain)
+    assert view["status"] == "failed" and "never started" in view["message"]
+
+
+def test_a_drain_cancelled_while_it_plans_disables_nothing(store):
+    source = add_compute("source")
+    add_compute("dest")
+    _server_on("source", source)
+    drain = _record({"host": "source"})
+    drains.act(drain, "cancel")
+
+    started = drains.start(drain)
+
+    assert started["proceed"] is False
+    assert not any(s.disabled for s in services.list_services(host="source"))
+    assert drains.finish(drain)["status"] == "cancelled"
+
+
+def test_a_drain_cancelled_after_it_disabled_its_hosts_gives_them_back(store):
+    source = add_compute("source")
+    add_compute("dest")
+    _server_on("source", source)
+    drain = _record({"host": "source"})
+    drains.disable_targets(drain)  # PlanDrain had begun when the cancel came
+    drains.act(drain, "cancel")
+
+    assert drains.start(drain)["proceed"] is False
+
+    assert not any(s.disabled for s in services.list_services(host="source"))
+
+
+def test_a_second_execution_of_a_drain_is_refused(store):
+    add_compute("source")
+    drain = _record({"host": "source"}, execution_name="drain-first")
+
+    assert drains.begin({"drain_uuid": drain}, "drain-first")["drain_uuid"] == drain
+    with pytest.raises(errors.DrainInvalidState, match="run by execution drain-first"):
+        drains.begin({"drain_uuid": drain}, "drain-again")
+
+
+def test_a_drain_whose_workflow_did_not_start_gives_up_its_key(store, drain_machine, monkeypatch):
+    add_compute("source")
+
+    def refused(*_args, **_kwargs):
+        raise RuntimeError("throttled")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(drains.workflows, "start_execution", refused)
+        with pytest.raises(RuntimeError):
+            drains.create_drain(ADMIN, {"host": "source"}, origin="webhook", idempotency_key="delivery-1")
+    [failed] = drains.list_views()
+    assert failed["status"] == "failed"
+
+    status, body = drains.create_drain(ADMIN, {"host": "source"}, origin="webhook", idempotency_key="delivery-1")
+
+    assert status == 202 and body["drain"]["id"] != failed["id"]
+
+
+def test_a_drain_whose_start_answered_an_error_but_runs_is_not_marked_failed(store, drain_machine, monkeypatch):
+    sfn, arn = drain_machine
+    add_compute("source")
+    real_start = drains.workflows.start_execution
+
+    def lost_answer(machine, name, payload):
+        real_start(machine, name, payload)
+        raise RuntimeError("read timeout")
+
+    monkeypatch.setattr(drains.workflows, "start_execution", lost_answer)
+
+    status, body = drains.create_drain(ADMIN, {"host": "source"}, origin="api")
+
+    assert status == 202 and body["drain"]["status"] == "planning"

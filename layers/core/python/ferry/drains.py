@@ -77,6 +77,9 @@ DRAIN_ERROR = "drain.error"
 
 DEFAULT_MAX_CONCURRENCY = 5
 DEFAULT_RETRIES = 1
+# A drain whose execution Step Functions does not know this long after it was recorded never
+# started (its start failed without the drain being marked so).
+UNSTARTED_GRACE = dt.timedelta(minutes=5)
 # The cross-cell weight a cell drain's plan uses: other cells first.
 CELL_DRAIN_CROSS_CELL_MULTIPLIER = -1_000_000.0
 
@@ -180,16 +183,17 @@ def _options(request: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def _active_overlap(session: Session, targets: _Targets) -> Drain | None:
-    """A drain not yet finished that drains one of the same hosts or the same cell."""
+def _overlapping(session: Session, targets: _Targets) -> list[Drain]:
+    """The drains not yet finished that drain one of the same hosts or the same cell."""
     active = session.scalars(select(Drain).where(Drain.status.in_((PLANNING, RUNNING, PAUSED, CANCELLING)),
                                                  Drain.dry_run.is_(False))).all()
+    found = []
     for drain in active:
         if drain.target_kind == targets.kind and set(drain.targets) & set(targets.names):
-            return drain
-        if CELL in (drain.target_kind, targets.kind) and set(_cells_of(drain)) & set(targets.cells):
-            return drain
-    return None
+            found.append(drain)
+        elif CELL in (drain.target_kind, targets.kind) and set(_cells_of(drain)) & set(targets.cells):
+            found.append(drain)
+    return found
 
 
 def _cells_of(drain: Drain) -> list[str]:
@@ -237,8 +241,16 @@ def record_drain(ctx: RequestContext, request: Mapping[str, Any], *, origin: str
             f"Draining cell {targets.names[0]} moves its servers to other cells, and policy "
             f"{CROSS_CELL_RULE} does not allow that for you.")
     dry_run = bool(request.get("dry_run", False))
+    if not dry_run:
+        with api_session() as session:
+            unfinished = [drain.uuid for drain in _overlapping(session, targets)]
+        for other in unfinished:
+            finish_if_workflow_ended(other)
     with api_session() as session:
-        if not dry_run and (busy := _active_overlap(session, targets)) is not None:
+        # Every drain's creation locks the cell mappings first: two requests for the same hosts
+        # cannot both find them free (SQLite serialises writers anyway).
+        session.scalars(select(CellMapping.id).with_for_update()).all()
+        if not dry_run and (busy := next(iter(_overlapping(session, targets)), None)) is not None:
             raise errors.DrainInvalidState(
                 f"Drain {busy.uuid} ({busy.status}) is draining {', '.join(busy.targets)} already.")
         drain = Drain(status=PLANNING, target_kind=targets.kind, targets=targets.names, reason=request.get("reason"),
@@ -282,10 +294,66 @@ def create_drain(ctx: RequestContext, request: Mapping[str, Any], *, origin: str
         workflows.start_execution(config.get().drain_state_machine_arn, name,
                                   {"drain_uuid": drain_uuid, "request_id": ctx.request_id})
     except Exception as exc:
+        if _execution_of(name) is not None:  # the answer was lost, not the start
+            logger.warning("starting the drain workflow answered an error, but it runs",
+                           extra={"drain": drain_uuid, "execution": name, "error": str(exc)})
+            return 202, {"drain": get_view(drain_uuid)}
         logger.exception("drain workflow did not start", extra={"drain": drain_uuid})
-        _set_status(drain_uuid, FAILED, message=f"The drain workflow did not start: {exc}")
+        # The key is given up with the drain: the same request again starts a new drain.
+        _set_status(drain_uuid, FAILED, message=f"The drain workflow did not start: {exc}", release_key=True)
         raise
     return 202, {"drain": get_view(drain_uuid)}
+
+
+def _execution_of(name: str) -> dict[str, Any] | None:
+    """The drain execution ``name`` as Step Functions describes it; None when there is none, or
+    Step Functions cannot tell (the caller then assumes nothing)."""
+    arn = config.get().drain_state_machine_arn
+    if not arn:
+        return None
+    try:
+        return workflows.describe_execution(arn, name)
+    except Exception as exc:  # a describe that fails must not turn into the caller's error
+        logger.warning("the drain's execution could not be described", extra={"execution": name, "error": str(exc)})
+        return None
+
+
+def finish_if_workflow_ended(drain_uuid: str) -> bool:
+    """Finish, as failed, a drain whose workflow ended without finishing it; return whether the
+    drain is finished (now or before).
+
+    A drain's workflow may end before its FinishDrain step ran: stopped by hand, timed out, or
+    failed in a step that could not be retried (its store out of reach). Such a drain would stay
+    unfinished for ever and hold its hosts against every later drain. A drain whose execution
+    Step Functions does not know, :data:`UNSTARTED_GRACE` after it was recorded, never started.
+    Nothing is decided when Step Functions cannot be asked.
+    """
+    with api_session() as session:
+        drain = _load(session, drain_uuid)
+        if drain.status in FINAL_STATUSES:
+            return True
+        name, recorded_at, dry_run = drain.execution_name, drain.created_at, drain.dry_run
+    arn = config.get().drain_state_machine_arn
+    if dry_run or not name or not arn:
+        return False
+    try:
+        described = workflows.describe_execution(arn, name)
+    except Exception as exc:
+        logger.warning("the drain's execution could not be described", extra={"drain": drain_uuid, "error": str(exc)})
+        return False
+    if described is None:
+        if utcnow() - recorded_at < UNSTARTED_GRACE:
+            return False
+        ended = "never started"
+    elif described.get("status") == "RUNNING":
+        return False
+    else:
+        ended = f"ended {str(described.get('status')).lower()}"
+    logger.warning("drain workflow ended without finishing the drain", extra={"drain": drain_uuid, "execution": name,
+                                                                             "ended": ended})
+    finish(drain_uuid, error={"Error": "Ferry.DrainWorkflowEnded",
+                              "Cause": f"its execution {name} {ended} before the drain was finished."})
+    return True
 
 
 # --- reading -------------------------------------------------------------------------------------
@@ -409,6 +477,9 @@ def act(drain_uuid: str, action: str) -> dict[str, Any]:
     for good, and the drain ends ``cancelled`` once the moves in flight finished. Asking for
     the status the drain is already in (pause twice) answers without change.
 
+    A drain whose workflow ended without finishing it is finished first (failed), and then
+    refuses every action.
+
     Raises:
         DrainNotFound; BadRequest for an unknown action; DrainInvalidState (409) when the
         drain's status does not allow the action.
@@ -416,6 +487,7 @@ def act(drain_uuid: str, action: str) -> dict[str, Any]:
     if action not in _TRANSITIONS:
         raise errors.BadRequest(f"Unknown drain action {action!r}; use one of {', '.join(ACTIONS)}.")
     allowed_from, to = _TRANSITIONS[action]
+    finish_if_workflow_ended(drain_uuid)  # a drain whose workflow is gone can no longer act
     with api_session() as session:
         drain = _load(session, drain_uuid, for_update=True)
         if drain.status != to:
@@ -428,10 +500,12 @@ def act(drain_uuid: str, action: str) -> dict[str, Any]:
     return get_view(drain_uuid)
 
 
-def _set_status(drain_uuid: str, status: str, *, message: str | None = None) -> None:
+def _set_status(drain_uuid: str, status: str, *, message: str | None = None, release_key: bool = False) -> None:
     values: dict[str, Any] = {"status": status, "updated_at": utcnow(), "version": Drain.version + 1}
     if message is not None:
         values["message"] = message
+    if release_key:
+        values["idempotency_key"] = None
     if status in FINAL_STATUSES:
         values["finished_at"] = utcnow()
     with api_session() as session:
@@ -981,6 +1055,9 @@ def begin(execution_input: Mapping[str, Any], execution_name: str) -> dict[str, 
         drain = _load(session, drain_uuid)
         if drain.status in FINAL_STATUSES:
             raise errors.DrainInvalidState(f"Drain {drain_uuid} is {drain.status} already.")
+        if drain.execution_name and drain.execution_name != execution_name:
+            # Another execution would plan again under the first one's moves.
+            raise errors.DrainInvalidState(f"Drain {drain_uuid} is run by execution {drain.execution_name}.")
         return {"drain_uuid": drain.uuid, "dry_run": drain.dry_run}
 
 
@@ -990,27 +1067,29 @@ def start(drain_uuid: str) -> dict[str, Any]:
     Returns:
         ``{"proceed", "servers", "max_concurrency", "fits"}``; ``proceed`` is False for a dry
         run, a plan that does not fit (unless ``move_what_fits``) and a drain cancelled meanwhile.
+        A drain cancelled before it disabled its targets disables nothing; one cancelled after
+        gives them back, as does a plan that does not fit (nothing moved in either case).
     """
     with api_session() as session:
         drain = _load(session, drain_uuid)
-        dry_run, options = drain.dry_run, dict(drain.options)
-    if not dry_run:
+        dry_run, options, cancelled = drain.dry_run, dict(drain.options), drain.status == CANCELLING
+    if not dry_run and not cancelled:
         disable_targets(drain_uuid)
     result = plan(drain_uuid)
     proceed = not dry_run and bool(result["servers"]) and (result["fits"] or options.get("move_what_fits"))
     if not dry_run:
-        if proceed:
-            with api_session() as session:
-                drain = _load(session, drain_uuid, for_update=True)
-                if drain.status == PLANNING:
-                    drain.status, drain.started_at = RUNNING, drain.started_at or utcnow()
-                    started = True
-                else:
-                    started = False
-                    proceed = drain.status in (RUNNING, PAUSED)
+        with api_session() as session:
+            drain = _load(session, drain_uuid, for_update=True)
+            started = proceed and drain.status == PLANNING
             if started:
-                _announce(drain_uuid, DRAIN_START)
-        elif not result["fits"]:
+                drain.status, drain.started_at = RUNNING, drain.started_at or utcnow()
+            elif proceed:
+                proceed = drain.status in (RUNNING, PAUSED)
+            cancelled = drain.status == CANCELLING
+        if started:
+            _announce(drain_uuid, DRAIN_START)
+        elif not proceed and (cancelled or not result["fits"]):
+            # Nothing moves: a plan that does not fit, or a drain cancelled before its first move.
             give_back_targets(drain_uuid)
     return {"proceed": bool(proceed), "servers": result["servers"], "fits": result["fits"],
             "max_concurrency": int(options.get("max_concurrency") or DEFAULT_MAX_CONCURRENCY)}
