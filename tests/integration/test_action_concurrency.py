@@ -227,7 +227,9 @@ def _nearly_full_cell() -> tuple[list[tuple[str, str]], list[str]]:
     destinations = []
     for n in range(DESTINATIONS):
         rp = add_compute(f"dst-{n}", vcpus=8, memory_mb=8192, disk_gb=100, ratio=RATIO)
-        placement.claim(str(uuid.uuid4()), PROJECT, USER, {rp: {VCPU: 11, MEMORY_MB: 1024, DISK_GB: 10}})
+        # Two servers, as one may not hold more vCPUs than the host's 8 cores.
+        placement.claim(str(uuid.uuid4()), PROJECT, USER, {rp: {VCPU: 8, MEMORY_MB: 512, DISK_GB: 5}})
+        placement.claim(str(uuid.uuid4()), PROJECT, USER, {rp: {VCPU: 3, MEMORY_MB: 512, DISK_GB: 5}})
         destinations.append(rp)
     return servers_on, destinations
 

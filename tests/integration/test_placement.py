@@ -53,7 +53,8 @@ def test_removing_a_class_with_allocations_is_refused(store):
 
 
 def test_a_capacity_below_usage_is_taken_and_only_writes_that_add_nothing_fit_there(store):
-    """A host reporting less (a lower ratio, more reserved) is believed; what it holds can still move back."""
+    """A host reporting less (fewer cores, a lower ratio, more reserved) is believed; what it holds
+    can still move back, though above the new max_unit."""
     rp = add_compute("host-a", vcpus=8)
     server, migration = new_uuid(), new_uuid()
     placement.claim(server, PROJECT, USER, {rp: resources(vcpus=6)})
@@ -102,14 +103,41 @@ def test_set_allocations_is_all_or_nothing_across_consumers(store):
 
 
 def test_reserved_and_allocation_ratio_bound_capacity(store):
-    # (4 - 1) * 2.0 = 6 vCPUs can be handed out.
+    # (4 - 1) * 2.0 = 6 vCPUs can be handed out (at most 4, the host's cores, to one consumer).
     rp = add_compute("host-a", vcpus=4, reserved={VCPU: 1}, ratio=2.0)
-    placement.claim(new_uuid(), PROJECT, USER, {rp: {VCPU: 5}})
+    placement.claim(new_uuid(), PROJECT, USER, {rp: {VCPU: 4}})
 
     with pytest.raises(errors.InsufficientCapacity):
-        placement.claim(new_uuid(), PROJECT, USER, {rp: {VCPU: 2}})
-    placement.claim(new_uuid(), PROJECT, USER, {rp: {VCPU: 1}})
+        placement.claim(new_uuid(), PROJECT, USER, {rp: {VCPU: 3}})
+    placement.claim(new_uuid(), PROJECT, USER, {rp: {VCPU: 2}})
     assert placement.usages(rp)[VCPU] == 6
+
+
+def test_one_allocation_never_exceeds_the_host_s_physical_total_whatever_the_ratio(store):
+    # GIVEN a 4-core host overcommitted 4.0 (16 vCPUs to hand out) that reports no max_unit
+    rp = add_compute("host-a", vcpus=4, memory_mb=4096, disk_gb=40, ratio=4.0)
+    assert {rc: inv["max_unit"] for rc, inv in placement.get_inventories(rp).items()} == {
+        VCPU: 4, MEMORY_MB: 4096, DISK_GB: 40}
+
+    # WHEN one consumer asks for more than the host has, THEN it does not fit
+    with pytest.raises(errors.InsufficientCapacity, match="max_unit 4"):
+        placement.claim(new_uuid(), PROJECT, USER, {rp: {VCPU: 5}})
+    # while the overcommitted capacity still goes to consumers of at most the host's size
+    for _ in range(4):
+        placement.claim(new_uuid(), PROJECT, USER, {rp: {VCPU: 4}})
+    assert placement.usages(rp)[VCPU] == 16
+
+
+def test_a_reported_max_unit_is_kept(store):
+    rp = placement.ensure_provider("host-a", "host-a", cell_id("cell1"), {
+        VCPU: {"total": 8, "max_unit": 2, "allocation_ratio": 4.0},
+        MEMORY_MB: {"total": 4096, "max_unit": 8192, "allocation_ratio": 4.0}})
+
+    inventories = placement.get_inventories(rp)
+    assert (inventories[VCPU]["max_unit"], inventories[MEMORY_MB]["max_unit"]) == (2, 8192)
+    placement.claim(new_uuid(), PROJECT, USER, {rp: {MEMORY_MB: 6144}})
+    with pytest.raises(errors.InsufficientCapacity):
+        placement.claim(new_uuid(), PROJECT, USER, {rp: {VCPU: 3}})
 
 
 def test_min_unit_max_unit_and_step_size_are_enforced(store):

@@ -59,7 +59,10 @@ def test_only_providers_with_room_for_every_class_are_candidates(store):
 
 def test_reserved_ratio_and_unit_limits_decide_the_fit(store):
     add_compute("host-reserved", vcpus=4, reserved={VCPU: 3})
-    add_compute("host-overcommit", vcpus=1, ratio=4.0)
+    overcommit = add_compute("host-overcommit", vcpus=4, ratio=4.0)
+    for _ in range(3):
+        placement.claim(new_uuid(), PROJECT, USER, {overcommit: {VCPU: 4}})  # 12 of 16 in use
+    add_compute("host-two-cores", vcpus=2, ratio=4.0)  # room for 8, but no server larger than 2
     with_step = add_compute("host-step")
     placement.ensure_provider("host-step", "host-step", cell_id("cell1"), {
         VCPU: {"total": 8, "step_size": 4, "allocation_ratio": 1.0},
@@ -69,9 +72,11 @@ def test_reserved_ratio_and_unit_limits_decide_the_fit(store):
         VCPU: {"total": 8, "max_unit": 1, "allocation_ratio": 1.0},
         MEMORY_MB: {"total": 8192, "allocation_ratio": 1.0}, DISK_GB: {"total": 100, "allocation_ratio": 1.0}})
 
-    assert hosts(every_candidate(CandidateRequest(resources=resources(vcpus=2)))) == {"host-overcommit"}
+    assert hosts(every_candidate(CandidateRequest(resources=resources(vcpus=2)))) == {"host-overcommit",
+                                                                                      "host-two-cores"}
     assert hosts(every_candidate(CandidateRequest(resources=resources(vcpus=4)))) == {"host-overcommit",
                                                                                       "host-step"}
+    assert every_candidate(CandidateRequest(resources=resources(vcpus=5))) == []
     assert placement.get_provider(with_step).name == "host-step"
 
 
@@ -107,6 +112,9 @@ def test_scope_limits_cells_hosts_nodes_and_aggregates(store):
     assert hosts(every_candidate(CandidateRequest(resources=need))) == {"host-1a", "host-1b", "host-2a"}
     assert hosts(every_candidate(CandidateRequest(resources=need, cells=("cell2", "cell0")))) == {"host-2a", "host-0"}
     assert hosts(every_candidate(CandidateRequest(resources=need, cell="cell1"))) == {"host-1a", "host-1b"}
+    assert hosts(every_candidate(CandidateRequest(resources=need, exclude_cell="cell1"))) == {"host-2a"}
+    assert hosts(every_candidate(CandidateRequest(resources=need, cells=("cell2", "cell0"), exclude_cell="cell2"))) == {
+        "host-0"}
     assert hosts(every_candidate(CandidateRequest(resources=need, host="host-1b"))) == {"host-1b"}
     assert hosts(every_candidate(CandidateRequest(resources=need, node="host-2a"))) == {"host-2a"}
     assert hosts(every_candidate(CandidateRequest(resources=need, hosts=frozenset({"host-1a", "host-0"})))) == {
@@ -118,6 +126,7 @@ def test_scope_limits_cells_hosts_nodes_and_aggregates(store):
     assert every_candidate(CandidateRequest(resources=need, member_of=(frozenset(),))) == []
     assert placement.count_in_scope(CandidateRequest(resources=need)) == 3
     assert placement.count_in_scope(by_members) == 2
+    assert placement.count_in_scope(CandidateRequest(resources=need, exclude_cell="cell2")) == 2
 
 
 def test_disabled_cells_give_no_candidates(store):

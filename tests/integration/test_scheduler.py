@@ -50,6 +50,18 @@ def test_capacity_prefilter_excludes_full_hosts(store):
     assert hosts_of(selections) == ["host-free"]
 
 
+def test_a_server_never_gets_more_vcpus_than_its_host_has_cores(store):
+    # GIVEN an idle 2-core host overcommitted 4.0 (8 vCPUs to hand out) and a busy 8-core one
+    add_compute("host-two-cores", vcpus=2, memory_mb=65536, ratio=4.0)
+    busy = add_compute("host-eight-cores", vcpus=8, memory_mb=8192)
+    placement.claim(str(uuid.uuid4()), PROJECT, USER, {busy: {VCPU: 4}})
+
+    # WHEN a 4-vCPU server is scheduled, THEN only the host with 4 cores or more is considered
+    selections = scheduler.select_destinations(request_spec(flavor=flavor(vcpus=4)), claim=False)
+
+    assert hosts_of(selections) == ["host-eight-cores"]
+
+
 def test_no_valid_host_message_counts_what_each_stage_removed(store):
     add_compute("host-small", vcpus=1)
     add_compute("host-disabled", disabled=True)
@@ -332,6 +344,28 @@ def test_negative_cross_cell_multiplier_prefers_other_cells(store, monkeypatch):
 
     chosen = scheduler.select_destinations(request_spec(source_cell="cell2"), claim=False)[0]
     assert chosen.host == "host-cell1"
+
+
+def test_a_negative_multiplier_finds_the_other_cells_beyond_placement_s_sample_of_every_cell(store, monkeypatch):
+    """The mirror of the source cell first: with a negative multiplier (a cell being emptied) the
+    one free host of another allowed cell is rarely in a sample of 5 among 31, yet it is chosen."""
+    monkeypatch.setenv("FERRY_MAX_PLACEMENT_RESULTS", "5")
+    monkeypatch.setenv("FERRY_CROSS_CELL_MOVE_WEIGHT_MULTIPLIER", "-1000000")
+    config.reset()
+    add_compute("host-other", "cell2")
+    for index in range(30):
+        add_compute(f"host-source-{index}", "cell1")
+
+    chosen = {scheduler.select_destinations(request_spec(allowed_cells=["cell1", "cell2"], source_cell="cell1"),
+                                            claim=False)[0].host for _ in range(20)}
+    # A drain's own multiplier does the same with the default setting, every cell allowed.
+    monkeypatch.delenv("FERRY_CROSS_CELL_MOVE_WEIGHT_MULTIPLIER")
+    config.reset()
+    drain_spec = {**request_spec(source_cell="cell1"), "cross_cell_move_weight_multiplier": -1.0}
+    planned = {manager.plan_destination(drain_spec).host for _ in range(20)}
+
+    assert chosen == {"host-other"}
+    assert planned == {"host-other"}
 
 
 def test_aggregate_cross_cell_multiplier_overrides_config_with_the_smallest_value(store):

@@ -73,7 +73,8 @@ DISK_GB = "DISK_GB"
 RESOURCE_CLASSES = (VCPU, MEMORY_MB, DISK_GB)
 
 _INVENTORY_FIELDS = ("total", "reserved", "min_unit", "max_unit", "step_size", "allocation_ratio")
-_INVENTORY_DEFAULTS = {"reserved": 0, "min_unit": 1, "max_unit": 2147483647, "step_size": 1}
+# A missing max_unit is not here: it defaults to the class's total (see _inventory_record).
+_INVENTORY_DEFAULTS = {"reserved": 0, "min_unit": 1, "step_size": 1}
 
 # PostgreSQL SQLSTATEs after which the whole transaction may simply be run again.
 _RETRYABLE_PGCODES = {"40001", "40P01"}  # serialization_failure, deadlock_detected
@@ -226,6 +227,10 @@ def _refresh_used(session: Session, provider_ids: Iterable[int]) -> None:
 def _inventory_record(resource_class: str, spec: Mapping[str, Any]) -> dict[str, Any]:
     """A complete inventory row for ``resource_class`` from a report (defaults filled in).
 
+    A missing ``max_unit`` is the class's ``total`` (never below ``min_unit``), as Nova's libvirt
+    driver reports it: overcommit lets more servers share a host, but no single allocation gets
+    more than the host physically has, whatever the allocation ratio.
+
     Raises:
         BadRequest: a field is missing, not a number, or out of range.
     """
@@ -233,7 +238,9 @@ def _inventory_record(resource_class: str, spec: Mapping[str, Any]) -> dict[str,
         raise errors.BadRequest(f"Inventory of {resource_class} has no total.")
     record: dict[str, Any] = {}
     for field in ("total", "reserved", "min_unit", "max_unit", "step_size"):
-        value = spec.get(field, _INVENTORY_DEFAULTS.get(field))
+        # total and min_unit come first, so they are read (and checked) before max_unit's default.
+        default = max(record["total"], record["min_unit"]) if field == "max_unit" else _INVENTORY_DEFAULTS.get(field)
+        value = spec.get(field, default)
         if isinstance(value, bool) or not isinstance(value, int):
             raise errors.BadRequest(f"Inventory field {field} of {resource_class} must be an integer.")
         record[field] = value
@@ -254,9 +261,10 @@ def ensure_provider(host: str, node: str, cell_id: int | None, inventories: Mapp
     """Create or update the resource provider of compute node ``node`` and replace its inventory.
 
     The provider is named after the node and records its host and cell. Missing
-    ``allocation_ratio`` values come from the configured ``*_allocation_ratio``; resource classes
-    absent from ``inventories`` are removed. Nothing is written (and the generation stays) when
-    the provider already looks like this, so periodic reports do not disturb concurrent claims.
+    ``allocation_ratio`` values come from the configured ``*_allocation_ratio`` and a missing
+    ``max_unit`` is the class's ``total``; resource classes absent from ``inventories`` are
+    removed. Nothing is written (and the generation stays) when the provider already looks like
+    this, so periodic reports do not disturb concurrent claims.
 
     Params:
         host: the compute host.
@@ -489,7 +497,8 @@ def _check_capacity(session: Session, changes: list[_Change], providers: dict[st
 
     What these consumers already hold there counts as fitting: a provider whose capacity shrank
     below its usage still takes a write that adds nothing to it (a move handed back, a smaller
-    claim), never one that adds.
+    claim), never one that adds. The same holds for ``max_unit``, which follows the host's size:
+    an allocation made before the host shrank may be handed back and forth, not made anew.
     """
     requested: dict[tuple[int, str], int] = defaultdict(int)
     for change in changes:
@@ -509,12 +518,14 @@ def _check_capacity(session: Session, changes: list[_Change], providers: dict[st
     for change in changes:
         for rp_uuid, resources in change.allocations.items():
             for rc, amount in resources.items():
-                inv = inventories.get((providers[rp_uuid], rc))
+                key = (providers[rp_uuid], rc)
+                inv = inventories.get(key)
                 if inv is None:
                     raise errors.InsufficientCapacity(
                         f"Resource provider {rp_uuid} has no inventory of {rc}.", provider=rp_uuid, resource_class=rc
                     )
-                if not inv.min_unit <= amount <= inv.max_unit or amount % inv.step_size:
+                too_large = amount > inv.max_unit and requested[key] > held.get(key, 0)
+                if amount < inv.min_unit or too_large or amount % inv.step_size:
                     raise errors.InsufficientCapacity(
                         f"{amount} {rc} on resource provider {rp_uuid} is outside min_unit {inv.min_unit}, "
                         f"max_unit {inv.max_unit}, step_size {inv.step_size}.",
@@ -793,6 +804,7 @@ class CandidateRequest:
         cells: names of the cells candidates may be in; None for every cell but cell0. Cells
             marked disabled never give candidates.
         cell, host, node: only candidates in this cell, on this host, on this compute node.
+        exclude_cell: no candidates in this cell.
         hosts: only candidates on one of these hosts (None: any host).
         member_of: for each entry, the candidate's host must be in at least one of these
             aggregates (ids); every entry must hold.
@@ -807,6 +819,7 @@ class CandidateRequest:
     hosts: frozenset[str] | None = None
     member_of: tuple[frozenset[int], ...] = ()
     exclude_consumers: tuple[str, ...] = ()
+    exclude_cell: str | None = None
 
 
 @dataclass(frozen=True)
@@ -852,6 +865,8 @@ def _scope(request: CandidateRequest) -> list[ColumnElement[bool]]:
         clauses.append(_CELL.c.name.in_(request.cells))
     if request.cell:
         clauses.append(_CELL.c.name == request.cell)
+    if request.exclude_cell:
+        clauses.append(_CELL.c.name != request.exclude_cell)
     if request.host:
         clauses.append(_RP.c.host == request.host)
     if request.node:

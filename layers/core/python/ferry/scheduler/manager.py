@@ -130,19 +130,23 @@ def _filter(spec: SchedulingSpec, excluded: list[str],
     Placement's query is narrowed by the request's host restrictions (see
     :mod:`ferry.scheduler.request_filter`). When that leaves no host, the search runs once more
     without the narrowing, so the error counts what each filter removed (a failing request pays
-    for a full pass, a succeeding one does not).
+    for a full pass, a succeeding one does not). A move between cells searches the cells the
+    cross-cell weigher favours first (see :func:`_favoured_cells`) and every allowed cell only
+    when those give fewer than ``scheduler_max_attempts`` hosts.
     """
     request = request_filter.placement_request(spec, exclude_consumers=excluded)
     preferred: list[HostState] = []
-    if _source_cell_first(spec, request):
-        # Placement's batches sample every allowed cell; a host of the source cell that is not in
-        # the sample would never be weighed. So the source cell is searched first, and only its
-        # hosts the cross-cell weigher favours (a positive multiplier) count.
+    favoured = _favoured_cells(spec, request)
+    if favoured is not None:
+        # Placement's batches sample every allowed cell; a host of the favoured cells that is not
+        # in the sample would never be weighed. So those cells are searched first, and only their
+        # hosts the cross-cell weigher favours (their aggregates may set another multiplier) count.
         weigher = host_weighers.CrossCellWeigher()
-        in_source = _filter_candidates(spec, dataclasses.replace(request, cell=spec.source_cell), pending)
-        preferred = [host for host in in_source.hosts if weigher.multiplier(host, spec) > 0]
+        in_favoured = _filter_candidates(spec, favoured, pending)
+        preferred = [host for host in in_favoured.hosts
+                     if weigher.weigh(host, spec) * weigher.multiplier(host, spec) > 0]
         if len(preferred) >= _enough():
-            return dataclasses.replace(in_source, hosts=preferred)
+            return dataclasses.replace(in_favoured, hosts=preferred)
     filtered = _filter_candidates(spec, request, pending)
     if not filtered.hosts and request_filter.is_narrowed(request):
         filtered = _filter_candidates(
@@ -158,14 +162,27 @@ def _enough() -> int:
     return max(config.get().scheduler_max_attempts, 1)
 
 
-def _source_cell_first(spec: SchedulingSpec, request: placement.CandidateRequest) -> bool:
-    """Whether a move may leave its cell but would rather not, so that its own cell is searched first."""
+def _favoured_cells(spec: SchedulingSpec,
+                    request: placement.CandidateRequest) -> placement.CandidateRequest | None:
+    """``request`` narrowed to the cells the cross-cell weigher favours, searched first; None when none are.
+
+    Only a move that may leave its cell (it has a source cell, names no cell or host, and more
+    than one cell is allowed) has favoured cells: its source cell when the multiplier (the
+    request's own, else ``cross_cell_move_weight_multiplier``) is positive, the other allowed
+    cells when it is negative (the source cell is being emptied).
+    """
     if not spec.source_cell or request.cell is not None or request.host is not None:
-        return False
+        return None
     if request.cells is not None and (spec.source_cell not in request.cells or len(request.cells) < 2):
-        return False
+        return None
     multiplier = spec.cross_cell_weight_multiplier
-    return (multiplier if multiplier is not None else config.get().cross_cell_move_weight_multiplier) > 0
+    if multiplier is None:
+        multiplier = config.get().cross_cell_move_weight_multiplier
+    if multiplier > 0:
+        return dataclasses.replace(request, cell=spec.source_cell)
+    if multiplier < 0:
+        return dataclasses.replace(request, exclude_cell=spec.source_cell)
+    return None
 
 
 def _explain(spec: SchedulingSpec, filtered: _Filtered, raced: int = 0) -> str:
