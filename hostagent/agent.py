@@ -316,7 +316,8 @@ class HostAgent(MoveOperations):
         self.journal: Journal | None = None
         self._stop = threading.Event()
         self._started = threading.Event()
-        self._instance_locks: dict[str, threading.Lock] = {}
+        # Each instance's lock and how many operations hold it or wait for it (gone at none).
+        self._instance_locks: dict[str, tuple[threading.Lock, int]] = {}
         self._instance_locks_guard = threading.Lock()
         self._reporter: threading.Thread | None = None
         self._handlers: dict[str, Callable[[Operation], dict[str, Any]]] = {
@@ -800,9 +801,18 @@ class HostAgent(MoveOperations):
     @contextmanager
     def _instance_lock(self, instance_uuid: str) -> Iterator[None]:
         with self._instance_locks_guard:
-            lock = self._instance_locks.setdefault(instance_uuid, threading.Lock())
-        with lock:
-            yield
+            lock, users = self._instance_locks.get(instance_uuid, (threading.Lock(), 0))
+            self._instance_locks[instance_uuid] = (lock, users + 1)
+        try:
+            with lock:
+                yield
+        finally:
+            with self._instance_locks_guard:
+                lock, users = self._instance_locks[instance_uuid]
+                if users == 1:
+                    del self._instance_locks[instance_uuid]
+                else:
+                    self._instance_locks[instance_uuid] = (lock, users - 1)
 
     def _context(self, op: Operation) -> dict[str, Any]:
         return {

@@ -171,12 +171,16 @@ class Journal:
         return [self._entry(row) for row in rows]
 
     def prune(self, older_than: timedelta) -> int:
-        """Forget finished operations that ended more than ``older_than`` ago; return how many.
+        """Forget finished operations that ended more than ``older_than`` ago, and interrupted ones
+        started that long ago (their message can no longer come back); return how many.
 
         Keep ``older_than`` well beyond the queue's message retention: a message redelivered after
         its entry is gone would run again.
         """
         cutoff = (datetime.now(UTC) - older_than).isoformat()
         with self._connect() as conn:
-            cursor = conn.execute("DELETE FROM operations WHERE status != ? AND finished_at < ?", (IN_PROGRESS, cutoff))
+            cursor = conn.execute(
+                "DELETE FROM operations WHERE (status != ? AND finished_at < ?) OR (status = ? AND started_at < ?)",
+                (IN_PROGRESS, cutoff, IN_PROGRESS, cutoff),
+            )
         return cursor.rowcount

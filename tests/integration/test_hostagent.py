@@ -747,6 +747,13 @@ def test_an_operation_waiting_for_the_busy_worker_has_its_task_heartbeat_meanwhi
     assert output(host.finished(queued))["instance_uuid"] == waiting
 
 
+def test_an_instance_lock_is_forgotten_once_no_operation_holds_or_waits_for_it(host):
+    for _ in range(3):
+        output(host.execute("destroy", str(uuid.uuid4()), {}))
+
+    assert host.agent._instance_locks == {}
+
+
 def test_stopping_lets_the_running_operation_finish(host):
     instance_uuid = str(uuid.uuid4())
     output(host.execute("spawn", instance_uuid, spawn_args(host.image(b"x" * 4096), power_on=False)))

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
+import sqlite3
+from datetime import UTC, datetime, timedelta
 
 from hostagent.journal import FAILED, IN_PROGRESS, SUCCEEDED, Journal
 
@@ -68,14 +69,18 @@ def test_restarting_a_failed_operation_clears_its_error(tmp_path):
     assert entry.answers("token-b") is False
 
 
-def test_prune_forgets_old_finished_operations_only(tmp_path):
+def test_prune_forgets_old_finished_operations_and_interrupted_ones_started_as_long_ago(tmp_path):
     journal = Journal(tmp_path / "journal.sqlite")
     journal.start("done", "power_on", "uuid-1", None)
     journal.succeed("done", {})
-    journal.start("running", "power_off", "uuid-1", None)
+    journal.start("interrupted", "power_off", "uuid-1", None)
 
     assert journal.prune(timedelta(days=1)) == 0
-    assert journal.prune(timedelta(seconds=-1)) == 1
+    with sqlite3.connect(tmp_path / "journal.sqlite") as conn:  # interrupted two days ago, never run again
+        conn.execute("UPDATE operations SET started_at = ? WHERE operation_id = 'interrupted'",
+                     ((datetime.now(UTC) - timedelta(days=2)).isoformat(),))
+    assert journal.prune(timedelta(days=1)) == 1
+    assert journal.get("interrupted") is None and journal.get("done") is not None
 
+    assert journal.prune(timedelta(seconds=-1)) == 1
     assert journal.get("done") is None
-    assert journal.get("running") is not None
