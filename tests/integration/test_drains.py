@@ -848,3 +848,17 @@ def test_a_drain_whose_start_answered_an_error_but_runs_is_not_marked_failed(sto
     status, body = drains.create_drain(ADMIN, {"host": "source"}, origin="api")
 
     assert status == 202 and body["drain"]["status"] == "planning"
+
+
+def test_a_drain_that_ended_before_moving_everything_counts_the_servers_not_moved(store):
+    source = add_compute("source")
+    add_compute("dest")
+    _server_on("source", source)
+    _server_on("source", source)
+    drain = _record({"host": "source"})
+    drains.start(drain)
+
+    report = drains.finish(drain)  # the Map ended with both servers still pending
+
+    assert report["status"] == "failed"
+    assert report["message"] == "0 of 2 servers moved; 0 failed, 0 could not be placed, 2 not moved."

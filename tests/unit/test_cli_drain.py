@@ -581,6 +581,23 @@ def test_an_interrupted_watch_says_the_drain_goes_on(cloud, capsys):
     assert f"the drain goes on (ferry drain watch {DRAIN_ID})" in capsys.readouterr().out
 
 
+def test_an_interrupted_start_watch_says_the_drain_goes_on(cloud, capsys):
+    cloud(ok({"drain": view("running")}, 202), KeyboardInterrupt())
+
+    assert cli.main(["drain", "start", "--host", "h1", "--watch"]) == 130
+    assert f"the drain goes on (ferry drain watch {DRAIN_ID})" in capsys.readouterr().out
+
+
+def test_a_failed_server_whose_move_finished_elsewhere_is_shown_there():
+    servers = [server(VM1, "vm1", "failed", attempts=1, dest_host="h2",
+                      error="Confirming failed. The move itself finished on h2: confirm or revert it.")]
+    ended = view("failed", {"done": 0, "failed": 1, "left": 0}, servers=servers)
+
+    _status, out, _ = watched(FakeConnection(ok({"drain": running(1)}), ok({"drain": ended})))
+
+    assert f"vm1 ({VM1}): failed after 1 attempt(s), now on h2: Confirming failed." in out
+
+
 def test_a_dry_run_is_final_for_watch():
     status, out, sleeps = watched(FakeConnection(ok({"drain": planned(fits=False)})))
 

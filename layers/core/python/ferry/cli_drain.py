@@ -463,7 +463,9 @@ def _server_event(server: Mapping[str, Any]) -> str:
     if state == "done":
         return f"{name}: done, now on {_text(server.get('dest_host'))}"
     if state == "failed":
-        return f"{name}: failed after {_text(server.get('attempts'))} attempt(s), back on {source}: " \
+        dest = server.get("dest_host")
+        where = f"now on {_text(dest)}" if dest and dest != server.get("source_host") else f"back on {source}"
+        return f"{name}: failed after {_text(server.get('attempts'))} attempt(s), {where}: " \
                f"{_text(server.get('error'))}"
     if state == "pending" and server.get("error"):
         return f"{name}: will be tried again after: {server['error']}"
@@ -569,7 +571,7 @@ def _start(conn: Connection, args: argparse.Namespace) -> int:
     if view.get("status") in ("failed", "cancelled"):
         return 1
     if args.watch:
-        return watch(conn, str(view.get("id")), interval=args.interval)
+        return _watch_to_the_end(conn, str(view.get("id")), args.interval)
     print(f"Follow it with: ferry drain watch {view.get('id')}")
     return 0
 
@@ -597,10 +599,15 @@ def _show(conn: Connection, args: argparse.Namespace) -> int:
 
 
 def _watch(conn: Connection, args: argparse.Namespace) -> int:
+    return _watch_to_the_end(conn, args.drain_id, args.interval)
+
+
+def _watch_to_the_end(conn: Connection, drain_id: str, interval: float) -> int:
+    """Watch the drain until it ends; Ctrl-C stops watching, never the drain."""
     try:
-        return watch(conn, args.drain_id, interval=args.interval)
+        return watch(conn, drain_id, interval=interval)
     except KeyboardInterrupt:
-        print(f"\nStopped watching; the drain goes on (ferry drain watch {args.drain_id}).")
+        print(f"\nStopped watching; the drain goes on (ferry drain watch {drain_id}).")
         return 130
 
 

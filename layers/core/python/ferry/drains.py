@@ -1128,7 +1128,8 @@ def finish(drain_uuid: str, error: Mapping[str, Any] | None = None) -> dict[str,
             elif counts["failed"] or counts["unplaceable"] or counts["cancelled"]:
                 status = FAILED
                 message = (f"{counts['done']} of {counts['total']} servers moved; {counts['failed']} failed, "
-                           f"{counts['unplaceable']} could not be placed.")
+                           f"{counts['unplaceable']} could not be placed"
+                           + (f", {counts['cancelled']} not moved" if counts["cancelled"] else "") + ".")
             else:
                 status, message = COMPLETED, f"All {counts['total']} servers moved."
             drain.status, drain.message, drain.finished_at, drain.updated_at = status, message, utcnow(), utcnow()
