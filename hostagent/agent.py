@@ -188,6 +188,11 @@ def operation_delay(operation: str) -> float:
     return 0.0
 
 
+class _TakenBack(Exception):
+    """The operation ran, but its workflow had stopped waiting: what it sent was taken back, and
+    its message is settled without an answer."""
+
+
 class _NotRun(Exception):
     """The operation was not started: its workflow no longer waits (``awaited`` False) or may not (None)."""
 
@@ -511,20 +516,14 @@ class HostAgent(MoveOperations):
             self._hold(message, timeout, context)
             return
         try:
-            result, error, cause, ran = self._run(op, receipt, context)
+            result, error, cause = self._run(op, receipt, context)
         except _NotRun as not_run:
             if not_run.awaited is False:
                 self._delete(receipt)
             else:
                 self._redeliver_later(receipt, context)
             return
-        if ran and op.task_token and op.name in self._take_back \
-                and self._still_awaited(op.task_token, context) is False:
-            # The Task timed out while the operation ran: nobody takes its answer, and the rollback
-            # may already have deleted what it sent. Asked before answering: a refused answer
-            # cannot tell a Task that timed out from one that took this very answer already (a
-            # response lost and the call retried).
-            self._take_back_sent(op, context)
+        except _TakenBack:
             self._delete(receipt)
             return
         if self._answer(op.task_token, result, error, cause, context):
@@ -533,27 +532,32 @@ class HostAgent(MoveOperations):
     def _take_back_sent(self, op: Operation, context: dict[str, Any]) -> None:
         """Remove what ``op`` sent off this host, its workflow having stopped waiting (see ``_take_back``).
 
-        Only for a run of this delivery, whose answer was never given: a copy answered from the
-        journal belongs to a run whose answer may have been taken, and the workflow then goes on
-        with what was sent. A failure is logged and counted; ``ferry audit`` and the bucket's
-        lifecycle rules find what is left.
+        Only for a run of this delivery, whose answer was never given, and under the instance's
+        lock (the caller holds it): a copy of the message answered from the journal belongs to a
+        run whose answer may have been taken, and the workflow then goes on with what was sent.
+        The journal then records the operation failed for this delivery, so that a new message
+        for it runs it again rather than answering with what is gone. A failure to take back is
+        logged and counted; ``ferry audit`` and the bucket's lifecycle rules find what is left.
         """
         take_back = self._take_back.get(op.name)
         if take_back is None:
             return
+        assert self.journal is not None
         try:
-            with self._instance_lock(op.instance_uuid):  # never beside a later operation on the instance
-                take_back(op)
+            take_back(op)
         except Exception:
             logger.exception("taking back what an abandoned operation sent failed", extra=context)
             self._emit_metric("HostCleanupFailed", MetricUnit.Count, 1, op.name)
-            return
-        logger.warning("what the abandoned operation sent was taken back", extra=context)
+        else:
+            logger.warning("what the abandoned operation sent was taken back", extra=context)
+        abandoned = errors.HostOperationFailed(
+            "Its workflow stopped waiting while it ran; what it sent was taken back.")
+        self.journal.fail(op.operation_id, abandoned.name, abandoned.message)
 
     def _run(
         self, op: Operation, receipt: str, context: dict[str, Any]
-    ) -> tuple[dict[str, Any] | None, str | None, str | None, bool]:
-        """Run ``op`` under the journal; return (result, error name, cause, whether it ran here).
+    ) -> tuple[dict[str, Any] | None, str | None, str | None]:
+        """Run ``op`` under the journal; return (result, error name, cause).
 
         A copy of the message that another worker ran meanwhile (it held the instance's lock) is
         answered with that run's outcome instead of running again.
@@ -561,6 +565,8 @@ class HostAgent(MoveOperations):
         Raises:
             _NotRun: the workflow no longer waits for the operation, or Step Functions cannot tell;
                 the operation was not started.
+            _TakenBack: the operation ran, but its workflow stopped waiting meanwhile; what it
+                sent was taken back.
         """
         assert self.journal is not None
         result: dict[str, Any] | None = None
@@ -570,7 +576,7 @@ class HostAgent(MoveOperations):
             recorded = self.journal.get(op.operation_id)
             if recorded is not None and recorded.finished and recorded.answers(op.task_token):
                 logger.info("operation done meanwhile: answering from the journal", extra=context)
-                return recorded.result, recorded.error, recorded.cause, False
+                return recorded.result, recorded.error, recorded.cause
             if op.task_token:
                 awaited = self._still_awaited(op.task_token, context)
                 if not awaited:
@@ -592,21 +598,31 @@ class HostAgent(MoveOperations):
                 logger.exception("operation failed unexpectedly", extra=context)
                 wrapped = errors.HostOperationFailed(f"{type(exc).__name__}: {exc}")
                 error, cause = wrapped.name, wrapped.message
-        duration_ms = (time.monotonic() - started) * 1000
-        if error is None:
-            assert result is not None
-            self.journal.succeed(op.operation_id, result)
-            logger.info("operation succeeded", extra={**context, "duration_ms": round(duration_ms, 1)})
-        else:
-            assert cause is not None
-            self.journal.fail(op.operation_id, error, cause)
-            logger.warning(
-                "operation failed",
-                extra={**context, "error": error, "cause": cause, "duration_ms": round(duration_ms, 1)},
-            )
-            self._count_failure(op.name, error)
+            # Journaled before the instance's lock goes: a copy of the message waiting for the lock
+            # then finds the outcome and answers with it, never running the operation again.
+            duration_ms = (time.monotonic() - started) * 1000
+            if error is None:
+                assert result is not None
+                self.journal.succeed(op.operation_id, result)
+                logger.info("operation succeeded", extra={**context, "duration_ms": round(duration_ms, 1)})
+            else:
+                assert cause is not None
+                self.journal.fail(op.operation_id, error, cause)
+                logger.warning(
+                    "operation failed",
+                    extra={**context, "error": error, "cause": cause, "duration_ms": round(duration_ms, 1)},
+                )
+                self._count_failure(op.name, error)
+            if op.task_token and op.name in self._take_back and self._still_awaited(op.task_token, context) is False:
+                # The Task timed out while the operation ran: nobody takes its answer, and the
+                # rollback may already have deleted what it sent. Asked before answering, and
+                # before the lock goes: a copy of the message waiting for the lock would answer
+                # from the journal first, and Step Functions would then refuse this question
+                # just as it does for a Task that timed out.
+                self._take_back_sent(op, context)
+                raise _TakenBack()
         self._emit_metric("HostOperationDuration", MetricUnit.Milliseconds, duration_ms, op.name)
-        return result, error, cause, True
+        return result, error, cause
 
     def _answer(
         self,

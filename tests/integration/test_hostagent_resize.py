@@ -847,6 +847,31 @@ def test_an_answer_taken_whose_response_was_lost_takes_nothing_back(cloud, sourc
     assert len(cloud.transfer_keys(transfer(migration_uuid)["prefix"])) == 4
 
 
+def test_a_resize_taken_back_runs_again_for_a_new_task_rather_than_answering_from_the_journal(cloud, source, dest):
+    server = boot(source)
+    migration_uuid = str(uuid.uuid4())
+    body = {"operation": "resize_instance", "operation_id": f"{migration_uuid}:resize", "instance_uuid": server.uuid,
+            "args": resize_args(migration_uuid, dest)}
+    queue = source.agent.queue_url
+
+    def deliver(token: str) -> None:
+        cloud.sqs.send_message(QueueUrl=queue, MessageBody=json.dumps({**body, "task_token": token}))
+        (message,) = cloud.sqs.receive_message(QueueUrl=queue, MaxNumberOfMessages=1)["Messages"]
+        source.agent.process_message(message)
+
+    cloud.sfn.gave_up, cloud.sfn.heartbeats_left = True, 1  # the Task times out while it runs
+    deliver("token-abandoned")
+    cloud.sfn.gave_up, cloud.sfn.heartbeats_left = False, None
+    assert cloud.transfer_keys(transfer(migration_uuid)["prefix"]) == []
+
+    source.ok("finish_revert_resize", server.uuid, finish_revert_args(migration_uuid, server, True))
+    deliver("token-of-the-retry")  # the same operation, a new Task
+
+    result, error, _cause = cloud.sfn.answers["token-of-the-retry"]
+    assert error is None and result is not None
+    assert len(cloud.transfer_keys(transfer(migration_uuid)["prefix"])) == 4  # sent again, not a stale answer
+
+
 def test_a_resize_whose_workflow_gave_up_takes_back_its_transfer(cloud, source, dest):
     server = boot(source)
     migration_uuid = str(uuid.uuid4())
