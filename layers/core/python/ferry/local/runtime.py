@@ -405,6 +405,34 @@ def _task_closed(callback_id: str) -> Exception:
     return AWSError(f"Task Timed Out: '{callback_id[:16]}...' does not exist anymore", exception_type="TaskTimedOut")
 
 
+# The history a distributed Map's iterations write to, while its run lasts (see _sfn_map_run_history).
+_map_run_history = threading.local()
+
+
+def _sfn_map_run_history(eval_body: Callable[..., Any]) -> Callable[..., Any]:
+    """A distributed Map run whose iterations' states land in the execution's own history.
+
+    moto runs the iterations but hands them a history nobody can read; on AWS each is a child
+    execution with its own. Kept in the parent's, as an inline Map's are, ``get_execution_history``
+    shows every state a drain's iterations entered (what the fault sweep checks).
+    """
+    def run(self: Any, env: Any) -> Any:
+        _map_run_history.manager = env.event_manager
+        try:
+            return eval_body(self, env)
+        finally:
+            _map_run_history.manager = None
+    return run
+
+
+def _sfn_iteration_history() -> Any:
+    """The history a distributed Map run's iterations write to (the execution's own, see above)."""
+    from moto.stepfunctions.parser.asl.eval.event.event_manager import EventManager
+
+    manager = getattr(_map_run_history, "manager", None)
+    return manager if manager is not None else EventManager()
+
+
 def _sfn_notify_once(self: Any, callback_id: str, outcome: Any) -> bool:
     """``CallbackPoolManager.notify`` refusing an answer to a closed task with ``TaskTimedOut``, as Step Functions does.
 
@@ -531,12 +559,15 @@ def install_moto_fixes() -> None:
       (and overwrites it); Step Functions answers ``TaskTimedOut`` to a closed task.
     * A waitForTaskToken task keeps its token across Retry attempts (Step Functions issues a new one),
       and stays open after it timed out (Step Functions closes it).
+    * A distributed Map's iterations write no readable history (on AWS: child executions); here
+      they write to the execution's own, as an inline Map's do.
 
     Also the switch :data:`DUPLICATE_DELIVERY_ENV`, on SQS's SendMessage, and the factor
     :data:`RETRY_SCALE_ENV` on the waits between Retry attempts.
     """
     from moto.sqs.models import SQSBackend
     from moto.stepfunctions.parser.asl.component.common.retry import retrier_decl
+    from moto.stepfunctions.parser.asl.component.state.exec.state_map.iteration import distributed_iteration_component
     from moto.stepfunctions.parser.asl.component.state.exec.state_task.service.state_task_service_callback import (
         StateTaskServiceCallback,
     )
@@ -564,6 +595,10 @@ def install_moto_fixes() -> None:
             StateTaskServiceCallback._eval_wait_for_task_token
         ),
         (retrier_decl, "time"): ScaledRetryClock(),
+        (distributed_iteration_component.DistributedIterationComponent, "_eval_body"): _sfn_map_run_history(
+            distributed_iteration_component.DistributedIterationComponent._eval_body
+        ),
+        (distributed_iteration_component, "EventManager"): _sfn_iteration_history,
     }
     for (owner, attribute), replacement in replacements.items():
         _moto_fixes[(owner, attribute)] = owner.__dict__.get(attribute)
