@@ -477,9 +477,34 @@ def copy_sparse(src: str | os.PathLike[str], dst: str | os.PathLike[str], chunk_
     return copy_sparse_digest(src, dst, chunk_size, algorithm).hexdigest()
 
 
+class _NotTheExpectedContent(Exception):
+    """A copy whose digest is not the one expected (it is removed before it takes its name)."""
+
+
+def copy_sparse_verified(src: str | os.PathLike[str], dst: str | os.PathLike[str], expected: str,
+                         chunk_size: int = CHUNK_SIZE, algorithm: str = SHA256) -> bool:
+    """:func:`copy_sparse`, but ``dst`` appears only when the copy's digest is ``expected``.
+
+    Returns:
+        Whether it did; when not, nothing is left at ``dst``.
+
+    Raises:
+        DiskCopyFailed: reading or writing failed, or ``src`` changed size during the copy.
+    """
+    try:
+        copy_sparse_digest(src, dst, chunk_size, algorithm, expected=expected)
+    except _NotTheExpectedContent:
+        return False
+    return True
+
+
 def copy_sparse_digest(src: str | os.PathLike[str], dst: str | os.PathLike[str], chunk_size: int = CHUNK_SIZE,
-                       algorithm: str = SHA256) -> Digest:
-    """:func:`copy_sparse`, returning the digest object itself (to extend with :func:`grown_digest`)."""
+                       algorithm: str = SHA256, *, expected: str | None = None) -> Digest:
+    """:func:`copy_sparse`, returning the digest object itself (to extend with :func:`grown_digest`).
+
+    With ``expected``, a copy of another digest is removed before it takes ``dst``'s name
+    (``_NotTheExpectedContent``), so a crash never leaves an unchecked file there.
+    """
     src_path, dst_path = Path(src), Path(dst)
     hasher = DIGESTS[algorithm]()
     try:
@@ -504,6 +529,8 @@ def copy_sparse_digest(src: str | os.PathLike[str], dst: str | os.PathLike[str],
                 position = end
             hasher.update_zeros(size - position)
             writer.finish(size)
+            if expected is not None and hasher.hexdigest() != expected:
+                raise _NotTheExpectedContent(str(src_path))
     except OSError as exc:
         raise errors.DiskCopyFailed(f"Copying {src_path} to {dst_path} failed: {exc}") from exc
     return hasher
@@ -642,13 +669,12 @@ def create_root_disk(
             os.utime(cached)  # used now: pruning goes by the last use
         else:
             fetch(s3_client, bucket, key, cached, expected, chunk_size)
-        if copy_sparse(cached, dest_path, chunk_size, algorithm) != expected:
-            # The cached copy rotted on disk: drop it and the copy, and fetch the image afresh.
-            dest_path.unlink(missing_ok=True)
+        # Checked before the copy takes its name: a root disk that exists is a verified one.
+        if not copy_sparse_verified(cached, dest_path, expected, chunk_size, algorithm):
+            # The cached copy rotted on disk: drop it, and fetch the image afresh.
             cached.unlink(missing_ok=True)
             fetch(s3_client, bucket, key, cached, expected, chunk_size)
-            if copy_sparse(cached, dest_path, chunk_size, algorithm) != expected:
-                dest_path.unlink(missing_ok=True)
+            if not copy_sparse_verified(cached, dest_path, expected, chunk_size, algorithm):
                 raise errors.ImageDownloadFailed(f"Image {image.get('id')} changed while it was being copied.")
     if root_bytes > 0 and os.path.getsize(dest_path) > root_bytes:
         # The object changed between its size check and its download.

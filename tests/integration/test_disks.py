@@ -238,6 +238,17 @@ def test_a_rotten_cache_entry_is_fetched_again(s3, tmp_path):
     assert disks.sha256_file(cache / image["sha256"]) == image["sha256"]
 
 
+def test_a_verified_copy_takes_its_name_only_when_its_digest_is_the_expected_one(tmp_path):
+    source = tmp_path / "source"
+    source.write_bytes(os.urandom(MiB))
+    digest = disks.sha256_file(source)
+
+    assert disks.copy_sparse_verified(source, tmp_path / "other", "0" * 64) is False
+    assert list(tmp_path.iterdir()) == [source]  # neither the copy nor its temporary file
+    assert disks.copy_sparse_verified(source, tmp_path / "copy", digest) is True
+    assert disks.sha256_file(tmp_path / "copy") == digest
+
+
 def test_remove_instance_dir_deletes_disks_and_accepts_a_missing_directory(tmp_path):
     disks.create_sparse(disks.root_disk_path(tmp_path, "i-1"), MiB)
     disks.create_sparse(disks.swap_disk_path(tmp_path, "i-1"), MiB)
