@@ -65,6 +65,8 @@ from hostagent.moves import SPAWN_RECORD, MoveOperations, read_record, volume_di
 # times out. Renewed every keepalive interval, at most half of it.
 DEFAULT_VISIBILITY_TIMEOUT = 45
 DEFAULT_KEEPALIVE_INTERVAL = 15.0
+# The keepalive's first beat comes this soon (or at the interval, when shorter).
+KEEPALIVE_FIRST_BEAT_SECONDS = 1.0
 # Messages received beyond the workers, waiting for one with their tasks heartbeat meanwhile.
 DEFAULT_MAX_WAITING = 4
 # Drills only: ``<operation>=<seconds>[,...]`` (``*`` for every operation) makes this agent wait that
@@ -501,7 +503,10 @@ class HostAgent(MoveOperations):
 
         context = {**self._context(op), "receive_count": message.get("Attributes", {}).get("ApproximateReceiveCount")}
         recorded = self.journal.get(op.operation_id)
-        if recorded is not None and recorded.finished and recorded.answers(op.task_token):
+        # Not for an operation that may take back what it sent: its run decides under the
+        # instance's lock, and a copy answered meanwhile would make it take back what it must not.
+        if recorded is not None and recorded.finished and recorded.answers(op.task_token) \
+                and op.name not in self._take_back:
             logger.info(
                 "operation already done: answering from the journal", extra={**context, "status": recorded.status}
             )
@@ -569,58 +574,70 @@ class HostAgent(MoveOperations):
                 sent was taken back.
         """
         assert self.journal is not None
-        result: dict[str, Any] | None = None
-        error: str | None = None
-        cause: str | None = None
-        with self._keepalive(op, receipt, context), self._instance_lock(op.instance_uuid), self._worker():
+        with self._keepalive(op, receipt, context), self._instance_lock(op.instance_uuid):
             recorded = self.journal.get(op.operation_id)
             if recorded is not None and recorded.finished and recorded.answers(op.task_token):
                 logger.info("operation done meanwhile: answering from the journal", extra=context)
                 return recorded.result, recorded.error, recorded.cause
-            if op.task_token:
-                awaited = self._still_awaited(op.task_token, context)
-                if not awaited:
-                    self._record_not_started(op, awaited, context)
-                    raise _NotRun(awaited)
-            self.journal.start(op.operation_id, op.name, op.instance_uuid, op.task_token)
-            logger.info("operation started", extra=context)
-            started = time.monotonic()
-            try:
-                delay = operation_delay(op.name)
-                if delay:
-                    self._stop.wait(delay)
-                # A fault armed for this operation (tests and drills; off unless configured) fails it here.
-                faults.check(*faults.host_points(self.host, op.name, op.operation_id))
-                result = self._handlers[op.name](op)
-            except errors.FerryError as exc:
-                error, cause = exc.name, exc.message
-            except Exception as exc:
-                logger.exception("operation failed unexpectedly", extra=context)
-                wrapped = errors.HostOperationFailed(f"{type(exc).__name__}: {exc}")
-                error, cause = wrapped.name, wrapped.message
-            # Journaled before the instance's lock goes: a copy of the message waiting for the lock
-            # then finds the outcome and answers with it, never running the operation again.
-            duration_ms = (time.monotonic() - started) * 1000
-            if error is None:
-                assert result is not None
-                self.journal.succeed(op.operation_id, result)
-                logger.info("operation succeeded", extra={**context, "duration_ms": round(duration_ms, 1)})
-            else:
-                assert cause is not None
-                self.journal.fail(op.operation_id, error, cause)
-                logger.warning(
-                    "operation failed",
-                    extra={**context, "error": error, "cause": cause, "duration_ms": round(duration_ms, 1)},
-                )
-                self._count_failure(op.name, error)
-            if op.task_token and op.name in self._take_back and self._still_awaited(op.task_token, context) is False:
-                # The Task timed out while the operation ran: nobody takes its answer, and the
-                # rollback may already have deleted what it sent. Asked before answering, and
-                # before the lock goes: a copy of the message waiting for the lock would answer
-                # from the journal first, and Step Functions would then refuse this question
-                # just as it does for a Task that timed out.
-                self._take_back_sent(op, context)
-                raise _TakenBack()
+            with self._worker():
+                return self._run_here(op, context)
+
+    def _run_here(
+        self, op: Operation, context: dict[str, Any]
+    ) -> tuple[dict[str, Any] | None, str | None, str | None]:
+        """Run ``op`` now, under its instance's lock and a worker, journaling its outcome.
+
+        Raises:
+            _NotRun, _TakenBack: as :meth:`_run`.
+        """
+        assert self.journal is not None
+        result: dict[str, Any] | None = None
+        error: str | None = None
+        cause: str | None = None
+        if op.task_token:
+            awaited = self._still_awaited(op.task_token, context)
+            if not awaited:
+                self._record_not_started(op, awaited, context)
+                raise _NotRun(awaited)
+        self.journal.start(op.operation_id, op.name, op.instance_uuid, op.task_token)
+        logger.info("operation started", extra=context)
+        started = time.monotonic()
+        try:
+            delay = operation_delay(op.name)
+            if delay:
+                self._stop.wait(delay)
+            # A fault armed for this operation (tests and drills; off unless configured) fails it here.
+            faults.check(*faults.host_points(self.host, op.name, op.operation_id))
+            result = self._handlers[op.name](op)
+        except errors.FerryError as exc:
+            error, cause = exc.name, exc.message
+        except Exception as exc:
+            logger.exception("operation failed unexpectedly", extra=context)
+            wrapped = errors.HostOperationFailed(f"{type(exc).__name__}: {exc}")
+            error, cause = wrapped.name, wrapped.message
+        # Journaled before the instance's lock goes: a copy of the message waiting for the lock
+        # then finds the outcome and answers with it, never running the operation again.
+        duration_ms = (time.monotonic() - started) * 1000
+        if error is None:
+            assert result is not None
+            self.journal.succeed(op.operation_id, result)
+            logger.info("operation succeeded", extra={**context, "duration_ms": round(duration_ms, 1)})
+        else:
+            assert cause is not None
+            self.journal.fail(op.operation_id, error, cause)
+            logger.warning(
+                "operation failed",
+                extra={**context, "error": error, "cause": cause, "duration_ms": round(duration_ms, 1)},
+            )
+            self._count_failure(op.name, error)
+        if op.task_token and op.name in self._take_back and self._still_awaited(op.task_token, context) is False:
+            # The Task timed out while the operation ran: nobody takes its answer, and the
+            # rollback may already have deleted what it sent. Asked before answering, and
+            # before the lock goes: a copy of the message waiting for the lock would answer
+            # from the journal first, and Step Functions would then refuse this question
+            # just as it does for a Task that timed out.
+            self._take_back_sent(op, context)
+            raise _TakenBack()
         self._emit_metric("HostOperationDuration", MetricUnit.Milliseconds, duration_ms, op.name)
         return result, error, cause
 
@@ -764,12 +781,24 @@ class HostAgent(MoveOperations):
 
     @contextmanager
     def _keepalive(self, op: Operation, receipt: str, context: dict[str, Any]) -> Iterator[None]:
-        """While the block runs, heartbeat the task and keep the message invisible."""
+        """While the block runs, keep the message invisible and heartbeat the task.
+
+        The first beat comes within a second (a message that came back late and waits for a
+        worker has little of its Task's heartbeat time left), then one every keepalive interval.
+        """
         done = threading.Event()
 
         def beat() -> None:
             token = op.task_token
-            while not done.wait(self.keepalive_interval):
+            wait = min(self.keepalive_interval, KEEPALIVE_FIRST_BEAT_SECONDS)
+            while not done.wait(wait):
+                wait = self.keepalive_interval
+                try:
+                    self.sqs.change_message_visibility(
+                        QueueUrl=self.queue_url, ReceiptHandle=receipt, VisibilityTimeout=self.visibility_timeout
+                    )
+                except (ClientError, BotoCoreError) as exc:
+                    logger.warning("extending the message's visibility failed", extra={**context, "error": str(exc)})
                 if token:
                     try:
                         self.sfn.send_task_heartbeat(taskToken=token)
@@ -784,12 +813,6 @@ class HostAgent(MoveOperations):
                             ),
                         ):
                             token = None  # the workflow stopped waiting; keep the message alive only
-                try:
-                    self.sqs.change_message_visibility(
-                        QueueUrl=self.queue_url, ReceiptHandle=receipt, VisibilityTimeout=self.visibility_timeout
-                    )
-                except (ClientError, BotoCoreError) as exc:
-                    logger.warning("extending the message's visibility failed", extra={**context, "error": str(exc)})
 
         thread = threading.Thread(target=beat, name=f"keepalive-{op.operation_id}", daemon=True)
         thread.start()
@@ -810,6 +833,8 @@ class HostAgent(MoveOperations):
             if self._stop.is_set():
                 raise _NotRun(None)
         try:
+            if self._stop.is_set():  # handed a worker as the agent stops: the next agent runs it
+                raise _NotRun(None)
             yield
         finally:
             self._workers.release()

@@ -663,6 +663,12 @@ def test_deleted_servers_are_listed_with_a_time_window_or_deleted_true(cloud):
     assert _listed({"deleted": "true", "soft_deleted": "true", "all_tenants": "1"}, caller=ADMIN) == ["vm1"]
     assert _listed({"deleted": "false", "changes-since": since, "all_tenants": "1"}, caller=ADMIN) == ["live"]
     assert _listed({"deleted": "true"}) == ["live"]  # a member's deleted is dropped
+    by_status = call("GET", "/v2.1/servers", caller=ADMIN, query={"status": "deleted", "all_tenants": "1"},
+                     version="2.90")
+    assert [s["id"] for s in by_status.body["servers"]] == [gone]  # status=DELETED: deleted ones only
+    refused = call("GET", "/v2.1/servers", query={"status": "DELETED"}, version="2.90")
+    assert refused.status == 403 and "Only administrators may list deleted instances" in refused.body["forbidden"][
+        "message"]
     assert call("GET", f"/v2.1/servers/{gone}", version="2.90").status == 404
 
 

@@ -862,3 +862,24 @@ def test_a_drain_that_ended_before_moving_everything_counts_the_servers_not_move
 
     assert report["status"] == "failed"
     assert report["message"] == "0 of 2 servers moved; 0 failed, 0 could not be placed, 2 not moved."
+
+
+def test_a_cell_drain_beside_a_host_drain_is_refused_for_that_cell_at_once(store, monkeypatch):
+    monkeypatch.setattr(drains.policy, "check", lambda *_args, **_kwargs: True)  # cross-cell moves allowed
+    add_compute("source")
+    add_compute("elsewhere", cell="cell2")
+    _record({"host": "source"})
+
+    with pytest.raises(errors.DrainInvalidState, match="is draining source"):
+        drains.record_drain(ADMIN, {"cell": "cell1"}, origin="api")
+    assert drains.get_view(_record({"cell": "cell2"}))["status"] == "planning"
+
+
+def test_a_drain_is_recorded_with_the_name_of_its_execution(store):
+    add_compute("source")
+
+    drain = _record({"host": "source"})
+
+    with api_session() as session:
+        name = session.scalars(select(Drain.execution_name).where(Drain.uuid == drain)).one()
+    assert name == f"drain-{drain}"

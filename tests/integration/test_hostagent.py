@@ -771,6 +771,29 @@ def test_stopping_lets_the_running_operation_finish(host):
     assert host.queue_is_empty()
 
 
+def test_stopping_leaves_an_operation_waiting_for_the_worker_to_the_next_agent(host):
+    busy, waiting = str(uuid.uuid4()), str(uuid.uuid4())
+    for instance_uuid in (busy, waiting):
+        output(host.execute("spawn", instance_uuid, spawn_args(host.image(b"x" * 4096), power_on=False)))
+    host.driver.gate = threading.Event()
+    host.driver.entered.clear()
+    running = host.start("power_on", busy, {})
+    assert host.driver.entered.wait(WAIT)
+    before = {call["taskToken"] for call in host.sfn.called("send_task_heartbeat")}
+    queued = host.start("destroy", waiting, {})
+    wait_for(lambda: {call["taskToken"] for call in host.sfn.called("send_task_heartbeat")} - before,
+             "the waiting operation to be taken")
+
+    host.agent.stop()
+    host.driver.gate.set()
+    host.thread.join(WAIT)
+
+    assert not host.thread.is_alive()
+    assert output(host.finished(running))["power_state"] == RUNNING
+    assert host.driver.guest_exists(waiting)  # not destroyed: it never ran
+    assert host.sfn.describe_execution(executionArn=queued)["status"] == "RUNNING"
+
+
 # --- reports and the queue -----------------------------------------------------------------------
 
 

@@ -191,15 +191,17 @@ def _overlapping(session: Session, targets: _Targets) -> list[Drain]:
     for drain in active:
         if drain.target_kind == targets.kind and set(drain.targets) & set(targets.names):
             found.append(drain)
-        elif CELL in (drain.target_kind, targets.kind) and set(_cells_of(drain)) & set(targets.cells):
+        elif CELL in (drain.target_kind, targets.kind) and set(_cells_of(session, drain)) & set(targets.cells):
             found.append(drain)
     return found
 
 
-def _cells_of(drain: Drain) -> list[str]:
+def _cells_of(session: Session, drain: Drain) -> list[str]:
+    """The cells a drain works in (read in ``session``: a second session would wait on SQLite's lock)."""
     if drain.target_kind == CELL:
         return list(drain.targets)
-    return sorted({cell for host in drain.targets if (cell := hosts.cell_of_host(host))})
+    return sorted(set(session.scalars(select(CellMapping.name).join(HostMapping, HostMapping.cell_id == CellMapping.id)
+                                      .where(HostMapping.host.in_(drain.targets)))))
 
 
 def validate_request(request: Any) -> None:
@@ -247,20 +249,24 @@ def record_drain(ctx: RequestContext, request: Mapping[str, Any], *, origin: str
         for other in unfinished:
             finish_if_workflow_ended(other)
     with api_session() as session:
-        # Every drain's creation locks the cell mappings first: two requests for the same hosts
-        # cannot both find them free (SQLite serialises writers anyway).
-        session.scalars(select(CellMapping.id).with_for_update()).all()
+        # Every drain's creation locks the cell mappings first, in one order: two requests for the
+        # same hosts cannot both find them free (SQLite serialises writers anyway). NO KEY UPDATE,
+        # so the rows' foreign-key readers (new mappings) are not held up.
+        session.scalars(select(CellMapping.id).order_by(CellMapping.id).with_for_update(key_share=True)).all()
         if not dry_run and (busy := next(iter(_overlapping(session, targets)), None)) is not None:
             raise errors.DrainInvalidState(
                 f"Drain {busy.uuid} ({busy.status}) is draining {', '.join(busy.targets)} already.")
-        drain = Drain(status=PLANNING, target_kind=targets.kind, targets=targets.names, reason=request.get("reason"),
-                      dry_run=dry_run, options=_options(request), allow_cross_cell=allow_cross_cell,
-                      disabled_hosts=[], origin=origin, idempotency_key=idempotency_key, user_id=ctx.user_id,
-                      project_id=ctx.project_id, roles=list(ctx.roles), request_id=ctx.request_id,
-                      execution_name=execution_name, version=0)
+        drain_uuid = str(uuidlib.uuid4())
+        if execution_name is None and not dry_run:
+            # Named with the drain, in the same transaction: a drain whose start never happened is
+            # then still found out (finish_if_workflow_ended).
+            execution_name = execution_name_of(drain_uuid)
+        drain = Drain(uuid=drain_uuid, status=PLANNING, target_kind=targets.kind, targets=targets.names,
+                      reason=request.get("reason"), dry_run=dry_run, options=_options(request),
+                      allow_cross_cell=allow_cross_cell, disabled_hosts=[], origin=origin,
+                      idempotency_key=idempotency_key, user_id=ctx.user_id, project_id=ctx.project_id,
+                      roles=list(ctx.roles), request_id=ctx.request_id, execution_name=execution_name, version=0)
         session.add(drain)
-        session.flush()
-        drain_uuid = drain.uuid
     logger.info("drain recorded", extra={"drain": drain_uuid, "targets": targets.names, "kind": targets.kind,
                                          "dry_run": dry_run, "origin": origin})
     return drain_uuid, True
@@ -287,10 +293,8 @@ def create_drain(ctx: RequestContext, request: Mapping[str, Any], *, origin: str
     if request.get("dry_run"):
         plan(drain_uuid)
         return 200, {"drain": get_view(drain_uuid)}
-    name = f"drain-{drain_uuid}"
+    name = execution_name_of(drain_uuid)
     try:
-        with api_session() as session:
-            session.execute(update(Drain).where(Drain.uuid == drain_uuid).values(execution_name=name))
         workflows.start_execution(config.get().drain_state_machine_arn, name,
                                   {"drain_uuid": drain_uuid, "request_id": ctx.request_id})
     except Exception as exc:
@@ -303,6 +307,11 @@ def create_drain(ctx: RequestContext, request: Mapping[str, Any], *, origin: str
         _set_status(drain_uuid, FAILED, message=f"The drain workflow did not start: {exc}", release_key=True)
         raise
     return 202, {"drain": get_view(drain_uuid)}
+
+
+def execution_name_of(drain_uuid: str) -> str:
+    """The name of the drain workflow's execution the API or the webhook starts for a drain."""
+    return f"drain-{drain_uuid}"
 
 
 def _execution_of(name: str) -> dict[str, Any] | None:
@@ -345,7 +354,7 @@ def finish_if_workflow_ended(drain_uuid: str) -> bool:
         if utcnow() - recorded_at < UNSTARTED_GRACE:
             return False
         ended = "never started"
-    elif described.get("status") == "RUNNING":
+    elif described.get("status") in ("RUNNING", "PENDING_REDRIVE"):  # redriven: it goes on
         return False
     else:
         ended = f"ended {str(described.get('status')).lower()}"

@@ -7,7 +7,8 @@ too, whoever may use it: a list must never look filtered when it is not.
 
 Deleted servers are listed as Nova lists them: with ``changes-since`` or ``changes-before``
 (whoever asks), and for an admin's ``deleted=true`` (only them; any other value of ``deleted``
-leaves them out, even with a time window). ``soft_deleted`` is taken and changes nothing: Ferry has no soft
+leaves them out, even with a time window), and for ``status=DELETED`` alone: an admin's lists
+deleted servers only, a member's is refused (403). ``soft_deleted`` is taken and changes nothing: Ferry has no soft
 delete, so no server is ``SOFT_DELETED``.
 """
 
@@ -67,7 +68,7 @@ def parse(view: ViewContext, params: Mapping[str, list[str]]) -> ServerFilters:
     Raises:
         BadRequest: an unknown parameter (from 2.75), one Ferry cannot filter by, or a value
             that is not valid (a regular expression, time, boolean, number, sort key or direction).
-        Forbidden: a member sorting by host or node.
+        Forbidden: a member sorting by host or node, or listing ``status=DELETED``.
     """
     admin = view.ctx.is_admin
     usable: dict[str, list[str]] = {}
@@ -90,13 +91,19 @@ def parse(view: ViewContext, params: Mapping[str, list[str]]) -> ServerFilters:
 
     changes_since, changes_before = request.time_window(last("changes-since"), last("changes-before"))
     locked = last("locked")
+    statuses = _upper(usable.get("status"))
+    read_deleted = _read_deleted(last("deleted"), windowed=changes_since is not None or changes_before is not None)
+    if statuses == {"DELETED"}:  # as in Nova: deleted servers only, and for admins only
+        if not admin:
+            raise errors.Forbidden("Only administrators may list deleted instances")
+        read_deleted = "only"
     return ServerFilters(
         name=_pattern("name", last("name")),
         display_name=_pattern("display_name", last("display_name")),
         hostname=_pattern("hostname", last("hostname")),
         description=_pattern("display_description", last("display_description")),
-        read_deleted=_read_deleted(last("deleted"), windowed=changes_since is not None or changes_before is not None),
-        statuses=_upper(usable.get("status")),
+        read_deleted=read_deleted,
+        statuses=statuses,
         all_tenants="all_tenants" in usable and request.parse_bool("all_tenants", last("all_tenants") or "true"),
         project_id=last("project_id") or last("tenant_id"),
         user_id=last("user_id"), host=last("host"), node=last("node"), uuid=last("uuid"),
