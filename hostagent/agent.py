@@ -533,6 +533,8 @@ class HostAgent(MoveOperations):
             return
         if self._answer(op.task_token, result, error, cause, context):
             self._delete(receipt)
+        else:  # back soon, to be answered from the journal well inside the Task's heartbeat time
+            self._redeliver_later(receipt, context)
 
     def _take_back_sent(self, op: Operation, context: dict[str, Any]) -> None:
         """Remove what ``op`` sent off this host, its workflow having stopped waiting (see ``_take_back``).
@@ -548,6 +550,10 @@ class HostAgent(MoveOperations):
         if take_back is None:
             return
         assert self.journal is not None
+        # Journaled first: a crash during the take-back never leaves a success naming what is gone.
+        abandoned = errors.HostOperationFailed(
+            "Its workflow stopped waiting while it ran; what it sent was taken back.")
+        self.journal.fail(op.operation_id, abandoned.name, abandoned.message)
         try:
             take_back(op)
         except Exception:
@@ -555,9 +561,6 @@ class HostAgent(MoveOperations):
             self._emit_metric("HostCleanupFailed", MetricUnit.Count, 1, op.name)
         else:
             logger.warning("what the abandoned operation sent was taken back", extra=context)
-        abandoned = errors.HostOperationFailed(
-            "Its workflow stopped waiting while it ran; what it sent was taken back.")
-        self.journal.fail(op.operation_id, abandoned.name, abandoned.message)
 
     def _run(
         self, op: Operation, receipt: str, context: dict[str, Any]
@@ -579,7 +582,7 @@ class HostAgent(MoveOperations):
             if recorded is not None and recorded.finished and recorded.answers(op.task_token):
                 logger.info("operation done meanwhile: answering from the journal", extra=context)
                 return recorded.result, recorded.error, recorded.cause
-            with self._worker():
+            with self._worker(op, context):
                 return self._run_here(op, context)
 
     def _run_here(
@@ -823,7 +826,7 @@ class HostAgent(MoveOperations):
             thread.join()
 
     @contextmanager
-    def _worker(self) -> Iterator[None]:
+    def _worker(self, op: Operation, context: dict[str, Any]) -> Iterator[None]:
         """Hold one of the ``max_workers`` while the block runs, waiting for one first.
 
         Raises:
@@ -831,9 +834,11 @@ class HostAgent(MoveOperations):
         """
         while not self._workers.acquire(timeout=0.5):
             if self._stop.is_set():
+                self._record_not_started(op, None, context)
                 raise _NotRun(None)
         try:
             if self._stop.is_set():  # handed a worker as the agent stops: the next agent runs it
+                self._record_not_started(op, None, context)
                 raise _NotRun(None)
             yield
         finally:

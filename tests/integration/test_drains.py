@@ -883,3 +883,46 @@ def test_a_drain_is_recorded_with_the_name_of_its_execution(store):
     with api_session() as session:
         name = session.scalars(select(Drain.execution_name).where(Drain.uuid == drain)).one()
     assert name == f"drain-{drain}"
+
+
+def test_a_delivery_retried_after_its_first_attempt_died_before_the_start_starts_the_drain(store, drain_machine):
+    sfn, arn = drain_machine
+    add_compute("source")
+    drain, created = drains.record_drain(ADMIN, {"host": "source"}, origin="webhook", idempotency_key="delivery-2")
+    assert created  # ... and the function died here, before it started the workflow
+
+    status, body = drains.create_drain(ADMIN, {"host": "source"}, origin="webhook", idempotency_key="delivery-2")
+
+    assert status == 200 and body["drain"]["id"] == drain
+    assert sfn.describe_execution(executionArn=f"{arn.replace(':stateMachine:', ':execution:')}:drain-{drain}")
+
+
+def test_a_start_step_functions_cannot_account_for_leaves_the_drain_planning_with_its_key(
+        store, drain_machine, monkeypatch):
+    add_compute("source")
+
+    def refused(*_args, **_kwargs):
+        raise RuntimeError("throttled")
+
+    monkeypatch.setattr(drains.workflows, "start_execution", refused)
+    monkeypatch.setattr(drains.workflows, "describe_execution", refused)
+    with pytest.raises(RuntimeError):
+        drains.create_drain(ADMIN, {"host": "source"}, origin="webhook", idempotency_key="delivery-3")
+
+    [view] = drains.list_views()
+    assert view["status"] == "planning"
+    with api_session() as session:
+        assert session.scalars(select(Drain.idempotency_key).where(Drain.uuid == view["id"])).one() == "delivery-3"
+
+
+def test_a_drain_cancelled_once_running_but_before_any_move_gives_its_hosts_back(store):
+    source = add_compute("source")
+    add_compute("dest")
+    _server_on("source", source)
+    drain = _record({"host": "source"})
+    assert drains.start(drain)["proceed"] is True
+    drains.act(drain, "cancel")
+
+    assert drains.finish(drain)["status"] == "cancelled"
+
+    assert not any(s.disabled for s in services.list_services(host="source"))

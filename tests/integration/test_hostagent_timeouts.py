@@ -225,6 +225,26 @@ def test_a_transient_failure_of_the_liveness_check_is_asked_again(host, monkeypa
     assert len(host.sqs.called("receive_message")) >= 1
 
 
+def test_an_answer_that_cannot_be_sent_comes_back_soon_and_is_answered_from_the_journal(host, monkeypatch):
+    monkeypatch.setattr(agent_module, "STEP_FUNCTIONS_RETRY_SECONDS", 0.01)
+    failures = iter([client_error("ThrottlingException", "SendTaskSuccess")] * agent_module.STEP_FUNCTIONS_ATTEMPTS)
+
+    def throttled(_kwargs: dict[str, Any]) -> None:
+        failure = next(failures, None)
+        if failure is not None:
+            raise failure
+
+    host.sfn.hooks["send_task_success"] = throttled
+    instance_uuid = str(uuid.uuid4())
+
+    finished = host.execute("spawn", instance_uuid, spawn_args(host.image(b"x" * 4096)))
+
+    assert finished["status"] == "SUCCEEDED", finished
+    assert agent_module.UNSURE_REDELIVERY_SECONDS in [
+        call["VisibilityTimeout"] for call in host.sqs.called("change_message_visibility")]
+    assert host.driver.defined == 1  # run once, answered again from the journal
+
+
 def test_a_stale_answer_is_dropped_and_changes_nothing(host):
     # The Task times out while the operation runs; its rollback (a destroy) waits for it, then cleans up.
     state_machine = machine(host, heartbeat_seconds=1, timeout_seconds=2, destroy_on_failure=True)

@@ -279,34 +279,51 @@ def create_drain(ctx: RequestContext, request: Mapping[str, Any], *, origin: str
     A dry run is planned at once and answered with the plan (200, status ``planned``; nothing is
     disabled or moved). Otherwise the drain workflow starts (execution ``drain-<id>``) and the
     answer is 202 with the drain as recorded. The same ``idempotency_key`` again answers with
-    the drain it started the first time and starts nothing.
+    the drain it started the first time (200) and starts nothing more; a drain recorded by an
+    attempt that died before its workflow started is started then.
 
     Returns:
         ``(http status, {"drain": view})``.
 
     Raises:
-        What :func:`record_drain` raises; the start's error after the drain is marked failed.
+        What :func:`record_drain` raises; the start's error, after the drain is marked failed
+        (and its key given up) when Step Functions says it did not start. When Step Functions
+        cannot say, the drain stays ``planning`` with its key: the same request again starts
+        it, or it is finished 5 minutes on (:func:`finish_if_workflow_ended`).
     """
     drain_uuid, created = record_drain(ctx, request, origin=origin, idempotency_key=idempotency_key)
     if not created:
+        with api_session() as session:
+            drain = _load(session, drain_uuid)
+            unstarted = drain.status == PLANNING and not drain.dry_run and drain.execution_name is not None
+            name = drain.execution_name
+        if unstarted and name and _execution_state(name) == _MISSING:
+            _start_workflow(drain_uuid, name, ctx)
         return 200, {"drain": get_view(drain_uuid)}
     if request.get("dry_run"):
         plan(drain_uuid)
         return 200, {"drain": get_view(drain_uuid)}
-    name = execution_name_of(drain_uuid)
+    _start_workflow(drain_uuid, execution_name_of(drain_uuid), ctx)
+    return 202, {"drain": get_view(drain_uuid)}
+
+
+def _start_workflow(drain_uuid: str, name: str, ctx: RequestContext) -> None:
+    """Start the drain's execution ``name`` (idempotent by name); see :func:`create_drain` for errors."""
     try:
         workflows.start_execution(config.get().drain_state_machine_arn, name,
                                   {"drain_uuid": drain_uuid, "request_id": ctx.request_id})
     except Exception as exc:
-        if _execution_of(name) is not None:  # the answer was lost, not the start
+        state = _execution_state(name)
+        if state == _EXISTS:  # the answer was lost, not the start
             logger.warning("starting the drain workflow answered an error, but it runs",
                            extra={"drain": drain_uuid, "execution": name, "error": str(exc)})
-            return 202, {"drain": get_view(drain_uuid)}
-        logger.exception("drain workflow did not start", extra={"drain": drain_uuid})
-        # The key is given up with the drain: the same request again starts a new drain.
-        _set_status(drain_uuid, FAILED, message=f"The drain workflow did not start: {exc}", release_key=True)
+            return
+        logger.exception("drain workflow did not start", extra={"drain": drain_uuid, "known": state == _MISSING})
+        if state == _MISSING:
+            # The key is given up with the drain: the same request again starts a new drain.
+            _set_status(drain_uuid, FAILED, message=f"The drain workflow did not start: {exc}", release_key=True,
+                        only_from=PLANNING)
         raise
-    return 202, {"drain": get_view(drain_uuid)}
 
 
 def execution_name_of(drain_uuid: str) -> str:
@@ -314,17 +331,20 @@ def execution_name_of(drain_uuid: str) -> str:
     return f"drain-{drain_uuid}"
 
 
-def _execution_of(name: str) -> dict[str, Any] | None:
-    """The drain execution ``name`` as Step Functions describes it; None when there is none, or
-    Step Functions cannot tell (the caller then assumes nothing)."""
+# What Step Functions says of a drain's execution.
+_EXISTS, _MISSING, _UNKNOWN = "exists", "missing", "unknown"
+
+
+def _execution_state(name: str) -> str:
+    """Whether the drain execution ``name`` exists, is missing, or Step Functions cannot tell."""
     arn = config.get().drain_state_machine_arn
     if not arn:
-        return None
+        return _UNKNOWN
     try:
-        return workflows.describe_execution(arn, name)
+        return _EXISTS if workflows.describe_execution(arn, name) is not None else _MISSING
     except Exception as exc:  # a describe that fails must not turn into the caller's error
         logger.warning("the drain's execution could not be described", extra={"execution": name, "error": str(exc)})
-        return None
+        return _UNKNOWN
 
 
 def finish_if_workflow_ended(drain_uuid: str) -> bool:
@@ -509,7 +529,8 @@ def act(drain_uuid: str, action: str) -> dict[str, Any]:
     return get_view(drain_uuid)
 
 
-def _set_status(drain_uuid: str, status: str, *, message: str | None = None, release_key: bool = False) -> None:
+def _set_status(drain_uuid: str, status: str, *, message: str | None = None, release_key: bool = False,
+                only_from: str | None = None) -> None:
     values: dict[str, Any] = {"status": status, "updated_at": utcnow(), "version": Drain.version + 1}
     if message is not None:
         values["message"] = message
@@ -517,8 +538,9 @@ def _set_status(drain_uuid: str, status: str, *, message: str | None = None, rel
         values["idempotency_key"] = None
     if status in FINAL_STATUSES:
         values["finished_at"] = utcnow()
+    where = [Drain.uuid == drain_uuid] + ([Drain.status == only_from] if only_from else [])
     with api_session() as session:
-        session.execute(update(Drain).where(Drain.uuid == drain_uuid).values(**values))
+        session.execute(update(Drain).where(*where).values(**values))
 
 
 # --- planning ------------------------------------------------------------------------------------
@@ -1116,6 +1138,7 @@ def finish(drain_uuid: str, error: Mapping[str, Any] | None = None) -> dict[str,
         drain = _load(session, drain_uuid, for_update=True)
         servers = _servers(session, drain)
         already_final = drain.status in FINAL_STATUSES
+        give_back = False
         if not already_final:
             for server in servers:
                 if server.state == PENDING:
@@ -1143,6 +1166,10 @@ def finish(drain_uuid: str, error: Mapping[str, Any] | None = None) -> dict[str,
                 status, message = COMPLETED, f"All {counts['total']} servers moved."
             drain.status, drain.message, drain.finished_at, drain.updated_at = status, message, utcnow(), utcnow()
             drain.version += 1
+            # Cancelled before any move was tried: nothing moved, so its hosts are given back.
+            give_back = status == CANCELLED and not any(server.attempts for server in servers)
+    if not already_final and give_back:
+        give_back_targets(drain_uuid)
     if not already_final:
         with api_session() as session:
             drain = _load(session, drain_uuid)
