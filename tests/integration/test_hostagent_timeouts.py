@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -206,16 +206,21 @@ def test_an_unsure_liveness_check_leaves_the_operation_for_the_next_delivery(hos
     assert host.driver.guest_power_state(instance_uuid) == RUNNING and host.driver.defined == 1
 
 
-def test_a_transient_failure_of_the_liveness_check_is_asked_again(host, monkeypatch):
-    monkeypatch.setattr(agent_module, "STEP_FUNCTIONS_RETRY_SECONDS", 0.05)
-    failures = iter([client_error("ThrottlingException", "SendTaskHeartbeat")])
+def failing_first(*failures: Exception) -> Callable[[dict[str, Any]], None]:
+    """A client hook that raises ``failures`` one per call, then lets calls through."""
+    left = iter(failures)
 
-    def throttled_once(_kwargs: dict[str, Any]) -> None:
-        failure = next(failures, None)
+    def hook(_kwargs: dict[str, Any]) -> None:
+        failure = next(left, None)
         if failure is not None:
             raise failure
 
-    host.sfn.hooks["send_task_heartbeat"] = throttled_once
+    return hook
+
+
+def test_a_transient_failure_of_the_liveness_check_is_asked_again(host, monkeypatch):
+    monkeypatch.setattr(agent_module, "STEP_FUNCTIONS_RETRY_SECONDS", 0.05)
+    host.sfn.hooks["send_task_heartbeat"] = failing_first(client_error("ThrottlingException", "SendTaskHeartbeat"))
     instance_uuid = str(uuid.uuid4())
 
     finished = host.execute("spawn", instance_uuid, spawn_args(host.image(b"x" * 4096)))
@@ -227,14 +232,8 @@ def test_a_transient_failure_of_the_liveness_check_is_asked_again(host, monkeypa
 
 def test_an_answer_that_cannot_be_sent_comes_back_soon_and_is_answered_from_the_journal(host, monkeypatch):
     monkeypatch.setattr(agent_module, "STEP_FUNCTIONS_RETRY_SECONDS", 0.01)
-    failures = iter([client_error("ThrottlingException", "SendTaskSuccess")] * agent_module.STEP_FUNCTIONS_ATTEMPTS)
-
-    def throttled(_kwargs: dict[str, Any]) -> None:
-        failure = next(failures, None)
-        if failure is not None:
-            raise failure
-
-    host.sfn.hooks["send_task_success"] = throttled
+    throttled = [client_error("ThrottlingException", "SendTaskSuccess")] * agent_module.STEP_FUNCTIONS_ATTEMPTS
+    host.sfn.hooks["send_task_success"] = failing_first(*throttled)
     instance_uuid = str(uuid.uuid4())
 
     finished = host.execute("spawn", instance_uuid, spawn_args(host.image(b"x" * 4096)))
