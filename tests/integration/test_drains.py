@@ -924,3 +924,37 @@ def test_a_drain_cancelled_once_running_but_before_any_move_gives_its_hosts_back
     assert drains.finish(drain)["status"] == "cancelled"
 
     assert not any(s.disabled for s in services.list_services(host="source"))
+
+
+def test_a_server_tried_again_is_planned_again_before_the_per_host_limit_counts_it(store, move_machines):
+    source = add_compute("source", memory_mb=16384)
+    for host in ("d1", "d2"):
+        add_compute(host, memory_mb=3072)  # room for one server each
+    first, second = _server_on("source", source), _server_on("source", source)
+    drain = _record({"host": "source", "retries": 1, "max_per_dest_host": 1})
+    drains.start(drain)
+    planned = {uuid: row.planned_host for uuid, row in _servers(drain).items()}
+    assert set(planned.values()) == {"d1", "d2"}
+    slot = drains.acquire_slot(drain, first).to_dict()
+    drains.prepare_move(drain, first, slot)
+    assert drains.acquire_slot(drain, second).action == "move"
+    # the first's attempt fails before its workflow started, and its host is disabled meanwhile
+    assert drains.record_failure(drain, first, slot, {"Error": "States.Runtime", "Cause": "throttled"})["retry"]
+    [service] = services.list_services(host=planned[first])
+    services.update_service(service, disabled=True)
+
+    # planned again onto the second's host, where the one move allowed is under way: it waits
+    assert drains.acquire_slot(drain, first).action == "wait"
+    assert _servers(drain)[first].planned_host == planned[second]
+
+
+def test_a_server_no_host_takes_for_another_try_fails(store, move_machines):
+    drain, server, slot, _move = _prepared_move()
+    assert drains.record_failure(drain, server, slot, {"Error": "States.Runtime", "Cause": "throttled"})["retry"]
+    [service] = services.list_services(host="dest")
+    services.update_service(service, disabled=True)
+
+    assert drains.acquire_slot(drain, server).action == "stop"
+
+    row = _servers(drain)[server]
+    assert row.state == "failed" and row.error.startswith("No host takes it for another try")

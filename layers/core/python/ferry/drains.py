@@ -778,8 +778,15 @@ def acquire_slot(drain_uuid: str, instance_uuid: str) -> Slot:
     ``move`` marks it ``moving`` and hands out the ids of this attempt; every answer says whether
     the drain confirms its moves. The drain row is locked
     (and its version bumped) so two iterations cannot both take the last slot of a host. A
-    server already ``moving`` gets its attempt again (the step ran twice).
+    server already ``moving`` gets its attempt again (the step ran twice). A server to be tried
+    again (its earlier attempt failed) is planned again first, so the per-host limits count the
+    host it will go to; one no host takes any more fails (``stop``).
     """
+    with api_session() as session:
+        drain, server = _load_server(session, drain_uuid, instance_uuid)
+        replan = server.state == PENDING and server.planned_host is None and drain.status == RUNNING
+    if replan and not _planned_again(drain_uuid, instance_uuid):
+        return Slot("stop", confirm=bool(drain.options.get("confirm", True)))
     with api_session() as session:
         drain, server = _load_server(session, drain_uuid, instance_uuid)
         confirm = bool(drain.options.get("confirm", True))
@@ -817,6 +824,23 @@ def _load_server(session: Session, drain_uuid: str, instance_uuid: str) -> tuple
     return drain, server
 
 
+def _planned_again(drain_uuid: str, instance_uuid: str) -> bool:
+    """Plan a server to be tried again; False (and the server failed) when no host takes it."""
+    try:
+        _replan(drain_uuid, instance_uuid)
+    except errors.NoValidHost as exc:
+        with api_session() as session:
+            drain, server = _load_server(session, drain_uuid, instance_uuid)
+            if server.state == PENDING:
+                server.state, server.finished_at = SERVER_FAILED, utcnow()
+                server.error = f"No host takes it for another try: {exc.message}"
+                drain.version += 1
+        logger.warning("drain server cannot be tried again", extra={"drain": drain_uuid, "instance_uuid": instance_uuid,
+                                                                     "error": exc.message})
+        return False
+    return True
+
+
 def _replan(drain_uuid: str, instance_uuid: str) -> str:
     """A fresh destination for a server whose earlier attempt failed (the others' moves are real by now).
 
@@ -845,9 +869,8 @@ def _replan(drain_uuid: str, instance_uuid: str) -> str:
 def prepare_move(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any]) -> dict[str, Any]:
     """Accept the server's cold migration to its planned host; the workflow starts it as a nested execution.
 
-    A retry (attempt 2 or later) plans the server again first, unless this attempt's move was
-    accepted already. Idempotent per attempt: the migration id derives from the drain, the
-    server and the attempt.
+    A retry goes to the host AcquireSlot planned it to. Idempotent per attempt: the migration id
+    derives from the drain, the server and the attempt.
 
     Returns:
         ``{"name", "input"}`` of the resize workflow's execution.
@@ -856,7 +879,7 @@ def prepare_move(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any]) -
         drain, server = _load_server(session, drain_uuid, instance_uuid)
         ctx = _drain_context(drain, slot["request_id"])
         planned = server.planned_host
-    if int(slot.get("attempt") or 1) > 1 and not moves.migration_exists(server.cell, slot["migration_uuid"]):
+    if planned is None:  # an attempt handed out before AcquireSlot planned retries (mid-update)
         planned = _replan(drain_uuid, instance_uuid)
     location = compute_api.locate(ctx, instance_uuid)
     execution = moves.prepare_migrate(ctx, location, planned, slot["migration_uuid"])
@@ -987,7 +1010,8 @@ def record_failure(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any],
         retry = back_home and server.attempts <= retries and drain.status in (RUNNING, PAUSED)
         server.error = message
         if retry:
-            server.state = PENDING
+            # Planned again (AcquireSlot) with the capacity of that moment, before its limits are checked.
+            server.state, server.planned_host, server.planned_cell = PENDING, None, None
         else:
             server.state, server.finished_at = SERVER_FAILED, utcnow()
             if host is None:
