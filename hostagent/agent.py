@@ -512,6 +512,8 @@ class HostAgent(MoveOperations):
             )
             if self._answer(op.task_token, recorded.result, recorded.error, recorded.cause, context):
                 self._delete(receipt)
+            else:
+                self._redeliver_later(receipt, context)
             return
 
         try:
@@ -618,9 +620,17 @@ class HostAgent(MoveOperations):
             logger.exception("operation failed unexpectedly", extra=context)
             wrapped = errors.HostOperationFailed(f"{type(exc).__name__}: {exc}")
             error, cause = wrapped.name, wrapped.message
+        duration_ms = (time.monotonic() - started) * 1000
+        if op.task_token and op.name in self._take_back and self._still_awaited(op.task_token, context) is False:
+            # The Task timed out while the operation ran: nobody takes its answer, and the
+            # rollback may already have deleted what it sent. Asked before the outcome is
+            # journaled and the lock goes: a copy of the message waiting for the lock would
+            # answer from the journal first, and Step Functions would then refuse this question
+            # just as it does for a Task that timed out.
+            self._take_back_sent(op, context)
+            raise _TakenBack()
         # Journaled before the instance's lock goes: a copy of the message waiting for the lock
         # then finds the outcome and answers with it, never running the operation again.
-        duration_ms = (time.monotonic() - started) * 1000
         if error is None:
             assert result is not None
             self.journal.succeed(op.operation_id, result)
@@ -633,14 +643,6 @@ class HostAgent(MoveOperations):
                 extra={**context, "error": error, "cause": cause, "duration_ms": round(duration_ms, 1)},
             )
             self._count_failure(op.name, error)
-        if op.task_token and op.name in self._take_back and self._still_awaited(op.task_token, context) is False:
-            # The Task timed out while the operation ran: nobody takes its answer, and the
-            # rollback may already have deleted what it sent. Asked before answering, and
-            # before the lock goes: a copy of the message waiting for the lock would answer
-            # from the journal first, and Step Functions would then refuse this question
-            # just as it does for a Task that timed out.
-            self._take_back_sent(op, context)
-            raise _TakenBack()
         self._emit_metric("HostOperationDuration", MetricUnit.Milliseconds, duration_ms, op.name)
         return result, error, cause
 

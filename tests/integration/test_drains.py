@@ -948,12 +948,14 @@ def test_a_server_tried_again_is_planned_again_before_the_per_host_limit_counts_
     assert _servers(drain)[first].planned_host == planned[second]
 
 
-def test_a_server_no_host_takes_for_another_try_fails(store, move_machines):
-    drain, server, slot, _move = _prepared_move()
+def test_a_server_no_host_takes_for_another_try_waits_while_tries_are_left_then_fails(store, move_machines):
+    drain, server, slot, _move = _prepared_move()  # one retry
     assert drains.record_failure(drain, server, slot, {"Error": "States.Runtime", "Cause": "throttled"})["retry"]
     [service] = services.list_services(host="dest")
     services.update_service(service, disabled=True)
 
+    assert drains.acquire_slot(drain, server).action == "wait"  # the plan used up the try left
+    assert _servers(drain)[server].state == "pending"
     assert drains.acquire_slot(drain, server).action == "stop"
 
     row = _servers(drain)[server]

@@ -232,15 +232,16 @@ def test_a_transient_failure_of_the_liveness_check_is_asked_again(host, monkeypa
 
 def test_an_answer_that_cannot_be_sent_comes_back_soon_and_is_answered_from_the_journal(host, monkeypatch):
     monkeypatch.setattr(agent_module, "STEP_FUNCTIONS_RETRY_SECONDS", 0.01)
-    throttled = [client_error("ThrottlingException", "SendTaskSuccess")] * agent_module.STEP_FUNCTIONS_ATTEMPTS
+    # the run's answer fails, and so does the answer from the journal when the message comes back
+    throttled = [client_error("ThrottlingException", "SendTaskSuccess")] * (2 * agent_module.STEP_FUNCTIONS_ATTEMPTS)
     host.sfn.hooks["send_task_success"] = failing_first(*throttled)
     instance_uuid = str(uuid.uuid4())
 
     finished = host.execute("spawn", instance_uuid, spawn_args(host.image(b"x" * 4096)))
 
     assert finished["status"] == "SUCCEEDED", finished
-    assert agent_module.UNSURE_REDELIVERY_SECONDS in [
-        call["VisibilityTimeout"] for call in host.sqs.called("change_message_visibility")]
+    assert [call["VisibilityTimeout"] for call in host.sqs.called("change_message_visibility")].count(
+        agent_module.UNSURE_REDELIVERY_SECONDS) == 2
     assert host.driver.defined == 1  # run once, answered again from the journal
 
 

@@ -785,8 +785,8 @@ def acquire_slot(drain_uuid: str, instance_uuid: str) -> Slot:
     with api_session() as session:
         drain, server = _load_server(session, drain_uuid, instance_uuid)
         replan = server.state == PENDING and server.planned_host is None and drain.status == RUNNING
-    if replan and not _planned_again(drain_uuid, instance_uuid):
-        return Slot("stop", confirm=bool(drain.options.get("confirm", True)))
+    if replan and (unplanned := _planned_again(drain_uuid, instance_uuid)) is not None:
+        return Slot(unplanned, confirm=bool(drain.options.get("confirm", True)))
     with api_session() as session:
         drain, server = _load_server(session, drain_uuid, instance_uuid)
         confirm = bool(drain.options.get("confirm", True))
@@ -798,7 +798,7 @@ def acquire_slot(drain_uuid: str, instance_uuid: str) -> Slot:
         if drain.status in (CANCELLING, CANCELLED, FAILED):
             server.state, server.finished_at = SERVER_CANCELLED, utcnow()
             return Slot("stop", confirm=confirm)
-        if drain.status == PAUSED:
+        if drain.status == PAUSED or server.planned_host is None:  # resumed meanwhile: planned at the next look
             return Slot("wait", confirm=confirm)
         sources, dests = _busy_hosts(session, drain)
         per_source = drain.options.get("max_per_source_host")
@@ -824,21 +824,33 @@ def _load_server(session: Session, drain_uuid: str, instance_uuid: str) -> tuple
     return drain, server
 
 
-def _planned_again(drain_uuid: str, instance_uuid: str) -> bool:
-    """Plan a server to be tried again; False (and the server failed) when no host takes it."""
+def _planned_again(drain_uuid: str, instance_uuid: str) -> str | None:
+    """Plan a server to be tried again: None once planned, else what its iteration does next.
+
+    A plan that finds no host uses up a try: the server waits for the next look while tries are
+    left, and is ``failed`` after (``cancelled`` when the drain no longer runs).
+    """
     try:
         _replan(drain_uuid, instance_uuid)
     except errors.NoValidHost as exc:
         with api_session() as session:
             drain, server = _load_server(session, drain_uuid, instance_uuid)
-            if server.state == PENDING:
+            if server.state != PENDING:
+                return "stop" if server.state in SETTLED_STATES else "wait"
+            server.error = f"No host takes it for another try: {exc.message}"
+            drain.version += 1
+            retries = int(drain.options.get("retries", DEFAULT_RETRIES))
+            if drain.status not in (RUNNING, PAUSED):
+                server.state, server.finished_at = SERVER_CANCELLED, utcnow()
+            elif server.attempts <= retries:
+                server.attempts += 1
+                return "wait"
+            else:
                 server.state, server.finished_at = SERVER_FAILED, utcnow()
-                server.error = f"No host takes it for another try: {exc.message}"
-                drain.version += 1
         logger.warning("drain server cannot be tried again", extra={"drain": drain_uuid, "instance_uuid": instance_uuid,
                                                                      "error": exc.message})
-        return False
-    return True
+        return "stop"
+    return None
 
 
 def _replan(drain_uuid: str, instance_uuid: str) -> str:
@@ -1193,7 +1205,10 @@ def finish(drain_uuid: str, error: Mapping[str, Any] | None = None) -> dict[str,
             # Cancelled before any move was tried: nothing moved, so its hosts are given back.
             give_back = status == CANCELLED and not any(server.attempts for server in servers)
     if not already_final and give_back:
-        give_back_targets(drain_uuid)
+        try:
+            give_back_targets(drain_uuid)
+        except Exception:  # the drain is final: its announcement goes out whatever happens here
+            logger.exception("giving a cancelled drain's hosts back failed", extra={"drain": drain_uuid})
     if not already_final:
         with api_session() as session:
             drain = _load(session, drain_uuid)
