@@ -943,8 +943,13 @@ def test_a_server_tried_again_is_planned_again_before_the_per_host_limit_counts_
     [service] = services.list_services(host=planned[first])
     services.update_service(service, disabled=True)
 
-    # planned again onto the second's host, where the one move allowed is under way: it waits
+    # planned again onto the second's host, where the one move allowed is under way: it waits,
+    # to be planned afresh at its next look
     assert drains.acquire_slot(drain, first).action == "wait"
+    assert _servers(drain)[first].planned_host is None
+    with api_session() as session:  # the second's move ended
+        session.execute(update(DrainServer).where(DrainServer.instance_uuid == second).values(state="done"))
+    assert drains.acquire_slot(drain, first).action == "move"
     assert _servers(drain)[first].planned_host == planned[second]
 
 

@@ -803,9 +803,10 @@ def acquire_slot(drain_uuid: str, instance_uuid: str) -> Slot:
         sources, dests = _busy_hosts(session, drain)
         per_source = drain.options.get("max_per_source_host")
         per_dest = drain.options.get("max_per_dest_host")
-        if per_source and sources[server.source_host] >= per_source:
-            return Slot("wait", confirm=confirm)
-        if per_dest and server.planned_host and dests[server.planned_host] >= per_dest:
+        if (per_source and sources[server.source_host] >= per_source) or (
+                per_dest and server.planned_host and dests[server.planned_host] >= per_dest):
+            if server.attempts:  # a server tried again is planned afresh at its next look, when it may go
+                server.planned_host = server.planned_cell = None
             return Slot("wait", confirm=confirm)
         server.state = MOVING
         server.attempts += 1
