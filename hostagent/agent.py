@@ -510,10 +510,7 @@ class HostAgent(MoveOperations):
             logger.info(
                 "operation already done: answering from the journal", extra={**context, "status": recorded.status}
             )
-            if self._answer(op.task_token, recorded.result, recorded.error, recorded.cause, context):
-                self._delete(receipt)
-            else:
-                self._redeliver_later(receipt, context)
+            self._settle(op, receipt, recorded.result, recorded.error, recorded.cause, context)
             return
 
         try:
@@ -533,9 +530,16 @@ class HostAgent(MoveOperations):
         except _TakenBack:
             self._delete(receipt)
             return
+        self._settle(op, receipt, result, error, cause, context)
+
+    def _settle(self, op: Operation, receipt: str, result: dict[str, Any] | None, error: str | None,
+                cause: str | None, context: dict[str, Any]) -> None:
+        """Answer the message's task and delete the message; an answer that could not be sent
+        brings the message back soon, to be answered from the journal well inside the Task's
+        heartbeat time."""
         if self._answer(op.task_token, result, error, cause, context):
             self._delete(receipt)
-        else:  # back soon, to be answered from the journal well inside the Task's heartbeat time
+        else:
             self._redeliver_later(receipt, context)
 
     def _take_back_sent(self, op: Operation, context: dict[str, Any]) -> None:

@@ -297,7 +297,7 @@ def create_drain(ctx: RequestContext, request: Mapping[str, Any], *, origin: str
             drain = _load(session, drain_uuid)
             unstarted = drain.status == PLANNING and not drain.dry_run and drain.execution_name is not None
             name = drain.execution_name
-        if unstarted and name and _execution_state(name) == _MISSING:
+        if unstarted and name and _describe_execution(name)[0] == _MISSING:
             _start_workflow(drain_uuid, name, ctx)
         return 200, {"drain": get_view(drain_uuid)}
     if request.get("dry_run"):
@@ -313,7 +313,7 @@ def _start_workflow(drain_uuid: str, name: str, ctx: RequestContext) -> None:
         workflows.start_execution(config.get().drain_state_machine_arn, name,
                                   {"drain_uuid": drain_uuid, "request_id": ctx.request_id})
     except Exception as exc:
-        state = _execution_state(name)
+        state, _described = _describe_execution(name)
         if state == _EXISTS:  # the answer was lost, not the start
             logger.warning("starting the drain workflow answered an error, but it runs",
                            extra={"drain": drain_uuid, "execution": name, "error": str(exc)})
@@ -335,16 +335,18 @@ def execution_name_of(drain_uuid: str) -> str:
 _EXISTS, _MISSING, _UNKNOWN = "exists", "missing", "unknown"
 
 
-def _execution_state(name: str) -> str:
-    """Whether the drain execution ``name`` exists, is missing, or Step Functions cannot tell."""
+def _describe_execution(name: str) -> tuple[str, dict[str, Any] | None]:
+    """Whether the drain execution ``name`` exists, is missing, or Step Functions cannot tell;
+    and its description when it exists."""
     arn = config.get().drain_state_machine_arn
     if not arn:
-        return _UNKNOWN
+        return _UNKNOWN, None
     try:
-        return _EXISTS if workflows.describe_execution(arn, name) is not None else _MISSING
+        described = workflows.describe_execution(arn, name)
     except Exception as exc:  # a describe that fails must not turn into the caller's error
         logger.warning("the drain's execution could not be described", extra={"execution": name, "error": str(exc)})
-        return _UNKNOWN
+        return _UNKNOWN, None
+    return (_EXISTS, described) if described is not None else (_MISSING, None)
 
 
 def finish_if_workflow_ended(drain_uuid: str) -> bool:
@@ -362,13 +364,10 @@ def finish_if_workflow_ended(drain_uuid: str) -> bool:
         if drain.status in FINAL_STATUSES:
             return True
         name, recorded_at, dry_run = drain.execution_name, drain.created_at, drain.dry_run
-    arn = config.get().drain_state_machine_arn
-    if dry_run or not name or not arn:
+    if dry_run or not name:
         return False
-    try:
-        described = workflows.describe_execution(arn, name)
-    except Exception as exc:
-        logger.warning("the drain's execution could not be described", extra={"drain": drain_uuid, "error": str(exc)})
+    state, described = _describe_execution(name)
+    if state == _UNKNOWN:
         return False
     if described is None:
         if utcnow() - recorded_at < UNSTARTED_GRACE:
@@ -380,8 +379,8 @@ def finish_if_workflow_ended(drain_uuid: str) -> bool:
         ended = f"ended {str(described.get('status')).lower()}"
     logger.warning("drain workflow ended without finishing the drain", extra={"drain": drain_uuid, "execution": name,
                                                                              "ended": ended})
-    finish(drain_uuid, error={"Error": "Ferry.DrainWorkflowEnded",
-                              "Cause": f"its execution {name} {ended} before the drain was finished."})
+    ended_error = errors.DrainWorkflowEnded(f"its execution {name} {ended} before the drain was finished.")
+    finish(drain_uuid, error={"Error": ended_error.name, "Cause": ended_error.message})
     return True
 
 

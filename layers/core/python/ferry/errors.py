@@ -404,3 +404,7 @@ class DrainInvalidState(Conflict):
 
 class DrainFailed(FerryError):
     """A drain ended with servers left on its targets (the drain's message says how many and why)."""
+
+
+class DrainWorkflowEnded(FerryError):
+    """A drain's workflow ended (stopped, timed out, failed) or never started, and did not finish the drain."""
