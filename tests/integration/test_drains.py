@@ -225,7 +225,7 @@ def test_finishing_settles_what_the_map_left_pending_or_moving(store):
     rows = _servers(drain)
     assert rows[pending].state == "cancelled" and "ended before" in rows[pending].error
     assert rows[moving].state == "failed" and "could not record" in rows[moving].error
-    assert drains.finish(drain) == report  # run again: the same report, announced once
+    assert drains.finish(drain) == report  # run again: the same report
 
 
 def test_an_iteration_that_cannot_record_its_move_settles_its_server_and_frees_its_host_slot(store):
@@ -293,7 +293,6 @@ def test_a_drain_publishes_one_grouped_event_when_it_starts_and_one_when_it_ends
 
     drains.start(drain)
     drains.finish(drain)
-    drains.finish(drain)  # a step run twice announces nothing more
 
     events = bus()
     assert [e["detail-type"] for e in events] == ["drain.start", "drain.error"]
@@ -301,6 +300,44 @@ def test_a_drain_publishes_one_grouped_event_when_it_starts_and_one_when_it_ends
     assert end["priority"] == "ERROR" and end["payload"]["drain_id"] == drain
     assert end["payload"]["counts"]["cancelled"] == 1
     assert [s["id"] for s in end["payload"]["servers"]] == [uuid]
+
+
+def test_a_final_event_lost_after_the_status_was_committed_is_announced_again_by_the_retry(
+        store, bus, monkeypatch):
+    # GIVEN a drain whose FinishDrain committed its final status, then failed before its
+    # announcement went out (the function timed out while publishing, say)
+    source = add_compute("source")
+    add_compute("dest")
+    _server_on("source", source)
+    drain = _record({"host": "source", "callback_url": "https://ops.example.com/ferry"})
+    posted: list[tuple[dict, str | None]] = []
+    monkeypatch.setattr(drains.signing, "post_callback",
+                        lambda _url, document, _secret, delivery_id=None: posted.append((document, delivery_id)))
+    drains.start(drain)
+
+    def timed_out(*_args, **_kwargs):
+        raise RuntimeError("Task timed out after 30.00 seconds")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(drains.notifications, "notify_drain", timed_out)
+        with pytest.raises(RuntimeError):
+            drains.finish(drain)
+    assert drains.get_view(drain)["status"] == "failed"
+    assert [e["detail-type"] for e in bus()] == ["drain.start"]
+
+    # WHEN Step Functions retries FinishDrain, and (its answer lost too) once more
+    first = drains.finish(drain)
+    again = drains.finish(drain)
+
+    # THEN the final event goes out at each run, as the same event: one message_id, one delivery id
+    assert first == again and first["status"] == "failed"
+    events = bus()
+    assert [e["detail-type"] for e in events] == ["drain.error", "drain.error"]
+    assert events[0]["detail"]["message_id"] == events[1]["detail"]["message_id"]
+    assert events[0]["detail"]["payload"]["status"] == "failed"
+    assert [document["event_type"] for document, _delivery in posted] == ["drain.start", "drain.error", "drain.error"]
+    assert posted[1][1] == posted[2][1] == events[0]["detail"]["message_id"]
+    assert posted[0][1] != posted[1][1]
 
 
 @pytest.fixture
@@ -965,3 +1002,136 @@ def test_a_server_no_host_takes_for_another_try_waits_while_tries_are_left_then_
 
     row = _servers(drain)[server]
     assert row.state == "failed" and row.error.startswith("No host takes it for another try")
+
+
+# --- a drain that ended keeps its records as announced ---------------------------------------------
+
+
+def _stopped_with_a_move_accepted(sfn, arn: str) -> tuple[str, str, dict]:
+    """A drain of host ``source`` whose one server's move PrepareMove accepted, after which the
+    drain's workflow was stopped (its server's iteration goes on): ``(drain, server, slot)``."""
+    source = add_compute("source")
+    add_compute("dest")
+    server = _server_on("source", source)
+    drain, execution = _running_drain(sfn, arn, "source")
+    slot = drains.acquire_slot(drain, server).to_dict()
+    drains.prepare_move(drain, server, slot)
+    sfn.stop_execution(executionArn=execution)
+    return drain, server, slot
+
+
+def _warned_late(caplog, drain: str, server: str, step: str) -> bool:
+    return any(record.levelname == "WARNING" and getattr(record, "drain", None) == drain
+               and getattr(record, "instance_uuid", None) == server and getattr(record, "step", None) == step
+               for record in caplog.records)
+
+
+def test_a_move_that_completes_after_its_drain_ended_changes_nothing_in_the_drain(store, drain_machine, caplog):
+    # GIVEN a drain finished as failed while one server's move was under way
+    drain, server, slot = _stopped_with_a_move_accepted(*drain_machine)
+    assert drains.finish_if_workflow_ended(drain)
+    announced = drains.get_view(drain)
+    assert announced["status"] == "failed" and announced["servers"][0]["state"] == "failed"
+
+    # WHEN the move completes and its iteration records it, then settles and looks for a slot
+    _moved_to_dest(server, slot["migration_uuid"], "active", "confirmed")
+    recorded = drain_steps.record_moved({"drain_uuid": drain, "instance_uuid": server, "slot": slot})
+    settled = drains.settle_server(drain, server, {"Error": "States.Runtime", "Cause": "late"})
+    again = drains.acquire_slot(drain, server)
+
+    # THEN the step is done, and the drain's records stay as its final event announced them
+    assert recorded["state"] == "failed" and recorded["dest_host"] is None
+    assert settled == {"state": "failed", "error": announced["servers"][0]["error"]}
+    assert again.action == "stop"
+    after = drains.get_view(drain)
+    assert after["servers"] == announced["servers"] and after["counts"] == announced["counts"]
+    assert (after["status"], after["message"]) == (announced["status"], announced["message"])
+    assert _warned_late(caplog, drain, server, "RecordMoved")
+
+
+@pytest.mark.parametrize("ended_while_recording", [False, True])
+def test_a_move_that_failed_after_its_drain_ended_records_nothing_and_leaves_the_server_free(
+        store, drain_machine, monkeypatch, caplog, ended_while_recording):
+    drain, server, slot = _stopped_with_a_move_accepted(*drain_machine)
+    if ended_while_recording:
+        # GIVEN the drain is found ended while RecordFailure looks where the server is
+        where_now = drains._where_now
+
+        def ended_meanwhile(*args, **kwargs):
+            drains.finish_if_workflow_ended(drain)
+            return where_now(*args, **kwargs)
+
+        monkeypatch.setattr(drains, "_where_now", ended_meanwhile)
+    else:
+        # GIVEN the drain was finished before RecordFailure runs
+        assert drains.finish_if_workflow_ended(drain)
+
+    # WHEN the move's workflow never started (RunMove failed) and RecordFailure runs
+    outcome = drain_steps.record_failure({"drain_uuid": drain, "instance_uuid": server, "slot": slot,
+                                          "error": {"Error": "States.Runtime", "Cause": "throttled"},
+                                          "confirm_slot": None})
+
+    # THEN the iteration settles, the drain's record is as announced, and the move the drain
+    # accepted is undone (the server is not left busy in resize_prep)
+    row = _servers(drain)[server]
+    assert drains.get_view(drain)["status"] == "failed"
+    assert (row.state, row.error) == ("failed", "The drain could not record the result of this server's move; "
+                                                "see the server's actions and migrations.")
+    assert outcome == {"retry": False, "confirm": False, "state": "failed", "error": row.error}
+    assert _move_records(server, slot["migration_uuid"]) == (None, "error")
+    assert _warned_late(caplog, drain, server, "RecordFailure")
+
+
+def test_a_drain_that_ended_starts_no_more_moves(store, drain_machine):
+    sfn, arn = drain_machine
+    source = add_compute("source")
+    add_compute("dest")
+    server = _server_on("source", source)
+    drain, execution = _running_drain(sfn, arn, "source")
+    slot = drains.acquire_slot(drain, server).to_dict()  # the iteration got its slot ...
+    sfn.stop_execution(executionArn=execution)
+    assert drains.finish_if_workflow_ended(drain)  # ... and the drain was finished before its PrepareMove
+
+    with pytest.raises(errors.DrainInvalidState, match="starts no more moves"):
+        drain_steps.prepare_move({"drain_uuid": drain, "instance_uuid": server, "slot": slot})
+
+    with cell_session("cell1") as session:
+        assert session.scalars(select(Instance.task_state).where(Instance.uuid == server)).one() is None
+        assert session.scalars(select(Migration).where(Migration.uuid == slot["migration_uuid"])).first() is None
+    outcome = drain_steps.record_failure({"drain_uuid": drain, "instance_uuid": server, "slot": slot,
+                                          "error": {"Error": "Ferry.DrainInvalidState", "Cause": "ended"},
+                                          "confirm_slot": None})
+    assert (outcome["retry"], outcome["confirm"], outcome["state"]) == (False, False, "failed")
+
+
+# --- retries --------------------------------------------------------------------------------------
+
+
+def test_a_retry_recorded_with_the_plan_of_its_failed_try_is_planned_afresh(store, move_machines):
+    # GIVEN a server whose first try failed, its retry recorded as Ferry's release before this one
+    # recorded retries: pending again with the host of the failed try kept, a host that takes no
+    # servers now
+    source = add_compute("source", memory_mb=16384)
+    for host in ("d1", "d2"):
+        add_compute(host)
+    server = _server_on("source", source)
+    drain = _record({"host": "source", "retries": 1})
+    drains.start(drain)
+    slot = drains.acquire_slot(drain, server).to_dict()
+    stale = drains.prepare_move(drain, server, slot)["input"]["requested_host"]
+    assert drains.record_failure(drain, server, slot, {"Error": "States.Runtime", "Cause": "throttled"})["retry"]
+    with api_session() as session:
+        session.execute(update(DrainServer).where(DrainServer.instance_uuid == server)
+                        .values(planned_host=stale, planned_cell="cell1"))
+    [service] = services.list_services(host=stale)
+    services.update_service(service, disabled=True)
+
+    # WHEN its iteration looks for a slot again and prepares the move
+    retry = drains.acquire_slot(drain, server).to_dict()
+    move = drains.prepare_move(drain, server, retry)
+
+    # THEN the retry goes to a host that takes it now, as a retry record_failure recorded would
+    other = ({"d1", "d2"} - {stale}).pop()
+    assert retry["action"] == "move" and retry["attempt"] == 2
+    assert _servers(drain)[server].planned_host == other
+    assert move["input"]["requested_host"] == other

@@ -773,28 +773,33 @@ def acquire_slot(drain_uuid: str, instance_uuid: str) -> Slot:
     """Decide whether the server's move starts now, waits, or is not made.
 
     ``wait`` while the drain is paused or a per-host limit is reached; ``stop`` once the server
-    is settled, or the drain is cancelled or failed (a pending server is then ``cancelled``);
+    is settled, the drain is being cancelled (a pending server is then ``cancelled``) or the
+    drain has ended (final: nothing changes);
     ``move`` marks it ``moving`` and hands out the ids of this attempt; every answer says whether
     the drain confirms its moves. The drain row is locked
     (and its version bumped) so two iterations cannot both take the last slot of a host. A
     server already ``moving`` gets its attempt again (the step ran twice). A server to be tried
     again (its earlier attempt failed) is planned again first, so the per-host limits count the
-    host it will go to; one no host takes any more fails (``stop``).
+    host it will go to; one no host takes any more fails (``stop``). That holds for a retry that
+    still has a planned host too: Ferry's release before this one recorded retries with the host
+    of their failed attempt, and PrepareMove no longer plans a server that has a host.
     """
     with api_session() as session:
         drain, server = _load_server(session, drain_uuid, instance_uuid)
-        replan = server.state == PENDING and server.planned_host is None and drain.status == RUNNING
+        # A retry is planned afresh whatever host it has; a server without a plan is planned too.
+        replan = server.state == PENDING and (server.attempts > 0 or server.planned_host is None) \
+            and drain.status == RUNNING
     if replan and (unplanned := _planned_again(drain_uuid, instance_uuid)) is not None:
         return Slot(unplanned, confirm=bool(drain.options.get("confirm", True)))
     with api_session() as session:
         drain, server = _load_server(session, drain_uuid, instance_uuid)
         confirm = bool(drain.options.get("confirm", True))
-        if server.state in SETTLED_STATES:
+        if server.state in SETTLED_STATES or _ended_before(drain, server, "AcquireSlot"):
             return Slot("stop", confirm=confirm)
         if server.state == MOVING:
             migration_uuid, request_id = _attempt_ids(drain_uuid, instance_uuid, server.attempts)
             return Slot("move", migration_uuid, request_id, server.attempts, confirm)
-        if drain.status in (CANCELLING, CANCELLED, FAILED):
+        if drain.status == CANCELLING:
             server.state, server.finished_at = SERVER_CANCELLED, utcnow()
             return Slot("stop", confirm=confirm)
         if drain.status == PAUSED or server.planned_host is None:  # resumed meanwhile: planned at the next look
@@ -822,6 +827,23 @@ def _load_server(session: Session, drain_uuid: str, instance_uuid: str) -> tuple
     if server is None:
         raise errors.DrainNotFound(f"Server {instance_uuid} is not part of drain {drain_uuid}.")
     return drain, server
+
+
+def _ended_before(drain: Drain, server: DrainServer, step: str) -> bool:
+    """Whether ``drain`` is final, so that what one of its iterations reports now changes nothing.
+
+    A final drain's report was announced: its records stay as announced. A late report comes
+    from a server's iteration (a child execution) still running when Ferry finished the drain,
+    its workflow having ended (:func:`finish_if_workflow_ended`); a finished drain holds no
+    per-host slot (it counts none), so ignoring the report leaks none. Logged with the drain
+    and the server.
+    """
+    if drain.status not in FINAL_STATUSES:
+        return False
+    logger.warning("late drain step after the drain ended; nothing recorded",
+                   extra={"drain": drain.uuid, "instance_uuid": server.instance_uuid, "step": step,
+                          "status": drain.status, "state": server.state})
+    return True
 
 
 def _planned_again(drain_uuid: str, instance_uuid: str) -> str | None:
@@ -886,9 +908,15 @@ def prepare_move(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any]) -
 
     Returns:
         ``{"name", "input"}`` of the resize workflow's execution.
+
+    Raises:
+        DrainInvalidState: the drain ended meanwhile (final): it starts no more moves, and its
+            RecordFailure then records nothing.
     """
     with api_session() as session:
         drain, server = _load_server(session, drain_uuid, instance_uuid)
+        if _ended_before(drain, server, "PrepareMove"):
+            raise errors.DrainInvalidState(f"Drain {drain_uuid} is {drain.status}: it starts no more moves.")
         ctx = _drain_context(drain, slot["request_id"])
         planned = server.planned_host
     if planned is None:  # an attempt handed out before AcquireSlot planned retries (mid-update)
@@ -945,6 +973,9 @@ def _where_now(instance_uuid: str, migration_uuid: str | None = None) -> _Wherea
 def record_moved(drain_uuid: str, instance_uuid: str, *, confirmed: bool) -> dict[str, Any]:
     """Record a server's finished move (idempotent).
 
+    A drain that ended meanwhile (final) records nothing more: the server's row stays as the
+    drain's report announced it, and the step is done.
+
     Raises:
         MoveNotPrepared: the server is not where a finished move leaves it (still on its source,
             or not in VERIFY_RESIZE/confirmed as asked); the caller records the failure.
@@ -952,8 +983,8 @@ def record_moved(drain_uuid: str, instance_uuid: str, *, confirmed: bool) -> dic
     now = _where_now(instance_uuid)
     host, vm_state, task_state = now.host, now.vm_state, now.task_state
     with api_session() as session:
-        _drain, server = _load_server(session, drain_uuid, instance_uuid)
-        if server.state == DONE:
+        drain, server = _load_server(session, drain_uuid, instance_uuid)
+        if server.state == DONE or _ended_before(drain, server, "RecordMoved"):
             return _server_view(server)
         expected = (states.ACTIVE, states.STOPPED) if confirmed else (states.RESIZED,)
         if host is None or host == server.source_host or vm_state not in expected or task_state is not None:
@@ -978,7 +1009,9 @@ def record_failure(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any],
     workflow already went to, and then the server is failed instead ("confirm or revert it").
     Otherwise the server is tried again when it is back on its source unchanged (its move
     rolled back), attempts are left (``retries``) and the drain is still running or paused; or
-    it is ``failed`` with the error.
+    it is ``failed`` with the error. A drain that ended meanwhile (final) records nothing more
+    and goes on to nothing (the outcome settles the iteration), but what it accepted and never
+    started is still undone: the server would otherwise stay busy for good.
 
     Returns:
         ``{"retry": bool, "confirm": bool, "state", "error"}``: ``confirm`` sends the workflow
@@ -994,7 +1027,7 @@ def record_failure(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any],
         drain, server = _load_server(session, drain_uuid, instance_uuid)
         cell, retries, status = server.cell, int(drain.options.get("retries") or 0), drain.status
         confirm = bool(drain.options.get("confirm", True))
-        if server.state in SETTLED_STATES:
+        if server.state in SETTLED_STATES and status not in FINAL_STATUSES:  # recorded already: the step ran twice
             return {"retry": False, "confirm": False, "state": server.state, "error": server.error}
     migration_uuid = slot.get("migration_uuid")
     if migration_uuid and slot.get("request_id"):
@@ -1005,6 +1038,8 @@ def record_failure(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any],
     move_finished = now.migration_status == migration_states.FINISHED
     with api_session() as session:
         drain, server = _load_server(session, drain_uuid, instance_uuid)
+        if _ended_before(drain, server, "RecordFailure"):
+            return {"retry": False, "confirm": False, "state": server.state, "error": server.error}
         if _completed_as_asked(now, server.source_host, confirm=confirm):
             server.state, server.dest_host, server.finished_at, server.error = DONE, host, utcnow(), None
             logger.warning("drain step failed after the move completed; recorded done",
@@ -1070,7 +1105,8 @@ def settle_server(drain_uuid: str, instance_uuid: str, error: Mapping[str, Any] 
     The iteration will not move its server any more, so a server still ``pending`` or ``moving`` is
     recorded ``failed`` with the error: a server left ``moving`` would hold its per-host slot (see
     :func:`acquire_slot`) and make the other servers wait for ever. A server already settled, or no
-    longer in the drain, is left as it is. Idempotent.
+    longer in the drain, is left as it is, and so is every server of a drain that ended (final).
+    Idempotent.
 
     Returns:
         ``{"state", "error"}`` of the server (Nones when it is not in the drain).
@@ -1081,7 +1117,7 @@ def settle_server(drain_uuid: str, instance_uuid: str, error: Mapping[str, Any] 
             drain, server = _load_server(session, drain_uuid, instance_uuid)
         except errors.DrainNotFound:
             return {"state": None, "error": None}
-        if server.state not in SETTLED_STATES:
+        if server.state not in SETTLED_STATES and not _ended_before(drain, server, "SettleServer"):
             was = server.state
             if was == MOVING:
                 server.error = (f"The drain could not record the result of this server's move ({message}); "
@@ -1163,12 +1199,20 @@ def start(drain_uuid: str) -> dict[str, Any]:
 
 
 def finish(drain_uuid: str, error: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Settle the drain's status from its servers, announce it once, and return the report.
+    """Settle the drain's status from its servers, announce it, and return the report.
 
     ``completed`` when every server moved; ``cancelled`` after a cancel; ``failed`` when a
     server could not be moved or placed, or the workflow itself failed (``error``). Servers
     still pending (the Map stopped early) are marked cancelled; servers still moving (their
     iteration could not record the result) failed, pointing at the server's own records.
+
+    The final event (``drain.end`` or ``drain.error``, and the callback) is announced every time
+    this runs for a drain that is not a dry run, final already or not: the status is committed
+    before the announcement goes out, so a run that fails in between (or dies) leaves a final
+    drain whose event may never have gone out, and the FinishDrain retry announces it again.
+    Every announcement of the same event carries the same identity (see :func:`_announce`), so
+    consumers drop the repeats. The report and the announcement are read in the transaction
+    that settles the status: after its commit only the announcement itself is left to do.
     """
     with api_session() as session:
         drain = _load(session, drain_uuid, for_update=True)
@@ -1204,29 +1248,40 @@ def finish(drain_uuid: str, error: Mapping[str, Any] | None = None) -> dict[str,
             drain.version += 1
             # Cancelled before any move was tried: nothing moved, so its hosts are given back.
             give_back = status == CANCELLED and not any(server.attempts for server in servers)
-    if not already_final and give_back:
+        view = _view(drain, servers)
+    if give_back:
         try:
             give_back_targets(drain_uuid)
         except Exception:  # the drain is final: its announcement goes out whatever happens here
             logger.exception("giving a cancelled drain's hosts back failed", extra={"drain": drain_uuid})
-    if not already_final:
-        with api_session() as session:
-            drain = _load(session, drain_uuid)
-            dry_run, status = drain.dry_run, drain.status
-        if not dry_run:
-            _announce(drain_uuid, DRAIN_ERROR if status == FAILED else DRAIN_END)
-    view = get_view(drain_uuid)
+    if not view["dry_run"]:
+        if already_final:
+            logger.info("drain final already; its final event is announced again",
+                        extra={"drain": drain_uuid, "status": view["status"]})
+        _announce(drain_uuid, DRAIN_ERROR if view["status"] == FAILED else DRAIN_END, view)
     logger.info("drain finished", extra={"drain": drain_uuid, "status": view["status"], "counts": view["counts"]})
     return {"status": view["status"], "counts": view["counts"], "message": view["message"]}
 
 
-def _announce(drain_uuid: str, event_type: str) -> None:
-    """One grouped notification on the bus, and the signed callback when the request named one."""
-    view = get_view(drain_uuid)
+def _announcement_id(drain_uuid: str, event_type: str) -> str:
+    """The identity of a drain's event: the notification's ``message_id`` and the callback's
+    ``X-Ferry-Delivery``, the same each time the event is announced again."""
+    return _derived_uuid(drain_uuid, "announcement", event_type)
+
+
+def _announce(drain_uuid: str, event_type: str, view: Mapping[str, Any] | None = None) -> None:
+    """One grouped notification on the bus, and the signed callback when the request named one.
+
+    Both carry :func:`_announcement_id`, so an event announced again (a retried FinishDrain) can
+    be told from a new one. ``view`` is the drain as :func:`get_view` shows it (read when omitted).
+    """
+    view = view if view is not None else get_view(drain_uuid)
     summary = {**{k: v for k, v in view.items() if k != "servers"},
                "servers": [{k: s[k] for k in ("id", "name", "source_host", "dest_host", "state", "error")}
                            for s in view["servers"]]}
-    notifications.notify_drain(event_type, drain_uuid=drain_uuid, payload=summary)
+    identity = _announcement_id(drain_uuid, event_type)
+    notifications.notify_drain(event_type, drain_uuid=drain_uuid, payload=summary, message_id=identity)
     url = view["options"].get("callback_url")
     if url:
-        signing.post_callback(url, {"event_type": event_type, "drain": summary}, config.get().webhook_secret)
+        signing.post_callback(url, {"event_type": event_type, "drain": summary}, config.get().webhook_secret,
+                              delivery_id=identity)

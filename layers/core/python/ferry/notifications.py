@@ -103,9 +103,10 @@ def instance_payload(instance: Instance, **extra: Any) -> dict[str, Any]:
     return payload
 
 
-def _document(event_type: str, publisher_id: str, payload: Mapping[str, Any], priority: str | None) -> dict[str, Any]:
+def _document(event_type: str, publisher_id: str, payload: Mapping[str, Any], priority: str | None,
+              message_id: str | None = None) -> dict[str, Any]:
     return {
-        "message_id": str(uuid.uuid4()),
+        "message_id": message_id or str(uuid.uuid4()),
         "event_type": event_type,
         "publisher_id": publisher_id,
         "priority": priority or (ERROR if event_type.endswith(".error") else INFO),
@@ -115,12 +116,16 @@ def _document(event_type: str, publisher_id: str, payload: Mapping[str, Any], pr
     }
 
 
-def notify_drain(event_type: str, *, drain_uuid: str, payload: dict[str, Any]) -> None:
+def notify_drain(event_type: str, *, drain_uuid: str, payload: dict[str, Any], message_id: str | None = None) -> None:
     """Publish a drain's grouped notification (``drain.start``, ``drain.end``, ``drain.error``); never raises.
 
     The payload is the drain's summary: status, counts and each server's result.
+
+    Params:
+        message_id: the event's identity (default: a new one). A drain passes the same id each
+            time it announces the same event again, so consumers can drop the repeats.
     """
-    document = _document(event_type, conductor_publisher(), {**payload, "drain_id": drain_uuid}, None)
+    document = _document(event_type, conductor_publisher(), {**payload, "drain_id": drain_uuid}, None, message_id)
     _put(event_type, document, subject=f"drain {drain_uuid}")
 
 
