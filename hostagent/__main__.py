@@ -60,6 +60,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="the agent's state: journal, test node XML (default: $FERRY_STATE_DIR/hosts/<host>)",
     )
     parser.add_argument("--instances-dir", type=Path, help="instance disks (default: <state-dir>/instances)")
+    parser.add_argument(
+        "--volumes-dir",
+        type=Path,
+        action="append",
+        dest="volumes_dirs",
+        metavar="DIR",
+        help="a directory in which operations may make and remove volume files, repeated for each (default: "
+        "$FERRY_STATE_DIR/volumes, where the compute API places the volumes it makes, and volumes beside "
+        "--instances-dir); a volume file elsewhere is refused",
+    )
     parser.add_argument("--vcpus", type=int, help="vCPUs to report (and of the test hypervisor)")
     parser.add_argument("--memory-mb", type=int, help="memory to report (and of the test hypervisor)")
     parser.add_argument("--disk-gb", type=int, help="instance disk to report (default: the instances filesystem)")
@@ -154,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     host: str = args.host
     state_dir: Path = (args.state_dir or settings.state_dir / "hosts" / host).resolve()
     instances_dir: Path = (args.instances_dir or state_dir / "instances").resolve()
+    volumes_dirs = [d.resolve() for d in args.volumes_dirs] if args.volumes_dirs else None
     uri = args.libvirt_uri or write_test_node_xml(
         state_dir / "node.xml",
         args.vcpus or DEFAULT_TEST_VCPUS,
@@ -192,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         driver=driver,
         instances_dir=instances_dir,
         state_dir=state_dir,
+        volumes_dirs=volumes_dirs,
         inventory=inventory,
         queue_prefix=settings.host_queue_prefix,
         poll_wait_seconds=args.poll_wait_seconds,

@@ -6,7 +6,8 @@ SendTaskFailure (a ``Ferry.*`` error name), and tells the control plane about it
 inventory and heartbeat reports on the host reports queue.
 
 Every operation is idempotent and journaled (:mod:`hostagent.journal`): a redelivered message is
-answered from the journal; an operation interrupted by a crash runs again.
+answered from the journal; an operation interrupted by a crash runs again. A copy of the message of
+an operation this agent is running or has waiting is kept and settled by that delivery.
 
 An answer can come too late. A Task state that hears nothing (no answer, no task heartbeat) for its
 ``HeartbeatSeconds``, or no answer within its ``TimeoutSeconds``, fails with ``States.Timeout`` and
@@ -31,7 +32,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -42,7 +43,7 @@ from typing import Any
 from aws_lambda_powertools.metrics import MetricUnit, single_metric
 from botocore.exceptions import BotoCoreError, ClientError
 
-from ferry import aws, errors, faults, protocol, validation
+from ferry import aws, config, errors, faults, protocol, validation
 from ferry.observability import logger
 from hostagent import disks
 from hostagent.driver import (
@@ -82,6 +83,9 @@ UNSURE_REDELIVERY_SECONDS = 10
 # How often an operation held by an injected timeout (drills) looks whether the fault still holds it.
 HOLD_POLL_SECONDS = 0.5
 DLQ_RETENTION_SECONDS = 14 * 24 * 3600
+# Where volume files are unless configured: ``$FERRY_STATE_DIR/volumes`` (where the compute API
+# places the volumes it makes, the same path on every host) and ``volumes`` beside the instances directory.
+VOLUMES_DIR = "volumes"
 # Step Functions limits on SendTaskFailure.
 _MAX_ERROR_LEN = 256
 _MAX_CAUSE_LEN = 32768
@@ -178,6 +182,12 @@ def parse_message(body: Any) -> Operation:
     )
 
 
+def default_volumes_dirs(instances_dir: str | Path) -> list[Path]:
+    """The directories volume files may be made in or removed from when none are configured
+    (see :data:`VOLUMES_DIR`)."""
+    return [config.get().state_dir / VOLUMES_DIR, Path(instances_dir).parent / VOLUMES_DIR]
+
+
 def operation_delay(operation: str) -> float:
     """Seconds :data:`OPERATION_DELAY_ENV` asks this agent to hold ``operation`` before its work (0: none)."""
     for item in os.environ.get(OPERATION_DELAY_ENV, "").split(","):
@@ -203,6 +213,17 @@ class _NotRun(Exception):
         self.awaited = awaited
 
 
+class _Claim:
+    """An operation this agent runs, or has waiting for its instance's lock or a worker, and the
+    copies of its message (same operation id) received meanwhile, as (receipt handle, task token):
+    they hold no slot, and the delivery that claimed the operation keeps them and settles them."""
+
+    def __init__(self, op: Operation, receipt: str) -> None:
+        self.op = op
+        self.receipt = receipt
+        self.copies: list[tuple[str, str | None]] = []
+
+
 def _message_token(body: Any) -> str | None:
     token = body.get("task_token") if isinstance(body, dict) else None
     return token if isinstance(token, str) and token else None
@@ -221,6 +242,9 @@ class HostAgent(MoveOperations):
         driver: the hypervisor driver.
         instances_dir: where instance directories and the image cache live.
         state_dir: the agent's own state (the journal).
+        volumes_dirs: the only directories in which a message may have this host make or remove a
+            volume file (checked once ``..`` and symbolic links are resolved); None:
+            :func:`default_volumes_dirs`.
         inventory: the inventory to report; ``None`` reports the driver's host capacity.
         queue_prefix: host queue name prefix, needed when ``queue_url`` is None.
         sqs, stepfunctions, s3: boto3 clients (default: :func:`ferry.aws.client`).
@@ -234,7 +258,8 @@ class HostAgent(MoveOperations):
         max_workers: operations run at once (operations on one instance never overlap).
         max_waiting: operations received beyond ``max_workers``, waiting for a worker: their
             tasks are heartbeat meanwhile, so an operation queued behind a long one on this host
-            does not time out while it waits.
+            does not time out while it waits. A copy of an operation already running or waiting
+            takes no such place (see :meth:`_claim`).
         power_off_timeout: default seconds a guest gets to shut down before it is forced off.
         use_image_cache: keep downloaded images under ``<instances_dir>/_base`` for later spawns (never
             an image the spawn marks ``cache: false``, such as a cross-cell move's snapshot).
@@ -278,6 +303,7 @@ class HostAgent(MoveOperations):
         disk_headroom_check: bool = True,
         disk_overcommit_ratio: float = 1.0,
         direct_copies: bool = True,
+        volumes_dirs: Iterable[str | Path] | None = None,
     ) -> None:
         if queue_url is None and queue_prefix is None:
             raise ValueError("HostAgent needs a queue_url or a queue_prefix to derive it from.")
@@ -297,6 +323,8 @@ class HostAgent(MoveOperations):
         self.driver = driver
         self.instances_dir = Path(instances_dir)
         self.state_dir = Path(state_dir)
+        self.volumes_dirs = [Path(d) for d in volumes_dirs] if volumes_dirs is not None \
+            else default_volumes_dirs(instances_dir)
         self.inventory = inventory
         self.sqs = sqs or aws.client("sqs")
         self.sfn = stepfunctions or aws.client("stepfunctions")
@@ -323,6 +351,9 @@ class HostAgent(MoveOperations):
         self.journal: Journal | None = None
         self._stop = threading.Event()
         self._started = threading.Event()
+        # The operations this agent runs or has waiting, by operation id (see _Claim).
+        self._claims: dict[str, _Claim] = {}
+        self._claims_guard = threading.Lock()
         # Each instance's lock and how many operations hold it or wait for it (gone at none).
         self._instance_locks: dict[str, tuple[threading.Lock, int]] = {}
         self._instance_locks_guard = threading.Lock()
@@ -363,6 +394,11 @@ class HostAgent(MoveOperations):
         self.journal = Journal(self.state_dir / "journal.sqlite")
         for leftover in disks.remove_partial_files(self.instances_dir):
             logger.info("removed a file an interrupted write left", extra={"host": self.host, "path": str(leftover)})
+        for directory in self.volumes_dirs:
+            # Shared storage: another host may be writing a volume there, and holds its file meanwhile.
+            for leftover in disks.remove_abandoned_parts(directory):
+                logger.info("removed a file an interrupted volume write left",
+                            extra={"host": self.host, "path": str(leftover)})
         for entry in self.journal.in_progress():
             # The message comes back after its visibility timeout and the operation runs again.
             logger.warning(
@@ -418,7 +454,7 @@ class HostAgent(MoveOperations):
                     slots.release()
                     continue
                 if self._stop.is_set():
-                    self._release(message)
+                    self._release(message["ReceiptHandle"])
                     slots.release()
                     break
                 pool.submit(self._process_in_slot, message, slots)
@@ -456,12 +492,11 @@ class HostAgent(MoveOperations):
             return None
         return dict(messages[0])
 
-    def _release(self, message: dict[str, Any]) -> None:
-        """Make a message received while stopping visible again at once, for the next agent."""
+    def _release(self, receipt: str) -> None:
+        """Make a received message visible again at once: for the next agent (one received while
+        stopping), or to be taken again."""
         try:
-            self.sqs.change_message_visibility(
-                QueueUrl=self.queue_url, ReceiptHandle=message["ReceiptHandle"], VisibilityTimeout=0
-            )
+            self.sqs.change_message_visibility(QueueUrl=self.queue_url, ReceiptHandle=receipt, VisibilityTimeout=0)
         except (ClientError, BotoCoreError) as exc:
             logger.warning("releasing a message failed", extra={"host": self.host, "error": str(exc)})
 
@@ -474,7 +509,9 @@ class HostAgent(MoveOperations):
         task token) and deleted. A message whose answer could not be delivered for a reason other
         than the workflow having moved on stays on the queue, to be answered from the journal. A
         message whose workflow no longer waits is deleted without running its operation; one held
-        by an injected timeout (drills) stays taken and unanswered until the fault lets go.
+        by an injected timeout (drills) stays taken and unanswered until the fault lets go. A copy
+        of the message of an operation this agent already runs or has waiting (SQS delivered it
+        again, or the workflow retries) returns at once: that delivery keeps it and settles it.
         """
         if self.journal is None:
             self.start()
@@ -519,28 +556,78 @@ class HostAgent(MoveOperations):
         except faults.InjectedTimeout as timeout:
             self._hold(message, timeout, context)
             return
+        claim = self._claim(op, receipt, context)
+        if claim is None:
+            return
+        settled = False
         try:
-            result, error, cause = self._run(op, receipt, context)
-        except _NotRun as not_run:
-            if not_run.awaited is False:
+            settled = self._run_and_settle(claim, context)
+        finally:
+            self._end_claim(claim, settled, context)
+
+    def _claim(self, op: Operation, receipt: str, context: dict[str, Any]) -> _Claim | None:
+        """Claim ``op`` for this delivery; None when this agent already runs it or has it waiting.
+
+        Such a copy of its message is added to that claim rather than waiting for the operation
+        with a slot of its own, which copies of a long operation would otherwise fill, keeping
+        other instances' operations from being received: the claiming delivery keeps the copy
+        invisible and its task heartbeat, and settles it once the operation ends (:meth:`_end_claim`).
+        """
+        with self._claims_guard:
+            claim = self._claims.get(op.operation_id)
+            if claim is None:
+                claim = self._claims[op.operation_id] = _Claim(op, receipt)
+                return claim
+            claim.copies.append((receipt, op.task_token))
+        logger.info("a copy of an operation this agent runs or has waiting: settled when it ends", extra=context)
+        return None
+
+    def _end_claim(self, claim: _Claim, settled: bool, context: dict[str, Any]) -> None:
+        """Forget ``claim`` and settle the copies of its message received meanwhile.
+
+        A copy with the claim's task token shares its message's fate: deleted when that one was
+        (answered, or no longer awaited), else back in :data:`UNSURE_REDELIVERY_SECONDS`. A copy
+        with another token (the workflow retrying the operation) is made visible at once, to be
+        answered from the journal or run as a delivery of its own.
+        """
+        with self._claims_guard:
+            del self._claims[claim.op.operation_id]
+            copies = list(claim.copies)
+        for receipt, token in copies:
+            if token != claim.op.task_token:
+                self._release(receipt)
+            elif settled:
                 self._delete(receipt)
             else:
                 self._redeliver_later(receipt, context)
-            return
+
+    def _run_and_settle(self, claim: _Claim, context: dict[str, Any]) -> bool:
+        """Run the claimed operation and settle its message; True when the message was deleted
+        (answered, or its workflow no longer waits), False when it is left to come back."""
+        op, receipt = claim.op, claim.receipt
+        try:
+            result, error, cause = self._run(claim, context)
+        except _NotRun as not_run:
+            if not_run.awaited is False:
+                self._delete(receipt)
+                return True
+            self._redeliver_later(receipt, context)
+            return False
         except _TakenBack:
             self._delete(receipt)
-            return
-        self._settle(op, receipt, result, error, cause, context)
+            return True
+        return self._settle(op, receipt, result, error, cause, context)
 
     def _settle(self, op: Operation, receipt: str, result: dict[str, Any] | None, error: str | None,
-                cause: str | None, context: dict[str, Any]) -> None:
+                cause: str | None, context: dict[str, Any]) -> bool:
         """Answer the message's task and delete the message; an answer that could not be sent
         brings the message back soon, to be answered from the journal well inside the Task's
-        heartbeat time."""
+        heartbeat time. True when the message was deleted."""
         if self._answer(op.task_token, result, error, cause, context):
             self._delete(receipt)
-        else:
-            self._redeliver_later(receipt, context)
+            return True
+        self._redeliver_later(receipt, context)
+        return False
 
     def _take_back_sent(self, op: Operation, context: dict[str, Any]) -> None:
         """Remove what ``op`` sent off this host, its workflow having stopped waiting (see ``_take_back``).
@@ -569,9 +656,9 @@ class HostAgent(MoveOperations):
             logger.warning("what the abandoned operation sent was taken back", extra=context)
 
     def _run(
-        self, op: Operation, receipt: str, context: dict[str, Any]
+        self, claim: _Claim, context: dict[str, Any]
     ) -> tuple[dict[str, Any] | None, str | None, str | None]:
-        """Run ``op`` under the journal; return (result, error name, cause).
+        """Run the claimed operation under the journal; return (result, error name, cause).
 
         A copy of the message that another worker ran meanwhile (it held the instance's lock) is
         answered with that run's outcome instead of running again.
@@ -583,7 +670,8 @@ class HostAgent(MoveOperations):
                 sent was taken back.
         """
         assert self.journal is not None
-        with self._keepalive(op, receipt, context), self._instance_lock(op.instance_uuid):
+        op = claim.op
+        with self._keepalive(claim, context), self._instance_lock(op.instance_uuid):
             recorded = self.journal.get(op.operation_id)
             if recorded is not None and recorded.finished and recorded.answers(op.task_token):
                 logger.info("operation done meanwhile: answering from the journal", extra=context)
@@ -779,7 +867,7 @@ class HostAgent(MoveOperations):
                 except (ClientError, BotoCoreError) as exc:
                     logger.warning("extending a held message's visibility failed", extra={**context, "error": str(exc)})
         logger.info("held operation let go: its message is visible again", extra=context)
-        self._release(message)
+        self._release(message["ReceiptHandle"])
 
     def _delete(self, receipt: str) -> None:
         try:
@@ -789,8 +877,8 @@ class HostAgent(MoveOperations):
             logger.warning("deleting a message failed", extra={"host": self.host, "error": str(exc)})
 
     @contextmanager
-    def _keepalive(self, op: Operation, receipt: str, context: dict[str, Any]) -> Iterator[None]:
-        """While the block runs, keep the message invisible and heartbeat the task.
+    def _keepalive(self, claim: _Claim, context: dict[str, Any]) -> Iterator[None]:
+        """While the block runs, keep the claim's message and its copies invisible and heartbeat their tasks.
 
         The first beat comes within a second (a message that came back late and waits for a
         worker has little of its Task's heartbeat time left), then one every keepalive interval.
@@ -798,32 +886,30 @@ class HostAgent(MoveOperations):
         done = threading.Event()
 
         def beat() -> None:
-            token = op.task_token
+            gone: set[str] = set()  # tokens whose workflow stopped waiting: their messages are kept alive only
             wait = min(self.keepalive_interval, KEEPALIVE_FIRST_BEAT_SECONDS)
             while not done.wait(wait):
                 wait = self.keepalive_interval
-                try:
-                    self.sqs.change_message_visibility(
-                        QueueUrl=self.queue_url, ReceiptHandle=receipt, VisibilityTimeout=self.visibility_timeout
-                    )
-                except (ClientError, BotoCoreError) as exc:
-                    logger.warning("extending the message's visibility failed", extra={**context, "error": str(exc)})
-                if token:
+                with self._claims_guard:
+                    deliveries = [(claim.receipt, claim.op.task_token), *claim.copies]
+                for receipt in dict.fromkeys(receipt for receipt, _token in deliveries):
+                    try:
+                        self.sqs.change_message_visibility(
+                            QueueUrl=self.queue_url, ReceiptHandle=receipt, VisibilityTimeout=self.visibility_timeout
+                        )
+                    except (ClientError, BotoCoreError) as exc:
+                        logger.warning("extending the message's visibility failed",
+                                       extra={**context, "error": str(exc)})
+                for token in dict.fromkeys(token for _receipt, token in deliveries if token and token not in gone):
                     try:
                         self.sfn.send_task_heartbeat(taskToken=token)
+                    except self._task_gone_errors() as exc:
+                        logger.warning("task heartbeat failed", extra={**context, "error": str(exc)})
+                        gone.add(token)
                     except (ClientError, BotoCoreError) as exc:
                         logger.warning("task heartbeat failed", extra={**context, "error": str(exc)})
-                        if isinstance(
-                            exc,
-                            (
-                                self.sfn.exceptions.TaskTimedOut,
-                                self.sfn.exceptions.InvalidToken,
-                                self.sfn.exceptions.TaskDoesNotExist,
-                            ),
-                        ):
-                            token = None  # the workflow stopped waiting; keep the message alive only
 
-        thread = threading.Thread(target=beat, name=f"keepalive-{op.operation_id}", daemon=True)
+        thread = threading.Thread(target=beat, name=f"keepalive-{claim.op.operation_id}", daemon=True)
         thread.start()
         try:
             yield
@@ -907,8 +993,10 @@ class HostAgent(MoveOperations):
 
         Volumes are attached by path. A volume whose path does not exist yet and that carries
         ``size_gb`` is a new file-backed volume (the embedded default's volume storage): it is
-        created here, sparse, with the content of its ``source_image`` if it has one. An existing
-        path (a block device in production) is never written.
+        created here, sparse, with the content of its ``source_image`` if it has one, only in one of
+        the volumes directories (``volumes_dirs``): a spawn that would make one elsewhere is
+        refused before anything is touched. An existing path (a block device in production) is
+        never written.
 
         The instance directory is this spawn's when its record (``spawn.json``) names the
         operation: a guest that exists then is this spawn done before, only powered on if asked,
@@ -921,6 +1009,9 @@ class HostAgent(MoveOperations):
             SpawnFailed, ImageDownloadFailed, DiskCopyFailed, HypervisorError, InvalidOperation.
         """
         uuid, args = op.instance_uuid, op.args
+        for volume in args["volumes"]:
+            if volume.get("size_gb") and not Path(volume["path"]).exists():
+                self._volume_file(op, volume["path"])
         directory = disks.instance_dir(self.instances_dir, uuid)
         record = read_record(directory, SPAWN_RECORD) or {}
         if record.get("operation_id") == op.operation_id:
@@ -989,10 +1080,28 @@ class HostAgent(MoveOperations):
             self.driver.destroy(op.instance_uuid)
             disks.remove_instance_dir(self.instances_dir, op.instance_uuid)
             for path in created_volumes:
-                path.unlink(missing_ok=True)
+                if disks.inside(path, self.volumes_dirs):
+                    path.unlink(missing_ok=True)
+                else:
+                    logger.warning("a volume file the spawn's record names outside the volumes directories is left",
+                                   extra={**self._context(op), "path": str(path)})
         except Exception:
             # Never hide the spawn's own error behind the cleanup's.
             logger.exception("cleaning up a failed spawn failed", extra=self._context(op))
+
+    def _volume_file(self, op: Operation, path: str) -> Path:
+        """``path``, the file of a volume this host is asked to make or remove, once it is known to
+        lie in one of the volumes directories.
+
+        Raises:
+            InvalidOperation: it lies elsewhere (after ``..`` and symbolic links are resolved).
+        """
+        if not disks.inside(path, self.volumes_dirs):
+            raise errors.InvalidOperation(
+                f"The volume file {path} is outside this host's volumes directories "
+                f"({', '.join(str(d) for d in self.volumes_dirs)}).", instance_uuid=op.instance_uuid
+            )
+        return Path(path)
 
     def _write_spawn_record(self, op: Operation, created_volumes: list[Path]) -> None:
         """Name the spawn in its instance directory, with the volume files it creates (before it creates them)."""
@@ -1030,12 +1139,15 @@ class HostAgent(MoveOperations):
                 disks.create_sparse(path, flavor["swap"] * disks.MiB)
                 result.append(DiskSpec(kind=SWAP, path=str(path), device=LOCAL_DEVICES[SWAP]))
             for volume in volumes:
-                path = Path(volume["path"])
-                if path.exists() or not volume.get("size_gb"):
+                if Path(volume["path"]).exists() or not volume.get("size_gb"):
                     continue
+                path = self._volume_file(op, volume["path"])
                 size = int(volume["size_gb"]) * disks.GiB
                 created_volumes.append(path)
                 self._write_spawn_record(op, created_volumes)
+                for leftover in disks.remove_abandoned_parts(path.parent, path.name):
+                    logger.info("removed a file an interrupted write of the volume left",
+                                extra={**self._context(op), "path": str(leftover)})
                 if volume.get("source_image"):
                     disks.create_root_disk(self.s3, volume["source_image"], size, path, cache_dir=cache)
                 else:
@@ -1076,9 +1188,10 @@ class HostAgent(MoveOperations):
 
         The files of the ``volumes`` deleted with the server go last (shared storage: any host
         reaches them); ``volumes_removed`` names those whose file is gone. A volume that is no
-        file the hosts make (a block device), whose file is not seen where its directory is not
-        marked (storage not mounted here), or whose file cannot be removed, is left, logged, and
-        not named: the server's delete goes on, as Nova's does when a volume's delete fails.
+        file the hosts make (a block device), whose path is outside the volumes directories
+        (``volumes_dirs``), whose file is not seen where its directory is not marked (storage not
+        mounted here), or whose file cannot be removed, is left, logged, and not named: the
+        server's delete goes on, as Nova's does when a volume's delete fails.
 
         Raises:
             HypervisorError, HostOperationFailed (the disks cannot be removed).
@@ -1098,7 +1211,10 @@ class HostAgent(MoveOperations):
         for volume in op.args.get("volumes", []):
             where = {"host": self.host, "instance_uuid": uuid, "volume_id": volume["volume_id"], "path": volume["path"]}
             try:
-                gone = disks.remove_volume_file(volume["path"], volume["volume_id"])
+                gone = disks.remove_volume_file(self._volume_file(op, volume["path"]), volume["volume_id"])
+            except errors.InvalidOperation as exc:
+                logger.warning("volume file not removed: refused", extra={**where, "error": exc.message})
+                continue
             except OSError as exc:
                 logger.warning("volume file not removed", extra={**where, "error": str(exc)})
                 continue

@@ -32,6 +32,7 @@ an agent in the middle of moving a disk.
 from __future__ import annotations
 
 import errno
+import fcntl
 import functools
 import hashlib
 import json
@@ -43,7 +44,7 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Container, Iterator
+from collections.abc import Container, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -68,6 +69,8 @@ SWAP_DISK = "disk.swap"
 IMAGE_CACHE_DIR = "_base"
 RESIZE_SUFFIX = "_resize"
 INCOMING_SUFFIX = "_incoming"
+# A disk being written is ``.<name>.<random>.part`` beside its destination, renamed into place once complete.
+PART_SUFFIX = ".part"
 # This host's name and token in its instances directory: whoever reads the same there shares the storage.
 HOST_MARKER = ".ferry-host.json"
 # Beside a disk copied directly: the digest of each of its 4 MiB blocks, in order (32 bytes each).
@@ -171,6 +174,20 @@ def remove_volume_file(path: str | os.PathLike[str], volume_id: str) -> bool:
     return True
 
 
+def inside(path: str | os.PathLike[str], directories: Iterable[str | os.PathLike[str]]) -> bool:
+    """Whether ``path`` lies within one of ``directories`` once ``..`` and symbolic links are
+    resolved (the directories' too). A relative path, or one that cannot be resolved (a loop of
+    links), lies nowhere.
+    """
+    if not os.path.isabs(path):
+        return False
+    try:
+        resolved = Path(path).resolve()
+        return any(Path(directory).resolve() in resolved.parents for directory in directories)
+    except (OSError, RuntimeError):
+        return False
+
+
 def remove_partial_files(instances_dir: str | os.PathLike[str]) -> list[Path]:
     """Delete the temporary files an interrupted write left in the instance directories and the image cache.
 
@@ -187,10 +204,43 @@ def remove_partial_files(instances_dir: str | os.PathLike[str]) -> list[Path]:
         return removed
     for directory in (d for d in root.iterdir()
                       if d.is_dir() and not d.is_symlink() and not d.name.endswith(INCOMING_SUFFIX)):
-        for leftover in directory.glob(".*.part"):
-            if leftover.is_file():
-                leftover.unlink(missing_ok=True)
-                removed.append(leftover)
+        removed += remove_abandoned_parts(directory)
+    return removed
+
+
+def remove_abandoned_parts(directory: str | os.PathLike[str], name: str | None = None) -> list[Path]:
+    """Delete the temporary files that interrupted writes left in ``directory`` (only those of the
+    file ``name``, when given); return them.
+
+    A write holds its temporary file (``flock``) until the file is renamed into place, so a file
+    that can be held here is one whose writer is gone: this host's or another's, since a lock on
+    shared storage is seen by every host that mounts it. A file that is held, or that cannot be
+    held (storage without locks), is left alone. Safe while operations run.
+    """
+    prefix = f".{name}." if name is not None else "."
+    removed: list[Path] = []
+    try:
+        entries = list(os.scandir(directory))
+    except (FileNotFoundError, NotADirectoryError):
+        return removed
+    for entry in entries:
+        if not entry.name.startswith(prefix) or not entry.name.endswith(PART_SUFFIX):
+            continue
+        if not entry.is_file(follow_symlinks=False):
+            continue
+        try:
+            fd = os.open(entry.path, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError:  # renamed into place or removed meanwhile
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            # Held now, by this sweep: its writer is gone (a write renames its file before letting go).
+            os.unlink(entry.path)
+        except OSError:  # a write holds it, or it was renamed into place meanwhile
+            continue
+        finally:
+            os.close(fd)
+        removed.append(Path(entry.path))
     return removed
 
 
@@ -216,18 +266,39 @@ def prune_image_cache(cache_dir: str | os.PathLike[str], max_age_seconds: float,
     return removed
 
 
+def _held_part(dest: Path) -> tuple[int, Path]:
+    """Create ``.<name>.<random>.part`` beside ``dest`` and hold it (``flock``) until its descriptor closes.
+
+    A sweep (:func:`remove_abandoned_parts`) that removed the file between its creation and the
+    lock is noticed (it has no name left) and another is made.
+    """
+    while True:
+        fd, name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=PART_SUFFIX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            # Storage without locks: a sweep cannot hold the file either, and leaves it alone.
+            return fd, Path(name)
+        if os.fstat(fd).st_nlink:
+            return fd, Path(name)
+        os.close(fd)
+
+
 @contextmanager
 def _temp_beside(dest: Path) -> Iterator[tuple[IO[bytes], Path]]:
-    """A temporary file in ``dest``'s directory, renamed to ``dest`` on success and removed on failure."""
+    """A temporary file in ``dest``'s directory, renamed to ``dest`` on success and removed on failure.
+
+    The file is held while it is written, and renamed before it is let go: a sweep of abandoned
+    temporary files (:func:`remove_abandoned_parts`) never takes one that is being written.
+    """
     dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
-    tmp = Path(name)
+    fd, tmp = _held_part(dest)
     try:
         with os.fdopen(fd, "wb") as out:
             yield out, tmp
             out.flush()
             os.fsync(out.fileno())
-        os.replace(tmp, dest)
+            os.replace(tmp, dest)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

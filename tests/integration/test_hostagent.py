@@ -13,6 +13,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ import pytest
 from moto import mock_aws
 from moto_credentials import REGION, use_moto_credentials
 
-from ferry import protocol
+from ferry import config, errors, protocol
 from hostagent import disks
 from hostagent.agent import HostAgent, Operation, ensure_host_queue
 from hostagent.driver import RUNNING, SHUTDOWN, LibvirtDriver, write_test_node_xml
@@ -81,13 +82,15 @@ class Recorder:
 
 
 class ObservedDriver(LibvirtDriver):
-    """The libvirt driver, counting guest definitions and able to hold power_on until released."""
+    """The libvirt driver, counting guest definitions and able to hold power_on (or power_off) until released."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.defined = 0
         self.gate: threading.Event | None = None
         self.entered = threading.Event()
+        self.off_gate: threading.Event | None = None
+        self.off_entered = threading.Event()
 
     def define_guest(self, spec):  # type: ignore[no-untyped-def]
         self.defined += 1
@@ -98,6 +101,12 @@ class ObservedDriver(LibvirtDriver):
         if self.gate is not None:
             assert self.gate.wait(WAIT), "power_on was never released"
         super().power_on(instance_uuid)
+
+    def power_off(self, instance_uuid: str, timeout: float = 60.0, clean_shutdown: bool = True) -> None:
+        self.off_entered.set()
+        if self.off_gate is not None:
+            assert self.off_gate.wait(WAIT), "power_off was never released"
+        super().power_off(instance_uuid, timeout=timeout, clean_shutdown=clean_shutdown)
 
 
 @dataclass
@@ -210,7 +219,8 @@ def cloud(monkeypatch) -> Iterator[None]:
 
 
 @pytest.fixture
-def host(cloud, tmp_path) -> Iterator[Host]:
+def host(cloud, tmp_path, request) -> Iterator[Host]:
+    """An agent running in a thread; ``HostAgent`` options may come as the fixture's indirect parameter."""
     sqs = Recorder(boto3.client("sqs", region_name=REGION))
     sfn = Recorder(boto3.client("stepfunctions", region_name=REGION))
     s3 = boto3.client("s3", region_name=REGION)
@@ -238,6 +248,7 @@ def host(cloud, tmp_path) -> Iterator[Host]:
         keepalive_interval=0.1,
         report_interval=3600,
         heartbeat_interval=3600,
+        **getattr(request, "param", {}),
     )
     agent.start()
     assert agent.queue_url
@@ -269,8 +280,9 @@ def host(cloud, tmp_path) -> Iterator[Host]:
         errors=failures,
     )
     yield env
-    if driver.gate is not None:
-        driver.gate.set()
+    for gate in (driver.gate, driver.off_gate):
+        if gate is not None:
+            gate.set()
     agent.stop()
     thread.join(WAIT)
     assert not thread.is_alive(), "the agent did not stop"
@@ -591,6 +603,187 @@ def test_a_volume_file_that_cannot_be_removed_is_left_and_the_destroy_goes_on(ho
     assert not disks.instance_dir(host.instances_dir, instance_uuid).exists()
 
 
+# --- volume files --------------------------------------------------------------------------------
+
+
+class HeldImageStore:
+    """An S3 client serving one object that stops after its first half until ``go`` is set."""
+
+    def __init__(self, content: bytes, go: threading.Event) -> None:
+        self.content = content
+        self.go = go
+
+    def get_object(self, Bucket: str, Key: str) -> dict[str, Any]:  # noqa: N803 - boto3's names
+        return {"Body": self}
+
+    def iter_chunks(self, chunk_size: int) -> Iterator[bytes]:
+        half = len(self.content) // 2
+        yield self.content[:half]
+        assert self.go.wait(WAIT), "the write was never let go on"
+        yield self.content[half:]
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def stack_state_dir(tmp_path, monkeypatch) -> Iterator[Path]:
+    """``FERRY_STATE_DIR`` as the local stack sets it for its compute API and its agents."""
+    state_dir = tmp_path / "stack"
+    monkeypatch.setenv("FERRY_STATE_DIR", str(state_dir))
+    config.reset()
+    yield state_dir
+    config.reset()
+
+
+def another_agent(host: Host, tmp_path: Path, name: str, **options: Any) -> HostAgent:
+    """An agent beside the host's, on the same hypervisor and queue, with instances in ``tmp_path/name``."""
+    return HostAgent(host=name, node=name, cell="cell1", queue_url=host.queue_url, reports_queue_url="",
+                     driver=host.driver, instances_dir=tmp_path / name, state_dir=tmp_path / f"{name}-state",
+                     sqs=host.sqs, stepfunctions=host.sfn, s3=host.s3, **options)
+
+
+def volume_boot_args(volume_id: str, path: Path) -> dict[str, Any]:
+    """A spawn booting from a new 1 GiB volume the host makes at ``path``."""
+    volume = {"volume_id": volume_id, "path": str(path), "device": "/dev/vda", "boot_index": 0, "size_gb": 1}
+    return spawn_args(None, volumes=[volume], flavor={**FLAVOR, "root_gb": 0, "ephemeral_gb": 0, "swap": 0})
+
+
+def escaping(tmp_path: Path, volumes: Path, escape: str, name: str) -> Path:
+    """A path for the volume file ``name`` that lands in ``tmp_path/outside``, spelled as ``escape`` says."""
+    outside = tmp_path / "outside"
+    volumes.mkdir(exist_ok=True)
+    if escape == "elsewhere":
+        return outside / name
+    if escape == "dot-dot":
+        return Path(f"{volumes}/../outside/{name}")
+    outside.mkdir(exist_ok=True)
+    (volumes / "linked").symlink_to(outside)
+    return volumes / "linked" / name
+
+
+ESCAPES = ["elsewhere", "dot-dot", "linked directory"]
+
+
+@pytest.mark.parametrize("escape", ESCAPES)
+def test_a_spawn_refuses_to_make_a_volume_file_outside_the_volumes_directories(host, tmp_path, escape):
+    instance_uuid = str(uuid.uuid4())
+    path = escaping(tmp_path, host.instances_dir.parent / "volumes", escape, "vol-10")
+
+    error = failure(host.execute("spawn", instance_uuid, volume_boot_args("vol-10", path)))
+
+    assert error == "Ferry.InvalidOperation"
+    outside = tmp_path / "outside"
+    assert not outside.exists() or list(outside.iterdir()) == []  # not even a temporary file or a marker
+    assert not disks.instance_dir(host.instances_dir, instance_uuid).exists()
+    assert not host.driver.guest_exists(instance_uuid)
+
+
+def test_volume_files_are_made_in_any_configured_volumes_directory_and_only_there(host, tmp_path):
+    agent = another_agent(host, tmp_path, "compute2", volumes_dirs=[tmp_path / "shared-a", tmp_path / "shared-b"])
+    made = tmp_path / "shared-b" / "vol-11"
+    default = tmp_path / "volumes" / "vol-12"  # one of the defaults, which the configured directories replace
+
+    agent.spawn(Operation("spawn", f"{uuid.uuid4()}:spawn", str(uuid.uuid4()), volume_boot_args("vol-11", made), None))
+    with pytest.raises(errors.InvalidOperation):
+        agent.spawn(Operation("spawn", f"{uuid.uuid4()}:spawn", str(uuid.uuid4()),
+                              volume_boot_args("vol-12", default), None))
+
+    assert made.is_file() and os.path.getsize(made) == GiB
+    assert not default.exists()
+
+
+def test_by_default_volume_files_are_made_where_the_compute_api_places_volumes(host, stack_state_dir, tmp_path):
+    agent = another_agent(host, tmp_path, "compute2")  # configured as the local stack configures its agents
+    volume_id = str(uuid.uuid4())
+    placed = stack_state_dir / "volumes" / volume_id  # ferry.compute.api's path for a volume it makes
+    elsewhere = tmp_path / "elsewhere" / volume_id
+
+    agent.spawn(Operation("spawn", f"{uuid.uuid4()}:spawn", str(uuid.uuid4()), volume_boot_args(volume_id, placed),
+                          None))
+    with pytest.raises(errors.InvalidOperation):
+        agent.spawn(Operation("spawn", f"{uuid.uuid4()}:spawn", str(uuid.uuid4()),
+                              volume_boot_args(volume_id, elsewhere), None))
+
+    assert placed.is_file()
+    assert not elsewhere.parent.exists()
+
+
+@pytest.mark.parametrize("escape", ESCAPES)
+def test_destroy_never_removes_a_volume_file_outside_the_volumes_directories(host, tmp_path, escape):
+    # GIVEN a file that looks like one a host made (named after the volume, its directory marked), outside
+    path = escaping(tmp_path, host.instances_dir.parent / "volumes", escape, "vol-13")
+    target = tmp_path / "outside" / "vol-13"
+    target.parent.mkdir(exist_ok=True)
+    target.write_bytes(b"not the host's to remove")
+    protocol.mark_volume_dir(target.parent)
+
+    # WHEN a server is destroyed with it
+    result = output(host.execute("destroy", str(uuid.uuid4()), {"volumes": [{"volume_id": "vol-13",
+                                                                              "path": str(path)}]}))
+
+    # THEN the destroy goes on and the file is left, not named as removed
+    assert result["volumes_removed"] == []
+    assert target.read_bytes() == b"not the host's to remove"
+
+
+def test_a_failed_spawn_never_removes_a_file_outside_the_volumes_directories_that_its_record_names(host, tmp_path):
+    instance_uuid, operation_id = str(uuid.uuid4()), f"{uuid.uuid4()}:spawn"
+    outside = tmp_path / "outside" / "vol-14"
+    outside.parent.mkdir()
+    outside.write_bytes(b"not the host's to remove")
+    directory = disks.instance_dir(host.instances_dir, instance_uuid)
+    directory.mkdir(parents=True)
+    (directory / "spawn.json").write_text(json.dumps({"operation_id": operation_id,
+                                                      "created_volumes": [str(outside)]}))
+    args = {**volume_boot_args("vol-14", outside), "ports": [{"id": "port-1", "mac_address": "not-a-mac"}]}
+
+    assert failure(host.execute("spawn", instance_uuid, args, operation_id=operation_id)) == "Ferry.HypervisorError"
+
+    assert outside.read_bytes() == b"not the host's to remove"
+    assert not directory.exists()
+
+
+def test_an_agent_starting_removes_what_interrupted_volume_writes_left_but_not_a_write_under_way(host, tmp_path):
+    # GIVEN, in the volumes directory, what a write killed mid-way left, and another write under way
+    volumes = host.instances_dir.parent / "volumes"
+    volumes.mkdir(exist_ok=True)
+    abandoned = volumes / ".vol-15.k3j4h5ab.part"
+    abandoned.write_bytes(b"half a volume")
+    content, go = os.urandom(MiB), threading.Event()
+    store = HeldImageStore(content, go)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        writing = pool.submit(disks.download_image, store, BUCKET, "images/vol-16", volumes / "vol-16",
+                              hashlib.sha256(content).hexdigest())
+        under_way = wait_for(lambda: list(volumes.glob(".vol-16.*.part")), "the write to begin")
+
+        # WHEN an agent starts on the same storage (this host restarted, or another host)
+        another_agent(host, tmp_path, "compute2").start()
+
+        # THEN the abandoned part is gone, and the write under way goes on untouched
+        assert not abandoned.exists()
+        assert list(volumes.glob(".vol-16.*.part")) == under_way
+        go.set()
+        assert writing.result(WAIT) == len(content)
+    assert (volumes / "vol-16").read_bytes() == content
+    assert list(volumes.glob(".*.part")) == []
+
+
+def test_a_spawn_making_a_volume_first_removes_what_an_interrupted_write_of_it_left(host):
+    volumes = host.instances_dir.parent / "volumes"
+    volumes.mkdir(exist_ok=True)
+    leftover = volumes / ".vol-17.a1b2c3d4.part"
+    leftover.write_bytes(b"an interrupted write")
+    other = volumes / ".vol-18.e5f6a7b8.part"
+    other.write_bytes(b"another volume's")
+
+    output(host.execute("spawn", str(uuid.uuid4()), volume_boot_args("vol-17", volumes / "vol-17")))
+
+    assert (volumes / "vol-17").is_file()
+    assert not leftover.exists()
+    assert other.exists()  # another volume's: swept when that one is written, or when an agent starts
+
+
 # --- at-least-once delivery ----------------------------------------------------------------------
 
 
@@ -676,6 +869,65 @@ def test_an_operation_without_a_task_token_is_done_and_journaled(host):
     assert journal_entry(host, operation_id).result["power_state"] == RUNNING
     assert host.driver.guest_power_state(instance_uuid) == RUNNING
     assert wait_for(host.queue_is_empty, "the message to be deleted")
+
+
+def heartbeat_tokens(host: Host) -> set[str]:
+    return {call["taskToken"] for call in host.sfn.called("send_task_heartbeat")}
+
+
+@pytest.mark.parametrize("host", [{"max_workers": 2, "max_waiting": 1}], indirect=True)
+def test_copies_of_a_running_operation_leave_the_waiting_slots_to_other_instances(host):
+    # GIVEN a cross-cell move's snapshot prep (it takes back what it sent if its workflow gives up) held
+    # mid-way on one of two workers
+    busy, other = str(uuid.uuid4()), str(uuid.uuid4())
+    for instance_uuid in (busy, other):
+        output(host.execute("spawn", instance_uuid, spawn_args(host.image(b"x" * 4096))))
+    host.driver.off_gate = threading.Event()
+    operation, operation_id = protocol.PREP_SNAPSHOT_BASED_RESIZE_AT_SOURCE, f"{uuid.uuid4()}:prep"
+    args = {"migration_uuid": str(uuid.uuid4()), "snapshot": None}
+    before = heartbeat_tokens(host)
+    running = host.start(operation, busy, args, operation_id=operation_id)
+    assert host.driver.off_entered.wait(WAIT)
+    (token,) = heartbeat_tokens(host) - before
+
+    # WHEN SQS delivers its message again, more often than the agent has slots left
+    body = {"operation": operation, "operation_id": operation_id, "instance_uuid": busy, "args": args,
+            "task_token": token}
+    for _ in range(host.agent.max_workers + host.agent.max_waiting):
+        host.sqs.send_message(QueueUrl=host.queue_url, MessageBody=json.dumps(body))
+
+    # THEN another instance's operation is still taken, and runs on the free worker meanwhile
+    destroyed = host.start("destroy", other, {})
+    assert wait_for(lambda: host.sfn.describe_execution(executionArn=destroyed)["status"] != "RUNNING",
+                    "the other instance's operation to run", timeout=10)
+    assert output(host.finished(destroyed))["instance_uuid"] == other
+    assert host.sfn.describe_execution(executionArn=running)["status"] == "RUNNING"
+    # and once the operation ends it has run once, its copies gone with its message
+    host.driver.off_gate.set()
+    assert output(host.finished(running))["was_running"] is True
+    assert journal_entry(host, operation_id).attempts == 1
+    assert wait_for(host.queue_is_empty, "the copies to be deleted")
+
+
+@pytest.mark.parametrize("host", [{"max_workers": 2, "max_waiting": 1}], indirect=True)
+def test_a_retry_of_a_running_operation_has_its_task_heartbeat_and_is_answered_once_it_ends(host):
+    busy = str(uuid.uuid4())
+    output(host.execute("spawn", busy, spawn_args(host.image(b"x" * 4096))))
+    host.driver.off_gate = threading.Event()
+    operation, operation_id = protocol.PREP_SNAPSHOT_BASED_RESIZE_AT_SOURCE, f"{uuid.uuid4()}:prep"
+    args = {"migration_uuid": str(uuid.uuid4()), "snapshot": None}
+    before = heartbeat_tokens(host)
+    first = host.start(operation, busy, args, operation_id=operation_id)
+    assert host.driver.off_entered.wait(WAIT)
+    (token,) = heartbeat_tokens(host) - before
+
+    retry = host.start(operation, busy, args, operation_id=operation_id)  # the same operation, a new task
+
+    wait_for(lambda: heartbeat_tokens(host) - before - {token}, "the retry's task to be heartbeat")
+    host.driver.off_gate.set()
+    assert output(host.finished(first)) == output(host.finished(retry))
+    assert journal_entry(host, operation_id).attempts == 1
+    assert wait_for(host.queue_is_empty, "both messages to be deleted")
 
 
 # --- invalid messages ----------------------------------------------------------------------------

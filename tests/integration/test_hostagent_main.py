@@ -17,6 +17,7 @@ import pytest
 from moto.server import ThreadedMotoServer
 from moto_credentials import CREDENTIALS, REGION
 
+from hostagent.__main__ import build_parser
 from hostagent.journal import Journal
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,6 +37,13 @@ def test_help_describes_the_agent():
         [sys.executable, "-m", "hostagent", "--help"], cwd=ROOT, capture_output=True, text=True, check=True
     )
     assert "--libvirt-uri" in out.stdout and "--report-interval" in out.stdout
+
+
+def test_each_volumes_directory_is_given_with_a_flag_of_its_own():
+    args = build_parser().parse_args(["--volumes-dir", "/srv/volumes", "--volumes-dir", "/mnt/fast-volumes"])
+
+    assert args.volumes_dirs == [Path("/srv/volumes"), Path("/mnt/fast-volumes")]
+    assert build_parser().parse_args([]).volumes_dirs is None  # the agent's defaults
 
 
 def test_agent_process_reports_runs_operations_and_exits_cleanly_on_sigterm(moto_endpoint, tmp_path):
