@@ -26,6 +26,7 @@ from cross_cell_helpers import (
     migration_in,
 )
 from sqlalchemy import update
+from test_cross_cell_steps import read_cells, usage_before_each_call
 from verify_resize_helpers import (
     NEW,
     NEW_USAGE,
@@ -44,7 +45,7 @@ from verify_resize_helpers import (
     usage,
 )
 
-from ferry import errors, placement, workflows
+from ferry import errors, placement, quotas, workflows
 from ferry.auth import RequestContext
 from ferry.compute import actions, migration_states, moves, states
 from ferry.compute import api as compute_api
@@ -226,6 +227,51 @@ def test_flip_that_fails_half_way_is_undone_and_the_server_stays_in_verify_resiz
     assert (usage(SOURCE), usage(CROSS_DEST)) == (OLD_USAGE, NEW_USAGE)
     assert events_in(TARGET_CELL, moved.instance_uuid)[EVENT_REVERT] == "Error"
     begin("revert", moved, monkeypatch)  # and it can be reverted again
+
+
+# The server in VERIFY_RESIZE (or reverting) counts the larger of its flavors, once.
+COUNTED_ONCE = {"instances": 1, "cores": NEW["vcpus"], "ram": NEW["memory_mb"]}
+
+
+@pytest.mark.parametrize("order", ["oldest first", "newest first"])
+def test_the_flip_back_to_the_source_cell_counts_the_server_once_at_every_moment(cloud, monkeypatch, tmp_path,
+                                                                                  order):
+    # GIVEN a revert about to make the source cell's copy the server again; usage read in either cell order
+    moved = make_cross_cell(tmp_path)
+    event = _revert_until_flipped(moved, monkeypatch)
+    read_cells(monkeypatch, order)
+    seen = usage_before_each_call(monkeypatch, PROJECT, cross_cell_settle, "_set_hidden", "_point_mapping_at")
+
+    # WHEN FlipToSourceCell shows the source copy, switches the mapping and hides the target copy
+    cross_cell_settle.flip_to_source_cell(event)
+    seen.append(quotas.usage(PROJECT))
+
+    # THEN between every two writes the project uses one server
+    assert seen == [COUNTED_ONCE] * 4
+    assert mapped_cell(moved.instance_uuid) == SOURCE_CELL
+
+
+def test_a_flip_undone_half_way_counts_the_server_once_at_every_moment(cloud, monkeypatch, tmp_path):
+    # GIVEN a FlipToSourceCell that showed the source copy and failed before switching the mapping
+    moved = make_cross_cell(tmp_path)
+    event = _revert_until_flipped(moved, monkeypatch)
+    with monkeypatch.context() as patched:
+        def broken(instance_uuid: str, cell: str) -> None:
+            raise RuntimeError("API database unreachable")
+
+        patched.setattr(cross_cell_settle, "_point_mapping_at", broken)
+        with pytest.raises(RuntimeError):
+            cross_cell_settle.flip_to_source_cell(event)
+    assert quotas.usage(PROJECT) == COUNTED_ONCE
+
+    # WHEN its rollback puts the server back in VERIFY_RESIZE in the target cell
+    seen = usage_before_each_call(monkeypatch, PROJECT, cross_cell_settle, "_set_hidden", "_point_mapping_at")
+    confirm_resize.restore_verify_resize({**event, "error": {"Error": "RuntimeError", "Cause": "unreachable"}})
+    seen.append(quotas.usage(PROJECT))
+
+    # THEN the server counted once at every moment
+    assert seen == [COUNTED_ONCE] * 4
+    assert mapped_cell(moved.instance_uuid) == TARGET_CELL
 
 
 def test_revert_that_fails_at_the_destination_after_the_flip_is_error_with_the_cells_in_the_fault(

@@ -7,14 +7,24 @@ moto for queues, the image bucket and the notification bus; host results follow 
 from __future__ import annotations
 
 import hashlib
+from types import ModuleType
 from typing import Any
 
 import pytest
 from sqlalchemy import select
-from test_resize_steps import BIG, cloud, host_result, make_server, prepare_move, report  # noqa: F401
+from test_resize_steps import (  # noqa: F401 - the cloud fixture
+    BIG,
+    PROJECT,
+    cloud,
+    host_result,
+    make_server,
+    prepare_move,
+    report,
+)
 
-from ferry import aws, config, errors, placement, protocol
+from ferry import aws, config, errors, placement, protocol, quotas
 from ferry.compute import instances, states
+from ferry.store import db
 from ferry.store.api_models import RequestSpec
 from ferry.store.cell_models import BlockDeviceMapping, Instance, InstanceAction, Migration, Tag
 from ferry.store.db import api_session, cell_session
@@ -116,6 +126,36 @@ def roll_back(doc: dict[str, Any]) -> None:
         doc["restored"] = host_result(doc, doc["move"]["source"]["host"], states.RUNNING)
     cross_cell.rollback_target_cell(doc)
     resize.rollback_move(doc)
+
+
+def usage_before_each_call(monkeypatch: pytest.MonkeyPatch, project_id: str, module: ModuleType,
+                           *names: str) -> list[dict[str, int]]:
+    """The project's quota usage as counted just before every call of ``module``'s functions ``names``.
+
+    Each of those functions is one write of a switch between cells, so the list holds the usage at
+    every moment between two of its writes (the caller adds the one after the last).
+    """
+    seen: list[dict[str, int]] = []
+
+    def watch(write: Any) -> Any:
+        def watched(*args: Any, **kwargs: Any) -> Any:
+            seen.append(quotas.usage(project_id))
+            return write(*args, **kwargs)
+        return watched
+
+    for name in names:
+        monkeypatch.setattr(module, name, watch(getattr(module, name)))
+    return seen
+
+
+def read_cells(monkeypatch: pytest.MonkeyPatch, order: str) -> None:
+    """Make quota counting read the cells newest first, should ``order`` say so."""
+    if order == "newest first":
+        monkeypatch.setattr(quotas, "all_cells", lambda **kw: list(reversed(db.all_cells(**kw))))
+
+
+# A server of BIG's vCPUs and RAM (the larger of its flavors while it moves), counted once.
+COUNTED_ONCE = {"instances": 1, "cores": BIG["vcpus"], "ram": BIG["memory_mb"]}
 
 
 def test_the_scheduler_picks_another_cell_only_when_the_move_may_cross_cells(two_cells):
@@ -251,3 +291,56 @@ def test_a_failure_at_any_cross_cell_stage_leaves_the_server_in_its_cell_as_befo
     assert images_left() == []
     assert placement.get_allocations(uuid) == allocations_before
     assert placement.get_allocations(inp["migration_uuid"]) == {}
+
+
+# --- quota usage while the server switches cells ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("order", ["oldest first", "newest first"])
+def test_the_switch_to_the_target_cell_counts_the_server_once_at_every_moment(two_cells, monkeypatch, order):
+    # GIVEN a move across cells about to make the target copy the server; usage read in either cell order
+    uuid, inp = server_in_cell1()
+    doc = run(inp, until="CompleteMoveAcrossCells")
+    read_cells(monkeypatch, order)
+    seen = usage_before_each_call(monkeypatch, PROJECT, cross_cell, "_map_to", "_hide_source")
+
+    # WHEN CompleteMoveAcrossCells shows the target copy, switches the mapping and hides the source copy
+    cross_cell.complete_move(doc)
+    seen.append(quotas.usage(PROJECT))
+
+    # THEN between every two writes the project uses one server, never two (nor none)
+    assert seen == [COUNTED_ONCE] * 3
+    assert instances.cell_of(uuid).name == "cell2"
+
+
+@pytest.mark.parametrize("then", ["retried", "rolled back"])
+def test_a_switch_that_failed_between_its_writes_counts_the_server_once_until_it_is_settled(two_cells, monkeypatch,
+                                                                                             then):
+    # GIVEN CompleteMoveAcrossCells showed the target copy, then failed before switching the mapping
+    uuid, inp = server_in_cell1()
+    doc = run(inp, until="CompleteMoveAcrossCells")
+
+    def lost(*args: Any) -> None:
+        raise RuntimeError("the connection to the API database was lost")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(cross_cell, "_map_to", lost)
+        with pytest.raises(RuntimeError):
+            cross_cell.complete_move(doc)
+    assert [rows(cell, uuid, inp["migration_uuid"])["instance"][0] for cell in ("cell1", "cell2")] == [False, False]
+    assert quotas.usage(PROJECT) == COUNTED_ONCE
+
+    # WHEN the step runs again, or its Catch finds it uncommitted and rolls the move back
+    seen = usage_before_each_call(monkeypatch, PROJECT, cross_cell, "_map_to", "_hide_source")
+    if then == "retried":
+        cross_cell.complete_move(doc)
+    else:
+        assert cross_cell.check_move_committed({**doc, "error": {"Error": "RuntimeError", "Cause": "lost"}}) \
+            == {"committed": False}
+        roll_back(doc)
+
+    # THEN the server counted once at every moment: in its new cell, or back as it was
+    assert seen == [COUNTED_ONCE] * (2 if then == "retried" else 1)
+    settled = COUNTED_ONCE if then == "retried" else {"instances": 1, "cores": 1, "ram": 512}
+    assert quotas.usage(PROJECT) == settled
+    assert instances.cell_of(uuid).name == ("cell2" if then == "retried" else "cell1")

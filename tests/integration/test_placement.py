@@ -254,6 +254,63 @@ def test_claim_for_move_hands_source_to_migration_and_is_repeatable(store):
     assert placement.get_allocations(instance) == {dest_rp: resources(vcpus=4)}
 
 
+@pytest.mark.parametrize("same_host", [False, True], ids=["other-host", "same-host"])
+def test_revert_move_gives_the_source_back_in_place_of_the_claim_and_runs_twice_the_same(store, same_host):
+    source_rp = add_compute("host-a")
+    dest_rp = source_rp if same_host else add_compute("host-b")
+    instance, migration, neighbour = new_uuid(), new_uuid(), new_uuid()
+    placement.claim(instance, PROJECT, USER, {source_rp: resources(vcpus=2)})
+    placement.claim(neighbour, PROJECT, USER, {source_rp: resources(vcpus=1), dest_rp: resources(vcpus=1)})
+    # Old and new the same size: on one host, only the generation tells the claim from what came back.
+    placement.claim_for_move(instance, migration, PROJECT, USER, {dest_rp: resources(vcpus=2)})
+    claimed = placement.consumer_generation(instance)
+
+    for _ in range(2):
+        placement.revert_move_allocations(migration, instance, claim_generation=claimed)
+
+    assert placement.get_allocations(instance) == {source_rp: resources(vcpus=2)}
+    assert placement.get_allocations(migration) == {}
+    assert placement.get_allocations(neighbour) == {source_rp: resources(vcpus=1), dest_rp: resources(vcpus=1)}
+    assert_used_counters_match_allocations()
+
+
+@pytest.mark.parametrize("same_host", [False, True], ids=["other-host", "same-host"])
+def test_revert_move_with_nothing_to_give_back_drops_the_claim_and_runs_twice_the_same(store, same_host):
+    # GIVEN a server that held no allocation (an operator removed it) and its claim on the destination
+    source_rp = add_compute("host-a")
+    dest_rp = source_rp if same_host else add_compute("host-b")
+    instance, migration, neighbour = new_uuid(), new_uuid(), new_uuid()
+    placement.claim(neighbour, PROJECT, USER, {source_rp: resources(vcpus=1), dest_rp: resources(vcpus=1)})
+    placement.claim_for_move(instance, migration, PROJECT, USER, {dest_rp: resources(vcpus=2)})
+    claimed = placement.consumer_generation(instance)
+    assert placement.get_allocations(migration) == {}
+
+    # WHEN the move is reverted, twice
+    for _ in range(2):
+        placement.revert_move_allocations(migration, instance, claim_generation=claimed)
+
+    # THEN the claim is gone and nobody else's allocations changed
+    assert placement.get_allocations(instance) == {}
+    assert placement.consumer_generation(instance) is None
+    assert placement.get_allocations(neighbour) == {source_rp: resources(vcpus=1), dest_rp: resources(vcpus=1)}
+    assert placement.usages(dest_rp)[VCPU] == 1
+    assert_used_counters_match_allocations()
+
+
+def test_revert_move_leaves_allocations_that_changed_since_the_claim_alone(store):
+    source_rp = add_compute("host-a")
+    dest_rp = add_compute("host-b")
+    instance, migration = new_uuid(), new_uuid()
+    placement.claim_for_move(instance, migration, PROJECT, USER, {dest_rp: resources(vcpus=2)})
+    claimed = placement.consumer_generation(instance)
+    placement.claim(instance, PROJECT, USER, {source_rp: resources(vcpus=1)})  # rewritten since
+
+    placement.revert_move_allocations(migration, instance, claim_generation=claimed)
+    placement.revert_move_allocations(migration, instance, claim_generation=None)
+
+    assert placement.get_allocations(instance) == {source_rp: resources(vcpus=1)}
+
+
 def test_same_host_move_must_fit_old_and_new_together(store):
     rp = add_compute("host-a", vcpus=6)
     instance, migration = new_uuid(), new_uuid()

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from sqlalchemy import update
+from sqlalchemy import select, update
 from test_api_moves import active_server, resized_server, set_instance, snapshot_of, start_move_cloud
 from test_api_support import ADMIN, ALICE, BOB, call, create_server, mocked_cloud
 
 from ferry import config, quotas
 from ferry.compute import states
-from ferry.store.api_models import BuildRequest, InstanceMapping
+from ferry.store.api_models import BuildRequest, CellMapping, InstanceMapping
 from ferry.store.cell_models import Instance
 from ferry.store.db import api_session, cell_session
 
@@ -146,6 +146,37 @@ def test_usage_counts_every_cell_and_leaves_out_deleted_and_hidden_copies(cloud)
                              vm_state=states.ERROR))
 
     assert quotas.usage("project-a") == {"instances": 2, "cores": 2, "ram": 1024}
+
+
+def test_a_server_recorded_in_two_cells_counts_once_as_its_mapped_cell_records_it(cloud):
+    # GIVEN a server in cell1 and, as a move between cells leaves it for a moment, a visible copy in cell2
+    server_id = active_server()  # m1.small: 1 core, 512 MB
+    with cell_session("cell2") as session:
+        session.add(Instance(uuid=server_id, display_name="copy", project_id="project-a", user_id="alice",
+                             flavor=snapshot_of("m1.medium"), vm_state=states.RESIZED))
+
+    # THEN it counts once, as the cell its instance mapping names records it
+    assert quotas.usage("project-a") == {"instances": 1, "cores": 1, "ram": 512}
+
+    # WHEN the mapping moves to cell2 and cell1's record is hidden
+    with api_session() as session:
+        cell2 = session.scalars(select(CellMapping.id).where(CellMapping.name == "cell2")).one()
+        session.execute(update(InstanceMapping).where(InstanceMapping.instance_uuid == server_id)
+                        .values(cell_id=cell2))
+    assert quotas.usage("project-a") == {"instances": 1, "cores": 2, "ram": 1024}
+    set_instance(server_id, hidden=True)
+
+    # THEN it still counts once, now as cell2 records it
+    assert quotas.usage("project-a") == {"instances": 1, "cores": 2, "ram": 1024}
+
+
+def test_a_hidden_record_in_the_mapped_cell_counts(cloud):
+    # Usage reads the instance mappings before the cells: by the time a cell is read, a switch between
+    # cells may have hidden the record that the mapping, as read, still names.
+    server_id = active_server()
+    set_instance(server_id, hidden=True)
+
+    assert quotas.usage("project-a") == {"instances": 1, "cores": 1, "ram": 512}
 
 
 def test_a_server_in_resize_counts_the_larger_of_its_flavors(cloud):

@@ -398,6 +398,25 @@ def test_select_run_twice_claims_once(cloud):
     assert used_on(SOURCE) == {"VCPU": 1, "MEMORY_MB": 512, "DISK_GB": 1}
 
 
+def test_select_run_twice_for_a_server_without_allocations_claims_once_and_gives_the_migration_nothing(cloud):
+    # GIVEN a server whose allocations an operator removed
+    uuid = make_server()
+    placement.delete_allocations(uuid)
+    inp = prepare_move(uuid, BIG)
+    doc = resize.validate_input({"input": inp})
+
+    # WHEN SelectDestinations runs twice (its first answer was lost)
+    first = resize.select_destinations(doc)
+    second = resize.select_destinations(doc)
+
+    # THEN the second run finds the first one's claim: the migration holds nothing of it
+    assert second["host"] == first["host"]
+    assert placement.get_allocations(inp["migration_uuid"]) == {}
+    assert placement.get_allocations(uuid) == {first["provider_uuid"]: {"VCPU": 2, "MEMORY_MB": 1024, "DISK_GB": 3}}
+    assert {host: used_on(host) for host in HOSTS} == {
+        host: ({"VCPU": 2, "MEMORY_MB": 1024, "DISK_GB": 3} if host == first["host"] else {}) for host in HOSTS}
+
+
 def test_a_cold_migrate_never_stays_on_the_source(cloud, monkeypatch):
     monkeypatch.setenv("FERRY_ALLOW_RESIZE_TO_SAME_HOST", "true")
     config.reset()
@@ -524,6 +543,27 @@ def test_a_refused_claim_moves_to_the_alternate_and_releases_the_refusing_host(c
     doc = {k: v for k, v in doc.items() if k not in ("prep", "error")} | {"destination": new}
     doc["prep"] = resize.prep_resize_at_dest(doc)
     assert migration(inp["migration_uuid"]).dest_compute == "cell1-host3"
+
+
+def test_a_refused_claim_of_a_server_without_allocations_moves_to_the_alternate_and_the_migration_takes_nothing(
+        cloud):
+    # GIVEN a server whose allocations an operator removed, its destination refusing the claim
+    uuid = make_server()
+    placement.delete_allocations(uuid)
+    inp = prepare_move(uuid, BIG)
+    doc = run(inp, until="PrepResizeOnDestHost")
+    refused = doc["destination"]
+    doc["error"] = {"Error": "Ferry.ResizeClaimFailed", "Cause": "no NUMA room"}
+
+    # WHEN the move is rescheduled (twice: delivered again)
+    new = resize.reschedule_move(doc)
+    again = resize.reschedule_move(doc)
+
+    # THEN the claim moved to the alternate, and the refused claim was not handed to the migration
+    assert new["host"] == again["host"] == "cell1-host3"
+    assert placement.get_allocations(uuid) == {new["provider_uuid"]: {"VCPU": 2, "MEMORY_MB": 1024, "DISK_GB": 3}}
+    assert placement.get_allocations(inp["migration_uuid"]) == {}
+    assert (used_on(refused["host"]), used_on(SOURCE)) == ({}, {})
 
 
 def test_no_reschedule_when_a_host_was_requested(cloud):
@@ -742,6 +782,98 @@ def test_a_failure_at_any_stage_rolls_back_to_exactly_the_state_before(cloud, st
     errors_published = [n for n in cloud.drain() if n["event_type"] == "instance.resize.error"]
     assert len(errors_published) == 1
     assert errors_published[0]["payload"]["fault"]["message"] == f"failed at {stage}"
+
+
+def allow_same_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FERRY_ALLOW_RESIZE_TO_SAME_HOST", "true")
+    config.reset()
+
+
+@pytest.mark.parametrize("same_host", [False, True], ids=["other-host", "same-host"])
+@pytest.mark.parametrize("stage", STAGES[1:])
+def test_a_server_without_allocations_that_fails_to_move_holds_none_afterwards(cloud, monkeypatch, stage, same_host):
+    # GIVEN a server whose allocations an operator removed: the migration takes nothing from it
+    if same_host:
+        allow_same_host(monkeypatch)
+    uuid = make_server()
+    placement.delete_allocations(uuid)
+    before = snapshot(uuid)
+    doc = run(prepare_move(uuid, BIG, requested_host=SOURCE if same_host else None), until=stage)
+    assert placement.get_allocations(uuid)  # the destination was claimed for it
+
+    # WHEN the move fails and rolls back (twice: the last step may run again)
+    doc = fail_and_roll_back(doc)
+    resize.rollback_move(doc)
+
+    # THEN the destination claim is gone: nothing is held for it anywhere, as before the move
+    assert snapshot(uuid) == before
+
+
+def test_a_select_that_failed_after_claiming_for_a_server_without_allocations_leaves_no_claim(cloud, monkeypatch):
+    # GIVEN a server whose allocations an operator removed
+    uuid = make_server()
+    placement.delete_allocations(uuid)
+    before = snapshot(uuid)
+    doc = resize.validate_input({"input": prepare_move(uuid, BIG)})
+
+    # WHEN SelectDestinations fails after its claim committed, so the document names no destination
+    def lost(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("the connection to the cell database was lost")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(actions, "finish_event", lost)
+        with pytest.raises(RuntimeError):
+            resize.select_destinations(doc)
+    assert placement.get_allocations(uuid)
+    resize.rollback_move({**doc, "error": {"Error": "RuntimeError", "Cause": "connection lost"}})
+
+    # THEN the claim it made is gone all the same
+    assert snapshot(uuid) == before
+
+
+@pytest.mark.parametrize("same_host", [False, True], ids=["other-host", "same-host"])
+def test_a_move_whose_source_allocation_was_removed_meanwhile_drops_its_claim_on_rollback(cloud, monkeypatch,
+                                                                                         same_host):
+    # GIVEN a move under way whose migration's allocation (the server's, on the source) an operator removed
+    if same_host:
+        allow_same_host(monkeypatch)
+    uuid = make_server()
+    inp = prepare_move(uuid, BIG, requested_host=SOURCE if same_host else None)
+    doc = run(inp, until="FinishResizeOnDestHost")
+    placement.delete_allocations(inp["migration_uuid"])
+
+    # WHEN the move fails and rolls back, twice
+    doc = fail_and_roll_back(doc)
+    resize.rollback_move(doc)
+
+    # THEN there was nothing to give back, and the destination claim went: the server holds nothing
+    assert placement.get_allocations(uuid) == {}
+    assert placement.get_allocations(inp["migration_uuid"]) == {}
+    assert {host: used_on(host) for host in HOSTS} == dict.fromkeys(HOSTS, {})
+    assert (instance(uuid).host, instance(uuid).flavor) == (SOURCE, SMALL)
+
+
+def test_a_same_host_rollback_run_again_after_giving_the_allocation_back_keeps_it(cloud, monkeypatch):
+    # GIVEN a same-host resize whose rollback gave the source allocation back, then failed
+    allow_same_host(monkeypatch)
+    uuid = make_server()
+    before = snapshot(uuid)
+    doc = run(prepare_move(uuid, BIG, requested_host=SOURCE), until="FinishResizeOnDestHost")
+
+    def lost(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("the connection to the API database was lost")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(resize, "_release_destination", lost)
+        with pytest.raises(RuntimeError):
+            fail_and_roll_back(doc)
+    assert placement.get_allocations(uuid) == before["allocations"][uuid]
+
+    # WHEN the rollback runs again
+    fail_and_roll_back(doc)
+
+    # THEN the allocation given back is kept, and all is as before the move
+    assert snapshot(uuid) == before
 
 
 def test_a_stopped_server_that_fails_to_move_stays_stopped(cloud):

@@ -7,6 +7,8 @@ through the compute API's own code, and drives the steps the way
 
 from __future__ import annotations
 
+import uuid as uuidlib
+
 import jsonschema
 import pytest
 from sqlalchemy import delete
@@ -16,7 +18,9 @@ from verify_resize_helpers import (
     NEW_USAGE,
     OLD,
     OLD_USAGE,
+    PROJECT,
     SOURCE,
+    USER,
     attachments,
     begin,
     bindings,
@@ -28,6 +32,7 @@ from verify_resize_helpers import (
     make_resized,
     migration_row,
     mocked_aws,
+    provider,
     snapshot,
     usage,
 )
@@ -132,11 +137,39 @@ def test_a_same_host_revert_ends_with_the_old_flavor_alone_on_the_host(cloud, mo
     assert event["move"]["same_host"] is True
 
     event = moved_back(reverted_at_dest(event))
+    revert_resize.revert_resources_to_source(event)  # delivered twice: the allocation given back stays
     revert_resize.finish_revert(restored(event, states.RUNNING))
 
+    assert placement.get_allocations(resized.instance_uuid) == {provider(SOURCE): OLD_USAGE}
     assert usage(SOURCE) == OLD_USAGE
     assert bindings(resized.instance_uuid) == {SOURCE: "ACTIVE"}
     assert instance_row(resized.instance_uuid).flavor == OLD
+
+
+@pytest.mark.parametrize("dest", [DEST, SOURCE], ids=["other-host", "same-host"])
+def test_a_server_without_allocations_keeps_no_destination_claim_after_revert(cloud, monkeypatch, dest):
+    # GIVEN a server in VERIFY_RESIZE whose source allocation, held by the migration, an operator
+    # removed through placement; another server uses both hosts
+    resized = make_resized(dest=dest)
+    placement.delete_allocations(resized.migration_uuid)
+    neighbour = str(uuidlib.uuid4())
+    placement.claim(neighbour, PROJECT, USER, {provider(SOURCE): OLD_USAGE, provider(DEST): OLD_USAGE})
+    event = reverted_at_dest(checked(begin("revert", resized, monkeypatch)))
+
+    # WHEN the revert moves the resources back, delivered twice as Step Functions may
+    event = moved_back(event)
+    assert revert_resize.revert_resources_to_source(event) == event["restore"]
+    revert_resize.finish_revert(restored(event, states.RUNNING))
+
+    # THEN there was nothing to give back, and the destination claim is gone too: the server holds
+    # nothing, as the operator left it, and the other server's allocations are untouched
+    assert placement.get_allocations(resized.instance_uuid) == {}
+    assert placement.get_allocations(resized.migration_uuid) == {}
+    assert placement.get_allocations(neighbour) == {provider(SOURCE): OLD_USAGE, provider(DEST): OLD_USAGE}
+    assert (usage(SOURCE), usage(DEST)) == (OLD_USAGE, OLD_USAGE)
+    row = instance_row(resized.instance_uuid)
+    assert (row.vm_state, row.task_state, row.host, row.flavor) == (states.ACTIVE, None, SOURCE, OLD)
+    assert migration_row(resized.migration_uuid).status == migration_states.REVERTED
 
 
 def test_a_revert_nobody_asked_for_is_refused_and_changes_nothing(cloud, monkeypatch):

@@ -10,7 +10,7 @@ that read a consumer's allocations before writing can ask for the write to fail 
 changed meanwhile.
 
 :func:`set_allocations` is the one write primitive (placement's ``POST /allocations``);
-:func:`claim`, :func:`claim_for_move`, :func:`move_allocations` and
+:func:`claim`, :func:`claim_for_move`, :func:`move_allocations`, :func:`revert_move_allocations` and
 :func:`delete_allocations` are built on the same transaction.
 
 Each inventory row carries ``used``, the sum of its provider's allocations of that class. The
@@ -659,20 +659,73 @@ def move_allocations(source_consumer: str, target_consumer: str) -> None:
     """
     if source_consumer == target_consumer:
         return
+    _in_transaction(lambda session: _hand_over(session, source_consumer, target_consumer),
+                    f"move allocations {source_consumer} -> {target_consumer}")
 
-    def work(session: Session) -> None:
-        held = _allocations_of(session, source_consumer)
-        if not held:
-            return
-        owner = session.execute(
-            select(Consumer.project_id, Consumer.user_id).where(Consumer.uuid == source_consumer)
-        ).one()
-        _write_allocations(session, [
-            _Change(source_consumer, None, None, {}, False, None),
-            _Change(target_consumer, owner.project_id, owner.user_id, held, False, None),
-        ], based_on={source_consumer: held})
 
-    _in_transaction(work, f"move allocations {source_consumer} -> {target_consumer}")
+def _hand_over(session: Session, source_consumer: str, target_consumer: str) -> bool:
+    """In ``session``'s transaction, replace the target's allocations with the source's; the source ends with none.
+
+    Returns:
+        Whether the source held anything (nothing is written when it did not).
+    """
+    held = _allocations_of(session, source_consumer)
+    if not held:
+        return False
+    owner = session.execute(
+        select(Consumer.project_id, Consumer.user_id).where(Consumer.uuid == source_consumer)
+    ).one()
+    _write_allocations(session, [
+        _Change(source_consumer, None, None, {}, False, None),
+        _Change(target_consumer, owner.project_id, owner.user_id, held, False, None),
+    ], based_on={source_consumer: held})
+    return True
+
+
+def revert_move_allocations(migration_uuid: str, instance_uuid: str, *, claim_generation: int | None) -> None:
+    """Undo a move's allocations: the instance gets back what the migration holds, and its destination claim goes.
+
+    One transaction. When the migration holds allocations (the instance's on the source, handed
+    over by :func:`claim_for_move`), they replace whatever the instance holds and the migration
+    ends with none. When it holds none (the server held no allocation when the move started, or
+    an operator removed the migration's since), there is nothing to give back, but the
+    destination claim is dropped all the same: the instance's allocations are removed if its
+    consumer still has ``claim_generation``, the generation it had while holding that claim.
+    Any other generation means they changed since (an earlier run already gave the instance its
+    source allocation back, or dropped the claim), so they are left alone. No other consumer is
+    touched, and running it again changes nothing more.
+
+    Params:
+        migration_uuid: the move's migration (consumer of the source allocation).
+        instance_uuid: the server (consumer of the destination claim).
+        claim_generation: the instance consumer's generation while it held the destination
+            claim; None when that is not known: then the claim goes only in place of a source
+            allocation handed back.
+
+    Raises:
+        AllocationConflict: the instance's allocations changed while its claim was being
+            dropped, or generations kept changing (as :func:`set_allocations`).
+    """
+
+    def work(session: Session) -> str:
+        if _hand_over(session, migration_uuid, instance_uuid):
+            return "handed back"
+        if claim_generation is None:
+            return "unchanged"
+        generation = session.scalars(
+            select(Consumer.generation).where(Consumer.uuid == instance_uuid)
+        ).one_or_none()
+        if generation != claim_generation:
+            return "unchanged"
+        _write_allocations(session, [_Change(instance_uuid, None, None, {}, True, claim_generation)])
+        return "claim dropped"
+
+    outcome = _in_transaction(work, f"revert allocations of migration {migration_uuid}")
+    if outcome == "claim dropped":
+        # Nova logs the same situation ("Did not find resource allocations for migration") and
+        # keeps the claim; the server keeps no allocation instead, as an operator left it.
+        logger.warning("migration held no allocation to give back; the instance's destination claim was dropped",
+                       extra={"migration_uuid": migration_uuid, "instance_uuid": instance_uuid})
 
 
 def delete_allocations(consumer_uuid: str) -> None:

@@ -17,11 +17,13 @@ Each step takes the workflow's state document and returns what the state machine
 under its ``ResultPath``. The document holds the execution input and, as the move goes on:
 
 ``move``
-    from ValidateInput: the source (host, node, queue, power state), the transfer location
-    and the arguments that restore the source guest.
+    from ValidateInput: the source (host, node, queue, power state, and ``allocated``: whether
+    the server held allocations when the move started), the transfer location and the
+    arguments that restore the source guest.
 ``destination``
     from SelectDestinations (or RescheduleMove): host, node, cell, provider, queue,
-    ``same_host`` and the alternates left.
+    ``same_host``, the alternates left and ``claim_generation``, the instance consumer's
+    generation once it holds the destination claim.
 ``prep``, ``resize``, ``finish``
     the host operation arguments built by PrepResizeAtDest, ResizeInstanceAtSource and
     FinishResizeAtDest.
@@ -260,6 +262,9 @@ def validate_input(event: dict[str, Any]) -> dict[str, Any]:
     with api_session() as session:
         ports = _ports(session, uuid)
     source["queue_url"] = hosts.queue_url(source["host"])
+    # A server can hold no allocation (an operator removed it): then the migration takes none, and
+    # everything the server holds during the move is the move's own claim (see _restore_allocations).
+    source["allocated"] = bool(placement.get_allocations(uuid))
     document["move"] = {
         "migration_type": migration_type,
         "source": source,
@@ -302,8 +307,9 @@ def _move_spec(instance: Instance, migration: Migration, cell: str, requested_ho
     }
 
 
-def _destination(selection: scheduler.Selection, alternates: list[scheduler.Selection],
-                 source_host: str) -> dict[str, Any]:
+def _destination(selection: scheduler.Selection, alternates: list[scheduler.Selection], source_host: str,
+                 instance_uuid: str) -> dict[str, Any]:
+    """The state document's ``destination`` for a claimed selection (read after the claim)."""
     return {
         "host": selection.host,
         "node": selection.node,
@@ -312,12 +318,19 @@ def _destination(selection: scheduler.Selection, alternates: list[scheduler.Sele
         "queue_url": hosts.queue_url(selection.host),
         "same_host": selection.host == source_host,
         "alternates": [alt.to_dict() for alt in alternates],
+        "claim_generation": placement.consumer_generation(instance_uuid),
     }
 
 
-def _claimed_selection(instance_uuid: str, migration_uuid: str, cell: str) -> scheduler.Selection | None:
-    """The destination an earlier run of this step claimed (the migration then holds the source)."""
-    if not placement.get_allocations(migration_uuid):
+def _claimed_selection(instance_uuid: str, migration_uuid: str, cell: str,
+                       allocated: bool | None) -> scheduler.Selection | None:
+    """The destination an earlier run of this step claimed.
+
+    The migration then holds the source allocation, or, for a server that held none when the
+    move started (``allocated`` False), whatever the instance holds is that claim: scheduling
+    again would hand it to the migration as if it were the source's.
+    """
+    if allocated is not False and not placement.get_allocations(migration_uuid):
         return None
     claimed = placement.get_allocations(instance_uuid)
     if not claimed:
@@ -363,7 +376,7 @@ def select_destinations(event: dict[str, Any]) -> dict[str, Any]:
         actions.start_event(session, instance_uuid=uuid, request_id=event["request_id"], event=EVENT_MIGRATE)
         spec = _move_spec(instance, migration, cell, event.get("requested_host"), instances.is_bfv(session, uuid))
         source_host = cast(str, instance.host)
-    chosen = _claimed_selection(uuid, migration_uuid, cell)
+    chosen = _claimed_selection(uuid, migration_uuid, cell, _source(event).get("allocated"))
     alternates: list[scheduler.Selection] = []
     if chosen is None:
         selections = scheduler.select_destinations(spec, migration_uuid=migration_uuid)
@@ -372,7 +385,7 @@ def select_destinations(event: dict[str, Any]) -> dict[str, Any]:
         actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"], event=EVENT_MIGRATE)
     logger.info("move scheduled", extra={"instance_uuid": uuid, "migration_uuid": migration_uuid,
                                          "source": source_host, "destination": chosen.host})
-    return _destination(chosen, alternates, source_host)
+    return _destination(chosen, alternates, source_host, uuid)
 
 
 # --- PrepResizeAtDest ---------------------------------------------------------------------------
@@ -428,8 +441,10 @@ def reschedule_move(event: dict[str, Any]) -> dict[str, Any]:
     """Move the instance's claim from the destination that refused it to the next alternate.
 
     The failed destination's port bindings and volume reservations are dropped; the migration
-    keeps the source allocation. Alternates that no longer fit are skipped. Never reschedules
-    a move to a requested host.
+    keeps the source allocation. A server that held none when the move started gives the
+    migration none now either: its claim just moves (handing it over would leave the migration
+    holding the refused destination's claim as if it were the source's). Alternates that no
+    longer fit are skipped. Never reschedules a move to a requested host.
 
     Returns:
         The new destination, with the alternates after it.
@@ -445,7 +460,7 @@ def reschedule_move(event: dict[str, Any]) -> dict[str, Any]:
     held = placement.get_allocations(uuid)
     for index, alternate in enumerate(alternates):
         if alternate.provider_uuid in held and failed["provider_uuid"] not in held:
-            return _destination(alternate, alternates[index + 1:], source_host)  # an earlier run claimed it
+            return _destination(alternate, alternates[index + 1:], source_host, uuid)  # an earlier run claimed it
     _release_destination(uuid, failed["host"], source_host)
     with cell_session(cell) as session:
         instance, migration = _load(session, event)
@@ -453,15 +468,16 @@ def reschedule_move(event: dict[str, Any]) -> dict[str, Any]:
                           (PRE_MIGRATING,))
         spec = _move_spec(instance, migration, cell, None, instances.is_bfv(session, uuid),
                           also_ignore=[failed["host"]])
+    source_holder = None if _source(event).get("allocated") is False else migration_uuid
     reasons = []
     for index, alternate in enumerate(alternates):
         try:
-            chosen = scheduler.claim_alternate(spec, alternate, migration_uuid=migration_uuid)
+            chosen = scheduler.claim_alternate(spec, alternate, migration_uuid=source_holder)
         except errors.NoValidHost as exc:
             reasons.append(exc.message)
             continue
         logger.info("move rescheduled", extra={"instance_uuid": uuid, "from": failed["host"], "to": chosen.host})
-        return _destination(chosen, alternates[index + 1:], source_host)
+        return _destination(chosen, alternates[index + 1:], source_host, uuid)
     raise errors.NoValidHost("No alternate host could take the move. " + " ".join(reasons))
 
 
@@ -625,23 +641,22 @@ def _failed_step(event: Mapping[str, Any]) -> tuple[str, str | None]:
     return EVENT_FINISH, event["destination"]["host"]
 
 
-def _restore_allocations(instance_uuid: str, migration_uuid: str, dest: Mapping[str, Any] | None,
-                         source_node: str | None) -> None:
-    """The instance gets back exactly what the migration holds on the source; the destination claim goes."""
-    if placement.get_allocations(migration_uuid):
-        # One transaction: the migration's allocations replace the instance's destination claim.
-        placement.move_allocations(migration_uuid, instance_uuid)
+def _restore_allocations(event: Mapping[str, Any]) -> None:
+    """The instance gets back exactly what the migration holds on the source; the destination claim goes.
+
+    A server that held no allocation when the move started (an operator removed it) holds none
+    afterwards: the migration took nothing, and whatever the instance or the migration holds now
+    was claimed by this move, even by a SelectDestinations or RescheduleMove that failed after its
+    claim and so left no ``destination`` in the document. A migration whose allocation an operator
+    removed during the move has nothing to give back; the destination claim goes all the same
+    (see :func:`ferry.placement.revert_move_allocations`).
+    """
+    uuid, migration_uuid = event["instance_uuid"], event["migration_uuid"]
+    if ((event.get("move") or {}).get("source") or {}).get("allocated") is False:
+        placement.set_allocations({uuid: {"allocations": {}}, migration_uuid: {"allocations": {}}})
         return
-    if dest is None:
-        return
-    # The instance held nothing before the move, so the migration took nothing: drop the claim alone.
-    held = placement.get_allocations(instance_uuid)
-    try:
-        source_provider = placement.provider_by_node(source_node) if source_node else None
-    except errors.ResourceProviderNotFound:
-        source_provider = None
-    if dest["provider_uuid"] in held and source_provider not in held:
-        placement.delete_allocations(instance_uuid)
+    placement.revert_move_allocations(migration_uuid, uuid,
+                                      claim_generation=(event.get("destination") or {}).get("claim_generation"))
 
 
 def _close_events(session: Session, event: Mapping[str, Any], failed: str, host: str | None,
@@ -720,7 +735,7 @@ def rollback_move(event: dict[str, Any]) -> dict[str, Any]:
             placement.delete_allocations(migration_uuid)
             _update_migration(session, migration_uuid, {"status": ERROR}, _IN_PROGRESS)
             return {}
-    _restore_allocations(uuid, migration_uuid, dest, source_node)
+    _restore_allocations(event)
     if dest is not None:
         _release_destination(uuid, dest["host"], source_host)
     failed, failed_host = _failed_step(event)

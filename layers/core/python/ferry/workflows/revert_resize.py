@@ -62,7 +62,9 @@ def check_resize_to_revert(event: dict[str, Any]) -> dict[str, Any]:
 
     Returns:
         ``{"source": {host, node, queue_url}, "dest": {host, node, queue_url}, "same_host": bool,
-        "transfer": {bucket, prefix}}``.
+        "transfer": {bucket, prefix}, "claim_generation": int | None}``: the last is the instance
+        consumer's generation while it holds the destination claim (None: it holds nothing),
+        which tells :func:`revert_resources_to_source` whether that claim is still to be dropped.
 
     Raises:
         InvalidWorkflowInput, MigrationNotFound, InstanceNotFound, UnexpectedMigrationState: refused,
@@ -93,7 +95,8 @@ def check_resize_to_revert(event: dict[str, Any]) -> dict[str, Any]:
                             host=None if cells else dest)
         payload = notifications.instance_payload(instance, migration_uuid=migration_uuid)
         move = {"source": host_ref(source, migration.source_node), "dest": host_ref(dest, migration.dest_node),
-                "same_host": source == dest, "transfer": images.transfer_location(migration_uuid)}
+                "same_host": source == dest, "transfer": images.transfer_location(migration_uuid),
+                "claim_generation": placement.consumer_generation(uuid)}
         if cells:
             move["cross_cell"] = cells
     publisher = notifications.conductor_publisher() if cells else notifications.compute_publisher(dest)
@@ -113,7 +116,9 @@ def revert_resources_to_source(event: dict[str, Any]) -> dict[str, Any]:
     """Move allocations, ports, volumes and the instance record back to the source (idempotent).
 
     * placement: the migration's allocation (the old flavor on the source) becomes the
-      instance's, replacing its destination allocation, in one transaction;
+      instance's, replacing its destination allocation, in one transaction; a migration that
+      holds none (the server held no allocation, an operator removed it) gives nothing back,
+      and the destination allocation goes all the same, so the server ends with none;
     * ports: the source's binding is active again and, unless the move stayed on one host, the
       destination's goes;
     * volumes: the destination's attachments go, and every volume of the server (including
@@ -140,7 +145,7 @@ def revert_resources_to_source(event: dict[str, Any]) -> dict[str, Any]:
             BlockDeviceMapping.destination_type == "volume", BlockDeviceMapping.volume_id.is_not(None))))
         boot_index = {b.volume_id: b.boot_index for b in bdms}
         device_of = {b.volume_id: b.device_name for b in bdms}
-    placement.move_allocations(migration_uuid, uuid)
+    placement.revert_move_allocations(migration_uuid, uuid, claim_generation=move.get("claim_generation"))
     with api_session() as session:
         network.activate(session, uuid, source)
         if not same_host:
