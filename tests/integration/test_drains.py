@@ -293,13 +293,60 @@ def test_a_drain_publishes_one_grouped_event_when_it_starts_and_one_when_it_ends
 
     drains.start(drain)
     drains.finish(drain)
+    drains.finish(drain)  # a step run twice announces the same end again
 
     events = bus()
-    assert [e["detail-type"] for e in events] == ["drain.start", "drain.error"]
-    end = events[1]["detail"]
+    assert [e["detail-type"] for e in events] == ["drain.start", "drain.error", "drain.error"]
+    end, again = events[1]["detail"], events[2]["detail"]
     assert end["priority"] == "ERROR" and end["payload"]["drain_id"] == drain
     assert end["payload"]["counts"]["cancelled"] == 1
     assert [s["id"] for s in end["payload"]["servers"]] == [uuid]
+    assert again["message_id"] == end["message_id"] != events[0]["detail"]["message_id"]
+    assert again["payload"] == end["payload"]
+
+
+class _FunctionKilled(BaseException):
+    """The Lambda runtime ending a function at its timeout: nothing after it runs, no handler catches it."""
+
+
+def test_a_cancelled_drain_whose_finish_died_before_giving_its_hosts_back_gets_them_back_from_the_retry(
+        store, bus, monkeypatch):
+    # GIVEN a drain cancelled before any move, whose FinishDrain committed ``cancelled`` an hour
+    # ago and was then killed while giving its hosts back, before it announced the end
+    source = add_compute("source")
+    add_compute("dest")
+    _server_on("source", source)
+    drain = _record({"host": "source"})
+    assert drains.start(drain)["proceed"] is True
+    drains.act(drain, "cancel")
+
+    def killed(_drain_uuid):
+        raise _FunctionKilled
+
+    with monkeypatch.context() as patched:
+        patched.setattr(drains, "give_back_targets", killed)
+        with pytest.raises(_FunctionKilled):
+            drains.finish(drain)
+    hour_ago = drains.utcnow() - dt.timedelta(hours=1)
+    with api_session() as session:
+        session.execute(update(Drain).where(Drain.uuid == drain).values(finished_at=hour_ago, updated_at=hour_ago))
+    assert drains.get_view(drain)["status"] == "cancelled"
+    assert all(s.disabled for s in services.list_services(host="source"))
+    assert [e["detail-type"] for e in bus()] == ["drain.start"]
+
+    # WHEN Step Functions retries FinishDrain, and (its answer lost too) once more
+    first = drains.finish(drain)
+    again = drains.finish(drain)
+
+    # THEN the retry gives the hosts back, and each run announces the same end: one message_id,
+    # one body (giving the hosts back changed nothing the drain shows)
+    assert first == again and first["status"] == "cancelled"
+    assert not any(s.disabled for s in services.list_services(host="source"))
+    ends = [e["detail"] for e in bus()]
+    assert [end["event_type"] for end in ends] == ["drain.end", "drain.end"]
+    assert ends[0]["message_id"] == ends[1]["message_id"]
+    assert ends[0]["payload"] == ends[1]["payload"]
+    assert ends[1]["payload"]["updated_at"] == ends[1]["payload"]["finished_at"] == drains._iso(hour_ago)
 
 
 def test_a_final_event_lost_after_the_status_was_committed_is_announced_again_by_the_retry(
@@ -1020,7 +1067,7 @@ def _stopped_with_a_move_accepted(sfn, arn: str) -> tuple[str, str, dict]:
     return drain, server, slot
 
 
-def _warned_late(caplog, drain: str, server: str, step: str) -> bool:
+def _warned_late(caplog, drain: str, server: str | None, step: str) -> bool:
     return any(record.levelname == "WARNING" and getattr(record, "drain", None) == drain
                and getattr(record, "instance_uuid", None) == server and getattr(record, "step", None) == step
                for record in caplog.records)
@@ -1104,13 +1151,134 @@ def test_a_drain_that_ended_starts_no_more_moves(store, drain_machine):
     assert (outcome["retry"], outcome["confirm"], outcome["state"]) == (False, False, "failed")
 
 
+def _workflow_ended(drain: str) -> None:
+    """Finish ``drain`` as :func:`drains.finish_if_workflow_ended` does once its execution was stopped."""
+    ended = errors.DrainWorkflowEnded(f"its execution drain-{drain} ended aborted before the drain was finished.")
+    drains.finish(drain, error={"Error": ended.name, "Cause": ended.message})
+
+
+@pytest.mark.parametrize("ended_while_planning", [False, True])
+def test_a_drain_that_ended_is_neither_disabled_nor_planned_again_when_its_execution_runs_plandrain_again(
+        store, drain_machine, monkeypatch, caplog, ended_while_planning):
+    sfn, arn = drain_machine
+    source = add_compute("source")
+    add_compute("dest")
+    _server_on("source", source)
+    announced: list[dict] = []
+    if ended_while_planning:
+        # GIVEN the drain's execution stopped while its PlanDrain ran, and the drain finished
+        # (someone acted on it) before that step wrote its plan
+        drain = _record({"host": "source"})
+        execution = sfn.start_execution(stateMachineArn=arn, name=f"drain-{drain}",
+                                        input=json.dumps({"drain_uuid": drain}))["executionArn"]
+        sfn.stop_execution(executionArn=execution)
+        instances_on = drains._instances_on
+
+        def ended_meanwhile(*args, **kwargs):
+            assert drains.finish_if_workflow_ended(drain)
+            announced.append(drains.get_view(drain))
+            return instances_on(*args, **kwargs)
+
+        monkeypatch.setattr(drains, "_instances_on", ended_meanwhile)
+    else:
+        # GIVEN a drain finished as failed after its workflow was stopped, its host then enabled
+        # again by the operator, and the execution redriven from PlanDrain
+        drain, execution = _running_drain(sfn, arn, "source")
+        sfn.stop_execution(executionArn=execution)
+        assert drains.finish_if_workflow_ended(drain)
+        announced.append(drains.get_view(drain))
+        [service] = services.list_services(host="source")
+        services.update_service(service, disabled=False)
+
+    # WHEN PlanDrain runs, and the workflow goes on as its answer says
+    plan = drain_steps.plan_drain({"drain": {"drain_uuid": drain}})
+    report = drain_steps.finish_drain({"drain": {"drain_uuid": drain}})
+
+    # THEN nothing moves, and the drain's records stay as its end announced them
+    assert plan["proceed"] is False and plan["servers"] == []
+    view = drains.get_view(drain)
+    assert view == announced[0] and view["status"] == "failed"
+    assert report == {"status": "failed", "counts": view["counts"], "message": view["message"]}
+    assert _warned_late(caplog, drain, None, "PlanDrain")
+    # a drain that failed keeps its hosts disabled; one finished before this run is not disabled again
+    assert all(s.disabled is ended_while_planning for s in services.list_services(host="source"))
+
+
+def test_a_move_that_finished_after_its_drain_ended_still_goes_on_to_its_confirm(store, move_machines):
+    # GIVEN a drain that confirms its moves, finished as failed while one server's move was under
+    # way; the move then finished (VERIFY_RESIZE on dest) but the RunMove that waited for it failed
+    drain, server, slot, _move = _prepared_move()
+    _workflow_ended(drain)
+    announced = drains.get_view(drain)
+    _moved_to_dest(server, slot["migration_uuid"], "resized", "finished")
+    lost = {"Error": "States.Runtime", "Cause": "lost track"}
+
+    # WHEN RecordFailure runs for the failed RunMove
+    outcome = drain_steps.record_failure({"drain_uuid": drain, "instance_uuid": server, "slot": slot,
+                                          "error": lost, "confirm_slot": None})
+
+    # THEN it goes on to the confirm (once for the attempt), which PrepareConfirm accepts
+    assert (outcome["retry"], outcome["confirm"]) == (False, True)
+    assert drain_steps.record_failure({"drain_uuid": drain, "instance_uuid": server, "slot": slot,
+                                       "error": lost, "confirm_slot": slot["request_id"]})["confirm"] is False
+    confirm = drain_steps.prepare_confirm({"drain_uuid": drain, "instance_uuid": server, "slot": slot})
+    assert confirm["input"]["request_id"] == f"{slot['request_id']}-confirm"
+    assert _move_records(server, slot["migration_uuid"]) == (None, "confirming")
+
+    # WHEN the confirm workflow (done here by hand) confirms it and RecordMoved runs
+    _moved_to_dest(server, slot["migration_uuid"], "active", "confirmed")
+    drain_steps.record_moved({"drain_uuid": drain, "instance_uuid": server, "slot": slot})
+
+    # THEN the drain's records are as its end announced them
+    assert drains.get_view(drain) == announced
+    assert _servers(drain)[server].state == "failed"
+
+
+@pytest.mark.parametrize("step", ["AcquireSlot", "PrepareMove"])
+def test_a_plan_made_for_another_try_while_the_drain_ended_is_not_written(store, move_machines, monkeypatch,
+                                                                           caplog, step):
+    # GIVEN a server to be tried again (its first try failed before its workflow started) ...
+    drain, server, slot, _move = _prepared_move()
+    assert drains.record_failure(drain, server, slot, {"Error": "States.Runtime", "Cause": "throttled"})["retry"]
+    if step == "PrepareMove":
+        # ... its next attempt handed out with no plan yet (by AcquireSlot before it planned retries)
+        migration_uuid, request_id = drains._attempt_ids(drain, server, 2)
+        with api_session() as session:
+            session.execute(update(DrainServer).where(DrainServer.instance_uuid == server)
+                            .values(state="moving", attempts=2, migration_uuid=migration_uuid))
+        slot = {**slot, "migration_uuid": migration_uuid, "request_id": request_id, "attempt": 2}
+    # ... and the drain finished (its workflow ended) while the server is planned again
+    announced: list[dict] = []
+    plan_server = drains.plan_server
+
+    def ended_meanwhile(*args, **kwargs):
+        _workflow_ended(drain)
+        announced.append(drains.get_view(drain))
+        return plan_server(*args, **kwargs)
+
+    monkeypatch.setattr(drains, "plan_server", ended_meanwhile)
+
+    # WHEN the step plans it
+    if step == "AcquireSlot":
+        assert drains.acquire_slot(drain, server).action == "stop"
+    else:
+        with pytest.raises(errors.DrainInvalidState, match="no longer moves"):
+            drains.prepare_move(drain, server, slot)
+        with cell_session("cell1") as session:
+            assert session.scalars(select(Migration).where(Migration.uuid == slot["migration_uuid"])).first() is None
+
+    # THEN the plan is not written: the drain's records stay as its end announced them
+    assert drains.get_view(drain) == announced[0]
+    assert _servers(drain)[server].planned_host is None
+    assert _warned_late(caplog, drain, server, step)
+
+
 # --- retries --------------------------------------------------------------------------------------
 
 
 def test_a_retry_recorded_with_the_plan_of_its_failed_try_is_planned_afresh(store, move_machines):
-    # GIVEN a server whose first try failed, its retry recorded as Ferry's release before this one
-    # recorded retries: pending again with the host of the failed try kept, a host that takes no
-    # servers now
+    # GIVEN a server whose first try failed, its retry's row pending again with the host of the
+    # failed try kept, a host that takes no servers now
     source = add_compute("source", memory_mb=16384)
     for host in ("d1", "d2"):
         add_compute(host)

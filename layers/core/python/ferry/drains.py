@@ -639,7 +639,9 @@ def plan(drain_uuid: str) -> dict[str, Any]:
 
     Servers are planned largest first (RAM, then vCPUs, then disk), each with the capacity the
     servers planned before it took counted as used. Planning again replaces the earlier plan
-    (a step run twice writes the same rows).
+    (a step run twice writes the same rows). A drain that is final by the time the plan would
+    be written (finished meanwhile, its workflow having ended) keeps its rows as announced: the
+    plan is not written, and the answer is what they record.
 
     Returns:
         ``{"fits", "servers": [instance uuids to move, in plan order], "unplaceable": n}``.
@@ -669,6 +671,10 @@ def plan(drain_uuid: str) -> dict[str, Any]:
     fits = all(row.state != UNPLACEABLE for row in rows)
     with api_session() as session:
         live = _load(session, drain_uuid, for_update=True)
+        if _ended_before(live, None, "PlanDrain"):
+            recorded = _servers(session, live)
+            return {"fits": live.fits, "servers": [row.instance_uuid for row in recorded if row.state == PENDING],
+                    "unplaceable": sum(row.state == UNPLACEABLE for row in recorded)}
         for old in _servers(session, live):
             session.delete(old)
         session.flush()
@@ -709,15 +715,15 @@ def disable_targets(drain_uuid: str) -> list[str]:
                if not record.disabled]
     ours = sorted(set(drain.disabled_hosts) | {record.host for record in enabled})
     # Recorded before any service changes, so a run that stops half-way can still give them back.
-    with api_session() as session:
-        _load(session, drain_uuid, for_update=True).disabled_hosts = ours
+    _record_disabled_hosts(drain_uuid, ours)
     for record in enabled:
         services.update_service(record, disabled=True, disabled_reason=reason[:255])
     return ours
 
 
 def give_back_targets(drain_uuid: str) -> list[str]:
-    """Enable again the services this drain disabled, if they still carry its reason."""
+    """Enable again the services this drain disabled, if they still carry its reason (idempotent:
+    a service enabled since, or disabled again for another reason, is left as it is)."""
     with api_session() as session:
         drain = _load(session, drain_uuid)
         disabled = list(drain.disabled_hosts)
@@ -727,10 +733,18 @@ def give_back_targets(drain_uuid: str) -> list[str]:
             if record.disabled and (record.disabled_reason or "").startswith(f"drain {drain_uuid}"):
                 services.update_service(record, disabled=False)
                 enabled.append(host)
-    with api_session() as session:
-        live = _load(session, drain_uuid, for_update=True)
-        live.disabled_hosts = []
+    if disabled:
+        _record_disabled_hosts(drain_uuid, [])
     return enabled
+
+
+def _record_disabled_hosts(drain_uuid: str, disabled: list[str]) -> None:
+    """Record the hosts this drain disabled, leaving its ``updated_at`` as it is: the list is
+    bookkeeping the drain's view does not show, and a final drain's view stays as its end was
+    announced (a FinishDrain run again gives hosts back, and announces the same view)."""
+    with api_session() as session:
+        session.execute(update(Drain).where(Drain.uuid == drain_uuid)
+                        .values(disabled_hosts=disabled, updated_at=Drain.updated_at))
 
 
 # --- move slots and results ----------------------------------------------------------------------
@@ -780,9 +794,10 @@ def acquire_slot(drain_uuid: str, instance_uuid: str) -> Slot:
     (and its version bumped) so two iterations cannot both take the last slot of a host. A
     server already ``moving`` gets its attempt again (the step ran twice). A server to be tried
     again (its earlier attempt failed) is planned again first, so the per-host limits count the
-    host it will go to; one no host takes any more fails (``stop``). That holds for a retry that
-    still has a planned host too: Ferry's release before this one recorded retries with the host
-    of their failed attempt, and PrepareMove no longer plans a server that has a host.
+    host it will go to; one no host takes any more fails (``stop``). That holds for a retry whose
+    row still names a planned host too (a retry recorded with the host of its failed attempt):
+    PrepareMove plans only a server that has none, so the retry would otherwise go to that host
+    unchecked.
     """
     with api_session() as session:
         drain, server = _load_server(session, drain_uuid, instance_uuid)
@@ -829,20 +844,21 @@ def _load_server(session: Session, drain_uuid: str, instance_uuid: str) -> tuple
     return drain, server
 
 
-def _ended_before(drain: Drain, server: DrainServer, step: str) -> bool:
-    """Whether ``drain`` is final, so that what one of its iterations reports now changes nothing.
+def _ended_before(drain: Drain, server: DrainServer | None, step: str) -> bool:
+    """Whether ``drain`` is final, so that what one of its steps reports now changes nothing.
 
     A final drain's report was announced: its records stay as announced. A late report comes
     from a server's iteration (a child execution) still running when Ferry finished the drain,
-    its workflow having ended (:func:`finish_if_workflow_ended`); a finished drain holds no
+    its workflow having ended (:func:`finish_if_workflow_ended`), or from the drain's own
+    execution redriven after that (``server`` None: PlanDrain); a finished drain holds no
     per-host slot (it counts none), so ignoring the report leaks none. Logged with the drain
     and the server.
     """
     if drain.status not in FINAL_STATUSES:
         return False
     logger.warning("late drain step after the drain ended; nothing recorded",
-                   extra={"drain": drain.uuid, "instance_uuid": server.instance_uuid, "step": step,
-                          "status": drain.status, "state": server.state})
+                   extra={"drain": drain.uuid, "instance_uuid": server.instance_uuid if server else None,
+                          "step": step, "status": drain.status, "state": server.state if server else None})
     return True
 
 
@@ -850,10 +866,12 @@ def _planned_again(drain_uuid: str, instance_uuid: str) -> str | None:
     """Plan a server to be tried again: None once planned, else what its iteration does next.
 
     A plan that finds no host uses up a try: the server waits for the next look while tries are
-    left, and is ``failed`` after (``cancelled`` when the drain no longer runs).
+    left, and is ``failed`` after (``cancelled`` when the drain no longer runs). A plan not
+    written (the server settled, or the drain ended, meanwhile) answers None too: the look that
+    follows finds out what the iteration does next.
     """
     try:
-        _replan(drain_uuid, instance_uuid)
+        _replan(drain_uuid, instance_uuid, state=PENDING, step="AcquireSlot")
     except errors.NoValidHost as exc:
         with api_session() as session:
             drain, server = _load_server(session, drain_uuid, instance_uuid)
@@ -875,8 +893,15 @@ def _planned_again(drain_uuid: str, instance_uuid: str) -> str | None:
     return None
 
 
-def _replan(drain_uuid: str, instance_uuid: str) -> str:
+def _replan(drain_uuid: str, instance_uuid: str, *, state: str, step: str) -> str | None:
     """A fresh destination for a server whose earlier attempt failed (the others' moves are real by now).
+
+    The plan is written only while the server is still in ``state`` (``pending`` at AcquireSlot,
+    ``moving`` at PrepareMove) and the drain has not ended: a plan made while the drain was
+    finished (or the server settled) would change rows already announced.
+
+    Returns:
+        The planned host, or None when nothing was written: the caller's ``step`` stops there.
 
     Raises:
         NoValidHost.
@@ -895,7 +920,9 @@ def _replan(drain_uuid: str, instance_uuid: str) -> str:
     if selection is None:
         raise errors.NoValidHost(reason)
     with api_session() as session:
-        _drain, server = _load_server(session, drain_uuid, instance_uuid)
+        drain, server = _load_server(session, drain_uuid, instance_uuid)
+        if _ended_before(drain, server, step) or server.state != state:
+            return None
         server.planned_host, server.planned_cell = selection.host, selection.cell
     return selection.host
 
@@ -910,8 +937,11 @@ def prepare_move(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any]) -
         ``{"name", "input"}`` of the resize workflow's execution.
 
     Raises:
-        DrainInvalidState: the drain ended meanwhile (final): it starts no more moves, and its
-            RecordFailure then records nothing.
+        DrainInvalidState: the drain ended meanwhile (final), or the server settled while it
+            was planned again: this iteration starts no move, and its RecordFailure records
+            nothing for a drain that ended. (The check is not held while the move is accepted:
+            a drain that ends in that moment has the move recorded failed, and the move runs or
+            rolls back as any move does.)
     """
     with api_session() as session:
         drain, server = _load_server(session, drain_uuid, instance_uuid)
@@ -920,7 +950,10 @@ def prepare_move(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any]) -
         ctx = _drain_context(drain, slot["request_id"])
         planned = server.planned_host
     if planned is None:  # an attempt handed out before AcquireSlot planned retries (mid-update)
-        planned = _replan(drain_uuid, instance_uuid)
+        planned = _replan(drain_uuid, instance_uuid, state=MOVING, step="PrepareMove")
+    if planned is None:
+        raise errors.DrainInvalidState(f"Drain {drain_uuid} no longer moves server {instance_uuid}: the drain "
+                                       f"ended, or the server was settled, while it was planned again.")
     location = compute_api.locate(ctx, instance_uuid)
     execution = moves.prepare_migrate(ctx, location, planned, slot["migration_uuid"])
     return {"name": execution.name, "input": execution.input}
@@ -1010,8 +1043,10 @@ def record_failure(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any],
     Otherwise the server is tried again when it is back on its source unchanged (its move
     rolled back), attempts are left (``retries``) and the drain is still running or paused; or
     it is ``failed`` with the error. A drain that ended meanwhile (final) records nothing more
-    and goes on to nothing (the outcome settles the iteration), but what it accepted and never
-    started is still undone: the server would otherwise stay busy for good.
+    and tries nothing again (the outcome settles the iteration), but what it accepted and never
+    started is still undone, and a move that finished still goes on to its confirm (once per
+    attempt, when the drain confirms): the server would otherwise stay busy, or its move hold
+    its allocation on the drained host, for good.
 
     Returns:
         ``{"retry": bool, "confirm": bool, "state", "error"}``: ``confirm`` sends the workflow
@@ -1038,9 +1073,8 @@ def record_failure(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any],
     move_finished = now.migration_status == migration_states.FINISHED
     with api_session() as session:
         drain, server = _load_server(session, drain_uuid, instance_uuid)
-        if _ended_before(drain, server, "RecordFailure"):
-            return {"retry": False, "confirm": False, "state": server.state, "error": server.error}
-        if _completed_as_asked(now, server.source_host, confirm=confirm):
+        ended = _ended_before(drain, server, "RecordFailure")
+        if not ended and _completed_as_asked(now, server.source_host, confirm=confirm):
             server.state, server.dest_host, server.finished_at, server.error = DONE, host, utcnow(), None
             logger.warning("drain step failed after the move completed; recorded done",
                            extra={"drain": drain_uuid, "instance_uuid": instance_uuid, "host": host,
@@ -1049,10 +1083,14 @@ def record_failure(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any],
         awaits_confirm = host not in (None, server.source_host) and vm_state == states.RESIZED and \
             task_state is None and move_finished
         if confirm and awaits_confirm and confirm_slot != slot.get("request_id"):
+            # Also once the drain ended: left unconfirmed, the move would hold its allocation on
+            # the drained host for good. Nothing is recorded for it (the drain's records stay).
             logger.warning("drain step failed after the move finished; going on to confirm it",
                            extra={"drain": drain_uuid, "instance_uuid": instance_uuid, "host": host,
-                                  "error": message})
-            return {"retry": False, "confirm": True, "state": server.state, "error": None}
+                                  "error": message, "status": status})
+            return {"retry": False, "confirm": True, "state": server.state, "error": server.error if ended else None}
+        if ended:
+            return {"retry": False, "confirm": False, "state": server.state, "error": server.error}
         back_home = host == server.source_host and vm_state in _MOVABLE and task_state is None
         retry = back_home and server.attempts <= retries and drain.status in (RUNNING, PAUSED)
         server.error = message
@@ -1169,12 +1207,20 @@ def start(drain_uuid: str) -> dict[str, Any]:
 
     Returns:
         ``{"proceed", "servers", "max_concurrency", "fits"}``; ``proceed`` is False for a dry
-        run, a plan that does not fit (unless ``move_what_fits``) and a drain cancelled meanwhile.
-        A drain cancelled before it disabled its targets disables nothing; one cancelled after
-        gives them back, as does a plan that does not fit (nothing moved in either case).
+        run, a plan that does not fit (unless ``move_what_fits``), a drain cancelled meanwhile
+        and a drain that ended (final). A drain cancelled before it disabled its targets
+        disables nothing; one cancelled after gives them back, as does a plan that does not fit
+        (nothing moved in either case). A drain final already (its execution redriven after
+        Ferry finished it, :func:`finish_if_workflow_ended`) disables and plans nothing: its
+        records stay as announced, and the workflow goes on to FinishDrain, which announces that
+        end again. One that ends while this step runs keeps its rows (see :func:`plan`) and its
+        disabled hosts, as a drain that failed does.
     """
     with api_session() as session:
         drain = _load(session, drain_uuid)
+        if _ended_before(drain, None, "PlanDrain"):
+            return {"proceed": False, "servers": [], "fits": drain.fits,
+                    "max_concurrency": int(drain.options.get("max_concurrency") or DEFAULT_MAX_CONCURRENCY)}
         dry_run, options, cancelled = drain.dry_run, dict(drain.options), drain.status == CANCELLING
     if not dry_run and not cancelled:
         disable_targets(drain_uuid)
@@ -1188,10 +1234,10 @@ def start(drain_uuid: str) -> dict[str, Any]:
                 drain.status, drain.started_at = RUNNING, drain.started_at or utcnow()
             elif proceed:
                 proceed = drain.status in (RUNNING, PAUSED)
-            cancelled = drain.status == CANCELLING
+            cancelled, ended = drain.status == CANCELLING, drain.status in FINAL_STATUSES
         if started:
             _announce(drain_uuid, DRAIN_START)
-        elif not proceed and (cancelled or not result["fits"]):
+        elif not proceed and not ended and (cancelled or not result["fits"]):
             # Nothing moves: a plan that does not fit, or a drain cancelled before its first move.
             give_back_targets(drain_uuid)
     return {"proceed": bool(proceed), "servers": result["servers"], "fits": result["fits"],
@@ -1212,13 +1258,15 @@ def finish(drain_uuid: str, error: Mapping[str, Any] | None = None) -> dict[str,
     drain whose event may never have gone out, and the FinishDrain retry announces it again.
     Every announcement of the same event carries the same identity (see :func:`_announce`), so
     consumers drop the repeats. The report and the announcement are read in the transaction
-    that settles the status: after its commit only the announcement itself is left to do.
+    that settles the status: after its commit only giving back the hosts of a drain cancelled
+    before any move (every run, as :func:`give_back_targets` is idempotent) and the
+    announcement itself are left to do. Nothing written after the drain is final changes what
+    it shows, so each announcement of its end carries the same summary.
     """
     with api_session() as session:
         drain = _load(session, drain_uuid, for_update=True)
         servers = _servers(session, drain)
         already_final = drain.status in FINAL_STATUSES
-        give_back = False
         if not already_final:
             for server in servers:
                 if server.state == PENDING:
@@ -1246,8 +1294,9 @@ def finish(drain_uuid: str, error: Mapping[str, Any] | None = None) -> dict[str,
                 status, message = COMPLETED, f"All {counts['total']} servers moved."
             drain.status, drain.message, drain.finished_at, drain.updated_at = status, message, utcnow(), utcnow()
             drain.version += 1
-            # Cancelled before any move was tried: nothing moved, so its hosts are given back.
-            give_back = status == CANCELLED and not any(server.attempts for server in servers)
+        # Cancelled before any move was tried: nothing moved, so its hosts are given back. Read from
+        # the record, final already or not: a run that died after its commit left them to its retry.
+        give_back = drain.status == CANCELLED and not any(server.attempts for server in servers)
         view = _view(drain, servers)
     if give_back:
         try:
