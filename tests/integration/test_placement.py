@@ -263,10 +263,11 @@ def test_revert_move_gives_the_source_back_in_place_of_the_claim_and_runs_twice_
     placement.claim(neighbour, PROJECT, USER, {source_rp: resources(vcpus=1), dest_rp: resources(vcpus=1)})
     # Old and new the same size: on one host, only the generation tells the claim from what came back.
     placement.claim_for_move(instance, migration, PROJECT, USER, {dest_rp: resources(vcpus=2)})
-    claimed = placement.consumer_generation(instance)
+    generation, claimed = placement.consumer_allocations(instance)
+    assert claimed == {dest_rp: resources(vcpus=2)}
 
     for _ in range(2):
-        placement.revert_move_allocations(migration, instance, claim_generation=claimed)
+        placement.revert_move_allocations(migration, instance, claimed=claimed, claim_generation=generation)
 
     assert placement.get_allocations(instance) == {source_rp: resources(vcpus=2)}
     assert placement.get_allocations(migration) == {}
@@ -282,12 +283,12 @@ def test_revert_move_with_nothing_to_give_back_drops_the_claim_and_runs_twice_th
     instance, migration, neighbour = new_uuid(), new_uuid(), new_uuid()
     placement.claim(neighbour, PROJECT, USER, {source_rp: resources(vcpus=1), dest_rp: resources(vcpus=1)})
     placement.claim_for_move(instance, migration, PROJECT, USER, {dest_rp: resources(vcpus=2)})
-    claimed = placement.consumer_generation(instance)
+    generation, claimed = placement.consumer_allocations(instance)
     assert placement.get_allocations(migration) == {}
 
     # WHEN the move is reverted, twice
     for _ in range(2):
-        placement.revert_move_allocations(migration, instance, claim_generation=claimed)
+        placement.revert_move_allocations(migration, instance, claimed=claimed, claim_generation=generation)
 
     # THEN the claim is gone and nobody else's allocations changed
     assert placement.get_allocations(instance) == {}
@@ -302,13 +303,36 @@ def test_revert_move_leaves_allocations_that_changed_since_the_claim_alone(store
     dest_rp = add_compute("host-b")
     instance, migration = new_uuid(), new_uuid()
     placement.claim_for_move(instance, migration, PROJECT, USER, {dest_rp: resources(vcpus=2)})
-    claimed = placement.consumer_generation(instance)
+    generation, claimed = placement.consumer_allocations(instance)
     placement.claim(instance, PROJECT, USER, {source_rp: resources(vcpus=1)})  # rewritten since
 
-    placement.revert_move_allocations(migration, instance, claim_generation=claimed)
-    placement.revert_move_allocations(migration, instance, claim_generation=None)
+    placement.revert_move_allocations(migration, instance, claimed=claimed, claim_generation=generation)
+    placement.revert_move_allocations(migration, instance, claimed=claimed)
+    placement.revert_move_allocations(migration, instance, claimed=None)
 
     assert placement.get_allocations(instance) == {source_rp: resources(vcpus=1)}
+
+
+def test_revert_move_keeps_an_allocation_recreated_at_the_generation_the_claim_had(store):
+    # GIVEN a server that held no allocation, whose destination claim (a new consumer, so generation 1)
+    # a revert dropped
+    source_rp = add_compute("host-a")
+    dest_rp = add_compute("host-b")
+    instance, migration = new_uuid(), new_uuid()
+    placement.claim_for_move(instance, migration, PROJECT, USER, {dest_rp: resources(vcpus=2)})
+    generation, claimed = placement.consumer_allocations(instance)
+    placement.revert_move_allocations(migration, instance, claimed=claimed, claim_generation=generation)
+    assert placement.consumer_allocations(instance) == (None, {})
+    # and an operator gave the server its allocation back since: a new consumer at the claim's generation
+    placement.claim(instance, PROJECT, USER, {source_rp: resources(vcpus=1)})
+    assert placement.consumer_generation(instance) == generation
+
+    # WHEN the revert runs again (delivered twice)
+    placement.revert_move_allocations(migration, instance, claimed=claimed, claim_generation=generation)
+
+    # THEN the allocation is not the claim, whatever its generation: it stays
+    assert placement.get_allocations(instance) == {source_rp: resources(vcpus=1)}
+    assert_used_counters_match_allocations()
 
 
 def test_same_host_move_must_fit_old_and_new_together(store):

@@ -179,6 +179,31 @@ def test_a_hidden_record_in_the_mapped_cell_counts(cloud):
     assert quotas.usage("project-a") == {"instances": 1, "cores": 1, "ram": 512}
 
 
+def test_a_hidden_record_in_the_mapped_cell_counts_the_larger_of_it_and_a_visible_copy_once(cloud):
+    # GIVEN a server mapped to cell1 whose record there a switch between cells hid after the mapping was
+    # read, and its copy in cell2, visible, with the larger flavor
+    server_id = active_server()  # m1.small: 1 core, 512 MB
+    set_instance(server_id, hidden=True)
+    with cell_session("cell2") as session:
+        session.add(Instance(uuid=server_id, display_name="copy", project_id="project-a", user_id="alice",
+                             flavor=snapshot_of("m1.medium"), vm_state=states.RESIZED))
+
+    # THEN it counts once, the larger of the two
+    assert quotas.usage("project-a") == {"instances": 1, "cores": 2, "ram": 1024}
+
+
+def test_a_mapping_queued_for_delete_does_not_make_a_hidden_record_count(cloud):
+    # GIVEN a server being deleted (its mapping queued for delete) whose record in its cell is hidden
+    server_id = active_server()
+    set_instance(server_id, hidden=True)
+    with api_session() as session:
+        session.execute(update(InstanceMapping).where(InstanceMapping.instance_uuid == server_id)
+                        .values(queued_for_delete=True))
+
+    # THEN only undeleted mappings say where a server lives: a hidden record alone does not count
+    assert quotas.usage("project-a") == {"instances": 0, "cores": 0, "ram": 0}
+
+
 def test_a_server_in_resize_counts_the_larger_of_its_flavors(cloud):
     server_id, _ = resized_server()  # m1.small (1, 512) -> m1.medium (2, 1024)
     set_instance(server_id, flavor=snapshot_of("m1.medium"), old_flavor={**snapshot_of("m1.small"), "vcpus": 3})

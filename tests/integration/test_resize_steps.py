@@ -876,6 +876,132 @@ def test_a_same_host_rollback_run_again_after_giving_the_allocation_back_keeps_i
     assert snapshot(uuid) == before
 
 
+def recorded_before_claims(doc: dict[str, Any]) -> dict[str, Any]:
+    """``doc`` as steps wrote it before ValidateMoveInput recorded ``allocated`` and destinations their claim.
+
+    What an execution in flight when those keys came in carries to its rollback.
+    """
+    old = json.loads(json.dumps(doc))
+    old["move"]["source"].pop("allocated")
+    for key in ("claimed", "claim_generation"):
+        (old.get("destination") or {}).pop(key, None)
+    return old
+
+
+@pytest.mark.parametrize("allocated", [True, False], ids=["with-allocations", "without-allocations"])
+@pytest.mark.parametrize("stage", ["PrepResizeAtDest", "FinishResizeOnDestHost"])
+def test_a_move_whose_document_records_no_claim_rolls_back_as_before(cloud, stage, allocated):
+    # GIVEN a move whose state document was written before claims were recorded, of a server with its
+    # allocations, or without (an operator removed them)
+    uuid = make_server()
+    if not allocated:
+        placement.delete_allocations(uuid)
+    before = snapshot(uuid)
+    doc = recorded_before_claims(run(prepare_move(uuid, BIG), until=stage))
+    assert placement.get_allocations(uuid)  # the destination was claimed for it
+
+    # WHEN the move fails and rolls back, twice
+    doc = fail_and_roll_back(doc)
+    resize.rollback_move(doc)
+
+    # THEN the destination claim went, as the rollback did when the document was written: the instance
+    # holds the destination's provider and not the source's
+    assert snapshot(uuid) == before
+
+
+def give_allocation_back(uuid: str) -> dict[str, dict[str, int]]:
+    """What an operator does as ``ferry audit`` advises: the server's allocation, its flavor on its host."""
+    given_back = {placement.provider_by_host(SOURCE): placement.resources_from_flavor(SMALL, False)}
+    placement.claim(uuid, PROJECT, USER, given_back)
+    return given_back
+
+
+@pytest.mark.parametrize("move", ["cold-migrate", "resize-allowed-on-the-source"])
+def test_an_allocation_given_back_before_scheduling_is_the_servers_not_an_earlier_claim(cloud, monkeypatch, move):
+    # GIVEN a server whose allocations an operator removed, its move validated, then the allocation given back
+    if move == "resize-allowed-on-the-source":
+        allow_same_host(monkeypatch)
+    uuid = make_server()
+    placement.delete_allocations(uuid)
+    inp = prepare_move(uuid, BIG if move.startswith("resize") else None)
+    doc = resize.validate_input({"input": inp})
+    assert doc["move"]["source"]["allocated"] is False
+    given_back = give_allocation_back(uuid)
+
+    # WHEN SelectMoveDestinations runs (twice: its first answer was lost)
+    first = resize.select_destinations(doc)
+    second = resize.select_destinations(doc)
+
+    # THEN it scheduled (the source is no destination for what the server holds there): the migration holds
+    # the allocation given back, as any source allocation, and the instance the claim of the new flavor
+    flavor = BIG if move.startswith("resize") else SMALL
+    assert first["host"] == second["host"] == "cell1-host2"
+    assert placement.get_allocations(inp["migration_uuid"]) == given_back
+    assert placement.get_allocations(uuid) == {first["provider_uuid"]: placement.resources_from_flavor(flavor, False)}
+
+    # and a rollback gives the server back what it held
+    fail_and_roll_back({**doc, "destination": second})
+    assert placement.get_allocations(uuid) == given_back
+    assert placement.get_allocations(inp["migration_uuid"]) == {}
+    assert used_on("cell1-host2") == {}
+
+
+def test_a_rollback_before_any_claim_keeps_an_allocation_given_back_meanwhile(cloud):
+    # GIVEN a server whose allocations an operator removed, its move validated, then the allocation given back
+    uuid = make_server()
+    placement.delete_allocations(uuid)
+    doc = resize.validate_input({"input": prepare_move(uuid, BIG)})
+    given_back = give_allocation_back(uuid)
+
+    # WHEN SelectMoveDestinations finds no host and the move rolls back
+    resize.rollback_move({**doc, "error": {"Error": "NoValidHost", "Cause": "No valid host was found."}})
+
+    # THEN what the server holds is not a claim of this move: it stays
+    assert placement.get_allocations(uuid) == given_back
+
+
+@pytest.mark.parametrize("stage", ["PrepResizeAtDest", "FinishResizeOnDestHost"])
+def test_a_rollback_keeps_an_allocation_given_back_in_place_of_the_claim(cloud, stage):
+    # GIVEN a server whose allocations an operator removed, moving; then the operator sets its allocation on the
+    # source again, which replaces the destination claim
+    uuid = make_server()
+    placement.delete_allocations(uuid)
+    doc = run(prepare_move(uuid, BIG), until=stage)
+    given_back = give_allocation_back(uuid)
+
+    # WHEN the move fails and rolls back, twice
+    doc = fail_and_roll_back(doc)
+    resize.rollback_move(doc)
+
+    # THEN the allocation is not the claim the move recorded, nor any claim of it: it stays
+    assert placement.get_allocations(uuid) == given_back
+    assert {host: used_on(host) for host in HOSTS} == {
+        host: (placement.resources_from_flavor(SMALL, False) if host == SOURCE else {}) for host in HOSTS}
+
+
+def test_a_reschedule_that_failed_after_claiming_for_a_server_without_allocations_leaves_no_claim(cloud, monkeypatch):
+    # GIVEN a server whose allocations an operator removed, its destination refusing the claim
+    uuid = make_server()
+    placement.delete_allocations(uuid)
+    before = snapshot(uuid)
+    doc = run(prepare_move(uuid, BIG), until="PrepResizeOnDestHost")
+    doc["error"] = {"Error": "Ferry.ResizeClaimFailed", "Cause": "no NUMA room"}
+
+    # WHEN RescheduleMove fails after claiming the alternate, so the document keeps the refused destination
+    def lost(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("the connection to the API database was lost")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(resize, "_destination", lost)
+        with pytest.raises(RuntimeError):
+            resize.reschedule_move(doc)
+    assert used_on("cell1-host3")
+    resize.rollback_move({**doc, "reschedule_error": {"Error": "RuntimeError", "Cause": "connection lost"}})
+
+    # THEN the alternate's claim is gone all the same
+    assert snapshot(uuid) == before
+
+
 def test_a_stopped_server_that_fails_to_move_stays_stopped(cloud):
     uuid = make_server(vm_state=states.STOPPED, power_state=states.SHUTDOWN)
     before = snapshot(uuid)

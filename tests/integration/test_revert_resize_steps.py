@@ -172,6 +172,28 @@ def test_a_server_without_allocations_keeps_no_destination_claim_after_revert(cl
     assert migration_row(resized.migration_uuid).status == migration_states.REVERTED
 
 
+@pytest.mark.parametrize("dest", [DEST, SOURCE], ids=["other-host", "same-host"])
+def test_a_revert_delivered_again_keeps_the_allocation_an_operator_gave_back_meanwhile(cloud, monkeypatch, dest):
+    # GIVEN a server in VERIFY_RESIZE whose migration's allocation an operator removed, and a revert that
+    # dropped its destination allocation
+    resized = make_resized(dest=dest)
+    placement.delete_allocations(resized.migration_uuid)
+    event = moved_back(reverted_at_dest(checked(begin("revert", resized, monkeypatch))))
+    assert placement.get_allocations(resized.instance_uuid) == {}
+    # and the operator giving the server its allocation on the source back (as `ferry audit` advises): a new
+    # consumer, so at the generation the destination allocation had
+    given_back = {provider(SOURCE): OLD_USAGE}
+    placement.claim(resized.instance_uuid, PROJECT, USER, given_back)
+    assert placement.consumer_generation(resized.instance_uuid) == event["move"]["claim_generation"]
+
+    # WHEN RevertResourcesToSource is delivered again
+    revert_resize.revert_resources_to_source(event)
+
+    # THEN the allocation is not the one CheckResizeToRevert read: it stays
+    assert placement.get_allocations(resized.instance_uuid) == given_back
+    assert usage(SOURCE) == OLD_USAGE
+
+
 def test_a_revert_nobody_asked_for_is_refused_and_changes_nothing(cloud, monkeypatch):
     resized = make_resized()
     before = snapshot(resized)

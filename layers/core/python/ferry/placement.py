@@ -682,42 +682,53 @@ def _hand_over(session: Session, source_consumer: str, target_consumer: str) -> 
     return True
 
 
-def revert_move_allocations(migration_uuid: str, instance_uuid: str, *, claim_generation: int | None) -> None:
+def revert_move_allocations(migration_uuid: str, instance_uuid: str, *,
+                            claimed: Mapping[str, Mapping[str, int]] | None,
+                            claim_generation: int | None = None) -> None:
     """Undo a move's allocations: the instance gets back what the migration holds, and its destination claim goes.
 
     One transaction. When the migration holds allocations (the instance's on the source, handed
     over by :func:`claim_for_move`), they replace whatever the instance holds and the migration
     ends with none. When it holds none (the server held no allocation when the move started, or
     an operator removed the migration's since), there is nothing to give back, but the
-    destination claim is dropped all the same: the instance's allocations are removed if its
-    consumer still has ``claim_generation``, the generation it had while holding that claim.
-    Any other generation means they changed since (an earlier run already gave the instance its
-    source allocation back, or dropped the claim), so they are left alone. No other consumer is
-    touched, and running it again changes nothing more.
+    destination claim is dropped all the same: the instance's allocations are removed if they
+    are still exactly ``claimed`` and, when ``claim_generation`` is given, its consumer still has
+    that generation. The generation alone would not do: a consumer left without allocations is
+    deleted and a new one starts again at generation 1, so an allocation written since the claim
+    went (an operator giving the server its allocation back) can have the claim's generation.
+    Allocations that are not the claim (an earlier run already gave the instance its source
+    allocation back or dropped the claim, an operator wrote them) are left alone. No other
+    consumer is touched, and running it again changes nothing more.
 
     Params:
         migration_uuid: the move's migration (consumer of the source allocation).
         instance_uuid: the server (consumer of the destination claim).
-        claim_generation: the instance consumer's generation while it held the destination
-            claim; None when that is not known: then the claim goes only in place of a source
-            allocation handed back.
+        claimed: the destination claim, ``{rp_uuid: {rc: n}}``; None (or empty) when it is not
+            known: then the claim goes only in place of a source allocation handed back.
+        claim_generation: the instance consumer's generation while it held ``claimed``; None
+            when not known (then the allocations alone decide).
 
     Raises:
         AllocationConflict: the instance's allocations changed while its claim was being
             dropped, or generations kept changing (as :func:`set_allocations`).
     """
+    claim = {rp_uuid: {rc: int(n) for rc, n in resources.items() if n}
+             for rp_uuid, resources in (claimed or {}).items() if any(resources.values())}
 
     def work(session: Session) -> str:
         if _hand_over(session, migration_uuid, instance_uuid):
             return "handed back"
-        if claim_generation is None:
+        if not claim:
             return "unchanged"
         generation = session.scalars(
             select(Consumer.generation).where(Consumer.uuid == instance_uuid)
         ).one_or_none()
-        if generation != claim_generation:
+        if generation is None or (claim_generation is not None and generation != claim_generation):
             return "unchanged"
-        _write_allocations(session, [_Change(instance_uuid, None, None, {}, True, claim_generation)])
+        if _allocations_of(session, instance_uuid) != claim:
+            return "unchanged"
+        _write_allocations(session, [_Change(instance_uuid, None, None, {}, True, generation)],
+                           based_on={instance_uuid: claim})
         return "claim dropped"
 
     outcome = _in_transaction(work, f"revert allocations of migration {migration_uuid}")
@@ -758,6 +769,26 @@ def consumer_generation(consumer_uuid: str) -> int | None:
     """The consumer's generation, or None when it holds no allocations (for read-then-write callers)."""
     with api_session() as session:
         return session.scalars(select(Consumer.generation).where(Consumer.uuid == consumer_uuid)).one_or_none()
+
+
+def consumer_allocations(consumer_uuid: str) -> tuple[int | None, Allocations]:
+    """The consumer's generation and its allocations, read in one statement so they belong together.
+
+    ``(None, {})`` when it holds no allocations.
+    """
+    with api_session() as session:
+        rows = session.execute(
+            select(Consumer.generation, ResourceProvider.uuid, Allocation.resource_class, Allocation.used)
+            .select_from(Consumer)
+            .join(Allocation, Allocation.consumer_uuid == Consumer.uuid, isouter=True)
+            .join(ResourceProvider, ResourceProvider.id == Allocation.resource_provider_id, isouter=True)
+            .where(Consumer.uuid == consumer_uuid)
+        ).all()
+    held: Allocations = defaultdict(dict)
+    for _generation, rp_uuid, rc, used in rows:
+        if rp_uuid is not None:
+            held[rp_uuid][rc] = used
+    return (rows[0].generation if rows else None), dict(held)
 
 
 def _provider_id(session: Session, rp_uuid: str) -> int:

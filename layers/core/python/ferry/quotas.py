@@ -8,14 +8,17 @@ unlimited.
 Usage is counted, not reserved: a project uses one instance and its flavor's vCPUs and
 memory for every server it has that is not deleted — servers still waiting for a cell (build
 requests) and servers in cell0 included. A server counts once, by its uuid, even while a move
-between cells has a record of it in two cells: the record in the cell its instance mapping
-names counts (hidden or not: the mapping is the authority on where a server lives), and a
-copy in another cell only when it is visible and the server has no record in its mapped cell.
-So the switch of a move between cells (the target cell's copy shown, the mapping moved, the
-source cell's copy hidden, each a write of its own) counts the server once at every moment,
-whatever order the cells are read in; a create or resize racing it is not refused for a
-server counted twice. A server in the middle of a resize counts the larger of its old and
-new flavor for each resource, as Nova counts it, so a revert never needs quota of its own.
+between cells has a record of it in two cells: a visible record in the cell its undeleted
+instance mapping names counts alone (the mapping is the authority on where a server lives);
+a hidden one there (the switch hid it after the mapping was read) counts with the visible
+copies in other cells, the larger of them, as does a visible copy of a server with no record
+in its mapped cell. So the switch of a move between cells (the target cell's copy shown, the
+mapping moved, the source cell's copy hidden, each a write of its own) counts the server once
+at every moment, whatever order the cells are read in; a create or resize racing it is not
+refused for a server counted twice. A build request whose instance is already written counts
+once too, the larger of the two. A server in the middle of a resize counts the larger of its
+old and new flavor for each resource, as Nova counts it, so a revert never needs quota of its
+own.
 
 Checks count the usage, add the request, and refuse what would go over a limit. Because two
 requests can pass the same check concurrently, callers check again after writing their
@@ -120,30 +123,32 @@ def instance_usage(instance: Instance) -> tuple[int, int]:
 
 def usage(project_id: str) -> dict[str, int]:
     """What the project's servers use now: ``{"instances", "cores", "ram"}``, each server once (see the module)."""
-    # {uuid: (cores, ram)}; a server found in two places that both count (a build request whose
-    # instance is being written, a visible copy of a server whose mapped cell has no record)
-    # counts the larger of the two.
+    # {uuid: (cores, ram)}; a server found in several places that count (a build request whose
+    # instance is being written, a hidden record in its mapped cell and a visible copy elsewhere,
+    # visible copies of a server whose mapped cell has no record) counts the largest of them.
     servers: dict[str, tuple[int, int]] = {}
     with api_session() as session:
+        # Mappings queued for delete stay (they are never purged): leave them out, not load them all.
         home = {uuid: cell_id for uuid, cell_id in session.execute(
             select(InstanceMapping.instance_uuid, InstanceMapping.cell_id).where(
-                InstanceMapping.project_id == project_id))}
+                InstanceMapping.project_id == project_id, InstanceMapping.queued_for_delete.is_(False)))}
         unscheduled = list(session.scalars(select(InstanceMapping.instance_uuid).where(
             InstanceMapping.project_id == project_id, InstanceMapping.cell_id.is_(None),
             InstanceMapping.queued_for_delete.is_(False))))
         if unscheduled:
             for build in session.scalars(select(BuildRequest).where(BuildRequest.instance_uuid.in_(unscheduled))):
                 servers[build.instance_uuid] = _flavor_usage(build.instance.get("flavor"))
-    at_home: set[str] = set()
+    at_home: set[str] = set()  # servers counted by a visible record in their mapped cell
     for cell in all_cells():
         with cell_session(cell) as session:
             for instance in session.scalars(select(Instance).where(
                     Instance.project_id == project_id, Instance.deleted.is_(False))):
                 counted = instance_usage(instance)
-                if home.get(instance.uuid) == cell.id:
+                mapped_here = home.get(instance.uuid) == cell.id
+                if mapped_here and not instance.hidden:
                     servers[instance.uuid] = counted
                     at_home.add(instance.uuid)
-                elif not instance.hidden and instance.uuid not in at_home:
+                elif (mapped_here or not instance.hidden) and instance.uuid not in at_home:
                     cores, ram = servers.get(instance.uuid, (0, 0))
                     servers[instance.uuid] = (max(cores, counted[0]), max(ram, counted[1]))
     return {INSTANCES: len(servers), CORES: sum(cores for cores, _ in servers.values()),

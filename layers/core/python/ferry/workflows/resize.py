@@ -2,7 +2,7 @@
 
 Forward, to VERIFY_RESIZE::
 
-    ValidateInput → SelectDestinations → PrepResizeAtDest → prep_resize (destination host)
+    ValidateMoveInput → SelectMoveDestinations → PrepResizeAtDest → prep_resize (destination host)
     → ResizeInstanceAtSource → resize_instance (source host) → FinishResizeAtDest
     → finish_resize (destination host) → MarkResized
 
@@ -17,13 +17,16 @@ Each step takes the workflow's state document and returns what the state machine
 under its ``ResultPath``. The document holds the execution input and, as the move goes on:
 
 ``move``
-    from ValidateInput: the source (host, node, queue, power state, and ``allocated``: whether
-    the server held allocations when the move started), the transfer location and the
+    from ValidateMoveInput: the source (host, node, queue, power state, and ``allocated``:
+    whether the server held allocations when the move started), the transfer location and the
     arguments that restore the source guest.
 ``destination``
-    from SelectDestinations (or RescheduleMove): host, node, cell, provider, queue,
-    ``same_host``, the alternates left and ``claim_generation``, the instance consumer's
-    generation once it holds the destination claim.
+    from SelectMoveDestinations (or RescheduleMove): host, node, cell, provider, queue,
+    ``same_host``, the alternates left, ``claimed`` (the destination claim, ``{rp_uuid: {rc:
+    n}}``) and ``claim_generation``, the instance consumer's generation while it held exactly
+    that claim (None when it did not by the time it was read). A document written before
+    ``claimed`` was recorded lacks it, and maybe ``claim_generation`` too (see
+    :func:`_restore_allocations`).
 ``prep``, ``resize``, ``finish``
     the host operation arguments built by PrepResizeAtDest, ResizeInstanceAtSource and
     FinishResizeAtDest.
@@ -96,7 +99,7 @@ _IN_PROGRESS = (PRE_MIGRATING, MIGRATING, POST_MIGRATING, FINISHED)
 INPUT_SCHEMA: dict[str, Any] = json.loads(
     Path(__file__).with_name("resize.input.schema.json").read_text(encoding="utf-8"))
 
-# What every step after ValidateInput receives (the handlers validate it).
+# What every step after ValidateMoveInput receives (the handlers validate it).
 STEP_SCHEMA: dict[str, Any] = {
     "type": "object",
     "required": ["instance_uuid", "migration_uuid", "cell", "request_id", "move"],
@@ -110,7 +113,7 @@ STEP_SCHEMA: dict[str, Any] = {
     },
 }
 
-# ValidateInput gets ``{"input": <execution input>, "execution_name": <name>}``.
+# ValidateMoveInput gets ``{"input": <execution input>, "execution_name": <name>}``.
 VALIDATE_EVENT_SCHEMA: dict[str, Any] = {"type": "object", "required": ["input"]}
 
 # RollbackMove also runs when validation itself broke: then it has the raw input, without ``move``.
@@ -192,7 +195,7 @@ def _move_extra(instance: Instance, migration_uuid: str) -> dict[str, Any]:
             "new_flavor": notifications.flavor_payload(instance.new_flavor)}
 
 
-# --- ValidateInput ------------------------------------------------------------------------------
+# --- ValidateMoveInput --------------------------------------------------------------------------
 
 
 def _refuse(message: str) -> errors.MoveNotPrepared:
@@ -262,8 +265,9 @@ def validate_input(event: dict[str, Any]) -> dict[str, Any]:
     with api_session() as session:
         ports = _ports(session, uuid)
     source["queue_url"] = hosts.queue_url(source["host"])
-    # A server can hold no allocation (an operator removed it): then the migration takes none, and
-    # everything the server holds during the move is the move's own claim (see _restore_allocations).
+    # A server can hold no allocation (an operator removed it): then the migration takes none from it,
+    # and what the instance holds later is this move's claim only when it is exactly one (an operator
+    # may give the allocation back meanwhile; see _claimed_selection and _restore_allocations).
     source["allocated"] = bool(placement.get_allocations(uuid))
     document["move"] = {
         "migration_type": migration_type,
@@ -276,7 +280,7 @@ def validate_input(event: dict[str, Any]) -> dict[str, Any]:
     return document
 
 
-# --- SelectDestinations -------------------------------------------------------------------------
+# --- SelectMoveDestinations ---------------------------------------------------------------------
 
 
 def _move_spec(instance: Instance, migration: Migration, cell: str, requested_host: str | None,
@@ -310,6 +314,7 @@ def _move_spec(instance: Instance, migration: Migration, cell: str, requested_ho
 def _destination(selection: scheduler.Selection, alternates: list[scheduler.Selection], source_host: str,
                  instance_uuid: str) -> dict[str, Any]:
     """The state document's ``destination`` for a claimed selection (read after the claim)."""
+    generation, held = placement.consumer_allocations(instance_uuid)
     return {
         "host": selection.host,
         "node": selection.node,
@@ -318,25 +323,58 @@ def _destination(selection: scheduler.Selection, alternates: list[scheduler.Sele
         "queue_url": hosts.queue_url(selection.host),
         "same_host": selection.host == source_host,
         "alternates": [alt.to_dict() for alt in alternates],
-        "claim_generation": placement.consumer_generation(instance_uuid),
+        "claimed": selection.allocations,
+        "claim_generation": generation if held == selection.allocations else None,
     }
 
 
-def _claimed_selection(instance_uuid: str, migration_uuid: str, cell: str,
-                       allocated: bool | None) -> scheduler.Selection | None:
-    """The destination an earlier run of this step claimed.
+def _claim_provider(held: placement.Allocations, spec: Mapping[str, Any]) -> placement.Provider | None:
+    """The provider of ``held`` when ``held`` is exactly what a claim of this move holds, else None.
 
-    The migration then holds the source allocation, or, for a server that held none when the
-    move started (``allocated`` False), whatever the instance holds is that claim: scheduling
-    again would hand it to the migration as if it were the source's.
+    A claim of the move is the new flavor's resources (as the scheduler derives them from the
+    flavor and ``is_bfv``) on one provider whose host the move may go to: not one of the spec's
+    ``ignore_hosts`` (which hold the source unless the move may stay there), and the requested
+    host when one was asked for. The server's own allocation on the source, as an operator gives
+    it back, is not one, unless the move may stay on the source and the two flavors are the same
+    size: nothing tells those apart.
     """
-    if allocated is not False and not placement.get_allocations(migration_uuid):
+    if len(held) != 1:
         return None
+    [(rp_uuid, resources)] = held.items()
+    if resources != placement.resources_from_flavor(spec["flavor"], bool(spec["is_bfv"])):
+        return None
+    try:
+        provider = placement.get_provider(rp_uuid)
+    except errors.ResourceProviderNotFound:
+        return None
+    requested = (spec.get("requested_destination") or {}).get("host")
+    if provider.host in spec["ignore_hosts"] or (requested and provider.host != requested):
+        return None
+    return provider
+
+
+def _claimed_selection(instance_uuid: str, migration_uuid: str, cell: str, allocated: bool | None,
+                       spec: Mapping[str, Any]) -> scheduler.Selection | None:
+    """The destination an earlier run of this step claimed, None when none did.
+
+    The migration then holds the source allocation and the instance the claim. A server that
+    held none when the move started (``allocated`` False) gave the migration nothing, so what the
+    instance holds is an earlier run's claim only when it is exactly what a claim of this move
+    holds (:func:`_claim_provider`): an operator may have given the server its allocation back
+    since ValidateMoveInput, as ``ferry audit`` advises, and that allocation is the server's to
+    hand to the migration, not a destination that skipped the filters.
+    """
     claimed = placement.get_allocations(instance_uuid)
-    if not claimed:
-        return None
-    rp_uuid, resources = next(iter(claimed.items()))
-    provider = placement.get_provider(rp_uuid)
+    if allocated is False:
+        provider = _claim_provider(claimed, spec)
+        if provider is None:
+            return None
+        rp_uuid, resources = provider.uuid, claimed[provider.uuid]
+    else:
+        if not claimed or not placement.get_allocations(migration_uuid):
+            return None
+        rp_uuid, resources = next(iter(claimed.items()))
+        provider = placement.get_provider(rp_uuid)
     host_cell = hosts.cell_of_host(provider.host) if provider.host else None
     return scheduler.Selection(host=provider.host, node=provider.name, cell=host_cell or cell, provider_uuid=rp_uuid,
                                allocations={rp_uuid: resources})
@@ -357,10 +395,13 @@ def select_destinations(event: dict[str, Any]) -> dict[str, Any]:
     and claims the chosen destination for the instance with the new flavor. The source is
     excluded for a cold migrate, and for a resize unless ``allow_resize_to_same_host``; a
     requested host is the only candidate (the filters still run on it). Records the
-    ``conductor_migrate_server`` event.
+    ``conductor_migrate_server`` event. Run again, it finds the claim of an earlier run (see
+    :func:`_claimed_selection`) and claims nothing more.
 
     Returns:
-        The destination ``{host, node, cell, provider_uuid, queue_url, same_host, alternates}``.
+        The destination ``{host, node, cell, provider_uuid, queue_url, same_host, alternates,
+        claimed, claim_generation}``: ``claimed`` is the claim, ``claim_generation`` the instance
+        consumer's generation while it held exactly that (None when it did not when read).
 
     Raises:
         NoValidHost: no host passes the filters with room for the new flavor.
@@ -376,7 +417,7 @@ def select_destinations(event: dict[str, Any]) -> dict[str, Any]:
         actions.start_event(session, instance_uuid=uuid, request_id=event["request_id"], event=EVENT_MIGRATE)
         spec = _move_spec(instance, migration, cell, event.get("requested_host"), instances.is_bfv(session, uuid))
         source_host = cast(str, instance.host)
-    chosen = _claimed_selection(uuid, migration_uuid, cell, _source(event).get("allocated"))
+    chosen = _claimed_selection(uuid, migration_uuid, cell, _source(event).get("allocated"), spec)
     alternates: list[scheduler.Selection] = []
     if chosen is None:
         selections = scheduler.select_destinations(spec, migration_uuid=migration_uuid)
@@ -641,22 +682,60 @@ def _failed_step(event: Mapping[str, Any]) -> tuple[str, str | None]:
     return EVENT_FINISH, event["destination"]["host"]
 
 
-def _restore_allocations(event: Mapping[str, Any]) -> None:
+def _restore_allocations(event: Mapping[str, Any], source_node: str | None) -> None:
     """The instance gets back exactly what the migration holds on the source; the destination claim goes.
 
-    A server that held no allocation when the move started (an operator removed it) holds none
-    afterwards: the migration took nothing, and whatever the instance or the migration holds now
-    was claimed by this move, even by a SelectDestinations or RescheduleMove that failed after its
-    claim and so left no ``destination`` in the document. A migration whose allocation an operator
-    removed during the move has nothing to give back; the destination claim goes all the same
-    (see :func:`ferry.placement.revert_move_allocations`).
+    When the migration holds nothing to give back (the server held no allocation when the move
+    started, or an operator removed the migration's since), the instance's allocations are
+    dropped only when they are provably this move's destination claim (see
+    :func:`ferry.placement.revert_move_allocations`):
+
+    * the claim the ``destination`` recorded, held at the generation recorded with it;
+    * a ``destination`` written before claims were recorded: the instance holds the
+      destination's provider and not the source's, as the rollback then checked;
+    * for a server that held no allocation when the move started: exactly what a claim of this
+      move holds (:func:`_claim_provider`), on the destination or one of its alternates when the
+      document names one. That covers a SelectMoveDestinations or RescheduleMove that failed
+      after its claim and so did not record it.
+
+    Anything else (an allocation an operator gave the server back meanwhile) is left alone.
     """
     uuid, migration_uuid = event["instance_uuid"], event["migration_uuid"]
+    dest = event.get("destination")
+    claimed: placement.Allocations | None = None
+    generation = None
+    if dest is not None and "claimed" in dest:
+        claimed, generation = dest["claimed"], dest.get("claim_generation")
+    elif dest is not None:
+        held = placement.get_allocations(uuid)
+        try:
+            source_provider = placement.provider_by_node(source_node) if source_node else None
+        except errors.ResourceProviderNotFound:
+            source_provider = None
+        if dest["provider_uuid"] in held and source_provider not in held:
+            claimed, generation = held, dest.get("claim_generation")
     if ((event.get("move") or {}).get("source") or {}).get("allocated") is False:
-        placement.set_allocations({uuid: {"allocations": {}}, migration_uuid: {"allocations": {}}})
-        return
-    placement.revert_move_allocations(migration_uuid, uuid,
-                                      claim_generation=(event.get("destination") or {}).get("claim_generation"))
+        held = placement.get_allocations(uuid)
+        if held and held != claimed and _is_unrecorded_claim(event, held):
+            claimed, generation = held, None
+    placement.revert_move_allocations(migration_uuid, uuid, claimed=claimed, claim_generation=generation)
+
+
+def _is_unrecorded_claim(event: Mapping[str, Any], held: placement.Allocations) -> bool:
+    """Whether ``held`` is exactly what a claim of this move holds, where the move may have claimed."""
+    with cell_session(event["cell"]) as session:
+        instance, migration = _load(session, event)
+        if not instance.new_flavor:
+            return False
+        spec = _move_spec(instance, migration, event["cell"], event.get("requested_host"),
+                          instances.is_bfv(session, instance.uuid))
+    provider = _claim_provider(held, spec)
+    if provider is None:
+        return False
+    dest = event.get("destination")
+    if dest is None:
+        return True
+    return provider.uuid in {dest["provider_uuid"], *(alt["provider_uuid"] for alt in dest.get("alternates") or [])}
 
 
 def _close_events(session: Session, event: Mapping[str, Any], failed: str, host: str | None,
@@ -735,7 +814,7 @@ def rollback_move(event: dict[str, Any]) -> dict[str, Any]:
             placement.delete_allocations(migration_uuid)
             _update_migration(session, migration_uuid, {"status": ERROR}, _IN_PROGRESS)
             return {}
-    _restore_allocations(event)
+    _restore_allocations(event, source_node)
     if dest is not None:
         _release_destination(uuid, dest["host"], source_host)
     failed, failed_host = _failed_step(event)

@@ -62,9 +62,10 @@ def check_resize_to_revert(event: dict[str, Any]) -> dict[str, Any]:
 
     Returns:
         ``{"source": {host, node, queue_url}, "dest": {host, node, queue_url}, "same_host": bool,
-        "transfer": {bucket, prefix}, "claim_generation": int | None}``: the last is the instance
-        consumer's generation while it holds the destination claim (None: it holds nothing),
-        which tells :func:`revert_resources_to_source` whether that claim is still to be dropped.
+        "transfer": {bucket, prefix}, "claimed": {rp_uuid: {rc: n}}, "claim_generation": int |
+        None}``: the last two are the instance's destination allocation and its consumer's
+        generation, read together (``{}`` and None: it holds nothing); they tell
+        :func:`revert_resources_to_source` whether that allocation is still to be dropped.
 
     Raises:
         InvalidWorkflowInput, MigrationNotFound, InstanceNotFound, UnexpectedMigrationState: refused,
@@ -94,9 +95,10 @@ def check_resize_to_revert(event: dict[str, Any]) -> dict[str, Any]:
                             event=cross_cell_settle.EVENT_REVERT if cells else EVENT_REVERT,
                             host=None if cells else dest)
         payload = notifications.instance_payload(instance, migration_uuid=migration_uuid)
+        generation, claimed = placement.consumer_allocations(uuid)
         move = {"source": host_ref(source, migration.source_node), "dest": host_ref(dest, migration.dest_node),
                 "same_host": source == dest, "transfer": images.transfer_location(migration_uuid),
-                "claim_generation": placement.consumer_generation(uuid)}
+                "claimed": claimed, "claim_generation": generation}
         if cells:
             move["cross_cell"] = cells
     publisher = notifications.conductor_publisher() if cells else notifications.compute_publisher(dest)
@@ -118,7 +120,11 @@ def revert_resources_to_source(event: dict[str, Any]) -> dict[str, Any]:
     * placement: the migration's allocation (the old flavor on the source) becomes the
       instance's, replacing its destination allocation, in one transaction; a migration that
       holds none (the server held no allocation, an operator removed it) gives nothing back,
-      and the destination allocation goes all the same, so the server ends with none;
+      and the destination allocation goes all the same when it is unchanged since
+      CheckResizeToRevert read it (the same allocations at the same consumer generation), so the
+      server ends with none; an allocation written since (an operator giving the server its
+      allocation back) is kept. A document from before CheckResizeToRevert recorded the
+      allocation (``claimed``) keeps it too;
     * ports: the source's binding is active again and, unless the move stayed on one host, the
       destination's goes;
     * volumes: the destination's attachments go, and every volume of the server (including
@@ -145,7 +151,8 @@ def revert_resources_to_source(event: dict[str, Any]) -> dict[str, Any]:
             BlockDeviceMapping.destination_type == "volume", BlockDeviceMapping.volume_id.is_not(None))))
         boot_index = {b.volume_id: b.boot_index for b in bdms}
         device_of = {b.volume_id: b.device_name for b in bdms}
-    placement.revert_move_allocations(migration_uuid, uuid, claim_generation=move.get("claim_generation"))
+    placement.revert_move_allocations(migration_uuid, uuid, claimed=move.get("claimed"),
+                                      claim_generation=move.get("claim_generation"))
     with api_session() as session:
         network.activate(session, uuid, source)
         if not same_host:
