@@ -29,6 +29,7 @@ from hostagent.agent import (
     DEFAULT_MAX_WAITING,
     DEFAULT_VISIBILITY_TIMEOUT,
     HostAgent,
+    default_volumes_dirs,
     inventory_from_capacity,
 )
 from hostagent.driver import CPU_MODES, PORT_VIF_TYPES, HostCapacity, LibvirtDriver, write_test_node_xml
@@ -66,9 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         dest="volumes_dirs",
         metavar="DIR",
-        help="a directory in which operations may make and remove volume files, repeated for each (default: "
-        "$FERRY_STATE_DIR/volumes, where the compute API places the volumes it makes, and volumes beside "
-        "--instances-dir); a volume file elsewhere is refused",
+        help="a directory in which operations may make and remove volume files, repeated for each; a volume "
+        "file elsewhere is refused (default: $FERRY_STATE_DIR/volumes and volumes beside --instances-dir; the "
+        "first is where the compute API places the volumes it makes only when this FERRY_STATE_DIR is the "
+        "stack's FerryStateDir, as in the local stack: otherwise give that directory, and each directory "
+        "volumes are registered in with --new-file-in)",
     )
     parser.add_argument("--vcpus", type=int, help="vCPUs to report (and of the test hypervisor)")
     parser.add_argument("--memory-mb", type=int, help="memory to report (and of the test hypervisor)")
@@ -164,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     host: str = args.host
     state_dir: Path = (args.state_dir or settings.state_dir / "hosts" / host).resolve()
     instances_dir: Path = (args.instances_dir or state_dir / "instances").resolve()
-    volumes_dirs = [d.resolve() for d in args.volumes_dirs] if args.volumes_dirs else None
+    volumes_dirs = [d.resolve() for d in args.volumes_dirs or default_volumes_dirs(settings.state_dir, instances_dir)]
     uri = args.libvirt_uri or write_test_node_xml(
         state_dir / "node.xml",
         args.vcpus or DEFAULT_TEST_VCPUS,

@@ -43,7 +43,7 @@ from typing import Any
 from aws_lambda_powertools.metrics import MetricUnit, single_metric
 from botocore.exceptions import BotoCoreError, ClientError
 
-from ferry import aws, config, errors, faults, protocol, validation
+from ferry import aws, errors, faults, protocol, validation
 from ferry.observability import logger
 from hostagent import disks
 from hostagent.driver import (
@@ -83,9 +83,6 @@ UNSURE_REDELIVERY_SECONDS = 10
 # How often an operation held by an injected timeout (drills) looks whether the fault still holds it.
 HOLD_POLL_SECONDS = 0.5
 DLQ_RETENTION_SECONDS = 14 * 24 * 3600
-# Where volume files are unless configured: ``$FERRY_STATE_DIR/volumes`` (where the compute API
-# places the volumes it makes, the same path on every host) and ``volumes`` beside the instances directory.
-VOLUMES_DIR = "volumes"
 # Step Functions limits on SendTaskFailure.
 _MAX_ERROR_LEN = 256
 _MAX_CAUSE_LEN = 32768
@@ -182,10 +179,16 @@ def parse_message(body: Any) -> Operation:
     )
 
 
-def default_volumes_dirs(instances_dir: str | Path) -> list[Path]:
-    """The directories volume files may be made in or removed from when none are configured
-    (see :data:`VOLUMES_DIR`)."""
-    return [config.get().state_dir / VOLUMES_DIR, Path(instances_dir).parent / VOLUMES_DIR]
+def default_volumes_dirs(ferry_state_dir: str | Path, instances_dir: str | Path) -> list[Path]:
+    """The volumes directories of an agent configured with none (``python -m hostagent`` without
+    ``--volumes-dir``): ``<ferry_state_dir>/volumes`` and ``volumes`` beside the instances directory
+    (:data:`ferry.protocol.VOLUMES_DIR`).
+
+    The first is where the compute API places the volume files it makes only when
+    ``ferry_state_dir`` (the agent's FERRY_STATE_DIR) is the control plane's (the template's
+    ``FerryStateDir``), as for the local stack's agents, which share its state directory.
+    """
+    return [Path(ferry_state_dir) / protocol.VOLUMES_DIR, Path(instances_dir).parent / protocol.VOLUMES_DIR]
 
 
 def operation_delay(operation: str) -> float:
@@ -215,13 +218,27 @@ class _NotRun(Exception):
 
 class _Claim:
     """An operation this agent runs, or has waiting for its instance's lock or a worker, and the
-    copies of its message (same operation id) received meanwhile, as (receipt handle, task token):
-    they hold no slot, and the delivery that claimed the operation keeps them and settles them."""
+    copies of its message (same operation id) received meanwhile: they hold no slot, and the
+    delivery that claimed the operation keeps them and settles them.
 
-    def __init__(self, op: Operation, receipt: str) -> None:
+    Deliveries are told apart by SQS message id. A message SQS hands out again (its visibility
+    lapsed) keeps only its newest receipt handle, the one SQS honours: ``receipt`` for the claimed
+    message, and in ``copies`` (message id to (receipt handle, task token)) for the others. Fields
+    change under the agent's claims guard.
+    """
+
+    def __init__(self, op: Operation, message_id: str, receipt: str) -> None:
         self.op = op
+        self.message_id = message_id
         self.receipt = receipt
-        self.copies: list[tuple[str, str | None]] = []
+        self.copies: dict[str, tuple[str, str | None]] = {}
+        # Set when a copy brings a task token the claim did not know: the keepalive heartbeats it
+        # at once rather than at its next beat.
+        self.new_token = threading.Event()
+
+    def deliveries(self) -> list[tuple[str, str | None]]:
+        """(receipt handle, task token) of the claimed message and of each copy."""
+        return [(self.receipt, self.op.task_token), *self.copies.values()]
 
 
 def _message_token(body: Any) -> str | None:
@@ -243,8 +260,9 @@ class HostAgent(MoveOperations):
         instances_dir: where instance directories and the image cache live.
         state_dir: the agent's own state (the journal).
         volumes_dirs: the only directories in which a message may have this host make or remove a
-            volume file (checked once ``..`` and symbolic links are resolved); None:
-            :func:`default_volumes_dirs`.
+            volume file (checked once ``..`` and symbolic links are resolved); None: only
+            ``volumes`` beside the instances directory. ``python -m hostagent`` passes
+            :func:`default_volumes_dirs` unless given ``--volumes-dir``.
         inventory: the inventory to report; ``None`` reports the driver's host capacity.
         queue_prefix: host queue name prefix, needed when ``queue_url`` is None.
         sqs, stepfunctions, s3: boto3 clients (default: :func:`ferry.aws.client`).
@@ -324,7 +342,7 @@ class HostAgent(MoveOperations):
         self.instances_dir = Path(instances_dir)
         self.state_dir = Path(state_dir)
         self.volumes_dirs = [Path(d) for d in volumes_dirs] if volumes_dirs is not None \
-            else default_volumes_dirs(instances_dir)
+            else [self.instances_dir.parent / protocol.VOLUMES_DIR]
         self.inventory = inventory
         self.sqs = sqs or aws.client("sqs")
         self.sfn = stepfunctions or aws.client("stepfunctions")
@@ -556,7 +574,8 @@ class HostAgent(MoveOperations):
         except faults.InjectedTimeout as timeout:
             self._hold(message, timeout, context)
             return
-        claim = self._claim(op, receipt, context)
+        # Without a message id (a message handed in by hand) a delivery is told apart by its receipt.
+        claim = self._claim(op, message.get("MessageId") or receipt, receipt, context)
         if claim is None:
             return
         settled = False
@@ -565,34 +584,48 @@ class HostAgent(MoveOperations):
         finally:
             self._end_claim(claim, settled, context)
 
-    def _claim(self, op: Operation, receipt: str, context: dict[str, Any]) -> _Claim | None:
+    def _claim(self, op: Operation, message_id: str, receipt: str, context: dict[str, Any]) -> _Claim | None:
         """Claim ``op`` for this delivery; None when this agent already runs it or has it waiting.
 
         Such a copy of its message is added to that claim rather than waiting for the operation
         with a slot of its own, which copies of a long operation would otherwise fill, keeping
         other instances' operations from being received: the claiming delivery keeps the copy
         invisible and its task heartbeat, and settles it once the operation ends (:meth:`_end_claim`).
+        A message the claim holds already (SQS handed it out again) is kept by its newest receipt
+        handle only. A copy bringing a task token new to the claim has it heartbeat at once.
         """
         with self._claims_guard:
             claim = self._claims.get(op.operation_id)
             if claim is None:
-                claim = self._claims[op.operation_id] = _Claim(op, receipt)
+                claim = self._claims[op.operation_id] = _Claim(op, message_id, receipt)
                 return claim
-            claim.copies.append((receipt, op.task_token))
-        logger.info("a copy of an operation this agent runs or has waiting: settled when it ends", extra=context)
+            again = message_id == claim.message_id
+            if again:
+                claim.receipt = receipt
+            else:
+                known = {token for _receipt, token in claim.deliveries()}
+                claim.copies[message_id] = (receipt, op.task_token)
+                if op.task_token and op.task_token not in known:
+                    claim.new_token.set()
+        if again:
+            logger.info("the message of an operation this agent runs or has waiting came back: kept by its "
+                        "newest receipt", extra=context)
+        else:
+            logger.info("a copy of an operation this agent runs or has waiting: settled when it ends", extra=context)
         return None
 
     def _end_claim(self, claim: _Claim, settled: bool, context: dict[str, Any]) -> None:
         """Forget ``claim`` and settle the copies of its message received meanwhile.
 
-        A copy with the claim's task token shares its message's fate: deleted when that one was
-        (answered, or no longer awaited), else back in :data:`UNSURE_REDELIVERY_SECONDS`. A copy
-        with another token (the workflow retrying the operation) is made visible at once, to be
-        answered from the journal or run as a delivery of its own.
+        A copy with the claim's task token shares its message's fate (``settled``: a delete of that
+        one was attempted, it being answered or no longer awaited): deleted too, else back in
+        :data:`UNSURE_REDELIVERY_SECONDS`. A copy with another token (the workflow retrying the
+        operation) is made visible at once, to be answered from the journal or run as a delivery
+        of its own.
         """
         with self._claims_guard:
             del self._claims[claim.op.operation_id]
-            copies = list(claim.copies)
+            copies = list(claim.copies.values())
         for receipt, token in copies:
             if token != claim.op.task_token:
                 self._release(receipt)
@@ -602,27 +635,38 @@ class HostAgent(MoveOperations):
                 self._redeliver_later(receipt, context)
 
     def _run_and_settle(self, claim: _Claim, context: dict[str, Any]) -> bool:
-        """Run the claimed operation and settle its message; True when the message was deleted
-        (answered, or its workflow no longer waits), False when it is left to come back."""
-        op, receipt = claim.op, claim.receipt
+        """Run the claimed operation and settle its message (by its newest receipt handle).
+
+        Returns:
+            True when a delete of the message was attempted: it was answered, or its workflow no
+            longer waits (a delete that failed only brings it back, to be answered from the
+            journal). False when it is left to come back soon.
+        """
+        op = claim.op
         try:
             result, error, cause = self._run(claim, context)
         except _NotRun as not_run:
             if not_run.awaited is False:
-                self._delete(receipt)
+                self._delete(self._receipt(claim))
                 return True
-            self._redeliver_later(receipt, context)
+            self._redeliver_later(self._receipt(claim), context)
             return False
         except _TakenBack:
-            self._delete(receipt)
+            self._delete(self._receipt(claim))
             return True
-        return self._settle(op, receipt, result, error, cause, context)
+        return self._settle(op, self._receipt(claim), result, error, cause, context)
+
+    def _receipt(self, claim: _Claim) -> str:
+        """The newest receipt handle of the claimed message."""
+        with self._claims_guard:
+            return claim.receipt
 
     def _settle(self, op: Operation, receipt: str, result: dict[str, Any] | None, error: str | None,
                 cause: str | None, context: dict[str, Any]) -> bool:
         """Answer the message's task and delete the message; an answer that could not be sent
         brings the message back soon, to be answered from the journal well inside the Task's
-        heartbeat time. True when the message was deleted."""
+        heartbeat time. True when a delete of the message was attempted (answered, or no
+        longer awaited)."""
         if self._answer(op.task_token, result, error, cause, context):
             self._delete(receipt)
             return True
@@ -660,8 +704,10 @@ class HostAgent(MoveOperations):
     ) -> tuple[dict[str, Any] | None, str | None, str | None]:
         """Run the claimed operation under the journal; return (result, error name, cause).
 
-        A copy of the message that another worker ran meanwhile (it held the instance's lock) is
-        answered with that run's outcome instead of running again.
+        An operation found finished once its instance's lock is held is answered with that run's
+        outcome instead of running again: a delivery that found no outcome in the journal when it
+        was received but claimed the operation only after the run that held it had ended, or one
+        of an operation that may take back what it sent (answered from the journal only here).
 
         Raises:
             _NotRun: the workflow no longer waits for the operation, or Step Functions cannot tell;
@@ -716,13 +762,14 @@ class HostAgent(MoveOperations):
         if op.task_token and op.name in self._take_back and self._still_awaited(op.task_token, context) is False:
             # The Task timed out while the operation ran: nobody takes its answer, and the
             # rollback may already have deleted what it sent. Asked before the outcome is
-            # journaled and the lock goes: a copy of the message waiting for the lock would
-            # answer from the journal first, and Step Functions would then refuse this question
-            # just as it does for a Task that timed out.
+            # journaled: a delivery of the message that claims the operation once this claim
+            # ends would answer from the journal, and Step Functions would then refuse this
+            # question just as it does for a Task that timed out.
             self._take_back_sent(op, context)
             raise _TakenBack()
-        # Journaled before the instance's lock goes: a copy of the message waiting for the lock
-        # then finds the outcome and answers with it, never running the operation again.
+        # Journaled before the instance's lock and the claim go: a delivery of the message that
+        # claims the operation afterwards finds the outcome and answers with it, never running
+        # the operation again.
         if error is None:
             assert result is not None
             self.journal.succeed(op.operation_id, result)
@@ -882,16 +929,28 @@ class HostAgent(MoveOperations):
 
         The first beat comes within a second (a message that came back late and waits for a
         worker has little of its Task's heartbeat time left), then one every keepalive interval.
+        A copy that brings a new task token (the workflow retrying) has it heartbeat at once too,
+        not at the next beat: its Task may have little heartbeat time left as well.
         """
         done = threading.Event()
 
         def beat() -> None:
             gone: set[str] = set()  # tokens whose workflow stopped waiting: their messages are kept alive only
-            wait = min(self.keepalive_interval, KEEPALIVE_FIRST_BEAT_SECONDS)
-            while not done.wait(wait):
-                wait = self.keepalive_interval
+            beaten: set[str] = set()
+            due = time.monotonic() + min(self.keepalive_interval, KEEPALIVE_FIRST_BEAT_SECONDS)
+            while True:
+                claim.new_token.wait(max(0.0, due - time.monotonic()))
+                if done.is_set():
+                    return
+                claim.new_token.clear()
                 with self._claims_guard:
-                    deliveries = [(claim.receipt, claim.op.task_token), *claim.copies]
+                    deliveries = claim.deliveries()
+                if time.monotonic() < due:  # woken by a copy: only its new task is heartbeat now
+                    for token in dict.fromkeys(t for _receipt, t in deliveries if t and t not in beaten):
+                        beaten.add(token)
+                        self._keepalive_heartbeat(token, gone, context)
+                    continue
+                due = time.monotonic() + self.keepalive_interval
                 for receipt in dict.fromkeys(receipt for receipt, _token in deliveries):
                     try:
                         self.sqs.change_message_visibility(
@@ -900,14 +959,9 @@ class HostAgent(MoveOperations):
                     except (ClientError, BotoCoreError) as exc:
                         logger.warning("extending the message's visibility failed",
                                        extra={**context, "error": str(exc)})
-                for token in dict.fromkeys(token for _receipt, token in deliveries if token and token not in gone):
-                    try:
-                        self.sfn.send_task_heartbeat(taskToken=token)
-                    except self._task_gone_errors() as exc:
-                        logger.warning("task heartbeat failed", extra={**context, "error": str(exc)})
-                        gone.add(token)
-                    except (ClientError, BotoCoreError) as exc:
-                        logger.warning("task heartbeat failed", extra={**context, "error": str(exc)})
+                for token in dict.fromkeys(token for _receipt, token in deliveries if token):
+                    beaten.add(token)
+                    self._keepalive_heartbeat(token, gone, context)
 
         thread = threading.Thread(target=beat, name=f"keepalive-{claim.op.operation_id}", daemon=True)
         thread.start()
@@ -915,7 +969,20 @@ class HostAgent(MoveOperations):
             yield
         finally:
             done.set()
+            claim.new_token.set()  # wakes the beat to end it
             thread.join()
+
+    def _keepalive_heartbeat(self, token: str, gone: set[str], context: dict[str, Any]) -> None:
+        """Heartbeat ``token``'s task unless it is in ``gone``; add it there when its workflow stopped waiting."""
+        if token in gone:
+            return
+        try:
+            self.sfn.send_task_heartbeat(taskToken=token)
+        except self._task_gone_errors() as exc:
+            logger.warning("task heartbeat failed", extra={**context, "error": str(exc)})
+            gone.add(token)
+        except (ClientError, BotoCoreError) as exc:
+            logger.warning("task heartbeat failed", extra={**context, "error": str(exc)})
 
     @contextmanager
     def _worker(self, op: Operation, context: dict[str, Any]) -> Iterator[None]:
@@ -1080,8 +1147,9 @@ class HostAgent(MoveOperations):
             self.driver.destroy(op.instance_uuid)
             disks.remove_instance_dir(self.instances_dir, op.instance_uuid)
             for path in created_volumes:
-                if disks.inside(path, self.volumes_dirs):
-                    path.unlink(missing_ok=True)
+                target = disks.volume_target(path, self.volumes_dirs)
+                if target is not None:
+                    target.unlink(missing_ok=True)
                 else:
                     logger.warning("a volume file the spawn's record names outside the volumes directories is left",
                                    extra={**self._context(op), "path": str(path)})
@@ -1090,18 +1158,21 @@ class HostAgent(MoveOperations):
             logger.exception("cleaning up a failed spawn failed", extra=self._context(op))
 
     def _volume_file(self, op: Operation, path: str) -> Path:
-        """``path``, the file of a volume this host is asked to make or remove, once it is known to
-        lie in one of the volumes directories.
+        """Where to make or remove ``path``, the file of a volume this host is asked to make or
+        remove: ``path`` with its directory resolved now, once the file and that directory are
+        known to lie in the volumes directories (:func:`hostagent.disks.volume_target`). Call it
+        right before the file is touched.
 
         Raises:
             InvalidOperation: it lies elsewhere (after ``..`` and symbolic links are resolved).
         """
-        if not disks.inside(path, self.volumes_dirs):
+        target = disks.volume_target(path, self.volumes_dirs)
+        if target is None:
             raise errors.InvalidOperation(
                 f"The volume file {path} is outside this host's volumes directories "
                 f"({', '.join(str(d) for d in self.volumes_dirs)}).", instance_uuid=op.instance_uuid
             )
-        return Path(path)
+        return target
 
     def _write_spawn_record(self, op: Operation, created_volumes: list[Path]) -> None:
         """Name the spawn in its instance directory, with the volume files it creates (before it creates them)."""
@@ -1141,18 +1212,21 @@ class HostAgent(MoveOperations):
             for volume in volumes:
                 if Path(volume["path"]).exists() or not volume.get("size_gb"):
                     continue
-                path = self._volume_file(op, volume["path"])
+                # Checked again right before it is written (a root disk's download may have taken
+                # minutes since the spawn's first check), and written in its directory as that check
+                # resolved it, not through a link put in the path since.
+                target = self._volume_file(op, volume["path"])
                 size = int(volume["size_gb"]) * disks.GiB
-                created_volumes.append(path)
+                created_volumes.append(target)
                 self._write_spawn_record(op, created_volumes)
-                for leftover in disks.remove_abandoned_parts(path.parent, path.name):
+                for leftover in disks.remove_abandoned_parts(target.parent, target.name):
                     logger.info("removed a file an interrupted write of the volume left",
                                 extra={**self._context(op), "path": str(leftover)})
                 if volume.get("source_image"):
-                    disks.create_root_disk(self.s3, volume["source_image"], size, path, cache_dir=cache)
+                    disks.create_root_disk(self.s3, volume["source_image"], size, target, cache_dir=cache)
                 else:
-                    disks.create_sparse(path, size)
-                protocol.mark_volume_dir(path.parent)
+                    disks.create_sparse(target, size)
+                protocol.mark_volume_dir(target.parent)
         except OSError as exc:
             raise errors.SpawnFailed(
                 f"Preparing the disks of instance {instance_uuid} failed: {exc}", instance_uuid=instance_uuid

@@ -38,6 +38,7 @@ import hashlib
 import json
 import mmap
 import os
+import re
 import shutil
 import stat
 import tempfile
@@ -71,6 +72,10 @@ RESIZE_SUFFIX = "_resize"
 INCOMING_SUFFIX = "_incoming"
 # A disk being written is ``.<name>.<random>.part`` beside its destination, renamed into place once complete.
 PART_SUFFIX = ".part"
+# Such a temporary file's name: ``<random>`` is tempfile.mkstemp's (letters, digits, ``_``; no dot).
+_PART_NAME = re.compile(r"\.(?P<name>.+)\.[a-z0-9_]+\.part")
+# What flock answers on storage that has no locks.
+_NO_LOCKS = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP})
 # This host's name and token in its instances directory: whoever reads the same there shares the storage.
 HOST_MARKER = ".ferry-host.json"
 # Beside a disk copied directly: the digest of each of its 4 MiB blocks, in order (32 bytes each).
@@ -175,17 +180,40 @@ def remove_volume_file(path: str | os.PathLike[str], volume_id: str) -> bool:
 
 
 def inside(path: str | os.PathLike[str], directories: Iterable[str | os.PathLike[str]]) -> bool:
-    """Whether ``path`` lies within one of ``directories`` once ``..`` and symbolic links are
-    resolved (the directories' too). A relative path, or one that cannot be resolved (a loop of
-    links), lies nowhere.
+    """Whether ``path`` lies within one of ``directories`` (beneath it, not the directory itself)
+    once ``..`` and symbolic links are resolved (the directories' too). A relative path, or one
+    that cannot be resolved (a loop of links, a NUL byte), lies nowhere.
     """
     if not os.path.isabs(path):
         return False
     try:
         resolved = Path(path).resolve()
         return any(Path(directory).resolve() in resolved.parents for directory in directories)
-    except (OSError, RuntimeError):
+    except (OSError, RuntimeError, ValueError):
         return False
+
+
+def volume_target(path: str | os.PathLike[str], directories: Iterable[str | os.PathLike[str]]) -> Path | None:
+    """Where the volume file ``path`` is made or removed: ``path`` with its directory resolved
+    (``..`` and symbolic links), when the file and that directory both lie within one of
+    ``directories`` (the directory may be one of them); None otherwise.
+
+    Resolved when the file is about to be written or removed, so that the write goes to the
+    directory that was checked, not through a link put in place of one since. A link at the
+    file's own name is never followed: a write renames over it, :func:`grow` refuses it and
+    :func:`remove_volume_file` leaves it.
+    """
+    roots = list(directories)
+    path = Path(path)
+    if path.name in ("", "..") or not inside(path, roots):
+        return None
+    try:
+        directory = path.parent.resolve()
+        if directory in {Path(root).resolve() for root in roots} or inside(directory, roots):
+            return directory / path.name
+    except (OSError, RuntimeError, ValueError):
+        pass
+    return None
 
 
 def remove_partial_files(instances_dir: str | os.PathLike[str]) -> list[Path]:
@@ -193,9 +221,11 @@ def remove_partial_files(instances_dir: str | os.PathLike[str]) -> list[Path]:
 
     Disks are written to ``.<name>.<random>.part`` beside their destination and renamed once
     complete; a process killed mid-way leaves the temporary file behind, which nothing else
-    would ever remove. Call it only while no operation of this host writes (when the agent
-    starts). Incoming directories are left alone: another host's agent writes there (a direct
-    copy may be running), and the whole directory goes with the move's finish or revert.
+    would ever remove. A file a write holds is left (:func:`remove_abandoned_parts`), but where
+    the storage has no locks every one is taken as abandoned, since only this host writes in
+    these directories: call it when the agent starts, before its operations write. Incoming
+    directories are left alone: another host's agent writes there (a direct copy may be
+    running), and the whole directory goes with the move's finish or revert.
     Returns the files deleted.
     """
     removed: list[Path] = []
@@ -204,39 +234,58 @@ def remove_partial_files(instances_dir: str | os.PathLike[str]) -> list[Path]:
         return removed
     for directory in (d for d in root.iterdir()
                       if d.is_dir() and not d.is_symlink() and not d.name.endswith(INCOMING_SUFFIX)):
-        removed += remove_abandoned_parts(directory)
+        removed += remove_abandoned_parts(directory, unlocked_abandoned=True)
     return removed
 
 
-def remove_abandoned_parts(directory: str | os.PathLike[str], name: str | None = None) -> list[Path]:
+def remove_abandoned_parts(directory: str | os.PathLike[str], name: str | None = None, *,
+                           unlocked_abandoned: bool = False) -> list[Path]:
     """Delete the temporary files that interrupted writes left in ``directory`` (only those of the
     file ``name``, when given); return them.
 
     A write holds its temporary file (``flock``) until the file is renamed into place, so a file
     that can be held here is one whose writer is gone: this host's or another's, since a lock on
-    shared storage is seen by every host that mounts it. A file that is held, or that cannot be
-    held (storage without locks), is left alone. Safe while operations run.
+    shared storage is seen by every host that mounts it. A file that is held is left alone. So
+    is one on storage without locks (``ENOLCK``, ``EOPNOTSUPP``), unless ``unlocked_abandoned``
+    says nobody can be writing it (a host's own directories, as its agent starts). Only names
+    of the temporary files' shape (``.<name>.<random>.part``) are looked at, and a file is
+    removed only while the one held is still the one at its name. Safe while operations run,
+    but for ``unlocked_abandoned`` on storage without locks.
+
+    On NFS the sweep is as good as the locks: Linux clients carry ``flock`` over NFS locks, seen
+    by every host, unless the storage is mounted ``local_lock=flock`` or ``all`` (or ``nolock``)
+    where each host sees only its own, so another host's write in progress looks abandoned; and a
+    host cut off from the server for longer than its lease loses its locks, so its writes in
+    progress may be removed (they then fail).
     """
-    prefix = f".{name}." if name is not None else "."
     removed: list[Path] = []
     try:
         entries = list(os.scandir(directory))
     except (FileNotFoundError, NotADirectoryError):
         return removed
     for entry in entries:
-        if not entry.name.startswith(prefix) or not entry.name.endswith(PART_SUFFIX):
+        shape = _PART_NAME.fullmatch(entry.name)
+        if shape is None or (name is not None and shape["name"] != name):
             continue
         if not entry.is_file(follow_symlinks=False):
             continue
         try:
+            # Open for writing: NFS grants an exclusive lock only on a file open for writing.
             fd = os.open(entry.path, os.O_RDWR | os.O_NOFOLLOW)
         except OSError:  # renamed into place or removed meanwhile
             continue
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                if not (unlocked_abandoned and exc.errno in _NO_LOCKS):
+                    continue  # a write holds it, or the storage has no locks to tell
             # Held now, by this sweep: its writer is gone (a write renames its file before letting go).
+            held, there = os.fstat(fd), os.lstat(entry.path)
+            if (held.st_dev, held.st_ino) != (there.st_dev, there.st_ino):
+                continue  # renamed into place meanwhile, and another file took the name
             os.unlink(entry.path)
-        except OSError:  # a write holds it, or it was renamed into place meanwhile
+        except OSError:  # renamed into place or removed meanwhile
             continue
         finally:
             os.close(fd)
@@ -664,26 +713,37 @@ def download_image(
 def grow(path: str | os.PathLike[str], size_bytes: int) -> int:
     """Extend a raw disk to ``size_bytes`` with a hole; a larger disk is never shrunk. Returns the size.
 
+    A symbolic link at ``path`` is never followed.
+
     Raises:
-        OSError: the file cannot be extended.
+        FileNotFoundError: there is no such file.
+        OSError: the file cannot be extended, or ``path`` is a symbolic link (``ELOOP``).
     """
-    current = os.path.getsize(path)
-    if size_bytes > current:
-        os.truncate(path, size_bytes)
-        return size_bytes
-    return current
+    fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW)
+    try:
+        current = os.fstat(fd).st_size
+        if size_bytes > current:
+            os.ftruncate(fd, size_bytes)
+            return size_bytes
+        return current
+    finally:
+        os.close(fd)
 
 
 def create_sparse(path: str | os.PathLike[str], size_bytes: int) -> Path:
     """Create an empty (all-hole) disk of ``size_bytes``; an existing disk is kept and grown if smaller.
 
+    A symbolic link at ``path`` is never followed (see :func:`grow`).
+
     Raises:
-        OSError: the file cannot be created.
+        OSError: the file cannot be created, or ``path`` is a symbolic link.
     """
     target = Path(path)
-    if target.exists():
+    try:
         grow(target, size_bytes)
         return target
+    except FileNotFoundError:
+        pass
     with _temp_beside(target) as (out, _tmp):
         out.truncate(size_bytes)
     return target

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import os
+import tempfile
+from pathlib import Path
+from typing import Any
 
 import boto3
 import pytest
@@ -173,6 +178,19 @@ def test_create_sparse_makes_an_empty_disk_and_keeps_an_existing_one(tmp_path):
     assert path.read_bytes()[:4] == b"data"
 
 
+@pytest.mark.parametrize("grower", ["grow", "create_sparse"])
+def test_a_disk_path_that_is_a_symbolic_link_is_never_followed(tmp_path, grower):
+    target = tmp_path / "elsewhere"
+    target.write_bytes(b"not a disk")
+    link = tmp_path / "disk"
+    link.symlink_to(target)
+
+    with pytest.raises(OSError):
+        getattr(disks, grower)(link, 64 * MiB)
+
+    assert target.read_bytes() == b"not a disk"
+
+
 def _image(s3, key: str, content: bytes) -> dict[str, str]:
     s3.put_object(Bucket=BUCKET, Key=key, Body=content)
     return {"id": key, "bucket": BUCKET, "key": key, "sha256": hashlib.sha256(content).hexdigest()}
@@ -257,3 +275,112 @@ def test_remove_instance_dir_deletes_disks_and_accepts_a_missing_directory(tmp_p
     disks.remove_instance_dir(tmp_path, "i-1")
 
     assert not disks.instance_dir(tmp_path, "i-1").exists()
+
+
+# --- volume files and temporary files ------------------------------------------------------------
+
+
+def test_inside_is_strictly_within_a_directory_once_resolved(tmp_path):
+    volumes = tmp_path / "volumes"
+    volumes.mkdir()
+    (volumes / "loop").symlink_to(volumes / "loop")
+
+    assert disks.inside(volumes / "vol-1", [volumes])
+    assert not disks.inside(volumes, [volumes])  # the directory itself is no file in it
+    assert not disks.inside(Path(f"{volumes}/sub/../../vol-1"), [volumes])
+    assert not disks.inside(volumes / "loop" / "vol-1", [volumes])  # a loop of links resolves nowhere
+    assert not disks.inside("volumes/vol-1", [volumes])  # relative
+    assert not disks.inside(f"{volumes}/vol\0-1", [volumes])  # a NUL byte
+
+
+def test_a_volume_file_is_made_where_its_directory_resolves_and_only_within_the_volumes_directories(tmp_path):
+    volumes, outside = tmp_path / "volumes", tmp_path / "outside"
+    (volumes / "real").mkdir(parents=True)
+    outside.mkdir()
+    (volumes / "linked").symlink_to(volumes / "real")
+    (outside / "into-volumes").symlink_to(volumes / "vol-3")
+    (volumes / "out").symlink_to(outside / "vol-4")
+
+    assert disks.volume_target(volumes / "vol-1", [volumes]) == volumes / "vol-1"
+    assert disks.volume_target(volumes / "linked" / "vol-2", [volumes]) == volumes / "real" / "vol-2"
+    assert disks.volume_target(outside / "into-volumes", [volumes]) is None  # the link is outside
+    assert disks.volume_target(volumes / "out", [volumes]) is None  # it leads outside
+    assert disks.volume_target(Path(f"{volumes}/real/sub/.."), [volumes]) is None
+    assert disks.volume_target(tmp_path / "vol-5", [volumes]) is None
+
+
+def test_a_write_makes_a_new_temporary_file_when_a_sweep_removed_its_first_before_it_was_held(tmp_path, monkeypatch):
+    made: list[str] = []
+    sweeps: list[list[Path]] = []
+    real_mkstemp, real_flock = tempfile.mkstemp, fcntl.flock
+
+    def mkstemp(*args: Any, **kwargs: Any) -> tuple[int, str]:
+        fd, name = real_mkstemp(*args, **kwargs)
+        made.append(name)
+        return fd, name
+
+    def flock(fd: int, operation: int) -> None:
+        if not sweeps:  # a sweep between the first file's creation and its lock (its own lock goes through)
+            sweeps.append([])
+            sweeps[0] = disks.remove_abandoned_parts(tmp_path)
+        real_flock(fd, operation)
+
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+    monkeypatch.setattr(fcntl, "flock", flock)
+
+    fd, part = disks._held_part(tmp_path / "disk")
+    try:
+        assert sweeps == [[Path(made[0])]]
+        assert part == Path(made[1]) and part.is_file()
+        with open(part, "rb+") as other, pytest.raises(BlockingIOError):
+            real_flock(other.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)  # held
+    finally:
+        os.close(fd)
+
+
+def test_a_sweep_takes_only_the_temporary_files_of_writes_by_their_shape(tmp_path):
+    parts = [".disk.abc123_x.part", ".vol.1.abcdefgh.part"]
+    others = [".part", "..part", ".disk.part", ".disk.ABCDEFGH.part", "disk.abcdefgh.part", ".disk.abc.parts",
+              ".disk.abcdefgh.part\n"]
+    for name in parts + others:
+        (tmp_path / name).write_bytes(b"x")
+
+    assert disks.remove_abandoned_parts(tmp_path, "vol") == []  # .vol.1.<random>.part is vol.1's
+    assert sorted(disks.remove_abandoned_parts(tmp_path)) == sorted(tmp_path / name for name in parts)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(others)
+
+
+def test_a_sweep_leaves_a_file_that_took_the_name_of_the_one_it_held(tmp_path, monkeypatch):
+    part = tmp_path / ".disk.abcdefgh.part"
+    part.write_bytes(b"abandoned")
+    real_flock = fcntl.flock
+
+    def flock(fd: int, operation: int) -> None:
+        real_flock(fd, operation)
+        # meanwhile the held file goes (renamed into place), and another file takes its name
+        part.rename(tmp_path / "disk")
+        part.write_bytes(b"another")
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+
+    assert disks.remove_abandoned_parts(tmp_path) == []
+    assert part.read_bytes() == b"another"
+
+
+@pytest.mark.parametrize("no_locks", [errno.ENOLCK, errno.EOPNOTSUPP])
+def test_where_there_are_no_locks_an_agent_starting_still_removes_its_own_leftovers_but_not_shared_ones(
+        tmp_path, monkeypatch, no_locks):
+    own = tmp_path / "instances" / "a1" / ".disk.abcdefgh.part"
+    shared = tmp_path / "volumes" / ".vol-1.abcdefgh.part"
+    for path in (own, shared):
+        path.parent.mkdir(parents=True)
+        path.write_bytes(b"x")
+
+    def flock(fd: int, operation: int) -> None:
+        raise OSError(no_locks, os.strerror(no_locks))
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+
+    assert disks.remove_partial_files(tmp_path / "instances") == [own]  # only this host writes there
+    assert disks.remove_abandoned_parts(tmp_path / "volumes") == []  # another host may be writing it
+    assert shared.exists()

@@ -25,7 +25,7 @@ from moto_credentials import REGION, use_moto_credentials
 
 from ferry import config, errors, protocol
 from hostagent import disks
-from hostagent.agent import HostAgent, Operation, ensure_host_queue
+from hostagent.agent import UNSURE_REDELIVERY_SECONDS, HostAgent, Operation, default_volumes_dirs, ensure_host_queue
 from hostagent.driver import RUNNING, SHUTDOWN, LibvirtDriver, write_test_node_xml
 from hostagent.journal import SUCCEEDED
 
@@ -243,12 +243,14 @@ def host(cloud, tmp_path, request) -> Iterator[Host]:
         sqs=sqs,
         stepfunctions=sfn,
         s3=s3,
-        poll_wait_seconds=0,
-        idle_wait_seconds=0.02,
-        keepalive_interval=0.1,
-        report_interval=3600,
-        heartbeat_interval=3600,
-        **getattr(request, "param", {}),
+        **{
+            "poll_wait_seconds": 0,
+            "idle_wait_seconds": 0.02,
+            "keepalive_interval": 0.1,
+            "report_interval": 3600,
+            "heartbeat_interval": 3600,
+            **getattr(request, "param", {}),
+        },
     )
     agent.start()
     assert agent.queue_url
@@ -527,28 +529,40 @@ def test_destroy_keeping_disks_removes_only_the_guest(host):
     assert (disks.instance_dir(host.instances_dir, instance_uuid) / "disk").exists()
 
 
-def test_destroy_removes_the_files_of_the_volumes_deleted_with_the_server_and_repeats_safely(host):
-    # GIVEN a server booted from a new volume the host made, and a volume whose path is not such a file
+def logged(caplog: pytest.LogCaptureFixture, message: str, volume_id: str) -> bool:
+    """Whether the agent logged ``message`` about the volume ``volume_id``."""
+    return any(record.getMessage() == message and getattr(record, "volume_id", None) == volume_id
+               for record in caplog.records)
+
+
+def test_destroy_removes_the_files_of_the_volumes_deleted_with_the_server_and_repeats_safely(host, caplog):
+    # GIVEN a server booted from a new volume the host made, a volume in the volumes directory whose
+    # path is not such a file, and one named like such a file but outside the volumes directories
     instance_uuid = str(uuid.uuid4())
     path = host.instances_dir.parent / "volumes" / "vol-4"
     boot_volume = {"volume_id": "vol-4", "path": str(path), "device": "/dev/vda", "boot_index": 0, "size_gb": 1}
-    foreign = host.instances_dir.parent / "storage" / "vol-5.img"
-    foreign.parent.mkdir()
-    foreign.write_bytes(b"the storage's own")
+    foreign = host.instances_dir.parent / "volumes" / "storage" / "vol-5.img"
+    refused = host.instances_dir.parent / "storage" / "vol-19"
+    for volume_file in (foreign, refused):
+        volume_file.parent.mkdir(parents=True, exist_ok=True)
+        volume_file.write_bytes(b"the storage's own")
     args = spawn_args(None, volumes=[boot_volume], flavor={**FLAVOR, "root_gb": 0, "ephemeral_gb": 0, "swap": 0})
     output(host.execute("spawn", instance_uuid, args))
     assert path.is_file()
     doomed = {"volumes": [{"volume_id": "vol-4", "path": str(path)},
-                          {"volume_id": "vol-5", "path": str(foreign)}]}
+                          {"volume_id": "vol-5", "path": str(foreign)},
+                          {"volume_id": "vol-19", "path": str(refused)}]}
 
-    # WHEN the server is destroyed with both volumes, twice (a redelivered or retried destroy)
+    # WHEN the server is destroyed with the three volumes, twice (a redelivered or retried destroy)
     first = output(host.execute("destroy", instance_uuid, doomed))
     again = output(host.execute("destroy", instance_uuid, doomed))
 
-    # THEN the host's file is gone and named; what it did not make is left, and not named
+    # THEN the host's file is gone and named; what it did not make, or may not remove, is left and not named
     assert first["volumes_removed"] == again["volumes_removed"] == ["vol-4"]
     assert not path.exists()
-    assert foreign.read_bytes() == b"the storage's own"
+    assert foreign.read_bytes() == refused.read_bytes() == b"the storage's own"
+    assert logged(caplog, "volume left to its storage: no file the hosts made", "vol-5")
+    assert logged(caplog, "volume file not removed: refused", "vol-19")
     assert not host.driver.guest_exists(instance_uuid)
 
 
@@ -589,16 +603,19 @@ def test_a_spawn_that_makes_a_volume_file_marks_its_directory(host):
     assert (path.parent / protocol.VOLUME_DIR_MARKER).is_file()
 
 
-def test_a_volume_file_that_cannot_be_removed_is_left_and_the_destroy_goes_on(host):
+def test_a_volume_file_that_cannot_be_removed_is_left_and_the_destroy_goes_on(host, caplog):
     instance_uuid = str(uuid.uuid4())
     output(host.execute("spawn", instance_uuid, spawn_args(host.image(b"x" * 4096))))
-    blocked = host.instances_dir.parent / "not-a-directory"
+    blocked = host.instances_dir.parent / "volumes" / "not-a-directory"  # in the volumes directory: may be removed
+    blocked.parent.mkdir(exist_ok=True)
     blocked.write_bytes(b"")
 
     result = output(host.execute("destroy", instance_uuid, {"volumes": [
         {"volume_id": "vol-8", "path": str(blocked / "vol-8")}]}))
 
     assert result["volumes_removed"] == []
+    assert logged(caplog, "volume file not removed", "vol-8")  # the removal failed; it was not refused
+    assert not logged(caplog, "volume file not removed: refused", "vol-8")
     assert not host.driver.guest_exists(instance_uuid)
     assert not disks.instance_dir(host.instances_dir, instance_uuid).exists()
 
@@ -693,8 +710,26 @@ def test_volume_files_are_made_in_any_configured_volumes_directory_and_only_ther
     assert not default.exists()
 
 
-def test_by_default_volume_files_are_made_where_the_compute_api_places_volumes(host, stack_state_dir, tmp_path):
-    agent = another_agent(host, tmp_path, "compute2")  # configured as the local stack configures its agents
+def test_an_agent_given_no_volumes_directories_makes_volume_files_only_beside_its_instances_directory(
+        host, stack_state_dir, tmp_path):
+    agent = another_agent(host, tmp_path, "compute2")
+    beside = tmp_path / protocol.VOLUMES_DIR / "vol-20"
+    placed = stack_state_dir / protocol.VOLUMES_DIR / "vol-21"  # python -m hostagent's default adds it, not HostAgent
+
+    agent.spawn(Operation("spawn", f"{uuid.uuid4()}:spawn", str(uuid.uuid4()), volume_boot_args("vol-20", beside),
+                          None))
+    with pytest.raises(errors.InvalidOperation):
+        agent.spawn(Operation("spawn", f"{uuid.uuid4()}:spawn", str(uuid.uuid4()),
+                              volume_boot_args("vol-21", placed), None))
+
+    assert beside.is_file()
+    assert not placed.parent.exists()
+
+
+def test_the_default_volumes_directories_hold_where_the_compute_api_places_volumes(host, stack_state_dir, tmp_path):
+    # configured as python -m hostagent configures an agent given no --volumes-dir (the local stack's agents)
+    agent = another_agent(host, tmp_path, "compute2",
+                          volumes_dirs=default_volumes_dirs(config.get().state_dir, tmp_path / "compute2"))
     volume_id = str(uuid.uuid4())
     placed = stack_state_dir / "volumes" / volume_id  # ferry.compute.api's path for a volume it makes
     elsewhere = tmp_path / "elsewhere" / volume_id
@@ -782,6 +817,30 @@ def test_a_spawn_making_a_volume_first_removes_what_an_interrupted_write_of_it_l
     assert (volumes / "vol-17").is_file()
     assert not leftover.exists()
     assert other.exists()  # another volume's: swept when that one is written, or when an agent starts
+
+
+def test_a_volume_file_is_written_in_its_directory_as_resolved_right_before_the_write(host, tmp_path, monkeypatch):
+    # GIVEN a volume whose path goes through a link to a directory within the volumes directory
+    volumes = host.instances_dir.parent / "volumes"
+    (volumes / "real").mkdir(parents=True)
+    (volumes / "linked").symlink_to(volumes / "real")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    sweep = disks.remove_abandoned_parts
+
+    def swap_then_sweep(directory: Path, name: str | None = None) -> list[Path]:
+        # WHEN the link is pointed outside once the spawn checked the path, before the file is written
+        (volumes / "linked").unlink()
+        (volumes / "linked").symlink_to(outside)
+        return sweep(directory, name)
+
+    monkeypatch.setattr(disks, "remove_abandoned_parts", swap_then_sweep)
+
+    output(host.execute("spawn", str(uuid.uuid4()), volume_boot_args("vol-22", volumes / "linked" / "vol-22")))
+
+    # THEN the file is where the check found the directory to be, and nothing is written outside
+    assert (volumes / "real" / "vol-22").is_file()
+    assert list(outside.iterdir()) == []
 
 
 # --- at-least-once delivery ----------------------------------------------------------------------
@@ -928,6 +987,157 @@ def test_a_retry_of_a_running_operation_has_its_task_heartbeat_and_is_answered_o
     assert output(host.finished(first)) == output(host.finished(retry))
     assert journal_entry(host, operation_id).attempts == 1
     assert wait_for(host.queue_is_empty, "both messages to be deleted")
+
+
+def copy_of(host: Host, operation: str, operation_id: str, instance_uuid: str, args: dict[str, Any],
+            token: str) -> None:
+    """Send the message of an operation again, with ``token``: a copy SQS delivers, or a retry's message."""
+    body = {"operation": operation, "operation_id": operation_id, "instance_uuid": instance_uuid, "args": args,
+            "task_token": token}
+    host.sqs.send_message(QueueUrl=host.queue_url, MessageBody=json.dumps(body))
+
+
+@pytest.mark.parametrize(("host", "waits_for"), [({"max_workers": 1, "max_waiting": 2}, "a worker"),
+                                                 ({"max_workers": 2, "max_waiting": 1}, "its instance's lock")],
+                         indirect=["host"])
+def test_copies_of_an_operation_still_waiting_take_no_slot(host, waits_for):
+    # GIVEN an operation running (held), and another one waiting for the worker or for the running one's instance
+    busy, other, later = str(uuid.uuid4()), str(uuid.uuid4()), str(uuid.uuid4())
+    output(host.execute("spawn", busy, spawn_args(host.image(b"x" * 4096), power_on=False)))
+    host.driver.gate = threading.Event()
+    host.driver.entered.clear()
+    running = host.start("power_on", busy, {})
+    assert host.driver.entered.wait(WAIT)
+    before = heartbeat_tokens(host)
+    operation, instance_uuid = ("destroy", other) if waits_for == "a worker" else ("power_off", busy)
+    operation_id = f"{uuid.uuid4()}:{operation}"
+    waiting = host.start(operation, instance_uuid, {}, operation_id=operation_id)
+    (token,) = wait_for(lambda: heartbeat_tokens(host) - before, "the waiting operation to be taken")
+
+    # WHEN SQS delivers its message again, as often as the agent has slots
+    slots = host.agent.max_workers + host.agent.max_waiting
+    for _ in range(slots):
+        copy_of(host, operation, operation_id, instance_uuid, {}, token)
+    wait_for(lambda: len(host.agent._claims[operation_id].copies) == slots, "the copies to be received")
+
+    # THEN another instance's operation is still taken (and runs on a free worker, if there is one)
+    taken = heartbeat_tokens(host)
+    last = host.start("destroy", later, {})
+    wait_for(lambda: heartbeat_tokens(host) - taken, "the other instance's operation to be taken")
+    if waits_for == "its instance's lock":
+        assert output(host.finished(last))["instance_uuid"] == later
+        assert host.sfn.describe_execution(executionArn=running)["status"] == "RUNNING"
+    # and once the running operation ends, the waiting one runs once, its copies gone with its message
+    host.driver.gate.set()
+    assert output(host.finished(running))["power_state"] == RUNNING
+    assert output(host.finished(waiting))["instance_uuid"] == instance_uuid
+    assert output(host.finished(last))["instance_uuid"] == later
+    assert journal_entry(host, operation_id).attempts == 1
+    assert wait_for(host.queue_is_empty, "the copies to be deleted")
+
+
+def visibility_changes(host: Host, since: int = 0) -> list[tuple[str, int]]:
+    """(receipt handle, visibility timeout) of each ChangeMessageVisibility the agent made after its call ``since``."""
+    return [(kwargs["ReceiptHandle"], kwargs["VisibilityTimeout"]) for call, kwargs in host.sqs.calls[since:]
+            if call == "change_message_visibility"]
+
+
+@pytest.mark.parametrize("host", [{"max_workers": 1, "max_waiting": 2}], indirect=True)
+def test_stopping_settles_the_copies_of_an_operation_that_never_ran(host):
+    # GIVEN an operation waiting for the busy worker, with a copy of its message and a retry's message
+    busy, other = str(uuid.uuid4()), str(uuid.uuid4())
+    output(host.execute("spawn", busy, spawn_args(host.image(b"x" * 4096), power_on=False)))
+    host.driver.gate = threading.Event()
+    host.driver.entered.clear()
+    running = host.start("power_on", busy, {})
+    assert host.driver.entered.wait(WAIT)
+    before = heartbeat_tokens(host)
+    operation_id = f"{uuid.uuid4()}:destroy"
+    host.start("destroy", other, {}, operation_id=operation_id)
+    (token,) = wait_for(lambda: heartbeat_tokens(host) - before, "the waiting operation to be taken")
+    copy_of(host, "destroy", operation_id, other, {}, token)
+    host.start("destroy", other, {}, operation_id=operation_id)  # the workflow retries: another token
+    claim = wait_for(lambda: (c := host.agent._claims.get(operation_id)) and len(c.copies) == 2 and c,
+                     "both copies to be received")
+    (same,) = [receipt for receipt, copy_token in claim.copies.values() if copy_token == token]
+    (retried,) = [receipt for receipt, copy_token in claim.copies.values() if copy_token != token]
+    since = len(host.sqs.calls)
+
+    # WHEN the agent stops before the operation gets the worker
+    host.agent.stop()
+    host.driver.gate.set()
+    host.thread.join(WAIT)
+
+    # THEN the message and its copy come back soon for the next agent, and the retry's at once
+    assert not host.thread.is_alive()
+    assert output(host.finished(running))["power_state"] == RUNNING
+    changes = visibility_changes(host, since)
+    assert (claim.receipt, UNSURE_REDELIVERY_SECONDS) in changes
+    assert (same, UNSURE_REDELIVERY_SECONDS) in changes
+    assert (retried, 0) in changes
+    deleted = {kwargs["ReceiptHandle"] for kwargs in host.sqs.called("delete_message")}
+    assert not deleted & {claim.receipt, same, retried}
+    assert journal_entry(host, operation_id) is None  # it never ran
+
+
+@pytest.mark.parametrize("host", [{"keepalive_interval": 20.0}], indirect=True)
+def test_a_retry_of_a_running_operation_has_its_task_heartbeat_within_a_second_not_at_the_next_beat(host):
+    busy = str(uuid.uuid4())
+    output(host.execute("spawn", busy, spawn_args(host.image(b"x" * 4096))))
+    host.driver.off_gate = threading.Event()
+    operation_id = f"{uuid.uuid4()}:power_off"
+    before = heartbeat_tokens(host)
+    first = host.start("power_off", busy, {}, operation_id=operation_id)
+    assert host.driver.off_entered.wait(WAIT)
+    (token,) = heartbeat_tokens(host) - before
+    # the keepalive's first beat is over: the next one is 20 s away
+    wait_for(lambda: (host.agent._claims[operation_id].receipt, host.agent.visibility_timeout)
+             in visibility_changes(host), "the keepalive's first beat")
+
+    retry = host.start("power_off", busy, {}, operation_id=operation_id)  # the same operation, a new task
+
+    wait_for(lambda: heartbeat_tokens(host) - before - {token}, "the retry's task to be heartbeat", timeout=5)
+    host.driver.off_gate.set()
+    assert output(host.finished(first)) == output(host.finished(retry))
+    assert journal_entry(host, operation_id).attempts == 1
+
+
+def test_a_message_handed_out_again_while_its_operation_runs_is_kept_by_its_newest_receipt_only(host):
+    # GIVEN an operation running (held)
+    instance_uuid = str(uuid.uuid4())
+    output(host.execute("spawn", instance_uuid, spawn_args(host.image(b"x" * 4096), power_on=False)))
+    host.driver.gate = threading.Event()
+    host.driver.entered.clear()
+    operation_id = f"{uuid.uuid4()}:power_on"
+    running = host.start("power_on", instance_uuid, {}, operation_id=operation_id)
+    assert host.driver.entered.wait(WAIT)
+    claim = host.agent._claims[operation_id]
+    old = claim.receipt
+    resume, paused = threading.Event(), threading.Event()
+
+    def pause_the_keepalive(kwargs: dict[str, Any]) -> None:
+        if kwargs["VisibilityTimeout"] == host.agent.visibility_timeout and not paused.is_set():
+            paused.set()
+            assert resume.wait(WAIT)
+
+    host.sqs.hooks["change_message_visibility"] = pause_the_keepalive
+    assert paused.wait(WAIT)
+
+    # WHEN its message's visibility lapses (the keepalive stalled) and SQS hands the message out again
+    host.sqs._client.change_message_visibility(QueueUrl=host.queue_url, ReceiptHandle=old, VisibilityTimeout=0)
+    wait_for(lambda: claim.receipt != old, "the message to be received again")
+    since = len(host.sqs.calls)
+    resume.set()
+
+    # THEN only its newest receipt is kept invisible, and the message is settled by it
+    wait_for(lambda: len(visibility_changes(host, since)) >= 2, "two more beats")
+    assert {receipt for receipt, _timeout in visibility_changes(host, since)} == {claim.receipt}
+    host.driver.gate.set()
+    assert output(host.finished(running))["power_state"] == RUNNING
+    assert wait_for(host.queue_is_empty, "the message to be deleted")
+    assert [kwargs["ReceiptHandle"] for kwargs in host.sqs.called("delete_message")][-1] == claim.receipt
+    assert old not in {receipt for receipt, _timeout in visibility_changes(host, since)}
+    assert journal_entry(host, operation_id).attempts == 1
 
 
 # --- invalid messages ----------------------------------------------------------------------------

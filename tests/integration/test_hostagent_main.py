@@ -10,13 +10,17 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import boto3
 import pytest
 from moto.server import ThreadedMotoServer
 from moto_credentials import CREDENTIALS, REGION
 
+from ferry import config, protocol
+from hostagent import __main__ as agent_main
 from hostagent.__main__ import build_parser
 from hostagent.journal import Journal
 
@@ -44,6 +48,56 @@ def test_each_volumes_directory_is_given_with_a_flag_of_its_own():
 
     assert args.volumes_dirs == [Path("/srv/volumes"), Path("/mnt/fast-volumes")]
     assert build_parser().parse_args([]).volumes_dirs is None  # the agent's defaults
+
+
+class RecordedAgent:
+    """Stands in for HostAgent: records how ``python -m hostagent`` configures the agent, and runs nothing."""
+
+    built: list[dict[str, Any]] = []
+
+    def __init__(self, **options: Any) -> None:
+        self.built.append(options)
+
+    def install_signal_handlers(self) -> None:
+        pass
+
+    def run(self) -> None:
+        pass
+
+
+@pytest.fixture
+def configured(tmp_path, monkeypatch) -> Iterator[list[dict[str, Any]]]:
+    """The options ``main`` builds its agent with, FERRY_STATE_DIR being ``tmp_path/stack`` (as in the local stack)."""
+    monkeypatch.setenv("FERRY_STATE_DIR", str(tmp_path / "stack"))
+    config.reset()
+    monkeypatch.setattr(agent_main, "HostAgent", RecordedAgent)
+    RecordedAgent.built = []
+    yield RecordedAgent.built
+    config.reset()
+
+
+def agent_flags(tmp_path: Path) -> list[str]:
+    return ["--host", "compute1", "--state-dir", str(tmp_path / "state"), "--instances-dir",
+            str(tmp_path / "disks" / "instances")]
+
+
+def test_by_default_an_agent_makes_volume_files_where_the_compute_api_of_its_state_directory_places_them(
+        configured, tmp_path):
+    assert agent_main.main(agent_flags(tmp_path)) == 0
+
+    (options,) = configured
+    # ferry.compute.api places a volume it makes at <FERRY_STATE_DIR>/volumes/<id>
+    assert options["volumes_dirs"] == [config.get().state_dir / protocol.VOLUMES_DIR,
+                                       tmp_path / "disks" / protocol.VOLUMES_DIR]
+
+
+def test_volumes_directories_given_replace_the_defaults(configured, tmp_path):
+    flags = ["--volumes-dir", str(tmp_path / "a"), "--volumes-dir", str(tmp_path / "b" / ".." / "c")]
+
+    assert agent_main.main([*agent_flags(tmp_path), *flags]) == 0
+
+    (options,) = configured
+    assert options["volumes_dirs"] == [tmp_path / "a", tmp_path / "c"]
 
 
 def test_agent_process_reports_runs_operations_and_exits_cleanly_on_sigterm(moto_endpoint, tmp_path):

@@ -62,6 +62,11 @@ MOVE_DIGEST = BLOCK_BLAKE3
 INSTANCE_DIR_NAME = re.compile(
     r"^(?P<uuid>[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})(?P<kind>_resize|_incoming)?$")
 
+# The directory, under the control plane's FERRY_STATE_DIR, where the compute API places the
+# volume files it makes (``<state dir>/volumes/<id>``), and the name of an agent's default volumes
+# directories (``hostagent.agent.default_volumes_dirs``).
+VOLUMES_DIR = "volumes"
+
 # Written beside every file-backed volume Ferry makes (by a host's spawn, or ``ferry volume
 # register --new-file-in``): where it is seen, the volumes' storage is there (mounted), so a
 # volume file missing beside it is gone rather than out of sight.

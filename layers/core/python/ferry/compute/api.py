@@ -721,7 +721,7 @@ def _reserve_root_volume(session: Session, ctx: RequestContext, instance_uuid: s
         volume_id = str(uuidlib.uuid4())
         session.add(Volume(id=volume_id, name=f"{instance_uuid}-root", project_id=ctx.project_id,
                            size_gb=root["volume_size"], status="reserved", image_id=root["uuid"],
-                           path=str(config.get().state_dir / "volumes" / volume_id)))
+                           path=str(config.get().state_dir / protocol.VOLUMES_DIR / volume_id)))
         image_id: str | None = root["uuid"]
     else:
         volume = session.get(Volume, root["uuid"])

@@ -122,7 +122,7 @@ class _AgentThread:
     def __init__(self, host: str, cell: str, state_dir: Path, instances_dir: Path, capacity: HostCapacity,
                  options: Mapping[str, Any]) -> None:
         from ferry import config
-        from hostagent.agent import HostAgent, inventory_from_capacity
+        from hostagent.agent import HostAgent, default_volumes_dirs, inventory_from_capacity
         from hostagent.driver import LibvirtDriver, write_test_node_xml
 
         settings = config.get()
@@ -143,6 +143,7 @@ class _AgentThread:
             state_dir=state_dir,
             inventory=inventory_from_capacity(capacity),
             queue_prefix=settings.host_queue_prefix,
+            volumes_dirs=default_volumes_dirs(settings.state_dir, instances_dir),
             **options,
         )
         self.thread = threading.Thread(target=self._run, name=f"agent-{host}", daemon=True)
