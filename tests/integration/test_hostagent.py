@@ -24,6 +24,7 @@ from moto import mock_aws
 from moto_credentials import REGION, use_moto_credentials
 
 from ferry import config, errors, protocol
+from ferry.local.runtime import moto_heartbeat_fixes
 from hostagent import disks
 from hostagent.agent import UNSURE_REDELIVERY_SECONDS, HostAgent, Operation, default_volumes_dirs, ensure_host_queue
 from hostagent.driver import RUNNING, SHUTDOWN, LibvirtDriver, write_test_node_xml
@@ -214,6 +215,10 @@ def state_machine_definition(queue_url: str) -> str:
 @pytest.fixture
 def cloud(monkeypatch) -> Iterator[None]:
     use_moto_credentials(monkeypatch)
+    # As in the local stack: moto sends a task's message before it can take the task's heartbeat,
+    # so an agent that heartbeats at once would otherwise be told the task is gone, now and then.
+    for (owner, attribute), replacement in moto_heartbeat_fixes().items():
+        monkeypatch.setattr(owner, attribute, replacement)
     with mock_aws(config={"stepfunctions": {"execute_state_machine": True}}):
         yield
 
@@ -629,12 +634,14 @@ class HeldImageStore:
     def __init__(self, content: bytes, go: threading.Event) -> None:
         self.content = content
         self.go = go
+        self.holding = threading.Event()
 
     def get_object(self, Bucket: str, Key: str) -> dict[str, Any]:  # noqa: N803 - boto3's names
         return {"Body": self}
 
     def iter_chunks(self, chunk_size: int) -> Iterator[bytes]:
         half = len(self.content) // 2
+        self.holding.set()  # the write holds its temporary file by now
         yield self.content[:half]
         assert self.go.wait(WAIT), "the write was never let go on"
         yield self.content[half:]
@@ -790,7 +797,9 @@ def test_an_agent_starting_removes_what_interrupted_volume_writes_left_but_not_a
     with ThreadPoolExecutor(max_workers=1) as pool:
         writing = pool.submit(disks.download_image, store, BUCKET, "images/vol-16", volumes / "vol-16",
                               hashlib.sha256(content).hexdigest())
-        under_way = wait_for(lambda: list(volumes.glob(".vol-16.*.part")), "the write to begin")
+        assert store.holding.wait(WAIT), "the write never began"
+        under_way = list(volumes.glob(".vol-16.*.part"))
+        assert len(under_way) == 1
 
         # WHEN an agent starts on the same storage (this host restarted, or another host)
         another_agent(host, tmp_path, "compute2").start()
@@ -958,7 +967,7 @@ def test_copies_of_a_running_operation_leave_the_waiting_slots_to_other_instance
     # THEN another instance's operation is still taken, and runs on the free worker meanwhile
     destroyed = host.start("destroy", other, {})
     assert wait_for(lambda: host.sfn.describe_execution(executionArn=destroyed)["status"] != "RUNNING",
-                    "the other instance's operation to run", timeout=10)
+                    "the other instance's operation to run")
     assert output(host.finished(destroyed))["instance_uuid"] == other
     assert host.sfn.describe_execution(executionArn=running)["status"] == "RUNNING"
     # and once the operation ends it has run once, its copies gone with its message
@@ -1096,7 +1105,7 @@ def test_a_retry_of_a_running_operation_has_its_task_heartbeat_within_a_second_n
 
     retry = host.start("power_off", busy, {}, operation_id=operation_id)  # the same operation, a new task
 
-    wait_for(lambda: heartbeat_tokens(host) - before - {token}, "the retry's task to be heartbeat", timeout=5)
+    wait_for(lambda: heartbeat_tokens(host) - before - {token}, "the retry's task to be heartbeat")
     host.driver.off_gate.set()
     assert output(host.finished(first)) == output(host.finished(retry))
     assert journal_entry(host, operation_id).attempts == 1

@@ -335,6 +335,26 @@ def test_revert_move_keeps_an_allocation_recreated_at_the_generation_the_claim_h
     assert_used_counters_match_allocations()
 
 
+def test_revert_move_on_one_host_drops_the_claim_only_at_its_generation(store):
+    # GIVEN a server without allocations resized on its host, the old and new flavors the same size: the claim
+    # looks exactly like the server's own allocation an operator would give back
+    rp = add_compute("host-a")
+    instance, migration = new_uuid(), new_uuid()
+    placement.claim_for_move(instance, migration, PROJECT, USER, {rp: resources(vcpus=2)})
+    generation, claimed = placement.consumer_allocations(instance)
+
+    # WHEN the move is reverted knowing the allocations alone, then knowing the generation too
+    placement.revert_move_allocations(migration, instance, claimed=claimed, same_host=True)
+    kept = placement.get_allocations(instance)
+    placement.revert_move_allocations(migration, instance, claimed=claimed, claim_generation=generation,
+                                      same_host=True)
+
+    # THEN the allocations alone do not drop it; the generation recorded with the claim does
+    assert kept == claimed
+    assert placement.get_allocations(instance) == {}
+    assert_used_counters_match_allocations()
+
+
 def test_same_host_move_must_fit_old_and_new_together(store):
     rp = add_compute("host-a", vcpus=6)
     instance, migration = new_uuid(), new_uuid()

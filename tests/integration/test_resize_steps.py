@@ -1002,6 +1002,101 @@ def test_a_reschedule_that_failed_after_claiming_for_a_server_without_allocation
     assert snapshot(uuid) == before
 
 
+def test_a_reschedule_hands_the_migration_an_allocation_given_back_in_place_of_the_claim(cloud):
+    # GIVEN a server whose allocations an operator removed, its destination claimed and refusing it; meanwhile
+    # the operator set the server's allocation on the source again, which replaced the claim
+    uuid = make_server()
+    placement.delete_allocations(uuid)
+    inp = prepare_move(uuid, BIG)
+    doc = run(inp, until="PrepResizeOnDestHost")
+    doc["error"] = {"Error": "Ferry.ResizeClaimFailed", "Cause": "no NUMA room"}
+    given_back = give_allocation_back(uuid)
+
+    # WHEN the move is rescheduled (twice: delivered again), then fails on the alternate and rolls back
+    new = resize.reschedule_move(doc)
+    assert resize.reschedule_move(doc)["host"] == new["host"] == "cell1-host3"
+
+    # THEN the migration took what the server held, as a source allocation, and the rollback gives it back
+    assert placement.get_allocations(inp["migration_uuid"]) == given_back
+    assert placement.get_allocations(uuid) == {new["provider_uuid"]: placement.resources_from_flavor(BIG, False)}
+    fail_and_roll_back({k: v for k, v in doc.items() if k not in ("prep", "error")} | {"destination": new})
+    assert placement.get_allocations(uuid) == given_back
+    assert placement.get_allocations(inp["migration_uuid"]) == {}
+    assert {host: used_on(host) for host in HOSTS} == {
+        host: (placement.resources_from_flavor(SMALL, False) if host == SOURCE else {}) for host in HOSTS}
+
+
+def validated_then_allocation_removed(uuid: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A move of ``uuid`` validated while it held its allocation, which an operator removed right after."""
+    before = snapshot(uuid)
+    doc = resize.validate_input({"input": prepare_move(uuid, BIG)})
+    assert doc["move"]["source"]["allocated"] is True
+    placement.delete_allocations(uuid)
+    return doc, {**before, "allocations": {}, "usage": dict.fromkeys(HOSTS, {})}
+
+
+def test_select_run_twice_after_the_allocation_was_removed_since_validation_claims_once(cloud):
+    # GIVEN a server validated with its allocation, which an operator removed before scheduling
+    uuid = make_server()
+    doc, before = validated_then_allocation_removed(uuid)
+
+    # WHEN SelectMoveDestinations runs twice (its first answer was lost), then the move rolls back
+    first = resize.select_destinations(doc)
+    second = resize.select_destinations(doc)
+
+    # THEN the second run found the first one's claim and gave the migration none of it; the rollback drops it
+    assert second["host"] == first["host"]
+    assert placement.get_allocations(doc["migration_uuid"]) == {}
+    assert placement.get_allocations(uuid) == {first["provider_uuid"]: placement.resources_from_flavor(BIG, False)}
+    fail_and_roll_back({**doc, "destination": second})
+    assert snapshot(uuid) == before
+
+
+def test_a_reschedule_after_the_allocation_was_removed_since_validation_moves_the_claim(cloud):
+    # GIVEN a server validated with its allocation, which an operator removed before scheduling; its
+    # destination claimed and refusing it
+    uuid = make_server()
+    doc, before = validated_then_allocation_removed(uuid)
+    doc["destination"] = resize.select_destinations(doc)
+    doc["prep"] = resize.prep_resize_at_dest(doc)
+    doc["error"] = {"Error": "Ferry.ResizeClaimFailed", "Cause": "no NUMA room"}
+
+    # WHEN the move is rescheduled, then fails on the alternate and rolls back (twice)
+    new = resize.reschedule_move(doc)
+    assert placement.get_allocations(doc["migration_uuid"]) == {}
+    doc = fail_and_roll_back({k: v for k, v in doc.items() if k not in ("prep", "error")} | {"destination": new})
+    resize.rollback_move(doc)
+
+    # THEN the refused claim was not handed to the migration as if it were the source's: no claim is left
+    assert snapshot(uuid) == before
+
+
+def test_a_rollback_on_one_host_keeps_an_allocation_given_back_that_a_claim_would_equal(cloud, monkeypatch):
+    # GIVEN a server whose allocations an operator removed, resized on its host to a flavor of the same size;
+    # SelectMoveDestinations failed after its claim, so the document records none
+    allow_same_host(monkeypatch)
+    uuid = make_server()
+    placement.delete_allocations(uuid)
+    doc = resize.validate_input({"input": prepare_move(uuid, {**SMALL, "flavorid": "3", "name": "ferry.tiny2"},
+                                                       requested_host=SOURCE)})
+
+    def lost(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("the connection to the cell database was lost")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(actions, "finish_event", lost)
+        with pytest.raises(RuntimeError):
+            resize.select_destinations(doc)
+    # and the operator set the server's allocation on its host again: the same as the claim
+    given_back = give_allocation_back(uuid)
+
+    # WHEN the move rolls back
+    resize.rollback_move({**doc, "error": {"Error": "RuntimeError", "Cause": "connection lost"}})
+
+    # THEN on one host the allocations alone do not prove a claim: what the server holds stays
+    assert placement.get_allocations(uuid) == given_back
+
+
 def test_a_stopped_server_that_fails_to_move_stays_stopped(cloud):
     uuid = make_server(vm_state=states.STOPPED, power_state=states.SHUTDOWN)
     before = snapshot(uuid)

@@ -194,6 +194,26 @@ def test_a_revert_delivered_again_keeps_the_allocation_an_operator_gave_back_mea
     assert usage(SOURCE) == OLD_USAGE
 
 
+@pytest.mark.parametrize("dest", [DEST, SOURCE], ids=["other-host", "same-host"])
+def test_a_revert_keeps_the_allocation_an_operator_set_while_the_server_was_resized(cloud, monkeypatch, dest):
+    # GIVEN a server in VERIFY_RESIZE whose migration holds nothing, and an operator setting its allocation on
+    # the source (the old flavor, as `ferry audit` advises) in place of the destination claim before the revert
+    resized = make_resized(dest=dest)
+    placement.delete_allocations(resized.migration_uuid)
+    given_back = {provider(SOURCE): OLD_USAGE}
+    placement.claim(resized.instance_uuid, PROJECT, USER, given_back)
+
+    # WHEN the server is reverted, RevertResourcesToSource delivered twice
+    event = moved_back(reverted_at_dest(checked(begin("revert", resized, monkeypatch))))
+    revert_resize.revert_resources_to_source(event)
+    revert_resize.finish_revert(restored(event, states.RUNNING))
+
+    # THEN what the server held was not the move's claim: CheckResizeToRevert did not record it, and it stays
+    assert (event["move"]["claimed"], event["move"]["claim_generation"]) == ({}, None)
+    assert placement.get_allocations(resized.instance_uuid) == given_back
+    assert (usage(SOURCE), usage(DEST)) == (OLD_USAGE, {})
+
+
 def test_a_revert_nobody_asked_for_is_refused_and_changes_nothing(cloud, monkeypatch):
     resized = make_resized()
     before = snapshot(resized)

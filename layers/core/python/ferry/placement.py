@@ -684,7 +684,7 @@ def _hand_over(session: Session, source_consumer: str, target_consumer: str) -> 
 
 def revert_move_allocations(migration_uuid: str, instance_uuid: str, *,
                             claimed: Mapping[str, Mapping[str, int]] | None,
-                            claim_generation: int | None = None) -> None:
+                            claim_generation: int | None = None, same_host: bool = False) -> None:
     """Undo a move's allocations: the instance gets back what the migration holds, and its destination claim goes.
 
     One transaction. When the migration holds allocations (the instance's on the source, handed
@@ -696,9 +696,11 @@ def revert_move_allocations(migration_uuid: str, instance_uuid: str, *,
     that generation. The generation alone would not do: a consumer left without allocations is
     deleted and a new one starts again at generation 1, so an allocation written since the claim
     went (an operator giving the server its allocation back) can have the claim's generation.
-    Allocations that are not the claim (an earlier run already gave the instance its source
-    allocation back or dropped the claim, an operator wrote them) are left alone. No other
-    consumer is touched, and running it again changes nothing more.
+    Nor would the allocations alone on one host: there the server's own allocation given back is
+    the claim's when the two flavors are the same size, so a ``same_host`` move drops the claim
+    only at ``claim_generation``. Allocations that are not the claim (an earlier run already
+    gave the instance its source allocation back or dropped the claim, an operator wrote them)
+    are left alone. No other consumer is touched, and running it again changes nothing more.
 
     Params:
         migration_uuid: the move's migration (consumer of the source allocation).
@@ -706,7 +708,8 @@ def revert_move_allocations(migration_uuid: str, instance_uuid: str, *,
         claimed: the destination claim, ``{rp_uuid: {rc: n}}``; None (or empty) when it is not
             known: then the claim goes only in place of a source allocation handed back.
         claim_generation: the instance consumer's generation while it held ``claimed``; None
-            when not known (then the allocations alone decide).
+            when not known (then the allocations alone decide, unless ``same_host``).
+        same_host: the destination is the source's provider (a resize on one host).
 
     Raises:
         AllocationConflict: the instance's allocations changed while its claim was being
@@ -718,7 +721,7 @@ def revert_move_allocations(migration_uuid: str, instance_uuid: str, *,
     def work(session: Session) -> str:
         if _hand_over(session, migration_uuid, instance_uuid):
             return "handed back"
-        if not claim:
+        if not claim or (same_host and claim_generation is None):
             return "unchanged"
         generation = session.scalars(
             select(Consumer.generation).where(Consumer.uuid == instance_uuid)

@@ -548,6 +548,24 @@ class ScaledRetryClock:
         return getattr(time, name)
 
 
+def moto_heartbeat_fixes() -> dict[tuple[Any, str], Any]:
+    """The part of :func:`install_moto_fixes` an agent's heartbeats need, as ``{(owner, attribute): replacement}``.
+
+    For harnesses that run moto without the rest of the fixes (the host agent's own tests): a
+    task's heartbeat sent at once is taken (not refused as an unknown token), and answers and
+    heartbeats do not fail while an execution is being created.
+    """
+    from moto.stepfunctions.parser.asl.eval.callback.callback import CallbackPoolManager
+    from moto.stepfunctions.parser.models import StepFunctionsParserBackend
+
+    return {
+        (StepFunctionsParserBackend, "_get_executions"): _sfn_started_executions(
+            StepFunctionsParserBackend._get_executions
+        ),
+        (CallbackPoolManager, "heartbeat"): _sfn_heartbeat,
+    }
+
+
 def install_moto_fixes() -> None:
     """Patch what Ferry's workflows need and moto 5.2 gets wrong (process-wide until removed).
 
@@ -575,7 +593,6 @@ def install_moto_fixes() -> None:
         StateTaskServiceSfn,
     )
     from moto.stepfunctions.parser.asl.eval.callback.callback import CallbackPoolManager
-    from moto.stepfunctions.parser.models import StepFunctionsParserBackend
     from moto.stepfunctions.responses import StepFunctionResponse
 
     if _moto_fixes:
@@ -584,11 +601,8 @@ def install_moto_fixes() -> None:
         (StepFunctionResponse, "send_task_failure"): _sfn_send_task_failure,
         (StateTaskServiceSfn, "_normalise_parameters"): _sfn_task_parameters(StateTaskServiceSfn._normalise_parameters),
         (StateTaskServiceSfn, "_normalise_response"): _sfn_task_response,
-        (StepFunctionsParserBackend, "_get_executions"): _sfn_started_executions(
-            StepFunctionsParserBackend._get_executions
-        ),
+        **moto_heartbeat_fixes(),
         (CallbackPoolManager, "notify"): _sfn_notify_once,
-        (CallbackPoolManager, "heartbeat"): _sfn_heartbeat,
         (SQSBackend, "send_message"): _sqs_send_message(SQSBackend.send_message),
         (StateTaskServiceCallback, "_eval_execution"): _sfn_token_per_attempt(StateTaskServiceCallback._eval_execution),
         (StateTaskServiceCallback, "_eval_wait_for_task_token"): _sfn_close_timed_out_task(

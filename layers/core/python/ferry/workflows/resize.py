@@ -353,25 +353,26 @@ def _claim_provider(held: placement.Allocations, spec: Mapping[str, Any]) -> pla
     return provider
 
 
-def _claimed_selection(instance_uuid: str, migration_uuid: str, cell: str, allocated: bool | None,
+def _claimed_selection(instance_uuid: str, migration_uuid: str, cell: str,
                        spec: Mapping[str, Any]) -> scheduler.Selection | None:
     """The destination an earlier run of this step claimed, None when none did.
 
-    The migration then holds the source allocation and the instance the claim. A server that
-    held none when the move started (``allocated`` False) gave the migration nothing, so what the
-    instance holds is an earlier run's claim only when it is exactly what a claim of this move
-    holds (:func:`_claim_provider`): an operator may have given the server its allocation back
-    since ValidateMoveInput, as ``ferry audit`` advises, and that allocation is the server's to
-    hand to the migration, not a destination that skipped the filters.
+    The migration then holds the source allocation and the instance the claim. A migration that
+    holds nothing (the server held none when the move started, or its allocation was removed
+    since ValidateMoveInput) was given nothing, so what the instance holds is an earlier run's
+    claim only when it is exactly what a claim of this move holds (:func:`_claim_provider`): an
+    operator may have given the server its allocation back since, as ``ferry audit`` advises,
+    and that allocation is the server's to hand to the migration, not a destination that skipped
+    the filters.
     """
     claimed = placement.get_allocations(instance_uuid)
-    if allocated is False:
+    if not placement.get_allocations(migration_uuid):
         provider = _claim_provider(claimed, spec)
         if provider is None:
             return None
         rp_uuid, resources = provider.uuid, claimed[provider.uuid]
     else:
-        if not claimed or not placement.get_allocations(migration_uuid):
+        if not claimed:
             return None
         rp_uuid, resources = next(iter(claimed.items()))
         provider = placement.get_provider(rp_uuid)
@@ -417,7 +418,7 @@ def select_destinations(event: dict[str, Any]) -> dict[str, Any]:
         actions.start_event(session, instance_uuid=uuid, request_id=event["request_id"], event=EVENT_MIGRATE)
         spec = _move_spec(instance, migration, cell, event.get("requested_host"), instances.is_bfv(session, uuid))
         source_host = cast(str, instance.host)
-    chosen = _claimed_selection(uuid, migration_uuid, cell, _source(event).get("allocated"), spec)
+    chosen = _claimed_selection(uuid, migration_uuid, cell, spec)
     alternates: list[scheduler.Selection] = []
     if chosen is None:
         selections = scheduler.select_destinations(spec, migration_uuid=migration_uuid)
@@ -482,10 +483,13 @@ def reschedule_move(event: dict[str, Any]) -> dict[str, Any]:
     """Move the instance's claim from the destination that refused it to the next alternate.
 
     The failed destination's port bindings and volume reservations are dropped; the migration
-    keeps the source allocation. A server that held none when the move started gives the
-    migration none now either: its claim just moves (handing it over would leave the migration
-    holding the refused destination's claim as if it were the source's). Alternates that no
-    longer fit are skipped. Never reschedules a move to a requested host.
+    keeps the source allocation. What the instance holds now decides what the migration gets,
+    not what it held at ValidateMoveInput: this move's claim (the refused destination's as it
+    recorded it, or exactly what a claim of the move holds there or on an alternate) just moves,
+    since handing it over would leave the migration holding a claim as if it were the source
+    allocation; anything else (the server's allocation, given back since it was removed) goes
+    to the migration unless it holds one already, as for a server that kept its allocation.
+    Alternates that no longer fit are skipped. Never reschedules a move to a requested host.
 
     Returns:
         The new destination, with the alternates after it.
@@ -507,9 +511,9 @@ def reschedule_move(event: dict[str, Any]) -> dict[str, Any]:
         instance, migration = _load(session, event)
         _update_migration(session, migration_uuid, {"dest_compute": None, "dest_node": None, "dest_host": None},
                           (PRE_MIGRATING,))
-        spec = _move_spec(instance, migration, cell, None, instances.is_bfv(session, uuid),
-                          also_ignore=[failed["host"]])
-    source_holder = None if _source(event).get("allocated") is False else migration_uuid
+        spec = _move_spec(instance, migration, cell, None, instances.is_bfv(session, uuid))
+    source_holder = None if _is_move_claim(held, failed, alternates, spec) else migration_uuid
+    spec = {**spec, "ignore_hosts": sorted({*spec["ignore_hosts"], failed["host"]})}
     reasons = []
     for index, alternate in enumerate(alternates):
         try:
@@ -520,6 +524,17 @@ def reschedule_move(event: dict[str, Any]) -> dict[str, Any]:
         logger.info("move rescheduled", extra={"instance_uuid": uuid, "from": failed["host"], "to": chosen.host})
         return _destination(chosen, alternates[index + 1:], source_host, uuid)
     raise errors.NoValidHost("No alternate host could take the move. " + " ".join(reasons))
+
+
+def _is_move_claim(held: placement.Allocations, destination: Mapping[str, Any], alternates: list[scheduler.Selection],
+                   spec: Mapping[str, Any]) -> bool:
+    """Whether ``held`` is this move's claim: ``destination``'s as it recorded it, or exactly what a claim of
+    the move holds (:func:`_claim_provider`) on ``destination`` or one of ``alternates``."""
+    if held and held == destination.get("claimed"):
+        return True
+    provider = _claim_provider(held, spec)
+    return provider is not None and provider.uuid in {destination["provider_uuid"],
+                                                      *(alt.provider_uuid for alt in alternates)}
 
 
 # --- ResizeInstanceAtSource ---------------------------------------------------------------------
@@ -698,27 +713,33 @@ def _restore_allocations(event: Mapping[str, Any], source_node: str | None) -> N
       document names one. That covers a SelectMoveDestinations or RescheduleMove that failed
       after its claim and so did not record it.
 
-    Anything else (an allocation an operator gave the server back meanwhile) is left alone.
+    On the source's provider (a move on one host) only the first, at its recorded generation,
+    will do: there the allocation an operator gives back can equal a claim. Anything else (an
+    allocation an operator gave the server back meanwhile) is left alone.
     """
     uuid, migration_uuid = event["instance_uuid"], event["migration_uuid"]
     dest = event.get("destination")
+    try:
+        source_provider = placement.provider_by_node(source_node) if source_node else None
+    except errors.ResourceProviderNotFound:
+        source_provider = None
     claimed: placement.Allocations | None = None
     generation = None
     if dest is not None and "claimed" in dest:
         claimed, generation = dest["claimed"], dest.get("claim_generation")
     elif dest is not None:
         held = placement.get_allocations(uuid)
-        try:
-            source_provider = placement.provider_by_node(source_node) if source_node else None
-        except errors.ResourceProviderNotFound:
-            source_provider = None
         if dest["provider_uuid"] in held and source_provider not in held:
             claimed, generation = held, dest.get("claim_generation")
     if ((event.get("move") or {}).get("source") or {}).get("allocated") is False:
         held = placement.get_allocations(uuid)
         if held and held != claimed and _is_unrecorded_claim(event, held):
             claimed, generation = held, None
-    placement.revert_move_allocations(migration_uuid, uuid, claimed=claimed, claim_generation=generation)
+    # On the source's provider the server's own allocation given back is a claim's when the two flavors are
+    # the same size: there only the generation recorded with the claim tells them apart.
+    same_host = bool(dest is not None and dest["same_host"]) or source_provider in (claimed or {})
+    placement.revert_move_allocations(migration_uuid, uuid, claimed=claimed, claim_generation=generation,
+                                      same_host=same_host)
 
 
 def _is_unrecorded_claim(event: Mapping[str, Any], held: placement.Allocations) -> bool:

@@ -26,12 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from ferry import errors, images, network, notifications, placement, volumes
 from ferry.compute import actions, instances, migration_states, states
 from ferry.observability import logger
 from ferry.store.api_models import VolumeAttachment
-from ferry.store.cell_models import BlockDeviceMapping
+from ferry.store.cell_models import BlockDeviceMapping, Instance, Migration
 from ferry.store.db import api_session, cell_session
 from ferry.workflows import cross_cell_settle, error_message
 from ferry.workflows.confirm_resize import (
@@ -64,8 +65,10 @@ def check_resize_to_revert(event: dict[str, Any]) -> dict[str, Any]:
         ``{"source": {host, node, queue_url}, "dest": {host, node, queue_url}, "same_host": bool,
         "transfer": {bucket, prefix}, "claimed": {rp_uuid: {rc: n}}, "claim_generation": int |
         None}``: the last two are the instance's destination allocation and its consumer's
-        generation, read together (``{}`` and None: it holds nothing); they tell
-        :func:`revert_resources_to_source` whether that allocation is still to be dropped.
+        generation, read together, when that allocation is exactly the move's claim (the new
+        flavor on the destination node's provider); ``{}`` and None otherwise (it holds nothing, or
+        an allocation an operator set). They tell :func:`revert_resources_to_source` whether that
+        allocation is still to be dropped.
 
     Raises:
         InvalidWorkflowInput, MigrationNotFound, InstanceNotFound, UnexpectedMigrationState: refused,
@@ -96,6 +99,9 @@ def check_resize_to_revert(event: dict[str, Any]) -> dict[str, Any]:
                             host=None if cells else dest)
         payload = notifications.instance_payload(instance, migration_uuid=migration_uuid)
         generation, claimed = placement.consumer_allocations(uuid)
+        if claimed != _destination_claim(session, instance, migration):
+            # Not this move's claim (an operator set the server's allocation meanwhile): the revert keeps it.
+            generation, claimed = None, {}
         move = {"source": host_ref(source, migration.source_node), "dest": host_ref(dest, migration.dest_node),
                 "same_host": source == dest, "transfer": images.transfer_location(migration_uuid),
                 "claimed": claimed, "claim_generation": generation}
@@ -105,6 +111,17 @@ def check_resize_to_revert(event: dict[str, Any]) -> dict[str, Any]:
     notifications.notify(notifications.RESIZE_REVERT_START, instance_uuid=uuid, publisher_id=publisher,
                          payload=payload)
     return move
+
+
+def _destination_claim(session: Session, instance: Instance, migration: Migration) -> placement.Allocations | None:
+    """What the move's destination claim holds: the new flavor on the destination node's provider (None: unknown)."""
+    if not instance.new_flavor or not migration.dest_node:
+        return None
+    try:
+        rp_uuid = placement.provider_by_node(migration.dest_node)
+    except errors.ResourceProviderNotFound:
+        return None
+    return {rp_uuid: placement.resources_from_flavor(instance.new_flavor, instances.is_bfv(session, instance.uuid))}
 
 
 def _revert_events(cells: dict[str, str] | None) -> tuple[str, str]:
@@ -121,10 +138,10 @@ def revert_resources_to_source(event: dict[str, Any]) -> dict[str, Any]:
       instance's, replacing its destination allocation, in one transaction; a migration that
       holds none (the server held no allocation, an operator removed it) gives nothing back,
       and the destination allocation goes all the same when it is unchanged since
-      CheckResizeToRevert read it (the same allocations at the same consumer generation), so the
-      server ends with none; an allocation written since (an operator giving the server its
-      allocation back) is kept. A document from before CheckResizeToRevert recorded the
-      allocation (``claimed``) keeps it too;
+      CheckResizeToRevert read it as the move's claim (the same allocations at the same consumer
+      generation), so the server ends with none; an allocation that was not the claim then, or
+      was written since (an operator giving the server its allocation back), is kept. A document
+      from before CheckResizeToRevert recorded the allocation (``claimed``) keeps it too;
     * ports: the source's binding is active again and, unless the move stayed on one host, the
       destination's goes;
     * volumes: the destination's attachments go, and every volume of the server (including
@@ -152,7 +169,7 @@ def revert_resources_to_source(event: dict[str, Any]) -> dict[str, Any]:
         boot_index = {b.volume_id: b.boot_index for b in bdms}
         device_of = {b.volume_id: b.device_name for b in bdms}
     placement.revert_move_allocations(migration_uuid, uuid, claimed=move.get("claimed"),
-                                      claim_generation=move.get("claim_generation"))
+                                      claim_generation=move.get("claim_generation"), same_host=same_host)
     with api_session() as session:
         network.activate(session, uuid, source)
         if not same_host:
