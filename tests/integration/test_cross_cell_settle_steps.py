@@ -201,9 +201,8 @@ def test_revert_of_a_stopped_server_keeps_it_stopped(cloud, monkeypatch, tmp_pat
     assert copy_in(SOURCE_CELL, moved.instance_uuid).vm_state == states.STOPPED
 
 
-def test_flip_that_fails_half_way_is_undone_and_the_server_stays_in_verify_resize(cloud, monkeypatch, tmp_path):
-    moved = make_cross_cell(tmp_path)
-    event = _revert_until_flipped(moved, monkeypatch)
+def _flip_failing_before_the_mapping(event: dict, monkeypatch) -> None:
+    """Run FlipToSourceCell with the API database failing when the mapping is switched (half way)."""
     with monkeypatch.context() as patched:
         def broken(instance_uuid: str, cell: str) -> None:
             raise RuntimeError("API database unreachable")
@@ -211,6 +210,12 @@ def test_flip_that_fails_half_way_is_undone_and_the_server_stays_in_verify_resiz
         patched.setattr(cross_cell_settle, "_point_mapping_at", broken)
         with pytest.raises(RuntimeError):
             cross_cell_settle.flip_to_source_cell(event)
+
+
+def test_flip_that_fails_half_way_is_undone_and_the_server_stays_in_verify_resize(cloud, monkeypatch, tmp_path):
+    moved = make_cross_cell(tmp_path)
+    event = _revert_until_flipped(moved, monkeypatch)
+    _flip_failing_before_the_mapping(event, monkeypatch)
     assert copy_in(SOURCE_CELL, moved.instance_uuid).hidden is False  # half way: both visible
 
     event["error"] = {"Error": "RuntimeError", "Cause": "API database unreachable"}
@@ -255,13 +260,7 @@ def test_a_flip_undone_half_way_counts_the_server_once_at_every_moment(cloud, mo
     # GIVEN a FlipToSourceCell that showed the source copy and failed before switching the mapping
     moved = make_cross_cell(tmp_path)
     event = _revert_until_flipped(moved, monkeypatch)
-    with monkeypatch.context() as patched:
-        def broken(instance_uuid: str, cell: str) -> None:
-            raise RuntimeError("API database unreachable")
-
-        patched.setattr(cross_cell_settle, "_point_mapping_at", broken)
-        with pytest.raises(RuntimeError):
-            cross_cell_settle.flip_to_source_cell(event)
+    _flip_failing_before_the_mapping(event, monkeypatch)
     assert quotas.usage(PROJECT) == COUNTED_ONCE
 
     # WHEN its rollback puts the server back in VERIFY_RESIZE in the target cell
