@@ -232,6 +232,8 @@ class _Claim:
         self.message_id = message_id
         self.receipt = receipt
         self.copies: dict[str, tuple[str, str | None]] = {}
+        # The receipt the claimed message was settled by; SQS may hand it out again after that.
+        self.settled_with: str | None = None
         # Set when a copy brings a task token the claim did not know: the keepalive heartbeats it
         # at once rather than at its next beat.
         self.new_token = threading.Event()
@@ -626,6 +628,9 @@ class HostAgent(MoveOperations):
         with self._claims_guard:
             del self._claims[claim.op.operation_id]
             copies = list(claim.copies.values())
+            if claim.settled_with is not None and claim.receipt != claim.settled_with:
+                # Handed out again while it was being settled: its newest receipt goes the same way.
+                copies.append((claim.receipt, claim.op.task_token))
         for receipt, token in copies:
             if token != claim.op.task_token:
                 self._release(receipt)
@@ -647,18 +652,20 @@ class HostAgent(MoveOperations):
             result, error, cause = self._run(claim, context)
         except _NotRun as not_run:
             if not_run.awaited is False:
-                self._delete(self._receipt(claim))
+                self._delete(self._settling(claim))
                 return True
-            self._redeliver_later(self._receipt(claim), context)
+            self._redeliver_later(self._settling(claim), context)
             return False
         except _TakenBack:
-            self._delete(self._receipt(claim))
+            self._delete(self._settling(claim))
             return True
-        return self._settle(op, self._receipt(claim), result, error, cause, context)
+        return self._settle(op, self._settling(claim), result, error, cause, context)
 
-    def _receipt(self, claim: _Claim) -> str:
-        """The newest receipt handle of the claimed message."""
+    def _settling(self, claim: _Claim) -> str:
+        """The newest receipt handle of the claimed message, noted as the one it is settled by
+        (one handed out later is settled the same way when the claim ends)."""
         with self._claims_guard:
+            claim.settled_with = claim.receipt
             return claim.receipt
 
     def _settle(self, op: Operation, receipt: str, result: dict[str, Any] | None, error: str | None,

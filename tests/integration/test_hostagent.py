@@ -1353,3 +1353,33 @@ def test_pruning_the_image_cache_leaves_recent_kept_and_temporary_files(tmp_path
     assert disks.prune_image_cache(tmp_path, 60, keep={"kept"}) == [files["old"]]
     assert disks.prune_image_cache(tmp_path / "absent", 60, keep=set()) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == [".old.x1.part", "kept", "recent"]
+
+
+def test_a_message_handed_out_again_while_it_is_being_settled_goes_by_its_newest_receipt_too(host, monkeypatch):
+    # GIVEN a snapshot prep (it may take back what it sent, so a copy is never answered from the
+    # journal ahead of its run) whose message SQS hands out again just as its answer is being sent
+    instance_uuid = str(uuid.uuid4())
+    output(host.execute("spawn", instance_uuid, spawn_args(host.image(b"x" * 4096))))
+    operation, operation_id = protocol.PREP_SNAPSHOT_BASED_RESIZE_AT_SOURCE, f"{uuid.uuid4()}:prep"
+    settle, again = host.agent._settle, {}
+
+    def handed_out_again_first(op: Operation, receipt: str, *args: Any) -> bool:
+        if op.operation_id == operation_id and not again:
+            again["old"] = receipt
+            claim = host.agent._claims[op.operation_id]
+            host.sqs._client.change_message_visibility(QueueUrl=host.queue_url, ReceiptHandle=receipt,
+                                                       VisibilityTimeout=0)
+            wait_for(lambda: claim.receipt != receipt, "the message to be handed out again")
+            again["newest"] = claim.receipt
+        return settle(op, receipt, *args)
+
+    monkeypatch.setattr(host.agent, "_settle", handed_out_again_first)
+
+    # WHEN the operation is answered
+    output(host.execute(operation, instance_uuid, {"migration_uuid": str(uuid.uuid4()), "snapshot": None},
+                        operation_id=operation_id))
+
+    # THEN its newest receipt is deleted as well: the message does not come back to be run or answered again
+    wait_for(lambda: again["newest"] in {kwargs["ReceiptHandle"] for kwargs in host.sqs.called("delete_message")},
+             "the newest receipt to be deleted")
+    assert journal_entry(host, operation_id).attempts == 1
