@@ -651,6 +651,7 @@ class HostAgent(MoveOperations):
         try:
             result, error, cause = self._run(claim, context)
         except _NotRun as not_run:
+            self._record_not_started(op, not_run.awaited, context)
             if not_run.awaited is False:
                 self._delete(self._settling(claim))
                 return True
@@ -729,7 +730,7 @@ class HostAgent(MoveOperations):
             if recorded is not None and recorded.finished and recorded.answers(op.task_token):
                 logger.info("operation done meanwhile: answering from the journal", extra=context)
                 return recorded.result, recorded.error, recorded.cause
-            with self._worker(op, context):
+            with self._worker():
                 return self._run_here(op, context)
 
     def _run_here(
@@ -747,7 +748,6 @@ class HostAgent(MoveOperations):
         if op.task_token:
             awaited = self._still_awaited(op.task_token, context)
             if not awaited:
-                self._record_not_started(op, awaited, context)
                 raise _NotRun(awaited)
         self.journal.start(op.operation_id, op.name, op.instance_uuid, op.task_token)
         logger.info("operation started", extra=context)
@@ -992,7 +992,7 @@ class HostAgent(MoveOperations):
             logger.warning("task heartbeat failed", extra={**context, "error": str(exc)})
 
     @contextmanager
-    def _worker(self, op: Operation, context: dict[str, Any]) -> Iterator[None]:
+    def _worker(self) -> Iterator[None]:
         """Hold one of the ``max_workers`` while the block runs, waiting for one first.
 
         Raises:
@@ -1000,11 +1000,9 @@ class HostAgent(MoveOperations):
         """
         while not self._workers.acquire(timeout=0.5):
             if self._stop.is_set():
-                self._record_not_started(op, None, context)
                 raise _NotRun(None)
         try:
             if self._stop.is_set():  # handed a worker as the agent stops: the next agent runs it
-                self._record_not_started(op, None, context)
                 raise _NotRun(None)
             yield
         finally:
@@ -1291,11 +1289,14 @@ class HostAgent(MoveOperations):
         removed: list[str] = []
         for volume in op.args.get("volumes", []):
             where = {"host": self.host, "instance_uuid": uuid, "volume_id": volume["volume_id"], "path": volume["path"]}
-            try:
-                gone = disks.remove_volume_file(self._volume_file(op, volume["path"]), volume["volume_id"])
-            except errors.InvalidOperation as exc:
-                logger.warning("volume file not removed: refused", extra={**where, "error": exc.message})
+            target = disks.volume_target(volume["path"], self.volumes_dirs)
+            if target is None:
+                logger.warning("volume file not removed: refused", extra={
+                    **where, "error": "outside this host's volumes directories",
+                    "volumes_dirs": [str(d) for d in self.volumes_dirs]})
                 continue
+            try:
+                gone = disks.remove_volume_file(target, volume["volume_id"])
             except OSError as exc:
                 logger.warning("volume file not removed", extra={**where, "error": str(exc)})
                 continue

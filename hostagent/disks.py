@@ -73,7 +73,7 @@ INCOMING_SUFFIX = "_incoming"
 # A disk being written is ``.<name>.<random>.part`` beside its destination, renamed into place once complete.
 PART_SUFFIX = ".part"
 # Such a temporary file's name: ``<random>`` is tempfile.mkstemp's (letters, digits, ``_``; no dot).
-_PART_NAME = re.compile(r"\.(?P<name>.+)\.[a-z0-9_]+\.part")
+_PART_NAME = re.compile(rf"\.(?P<name>.+)\.[a-z0-9_]+{re.escape(PART_SUFFIX)}")
 # What flock answers on storage that has no locks.
 _NO_LOCKS = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP})
 # This host's name and token in its instances directory: whoever reads the same there shares the storage.
@@ -205,11 +205,11 @@ def volume_target(path: str | os.PathLike[str], directories: Iterable[str | os.P
     """
     roots = list(directories)
     path = Path(path)
-    if path.name in ("", "..") or not inside(path, roots):
+    if path.name in ("", "..") or not inside(path, roots):  # also refuses a link at its name pointing out
         return None
     try:
         directory = path.parent.resolve()
-        if directory in {Path(root).resolve() for root in roots} or inside(directory, roots):
+        if any(directory == root or root in directory.parents for root in (Path(r).resolve() for r in roots)):
             return directory / path.name
     except (OSError, RuntimeError, ValueError):
         pass

@@ -1218,9 +1218,9 @@ def start(drain_uuid: str) -> dict[str, Any]:
     """
     with api_session() as session:
         drain = _load(session, drain_uuid)
+        max_concurrency = int(drain.options.get("max_concurrency") or DEFAULT_MAX_CONCURRENCY)
         if _ended_before(drain, None, "PlanDrain"):
-            return {"proceed": False, "servers": [], "fits": drain.fits,
-                    "max_concurrency": int(drain.options.get("max_concurrency") or DEFAULT_MAX_CONCURRENCY)}
+            return {"proceed": False, "servers": [], "fits": drain.fits, "max_concurrency": max_concurrency}
         dry_run, options, cancelled = drain.dry_run, dict(drain.options), drain.status == CANCELLING
     if not dry_run and not cancelled:
         disable_targets(drain_uuid)
@@ -1241,7 +1241,7 @@ def start(drain_uuid: str) -> dict[str, Any]:
             # Nothing moves: a plan that does not fit, or a drain cancelled before its first move.
             give_back_targets(drain_uuid)
     return {"proceed": bool(proceed), "servers": result["servers"], "fits": result["fits"],
-            "max_concurrency": int(options.get("max_concurrency") or DEFAULT_MAX_CONCURRENCY)}
+            "max_concurrency": max_concurrency}
 
 
 def finish(drain_uuid: str, error: Mapping[str, Any] | None = None) -> dict[str, Any]:

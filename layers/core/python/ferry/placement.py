@@ -718,24 +718,23 @@ def revert_move_allocations(migration_uuid: str, instance_uuid: str, *,
     claim = {rp_uuid: {rc: int(n) for rc, n in resources.items() if n}
              for rp_uuid, resources in (claimed or {}).items() if any(resources.values())}
 
-    def work(session: Session) -> str:
+    def claim_dropped(session: Session) -> bool:
         if _hand_over(session, migration_uuid, instance_uuid):
-            return "handed back"
+            return False
         if not claim or (same_host and claim_generation is None):
-            return "unchanged"
+            return False
         generation = session.scalars(
             select(Consumer.generation).where(Consumer.uuid == instance_uuid)
         ).one_or_none()
         if generation is None or (claim_generation is not None and generation != claim_generation):
-            return "unchanged"
+            return False
         if _allocations_of(session, instance_uuid) != claim:
-            return "unchanged"
+            return False
         _write_allocations(session, [_Change(instance_uuid, None, None, {}, True, generation)],
                            based_on={instance_uuid: claim})
-        return "claim dropped"
+        return True
 
-    outcome = _in_transaction(work, f"revert allocations of migration {migration_uuid}")
-    if outcome == "claim dropped":
+    if _in_transaction(claim_dropped, f"revert allocations of migration {migration_uuid}"):
         # Nova logs the same situation ("Did not find resource allocations for migration") and
         # keeps the claim; the server keeps no allocation instead, as an operator left it.
         logger.warning("migration held no allocation to give back; the instance's destination claim was dropped",

@@ -132,9 +132,7 @@ def usage(project_id: str) -> dict[str, int]:
         home = {uuid: cell_id for uuid, cell_id in session.execute(
             select(InstanceMapping.instance_uuid, InstanceMapping.cell_id).where(
                 InstanceMapping.project_id == project_id, InstanceMapping.queued_for_delete.is_(False)))}
-        unscheduled = list(session.scalars(select(InstanceMapping.instance_uuid).where(
-            InstanceMapping.project_id == project_id, InstanceMapping.cell_id.is_(None),
-            InstanceMapping.queued_for_delete.is_(False))))
+        unscheduled = [uuid for uuid, cell_id in home.items() if cell_id is None]
         if unscheduled:
             for build in session.scalars(select(BuildRequest).where(BuildRequest.instance_uuid.in_(unscheduled))):
                 servers[build.instance_uuid] = _flavor_usage(build.instance.get("flavor"))

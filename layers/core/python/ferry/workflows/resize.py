@@ -512,7 +512,7 @@ def reschedule_move(event: dict[str, Any]) -> dict[str, Any]:
         _update_migration(session, migration_uuid, {"dest_compute": None, "dest_node": None, "dest_host": None},
                           (PRE_MIGRATING,))
         spec = _move_spec(instance, migration, cell, None, instances.is_bfv(session, uuid))
-    source_holder = None if _is_move_claim(held, failed, alternates, spec) else migration_uuid
+    source_holder = None if _is_move_claim(held, failed, spec) else migration_uuid
     spec = {**spec, "ignore_hosts": sorted({*spec["ignore_hosts"], failed["host"]})}
     reasons = []
     for index, alternate in enumerate(alternates):
@@ -526,15 +526,14 @@ def reschedule_move(event: dict[str, Any]) -> dict[str, Any]:
     raise errors.NoValidHost("No alternate host could take the move. " + " ".join(reasons))
 
 
-def _is_move_claim(held: placement.Allocations, destination: Mapping[str, Any], alternates: list[scheduler.Selection],
-                   spec: Mapping[str, Any]) -> bool:
+def _is_move_claim(held: placement.Allocations, destination: Mapping[str, Any], spec: Mapping[str, Any]) -> bool:
     """Whether ``held`` is this move's claim: ``destination``'s as it recorded it, or exactly what a claim of
-    the move holds (:func:`_claim_provider`) on ``destination`` or one of ``alternates``."""
+    the move holds (:func:`_claim_provider`) on ``destination`` or one of its alternates."""
     if held and held == destination.get("claimed"):
         return True
     provider = _claim_provider(held, spec)
-    return provider is not None and provider.uuid in {destination["provider_uuid"],
-                                                      *(alt.provider_uuid for alt in alternates)}
+    return provider is not None and provider.uuid in {
+        destination["provider_uuid"], *(alt["provider_uuid"] for alt in destination.get("alternates") or [])}
 
 
 # --- ResizeInstanceAtSource ---------------------------------------------------------------------
@@ -723,18 +722,17 @@ def _restore_allocations(event: Mapping[str, Any], source_node: str | None) -> N
         source_provider = placement.provider_by_node(source_node) if source_node else None
     except errors.ResourceProviderNotFound:
         source_provider = None
+    recorded = dest is not None and "claimed" in dest
+    unallocated = ((event.get("move") or {}).get("source") or {}).get("allocated") is False
+    held = placement.get_allocations(uuid) if unallocated or (dest is not None and not recorded) else {}
     claimed: placement.Allocations | None = None
     generation = None
-    if dest is not None and "claimed" in dest:
+    if dest is not None and recorded:
         claimed, generation = dest["claimed"], dest.get("claim_generation")
-    elif dest is not None:
-        held = placement.get_allocations(uuid)
-        if dest["provider_uuid"] in held and source_provider not in held:
-            claimed, generation = held, dest.get("claim_generation")
-    if ((event.get("move") or {}).get("source") or {}).get("allocated") is False:
-        held = placement.get_allocations(uuid)
-        if held and held != claimed and _is_unrecorded_claim(event, held):
-            claimed, generation = held, None
+    elif dest is not None and dest["provider_uuid"] in held and source_provider not in held:
+        claimed, generation = held, dest.get("claim_generation")
+    if unallocated and held and held != claimed and _is_unrecorded_claim(event, held):
+        claimed, generation = held, None
     # On the source's provider the server's own allocation given back is a claim's when the two flavors are
     # the same size: there only the generation recorded with the claim tells them apart.
     same_host = bool(dest is not None and dest["same_host"]) or source_provider in (claimed or {})
@@ -750,13 +748,8 @@ def _is_unrecorded_claim(event: Mapping[str, Any], held: placement.Allocations) 
             return False
         spec = _move_spec(instance, migration, event["cell"], event.get("requested_host"),
                           instances.is_bfv(session, instance.uuid))
-    provider = _claim_provider(held, spec)
-    if provider is None:
-        return False
     dest = event.get("destination")
-    if dest is None:
-        return True
-    return provider.uuid in {dest["provider_uuid"], *(alt["provider_uuid"] for alt in dest.get("alternates") or [])}
+    return _claim_provider(held, spec) is not None if dest is None else _is_move_claim(held, dest, spec)
 
 
 def _close_events(session: Session, event: Mapping[str, Any], failed: str, host: str | None,
