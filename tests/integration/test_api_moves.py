@@ -186,13 +186,17 @@ def test_a_resizing_server_shows_resize_status_and_its_current_flavor(cloud):
     assert shown["flavor"]["original_name"] == "m1.small"
 
 
-@pytest.mark.parametrize(("vm_state", "task_state", "status"), [
-    (states.ACTIVE, states.RESIZE_MIGRATING, "RESIZE"),
-    (states.ACTIVE, states.RESIZE_FINISH, "RESIZE"),
-    (states.RESIZED, None, "VERIFY_RESIZE"),
-    (states.RESIZED, states.RESIZE_REVERTING, "REVERT_RESIZE"),
+@pytest.mark.parametrize(("vm_state", "task_state", "status", "progress"), [
+    (states.ACTIVE, states.RESIZE_PREP, "RESIZE", 0),
+    (states.ACTIVE, states.RESIZE_MIGRATING, "RESIZE", 25),
+    (states.STOPPED, states.RESIZE_MIGRATED, "RESIZE", 50),
+    (states.ACTIVE, states.RESIZE_FINISH, "RESIZE", 75),
+    (states.RESIZED, None, "VERIFY_RESIZE", 100),
+    (states.RESIZED, states.RESIZE_REVERTING, "REVERT_RESIZE", None),
+    (states.RESIZED, states.RESIZE_CONFIRMING, "VERIFY_RESIZE", 100),
+    (states.ACTIVE, None, "ACTIVE", 0),
 ])
-def test_server_status_follows_the_resize_states(cloud, vm_state, task_state, status):
+def test_server_status_and_progress_follow_the_resize_states(cloud, vm_state, task_state, status, progress):
     server_id = active_server()
     set_instance(server_id, vm_state=vm_state, task_state=task_state, power_state=states.SHUTDOWN)
 
@@ -200,6 +204,7 @@ def test_server_status_follows_the_resize_states(cloud, vm_state, task_state, st
 
     assert (shown["status"], shown["OS-EXT-STS:vm_state"], shown["OS-EXT-STS:task_state"],
             shown["OS-EXT-STS:power_state"]) == (status, vm_state, task_state, states.SHUTDOWN)
+    assert shown.get("progress") == progress  # absent outside Nova's progress statuses
 
 
 def test_resize_of_a_stopped_server_remembers_it_was_stopped(cloud):

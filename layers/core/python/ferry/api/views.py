@@ -11,6 +11,7 @@ from urllib.parse import urlencode
 
 from ferry import policy
 from ferry.api.request import ViewContext
+from ferry.compute import states
 from ferry.compute.api import Server
 from ferry.store.api_models import Flavor
 from ferry.store.db import CELL0_NAME
@@ -89,6 +90,26 @@ def _fault(view: ViewContext, server: Server) -> dict[str, Any] | None:
 # The statuses a server view shows ``progress`` in (Nova's).
 PROGRESS_STATUSES = frozenset({"ACTIVE", "BUILD", "REBUILD", "RESIZE", "VERIFY_RESIZE", "MIGRATING"})
 
+# How far a resize or cold migration (same cell or across cells) has got, in percent, by the step
+# it is in: what ``openstack server resize --wait`` prints while it waits. Ferry measures nothing
+# within a step, so the disks' copy shows as one step.
+_MOVE_PROGRESS = {
+    states.RESIZE_PREP: 0,  # checked, destination chosen and claimed, destination prepared
+    states.RESIZE_MIGRATING: 25,  # guest stopped, disks (or the snapshot) on their way
+    states.RESIZE_MIGRATED: 50,  # disks at the destination
+    states.RESIZE_FINISH: 75,  # guest being defined and started on the destination
+}
+
+
+def _progress(server: Server) -> int:
+    """The server's ``progress``: a move's step (:data:`_MOVE_PROGRESS`), 100 once it waits for its
+    confirm or revert, else 0."""
+    if server.status == "VERIFY_RESIZE":
+        return 100
+    if server.status == "RESIZE":
+        return _MOVE_PROGRESS.get(server.task_state or "", 0)
+    return 0
+
 
 def server_detail(view: ViewContext, server: Server) -> dict[str, Any]:
     """The full server view (``GET /servers/{id}``, ``/servers/detail``)."""
@@ -123,7 +144,7 @@ def server_detail(view: ViewContext, server: Server) -> dict[str, Any]:
             for v in server.volumes],
     }
     if server.status in PROGRESS_STATUSES:
-        body["progress"] = 0  # Ferry reports no progress within a step; Nova shows the key only here
+        body["progress"] = _progress(server)  # Nova shows the key in these statuses only
     fault = _fault(view, server)
     if fault is not None:
         body["fault"] = fault
