@@ -1,4 +1,4 @@
-"""Run a host agent: ``python -m hostagent --host compute1 --cell cell1``.
+"""Run a host agent: ``ferry-hostagent --host compute1 --cell cell1`` (or ``python -m hostagent …``).
 
 Without ``--libvirt-uri`` the agent simulates a hypervisor with libvirt's test driver: it writes
 a node description (``--vcpus``, ``--memory-mb``) under ``--state-dir`` and opens it, so each
@@ -43,11 +43,21 @@ DEFAULT_IMAGE_CACHE_MAX_AGE = 24 * 60 * 60.0
 PARENT_CHECK_SECONDS = 1.0
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows an option's default, unless it has none or its help tells it already."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.default is None or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m hostagent",
+        prog="ferry-hostagent",
         description=(__doc__ or "").split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     parser.add_argument("--host", default=socket.gethostname(), help="compute host name")
     parser.add_argument("--node", help="hypervisor node name (default: the host name)")
@@ -163,6 +173,10 @@ def main(argv: list[str] | None = None) -> int:
                      "message would reappear")
     if args.workers < 1 or args.waiting < 0:
         parser.error("--workers must be at least 1 and --waiting at least 0")
+    if not args.queue_url and not config.is_set(config.HOST_QUEUE_PREFIX_VARIABLE):
+        parser.error(f"{config.HOST_QUEUE_PREFIX_VARIABLE} is not set: set it to the stack's HostQueuePrefix "
+                     f"output (ferry-<stage>-host-), or name the host's queue with --queue-url; otherwise no "
+                     f"workflow reaches this agent")
     settings = config.get()
     host: str = args.host
     state_dir: Path = (args.state_dir or settings.state_dir / "hosts" / host).resolve()

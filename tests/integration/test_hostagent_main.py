@@ -41,6 +41,9 @@ def test_help_describes_the_agent():
         [sys.executable, "-m", "hostagent", "--help"], cwd=ROOT, capture_output=True, text=True, check=True
     )
     assert "--libvirt-uri" in out.stdout and "--report-interval" in out.stdout
+    assert out.stdout.startswith("usage: ferry-hostagent ")
+    assert "(default: None)" not in out.stdout  # an option without a default says what it falls back to
+    assert "(default: 20)" in out.stdout  # --poll-wait-seconds' own default is shown
 
 
 def test_each_volumes_directory_is_given_with_a_flag_of_its_own():
@@ -69,6 +72,7 @@ class RecordedAgent:
 def configured(tmp_path, monkeypatch) -> Iterator[list[dict[str, Any]]]:
     """The options ``main`` builds its agent with, FERRY_STATE_DIR being ``tmp_path/stack`` (as in the local stack)."""
     monkeypatch.setenv("FERRY_STATE_DIR", str(tmp_path / "stack"))
+    monkeypatch.setenv("FERRY_HOST_QUEUE_PREFIX", "ferry-test-host-")
     config.reset()
     monkeypatch.setattr(agent_main, "HostAgent", RecordedAgent)
     RecordedAgent.built = []
@@ -98,6 +102,22 @@ def test_volumes_directories_given_replace_the_defaults(configured, tmp_path):
 
     (options,) = configured
     assert options["volumes_dirs"] == [tmp_path / "a", tmp_path / "c"]
+
+
+def test_an_agent_without_its_queue_prefix_or_queue_refuses_to_start(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("FERRY_HOST_QUEUE_PREFIX", raising=False)
+    monkeypatch.setattr(agent_main, "HostAgent", RecordedAgent)
+    RecordedAgent.built = []
+
+    with pytest.raises(SystemExit) as refused:
+        agent_main.main(agent_flags(tmp_path))
+
+    assert refused.value.code == 2 and RecordedAgent.built == []
+    assert "FERRY_HOST_QUEUE_PREFIX is not set" in capsys.readouterr().err
+    assert not (tmp_path / "state").exists()  # nothing was set up
+    # a queue named on the command line needs no prefix
+    assert agent_main.main([*agent_flags(tmp_path), "--queue-url", "http://127.0.0.1:1/queue/compute1"]) == 0
+    assert [options["queue_url"] for options in RecordedAgent.built] == ["http://127.0.0.1:1/queue/compute1"]
 
 
 def test_agent_process_reports_runs_operations_and_exits_cleanly_on_sigterm(moto_endpoint, tmp_path):

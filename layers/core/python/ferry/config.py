@@ -33,6 +33,18 @@ def _env_float(name: str, default: float) -> float:
 # The variables that set default quota limits (instances, cores, RAM in MB).
 QUOTA_VARIABLES = ("FERRY_QUOTA_INSTANCES", "FERRY_QUOTA_CORES", "FERRY_QUOTA_RAM")
 
+# The variables naming the stack's host queues and image bucket. Their defaults serve one machine
+# only (tests, the embedded stack): the template sets them for every function, and the entry
+# points an operator runs outside the stack (the host agent, ``ferry audit``) refuse to start
+# without them rather than reach a queue nothing sends to or another stack's bucket.
+HOST_QUEUE_PREFIX_VARIABLE = "FERRY_HOST_QUEUE_PREFIX"
+IMAGE_BUCKET_VARIABLE = "FERRY_IMAGE_BUCKET"
+
+
+def is_set(variable: str) -> bool:
+    """Whether the environment gives ``variable`` a value (not empty)."""
+    return bool(os.environ.get(variable))
+
 
 @dataclass(frozen=True)
 class Settings:
@@ -85,8 +97,8 @@ def load() -> Settings:
     return Settings(
         state_dir=state_dir,
         api_database_url=os.environ.get("FERRY_API_DATABASE_URL") or f"sqlite:///{state_dir / 'api.sqlite'}",
-        image_bucket=os.environ.get("FERRY_IMAGE_BUCKET", "ferry-images"),
-        host_queue_prefix=os.environ.get("FERRY_HOST_QUEUE_PREFIX", "ferry-host-"),
+        image_bucket=os.environ.get(IMAGE_BUCKET_VARIABLE, "ferry-images"),
+        host_queue_prefix=os.environ.get(HOST_QUEUE_PREFIX_VARIABLE, "ferry-host-"),
         host_reports_queue_url=os.environ.get("FERRY_HOST_REPORTS_QUEUE_URL", ""),
         notification_bus=os.environ.get("FERRY_NOTIFICATION_BUS", "ferry-notifications"),
         boot_state_machine_arn=os.environ.get("FERRY_BOOT_STATE_MACHINE_ARN", ""),
