@@ -316,7 +316,7 @@ def test_unknown_flavor_or_image_is_400(cloud, field):
 
 def test_a_workflow_that_cannot_start_leaves_nothing_behind(cloud, monkeypatch):
     def refuse(*_args, **_kwargs):
-        raise workflows.WorkflowNotConfigured("No state machine is configured for this operation.")
+        raise errors.WorkflowNotConfigured("No state machine is configured for this operation.")
     monkeypatch.setattr(workflows, "start_execution", refuse)
 
     response = call("POST", "/v2.1/servers", version="2.90", body={"server": {

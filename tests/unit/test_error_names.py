@@ -57,3 +57,13 @@ def test_every_ferry_error_is_named_with_the_ferry_prefix_and_registered():
     assert subclasses
     assert [cls.__name__ for cls in subclasses if not cls.__name__.startswith("Ferry.")] == []
     assert [cls.__name__ for cls in subclasses if FerryError.registry.get(cls.__name__) is not cls] == []
+
+
+def test_every_ferry_error_is_defined_in_ferry_errors():
+    import ferry.handlers
+    import ferry.workflows  # noqa: F401  (import the modules that once defined their own)
+    import hostagent.agent  # noqa: F401
+
+    elsewhere = sorted(f"{cls.__module__}.{cls.__name__}" for cls in _all_subclasses(FerryError)
+                       if cls.__module__ != errors.__name__ and cls.__module__.split(".")[0] in ("ferry", "hostagent"))
+    assert elsewhere == []

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 import ferry
-from ferry import handlers
+from ferry import errors, handlers
 
 ROOT = Path(__file__).resolve().parents[2]
 CONTEXT = SimpleNamespace(function_name="ferry-test-echo", memory_limit_in_mb=128, aws_request_id="req-1",
@@ -45,7 +45,7 @@ def test_the_first_invocation_freezes_the_heap_and_later_ones_do_not(fresh_proce
 def test_a_step_handler_freezes_on_its_first_invocation(fresh_process):
     step = handlers.step_handler(lambda event: event["instance_uuid"], "Echo")
 
-    with pytest.raises(handlers.InvalidStepInput):
+    with pytest.raises(errors.InvalidStepInput):
         step({"request_id": "r"}, CONTEXT)
     assert fresh_process == [True]
     assert step({"instance_uuid": "i", "request_id": "r"}, CONTEXT) == "i"
@@ -86,7 +86,7 @@ def test_a_real_function_pauses_the_collector_until_its_first_invocation_even_a_
         import gc
         from types import SimpleNamespace
         import app
-        from ferry.handlers import InvalidStepInput
+        from ferry.errors import InvalidStepInput
         assert not gc.isenabled()
         context = SimpleNamespace(function_name="ferry-test", memory_limit_in_mb=128, aws_request_id="req-1",
                                   invoked_function_arn="arn:aws:lambda:us-east-1:123456789012:function:ferry-test")

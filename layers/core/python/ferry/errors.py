@@ -350,6 +350,14 @@ class InvalidWorkflowInput(BadRequest):
     """An execution's input does not match the ``*.input.schema.json`` beside its state machine."""
 
 
+class InvalidStepInput(FerryError):
+    """A workflow step received input that does not match its schema."""
+
+
+class WorkflowNotConfigured(FerryError):
+    """The state machine ARN for a workflow is not set in this function's environment."""
+
+
 # --- Cross-cell confirm and revert
 
 

@@ -33,10 +33,6 @@ STEP_EVENT_SCHEMA: dict[str, Any] = {
 }
 
 
-class InvalidStepInput(errors.FerryError):
-    """A workflow step received input that does not match its schema."""
-
-
 _heap_frozen = False
 
 
@@ -81,7 +77,7 @@ def step_handler(
         try:
             validation.check(event, schema or STEP_EVENT_SCHEMA)
         except validation.SchemaMismatch as exc:
-            raise InvalidStepInput(f"{name}: {exc.message}") from exc
+            raise errors.InvalidStepInput(f"{name}: {exc.message}") from exc
         logger.append_keys(step=name, instance_uuid=event.get("instance_uuid"),
                            execution=event.get("execution_name"))
         metrics.add_dimension(name="Step", value=name)

@@ -9,10 +9,6 @@ from ferry import aws, errors
 from ferry.observability import logger
 
 
-class WorkflowNotConfigured(errors.FerryError):
-    """The state machine ARN for a workflow is not set in this function's environment."""
-
-
 def execution_arn(state_machine_arn: str, name: str) -> str:
     """The ARN of the execution ``name`` of ``state_machine_arn``."""
     return state_machine_arn.replace(":stateMachine:", ":execution:") + f":{name}"
@@ -38,7 +34,7 @@ def start_execution(state_machine_arn: str, name: str, payload: dict[str, Any]) 
         The execution ARN.
     """
     if not state_machine_arn:
-        raise WorkflowNotConfigured("No state machine is configured for this operation.")
+        raise errors.WorkflowNotConfigured("No state machine is configured for this operation.")
     body = {**payload, "execution_name": name}
     sfn = aws.client("stepfunctions")
     try:
