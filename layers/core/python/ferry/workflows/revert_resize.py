@@ -11,12 +11,14 @@ Failures:
 
 * the first step refuses input that does not match ``revert_resize.input.schema.json``, or
   records that are not those of a revert under way, and changes nothing;
-* any other failure of the first step, or of the destination's clean-up (RestoreVerifyResize in
-  :mod:`ferry.workflows.confirm_resize`): the server stays in VERIFY_RESIZE on the destination,
-  the migration goes back to ``finished`` and the revert can be asked again;
-* a failure once the destination is cleaned up (FailRevert): nothing runs the server any more,
-  so it goes to ERROR, the migration to ``error``, and the fault says where the disks, the guest
-  and the allocations are.
+* any other failure of the first step, or of the destination's clean-up within a cell
+  (RestoreVerifyResize in :mod:`ferry.workflows.confirm_resize`): the server stays in
+  VERIFY_RESIZE on the destination, the migration goes back to ``finished`` and the revert can
+  be asked again;
+* a failure once the destination is cleaned up, and between cells any failure after the flip to
+  the source cell, the destination's destroy included (FailRevert): the server goes to ERROR, the
+  migration to ``error``, and the fault says whether the destination still has the guest and
+  where the disks and the allocations are.
 """
 
 from __future__ import annotations
