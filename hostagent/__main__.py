@@ -22,7 +22,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from ferry import config, errors
+from ferry import config, errors, protocol
 from ferry.observability import logger
 from hostagent.agent import (
     DEFAULT_KEEPALIVE_INTERVAL,
@@ -179,6 +179,11 @@ def main(argv: list[str] | None = None) -> int:
                      f"workflow reaches this agent")
     settings = config.get()
     host: str = args.host
+    if not protocol.is_host_name(host):
+        parser.error(f"--host {host!r} is not a host name: letters, digits and '-' in labels separated by dots")
+    reports_queue = settings.host_reports_queue_url.rstrip("/").rsplit("/", 1)[-1]
+    if not args.queue_url and protocol.host_queue_name(settings.host_queue_prefix, host) == reports_queue:
+        parser.error(f"--host {host!r} would poll the host reports queue {reports_queue}: choose another host name")
     state_dir: Path = (args.state_dir or settings.state_dir / "hosts" / host).resolve()
     instances_dir: Path = (args.instances_dir or state_dir / "instances").resolve()
     volumes_dirs = [d.resolve() for d in args.volumes_dirs or default_volumes_dirs(settings.state_dir, instances_dir)]

@@ -139,11 +139,12 @@ def ensure_host_queue(
 ) -> str:
     """Create (or update) a host's operation queue and its dead-letter queue; return the queue URL.
 
-    A message that fails ``max_receive_count`` times moves to ``<queue name>-dlq``.
+    A message that fails ``max_receive_count`` times moves to ``<queue name>-dlq``
+    (:data:`ferry.protocol.DLQ_SUFFIX`).
     Safe to call on every agent start.
     """
     name = protocol.host_queue_name(prefix, host)
-    dlq_url = _create_queue(sqs, f"{name}-dlq", {"MessageRetentionPeriod": str(DLQ_RETENTION_SECONDS)})
+    dlq_url = _create_queue(sqs, f"{name}{protocol.DLQ_SUFFIX}", {"MessageRetentionPeriod": str(DLQ_RETENTION_SECONDS)})
     dlq_arn = sqs.get_queue_attributes(QueueUrl=dlq_url, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
     redrive = json.dumps({"deadLetterTargetArn": dlq_arn, "maxReceiveCount": str(max_receive_count)})
     return _create_queue(sqs, name, {"VisibilityTimeout": str(visibility_timeout), "RedrivePolicy": redrive})

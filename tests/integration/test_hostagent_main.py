@@ -120,6 +120,22 @@ def test_an_agent_without_its_queue_prefix_or_queue_refuses_to_start(tmp_path, m
     assert [options["queue_url"] for options in RecordedAgent.built] == ["http://127.0.0.1:1/queue/compute1"]
 
 
+@pytest.mark.parametrize(("host", "reports_queue", "refusal"), [
+    ("compute_1", "", "is not a host name"),
+    ("reports", "http://127.0.0.1:1/000000000000/ferry-test-host-reports", "would poll the host reports queue"),
+])
+def test_an_agent_refuses_a_host_whose_queue_cannot_be_its_own(configured, tmp_path, monkeypatch, capsys, host,
+                                                              reports_queue, refusal):
+    monkeypatch.setenv("FERRY_HOST_REPORTS_QUEUE_URL", reports_queue)
+    config.reset()
+
+    with pytest.raises(SystemExit) as refused:
+        agent_main.main(["--host", host, "--state-dir", str(tmp_path / "state")])
+
+    assert refused.value.code == 2 and configured == []
+    assert refusal in capsys.readouterr().err
+
+
 def test_agent_process_reports_runs_operations_and_exits_cleanly_on_sigterm(moto_endpoint, tmp_path):
     sqs = boto3.client(
         "sqs",

@@ -67,6 +67,15 @@ def test_the_default_grace_leaves_fresh_records_alone(with_stray_allocation, cap
     assert cli.main(["audit", "--no-storage"]) == 0
 
 
+def test_audit_of_the_bucket_refuses_to_guess_which_bucket(with_stray_allocation, monkeypatch, capsys):
+    monkeypatch.delenv("FERRY_IMAGE_BUCKET", raising=False)
+
+    assert cli.main(["audit", "--fix", "--grace", "0"]) == 2
+
+    assert "FERRY_IMAGE_BUCKET is not set" in capsys.readouterr().err
+    assert placement.get_allocations(with_stray_allocation) != {}  # nothing was checked, nothing repaired
+
+
 def test_ferry_without_a_command_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exited:
         cli.main([])

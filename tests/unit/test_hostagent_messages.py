@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from flavors import TINY as FLAVOR
 
-from ferry import errors
+from ferry import errors, protocol
 from hostagent.agent import inventory_from_capacity, parse_message
 from hostagent.driver import HostCapacity
 
@@ -82,3 +84,26 @@ def test_inventory_reports_capacity_and_caps_reservations_at_the_total():
         "MEMORY_MB": {"total": 256, "reserved": 256},
         "DISK_GB": {"total": 100, "reserved": 10},
     }
+
+
+@pytest.mark.parametrize(("host", "valid"), [
+    ("compute1", True), ("compute-1.rack2.example.org", True), ("a" * 63, True),
+    ("", False), ("compute_1", False), ("-compute", False), ("compute-", False), ("compute..1", False),
+    ("compute 1", False), ("compute1.", False), ("a" * 254, False),
+])
+def test_a_host_name_is_letters_digits_and_hyphens_in_dotted_labels(host, valid):
+    assert protocol.is_host_name(host) is valid
+
+
+def test_every_host_name_gets_a_queue_name_of_its_own_that_sqs_accepts():
+    prefix = "ferry-production-host-"
+    hosts = ["compute1", "compute1.example.org", "compute1-example-org",
+             "node-" + "x" * 70 + ".example.org", "node-" + "x" * 70 + ".example.net"]
+
+    names = [protocol.host_queue_name(prefix, host) for host in hosts]
+
+    assert names[0] == "ferry-production-host-compute1"  # short names as before
+    assert names[1] == "ferry-production-host-compute1_example_org"
+    assert len(set(names)) == len(hosts)
+    for name in names:
+        assert re.fullmatch(r"[A-Za-z0-9_-]{1,80}", name + protocol.DLQ_SUFFIX), name

@@ -26,8 +26,13 @@ Handler = Callable[[argparse.Namespace], int]
 
 
 def _run_audit(args: argparse.Namespace) -> int:
-    from ferry import audit
+    from ferry import audit, config
 
+    if not args.no_storage and not config.is_set(config.IMAGE_BUCKET_VARIABLE):
+        # Bucket names are global: a default name may be another stack's bucket, and --fix deletes there.
+        print(f"ferry audit: {config.IMAGE_BUCKET_VARIABLE} is not set: set it to the stack's image bucket "
+              f"(the ImageBucketName output), or pass --no-storage to leave the bucket out", file=sys.stderr)
+        return 2
     report = audit.run_audit(fix=args.fix, grace_seconds=args.grace, check_storage=not args.no_storage)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2, sort_keys=True))

@@ -9,6 +9,7 @@ queue, which the ``ReportHostState`` function consumes: agents never touch the d
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from pathlib import Path
@@ -472,6 +473,28 @@ def disk_digest(entry: dict[str, Any]) -> str:
     return str(entry.get("digest", BLOCK_SHA256))
 
 
+# SQS queue names: letters, digits, ``-`` and ``_``, at most 80 characters.
+_QUEUE_NAME_MAX = 80
+# A host queue's dead-letter queue is named after it with this suffix.
+DLQ_SUFFIX = "-dlq"
+# What a host name may hold (RFC 1123 labels, dots between them; no ``_``).
+_HOST_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?)*")
+
+
+def is_host_name(host: str) -> bool:
+    """Whether ``host`` is a host name an agent may serve: letters, digits and ``-`` in labels
+    separated by dots, at most 253 characters."""
+    return len(host) <= 253 and _HOST_NAME.fullmatch(host) is not None
+
+
 def host_queue_name(prefix: str, host: str) -> str:
-    """The SQS queue name of a host's agent (``<prefix><host>``)."""
-    return f"{prefix}{host}"
+    """The SQS queue name of a host's agent: ``<prefix><host>``, the host name's dots written
+    ``_`` (SQS allows no dot, a host name no ``_``). A name too long for SQS once its dead-letter
+    suffix is added is cut and ended with a digest of the whole host name, so that every host
+    keeps a queue of its own."""
+    name = prefix + host.replace(".", "_")
+    room = _QUEUE_NAME_MAX - len(DLQ_SUFFIX)
+    if len(name) > room:
+        digest = hashlib.blake2b(host.encode(), digest_size=6).hexdigest()
+        name = f"{name[:room - len(digest) - 1]}-{digest}"
+    return name

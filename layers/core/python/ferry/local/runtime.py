@@ -46,7 +46,7 @@ from typing import Any
 import boto3
 from botocore.config import Config
 
-from ferry import aws, config
+from ferry import aws, config, protocol
 from ferry.errors import LocalStackError, TemplateError
 from ferry.local.template import Function, LocalTemplate
 
@@ -477,7 +477,7 @@ def _sqs_send_message(original: Callable[..., Any]) -> Callable[..., Any]:
         sent = original(self, queue_name, message_body, *args, **kwargs)
         if switched_on(DUPLICATE_DELIVERY_ENV) and _is_host_operation(message_body):
             prefix = config.get().host_queue_prefix
-            if not prefix or (queue_name.startswith(prefix) and not queue_name.endswith("-dlq")):
+            if not prefix or (queue_name.startswith(prefix) and not queue_name.endswith(protocol.DLQ_SUFFIX)):
                 log.info("host operation message put on %s twice", queue_name)
                 original(self, queue_name, message_body, *args, **kwargs)
         return sent
