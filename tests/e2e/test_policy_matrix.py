@@ -79,6 +79,8 @@ PROBES: dict[str, Probe] = {
     "os_compute_api:servers:update": Probe("PUT", S, body={"server": {"name": "e2e-policy-active"}}, server="active"),
     "os_compute_api:servers:start": Probe("POST", _action, body={"os-start": None}, server="active"),
     "os_compute_api:servers:stop": Probe("POST", _action, body={"os-stop": None}, server="shutoff"),
+    "os_compute_api:os-admin-actions:reset_state": Probe("POST", _action, body={"os-resetState": {"state": "active"}},
+                                                         server="active"),
     "os_compute_api:os-instance-actions:list": Probe("GET", f"{S}/os-instance-actions", server="active"),
     "os_compute_api:os-instance-actions:show": Probe("GET", f"{S}/os-instance-actions/{{request_id}}",
                                                      server="active"),

@@ -597,6 +597,7 @@ def test_migrate_host_is_ignored_below_2_56(cloud):
     ({"migrate": {"host": "host1"}}, "Cannot migrate to the host where the server exists."),
     ({"migrate": {"host": "host2", "extra": True}}, "Additional properties are not allowed"),
     ({"migrate": {"host": ""}}, "Invalid input for field/attribute migrate/host"),
+    ({"migrate": {"host": "host2:8774"}}, "Invalid input for field/attribute migrate/host"),  # not a host name
     ({"migrate": "host2"}, "Invalid input for field/attribute migrate"),
 ])
 def test_bad_migrate_requests_are_400_and_change_nothing(cloud, body, message):

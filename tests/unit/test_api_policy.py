@@ -54,6 +54,11 @@ def test_move_rules_have_novas_defaults():
     assert policy.check(ADMIN, "os_compute_api:os-migrate-server:migrate")
 
 
+def test_resetting_a_servers_state_is_for_admins_only_even_on_the_owners_server():
+    assert not policy.check(MEMBER, "os_compute_api:os-admin-actions:reset_state", {"project_id": "project-a"})
+    assert policy.check(ADMIN, "os_compute_api:os-admin-actions:reset_state", OTHERS)
+
+
 def test_a_policy_file_overrides_only_the_rules_it_names(policy_file):
     policy_file.write_text('compute:servers:resize:cross_cell: admin\n"os_compute_api:servers:create": "!"\n')
 

@@ -52,7 +52,7 @@ def test_request_bodies_are_the_schemas_the_routes_check(document):
     assert body("PUT", "/os-aggregates/{aggregate_id}") == aggregates.UPDATE
     actions = {next(iter(choice["required"])) for choice in body("POST", "/servers/{server_id}/action")["oneOf"]}
     assert actions == set(servers.ACTIONS) >= {"resize", "migrate", "confirmResize", "revertResize", "os-stop",
-                                               "os-start"}
+                                               "os-start", "os-resetState"}
 
 
 def test_path_parameters_microversion_headers_and_errors_are_described(document):

@@ -51,6 +51,7 @@ DEFAULT_RULES: dict[str, str] = {
     "os_compute_api:os-instance-actions:show": ADMIN_OR_OWNER,
     "os_compute_api:os-instance-actions:events": ADMIN,
     "os_compute_api:os-instance-actions:events:details": ADMIN,
+    "os_compute_api:os-admin-actions:reset_state": ADMIN,
     # flavors
     "os_compute_api:os-flavor-manage:create": ADMIN,
     "os_compute_api:os-flavor-manage:update": ADMIN,

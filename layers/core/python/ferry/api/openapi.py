@@ -135,7 +135,8 @@ _FLAVOR_QUERY: dict[str, Schema] = {
 _MIGRATION_QUERY: dict[str, Schema] = {
     "host": _STRING, "status": {"type": "array", "items": _STRING}, "migration_type": _STRING,
     "instance_uuid": _STRING, "source_compute": _STRING, "limit": _LIMIT, "marker": _STRING,
-    "changes-since": _STRING, "changes-before": _STRING, "user_id": _STRING, "project_id": _STRING}
+    "changes-since": _STRING, "changes-before": _STRING, "user_id": _STRING, "project_id": _STRING,
+    "hidden": _STRING}
 _VOLUME_QUERY: dict[str, Schema] = {
     "all_tenants": _STRING, "project_id": _STRING, "name": _STRING, "status": _STRING, "bootable": _STRING,
     "metadata": _STRING, "limit": _LIMIT, "marker": _STRING}
@@ -186,7 +187,8 @@ def _operations(bodies: dict[str, dict[str, Any]]) -> dict[tuple[str, str], Oper
                                    {200: _keyed("server", _SERVER)}, bodies["server_update"], errors=_WRITE_ERRORS),
         ("DELETE", server): Operation("Delete a server", {204: None}, errors=_WRITE_ERRORS),
         ("POST", f"{server}/action"): Operation(
-            "Run a server action: os-stop, os-start, resize, migrate, revertResize (202) or confirmResize (204)",
+            "Run a server action: os-stop, os-start, resize, migrate, revertResize, os-resetState (admins) (202) "
+            "or confirmResize (204)",
             {202: None, 204: None}, bodies["server_action"], errors=_WRITE_ERRORS),
         ("GET", f"{server}/os-instance-actions"): Operation(
             "List a server's instance actions (paged and filtered from 2.58)",

@@ -147,6 +147,13 @@ def server_create(version: APIVersion) -> dict[str, Any]:
 
 SERVER_ACTION = {"type": "object", "minProperties": 1, "maxProperties": 1}
 NULL_ACTION = {"type": "null"}
+# os-resetState: exactly ``state``, one of the two vm_states an admin may set (Nova's choice).
+RESET_STATE_ACTION = {
+    "type": "object",
+    "properties": {"state": {"type": "string", "enum": ["active", "error"]}},
+    "required": ["state"],
+    "additionalProperties": False,
+}
 
 FLAVOR_ID = {"type": ["string", "null"], "minLength": 1, "maxLength": 255, "pattern": "^(?! )[a-zA-Z0-9. _-]+(?<! )$"}
 
@@ -203,8 +210,6 @@ EXTRA_SPEC_UPDATE = {
 
 
 # --- moves ------------------------------------------------------------------------------------------
-
-HOST_NAME = {"type": "string", "minLength": 1, "maxLength": 255, "pattern": "^[a-zA-Z0-9._:-]+$"}
 
 RESIZE_ACTION = {
     "type": "object",

@@ -20,8 +20,8 @@ from ferry import errors, policy
 from ferry.api import request, schemas, server_query, views
 from ferry.api.microversions import APIVersion
 from ferry.auth import RequestContext
+from ferry.compute import admin_actions, instances, services
 from ferry.compute import api as compute_api
-from ferry.compute import instances, services
 
 router = Router()
 
@@ -251,6 +251,16 @@ def stop(ctx: RequestContext, location: compute_api.Location, _value: Any, _vers
 def start(ctx: RequestContext, location: compute_api.Location, _value: Any, _version: APIVersion) -> Response:
     policy.enforce(ctx, "os_compute_api:servers:start", location.target)
     compute_api.start_server(ctx, location)
+    return request.empty(202)
+
+
+@server_action("os-resetState", schemas.RESET_STATE_ACTION)
+def reset_state(ctx: RequestContext, location: compute_api.Location, value: dict[str, str],
+                _version: APIVersion) -> Response:
+    """202 (admins by default): the server takes vm_state ``active`` or ``error`` and loses its task,
+    whatever its state, task or lock; 409 while it is still being scheduled."""
+    policy.enforce(ctx, "os_compute_api:os-admin-actions:reset_state", location.target)
+    admin_actions.reset_state(ctx, location, value["state"])
     return request.empty(202)
 
 
