@@ -132,7 +132,7 @@ def test_filters(cloud):
     assert uuids(instance_uuid="22222222-2222-4222-8222-222222222222") == [c]
     assert uuids(source_compute="host1") == [a]
     assert uuids(project_id="project-b") == [c] and uuids(user_id="alice") == [b, a]
-    assert len(listed("2.79", project_id="project-b")) == 3  # owner filters come with 2.80
+    assert len(listed("2.58", project_id="project-b")) == 3  # owner filters come with 2.80 (ignored before 2.59)
     assert uuids(status="finished", host="host1") == [a]
     assert uuids(status="nothing-like-it") == []
 
@@ -180,7 +180,7 @@ def test_changes_since_and_before(cloud):
     late = add_migration(minutes=30)
 
     assert [m["uuid"] for m in listed("2.59", **{"changes-since": "2026-01-01T12:10:00Z"})] == [late]
-    assert len(listed("2.59", **{"changes-before": "2026-01-01T12:10:00Z"})) == 2  # changes-before is 2.66+
+    assert len(listed("2.58", **{"changes-before": "2026-01-01T12:10:00Z"})) == 2  # changes-before is 2.66+
     assert len(listed("2.66", **{"changes-before": "2026-01-01T12:10:00Z"})) == 1
     bad = call("GET", "/v2.1/os-migrations", caller=ADMIN, version="2.66",
                query={"changes-since": "2026-01-02T00:00:00", "changes-before": "2026-01-01T00:00:00"})
@@ -204,6 +204,140 @@ def test_hidden_cross_cell_copies_are_listed_once(cloud):
     assert shown[shared] == "finished"
     assert shown[both_visible] == "finished"  # the copy in the cell the server lives in
     assert len(listed("2.59", instance_uuid=server_id)) == 3
+
+
+def cross_cell_copies(server_id: str, shown: dict[str, Any], stale: dict[str, Any]) -> str:
+    """A cross-cell migration of ``server_id`` (which lives in cell1): the copy a list shows in
+    cell1, an out-of-date hidden one in cell2."""
+    uuid = "55555555-5555-4555-8555-555555555555"
+    add_migration("cell1", uuid=uuid, instance_uuid=server_id, cross_cell_move=True, **shown)
+    add_migration("cell2", uuid=uuid, instance_uuid=server_id, cross_cell_move=True, hidden=True, **stale)
+    return uuid
+
+
+def test_filters_apply_to_the_copy_the_list_shows_not_to_a_stale_one(cloud):
+    # GIVEN a cross-cell migration being confirmed, whose other cell still holds it as finished
+    server_id = active_server()
+    uuid = cross_cell_copies(
+        server_id,
+        shown={"status": "confirming", "updated_at": T0 + dt.timedelta(minutes=1), "dest_compute": "host2"},
+        stale={"status": "finished", "updated_at": T0 + dt.timedelta(minutes=60), "dest_compute": "host7"})
+    assert [(m["uuid"], m["status"]) for m in listed("2.80")] == [(uuid, "confirming")]
+
+    # WHEN the list is filtered THEN the shown copy decides, as in the unfiltered list
+    assert listed("2.80", status="finished") == []
+    assert [(m["uuid"], m["status"]) for m in listed("2.80", status="confirming")] == [(uuid, "confirming")]
+    assert [m["status"] for m in listed("2.80", status=["finished", "confirming"])] == ["confirming"]
+    assert listed("2.80", **{"changes-since": "2026-01-01T12:30:00Z"}) == []
+    assert [m["uuid"] for m in listed("2.80", **{"changes-before": "2026-01-01T12:30:00Z"})] == [uuid]
+    assert listed("2.80", host="host7") == []
+    assert [m["status"] for m in listed("2.80", host="host2", status="confirming")] == ["confirming"]
+    assert [m["status"] for m in listed("2.58", status="confirming")] == ["confirming"]
+    assert listed("2.58", status="finished") == []
+
+
+def test_a_stale_copy_that_alone_passes_a_filter_does_not_hide_the_shown_one(cloud):
+    server_id = active_server()
+    uuid = cross_cell_copies(server_id, shown={"status": "confirmed"}, stale={"status": "confirming"})
+    other = add_migration("cell2", minutes=5, status="confirmed", source_compute="host3", dest_compute="host3")
+
+    assert [(m["uuid"], m["status"]) for m in listed("2.80", status="confirmed")] == \
+        [(other, "confirmed"), (uuid, "confirmed")]
+    assert listed("2.80", status="confirming") == []
+
+
+def test_the_next_page_follows_a_marker_that_no_longer_passes_the_filters(cloud):
+    # GIVEN three finished migrations and the first page of the finished ones
+    oldest, middle, newest = (add_migration(minutes=i) for i in range(3))
+    first = call("GET", "/v2.1/os-migrations", caller=ADMIN, version="2.59", query={"status": "finished", "limit": "1"})
+    assert [m["uuid"] for m in first.body["migrations"]] == [newest]
+    next_query = parse_qs(urlsplit(first.body["migrations_links"][0]["href"]).query)
+    assert next_query == {"status": ["finished"], "limit": ["1"], "marker": [newest]}
+
+    # WHEN the marker's migration is confirmed before the next page is asked for
+    with cell_session("cell1") as session:
+        session.execute(update(Migration).where(Migration.uuid == newest).values(status="confirmed"))
+
+    # THEN the next page continues after the marker's place in the order
+    assert [m["uuid"] for m in listed("2.59", **next_query)] == [middle]
+    assert [m["uuid"] for m in listed("2.59", status="finished", marker=newest)] == [middle, oldest]
+    assert [m["uuid"] for m in listed("2.59", status="finished", marker=middle)] == [oldest]
+    assert listed("2.59", host="host9", marker=newest) == []  # a marker that no filter would keep
+    assert [m["uuid"] for m in listed("2.59", marker=newest)] == [middle, oldest]
+    missing = call("GET", "/v2.1/os-migrations", caller=ADMIN, version="2.59",
+                   query={"status": "finished", "marker": "99999999-9999-4999-8999-999999999999"})
+    assert missing.status == 400
+    assert missing.body["badRequest"]["message"] == \
+        "Marker 99999999-9999-4999-8999-999999999999 could not be found."
+
+
+def test_a_cross_cell_marker_stands_where_the_unfiltered_list_shows_it(cloud):
+    server_id = active_server()
+    before = add_migration("cell2", minutes=-5, source_compute="host3", dest_compute="host3")
+    uuid = cross_cell_copies(server_id, shown={"status": "confirming"}, stale={"status": "finished"})
+    after = add_migration("cell2", minutes=5, source_compute="host3", dest_compute="host3")
+    assert [m["uuid"] for m in listed("2.59")] == [after, uuid, before]
+
+    assert [m["uuid"] for m in listed("2.59", status="finished", marker=uuid)] == [before]
+    assert [m["uuid"] for m in listed("2.59", status="finished", marker=after)] == [before]
+
+
+# --- query parameters -------------------------------------------------------------------------------
+
+
+def unexpected(name: str) -> str:
+    return f"Invalid input for query parameters {name}. Additional properties are not allowed ('{name}' was unexpected)"
+
+
+@pytest.mark.parametrize(("version", "name"), [
+    ("2.59", "foo"),
+    ("2.80", "migration-type"),  # a typo of migration_type
+    ("2.80", "server_id"),
+    ("2.59", "changes-before"),  # from 2.66
+    ("2.65", "changes-before"),
+    ("2.79", "user_id"),  # from 2.80
+    ("2.79", "project_id"),
+    ("2.96", "sort_key"),
+])
+def test_unknown_query_parameters_are_refused_from_2_59(cloud, version, name):
+    add_migration()
+
+    response = call("GET", "/v2.1/os-migrations", caller=ADMIN, version=version, query={name: "resize"})
+
+    assert response.status == 400
+    assert response.body["badRequest"]["message"] == unexpected(name)
+
+
+def test_unknown_query_parameters_are_ignored_below_2_59(cloud):
+    add_migration(minutes=0)
+    add_migration(minutes=1, migration_type=migration_states.MIGRATION)
+
+    assert len(listed("2.58", foo="bar", **{"migration-type": "resize"})) == 2
+    assert len(listed("2.1", user_id="nobody", **{"changes-since": "2030-01-01T00:00:00Z"})) == 2
+
+
+def test_the_query_is_checked_before_the_policy(cloud):
+    refused = call("GET", "/v2.1/os-migrations", caller=ALICE, version="2.80", query={"foo": "bar"})
+    forbidden = call("GET", "/v2.1/os-migrations", caller=ALICE, version="2.80", query={"host": "host1"})
+
+    assert (refused.status, refused.body["badRequest"]["message"]) == (400, unexpected("foo"))
+    assert forbidden.status == 403
+
+
+def test_every_parameter_the_clients_send_is_taken(cloud):
+    uuid = add_migration(minutes=1)
+    marker = add_migration(minutes=2)
+    # openstacksdk's Migration query parameters (``openstack server migration list`` uses them),
+    # and ``hidden`` from Nova's schema
+    query = {"host": "host1", "status": "finished", "migration_type": "resize",
+             "instance_uuid": "11111111-1111-4111-8111-111111111111", "source_compute": "host1",
+             "user_id": "alice", "project_id": "project-a", "changes-since": "2026-01-01T00:00:00Z",
+             "changes-before": "2026-01-02T00:00:00Z", "limit": "5", "marker": marker, "hidden": "0"}
+
+    assert [m["uuid"] for m in listed("2.80", **query)] == [uuid]
+    assert [m["uuid"] for m in listed("2.96", **query)] == [uuid]
+    assert len(listed("2.59", **{k: v for k, v in query.items() if k not in (
+        "changes-before", "user_id", "project_id")})) == 1
 
 
 def test_moves_made_through_the_api_are_listed(cloud):

@@ -5,12 +5,16 @@ destination), ``status`` (repeatable), ``migration_type``, ``instance_uuid``,
 ``source_compute``; from 2.59 newest first with ``limit``/``marker``/``changes-since``
 (``changes-before`` from 2.66); ``user_id``/``project_id`` filters from 2.80. Fields follow
 the microversion (``migration_type`` 2.23, ``uuid`` 2.59, ``user_id``/``project_id`` 2.80).
+As in Nova, from 2.59 a query parameter the microversion does not know is refused (400);
+before 2.59 it is ignored. ``hidden`` is taken and changes nothing: cross-cell copies are
+merged by uuid.
 
 Ferry has no live migration, so a server's in-progress live migrations are always none.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from aws_lambda_powertools.event_handler import Response
@@ -25,6 +29,27 @@ from ferry.compute import moves
 router = Router()
 
 MAX_LIMIT = 1000
+
+# Query parameters known from 2.59 (Nova's schemas refuse any other from then on), by the
+# microversion they come with.
+PARAMETERS: Mapping[str, str] = {
+    **{name: "2.59" for name in ("hidden", "host", "instance_uuid", "source_compute", "status", "migration_type",
+                                 "limit", "marker", "changes-since")},
+    "changes-before": "2.66",
+    "user_id": "2.80",
+    "project_id": "2.80",
+}
+
+
+def _refuse_unknown(view: ViewContext, params: dict[str, list[str]]) -> None:
+    """Raises BadRequest for the first (by name) parameter the microversion does not know, from 2.59."""
+    if not view.at_least("2.59"):
+        return
+    for name in sorted(params):
+        since = PARAMETERS.get(name)
+        if since is None or not view.at_least(since):
+            raise errors.BadRequest(f"Invalid input for query parameters {name}. "
+                                    f"Additional properties are not allowed ('{name}' was unexpected)")
 
 
 def _filters(view: ViewContext, params: dict[str, list[str]]) -> moves.MigrationFilters:
@@ -45,8 +70,9 @@ def _filters(view: ViewContext, params: dict[str, list[str]]) -> moves.Migration
 @router.get("/os-migrations")
 def list_migrations() -> Response:
     view = request.view_context(router)
-    policy.enforce(view.ctx, "os_compute_api:os-migrations:index")
     params = request.query(router)
+    _refuse_unknown(view, params)  # the query is checked before the policy, as Nova checks its schema first
+    policy.enforce(view.ctx, "os_compute_api:os-migrations:index")
     filters = _filters(view, params)
     paged = view.at_least("2.59")
     limit = marker = None

@@ -805,32 +805,81 @@ def list_migrations(filters: MigrationFilters, *, newest_first: bool = False, li
 
     A migration copied into another cell for a cross-cell move is listed once: the visible
     copy wins over a hidden one, and of two copies the one in the cell the instance lives in.
+    The filters apply to that copy (the one an unfiltered list shows), never to a stale one.
     Without ``newest_first`` they come oldest first (per cell, as Nova lists them before 2.59);
-    with it newest first by creation (then id), which paging (``marker``: the uuid of the last
-    migration of the previous page; ``limit``) relies on.
+    with it newest first by creation (then id, then uuid), which paging relies on: ``marker``
+    is the uuid of the last migration of the previous page, found whether or not it passes
+    the filters (it may have changed since), and the page starts after its place in the order.
 
     Raises:
-        BadRequest: the marker is not a listed migration.
+        BadRequest: no cell holds the marker.
+        ValueError: a marker without ``newest_first`` (only that order can be paged).
     """
-    copies: dict[str, list[tuple[dict[str, Any], str]]] = {}
-    order: list[str] = []
-    for cell in all_cells(include_cell0=False):
-        with cell_session(cell) as session:
-            for row in session.scalars(_migration_query(filters).order_by(Migration.created_at, Migration.id)):
-                record = {name: getattr(row, name) for name in MIGRATION_FIELDS}
-                if row.uuid not in copies:
-                    copies[row.uuid] = []
-                    order.append(row.uuid)
-                copies[row.uuid].append((record, cell.name))
+    if marker is not None and not newest_first:
+        raise ValueError("a marker pages the newest-first order only")
+    after = None if marker is None else _marker_key(marker)
+    copies = _copies_by_uuid(_migration_query(filters))
+    filtered = filters != MigrationFilters()
+    if filtered:
+        # The query found the copies that pass; a migration is listed when its preferred copy
+        # is one of them. Only a cross-cell move has copies in other cells (every copy is
+        # marked), so only those are looked up again by uuid.
+        passing = {(cell, record["id"]) for group in copies.values() for record, cell in group}
+        _add_other_copies(copies, [uuid for uuid, group in copies.items()
+                                   if any(record["cross_cell_move"] for record, _ in group)])
     located = _instance_cells({copy[0]["instance_uuid"] for group in copies.values() for copy in group
                                if len(group) > 1})
-    merged = [_preferred_copy(copies[uuid], located) for uuid in order]
+    merged = []
+    for group in copies.values():
+        record, cell = _preferred_copy(group, located)
+        if not filtered or (cell, record["id"]) in passing:
+            merged.append(record)
     if newest_first:
-        merged.sort(key=lambda m: (m["created_at"], m["id"], m["uuid"]), reverse=True)
-    merged = compute_api.after_marker(merged, marker, lambda m: m["uuid"], f"Marker {marker} could not be found.")
+        merged.sort(key=_newest_first_key, reverse=True)
+    if after is not None:
+        merged = [m for m in merged if _newest_first_key(m) < after]
     if limit is not None:
         merged = merged[:limit]
     return merged
+
+
+def _newest_first_key(record: dict[str, Any]) -> tuple[dt.datetime, int, str]:
+    return record["created_at"], record["id"], record["uuid"]
+
+
+def _copies_by_uuid(query: Select[Any]) -> dict[str, list[tuple[dict[str, Any], str]]]:
+    """The rows ``query`` selects in every cell, as ``(record, cell)`` by migration uuid; uuids in
+    the order first seen (cell by cell, each oldest first)."""
+    copies: dict[str, list[tuple[dict[str, Any], str]]] = {}
+    for cell in all_cells(include_cell0=False):
+        with cell_session(cell) as session:
+            for row in session.scalars(query.order_by(Migration.created_at, Migration.id)):
+                record = {name: getattr(row, name) for name in MIGRATION_FIELDS}
+                copies.setdefault(row.uuid, []).append((record, cell.name))
+    return copies
+
+
+def _add_other_copies(copies: dict[str, list[tuple[dict[str, Any], str]]], uuids: list[str]) -> None:
+    """Add to ``copies`` the copies of ``uuids`` it does not hold yet, from every cell."""
+    held = {(cell, record["id"]) for uuid in uuids for record, cell in copies[uuid]}
+    for start in range(0, len(uuids), 500):
+        query = select(Migration).where(Migration.deleted.is_(False), Migration.uuid.in_(uuids[start:start + 500]))
+        for uuid, group in _copies_by_uuid(query).items():
+            copies[uuid].extend(copy for copy in group if (copy[1], copy[0]["id"]) not in held)
+
+
+def _marker_key(marker: str) -> tuple[dt.datetime, int, str]:
+    """Where the migration ``marker`` stands in the newest-first order: that of the copy an
+    unfiltered list shows, whatever the filters.
+
+    Raises:
+        BadRequest: no cell holds it.
+    """
+    group = _copies_by_uuid(select(Migration).where(Migration.deleted.is_(False), Migration.uuid == marker)).get(marker)
+    if not group:
+        raise errors.BadRequest(f"Marker {marker} could not be found.")
+    located = _instance_cells({group[0][0]["instance_uuid"]}) if len(group) > 1 else {}
+    return _newest_first_key(_preferred_copy(group, located)[0])
 
 
 def _instance_cells(instance_uuids: set[str]) -> dict[str, str]:
@@ -841,9 +890,12 @@ def _instance_cells(instance_uuids: set[str]) -> dict[str, str]:
         return {row.instance_uuid: row.cell.name for row in rows if row.cell is not None}
 
 
-def _preferred_copy(group: list[tuple[dict[str, Any], str]], located: dict[str, str]) -> dict[str, Any]:
+def _preferred_copy(group: list[tuple[dict[str, Any], str]],
+                    located: dict[str, str]) -> tuple[dict[str, Any], str]:
+    """The copy a list shows, with its cell: a visible one over a hidden one, then the one in the
+    cell the instance lives in, then the one changed last."""
     def rank(item: tuple[dict[str, Any], str]) -> tuple[bool, bool, dt.datetime]:
         record, cell = item
         return (not record["hidden"], located.get(record["instance_uuid"]) == cell,
                 record["updated_at"] or record["created_at"])
-    return max(group, key=rank)[0]
+    return max(group, key=rank)
