@@ -156,10 +156,9 @@ def test_the_host_agent_policy_grants_what_the_agent_guide_lists():
 
 def test_the_host_agent_policy_covers_the_host_queues_and_keeps_the_reports_queue_send_only():
     statements = {s["Sid"]: s for s in _agent_policy()["Statement"]}
-    prefix = load_template(TEMPLATE_PATH)["Globals"]["Function"]["Environment"]["Variables"]["FERRY_HOST_QUEUE_PREFIX"]
 
     own = statements["OwnQueue"]["Resource"]["Fn::Sub"]
-    assert own == "arn:${AWS::Partition}:sqs:${AWS::Region}:${AWS::AccountId}:" + prefix["Fn::Sub"] + "*"
+    assert own == "arn:${AWS::Partition}:sqs:${AWS::Region}:${AWS::AccountId}:" + _host_queue_prefix_reference() + "*"
     denied = statements["ReportsAreSendOnly"]
     assert denied["Effect"] == "Deny" and "sqs:ReceiveMessage" in denied["Action"]
     assert {r["Fn::GetAtt"][0] for r in denied["Resource"]} == {"HostReportsQueue", "HostReportsDeadLetterQueue"}
@@ -173,3 +172,185 @@ def test_the_delivery_table_keys_and_expires_records_by_the_attributes_the_code_
     assert {a["AttributeName"]: a["AttributeType"] for a in table["AttributeDefinitions"]} == {
         deliveries.KEY_ATTRIBUTE: "S"}
     assert table["TimeToLiveSpecification"] == {"AttributeName": deliveries.EXPIRY_ATTRIBUTE, "Enabled": True}
+
+
+# --- names written once: the host queue prefix, the state machines' names -------------------------
+
+RAW = load_template(TEMPLATE_PATH)
+SAM_TYPES_WITH_ROLES = {"AWS::Serverless::Function", "AWS::Serverless::StateMachine"}
+
+
+def _host_queue_prefix_definition() -> tuple[str, str]:
+    """Where the prefix the functions get is defined: (logical id, attribute) of the resource holding it.
+
+    Fails when the template writes the prefix into Globals instead of taking it from one definition.
+    """
+    value = RAW["Globals"]["Function"]["Environment"]["Variables"]["FERRY_HOST_QUEUE_PREFIX"]
+    assert isinstance(value, dict) and "Fn::GetAtt" in value, (
+        f"Globals write FERRY_HOST_QUEUE_PREFIX out ({value}) instead of taking it from its one definition"
+    )
+    logical_id, attribute = value["Fn::GetAtt"]
+    return logical_id, attribute
+
+
+def _host_queue_prefix_reference() -> str:
+    """How a !Sub names the prefix: ``${<definition>.<attribute>}``."""
+    logical_id, attribute = _host_queue_prefix_definition()
+    return f"${{{logical_id}.{attribute}}}"
+
+
+def _host_queue_prefix_as_written() -> str:
+    """The prefix's text where it is defined (``ferry-${Stage}-host-``), following the references to it."""
+    node = RAW["Globals"]["Function"]["Environment"]["Variables"]["FERRY_HOST_QUEUE_PREFIX"]
+    while "Fn::GetAtt" in node:
+        logical_id, attribute = node["Fn::GetAtt"]
+        node = RAW["Resources"][logical_id]["Properties"][attribute]
+    return node["Fn::Sub"]
+
+
+def _strings(node, path=()):
+    """Every string in ``node`` (keys excluded) with the path of keys and indexes to it."""
+    if isinstance(node, str):
+        yield path, node
+    elif isinstance(node, dict):
+        for key, value in node.items():
+            yield from _strings(value, (*path, key))
+    elif isinstance(node, list):
+        for index, value in enumerate(node):
+            yield from _strings(value, (*path, index))
+
+
+def _policy_strings():
+    """(logical id, text) of every string in an IAM policy: SAM ``Policies`` and IAM ``PolicyDocument``s."""
+    for logical_id, resource in RAW["Resources"].items():
+        properties = resource.get("Properties") or {}
+        for key in ("Policies", "PolicyDocument"):
+            for _, text in _strings(properties.get(key)):
+                yield logical_id, text
+
+
+def _referenced_resources(node) -> set[str]:
+    """The resources a property value names through Ref, GetAtt or a !Sub variable."""
+    names: set[str] = set()
+    if isinstance(node, list):
+        for item in node:
+            names |= _referenced_resources(item)
+    elif isinstance(node, dict):
+        for key, value in node.items():
+            if key == "Ref" and isinstance(value, str):
+                names.add(value)
+            elif key == "Fn::GetAtt":
+                names.add(value[0] if isinstance(value, list) else value.split(".", 1)[0])
+            elif key == "Fn::Sub":
+                text = value[0] if isinstance(value, list) else value
+                names |= {v.split(".", 1)[0] for v in PLACEHOLDER.findall(text)}
+                names |= _referenced_resources(value[1:] if isinstance(value, list) else [])
+            else:
+                names |= _referenced_resources(value)
+    return names & set(RAW["Resources"])
+
+
+def _holder(logical_id: str, path: tuple) -> str:
+    """The resource SAM puts a property in: a function's or state machine's Policies go to its role."""
+    if RAW["Resources"][logical_id]["Type"] in SAM_TYPES_WITH_ROLES and path[:1] == ("Policies",):
+        return logical_id + "Role"
+    return logical_id
+
+
+def _dependencies() -> dict[str, set[str]]:
+    """Which resource waits for which once SAM has transformed the template.
+
+    cfn-lint's circular-dependency check (E3004) skips every cycle through an AWS::Serverless::*
+    resource, so this models what SAM makes of them: a function or state machine waits for its
+    role, the role holds the Policies (and so waits for what they name), and an API whose routes
+    run a function waits for that function.
+    """
+    graph: dict[str, set[str]] = {}
+    function_globals = RAW["Globals"]["Function"]
+    for logical_id, resource in RAW["Resources"].items():
+        properties = dict(resource.get("Properties") or {})
+        depends_on = resource.get("DependsOn") or []
+        graph.setdefault(logical_id, set()).update([depends_on] if isinstance(depends_on, str) else depends_on)
+        if resource["Type"] in SAM_TYPES_WITH_ROLES:
+            role = logical_id + "Role"
+            graph[logical_id].add(role)
+            graph.setdefault(role, set()).update(_referenced_resources(properties.pop("Policies", [])))
+        for event in (properties.pop("Events", None) or {}).values():
+            for api in _referenced_resources((event.get("Properties") or {}).get("RestApiId")):
+                graph.setdefault(api, set()).add(logical_id)
+        if resource["Type"] == "AWS::Serverless::Function":
+            graph[logical_id] |= _referenced_resources(function_globals)
+        graph[logical_id] |= _referenced_resources(properties)
+    return graph
+
+
+def _reaches(graph: dict[str, set[str]], start: str, goal: str) -> bool:
+    seen, todo = set(), [start]
+    while todo:
+        node = todo.pop()
+        if node == goal:
+            return True
+        if node not in seen:
+            seen.add(node)
+            todo.extend(graph.get(node, ()))
+    return False
+
+
+def test_the_host_queue_prefix_is_written_once():
+    prefix = _host_queue_prefix_as_written()
+    sections = {"Globals": RAW["Globals"], **{lid: r.get("Properties") for lid, r in RAW["Resources"].items()}}
+
+    # The reports queues' own names start with the prefix too (hence the agent policy's Deny).
+    written = [(where, path) for where, section in sections.items()
+               for path, text in _strings(section) if prefix in text and path[0] != "QueueName"]
+
+    assert len(written) == 1, f"{prefix} is written {len(written)} times: {written}"
+    assert written == [(_host_queue_prefix_definition()[0], ("Value", "Fn::Sub"))]
+
+
+def test_no_policy_writes_out_the_host_queue_prefix():
+    prefix = _host_queue_prefix_as_written()
+    policies = list(_policy_strings())
+
+    assert [(lid, text) for lid, text in policies if prefix in text] == []
+    assert sum(_host_queue_prefix_reference() in text for _, text in policies) >= 2, "no policy names the host queues"
+
+
+@pytest.mark.parametrize(("output", "variable"), [
+    ("HostQueuePrefix", "FERRY_HOST_QUEUE_PREFIX"),
+    ("HostReportsQueueUrl", "FERRY_HOST_REPORTS_QUEUE_URL"),
+    ("ImageBucketName", "FERRY_IMAGE_BUCKET"),
+])
+@pytest.mark.parametrize("stage", ["local", "prod"])
+def test_an_output_gives_operators_what_the_functions_are_set_to(output, variable, stage):
+    """What a host agent (or ferry audit) must be started with is an output of the stack."""
+    model = TEMPLATE if stage == TEMPLATE.stage else resolve(TEMPLATE_PATH, stage=stage)
+
+    assert RAW["Outputs"].get(output, {}).get("Description"), f"no output {output} with a Description"
+    assert {f.environment[variable] for f in model.functions.values()} == {model.outputs[output]}
+
+
+def test_the_host_queue_prefix_output_follows_the_stage():
+    assert resolve(TEMPLATE_PATH, stage="prod").outputs["HostQueuePrefix"] == "ferry-prod-host-"
+
+
+def test_the_template_has_no_circular_dependency_once_sam_gives_functions_and_state_machines_roles():
+    graph = _dependencies()
+
+    assert [lid for lid in graph if any(_reaches(graph, dep, lid) for dep in graph[lid])] == []
+
+
+def test_state_machines_are_named_by_reference_except_where_a_reference_would_be_circular():
+    """A literal name stays only where the state machine waits for its holder (its own role, say)."""
+    graph = _dependencies()
+    machines = {lid: r["Properties"]["Name"]["Fn::Sub"] for lid, r in RAW["Resources"].items()
+                if r["Type"] == "AWS::Serverless::StateMachine"}
+    literals = {lid: re.compile(re.escape(name) + r"(?![\w-])") for lid, name in machines.items()}
+
+    written = [(_holder(lid, path), machine)
+               for lid, resource in RAW["Resources"].items()
+               for path, text in _strings(resource.get("Properties"))
+               for machine, literal in literals.items()
+               if literal.search(text) and (lid, path) != (machine, ("Name", "Fn::Sub"))]
+
+    assert [(holder, machine) for holder, machine in written if not _reaches(graph, machine, holder)] == []

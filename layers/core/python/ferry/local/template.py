@@ -41,6 +41,8 @@ STATE_MACHINE_TYPES = {"AWS::Serverless::StateMachine", "AWS::StepFunctions::Sta
 API_TYPES = {"AWS::Serverless::Api"}
 LAYER_TYPES = {"AWS::Serverless::LayerVersion", "AWS::Lambda::LayerVersion"}
 MANAGED_POLICY_TYPES = {"AWS::IAM::ManagedPolicy"}
+# A parameter's Value is how a template names a derived string once (``!GetAtt P.Value``).
+PARAMETER_TYPES = {"AWS::SSM::Parameter"}
 
 # Where each resource type keeps its physical name.
 NAME_PROPERTIES = {
@@ -54,6 +56,7 @@ NAME_PROPERTIES = {
     **dict.fromkeys(API_TYPES, "Name"),
     **dict.fromkeys(LAYER_TYPES, "LayerName"),
     **dict.fromkeys(MANAGED_POLICY_TYPES, "ManagedPolicyName"),
+    **dict.fromkeys(PARAMETER_TYPES, "Name"),
 }
 
 _RATE = re.compile(r"^rate\(\s*(\d+)\s+(minute|minutes|hour|hours|day|days)\s*\)$")
@@ -518,6 +521,11 @@ class _Resolver:
             return f"{self.name_of(logical_id)}.s3.amazonaws.com"
         if attribute == "RootResourceId" and kind in API_TYPES:
             return _local_id(self.stack_name, logical_id, "root")
+        if attribute in ("Value", "Type") and kind in PARAMETER_TYPES:
+            properties = self.resources[logical_id].get("Properties") or {}
+            if attribute not in properties:
+                raise TemplateError(f"GetAtt {logical_id}.{attribute}: the parameter sets no {attribute}.")
+            return _stringify(self.value(properties[attribute]))
         raise TemplateError(f"The local stack cannot resolve GetAtt {logical_id}.{attribute}.")
 
     # intrinsic functions
