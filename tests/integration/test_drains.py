@@ -422,8 +422,8 @@ def _prepared_move(**request) -> tuple[str, str, dict, dict]:
     return drain, server, slot, drains.prepare_move(drain, server, slot)
 
 
-def _move_records(server: str, migration_uuid: str) -> tuple[str | None, str]:
-    with cell_session("cell1") as session:
+def _move_records(server: str, migration_uuid: str, cell: str = "cell1") -> tuple[str | None, str]:
+    with cell_session(cell) as session:
         task_state = session.scalars(select(Instance.task_state).where(Instance.uuid == server)).one()
         status = session.scalars(select(Migration.status).where(Migration.uuid == migration_uuid)).one()
     return task_state, status
@@ -801,9 +801,10 @@ def drain_machine(aws_test_credentials, monkeypatch):
     config.reset()
 
 
-def _running_drain(sfn, arn: str, host: str) -> tuple[str, str]:
-    """A drain of ``host`` as the API leaves it: recorded, its execution started, planned and running."""
-    drain = _record({"host": host})
+def _running_drain(sfn, arn: str, host: str, **request) -> tuple[str, str]:
+    """A drain of ``host`` (``request`` added) as the API leaves it: recorded, its execution started,
+    planned and running."""
+    drain = _record({"host": host, **request})
     name = f"drain-{drain}"
     with api_session() as session:
         session.execute(update(Drain).where(Drain.uuid == drain).values(execution_name=name))
@@ -1303,3 +1304,284 @@ def test_a_retry_recorded_with_the_plan_of_its_failed_try_is_planned_afresh(stor
     assert retry["action"] == "move" and retry["attempt"] == 2
     assert _servers(drain)[server].planned_host == other
     assert move["input"]["requested_host"] == other
+
+
+# --- a drain's end is announced once it is final, whoever finished it -----------------------------
+
+
+def _killed(*_args, **_kwargs):
+    raise _FunctionKilled
+
+
+def _drain_times(drain: str) -> tuple[dt.datetime | None, dt.datetime | None]:
+    """``(finished_at, announced_at)`` of the drain as recorded."""
+    with api_session() as session:
+        return session.execute(select(Drain.finished_at, Drain.announced_at).where(Drain.uuid == drain)).one()
+
+
+def _callbacks(monkeypatch) -> list[tuple[str, str | None]]:
+    """``(event type, delivery id)`` of every callback the drains post from now on."""
+    posted: list[tuple[str, str | None]] = []
+
+    def post(_url, document, _secret, delivery_id=None):
+        posted.append((document["event_type"], delivery_id))
+        return True
+
+    monkeypatch.setattr(drains.signing, "post_callback", post)
+    return posted
+
+
+def test_a_look_after_a_finish_that_died_before_announcing_announces_the_end_once(
+        store, bus, drain_machine, monkeypatch):
+    # GIVEN a drain whose workflow was stopped, finished by someone's action whose function was
+    # killed between committing the drain's end and announcing it
+    sfn, arn = drain_machine
+    source = add_compute("source")
+    add_compute("dest")
+    _server_on("source", source)
+    posted = _callbacks(monkeypatch)
+    drain, execution = _running_drain(sfn, arn, "source", callback_url="https://ops.example.com/ferry")
+    sfn.stop_execution(executionArn=execution)
+    with monkeypatch.context() as patched:
+        patched.setattr(drains.notifications, "notify_drain", _killed)
+        with pytest.raises(_FunctionKilled):
+            drains.act(drain, "pause")
+    assert drains.get_view(drain)["status"] == "failed"
+    assert [e["detail-type"] for e in bus()] == ["drain.start"]
+    assert _drain_times(drain)[1] is None
+
+    # WHEN someone acts on it again, and once more
+    for _look in range(2):
+        with pytest.raises(errors.DrainInvalidState, match="while it is failed"):
+            drains.act(drain, "pause")
+
+    # THEN the first of those looks announces its end (the notification, stamped with the time
+    # the drain ended, and the callback, as one event), and the second announces nothing more
+    finished_at, announced_at = _drain_times(drain)
+    [end] = [e["detail"] for e in bus()]
+    assert end["event_type"] == "drain.error" and end["payload"]["status"] == "failed"
+    assert end["timestamp"] == finished_at.replace(tzinfo=dt.UTC).isoformat()
+    assert posted[1:] == [("drain.error", end["message_id"])]
+    assert announced_at is not None
+
+
+def test_a_final_drain_whose_end_was_not_announced_is_left_to_its_workflow_while_that_runs(
+        store, bus, drain_machine, monkeypatch):
+    # GIVEN a drain whose FinishDrain committed its end and was killed before announcing it,
+    # while its execution still runs (FinishDrain is retried)
+    sfn, arn = drain_machine
+    source = add_compute("source")
+    add_compute("dest")
+    _server_on("source", source)
+    drain, execution = _running_drain(sfn, arn, "source")
+    with monkeypatch.context() as patched:
+        patched.setattr(drains.notifications, "notify_drain", _killed)
+        with pytest.raises(_FunctionKilled):
+            drains.finish(drain)
+    assert [e["detail-type"] for e in bus()] == ["drain.start"]
+
+    # WHEN someone acts on it: the retry of its FinishDrain announces it, not the look
+    with pytest.raises(errors.DrainInvalidState):
+        drains.act(drain, "cancel")
+    assert bus() == []
+
+    # WHEN the execution ends without that retry (stopped by hand), and someone acts on it again
+    sfn.stop_execution(executionArn=execution)
+    with pytest.raises(errors.DrainInvalidState):
+        drains.act(drain, "cancel")
+
+    # THEN that look announces the end
+    assert [e["detail-type"] for e in bus()] == ["drain.error"]
+    assert _drain_times(drain)[1] is not None
+
+
+def test_a_new_drain_of_the_same_host_announces_the_end_an_earlier_request_finished_and_did_not_announce(
+        store, bus, drain_machine, monkeypatch):
+    # GIVEN a drain whose workflow was stopped, finished by a request for a new drain of its host
+    # that was killed before it announced the end
+    sfn, arn = drain_machine
+    source = add_compute("source")
+    add_compute("dest")
+    _server_on("source", source)
+    first, execution = _running_drain(sfn, arn, "source")
+    sfn.stop_execution(executionArn=execution)
+    with monkeypatch.context() as patched:
+        patched.setattr(drains.notifications, "notify_drain", _killed)
+        with pytest.raises(_FunctionKilled):
+            drains.record_drain(ADMIN, {"host": "source"}, origin="api")
+    assert drains.get_view(first)["status"] == "failed"
+    assert [e["detail-type"] for e in bus()] == ["drain.start"]
+
+    # WHEN the request is made again
+    second = _record({"host": "source"})
+
+    # THEN the first drain's end is announced, and the new drain recorded
+    [end] = [e["detail"] for e in bus()]
+    assert (end["event_type"], end["payload"]["drain_id"]) == ("drain.error", first)
+    assert second != first and drains.get_view(second)["status"] == "planning"
+
+
+def test_every_announcement_of_a_drains_end_carries_the_time_it_ended(store, bus):
+    source = add_compute("source")
+    add_compute("dest")
+    _server_on("source", source)
+    drain = _record({"host": "source"})
+    drains.start(drain)
+
+    drains.finish(drain)
+    drains.finish(drain)  # FinishDrain run again
+
+    _start, end, again = [e["detail"] for e in bus()]
+    finished_at, announced_at = _drain_times(drain)
+    assert end["timestamp"] == again["timestamp"] == finished_at.replace(tzinfo=dt.UTC).isoformat()
+    assert end["message_id"] == again["message_id"]
+    assert announced_at >= finished_at
+
+
+def test_a_drain_whose_workflow_did_not_start_is_not_announced_by_a_later_look(
+        store, bus, drain_machine, monkeypatch):
+    # GIVEN a drain marked failed by the request whose start of its workflow was refused (that
+    # request answered the error)
+    add_compute("source")
+
+    def refused(*_args, **_kwargs):
+        raise RuntimeError("throttled")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(drains.workflows, "start_execution", refused)
+        with pytest.raises(RuntimeError):
+            drains.create_drain(ADMIN, {"host": "source"}, origin="api")
+    [failed] = drains.list_views()
+    assert failed["status"] == "failed"
+
+    # WHEN someone acts on it, and a new drain of its host is made
+    with pytest.raises(errors.DrainInvalidState):
+        drains.act(failed["id"], "cancel")
+    _record({"host": "source"})
+
+    # THEN nothing is announced for it
+    assert bus() == []
+
+
+# --- what a drain's iterations accepted and never started is undone when the drain finishes ------
+
+
+def test_finishing_a_drain_undoes_a_move_its_iteration_accepted_and_never_started(store, move_machines):
+    # GIVEN a drained server whose move PrepareMove accepted, its iteration then ended (stopped,
+    # say) before RunMove started the move's workflow
+    drain, server, slot, _move = _prepared_move()
+    assert _move_records(server, slot["migration_uuid"]) == ("resize_prep", "pre-migrating")
+    with cell_session("cell1") as session:
+        assert actions.find(session, server, slot["request_id"]) is not None
+
+    # WHEN FinishDrain runs, and runs again
+    report = drains.finish(drain)
+    again = drains.finish(drain)
+
+    # THEN the server is failed in the drain's report, and the move undone: the server is free
+    assert report == again and report["status"] == "failed"
+    row = _servers(drain)[server]
+    assert row.state == "failed" and "could not record" in row.error
+    assert _move_records(server, slot["migration_uuid"]) == (None, "error")
+    with cell_session("cell1") as session:
+        assert actions.find(session, server, slot["request_id"]) is None
+
+
+def test_a_look_that_finishes_a_drain_whose_workflow_ended_undoes_the_move_its_iteration_left_accepted(
+        store, drain_machine):
+    # GIVEN a drain whose workflow was stopped after one server's move was accepted, and before
+    # that move's workflow was started
+    drain, server, slot = _stopped_with_a_move_accepted(*drain_machine)
+
+    # WHEN someone acts on it
+    with pytest.raises(errors.DrainInvalidState):
+        drains.act(drain, "pause")
+
+    # THEN the drain is failed and the move it accepted undone
+    assert drains.get_view(drain)["status"] == "failed"
+    assert _servers(drain)[server].state == "failed"
+    assert _move_records(server, slot["migration_uuid"]) == (None, "error")
+
+
+def test_a_finish_run_again_undoes_the_move_a_run_that_died_left_accepted(store, move_machines, monkeypatch):
+    # GIVEN a drain whose FinishDrain committed its end, then was killed while undoing the move an
+    # iteration had accepted and never started
+    drain, server, slot, _move = _prepared_move()
+    with monkeypatch.context() as patched:
+        patched.setattr(drains.moves, "abandon_prepared_move", _killed)
+        with pytest.raises(_FunctionKilled):
+            drains.finish(drain)
+    assert drains.get_view(drain)["status"] == "failed"
+    assert _move_records(server, slot["migration_uuid"]) == ("resize_prep", "pre-migrating")
+
+    # WHEN FinishDrain is retried
+    drains.finish(drain)
+
+    # THEN the move is undone
+    assert _move_records(server, slot["migration_uuid"]) == (None, "error")
+
+
+@pytest.mark.parametrize("ended", [False, True])
+def test_finishing_a_drain_leaves_a_move_whose_workflow_started_to_that_workflow(
+        store, move_machines, caplog, ended):
+    # GIVEN a drained server whose move's workflow started: it runs, or it got past accepting the
+    # move and then ended (stopped half-way)
+    sfn, arns = move_machines
+    drain, server, slot, move = _prepared_move()
+    execution = sfn.start_execution(stateMachineArn=arns["resize"], name=move["name"], input=json.dumps(move["input"]))
+    if ended:
+        with cell_session("cell1") as session:
+            session.execute(update(Instance).where(Instance.uuid == server).values(task_state="resize_migrating"))
+            session.execute(update(Migration).where(Migration.uuid == slot["migration_uuid"])
+                            .values(status="migrating"))
+        sfn.stop_execution(executionArn=execution["executionArn"])
+
+    # WHEN the drain finishes
+    assert drains.finish(drain)["status"] == "failed"
+
+    # THEN the move is as its workflow left it
+    expected = ("resize_migrating", "migrating") if ended else ("resize_prep", "pre-migrating")
+    assert _move_records(server, slot["migration_uuid"]) == expected
+    left_to_it = [r for r in caplog.records if "left to its workflow" in r.getMessage()
+                  and getattr(r, "instance_uuid", None) == server]
+    assert bool(left_to_it) is not ended
+
+
+def test_a_move_the_drain_cannot_undo_is_logged_and_its_end_announced_anyway(store, bus, monkeypatch, caplog):
+    drain, server, slot, _move = _prepared_move()
+
+    def unreachable(*_args, **_kwargs):
+        raise RuntimeError("the cell database is out of reach")
+
+    monkeypatch.setattr(drains.moves, "abandon_prepared_move", unreachable)
+
+    assert drains.finish(drain)["status"] == "failed"
+
+    assert [e["detail-type"] for e in bus()] == ["drain.start", "drain.error"]
+    assert _drain_times(drain)[1] is not None
+    assert any(r.levelname == "ERROR" and "never started" in r.getMessage()
+               and getattr(r, "instance_uuid", None) == server for r in caplog.records)
+    assert _move_records(server, slot["migration_uuid"]) == ("resize_prep", "pre-migrating")
+
+
+def test_finishing_a_drain_of_hosts_in_two_cells_undoes_each_move_in_its_servers_cell(store, move_machines):
+    # GIVEN a drain of a host in cell1 and one in cell2, one server's move accepted on each, and
+    # both iterations ended before their moves' workflows started
+    servers: dict[str, tuple[str, dict]] = {}
+    for cell in ("cell1", "cell2"):
+        source = add_compute(f"source-{cell}", cell)
+        add_compute(f"dest-{cell}", cell)
+        servers[cell] = (_server_on(f"source-{cell}", source, cell=cell), {})
+    drain = _record({"hosts": ["source-cell1", "source-cell2"]})
+    drains.start(drain)
+    for cell, (server, slot) in servers.items():
+        slot.update(drains.acquire_slot(drain, server).to_dict())
+        drains.prepare_move(drain, server, slot)
+        assert _move_records(server, slot["migration_uuid"], cell) == ("resize_prep", "pre-migrating")
+
+    # WHEN the drain finishes
+    drains.finish(drain)
+
+    # THEN each move is undone in its server's cell
+    for cell, (server, slot) in servers.items():
+        assert _move_records(server, slot["migration_uuid"], cell) == (None, "error")

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from aws_lambda_powertools.metrics import MetricUnit
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
@@ -40,7 +41,7 @@ from ferry.auth import RequestContext
 from ferry.compute import api as compute_api
 from ferry.compute import instances, migration_states, moves, services, states
 from ferry.compute.moves import CROSS_CELL_RULE
-from ferry.observability import logger
+from ferry.observability import logger, metrics
 from ferry.store.api_models import CellMapping, Drain, DrainServer, HostMapping, utcnow
 from ferry.store.cell_models import Instance, Migration
 from ferry.store.db import all_cells, api_session, cell_session
@@ -55,6 +56,7 @@ CANCELLED = "cancelled"
 COMPLETED = "completed"
 FAILED = "failed"
 FINAL_STATUSES = frozenset({PLANNED, CANCELLED, COMPLETED, FAILED})
+UNFINISHED_STATUSES = frozenset({PLANNING, RUNNING, PAUSED, CANCELLING})
 
 # Server states.
 PENDING = "pending"
@@ -183,10 +185,15 @@ def _options(request: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def _overlapping(session: Session, targets: _Targets) -> list[Drain]:
-    """The drains not yet finished that drain one of the same hosts or the same cell."""
-    active = session.scalars(select(Drain).where(Drain.status.in_((PLANNING, RUNNING, PAUSED, CANCELLING)),
-                                                 Drain.dry_run.is_(False))).all()
+def _overlapping(session: Session, targets: _Targets, *, unannounced: bool = False) -> list[Drain]:
+    """The drains not yet finished that drain one of the same hosts or the same cell; with
+    ``unannounced``, the finished ones among those whose end is not announced yet instead."""
+    query = select(Drain).where(Drain.dry_run.is_(False))
+    if unannounced:
+        query = query.where(Drain.status.in_(FINAL_STATUSES), Drain.announced_at.is_(None))
+    else:
+        query = query.where(Drain.status.in_(UNFINISHED_STATUSES))
+    active = session.scalars(query).all()
     found = []
     for drain in active:
         if drain.target_kind == targets.kind and set(drain.targets) & set(targets.names):
@@ -244,9 +251,12 @@ def record_drain(ctx: RequestContext, request: Mapping[str, Any], *, origin: str
             f"{CROSS_CELL_RULE} does not allow that for you.")
     dry_run = bool(request.get("dry_run", False))
     if not dry_run:
+        # The drains in the way whose workflow ended are finished; and one finished by an earlier
+        # look that died before it announced the end (this request's first try, say) is announced.
         with api_session() as session:
-            unfinished = [drain.uuid for drain in _overlapping(session, targets)]
-        for other in unfinished:
+            others = [drain.uuid for drain in _overlapping(session, targets)]
+            others += [drain.uuid for drain in _overlapping(session, targets, unannounced=True)]
+        for other in others:
             finish_if_workflow_ended(other)
     with api_session() as session:
         # Every drain's creation locks the cell mappings first, in one order: two requests for the
@@ -320,9 +330,10 @@ def _start_workflow(drain_uuid: str, name: str, ctx: RequestContext) -> None:
             return
         logger.exception("drain workflow did not start", extra={"drain": drain_uuid, "known": state == _MISSING})
         if state == _MISSING:
-            # The key is given up with the drain: the same request again starts a new drain.
+            # The key is given up with the drain: the same request again starts a new drain. Its
+            # end is this request's answer, not an announcement, so no later look announces it.
             _set_status(drain_uuid, FAILED, message=f"The drain workflow did not start: {exc}", release_key=True,
-                        only_from=PLANNING)
+                        only_from=PLANNING, nothing_to_announce=True)
         raise
 
 
@@ -350,31 +361,41 @@ def _describe_execution(name: str) -> tuple[str, dict[str, Any] | None]:
 
 
 def finish_if_workflow_ended(drain_uuid: str) -> bool:
-    """Finish, as failed, a drain whose workflow ended without finishing it; return whether the
-    drain is finished (now or before).
+    """Finish, as failed, a drain whose workflow ended without finishing it, or announce the end
+    of a final drain that was never announced; return whether the drain is finished (now or before).
 
     A drain's workflow may end before its FinishDrain step ran: stopped by hand, timed out, or
     failed in a step that could not be retried (its store out of reach). Such a drain would stay
     unfinished for ever and hold its hosts against every later drain. A drain whose execution
     Step Functions does not know, :data:`UNSTARTED_GRACE` after it was recorded, never started.
-    Nothing is decided when Step Functions cannot be asked.
+    A final drain (not a dry run) whose end is not recorded announced (``announced_at``) while
+    its workflow is no longer running (ended, or unknown to Step Functions) was finished by a
+    process that died before its announcement went out: :func:`finish` runs again, and
+    announces it. While its workflow runs, its FinishDrain announces it. Nothing is decided
+    when Step Functions cannot be asked.
     """
     with api_session() as session:
         drain = _load(session, drain_uuid)
-        if drain.status in FINAL_STATUSES:
+        final = drain.status in FINAL_STATUSES
+        if final and (drain.dry_run or drain.announced_at is not None):
             return True
         name, recorded_at, dry_run = drain.execution_name, drain.created_at, drain.dry_run
     if dry_run or not name:
-        return False
+        return final
     state, described = _describe_execution(name)
     if state == _UNKNOWN:
-        return False
+        return final
+    if described is not None and described.get("status") in ("RUNNING", "PENDING_REDRIVE"):  # redriven: it goes on
+        return final
+    if final:
+        logger.warning("drain final but its end not announced, and its workflow no longer runs; announcing it",
+                       extra={"drain": drain_uuid, "execution": name, "known": described is not None})
+        finish(drain_uuid)
+        return True
     if described is None:
         if utcnow() - recorded_at < UNSTARTED_GRACE:
             return False
         ended = "never started"
-    elif described.get("status") in ("RUNNING", "PENDING_REDRIVE"):  # redriven: it goes on
-        return False
     else:
         ended = f"ended {str(described.get('status')).lower()}"
     logger.warning("drain workflow ended without finishing the drain", extra={"drain": drain_uuid, "execution": name,
@@ -506,7 +527,8 @@ def act(drain_uuid: str, action: str) -> dict[str, Any]:
     the status the drain is already in (pause twice) answers without change.
 
     A drain whose workflow ended without finishing it is finished first (failed), and then
-    refuses every action.
+    refuses every action; a final drain whose end was never announced is announced first (see
+    :func:`finish_if_workflow_ended`).
 
     Raises:
         DrainNotFound; BadRequest for an unknown action; DrainInvalidState (409) when the
@@ -515,7 +537,7 @@ def act(drain_uuid: str, action: str) -> dict[str, Any]:
     if action not in _TRANSITIONS:
         raise errors.BadRequest(f"Unknown drain action {action!r}; use one of {', '.join(ACTIONS)}.")
     allowed_from, to = _TRANSITIONS[action]
-    finish_if_workflow_ended(drain_uuid)  # a drain whose workflow is gone can no longer act
+    finish_if_workflow_ended(drain_uuid)  # a drain whose workflow is gone can no longer act (and is announced)
     with api_session() as session:
         drain = _load(session, drain_uuid, for_update=True)
         if drain.status != to:
@@ -529,14 +551,23 @@ def act(drain_uuid: str, action: str) -> dict[str, Any]:
 
 
 def _set_status(drain_uuid: str, status: str, *, message: str | None = None, release_key: bool = False,
-                only_from: str | None = None) -> None:
-    values: dict[str, Any] = {"status": status, "updated_at": utcnow(), "version": Drain.version + 1}
+                only_from: str | None = None, nothing_to_announce: bool = False) -> None:
+    """Write the drain's status (only while it is ``only_from``, when given).
+
+    ``nothing_to_announce`` records a final status's end as announced: a drain that ends here
+    without its end told otherwise would be announced by the next look at it
+    (:func:`finish_if_workflow_ended`).
+    """
+    now = utcnow()
+    values: dict[str, Any] = {"status": status, "updated_at": now, "version": Drain.version + 1}
     if message is not None:
         values["message"] = message
     if release_key:
         values["idempotency_key"] = None
     if status in FINAL_STATUSES:
-        values["finished_at"] = utcnow()
+        values["finished_at"] = now
+        if nothing_to_announce:
+            values["announced_at"] = now
     where = [Drain.uuid == drain_uuid] + ([Drain.status == only_from] if only_from else [])
     with api_session() as session:
         session.execute(update(Drain).where(*where).values(**values))
@@ -1256,12 +1287,18 @@ def finish(drain_uuid: str, error: Mapping[str, Any] | None = None) -> dict[str,
     this runs for a drain that is not a dry run, final already or not: the status is committed
     before the announcement goes out, so a run that fails in between (or dies) leaves a final
     drain whose event may never have gone out, and the FinishDrain retry announces it again.
-    Every announcement of the same event carries the same identity (see :func:`_announce`), so
-    consumers drop the repeats. The report and the announcement are read in the transaction
-    that settles the status: after its commit only giving back the hosts of a drain cancelled
-    before any move (every run, as :func:`give_back_targets` is idempotent) and the
-    announcement itself are left to do. Nothing written after the drain is final changes what
-    it shows, so each announcement of its end carries the same summary.
+    Every announcement of the same event carries the same identity and timestamp (see
+    :func:`_announce`), so consumers drop the repeats. Once an announcement has gone out (the
+    notification put and the callback posted, delivered or not: both are logged and counted
+    when they are not, and not tried again), ``announced_at`` records it; a final drain without
+    it is announced by the next look at it once its workflow has ended
+    (:func:`finish_if_workflow_ended`). The report and the announcement are read in the
+    transaction that settles the status: after its commit only giving back the hosts of a
+    drain cancelled before any move (every run, as :func:`give_back_targets` is idempotent),
+    undoing what the drain accepted and never started (every run, see
+    :func:`_abandon_left_behind`) and the announcement itself are left to do. Nothing written
+    after the drain is final changes what it shows, so each announcement of its end carries
+    the same summary.
     """
     with api_session() as session:
         drain = _load(session, drain_uuid, for_update=True)
@@ -1297,19 +1334,76 @@ def finish(drain_uuid: str, error: Mapping[str, Any] | None = None) -> dict[str,
         # Cancelled before any move was tried: nothing moved, so its hosts are given back. Read from
         # the record, final already or not: a run that died after its commit left them to its retry.
         give_back = drain.status == CANCELLED and not any(server.attempts for server in servers)
-        view = _view(drain, servers)
+        # The servers failed short of a destination whose last try was handed a move: those found
+        # moving above (or settled by their iteration) may have it accepted and never started.
+        # Read from the record too, for the same reason; the others' RecordFailure undid theirs.
+        left_behind = [(server.cell, server.instance_uuid, slot) for server in servers
+                       if server.state == SERVER_FAILED and server.dest_host is None
+                       and (slot := _last_move_slot(drain_uuid, server)) is not None]
+        view, finished_at = _view(drain, servers), drain.finished_at
     if give_back:
         try:
             give_back_targets(drain_uuid)
         except Exception:  # the drain is final: its announcement goes out whatever happens here
             logger.exception("giving a cancelled drain's hosts back failed", extra={"drain": drain_uuid})
     if not view["dry_run"]:
+        for cell, instance_uuid, slot in left_behind:
+            _abandon_left_behind(drain_uuid, cell, instance_uuid, slot)
         if already_final:
             logger.info("drain final already; its final event is announced again",
                         extra={"drain": drain_uuid, "status": view["status"]})
-        _announce(drain_uuid, DRAIN_ERROR if view["status"] == FAILED else DRAIN_END, view)
+        _announce(drain_uuid, DRAIN_ERROR if view["status"] == FAILED else DRAIN_END, view, at=finished_at)
+        _record_announced(drain_uuid)
     logger.info("drain finished", extra={"drain": drain_uuid, "status": view["status"], "counts": view["counts"]})
     return {"status": view["status"], "counts": view["counts"], "message": view["message"]}
+
+
+def _last_move_slot(drain_uuid: str, server: DrainServer) -> dict[str, Any] | None:
+    """The ids of the server's last try that was handed a move (the try of its ``migration_uuid``),
+    as :func:`acquire_slot` handed them out; None when no try was.
+
+    ``attempts`` may count tries after that one: a try no host was found for is used up without
+    a move (:func:`_planned_again`), so the ids are not derived from ``attempts`` alone.
+    """
+    if server.migration_uuid is None:
+        return None
+    for attempt in range(server.attempts, 0, -1):
+        migration_uuid, request_id = _attempt_ids(drain_uuid, server.instance_uuid, attempt)
+        if migration_uuid == server.migration_uuid:
+            return Slot("move", migration_uuid, request_id, attempt).to_dict()
+    return None
+
+
+def _abandon_left_behind(drain_uuid: str, cell: str, instance_uuid: str, slot: Mapping[str, Any]) -> None:
+    """Undo what the drain accepted for the server's try ``slot`` and whose workflow never
+    started, as RecordFailure does (:func:`_abandon_unstarted`): the iteration that would have
+    run it, or undone it, ended first (stopped, failed or timed out between PrepareMove and
+    RunMove, say), and the server would stay in ``resize_prep`` for good.
+
+    A move (or confirm) whose workflow runs is left to it, and so is one whose workflow got past
+    accepting it (it finishes or rolls back itself); undoing again what was undone changes
+    nothing. Never raises: a failure is logged and counted, and the drain's end is announced
+    whatever happens here.
+    """
+    try:
+        _abandon_unstarted(cell, instance_uuid, slot["migration_uuid"], slot)
+    except errors.MoveStillRunning as exc:
+        logger.warning("drain move still under way when the drain finished; left to its workflow",
+                       extra={"drain": drain_uuid, "instance_uuid": instance_uuid,
+                              "migration_uuid": slot["migration_uuid"], "error": exc.message})
+    except Exception:
+        metrics.add_metric(name="DrainMoveUndoFailed", unit=MetricUnit.Count, value=1)
+        logger.exception("undoing a drain move that never started failed",
+                         extra={"drain": drain_uuid, "instance_uuid": instance_uuid,
+                                "migration_uuid": slot["migration_uuid"]})
+
+
+def _record_announced(drain_uuid: str) -> None:
+    """Record the drain's end announced (the first announcement's time), leaving its ``updated_at``
+    as it is: the view stays as its end was announced."""
+    with api_session() as session:
+        session.execute(update(Drain).where(Drain.uuid == drain_uuid, Drain.announced_at.is_(None))
+                        .values(announced_at=utcnow(), updated_at=Drain.updated_at))
 
 
 def _announcement_id(drain_uuid: str, event_type: str) -> str:
@@ -1318,18 +1412,22 @@ def _announcement_id(drain_uuid: str, event_type: str) -> str:
     return _derived_uuid(drain_uuid, "announcement", event_type)
 
 
-def _announce(drain_uuid: str, event_type: str, view: Mapping[str, Any] | None = None) -> None:
+def _announce(drain_uuid: str, event_type: str, view: Mapping[str, Any] | None = None, *,
+              at: dt.datetime | None = None) -> None:
     """One grouped notification on the bus, and the signed callback when the request named one.
 
     Both carry :func:`_announcement_id`, so an event announced again (a retried FinishDrain) can
-    be told from a new one. ``view`` is the drain as :func:`get_view` shows it (read when omitted).
+    be told from a new one. ``view`` is the drain as :func:`get_view` shows it (read when omitted);
+    ``at`` is when the event happened, the notification's timestamp (default: now): the drain's
+    ``finished_at`` for its end, the same at every announcement of it. Neither raises: what is
+    not delivered is logged and counted by :mod:`ferry.notifications` and :mod:`ferry.signing`.
     """
     view = view if view is not None else get_view(drain_uuid)
     summary = {**{k: v for k, v in view.items() if k != "servers"},
                "servers": [{k: s[k] for k in ("id", "name", "source_host", "dest_host", "state", "error")}
                            for s in view["servers"]]}
     identity = _announcement_id(drain_uuid, event_type)
-    notifications.notify_drain(event_type, drain_uuid=drain_uuid, payload=summary, message_id=identity)
+    notifications.notify_drain(event_type, drain_uuid=drain_uuid, payload=summary, message_id=identity, timestamp=at)
     url = view["options"].get("callback_url")
     if url:
         signing.post_callback(url, {"event_type": event_type, "drain": summary}, config.get().webhook_secret,

@@ -63,6 +63,13 @@ def _iso(value: dt.datetime | None) -> str | None:
     return value.replace(tzinfo=dt.UTC).isoformat() if value is not None else None
 
 
+def _timestamp(at: dt.datetime | None) -> str:
+    """A notification's ``timestamp``: ``at`` (naive values are UTC), or now, in UTC, ISO 8601."""
+    if at is None:
+        return dt.datetime.now(dt.UTC).isoformat()
+    return (at.replace(tzinfo=dt.UTC) if at.tzinfo is None else at.astimezone(dt.UTC)).isoformat()
+
+
 def flavor_payload(flavor: Mapping[str, Any] | None) -> dict[str, Any] | None:
     """The flavor fields a notification carries (None when there is no flavor)."""
     if not flavor:
@@ -104,19 +111,20 @@ def instance_payload(instance: Instance, **extra: Any) -> dict[str, Any]:
 
 
 def _document(event_type: str, publisher_id: str, payload: Mapping[str, Any], priority: str | None,
-              message_id: str | None = None) -> dict[str, Any]:
+              message_id: str | None = None, at: dt.datetime | None = None) -> dict[str, Any]:
     return {
         "message_id": message_id or str(uuid.uuid4()),
         "event_type": event_type,
         "publisher_id": publisher_id,
         "priority": priority or (ERROR if event_type.endswith(".error") else INFO),
-        "timestamp": dt.datetime.now(dt.UTC).isoformat(),
+        "timestamp": _timestamp(at),
         "payload_version": PAYLOAD_VERSION,
         "payload": dict(payload),
     }
 
 
-def notify_drain(event_type: str, *, drain_uuid: str, payload: dict[str, Any], message_id: str | None = None) -> None:
+def notify_drain(event_type: str, *, drain_uuid: str, payload: dict[str, Any], message_id: str | None = None,
+                 timestamp: dt.datetime | None = None) -> None:
     """Publish a drain's grouped notification (``drain.start``, ``drain.end``, ``drain.error``); never raises.
 
     The payload is the drain's summary: status, counts and each server's result.
@@ -124,8 +132,11 @@ def notify_drain(event_type: str, *, drain_uuid: str, payload: dict[str, Any], m
     Params:
         message_id: the event's identity (default: a new one). A drain passes the same id each
             time it announces the same event again, so consumers can drop the repeats.
+        timestamp: when the event happened (naive values are UTC; default: now). A drain passes
+            the time it ended with its end, so every copy of that event carries the same one.
     """
-    document = _document(event_type, conductor_publisher(), {**payload, "drain_id": drain_uuid}, None, message_id)
+    document = _document(event_type, conductor_publisher(), {**payload, "drain_id": drain_uuid}, None, message_id,
+                         timestamp)
     _put(event_type, document, subject=f"drain {drain_uuid}")
 
 

@@ -339,7 +339,9 @@ class Drain(TimestampMixin, ApiBase):
     ``targets`` names the hosts (``target_kind`` ``host``) or the one cell (``cell``);
     ``options`` holds the limits and choices of the request; ``disabled_hosts`` the compute
     services this drain disabled (so a drain that moved nothing can give them back);
-    ``version`` is bumped by every change that hands out a move slot (compare-and-swap).
+    ``version`` is bumped by every change that hands out a move slot (compare-and-swap);
+    ``announced_at`` is when the drain's end was announced (its final event published and its
+    callback posted, whether or not they were delivered), null while that is still to do.
     """
 
     __tablename__ = "drains"
@@ -364,6 +366,7 @@ class Drain(TimestampMixin, ApiBase):
     message: Mapped[str | None] = mapped_column(Text, nullable=True)
     started_at: Mapped[dt.datetime | None] = mapped_column(DateTime, nullable=True)
     finished_at: Mapped[dt.datetime | None] = mapped_column(DateTime, nullable=True)
+    announced_at: Mapped[dt.datetime | None] = mapped_column(DateTime, nullable=True)
     version: Mapped[int] = mapped_column(Integer, default=0)
 
 
