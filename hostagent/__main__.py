@@ -180,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = config.get()
     host: str = args.host
     if not protocol.is_host_name(host):
-        parser.error(f"--host {host!r} is not a host name: letters, digits and '-' in labels separated by dots")
+        parser.error(f"--host {host!r} is not a host name: letters, digits, '-' and '_' in labels separated by "
+                     f"dots, not ending in {protocol.DLQ_SUFFIX}")
     reports_queue = settings.host_reports_queue_url.rstrip("/").rsplit("/", 1)[-1]
     if not args.queue_url and protocol.host_queue_name(settings.host_queue_prefix, host) == reports_queue:
         parser.error(f"--host {host!r} would poll the host reports queue {reports_queue}: choose another host name")

@@ -121,7 +121,8 @@ def test_an_agent_without_its_queue_prefix_or_queue_refuses_to_start(tmp_path, m
 
 
 @pytest.mark.parametrize(("host", "reports_queue", "refusal"), [
-    ("compute_1", "", "is not a host name"),
+    ("compute/1", "", "is not a host name"),
+    ("compute1-dlq", "", "is not a host name"),
     ("reports", "http://127.0.0.1:1/000000000000/ferry-test-host-reports", "would poll the host reports queue"),
 ])
 def test_an_agent_refuses_a_host_whose_queue_cannot_be_its_own(configured, tmp_path, monkeypatch, capsys, host,

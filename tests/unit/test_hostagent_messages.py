@@ -87,23 +87,24 @@ def test_inventory_reports_capacity_and_caps_reservations_at_the_total():
 
 
 @pytest.mark.parametrize(("host", "valid"), [
-    ("compute1", True), ("compute-1.rack2.example.org", True), ("a" * 63, True),
-    ("", False), ("compute_1", False), ("-compute", False), ("compute-", False), ("compute..1", False),
-    ("compute 1", False), ("compute1.", False), ("a" * 254, False),
+    ("compute1", True), ("compute-1.rack2.example.org", True), ("compute_7", True), ("a" * 63, True),
+    ("", False), ("-compute", False), ("compute-", False), ("compute..1", False), ("compute 1", False),
+    ("compute1.", False), ("compute/1", False), ("compute1-dlq", False), ("reports-dlq", False), ("a" * 254, False),
 ])
-def test_a_host_name_is_letters_digits_and_hyphens_in_dotted_labels(host, valid):
+def test_a_host_name_is_labels_of_letters_digits_hyphens_and_underscores(host, valid):
     assert protocol.is_host_name(host) is valid
 
 
 def test_every_host_name_gets_a_queue_name_of_its_own_that_sqs_accepts():
     prefix = "ferry-production-host-"
-    hosts = ["compute1", "compute1.example.org", "compute1-example-org",
-             "node-" + "x" * 70 + ".example.org", "node-" + "x" * 70 + ".example.net"]
+    hosts = ["compute1", "compute_7", "compute1.example.org", "compute1_example_org",
+             "node-" + "x" * 70 + ".example.org", "node-" + "x" * 70 + ".example.net", "n" * 60, "n" * 61]
 
     names = [protocol.host_queue_name(prefix, host) for host in hosts]
 
-    assert names[0] == "ferry-production-host-compute1"  # short names as before
-    assert names[1] == "ferry-production-host-compute1_example_org"
+    # names SQS takes as they are stay as they were
+    assert names[:2] == ["ferry-production-host-compute1", "ferry-production-host-compute_7"]
+    assert names[2].startswith("ferry-production-host-compute1_example_org-")
     assert len(set(names)) == len(hosts)
     for name in names:
         assert re.fullmatch(r"[A-Za-z0-9_-]{1,80}", name + protocol.DLQ_SUFFIX), name

@@ -354,3 +354,24 @@ def test_state_machines_are_named_by_reference_except_where_a_reference_would_be
                if literal.search(text) and (lid, path) != (machine, ("Name", "Fn::Sub"))]
 
     assert [(holder, machine) for holder, machine in written if not _reaches(graph, machine, holder)] == []
+
+
+# The functions that may undo a move or confirm a drain accepted and never started: RecordFailure and
+# FinishDrain, and the API and the drain webhook, which finish a drain whose workflow ended. Each asks
+# Step Functions whether the move's workflow runs first, so it needs the three machines' ARNs and
+# the right to describe their executions; without an ARN Ferry takes the workflow as not running.
+UNDOES_DRAIN_MOVES = ("RecordFailureFunction", "FinishDrainFunction", "ApiFunction", "DrainWebhookFunction")
+MOVE_MACHINES = {"FERRY_RESIZE_STATE_MACHINE_ARN": "ResizeStateMachine",
+                 "FERRY_CONFIRM_RESIZE_STATE_MACHINE_ARN": "ConfirmResizeStateMachine",
+                 "FERRY_REVERT_RESIZE_STATE_MACHINE_ARN": "RevertResizeStateMachine"}
+
+
+@pytest.mark.parametrize("logical_id", UNDOES_DRAIN_MOVES)
+def test_a_function_that_undoes_a_drains_moves_can_tell_whether_their_workflows_run(logical_id):
+    environment = TEMPLATE.functions[logical_id].environment
+    described = {text for _path, text in _strings(RAW["Resources"][logical_id]["Properties"].get("Policies"))
+                 if ":execution:" in text}
+
+    assert {name: bool(environment.get(name)) for name in MOVE_MACHINES} == dict.fromkeys(MOVE_MACHINES, True)
+    for machine in MOVE_MACHINES.values():
+        assert any(f":execution:${{{machine}.Name}}:*" in text for text in described), machine

@@ -477,24 +477,26 @@ def disk_digest(entry: dict[str, Any]) -> str:
 _QUEUE_NAME_MAX = 80
 # A host queue's dead-letter queue is named after it with this suffix.
 DLQ_SUFFIX = "-dlq"
-# What a host name may hold (RFC 1123 labels, dots between them; no ``_``).
-_HOST_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?)*")
+# What a host name may hold: labels of letters, digits, ``-`` and ``_`` (as hosts are named in
+# practice), separated by dots.
+_HOST_NAME = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?(\.[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?)*")
 
 
 def is_host_name(host: str) -> bool:
-    """Whether ``host`` is a host name an agent may serve: letters, digits and ``-`` in labels
-    separated by dots, at most 253 characters."""
-    return len(host) <= 253 and _HOST_NAME.fullmatch(host) is not None
+    """Whether ``host`` is a host name an agent may serve: letters, digits, ``-`` and ``_`` in
+    labels separated by dots, at most 253 characters, and not ending like a dead-letter queue
+    (its queue would be another queue's dead letters)."""
+    return len(host) <= 253 and _HOST_NAME.fullmatch(host) is not None and not host.endswith(DLQ_SUFFIX)
 
 
 def host_queue_name(prefix: str, host: str) -> str:
-    """The SQS queue name of a host's agent: ``<prefix><host>``, the host name's dots written
-    ``_`` (SQS allows no dot, a host name no ``_``). A name too long for SQS once its dead-letter
-    suffix is added is cut and ended with a digest of the whole host name, so that every host
-    keeps a queue of its own."""
-    name = prefix + host.replace(".", "_")
+    """The SQS queue name of a host's agent: ``<prefix><host>`` when SQS takes that as it is
+    (letters, digits, ``-`` and ``_``, room left for the dead-letter suffix). A host name with
+    dots (a fully qualified one) or too long is written with its dots as ``_``, cut to fit and
+    ended with a digest of the whole host name, so that every host keeps a queue of its own."""
+    name = prefix + host
     room = _QUEUE_NAME_MAX - len(DLQ_SUFFIX)
-    if len(name) > room:
+    if "." in host or len(name) > room:
         digest = hashlib.blake2b(host.encode(), digest_size=6).hexdigest()
-        name = f"{name[:room - len(digest) - 1]}-{digest}"
+        name = f"{(prefix + host.replace('.', '_'))[:room - len(digest) - 1]}-{digest}"
     return name
