@@ -17,6 +17,7 @@ from test_resize_steps import (  # noqa: F401 - the cloud fixture
     PROJECT,
     cloud,
     host_result,
+    instance,
     make_server,
     prepare_move,
     report,
@@ -26,7 +27,7 @@ from ferry import aws, config, errors, placement, protocol, quotas
 from ferry.compute import instances, states
 from ferry.store import db
 from ferry.store.api_models import RequestSpec
-from ferry.store.cell_models import BlockDeviceMapping, Instance, InstanceAction, Migration, Tag
+from ferry.store.cell_models import BlockDeviceMapping, Instance, InstanceAction, InstanceFault, Migration, Tag
 from ferry.store.db import api_session, cell_session
 from ferry.workflows import cross_cell, resize
 
@@ -222,7 +223,7 @@ def test_a_complete_move_that_failed_after_switching_the_mapping_stands_and_the_
     # GIVEN CompleteMoveAcrossCells switched the instance mapping to the target cell, then failed
     uuid, inp = server_in_cell1()
     doc = run(inp, until="CompleteMoveAcrossCells")
-    def connection_lost(cell: str, uuid: str) -> None:
+    def connection_lost(*args: Any) -> None:
         raise RuntimeError("the connection to the cell database was lost")
 
     with monkeypatch.context() as patched:
@@ -291,6 +292,53 @@ def test_a_failure_at_any_cross_cell_stage_leaves_the_server_in_its_cell_as_befo
     assert images_left() == []
     assert placement.get_allocations(uuid) == allocations_before
     assert placement.get_allocations(inp["migration_uuid"]) == {}
+
+
+def fault_in_cell1(uuid: str) -> InstanceFault:
+    with cell_session("cell1") as session:
+        [fault] = session.scalars(select(InstanceFault).where(InstanceFault.instance_uuid == uuid))
+        return fault
+
+
+def test_a_target_host_that_may_still_run_the_spawned_guest_leaves_the_server_in_error_shut_off_on_its_source(
+        two_cells):
+    # GIVEN a move across cells that failed after spawn may have been sent, and DestroyOnDestHost failed
+    uuid, inp = server_in_cell1()
+    allocations_before = placement.get_allocations(uuid)
+    doc = run(inp, until="CompleteMoveAcrossCells")
+    doc = {**doc, "error": {"Error": "Ferry.HypervisorError", "Cause": "it broke"},
+           "cleanup_error": {"Error": "States.Timeout", "Cause": "no heartbeat from the agent"},
+           # KeepCrossCellSourceGuestOff asked the source for the guest without powering it on
+           "restored": host_result(doc, doc["move"]["source"]["host"], states.SHUTDOWN)}
+
+    # WHEN the target cell and the move are rolled back (twice: a retry changes nothing)
+    for _ in range(2):
+        cross_cell.rollback_target_cell(doc)
+        resize.rollback_move(doc)
+
+    # THEN the server is back in its cell, on its source, in ERROR and shut off, with its allocations
+    assert instances.cell_of(uuid).name == "cell1"
+    assert rows("cell2", uuid, inp["migration_uuid"])["instance"] is None
+    assert rows("cell1", uuid, inp["migration_uuid"])["instance"] == (False, states.ERROR, None, "cell1-host1", "1")
+    assert instance(uuid).power_state == states.SHUTDOWN
+    assert placement.get_allocations(uuid) == allocations_before
+    assert placement.get_allocations(inp["migration_uuid"]) == {}
+    # and the fault names the target host, the guest that may run there and what to do first
+    fault = fault_in_cell1(uuid)
+    assert fault.message == (f"Resize failed and destination host {TARGET_HOST} could not be cleaned up: a guest of "
+                             f"this server may still run there.")
+    assert f"Destroy the guest on {TARGET_HOST} first" in fault.details and "guest_orphan" in fault.details
+    assert f"openstack server set --state active {uuid}" in fault.details
+
+
+def test_a_target_host_that_was_cleaned_up_leaves_the_server_active_as_before(two_cells):
+    uuid, inp = server_in_cell1()
+    doc = run(inp, until="CompleteMoveAcrossCells")
+
+    roll_back(doc)
+
+    assert rows("cell1", uuid, inp["migration_uuid"])["instance"] == (False, states.ACTIVE, None, "cell1-host1", "1")
+    assert instance(uuid).power_state == states.RUNNING
 
 
 # --- quota usage while the server switches cells ----------------------------------------------------------

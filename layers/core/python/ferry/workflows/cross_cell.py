@@ -8,10 +8,11 @@ After SelectMoveDestinations picks a host in another cell than the instance's, t
 
 The source cell's records stay the ones the API reads until CompleteMoveAcrossCells: then the
 target cell's copy becomes visible, the instance mapping names the target cell and the source
-copy is hidden, in that order. A failure rolls back in reverse: ``destroy`` at the destination
-once the spawn may have run, ``finish_revert_resize`` at the source once its guest may be gone,
-then :func:`rollback_target_cell` (the snapshot object, the mapping and hidden flags, the
-target copies) and the same-cell ``rollback_move`` for the rest.
+copy is hidden, in that order; the temporary snapshot goes after that, best effort, so an S3
+failure cannot roll back a move that finished. A failure rolls back in reverse: ``destroy`` at
+the destination once the spawn may have run, ``finish_revert_resize`` at the source once its
+guest may be gone, then :func:`rollback_target_cell` (the mapping and hidden flags, the target
+copies, then the snapshot object) and the same-cell ``rollback_move`` for the rest.
 
 The state document is the same-cell one with ``target`` (what TargetDBSetup copied),
 ``snapshot_prep`` / ``snapshotted`` (the source host operation's arguments and result) and
@@ -26,6 +27,8 @@ from __future__ import annotations
 import uuid as uuidlib
 from typing import Any, cast
 
+from aws_lambda_powertools.metrics import MetricUnit
+from botocore.exceptions import BotoCoreError, ClientError
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
@@ -41,7 +44,7 @@ from ferry.compute.migration_states import (
     REVERTED,
     REVERTING,
 )
-from ferry.observability import logger
+from ferry.observability import logger, metrics
 from ferry.store.api_models import CellMapping, InstanceMapping
 from ferry.store.cell_models import (
     BlockDeviceMapping,
@@ -71,6 +74,23 @@ def snapshot_image_id(migration_uuid: str) -> str:
     return str(uuidlib.uuid5(uuidlib.NAMESPACE_URL, f"ferry:cross-cell-snapshot:{migration_uuid}"))
 
 
+def _delete_snapshot(uuid: str, migration_uuid: str) -> None:
+    """Delete the move's temporary snapshot, best effort, once nothing of the move needs it.
+
+    Only called when the move is settled either way (switched to the target cell, or rolled back
+    in the databases): an S3 failure then is logged and counted (``SnapshotDeleteFailed``) and
+    never fails the step. ``ferry audit`` reports the image left behind (``snapshot_image_orphan``,
+    its migration no longer moving) and ``ferry audit --fix`` deletes it.
+    """
+    image_id = snapshot_image_id(migration_uuid)
+    try:
+        images.delete_image(image_id)
+    except (ClientError, BotoCoreError):
+        logger.exception("the move's temporary snapshot could not be deleted: ferry audit --fix removes it",
+                         extra={"instance_uuid": uuid, "migration_uuid": migration_uuid, "image_id": image_id})
+        metrics.add_metric(name="SnapshotDeleteFailed", unit=MetricUnit.Count, value=1)
+
+
 # --- TargetDBSetup ------------------------------------------------------------------------------
 
 
@@ -78,7 +98,10 @@ def target_db_setup(event: dict[str, Any]) -> dict[str, Any]:
     """Copy the instance (hidden), its BDMs, tags, actions and events and the migration into the target cell.
 
     The copies keep their uuids; the migration is marked ``cross_cell_move`` in both cells.
-    What already exists in the target cell is left as it is, so a re-run copies nothing twice.
+    What this move already copied into the target cell is left as it is, so a re-run copies
+    nothing twice. A hidden copy of the server there that is not this move's (an earlier move's
+    leftover: no copy of this migration beside it) is hard-deleted first and copied afresh, so
+    none of its block device mappings, tags or migrations outlive it.
 
     Returns:
         ``{"cell": <target cell>}``.
@@ -96,6 +119,7 @@ def target_db_setup(event: dict[str, Any]) -> dict[str, Any]:
             BlockDeviceMapping.instance_uuid == uuid, BlockDeviceMapping.deleted.is_(False)))]
         tags = [t.tag for t in session.scalars(select(Tag).where(Tag.instance_uuid == uuid))]
         acts = _actions_of(session, uuid)
+    _purge_stale_copy(target, uuid, migration_uuid)
     with cell_session(target) as session:
         if session.scalars(select(Instance.id).where(Instance.uuid == uuid)).first() is None:
             session.add(Instance(**{**copy_instance, "hidden": True}))
@@ -109,6 +133,22 @@ def target_db_setup(event: dict[str, Any]) -> dict[str, Any]:
     logger.info("target cell prepared", extra={"instance_uuid": uuid, "migration_uuid": migration_uuid,
                                                "source_cell": cell, "target_cell": target})
     return {"cell": target}
+
+
+def _purge_stale_copy(target: str, uuid: str, migration_uuid: str) -> None:
+    """Hard-delete what ``target`` holds of the server unless this move copied it (see :func:`target_db_setup`).
+
+    A visible copy is the server's and is never touched (the move then keeps it, as before).
+    """
+    with cell_session(target) as session:
+        if session.scalars(select(Migration.id).where(Migration.uuid == migration_uuid)).first() is not None:
+            return  # a re-run of this move's TargetDBSetup
+        copy = session.scalars(select(Instance).where(Instance.uuid == uuid)).one_or_none()
+        if copy is not None and not copy.hidden and not copy.deleted:
+            return
+    if cross_cell_settle.hard_delete_copy(target, uuid, migration_uuid):
+        logger.warning("an earlier move's copy of the server was left in the target cell: replaced",
+                       extra={"instance_uuid": uuid, "migration_uuid": migration_uuid, "target_cell": target})
 
 
 def _sync_actions(session: Session, uuid: str, acts: list[tuple[dict[str, Any], list[dict[str, Any]]]]) -> None:
@@ -152,14 +192,14 @@ def _map_to(uuid: str, cell: str) -> None:
 def rollback_target_cell(event: dict[str, Any]) -> dict[str, Any]:
     """Undo the cross-cell parts of a failed move: the server is the source cell's again, and only there.
 
-    Deletes the temporary snapshot, maps the instance back to the source cell, shows the source
-    copies again (instance and migration) and hard-deletes the target cell's copies. Safe to run
-    whatever the move reached, and twice.
+    Maps the instance back to the source cell, shows the source copies again (instance and
+    migration), hard-deletes the target cell's copies, and last deletes the temporary snapshot,
+    best effort (an S3 failure leaves the image to ``ferry audit --fix``, never the target
+    cell's rows to a later move). Safe to run whatever the move reached, and twice.
     """
     uuid, migration_uuid, cell, target = event["instance_uuid"], event["migration_uuid"], event["cell"], _target(event)
     if target == cell:
         return {}
-    images.delete_image(snapshot_image_id(migration_uuid))
     _map_to(uuid, cell)
     with cell_session(cell) as session:
         session.execute(update(Instance).where(Instance.uuid == uuid).values(hidden=False))
@@ -169,6 +209,7 @@ def rollback_target_cell(event: dict[str, Any]) -> dict[str, Any]:
     cross_cell_settle.hard_delete_copy(target, uuid, migration_uuid)
     logger.info("target cell cleaned up", extra={"instance_uuid": uuid, "migration_uuid": migration_uuid,
                                                  "target_cell": target})
+    _delete_snapshot(uuid, migration_uuid)
     return {}
 
 
@@ -316,10 +357,30 @@ def finish_resize_at_dest(event: dict[str, Any]) -> dict[str, Any]:
 # --- CompleteMoveAcrossCells --------------------------------------------------------------------
 
 
-def _hide_source(cell: str, uuid: str) -> None:
-    """Hide the source cell's copy; it runs no task of its own while hidden."""
-    with cell_session(cell) as session:
-        session.execute(update(Instance).where(Instance.uuid == uuid).values(hidden=True, task_state=None))
+def _hide_source(cell: str, uuid: str, migration_uuid: str) -> None:
+    """Hide the source cell's copy, with no task, unless a revert owns it (conditional, idempotent).
+
+    See :func:`ferry.workflows.cross_cell_settle.hide_source_copy`.
+    """
+    cross_cell_settle.hide_source_copy(cell, uuid, migration_uuid)
+
+
+def _mapped_to_target(event: dict[str, Any]) -> bool:
+    """Whether the instance mapping names the target cell; a server gone from the mapping counts as
+    moved (it can only have been deleted once the target copy was the server)."""
+    try:
+        return instances.cell_of(event["instance_uuid"]).name == _target(event)
+    except errors.InstanceNotFound:
+        return True
+
+
+def _finish_switch(event: dict[str, Any]) -> None:
+    """The end of a switch that committed: the source copy hidden when the mapping names the target
+    cell (and no revert owns it), then the snapshot deleted, best effort."""
+    uuid, migration_uuid = event["instance_uuid"], event["migration_uuid"]
+    if _mapped_to_target(event):
+        _hide_source(event["cell"], uuid, migration_uuid)
+    _delete_snapshot(uuid, migration_uuid)
 
 
 def _settled_since(event: dict[str, Any]) -> bool:
@@ -334,22 +395,27 @@ def _settled_since(event: dict[str, Any]) -> bool:
 
 
 def complete_move(event: dict[str, Any]) -> dict[str, Any]:
-    """VERIFY_RESIZE in the target cell: the snapshot goes, the target copy shows, the mapping follows.
+    """VERIFY_RESIZE in the target cell: the target copy shows, the mapping follows, the snapshot goes.
 
-    Deletes the temporary snapshot; brings the target copy up to date (vm_state resized, task
-    None, new flavor, destination host and node, the power state ``spawn`` reported, the
-    actions and events) and shows it; maps the instance to the target cell; hides the source
-    copy; both migration copies ``finished``; the destination's port bindings active and volume
-    attachments attached. Sends ``instance.resize_finish.end`` (``compute:<dest>``).
+    Brings the target copy up to date (vm_state resized, task None, new flavor, destination host
+    and node, the power state ``spawn`` reported, the actions and events) and shows it; maps the
+    instance to the target cell; hides the source copy; both migration copies ``finished``; the
+    destination's port bindings active and volume attachments attached. Sends
+    ``instance.resize_finish.end`` (``compute:<dest>``). Last, once the move has committed,
+    deletes the temporary snapshot, best effort: an S3 failure is logged and cannot fail (and so
+    roll back) the finished move.
+
+    Run again after the switch (or after a confirm or revert took over), it only finishes what is
+    left: the source copy hidden if the mapping names the target cell and no revert owns the
+    copy, and the snapshot deleted.
     """
     uuid, migration_uuid, cell, target = event["instance_uuid"], event["migration_uuid"], event["cell"], _target(event)
     dest, request_id = event["destination"], event["request_id"]
     spawned = event.get("spawned") or {}
-    images.delete_image(snapshot_image_id(migration_uuid))
-    if _settled_since(event):
-        return {}  # a confirm or revert has taken over: run again, this step must not undo it
-    if instances.cell_of(uuid).name == target:
-        _hide_source(cell, uuid)  # an earlier run switched the mapping
+    if _settled_since(event) or instances.cell_of(uuid).name == target:
+        # An earlier run switched the mapping, and a confirm or revert may have taken over since:
+        # finish the switch without undoing either.
+        _finish_switch(event)
         return {}
     with api_session() as session:
         network.activate(session, uuid, dest["host"])
@@ -373,10 +439,11 @@ def complete_move(event: dict[str, Any]) -> dict[str, Any]:
         end = resize._notify(notifications.RESIZE_FINISH_END, moved, notifications.compute_publisher(dest["host"]),
                              **resize._move_extra(moved, migration_uuid))
     _map_to(uuid, target)
-    _hide_source(cell, uuid)
+    _hide_source(cell, uuid, migration_uuid)
     resize._publish(end)
     logger.info("server resized across cells", extra={"instance_uuid": uuid, "migration_uuid": migration_uuid,
                                                       "host": dest["host"], "target_cell": target})
+    _delete_snapshot(uuid, migration_uuid)
     return {}
 
 
@@ -394,9 +461,11 @@ def check_move_committed(event: dict[str, Any]) -> dict[str, Any]:
 
     Committed means, within one cell, that the migration is ``finished`` or beyond; across cells,
     that the instance mapping names the target cell (the switch that makes the target copy the
-    server), or that either migration copy is being confirmed or reverted. A move between cells
-    whose step failed after the switch but before hiding the source copy gets that copy hidden
-    here, as the step would have done.
+    server), or that either migration copy is being confirmed or reverted. A committed move
+    between cells is finished here as the step would have finished it: the source copy hidden
+    whenever the mapping names the target cell (also when a confirm has taken over meanwhile;
+    not when a revert owns the copy), and the temporary snapshot deleted, best effort. A move not
+    committed keeps its snapshot for RollbackTargetCell to delete.
 
     Returns:
         ``{"committed": bool}``.
@@ -406,15 +475,10 @@ def check_move_committed(event: dict[str, Any]) -> dict[str, Any]:
         with cell_session(cell) as session:
             migration = resize._get_migration(session, migration_uuid)
             committed = migration is not None and migration.status in resize.MARKED
-    elif _settled_since(event):
-        committed = True
     else:
-        try:
-            committed = instances.cell_of(uuid).name == _target(event)
-        except errors.InstanceNotFound:
-            committed = True  # deleted: only possible once the target copy was the server
+        committed = _settled_since(event) or _mapped_to_target(event)
         if committed:
-            _hide_source(cell, uuid)
+            _finish_switch(event)
     if committed:
         logger.warning("the move's last step failed after it committed: the move stands",
                        extra={"instance_uuid": uuid, "migration_uuid": migration_uuid,

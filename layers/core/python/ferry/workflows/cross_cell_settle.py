@@ -6,7 +6,8 @@ on the source host), the instance mapping naming the target cell, and the migrat
 (``cross_cell_move``) in both cells. The confirm, revert and delete workflows use the helpers
 here when the migration they settle is such a move:
 
-* confirm and delete hard-delete the source cell's copy (:func:`hard_delete_copy`);
+* confirm and delete hard-delete the source cell's copy (:func:`hard_delete_copy`; a copy the move
+  left visible after it switched the instance mapping is hidden first, see :func:`hide_source_copy`);
 * revert first brings the source cell's copy up to date and makes it the server again
   (:func:`flip_to_source_cell`, step FlipToSourceCell), then hard-deletes the target cell's copy;
   a failure of that step is undone by :func:`undo_flip` (the server stays in VERIFY_RESIZE in the
@@ -18,9 +19,9 @@ Nova's event names are used: ``conductor_*_snapshot_based_resize`` for the whole
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import delete, select, update
+from sqlalchemy import CursorResult, delete, or_, select, update
 from sqlalchemy.orm import Session
 
 from ferry import errors, hosts
@@ -137,10 +138,71 @@ def _carry_older_migrations(cell: str, instance_uuid: str, migration_uuid: str) 
         session.add_all(Migration(**values) for values in older if values["uuid"] not in present)
 
 
+def hide_source_copy(cell: str, instance_uuid: str, migration_uuid: str) -> bool:
+    """Hide the server's copy in ``cell``, the source cell of move ``migration_uuid``, with no task.
+
+    Nothing changes when a revert owns that copy (``cell``'s copy of the migration is ``reverting``
+    or ``reverted``, or the copy's task is ``resize_reverting``: FlipToSourceCell writes both in
+    one transaction and then makes the copy the server again) or when the copy is gone. The
+    condition is part of the one UPDATE, and the task is on the row it updates (a concurrent
+    write of it is re-read before the update applies), so a revert flipping the server back at
+    the same moment is never undone by it. Idempotent.
+
+    Returns:
+        Whether the copy changed (it was visible, or ran a task).
+    """
+    owned_by_revert = select(Migration.id).where(
+        Migration.uuid == migration_uuid,
+        Migration.status.in_((migration_states.REVERTING, migration_states.REVERTED))).exists()
+    with cell_session(cell) as session:
+        result = cast(CursorResult[Any], session.execute(
+            update(Instance)
+            .where(Instance.uuid == instance_uuid, Instance.deleted.is_(False), ~owned_by_revert,
+                   or_(Instance.task_state.is_(None), Instance.task_state != states.RESIZE_REVERTING),
+                   or_(Instance.hidden.is_(False), Instance.task_state.is_not(None)))
+            .values(hidden=True, task_state=None)))
+        return result.rowcount > 0
+
+
+def _hide_copy_left_visible(cell: str, instance_uuid: str, migration_uuid: str) -> bool:
+    """Hide the visible copy in ``cell`` when it is a move's source copy that the move failed to hide.
+
+    That is when the instance mapping names another cell (the move switched it: the copy there is
+    the server) and ``cell`` holds the move's migration, which no revert owns. CompleteMoveAcrossCells
+    that died between the switch and hiding the source, with the owner confirming meanwhile, left
+    servers so; their confirm or delete would otherwise fail on the visible copy every time.
+
+    Returns:
+        Whether the copy is hidden now.
+    """
+    try:
+        home = instances.cell_of(instance_uuid).name
+    except errors.InstanceNotFound:
+        return False
+    if home == cell:
+        return False
+    with cell_session(cell) as session:
+        status = session.scalars(select(Migration.status).where(
+            Migration.uuid == migration_uuid, Migration.instance_uuid == instance_uuid,
+            Migration.cross_cell_move.is_(True))).one_or_none()
+    if status is None or status in (migration_states.REVERTING, migration_states.REVERTED):
+        return False
+    if not hide_source_copy(cell, instance_uuid, migration_uuid):
+        return False
+    logger.warning("a move's source copy was still visible after the mapping switch: hidden before its removal",
+                   extra={"instance_uuid": instance_uuid, "cell": cell, "mapped_cell": home,
+                          "migration_uuid": migration_uuid})
+    return True
+
+
 def hard_delete_copy(cell: str, instance_uuid: str, migration_uuid: str) -> bool:
     """Remove a hidden copy of a server from ``cell``: the instance row, its block device mappings,
     tags, actions and their events, faults, and its migrations (idempotent). The server's earlier
     migrations are copied first to the cell it lives in, so its history stays listed.
+
+    A visible copy is hidden first when it is the source copy of move ``migration_uuid`` that the
+    move left visible after switching the instance mapping to another cell (see
+    :func:`_hide_copy_left_visible`); any other visible copy is the server and is kept.
 
     Returns:
         Whether anything was removed.
@@ -150,9 +212,10 @@ def hard_delete_copy(cell: str, instance_uuid: str, migration_uuid: str) -> bool
     """
     with cell_session(cell) as session:
         instance = _copy_of(session, instance_uuid)
-        if instance is not None and not instance.hidden and not instance.deleted:
-            raise errors.CellCopyNotHidden(
-                f"Instance {instance_uuid} is visible in cell {cell}: it is not a copy to remove.")
+        visible = instance is not None and not instance.hidden and not instance.deleted
+    if visible and not _hide_copy_left_visible(cell, instance_uuid, migration_uuid):
+        raise errors.CellCopyNotHidden(
+            f"Instance {instance_uuid} is visible in cell {cell}: it is not a copy to remove.")
     _carry_older_migrations(cell, instance_uuid, migration_uuid)
     with cell_session(cell) as session:
         removed = instances.purge(session, instance_uuid)
