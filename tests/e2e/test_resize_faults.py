@@ -4,14 +4,18 @@ A fault at every Task state of every workflow is in ``test_fault_sweep.py``; the
 failures through to what the owner does next: a revert whose destination fails stays in
 VERIFY_RESIZE and can be retried; a confirm whose source fails leaves the server confirmed on
 its destination, the source's allocation held by the migration, and a delete cleans up all; a
-move whose last step failed after it committed stays in VERIFY_RESIZE and can be confirmed.
+move whose last step failed after it committed stays in VERIFY_RESIZE and can be confirmed; a
+move whose destination cannot be cleaned up once its guest was made there leaves the source's
+guest shut off and the server in ERROR, so that two guests of it never run at once.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 from typing import Any
 
 import pytest
+from conftest import AGENT_REPORT_INTERVAL_SECONDS
 from move_helpers import (
     FLAVORS,
     SMALL,
@@ -24,8 +28,11 @@ from move_helpers import (
     resize_to_verify,
     root_digest,
 )
+from sqlalchemy import select
 
-from ferry import config, faults, notifications
+from ferry import audit, config, faults, hosts, notifications
+from ferry.store.cell_models import Service
+from ferry.store.db import cell_session
 from ferry.workflows import resize
 
 pytestmark = pytest.mark.e2e
@@ -131,3 +138,57 @@ def test_a_move_whose_last_step_failed_after_committing_stands_and_can_be_confir
     confirmed = servers.wait_for_status(server["id"], "ACTIVE", timeout=120)
     assert host_of(confirmed) == dest and confirmed["flavor"]["original_name"] == "ferry.small"
     assert records.allocations(server["id"]) == {records.provider(dest): FLAVORS[SMALL]}
+
+
+def guests_reported(local_stack, host: str, after: dt.datetime) -> list[str]:
+    """The guests ``host``'s agent reported in its first inventory report sent after ``after`` (naive UTC)."""
+
+    def fresh() -> dict[str, Any] | None:
+        with cell_session(local_stack.hosts[host]) as session:
+            service = session.scalars(select(Service).where(Service.host == host)).one()
+            view = hosts.host_view(service)
+        return view if view and hosts.report_time(view["sent_at"]) > after else None
+
+    return list(local_stack.wait_for(fresh, timeout=AGENT_REPORT_INTERVAL_SECONDS * 4, interval=1)["guests"])
+
+
+def test_a_destination_that_cannot_be_cleaned_up_leaves_the_source_guest_off_and_the_server_in_error(
+        local_stack, servers, records, boot, armed):
+    # GIVEN a resize whose last step fails after finish_resize made the guest on the destination, and whose
+    # destination then cannot be cleaned up (every revert_resize there fails, as when its agent is down)
+    server, digest = boot(TINY)
+    source = host_of(server)
+    armed("MarkResized", faults.ALWAYS)
+    armed("*:revert_resize", faults.ALWAYS)
+
+    # WHEN the move rolls back
+    assert servers.action(server["id"], {"resize": {"flavorRef": SMALL}}).status_code == 202
+    failed = servers.wait_for_status(server["id"], "ERROR", timeout=180)
+
+    # THEN the server is in ERROR on its source with its old flavor, its guest there restored but shut off
+    [migration] = migrations_of(server["id"], local_stack.hosts[source])
+    dest = migration.dest_compute
+    assert migration.status == "error" and dest != source
+    assert host_of(failed) == source and failed["flavor"]["original_name"] == "ferry.tiny"
+    assert failed["OS-EXT-STS:power_state"] == 4
+    assert ("finish_revert_resize", "succeeded") in records.host_operations(source, server["id"])
+    assert root_digest(records.instance_dir(source, server["id"]) / "disk", FLAVORS[TINY]["DISK_GB"] * GiB) == digest
+    assert records.allocations(server["id"]) == {records.provider(source): FLAVORS[TINY]}
+    assert port_bindings(server["id"]) == {(source, "ACTIVE")}
+    # AND the fault says that a guest of it may still run on the destination, and what to do first
+    assert failed["fault"]["message"] == (f"Resize failed and destination host {dest} could not be cleaned up: "
+                                          f"a guest of this server may still run there.")
+    assert f"Destroy the guest on {dest} first" in failed["fault"]["details"]
+    # AND the destination does hold it, which the audit reports (from a report it trusts to show the rollback)
+    settled = dt.datetime.now(dt.UTC).replace(tzinfo=None) + dt.timedelta(seconds=audit.DEFAULT_CLOCK_SKEW_SECONDS + 1)
+    assert server["id"] in guests_reported(local_stack, dest, settled)
+    found = {(p.kind, p.resource) for p in audit.run_audit(grace_seconds=0).problems}
+    assert (audit.GUEST_ORPHAN, f"host/{dest}/guest/{server['id']}") in found
+
+    # WHEN the server is deleted THEN the destination's next report gets its guest and disks destroyed
+    faults.disarm_all()
+    assert servers.delete(server["id"]).status_code == 204
+    servers.wait_until_gone(server["id"])
+    local_stack.wait_for(lambda: not records.instance_dir(dest, server["id"]).exists(),
+                         timeout=AGENT_REPORT_INTERVAL_SECONDS * 6, interval=1)
+    assert server["id"] not in guests_reported(local_stack, dest, dt.datetime.now(dt.UTC).replace(tzinfo=None))

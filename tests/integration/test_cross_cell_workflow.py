@@ -191,3 +191,31 @@ def test_a_refused_claim_in_the_target_cell_is_rescheduled_to_an_alternate_there
     assert placement.usages(placement.provider_by_host(refused)) == {}
     assert list(placement.get_allocations(uuid)) == [placement.provider_by_host(chosen)]
     assert images_left() == []
+
+
+def test_a_target_host_that_may_still_run_the_guest_leaves_the_source_guest_off_and_the_server_in_error(cloud):
+    # GIVEN spawn fails on the target host, and so does its destroy after every retry
+    uuid = server_that_may_cross_cells()
+    allocations_before = placement.get_allocations(uuid)
+    inp = to_target_host(uuid)
+    faults.arm(f"{TARGET_HOST}:spawn", error="HypervisorError")
+    faults.arm(f"{TARGET_HOST}:destroy", faults.ALWAYS, error="HostOperationFailed")
+
+    described = cloud.move(inp)
+
+    # THEN the source guest is restored with every argument as recorded but not powered on
+    assert (described["status"], described["error"]) == ("FAILED", "Ferry.HypervisorError"), described
+    entered = cloud.states_entered(described["executionArn"])
+    assert entered[-6:] == ["WasSourceSnapshotted", "KeepCrossCellSourceGuestOff", "FinishCrossCellRevertOnSourceHost",
+                            "RollbackTargetCell", "RollbackMove", "MoveFailed"]
+    recorded = cloud.state_input(described["executionArn"], "KeepCrossCellSourceGuestOff")["move"]["restore_args"]
+    assert recorded["power_on"] is True
+    assert cloud.hosts.args[(SOURCE, "finish_revert_resize")] == {**recorded, "power_on": False}
+    # and the server is back in its cell, in ERROR and shut off on its source, with its allocations
+    assert instances.cell_of(uuid).name == "cell1"
+    assert rows("cell2", uuid, inp["migration_uuid"])["instance"] is None
+    assert rows("cell1", uuid, inp["migration_uuid"])["instance"] == (False, states.ERROR, None, SOURCE, "1")
+    with cell_session("cell1") as session:
+        assert session.scalars(select(Instance.power_state).where(Instance.uuid == uuid)).one() == states.SHUTDOWN
+    assert placement.get_allocations(uuid) == allocations_before
+    assert images_left() == []

@@ -1127,17 +1127,95 @@ def test_a_source_that_cannot_be_restored_is_error_with_a_fault_saying_what_is_l
     assert "libvirt refused the domain" in fault.details and "checksum mismatch" in fault.details
 
 
-def test_a_destination_that_could_not_be_cleaned_is_named_in_the_fault(cloud):
-    uuid = make_server()
+CLEANUP_TIMED_OUT = {"Error": "States.Timeout", "Cause": ""}
+
+
+@pytest.mark.parametrize("stage", ["ResizeInstanceOnSourceHost", "FinishResizeAtDest"])
+def test_a_destination_that_could_not_be_cleaned_before_finish_resize_was_sent_is_named_in_the_fault(cloud, stage):
+    # GIVEN a move that failed before finish_resize was sent: no guest of the server was made on the destination
+    uuid = make_server(volume=True)
     before = snapshot(uuid)
-    doc = run(prepare_move(uuid, BIG), until="FinishResizeOnDestHost")
+    doc = run(prepare_move(uuid, BIG), until=stage)
     dest = doc["destination"]["host"]
 
-    fail_and_roll_back(doc, cleanup_error={"Error": "States.Timeout", "Cause": ""})
+    # WHEN the destination cannot be cleaned up
+    fail_and_roll_back(doc, cleanup_error=CLEANUP_TIMED_OUT)
 
+    # THEN the server is restored as it was, running on its source; the fault names the destination
     assert snapshot(uuid) == before
     [fault] = faults_of(uuid)
+    assert fault.message == "it broke"
     assert dest in fault.details and "may remain there" in fault.details
+
+
+def test_a_destination_that_may_still_run_the_guest_leaves_the_server_in_error_shut_off_on_its_source(cloud):
+    # GIVEN a volume-backed server whose move failed after finish_resize may have been sent to the destination
+    uuid = make_server(volume=True)
+    before = snapshot(uuid)
+    inp = prepare_move(uuid, BIG)
+    doc = run(inp, until="FinishResizeOnDestHost")
+    dest = doc["destination"]["host"]
+    cloud.drain()
+
+    # WHEN cleaning up the destination failed, and the source guest was restored shut off (KeepSourceGuestOff)
+    doc = fail_and_roll_back(doc, "Ferry.DiskCopyFailed", "finish_resize timed out",
+                             cleanup_error={"Error": "States.Timeout", "Cause": "no heartbeat from the agent"},
+                             restored=host_result(doc, SOURCE, states.SHUTDOWN))
+
+    # THEN the server is in ERROR on its source, shut off, with its old flavor and the source's allocations
+    record = {**before["record"], "vm_state": states.ERROR, "power_state": states.SHUTDOWN}
+    assert snapshot(uuid) == {**before, "record": record}
+    assert (record["host"], record["flavor"], record["task_state"]) == (SOURCE, SMALL, None)
+    assert used_on(dest) == {}
+    assert migration(inp["migration_uuid"]).status == "error"
+    # and the fault says what is left where and what to do, in that order
+    [fault] = faults_of(uuid)
+    assert fault.message == (f"Resize failed and destination host {dest} could not be cleaned up: a guest of this "
+                             f"server may still run there.")
+    assert fault.host == dest
+    details = fault.details
+    for part in (f"Cleaning up destination host {dest} failed (no heartbeat from the agent)",
+                 "a guest of this server may still run there", f"source host {SOURCE}", "not powered on",
+                 f"Destroy the guest on {dest} first", "guest_orphan",
+                 f"openstack server set --state active {uuid}", f"openstack server start {uuid}",
+                 "finish_resize timed out"):
+        assert part in details, part
+    assert details.index(f"Destroy the guest on {dest}") < details.index("openstack server set --state active")
+    assert events_of(uuid)[resize.EVENT_FINISH][0] == "Error"
+    [published] = [n for n in cloud.drain() if n["event_type"] == "instance.resize.error"]
+    assert published["payload"]["fault"]["message"] == fault.message
+
+    # WHEN the rollback runs again THEN nothing changes
+    resize.rollback_move(doc)
+    assert snapshot(uuid) == {**before, "record": record}
+    assert len(faults_of(uuid)) == 1
+
+
+def test_a_stopped_server_whose_destination_may_still_hold_the_guest_is_in_error_and_not_told_to_start(cloud):
+    uuid = make_server(vm_state=states.STOPPED, power_state=states.SHUTDOWN)
+    doc = run(prepare_move(uuid), until="MarkResized")
+
+    fail_and_roll_back(doc, cleanup_error=CLEANUP_TIMED_OUT)
+
+    server = instance(uuid)
+    assert (server.vm_state, server.task_state, server.power_state, server.host) == (
+        states.ERROR, None, states.SHUTDOWN, SOURCE)
+    [fault] = faults_of(uuid)
+    assert "openstack server set --state active" in fault.details and "was stopped before the move" in fault.details
+    assert "openstack server start" not in fault.details
+
+
+def test_a_same_host_resize_whose_clean_up_failed_is_restored_as_before(cloud, monkeypatch):
+    # GIVEN a resize on one host: the source's restore replaces the only guest the host can have of the server
+    allow_same_host(monkeypatch)
+    uuid = make_server()
+    before = snapshot(uuid)
+    doc = run(prepare_move(uuid, BIG, requested_host=SOURCE), until="FinishResizeOnDestHost")
+    assert doc["destination"]["same_host"] is True
+
+    fail_and_roll_back(doc, cleanup_error=CLEANUP_TIMED_OUT)
+
+    assert snapshot(uuid) == before
 
 
 def test_rollback_after_it_finished_changes_nothing(cloud):

@@ -57,6 +57,7 @@ class HostStandIn:
         self.queue_urls = queue_urls
         self.failures: dict[tuple[str, str], str] = {}
         self.received: list[tuple[str, str]] = []
+        self.args: dict[tuple[str, str], dict[str, Any]] = {}  # the last arguments of each (host, operation)
         self.problems: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
@@ -83,6 +84,7 @@ class HostStandIn:
     def _answer(self, host: str, body: dict[str, Any]) -> None:
         operation, args, token = body["operation"], body["args"], body["task_token"]
         self.received.append((host, operation))
+        self.args[(host, operation)] = args
         try:
             protocol.validate(body, protocol.OPERATION_SCHEMA)
             protocol.validate(args, protocol.ARGS_SCHEMAS[operation])
@@ -151,6 +153,12 @@ class Cloud:
                 found.append(json.loads(message["Body"])["detail"])
                 sqs.delete_message(QueueUrl=self.tap_url, ReceiptHandle=message["ReceiptHandle"])
         return found
+
+    def state_input(self, execution_arn: str, state: str) -> dict[str, Any]:
+        """The document ``state`` was entered with (the first time)."""
+        history = self.sfn.get_execution_history(executionArn=execution_arn, maxResults=1000)["events"]
+        return json.loads(next(e["stateEnteredEventDetails"]["input"] for e in history
+                               if e.get("stateEnteredEventDetails", {}).get("name") == state))
 
     def states_entered(self, execution_arn: str) -> list[str]:
         history = self.sfn.get_execution_history(executionArn=execution_arn, maxResults=1000)["events"]
@@ -297,6 +305,48 @@ def test_a_source_that_cannot_be_restored_leaves_the_server_in_error(cloud):
     assert placement.get_allocations(uuid) == {placement.provider_by_host(SOURCE): {"VCPU": 1, "MEMORY_MB": 512,
                                                                                     "DISK_GB": 1}}
     assert f"{uuid}_resize on {SOURCE}" in faults_of(uuid)[0].message
+
+
+def test_a_destination_that_may_still_run_the_guest_leaves_the_source_guest_off_and_the_server_in_error(cloud):
+    # GIVEN finish_resize fails on the destination, and so does its revert after every retry
+    cloud.hosts.failures[("cell1-host2", "finish_resize")] = "Ferry.HypervisorError"
+    cloud.hosts.failures[("cell1-host2", "revert_resize")] = "Ferry.HostOperationFailed"
+    uuid = make_server(volume=True)
+    before = snapshot(uuid)
+    inp = prepare_move(uuid, BIG)
+
+    described = cloud.move(inp)
+
+    # THEN the source guest is restored with every argument as recorded but not powered on
+    assert (described["status"], described["error"]) == ("FAILED", "Ferry.HypervisorError")
+    entered = cloud.states_entered(described["executionArn"])
+    assert entered[-5:] == ["WasSourceTouched", "KeepSourceGuestOff", "FinishRevertOnSourceHost", "RollbackMove",
+                            "MoveFailed"]
+    recorded = cloud.state_input(described["executionArn"], "KeepSourceGuestOff")["move"]["restore_args"]
+    assert recorded["power_on"] is True and recorded["volumes"]
+    assert cloud.hosts.args[(SOURCE, "finish_revert_resize")] == {**recorded, "power_on": False}
+    # and the server is in ERROR, shut off on its source, its allocations and records otherwise as before
+    record = {**before["record"], "vm_state": states.ERROR, "power_state": states.SHUTDOWN}
+    assert snapshot(uuid) == {**before, "record": record}
+    [fault] = faults_of(uuid)
+    assert "destination host cell1-host2 could not be cleaned up" in fault.message
+    assert "Destroy the guest on cell1-host2 first" in fault.details
+
+
+def test_a_destination_that_failed_to_clean_up_before_finish_resize_was_sent_leaves_the_server_as_before(cloud):
+    cloud.hosts.failures[(SOURCE, "resize_instance")] = "Ferry.DiskCopyFailed"
+    cloud.hosts.failures[("cell1-host2", "revert_resize")] = "Ferry.HostOperationFailed"
+    uuid = make_server(volume=True)
+    before = snapshot(uuid)
+
+    described = cloud.move(prepare_move(uuid, BIG))
+
+    assert (described["status"], described["error"]) == ("FAILED", "Ferry.DiskCopyFailed")
+    assert "KeepSourceGuestOff" not in cloud.states_entered(described["executionArn"])
+    assert cloud.hosts.args[(SOURCE, "finish_revert_resize")]["power_on"] is True
+    assert snapshot(uuid) == before
+    [fault] = faults_of(uuid)
+    assert "cell1-host2" in fault.details and "may remain there" in fault.details
 
 
 def test_a_failure_injected_in_the_last_step_is_rolled_back(cloud):

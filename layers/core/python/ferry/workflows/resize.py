@@ -11,7 +11,10 @@ next alternate (:func:`reschedule_move`) unless a host was requested. Any other 
 back the finished steps in reverse: ``revert_resize`` on the destination host once anything
 may be there, ``finish_revert_resize`` on the source host once ``resize_instance`` was sent,
 then :func:`rollback_move` puts records, allocations, port bindings and volume attachments
-back as they were before the move.
+back as they were before the move. When ``revert_resize`` failed after ``finish_resize`` may
+have been sent, a guest of the server may still run on the destination: the source guest is
+restored without powering it on and the server goes to ERROR until an operator has destroyed
+the other.
 
 Each step takes the workflow's state document and returns what the state machine stores
 under its ``ResultPath``. The document holds the execution input and, as the move goes on:
@@ -769,19 +772,43 @@ def _close_events(session: Session, event: Mapping[str, Any], failed: str, host:
     actions.finish_event(session, instance_uuid=uuid, request_id=request_id, event=failed, host=host, error=error)
 
 
-def _fault(event: Mapping[str, Any], source_host: str, message: str) -> tuple[str, str | None]:
-    """The fault's message and details: what failed, and what is left on which host."""
+def _guest_may_run_at_dest(event: Mapping[str, Any]) -> bool:
+    """Whether a guest of the server may still run on the destination after the rollback.
+
+    True when cleaning up the destination failed (``cleanup_error``) once the guest there may
+    have been made: across cells once ``spawn`` may have been sent (``spawn`` present), within a
+    cell once ``finish_resize`` may have been sent (``finish`` present) to another host. On the
+    source host itself the restore replaces the guest (a host has one guest per instance). The
+    state machine decides the same way (WasSourceTouched, WasSourceSnapshotted) and then restores
+    the source guest without powering it on.
+    """
+    dest = event.get("destination")
+    if not event.get("cleanup_error") or not dest:
+        return False
+    if is_cross_cell(event):
+        return "spawn" in event
+    return "finish" in event and not dest["same_host"]
+
+
+def _fault(event: Mapping[str, Any], source_host: str, message: str,
+           was_running: bool = True) -> tuple[str, str | None]:
+    """The fault's message and details: what failed, and what is left on which host.
+
+    ``was_running`` (the server ran before the move) words what to do once the destination's
+    guest is destroyed, when one may still run there.
+    """
     uuid, migration_uuid = event["instance_uuid"], event["migration_uuid"]
     dest_host = (event.get("destination") or {}).get("host")
     notes = []
     cleanup_error, restore_error = event.get("cleanup_error"), event.get("restore_error")
+    guest_left_at_dest = not restore_error and _guest_may_run_at_dest(event)
     if event.get("reschedule_error"):
         notes.append(f"Rescheduling to an alternate host failed: {error_message(event['reschedule_error'])}")
     if event.get("target_cleanup_error"):
         notes.append(f"Cleaning up target cell {(event.get('destination') or {}).get('cell')} failed "
                      f"({error_message(event['target_cleanup_error'])}): its copies of the server, the "
                      f"instance mapping or the move's snapshot may remain.")
-    if cleanup_error:
+    if cleanup_error and not guest_left_at_dest:
         notes.append(f"Cleaning up destination host {dest_host} failed ({error_message(cleanup_error)}): the "
                      f"guest, disks or transfer objects of migration {migration_uuid} may remain there.")
     if restore_error:
@@ -791,6 +818,20 @@ def _fault(event: Mapping[str, Any], source_host: str, message: str) -> tuple[st
                    f"in {uuid}_resize on {source_host}, no guest is defined there; {where}.")
         notes.insert(0, f"Restoring the guest on source host {source_host} failed "
                         f"({error_message(restore_error)}). The move failed with: {message}")
+        return summary, " ".join(notes)
+    if guest_left_at_dest:
+        summary = (f"Resize failed and destination host {dest_host} could not be cleaned up: a guest of this "
+                   f"server may still run there.")
+        then = (f"then reset the server's state (openstack server set --state active {uuid}) and start it "
+                f"(openstack server start {uuid})." if was_running else
+                f"then reset the server's state (openstack server set --state active {uuid}); it was stopped "
+                f"before the move.")
+        notes.insert(0, f"Cleaning up destination host {dest_host} failed ({error_message(event['cleanup_error'])}): a "
+                        f"guest of this server may still run there, with its ports and volumes, and its disks "
+                        f"may remain. The guest on source host {source_host} is restored with the old flavor but "
+                        f"not powered on, so that the two never run at once. Destroy the guest on {dest_host} "
+                        f"first (ferry audit reports it as guest_orphan; virsh destroy {uuid}; virsh undefine "
+                        f"{uuid}), {then} The move failed with: {message}")
         return summary, " ".join(notes)
     return message, " ".join(notes) or None
 
@@ -803,10 +844,14 @@ def rollback_move(event: dict[str, Any]) -> dict[str, Any]:
     attachments are dropped and the source's bindings are active; the instance gets its host,
     node, flavor, vm_state and power state back, task_state None; the migration becomes
     ``error``; the failed step's event records the error and ``instance.resize.error`` is sent.
-    An instance fault is recorded, except for a move the scheduler found no host for. Only
-    when the source guest could not be restored (``restore_error``) does the server go to ERROR,
-    with a fault saying what is left on which host. Idempotent: a migration already in
-    ``error`` means the rollback finished.
+    An instance fault is recorded, except for a move the scheduler found no host for. The server
+    goes to ERROR, with a fault saying what is left on which host, only when the source guest
+    could not be restored (``restore_error``), or when a guest of the server may still run on the
+    destination: its clean-up failed (``cleanup_error``) after ``spawn`` or ``finish_resize`` may
+    have been sent to another host. The source guest was then restored shut off, and its power
+    state says so; the fault tells the operator to destroy the destination's guest before
+    resetting the state and starting the server. Idempotent: a migration already in ``error``
+    means the rollback finished.
     """
     uuid, migration_uuid, cell = event["instance_uuid"], event["migration_uuid"], event["cell"]
     dest = event.get("destination")
@@ -834,16 +879,22 @@ def rollback_move(event: dict[str, Any]) -> dict[str, Any]:
     failed, failed_host = _failed_step(event)
     message = error_message(error)
     restore_failed = bool(event.get("restore_error"))
+    # The source guest was restored shut off (WasSourceTouched, WasSourceSnapshotted): starting it is left to an
+    # operator who has destroyed the destination's.
+    guest_left_at_dest = not restore_failed and _guest_may_run_at_dest(event)
     scheduling_failed = failed == EVENT_MIGRATE and error.get("Error") == errors.NoValidHost.__name__
     restored = event.get("restored") or {}
     with cell_session(cell) as session:
         instance = instances.get(session, uuid)
         vm_state = instance.old_vm_state if instance.old_vm_state in (states.ACTIVE, states.STOPPED) \
             else instance.vm_state
+        was_running = instance.old_vm_state != states.STOPPED
         source = (event.get("move") or {}).get("source") or {}  # absent when validation itself failed
         power_state = int(restored.get("power_state", source.get("power_state", instance.power_state)))
         if restore_failed:
             vm_state, power_state = states.ERROR, states.NOSTATE
+        elif guest_left_at_dest:
+            vm_state, power_state = states.ERROR, int(restored.get("power_state", states.SHUTDOWN))
         instances.update_cas(session, uuid, {
             "host": source_host, "node": source_node, "flavor": instance.old_flavor or instance.flavor,
             "vm_state": vm_state, "task_state": None, "power_state": power_state,
@@ -851,7 +902,7 @@ def rollback_move(event: dict[str, Any]) -> dict[str, Any]:
         _update_migration(session, migration_uuid, {"status": ERROR}, _IN_PROGRESS)
         cause = {"Error": error.get("Error", "Error"), "Cause": message}
         _close_events(session, event, failed, failed_host, cause)
-        fault_message, details = _fault(event, source_host, message)
+        fault_message, details = _fault(event, source_host, message, was_running)
         if not scheduling_failed or restore_failed or event.get("cleanup_error"):
             instances.add_fault(session, uuid, fault_message, host=failed_host or source_host, details=details)
         instance = instances.get(session, uuid)
@@ -862,6 +913,6 @@ def rollback_move(event: dict[str, Any]) -> dict[str, Any]:
     _publish(pending)
     logger.warning("move rolled back", extra={"instance_uuid": uuid, "migration_uuid": migration_uuid,
                                               "failed_event": failed, "error": cause["Error"],
-                                              "vm_state": vm_state})
+                                              "vm_state": vm_state, "guest_may_run_at_dest": guest_left_at_dest})
     return {}
 
