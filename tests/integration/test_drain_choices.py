@@ -7,29 +7,16 @@ which way a RecordFailure outcome sends the iteration and what it carries there.
 
 from __future__ import annotations
 
-import json
-import time
-import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-import boto3
 import pytest
-from moto import mock_aws
-from moto_credentials import REGION, use_moto_credentials
-
-from ferry.local.template import resolve
-
-ROOT = Path(__file__).resolve().parents[2]
-ROLE_ARN = "arn:aws:iam::123456789012:role/ferry-test"
+from asl_pieces import deployed_definition, moto_sfn, run_piece
 
 
 def _definition() -> dict[str, Any]:
     """The drain state machine as the template deploys it locally."""
-    machine = next(m for m in resolve(ROOT / "template.yaml").state_machines.values()
-                   if m.definition_uri == ROOT / "statemachine" / "drain.asl.json")
-    return json.loads(machine.definition())
+    return deployed_definition("drain.asl.json")
 
 
 def _iteration_states() -> dict[str, Any]:
@@ -38,32 +25,15 @@ def _iteration_states() -> dict[str, Any]:
 
 @pytest.fixture
 def sfn(monkeypatch) -> Iterator[Any]:
-    use_moto_credentials(monkeypatch)
-    with mock_aws(config={"stepfunctions": {"execute_state_machine": True}}):
-        yield boto3.client("stepfunctions", region_name=REGION)
+    yield from moto_sfn(monkeypatch)
 
 
 def _run(sfn: Any, document: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """Run the iteration from RetryChoice on ``document``; ``(the step it went to, its input there)``."""
     states = _iteration_states()
-    kept = {name: states[name] for name in ("RetryChoice", "MarkConfirm")}
-    ends = {name for state in kept.values() for name in [state.get("Next"), state.get("Default"),
-                                                           *(c["Next"] for c in state.get("Choices", []))]
-            if name and name not in kept}
-    definition = {"StartAt": "RetryChoice",
-                  "States": {**kept, **{name: {"Type": "Succeed"} for name in ends}}}
-    arn = sfn.create_state_machine(name=f"drain-choices-{uuid.uuid4().hex[:8]}", definition=json.dumps(definition),
-                                   roleArn=ROLE_ARN)["stateMachineArn"]
-    execution = sfn.start_execution(stateMachineArn=arn, name=str(uuid.uuid4()), input=json.dumps(document))
-    for _ in range(200):
-        described = sfn.describe_execution(executionArn=execution["executionArn"])
-        if described["status"] != "RUNNING":
-            break
-        time.sleep(0.05)
-    assert described["status"] == "SUCCEEDED", described
-    history = sfn.get_execution_history(executionArn=execution["executionArn"])["events"]
-    entered = [e["stateEnteredEventDetails"]["name"] for e in history if "stateEnteredEventDetails" in e]
-    return entered[-1], json.loads(described["output"])
+    entered, output = run_piece(sfn, {name: states[name] for name in ("RetryChoice", "MarkConfirm")},
+                                "RetryChoice", document)
+    return entered[-1], output
 
 
 def _iteration(outcome: dict[str, Any]) -> dict[str, Any]:

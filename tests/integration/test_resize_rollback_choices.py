@@ -13,68 +13,34 @@ may still run there: the source guest is then restored but not powered on.
 
 from __future__ import annotations
 
-import json
-import time
-import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-import boto3
 import pytest
-from moto import mock_aws
-from moto_credentials import REGION, use_moto_credentials
+from asl_pieces import deployed_definition, moto_sfn, run_piece
 
 from ferry import protocol
-from ferry.local.template import resolve
-
-ROOT = Path(__file__).resolve().parents[2]
-ROLE_ARN = "arn:aws:iam::123456789012:role/ferry-test"
 
 SAME_CELL = ("WasSourceTouched", "FinishRevertOnSourceHost", "RevertResizeOnDestHost")
 CROSS_CELL = ("WasSourceSnapshotted", "FinishCrossCellRevertOnSourceHost", "DestroyOnDestHost")
 CLEANUP_ERROR = {"Error": "States.Timeout", "Cause": ""}
 
 
-def _states() -> dict[str, Any]:
-    """The resize state machine's states as the template deploys them locally."""
-    machine = next(m for m in resolve(ROOT / "template.yaml").state_machines.values()
-                   if m.definition_uri == ROOT / "statemachine" / "resize.asl.json")
-    return json.loads(machine.definition())["States"]
-
-
 @pytest.fixture
 def sfn(monkeypatch) -> Iterator[Any]:
-    use_moto_credentials(monkeypatch)
-    with mock_aws(config={"stepfunctions": {"execute_state_machine": True}}):
-        yield boto3.client("stepfunctions", region_name=REGION)
+    yield from moto_sfn(monkeypatch)
 
 
 def _run(sfn: Any, start: str, restore: str, document: dict[str, Any]) -> tuple[list[str], dict[str, Any] | None]:
     """Run from the choice ``start`` on ``document``: ``(states entered, args sent to restore or None)``."""
-    states = _states()
+    states = deployed_definition("resize.asl.json")["States"]
     kept = {start: states[start]}
     for rule in states[start]["Choices"]:
         if states[rule["Next"]]["Type"] == "Pass":
             kept[rule["Next"]] = states[rule["Next"]]
     sent = states[restore]["Parameters"]["MessageBody"]["args.$"]
     kept[restore] = {"Type": "Pass", "Parameters": {"args.$": sent}, "End": True}
-    ends = {name for state in kept.values() for name in [state.get("Next"), state.get("Default"),
-                                                           *(c["Next"] for c in state.get("Choices", []))]
-            if name and name not in kept}
-    definition = {"StartAt": start, "States": {**kept, **{name: {"Type": "Succeed"} for name in ends}}}
-    arn = sfn.create_state_machine(name=f"resize-restore-{uuid.uuid4().hex[:8]}", definition=json.dumps(definition),
-                                   roleArn=ROLE_ARN)["stateMachineArn"]
-    execution = sfn.start_execution(stateMachineArn=arn, name=str(uuid.uuid4()), input=json.dumps(document))
-    for _ in range(200):
-        described = sfn.describe_execution(executionArn=execution["executionArn"])
-        if described["status"] != "RUNNING":
-            break
-        time.sleep(0.05)
-    assert described["status"] == "SUCCEEDED", described
-    history = sfn.get_execution_history(executionArn=execution["executionArn"])["events"]
-    entered = [e["stateEnteredEventDetails"]["name"] for e in history if "stateEnteredEventDetails" in e]
-    output = json.loads(described["output"])
+    entered, output = run_piece(sfn, kept, start, document)
     return entered, output["args"] if entered[-1] == restore else None
 
 
@@ -177,7 +143,7 @@ def test_a_source_never_touched_is_not_restored(sfn, start, restore, doc, after)
 
 @pytest.mark.parametrize(("choice", "restore", "cleanup"), [SAME_CELL, CROSS_CELL], ids=["same-cell", "cross-cell"])
 def test_a_failed_destination_clean_up_is_recorded_and_leads_to_the_restore_choice(choice, restore, cleanup):
-    states = _states()
+    states = deployed_definition("resize.asl.json")["States"]
     [catcher] = states[cleanup]["Catch"]
 
     assert (catcher["ErrorEquals"], catcher["ResultPath"], catcher["Next"]) == (["States.ALL"], "$.cleanup_error",

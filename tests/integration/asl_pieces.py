@@ -1,0 +1,59 @@
+"""Run a piece of a real state machine with moto's ASL interpreter.
+
+The states are taken from a definition as the template deploys it locally; every state the piece
+leads to outside itself is replaced by a Succeed state of the same name, so an execution shows
+which way the piece sends a document and what it carries there.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+from moto import mock_aws
+from moto_credentials import REGION, use_moto_credentials
+
+from ferry.local.template import resolve
+
+ROOT = Path(__file__).resolve().parents[2]
+ROLE_ARN = "arn:aws:iam::123456789012:role/ferry-test"
+
+
+def deployed_definition(asl_file: str) -> dict[str, Any]:
+    """The definition of ``statemachine/<asl_file>`` as the template deploys it locally."""
+    machine = next(m for m in resolve(ROOT / "template.yaml").state_machines.values()
+                   if m.definition_uri == ROOT / "statemachine" / asl_file)
+    return json.loads(machine.definition())
+
+
+def moto_sfn(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """A Step Functions client of a moto that executes definitions (for a test module's fixture)."""
+    use_moto_credentials(monkeypatch)
+    with mock_aws(config={"stepfunctions": {"execute_state_machine": True}}):
+        yield boto3.client("stepfunctions", region_name=REGION)
+
+
+def run_piece(sfn: Any, kept: dict[str, Any], start: str, document: dict[str, Any]) -> tuple[list[str], Any]:
+    """Run the states ``kept`` from ``start`` on ``document``; ``(the states entered, the output)``."""
+    ends = {name for state in kept.values() for name in [state.get("Next"), state.get("Default"),
+                                                           *(c["Next"] for c in state.get("Choices", []))]
+            if name and name not in kept}
+    definition = {"StartAt": start, "States": {**kept, **{name: {"Type": "Succeed"} for name in ends}}}
+    arn = sfn.create_state_machine(name=f"piece-{uuid.uuid4().hex[:8]}", definition=json.dumps(definition),
+                                   roleArn=ROLE_ARN)["stateMachineArn"]
+    execution = sfn.start_execution(stateMachineArn=arn, name=str(uuid.uuid4()), input=json.dumps(document))
+    for _ in range(200):
+        described = sfn.describe_execution(executionArn=execution["executionArn"])
+        if described["status"] != "RUNNING":
+            break
+        time.sleep(0.05)
+    assert described["status"] == "SUCCEEDED", described
+    history = sfn.get_execution_history(executionArn=execution["executionArn"])["events"]
+    entered = [e["stateEnteredEventDetails"]["name"] for e in history if "stateEnteredEventDetails" in e]
+    return entered, json.loads(described["output"])
