@@ -1547,6 +1547,25 @@ def test_finishing_a_drain_leaves_a_move_whose_workflow_started_to_that_workflow
     assert bool(left_to_it) is not ended
 
 
+def test_finishing_a_drain_leaves_a_move_whose_workflow_stopped_while_it_was_being_scheduled(store, move_machines,
+                                                                                            caplog):
+    # GIVEN a drained server whose move's workflow started, claimed (SelectMoveDestinations: the
+    # migration holds the source's allocation) and was stopped before it left resize_prep
+    sfn, arns = move_machines
+    drain, server, slot, move = _prepared_move()
+    execution = sfn.start_execution(stateMachineArn=arns["resize"], name=move["name"], input=json.dumps(move["input"]))
+    placement.claim(slot["migration_uuid"], PROJECT, USER, {placement.provider_by_host("source"): resources(1, 512, 1)})
+    sfn.stop_execution(executionArn=execution["executionArn"])
+
+    # WHEN the drain finishes
+    assert drains.finish(drain)["status"] == "failed"
+
+    # THEN the move is not undone as if it never started: ferry audit reports it (instance_task_stuck)
+    assert _move_records(server, slot["migration_uuid"]) == ("resize_prep", "pre-migrating")
+    assert any("its workflow ran and ended" in r.getMessage() and getattr(r, "instance_uuid", None) == server
+               for r in caplog.records)
+
+
 def test_a_move_the_drain_cannot_undo_is_logged_and_its_end_announced_anyway(store, bus, monkeypatch, caplog):
     drain, server, slot, _move = _prepared_move()
 

@@ -1177,10 +1177,13 @@ def test_a_destination_that_may_still_run_the_guest_leaves_the_server_in_error_s
     for part in (f"Cleaning up destination host {dest} failed (no heartbeat from the agent)",
                  "a guest of this server may still run there", f"source host {SOURCE}", "not powered on",
                  f"Destroy the guest on {dest} first", "guest_orphan",
-                 f"openstack server set --state active {uuid}", f"openstack server start {uuid}",
-                 "finish_resize timed out"):
+                 f"openstack server set --state active {uuid}", f"openstack server stop {uuid}",
+                 f"openstack server start {uuid}", "finish_resize timed out"):
         assert part in details, part
-    assert details.index(f"Destroy the guest on {dest}") < details.index("openstack server set --state active")
+    # in the order they must run: a reset to active leaves the guest off, and only a stopped server starts
+    steps = ["Destroy the guest on", "openstack server set --state active", "openstack server stop",
+             "openstack server start"]
+    assert [details.index(step) for step in steps] == sorted(details.index(step) for step in steps)
     assert events_of(uuid)[resize.EVENT_FINISH][0] == "Error"
     [published] = [n for n in cloud.drain() if n["event_type"] == "instance.resize.error"]
     assert published["payload"]["fault"]["message"] == fault.message
@@ -1202,7 +1205,7 @@ def test_a_stopped_server_whose_destination_may_still_hold_the_guest_is_in_error
         states.ERROR, None, states.SHUTDOWN, SOURCE)
     [fault] = faults_of(uuid)
     assert "openstack server set --state active" in fault.details and "was stopped before the move" in fault.details
-    assert "openstack server start" not in fault.details
+    assert "openstack server stop" in fault.details and "openstack server start" not in fault.details
 
 
 def test_a_same_host_resize_whose_clean_up_failed_is_restored_as_before(cloud, monkeypatch):

@@ -357,10 +357,12 @@ def test_state_machines_are_named_by_reference_except_where_a_reference_would_be
 
 
 # The functions that may undo a move or confirm a drain accepted and never started: RecordFailure and
-# FinishDrain, and the API and the drain webhook, which finish a drain whose workflow ended. Each asks
+# FinishDrain, and the API, the drain webhook and BeginDrain, which finish a drain whose workflow ended
+# (one of the same hosts, for the last two). Each asks
 # Step Functions whether the move's workflow runs first, so it needs the three machines' ARNs and
 # the right to describe their executions; without an ARN Ferry takes the workflow as not running.
-UNDOES_DRAIN_MOVES = ("RecordFailureFunction", "FinishDrainFunction", "ApiFunction", "DrainWebhookFunction")
+UNDOES_DRAIN_MOVES = ("RecordFailureFunction", "FinishDrainFunction", "ApiFunction", "DrainWebhookFunction",
+                      "BeginDrainFunction")
 MOVE_MACHINES = {"FERRY_RESIZE_STATE_MACHINE_ARN": "ResizeStateMachine",
                  "FERRY_CONFIRM_RESIZE_STATE_MACHINE_ARN": "ConfirmResizeStateMachine",
                  "FERRY_REVERT_RESIZE_STATE_MACHINE_ARN": "RevertResizeStateMachine"}

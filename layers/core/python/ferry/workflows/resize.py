@@ -822,10 +822,11 @@ def _fault(event: Mapping[str, Any], source_host: str, message: str,
     if guest_left_at_dest:
         summary = (f"Resize failed and destination host {dest_host} could not be cleaned up: a guest of this "
                    f"server may still run there.")
-        then = (f"then reset the server's state (openstack server set --state active {uuid}) and start it "
-                f"(openstack server start {uuid})." if was_running else
-                f"then reset the server's state (openstack server set --state active {uuid}); it was stopped "
-                f"before the move.")
+        # A reset to active leaves the guest shut off; the stop records it so, and only a stopped server starts.
+        reset = (f"then reset the server's state (openstack server set --state active {uuid}) and record its "
+                 f"guest shut off (openstack server stop {uuid})")
+        then = (f"{reset}, and start it (openstack server start {uuid})." if was_running else
+                f"{reset}; it was stopped before the move.")
         notes.insert(0, f"Cleaning up destination host {dest_host} failed ({error_message(event['cleanup_error'])}): a "
                         f"guest of this server may still run there, with its ports and volumes, and its disks "
                         f"may remain. The guest on source host {source_host} is restored with the old flavor but "
