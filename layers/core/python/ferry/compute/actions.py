@@ -65,6 +65,13 @@ def newest_request_id(session: Session, instance_uuid: str, action: str) -> str 
         .order_by(InstanceAction.id.desc()).limit(1)).first()
 
 
+def has_events(session: Session, instance_uuid: str, request_id: str) -> bool:
+    """Whether a step of the action recorded under ``request_id`` began (recorded an event)."""
+    action = _action(session, instance_uuid, request_id)
+    return action is not None and session.scalars(select(InstanceActionEvent.id).where(
+        InstanceActionEvent.action_id == action.id).limit(1)).first() is not None
+
+
 def _action(session: Session, instance_uuid: str, request_id: str) -> InstanceAction | None:
     return session.scalars(select(InstanceAction).where(
         InstanceAction.instance_uuid == instance_uuid, InstanceAction.request_id == request_id)).one_or_none()

@@ -628,9 +628,10 @@ def abandon_prepared_move(cell: str, instance_uuid: str, migration_uuid: str, re
     ``pre-migrating``) is undone: the instance gets its task back to None, the migration is
     marked ``error`` and the action forgotten. A move whose workflow ran is its workflow's to
     finish or roll back; one whose workflow ended without doing so (stopped, timed out) is
-    undone only if it claimed nothing yet (:func:`_claimed`), else left as it is, for ``ferry
-    audit`` to report (``instance_task_stuck``); one whose workflow still runs is never undone
-    here.
+    undone only if it never began scheduling (its action records no step) and holds no claim
+    (:func:`_claimed`), else left as it is, for ``ferry audit`` to report
+    (``instance_task_stuck``, ``migration_stuck``); one whose workflow still runs is never
+    undone here.
 
     Returns:
         Whether anything was undone.
@@ -651,6 +652,8 @@ def abandon_prepared_move(cell: str, instance_uuid: str, migration_uuid: str, re
         except errors.InstanceNotFound:  # after a cross-cell move's switch the copy here is hidden
             task_state = None
         undoable = status == PRE_MIGRATING and task_state == states.RESIZE_PREP
+        # SelectMoveDestinations records the move's first event before it claims anything.
+        begun = actions.has_events(session, instance_uuid, request_id)
     # Step Functions is asked only about a move still under way (not after a failed confirm, say).
     ran = move_workflow_status(instance_uuid, migration_uuid)
     if ran == "RUNNING":
@@ -658,7 +661,7 @@ def abandon_prepared_move(cell: str, instance_uuid: str, migration_uuid: str, re
             f"The workflow of move {migration_uuid} of server {instance_uuid} still runs.")
     if not undoable:
         return False
-    if ran is not None and _claimed(instance_uuid, migration_uuid, source_host):
+    if ran is not None and (begun or _claimed(instance_uuid, migration_uuid, source_host)):
         logger.warning("move not undone: its workflow ran and ended without finishing or rolling it back",
                        extra={"instance_uuid": instance_uuid, "migration_uuid": migration_uuid, "ended": ran})
         return False
