@@ -6,8 +6,6 @@ state, task or lock it had; nothing else about it changes.
 
 from __future__ import annotations
 
-import uuid
-
 import pytest
 from sqlalchemy import select, update
 from test_api_servers import instance, schedule

@@ -851,8 +851,8 @@ def rollback_move(event: dict[str, Any]) -> dict[str, Any]:
     destination: its clean-up failed (``cleanup_error``) after ``spawn`` or ``finish_resize`` may
     have been sent to another host. The source guest was then restored shut off, and its power
     state says so; the fault tells the operator to destroy the destination's guest before
-    resetting the state, stopping (which records the guest shut off) and starting the server. Idempotent: a migration already in ``error``
-    means the rollback finished.
+    resetting the state, stopping (which records the guest shut off) and starting the server.
+    Idempotent: a migration already in ``error`` means the rollback finished.
     """
     uuid, migration_uuid, cell = event["instance_uuid"], event["migration_uuid"], event["cell"]
     dest = event.get("destination")
