@@ -1331,23 +1331,31 @@ def _callbacks(monkeypatch) -> list[tuple[str, str | None]]:
     return posted
 
 
-def test_a_look_after_a_finish_that_died_before_announcing_announces_the_end_once(
-        store, bus, drain_machine, monkeypatch):
-    # GIVEN a drain whose workflow was stopped, finished by someone's action whose function was
-    # killed between committing the drain's end and announcing it
+def _ended_unannounced(drain_machine, bus, monkeypatch, finish_by, **request) -> str:
+    """A drain of host ``source`` whose workflow was stopped, then finished by ``finish_by(drain)``
+    in a function killed between committing the drain's end and announcing it."""
     sfn, arn = drain_machine
     source = add_compute("source")
     add_compute("dest")
     _server_on("source", source)
-    posted = _callbacks(monkeypatch)
-    drain, execution = _running_drain(sfn, arn, "source", callback_url="https://ops.example.com/ferry")
+    drain, execution = _running_drain(sfn, arn, "source", **request)
     sfn.stop_execution(executionArn=execution)
     with monkeypatch.context() as patched:
         patched.setattr(drains.notifications, "notify_drain", _killed)
         with pytest.raises(_FunctionKilled):
-            drains.act(drain, "pause")
+            finish_by(drain)
     assert drains.get_view(drain)["status"] == "failed"
     assert [e["detail-type"] for e in bus()] == ["drain.start"]
+    return drain
+
+
+def test_a_look_after_a_finish_that_died_before_announcing_announces_the_end_once(
+        store, bus, drain_machine, monkeypatch):
+    # GIVEN a drain whose workflow was stopped, finished by someone's action whose function was
+    # killed between committing the drain's end and announcing it
+    posted = _callbacks(monkeypatch)
+    drain = _ended_unannounced(drain_machine, bus, monkeypatch, lambda d: drains.act(d, "pause"),
+                               callback_url="https://ops.example.com/ferry")
     assert _drain_times(drain)[1] is None
 
     # WHEN someone acts on it again, and once more
@@ -1399,18 +1407,8 @@ def test_a_new_drain_of_the_same_host_announces_the_end_an_earlier_request_finis
         store, bus, drain_machine, monkeypatch):
     # GIVEN a drain whose workflow was stopped, finished by a request for a new drain of its host
     # that was killed before it announced the end
-    sfn, arn = drain_machine
-    source = add_compute("source")
-    add_compute("dest")
-    _server_on("source", source)
-    first, execution = _running_drain(sfn, arn, "source")
-    sfn.stop_execution(executionArn=execution)
-    with monkeypatch.context() as patched:
-        patched.setattr(drains.notifications, "notify_drain", _killed)
-        with pytest.raises(_FunctionKilled):
-            drains.record_drain(ADMIN, {"host": "source"}, origin="api")
-    assert drains.get_view(first)["status"] == "failed"
-    assert [e["detail-type"] for e in bus()] == ["drain.start"]
+    first = _ended_unannounced(drain_machine, bus, monkeypatch,
+                               lambda _d: drains.record_drain(ADMIN, {"host": "source"}, origin="api"))
 
     # WHEN the request is made again
     second = _record({"host": "source"})
