@@ -385,7 +385,7 @@ def finish_if_workflow_ended(drain_uuid: str) -> bool:
     state, described = _describe_execution(name)
     if state == _UNKNOWN:
         return final
-    if described is not None and described.get("status") in ("RUNNING", "PENDING_REDRIVE"):  # redriven: it goes on
+    if described is not None and workflows.is_running(described):  # a redriven one goes on too
         return final
     if final:
         logger.warning("drain final but its end not announced, and its workflow no longer runs; announcing it",
@@ -1381,9 +1381,9 @@ def _abandon_left_behind(drain_uuid: str, cell: str, instance_uuid: str, slot: M
     RunMove, say), and the server would stay in ``resize_prep`` for good.
 
     A move (or confirm) whose workflow runs is left to it, and so is one whose workflow got past
-    accepting it (it finishes or rolls back itself); undoing again what was undone changes
-    nothing. Never raises: a failure is logged and counted, and the drain's end is announced
-    whatever happens here.
+    accepting it: that workflow finishes or rolls it back, or, if it ended without doing so,
+    ``ferry audit`` reports it. Undoing again what was undone changes nothing. Never raises: a
+    failure is logged and counted, and the drain's end is announced whatever happens here.
     """
     try:
         _abandon_unstarted(cell, instance_uuid, slot["migration_uuid"], slot)

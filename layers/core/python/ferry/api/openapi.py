@@ -18,7 +18,7 @@ from aws_lambda_powertools.event_handler.api_gateway import Router
 
 from ferry import drains as drain_store
 from ferry import quotas
-from ferry.api import aggregates, drains, request, schemas, servers, services, volume_attachments
+from ferry.api import aggregates, drains, migrations, request, schemas, servers, services, volume_attachments
 from ferry.api.microversions import HEADER, LEGACY_HEADER, MAX_VERSION, MIN_VERSION
 
 router = Router()
@@ -132,11 +132,10 @@ _SERVER_QUERY: dict[str, Schema] = {
 _FLAVOR_QUERY: dict[str, Schema] = {
     "is_public": _STRING, "minDisk": _INTEGER, "minRam": _INTEGER, "limit": _LIMIT, "marker": _STRING,
     "sort_key": _STRING, "sort_dir": _STRING}
+# Every parameter the migration list takes (some from a later microversion only: 400 before).
 _MIGRATION_QUERY: dict[str, Schema] = {
-    "host": _STRING, "status": {"type": "array", "items": _STRING}, "migration_type": _STRING,
-    "instance_uuid": _STRING, "source_compute": _STRING, "limit": _LIMIT, "marker": _STRING,
-    "changes-since": _STRING, "changes-before": _STRING, "user_id": _STRING, "project_id": _STRING,
-    "hidden": _STRING}
+    name: {"limit": _LIMIT, "status": {"type": "array", "items": _STRING}}.get(name, _STRING)
+    for name in migrations.PARAMETERS}
 _VOLUME_QUERY: dict[str, Schema] = {
     "all_tenants": _STRING, "project_id": _STRING, "name": _STRING, "status": _STRING, "bootable": _STRING,
     "metadata": _STRING, "limit": _LIMIT, "marker": _STRING}

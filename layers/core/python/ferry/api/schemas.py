@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ferry.api.microversions import APIVersion
+from ferry.compute import states
 from ferry.validation import MAX_INT
 
 UUID_PATTERN = "^[0-9a-fA-F]{8}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{12}$"
@@ -150,7 +151,7 @@ NULL_ACTION = {"type": "null"}
 # os-resetState: exactly ``state``, one of the two vm_states an admin may set (Nova's choice).
 RESET_STATE_ACTION = {
     "type": "object",
-    "properties": {"state": {"type": "string", "enum": ["active", "error"]}},
+    "properties": {"state": {"type": "string", "enum": sorted(states.RESET_STATES)}},
     "required": ["state"],
     "additionalProperties": False,
 }

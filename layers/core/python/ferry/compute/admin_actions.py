@@ -17,8 +17,6 @@ from ferry.store.db import cell_session
 
 # The instance action a reset records (Nova's name; it has no events).
 RESET_STATE = "resetState"
-# The vm_states a reset may set, by the name the API takes.
-RESET_STATES = {"active": states.ACTIVE, "error": states.ERROR}
 # How often a reset reads the server again when a workflow changed it between the read and the write.
 _ATTEMPTS = 5
 
@@ -41,7 +39,7 @@ def reset_state(ctx: RequestContext, location: compute_api.Location, state: str)
         InstanceNotFound: the server is gone.
         InstanceInvalidState: it is still a build request (no cell yet), or it kept changing.
     """
-    vm_state = RESET_STATES[state]
+    vm_state = states.RESET_STATES[state]
     uuid = location.instance_uuid
     for _attempt in range(_ATTEMPTS):
         cell = location.cell

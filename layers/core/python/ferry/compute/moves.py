@@ -26,7 +26,7 @@ from typing import Any, cast
 from sqlalchemy import CursorResult, Select, delete, func, or_, select, update
 from sqlalchemy.orm import Session
 
-from ferry import config, errors, hosts, placement, policy, quotas, workflows
+from ferry import config, errors, hosts, policy, quotas, workflows
 from ferry.auth import RequestContext
 from ferry.compute import actions, flavor_access, instances, states
 from ferry.compute import api as compute_api
@@ -274,7 +274,7 @@ def abandon_prepared_confirm(cell: str, instance_uuid: str, migration_uuid: str,
         accepted_at = recorded.start_time
     execution = _settle_execution(state_machine_arn, kind, instance_uuid, migration_uuid, owner or "")
     if execution is not None:
-        if execution["status"] == "RUNNING":
+        if workflows.is_running(execution):
             raise errors.MoveStillRunning(
                 f"The {kind} workflow of move {migration_uuid} of server {instance_uuid} still runs.")
         return False
@@ -606,9 +606,9 @@ def migration_exists(cell: str | CellMapping, migration_uuid: str) -> bool:
         return session.scalars(select(Migration.id).where(Migration.uuid == migration_uuid)).first() is not None
 
 
-def move_workflow_status(instance_uuid: str, migration_uuid: str) -> str | None:
-    """The status of the resize workflow's execution of this move (``RUNNING``, ``ABORTED``…);
-    None when it never started.
+def move_execution(instance_uuid: str, migration_uuid: str) -> dict[str, Any] | None:
+    """The resize workflow's execution of this move as Step Functions describes it; None when it
+    never started.
 
     Without a resize state machine configured (steps run in-process, no Step Functions) there is
     no execution to ask about, and None is returned.
@@ -616,22 +616,20 @@ def move_workflow_status(instance_uuid: str, migration_uuid: str) -> str | None:
     state_machine_arn = config.get().resize_state_machine_arn
     if not state_machine_arn:
         return None
-    execution = workflows.describe_execution(state_machine_arn, move_execution_name("resize", instance_uuid,
-                                                                                     migration_uuid))
-    return None if execution is None else str(execution["status"])
+    return workflows.describe_execution(state_machine_arn, move_execution_name("resize", instance_uuid,
+                                                                                migration_uuid))
 
 
 def abandon_prepared_move(cell: str, instance_uuid: str, migration_uuid: str, request_id: str) -> bool:
-    """Undo a move :func:`prepare_migrate` accepted whose workflow never ran.
+    """Undo a move :func:`prepare_migrate` accepted whose workflow never began scheduling it.
 
     Only a move still waiting to be scheduled (task_state ``resize_prep``, migration
     ``pre-migrating``) is undone: the instance gets its task back to None, the migration is
     marked ``error`` and the action forgotten. A move whose workflow ran is its workflow's to
     finish or roll back; one whose workflow ended without doing so (stopped, timed out) is
-    undone only if it never began scheduling (its action records no step) and holds no claim
-    (:func:`_claimed`), else left as it is, for ``ferry audit`` to report
-    (``instance_task_stuck``, ``migration_stuck``); one whose workflow still runs is never
-    undone here.
+    undone only if it never began scheduling (its action records no step, so it claimed
+    nothing), else left as it is, for ``ferry audit`` to report (``instance_task_stuck``,
+    ``migration_stuck``); one whose workflow still runs is never undone here.
 
     Returns:
         Whether anything was undone.
@@ -642,44 +640,31 @@ def abandon_prepared_move(cell: str, instance_uuid: str, migration_uuid: str, re
             ended.
     """
     with cell_session(cell) as session:
-        migration = session.scalars(select(Migration).where(Migration.uuid == migration_uuid)).first()
-        status = migration.status if migration is not None else None
+        status = session.scalars(select(Migration.status).where(Migration.uuid == migration_uuid)).first()
         if status not in MOVING:
             return False
-        source_host = cast(Migration, migration).source_compute
         try:
             task_state = instances.get(session, instance_uuid).task_state
         except errors.InstanceNotFound:  # after a cross-cell move's switch the copy here is hidden
             task_state = None
         undoable = status == PRE_MIGRATING and task_state == states.RESIZE_PREP
-        # SelectMoveDestinations records the move's first event before it claims anything.
+        # ferry.workflows.resize.select_destinations commits the move's first event before it claims.
         begun = actions.has_events(session, instance_uuid, request_id)
     # Step Functions is asked only about a move still under way (not after a failed confirm, say).
-    ran = move_workflow_status(instance_uuid, migration_uuid)
-    if ran == "RUNNING":
+    ran = move_execution(instance_uuid, migration_uuid)
+    if ran is not None and workflows.is_running(ran):
         raise errors.MoveStillRunning(
             f"The workflow of move {migration_uuid} of server {instance_uuid} still runs.")
     if not undoable:
         return False
-    if ran is not None and (begun or _claimed(instance_uuid, migration_uuid, source_host)):
+    if ran is not None and begun:
         logger.warning("move not undone: its workflow ran and ended without finishing or rolling it back",
-                       extra={"instance_uuid": instance_uuid, "migration_uuid": migration_uuid, "ended": ran})
+                       extra={"instance_uuid": instance_uuid, "migration_uuid": migration_uuid,
+                              "ended": ran.get("status")})
         return False
     # What the flavors were before is not known here; they only matter while a move is under way.
     _undo_move(cell, instance_uuid, migration_uuid, request_id, None, forget_migration=False)
     return True
-
-
-def _claimed(instance_uuid: str, migration_uuid: str, source_host: str | None) -> bool:
-    """Whether a move's workflow got as far as claiming a destination: the migration holds
-    allocations (the source's, handed over), or the instance holds some off its source host."""
-    if placement.get_allocations(migration_uuid):
-        return True
-    try:
-        source = placement.provider_by_host(source_host) if source_host else None
-    except errors.ResourceProviderNotFound:
-        source = None
-    return any(provider != source for provider in placement.get_allocations(instance_uuid))
 
 
 def _undo_move(cell: str | CellMapping, instance_uuid: str, migration_uuid: str, request_id: str,

@@ -25,6 +25,9 @@ RESIZE_FINISH = "resize_finish"
 RESIZE_REVERTING = "resize_reverting"
 RESIZE_CONFIRMING = "resize_confirming"
 
+# What os-resetState may set a server's vm_state to, by the name the request gives.
+RESET_STATES = {"active": ACTIVE, "error": ERROR}
+
 # power_state (libvirt-derived numbers, as Nova)
 NOSTATE = 0
 RUNNING = 1

@@ -8,6 +8,14 @@ from typing import Any
 from ferry import aws, errors
 from ferry.observability import logger
 
+# The statuses of an execution that goes on: running, or failed and waiting to be redriven.
+RUNNING_STATUSES = frozenset({"RUNNING", "PENDING_REDRIVE"})
+
+
+def is_running(execution: dict[str, Any]) -> bool:
+    """Whether a described execution goes on (:data:`RUNNING_STATUSES`)."""
+    return execution.get("status") in RUNNING_STATUSES
+
 
 def execution_arn(state_machine_arn: str, name: str) -> str:
     """The ARN of the execution ``name`` of ``state_machine_arn``."""

@@ -412,7 +412,7 @@ def complete_move(event: dict[str, Any]) -> dict[str, Any]:
     uuid, migration_uuid, cell, target = event["instance_uuid"], event["migration_uuid"], event["cell"], _target(event)
     dest, request_id = event["destination"], event["request_id"]
     spawned = event.get("spawned") or {}
-    if _settled_since(event) or instances.cell_of(uuid).name == target:
+    if _settled_since(event) or _mapped_to_target(event):
         # An earlier run switched the mapping, and a confirm or revert may have taken over since:
         # finish the switch without undoing either.
         _finish_switch(event)

@@ -418,6 +418,7 @@ def select_destinations(event: dict[str, Any]) -> dict[str, Any]:
             raise errors.UnexpectedTaskState(
                 f"Instance {uuid} is in task_state {instance.task_state} with migration {migration.status}: "
                 f"it is not waiting to be scheduled.")
+        # Committed before anything is claimed: compute.moves.abandon_prepared_move relies on it.
         actions.start_event(session, instance_uuid=uuid, request_id=event["request_id"], event=EVENT_MIGRATE)
         spec = _move_spec(instance, migration, cell, event.get("requested_host"), instances.is_bfv(session, uuid))
         source_host = cast(str, instance.host)
@@ -790,18 +791,18 @@ def _guest_may_run_at_dest(event: Mapping[str, Any]) -> bool:
     return "finish" in event and not dest["same_host"]
 
 
-def _fault(event: Mapping[str, Any], source_host: str, message: str,
-           was_running: bool = True) -> tuple[str, str | None]:
+def _fault(event: Mapping[str, Any], source_host: str, message: str, *,
+           guest_left_at_dest: bool, was_running: bool) -> tuple[str, str | None]:
     """The fault's message and details: what failed, and what is left on which host.
 
-    ``was_running`` (the server ran before the move) words what to do once the destination's
-    guest is destroyed, when one may still run there.
+    ``guest_left_at_dest``: a guest of the server may still run on the destination (the source's
+    was restored shut off); ``was_running`` (the server ran before the move) then words what to
+    do once that guest is destroyed.
     """
     uuid, migration_uuid = event["instance_uuid"], event["migration_uuid"]
     dest_host = (event.get("destination") or {}).get("host")
     notes = []
     cleanup_error, restore_error = event.get("cleanup_error"), event.get("restore_error")
-    guest_left_at_dest = not restore_error and _guest_may_run_at_dest(event)
     if event.get("reschedule_error"):
         notes.append(f"Rescheduling to an alternate host failed: {error_message(event['reschedule_error'])}")
     if event.get("target_cleanup_error"):
@@ -851,7 +852,8 @@ def rollback_move(event: dict[str, Any]) -> dict[str, Any]:
     destination: its clean-up failed (``cleanup_error``) after ``spawn`` or ``finish_resize`` may
     have been sent to another host. The source guest was then restored shut off, and its power
     state says so; the fault tells the operator to destroy the destination's guest before
-    resetting the state, stopping (which records the guest shut off) and starting the server.
+    resetting the state, stopping (which records the guest shut off) and, if it ran before the
+    move, starting the server.
     Idempotent: a migration already in ``error`` means the rollback finished.
     """
     uuid, migration_uuid, cell = event["instance_uuid"], event["migration_uuid"], event["cell"]
@@ -903,7 +905,8 @@ def rollback_move(event: dict[str, Any]) -> dict[str, Any]:
         _update_migration(session, migration_uuid, {"status": ERROR}, _IN_PROGRESS)
         cause = {"Error": error.get("Error", "Error"), "Cause": message}
         _close_events(session, event, failed, failed_host, cause)
-        fault_message, details = _fault(event, source_host, message, was_running)
+        fault_message, details = _fault(event, source_host, message, guest_left_at_dest=guest_left_at_dest,
+                                        was_running=was_running)
         if not scheduling_failed or restore_failed or event.get("cleanup_error"):
             instances.add_fault(session, uuid, fault_message, host=failed_host or source_host, details=details)
         instance = instances.get(session, uuid)
