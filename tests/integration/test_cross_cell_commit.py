@@ -18,6 +18,7 @@ from sqlalchemy import select
 from test_cross_cell_steps import (  # noqa: F401 - the two_cells fixture
     TARGET_HOST,
     allow_cross_cell,
+    complete_move_failing_at,
     images_left,
     roll_back,
     rows,
@@ -45,14 +46,7 @@ def image_backed_server_in_cell1() -> tuple[str, dict[str, Any]]:
 
 def switch_then_die(doc: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     """CompleteMoveAcrossCells switching the mapping to the target cell, then dying before it hides the source copy."""
-
-    def died(*args: Any) -> None:
-        raise RuntimeError("the function timed out")
-
-    with monkeypatch.context() as patched:
-        patched.setattr(cross_cell, "_hide_source", died)
-        with pytest.raises(RuntimeError):
-            cross_cell.complete_move(doc)
+    complete_move_failing_at("_hide_source", doc, monkeypatch)
     assert instances.cell_of(doc["instance_uuid"]).name == "cell2"
 
 

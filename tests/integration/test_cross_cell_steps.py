@@ -218,18 +218,25 @@ def test_complete_move_run_again_after_a_confirm_or_revert_took_over_changes_not
             instances.cell_of(uuid).name) == before
 
 
+def complete_move_failing_at(step: str, doc: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """CompleteMoveAcrossCells failing when it reaches its ``step`` (``_map_to``, ``_hide_source``):
+    the database lost, or the function dead, what came before that step done."""
+
+    def lost(*args: Any) -> None:
+        raise RuntimeError("the connection to the database was lost")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(cross_cell, step, lost)
+        with pytest.raises(RuntimeError):
+            cross_cell.complete_move(doc)
+
+
 def test_a_complete_move_that_failed_after_switching_the_mapping_stands_and_the_source_copy_is_hidden(
         two_cells, monkeypatch):
     # GIVEN CompleteMoveAcrossCells switched the instance mapping to the target cell, then failed
     uuid, inp = server_in_cell1()
     doc = run(inp, until="CompleteMoveAcrossCells")
-    def connection_lost(*args: Any) -> None:
-        raise RuntimeError("the connection to the cell database was lost")
-
-    with monkeypatch.context() as patched:
-        patched.setattr(cross_cell, "_hide_source", connection_lost)
-        with pytest.raises(RuntimeError):
-            cross_cell.complete_move(doc)
+    complete_move_failing_at("_hide_source", doc, monkeypatch)
     assert instances.cell_of(uuid).name == "cell2"
     assert rows("cell1", uuid, inp["migration_uuid"])["instance"][0] is False  # both copies visible
 
@@ -367,14 +374,7 @@ def test_a_switch_that_failed_between_its_writes_counts_the_server_once_until_it
     # GIVEN CompleteMoveAcrossCells showed the target copy, then failed before switching the mapping
     uuid, inp = server_in_cell1()
     doc = run(inp, until="CompleteMoveAcrossCells")
-
-    def lost(*args: Any) -> None:
-        raise RuntimeError("the connection to the API database was lost")
-
-    with monkeypatch.context() as patched:
-        patched.setattr(cross_cell, "_map_to", lost)
-        with pytest.raises(RuntimeError):
-            cross_cell.complete_move(doc)
+    complete_move_failing_at("_map_to", doc, monkeypatch)
     assert [rows(cell, uuid, inp["migration_uuid"])["instance"][0] for cell in ("cell1", "cell2")] == [False, False]
     assert quotas.usage(PROJECT) == COUNTED_ONCE
 

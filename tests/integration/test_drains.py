@@ -900,7 +900,9 @@ def test_a_second_execution_of_a_drain_is_refused(store):
         drains.begin({"drain_uuid": drain}, "drain-again")
 
 
-def test_a_drain_whose_workflow_did_not_start_gives_up_its_key(store, drain_machine, monkeypatch):
+def _created_without_its_workflow(monkeypatch, **create) -> dict:
+    """A drain of host ``source`` whose creation (``create`` its arguments) had its workflow's start
+    refused; its view, failed."""
     add_compute("source")
 
     def refused(*_args, **_kwargs):
@@ -909,9 +911,14 @@ def test_a_drain_whose_workflow_did_not_start_gives_up_its_key(store, drain_mach
     with monkeypatch.context() as patched:
         patched.setattr(drains.workflows, "start_execution", refused)
         with pytest.raises(RuntimeError):
-            drains.create_drain(ADMIN, {"host": "source"}, origin="webhook", idempotency_key="delivery-1")
+            drains.create_drain(ADMIN, {"host": "source"}, **create)
     [failed] = drains.list_views()
     assert failed["status"] == "failed"
+    return failed
+
+
+def test_a_drain_whose_workflow_did_not_start_gives_up_its_key(store, drain_machine, monkeypatch):
+    failed = _created_without_its_workflow(monkeypatch, origin="webhook", idempotency_key="delivery-1")
 
     status, body = drains.create_drain(ADMIN, {"host": "source"}, origin="webhook", idempotency_key="delivery-1")
 
@@ -1441,17 +1448,7 @@ def test_a_drain_whose_workflow_did_not_start_is_not_announced_by_a_later_look(
         store, bus, drain_machine, monkeypatch):
     # GIVEN a drain marked failed by the request whose start of its workflow was refused (that
     # request answered the error)
-    add_compute("source")
-
-    def refused(*_args, **_kwargs):
-        raise RuntimeError("throttled")
-
-    with monkeypatch.context() as patched:
-        patched.setattr(drains.workflows, "start_execution", refused)
-        with pytest.raises(RuntimeError):
-            drains.create_drain(ADMIN, {"host": "source"}, origin="api")
-    [failed] = drains.list_views()
-    assert failed["status"] == "failed"
+    failed = _created_without_its_workflow(monkeypatch, origin="api")
 
     # WHEN someone acts on it, and a new drain of its host is made
     with pytest.raises(errors.DrainInvalidState):

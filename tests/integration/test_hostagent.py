@@ -943,26 +943,44 @@ def heartbeat_tokens(host: Host) -> set[str]:
     return {call["taskToken"] for call in host.sfn.called("send_task_heartbeat")}
 
 
+@dataclass
+class HeldOperation:
+    """An operation running on the agent, held mid-way, and what it was started with."""
+
+    operation: str
+    operation_id: str
+    args: dict[str, Any]
+    execution: str
+    token: str
+    tokens_before: set[str]
+
+
+def held_snapshot_prep(host: Host, instance_uuid: str) -> HeldOperation:
+    """Spawn ``instance_uuid`` and start its snapshot prep (it takes back what it sent if its workflow
+    gives up), held while it powers the guest off (``host.driver.off_gate``)."""
+    output(host.execute("spawn", instance_uuid, spawn_args(host.image(b"x" * 4096))))
+    host.driver.off_gate = threading.Event()
+    operation, operation_id = protocol.PREP_SNAPSHOT_BASED_RESIZE_AT_SOURCE, f"{uuid.uuid4()}:prep"
+    args = {"migration_uuid": str(uuid.uuid4()), "snapshot": None}
+    before = heartbeat_tokens(host)
+    execution = host.start(operation, instance_uuid, args, operation_id=operation_id)
+    assert host.driver.off_entered.wait(WAIT)
+    (token,) = heartbeat_tokens(host) - before
+    return HeldOperation(operation, operation_id, args, execution, token, before)
+
+
 @pytest.mark.parametrize("host", [{"max_workers": 2, "max_waiting": 1}], indirect=True)
 def test_copies_of_a_running_operation_leave_the_waiting_slots_to_other_instances(host):
     # GIVEN a cross-cell move's snapshot prep (it takes back what it sent if its workflow gives up) held
     # mid-way on one of two workers
     busy, other = str(uuid.uuid4()), str(uuid.uuid4())
-    for instance_uuid in (busy, other):
-        output(host.execute("spawn", instance_uuid, spawn_args(host.image(b"x" * 4096))))
-    host.driver.off_gate = threading.Event()
-    operation, operation_id = protocol.PREP_SNAPSHOT_BASED_RESIZE_AT_SOURCE, f"{uuid.uuid4()}:prep"
-    args = {"migration_uuid": str(uuid.uuid4()), "snapshot": None}
-    before = heartbeat_tokens(host)
-    running = host.start(operation, busy, args, operation_id=operation_id)
-    assert host.driver.off_entered.wait(WAIT)
-    (token,) = heartbeat_tokens(host) - before
+    output(host.execute("spawn", other, spawn_args(host.image(b"x" * 4096))))
+    held = held_snapshot_prep(host, busy)
+    running = held.execution
 
     # WHEN SQS delivers its message again, more often than the agent has slots left
-    body = {"operation": operation, "operation_id": operation_id, "instance_uuid": busy, "args": args,
-            "task_token": token}
     for _ in range(host.agent.max_workers + host.agent.max_waiting):
-        host.sqs.send_message(QueueUrl=host.queue_url, MessageBody=json.dumps(body))
+        copy_of(host, held.operation, held.operation_id, busy, held.args, held.token)
 
     # THEN another instance's operation is still taken, and runs on the free worker meanwhile
     destroyed = host.start("destroy", other, {})
@@ -973,28 +991,23 @@ def test_copies_of_a_running_operation_leave_the_waiting_slots_to_other_instance
     # and once the operation ends it has run once, its copies gone with its message
     host.driver.off_gate.set()
     assert output(host.finished(running))["was_running"] is True
-    assert journal_entry(host, operation_id).attempts == 1
+    assert journal_entry(host, held.operation_id).attempts == 1
     assert wait_for(host.queue_is_empty, "the copies to be deleted")
 
 
 @pytest.mark.parametrize("host", [{"max_workers": 2, "max_waiting": 1}], indirect=True)
 def test_a_retry_of_a_running_operation_has_its_task_heartbeat_and_is_answered_once_it_ends(host):
     busy = str(uuid.uuid4())
-    output(host.execute("spawn", busy, spawn_args(host.image(b"x" * 4096))))
-    host.driver.off_gate = threading.Event()
-    operation, operation_id = protocol.PREP_SNAPSHOT_BASED_RESIZE_AT_SOURCE, f"{uuid.uuid4()}:prep"
-    args = {"migration_uuid": str(uuid.uuid4()), "snapshot": None}
-    before = heartbeat_tokens(host)
-    first = host.start(operation, busy, args, operation_id=operation_id)
-    assert host.driver.off_entered.wait(WAIT)
-    (token,) = heartbeat_tokens(host) - before
+    held = held_snapshot_prep(host, busy)
+    first = held.execution
 
-    retry = host.start(operation, busy, args, operation_id=operation_id)  # the same operation, a new task
+    # the same operation, a new task
+    retry = host.start(held.operation, busy, held.args, operation_id=held.operation_id)
 
-    wait_for(lambda: heartbeat_tokens(host) - before - {token}, "the retry's task to be heartbeat")
+    wait_for(lambda: heartbeat_tokens(host) - held.tokens_before - {held.token}, "the retry's task to be heartbeat")
     host.driver.off_gate.set()
     assert output(host.finished(first)) == output(host.finished(retry))
-    assert journal_entry(host, operation_id).attempts == 1
+    assert journal_entry(host, held.operation_id).attempts == 1
     assert wait_for(host.queue_is_empty, "both messages to be deleted")
 
 

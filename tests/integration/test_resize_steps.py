@@ -108,6 +108,10 @@ def cloud(aws_test_credentials, store, monkeypatch):
 # --- what exists before a move, and what the API writes -------------------------------------------
 
 
+# What the destination answers when it refuses the move's claim (CanReschedule then reschedules).
+CLAIM_REFUSED = {"Error": errors.ResizeClaimFailed.__name__, "Cause": "no NUMA room"}
+
+
 def make_server(host: str = SOURCE, flavor: dict | None = None, *, vm_state: str = states.ACTIVE,
                 power_state: int = states.RUNNING, volume: bool = False) -> str:
     """A server on ``host`` as a finished boot leaves it: claim, record, mapping, spec, an ACTIVE port."""
@@ -525,7 +529,7 @@ def test_a_refused_claim_moves_to_the_alternate_and_releases_the_refusing_host(c
     inp = prepare_move(uuid, BIG)
     doc = run(inp, until="PrepResizeOnDestHost")
     refused = doc["destination"]
-    doc["error"] = {"Error": "Ferry.ResizeClaimFailed", "Cause": "no NUMA room"}
+    doc["error"] = dict(CLAIM_REFUSED)
 
     new = resize.reschedule_move(doc)
     again = resize.reschedule_move(doc)
@@ -553,7 +557,7 @@ def test_a_refused_claim_of_a_server_without_allocations_moves_to_the_alternate_
     inp = prepare_move(uuid, BIG)
     doc = run(inp, until="PrepResizeOnDestHost")
     refused = doc["destination"]
-    doc["error"] = {"Error": "Ferry.ResizeClaimFailed", "Cause": "no NUMA room"}
+    doc["error"] = dict(CLAIM_REFUSED)
 
     # WHEN the move is rescheduled (twice: delivered again)
     new = resize.reschedule_move(doc)
@@ -587,7 +591,7 @@ def test_reschedule_fails_when_no_alternate_fits_any_more(cloud):
 
     with pytest.raises(errors.NoValidHost):
         resize.reschedule_move(doc)
-    fail_and_roll_back(doc, "Ferry.ResizeClaimFailed", "no NUMA room",
+    fail_and_roll_back(doc, CLAIM_REFUSED["Error"], CLAIM_REFUSED["Cause"],
                        reschedule_error={"Error": "Ferry.NoValidHost", "Cause": "No valid host"})
 
     assert used_on("cell1-host2") == used_on("cell1-host3") == {}
@@ -985,7 +989,7 @@ def test_a_reschedule_that_failed_after_claiming_for_a_server_without_allocation
     placement.delete_allocations(uuid)
     before = snapshot(uuid)
     doc = run(prepare_move(uuid, BIG), until="PrepResizeOnDestHost")
-    doc["error"] = {"Error": "Ferry.ResizeClaimFailed", "Cause": "no NUMA room"}
+    doc["error"] = dict(CLAIM_REFUSED)
 
     # WHEN RescheduleMove fails after claiming the alternate, so the document keeps the refused destination
     def lost(*args: Any, **kwargs: Any) -> None:
@@ -1009,7 +1013,7 @@ def test_a_reschedule_hands_the_migration_an_allocation_given_back_in_place_of_t
     placement.delete_allocations(uuid)
     inp = prepare_move(uuid, BIG)
     doc = run(inp, until="PrepResizeOnDestHost")
-    doc["error"] = {"Error": "Ferry.ResizeClaimFailed", "Cause": "no NUMA room"}
+    doc["error"] = dict(CLAIM_REFUSED)
     given_back = give_allocation_back(uuid)
 
     # WHEN the move is rescheduled (twice: delivered again), then fails on the alternate and rolls back
@@ -1059,7 +1063,7 @@ def test_a_reschedule_after_the_allocation_was_removed_since_validation_moves_th
     doc, before = validated_then_allocation_removed(uuid)
     doc["destination"] = resize.select_destinations(doc)
     doc["prep"] = resize.prep_resize_at_dest(doc)
-    doc["error"] = {"Error": "Ferry.ResizeClaimFailed", "Cause": "no NUMA room"}
+    doc["error"] = dict(CLAIM_REFUSED)
 
     # WHEN the move is rescheduled, then fails on the alternate and rolls back (twice)
     new = resize.reschedule_move(doc)

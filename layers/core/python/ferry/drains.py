@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from aws_lambda_powertools.metrics import MetricUnit
-from sqlalchemy import select, update
+from sqlalchemy import ColumnElement, and_, or_, select, update
 from sqlalchemy.orm import Session
 
 from ferry import config, errors, hosts, notifications, policy, scheduler, signing, validation, workflows
@@ -185,17 +185,15 @@ def _options(request: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def _overlapping(session: Session, targets: _Targets, *, unannounced: bool = False) -> list[Drain]:
+def _overlapping(session: Session, targets: _Targets, *, include_unannounced: bool = False) -> list[Drain]:
     """The drains not yet finished that drain one of the same hosts or the same cell; with
-    ``unannounced``, the finished ones among those whose end is not announced yet instead."""
-    query = select(Drain).where(Drain.dry_run.is_(False))
-    if unannounced:
-        query = query.where(Drain.status.in_(FINAL_STATUSES), Drain.announced_at.is_(None))
-    else:
-        query = query.where(Drain.status.in_(UNFINISHED_STATUSES))
-    active = session.scalars(query).all()
+    ``include_unannounced``, also the finished ones among those whose end is not announced yet."""
+    wanted: ColumnElement[bool] = Drain.status.in_(UNFINISHED_STATUSES)
+    if include_unannounced:
+        wanted = or_(wanted, and_(Drain.status.in_(FINAL_STATUSES), Drain.announced_at.is_(None)))
+    candidates = session.scalars(select(Drain).where(Drain.dry_run.is_(False), wanted)).all()
     found = []
-    for drain in active:
+    for drain in candidates:
         if drain.target_kind == targets.kind and set(drain.targets) & set(targets.names):
             found.append(drain)
         elif CELL in (drain.target_kind, targets.kind) and set(_cells_of(session, drain)) & set(targets.cells):
@@ -254,8 +252,7 @@ def record_drain(ctx: RequestContext, request: Mapping[str, Any], *, origin: str
         # The drains in the way whose workflow ended are finished; and one finished by an earlier
         # look that died before it announced the end (this request's first try, say) is announced.
         with api_session() as session:
-            others = [drain.uuid for drain in _overlapping(session, targets)]
-            others += [drain.uuid for drain in _overlapping(session, targets, unannounced=True)]
+            others = [drain.uuid for drain in _overlapping(session, targets, include_unannounced=True)]
         for other in others:
             finish_if_workflow_ended(other)
     with api_session() as session:

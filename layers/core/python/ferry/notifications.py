@@ -64,10 +64,8 @@ def _iso(value: dt.datetime | None) -> str | None:
 
 
 def _timestamp(at: dt.datetime | None) -> str:
-    """A notification's ``timestamp``: ``at`` (naive values are UTC), or now, in UTC, ISO 8601."""
-    if at is None:
-        return dt.datetime.now(dt.UTC).isoformat()
-    return (at.replace(tzinfo=dt.UTC) if at.tzinfo is None else at.astimezone(dt.UTC)).isoformat()
+    """A notification's ``timestamp``: ``at`` (a naive UTC value, as the store keeps them), or now."""
+    return _iso(at) or dt.datetime.now(dt.UTC).isoformat()
 
 
 def flavor_payload(flavor: Mapping[str, Any] | None) -> dict[str, Any] | None:

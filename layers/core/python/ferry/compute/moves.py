@@ -649,7 +649,7 @@ def abandon_prepared_move(cell: str, instance_uuid: str, migration_uuid: str, re
             task_state = None
         undoable = status == PRE_MIGRATING and task_state == states.RESIZE_PREP
         # ferry.workflows.resize.select_destinations commits the move's first event before it claims.
-        begun = actions.has_events(session, instance_uuid, request_id)
+        begun = undoable and actions.has_events(session, instance_uuid, request_id)
     # Step Functions is asked only about a move still under way (not after a failed confirm, say).
     ran = move_execution(instance_uuid, migration_uuid)
     if ran is not None and workflows.is_running(ran):

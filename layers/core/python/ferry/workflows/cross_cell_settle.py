@@ -185,9 +185,8 @@ def _hide_copy_left_visible(cell: str, instance_uuid: str, migration_uuid: str) 
         status = session.scalars(select(Migration.status).where(
             Migration.uuid == migration_uuid, Migration.instance_uuid == instance_uuid,
             Migration.cross_cell_move.is_(True))).one_or_none()
-    if status is None or status in (migration_states.REVERTING, migration_states.REVERTED):
-        return False
-    if not hide_source_copy(cell, instance_uuid, migration_uuid):
+    # hide_source_copy refuses a copy a revert owns.
+    if status is None or not hide_source_copy(cell, instance_uuid, migration_uuid):
         return False
     logger.warning("a move's source copy was still visible after the mapping switch: hidden before its removal",
                    extra={"instance_uuid": instance_uuid, "cell": cell, "mapped_cell": home,

@@ -287,12 +287,12 @@ def validate_input(event: dict[str, Any]) -> dict[str, Any]:
 
 
 def _move_spec(instance: Instance, migration: Migration, cell: str, requested_host: str | None,
-               is_bfv: bool, also_ignore: Iterable[str] = ()) -> dict[str, Any]:
+               is_bfv: bool) -> dict[str, Any]:
     """The scheduler request for the move: the new flavor, the source excluded unless allowed."""
     with api_session() as session:
         row = session.scalars(select(RequestSpec).where(RequestSpec.instance_uuid == instance.uuid)).one_or_none()
         base = dict(row.spec or {}) if row is not None else {}
-    ignore = set(also_ignore)
+    ignore: set[str] = set()
     same_host_allowed = migration.migration_type == RESIZE and config.get().allow_resize_to_same_host
     if not same_host_allowed:
         ignore.add(instance.host or "")
