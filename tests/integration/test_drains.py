@@ -1564,6 +1564,65 @@ def test_finishing_a_drain_leaves_a_move_whose_workflow_stopped_while_it_was_bei
                for r in caplog.records)
 
 
+def test_finishing_a_drain_leaves_a_move_whose_scheduling_began_after_the_drain_first_looked(
+        store, move_machines, monkeypatch, caplog):
+    # GIVEN a drained server whose stopped move's SelectMoveDestinations committed its first event
+    # just after FinishDrain read the move's events (the read finds none)
+    sfn, arns = move_machines
+    drain, server, slot, move = _prepared_move()
+    execution = sfn.start_execution(stateMachineArn=arns["resize"], name=move["name"], input=json.dumps(move["input"]))
+    with cell_session("cell1") as session:
+        actions.start_event(session, instance_uuid=server, request_id=slot["request_id"], event=resize.EVENT_MIGRATE)
+    sfn.stop_execution(executionArn=execution["executionArn"])
+    real_has_events, reads = actions.has_events, []
+
+    def read_before_the_event(*args):
+        reads.append(args)
+        return False if len(reads) == 1 else real_has_events(*args)
+
+    monkeypatch.setattr(actions, "has_events", read_before_the_event)
+
+    # WHEN the drain finishes
+    assert drains.finish(drain)["status"] == "failed"
+
+    # THEN the undo's own transaction sees the event: the move is left as it was, for ferry audit
+    assert _move_records(server, slot["migration_uuid"]) == ("resize_prep", "pre-migrating")
+    assert len(reads) == 2
+    assert any("its workflow ran and ended" in r.getMessage() and getattr(r, "instance_uuid", None) == server
+               for r in caplog.records)
+
+
+@pytest.mark.postgres
+def test_a_move_undone_while_it_is_being_scheduled_claims_nothing(pg_store, move_machines, monkeypatch):
+    # GIVEN a drained server whose move's SelectMoveDestinations has read the move as waiting to
+    # be scheduled, when FinishDrain undoes the move (its workflow stopped, no step recorded yet)
+    sfn, arns = move_machines
+    drain, server, slot, move = _prepared_move()
+    execution = sfn.start_execution(stateMachineArn=arns["resize"], name=move["name"], input=json.dumps(move["input"]))
+    sfn.stop_execution(executionArn=execution["executionArn"])
+    held = placement.get_allocations(server)
+    real_load, undone = resize._load, []
+
+    def load_then_undo(session, event):
+        loaded = real_load(session, event)
+        undone.append(moves.abandon_prepared_move("cell1", server, slot["migration_uuid"], slot["request_id"]))
+        return loaded
+
+    monkeypatch.setattr(resize, "_load", load_then_undo)
+    monkeypatch.setattr(resize.hosts, "queue_url", lambda host: f"https://sqs.test/{host}")
+
+    # WHEN the step goes on to record its event and claim
+    with pytest.raises(errors.UnexpectedTaskState):
+        resize.select_destinations(move["input"])
+
+    # THEN the move stays undone and nothing was claimed: the server holds its allocation, the
+    # migration nothing
+    assert undone == [True]
+    assert _move_records(server, slot["migration_uuid"]) == (None, "error")
+    assert placement.get_allocations(server) == held
+    assert placement.get_allocations(slot["migration_uuid"]) == {}
+
+
 def test_a_move_the_drain_cannot_undo_is_logged_and_its_end_announced_anyway(store, bus, monkeypatch, caplog):
     drain, server, slot, _move = _prepared_move()
 

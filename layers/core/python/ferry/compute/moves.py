@@ -657,32 +657,45 @@ def abandon_prepared_move(cell: str, instance_uuid: str, migration_uuid: str, re
             f"The workflow of move {migration_uuid} of server {instance_uuid} still runs.")
     if not undoable:
         return False
-    if ran is not None and begun:
+    # What the flavors were before is not known here; they only matter while a move is under way.
+    if (ran is not None and begun) or not _undo_move(cell, instance_uuid, migration_uuid, request_id, None,
+                                                     forget_migration=False, unless_begun=ran is not None):
         logger.warning("move not undone: its workflow ran and ended without finishing or rolling it back",
                        extra={"instance_uuid": instance_uuid, "migration_uuid": migration_uuid,
-                              "ended": ran.get("status")})
+                              "ended": ran.get("status") if ran else None})
         return False
-    # What the flavors were before is not known here; they only matter while a move is under way.
-    _undo_move(cell, instance_uuid, migration_uuid, request_id, None, forget_migration=False)
     return True
 
 
 def _undo_move(cell: str | CellMapping, instance_uuid: str, migration_uuid: str, request_id: str,
-               previous: dict[str, Any] | None, *, forget_migration: bool) -> None:
+               previous: dict[str, Any] | None, *, forget_migration: bool, unless_begun: bool = False) -> bool:
     """Put an accepted move back: task_state None with the flavors as they were (``previous``;
     None leaves them), the action forgotten, and the migration deleted (``forget_migration``) or
-    marked ``error``."""
+    marked ``error``.
+
+    ``unless_begun`` leaves everything as it is when a step of the move recorded an event. The
+    check follows the instance's compare-and-swap in the same transaction: SelectMoveDestinations
+    swaps the same row before it records its event, so either it finds the move undone and
+    claims nothing, or its event is committed and seen here.
+
+    Returns:
+        Whether the move was undone.
+    """
     with cell_session(cell) as session:
         try:
             instances.update_cas(session, instance_uuid, {"task_state": None, **(previous or {})},
                                  expected_task_state=(states.RESIZE_PREP,))
         except errors.UnexpectedTaskState:
             logger.warning("state changed meanwhile; left as is", extra={"instance_uuid": instance_uuid})
+        if unless_begun and actions.has_events(session, instance_uuid, request_id):
+            session.rollback()
+            return False
         if forget_migration:
             session.execute(delete(Migration).where(Migration.uuid == migration_uuid))
         else:
             _swap_migration_status(session, migration_uuid, PRE_MIGRATING, ERROR)
         actions.forget_action(session, instance_uuid, request_id)
+    return True
 
 
 def begin_resize(ctx: RequestContext, location: compute_api.Location, flavor_ref: str) -> str:

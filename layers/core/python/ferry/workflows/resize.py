@@ -418,7 +418,10 @@ def select_destinations(event: dict[str, Any]) -> dict[str, Any]:
             raise errors.UnexpectedTaskState(
                 f"Instance {uuid} is in task_state {instance.task_state} with migration {migration.status}: "
                 f"it is not waiting to be scheduled.")
-        # Committed before anything is claimed: compute.moves.abandon_prepared_move relies on it.
+        # The instance's row is swapped (and so locked) before the event is recorded, and both are
+        # committed before anything is claimed: compute.moves.abandon_prepared_move relies on it.
+        instances.update_cas(session, uuid, {"task_state": states.RESIZE_PREP},
+                             expected_task_state=(states.RESIZE_PREP,))
         actions.start_event(session, instance_uuid=uuid, request_id=event["request_id"], event=EVENT_MIGRATE)
         spec = _move_spec(instance, migration, cell, event.get("requested_host"), instances.is_bfv(session, uuid))
         source_host = cast(str, instance.host)
