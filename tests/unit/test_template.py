@@ -8,6 +8,7 @@ drifts from the other.
 from __future__ import annotations
 
 import ast
+import json
 import re
 from pathlib import Path
 
@@ -229,6 +230,18 @@ def _policy_strings():
                 yield logical_id, text
 
 
+def _granted_strings(logical_id: str):
+    """(path, text) of every string in a function's ``Policies``, and in the documents of the
+    managed policies it attaches by reference."""
+    policies = RAW["Resources"][logical_id]["Properties"].get("Policies") or []
+    for path, text in _strings(policies):
+        yield path, text
+    for item in policies:
+        managed = RAW["Resources"].get(item.get("Ref", "")) if isinstance(item, dict) else None
+        if managed is not None and managed["Type"] == "AWS::IAM::ManagedPolicy":
+            yield from _strings(managed["Properties"]["PolicyDocument"])
+
+
 def _referenced_resources(node) -> set[str]:
     """The resources a property value names through Ref, GetAtt or a !Sub variable."""
     names: set[str] = set()
@@ -371,9 +384,28 @@ MOVE_MACHINES = {"FERRY_RESIZE_STATE_MACHINE_ARN": "ResizeStateMachine",
 @pytest.mark.parametrize("logical_id", UNDOES_DRAIN_MOVES)
 def test_a_function_that_undoes_a_drains_moves_can_tell_whether_their_workflows_run(logical_id):
     environment = TEMPLATE.functions[logical_id].environment
-    described = {text for _path, text in _strings(RAW["Resources"][logical_id]["Properties"].get("Policies"))
-                 if ":execution:" in text}
+    described = {text for _path, text in _granted_strings(logical_id) if ":execution:" in text}
 
     assert {name: bool(environment.get(name)) for name in MOVE_MACHINES} == dict.fromkeys(MOVE_MACHINES, True)
     for machine in MOVE_MACHINES.values():
         assert any(f":execution:${{{machine}.Name}}:*" in text for text in described), machine
+
+
+def test_a_grant_several_resources_need_is_a_managed_policy_written_once():
+    """An inline statement two functions or state machines repeat would have to be changed in each."""
+    holders: dict[str, list[str]] = {}
+    for logical_id, resource in RAW["Resources"].items():
+        for item in (resource.get("Properties") or {}).get("Policies") or []:
+            for statement in item.get("Statement", []) if isinstance(item, dict) else []:
+                holders.setdefault(json.dumps(statement, sort_keys=True), []).append(logical_id)
+
+    assert {statement: ids for statement, ids in holders.items() if len(ids) > 1} == {}
+
+
+def test_every_managed_policy_the_stack_defines_is_attached_or_given_as_an_output():
+    managed = {lid for lid, r in RAW["Resources"].items() if r["Type"] == "AWS::IAM::ManagedPolicy"}
+    attached = {item["Ref"] for r in RAW["Resources"].values()
+                for item in (r.get("Properties") or {}).get("Policies") or [] if isinstance(item, dict) and "Ref" in item}
+    given = {o["Value"]["Ref"] for o in RAW["Outputs"].values() if isinstance(o["Value"], dict) and "Ref" in o["Value"]}
+
+    assert managed - attached - given == set()
