@@ -807,6 +807,24 @@ def test_start_powers_on_a_stopped_server(cloud):
     assert cloud.executions("power")[0]["input"]["operation"] == "power_on"
 
 
+@pytest.mark.parametrize(("body", "vm_state"), [({"os-stop": None}, states.ACTIVE),
+                                              ({"os-start": None}, states.STOPPED)])
+def test_a_server_with_no_host_is_not_ready_to_be_stopped_or_started(cloud, body, vm_state):
+    # GIVEN a server its failed build left with no host, its state set back by an admin
+    server_id = create_server()
+    schedule(server_id, vm_state=vm_state)
+    with cell_session("cell1") as session:
+        session.execute(update(Instance).where(Instance.uuid == server_id).values(host=None, node=None))
+
+    response = call("POST", f"/v2.1/servers/{server_id}/action", body=body)
+
+    # THEN 409 as Nova's check of the instance's host answers, and nothing changed or started
+    assert response.status == 409
+    assert response.body["conflictingRequest"]["message"] == f"Instance {server_id} is not ready"
+    assert (instance(server_id).vm_state, instance(server_id).task_state) == (vm_state, None)
+    assert cloud.executions("power") == []
+
+
 def test_a_locked_server_refuses_members_but_not_admins(cloud):
     add_host("host1")
     server_id = create_server()

@@ -109,6 +109,10 @@ class InstanceInvalidState(Conflict):
     pass
 
 
+class InstanceNotReady(Conflict):
+    """The server has no host (its build never placed it, or a failed one left none)."""
+
+
 class OverQuota(Forbidden):
     pass
 

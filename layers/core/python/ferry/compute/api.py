@@ -1066,6 +1066,8 @@ def _power(ctx: RequestContext, location: Location, action: str, operation: str,
         instance = instances.get(session, uuid)
         _check_unlocked(ctx, instance)
         host = instance.host
+        if host is None:  # Nova's check_instance_host
+            raise errors.InstanceNotReady(f"Instance {uuid} is not ready")
         try:
             instances.update_cas(session, uuid, {"task_state": task_state}, expected_task_state=(None,),
                                  expected_vm_state=(from_vm_state,))
@@ -1075,7 +1077,7 @@ def _power(ctx: RequestContext, location: Location, action: str, operation: str,
                 raise _invalid_state(action, uuid, "vm_state", current.vm_state) from exc
             raise _invalid_state(action, uuid, "task_state", current.task_state) from exc
         # Looked up inside the transaction: if the host has no queue, nothing is changed.
-        queue_url = hosts.queue_url(host) if host else None
+        queue_url = hosts.queue_url(host)
         actions.start_action(session, instance_uuid=uuid, action=action, request_id=ctx.request_id,
                              user_id=ctx.user_id, project_id=ctx.project_id)
     payload = {"instance_uuid": uuid, "request_id": ctx.request_id, "cell": cell.name, "host": host,
@@ -1089,6 +1091,7 @@ def stop_server(ctx: RequestContext, location: Location) -> None:
 
     Raises:
         InstanceIsLocked: locked, and the caller is not an admin.
+        InstanceNotReady: the server has no host.
         InstanceInvalidState: not active, or another operation is in progress.
     """
     _power(ctx, location, actions.STOP, protocol.POWER_OFF, states.ACTIVE, states.POWERING_OFF)
@@ -1099,6 +1102,7 @@ def start_server(ctx: RequestContext, location: Location) -> None:
 
     Raises:
         InstanceIsLocked: locked, and the caller is not an admin.
+        InstanceNotReady: the server has no host.
         InstanceInvalidState: not stopped, or another operation is in progress.
     """
     _power(ctx, location, actions.START, protocol.POWER_ON, states.STOPPED, states.POWERING_ON)

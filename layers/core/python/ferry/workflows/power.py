@@ -15,6 +15,9 @@ from ferry.workflows import error_message
 _TASK_STATE = {protocol.POWER_OFF: states.POWERING_OFF, protocol.POWER_ON: states.POWERING_ON}
 _EVENT = {protocol.POWER_OFF: "compute_stop_instance", protocol.POWER_ON: "compute_start_instance"}
 _EXPECTED_POWER = {protocol.POWER_OFF: states.SHUTDOWN, protocol.POWER_ON: states.RUNNING}
+# What the server is once the operation is done, whatever power state its host then reports (Nova's
+# stop and start set these; the power state is recorded beside them).
+_VM_STATE = {protocol.POWER_OFF: states.STOPPED, protocol.POWER_ON: states.ACTIVE}
 
 POWER_EVENT_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -24,14 +27,14 @@ POWER_EVENT_SCHEMA: dict[str, Any] = {
 
 
 def finish_power_action(event: dict[str, Any]) -> dict[str, Any]:
-    """Record the power state the host reported and settle vm_state (idempotent)."""
+    """Settle vm_state by the operation (stopped, active) and record the power state the host
+    reported (idempotent)."""
     uuid, operation = event["instance_uuid"], event["operation"]
     power_state = int(event.get("result", {}).get("power_state", _EXPECTED_POWER[operation]))
     with cell_session(event["cell"]) as session:
         if instances.get(session, uuid).task_state != _TASK_STATE[operation]:
             return {}
-        instances.update_cas(session, uuid, {"vm_state": states.vm_state_from_power(power_state),
-                                             "power_state": power_state, "task_state": None},
+        instances.update_cas(session, uuid, {"vm_state": _VM_STATE[operation], "power_state": power_state, "task_state": None},
                              expected_task_state=(_TASK_STATE[operation],))
         actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"], event=_EVENT[operation],
                              host=event.get("host"))
