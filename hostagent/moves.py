@@ -632,6 +632,9 @@ class MoveOperations:
             "min-disk": "0",
             "min-ram": "0",
             "visibility": "private",
+            # The server's project: no other project sees or boots the snapshot (an older
+            # workflow sends no owner; the image is then an admin's only).
+            **({"owner": snapshot["owner"]} if snapshot.get("owner") else {}),
         }
         sent = disks.upload_sparse_image(self.s3, root, bucket, key, snapshot["data_prefix"], metadata)
         self._emit_metric("SnapshotBytesSent", MetricUnit.Bytes, sent.data_bytes, op.name)

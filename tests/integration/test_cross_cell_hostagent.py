@@ -26,7 +26,7 @@ def snapshot_args(migration_uuid: str, image_id: str | None) -> dict:
     snapshot = None
     if image_id is not None:
         snapshot = {"bucket": IMAGES, "key": f"images/{image_id}", "data_prefix": f"image-data/{image_id}",
-                    "image_id": image_id, "name": "web-1-resize-temp"}
+                    "image_id": image_id, "name": "web-1-resize-temp", "owner": "project-a"}
     return {"migration_uuid": migration_uuid, "snapshot": snapshot, "clean_shutdown": True}
 
 
@@ -58,6 +58,7 @@ def test_snapshot_prep_uploads_the_root_disk_as_an_image_and_keeps_the_disks(clo
     assert (meta["sha256"], meta["digest"], meta["layout"], meta["virtual-size"], meta["data-size"]) == (
         image_digest, "sha256-blocks", "extents", str(root.stat().st_size), str(snapshot["data_bytes"]))
     assert (meta["disk-format"], meta["name"], meta["image-id"]) == ("raw", "web-1-resize-temp", image_id)
+    assert (meta["visibility"], meta["owner"]) == ("private", "project-a")
 
 
 def test_snapshot_prep_run_again_returns_the_same_snapshot_without_sending_it_again(cloud, source):

@@ -270,6 +270,8 @@ def test_an_image_backed_server_is_snapshotted_and_spawned_from_the_snapshot(two
 
     snap = doc["snapshot_prep"]["args"]["snapshot"]
     assert snap["name"] == "vm1-resize-temp"
+    with cell_session("cell1") as session:  # only the server's project may see or boot its snapshot
+        assert snap["owner"] == session.scalars(select(Instance.project_id).where(Instance.uuid == uuid)).one()
     assert doc["spawn"]["args"]["image"]["id"] == snap["image_id"]
     assert doc["spawn"]["args"]["image"]["cache"] is False  # the destination keeps no copy of it
     assert images_left() == [snap["key"]]

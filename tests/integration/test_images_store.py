@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 
 import pytest
-from test_api_support import IMAGE_BYTES, call, mocked_cloud
+from test_api_support import ADMIN, ALICE, BOB, IMAGE_BYTES, call, mocked_cloud
 
 from ferry import aws, config, errors, images
 
@@ -69,6 +70,33 @@ def test_api_lists_and_shows_images_in_image_v2_shapes(cloud):
     assert {k: shown[k] for k in ("id", "name", "status", "disk_format", "container_format", "visibility")} == \
         {"id": cloud.image_id, "name": "cirros", "status": "active", "disk_format": "raw",
          "container_format": "bare", "visibility": "public"}
+
+
+def test_a_private_image_is_seen_and_booted_only_by_its_owners_project_and_admins(cloud):
+    # GIVEN a private image of Alice's project (a cross-cell move's snapshot of her server)
+    private = images.upload_image(io.BytesIO(IMAGE_BYTES), "web-1-resize-temp", visibility="private",
+                                  owner=ALICE.project_id)
+    boot = {"server": {"name": "copy", "flavorRef": "1", "networks": "auto", "imageRef": private["id"]}}
+
+    def listed(caller):
+        return sorted(i["id"] for i in call("GET", "/v2.1/images", caller=caller).body["images"])
+
+    # THEN another project neither lists, shows nor boots it; its owner and admins see it
+    assert listed(BOB) == [cloud.image_id]
+    assert call("GET", f"/v2.1/images/{private['id']}", caller=BOB).status == 404
+    refused = call("POST", "/v2.1/servers", caller=BOB, body=boot, version="2.90")
+    assert (refused.status, refused.body["badRequest"]["message"]) == (400, "Can not find requested image")
+    assert listed(ALICE) == listed(ADMIN) == sorted([cloud.image_id, private["id"]])
+    shown = call("GET", f"/v2.1/images/{private['id']}", caller=ALICE).body
+    assert (shown["visibility"], shown["owner"]) == ("private", ALICE.project_id)
+    assert call("POST", "/v2.1/servers", caller=ALICE, body=boot, version="2.90").status == 202
+
+
+def test_a_private_image_with_no_owner_is_an_admins_only(cloud):
+    private = images.upload_image(io.BytesIO(IMAGE_BYTES), "old-snapshot", visibility="private")
+
+    assert call("GET", f"/v2.1/images/{private['id']}", caller=ALICE).status == 404
+    assert call("GET", f"/v2.1/images/{private['id']}", caller=ADMIN).status == 200
 
 
 def test_api_image_lookup_by_name_in_the_path_is_404(cloud):

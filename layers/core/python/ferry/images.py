@@ -2,9 +2,10 @@
 
 An image is the object ``images/<id>`` in the image bucket. Its user metadata describes it:
 ``image-id``, ``name`` (percent-encoded, S3 metadata is ASCII), ``disk-format``,
-``container-format``, ``sha256``, ``min-disk``, ``min-ram`` and ``visibility``. An object
-without ``sha256`` is an upload that has not finished: it shows as ``saving`` and cannot
-be booted.
+``container-format``, ``sha256``, ``min-disk``, ``min-ram``, ``visibility`` and, for an image
+of a project, ``owner`` (its project id). An object without ``sha256`` is an upload that has not
+finished: it shows as ``saving`` and cannot be booted. A ``private`` image is seen (and booted)
+only by its owner's project and by admins (:func:`visible_to`), as Glance shows it.
 
 Most images are raw objects. A snapshot of a disk is stored sparse (``layout: extents``): the
 object ``images/<id>`` is then a small pointer, written last with the digest of the whole
@@ -110,7 +111,7 @@ def _image(image_id: str, head: dict[str, Any]) -> dict[str, Any]:
         "checksum": None,
         "os_hash_algo": "sha256" if plain_hash else None,
         "os_hash_value": sha256 if plain_hash else None,
-        "owner": None,
+        "owner": meta.get("owner") or None,
         "tags": [],
         "created_at": modified,
         "updated_at": modified,
@@ -130,6 +131,13 @@ def _head(image_id: str) -> dict[str, Any]:
         if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
             raise errors.ImageNotFound(f"Image {image_id} could not be found.") from exc
         raise
+
+
+def visible_to(image: dict[str, Any], project_id: str, *, is_admin: bool) -> bool:
+    """Whether a caller of ``project_id`` may see ``image``: a ``private`` one only its owner's
+    project may (an admin sees every image)."""
+    return is_admin or image["visibility"] != "private" or (image["owner"] is not None
+                                                            and image["owner"] == project_id)
 
 
 def get_image(image_id: str) -> dict[str, Any]:
@@ -161,8 +169,8 @@ def list_images(name: str | None = None) -> list[dict[str, Any]]:
 
 def upload_image(source: BinaryIO, name: str, *, image_id: str | None = None, disk_format: str = "raw",
                  container_format: str = "bare", min_disk: int = 0, min_ram: int = 0,
-                 visibility: str = "public") -> dict[str, Any]:
-    """Stream ``source`` into a new image and return it.
+                 visibility: str = "public", owner: str | None = None) -> dict[str, Any]:
+    """Stream ``source`` into a new image (of the project ``owner``, if given) and return it.
 
     The SHA-256 is computed while the data streams; it is written into the object's
     metadata once the upload is complete, which is what makes the image ``active``.
@@ -170,7 +178,7 @@ def upload_image(source: BinaryIO, name: str, *, image_id: str | None = None, di
     image_id = image_id or str(uuidlib.uuid4())
     metadata = {"image-id": image_id, "name": quote(name, safe=""), "disk-format": disk_format,
                 "container-format": container_format, "min-disk": str(min_disk), "min-ram": str(min_ram),
-                "visibility": visibility}
+                "visibility": visibility, **({"owner": owner} if owner else {})}
     s3, bucket, key = aws.client("s3"), _bucket(), _key(image_id)
     reader = _HashingReader(source)
     aws.upload_fileobj(s3, reader, bucket, key, ExtraArgs={"Metadata": metadata})

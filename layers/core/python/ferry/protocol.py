@@ -364,6 +364,8 @@ PREP_SNAPSHOT_BASED_RESIZE_AT_SOURCE_ARGS_SCHEMA: dict[str, Any] = {
                 "data_prefix": {"type": "string", "minLength": 1},
                 "image_id": {"type": "string", "minLength": 1},
                 "name": {"type": "string"},
+                # the server's project: only it (and admins) may see or boot the image
+                "owner": {"type": "string", "minLength": 1},
             },
         },
         "clean_shutdown": {"type": "boolean"},

@@ -551,11 +551,13 @@ def _requested_destination(ctx: RequestContext, request: BootRequest) -> dict[st
     return {key: value for key, value in (("host", host), ("node", node)) if value is not None}
 
 
-def _bootable_image(image_id: str) -> dict[str, Any]:
+def _bootable_image(ctx: RequestContext, image_id: str) -> dict[str, Any]:
     try:
         image = images.get_image(image_id)
     except errors.ImageNotFound as exc:
         raise errors.BadRequest("Can not find requested image") from exc
+    if not images.visible_to(image, ctx.project_id, is_admin=ctx.is_admin):
+        raise errors.BadRequest("Can not find requested image")
     if image["status"] != images.ACTIVE:
         raise errors.BadRequest(f"Image {image_id} is not active.")
     return image
@@ -787,7 +789,7 @@ def create_server(ctx: RequestContext, request: BootRequest) -> str:
     if root is None and not image_id:
         raise errors.BadRequest("Missing imageRef attribute")
     if image_id:
-        _check_image_fits(_bootable_image(image_id), flavor, root)
+        _check_image_fits(_bootable_image(ctx, image_id), flavor, root)
     if root is None and flavor.root_gb == 0:
         policy.enforce(ctx, "os_compute_api:servers:create:zero_disk_flavor", {"project_id": ctx.project_id})
     deltas = {quotas.INSTANCES: 1, quotas.CORES: flavor.vcpus, quotas.RAM: flavor.memory_mb}

@@ -281,7 +281,7 @@ def prep_resize_at_source(event: dict[str, Any]) -> dict[str, Any]:
                             event=EVENT_PREP_AT_SOURCE_CROSS_CELL, host=source["host"])
         instance = instances.get(session, uuid)
         bfv = instances.is_bfv(session, uuid) or not instance.image_ref
-        name = instance.display_name
+        name, project_id = instance.display_name, instance.project_id
         extra = resize._move_extra(instance, migration_uuid)
         pending = [
             resize._notify(notifications.RESIZE_PREP_END, instance, notifications.compute_publisher(dest["host"]),
@@ -296,7 +296,7 @@ def prep_resize_at_source(event: dict[str, Any]) -> dict[str, Any]:
         image_id = snapshot_image_id(migration_uuid)
         snapshot = {"bucket": config.get().image_bucket, "key": f"{images.PREFIX}{image_id}",
                     "data_prefix": images.data_prefix(image_id), "image_id": image_id,
-                    "name": f"{name}{SNAPSHOT_SUFFIX}"}
+                    "name": f"{name}{SNAPSHOT_SUFFIX}", "owner": project_id}
     return {"args": {"migration_uuid": migration_uuid, "snapshot": snapshot, "clean_shutdown": True}}
 
 
