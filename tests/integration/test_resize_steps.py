@@ -1127,7 +1127,9 @@ def test_a_source_that_cannot_be_restored_is_error_with_a_fault_saying_what_is_l
                                                                                     "DISK_GB": 1}}
     assert used_on(dest) == {}
     [fault] = faults_of(uuid)
-    assert f"{uuid}_resize on {SOURCE}" in fault.message and f"destination host {dest} was cleaned up" in fault.message
+    assert f"{uuid}_resize there" in fault.message and "the destination host was cleaned up" in fault.message
+    assert SOURCE not in fault.message and dest not in fault.message  # the owner reads it: hosts are in the details
+    assert f"{uuid}_resize on {SOURCE}" in fault.details
     assert "libvirt refused the domain" in fault.details and "checksum mismatch" in fault.details
 
 
@@ -1174,8 +1176,8 @@ def test_a_destination_that_may_still_run_the_guest_leaves_the_server_in_error_s
     assert migration(inp["migration_uuid"]).status == "error"
     # and the fault says what is left where and what to do, in that order
     [fault] = faults_of(uuid)
-    assert fault.message == (f"Resize failed and destination host {dest} could not be cleaned up: a guest of this "
-                             f"server may still run there.")
+    assert fault.message == ("Resize failed and the destination host could not be cleaned up: a guest of this "
+                             "server may still run there.")  # the owner reads it: host names are in the details
     assert fault.host == dest
     details = fault.details
     for part in (f"Cleaning up destination host {dest} failed (no heartbeat from the agent)",

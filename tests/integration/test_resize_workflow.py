@@ -304,7 +304,7 @@ def test_a_source_that_cannot_be_restored_leaves_the_server_in_error(cloud):
     assert (server.vm_state, server.task_state, server.host) == ("error", None, SOURCE)
     assert placement.get_allocations(uuid) == {placement.provider_by_host(SOURCE): {"VCPU": 1, "MEMORY_MB": 512,
                                                                                     "DISK_GB": 1}}
-    assert f"{uuid}_resize on {SOURCE}" in faults_of(uuid)[0].message
+    assert f"{uuid}_resize on {SOURCE}" in faults_of(uuid)[0].details
 
 
 def test_a_destination_that_may_still_run_the_guest_leaves_the_source_guest_off_and_the_server_in_error(cloud):
@@ -329,7 +329,7 @@ def test_a_destination_that_may_still_run_the_guest_leaves_the_source_guest_off_
     record = {**before["record"], "vm_state": states.ERROR, "power_state": states.SHUTDOWN}
     assert snapshot(uuid) == {**before, "record": record}
     [fault] = faults_of(uuid)
-    assert "destination host cell1-host2 could not be cleaned up" in fault.message
+    assert "the destination host could not be cleaned up" in fault.message
     assert "Destroy the guest on cell1-host2 first" in fault.details
 
 

@@ -456,8 +456,10 @@ def _check_movable(ctx: RequestContext, session: Session, instance: Instance, ac
         raise _invalid_state(action, instance.uuid, "host", None)
     service = session.scalars(select(Service).where(Service.host == instance.host)).one_or_none()
     if service is None or not hosts.is_up(service):
-        raise errors.ComputeServiceUnavailable(
-            f"Service is unavailable at this time: the compute service of host {instance.host} is down.")
+        # Nova's words: the owner is not told the host's name (the log is).
+        logger.info("move refused: the server's host is down", extra={"instance_uuid": instance.uuid,
+                                                                       "host": instance.host})
+        raise errors.ComputeServiceUnavailable("Service is unavailable at this time.")
 
 
 def _remember_cross_cell_choice(ctx: RequestContext, location: compute_api.Location) -> None:

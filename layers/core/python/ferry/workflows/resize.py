@@ -816,16 +816,18 @@ def _fault(event: Mapping[str, Any], source_host: str, message: str, *,
         notes.append(f"Cleaning up destination host {dest_host} failed ({error_message(cleanup_error)}): the "
                      f"guest, disks or transfer objects of migration {migration_uuid} may remain there.")
     if restore_error:
-        where = (f"destination host {dest_host} may still hold a guest and disks" if cleanup_error
-                 else f"destination host {dest_host} was cleaned up")
-        summary = (f"Resize failed and the server could not be restored on {source_host}: its disks are kept "
-                   f"in {uuid}_resize on {source_host}, no guest is defined there; {where}.")
+        # The message is the owner's to read too: host names stay in the details (admins only).
+        where = "the destination host may still hold a guest and disks" if cleanup_error else \
+            "the destination host was cleaned up"
+        summary = (f"Resize failed and the server could not be restored on its source host: its disks are kept "
+                   f"in {uuid}_resize there, no guest is defined there; {where}.")
         notes.insert(0, f"Restoring the guest on source host {source_host} failed "
-                        f"({error_message(restore_error)}). The move failed with: {message}")
+                        f"({error_message(restore_error)}); its disks are kept in {uuid}_resize on {source_host}. "
+                        f"The move failed with: {message}")
         return summary, " ".join(notes)
     if guest_left_at_dest:
-        summary = (f"Resize failed and destination host {dest_host} could not be cleaned up: a guest of this "
-                   f"server may still run there.")
+        summary = ("Resize failed and the destination host could not be cleaned up: a guest of this server may "
+                   "still run there.")
         # A reset to active leaves the guest shut off; the stop records it so, and only a stopped server starts.
         reset = (f"then reset the server's state (openstack server set --state active {uuid}) and record its "
                  f"guest shut off (openstack server stop {uuid})")
