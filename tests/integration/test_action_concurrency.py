@@ -45,11 +45,12 @@ from ferry.compute import api as compute_api
 from ferry.compute import migration_states, states
 from ferry.placement import DISK_GB, MEMORY_MB, VCPU
 from ferry.store import db
-from ferry.store.api_models import Allocation, Consumer, Inventory, ResourceProvider
+from ferry.store.api_models import Allocation, Consumer, InstanceMapping, Inventory, Network, Port, ResourceProvider
 
 pytestmark = pytest.mark.postgres
 
 RACERS = 50
+BOOT_RACERS = 8  # within the project's instance quota
 VERSION = APIVersion(2, 90)
 
 
@@ -283,3 +284,40 @@ def test_thirty_concurrent_resizes_into_a_nearly_full_cell_never_over_commit(pg_
     for n in range(SOURCES):
         assert placement.usages(placement.provider_by_host(f"src-{n}"))[VCPU] == PER_SOURCE
 
+
+
+# --- 4. boots claiming one port ------------------------------------------------------------------
+
+
+def test_boots_racing_for_one_port_give_it_to_exactly_one(cloud):
+    # GIVEN a port of Alice's with no server
+    port_id = "22222222-2222-4222-8222-222222222222"
+    with db.api_session() as session:
+        network = Network(name="private", cidr="192.168.7.0/24", project_id=ALICE.project_id, shared=False)
+        session.add(network)
+        session.flush()
+        session.add(Port(id=port_id, network_id=network.id, project_id=ALICE.project_id,
+                         mac_address="fa:16:3e:aa:bb:cc", fixed_ip="192.168.7.50"))
+    barrier = threading.Barrier(BOOT_RACERS)
+
+    def boot(n: int) -> str:
+        ctx = RequestContext(ALICE.user_id, ALICE.project_id, ALICE.roles)
+        request = compute_api.BootRequest(name=f"vm{n}", flavor_ref="1", image_ref=cloud.image_id,
+                                          networks=[{"port": port_id}])
+        barrier.wait(timeout=60)
+        try:
+            return compute_api.create_server(ctx, request)
+        except errors.Conflict as exc:
+            return exc.message
+
+    # WHEN several boots ask for it at once
+    with ThreadPoolExecutor(max_workers=BOOT_RACERS) as pool:
+        outcomes = list(pool.map(boot, range(BOOT_RACERS)))
+
+    # THEN one server gets it, every other boot is refused with 409 and left nothing behind
+    refused = [o for o in outcomes if o == f"Port {port_id} is still in use."]
+    [winner] = [o for o in outcomes if o not in refused]
+    assert len(refused) == BOOT_RACERS - 1, outcomes
+    with db.api_session() as session:
+        assert session.get(Port, port_id).device_id == winner
+        assert session.scalar(select(func.count()).select_from(InstanceMapping)) == 1

@@ -696,9 +696,11 @@ def _allocate_ports(session: Session, ctx: RequestContext, instance_uuid: str,
             port = session.get(Port, item["port"])
             if port is None or (port.project_id != ctx.project_id and not ctx.is_admin):
                 raise errors.BadRequest(f"Port id {item['port']} could not be found.")
-            if port.device_id is not None:
+            # Claimed by one statement: of two boots given the same port at once, one gets it.
+            claimed = session.execute(update(Port).where(Port.id == port.id, Port.device_id.is_(None))
+                                      .values(device_id=instance_uuid))
+            if cast(CursorResult[Any], claimed).rowcount != 1:
                 raise errors.Conflict(f"Port {port.id} is still in use.")
-            port.device_id = instance_uuid
             requested.append(_tagged({"network_id": port.network_id, "port_id": port.id, "preexisting": True},
                                      item))
             continue
