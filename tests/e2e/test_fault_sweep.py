@@ -162,6 +162,7 @@ def forward_routes() -> dict[str, str]:
 
 # A rollback state runs when its trigger fails the forward path: (route, [(point, mode, error)]).
 TRIGGERS: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
+    "boot:CheckBuildCommitted": ("boot", [("FinishBuild", faults.ALWAYS, "InjectedFault")]),
     "boot:DestroyAtDest": ("boot", [("FinishBuild", faults.ALWAYS, "InjectedFault")]),
     "boot:UnbindResourcesAtDest": ("boot", [("BindResourcesAtDest", faults.ALWAYS, "InjectedFault")]),
     "boot:RescheduleBuild": ("boot", [("SpawnOnHost", faults.ONCE, "SpawnFailed")]),

@@ -467,3 +467,208 @@ def test_a_cell_that_cannot_be_reached_does_not_stop_the_burial(cloud, monkeypat
     assert sorted(tried) == ["cell1", "cell2"]
     with api_session() as session:
         assert session.scalars(select(InstanceMapping)).one().cell.name == "cell0"
+
+
+# --- a FinishBuild that failed, and servers deleted while they are built ------------------------------
+
+
+def _spawned(image_id: str) -> dict:
+    """A server bound to its host, as FinishBuild receives it after the spawn."""
+    event = accept_server(image_id)
+    event["destination"] = boot.select_destinations(event)
+    boot.bind_resources_at_dest(event)
+    event["spawn"] = {"power_state": states.RUNNING}
+    return event
+
+
+def _delete_as_the_api_does(instance_uuid: str) -> None:
+    """``DELETE /servers/{id}`` accepted for a server still building in its cell: task ``deleting``."""
+    with cell_session("cell1") as session:
+        session.execute(Instance.__table__.update().where(Instance.uuid == instance_uuid)
+                        .values(task_state=states.DELETING))
+
+
+def _delete_unscheduled(instance_uuid: str) -> None:
+    """``DELETE /servers/{id}`` for a server that is still a build request."""
+    ctx = RequestContext(user_id="u1", project_id="demo", roles=("member",))
+    compute_api.delete_server(ctx, compute_api.locate(ctx, instance_uuid))
+
+
+def _port_states(instance_uuid: str) -> list[tuple[str, list[str]]]:
+    with api_session() as session:
+        return [(p.status, [b.host for b in p.bindings])
+                for p in session.scalars(select(Port).where(Port.device_id == instance_uuid))]
+
+
+def _instance(instance_uuid: str, cell: str = "cell1") -> Instance:
+    with cell_session(cell) as session:
+        return session.scalars(select(Instance).where(Instance.uuid == instance_uuid)).one()
+
+
+def test_finish_build_updates_the_ports_before_the_cell_commit_so_a_failure_there_commits_nothing(cloud, monkeypatch):
+    # GIVEN the API database breaks while FinishBuild marks the ports ACTIVE
+    event = _spawned(cloud["image_id"])
+
+    @contextmanager
+    def api_down():
+        raise OperationalError("UPDATE ports", {}, Exception("connection reset"))
+        yield
+
+    monkeypatch.setattr(boot, "api_session", api_down)
+    with pytest.raises(OperationalError):
+        boot.finish_build(event)
+
+    # THEN the server is not committed ACTIVE: the failure is rolled back, not a built server destroyed
+    instance = _instance(event["instance_uuid"])
+    assert (instance.vm_state, instance.task_state, instance.launched_on) == (states.BUILDING, states.SPAWNING, None)
+    assert boot.check_build_committed(event) == {"committed": False}
+
+    # AND a retry, the database back, finishes the build with its ports
+    monkeypatch.undo()
+    boot.finish_build(event)
+    instance = _instance(event["instance_uuid"])
+    assert (instance.vm_state, instance.task_state) == (states.ACTIVE, None)
+    assert _port_states(event["instance_uuid"]) == [("ACTIVE", [event["destination"]["host"]])]
+
+
+def test_finish_build_run_again_after_a_spawn_that_reported_shutoff_changes_nothing(cloud):
+    event = _spawned(cloud["image_id"])
+    event["spawn"] = {"power_state": states.SHUTDOWN}
+    boot.finish_build(event)
+
+    boot.finish_build(event)  # the retry of a step whose response was lost
+
+    instance = _instance(event["instance_uuid"])
+    assert (instance.vm_state, instance.task_state, instance.power_state) == (states.STOPPED, None, states.SHUTDOWN)
+    assert boot.check_build_committed(event) == {"committed": True}
+
+
+@pytest.mark.parametrize("after", ["nothing", "stop", "delete"])
+def test_a_build_that_committed_stays_committed_whatever_its_owner_did_since(cloud, after):
+    # GIVEN FinishBuild committed, and then its invocation failed (a timeout, a lost response)
+    event = _spawned(cloud["image_id"])
+    boot.finish_build(event)
+    # AND the owner already acted on the ACTIVE server
+    if after == "stop":
+        with cell_session("cell1") as session:
+            session.execute(Instance.__table__.update().values(task_state=states.POWERING_OFF))
+    elif after == "delete":
+        _delete_as_the_api_does(event["instance_uuid"])
+        delete.finish_delete({"instance_uuid": event["instance_uuid"], "request_id": "req-del", "cell": "cell1"})
+
+    # THEN the check before the rollback says the build stands, and FinishBuild run again agrees
+    assert boot.check_build_committed({**event, "error": {"Error": "Sandbox.Timedout", "Cause": ""}}) == {
+        "committed": True}
+    if after != "delete":
+        boot.finish_build(event)
+
+
+def test_a_finish_build_refused_by_a_delete_is_not_committed_and_its_rollback_puts_the_ports_down(cloud):
+    # GIVEN the owner deleted the server while it was spawning
+    event = _spawned(cloud["image_id"])
+    _delete_as_the_api_does(event["instance_uuid"])
+
+    with pytest.raises(errors.UnexpectedTaskState):
+        boot.finish_build(event)
+
+    assert boot.check_build_committed(event) == {"committed": False}
+    boot.unbind_resources_at_dest(event)
+    assert _port_states(event["instance_uuid"]) == [("DOWN", [])]
+
+
+def test_fail_build_of_a_server_being_deleted_releases_the_claim_and_leaves_the_rest_to_the_delete(cloud):
+    event = _spawned(cloud["image_id"])
+    _delete_as_the_api_does(event["instance_uuid"])
+    event["error"] = {"Error": "Ferry.SpawnFailed", "Cause": "disk full"}
+
+    assert boot.fail_build(event) == {}
+
+    assert placement.get_allocations(event["instance_uuid"]) == {}
+    instance = _instance(event["instance_uuid"])
+    assert (instance.vm_state, instance.task_state) == (states.BUILDING, states.DELETING)
+    with cell_session("cell1") as session:
+        assert session.scalars(select(InstanceFault)).first() is None
+
+
+def test_fail_build_of_a_server_whose_delete_finished_meanwhile_releases_the_claim(cloud):
+    event = _spawned(cloud["image_id"])
+    _delete_as_the_api_does(event["instance_uuid"])
+    delete.finish_delete({"instance_uuid": event["instance_uuid"], "request_id": "req-del", "cell": "cell1"})
+    placement.claim(event["instance_uuid"], "demo", "u1",  # a reschedule's claim that landed after it
+                    {placement.provider_by_host("cell1-host2"): {"VCPU": 2, "MEMORY_MB": 1024, "DISK_GB": 2}})
+
+    assert boot.fail_build({**event, "error": {"Error": "Ferry.SpawnFailed", "Cause": "disk full"}}) == {}
+
+    assert placement.get_allocations(event["instance_uuid"]) == {}
+    assert _instance(event["instance_uuid"]).deleted
+
+
+def test_no_valid_host_for_a_server_deleted_before_it_was_scheduled_is_not_buried(cloud):
+    # GIVEN no host fits, and the owner deletes the server before the workflow fails the build
+    event = accept_server(cloud["image_id"], flavor={**FLAVOR, "vcpus": 64})
+    with pytest.raises(errors.NoValidHost) as raised:
+        boot.select_destinations(event)
+    _delete_unscheduled(event["instance_uuid"])
+
+    assert boot.fail_build({**event, "error": {"Error": "Ferry.NoValidHost", "Cause": raised.value.message}}) == {}
+
+    with cell_session("cell0") as session:
+        assert session.scalars(select(Instance)).first() is None
+    with api_session() as session:
+        mapping = session.scalars(select(InstanceMapping)).one()
+    assert (mapping.cell, mapping.queued_for_delete) == (None, True)
+
+
+def test_reschedule_of_a_server_being_deleted_claims_no_alternate(cloud):
+    event = _spawned(cloud["image_id"])
+    first, [alternate] = event["destination"]["host"], event["destination"]["alternates"]
+    boot.unbind_resources_at_dest(event)
+    _delete_as_the_api_does(event["instance_uuid"])
+
+    with pytest.raises(errors.UnexpectedTaskState):
+        boot.reschedule_build(event)
+
+    assert used_on(alternate["host"]) == {}
+    assert used_on(first) == {"VCPU": 2, "MEMORY_MB": 1024, "DISK_GB": 2}  # FailBuild releases it
+
+
+def test_reschedule_run_twice_claims_the_alternate_once(cloud):
+    event = _spawned(cloud["image_id"])
+    boot.unbind_resources_at_dest(event)
+
+    first = boot.reschedule_build(event)
+    again = boot.reschedule_build(event)  # a retried invocation whose first run had finished
+
+    assert again == first
+    assert used_on(event["destination"]["host"]) == {}
+    assert used_on(first["host"]) == {"VCPU": 2, "MEMORY_MB": 1024, "DISK_GB": 2}
+    instance = _instance(event["instance_uuid"])
+    assert (instance.host, instance.task_state) == (None, states.SCHEDULING)
+
+
+@pytest.mark.parametrize("failure", [errors.BuildRequestChanged("kept changing"), RuntimeError("timed out")],
+                         ids=["hand-over-refused", "step-died"])
+def test_a_retried_select_destinations_for_a_server_deleted_since_the_claim_is_abandoned(cloud, monkeypatch,
+                                                                                          failure):
+    # GIVEN the first run claimed a host and failed before handing the server over
+    event = accept_server(cloud["image_id"])
+
+    def failing_hand_over(uuid, cell):
+        raise failure
+
+    monkeypatch.setattr(boot, "_hand_over", failing_hand_over)
+    with pytest.raises(type(failure)):
+        boot.select_destinations(event)
+    monkeypatch.undo()
+    assert placement.get_allocations(event["instance_uuid"]) != {}
+    # AND the owner deleted the server before the retry
+    _delete_unscheduled(event["instance_uuid"])
+
+    # WHEN the step is retried
+    assert boot.select_destinations(event) == {"abandoned": True}
+
+    # THEN no claim and no copy of the server is left
+    assert placement.get_allocations(event["instance_uuid"]) == {}
+    with cell_session("cell1") as session:
+        assert session.scalars(select(Instance)).first() is None
+        assert session.scalars(select(InstanceAction)).first() is None

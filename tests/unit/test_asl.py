@@ -186,7 +186,7 @@ OUTLAST_AN_OUTAGE = [
     ("confirm_resize", "RestoreVerifyResize"), ("confirm_resize", "FailConfirm"),
     ("revert_resize", "RestoreVerifyResize"), ("revert_resize", "FailRevert"),
     ("drain", "RecordFailure"), ("drain", "SettleServer"),
-    ("boot", "FailBuild"), ("delete", "FailDelete"), ("power", "FailPowerAction"),
+    ("boot", "FailBuild"), ("boot", "CheckBuildCommitted"), ("delete", "FailDelete"), ("power", "FailPowerAction"),
     ("volume_attachment", "FailVolumeOperation"),
 ]
 

@@ -2,8 +2,12 @@
 
 SelectDestinations → BindResourcesAtDest → SpawnOnHost (host agent) → FinishBuild.
 A failure after the claim runs DestroyAtDest (host agent) → UnbindResourcesAtDest →
-RescheduleBuild while alternates remain, else FailBuild. Every step takes the workflow's
-state document and is safe to run twice.
+RescheduleBuild while alternates remain, else FailBuild. A FinishBuild that failed goes
+through CheckBuildCommitted first: a build that committed stands. Every step takes the
+workflow's state document and is safe to run twice.
+
+A server may be deleted while it is built (the API accepts a delete in task ``scheduling`` or
+``spawning``): the steps then claim nothing more, and FailBuild only releases the claim.
 """
 
 from __future__ import annotations
@@ -85,6 +89,12 @@ def select_destinations(event: dict[str, Any]) -> dict[str, Any]:
             return {"abandoned": True}
         selections = scheduler.select_destinations(spec_row.spec)
         chosen, alternates = selections[0], selections[1:]
+    elif build is None and _cell_unless_deleted(uuid) is None:
+        # An earlier run claimed and failed before the hand-over; the owner deleted the server since.
+        logger.info("server deleted after its host was claimed; claim released", extra={"instance_uuid": uuid})
+        _remove_unmapped_copy(uuid, chosen.cell)
+        placement.delete_allocations(uuid)
+        return {"abandoned": True}
     if build is not None and not _materialize(build, chosen, event["request_id"]):
         placement.delete_allocations(uuid)
         return {"abandoned": True}
@@ -107,6 +117,17 @@ def _materialize(build: BuildRequest, selection: scheduler.Selection, request_id
         _remove_unmapped_copy(uuid, selection.cell)
         raise
     return handed_over or not _remove_unmapped_copy(uuid, selection.cell)
+
+
+def _cell_unless_deleted(uuid: str) -> str | None:
+    """The cell the server's instance mapping names; None when the mapping says the server was
+    deleted: it is gone (dropped with its build request), names no cell once the build request
+    is gone (the API deleted the server before it was handed over), or is queued for delete."""
+    with api_session() as session:
+        mapping = session.scalars(select(InstanceMapping).where(InstanceMapping.instance_uuid == uuid)).one_or_none()
+        if mapping is None or mapping.cell is None or mapping.queued_for_delete:
+            return None
+        return mapping.cell.name
 
 
 def _remove_unmapped_copy(uuid: str, cell: str) -> bool:
@@ -247,11 +268,13 @@ def _attach_volumes(session: Any, uuid: str, host: str, bdms: list[BlockDeviceMa
 
 
 def unbind_resources_at_dest(event: dict[str, Any]) -> dict[str, Any]:
-    """Rollback of BindResourcesAtDest: drop the destination's port bindings and volume attachments."""
+    """Rollback of BindResourcesAtDest (and of FinishBuild's ports): drop the destination's port
+    bindings and volume attachments; the ports, bound nowhere now, are DOWN."""
     uuid, host = event["instance_uuid"], event["destination"]["host"]
     with api_session() as session:
         port_ids = select(Port.id).where(Port.device_id == uuid)
         session.execute(delete(PortBinding).where(PortBinding.port_id.in_(port_ids), PortBinding.host == host))
+        session.execute(update(Port).where(Port.device_id == uuid).values(status="DOWN"))
         for attachment in session.scalars(select(VolumeAttachment).where(
                 VolumeAttachment.instance_uuid == uuid, VolumeAttachment.host == host)):
             attachment.host, attachment.status = None, "reserved"
@@ -261,42 +284,85 @@ def unbind_resources_at_dest(event: dict[str, Any]) -> dict[str, Any]:
 def reschedule_build(event: dict[str, Any]) -> dict[str, Any]:
     """Move the claim to the next alternate host after a failed spawn (Nova's build reschedule).
 
+    The server is taken off the failed host (task ``scheduling``) before the alternate is
+    claimed, so a server deleted meanwhile claims nothing. Run again, it claims the same
+    alternate (the claim replaces the server's own).
+
     Raises:
-        NoValidHost: the alternate no longer fits (the workflow then fails the build).
+        NoValidHost: no alternate is left, or the alternate no longer fits (the workflow then
+            fails the build).
+        UnexpectedTaskState: the server is no longer being built (it is being deleted).
     """
     uuid, dest = event["instance_uuid"], event["destination"]
     alternates = [scheduler.Selection.from_dict(a) for a in dest.get("alternates", [])]
     if not alternates:
         raise errors.NoValidHost("No alternate host is left to reschedule to.")
+    if alternates[0].cell != dest["cell"]:
+        raise errors.NoValidHost("Alternate hosts of a build stay in the cell the build started in.")
+    with cell_session(dest["cell"]) as session:
+        instances.update_cas(session, uuid, {"host": None, "node": None, "task_state": states.SCHEDULING},
+                             expected_task_state=(states.SPAWNING, states.SCHEDULING))
     with api_session() as session:
         spec = session.scalars(select(RequestSpec).where(RequestSpec.instance_uuid == uuid)).one().spec
     spec = {**spec, "ignore_hosts": sorted(set(spec.get("ignore_hosts") or []) | {dest["host"]})}
     chosen = scheduler.claim_alternate(spec, alternates[0])
-    with cell_session(dest["cell"]) as session:
-        instances.update_cas(session, uuid, {"host": None, "node": None, "task_state": states.SCHEDULING},
-                             expected_task_state=(states.SPAWNING, states.SCHEDULING))
-    if chosen.cell != dest["cell"]:
-        raise errors.NoValidHost("Alternate hosts of a build stay in the cell the build started in.")
     logger.info("build rescheduled", extra={"instance_uuid": uuid, "from": dest["host"], "to": chosen.host})
     return _destination(chosen, alternates[1:])
 
 
 def finish_build(event: dict[str, Any]) -> dict[str, Any]:
-    """Mark the spawned server ACTIVE with the power state its host reported."""
+    """Mark the spawned server ACTIVE (SHUTOFF if its host reported it off) with that power state.
+
+    The ports are marked ACTIVE first, in the API database; the cell's commit comes last, so a
+    step that fails after it has nothing left undone (CheckBuildCommitted then lets the build
+    stand). Run again after it committed, it changes nothing.
+
+    Raises:
+        UnexpectedTaskState: the server is no longer spawning (it is being deleted).
+        InstanceNotFound: the server is gone.
+    """
     uuid, dest = event["instance_uuid"], event["destination"]
     power_state = int(event.get("spawn", {}).get("power_state", states.RUNNING))
-    now = utcnow()
     with cell_session(dest["cell"]) as session:
-        if instances.get(session, uuid).vm_state == states.ACTIVE:
+        if _build_committed(instances.get(session, uuid), dest["host"]):
             return {}
-        instances.update_cas(session, uuid, {
-            "vm_state": states.vm_state_from_power(power_state), "task_state": None, "power_state": power_state,
-            "launched_at": now, "launched_on": dest["host"]}, expected_task_state=(states.SPAWNING,))
-        actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"], event=EVENT_BUILD,
-                             host=dest["host"])
     with api_session() as session:
         session.execute(update(Port).where(Port.device_id == uuid).values(status="ACTIVE"))
+    with cell_session(dest["cell"]) as session:
+        instances.update_cas(session, uuid, {
+            "vm_state": states.vm_state_from_power(power_state), "task_state": None, "power_state": power_state,
+            "launched_at": utcnow(), "launched_on": dest["host"]}, expected_task_state=(states.SPAWNING,))
+        actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"], event=EVENT_BUILD,
+                             host=dest["host"])
     return {}
+
+
+def _build_committed(instance: Instance, host: str) -> bool:
+    """Whether FinishBuild's commit on ``host`` happened: only it sets ``launched_on`` in a boot, and
+    with it a settled vm_state. The task is not asked: the owner may have started another since."""
+    return instance.launched_on == host and instance.vm_state != states.BUILDING
+
+
+def check_build_committed(event: dict[str, Any]) -> dict[str, Any]:
+    """Whether FinishBuild committed before it failed (the ``Catch`` of FinishBuild comes here).
+
+    A FinishBuild that failed after its commit (its response lost, the function timed out) has
+    made the server ACTIVE on the destination, where its owner may already use it: rolling the
+    build back then would destroy the guest the records point at. So the build stands. A server
+    deleted after the commit counts as committed too (its delete cleans up after it).
+
+    Returns:
+        ``{"committed": bool}``.
+    """
+    uuid, dest = event["instance_uuid"], event["destination"]
+    with cell_session(dest["cell"]) as session:
+        instance = session.scalars(select(Instance).where(Instance.uuid == uuid)).one_or_none()
+        committed = instance is not None and _build_committed(instance, dest["host"])
+    if committed:
+        logger.warning("FinishBuild failed after it committed: the build stands",
+                       extra={"instance_uuid": uuid, "host": dest["host"],
+                              "error": error_message(event.get("error") or {})})
+    return {"committed": committed}
 
 
 def fail_build(event: dict[str, Any]) -> dict[str, Any]:
@@ -304,6 +370,8 @@ def fail_build(event: dict[str, Any]) -> dict[str, Any]:
 
     A server that was never scheduled is buried in cell0, as Nova does. When the destination
     could not be cleaned up (``cleanup_error``), the fault says what may be left on which host.
+    A server deleted meanwhile (its mapping says so, its instance is gone or deleted, or its task
+    is ``deleting``) is left to its delete: only the claim is released.
     """
     uuid = event["instance_uuid"]
     error = event.get("error") or {}
@@ -315,14 +383,21 @@ def fail_build(event: dict[str, Any]) -> dict[str, Any]:
         _remove_unhanded_copies(uuid)
         _bury_in_cell0(build, event["request_id"], message)
         return {}
-    cell = instances.cell_of(uuid)
+    cell = _cell_unless_deleted(uuid)
+    if cell is None:
+        _remove_unhanded_copies(uuid)
+        _deleted_meanwhile(uuid, message)
+        return {}
     details = None
     if event.get("cleanup_error"):
         host = event.get("destination", {}).get("host")
         details = (f"Cleanup on host {host} failed ({error_message(event['cleanup_error'])}); "
                    f"the guest or its disks may remain there.")
     with cell_session(cell) as session:
-        instance = instances.get(session, uuid)
+        instance = session.scalars(select(Instance).where(Instance.uuid == uuid)).one_or_none()
+        if instance is None or instance.deleted or instance.task_state == states.DELETING:
+            _deleted_meanwhile(uuid, message)
+            return {}
         if instance.vm_state == states.ERROR and instance.task_state is None:
             return {}
         instances.update_cas(session, uuid, {"vm_state": states.ERROR, "task_state": None},
@@ -331,6 +406,11 @@ def fail_build(event: dict[str, Any]) -> dict[str, Any]:
         actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"], event=EVENT_BUILD,
                              host=instance.host, error=error or None)
     return {}
+
+
+def _deleted_meanwhile(uuid: str, message: str) -> None:
+    logger.info("build failed for a server deleted meanwhile: claim released, nothing else to record",
+                extra={"instance_uuid": uuid, "error": message})
 
 
 def _remove_unhanded_copies(uuid: str) -> None:
