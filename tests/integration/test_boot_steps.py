@@ -288,6 +288,27 @@ def test_power_action_settles_vm_state_from_the_reported_power_state(cloud, oper
     assert (instance.vm_state, instance.task_state, instance.power_state) == (vm_state, None, power_state)
 
 
+@pytest.mark.parametrize(("operation", "task", "reported", "vm_state"), [
+    (protocol.POWER_OFF, states.POWERING_OFF, states.CRASHED, states.STOPPED),
+    (protocol.POWER_ON, states.POWERING_ON, states.PAUSED_POWER, states.ACTIVE),
+])
+def test_a_finished_power_action_sets_vm_state_by_the_operation_whatever_power_state_is_reported(
+        cloud, operation, task, reported, vm_state):
+    # GIVEN a stop (or start) whose host reports a power state other than the expected one
+    event = accept_server(cloud["image_id"])
+    boot.select_destinations(event)
+    with cell_session("cell1") as session:
+        session.execute(Instance.__table__.update().values(task_state=task))
+
+    power.finish_power_action({"instance_uuid": event["instance_uuid"], "request_id": "r", "cell": "cell1",
+                               "operation": operation, "result": {"power_state": reported}})
+
+    # THEN the server is stopped (or active) as Nova's stop and start leave it, the power state recorded
+    with cell_session("cell1") as session:
+        instance = session.scalars(select(Instance)).one()
+    assert (instance.vm_state, instance.task_state, instance.power_state) == (vm_state, None, reported)
+
+
 def test_failed_power_action_keeps_vm_state_and_records_fault(cloud):
     event = accept_server(cloud["image_id"])
     boot.select_destinations(event)
