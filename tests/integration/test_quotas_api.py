@@ -114,6 +114,15 @@ def test_per_user_quotas_are_refused(cloud):
     assert response.status == 400
 
 
+def test_deleting_a_users_quota_is_refused_and_keeps_the_projects(cloud):
+    call("PUT", "/v2.1/os-quota-sets/project-a", caller=ADMIN, body={"quota_set": {"cores": 40}})
+
+    response = call("DELETE", "/v2.1/os-quota-sets/project-a", caller=ADMIN, query={"user_id": "alice"})
+
+    assert response.status == 400, response.body
+    assert quotas.limits("project-a")["cores"] == 40
+
+
 def test_detail_shows_usage(cloud):
     active_server()
     create_server(name="still-building", flavorRef="2")

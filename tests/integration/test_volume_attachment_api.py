@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from test_api_support import ADMIN, PASS_DEFINITION, ROLE_ARN, Caller, call, mocked_cloud
 from verify_resize_helpers import (
+    CELL,
     DEST,
     OTHER,
     PROJECT,
@@ -30,7 +31,8 @@ from verify_resize_helpers import (
 from ferry import aws, config, protocol
 from ferry.compute import states
 from ferry.store.api_models import Network
-from ferry.store.db import api_session
+from ferry.store.cell_models import BlockDeviceMapping
+from ferry.store.db import api_session, cell_session
 from ferry.workflows import volume_attachment as va
 
 OWNER = Caller(USER, PROJECT)
@@ -75,6 +77,21 @@ def test_attach_answers_200_with_the_attachment_and_starts_the_workflow(cloud, t
     assert execution["input"]["operation"] == "attach" and execution["input"]["volume_id"] == volume_id
     assert attachments(resized.instance_uuid) == {DEST: "reserved", SOURCE: "reserved"}
     assert volume_status(volume_id) == va.ATTACHING
+
+
+@pytest.mark.parametrize("version", ["2.88", "2.89", "2.96"])
+def test_attach_answers_in_novas_create_shape_at_every_microversion(cloud, tmp_path, version):
+    # Only list and show change at 2.89; the create response keeps ``id`` and shows no attachment_id.
+    resized = make_resized(state_dir=tmp_path)
+    volume_id = make_volume(tmp_path)
+
+    response = attach(resized.instance_uuid, {"volumeAttachment": {"volumeId": volume_id, "tag": "data"}},
+                      version=version)
+
+    assert response.status == 200, response.body
+    assert response.body == {"volumeAttachment": {"id": volume_id, "serverId": resized.instance_uuid,
+                                                  "volumeId": volume_id, "device": "/dev/vdd", "tag": "data",
+                                                  "delete_on_termination": False}}
 
 
 def test_list_and_show_in_nova_shapes_per_microversion(cloud, tmp_path):
@@ -192,3 +209,22 @@ def test_an_admin_may_attach_to_any_project_server(cloud, tmp_path):
     response = attach(resized.instance_uuid, {"volumeAttachment": {"volumeId": volume_id}}, caller=ADMIN)
 
     assert response.status == 200, json.dumps(response.body)
+
+
+def test_a_detach_through_a_stale_mapping_is_409_and_leaves_the_holder_alone(cloud, tmp_path):
+    # GIVEN a volume in use by one server, and another whose block device mapping of it is stale
+    holder, stale = make_resized(volume=True, state_dir=tmp_path), make_resized(state_dir=tmp_path)
+    volume_id = holder.volume_id
+    assert volume_id is not None
+    with cell_session(CELL) as session:
+        session.add(BlockDeviceMapping(instance_uuid=stale.instance_uuid, source_type="volume",
+                                       destination_type="volume", device_name="vdd", boot_index=None,
+                                       volume_id=volume_id))
+
+    response = call("DELETE", path(stale.instance_uuid, volume_id), caller=OWNER)
+
+    assert response.status == 409, response.body
+    assert volume_status(volume_id) == "in-use"
+    assert attachments(holder.instance_uuid) == {DEST: "attached", SOURCE: "attached"}
+    assert instance_row(stale.instance_uuid).task_state is None
+    assert cloud.executions("volume_attachment") == []

@@ -8,6 +8,7 @@ from typing import Any
 import jsonschema
 import pytest
 from sqlalchemy import select
+from sqlalchemy.exc import OperationalError
 from verify_resize_helpers import (
     CELL,
     DEST,
@@ -33,8 +34,9 @@ from ferry import errors, placement, protocol, workflows
 from ferry.auth import RequestContext
 from ferry.compute import api as compute_api
 from ferry.compute import states
+from ferry.store.api_models import VolumeAttachment
 from ferry.store.cell_models import BlockDeviceMapping
-from ferry.store.db import cell_session
+from ferry.store.db import api_session, cell_session
 from ferry.workflows import confirm_resize, revert_resize
 from ferry.workflows import volume_attachment as va
 
@@ -73,17 +75,45 @@ def bdms(instance_uuid: str) -> list[tuple[str | None, bool]]:
             select(BlockDeviceMapping).where(BlockDeviceMapping.instance_uuid == instance_uuid))]
 
 
-def run_attach(payload: dict[str, Any]) -> dict[str, Any]:
-    """CheckVolumeOperation → AttachAtHost (answered) → FinishVolumeOperation."""
+def done_at_host(payload: dict[str, Any]) -> dict[str, Any]:
+    """CheckVolumeOperation → AttachAtHost or DetachAtHost (answered): FinishVolumeOperation's input."""
     event = {**payload, "volume_op": va.check_volume_operation(payload)}
     args = event["volume_op"]["args"]
     jsonschema.validate(args, protocol.ARGS_SCHEMAS[protocol.ATTACH_VOLUME if payload["operation"] == va.ATTACH
                                                     else protocol.DETACH_VOLUME])
     event["attached" if payload["operation"] == va.ATTACH else "detached"] = host_result(
         event["volume_op"]["host"], payload["instance_uuid"], states.RUNNING)
+    return event
+
+
+def run_attach(payload: dict[str, Any]) -> dict[str, Any]:
+    """CheckVolumeOperation → AttachAtHost (answered) → FinishVolumeOperation."""
+    event = done_at_host(payload)
     va.finish_volume_operation(event)
     va.finish_volume_operation(event)  # delivered twice
     return event
+
+
+def finish_with_the_cell_unreachable(event: dict[str, Any], monkeypatch) -> dict[str, Any]:
+    """FinishVolumeOperation and its three retries, each committing the API database's part and then
+    failing on the cell's; returns FailVolumeOperation's input (after UndoAttach, and for an attach
+    DetachAfterFailedAttach answered)."""
+    def unreachable(*args: Any, **kwargs: Any) -> Any:
+        raise OperationalError("SELECT 1", {}, ConnectionRefusedError("cell database unreachable"))
+
+    with monkeypatch.context() as patched:
+        patched.setattr(va, "cell_session", unreachable)
+        for _ in range(4):
+            with pytest.raises(OperationalError):
+                va.finish_volume_operation(event)
+    return {**event, "error": {"Error": "OperationalError", "Cause": "cell database unreachable"}}
+
+
+def hold(volume_id: str, instance_uuid: str, host: str = DEST) -> None:
+    """An attachment of another server holds the volume (a boot's reservation, or records left over)."""
+    with api_session() as session:
+        session.add(VolumeAttachment(volume_id=volume_id, instance_uuid=instance_uuid, host=host, device="vde",
+                                     status="attached"))
 
 
 def test_a_volume_attached_while_resized_is_restored_by_the_revert(started, monkeypatch, tmp_path):
@@ -290,10 +320,10 @@ def accepted_between_check_and_take(kind: str, resized: Resized, monkeypatch) ->
     accepted: list[dict[str, Any]] = []
     swap = va._swap_volume_status
 
-    def swap_after_accepting(volume_id: str, expected: str, status: str) -> bool:
+    def swap_after_accepting(volume_id: str, expected: str, status: str, *holders: Any) -> bool:
         if not accepted:
             accepted.append(begin(kind, resized, monkeypatch))
-        return swap(volume_id, expected, status)
+        return swap(volume_id, expected, status, *holders)
 
     monkeypatch.setattr(va, "_swap_volume_status", swap_after_accepting)
     return accepted
@@ -341,3 +371,107 @@ def test_a_revert_accepted_while_an_attach_checks_the_server_wins_and_the_attach
     assert volume_status(volume_id) == "available" and attachments(resized.instance_uuid) == {}
     assert started.payloads == []
     assert revert_resize.check_resize_to_revert(revert)["dest"]["host"] == DEST
+
+
+def test_an_attach_whose_cell_records_fail_after_its_volume_records_frees_the_volume(started, monkeypatch,
+                                                                                    tmp_path):
+    # GIVEN an attach done on the host whose FinishVolumeOperation committed the volume's records
+    # (attachment attached, volume in-use) but not the cell's, through all its retries
+    resized = make_resized(state_dir=tmp_path)
+    volume_id = make_volume(tmp_path)
+    va.begin_attach(owner(), location(resized), volume_id)
+    failed = finish_with_the_cell_unreachable(done_at_host(started.payloads[0]), monkeypatch)
+    assert volume_status(volume_id) == va.IN_USE
+
+    # WHEN the rollback tail runs (delivered twice)
+    va.fail_volume_operation(failed)
+    va.fail_volume_operation(failed)
+
+    # THEN nothing of the attach is left and the volume is free for another server
+    assert volume_status(volume_id) == va.AVAILABLE
+    assert attachments(resized.instance_uuid) == {}
+    assert bdms(resized.instance_uuid) == []
+    assert instance_row(resized.instance_uuid).task_state is None
+    assert events(resized.instance_uuid) == {va.EVENT_ATTACH: "Error"}
+    other = make_resized(state_dir=tmp_path)
+    va.begin_attach(owner(), location(other), volume_id)
+    assert volume_status(volume_id) == va.ATTACHING
+
+
+def test_a_failed_attach_delivered_again_leaves_alone_a_volume_another_server_now_holds(started, tmp_path):
+    # GIVEN a failed attach rolled back, and the volume then attached to another server
+    resized, other = make_resized(state_dir=tmp_path), make_resized(state_dir=tmp_path)
+    volume_id = make_volume(tmp_path)
+    va.begin_attach(owner(), location(resized), volume_id)
+    failed = {**done_at_host(started.payloads[0]), "error": {"Error": "Ferry.HypervisorError", "Cause": "busy"}}
+    va.fail_volume_operation(failed)
+    va.begin_attach(owner(), location(other), volume_id)
+    run_attach(started.payloads[1])
+
+    # WHEN the first attach's rollback tail is delivered again
+    va.fail_volume_operation(failed)
+
+    # THEN the other server keeps the volume
+    assert volume_status(volume_id) == va.IN_USE
+    assert attachments(other.instance_uuid) == {DEST: "attached", SOURCE: "reserved"}
+
+
+def test_a_detach_whose_cell_records_fail_after_its_volume_records_deletes_the_mapping(started, monkeypatch,
+                                                                                      tmp_path):
+    # GIVEN a detach done on the host whose FinishVolumeOperation committed the volume's records
+    # (attachments gone, volume available) but not the cell's, through all its retries
+    resized = make_resized(volume=True, state_dir=tmp_path)
+    volume_id = resized.volume_id
+    assert volume_id is not None
+    va.begin_detach(owner(), location(resized), volume_id)
+    failed = finish_with_the_cell_unreachable(done_at_host(started.payloads[0]), monkeypatch)
+    assert (volume_status(volume_id), attachments(resized.instance_uuid)) == (va.AVAILABLE, {})
+
+    # WHEN the rollback tail runs (delivered twice)
+    va.fail_volume_operation(failed)
+    va.fail_volume_operation(failed)
+
+    # THEN the server no longer lists the volume: the mapping follows the records (the host did detach it)
+    assert bdms(resized.instance_uuid) == [(volume_id, True)]
+    assert va.list_attachments(location(resized)) == []
+    assert volume_status(volume_id) == va.AVAILABLE
+    assert instance_row(resized.instance_uuid).task_state is None
+    [fault] = faults(resized.instance_uuid)
+    assert "mapping is removed" in str(fault.details)
+    # and once another server holds the volume, the first cannot detach it from under that server
+    other = make_resized(state_dir=tmp_path)
+    va.begin_attach(owner(), location(other), volume_id)
+    run_attach(started.payloads[1])
+    with pytest.raises(errors.VolumeNotAttached):
+        va.begin_detach(owner(), location(resized), volume_id)
+    assert volume_status(volume_id) == va.IN_USE
+
+
+def test_an_attach_is_refused_while_a_server_holds_the_volume_whatever_its_status(started, tmp_path):
+    # GIVEN a volume recorded available that another server's attachment still holds
+    resized, holder = make_resized(state_dir=tmp_path), make_resized(state_dir=tmp_path)
+    volume_id = make_volume(tmp_path)
+    hold(volume_id, holder.instance_uuid)
+
+    with pytest.raises(errors.VolumeInUse):
+        va.begin_attach(owner(), location(resized), volume_id)
+
+    assert volume_status(volume_id) == va.AVAILABLE
+    assert attachments(resized.instance_uuid) == {} and bdms(resized.instance_uuid) == []
+    assert instance_row(resized.instance_uuid).task_state is None
+    assert started.payloads == []
+
+
+def test_a_detach_leaves_the_volume_in_use_while_another_server_still_holds_it(started, tmp_path):
+    # GIVEN a detach under way, and another server's attachment holding the volume too
+    resized, holder = make_resized(volume=True, state_dir=tmp_path), make_resized(state_dir=tmp_path)
+    volume_id = resized.volume_id
+    assert volume_id is not None
+    va.begin_detach(owner(), location(resized), volume_id)
+    hold(volume_id, holder.instance_uuid)
+
+    run_attach(started.payloads[0])
+
+    assert attachments(resized.instance_uuid) == {}
+    assert attachments(holder.instance_uuid) == {DEST: "attached"}
+    assert volume_status(volume_id) == va.IN_USE

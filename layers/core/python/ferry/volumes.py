@@ -109,6 +109,13 @@ def unheld() -> ColumnElement[bool]:
     return ~exists().where(VolumeAttachment.volume_id == Volume.id)
 
 
+def held_by(instance_uuid: str) -> ColumnElement[bool]:
+    """The condition that an attachment of the server ``instance_uuid`` holds the volume (for
+    one-statement changes that must not take a volume another server holds, such as a detach
+    asked of a server whose block device mapping is stale)."""
+    return exists().where(VolumeAttachment.volume_id == Volume.id, VolumeAttachment.instance_uuid == instance_uuid)
+
+
 def register(session: Session, *, project_id: str, size_gb: int, path: str, name: str | None = None,
              volume_id: str | None = None) -> Volume:
     """Record a volume at ``path`` (storage every host reaches) for ``project_id``; ``available``.

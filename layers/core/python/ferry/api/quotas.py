@@ -70,6 +70,7 @@ def update_quota_set(project_id: str) -> Response:
 def delete_quota_set(project_id: str) -> Response:
     ctx = request.caller(router)
     policy.enforce(ctx, "os_compute_api:os-quota-sets:delete", {"project_id": project_id})
+    _project_only()  # else ``?user_id=`` would reset the whole project's overrides
     quotas.reset(project_id)
     return request.empty(202)
 

@@ -44,7 +44,7 @@ def attach_schema(version: APIVersion) -> dict[str, Any]:
 
 
 def attachment_view(view: ViewContext, attachment: Attachment) -> dict[str, Any]:
-    """An attachment as Nova shows it at the request's microversion."""
+    """An attachment as Nova lists and shows it at the request's microversion."""
     body: dict[str, Any] = {"device": attachment.device_path, "serverId": attachment.server_id,
                             "volumeId": attachment.volume_id}
     if not view.at_least("2.89"):
@@ -56,6 +56,18 @@ def attachment_view(view: ViewContext, attachment: Attachment) -> dict[str, Any]
     if view.at_least("2.89"):
         body["attachment_id"] = attachment.attachment_id
         body["bdm_uuid"] = attachment.bdm_uuid
+    return body
+
+
+def created_view(view: ViewContext, attachment: Attachment) -> dict[str, Any]:
+    """The attachment an attach answers with: Nova's create response keeps ``id`` and never
+    shows ``attachment_id``/``bdm_uuid`` (only list and show change at 2.89)."""
+    body: dict[str, Any] = {"id": attachment.volume_id, "device": attachment.device_path,
+                            "serverId": attachment.server_id, "volumeId": attachment.volume_id}
+    if view.at_least("2.70"):
+        body["tag"] = attachment.tag
+    if view.at_least("2.79"):
+        body["delete_on_termination"] = attachment.delete_on_termination
     return body
 
 
@@ -98,7 +110,7 @@ def attach_volume(server_id: str) -> Response:
     attachment = volume_attachment.begin_attach(
         view.ctx, location, str(compute_api.normalize_uuid(wanted["volumeId"])),
         delete_on_termination=bool(wanted.get("delete_on_termination", False)), tag=wanted.get("tag"))
-    return request.json_response(200, {"volumeAttachment": attachment_view(view, attachment)})
+    return request.json_response(200, {"volumeAttachment": created_view(view, attachment)})
 
 
 @router.delete("/servers/<server_id>/os-volume_attachments/<volume_id>")

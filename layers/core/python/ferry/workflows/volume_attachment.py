@@ -2,17 +2,18 @@
 ``statemachine/volume_attachment.asl.json``.
 
 Attach: the API checks the volume (``available``) and the server (ACTIVE, SHUTOFF or
-VERIFY_RESIZE, no task), takes both with compare-and-swaps — the volume ``available`` →
-``attaching``, the server's task_state none → ``attaching_volume`` — writes the block device
-mapping and a ``reserved`` attachment on the server's host, records ``attach_volume`` and starts
-the workflow: CheckVolumeOperation → AttachAtHost (host agent) → FinishVolumeOperation (the
-attachment ``attached``, the volume ``in-use``, the task cleared). A server in VERIFY_RESIZE also
-gets a ``reserved`` attachment on its migration's source host, so a revert restores the old guest
-with the volume; a confirm drops it.
+VERIFY_RESIZE, no task), takes both with compare-and-swaps — the volume ``available`` and held
+by no attachment → ``attaching``, the server's task_state none → ``attaching_volume`` — writes
+the block device mapping and a ``reserved`` attachment on the server's host, records
+``attach_volume`` and starts the workflow: CheckVolumeOperation → AttachAtHost (host agent) →
+FinishVolumeOperation (the attachment ``attached``, the volume ``in-use``, the task cleared). A
+server in VERIFY_RESIZE also gets a ``reserved`` attachment on its migration's source host, so a
+revert restores the old guest with the volume; a confirm drops it.
 
-Detach: the volume ``in-use`` → ``detaching``, the task none → ``detaching_volume``; then
-CheckVolumeOperation → DetachAtHost → FinishVolumeOperation (every attachment of the volume to
-the server goes — both hosts' in VERIFY_RESIZE —, the volume ``available``, the mapping deleted).
+Detach: the volume ``in-use`` and held by an attachment of this server → ``detaching`` (a
+mapping alone may be stale), the task none → ``detaching_volume``; then CheckVolumeOperation →
+DetachAtHost → FinishVolumeOperation (every attachment of the volume to the server goes — both
+hosts' in VERIFY_RESIZE —, the volume ``available`` once nothing holds it, the mapping deleted).
 
 Why a task state: Nova sets none while attaching, and relies on Cinder's volume status to refuse
 a second attach of the same volume. Ferry's workflows read the attachments of a server in
@@ -24,7 +25,10 @@ vm_state says (ACTIVE, SHUTOFF, VERIFY_RESIZE).
 
 Failures roll back: a failed attach is detached on the host again and its records removed
 (volume ``available``); a failed detach leaves the volume attached (``in-use``). Either way the
-task is cleared and the instance action's event records the error.
+task is cleared and the instance action's event records the error. FinishVolumeOperation writes
+the API database, then the cell; when only the first committed, the rollback follows it: an
+attach's ``in-use`` volume is freed with the rest, a detach's records already say detached (the
+host did detach it), so its mapping is deleted rather than kept.
 
 Devices are chosen by Ferry, as Nova's libvirt driver does: the first free ``vdX`` after the
 local disks (``vda`` root, ``vdb`` ephemeral, ``vdc`` swap); a requested device name is ignored.
@@ -38,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-from sqlalchemy import CursorResult, delete, select, update
+from sqlalchemy import ColumnElement, CursorResult, delete, select, update
 from sqlalchemy.orm import Session
 
 from ferry import config, errors, hosts, volumes, workflows
@@ -185,12 +189,19 @@ def _take_server(ctx: RequestContext, session: Session, instance_uuid: str, acti
         raise errors.InstanceInvalidState(str(exc)) from exc
 
 
-def _swap_volume_status(volume_id: str, expected: str, status: str) -> bool:
+def _swap_in(session: Session, volume_id: str, expected: tuple[str, ...], status: str,
+             *holders: ColumnElement[bool]) -> bool:
+    """Compare-and-swap in one statement: the volume's status ``expected`` (and ``holders``, who
+    holds it: :func:`volumes.unheld`, :func:`volumes.held_by`) → ``status``. Whether it swapped."""
+    result = cast(CursorResult[Any], session.execute(
+        update(Volume).where(Volume.id == volume_id, Volume.status.in_(expected), *holders).values(status=status)
+        .execution_options(synchronize_session=False)))
+    return result.rowcount == 1
+
+
+def _swap_volume_status(volume_id: str, expected: str, status: str, *holders: ColumnElement[bool]) -> bool:
     with api_session() as session:
-        result = cast(CursorResult[Any], session.execute(
-            update(Volume).where(Volume.id == volume_id, Volume.status == expected).values(status=status)
-            .execution_options(synchronize_session=False)))
-        return result.rowcount == 1
+        return _swap_in(session, volume_id, (expected,), status, *holders)
 
 
 def _source_of_resize(session: Session, instance_uuid: str, host: str) -> str | None:
@@ -243,7 +254,7 @@ def begin_attach(ctx: RequestContext, location: Location, volume_id: str, *,
 
     Raises:
         VolumeNotFound: no such volume, or another project's (404).
-        VolumeInUse: the volume is not ``available`` (409).
+        VolumeInUse: the volume is not ``available``, or a server holds it (409).
         InstanceIsLocked, InstanceInvalidState: the server is locked, building, on no host, in
             another vm_state, or busy (409).
         Anything starting the execution raises, after everything written here is undone.
@@ -256,8 +267,11 @@ def begin_attach(ctx: RequestContext, location: Location, volume_id: str, *,
                                  f"Currently in '{status}'")
     with cell_session(cell) as session:
         _check_server(ctx, session, uuid, ACTION_ATTACH)
-    if not _swap_volume_status(volume_id, AVAILABLE, ATTACHING):
-        raise errors.VolumeInUse(f"Invalid volume: volume '{volume_id}' status must be 'available'.")
+    # No attachment may hold it either: a boot's reservation, or a server whose records a failed
+    # operation left behind, holds a volume whatever its status says.
+    if not _swap_volume_status(volume_id, AVAILABLE, ATTACHING, volumes.unheld()):
+        raise errors.VolumeInUse(f"Invalid volume: volume '{volume_id}' status must be 'available' "
+                                 f"and no server may hold it.")
     attachment_id = str(uuidlib.uuid4())
     try:
         with cell_session(cell) as session:
@@ -315,7 +329,8 @@ def begin_detach(ctx: RequestContext, location: Location, volume_id: str) -> Non
     Raises:
         VolumeNotAttached: the volume is not attached to this server (404).
         BadRequest: it is the server's root volume (400).
-        VolumeInUse: the volume is not ``in-use`` (being attached or detached) (409).
+        VolumeInUse: the volume is not ``in-use`` (being attached or detached), or no attachment
+            of this server holds it (the mapping is stale) (409).
         InstanceIsLocked, InstanceInvalidState: as :func:`begin_attach` (409).
         Anything starting the execution raises, after everything written here is undone.
     """
@@ -328,8 +343,11 @@ def begin_detach(ctx: RequestContext, location: Location, volume_id: str) -> Non
         if bdm.boot_index == 0:
             raise errors.BadRequest("Cannot detach a root device volume")
         _check_server(ctx, session, uuid, ACTION_DETACH)
-    if not _swap_volume_status(volume_id, IN_USE, DETACHING):
-        raise errors.VolumeInUse(f"Invalid volume: volume '{volume_id}' status must be 'in-use'.")
+    # This server must hold it: a block device mapping alone may be stale (another server may
+    # hold the volume now), and detaching would free the volume under that server.
+    if not _swap_volume_status(volume_id, IN_USE, DETACHING, volumes.held_by(uuid)):
+        raise errors.VolumeInUse(f"Invalid volume: volume '{volume_id}' status must be 'in-use' "
+                                 f"and attached to server {uuid}.")
     try:
         with cell_session(cell) as session:
             _take_server(ctx, session, uuid, ACTION_DETACH, DETACHING_VOLUME)
@@ -395,24 +413,28 @@ def check_volume_operation(event: dict[str, Any]) -> dict[str, Any]:
 
 def finish_volume_operation(event: dict[str, Any]) -> dict[str, Any]:
     """Record a done attach (attachment ``attached`` on the server's host, volume ``in-use``) or
-    detach (every attachment to the server gone, volume ``available``, mapping deleted); the task
-    is cleared. Idempotent."""
+    detach (every attachment to the server gone, volume ``available`` unless another server still
+    holds it, mapping deleted); the task is cleared. Idempotent.
+
+    The API database's part commits first, then the cell's: when the cell's fails for good,
+    FailVolumeOperation finds the volume's records already finished and settles the cell's to
+    match (:func:`fail_volume_operation`)."""
     uuid, operation, volume_id = event["instance_uuid"], event["operation"], event["volume_id"]
     host = event["volume_op"]["host"]
     with api_session() as session:
-        volume = session.get(Volume, volume_id)
         mine = [a for a in volumes.attachments(session, uuid) if a.volume_id == volume_id]
         if operation == ATTACH:
             for attachment in mine:
                 if attachment.host == host:
                     attachment.status = volumes.ATTACHED
-            if volume is not None:
-                volume.status = IN_USE
+            session.flush()
+            _swap_in(session, volume_id, (ATTACHING,), IN_USE, volumes.held_by(uuid))
         else:
             for attachment in mine:
                 session.delete(attachment)
-            if volume is not None and volume.status == DETACHING:
-                volume.status = AVAILABLE
+            session.flush()
+            if not _swap_in(session, volume_id, (DETACHING,), AVAILABLE, volumes.unheld()):
+                _swap_in(session, volume_id, (DETACHING,), IN_USE)  # another server still holds it
     with cell_session(event["cell"]) as session:
         instance = live_instance(session, uuid)
         if instance is None or instance.task_state != _TASK_STATE[operation]:
@@ -429,29 +451,42 @@ def finish_volume_operation(event: dict[str, Any]) -> dict[str, Any]:
 
 
 def fail_volume_operation(event: dict[str, Any]) -> dict[str, Any]:
-    """Rollback tail: a failed attach leaves no attachment (volume ``available``, mapping removed);
-    a failed detach leaves the volume attached (``in-use``), unless the host already detached it
-    (``error_detaching``, the fault says so). The task is cleared, the event and a fault record
+    """Rollback tail: a failed attach leaves no attachment (volume ``available`` unless another
+    server holds it, mapping removed), also when FinishVolumeOperation recorded the volume
+    ``in-use`` before its cell part failed. A failed detach leaves the volume attached
+    (``in-use``), unless the host already detached it: when FinishVolumeOperation's API part
+    recorded that (no attachment of the server left) the mapping is deleted too, else the volume
+    is ``error_detaching`` (the fault says so). The task is cleared, the event and a fault record
     the error. Idempotent."""
     uuid, operation, volume_id = event["instance_uuid"], event["operation"], event["volume_id"]
     error = event.get("error") or {}
     cause = error_message(error)
     host = (event.get("volume_op") or {}).get("host")
     detached_at_host = operation == DETACH and "detached" in event
+    records_detached = False
     details = None
     if operation == ATTACH:
         with api_session() as session:
             session.execute(delete(VolumeAttachment).where(VolumeAttachment.volume_id == volume_id,
                                                            VolumeAttachment.instance_uuid == uuid))
-        _swap_volume_status(volume_id, ATTACHING, AVAILABLE)
+            # ``in-use`` when FinishVolumeOperation's API part committed and its cell part did not.
+            _swap_in(session, volume_id, (ATTACHING, IN_USE), AVAILABLE, volumes.unheld())
         if event.get("cleanup_error"):
             details = (f"Detaching the volume again on {host} failed ({error_message(event['cleanup_error'])}); "
                        f"the guest may still see it.")
-    elif detached_at_host:
-        _swap_volume_status(volume_id, DETACHING, ERROR_DETACHING)
-        details = f"Host {host} detached the volume, but the records could not be updated."
     else:
-        _swap_volume_status(volume_id, DETACHING, IN_USE)
+        with api_session() as session:
+            # A detach was accepted only while the server held the volume, and only
+            # FinishVolumeOperation's API part drops its attachments (after the host detached it).
+            records_detached = not any(a.volume_id == volume_id for a in volumes.attachments(session, uuid))
+        if records_detached:
+            details = (f"Host {host} detached the volume and its attachment records are gone; the block device "
+                       f"mapping is removed to match.")
+        elif detached_at_host:
+            _swap_volume_status(volume_id, DETACHING, ERROR_DETACHING)
+            details = f"Host {host} detached the volume, but the records could not be updated."
+        else:
+            _swap_volume_status(volume_id, DETACHING, IN_USE)
     with cell_session(event["cell"]) as session:
         instance = live_instance(session, uuid)
         if instance is None or instance.task_state != _TASK_STATE[operation]:
@@ -460,6 +495,10 @@ def fail_volume_operation(event: dict[str, Any]) -> dict[str, Any]:
             session.execute(delete(BlockDeviceMapping).where(
                 BlockDeviceMapping.instance_uuid == uuid, BlockDeviceMapping.volume_id == volume_id,
                 BlockDeviceMapping.deleted.is_(False)))
+        elif records_detached:
+            session.execute(update(BlockDeviceMapping).where(
+                BlockDeviceMapping.instance_uuid == uuid, BlockDeviceMapping.volume_id == volume_id)
+                .values(deleted=True).execution_options(synchronize_session=False))
         instances.update_cas(session, uuid, {"task_state": None}, expected_task_state=(_TASK_STATE[operation],))
         instances.add_fault(session, uuid, f"Volume {operation} of {volume_id} failed: {cause}", host=host,
                             details=details)
