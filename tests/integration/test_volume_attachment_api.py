@@ -11,6 +11,7 @@ import uuid as uuidlib
 from typing import Any
 
 import pytest
+from sqlalchemy import select, update
 from test_api_support import ADMIN, PASS_DEFINITION, ROLE_ARN, Caller, call, mocked_cloud
 from verify_resize_helpers import (
     CELL,
@@ -30,7 +31,7 @@ from verify_resize_helpers import (
 
 from ferry import aws, config, protocol
 from ferry.compute import states
-from ferry.store.api_models import Network
+from ferry.store.api_models import Network, VolumeAttachment
 from ferry.store.cell_models import BlockDeviceMapping
 from ferry.store.db import api_session, cell_session
 from ferry.workflows import volume_attachment as va
@@ -111,6 +112,27 @@ def test_list_and_show_in_nova_shapes_per_microversion(cloud, tmp_path):
     assert (body["tag"], body["delete_on_termination"], body["volumeId"]) == (None, False, volume_id)
     assert set(body) == {"device", "serverId", "volumeId", "tag", "delete_on_termination", "attachment_id",
                          "bdm_uuid"}
+
+
+def test_the_attachment_id_shown_is_that_of_the_attachment_on_the_servers_host_now(cloud, tmp_path):
+    # GIVEN a server moved to DEST with a volume whose mapping still carries its first attachment's
+    # id (the move made a new attachment on DEST; confirming it drops the one on SOURCE)
+    resized = make_resized(volume=True, state_dir=tmp_path)
+    server_id, volume_id = resized.instance_uuid, resized.volume_id
+    with api_session() as session:
+        ids = dict(session.execute(select(VolumeAttachment.host, VolumeAttachment.id).where(
+            VolumeAttachment.instance_uuid == server_id)).all())
+    with cell_session(CELL) as session:
+        session.execute(update(BlockDeviceMapping).where(BlockDeviceMapping.volume_id == volume_id)
+                        .values(attachment_id=ids[SOURCE]))
+
+    shown = call("GET", path(server_id, volume_id), caller=OWNER, version="2.89").body["volumeAttachment"]
+    set_instance(server_id, host=SOURCE, node=SOURCE)  # as a revert leaves it
+    reverted = call("GET", path(server_id), caller=OWNER, version="2.89").body["volumeAttachments"]
+
+    # THEN each shows the attachment the volume API shows for the server's host at the time
+    assert shown["attachment_id"] == ids[DEST]
+    assert [a["attachment_id"] for a in reverted] == [ids[SOURCE]]
 
 
 @pytest.mark.parametrize("body", [

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import json
 import uuid as uuidlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -51,7 +51,7 @@ from ferry.compute import actions, instances, migration_states, states
 from ferry.compute.api import Location
 from ferry.observability import logger
 from ferry.store.api_models import CellMapping, Volume, VolumeAttachment
-from ferry.store.cell_models import BlockDeviceMapping, Migration
+from ferry.store.cell_models import BlockDeviceMapping, Instance, Migration
 from ferry.store.db import api_session, cell_session
 from ferry.workflows import error_message
 from ferry.workflows.confirm_resize import VOLUME_TASK_STATES, live_instance, validate_input
@@ -131,11 +131,25 @@ def _cell_of(location: Location, action: str) -> CellMapping:
 
 
 def list_attachments(location: Location) -> list[Attachment]:
-    """The volumes attached to the server at ``location`` (a server still building has none)."""
+    """The volumes attached to the server at ``location`` (a server still building has none).
+
+    ``attachment_id`` is that of the attachment on the server's host now, as the volume API
+    shows it: a move makes a new attachment on the destination and its confirm (or revert)
+    drops the other, while the block device mapping keeps the id it was written with.
+    """
     if location.cell is None:
         return []
+    uuid = location.instance_uuid
     with cell_session(location.cell) as session:
-        return [_attachment(b) for b in _volume_bdms(session, location.instance_uuid)]
+        bdms = _volume_bdms(session, uuid)
+        host = session.scalars(select(Instance.host).where(Instance.uuid == uuid)).first()
+        found = [_attachment(b) for b in bdms]
+    if not found or host is None:
+        return found
+    with api_session() as session:
+        live = dict(session.execute(select(VolumeAttachment.volume_id, VolumeAttachment.id).where(
+            VolumeAttachment.instance_uuid == uuid, VolumeAttachment.host == host)).all())
+    return [replace(a, attachment_id=live.get(a.volume_id, a.attachment_id)) for a in found]
 
 
 def get_attachment(location: Location, volume_id: str) -> Attachment:
