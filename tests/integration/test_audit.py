@@ -9,8 +9,9 @@ leaves it), and host reports listing exactly their guests and instance directori
 from __future__ import annotations
 
 import datetime as dt
+import json
 import uuid as uuidlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from io import BytesIO
 from pathlib import Path
@@ -34,7 +35,7 @@ from verify_resize_helpers import (
     provider,
 )
 
-from ferry import audit, aws, config, hosts, images, placement
+from ferry import audit, aws, config, hosts, images, network, placement, volumes
 from ferry.compute import migration_states, states
 from ferry.store.api_models import (
     CellMapping,
@@ -49,7 +50,7 @@ from ferry.store.api_models import (
 )
 from ferry.store.cell_models import BlockDeviceMapping, Instance, Migration
 from ferry.store.db import api_session, cell_session
-from ferry.workflows.cross_cell import snapshot_image_id
+from ferry.workflows.cross_cell import snapshot_image_id, target_db_setup
 
 LONG_AGO = utcnow() - dt.timedelta(hours=1)
 
@@ -150,6 +151,33 @@ def found(report: audit.AuditReport, kind: str) -> list[audit.Problem]:
     return problems
 
 
+def fix_with_race(monkeypatch: pytest.MonkeyPatch, race: Callable[[], None], **options: Any) -> audit.AuditReport:
+    """``fix=True`` with ``race`` run between the audit's read and its repairs, as a workflow writing meanwhile
+    would; one round only, so what the race wrote is not judged and repaired in turn."""
+    apply_repairs = audit._apply_repairs
+
+    def racing(problems: list[audit.Problem]) -> list[audit.Repair]:
+        race()
+        return apply_repairs(problems)
+
+    monkeypatch.setattr(audit, "_apply_repairs", racing)
+    return check(fix=True, max_fix_rounds=1, **options)
+
+
+def refusal(report: audit.AuditReport, kind: str) -> str:
+    """The reason the one repair of ``kind`` gave for refusing (it must have refused)."""
+    (repair,) = [r for r in report.repairs if r.problem.kind == kind]
+    assert repair.action is None and repair.error, report.describe()
+    return repair.error
+
+
+def begin_move(instance_uuid: str, dest: str) -> str:
+    """What the API writes when a move of the server begins: its task and a ``pre-migrating`` migration to ``dest``."""
+    cell_write(CELL, update(Instance).where(Instance.uuid == instance_uuid).values(task_state=states.RESIZE_PREP))
+    return add_migration(instance_uuid, migration_states.PRE_MIGRATING, dest_compute=dest, dest_node=dest,
+                         dest_host=dest)
+
+
 def assert_fixed(kind: str) -> None:
     """``fix=True`` repairs the planted problem, says so, and the store is clean afterwards."""
     repaired = check(fix=True)
@@ -232,6 +260,43 @@ def test_a_stale_hidden_copy_is_found_and_hard_deleted(cloud):
         assert session.scalars(select(Migration).where(Migration.instance_uuid == cloud.active)).first() is None
     with cell_session(CELL) as session:
         assert session.scalars(select(Instance).where(Instance.uuid == cloud.active)).one().hidden is False
+
+
+def test_a_stale_hidden_copy_replaced_by_a_new_move_between_cells_is_left_to_that_move(cloud, monkeypatch):
+    # GIVEN a hidden copy an earlier move between cells left in cell2, which the audit reads as stale
+    add_copy("cell2", cloud.active, hidden=True)
+    add_migration(cloud.active, migration_states.CONFIRMED, cell="cell2", cross_cell_move=True)
+    moves: list[str] = []
+
+    def new_move_into_cell2() -> None:
+        # WHEN a new move into cell2 runs TargetDBSetup before the repair: it replaces the stale copy
+        moves.append(begin_move(cloud.active, "cell2-host1"))
+        target_db_setup({"instance_uuid": cloud.active, "migration_uuid": moves[0], "cell": CELL,
+                         "destination": {"cell": "cell2"}})
+
+    report = fix_with_race(monkeypatch, new_move_into_cell2)
+
+    # THEN the repair refuses, and the move's copy and migration in cell2 are intact
+    assert "meanwhile" in refusal(report, audit.HIDDEN_COPY_STALE)
+    with cell_session("cell2") as session:
+        assert session.scalars(select(Instance.hidden).where(Instance.uuid == cloud.active)).one() is True
+        migration = session.scalars(select(Migration).where(Migration.uuid == moves[0])).one()
+        assert migration.cross_cell_move and migration.status == migration_states.PRE_MIGRATING
+
+
+def test_a_stale_hidden_copy_written_afresh_meanwhile_is_not_removed(cloud, monkeypatch):
+    add_copy("cell2", cloud.active, hidden=True)
+
+    def copy_written_afresh() -> None:
+        with cell_session("cell2") as session:
+            session.execute(Instance.__table__.delete().where(Instance.uuid == cloud.active))
+        add_copy("cell2", cloud.active, hidden=True, updated_at=utcnow())
+
+    report = fix_with_race(monkeypatch, copy_written_afresh)
+
+    assert "replaced it" in refusal(report, audit.HIDDEN_COPY_STALE)
+    with cell_session("cell2") as session:
+        assert session.scalars(select(Instance.hidden).where(Instance.uuid == cloud.active)).one() is True
 
 
 def test_a_hidden_copy_of_a_move_between_cells_under_way_is_not_stale(cloud):
@@ -454,6 +519,44 @@ def test_a_port_binding_on_a_host_the_server_is_not_on_is_found_and_deleted(clou
         assert {b.host for b in session.get(Port, cloud.port_id).bindings} == {SOURCE}
 
 
+def test_a_port_binding_a_move_to_its_host_reuses_is_not_deleted(cloud, monkeypatch):
+    # GIVEN a binding left on OTHER, a host the settled server is not on
+    with api_session() as session:
+        session.add(PortBinding(port_id=cloud.port_id, host=OTHER, status="INACTIVE", vif_details={}))
+
+    def move_to_other() -> None:
+        # WHEN a move of the server to OTHER begins before the repair and keeps that binding as its own
+        begin_move(cloud.active, OTHER)
+        with api_session() as session:
+            network.bind_inactive(session, cloud.active, OTHER)
+
+    report = fix_with_race(monkeypatch, move_to_other)
+
+    # THEN the repair refuses and the move keeps its binding
+    assert "migration" in refusal(report, audit.PORT_BINDING_ORPHAN)
+    with api_session() as session:
+        assert {b.host for b in session.get(Port, cloud.port_id).bindings} == {SOURCE, OTHER}
+
+
+def test_a_binding_of_a_port_a_server_took_meanwhile_is_not_deleted(cloud, monkeypatch):
+    with api_session() as session:
+        port = Port(network_id="net-1", project_id=PROJECT, device_id=None, mac_address="fa:16:3e:00:00:01")
+        port.bindings.append(PortBinding(host=OTHER, status="ACTIVE", vif_details={}))
+        session.add(port)
+        session.flush()
+        port_id = port.id
+
+    def server_takes_the_port() -> None:
+        with api_session() as session:
+            session.get(Port, port_id).device_id = cloud.active
+
+    report = fix_with_race(monkeypatch, server_takes_the_port)
+
+    assert "changed meanwhile" in refusal(report, audit.PORT_BINDING_ORPHAN)
+    with api_session() as session:
+        assert [b.host for b in session.get(Port, port_id).bindings] == [OTHER]
+
+
 def test_a_binding_of_a_port_without_a_server_is_found_and_deleted(cloud):
     with api_session() as session:
         port = Port(network_id="net-1", project_id=PROJECT, device_id=None, mac_address="fa:16:3e:00:00:01")
@@ -500,6 +603,83 @@ def test_a_volume_attachment_on_another_host_is_found_and_deleted(cloud):
     assert_fixed(audit.VOLUME_ATTACHMENT_ORPHAN)
 
 
+def test_a_volume_attachment_a_move_to_its_host_reuses_is_not_deleted(cloud, monkeypatch):
+    # GIVEN an attachment left on OTHER, a host the settled server is not on
+    with api_session() as session:
+        session.add(VolumeAttachment(volume_id=cloud.volume_id, instance_uuid=cloud.active, host=OTHER,
+                                     device="vdb", status="reserved"))
+        status = session.get(Volume, cloud.volume_id).status
+
+    def move_to_other() -> None:
+        # WHEN a move of the server to OTHER begins before the repair and keeps that attachment as its own
+        begin_move(cloud.active, OTHER)
+        with api_session() as session:
+            volumes.reserve_on(session, cloud.active, SOURCE, OTHER)
+
+    report = fix_with_race(monkeypatch, move_to_other)
+
+    # THEN the repair refuses: the volume stays held on the move's destination
+    assert "migration" in refusal(report, audit.VOLUME_ATTACHMENT_ORPHAN)
+    with api_session() as session:
+        held = session.scalars(select(VolumeAttachment.host).where(VolumeAttachment.volume_id == cloud.volume_id))
+        assert sorted(held) == sorted([SOURCE, OTHER])
+        assert session.get(Volume, cloud.volume_id).status == status
+
+
+def test_a_volume_attachment_that_changed_meanwhile_is_not_deleted(cloud, monkeypatch):
+    volume_id = make_volume(cloud.state_dir)
+    with api_session() as session:
+        session.get(Volume, volume_id).status = "in-use"
+        session.add(VolumeAttachment(volume_id=volume_id, instance_uuid=str(uuidlib.uuid4()), host=OTHER,
+                                     device="vdc", status="reserved"))
+
+    def attachment_completed() -> None:
+        with api_session() as session:
+            session.execute(update(VolumeAttachment).where(VolumeAttachment.volume_id == volume_id)
+                            .values(status="attached"))
+
+    report = fix_with_race(monkeypatch, attachment_completed)
+
+    assert "changed meanwhile" in refusal(report, audit.VOLUME_ATTACHMENT_ORPHAN)
+    with api_session() as session:
+        assert session.scalars(select(VolumeAttachment.status).where(
+            VolumeAttachment.volume_id == volume_id)).one() == "attached"
+        assert session.get(Volume, volume_id).status == "in-use"
+
+
+def test_an_orphan_attachment_of_a_volume_being_deleted_does_not_make_it_available(cloud):
+    volume_id = make_volume(cloud.state_dir)
+    with api_session() as session:
+        session.get(Volume, volume_id).status = "deleting"
+        session.add(VolumeAttachment(volume_id=volume_id, instance_uuid=str(uuidlib.uuid4()), host=OTHER,
+                                     device="vdc", status="attached"))
+
+    report = check(fix=True)
+
+    assert [r.error for r in report.repairs if r.problem.kind == audit.VOLUME_ATTACHMENT_ORPHAN] == [None]
+    with api_session() as session:
+        assert session.get(Volume, volume_id).status == "deleting"
+        assert session.scalars(select(VolumeAttachment).where(VolumeAttachment.volume_id == volume_id)).all() == []
+
+
+def test_a_volume_whose_status_changed_meanwhile_is_not_made_available(cloud, monkeypatch):
+    volume_id = make_volume(cloud.state_dir)
+    with api_session() as session:
+        session.get(Volume, volume_id).status = "in-use"
+        session.add(VolumeAttachment(volume_id=volume_id, instance_uuid=str(uuidlib.uuid4()), host=OTHER,
+                                     device="vdc", status="attached"))
+
+    def volume_being_deleted() -> None:
+        with api_session() as session:
+            session.get(Volume, volume_id).status = "deleting"
+
+    report = fix_with_race(monkeypatch, volume_being_deleted)
+
+    assert [r.error for r in report.repairs if r.problem.kind == audit.VOLUME_ATTACHMENT_ORPHAN] == [None]
+    with api_session() as session:
+        assert session.get(Volume, volume_id).status == "deleting"
+
+
 def test_a_volume_left_deleting_after_its_server_is_reported_for_a_person(cloud):
     volume_id = make_volume(cloud.state_dir)
     with api_session() as session:
@@ -517,13 +697,12 @@ def test_a_volume_left_deleting_after_its_server_is_reported_for_a_person(cloud)
 def test_a_volume_attachment_of_a_deleted_server_is_found_and_the_volume_freed(cloud):
     volume_id = make_volume(cloud.state_dir)
     with api_session() as session:
+        session.get(Volume, volume_id).status = "in-use"
         session.add(VolumeAttachment(volume_id=volume_id, instance_uuid=str(uuidlib.uuid4()), host=OTHER,
                                      device="vdc", status="attached"))
 
     assert check().kinds() == [audit.VOLUME_ATTACHMENT_ORPHAN]
     assert_fixed(audit.VOLUME_ATTACHMENT_ORPHAN)
-    from ferry.store.api_models import Volume
-
     with api_session() as session:
         assert session.get(Volume, volume_id).status == "available"
 
@@ -624,6 +803,47 @@ def test_without_a_view_of_the_workflows_a_stuck_migration_is_reported_but_not_r
 
     assert report.kinds() == [audit.MIGRATION_STUCK] and report.repairs == []
     assert any("state machine" in note for note in report.skipped)
+
+
+PASS_DEFINITION = json.dumps({"StartAt": "Done", "States": {"Done": {"Type": "Succeed"}}})
+
+
+def configure_state_machines(monkeypatch: pytest.MonkeyPatch, *workflows: str) -> None:
+    """Dummy state machines (nothing runs) for ``workflows`` (``resize``, ``confirm_resize``, …), in the settings."""
+    sfn = aws.client("stepfunctions")
+    for workflow in workflows:
+        arn = sfn.create_state_machine(name=f"ferry-test-{workflow}", definition=PASS_DEFINITION,
+                                       roleArn="arn:aws:iam::123456789012:role/ferry-test")["stateMachineArn"]
+        monkeypatch.setenv(f"FERRY_{workflow.upper()}_STATE_MACHINE_ARN", arn)
+    config.reset()
+
+
+def test_a_settling_migration_is_not_put_in_error_when_its_workflows_are_not_listed(cloud, monkeypatch):
+    # GIVEN only the resize state machine configured: a running confirm would not be listed
+    configure_state_machines(monkeypatch, "resize")
+    migration = add_migration(cloud.active, migration_states.CONFIRMING, created_at=LONG_AGO)
+
+    report = check(fix=True, running_executions=None)
+
+    # THEN the migration is reported, not repaired, and the report says why
+    assert report.kinds() == [audit.MIGRATION_STUCK] and report.repairs == [], report.describe()
+    assert any("confirm resize" in note and "not repaired" in note for note in report.skipped), report.skipped
+    with cell_session(CELL) as session:
+        status = session.scalars(select(Migration.status).where(Migration.uuid == migration)).one()
+        assert status == migration_states.CONFIRMING
+
+
+def test_with_every_move_workflow_listed_a_stuck_migration_is_put_in_error(cloud, monkeypatch):
+    configure_state_machines(monkeypatch, "resize", "confirm_resize", "revert_resize")
+    migration = add_migration(cloud.active, migration_states.CONFIRMING, created_at=LONG_AGO)
+
+    report = check(fix=True, running_executions=None)
+
+    assert [r.error for r in report.repairs if r.problem.kind == audit.MIGRATION_STUCK] == [None], report.describe()
+    assert report.skipped == []
+    with cell_session(CELL) as session:
+        status = session.scalars(select(Migration.status).where(Migration.uuid == migration)).one()
+        assert status == migration_states.ERROR
 
 
 def test_a_server_stuck_with_a_task_and_no_workflow_is_found(cloud):

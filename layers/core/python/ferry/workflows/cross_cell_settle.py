@@ -116,7 +116,7 @@ def columns(row: Any, *skip: str) -> dict[str, Any]:
     return {attr.key: getattr(row, attr.key) for attr in mapper.column_attrs if attr.key not in ("id", *skip)}
 
 
-def _carry_older_migrations(cell: str, instance_uuid: str, migration_uuid: str) -> None:
+def carry_older_migrations(cell: str, instance_uuid: str, migration_uuid: str) -> None:
     """Copy the server's earlier migrations in ``cell`` to the cell it lives in, where they are missing.
 
     A copy about to be removed takes the history of the server's earlier moves with it otherwise
@@ -215,7 +215,7 @@ def hard_delete_copy(cell: str, instance_uuid: str, migration_uuid: str) -> bool
     if visible and not _hide_copy_left_visible(cell, instance_uuid, migration_uuid):
         raise errors.CellCopyNotHidden(
             f"Instance {instance_uuid} is visible in cell {cell}: it is not a copy to remove.")
-    _carry_older_migrations(cell, instance_uuid, migration_uuid)
+    carry_older_migrations(cell, instance_uuid, migration_uuid)
     with cell_session(cell) as session:
         removed = instances.purge(session, instance_uuid)
     if removed:
