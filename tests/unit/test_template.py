@@ -234,8 +234,7 @@ def _granted_strings(logical_id: str):
     """(path, text) of every string in a function's ``Policies``, and in the documents of the
     managed policies it attaches by reference."""
     policies = RAW["Resources"][logical_id]["Properties"].get("Policies") or []
-    for path, text in _strings(policies):
-        yield path, text
+    yield from _strings(policies)
     for item in policies:
         managed = RAW["Resources"].get(item.get("Ref", "")) if isinstance(item, dict) else None
         if managed is not None and managed["Type"] == "AWS::IAM::ManagedPolicy":
@@ -405,7 +404,8 @@ def test_a_grant_several_resources_need_is_a_managed_policy_written_once():
 def test_every_managed_policy_the_stack_defines_is_attached_or_given_as_an_output():
     managed = {lid for lid, r in RAW["Resources"].items() if r["Type"] == "AWS::IAM::ManagedPolicy"}
     attached = {item["Ref"] for r in RAW["Resources"].values()
-                for item in (r.get("Properties") or {}).get("Policies") or [] if isinstance(item, dict) and "Ref" in item}
+                for item in (r.get("Properties") or {}).get("Policies") or []
+                if isinstance(item, dict) and "Ref" in item}
     given = {o["Value"]["Ref"] for o in RAW["Outputs"].values() if isinstance(o["Value"], dict) and "Ref" in o["Value"]}
 
     assert managed - attached - given == set()

@@ -119,7 +119,7 @@ SETTLED_VM_STATES = (states.ACTIVE, states.STOPPED, states.RESIZED, states.SUSPE
 
 # Volume statuses an orphan attachment's repair may make ``available`` once nothing holds the volume
 # (Cinder's; ``deleting`` never: the volume's file may already be gone).
-HELD_VOLUME_STATUSES = ("in-use", "attaching", "detaching", "error_detaching")
+HELD_VOLUME_STATUSES = (volumes.IN_USE, volumes.ATTACHING, volumes.DETACHING, volumes.ERROR_DETACHING)
 
 SNAPSHOT_SUFFIX = "-resize-temp"
 
@@ -367,7 +367,7 @@ def _read_world(grace_seconds: float, clock_skew_seconds: float, running: Collec
             allocations[alloc.consumer_uuid][rp_uuid[alloc.resource_provider_id]][alloc.resource_class] = alloc.used
         ports = list(session.scalars(select(Port)))
         attachments = list(session.scalars(select(VolumeAttachment)))
-        left_deleting = list(session.scalars(select(Volume).where(Volume.status == "deleting")))
+        left_deleting = list(session.scalars(select(Volume).where(Volume.status == volumes.DELETING)))
         volume_statuses = {volume_id: status for volume_id, status in session.execute(select(Volume.id, Volume.status))}
     copies: dict[str, list[_Copy]] = defaultdict(list)
     migration_copies: dict[str, list[tuple[str, Migration]]] = defaultdict(list)
@@ -910,7 +910,7 @@ def _repair_attachment(world: _World, attachment: VolumeAttachment, *, server_li
             # Available only from the status read, and only when no attachment holds the volume any more.
             freed = cast(CursorResult[Any], session.execute(
                 update(Volume).where(Volume.id == volume_id, Volume.status == volume_status, volumes.unheld())
-                .values(status="available").execution_options(synchronize_session=False)))
+                .values(status=volumes.AVAILABLE).execution_options(synchronize_session=False)))
             if freed.rowcount == 1:
                 return f"{done}; the volume is available"
             return f"{done}; the volume was left as it is (still held, or no longer {volume_status})"

@@ -18,12 +18,21 @@ from ferry import errors
 from ferry.auth import RequestContext
 from ferry.store.api_models import Volume, VolumeAttachment
 
+# A volume's statuses (Cinder's). ``deleting``: a server was deleted with it and no host removed
+# its file yet.
+AVAILABLE = "available"
+ATTACHING = "attaching"
+IN_USE = "in-use"
+DETACHING = "detaching"
+ERROR_DETACHING = "error_detaching"
+DELETING = "deleting"
+# A volume a boot took, and an attachment not made on a host yet (a status of both).
 RESERVED = "reserved"
+# An attachment made on its host.
 ATTACHED = "attached"
 
 # Statuses of a volume nothing holds: an operator may forget it (``ferry volume forget``).
-# ``deleting``: a server was deleted with it and no host removed its file.
-FORGETTABLE = ("available", "deleting")
+FORGETTABLE = (AVAILABLE, DELETING)
 
 
 def device_path(device: str | None) -> str | None:
@@ -92,7 +101,7 @@ def complete_on(session: Session, instance_uuid: str, host: str) -> None:
         attachment.status = ATTACHED
         volume = session.get(Volume, attachment.volume_id)
         if volume is not None:
-            volume.status = "in-use"
+            volume.status = IN_USE
     session.flush()
 
 
@@ -138,7 +147,7 @@ def register(session: Session, *, project_id: str, size_gb: int, path: str, name
     taken = session.scalars(select(Volume.id).where(Volume.path == path)).first()
     if taken is not None:
         raise errors.BadRequest(f"Volume {taken} is recorded at {path} already.")
-    volume = Volume(project_id=project_id, size_gb=size_gb, path=path, name=name, status="available",
+    volume = Volume(project_id=project_id, size_gb=size_gb, path=path, name=name, status=AVAILABLE,
                     **({"id": volume_id} if volume_id else {}))
     session.add(volume)
     session.flush()

@@ -724,7 +724,7 @@ def _reserve_root_volume(session: Session, ctx: RequestContext, instance_uuid: s
     if root["source_type"] == "image":
         volume_id = str(uuidlib.uuid4())
         session.add(Volume(id=volume_id, name=f"{instance_uuid}-root", project_id=ctx.project_id,
-                           size_gb=root["volume_size"], status="reserved", image_id=root["uuid"],
+                           size_gb=root["volume_size"], status=volume_store.RESERVED, image_id=root["uuid"],
                            path=str(config.get().state_dir / protocol.VOLUMES_DIR / volume_id)))
         image_id: str | None = root["uuid"]
     else:
@@ -733,8 +733,8 @@ def _reserve_root_volume(session: Session, ctx: RequestContext, instance_uuid: s
             raise errors.BadRequest(f"Volume {root['uuid']} could not be found.")
         # One statement: another boot, an attach or ``ferry volume forget`` may be at it too.
         reserved = session.execute(update(Volume).where(
-            Volume.id == volume.id, Volume.status == "available",
-            volume_store.unheld()).values(status="reserved")
+            Volume.id == volume.id, Volume.status == volume_store.AVAILABLE,
+            volume_store.unheld()).values(status=volume_store.RESERVED)
             .execution_options(synchronize_session=False))
         if cast("CursorResult[Any]", reserved).rowcount != 1:
             now = session.scalars(select(Volume.status).where(Volume.id == volume.id)).one_or_none()
@@ -742,7 +742,7 @@ def _reserve_root_volume(session: Session, ctx: RequestContext, instance_uuid: s
                                     f"or a server holds it).")
         volume_id, image_id = volume.id, None
     session.flush()
-    attachment = VolumeAttachment(volume_id=volume_id, instance_uuid=instance_uuid, status="reserved")
+    attachment = VolumeAttachment(volume_id=volume_id, instance_uuid=instance_uuid, status=volume_store.RESERVED)
     session.add(attachment)
     session.flush()
     return {"uuid": str(uuidlib.uuid4()), "source_type": root["source_type"], "destination_type": "volume",
@@ -856,7 +856,7 @@ def _release_unbuilt_volumes(session: Session, instance_uuid: str, bdms: Iterabl
         if volume.id in created:
             session.delete(volume)  # never written to disk: the host creates it while spawning
         else:
-            volume.status = "available"
+            volume.status = volume_store.AVAILABLE
     session.flush()
 
 
@@ -1052,7 +1052,7 @@ def delete_server(ctx: RequestContext, location: Location) -> None:
             payload["delete_volumes"] = [{"volume_id": v.id, "path": v.path} for v in session.scalars(
                 select(Volume).where(Volume.id.in_(doomed)).order_by(Volume.id))
                 if (all(a.instance_uuid == uuid for a in v.attachments)
-                    and (v.attachments or v.status == "deleting"))]
+                    and (v.attachments or v.status == volume_store.DELETING))]
     except Exception:
         _undo(cell, uuid, ctx.request_id, undo, states.DELETING)
         raise

@@ -18,7 +18,7 @@ from typing import Any
 from sqlalchemy import delete, select, update
 from sqlalchemy.exc import OperationalError
 
-from ferry import errors, hosts, images, placement, scheduler
+from ferry import errors, hosts, images, placement, scheduler, volumes
 from ferry.compute import actions, instances, states
 from ferry.observability import logger
 from ferry.store.api_models import (
@@ -233,12 +233,12 @@ def bind_resources_at_dest(event: dict[str, Any]) -> dict[str, Any]:
         for port in ports:
             if not any(b.host == host for b in port.bindings):
                 port.bindings.append(PortBinding(host=host, status="ACTIVE", vif_details={"type": "ethernet"}))
-        volumes = _attach_volumes(session, uuid, host, bdms)
+        volume_args = _attach_volumes(session, uuid, host, bdms)
         port_args = [{"id": p.id, "mac_address": p.mac_address, "network_id": p.network_id,
                       "fixed_ip": p.fixed_ip} for p in ports]
     image = None if is_bfv or not image_ref else images.image_location(image_ref)
     return {"spawn_args": {"name": name, "flavor": _flavor_args(flavor), "image": image, "ports": port_args,
-                           "volumes": volumes, "power_on": True}}
+                           "volumes": volume_args, "power_on": True}}
 
 
 def _flavor_args(flavor: dict[str, Any]) -> dict[str, Any]:
@@ -258,7 +258,7 @@ def _attach_volumes(session: Any, uuid: str, host: str, bdms: list[BlockDeviceMa
             attachment = VolumeAttachment(volume_id=volume.id, instance_uuid=uuid)
             volume.attachments.append(attachment)
         attachment.host, attachment.device, attachment.status = host, device, "attached"
-        volume.status = "in-use"
+        volume.status = volumes.IN_USE
         entry = {"volume_id": volume.id, "path": volume.path, "device": device, "boot_index": bdm.boot_index,
                  "size_gb": volume.size_gb}
         if bdm.boot_index == 0 and bdm.source_type == "image" and bdm.image_id:
@@ -277,7 +277,7 @@ def unbind_resources_at_dest(event: dict[str, Any]) -> dict[str, Any]:
         session.execute(update(Port).where(Port.device_id == uuid).values(status="DOWN"))
         for attachment in session.scalars(select(VolumeAttachment).where(
                 VolumeAttachment.instance_uuid == uuid, VolumeAttachment.host == host)):
-            attachment.host, attachment.status = None, "reserved"
+            attachment.host, attachment.status = None, volumes.RESERVED
     return {}
 
 

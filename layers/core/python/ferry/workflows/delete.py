@@ -20,7 +20,7 @@ from typing import Any
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from ferry import hosts, network, notifications, placement
+from ferry import hosts, network, notifications, placement, volumes
 from ferry.compute import actions, instances, migration_states, states
 from ferry.observability import logger
 from ferry.store.api_models import InstanceMapping, Volume, VolumeAttachment, utcnow
@@ -178,15 +178,15 @@ def _release_volumes(session: Session, uuid: str, doomed: set[str], removed: set
             elif volume_id in doomed:
                 logger.warning("volume kept: another server holds it", extra=where)
             continue
-        if volume_id not in held and volume_id not in unwritten and volume.status != "deleting":
+        if volume_id not in held and volume_id not in unwritten and volume.status != volumes.DELETING:
             continue  # detached from the server before (its mapping outlived the detach): not the server's
         if volume_id in unwritten or (volume_id in doomed and volume_id in removed):
             session.delete(volume)
             logger.info("volume deleted with its server", extra=where)
         elif volume_id not in doomed:
-            volume.status = "available"
+            volume.status = volumes.AVAILABLE
         else:
-            volume.status = "deleting"
+            volume.status = volumes.DELETING
             logger.warning("volume left deleting: its file may remain", extra={**where, "path": volume.path})
 
 

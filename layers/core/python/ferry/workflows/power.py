@@ -34,8 +34,8 @@ def finish_power_action(event: dict[str, Any]) -> dict[str, Any]:
     with cell_session(event["cell"]) as session:
         if instances.get(session, uuid).task_state != _TASK_STATE[operation]:
             return {}
-        instances.update_cas(session, uuid, {"vm_state": _VM_STATE[operation], "power_state": power_state, "task_state": None},
-                             expected_task_state=(_TASK_STATE[operation],))
+        instances.update_cas(session, uuid, {"vm_state": _VM_STATE[operation], "power_state": power_state,
+                                             "task_state": None}, expected_task_state=(_TASK_STATE[operation],))
         actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"], event=_EVENT[operation],
                              host=event.get("host"))
     return {}

@@ -53,6 +53,7 @@ from ferry.observability import logger
 from ferry.store.api_models import CellMapping, Volume, VolumeAttachment
 from ferry.store.cell_models import BlockDeviceMapping, Instance, Migration
 from ferry.store.db import api_session, cell_session
+from ferry.volumes import ATTACHING, AVAILABLE, DETACHING, ERROR_DETACHING, IN_USE
 from ferry.workflows import error_message
 from ferry.workflows.confirm_resize import VOLUME_TASK_STATES, live_instance, validate_input
 
@@ -71,12 +72,6 @@ EVENT_ATTACH = "compute_attach_volume"
 EVENT_DETACH = "compute_detach_volume"
 _EVENT = {ATTACH: EVENT_ATTACH, DETACH: EVENT_DETACH}
 
-# Volume statuses (Cinder's).
-AVAILABLE = "available"
-ATTACHING = "attaching"
-IN_USE = "in-use"
-DETACHING = "detaching"
-ERROR_DETACHING = "error_detaching"
 
 ATTACHABLE_VM_STATES = (states.ACTIVE, states.STOPPED, states.RESIZED)
 # The host agent's local disks: root, ephemeral, swap.
