@@ -399,7 +399,7 @@ class MoveOperations:
             return
         if op.args.get("direct"):
             disks.remove_dir(disks.incoming_dir(self.instances_dir, op.instance_uuid))
-        self._delete_transfer(op, op.args["transfer"], fail=False)
+        self._delete_transfer(op, op.args["transfer"])
 
     def _receive_disks(self, op: Operation, live: Path, kept: Path) -> dict[str, tuple[Any, int]]:
         """Copy or fetch each disk of the ``disks`` argument into ``live``, verified.
@@ -533,17 +533,12 @@ class MoveOperations:
             )
             self._emit_metric("HostCleanupFailed", MetricUnit.Count, 1, op.name)
 
-    def _delete_transfer(self, op: Operation, transfer: dict[str, Any], fail: bool) -> None:
-        """Delete the transfer objects; a failure raises DiskCopyFailed if ``fail``, else is logged and counted."""
+    def _delete_transfer(self, op: Operation, transfer: dict[str, Any]) -> None:
+        """Delete the transfer objects, best effort: a failure is logged and counted."""
         try:
             deleted = disks.delete_transfer(self.s3, transfer["bucket"], transfer["prefix"])
         except (ClientError, BotoCoreError) as exc:
-            if fail:
-                raise errors.DiskCopyFailed(
-                    f"Deleting the transfer s3://{transfer['bucket']}/{transfer['prefix']}/ failed: {exc}",
-                    instance_uuid=op.instance_uuid,
-                ) from exc
-            # The guest is up; the leftovers go with the revert or the bucket's expiry rule.
+            # The guest is up (or, reverted, gone); the leftovers go with the bucket's expiry rule.
             logger.warning(
                 "deleting the transfer failed",
                 extra={"host": self.host, "instance_uuid": op.instance_uuid, "error": str(exc), **transfer},
@@ -681,9 +676,15 @@ class MoveOperations:
         directory, or one an earlier move left), the live guest and disks are the instance's only
         ones and are left alone.
 
+        Once the guest is destroyed the revert must go on to the source, whose disks are the
+        server's only ones now: what cannot be removed after that (the directories, the transfer
+        objects) is logged and counted (``HostCleanupFailed``), never raised. An error would
+        leave the server in VERIFY_RESIZE on a destination that no longer holds it, and a confirm
+        would then delete the source's disks. ``ferry audit`` reports what is left
+        (``instance_dir_orphan``, ``transfer_orphan``; the bucket's expiry rule removes transfers).
+
         Raises:
-            HypervisorError, DiskCopyFailed (the transfer cannot be deleted),
-            HostOperationFailed (the disks cannot be removed).
+            HypervisorError: the guest could not be destroyed (nothing here was removed).
         """
         uuid, args = op.instance_uuid, op.args
         live = disks.instance_dir(self.instances_dir, uuid)
@@ -701,9 +702,11 @@ class MoveOperations:
                 disks.remove_dir(live)
                 disks.remove_dir(disks.incoming_dir(self.instances_dir, uuid))
             except OSError as exc:
-                raise errors.HostOperationFailed(f"Removing {live} failed: {exc}", instance_uuid=uuid) from exc
+                logger.warning("the reverted guest's disks could not be removed: ferry audit reports them",
+                               extra={"host": self.host, "instance_uuid": uuid, "path": str(live), "error": str(exc)})
+                self._emit_metric("HostCleanupFailed", MetricUnit.Count, 1, op.name)
         if args.get("transfer"):
-            self._delete_transfer(op, args["transfer"], fail=True)
+            self._delete_transfer(op, args["transfer"])
         return self._result(uuid, self._power_state_here(uuid))
 
     # -- finish_revert_resize (source)

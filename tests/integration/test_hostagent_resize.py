@@ -570,6 +570,39 @@ def test_revert_restores_the_old_guest_at_the_source(cloud, source, dest, runnin
     assert sorted(p.name for p in live.iterdir()) == ["disk", "disk.eph0", "disk.swap", "spawn.json"]
 
 
+@pytest.mark.parametrize("failing", ["transfer", "directories"])
+def test_a_revert_that_destroyed_the_new_guest_goes_on_whatever_it_cannot_remove_after(
+        cloud, source, dest, monkeypatch, failing):
+    # GIVEN a moved server whose destination cannot delete the transfer objects (S3 down), or its
+    # directories, once it has destroyed the new guest
+    server = boot(source)
+    migration_uuid, resized, _finished = move(source, dest, server)
+    if failing == "transfer":
+        def unreachable(*_args, **_kwargs):
+            raise ReadTimeoutError(endpoint_url="https://s3.test")
+        monkeypatch.setattr(disks, "delete_transfer", unreachable)
+    else:
+        real_remove = disks.remove_dir
+
+        def stuck(path):
+            if path == dest.live(server.uuid):
+                raise OSError(16, "Device or resource busy")
+            return real_remove(path)
+        monkeypatch.setattr(disks, "remove_dir", stuck)
+
+    # WHEN the destination reverts
+    reverted = dest.ok("revert_resize", server.uuid, revert_args(migration_uuid))
+
+    # THEN it answers done (an error would leave the server in VERIFY_RESIZE on a host that no longer
+    # holds it), and the source restores the old guest from its kept disks
+    assert reverted["power_state"] == NOSTATE
+    assert not dest.driver.guest_exists(server.uuid)
+    restored = source.ok("finish_revert_resize", server.uuid,
+                         finish_revert_args(migration_uuid, server, resized["was_running"]))
+    assert restored["power_state"] == RUNNING
+    assert logical_sha256(source.live(server.uuid) / disks.ROOT_DISK) == server.root_sha256
+
+
 def test_finish_revert_recreates_a_missing_swap(source, dest):
     server = boot(source)
     migration_uuid, resized, _finished = move(source, dest, server)
