@@ -6,11 +6,16 @@ from __future__ import annotations
 import datetime as dt
 import threading
 import time
+import uuid as uuidlib
 from typing import Any
 
 import pytest
+from sqlalchemy import select
 from verify_resize_helpers import (
+    CELL,
     ROOT,
+    SOURCE,
+    host_down,
     instance_row,
     make_resized,
     migration_row,
@@ -25,6 +30,8 @@ from ferry.local import template
 from ferry.local.pollers import Pollers, ScheduleRunner
 from ferry.local.runtime import FunctionRunner
 from ferry.store.api_models import utcnow
+from ferry.store.cell_models import Migration
+from ferry.store.db import cell_session
 from ferry.workflows import auto_confirm
 
 WINDOW = 600
@@ -113,6 +120,38 @@ def test_nova_skip_rules(started):
     assert migration_row(busy.migration_uuid).status == migration_states.FINISHED
     assert migration_row(not_resized.migration_uuid).status == migration_states.ERROR
     assert instance_row(not_resized.instance_uuid).vm_state == states.ACTIVE
+
+
+def test_a_migration_whose_source_host_is_down_is_left_for_a_later_run(started):
+    # GIVEN an expired resize whose source host sends no heartbeat
+    resized = expired()
+    host_down(SOURCE)
+
+    result = auto_confirm.run()
+
+    # THEN nothing is started (no failed action, no fault every minute); the next run looks again
+    assert (result["confirmed"], result["skipped"]) == (0, 1)
+    assert started.payloads == []
+    assert migration_row(resized.migration_uuid).status == migration_states.FINISHED
+
+
+def test_an_expired_migration_that_is_not_the_servers_newest_is_set_to_error_and_the_newest_kept(started):
+    # GIVEN a server whose expired migration was followed by a newer one, finished moments ago
+    # (its state was reset and it was resized again)
+    old = expired()
+    newer = str(uuidlib.uuid4())
+    with cell_session(CELL) as session:
+        first = session.scalars(select(Migration).where(Migration.uuid == old.migration_uuid)).one()
+        session.add(Migration(**{c.key: getattr(first, c.key) for c in Migration.__table__.columns
+                                 if c.key not in ("id", "uuid", "created_at", "updated_at")}, uuid=newer))
+
+    result = auto_confirm.run()
+
+    # THEN the newer migration keeps its whole window: only the old one is settled, to error
+    assert (result["confirmed"], result["errored"]) == (0, 1)
+    assert started.payloads == []
+    assert migration_row(old.migration_uuid).status == migration_states.ERROR
+    assert migration_row(newer).status == migration_states.FINISHED
 
 
 def test_one_failing_confirm_does_not_stop_the_others(started, monkeypatch):

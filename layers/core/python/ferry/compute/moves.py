@@ -152,10 +152,13 @@ def _settle_payload(cell: str, instance_uuid: str, migration_uuid: str, request_
 
 
 def _accept_confirm(cell: str, instance_uuid: str, *, request_id: str, user_id: str | None,
-                    project_id: str | None) -> str:
+                    project_id: str | None, expected: str | None = None) -> str:
     with cell_session(cell) as session:
         _instance, migration = _check_settle_state(session, actions.CONFIRM_RESIZE, instance_uuid)
         migration_uuid = migration.uuid
+        if expected is not None and migration_uuid != expected:
+            raise errors.UnexpectedMigrationState(
+                f"Instance {instance_uuid}'s newest migration is {migration_uuid}, not {expected}.")
         if not _swap_migration_status(session, migration_uuid, FINISHED, CONFIRMING):
             raise errors.MigrationInProgress(
                 f"Cannot 'confirmResize' instance {instance_uuid}: another operation took migration "
@@ -166,7 +169,7 @@ def _accept_confirm(cell: str, instance_uuid: str, *, request_id: str, user_id: 
 
 
 def begin_confirm(cell: str, instance_uuid: str, *, request_id: str, user_id: str | None,
-                  project_id: str | None) -> str:
+                  project_id: str | None, migration_uuid: str | None = None) -> str:
     """Accept a confirm of a resized server and start the confirm workflow.
 
     The server must be in vm_state ``resized`` with no task; its newest migration goes from
@@ -178,6 +181,8 @@ def begin_confirm(cell: str, instance_uuid: str, *, request_id: str, user_id: st
         cell: the name of the cell the instance lives in.
         request_id: the request id the action and its events are recorded under.
         user_id, project_id: who asked (None for the automatic confirm).
+        migration_uuid: the migration to confirm, which must be the server's newest (the
+            automatic confirm names the one whose window ran out); None takes the newest.
 
     Returns:
         The migration's uuid.
@@ -187,10 +192,12 @@ def begin_confirm(cell: str, instance_uuid: str, *, request_id: str, user_id: st
         InstanceInvalidState: vm_state is not ``resized`` or a task is in progress (409).
         MigrationInProgress: a confirm or revert is already under way (409).
         InstanceNotResized: there is no finished migration (400).
+        UnexpectedMigrationState: ``migration_uuid`` is not the server's newest migration.
         Anything starting the execution raises, after the migration is put back to ``finished``.
     """
     migration_uuid = _accept_confirm(cell, instance_uuid, request_id=request_id, user_id=user_id,
-                                     project_id=project_id)
+                                     project_id=project_id, expected=migration_uuid)
+
     def undo(session: Session) -> None:
         _swap_migration_status(session, migration_uuid, CONFIRMING, FINISHED)
 
@@ -222,14 +229,8 @@ def prepare_confirm(cell: str, instance_uuid: str, migration_uuid: str, *, reque
                 f"Cannot 'confirmResize' instance {instance_uuid}: another request took migration "
                 f"{migration_uuid} ({migration.status if migration else None}).")
     if not taken:
-        accepted = _accept_confirm(cell, instance_uuid, request_id=request_id, user_id=user_id,
-                                   project_id=project_id)
-        if accepted != migration_uuid:
-            with cell_session(cell) as session:
-                _swap_migration_status(session, accepted, CONFIRMING, FINISHED)
-                actions.forget_action(session, instance_uuid, request_id)
-            raise errors.UnexpectedMigrationState(
-                f"Instance {instance_uuid}'s newest migration is {accepted}, not {migration_uuid}.")
+        _accept_confirm(cell, instance_uuid, request_id=request_id, user_id=user_id, project_id=project_id,
+                        expected=migration_uuid)
     name = _fresh_execution_name(config.get().confirm_resize_state_machine_arn,
                                  move_execution_name("confirm", instance_uuid, migration_uuid), request_id)
     return PreparedExecution(name, {**payload, "execution_name": name})

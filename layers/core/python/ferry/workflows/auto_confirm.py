@@ -10,7 +10,10 @@ with Nova's rules:
 * the instance is gone (deleted, or not in this cell) → skipped, logged;
 * the instance has a task in progress → skipped, logged (the next run looks again);
 * the instance is not in vm_state ``resized`` → the migration is set to ``error``, as Nova does;
-* otherwise the confirm is started.
+  so is a migration that is no longer the server's newest (it was reset and moved again since);
+* the migration's source host is down → skipped, logged (the confirm would fail there and
+  record a failed action and a fault every minute; the next run looks again);
+* otherwise the confirm of that migration is started.
 
 A failure with one migration is logged and counted and never stops the others. A cross-cell
 move's migration is recorded in both cells; only the record in the cell the instance mapping
@@ -34,6 +37,7 @@ from ferry.observability import logger, metrics
 from ferry.store.api_models import utcnow
 from ferry.store.cell_models import Instance, Migration
 from ferry.store.db import all_cells, cell_session
+from ferry.workflows import cross_cell_settle
 
 CONFIRMED = "confirmed"
 SKIPPED = "skipped"
@@ -84,17 +88,32 @@ def confirm_one(found: Unconfirmed) -> str:
             logger.info("auto-confirm skipped: the instance is busy",
                         extra={**context, "task_state": instance.task_state})
             return SKIPPED
+        migration = session.scalars(select(Migration).where(Migration.uuid == found.migration_uuid)).one()
         if instance.vm_state != states.RESIZED:
-            migration = session.scalars(select(Migration).where(Migration.uuid == found.migration_uuid)).one()
-            if migration.status == migration_states.FINISHED:
-                migration.status = migration_states.ERROR
+            _set_error(migration)
             logger.warning("auto-confirm: instance not in resized; migration set to error",
                            extra={**context, "vm_state": instance.vm_state})
             return ERRORED
-    moves.begin_confirm(found.cell, found.instance_uuid, request_id=request_id_for(found.migration_uuid),
-                        user_id=None, project_id=None)
+        source = str(migration.source_compute)
+        if not cross_cell_settle.host_is_up(source, found.cell, session):
+            logger.info("auto-confirm skipped: the migration's source host is down", extra={**context, "host": source})
+            return SKIPPED
+    try:
+        moves.begin_confirm(found.cell, found.instance_uuid, request_id=request_id_for(found.migration_uuid),
+                            user_id=None, project_id=None, migration_uuid=found.migration_uuid)
+    except errors.UnexpectedMigrationState:
+        with cell_session(found.cell) as session:
+            _set_error(session.scalars(select(Migration).where(Migration.uuid == found.migration_uuid)).one())
+        logger.warning("auto-confirm: the migration is not the server's newest; migration set to error", extra=context)
+        return ERRORED
     logger.info("resize confirmed automatically", extra=context)
     return CONFIRMED
+
+
+def _set_error(migration: Migration) -> None:
+    """A migration no confirm can settle any more goes to ``error`` (still ``finished`` only)."""
+    if migration.status == migration_states.FINISHED:
+        migration.status = migration_states.ERROR
 
 
 def _is_the_servers_copy(found: Unconfirmed, seen: set[str]) -> bool:
