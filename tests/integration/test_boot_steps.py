@@ -640,6 +640,28 @@ def test_no_valid_host_for_a_server_deleted_before_it_was_scheduled_is_not_burie
     assert (mapping.cell, mapping.queued_for_delete) == (None, True)
 
 
+def test_reschedule_skips_an_alternate_filled_meanwhile_for_the_next(cloud):
+    # GIVEN a build with two alternates, the first of which another boot filled since
+    third = "cell1-host3"
+    aws.client("sqs").create_queue(QueueName=protocol.host_queue_name(config.get().host_queue_prefix, third))
+    report(third, "cell1", vcpus=4, memory_mb=4096, disk_gb=20)
+    event = accept_server(cloud["image_id"])
+    first = boot.select_destinations(event)
+    event["destination"] = first
+    full, spare = first["alternates"]
+    report(full["host"], "cell1", vcpus=1, memory_mb=4096, disk_gb=20)
+    boot.bind_resources_at_dest(event)
+    boot.unbind_resources_at_dest(event)
+
+    # WHEN the spawn on the first host failed and the build is rescheduled
+    second = boot.reschedule_build(event)
+
+    # THEN the claim moved to the alternate that still fits, as Nova tries each in turn
+    assert (second["host"], second["alternates"]) == (spare["host"], [])
+    assert used_on(first["host"]) == used_on(full["host"]) == {}
+    assert used_on(spare["host"]) == {"VCPU": 2, "MEMORY_MB": 1024, "DISK_GB": 2}
+
+
 def test_reschedule_of_a_server_being_deleted_claims_no_alternate(cloud):
     event = _spawned(cloud["image_id"])
     first, [alternate] = event["destination"]["host"], event["destination"]["alternates"]

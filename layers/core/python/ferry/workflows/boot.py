@@ -282,32 +282,40 @@ def unbind_resources_at_dest(event: dict[str, Any]) -> dict[str, Any]:
 
 
 def reschedule_build(event: dict[str, Any]) -> dict[str, Any]:
-    """Move the claim to the next alternate host after a failed spawn (Nova's build reschedule).
+    """Move the claim to the next alternate host that takes it after a failed spawn (Nova's build
+    reschedule): an alternate that no longer fits (filled meanwhile, disabled, down) is skipped.
 
-    The server is taken off the failed host (task ``scheduling``) before the alternate is
-    claimed, so a server deleted meanwhile claims nothing. Run again, it claims the same
-    alternate (the claim replaces the server's own).
+    The server is taken off the failed host (task ``scheduling``) before an alternate is
+    claimed, so a server deleted meanwhile claims nothing. Run again, it claims again (the claim
+    replaces the server's own).
 
     Raises:
-        NoValidHost: no alternate is left, or the alternate no longer fits (the workflow then
+        NoValidHost: no alternate is left, or none of them takes the claim (the workflow then
             fails the build).
         UnexpectedTaskState: the server is no longer being built (it is being deleted).
     """
     uuid, dest = event["instance_uuid"], event["destination"]
-    alternates = [scheduler.Selection.from_dict(a) for a in dest.get("alternates", [])]
+    # Alternates of a build stay in the cell the build started in (its instance lives there).
+    alternates = [alternate for alternate in map(scheduler.Selection.from_dict, dest.get("alternates", []))
+                  if alternate.cell == dest["cell"]]
     if not alternates:
         raise errors.NoValidHost("No alternate host is left to reschedule to.")
-    if alternates[0].cell != dest["cell"]:
-        raise errors.NoValidHost("Alternate hosts of a build stay in the cell the build started in.")
     with cell_session(dest["cell"]) as session:
         instances.update_cas(session, uuid, {"host": None, "node": None, "task_state": states.SCHEDULING},
                              expected_task_state=(states.SPAWNING, states.SCHEDULING))
     with api_session() as session:
         spec = session.scalars(select(RequestSpec).where(RequestSpec.instance_uuid == uuid)).one().spec
     spec = {**spec, "ignore_hosts": sorted(set(spec.get("ignore_hosts") or []) | {dest["host"]})}
-    chosen = scheduler.claim_alternate(spec, alternates[0])
-    logger.info("build rescheduled", extra={"instance_uuid": uuid, "from": dest["host"], "to": chosen.host})
-    return _destination(chosen, alternates[1:])
+    reasons = []
+    for index, alternate in enumerate(alternates):
+        try:
+            chosen = scheduler.claim_alternate(spec, alternate)
+        except errors.NoValidHost as exc:
+            reasons.append(exc.message)
+            continue
+        logger.info("build rescheduled", extra={"instance_uuid": uuid, "from": dest["host"], "to": chosen.host})
+        return _destination(chosen, alternates[index + 1:])
+    raise errors.NoValidHost("No alternate host could take the build. " + " ".join(reasons))
 
 
 def finish_build(event: dict[str, Any]) -> dict[str, Any]:
