@@ -1,5 +1,6 @@
 """ReportHostState: apply host agents' inventory and heartbeat reports (SQS batch, partial failures)."""
 
+import datetime as dt
 import json
 
 from aws_lambda_powertools.utilities.batch import BatchProcessor, EventType, process_partial_response
@@ -13,7 +14,9 @@ processor = BatchProcessor(event_type=EventType.SQS)
 
 
 def record_handler(record: SQSRecord) -> None:
-    hosts.apply_report(json.loads(record.body))
+    sent = record.attributes.sent_timestamp  # when the queue took it, by SQS's clock (milliseconds)
+    queued_at = dt.datetime.fromtimestamp(int(sent) / 1000, dt.UTC).replace(tzinfo=None) if sent else None
+    hosts.apply_report(json.loads(record.body), queued_at)
 
 
 @lambda_entry

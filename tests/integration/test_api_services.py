@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
 import uuid
 
 import pytest
 from placement_helpers import PROJECT, USER, add_aggregate, add_compute, add_instance, request_spec
 from sqlalchemy import select, update
-from test_api_support import ADMIN, ALICE, call, mocked_cloud
+from test_api_support import ADMIN, ALICE, LambdaContext, call, function, mocked_cloud
 
 from ferry import errors, hosts, placement, protocol, scheduler
 from ferry.store.api_models import AggregateHost, HostMapping, ResourceProvider, utcnow
@@ -336,3 +337,64 @@ def test_the_heartbeat_does_not_enable_a_disabled_service(computes):
 
     assert states()["compute-1"] == (True, "maint", False)
     assert listed()["compute-1"]["state"] == "up"
+
+
+# --- reports that waited in the queue ---------------------------------------------------------------
+
+
+def _inventory(host: str, vcpus: int, sent_at: dt.datetime, cell: str = "cell1") -> dict:
+    return {"kind": protocol.REPORT_INVENTORY, "host": host, "node": host, "cell": cell,
+            "sent_at": sent_at.isoformat(), "guests": [],
+            "inventory": {"VCPU": {"total": vcpus}, "MEMORY_MB": {"total": 4096}, "DISK_GB": {"total": 40}}}
+
+
+def test_a_report_that_waited_in_the_queue_longer_than_a_host_may_be_silent_is_dropped(computes):
+    # GIVEN the report of compute-2 (silent for ten minutes) queued two minutes ago, handled only now
+    # (its first batch failed), and one of a host deleted since
+    queued_at = utcnow() - dt.timedelta(minutes=2)
+    before = row("compute-2").last_seen_at
+
+    hosts.apply_report({"kind": protocol.REPORT_HEARTBEAT, "host": "compute-2", "sent_at": queued_at.isoformat()},
+                       queued_at)
+    hosts.apply_report(_inventory("compute-9", 8, queued_at), queued_at)
+
+    # THEN the host does not look up, and the deleted one is neither mapped again nor given a provider
+    assert row("compute-2").last_seen_at == before
+    assert listed()["compute-2"]["state"] == "down"
+    assert hosts.cell_of_host("compute-9") is None
+    with api_session() as session:
+        assert session.scalars(select(ResourceProvider).where(ResourceProvider.host == "compute-9")).all() == []
+
+
+def test_the_heartbeat_is_the_time_the_report_was_queued(computes):
+    queued_at = utcnow() - dt.timedelta(seconds=20)
+
+    hosts.apply_report({"kind": protocol.REPORT_HEARTBEAT, "host": "compute-2", "sent_at": queued_at.isoformat()},
+                       queued_at)
+
+    assert row("compute-2").last_seen_at == queued_at
+
+
+def test_an_inventory_report_older_than_the_last_applied_does_not_overwrite_it(computes):
+    newer, older = utcnow() - dt.timedelta(seconds=5), utcnow() - dt.timedelta(seconds=15)
+
+    hosts.apply_report(_inventory("compute-1", 16, newer), newer)
+    hosts.apply_report(_inventory("compute-1", 2, older), older)  # delivered late
+
+    assert placement.get_inventories(placement.provider_by_host("compute-1"))[placement.VCPU]["total"] == 16
+
+
+def test_the_reports_handler_gives_each_report_the_time_sqs_queued_it(computes, monkeypatch):
+    queued_at = utcnow().replace(microsecond=0) - dt.timedelta(seconds=30)
+    applied = []
+    monkeypatch.setattr(hosts, "apply_report", lambda report, at=None: applied.append((report["host"], at)))
+    record = {"messageId": "m-1", "receiptHandle": "r-1", "md5OfBody": "", "eventSource": "aws:sqs",
+              "eventSourceARN": "arn:aws:sqs:us-east-1:123456789012:ferry-test-host-reports", "awsRegion": "us-east-1",
+              "body": json.dumps({"kind": protocol.REPORT_HEARTBEAT, "host": "compute-1", "sent_at": "x"}),
+              "attributes": {"SentTimestamp": str(int(queued_at.replace(tzinfo=dt.UTC).timestamp() * 1000))},
+              "messageAttributes": {}}
+
+    result = function("report_host_state").handler({"Records": [record]}, LambdaContext())
+
+    assert result == {"batchItemFailures": []}
+    assert applied == [("compute-1", queued_at)]

@@ -51,8 +51,16 @@ def is_compute_host(host: str) -> bool:
         return session.scalars(select(Service.id).where(Service.host == host)).first() is not None
 
 
-def apply_report(report: dict[str, Any]) -> None:
+def apply_report(report: dict[str, Any], queued_at: dt.datetime | None = None) -> None:
     """Apply one agent report: inventory to placement, heartbeat to the host's service record.
+
+    ``queued_at`` is when the reports queue took the report (SQS's ``SentTimestamp``, naive UTC;
+    None: now). A report that waited longer than ``service_down_time`` (a failed batch handled
+    again, a backlog) says nothing of the host now and is dropped, logged and counted
+    (``HostReportStale``): it would make a host that died since look up, or map again a host
+    deleted since. The heartbeat is the time the report was queued, not the time it is applied.
+    An inventory report older than the one last applied (reports may arrive out of order) does
+    not overwrite the host's inventory.
 
     The guests and instance directories an inventory report lists are kept in the service's
     ``details`` (:func:`host_view`), the newest report's only, for ``ferry audit``.
@@ -69,25 +77,33 @@ def apply_report(report: dict[str, Any]) -> None:
     """
     protocol.validate(report, protocol.REPORT_SCHEMA)
     host = report["host"]
+    now = utcnow()
+    seen = min(now, queued_at or now)
+    if now - seen > dt.timedelta(seconds=config.get().service_down_time):
+        logger.warning("host report dropped: it waited in the queue longer than a host may stay silent",
+                       extra={"host": host, "kind": report["kind"], "queued_at": seen.isoformat()})
+        metrics.add_metric(name="HostReportStale", unit=MetricUnit.Count, value=1)
+        return
     cell = cell_of_host(host)
     if cell is None:
         if not report.get("cell"):
             raise errors.HostNotMapped(f"Host {host} is not mapped to a cell and did not name one.")
         setup.map_host(host, report["cell"])
         cell = report["cell"]
-    now = utcnow()
     view = _host_view(report)
+    newest = True
     with cell_session(cell) as session:
         service = session.scalars(select(Service).where(Service.host == host)).one_or_none()
         if service is None:
-            service = Service(host=host, last_seen_at=now, details={})
+            service = Service(host=host, last_seen_at=seen, details={})
             session.add(service)
-        elif service.last_seen_at is None or service.last_seen_at < now:
-            service.last_seen_at = now
-        if view is not None and _newer_view(view, (service.details or {}).get(HOST_VIEW)):
+        elif service.last_seen_at is None or service.last_seen_at < seen:
+            service.last_seen_at = seen
+        newest = view is None or _newer_view(view, (service.details or {}).get(HOST_VIEW))
+        if view is not None and newest:
             # A new dict, so the JSON column sees the change.
             service.details = {**(service.details or {}), HOST_VIEW: view}
-    if report["kind"] == protocol.REPORT_INVENTORY:
+    if report["kind"] == protocol.REPORT_INVENTORY and newest:
         with api_session() as session:
             cell_id = session.scalars(select(CellMapping.id).where(CellMapping.name == cell)).one()
         placement.ensure_provider(host, report.get("node") or host, cell_id, report["inventory"])
