@@ -17,9 +17,13 @@ from placement_helpers import (
     request_spec,
     resources,
 )
+from sqlalchemy import select
 
 from ferry import config, errors, placement, scheduler
+from ferry.compute import services
 from ferry.placement import VCPU
+from ferry.store.api_models import Allocation, ResourceProvider
+from ferry.store.db import api_session
 
 RACERS = 20
 
@@ -323,3 +327,40 @@ def test_deleting_a_consumer_s_allocations_while_its_first_claim_commits_leaves_
     assert claimed.is_set()
     assert placement.get_allocations(consumer) == {}
     assert_used_counters_match_allocations()
+
+
+def test_a_claim_racing_the_delete_of_its_hosts_service_finds_no_provider(pg_store, monkeypatch):
+    # GIVEN a host with no servers whose service is being deleted, and a claim on it arriving just
+    # after the delete read the host's providers
+    rp = add_compute("host-a", vcpus=8)
+    service = services.get_by_host("host-a", services.COMPUTE_BINARY)
+    real_lock, claimed = services._lock_providers, []
+
+    def claim_on_host_a():
+        try:
+            placement.claim(str(uuid.uuid4()), PROJECT, USER, {rp: {VCPU: 1}})
+            claimed.append("claimed")
+        except errors.ResourceProviderNotFound:
+            claimed.append("no provider")
+
+    def lock_then_race(session, host):
+        locked = real_lock(session, host)
+        racer = threading.Thread(target=claim_on_host_a)
+        racer.start()
+        racer.join(timeout=1)  # it waits for the delete's lock (without one, it would commit now)
+        threads.append(racer)
+        return locked
+
+    threads: list[threading.Thread] = []
+    monkeypatch.setattr(services, "_lock_providers", lock_then_race)
+
+    # WHEN the delete goes on
+    services.delete_service(service)
+
+    # THEN it removed the host, and the claim, let through afterwards, found no provider (no 500,
+    # no allocation left on a provider that is gone)
+    threads[0].join(timeout=30)
+    assert claimed == ["no provider"]
+    with api_session() as session:
+        assert session.scalars(select(ResourceProvider).where(ResourceProvider.host == "host-a")).all() == []
+        assert session.scalars(select(Allocation)).all() == []

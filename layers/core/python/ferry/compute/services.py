@@ -208,13 +208,21 @@ def _busy(host: str) -> str | None:
     return None
 
 
+def _lock_providers(session: Session, host: str) -> list[int]:
+    """The ids of ``host``'s resource providers, locked until the transaction ends: a claim writes
+    its provider's row first (the generation), so one under way is waited for and then counted, and
+    one that comes later finds no provider."""
+    return list(session.scalars(select(ResourceProvider.id).where(ResourceProvider.host == host)
+                                .order_by(ResourceProvider.id).with_for_update()))
+
+
 def _forget_host(session: Session, host: str) -> None:
     """The API database's side of a deleted compute host: providers, aggregate memberships, mapping.
 
     Raises:
         Conflict: the host's resource provider still holds allocations.
     """
-    providers = list(session.scalars(select(ResourceProvider.id).where(ResourceProvider.host == host)))
+    providers = _lock_providers(session, host)
     if providers and session.scalar(select(func.count()).select_from(Allocation)
                                     .where(Allocation.resource_provider_id.in_(providers))):
         raise errors.Conflict(f"Unable to delete compute service: the resource provider of host {host} still "
