@@ -362,6 +362,10 @@ class WorkflowNotConfigured(FerryError):
     """The state machine ARN for a workflow is not set in this function's environment."""
 
 
+class ExecutionNameTaken(Conflict):
+    """An execution of another request holds the name a workflow was to start under."""
+
+
 # --- Cross-cell confirm and revert
 
 

@@ -34,12 +34,19 @@ def describe_execution(state_machine_arn: str, name: str) -> dict[str, Any] | No
 def start_execution(state_machine_arn: str, name: str, payload: dict[str, Any]) -> str:
     """Start ``state_machine_arn`` with ``payload`` under the execution name ``name``.
 
-    The name makes the start idempotent: Step Functions refuses a second execution with the
-    same name and input, so a retried API call cannot start a workflow twice. ``name`` is
-    also passed in the payload as ``execution_name`` (host operation ids derive from it).
+    The name makes the start idempotent: Step Functions answers a second start with the same
+    name and input with the running execution, so a retried API call cannot start a workflow
+    twice. It refuses the name (``ExecutionAlreadyExists``) when its execution has ended, or was
+    started with another input: the first is this start's own execution, already over; the
+    second is another request's, and nothing was started for this one. ``name`` is also passed
+    in the payload as ``execution_name`` (host operation ids derive from it).
 
     Returns:
         The execution ARN.
+
+    Raises:
+        WorkflowNotConfigured: no state machine ARN.
+        ExecutionNameTaken: an execution with another input holds the name (the caller's undo runs).
     """
     if not state_machine_arn:
         raise errors.WorkflowNotConfigured("No state machine is configured for this operation.")
@@ -47,7 +54,13 @@ def start_execution(state_machine_arn: str, name: str, payload: dict[str, Any]) 
     sfn = aws.client("stepfunctions")
     try:
         response = sfn.start_execution(stateMachineArn=state_machine_arn, name=name, input=json.dumps(body))
-    except sfn.exceptions.ExecutionAlreadyExists:
+    except sfn.exceptions.ExecutionAlreadyExists as exc:
+        held = describe_execution(state_machine_arn, name)
+        # Not described yet (Step Functions reads are eventually consistent): taken for this start's
+        # own, since undoing a request whose workflow does run is the worse mistake.
+        if held is not None and json.loads(held.get("input") or "null") != body:
+            raise errors.ExecutionNameTaken(
+                f"The execution name {name} is taken by another request's workflow; nothing was started.") from exc
         logger.info("execution already started", extra={"execution": name})
         return execution_arn(state_machine_arn, name)
     logger.info("execution started", extra={"execution": name, "state_machine": state_machine_arn})
