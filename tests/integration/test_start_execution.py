@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from botocore.exceptions import ClientError, ReadTimeoutError
 from moto import mock_aws
 
 from ferry import aws, errors, workflows
@@ -50,3 +51,32 @@ def test_a_name_taken_as_far_as_step_functions_can_yet_tell_is_taken_for_this_st
     arn = workflows.start_execution(machine, "confirm-1", {"migration_uuid": "m-1", "request_id": "req-b"})
 
     assert arn == workflows.execution_arn(machine, "confirm-1")
+
+
+def test_a_start_whose_answer_was_lost_but_whose_execution_runs_counts_as_started(machine, monkeypatch):
+    # GIVEN a start that reaches Step Functions, whose answer is then lost (a read timeout)
+    sfn = aws.client("stepfunctions")
+    real_start = sfn.start_execution
+
+    def started_then_timed_out(**kwargs):
+        real_start(**kwargs)
+        raise ReadTimeoutError(endpoint_url="https://states.test")
+
+    monkeypatch.setattr(sfn, "start_execution", started_then_timed_out)
+
+    # THEN the caller is told it started (its undo would pull the records from under the workflow)
+    assert workflows.start_execution(machine, "confirm-1", {"migration_uuid": "m-1"}) == \
+        workflows.execution_arn(machine, "confirm-1")
+
+
+def test_a_start_that_failed_before_anything_was_started_raises(machine, monkeypatch):
+    sfn = aws.client("stepfunctions")
+
+    def throttled(**_kwargs):
+        raise ClientError({"Error": {"Code": "ThrottlingException", "Message": "Rate exceeded"}}, "StartExecution")
+
+    monkeypatch.setattr(sfn, "start_execution", throttled)
+
+    with pytest.raises(ClientError):
+        workflows.start_execution(machine, "confirm-1", {"migration_uuid": "m-1"})
+    assert workflows.describe_execution(machine, "confirm-1") is None

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from botocore.exceptions import BotoCoreError, ClientError
+
 from ferry import aws, errors
 from ferry.observability import logger
 
@@ -39,7 +41,8 @@ def start_execution(state_machine_arn: str, name: str, payload: dict[str, Any]) 
     twice. It refuses the name (``ExecutionAlreadyExists``) when its execution has ended, or was
     started with another input: the first is this start's own execution, already over; the
     second is another request's, and nothing was started for this one. ``name`` is also passed
-    in the payload as ``execution_name`` (host operation ids derive from it).
+    in the payload as ``execution_name`` (host operation ids derive from it). A start that
+    answered an error but whose execution exists with this input counts as started.
 
     Returns:
         The execution ARN.
@@ -63,8 +66,25 @@ def start_execution(state_machine_arn: str, name: str, payload: dict[str, Any]) 
                 f"The execution name {name} is taken by another request's workflow; nothing was started.") from exc
         logger.info("execution already started", extra={"execution": name})
         return execution_arn(state_machine_arn, name)
+    except (ClientError, BotoCoreError) as exc:
+        # The answer may be what was lost (a timeout, a throttled retry), not the start: undoing a
+        # request whose workflow runs would pull its records from under it.
+        if not _started_as(state_machine_arn, name, body):
+            raise
+        logger.warning("starting the execution answered an error, but it was started",
+                       extra={"execution": name, "error": str(exc)})
+        return execution_arn(state_machine_arn, name)
     logger.info("execution started", extra={"execution": name, "state_machine": state_machine_arn})
     return response["executionArn"]
+
+
+def _started_as(state_machine_arn: str, name: str, body: dict[str, Any]) -> bool:
+    """Whether the execution ``name`` exists with ``body`` as its input (False when that cannot be read)."""
+    try:
+        held = describe_execution(state_machine_arn, name)
+    except (ClientError, BotoCoreError):
+        return False
+    return held is not None and json.loads(held.get("input") or "null") == body
 
 
 def error_message(error: dict[str, Any]) -> str:
