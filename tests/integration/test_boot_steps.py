@@ -584,6 +584,41 @@ def test_a_build_that_committed_stays_committed_whatever_its_owner_did_since(clo
         boot.finish_build(event)
 
 
+@pytest.mark.parametrize("vm_state", [states.ACTIVE, states.ERROR])
+def test_a_server_an_admin_reset_while_it_spawned_keeps_its_guest(cloud, vm_state):
+    # GIVEN an admin reset a server that looked stuck spawning (os-resetState: task cleared), and
+    # its spawn then succeeded
+    event = _spawned(cloud["image_id"])
+    with cell_session("cell1") as session:
+        session.execute(Instance.__table__.update().values(vm_state=vm_state, task_state=None))
+
+    # THEN FinishBuild, or the check after it failed, lets the build stand: no rollback destroys
+    # the guest under the server the admin settled
+    assert boot.finish_build(event) == {}
+    assert boot.check_build_committed(event) == {"committed": True}
+    assert (_instance(event["instance_uuid"]).vm_state, _instance(event["instance_uuid"]).task_state) == (
+        vm_state, None)
+
+
+def test_a_late_finish_build_for_a_host_the_build_was_rescheduled_from_commits_nothing(cloud):
+    # GIVEN the build was rescheduled to another host while a run of FinishBuild for the first
+    # was still on its way
+    event = _spawned(cloud["image_id"])
+    first = event["destination"]["host"]
+    event["destination"] = boot.reschedule_build(event)
+    boot.bind_resources_at_dest(event)
+    late = {**event, "destination": {**event["destination"], "host": first}}
+
+    with pytest.raises(errors.UnexpectedTaskState):
+        boot.finish_build(late)
+
+    instance = _instance(event["instance_uuid"])
+    assert (instance.task_state, instance.launched_on, instance.host) == (
+        states.SPAWNING, None, event["destination"]["host"])
+    boot.finish_build(event)  # the build on the new host still finishes
+    assert _instance(event["instance_uuid"]).launched_on == event["destination"]["host"]
+
+
 def test_a_finish_build_refused_by_a_delete_is_not_committed_and_its_rollback_puts_the_ports_down(cloud):
     # GIVEN the owner deleted the server while it was spawning
     event = _spawned(cloud["image_id"])
@@ -605,8 +640,9 @@ def test_fail_build_of_a_server_being_deleted_releases_the_claim_and_leaves_the_
     assert boot.fail_build(event) == {}
 
     assert placement.get_allocations(event["instance_uuid"]) == {}
+    # in ERROR, so that a delete that then fails to start leaves a failed build, not one building
     instance = _instance(event["instance_uuid"])
-    assert (instance.vm_state, instance.task_state) == (states.BUILDING, states.DELETING)
+    assert (instance.vm_state, instance.task_state) == (states.ERROR, states.DELETING)
     with cell_session("cell1") as session:
         assert session.scalars(select(InstanceFault)).first() is None
 

@@ -326,14 +326,19 @@ def finish_build(event: dict[str, Any]) -> dict[str, Any]:
     stand). Run again after it committed, it changes nothing.
 
     Raises:
-        UnexpectedTaskState: the server is no longer spawning (it is being deleted).
+        UnexpectedTaskState: the server is no longer spawning (it is being deleted), or no longer
+            on this destination (a late run after the build was rescheduled).
         InstanceNotFound: the server is gone.
     """
     uuid, dest = event["instance_uuid"], event["destination"]
     power_state = int(event.get("spawn", {}).get("power_state", states.RUNNING))
     with cell_session(dest["cell"]) as session:
-        if _build_committed(instances.get(session, uuid), dest["host"]):
+        instance = instances.get(session, uuid)
+        if _build_committed(instance, dest["host"]):
             return {}
+        if instance.host != dest["host"]:
+            raise errors.UnexpectedTaskState(
+                f"Instance {uuid} is being built on {instance.host}, not on {dest['host']}.")
     with api_session() as session:
         session.execute(update(Port).where(Port.device_id == uuid).values(status="ACTIVE"))
     with cell_session(dest["cell"]) as session:
@@ -346,9 +351,15 @@ def finish_build(event: dict[str, Any]) -> dict[str, Any]:
 
 
 def _build_committed(instance: Instance, host: str) -> bool:
-    """Whether FinishBuild's commit on ``host`` happened: only it sets ``launched_on`` in a boot, and
-    with it a settled vm_state. The task is not asked: the owner may have started another since."""
-    return instance.launched_on == host and instance.vm_state != states.BUILDING
+    """Whether the build on ``host`` stands: FinishBuild's commit there happened (only it sets
+    ``launched_on`` in a boot, and with it a settled vm_state; the task is not asked, the owner may
+    have started another since), or an admin settled the server there by hand while it was
+    spawning (os-resetState: no task, vm_state no longer building), whose guest must not be
+    destroyed under it."""
+    if instance.vm_state == states.BUILDING:
+        return False
+    return instance.launched_on == host or (instance.host == host and instance.task_state is None
+                                            and not instance.deleted)
 
 
 def check_build_committed(event: dict[str, Any]) -> dict[str, Any]:
@@ -403,7 +414,14 @@ def fail_build(event: dict[str, Any]) -> dict[str, Any]:
                    f"the guest or its disks may remain there.")
     with cell_session(cell) as session:
         instance = session.scalars(select(Instance).where(Instance.uuid == uuid)).one_or_none()
-        if instance is None or instance.deleted or instance.task_state == states.DELETING:
+        if instance is None or instance.deleted:
+            _deleted_meanwhile(uuid, message)
+            return {}
+        if instance.task_state == states.DELETING:
+            # Left to its delete, but in ERROR: should the delete not start after all (its task is
+            # then put back), the server is a failed build to delete, not one still building.
+            session.execute(update(Instance).where(Instance.uuid == uuid, Instance.task_state == states.DELETING)
+                            .values(vm_state=states.ERROR).execution_options(synchronize_session=False))
             _deleted_meanwhile(uuid, message)
             return {}
         if instance.vm_state == states.ERROR and instance.task_state is None:
