@@ -366,13 +366,26 @@ def test_a_report_that_waited_in_the_queue_longer_than_a_host_may_be_silent_is_d
         assert session.scalars(select(ResourceProvider).where(ResourceProvider.host == "compute-9")).all() == []
 
 
-def test_the_heartbeat_is_the_time_the_report_was_queued(computes):
-    queued_at = utcnow() - dt.timedelta(seconds=20)
+def test_a_report_that_waited_less_than_that_is_a_heartbeat_now(computes):
+    # A backlog shorter than service_down_time must not make every host look down.
+    queued_at = utcnow() - dt.timedelta(seconds=50)
 
     hosts.apply_report({"kind": protocol.REPORT_HEARTBEAT, "host": "compute-2", "sent_at": queued_at.isoformat()},
                        queued_at)
 
-    assert row("compute-2").last_seen_at == queued_at
+    assert row("compute-2").last_seen_at >= queued_at + dt.timedelta(seconds=50)
+    assert listed()["compute-2"]["state"] == "up"
+
+
+def test_an_agent_clock_that_went_back_does_not_freeze_the_hosts_inventory(computes):
+    # GIVEN a report whose agent's clock ran an hour ahead, then one after the clock was set right
+    ahead = _inventory("compute-1", 4, utcnow() + dt.timedelta(hours=1))
+    hosts.apply_report(ahead, utcnow() - dt.timedelta(seconds=10))
+
+    hosts.apply_report(_inventory("compute-1", 16, utcnow()), utcnow())
+
+    # THEN the later report, by the queue's clock, is applied
+    assert placement.get_inventories(placement.provider_by_host("compute-1"))[placement.VCPU]["total"] == 16
 
 
 def test_an_inventory_report_older_than_the_last_applied_does_not_overwrite_it(computes):

@@ -881,6 +881,7 @@ def test_a_report_that_arrives_after_a_newer_one_does_not_replace_its_view(cloud
     hosts.apply_report({"kind": "inventory", "host": OTHER, "node": OTHER, "cell": CELL,
                         "sent_at": (dt.datetime.now(dt.UTC) - dt.timedelta(minutes=5)).isoformat(),
                         "inventory": {"VCPU": {"total": 8}, "MEMORY_MB": {"total": 8192}, "DISK_GB": {"total": 40}},
-                        "guests": [], "instance_dirs": []})
+                        "guests": [], "instance_dirs": []},
+                       utcnow() - dt.timedelta(seconds=30))  # queued before the newer one, handled after it
 
     assert check().kinds() == [audit.GUEST_ORPHAN]

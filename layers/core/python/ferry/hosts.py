@@ -58,9 +58,10 @@ def apply_report(report: dict[str, Any], queued_at: dt.datetime | None = None) -
     None: now). A report that waited longer than ``service_down_time`` (a failed batch handled
     again, a backlog) says nothing of the host now and is dropped, logged and counted
     (``HostReportStale``): it would make a host that died since look up, or map again a host
-    deleted since. The heartbeat is the time the report was queued, not the time it is applied.
-    An inventory report older than the one last applied (reports may arrive out of order) does
-    not overwrite the host's inventory.
+    deleted since. A report younger than that is a heartbeat now (a backlog of less than that
+    must not make every host look down). Reports are ordered by the time the queue took them, not
+    by the agent's clock (which may go back): an inventory report queued before the one last
+    applied does not overwrite the host's inventory.
 
     The guests and instance directories an inventory report lists are kept in the service's
     ``details`` (:func:`host_view`), the newest report's only, for ``ferry audit``.
@@ -78,10 +79,10 @@ def apply_report(report: dict[str, Any], queued_at: dt.datetime | None = None) -
     protocol.validate(report, protocol.REPORT_SCHEMA)
     host = report["host"]
     now = utcnow()
-    seen = min(now, queued_at or now)
-    if now - seen > dt.timedelta(seconds=config.get().service_down_time):
+    queued = min(now, queued_at or now)
+    if now - queued > dt.timedelta(seconds=config.get().service_down_time):
         logger.warning("host report dropped: it waited in the queue longer than a host may stay silent",
-                       extra={"host": host, "kind": report["kind"], "queued_at": seen.isoformat()})
+                       extra={"host": host, "kind": report["kind"], "queued_at": queued.isoformat()})
         metrics.add_metric(name="HostReportStale", unit=MetricUnit.Count, value=1)
         return
     cell = cell_of_host(host)
@@ -90,15 +91,15 @@ def apply_report(report: dict[str, Any], queued_at: dt.datetime | None = None) -
             raise errors.HostNotMapped(f"Host {host} is not mapped to a cell and did not name one.")
         setup.map_host(host, report["cell"])
         cell = report["cell"]
-    view = _host_view(report)
+    view = _host_view(report, queued)
     newest = True
     with cell_session(cell) as session:
         service = session.scalars(select(Service).where(Service.host == host)).one_or_none()
         if service is None:
-            service = Service(host=host, last_seen_at=seen, details={})
+            service = Service(host=host, last_seen_at=now, details={})
             session.add(service)
-        elif service.last_seen_at is None or service.last_seen_at < seen:
-            service.last_seen_at = seen
+        elif service.last_seen_at is None or service.last_seen_at < now:
+            service.last_seen_at = now
         newest = view is None or _newer_view(view, (service.details or {}).get(HOST_VIEW))
         if view is not None and newest:
             # A new dict, so the JSON column sees the change.
@@ -192,22 +193,25 @@ def _deleted_servers(uuids: set[str]) -> list[tuple[str, dt.datetime | None]]:
 HOST_VIEW = "host_view"
 
 
-def _host_view(report: dict[str, Any]) -> dict[str, Any] | None:
-    """What an inventory report says the host holds: ``{sent_at, guests, instance_dirs?}``, or None."""
+def _host_view(report: dict[str, Any], queued: dt.datetime) -> dict[str, Any] | None:
+    """What an inventory report says the host holds: ``{sent_at, queued_at, guests, instance_dirs?}``,
+    or None; ``queued_at`` orders the views (:func:`_newer_view`)."""
     if report["kind"] != protocol.REPORT_INVENTORY or "guests" not in report:
         return None
-    view: dict[str, Any] = {"sent_at": report["sent_at"], "guests": sorted(report["guests"])}
+    view: dict[str, Any] = {"sent_at": report["sent_at"], "queued_at": queued.isoformat(),
+                            "guests": sorted(report["guests"])}
     if "instance_dirs" in report:
         view["instance_dirs"] = sorted(report["instance_dirs"])
     return view
 
 
 def _newer_view(view: dict[str, Any], recorded: Any) -> bool:
-    """Whether ``view`` was sent after the recorded one (reports may arrive out of order)."""
-    if not isinstance(recorded, dict) or "sent_at" not in recorded:
+    """Whether ``view`` was queued after the recorded one (reports may arrive out of order). A view
+    recorded before views carried ``queued_at`` counts as older."""
+    if not isinstance(recorded, dict) or "queued_at" not in recorded:
         return True
     try:
-        return report_time(view["sent_at"]) >= report_time(recorded["sent_at"])
+        return report_time(view["queued_at"]) >= report_time(recorded["queued_at"])
     except ValueError:
         return True
 
