@@ -80,3 +80,16 @@ def test_a_start_that_failed_before_anything_was_started_raises(machine, monkeyp
     with pytest.raises(ClientError):
         workflows.start_execution(machine, "confirm-1", {"migration_uuid": "m-1"})
     assert workflows.describe_execution(machine, "confirm-1") is None
+
+
+def test_a_name_taken_by_an_execution_that_cannot_be_described_is_taken_for_this_starts_own(machine, monkeypatch):
+    workflows.start_execution(machine, "confirm-1", {"migration_uuid": "m-1", "request_id": "req-a"})
+
+    def denied(*_args):
+        raise ClientError({"Error": {"Code": "AccessDeniedException", "Message": "not allowed"}}, "DescribeExecution")
+
+    monkeypatch.setattr(workflows, "describe_execution", denied)
+
+    arn = workflows.start_execution(machine, "confirm-1", {"migration_uuid": "m-1", "request_id": "req-b"})
+
+    assert arn == workflows.execution_arn(machine, "confirm-1")

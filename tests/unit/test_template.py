@@ -409,3 +409,18 @@ def test_every_managed_policy_the_stack_defines_is_attached_or_given_as_an_outpu
     given = {o["Value"]["Ref"] for o in RAW["Outputs"].values() if isinstance(o["Value"], dict) and "Ref" in o["Value"]}
 
     assert managed - attached - given == set()
+
+
+def test_a_function_that_starts_workflows_may_describe_their_executions():
+    """workflows.start_execution describes an execution whose start answered an error."""
+    machines = [lid for lid, r in RAW["Resources"].items() if r["Type"] == "AWS::Serverless::StateMachine"]
+    missing = []
+    for logical_id in TEMPLATE.functions:
+        policies = RAW["Resources"][logical_id]["Properties"].get("Policies") or []
+        starts = [m for m in machines for item in policies if isinstance(item, dict) and item.get(
+            "StepFunctionsExecutionPolicy", {}).get("StateMachineName") == {"Fn::GetAtt": [m, "Name"]}]
+        described = {text for _path, text in _granted_strings(logical_id) if ":execution:" in text}
+        missing += [(logical_id, m) for m in starts
+                    if not any(f":execution:${{{m}.Name}}:*" in text for text in described)]
+
+    assert missing == []

@@ -58,9 +58,12 @@ def start_execution(state_machine_arn: str, name: str, payload: dict[str, Any]) 
     try:
         response = sfn.start_execution(stateMachineArn=state_machine_arn, name=name, input=json.dumps(body))
     except sfn.exceptions.ExecutionAlreadyExists as exc:
-        held = describe_execution(state_machine_arn, name)
-        # Not described yet (Step Functions reads are eventually consistent): taken for this start's
-        # own, since undoing a request whose workflow does run is the worse mistake.
+        try:
+            held = describe_execution(state_machine_arn, name)
+        except (ClientError, BotoCoreError):
+            held = None
+        # Not described (Step Functions reads are eventually consistent, or the read failed): taken
+        # for this start's own, since undoing a request whose workflow does run is the worse mistake.
         if held is not None and json.loads(held.get("input") or "null") != body:
             raise errors.ExecutionNameTaken(
                 f"The execution name {name} is taken by another request's workflow; nothing was started.") from exc
