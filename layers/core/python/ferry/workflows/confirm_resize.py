@@ -205,7 +205,9 @@ def check_resize_to_confirm(event: dict[str, Any]) -> dict[str, Any]:
         cells = cross_cell_settle.cells_of(migration, event["cell"])
         up = cross_cell_settle.host_is_up(source, event["cell"], session) if cells else host_is_up(session, source)
         if not up:
-            raise errors.ComputeServiceUnavailable(f"Source host {source} of migration {migration_uuid} is down.")
+            # The owner reads this in the fault: the host is named in its details and the log.
+            logger.info("confirm refused: the source host is down", extra={"instance_uuid": uuid, "host": source})
+            raise errors.ComputeServiceUnavailable(f"The source host of migration {migration_uuid} is down.")
         if cells:
             actions.start_event(session, instance_uuid=uuid, request_id=event["request_id"],
                                 event=cross_cell_settle.EVENT_CONFIRM)
@@ -291,11 +293,12 @@ def fail_confirm(event: dict[str, Any]) -> dict[str, Any]:
         dest = str(migration.dest_compute)
         held = describe_allocations(migration_uuid)
         if "confirmed_at_source" in event:
-            message = f"Confirming the resize failed after host {source} removed the old guest and disks: {cause}"
-            details = (f"The server runs on {dest} with its new flavor. Migration {migration_uuid} is in error; "
+            message = f"Confirming the resize failed after the source host removed the old guest and disks: {cause}"
+            details = (f"The server runs on {dest} with its new flavor; source host {source} removed the old "
+                       f"guest and disks. Migration {migration_uuid} is in error; "
                        f"its allocation: {held}.")
         else:
-            message = f"Confirming the resize failed on source host {source}: {cause}"
+            message = f"Confirming the resize failed on the source host: {cause}"
             details = (f"The server runs on {dest} with its new flavor. Host {source} may still hold the old "
                        f"guest and the disks in {uuid}_resize. Migration {migration_uuid} is in error and keeps "
                        f"its allocation ({held}) until a confirm of that migration, run again, cleans up.")
@@ -365,16 +368,17 @@ def restore_verify_resize(event: dict[str, Any]) -> dict[str, Any]:
             name = cross_cell_settle.EVENT_REVERT if reverting else cross_cell_settle.EVENT_CONFIRM
         source, dest = migration.source_compute, migration.dest_compute
         if reverting and cells:
-            message = f"Reverting the resize failed before the server went back to cell {cells['source_cell']}: {cause}"
+            message = f"Reverting the resize failed before the server went back to its source cell: {cause}"
             details = (f"The server stays in VERIFY_RESIZE on {dest} in cell {cells['target_cell']}; its old disks "
                        f"are still on {source}. Revert again to retry.")
         elif reverting and "move" in event:
-            message = f"Reverting the resize failed on destination host {dest}: {cause}"
+            message = f"Reverting the resize failed on the destination host: {cause}"
             details = (f"The server stays in VERIFY_RESIZE on {dest}; its old disks are still on {source}. "
                        f"Revert again to retry.")
         else:
             message = f"{verb} the resize failed before any host was changed: {cause}"
-            details = f"The server stays in VERIFY_RESIZE on {dest}. Confirm or revert it again."
+            details = (f"The server stays in VERIFY_RESIZE on {dest} (source host {source}). Confirm or revert "
+                       f"it again.")
         instance = live_instance(session, uuid)
         if reverting and instance is not None:
             try:

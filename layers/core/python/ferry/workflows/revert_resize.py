@@ -95,7 +95,10 @@ def check_resize_to_revert(event: dict[str, Any]) -> dict[str, Any]:
         for host in {source, dest}:
             up = cross_cell_settle.host_is_up(host, event["cell"], session) if cells else host_is_up(session, host)
             if not up:
-                raise errors.ComputeServiceUnavailable(f"Host {host} of migration {migration_uuid} is down.")
+                # The owner reads this in the fault: the host is named in its details and the log.
+                logger.info("revert refused: a host of the move is down", extra={"instance_uuid": uuid, "host": host})
+                raise errors.ComputeServiceUnavailable(
+                    f"The {'source' if host == source else 'destination'} host of migration {migration_uuid} is down.")
         actions.start_event(session, instance_uuid=uuid, request_id=event["request_id"],
                             event=cross_cell_settle.EVENT_REVERT if cells else EVENT_REVERT,
                             host=None if cells else dest)
@@ -262,16 +265,16 @@ def fail_revert(event: dict[str, Any]) -> dict[str, Any]:
             step, on_source = "recording the result", f"The old guest was restored on {source}."
             event_name = finish_event
         elif "restore" in event:
-            step, on_source = (f"restoring the old guest on {source}",
+            step, on_source = ("restoring the old guest on the source host",
                                f"The old disks are in {uuid}_resize on {source}, or already back in its "
                                f"instance directory.")
             event_name = finish_event
         elif cells and "reverted_at_dest" not in event:
-            step, on_source = (f"removing the new guest and its disks on {dest}",
+            step, on_source = ("removing the new guest and its disks on the destination host",
                                f"The old disks are in {uuid}_resize on {source}.")
             on_dest, event_name = f"The new guest and its disks may still be on {dest}.", reverted_event
         else:
-            step, on_source = (f"moving allocations, ports and volumes back to {source}",
+            step, on_source = ("moving allocations, ports and volumes back to the source host",
                                f"The old disks are in {uuid}_resize on {source}.")
             event_name = reverted_event
         instance = live_instance(session, uuid)
