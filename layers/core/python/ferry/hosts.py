@@ -240,3 +240,20 @@ def is_up(service: Service, now: dt.datetime | None = None) -> bool:
         return False
     now = now or utcnow()
     return (now - service.last_seen_at).total_seconds() <= config.get().service_down_time
+
+
+def service_is_up(session: Any, host: str) -> bool:
+    """Whether ``host``'s compute service, read in ``session`` (its cell's), sends heartbeats."""
+    service = session.scalars(select(Service).where(Service.host == host)).one_or_none()
+    return service is not None and is_up(service)
+
+
+def host_is_up(host: str) -> bool:
+    """Whether ``host``'s compute service, in the cell the host is mapped to, sends heartbeats (False
+    for a host in no cell). Opens the API database's session, then the cell's, never nested: call it
+    outside any open session."""
+    cell = cell_of_host(host)
+    if cell is None:
+        return False
+    with cell_session(cell) as session:
+        return service_is_up(session, host)

@@ -79,7 +79,6 @@ from ferry.store.cell_models import (
     InstanceActionEvent,
     InstanceFault,
     Migration,
-    Service,
     Tag,
 )
 from ferry.store.db import api_session, cell_session
@@ -899,11 +898,6 @@ def _check_unlocked(ctx: RequestContext, instance: Instance) -> None:
         raise errors.InstanceIsLocked(f"Instance {instance.uuid} is locked")
 
 
-def _host_is_up(session: Session, host: str) -> bool:
-    service = session.scalars(select(Service).where(Service.host == host)).one_or_none()
-    return service is not None and hosts.is_up(service)
-
-
 def _undo(cell: CellMapping, instance_uuid: str, request_id: str, undo: dict[str, Any] | None,
           undo_from: str) -> None:
     """Put back the task state an accepted request set, and forget its action."""
@@ -1026,7 +1020,7 @@ def delete_server(ctx: RequestContext, location: Location) -> None:
         instance = instances.get(session, uuid)
         _check_unlocked(ctx, instance)
         previous, host = instance.task_state, instance.host
-        if host and not _host_is_up(session, host):
+        if host and not hosts.service_is_up(session, host):
             logger.warning("host is down; deleting locally", extra={"instance_uuid": uuid, "host": host})
         elif host:
             payload.update(host=host, queue_url=hosts.queue_url(host))

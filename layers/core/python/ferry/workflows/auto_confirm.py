@@ -31,13 +31,12 @@ from typing import Any
 from aws_lambda_powertools.metrics import MetricUnit
 from sqlalchemy import func, select
 
-from ferry import config, errors
+from ferry import config, errors, hosts
 from ferry.compute import instances, migration_states, moves, states
 from ferry.observability import logger, metrics
 from ferry.store.api_models import utcnow
 from ferry.store.cell_models import Instance, Migration
 from ferry.store.db import all_cells, cell_session
-from ferry.workflows import cross_cell_settle
 
 CONFIRMED = "confirmed"
 SKIPPED = "skipped"
@@ -95,9 +94,9 @@ def confirm_one(found: Unconfirmed) -> str:
                            extra={**context, "vm_state": instance.vm_state})
             return ERRORED
         source = str(migration.source_compute)
-        if not cross_cell_settle.host_is_up(source, found.cell, session):
-            logger.info("auto-confirm skipped: the migration's source host is down", extra={**context, "host": source})
-            return SKIPPED
+    if not hosts.host_is_up(source):  # read after the cell's session: sessions are never nested here
+        logger.info("auto-confirm skipped: the migration's source host is down", extra={**context, "host": source})
+        return SKIPPED
     try:
         moves.begin_confirm(found.cell, found.instance_uuid, request_id=request_id_for(found.migration_uuid),
                             user_id=None, project_id=None, migration_uuid=found.migration_uuid)

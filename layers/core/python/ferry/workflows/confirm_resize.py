@@ -34,7 +34,7 @@ from ferry import errors, hosts, network, notifications, placement, validation, 
 from ferry.compute import actions, instances, migration_states, states
 from ferry.observability import logger
 from ferry.store.api_models import ResourceProvider
-from ferry.store.cell_models import Instance, InstanceAction, InstanceActionEvent, Migration, Service
+from ferry.store.cell_models import Instance, InstanceAction, InstanceActionEvent, Migration
 from ferry.store.db import api_session, cell_session
 from ferry.workflows import cross_cell_settle, error_message
 
@@ -82,12 +82,6 @@ def live_instance(session: Session, instance_uuid: str) -> Instance | None:
     """The visible, undeleted instance, or None."""
     return session.scalars(select(Instance).where(
         Instance.uuid == instance_uuid, Instance.deleted.is_(False), Instance.hidden.is_(False))).one_or_none()
-
-
-def host_is_up(session: Session, host: str) -> bool:
-    """Whether ``host``'s compute service (in this cell session) sends heartbeats."""
-    service = session.scalars(select(Service).where(Service.host == host)).one_or_none()
-    return service is not None and hosts.is_up(service)
 
 
 def host_ref(host: str, node: str | None) -> dict[str, Any]:
@@ -203,8 +197,7 @@ def check_resize_to_confirm(event: dict[str, Any]) -> dict[str, Any]:
                 f"{instance.vm_state} task_state {instance.task_state} on {instance.host}: not a confirm under way.")
         source, dest = str(migration.source_compute), str(migration.dest_compute)
         cells = cross_cell_settle.cells_of(migration, event["cell"])
-        up = cross_cell_settle.host_is_up(source, event["cell"], session) if cells else host_is_up(session, source)
-        if not up:
+        if not cross_cell_settle.host_is_up(source, event["cell"], session):
             # The owner reads this in the fault: the host is named in its details and the log.
             logger.info("confirm refused: the source host is down", extra={"instance_uuid": uuid, "host": source})
             raise errors.ComputeServiceUnavailable(f"The source host of migration {migration_uuid} is down.")

@@ -34,7 +34,6 @@ from ferry.store.cell_models import (
     InstanceAction,
     InstanceActionEvent,
     Migration,
-    Service,
 )
 from ferry.store.db import api_session, cell_session
 
@@ -88,14 +87,9 @@ def host_is_up(host: str, current_cell: str, session: Session) -> bool:
     except errors.ComputeHostNotFound:
         return False
     if cell == current_cell:
-        return _service_is_up(session, host)
+        return hosts.service_is_up(session, host)
     with cell_session(cell) as other:
-        return _service_is_up(other, host)
-
-
-def _service_is_up(session: Session, host: str) -> bool:
-    service = session.scalars(select(Service).where(Service.host == host)).one_or_none()
-    return service is not None and hosts.is_up(service)
+        return hosts.service_is_up(other, host)
 
 
 def revert_cell(event: dict[str, Any]) -> str:

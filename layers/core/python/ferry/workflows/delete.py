@@ -67,7 +67,7 @@ def find_resize_to_confirm(event: dict[str, Any]) -> dict[str, Any]:
             up = cross_cell_settle.host_is_up(source, event["cell"], session)
             event_name = cross_cell_settle.EVENT_CONFIRM_AT_SOURCE
         else:
-            up = confirm_resize.host_is_up(session, source)
+            up = hosts.service_is_up(session, source)
             event_name = confirm_resize.EVENT_CONFIRM
         actions.start_event(session, instance_uuid=uuid, request_id=event["request_id"],
                             event=event_name, host=source)

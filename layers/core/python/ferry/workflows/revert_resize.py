@@ -40,7 +40,6 @@ from ferry.workflows import cross_cell_settle, error_message
 from ferry.workflows.confirm_resize import (
     EVENT_REVERT,
     describe_allocations,
-    host_is_up,
     host_ref,
     live_instance,
     migration_of,
@@ -93,8 +92,7 @@ def check_resize_to_revert(event: dict[str, Any]) -> dict[str, Any]:
         source, dest = str(migration.source_compute), str(migration.dest_compute)
         cells = cross_cell_settle.cells_of(migration, event["cell"])
         for host in {source, dest}:
-            up = cross_cell_settle.host_is_up(host, event["cell"], session) if cells else host_is_up(session, host)
-            if not up:
+            if not cross_cell_settle.host_is_up(host, event["cell"], session):
                 # The owner reads this in the fault: the host is named in its details and the log.
                 logger.info("revert refused: a host of the move is down", extra={"instance_uuid": uuid, "host": host})
                 raise errors.ComputeServiceUnavailable(
