@@ -27,7 +27,7 @@ from sqlalchemy.orm import Session
 from ferry import errors, hosts
 from ferry.compute import actions, instances, migration_states, states
 from ferry.observability import logger
-from ferry.store.api_models import CellMapping, HostMapping, InstanceMapping
+from ferry.store.api_models import CellMapping, InstanceMapping
 from ferry.store.cell_models import (
     BlockDeviceMapping,
     Instance,
@@ -57,11 +57,10 @@ def cell_of_host(host: str) -> str:
     Raises:
         ComputeHostNotFound: the host is not mapped.
     """
-    with api_session() as session:
-        mapping = session.scalars(select(HostMapping).where(HostMapping.host == host)).one_or_none()
-        if mapping is None or mapping.cell is None:
-            raise errors.ComputeHostNotFound(f"Compute host {host} could not be found.")
-        return str(mapping.cell.name)
+    cell = hosts.cell_of_host(host)
+    if cell is None:
+        raise errors.ComputeHostNotFound(f"Compute host {host} could not be found.")
+    return cell
 
 
 def cells_of(migration: Migration, target_cell: str) -> dict[str, str] | None:
