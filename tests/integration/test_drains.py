@@ -1592,6 +1592,23 @@ def test_finishing_a_drain_leaves_a_move_whose_scheduling_began_after_the_drain_
                for r in caplog.records)
 
 
+def test_finishing_a_drain_leaves_a_move_that_began_scheduling_though_its_execution_is_not_shown_yet(
+        store, move_machines, caplog):
+    # GIVEN a drained server whose move's first step recorded its event while Step Functions does
+    # not show the execution yet (its reads lag)
+    drain, server, slot, _move = _prepared_move()
+    with cell_session("cell1") as session:
+        actions.start_event(session, instance_uuid=server, request_id=slot["request_id"], event=resize.EVENT_MIGRATE)
+
+    # WHEN the drain finishes
+    assert drains.finish(drain)["status"] == "failed"
+
+    # THEN the move is left to its workflow, not undone under it
+    assert _move_records(server, slot["migration_uuid"]) == ("resize_prep", "pre-migrating")
+    assert any("its workflow ran and ended" in r.getMessage() and getattr(r, "instance_uuid", None) == server
+               for r in caplog.records)
+
+
 @pytest.mark.postgres
 def test_a_move_undone_while_it_is_being_scheduled_claims_nothing(pg_store, move_machines, monkeypatch):
     # GIVEN a drained server whose move's SelectMoveDestinations has read the move as waiting to

@@ -575,7 +575,8 @@ def _begin_move(ctx: RequestContext, location: compute_api.Location, move: _Move
                                   move_execution_name("resize", uuid, migration_uuid), payload)
     except Exception:
         logger.exception("resize workflow did not start; undoing", extra={"instance_uuid": uuid})
-        _undo_move(cell, uuid, migration_uuid, ctx.request_id, previous, forget_migration=False)
+        # Unless it did start after all (a step of it recorded): then it is the workflow's to finish.
+        _undo_move(cell, uuid, migration_uuid, ctx.request_id, previous, forget_migration=False, unless_begun=True)
         raise
     return migration_uuid
 
@@ -661,8 +662,9 @@ def abandon_prepared_move(cell: str, instance_uuid: str, migration_uuid: str, re
     if not undoable:
         return False
     # What the flavors were before is not known here; they only matter while a move is under way.
-    if (ran is not None and begun) or not _undo_move(cell, instance_uuid, migration_uuid, request_id, None,
-                                                     forget_migration=False, unless_begun=ran is not None):
+    # A step recorded means the workflow ran, also when Step Functions does not show it yet.
+    if begun or not _undo_move(cell, instance_uuid, migration_uuid, request_id, None, forget_migration=False,
+                               unless_begun=True):
         logger.warning("move not undone: its workflow ran and ended without finishing or rolling it back",
                        extra={"instance_uuid": instance_uuid, "migration_uuid": migration_uuid,
                               "ended": ran.get("status") if ran else None})
