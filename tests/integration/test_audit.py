@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 from sqlalchemy import select, update
+from sqlalchemy.exc import OperationalError
 from verify_resize_helpers import (
     CELL,
     DEST,
@@ -282,6 +283,25 @@ def test_a_stale_hidden_copy_replaced_by_a_new_move_between_cells_is_left_to_tha
         assert session.scalars(select(Instance.hidden).where(Instance.uuid == cloud.active)).one() is True
         migration = session.scalars(select(Migration).where(Migration.uuid == moves[0])).one()
         assert migration.cross_cell_move and migration.status == migration_states.PRE_MIGRATING
+
+
+def test_a_repair_the_database_aborts_fails_alone_and_the_audit_goes_on(cloud, monkeypatch):
+    # GIVEN a stale hidden copy whose repair the database aborts (a deadlock with a workflow writing
+    # the same rows)
+    add_copy("cell2", cloud.active, hidden=True)
+    add_migration(cloud.active, migration_states.CONFIRMED, cell="cell2", cross_cell_move=True)
+
+    def deadlocked(*_args, **_kwargs):
+        raise OperationalError("DELETE FROM instances", {}, Exception("deadlock detected"))
+
+    monkeypatch.setattr(audit.instances, "purge", deadlocked)
+
+    report = check(fix=True, max_fix_rounds=1)
+
+    # THEN that repair is reported failed with the database's reason, and the audit returns its report
+    assert "deadlock detected" in refusal(report, audit.HIDDEN_COPY_STALE)
+    with cell_session("cell2") as session:
+        assert session.scalars(select(Instance.hidden).where(Instance.uuid == cloud.active)).one() is True
 
 
 def test_a_stale_hidden_copy_written_afresh_meanwhile_is_not_removed(cloud, monkeypatch):

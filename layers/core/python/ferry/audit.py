@@ -33,6 +33,7 @@ from typing import Any, cast
 
 from botocore.exceptions import BotoCoreError, ClientError
 from sqlalchemy import ColumnElement, CursorResult, delete, func, select, update
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import InstrumentedAttribute, Session
 
 from ferry import aws, config, errors, hosts, images, network, placement, protocol, volumes
@@ -1026,7 +1027,9 @@ def _apply_repairs(problems: list[Problem]) -> list[Repair]:
         assert problem.repair is not None
         try:
             action = problem.repair()
-        except (errors.FerryError, ClientError, BotoCoreError) as exc:
+        # A database error (a deadlock or serialization failure against a workflow writing the same
+        # rows, a connection lost) fails this repair only: its transaction was rolled back.
+        except (errors.FerryError, ClientError, BotoCoreError, DBAPIError) as exc:
             logger.warning("audit repair failed", extra={"kind": problem.kind, "resource": problem.resource,
                                                          "error": str(exc)})
             done.append(Repair(problem, None, str(exc)))
