@@ -646,12 +646,19 @@ def test_a_volume_attachment_a_move_to_its_host_reuses_is_not_deleted(cloud, mon
         assert session.get(Volume, cloud.volume_id).status == status
 
 
-def test_a_volume_attachment_that_changed_meanwhile_is_not_deleted(cloud, monkeypatch):
+def _orphan_attachment(cloud: Cloud, volume_status: str, attachment_status: str) -> str:
+    """A new volume in ``volume_status`` attached (``attachment_status``) on OTHER to a server that
+    does not exist; its id."""
     volume_id = make_volume(cloud.state_dir)
     with api_session() as session:
-        session.get(Volume, volume_id).status = "in-use"
+        session.get(Volume, volume_id).status = volume_status
         session.add(VolumeAttachment(volume_id=volume_id, instance_uuid=str(uuidlib.uuid4()), host=OTHER,
-                                     device="vdc", status="reserved"))
+                                     device="vdc", status=attachment_status))
+    return volume_id
+
+
+def test_a_volume_attachment_that_changed_meanwhile_is_not_deleted(cloud, monkeypatch):
+    volume_id = _orphan_attachment(cloud, "in-use", "reserved")
 
     def attachment_completed() -> None:
         with api_session() as session:
@@ -668,11 +675,7 @@ def test_a_volume_attachment_that_changed_meanwhile_is_not_deleted(cloud, monkey
 
 
 def test_an_orphan_attachment_of_a_volume_being_deleted_does_not_make_it_available(cloud):
-    volume_id = make_volume(cloud.state_dir)
-    with api_session() as session:
-        session.get(Volume, volume_id).status = "deleting"
-        session.add(VolumeAttachment(volume_id=volume_id, instance_uuid=str(uuidlib.uuid4()), host=OTHER,
-                                     device="vdc", status="attached"))
+    volume_id = _orphan_attachment(cloud, "deleting", "attached")
 
     report = check(fix=True)
 
@@ -683,11 +686,7 @@ def test_an_orphan_attachment_of_a_volume_being_deleted_does_not_make_it_availab
 
 
 def test_a_volume_whose_status_changed_meanwhile_is_not_made_available(cloud, monkeypatch):
-    volume_id = make_volume(cloud.state_dir)
-    with api_session() as session:
-        session.get(Volume, volume_id).status = "in-use"
-        session.add(VolumeAttachment(volume_id=volume_id, instance_uuid=str(uuidlib.uuid4()), host=OTHER,
-                                     device="vdc", status="attached"))
+    volume_id = _orphan_attachment(cloud, "in-use", "attached")
 
     def volume_being_deleted() -> None:
         with api_session() as session:
@@ -715,11 +714,7 @@ def test_a_volume_left_deleting_after_its_server_is_reported_for_a_person(cloud)
 
 
 def test_a_volume_attachment_of_a_deleted_server_is_found_and_the_volume_freed(cloud):
-    volume_id = make_volume(cloud.state_dir)
-    with api_session() as session:
-        session.get(Volume, volume_id).status = "in-use"
-        session.add(VolumeAttachment(volume_id=volume_id, instance_uuid=str(uuidlib.uuid4()), host=OTHER,
-                                     device="vdc", status="attached"))
+    volume_id = _orphan_attachment(cloud, "in-use", "attached")
 
     assert check().kinds() == [audit.VOLUME_ATTACHMENT_ORPHAN]
     assert_fixed(audit.VOLUME_ATTACHMENT_ORPHAN)

@@ -1543,17 +1543,24 @@ def test_finishing_a_drain_leaves_a_move_whose_workflow_started_to_that_workflow
     assert bool(left_to_it) is not ended
 
 
-def test_finishing_a_drain_leaves_a_move_whose_workflow_stopped_while_it_was_being_scheduled(store, move_machines,
-                                                                                            caplog):
-    # GIVEN a drained server whose move's workflow started, began scheduling (SelectMoveDestinations
-    # recorded its event: a claim may have followed, or may still be on its way) and was stopped
-    # before it left resize_prep
+def _stopped_once_scheduling_began(move_machines) -> tuple[str, str, dict]:
+    """A drained server whose move's workflow started, began scheduling (SelectMoveDestinations
+    recorded its event) and was stopped: ``(drain, server, slot)``."""
     sfn, arns = move_machines
     drain, server, slot, move = _prepared_move()
     execution = sfn.start_execution(stateMachineArn=arns["resize"], name=move["name"], input=json.dumps(move["input"]))
     with cell_session("cell1") as session:
         actions.start_event(session, instance_uuid=server, request_id=slot["request_id"], event=resize.EVENT_MIGRATE)
     sfn.stop_execution(executionArn=execution["executionArn"])
+    return drain, server, slot
+
+
+def test_finishing_a_drain_leaves_a_move_whose_workflow_stopped_while_it_was_being_scheduled(store, move_machines,
+                                                                                            caplog):
+    # GIVEN a drained server whose move's workflow started, began scheduling (SelectMoveDestinations
+    # recorded its event: a claim may have followed, or may still be on its way) and was stopped
+    # before it left resize_prep
+    drain, server, slot = _stopped_once_scheduling_began(move_machines)
 
     # WHEN the drain finishes
     assert drains.finish(drain)["status"] == "failed"
@@ -1568,12 +1575,7 @@ def test_finishing_a_drain_leaves_a_move_whose_scheduling_began_after_the_drain_
         store, move_machines, monkeypatch, caplog):
     # GIVEN a drained server whose stopped move's SelectMoveDestinations committed its first event
     # just after FinishDrain read the move's events (the read finds none)
-    sfn, arns = move_machines
-    drain, server, slot, move = _prepared_move()
-    execution = sfn.start_execution(stateMachineArn=arns["resize"], name=move["name"], input=json.dumps(move["input"]))
-    with cell_session("cell1") as session:
-        actions.start_event(session, instance_uuid=server, request_id=slot["request_id"], event=resize.EVENT_MIGRATE)
-    sfn.stop_execution(executionArn=execution["executionArn"])
+    drain, server, slot = _stopped_once_scheduling_began(move_machines)
     real_has_events, reads = actions.has_events, []
 
     def read_before_the_event(*args):
