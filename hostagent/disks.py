@@ -146,6 +146,16 @@ def remove_instance_dir(instances_dir: str | os.PathLike[str], instance_uuid: st
     remove_dir(instance_dir(instances_dir, instance_uuid))
 
 
+def sync_dir(directory: str | os.PathLike[str]) -> None:
+    """Write ``directory``'s entries to disk: a file renamed, linked or created in it survives a
+    power loss only once its directory is synced, whatever the file's own fsync did."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def remove_dir(directory: str | os.PathLike[str]) -> None:
     """Delete a directory and everything in it; an absent directory is already gone."""
     try:
@@ -348,6 +358,7 @@ def _temp_beside(dest: Path) -> Iterator[tuple[IO[bytes], Path]]:
             out.flush()
             os.fsync(out.fileno())
             os.replace(tmp, dest)
+        sync_dir(dest.parent)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

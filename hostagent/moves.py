@@ -79,8 +79,12 @@ def write_record(directory: Path, record: dict[str, Any], name: str = MOVE_RECOR
     """Write the JSON record ``name`` in ``directory`` whole or not at all."""
     target = directory / name
     tmp = directory / f".{name}.tmp"
-    tmp.write_text(json.dumps(record))
+    with open(tmp, "w") as out:
+        out.write(json.dumps(record))
+        out.flush()
+        os.fsync(out.fileno())
     os.replace(tmp, target)
+    disks.sync_dir(directory)  # a host's answer says the step is done: what it wrote must outlast a crash
 
 
 def _record_of(directory: Path, migration_uuid: str) -> dict[str, Any] | None:
@@ -308,6 +312,7 @@ class MoveOperations:
             raise errors.GuestNotFound(f"No guest for instance {uuid} on {self.host}.", instance_uuid=uuid)
         try:
             os.rename(live, kept)
+            disks.sync_dir(self.instances_dir)
         except OSError as exc:
             raise errors.HostOperationFailed(
                 f"Moving the disks of instance {uuid} aside to {kept} failed: {exc}", instance_uuid=uuid
@@ -398,7 +403,14 @@ class MoveOperations:
         if op.args["same_host"]:
             return
         if op.args.get("direct"):
-            disks.remove_dir(disks.incoming_dir(self.instances_dir, op.instance_uuid))
+            incoming = disks.incoming_dir(self.instances_dir, op.instance_uuid)
+            try:
+                disks.remove_dir(incoming)
+            except OSError as exc:  # the guest runs here now: what is left is ferry audit's to report
+                logger.warning("the copied disks could not be removed: ferry audit reports them",
+                               extra={"host": self.host, "instance_uuid": op.instance_uuid, "path": str(incoming),
+                                      "error": str(exc)})
+                self._emit_metric("HostCleanupFailed", MetricUnit.Count, 1, op.name)
         self._delete_transfer(op, op.args["transfer"])
 
     def _receive_disks(self, op: Operation, live: Path, kept: Path) -> dict[str, tuple[Any, int]]:
@@ -418,6 +430,7 @@ class MoveOperations:
                 blocks = disks.received_digest(copied, expected["sha256"], expected["size"], algorithm)
                 try:
                     os.link(copied, dest)
+                    disks.sync_dir(live)
                 except OSError as exc:
                     raise errors.DiskCopyFailed(f"The {kind} disk copied to {copied} cannot be taken: {exc}",
                                                 instance_uuid=uuid) from exc
@@ -741,6 +754,7 @@ class MoveOperations:
             try:
                 disks.remove_dir(live)
                 os.rename(kept, live)
+                disks.sync_dir(self.instances_dir)
             except OSError as exc:
                 raise errors.HostOperationFailed(
                     f"Moving the kept disks of instance {uuid} back failed: {exc}", instance_uuid=uuid

@@ -33,6 +33,7 @@ from hostagent import agent as agent_module
 from hostagent import disks
 from hostagent.agent import HostAgent
 from hostagent.driver import NOSTATE, RUNNING, SHUTDOWN, LibvirtDriver, write_test_node_xml
+from hostagent.moves import read_record, write_record
 
 IMAGES = "ferry-images"
 TRANSFERS = "ferry-transfers"
@@ -729,6 +730,39 @@ def test_a_source_that_sees_the_destinations_directory_copies_the_disks_straight
     assert read_at(ephemeral, EPHEMERAL_OFFSET, len(EPHEMERAL_DATA)) == EPHEMERAL_DATA
     assert dest.instance_dirs() == [server.uuid], "the incoming directory is gone once the disks are in place"
     assert logical_sha256(source.kept(server.uuid) / disks.ROOT_DISK) == server.root_sha256, "kept for a revert"
+
+
+def test_a_direct_move_whose_copied_disks_cannot_be_removed_once_in_place_still_finishes(
+        cloud, source, dest, monkeypatch):
+    # GIVEN disks copied straight into the destination, whose incoming directory then cannot be removed
+    server = boot(source)
+    migration_uuid, _claim, resized = direct_resize(source, dest, server)
+    incoming, real_remove = disks.incoming_dir(dest.instances_dir, server.uuid), disks.remove_dir
+
+    def stuck(path):
+        if path == incoming:
+            raise OSError(13, "Permission denied")
+        return real_remove(path)
+
+    monkeypatch.setattr(disks, "remove_dir", stuck)
+
+    # WHEN the destination finishes the move
+    finished = dest.ok("finish_resize", server.uuid, {**finish_args(migration_uuid, server, resized), "direct": True})
+
+    # THEN the resized guest runs (a failure here would roll back a move that had finished)
+    assert finished["power_state"] == RUNNING
+    assert dest.driver.guest_power_state(server.uuid) == RUNNING
+
+
+def test_what_a_step_writes_is_synced_with_its_directory_before_the_host_answers(tmp_path, monkeypatch):
+    synced = []
+    monkeypatch.setattr(disks, "sync_dir", lambda directory: synced.append(Path(directory)))
+
+    write_record(tmp_path, {"migration_uuid": "m-1"})
+    disks.host_token(tmp_path, "compute-1")  # written through the agent's temporary-file rename
+
+    assert synced == [tmp_path, tmp_path]
+    assert read_record(tmp_path) == {"migration_uuid": "m-1"}
 
 
 def test_an_offer_the_source_cannot_verify_sends_the_disks_through_the_transfer(cloud, source, dest):
