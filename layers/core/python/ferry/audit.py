@@ -844,6 +844,35 @@ def _move_using(session: Session, instance_uuid: str, host: str, seen: set[tuple
     return None
 
 
+def _delete_as_read(session: Session, model: Any, row_id: Any, what: str, *as_read: ColumnElement[bool]) -> bool:
+    """Delete the row ``row_id`` of ``model`` only while its columns are as the audit read them
+    (``as_read``); False when it is gone already.
+
+    Raises:
+        FerryError: it changed meanwhile (left as it is).
+    """
+    result = cast(CursorResult[Any], session.execute(
+        delete(model).where(model.id == row_id, *as_read).execution_options(synchronize_session=False)))
+    if result.rowcount == 1:
+        return True
+    if session.get(model, row_id) is None:
+        return False
+    raise errors.FerryError(f"{what} changed meanwhile; left as it is")
+
+
+def _refuse_if_moving(session: Session, instance_uuid: str, host: str, seen: set[tuple[str, str]], what: str) -> None:
+    """Refuse (rolling the repair back) when a move of the server involving ``host`` began since the
+    read: a move reuses a binding or an attachment it finds on its destination unchanged.
+
+    Raises:
+        FerryError: such a move.
+    """
+    move = _move_using(session, instance_uuid, host, seen)
+    if move is not None:
+        raise errors.FerryError(f"migration {move.uuid} ({move.status}) of server {instance_uuid} involves host "
+                                f"{host} now; {what} was left as it is")
+
+
 def _repair_binding(world: _World, port: Port, binding: PortBinding) -> Callable[[], str]:
     binding_id, port_id, host, status, device_id = binding.id, port.id, binding.host, binding.status, port.device_id
     seen = world.seen_migrations(device_id) if device_id is not None else set()
@@ -853,20 +882,13 @@ def _repair_binding(world: _World, port: Port, binding: PortBinding) -> Callable
             # Only the binding as read, of the port still owned as read (a move keeps an existing binding
             # unchanged, so the server's moves are re-read below, before this delete commits).
             owned_as_read = select(Port.id).where(Port.id == port_id, _same(Port.device_id, device_id)).exists()
-            result = cast(CursorResult[Any], session.execute(
-                delete(PortBinding).where(PortBinding.id == binding_id, PortBinding.port_id == port_id,
-                                          PortBinding.host == host, PortBinding.status == status, owned_as_read)
-                .execution_options(synchronize_session=False)))
-            if result.rowcount != 1:
-                if session.get(PortBinding, binding_id) is None:
-                    return "the binding was already gone"
-                raise errors.FerryError(f"the binding of port {port_id} on host {host} (or the port's server) "
-                                        f"changed meanwhile; left as it is")
-            move = _move_using(session, device_id, host, seen) if device_id is not None else None
-            if move is not None:
-                raise errors.FerryError(f"migration {move.uuid} ({move.status}) of server {device_id} involves host "
-                                        f"{host} now; the binding was left as it is")
-            return f"deleted the binding of port {port_id} on host {host}"
+            what = f"the binding of port {port_id} on host {host}"
+            if not _delete_as_read(session, PortBinding, binding_id, what, PortBinding.port_id == port_id,
+                                   PortBinding.host == host, PortBinding.status == status, owned_as_read):
+                return "the binding was already gone"
+            if device_id is not None:
+                _refuse_if_moving(session, device_id, host, seen, what)
+            return f"deleted {what}"
 
     return repair
 
@@ -890,22 +912,15 @@ def _repair_attachment(world: _World, attachment: VolumeAttachment, *, server_li
         with api_session() as session:
             # Only the attachment as read (a move keeps an existing reservation unchanged, so the server's
             # moves are re-read below, before this delete commits).
-            result = cast(CursorResult[Any], session.execute(
-                delete(VolumeAttachment).where(
-                    VolumeAttachment.id == attachment_id, VolumeAttachment.volume_id == volume_id,
-                    VolumeAttachment.instance_uuid == instance_uuid, _same(VolumeAttachment.host, host),
-                    VolumeAttachment.status == status, _same(VolumeAttachment.updated_at, updated_at))
-                .execution_options(synchronize_session=False)))
-            if result.rowcount != 1:
-                if session.get(VolumeAttachment, attachment_id) is None:
-                    return "the attachment was already gone"
-                raise errors.FerryError(f"the attachment of volume {volume_id} on host {host} changed meanwhile; "
-                                        f"left as it is")
-            move = _move_using(session, instance_uuid, host, seen) if server_lives and host else None
-            if move is not None:
-                raise errors.FerryError(f"migration {move.uuid} ({move.status}) of server {instance_uuid} involves "
-                                        f"host {host} now; the attachment was left as it is")
-            done = f"deleted the attachment of volume {volume_id} on host {host}"
+            what = f"the attachment of volume {volume_id} on host {host}"
+            if not _delete_as_read(session, VolumeAttachment, attachment_id, what,
+                                   VolumeAttachment.volume_id == volume_id,
+                                   VolumeAttachment.instance_uuid == instance_uuid, _same(VolumeAttachment.host, host),
+                                   VolumeAttachment.status == status, _same(VolumeAttachment.updated_at, updated_at)):
+                return "the attachment was already gone"
+            if server_lives and host:
+                _refuse_if_moving(session, instance_uuid, host, seen, what)
+            done = f"deleted {what}"
             if volume_status not in HELD_VOLUME_STATUSES:
                 return done
             # Available only from the status read, and only when no attachment holds the volume any more.
