@@ -58,6 +58,7 @@ from boto3.s3.transfer import TransferConfig
 from botocore.exceptions import BotoCoreError, ClientError
 
 from ferry import aws, errors, faults
+from ferry.observability import logger
 from ferry.protocol import BLOCK_BLAKE3, BLOCK_SHA256, MOVE_DIGEST, VOLUME_DIR_MARKER
 
 CHUNK_SIZE = 4 * 2**20
@@ -146,14 +147,30 @@ def remove_instance_dir(instances_dir: str | os.PathLike[str], instance_uuid: st
     remove_dir(instance_dir(instances_dir, instance_uuid))
 
 
+# fsync of a directory, refused by file systems that have nothing to sync for one (CIFS before
+# Linux 4.17, some FUSE and network file systems): their entries are as durable as they get.
+_DIRECTORY_SYNC_UNSUPPORTED = frozenset({errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP})
+
+
 def sync_dir(directory: str | os.PathLike[str]) -> None:
     """Write ``directory``'s entries to disk: a file renamed, linked or created in it survives a
-    power loss only once its directory is synced, whatever the file's own fsync did."""
+    power loss only once its directory is synced, whatever the file's own fsync did. A file system
+    that refuses to sync a directory is let be (logged once)."""
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in _DIRECTORY_SYNC_UNSUPPORTED:
+            raise
+        _log_unsupported_directory_sync(str(directory), exc)
     finally:
         os.close(fd)
+
+
+@functools.cache
+def _log_unsupported_directory_sync(directory: str, exc: OSError) -> None:
+    logger.warning("this file system does not sync directories: a rename may not outlast a power loss",
+                   extra={"path": directory, "error": str(exc)})
 
 
 def remove_dir(directory: str | os.PathLike[str]) -> None:

@@ -312,11 +312,11 @@ class MoveOperations:
             raise errors.GuestNotFound(f"No guest for instance {uuid} on {self.host}.", instance_uuid=uuid)
         try:
             os.rename(live, kept)
-            disks.sync_dir(self.instances_dir)
         except OSError as exc:
             raise errors.HostOperationFailed(
                 f"Moving the disks of instance {uuid} aside to {kept} failed: {exc}", instance_uuid=uuid
             ) from exc
+        disks.sync_dir(self.instances_dir)
         return record
 
     # -- finish_resize (destination)
@@ -754,11 +754,11 @@ class MoveOperations:
             try:
                 disks.remove_dir(live)
                 os.rename(kept, live)
-                disks.sync_dir(self.instances_dir)
             except OSError as exc:
                 raise errors.HostOperationFailed(
                     f"Moving the kept disks of instance {uuid} back failed: {exc}", instance_uuid=uuid
                 ) from exc
+            disks.sync_dir(self.instances_dir)
         if not self.driver.guest_exists(uuid):
             if not live.exists():
                 raise errors.GuestNotFound(

@@ -14,7 +14,7 @@ processor = BatchProcessor(event_type=EventType.SQS)
 
 
 def record_handler(record: SQSRecord) -> None:
-    sent = record.attributes.sent_timestamp  # when the queue took it, by SQS's clock (milliseconds)
+    sent = record.raw_event.get("attributes", {}).get("SentTimestamp")  # when SQS took it (milliseconds)
     queued_at = dt.datetime.fromtimestamp(int(sent) / 1000, dt.UTC).replace(tzinfo=None) if sent else None
     hosts.apply_report(json.loads(record.body), queued_at)
 

@@ -411,3 +411,18 @@ def test_the_reports_handler_gives_each_report_the_time_sqs_queued_it(computes, 
 
     assert result == {"batchItemFailures": []}
     assert applied == [("compute-1", queued_at)]
+
+
+def test_a_report_without_sqs_times_is_applied_as_queued_now(computes, monkeypatch):
+    applied = []
+    monkeypatch.setattr(hosts, "apply_report", lambda report, at=None: applied.append((report["host"], at)))
+    record = {"messageId": "m-1", "receiptHandle": "r-1", "md5OfBody": "", "eventSource": "aws:sqs",
+              "eventSourceARN": "arn:aws:sqs:us-east-1:123456789012:ferry-test-host-reports", "awsRegion": "us-east-1",
+              "body": json.dumps({"kind": protocol.REPORT_HEARTBEAT, "host": "compute-1", "sent_at": "x"}),
+              "attributes": {}, "messageAttributes": {}}
+
+    result = function("report_host_state").handler({"Records": [record]}, LambdaContext())
+
+    assert result == {"batchItemFailures": []}
+    assert applied == [("compute-1", None)]
+

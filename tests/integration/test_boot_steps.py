@@ -643,8 +643,10 @@ def test_fail_build_of_a_server_being_deleted_releases_the_claim_and_leaves_the_
     # in ERROR, so that a delete that then fails to start leaves a failed build, not one building
     instance = _instance(event["instance_uuid"])
     assert (instance.vm_state, instance.task_state) == (states.ERROR, states.DELETING)
-    with cell_session("cell1") as session:
-        assert session.scalars(select(InstanceFault)).first() is None
+    with cell_session("cell1") as session:  # and says why, with the build's event closed
+        assert session.scalars(select(InstanceFault.message)).one() == "disk full"
+        assert session.scalars(select(InstanceActionEvent.result).where(
+            InstanceActionEvent.event == boot.EVENT_BUILD)).one() == "Error"
 
 
 def test_fail_build_of_a_server_whose_delete_finished_meanwhile_releases_the_claim(cloud):

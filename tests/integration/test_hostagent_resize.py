@@ -11,6 +11,7 @@ gigabyte to a few MiB (the agent sizes disks with ``disks.GiB``); the tests that
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -1362,3 +1363,19 @@ def test_a_same_host_finish_refuses_a_guest_it_did_not_define(source):
 
     assert error == "Ferry.HostOperationFailed"
     assert source.kept(server.uuid).exists()
+
+
+@pytest.mark.parametrize(("code", "raises"), [(errno.EINVAL, False), (errno.EOPNOTSUPP, False), (errno.EIO, True)])
+def test_a_file_system_that_cannot_sync_a_directory_is_let_be_but_a_failing_disk_is_not(
+        tmp_path, monkeypatch, code, raises):
+    def refused(_fd):
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(disks.os, "fsync", refused)
+
+    if raises:
+        with pytest.raises(OSError):
+            disks.sync_dir(tmp_path)
+    else:
+        disks.sync_dir(tmp_path)
+

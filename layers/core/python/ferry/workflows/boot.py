@@ -422,6 +422,9 @@ def fail_build(event: dict[str, Any]) -> dict[str, Any]:
             # then put back), the server is a failed build to delete, not one still building.
             session.execute(update(Instance).where(Instance.uuid == uuid, Instance.task_state == states.DELETING)
                             .values(vm_state=states.ERROR).execution_options(synchronize_session=False))
+            instances.add_fault(session, uuid, message, host=instance.host)
+            actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"], event=EVENT_BUILD,
+                                 host=instance.host, error=error or None)
             _deleted_meanwhile(uuid, message)
             return {}
         if instance.vm_state == states.ERROR and instance.task_state is None:

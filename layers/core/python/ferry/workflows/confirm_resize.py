@@ -197,7 +197,10 @@ def check_resize_to_confirm(event: dict[str, Any]) -> dict[str, Any]:
                 f"{instance.vm_state} task_state {instance.task_state} on {instance.host}: not a confirm under way.")
         source, dest = str(migration.source_compute), str(migration.dest_compute)
         cells = cross_cell_settle.cells_of(migration, event["cell"])
-        if not cross_cell_settle.host_is_up(source, event["cell"], session):
+        # Within a cell the service is read in this session: no API session is opened inside it.
+        up = cross_cell_settle.host_is_up(source, event["cell"], session) if cells else \
+            hosts.service_is_up(session, source)
+        if not up:
             # The owner reads this in the fault: the host is named in its details and the log.
             logger.info("confirm refused: the source host is down", extra={"instance_uuid": uuid, "host": source})
             raise errors.ComputeServiceUnavailable(f"The source host of migration {migration_uuid} is down.")

@@ -30,7 +30,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from ferry import errors, images, network, notifications, placement, volumes
+from ferry import errors, hosts, images, network, notifications, placement, volumes
 from ferry.compute import actions, instances, migration_states, states
 from ferry.observability import logger
 from ferry.store.api_models import VolumeAttachment
@@ -92,7 +92,10 @@ def check_resize_to_revert(event: dict[str, Any]) -> dict[str, Any]:
         source, dest = str(migration.source_compute), str(migration.dest_compute)
         cells = cross_cell_settle.cells_of(migration, event["cell"])
         for host in {source, dest}:
-            if not cross_cell_settle.host_is_up(host, event["cell"], session):
+            # Within a cell the service is read in this session: no API session is opened inside it.
+            up = cross_cell_settle.host_is_up(host, event["cell"], session) if cells else \
+                hosts.service_is_up(session, host)
+            if not up:
                 # The owner reads this in the fault: the host is named in its details and the log.
                 logger.info("revert refused: a host of the move is down", extra={"instance_uuid": uuid, "host": host})
                 raise errors.ComputeServiceUnavailable(
