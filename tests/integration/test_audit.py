@@ -558,13 +558,19 @@ def test_a_port_binding_a_move_to_its_host_reuses_is_not_deleted(cloud, monkeypa
         assert {b.host for b in session.get(Port, cloud.port_id).bindings} == {SOURCE, OTHER}
 
 
-def test_a_binding_of_a_port_a_server_took_meanwhile_is_not_deleted(cloud, monkeypatch):
+def _port_bound_on_other(device_id: str | None) -> str:
+    """A new port of ``device_id`` (None: no server) bound ACTIVE on OTHER; its id."""
     with api_session() as session:
-        port = Port(network_id="net-1", project_id=PROJECT, device_id=None, mac_address="fa:16:3e:00:00:01")
+        port = Port(network_id="net-1", project_id=PROJECT, device_id=device_id,
+                    mac_address=f"fa:16:3e:00:00:{'01' if device_id is None else '02'}")
         port.bindings.append(PortBinding(host=OTHER, status="ACTIVE", vif_details={}))
         session.add(port)
         session.flush()
-        port_id = port.id
+        return str(port.id)
+
+
+def test_a_binding_of_a_port_a_server_took_meanwhile_is_not_deleted(cloud, monkeypatch):
+    port_id = _port_bound_on_other(None)
 
     def server_takes_the_port() -> None:
         with api_session() as session:
@@ -578,10 +584,7 @@ def test_a_binding_of_a_port_a_server_took_meanwhile_is_not_deleted(cloud, monke
 
 
 def test_a_binding_of_a_port_without_a_server_is_found_and_deleted(cloud):
-    with api_session() as session:
-        port = Port(network_id="net-1", project_id=PROJECT, device_id=None, mac_address="fa:16:3e:00:00:01")
-        port.bindings.append(PortBinding(host=OTHER, status="ACTIVE", vif_details={}))
-        session.add(port)
+    _port_bound_on_other(None)
 
     assert check().kinds() == [audit.PORT_BINDING_ORPHAN]
     assert_fixed(audit.PORT_BINDING_ORPHAN)
@@ -589,12 +592,7 @@ def test_a_binding_of_a_port_without_a_server_is_found_and_deleted(cloud):
 
 def test_a_port_still_bound_for_a_deleted_server_is_found_and_released(cloud):
     gone = str(uuidlib.uuid4())
-    with api_session() as session:
-        port = Port(network_id="net-1", project_id=PROJECT, device_id=gone, mac_address="fa:16:3e:00:00:02")
-        port.bindings.append(PortBinding(host=OTHER, status="ACTIVE", vif_details={}))
-        session.add(port)
-        session.flush()
-        port_id = port.id
+    port_id = _port_bound_on_other(gone)
 
     assert check().kinds() == [audit.PORT_BINDING_ORPHAN]
     assert_fixed(audit.PORT_BINDING_ORPHAN)
