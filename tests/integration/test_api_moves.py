@@ -28,12 +28,13 @@ from test_api_support import (
 )
 
 from ferry import config, errors, images, placement, quotas
+from ferry.compute import actions, migration_states, moves, states
 from ferry.compute import api as compute_api
-from ferry.compute import migration_states, moves, states
 from ferry.store import setup
 from ferry.store.api_models import Flavor, RequestSpec
 from ferry.store.cell_models import BlockDeviceMapping, Instance, InstanceAction, Migration
 from ferry.store.db import api_session, cell_session
+from ferry.workflows import resize as resize_steps
 
 MOVE_WORKFLOWS = {"resize": "RESIZE", "confirm_resize": "CONFIRM_RESIZE", "revert_resize": "REVERT_RESIZE"}
 
@@ -415,6 +416,27 @@ def test_a_resize_workflow_that_cannot_start_is_undone(cloud, monkeypatch):
     assert [m.status for m in migrations_of(server_id)] == ["error"]
     assert actions_of(server_id) == []
     assert call("GET", f"/v2.1/servers/{server_id}").body["server"]["status"] == "ACTIVE"
+
+
+def test_a_resize_whose_start_answered_an_error_but_whose_workflow_runs_is_accepted(cloud, monkeypatch):
+    # GIVEN a start whose answer is an error although the workflow runs: its first step recorded
+    # its event before the API looked
+    server_id = active_server()
+
+    def started_but_answered_an_error(arn, name, payload):
+        with cell_session(payload["cell"]) as session:
+            actions.start_event(session, instance_uuid=payload["instance_uuid"], request_id=payload["request_id"],
+                                event=resize_steps.EVENT_MIGRATE)
+        raise RuntimeError("the answer was lost")
+
+    monkeypatch.setattr(moves.workflows, "start_execution", started_but_answered_an_error)
+
+    response = action(server_id, {"resize": {"flavorRef": "2"}})
+
+    # THEN the move stands, as its workflow goes on with it
+    assert response.status == 202
+    assert instance(server_id).task_state == states.RESIZE_PREP
+    assert [m.status for m in migrations_of(server_id)] == ["pre-migrating"]
 
 
 def test_cross_cell_choice_follows_the_callers_policy(cloud, tmp_path, monkeypatch):

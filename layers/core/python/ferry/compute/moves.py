@@ -575,9 +575,12 @@ def _begin_move(ctx: RequestContext, location: compute_api.Location, move: _Move
                                   move_execution_name("resize", uuid, migration_uuid), payload)
     except Exception:
         logger.exception("resize workflow did not start; undoing", extra={"instance_uuid": uuid})
-        # Unless it did start after all (a step of it recorded): then it is the workflow's to finish.
-        _undo_move(cell, uuid, migration_uuid, ctx.request_id, previous, forget_migration=False, unless_begun=True)
-        raise
+        # Unless it did start after all (a step of it recorded): then it is the workflow's to
+        # finish, and the request was accepted.
+        if _undo_move(cell, uuid, migration_uuid, ctx.request_id, previous, forget_migration=False,
+                      unless_begun=True):
+            raise
+        logger.warning("the resize workflow runs after all: the move stands", extra={"instance_uuid": uuid})
     return migration_uuid
 
 
