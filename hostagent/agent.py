@@ -394,11 +394,16 @@ class HostAgent(MoveOperations):
             protocol.DETACH_VOLUME: self.detach_volume,
             protocol.PREP_SNAPSHOT_BASED_RESIZE_AT_SOURCE: self.prep_snapshot_based_resize_at_source,
         }
-        # What an operation whose workflow stopped waiting takes back: only what it wrote off this
-        # host, which the workflow's rollback (another host, or a Lambda) may have deleted before.
+        # What an operation whose workflow stopped waiting takes back: what it wrote off this host,
+        # which the workflow's rollback (another host, or a Lambda) may have deleted before, and a
+        # guest it made here, which the rollback's own host operation may never come to destroy
+        # (its Task, waiting behind this one, may time out too) while the rollback restores the
+        # server elsewhere.
         self._take_back: dict[str, Callable[[Operation], None]] = {
             protocol.RESIZE_INSTANCE: self.take_back_sent_disks,
             protocol.PREP_SNAPSHOT_BASED_RESIZE_AT_SOURCE: self.take_back_snapshot,
+            protocol.SPAWN: self.take_back_guest,
+            protocol.FINISH_RESIZE: self.take_back_guest,
         }
 
     # -- lifecycle

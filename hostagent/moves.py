@@ -600,6 +600,24 @@ class MoveOperations:
         aws.abort_uploads(self.s3, bucket, snapshot["key"])
         disks.delete_transfer(self.s3, bucket, snapshot["data_prefix"])
 
+    def take_back_guest(self, op: Operation) -> None:
+        """Destroy the guest a ``spawn`` or ``finish_resize`` made here, with its disks.
+
+        For a run whose workflow stopped waiting: the workflow rolled the server back (to its
+        source, or to no host), and a guest left running here would write the same volumes as
+        the one the rollback restored. Not for a move on one host, whose guest is the server's
+        only one; volume files stay (they are the volumes'), and so do the kept disks of a move.
+
+        Raises:
+            HypervisorError, OSError: logged and counted by the agent; `ferry audit` finds what is left.
+        """
+        if op.args.get("same_host"):
+            return
+        uuid = op.instance_uuid
+        self.driver.destroy(uuid)
+        disks.remove_dir(disks.instance_dir(self.instances_dir, uuid))
+        disks.remove_dir(disks.incoming_dir(self.instances_dir, uuid))
+
     # -- prep_snapshot_based_resize_at_source (source of a cross-cell move)
 
     def prep_snapshot_based_resize_at_source(self, op: Operation) -> dict[str, Any]:

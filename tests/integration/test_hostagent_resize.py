@@ -950,6 +950,45 @@ def test_a_resize_whose_workflow_gave_up_takes_back_its_transfer(cloud, source, 
     assert source.instance_dirs() == [f"{server.uuid}_resize"]
 
 
+def test_a_spawn_whose_workflow_gave_up_takes_back_its_guest(cloud, dest):
+    # GIVEN a spawn whose Task timed out while it ran (the build was rolled back meanwhile)
+    instance_uuid = str(uuid.uuid4())
+    args = {"name": "web-1", "flavor": OLD, "image": image(cloud, os.urandom(MiB) + b"root disk"), "ports": PORTS,
+            "volumes": [], "power_on": True}
+
+    dest.abandoned("spawn", instance_uuid, args)
+
+    # THEN no guest of it runs here, and its disks are gone
+    assert not dest.driver.guest_exists(instance_uuid)
+    assert dest.instance_dirs() == []
+
+
+def test_a_finish_resize_whose_workflow_gave_up_takes_back_its_guest_and_the_source_keeps_its_disks(
+        cloud, source, dest):
+    # GIVEN a move whose finish at the destination ran past its Task's timeout: the workflow rolled
+    # the server back to the source meanwhile
+    server = boot(source)
+    migration_uuid = str(uuid.uuid4())
+    resized = source.ok("resize_instance", server.uuid, resize_args(migration_uuid, dest))
+
+    dest.abandoned("finish_resize", server.uuid, finish_args(migration_uuid, server, resized))
+
+    # THEN the guest it made is gone (it would write the volumes of the one the rollback restores)
+    assert not dest.driver.guest_exists(server.uuid)
+    assert dest.instance_dirs() == []
+    assert logical_sha256(source.kept(server.uuid) / disks.ROOT_DISK) == server.root_sha256
+
+
+def test_a_finish_resize_on_one_host_whose_workflow_gave_up_keeps_the_servers_only_guest(cloud, source):
+    server = boot(source)
+    migration_uuid = str(uuid.uuid4())
+    resized = source.ok("resize_instance", server.uuid, resize_args(migration_uuid, source))
+
+    source.abandoned("finish_resize", server.uuid, finish_args(migration_uuid, server, resized, same_host=True))
+
+    assert source.driver.guest_exists(server.uuid)
+
+
 # --- failures and rollbacks ---------------------------------------------------------------------
 
 
