@@ -92,7 +92,6 @@ def apply_report(report: dict[str, Any], queued_at: dt.datetime | None = None) -
         setup.map_host(host, report["cell"])
         cell = report["cell"]
     view = _host_view(report, queued)
-    newest = True
     with cell_session(cell) as session:
         service = session.scalars(select(Service).where(Service.host == host)).one_or_none()
         if service is None:
