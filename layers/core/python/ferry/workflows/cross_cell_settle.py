@@ -81,9 +81,8 @@ def host_is_up(host: str, current_cell: str, session: Session) -> bool:
     ``session`` is the caller's open session on ``current_cell`` (used when the host is there:
     SQLite allows one writer per file, so no second session on it is opened).
     """
-    try:
-        cell = cell_of_host(host)
-    except errors.ComputeHostNotFound:
+    cell = hosts.cell_of_host(host)
+    if cell is None:
         return False
     if cell == current_cell:
         return hosts.service_is_up(session, host)
