@@ -184,6 +184,8 @@ TRIGGERS: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
     "resize:CheckMoveCommitted": ("resize", [("MarkResized", faults.ALWAYS, "InjectedFault")]),
     "revert_resize:RestoreVerifyResize": ("revert", [("RevertAtDest", faults.ALWAYS, "InjectedFault")]),
     "revert_resize:FailRevert": ("revert", [("FinishRevertAtSource", faults.ALWAYS, "InjectedFault")]),
+    "volume_attachment:CheckVolumeCommitted": ("attach", [("FinishVolumeOperation", faults.ALWAYS,
+                                                            "InjectedFault")]),
     "volume_attachment:DetachAfterFailedAttach": ("attach", [("FinishVolumeOperation", faults.ALWAYS,
                                                                "InjectedFault")]),
     "volume_attachment:FailVolumeOperation": ("detach", [("DetachAtHost", faults.ALWAYS, "InjectedFault")]),

@@ -57,3 +57,25 @@ def run_piece(sfn: Any, kept: dict[str, Any], start: str, document: dict[str, An
     history = sfn.get_execution_history(executionArn=execution["executionArn"])["events"]
     entered = [e["stateEnteredEventDetails"]["name"] for e in history if "stateEnteredEventDetails" in e]
     return entered, json.loads(described["output"])
+
+
+def failing(name: str, state: dict[str, Any], error: str) -> dict[str, Any]:
+    """``state`` (the Lambda Task ``name``) failing with ``error`` at every attempt, retried and caught
+    as it is; each attempt enters :func:`attempt` of ``name``."""
+    kept = {key: state[key] for key in ("Retry", "Catch", "ResultPath", "Next") if key in state}
+    failure = {"Type": "Fail", "Error": error, "Cause": f"{error} (injected)"}
+    return {"Type": "Parallel", "Branches": [{"StartAt": attempt(name), "States": {attempt(name): failure}}], **kept}
+
+
+def attempt(name: str) -> str:
+    return f"{name}Attempt"
+
+
+def path(entered: list[str]) -> list[str]:
+    """The states an execution entered, without the attempts of failing ones."""
+    return [name for name in entered if not name.endswith("Attempt")]
+
+
+def answering(state: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
+    """``state`` (a Lambda Task) answering ``result``."""
+    return {"Type": "Pass", "Result": result, "ResultPath": state["ResultPath"], "Next": state["Next"]}

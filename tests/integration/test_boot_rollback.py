@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from asl_pieces import deployed_definition, moto_sfn, run_piece
+from asl_pieces import answering, attempt, deployed_definition, failing, moto_sfn, path, run_piece
 from moto.stepfunctions.parser.asl.component.common.retry import retrier_decl
 
 from ferry.local.runtime import ScaledRetryClock
@@ -35,28 +35,6 @@ def sfn(monkeypatch) -> Iterator[Any]:
 @pytest.fixture
 def states() -> dict[str, Any]:
     return deployed_definition("boot.asl.json")["States"]
-
-
-def failing(name: str, state: dict[str, Any], error: str) -> dict[str, Any]:
-    """``state`` (the Lambda Task ``name``) failing with ``error`` at every attempt, retried and caught
-    as it is; each attempt enters :func:`attempt` of ``name``."""
-    kept = {key: state[key] for key in ("Retry", "Catch", "ResultPath", "Next") if key in state}
-    failure = {"Type": "Fail", "Error": error, "Cause": f"{error} (injected)"}
-    return {"Type": "Parallel", "Branches": [{"StartAt": attempt(name), "States": {attempt(name): failure}}], **kept}
-
-
-def attempt(name: str) -> str:
-    return f"{name}Attempt"
-
-
-def path(entered: list[str]) -> list[str]:
-    """The states an execution entered, without the attempts of failing ones."""
-    return [name for name in entered if not name.endswith("Attempt")]
-
-
-def answering(state: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
-    """``state`` (a Lambda Task) answering ``result``."""
-    return {"Type": "Pass", "Result": result, "ResultPath": state["ResultPath"], "Next": state["Next"]}
 
 
 def finish_build_failing(sfn: Any, states: dict[str, Any], error: str, check: dict[str, Any]) -> tuple[list[str], Any]:

@@ -475,3 +475,44 @@ def test_a_detach_leaves_the_volume_in_use_while_another_server_still_holds_it(s
     assert attachments(resized.instance_uuid) == {}
     assert attachments(holder.instance_uuid) == {DEST: "attached"}
     assert volume_status(volume_id) == va.IN_USE
+
+
+@pytest.mark.parametrize("operation", [va.ATTACH, va.DETACH])
+def test_an_operation_whose_last_step_failed_after_it_committed_stands(started, tmp_path, operation):
+    # GIVEN an attach or detach whose FinishVolumeOperation committed and then failed (its response lost)
+    resized = make_resized(volume=operation == va.DETACH, state_dir=tmp_path)
+    if operation == va.ATTACH:
+        volume_id = make_volume(tmp_path)
+        va.begin_attach(owner(), location(resized), volume_id)
+    else:
+        volume_id = str(resized.volume_id)
+        va.begin_detach(owner(), location(resized), volume_id)
+    event = done_at_host(started.payloads[0])
+    va.finish_volume_operation(event)
+    failed = {**event, "error": {"Error": "Sandbox.Timedout", "Cause": "Task timed out after 30.00 seconds"}}
+
+    # WHEN CheckVolumeCommitted reads it (delivered twice)
+    va.check_volume_committed(failed)
+
+    # THEN the operation stands: nothing to roll back, the records untouched
+    assert va.check_volume_committed(failed) == {"committed": True}
+    assert volume_status(volume_id) == (va.IN_USE if operation == va.ATTACH else va.AVAILABLE)
+    assert events(resized.instance_uuid) == {va._EVENT[operation]: "Success"}
+
+
+@pytest.mark.parametrize("operation", [va.ATTACH, va.DETACH])
+def test_an_operation_whose_cell_records_never_committed_is_rolled_back(started, monkeypatch, tmp_path, operation):
+    # GIVEN an attach or detach whose FinishVolumeOperation committed at most the volume's records
+    resized = make_resized(volume=operation == va.DETACH, state_dir=tmp_path)
+    if operation == va.ATTACH:
+        va.begin_attach(owner(), location(resized), make_volume(tmp_path))
+    else:
+        va.begin_detach(owner(), location(resized), str(resized.volume_id))
+    event = done_at_host(started.payloads[0])
+    assert va.check_volume_committed({**event, "error": {"Error": "States.Timeout"}}) == {"committed": False}
+    failed = finish_with_the_cell_unreachable(event, monkeypatch)
+
+    # WHEN CheckVolumeCommitted reads it
+    # THEN it was not committed: the rollback runs
+    assert va.check_volume_committed(failed) == {"committed": False}
+    assert instance_row(resized.instance_uuid).task_state == va._TASK_STATE[operation]

@@ -187,7 +187,7 @@ OUTLAST_AN_OUTAGE = [
     ("revert_resize", "RestoreVerifyResize"), ("revert_resize", "FailRevert"),
     ("drain", "RecordFailure"), ("drain", "SettleServer"),
     ("boot", "FailBuild"), ("boot", "CheckBuildCommitted"), ("delete", "FailDelete"), ("power", "FailPowerAction"),
-    ("volume_attachment", "FailVolumeOperation"),
+    ("volume_attachment", "CheckVolumeCommitted"), ("volume_attachment", "FailVolumeOperation"),
 ]
 
 

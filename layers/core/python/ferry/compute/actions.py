@@ -72,6 +72,15 @@ def has_events(session: Session, instance_uuid: str, request_id: str) -> bool:
         InstanceActionEvent.action_id == action.id).limit(1)).first() is not None
 
 
+def event_result(session: Session, instance_uuid: str, request_id: str, event: str) -> str | None:
+    """The result of the action's ``event`` (``Success``, ``Error``; None while unfinished or unknown)."""
+    action = _action(session, instance_uuid, request_id)
+    if action is None:
+        return None
+    return session.scalars(select(InstanceActionEvent.result).where(
+        InstanceActionEvent.action_id == action.id, InstanceActionEvent.event == event)).first()
+
+
 def _action(session: Session, instance_uuid: str, request_id: str) -> InstanceAction | None:
     return session.scalars(select(InstanceAction).where(
         InstanceAction.instance_uuid == instance_uuid, InstanceAction.request_id == request_id)).one_or_none()

@@ -28,7 +28,8 @@ Failures roll back: a failed attach is detached on the host again and its record
 task is cleared and the instance action's event records the error. FinishVolumeOperation writes
 the API database, then the cell; when only the first committed, the rollback follows it: an
 attach's ``in-use`` volume is freed with the rest, a detach's records already say detached (the
-host did detach it), so its mapping is deleted rather than kept.
+host did detach it), so its mapping is deleted rather than kept. When the cell's part committed
+too and the step failed after (its answer lost), CheckVolumeCommitted lets the operation stand.
 
 Devices are chosen by Ferry, as Nova's libvirt driver does: the first free ``vdX`` after the
 local disks (``vda`` root, ``vdb`` ephemeral, ``vdc`` swap); a requested device name is ignored.
@@ -457,6 +458,30 @@ def finish_volume_operation(event: dict[str, Any]) -> dict[str, Any]:
                              host=host)
     logger.info(f"volume {operation} done", extra={"instance_uuid": uuid, "volume_id": volume_id})
     return {}
+
+
+def check_volume_committed(event: dict[str, Any]) -> dict[str, Any]:
+    """Whether FinishVolumeOperation committed before it failed (its ``Catch`` comes here).
+
+    One that failed after its cell part committed (its response lost, the function timed out)
+    has finished the operation: the attach is recorded ``in-use`` and the guest sees the volume,
+    or the detach is recorded done. Rolling an attach back then would detach the volume from the
+    guest and free it while the server's block device mapping still lists it. So the operation
+    stands. Committed means the operation's event finished ``Success``: FinishVolumeOperation
+    records it in the transaction that clears the task, its last write.
+
+    Returns:
+        ``{"committed": bool}``.
+    """
+    uuid, operation = event["instance_uuid"], event["operation"]
+    with cell_session(event["cell"]) as session:
+        result = actions.event_result(session, uuid, event["request_id"], _EVENT[operation])
+    committed = result == actions.SUCCESS
+    if committed:
+        logger.warning(f"FinishVolumeOperation failed after it committed: the {operation} stands",
+                       extra={"instance_uuid": uuid, "volume_id": event["volume_id"],
+                              "error": error_message(event.get("error") or {})})
+    return {"committed": committed}
 
 
 def fail_volume_operation(event: dict[str, Any]) -> dict[str, Any]:
