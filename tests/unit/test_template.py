@@ -17,6 +17,7 @@ import pytest
 
 from ferry import config, deliveries, images
 from ferry.local.template import load_template, resolve
+from ferry.workflows import auto_confirm
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE_PATH = ROOT / "template.yaml"
@@ -332,6 +333,7 @@ def test_no_policy_writes_out_the_host_queue_prefix():
     ("HostQueuePrefix", "FERRY_HOST_QUEUE_PREFIX"),
     ("HostReportsQueueUrl", "FERRY_HOST_REPORTS_QUEUE_URL"),
     ("ImageBucketName", "FERRY_IMAGE_BUCKET"),
+    ("MetricsNamespace", "POWERTOOLS_METRICS_NAMESPACE"),
 ])
 @pytest.mark.parametrize("stage", ["local", "prod"])
 def test_an_output_gives_operators_what_the_functions_are_set_to(output, variable, stage):
@@ -424,3 +426,60 @@ def test_a_function_that_starts_workflows_may_describe_their_executions():
                     if not any(f":execution:${{{m}.Name}}:*" in text for text in described)]
 
     assert missing == []
+
+
+# --- operator alarms -----------------------------------------------------------------------------
+
+_PUBLISHED = re.compile(r'(?:add_metric\(name=|_emit_metric\(|single_metric\(\s*name=)"(\w+)"')
+_ALARM_QUERY = re.compile(r'SELECT SUM\((\w+)\) FROM "\$\{MetricsNamespace\}"')
+# Metrics to watch that raise no alarm: they count what clients send (bad tokens, unsigned or
+# replayed webhook deliveries) or failures a step's Retry or Catch already handles.
+_WATCHED_WITHOUT_ALARM = {"StepFailed", "WebhookRefused", "TokenRejected"}
+
+
+def _metrics_published() -> set[str]:
+    """Every metric name the functions and host agents publish."""
+    sources = [*(ROOT / "layers" / "core" / "python" / "ferry").rglob("*.py"), *(ROOT / "hostagent").rglob("*.py")]
+    names = {name for path in sources for name in _PUBLISHED.findall(path.read_text())}
+    return names | {f"AutoConfirm{outcome.capitalize()}" for outcome in auto_confirm.OUTCOMES}
+
+
+def _metrics_to_watch() -> set[str]:
+    """The metrics of the table in docs/operations.md#metrics-to-watch (dimensions left out)."""
+    section = (ROOT / "docs" / "operations.md").read_text().split("## Metrics to watch", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1] for line in section.splitlines() if line.startswith("| `")]
+    return {name for cell in rows for name in re.findall(r"`(\w+)`", re.sub(r"\(.*?\)", "", cell))}
+
+
+def _metric_alarms() -> dict[str, str]:
+    """``{logical id: metric}`` of the alarms on Ferry's own metrics."""
+    found = {}
+    for logical_id, resource in RAW["Resources"].items():
+        if resource["Type"] == "AWS::CloudWatch::Alarm" and "Metrics" in resource["Properties"]:
+            [query] = resource["Properties"]["Metrics"]
+            match = _ALARM_QUERY.fullmatch(query["Expression"]["Fn::Sub"])
+            assert match, f"{logical_id}: not a sum of one metric in the stack's namespace"
+            found[logical_id] = match.group(1)
+    return found
+
+
+def test_every_operator_alarm_counts_a_metric_the_code_publishes_and_notifies_the_operators_topic():
+    alarms = _metric_alarms()
+    assert alarms
+
+    assert set(alarms.values()) <= _metrics_published()
+    for logical_id, resource in RAW["Resources"].items():
+        if resource["Type"] == "AWS::CloudWatch::Alarm":
+            assert resource["Properties"]["AlarmActions"] == [{"Ref": "OperatorAlarmTopic"}], logical_id
+            assert resource["Properties"]["TreatMissingData"] == "notBreaching", logical_id
+    for logical_id, metric in alarms.items():
+        assert RAW["Resources"][logical_id]["Properties"]["AlarmName"] == {"Fn::Sub": f"ferry-${{Stage}}-{metric}"}
+
+
+def test_every_metric_to_watch_has_an_alarm_unless_clients_cause_it():
+    watched, alarmed = _metrics_to_watch(), set(_metric_alarms().values())
+
+    assert watched <= _metrics_published() and "HostCleanupFailed" in watched
+    assert watched - alarmed == _WATCHED_WITHOUT_ALARM
+    assert alarmed <= watched
+

@@ -41,6 +41,7 @@ STATE_MACHINE_TYPES = {"AWS::Serverless::StateMachine", "AWS::StepFunctions::Sta
 API_TYPES = {"AWS::Serverless::Api"}
 LAYER_TYPES = {"AWS::Serverless::LayerVersion", "AWS::Lambda::LayerVersion"}
 MANAGED_POLICY_TYPES = {"AWS::IAM::ManagedPolicy"}
+TOPIC_TYPES = {"AWS::SNS::Topic"}
 # A parameter's Value is how a template names a derived string once (``!GetAtt P.Value``).
 PARAMETER_TYPES = {"AWS::SSM::Parameter"}
 
@@ -56,6 +57,7 @@ NAME_PROPERTIES = {
     **dict.fromkeys(API_TYPES, "Name"),
     **dict.fromkeys(LAYER_TYPES, "LayerName"),
     **dict.fromkeys(MANAGED_POLICY_TYPES, "ManagedPolicyName"),
+    **dict.fromkeys(TOPIC_TYPES, "TopicName"),
     **dict.fromkeys(PARAMETER_TYPES, "Name"),
 }
 
@@ -479,6 +481,8 @@ class _Resolver:
             return f"{prefix}:lambda:{self.region}:{self.account_id}:layer:{name}:1"
         if kind in MANAGED_POLICY_TYPES:
             return f"{prefix}:iam::{self.account_id}:policy/{name}"
+        if kind in TOPIC_TYPES:
+            return f"{prefix}:sns:{self.region}:{self.account_id}:{name}"
         raise TemplateError(f"The local stack cannot give {logical_id} ({kind}) an ARN.")
 
     def queue_url(self, logical_id: str) -> str:
@@ -499,7 +503,7 @@ class _Resolver:
         kind = self.resources[name].get("Type", "")
         if kind in QUEUE_TYPES:
             return self.queue_url(name)
-        if kind in STATE_MACHINE_TYPES or kind in LAYER_TYPES or kind in MANAGED_POLICY_TYPES:
+        if kind in STATE_MACHINE_TYPES or kind in LAYER_TYPES or kind in MANAGED_POLICY_TYPES or kind in TOPIC_TYPES:
             return self.arn_of(name)
         if kind in API_TYPES:
             return self.rest_api_id(name)
