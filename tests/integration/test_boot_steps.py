@@ -600,6 +600,30 @@ def test_a_server_an_admin_reset_while_it_spawned_keeps_its_guest(cloud, vm_stat
         vm_state, None)
 
 
+@pytest.mark.parametrize("vm_state", [states.ACTIVE, states.STOPPED])
+def test_a_server_an_admin_reset_while_its_spawn_failed_ends_in_error_without_its_claim(cloud, vm_state):
+    # GIVEN an admin reset a server that looked stuck spawning, and its spawn then failed (the
+    # rollback destroyed what it left and unbound its ports)
+    event = _spawned(cloud["image_id"])
+    with cell_session("cell1") as session:
+        session.execute(Instance.__table__.update().values(vm_state=vm_state, task_state=None))
+    boot.unbind_resources_at_dest(event)
+    with pytest.raises(errors.UnexpectedTaskState):  # no reschedule of a server no longer building
+        boot.reschedule_build(event)
+    event["error"] = {"Error": "Ferry.SpawnFailed", "Cause": "disk full"}
+
+    # WHEN FailBuild runs (delivered twice)
+    boot.fail_build(event)
+    boot.fail_build(event)
+
+    # THEN the server is in ERROR with the spawn's fault, and holds no claim
+    instance = _instance(event["instance_uuid"])
+    assert (instance.vm_state, instance.task_state) == (states.ERROR, None)
+    assert placement.get_allocations(event["instance_uuid"]) == {}
+    with cell_session("cell1") as session:
+        assert [f.message for f in session.scalars(select(InstanceFault))] == ["disk full"]
+
+
 def test_a_late_finish_build_for_a_host_the_build_was_rescheduled_from_commits_nothing(cloud):
     # GIVEN the build was rescheduled to another host while a run of FinishBuild for the first
     # was still on its way

@@ -390,7 +390,9 @@ def fail_build(event: dict[str, Any]) -> dict[str, Any]:
     A server that was never scheduled is buried in cell0, as Nova does. When the destination
     could not be cleaned up (``cleanup_error``), the fault says what may be left on which host.
     A server deleted meanwhile (its mapping says so, its instance is gone or deleted, or its task
-    is ``deleting``) is left to its delete: only the claim is released.
+    is ``deleting``) is left to its delete: only the claim is released. One an admin reset while
+    it was built (no task, no longer building) is set to ERROR all the same: the failed build
+    left it no guest.
     """
     uuid = event["instance_uuid"]
     error = event.get("error") or {}
@@ -429,8 +431,12 @@ def fail_build(event: dict[str, Any]) -> dict[str, Any]:
             return {}
         if instance.vm_state == states.ERROR and instance.task_state is None:
             return {}
+        # An admin settled the server by hand while it was being built (os-resetState: no task,
+        # no longer building): the build failed under it all the same, and left it no guest.
+        reset = instance.task_state is None and instance.vm_state != states.BUILDING
         instances.update_cas(session, uuid, {"vm_state": states.ERROR, "task_state": None},
-                             expected_task_state=(states.SCHEDULING, states.SPAWNING))
+                             expected_task_state=(None,) if reset else (states.SCHEDULING, states.SPAWNING),
+                             expected_vm_state=(instance.vm_state,) if reset else None)
         instances.add_fault(session, uuid, message, host=instance.host, details=details)
         actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"], event=EVENT_BUILD,
                              host=instance.host, error=error or None)
