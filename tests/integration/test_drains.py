@@ -891,6 +891,36 @@ def test_a_drain_cancelled_after_it_disabled_its_hosts_gives_them_back(store):
     assert not any(s.disabled for s in services.list_services(host="source"))
 
 
+def test_a_drain_whose_plan_failed_gives_its_hosts_back(store):
+    # GIVEN a drain that disabled its host, whose PlanDrain then failed for good
+    source = add_compute("source")
+    add_compute("dest")
+    _server_on("source", source)
+    drain = _record({"host": "source"})
+    drains.disable_targets(drain)
+
+    # WHEN FinishDrain runs with the error (twice: a retry)
+    report = drains.finish(drain, error={"Error": "OperationalError", "Cause": "database unreachable"})
+    drains.finish(drain, error={"Error": "OperationalError", "Cause": "database unreachable"})
+
+    # THEN the drain failed having moved nothing, and its host takes builds again
+    assert report["status"] == "failed"
+    assert not any(s.disabled for s in services.list_services(host="source"))
+
+
+def test_a_drain_that_failed_after_trying_a_move_keeps_its_hosts_disabled(store):
+    source = add_compute("source")
+    add_compute("dest")
+    server = _server_on("source", source)
+    drain = _record({"host": "source"})
+    assert drains.start(drain)["proceed"] is True
+    assert drains.acquire_slot(drain, server).action == "move"
+
+    drains.finish(drain, error={"Error": "States.Runtime", "Cause": "the Map failed"})
+
+    assert all(s.disabled for s in services.list_services(host="source"))
+
+
 def test_a_second_execution_of_a_drain_is_refused(store):
     add_compute("source")
     drain = _record({"host": "source"}, execution_name="drain-first")

@@ -1291,7 +1291,8 @@ def finish(drain_uuid: str, error: Mapping[str, Any] | None = None) -> dict[str,
     it is announced by the next look at it once its workflow has ended
     (:func:`finish_if_workflow_ended`). The report and the announcement are read in the
     transaction that settles the status: after its commit only giving back the hosts of a
-    drain cancelled before any move (every run, as :func:`give_back_targets` is idempotent),
+    drain cancelled or failed before any move was tried (every run, as
+    :func:`give_back_targets` is idempotent),
     undoing what the drain accepted and never started (every run, see
     :func:`_abandon_left_behind`) and the announcement itself are left to do. Nothing written
     after the drain is final changes what it shows, so each announcement of its end carries
@@ -1328,9 +1329,10 @@ def finish(drain_uuid: str, error: Mapping[str, Any] | None = None) -> dict[str,
                 status, message = COMPLETED, f"All {counts['total']} servers moved."
             drain.status, drain.message, drain.finished_at, drain.updated_at = status, message, utcnow(), utcnow()
             drain.version += 1
-        # Cancelled before any move was tried: nothing moved, so its hosts are given back. Read from
-        # the record, final already or not: a run that died after its commit left them to its retry.
-        give_back = drain.status == CANCELLED and not any(server.attempts for server in servers)
+        # Cancelled or failed before any move was tried (its plan or its workflow failed, no slot
+        # could be had): nothing moved, so its hosts are given back. Read from the record, final
+        # already or not: a run that died after its commit left them to its retry.
+        give_back = drain.status in (CANCELLED, FAILED) and not any(server.attempts for server in servers)
         # The servers failed short of a destination whose last try was handed a move: those found
         # moving above (or settled by their iteration) may have it accepted and never started.
         # Read from the record too, for the same reason; the others' RecordFailure undid theirs.
@@ -1342,7 +1344,7 @@ def finish(drain_uuid: str, error: Mapping[str, Any] | None = None) -> dict[str,
         try:
             give_back_targets(drain_uuid)
         except Exception:  # the drain is final: its announcement goes out whatever happens here
-            logger.exception("giving a cancelled drain's hosts back failed", extra={"drain": drain_uuid})
+            logger.exception("giving back the hosts of a drain that moved nothing failed", extra={"drain": drain_uuid})
     if not view["dry_run"]:
         for cell, instance_uuid, slot in left_behind:
             _abandon_left_behind(drain_uuid, cell, instance_uuid, slot)
