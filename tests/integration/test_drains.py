@@ -166,6 +166,38 @@ def test_move_slots_respect_the_per_host_limits_pause_and_cancel(store):
         drains.act(drain, "pause")
 
 
+def test_a_waiting_iteration_waits_longer_the_longer_it_has_run_so_its_history_lasts_for_days(store):
+    source = add_compute("source", memory_mb=16384)
+    add_compute("dest", memory_mb=16384)
+    uuids = [_server_on("source", source) for _ in range(2)]
+    drain = _record({"host": "source", "max_per_source_host": 1})
+    drains.start(drain)
+    now = dt.datetime(2026, 1, 1, 12, 0, 0)
+
+    def looks(poll: int, started: dt.datetime) -> int:
+        return drains.wait_seconds(poll, started.isoformat(timespec="milliseconds") + "Z", now=now)
+
+    # GIVEN an iteration waiting for its host's one slot
+    assert drain_steps.acquire_slot({"drain_uuid": drain, "instance_uuid": uuids[0], "poll_seconds": 10,
+                                     "iteration_started_at": "2026-01-01T12:00:00.000Z"})["action"] == "move"
+    waiting = drain_steps.acquire_slot({"drain_uuid": drain, "instance_uuid": uuids[1], "poll_seconds": 10,
+                                        "iteration_started_at": "2026-01-01T12:00:00.000Z"})
+
+    # THEN it waits DrainPollSeconds at first, then a sixtieth of the time it has run, at most five minutes
+    assert waiting["action"] == "wait" and waiting["wait_seconds"] >= 10
+    assert looks(10, now - dt.timedelta(seconds=30)) == 10
+    assert looks(10, now - dt.timedelta(hours=1)) == 60
+    assert looks(10, now - dt.timedelta(days=2)) == 300
+    assert looks(600, now - dt.timedelta(days=2)) == 600  # a longer poll is kept
+    assert drains.wait_seconds(None, "not a time") == 10
+    # and the looks over a week, about nine history events each, stay within the 25,000 an execution has
+    ran, looked = 0, 0
+    while ran < 7 * 86400:
+        ran += looks(10, now - dt.timedelta(seconds=ran))
+        looked += 1
+    assert looked * 9 < 25_000
+
+
 def test_cancel_settles_pending_servers_as_cancelled(store):
     source = add_compute("source")
     add_compute("dest")
@@ -1239,8 +1271,8 @@ def test_a_drain_that_ended_is_neither_disabled_nor_planned_again_when_its_execu
     assert view == announced[0] and view["status"] == "failed"
     assert report == {"status": "failed", "counts": view["counts"], "message": view["message"]}
     assert _warned_late(caplog, drain, None, "PlanDrain")
-    # a drain that failed keeps its hosts disabled; one finished before this run is not disabled again
-    assert all(s.disabled is ended_while_planning for s in services.list_services(host="source"))
+    # a drain that failed before any move gave its hosts back, and this late run disables none again
+    assert not any(s.disabled for s in services.list_services(host="source"))
 
 
 def test_a_move_that_finished_after_its_drain_ended_still_goes_on_to_its_confirm(store, move_machines):

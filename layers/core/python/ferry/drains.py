@@ -793,6 +793,30 @@ class Slot:
                 "attempt": self.attempt, "confirm": self.confirm}
 
 
+# A waiting iteration looks again after DrainPollSeconds at first, then after a sixtieth of the
+# time it has run, up to five minutes: each look writes about nine events into the iteration's
+# execution history (25,000 at most), so it can wait for days (a long pause, a long queue for a
+# host) rather than for hours, and a resume still takes effect within minutes.
+_WAIT_GROWTH = 60
+_LONGEST_WAIT_SECONDS = 300
+_DEFAULT_POLL_SECONDS = 10
+
+
+def wait_seconds(poll_seconds: int | None, iteration_started_at: str | None,
+                 now: dt.datetime | None = None) -> int:
+    """How long a waiting drain iteration that started at ``iteration_started_at`` (ISO 8601, as
+    Step Functions gives ``$$.Execution.StartTime``) waits before it looks again."""
+    poll = poll_seconds or _DEFAULT_POLL_SECONDS
+    try:
+        started = dt.datetime.fromisoformat(str(iteration_started_at))
+    except ValueError:
+        return poll
+    if started.tzinfo is None:
+        started = started.replace(tzinfo=dt.UTC)
+    ran = ((now or utcnow()).replace(tzinfo=dt.UTC) - started).total_seconds()
+    return int(min(max(poll, ran // _WAIT_GROWTH), max(poll, _LONGEST_WAIT_SECONDS)))
+
+
 def _attempt_ids(drain_uuid: str, instance_uuid: str, attempt: int) -> tuple[str, str]:
     return (_derived_uuid(drain_uuid, instance_uuid, attempt),
             "req-" + _derived_uuid("request", drain_uuid, instance_uuid, attempt))

@@ -31,7 +31,9 @@ SERVER_SCHEMA: dict[str, Any] = {
     "type": "object",
     "required": ["drain_uuid", "instance_uuid"],
     "properties": {"drain_uuid": _UUID, "instance_uuid": _UUID, "slot": {"type": "object"},
-                   "confirm_slot": {"type": ["string", "null"]}},
+                   "confirm_slot": {"type": ["string", "null"]},
+                   "poll_seconds": {"type": "integer", "minimum": 1},
+                   "iteration_started_at": {"type": "string"}},
 }
 
 
@@ -46,8 +48,12 @@ def plan_drain(event: dict[str, Any]) -> dict[str, Any]:
 
 
 def acquire_slot(event: dict[str, Any]) -> dict[str, Any]:
-    """AcquireSlot: ``move``, ``wait`` or ``stop`` for one server, and whether to confirm."""
-    return drains.acquire_slot(event["drain_uuid"], event["instance_uuid"]).to_dict()
+    """AcquireSlot: ``move``, ``wait`` or ``stop`` for one server, and whether to confirm; a
+    ``wait`` says for how long (``wait_seconds``, see :func:`drains.wait_seconds`)."""
+    slot = drains.acquire_slot(event["drain_uuid"], event["instance_uuid"]).to_dict()
+    if slot["action"] == "wait":
+        slot["wait_seconds"] = drains.wait_seconds(event.get("poll_seconds"), event.get("iteration_started_at"))
+    return slot
 
 
 def prepare_move(event: dict[str, Any]) -> dict[str, Any]:
