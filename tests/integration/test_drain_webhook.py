@@ -20,9 +20,11 @@ import pytest
 import requests
 from moto import mock_aws
 from sqlalchemy import select
+from sqlalchemy.exc import OperationalError
 from test_api_support import function
 
 from ferry import aws, config, signing
+from ferry import drains as drains_module
 from ferry.local.gateway import ApiGateway
 from ferry.local.runtime import FunctionRunner
 from ferry.local.stack import LocalStack
@@ -179,7 +181,7 @@ def test_a_signed_request_starts_exactly_one_drain(cloud):
     [drain] = drains()
     assert answer.body["drain"]["id"] == drain.uuid
     assert (drain.origin, drain.idempotency_key, drain.targets, drain.reason) == (
-        "webhook", "delivery-1", ["h1"], "disk replacement")
+        "webhook", "webhook:delivery-1", ["h1"], "disk replacement")
     assert drain.user_id == "ferry-webhook"
     [execution] = cloud.executions()
     assert execution["name"] == f"drain-{drain.uuid}"
@@ -263,6 +265,44 @@ def test_a_dry_run_answers_200_with_the_plan_and_starts_no_execution(cloud):
     assert drain.dry_run is True
     assert answer.body["drain"]["id"] == drain.uuid
     assert cloud.executions() == []
+
+
+def test_a_delivery_id_is_never_taken_for_a_drain_started_another_way(cloud):
+    # GIVEN a drain of h2 recorded by an execution started directly (its key names the execution)
+    other, _created = drains_module.record_drain(drains_module.operator_context(None), {"host": "h2"},
+                                                 origin="execution", idempotency_key="execution:drain-x",
+                                                 execution_name="drain-x")
+
+    # WHEN a delivery whose id reads like that key asks to drain h1
+    body = _body()
+    answer = post(body, signed(body, "execution:drain-x"))
+
+    # THEN it starts its own drain, of h1
+    assert answer.status == 202, answer.body
+    assert answer.body["drain"]["id"] != other and answer.body["drain"]["target"]["names"] == ["h1"]
+
+
+def test_a_dry_run_whose_plan_failed_is_planned_when_its_delivery_comes_again(cloud, monkeypatch):
+    # GIVEN a dry run whose plan failed (the sender got a 500)
+    body = _body({"host": "h1", "dry_run": True})
+    headers = signed(body, "delivery-dry")
+    plan = drains_module.plan
+
+    def failing(drain_uuid):
+        raise OperationalError("SELECT", {}, ConnectionRefusedError("database unreachable"))
+
+    monkeypatch.setattr(drains_module, "plan", failing)
+    assert post(body, headers).status == 500
+    monkeypatch.setattr(drains_module, "plan", plan)
+
+    # WHEN the sender tries the same delivery again
+    answer = post(body, headers)
+
+    # THEN it is planned, not answered as planning for ever
+    assert answer.status == 200, answer.body
+    assert answer.body["drain"]["status"] == "planned"
+    [drain] = drains()
+    assert drain.status == "planned"
 
 
 def test_a_refused_drain_is_not_remembered_for_its_delivery(cloud):

@@ -420,6 +420,29 @@ def test_a_final_event_lost_after_the_status_was_committed_is_announced_again_by
     assert posted[0][1] != posted[1][1]
 
 
+def test_a_callback_urls_query_and_credentials_are_shown_to_nobody_but_posted_to(store, bus, monkeypatch):
+    # GIVEN a drain whose callback URL carries a token in its query and credentials
+    source = add_compute("source")
+    add_compute("dest")
+    _server_on("source", source)
+    url = "https://hook:pa55@ops.example.com:8443/ferry?token=s3cret"
+    drain = _record({"host": "source", "callback_url": url})
+    posted: list[str] = []
+    monkeypatch.setattr(drains.signing, "post_callback",
+                        lambda to, _document, _secret, delivery_id=None: posted.append(to))
+
+    # WHEN it starts and ends
+    drains.start(drain)
+    drains.finish(drain)
+
+    # THEN the callbacks go to the URL as given, while the views and the notifications show it without them
+    assert posted == [url, url]
+    shown = "https://ops.example.com:8443/ferry"
+    assert drains.get_view(drain)["options"]["callback_url"] == shown
+    assert [v["options"]["callback_url"] for v in drains.list_views()] == [shown]
+    assert [e["detail"]["payload"]["options"]["callback_url"] for e in bus()] == [shown, shown]
+
+
 @pytest.fixture
 def move_machines(aws_test_credentials, monkeypatch):
     """Resize and confirm state machines on moto whose executions run until they are stopped (moto

@@ -142,3 +142,32 @@ def test_an_unreachable_endpoint_is_counted_but_never_raised(monkeypatch):
     finally:
         metrics.clear_metrics()
         aws.reset()
+
+
+def test_a_drain_too_large_for_the_bus_keeps_the_servers_that_did_not_move_and_counts_the_rest(bus):
+    # GIVEN the end of a drain of 4,000 servers, 100 of them failed with a long error
+    servers = [{"id": f"{n:08d}-0000-4000-8000-000000000000", "name": f"vm{n}", "source_host": "cell1-host1",
+                "dest_host": None if n % 40 == 0 else "cell1-host2", "state": "failed" if n % 40 == 0 else "done",
+                "error": "No valid host was found. " * 8 if n % 40 == 0 else None} for n in range(4000)]
+
+    # WHEN its notification is published
+    notifications.notify_drain("drain.error", drain_uuid="d1", payload={"status": "failed", "servers": servers})
+
+    # THEN it fits an EventBridge entry: every failed server is in it, the rest as far as they fit,
+    # and it says how many were left out
+    [event] = bus.received()
+    assert len(json.dumps(event["detail"])) <= 256 * 1024
+    payload = event["detail"]["payload"]
+    kept = payload["servers"]
+    assert [s["state"] for s in kept[:100]] == ["failed"] * 100
+    assert payload["servers_omitted"] == 4000 - len(kept) > 0
+    assert failed_publishes() == 0
+
+
+def test_a_drain_that_fits_is_published_whole(bus):
+    servers = [{"id": str(n), "state": "done"} for n in range(10)]
+
+    notifications.notify_drain("drain.end", drain_uuid="d1", payload={"status": "completed", "servers": servers})
+
+    [event] = bus.received()
+    assert event["detail"]["payload"]["servers"] == servers and "servers_omitted" not in event["detail"]["payload"]

@@ -287,7 +287,8 @@ def create_drain(ctx: RequestContext, request: Mapping[str, Any], *, origin: str
     disabled or moved). Otherwise the drain workflow starts (execution ``drain-<id>``) and the
     answer is 202 with the drain as recorded. The same ``idempotency_key`` again answers with
     the drain it started the first time (200) and starts nothing more; a drain recorded by an
-    attempt that died before its workflow started is started then.
+    attempt that died before its workflow started is started then, and a dry run whose plan
+    failed is planned then.
 
     Returns:
         ``(http status, {"drain": view})``.
@@ -303,9 +304,12 @@ def create_drain(ctx: RequestContext, request: Mapping[str, Any], *, origin: str
         with api_session() as session:
             drain = _load(session, drain_uuid)
             unstarted = drain.status == PLANNING and not drain.dry_run and drain.execution_name is not None
+            unplanned = drain.status == PLANNING and drain.dry_run  # its first try's plan failed
             name = drain.execution_name
         if unstarted and name and _describe_execution(name)[0] == _MISSING:
             _start_workflow(drain_uuid, name, ctx)
+        if unplanned:
+            plan(drain_uuid)
         return 200, {"drain": get_view(drain_uuid)}
     if request.get("dry_run"):
         plan(drain_uuid)
@@ -464,7 +468,7 @@ def _view(drain: Drain, servers: list[DrainServer], *, with_servers: bool = True
     view: dict[str, Any] = {
         "id": drain.uuid, "status": drain.status,
         "target": {"kind": drain.target_kind, "names": list(drain.targets)},
-        "reason": drain.reason, "dry_run": drain.dry_run, "origin": drain.origin, "options": dict(drain.options),
+        "reason": drain.reason, "dry_run": drain.dry_run, "origin": drain.origin, "options": _shown_options(drain),
         "counts": counts, "created_at": _iso(drain.created_at), "started_at": _iso(drain.started_at),
         "finished_at": _iso(drain.finished_at), "updated_at": _iso(drain.updated_at),
         "average_move_seconds": None if average is None else round(average, 1),
@@ -477,6 +481,15 @@ def _view(drain: Drain, servers: list[DrainServer], *, with_servers: bool = True
     if with_servers:
         view["servers"] = [_server_view(s) for s in servers]
     return view
+
+
+def _shown_options(drain: Drain) -> dict[str, Any]:
+    """The drain's options as views and notifications show them: the callback URL without its
+    query and credentials, which may carry a token."""
+    options = dict(drain.options)
+    if options.get("callback_url"):
+        options["callback_url"] = signing.redacted_url(options["callback_url"])
+    return options
 
 
 def get_view(drain_uuid: str) -> dict[str, Any]:
@@ -1451,7 +1464,8 @@ def _announce(drain_uuid: str, event_type: str, view: Mapping[str, Any] | None =
                            for s in view["servers"]]}
     identity = _announcement_id(drain_uuid, event_type)
     notifications.notify_drain(event_type, drain_uuid=drain_uuid, payload=summary, message_id=identity, timestamp=at)
-    url = view["options"].get("callback_url")
+    with api_session() as session:
+        url = _load(session, drain_uuid).options.get("callback_url")
     if url:
         signing.post_callback(url, {"event_type": event_type, "drain": summary}, config.get().webhook_secret,
                               delivery_id=identity)

@@ -125,7 +125,8 @@ def notify_drain(event_type: str, *, drain_uuid: str, payload: dict[str, Any], m
                  timestamp: dt.datetime | None = None) -> None:
     """Publish a drain's grouped notification (``drain.start``, ``drain.end``, ``drain.error``); never raises.
 
-    The payload is the drain's summary: status, counts and each server's result.
+    The payload is the drain's summary: status, counts and each server's result (as many as the
+    bus takes, see :func:`_fit_on_the_bus`).
 
     Params:
         message_id: the event's identity (default: a new one). A drain passes the same id each
@@ -135,7 +136,33 @@ def notify_drain(event_type: str, *, drain_uuid: str, payload: dict[str, Any], m
     """
     document = _document(event_type, conductor_publisher(), {**payload, "drain_id": drain_uuid}, None, message_id,
                          timestamp)
-    _put(event_type, document, subject=f"drain {drain_uuid}")
+    _put(event_type, _fit_on_the_bus(document), subject=f"drain {drain_uuid}")
+
+
+# EventBridge refuses an entry above 256 KiB; this leaves room for its other fields.
+_LARGEST_DETAIL_BYTES = 240 * 1024
+
+
+def _fit_on_the_bus(document: dict[str, Any]) -> dict[str, Any]:
+    """``document`` with as many of its drain's servers as the bus takes: the servers that did not
+    move first, then the others; ``servers_omitted`` counts those left out (the drain's record,
+    ``GET /v2.1/ferry/drains/{id}``, and its callback have them all)."""
+    if len(json.dumps(document, default=str)) <= _LARGEST_DETAIL_BYTES:
+        return document
+    payload = document["payload"]
+    servers = sorted(payload.get("servers") or [], key=lambda server: server.get("state") == "done")
+    kept: list[dict[str, Any]] = []
+    base = len(json.dumps({**document, "payload": {**payload, "servers": [], "servers_omitted": len(servers)}},
+                          default=str))
+    for server in servers:
+        size = len(json.dumps(server, default=str)) + 2
+        if base + size > _LARGEST_DETAIL_BYTES:
+            break
+        kept.append(server)
+        base += size
+    logger.warning("drain notification too large for the bus: servers left out",
+                   extra={"drain": payload.get("drain_id"), "kept": len(kept), "omitted": len(servers) - len(kept)})
+    return {**document, "payload": {**payload, "servers": kept, "servers_omitted": len(servers) - len(kept)}}
 
 
 def notify(event_type: str, *, instance_uuid: str, publisher_id: str, payload: dict[str, Any] | None = None,

@@ -188,8 +188,8 @@ def _opener() -> Any:
     return urlrequest.build_opener(NoRedirects)
 
 
-def _where(url: str) -> str:
-    """``url`` without its query and credentials, fit for logs (a query may carry a token)."""
+def redacted_url(url: str) -> str:
+    """``url`` without its query and credentials, fit for logs and views (a query may carry a token)."""
     try:
         parts = urlsplit(url)
         return f"{parts.scheme}://{parts.hostname or ''}{f':{parts.port}' if parts.port else ''}{parts.path}"
@@ -210,7 +210,7 @@ def post_callback(url: str, document: Any, secret: str | bytes, delivery_id: str
     Returns:
         True when the receiver answered 2xx.
     """
-    where = _where(url)
+    where = redacted_url(url)
     delivery = delivery_id or str(uuid.uuid4())
     try:
         if urlsplit(url).scheme not in ("http", "https"):

@@ -99,7 +99,7 @@ def _start_drain(*, delivery: str, request: dict[str, Any], signature: str, tabl
     """
     _spend_signature(table, signature, delivery)
     status, document = drains.create_drain(
-        drains.webhook_context(), request, origin="webhook", idempotency_key=delivery
+        drains.webhook_context(), request, origin="webhook", idempotency_key=f"webhook:{delivery}"
     )
     # Stored in the table as JSON and sent as JSON: keep only what JSON holds.
     return {"status": status, "body": json.loads(json.dumps(document, default=str))}
