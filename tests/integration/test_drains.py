@@ -572,6 +572,35 @@ def test_a_move_the_drain_lost_track_of_is_confirmed_and_recorded_done(store, mo
     assert (row.state, row.dest_host, row.error) == ("done", "dest", None)
 
 
+@pytest.mark.parametrize("other_move", [None, "into the host", "resized out of the host"])
+def test_a_drain_completes_only_when_its_host_holds_nothing_else(store, move_machines, other_move):
+    # GIVEN a drain of host source whose one server moved and was confirmed; and, begun before the
+    # drain, another server's move into source (finished: VERIFY_RESIZE there), or a resize of a
+    # server from source awaiting its confirm on dest (a revert would bring it back)
+    drain, server, slot, _move = _prepared_move()
+    _moved_to_dest(server, slot["migration_uuid"], "active", "confirmed")
+    drain_steps.record_moved({"drain_uuid": drain, "instance_uuid": server, "slot": slot})
+    other = None
+    if other_move is not None:
+        into = other_move == "into the host"
+        other = add_instance("source" if into else "dest")
+        with cell_session("cell1") as session:
+            session.add(Migration(uuid=str(uuid.uuid4()), instance_uuid=other, status="finished",
+                                  migration_type="migration", source_compute="dest" if into else "source",
+                                  dest_compute="source" if into else "dest"))
+
+    # WHEN the drain finishes
+    report = drains.finish(drain)
+
+    # THEN it is completed only when source holds nothing and has no resize that could come back;
+    # otherwise it failed, naming the servers
+    if other is None:
+        assert report["status"] == "completed", report
+    else:
+        assert report["status"] == "failed" and other in report["message"], report
+        assert report["message"].startswith("All 1 servers moved, but source still holds 1 server(s)")
+
+
 def test_an_execution_started_before_confirms_were_marked_never_goes_on_to_a_confirm(store, move_machines):
     # GIVEN a drain execution of the state machine before MarkConfirm: its RecordFailure event
     # has no confirm_slot, and its RetryChoice would settle a server sent to its confirm

@@ -611,6 +611,29 @@ def _instances_on(drain: Drain) -> list[tuple[str, Instance, bool]]:
     return found
 
 
+def _left_on_targets(drain_uuid: str) -> list[str]:
+    """The servers the drain's hosts (or cell) still hold or may get back, other than through the
+    drain's own moves: a server on them (one that moved there, or was kept there, since the plan),
+    and one with a move or resize to or from them not yet confirmed or reverted (a move that
+    began before the drain, whose revert would bring the server back). Sorted ids."""
+    with api_session() as session:
+        drain = _load(session, drain_uuid)
+        own = {server.migration_uuid for server in _servers(session, drain) if server.migration_uuid}
+        session.expunge(drain)
+    open_statuses = (*migration_states.MOVING, migration_states.FINISHED, *migration_states.SETTLING)
+    left = {instance.uuid for _cell, instance, _bfv in _instances_on(drain)}
+    cells = [drain.targets[0]] if drain.target_kind == CELL else [c.name for c in all_cells(include_cell0=False)]
+    for cell in cells:
+        with cell_session(cell) as session:
+            query = select(Migration.uuid, Migration.instance_uuid).where(
+                Migration.deleted.is_(False), Migration.status.in_(open_statuses))
+            if drain.target_kind == HOST:
+                query = query.where(or_(Migration.source_compute.in_(drain.targets),
+                                        Migration.dest_compute.in_(drain.targets)))
+            left.update(instance_uuid for uuid, instance_uuid in session.execute(query) if uuid not in own)
+    return sorted(left)
+
+
 def _unmovable_reason(instance: Instance) -> str | None:
     if instance.vm_state not in _MOVABLE:
         return f"The server is {instance.vm_state}; only active and stopped servers can be moved."
@@ -1312,8 +1335,9 @@ def start(drain_uuid: str) -> dict[str, Any]:
 def finish(drain_uuid: str, error: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Settle the drain's status from its servers, announce it, and return the report.
 
-    ``completed`` when every server moved; ``cancelled`` after a cancel; ``failed`` when a
-    server could not be moved or placed, or the workflow itself failed (``error``). Servers
+    ``completed`` when every server moved and the hosts hold nothing else (see
+    :func:`_left_on_targets`); ``cancelled`` after a cancel; ``failed`` when a server could not
+    be moved or placed, the hosts still hold servers, or the workflow itself failed (``error``). Servers
     still pending (the Map stopped early) are marked cancelled; servers still moving (their
     iteration could not record the result) failed, pointing at the server's own records.
 
@@ -1335,6 +1359,11 @@ def finish(drain_uuid: str, error: Mapping[str, Any] | None = None) -> dict[str,
     after the drain is final changes what it shows, so each announcement of its end carries
     the same summary.
     """
+    with api_session() as session:
+        drain = _load(session, drain_uuid)
+        look = not (drain.status in FINAL_STATUSES or drain.dry_run or error)
+    # Read before the drain's row is taken: the cells are read in sessions of their own.
+    left = _left_on_targets(drain_uuid) if look else []
     with api_session() as session:
         drain = _load(session, drain_uuid, for_update=True)
         servers = _servers(session, drain)
@@ -1362,6 +1391,12 @@ def finish(drain_uuid: str, error: Mapping[str, Any] | None = None) -> dict[str,
                 message = (f"{counts['done']} of {counts['total']} servers moved; {counts['failed']} failed, "
                            f"{counts['unplaceable']} could not be placed"
                            + (f", {counts['cancelled']} not moved" if counts["cancelled"] else "") + ".")
+            elif left:
+                status = FAILED
+                message = (f"All {counts['total']} servers moved, but {', '.join(drain.targets)} still "
+                           f"{'holds' if len(drain.targets) == 1 else 'hold'} {len(left)} server(s) moved there or "
+                           f"kept there by a move begun before the drain, or with a resize from there awaiting "
+                           f"its confirm: {', '.join(left[:10])}{' …' if len(left) > 10 else ''}.")
             else:
                 status, message = COMPLETED, f"All {counts['total']} servers moved."
             drain.status, drain.message, drain.finished_at, drain.updated_at = status, message, utcnow(), utcnow()
