@@ -1005,6 +1005,40 @@ def test_a_drain_that_failed_after_trying_a_move_keeps_its_hosts_disabled(store)
     assert all(s.disabled for s in services.list_services(host="source"))
 
 
+def test_a_drain_that_ended_before_it_gave_its_host_back_never_enables_it_under_a_newer_drain(store):
+    # GIVEN drain A disabled host source and was cancelled, its FinishDrain dying before it gave
+    # the host back; then drain B of source was accepted (A being final)
+    source = add_compute("source")
+    add_compute("dest")
+    _server_on("source", source)
+    first = _record({"host": "source"})
+    drains.disable_targets(first)
+    drains.act(first, "cancel")
+    with api_session() as session:
+        session.execute(update(Drain).where(Drain.uuid == first).values(status="cancelled"))
+    second = _record({"host": "source", "reason": "again"})
+
+    # WHEN B disables its targets, and A's FinishDrain retry then gives A's hosts back
+    drains.disable_targets(second)
+    assert drains.give_back_targets(first) == []
+
+    # THEN source stays disabled, for B
+    [service] = services.list_services(host="source")
+    assert service.disabled and service.disabled_reason == f"drain {second}: again"
+
+
+def test_a_service_disabled_by_hand_or_by_a_running_drain_is_not_taken_over(store):
+    add_compute("source")
+    [service] = services.list_services(host="source")
+    services.update_service(service, disabled=True, disabled_reason="drain maintenance by hand")
+    drain = _record({"host": "source"})
+
+    assert drains.disable_targets(drain) == []
+
+    [service] = services.list_services(host="source")
+    assert service.disabled_reason == "drain maintenance by hand"
+
+
 def test_a_second_execution_of_a_drain_is_refused(store):
     add_compute("source")
     drain = _record({"host": "source"}, execution_name="drain-first")

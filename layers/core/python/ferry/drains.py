@@ -756,17 +756,21 @@ def plan(drain_uuid: str) -> dict[str, Any]:
 # --- disabling and giving back -------------------------------------------------------------------
 
 
-def _target_hosts(drain: Drain) -> list[str]:
+def _target_services(drain: Drain) -> list[services.ServiceRecord]:
+    """The compute services of the drained hosts, or of every host of the drained cell."""
     if drain.target_kind == HOST:
-        return list(drain.targets)
-    return [record.host for record in services.list_services() if record.cell == drain.targets[0]]
+        return [record for host in drain.targets for record in services.list_services(host=host)]
+    return [record for record in services.list_services() if record.cell == drain.targets[0]]
 
 
 def disable_targets(drain_uuid: str) -> list[str]:
     """Disable the compute service of every drained host (the reason names the drain).
 
     Services disabled already (by an operator or an earlier run) are left as they are; the ones
-    this drain disabled are recorded so a drain that moves nothing can give them back.
+    this drain disabled are recorded so a drain that moves nothing can give them back. A service
+    still disabled by a drain that has ended is taken over (its reason names this drain, not
+    recorded as this drain's to give back): the ended drain, giving back what it disabled, would
+    otherwise enable it under this one.
 
     Returns:
         The hosts this drain has disabled.
@@ -774,15 +778,37 @@ def disable_targets(drain_uuid: str) -> list[str]:
     with api_session() as session:
         drain = _load(session, drain_uuid)
         session.expunge(drain)
-    reason = f"drain {drain.uuid}" + (f": {drain.reason}" if drain.reason else "")
-    enabled = [record for host in _target_hosts(drain) for record in services.list_services(host=host)
-               if not record.disabled]
+    reason = (f"drain {drain.uuid}" + (f": {drain.reason}" if drain.reason else ""))[:255]
+    for record in _target_services(drain):
+        other = _drain_named_by(record.disabled_reason) if record.disabled else None
+        if other and other != drain.uuid and _is_final(other):
+            services.change_disabled_from(record, f"drain {other}", disabled=True, disabled_reason=reason)
+    # Read again: a service an ended drain gave back meanwhile is enabled now, and disabled below.
+    enabled = [record for record in _target_services(drain) if not record.disabled]
     ours = sorted(set(drain.disabled_hosts) | {record.host for record in enabled})
     # Recorded before any service changes, so a run that stops half-way can still give them back.
     _record_disabled_hosts(drain_uuid, ours)
     for record in enabled:
-        services.update_service(record, disabled=True, disabled_reason=reason[:255])
+        services.update_service(record, disabled=True, disabled_reason=reason)
     return ours
+
+
+def _drain_named_by(disabled_reason: str | None) -> str | None:
+    """The drain a service's disabled reason names (``drain <id>[: reason]``), if any."""
+    words = (disabled_reason or "").split(maxsplit=2)
+    if len(words) < 2 or words[0] != "drain":
+        return None
+    candidate = words[1].rstrip(":")
+    try:
+        return str(uuidlib.UUID(candidate)) if len(candidate) == 36 else None
+    except ValueError:
+        return None
+
+
+def _is_final(drain_uuid: str) -> bool:
+    with api_session() as session:
+        status = session.scalars(select(Drain.status).where(Drain.uuid == drain_uuid)).one_or_none()
+    return status in FINAL_STATUSES
 
 
 def give_back_targets(drain_uuid: str) -> list[str]:
@@ -794,8 +820,8 @@ def give_back_targets(drain_uuid: str) -> list[str]:
     enabled: list[str] = []
     for host in disabled:
         for record in services.list_services(host=host):
-            if record.disabled and (record.disabled_reason or "").startswith(f"drain {drain_uuid}"):
-                services.update_service(record, disabled=False)
+            # Conditional: a drain that took the service over since keeps it disabled.
+            if services.change_disabled_from(record, f"drain {drain_uuid}", disabled=False):
                 enabled.append(host)
     if disabled:
         _record_disabled_hosts(drain_uuid, [])

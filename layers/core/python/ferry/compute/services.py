@@ -191,6 +191,23 @@ def update_service(service: ServiceRecord, *, disabled: bool = UNCHANGED, disabl
     return updated
 
 
+def change_disabled_from(service: ServiceRecord, reason_prefix: str, *, disabled: bool,
+                         disabled_reason: str | None = None) -> bool:
+    """Enable the service, or disable it with another reason, only while it is disabled with a
+    reason starting with ``reason_prefix`` (checked and written under the row's lock: another
+    writer's change is never undone). Whether it changed."""
+    with cell_session(service.cell) as session:
+        row = session.scalars(select(Service).where(Service.uuid == service.uuid).with_for_update()).one_or_none()
+        if row is None or not row.disabled or not (row.disabled_reason or "").startswith(reason_prefix):
+            return False
+        row.disabled, row.disabled_reason = disabled, disabled_reason if disabled else None
+        row.updated_at = utcnow()
+    logger.info("compute service updated", extra={"host": service.host, "disabled": disabled,
+                                                  "disabled_reason": disabled_reason if disabled else None,
+                                                  "was": reason_prefix})
+    return True
+
+
 def _busy(host: str) -> str | None:
     """Why ``host``'s service cannot be deleted now, or None."""
     for cell in all_cells(include_cell0=False):
