@@ -1039,6 +1039,25 @@ def test_a_service_disabled_by_hand_or_by_a_running_drain_is_not_taken_over(stor
     assert service.disabled_reason == "drain maintenance by hand"
 
 
+def test_a_drain_of_more_servers_than_its_workflow_state_holds_is_refused(store, monkeypatch):
+    # GIVEN a drain moves at most two servers (5,000 in a deployment), and host source holds three
+    monkeypatch.setattr(drains, "MAX_SERVERS", 2)
+    source = add_compute("source", memory_mb=16384)
+    add_compute("dest", memory_mb=16384)
+    accepted = _record({"host": "source"})  # while it held fewer
+    for _ in range(3):
+        _server_on("source", source)
+
+    # WHEN a drain of source is asked for, THEN it is refused, and nothing recorded or disabled
+    with pytest.raises(errors.DrainTooLarge, match="source hold 3 servers, and a drain moves at most 2"):
+        drains.record_drain(ADMIN, {"host": "source", "dry_run": True}, origin="api")
+    # and a drain accepted before they came fails at its plan, before anything is written
+    with pytest.raises(errors.DrainTooLarge):
+        drains.plan(accepted)
+    assert _servers(accepted) == {}
+    assert errors.DrainTooLarge("x").http_status == 400
+
+
 def test_a_second_execution_of_a_drain_is_refused(store):
     add_compute("source")
     drain = _record({"host": "source"}, execution_name="drain-first")

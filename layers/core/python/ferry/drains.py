@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from aws_lambda_powertools.metrics import MetricUnit
-from sqlalchemy import ColumnElement, and_, or_, select, update
+from sqlalchemy import ColumnElement, and_, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from ferry import config, errors, hosts, notifications, policy, scheduler, signing, validation, workflows
@@ -150,6 +150,32 @@ class _Targets:
     cells: list[str]
 
 
+# The plan travels through the drain workflow's state (PlanDrain's answer, the Map's items),
+# which Step Functions caps at 256 KiB, about 6,000 server ids, and a state that outgrows it fails
+# the execution past any Catch. So a drain moves at most this many servers.
+MAX_SERVERS = 5000
+
+
+def _check_size(targets_text: str, count: int) -> None:
+    if count > MAX_SERVERS:
+        raise errors.DrainTooLarge(
+            f"{targets_text} hold {count} servers, and a drain moves at most {MAX_SERVERS}: drain fewer hosts "
+            f"at a time.")
+
+
+def _count_on(kind: str, names: list[str], cells: list[str]) -> int:
+    """How many visible servers the hosts (in ``cells``) or the cell ``names`` hold."""
+    count = 0
+    for cell in (names if kind == CELL else cells):
+        with cell_session(cell) as session:
+            query = select(func.count(Instance.id)).where(Instance.deleted.is_(False), Instance.hidden.is_(False),
+                                                          Instance.host.is_not(None))
+            if kind == HOST:
+                query = query.where(Instance.host.in_(names))
+            count += session.scalars(query).one()
+    return count
+
+
 def _resolve_targets(request: Mapping[str, Any]) -> _Targets:
     """The hosts or the cell the request names, each checked to exist.
 
@@ -232,6 +258,7 @@ def record_drain(ctx: RequestContext, request: Mapping[str, Any], *, origin: str
 
     Raises:
         BadRequest: the request does not match the schema, or names an unknown host or cell.
+        DrainTooLarge: the hosts or the cell hold more than :data:`MAX_SERVERS` servers (400).
         Forbidden: a cell drain, and the caller may not move servers between cells.
         DrainInvalidState: a drain of the same hosts or cell is under way (409).
     """
@@ -242,6 +269,7 @@ def record_drain(ctx: RequestContext, request: Mapping[str, Any], *, origin: str
         if existing:
             return existing, False
     targets = _resolve_targets(request)
+    _check_size(", ".join(targets.names), _count_on(targets.kind, targets.names, targets.cells))
     allow_cross_cell = policy.check(ctx, CROSS_CELL_RULE, {"project_id": ctx.project_id})
     if targets.kind == CELL and not allow_cross_cell:
         raise errors.Forbidden(
@@ -714,6 +742,7 @@ def plan(drain_uuid: str) -> dict[str, Any]:
         drain = _load(session, drain_uuid)
         session.expunge(drain)
     found = _instances_on(drain)
+    _check_size(", ".join(drain.targets), len(found))  # servers came since the drain was accepted
     specs = _request_specs([instance.uuid for _cell, instance, _bfv in found])
     cell_names = [c.name for c in all_cells(include_cell0=False)]
     pending: dict[str, dict[str, int]] = {}

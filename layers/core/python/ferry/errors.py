@@ -418,6 +418,10 @@ class DrainInvalidState(Conflict):
     """The drain's status does not allow this action, or its targets are being drained already."""
 
 
+class DrainTooLarge(BadRequest):
+    """The drain's hosts or cell hold more servers than one drain moves."""
+
+
 class DrainFailed(FerryError):
     """A drain ended with servers left on its targets (the drain's message says how many and why)."""
 
