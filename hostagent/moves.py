@@ -587,7 +587,8 @@ class MoveOperations:
         """Delete the snapshot a ``prep_snapshot_based_resize_at_source`` wrote, with its extents.
 
         For a run whose workflow stopped waiting: the rollback deletes the snapshot, but it may
-        have run before this run finished writing it.
+        have run before this run finished writing it. The extents go first and the image object
+        last, so a failure half-way leaves an image that points at what is left.
 
         Raises:
             ClientError, BotoCoreError: logged and counted by the agent; `ferry audit` finds what is left.
@@ -596,9 +597,9 @@ class MoveOperations:
         if snapshot is None:
             return
         bucket = snapshot["bucket"]
-        self.s3.delete_object(Bucket=bucket, Key=snapshot["key"])
-        aws.abort_uploads(self.s3, bucket, snapshot["key"])
         disks.delete_transfer(self.s3, bucket, snapshot["data_prefix"])
+        aws.abort_uploads(self.s3, bucket, snapshot["key"])
+        self.s3.delete_object(Bucket=bucket, Key=snapshot["key"])
 
     def take_back_guest(self, op: Operation) -> None:
         """Destroy the guest a ``spawn`` or ``finish_resize`` made here, with its disks.

@@ -1,4 +1,5 @@
-"""RollbackTargetCell: delete the snapshot, map the server back to the source cell, drop the target cell's copies."""
+"""RollbackTargetCell: map the server back to the source cell, drop the target cell's copies, then
+delete the temporary snapshot (best effort)."""
 
 from ferry.handlers import step_handler
 from ferry.workflows import cross_cell, resize

@@ -755,6 +755,81 @@ def test_an_image_named_like_a_snapshot_that_no_move_made_is_reported_not_delete
     assert images.get_image(image["id"])
 
 
+def put_extents(image_id: str) -> str:
+    """Extents of a sparse snapshot under ``image-data/<image_id>/``, without the image object; returns that folder."""
+    s3, folder = aws.client("s3"), f"{images.data_prefix(image_id)}/"
+    for name in ("disk", "disk.manifest.json"):
+        s3.put_object(Bucket=config.get().image_bucket, Key=f"{folder}{name}", Body=b"x")
+    return folder
+
+
+def objects_under(prefix: str) -> int:
+    return aws.client("s3").list_objects_v2(Bucket=config.get().image_bucket, Prefix=prefix).get("KeyCount", 0)
+
+
+def test_snapshot_extents_a_failed_delete_left_without_their_image_object_are_found_and_deleted(cloud):
+    # GIVEN a failed move between cells whose snapshot lost its image object but not its extents
+    migration = add_migration(cloud.active, migration_states.ERROR, cross_cell_move=True)
+    folder = put_extents(snapshot_image_id(migration))
+
+    # WHEN the audit checks the bucket
+    report = check()
+
+    # THEN it reports the extents, and --fix deletes them
+    (problem,) = found(report, audit.SNAPSHOT_DATA_ORPHAN)
+    assert problem.resource == f"s3://{config.get().image_bucket}/{folder}" and problem.fixable
+    assert report.kinds() == [audit.SNAPSHOT_DATA_ORPHAN]
+    assert_fixed(audit.SNAPSHOT_DATA_ORPHAN)
+    assert objects_under(images.DATA_PREFIX) == 0
+
+
+def test_the_extents_of_a_snapshot_being_uploaded_are_not_orphans(cloud):
+    # GIVEN a move between cells whose source is still uploading its snapshot (no image object yet)
+    migration = add_migration(cloud.active, migration_states.MIGRATING, cross_cell_move=True)
+    cell_write(CELL, update(Instance).where(Instance.uuid == cloud.active)
+               .values(task_state=states.RESIZE_MIGRATING))
+    put_extents(snapshot_image_id(migration))
+
+    # THEN the audit leaves them alone
+    assert check(running_executions={f"resize-{cloud.active}-{migration[:8]}"}).clean
+
+
+def test_the_extents_of_an_image_are_judged_with_the_image(cloud):
+    # GIVEN a failed move's snapshot with its image object and its extents
+    migration = add_migration(cloud.active, migration_states.ERROR, cross_cell_move=True)
+    image_id = snapshot_image_id(migration)
+    folder = put_extents(image_id)
+    images.upload_image(BytesIO(b"pointer"), "active-resize-temp", image_id=image_id)
+
+    # THEN the image is the one problem, and deleting it takes the extents too
+    assert check().kinds() == [audit.SNAPSHOT_IMAGE_ORPHAN]
+    assert_fixed(audit.SNAPSHOT_IMAGE_ORPHAN)
+    assert objects_under(folder) == 0
+
+
+def test_extents_that_no_move_made_are_reported_not_deleted(cloud):
+    folder = put_extents(str(uuidlib.uuid4()))
+
+    report = check(fix=True)
+
+    assert report.kinds() == [audit.SNAPSHOT_DATA_ORPHAN] and report.repairs == []
+    assert objects_under(folder) == 2
+
+
+def test_snapshot_extents_whose_image_object_was_written_meanwhile_are_not_deleted(cloud, monkeypatch):
+    # GIVEN a failed move's snapshot extents without their image object
+    migration = add_migration(cloud.active, migration_states.ERROR, cross_cell_move=True)
+    image_id = snapshot_image_id(migration)
+    folder = put_extents(image_id)
+
+    # WHEN a late upload writes the image object between the audit's read and its repair
+    report = fix_with_race(monkeypatch, lambda: images.upload_image(BytesIO(b"pointer"), "active-resize-temp",
+                                                                    image_id=image_id))
+
+    # THEN the repair refuses, and the extents stay with their image
+    assert "image object" in refusal(report, audit.SNAPSHOT_DATA_ORPHAN)
+    assert objects_under(folder) == 2
+
 def test_disk_transfer_objects_of_a_finished_move_are_found_and_deleted(cloud):
     s3, bucket = aws.client("s3"), config.get().image_bucket
     prefix = f"{images.TRANSFER_PREFIX}{cloud.resized.migration_uuid}"

@@ -26,13 +26,21 @@ from test_cross_cell_steps import (  # noqa: F401 - the two_cells fixture
     server_in_cell1,
     two_cells,
 )
-from test_resize_steps import BIG, PROJECT, USER, cloud, make_server, prepare_move  # noqa: F401 - the cloud fixture
+from test_resize_steps import (  # noqa: F401 - the cloud fixture
+    BIG,
+    PROJECT,
+    USER,
+    cloud,
+    host_result,
+    make_server,
+    prepare_move,
+)
 
 from ferry import errors, images, workflows
 from ferry.compute import instances, migration_states, moves, states
 from ferry.store.cell_models import BlockDeviceMapping, Instance, Migration
 from ferry.store.db import cell_session
-from ferry.workflows import confirm_resize, cross_cell, cross_cell_settle, delete, resize
+from ferry.workflows import confirm_resize, cross_cell, cross_cell_settle, delete, resize, revert_resize
 
 pytestmark = pytest.mark.usefixtures("two_cells")
 
@@ -52,6 +60,15 @@ def switch_then_die(doc: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> Non
 
 def confirm_as_the_owner(uuid: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """The owner confirms the server it sees in VERIFY_RESIZE; returns the confirm execution's input."""
+    return _accepted(moves.begin_confirm, uuid, monkeypatch)
+
+
+def revert_as_the_owner(uuid: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """The owner reverts the server it sees in VERIFY_RESIZE; returns the revert execution's input."""
+    return _accepted(moves.begin_revert, uuid, monkeypatch)
+
+
+def _accepted(accept: Any, uuid: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     started: list[dict[str, Any]] = []
 
     def start_execution(arn: str, name: str, payload: dict[str, Any]) -> str:
@@ -60,8 +77,8 @@ def confirm_as_the_owner(uuid: str, monkeypatch: pytest.MonkeyPatch) -> dict[str
 
     with monkeypatch.context() as patched:
         patched.setattr(workflows, "start_execution", start_execution)
-        moves.begin_confirm(instances.cell_of(uuid).name, uuid, request_id=f"req-{uuidlib.uuid4()}",
-                            user_id=USER, project_id=PROJECT)
+        accept(instances.cell_of(uuid).name, uuid, request_id=f"req-{uuidlib.uuid4()}", user_id=USER,
+               project_id=PROJECT)
     return started[0]
 
 
@@ -241,6 +258,98 @@ def test_a_move_to_a_cell_holding_an_earlier_moves_copy_replaces_it():
     with cell_session("cell2") as session:
         assert session.scalars(select(Instance.display_name).where(Instance.uuid == uuid)).one() == "renamed"
 
+
+def test_a_move_to_a_cell_holding_a_visible_copy_an_earlier_move_left_replaces_it(monkeypatch):
+    # GIVEN an earlier move to cell2 whose CompleteMoveAcrossCells showed the target copy and died before
+    # switching the mapping, and whose rollback could not reach cell2 (RollbackMove ran, RollbackTargetCell not)
+    uuid, first = server_in_cell1()
+    doc = run(first, until="CompleteMoveAcrossCells")
+    complete_move_failing_at("_map_to", doc, monkeypatch)
+    assert cross_cell.check_move_committed({**doc, "error": {"Error": "x", "Cause": "x"}}) == {"committed": False}
+    resize.rollback_move({**doc, "error": {"Error": "RuntimeError", "Cause": "the database was lost"},
+                          "restored": host_result(doc, doc["move"]["source"]["host"], states.RUNNING)})
+    assert instances.cell_of(uuid).name == "cell1"
+    assert rows("cell2", uuid, first["migration_uuid"])["instance"][:2] == (False, states.RESIZED)
+
+    # WHEN a new move to cell2 sets up the target cell
+    second = prepare_move(uuid, BIG, requested_host=TARGET_HOST)
+    run(second, until="PrepResizeAtDest", twice=True)
+
+    # THEN cell2 holds this move's hidden copy of the server as it is now, and none of the earlier move's records
+    target = rows("cell2", uuid, second["migration_uuid"])
+    assert target["instance"] == (True, states.ACTIVE, states.RESIZE_PREP, "cell1-host1", "1")
+    assert target["migration"][0] == migration_states.PRE_MIGRATING
+    assert rows("cell2", uuid, first["migration_uuid"])["migration"] is None
+    assert rows("cell1", uuid, first["migration_uuid"])["migration"][0] == migration_states.ERROR
+    assert instances.cell_of(uuid).name == "cell1"
+
+
+def test_a_visible_copy_in_the_target_cell_the_mapping_names_is_never_removed():
+    # GIVEN a visible copy in cell2, and (against what validate_input checked) the mapping naming cell2
+    uuid, first = server_in_cell1()
+    run(first)
+    cross_cell._map_to(uuid, "cell2")
+
+    # WHEN a new move's TargetDBSetup finds it
+    with pytest.raises(errors.MoveNotPrepared):
+        cross_cell._purge_stale_copy("cell2", uuid, str(uuidlib.uuid4()))
+
+    # THEN it is left as it is
+    assert rows("cell2", uuid, first["migration_uuid"])["instance"][:2] == (False, states.RESIZED)
+
+
+def test_a_late_switch_of_an_older_move_never_hides_the_copy_a_newer_move_made_the_server(monkeypatch):
+    # GIVEN a move to cell2, confirmed (cell1's copy and its migration gone)
+    uuid, first = image_backed_server_in_cell1()
+    doc = run(first)
+    confirm = confirm_as_the_owner(uuid, monkeypatch)
+    confirm["move"] = confirm_resize.check_resize_to_confirm(confirm)
+    confirm_resize.finish_confirm(confirm)
+    assert rows("cell1", uuid, first["migration_uuid"])["instance"] is None
+    # AND a newer move back to cell1 made cell1's copy the server again (its own migration beside it)
+    newer = str(uuidlib.uuid4())
+    with cell_session("cell2") as session:
+        row = session.scalars(select(Instance).where(Instance.uuid == uuid)).one()
+        values = cross_cell_settle.columns(row)
+        row.hidden = True
+    with cell_session("cell1") as session:
+        session.add(Instance(**{**values, "vm_state": states.RESIZED}))
+        session.add(Migration(uuid=newer, instance_uuid=uuid, source_compute=TARGET_HOST, dest_compute="cell1-host1",
+                              status=migration_states.FINISHED, migration_type="migration", cross_cell_move=True,
+                              user_id=USER, project_id=PROJECT))
+    cross_cell._map_to(uuid, "cell1")
+
+    # WHEN the older move's switch finishes late (it read the mapping naming cell2 before the newer move's switch)
+    monkeypatch.setattr(cross_cell, "_mapped_to_target", lambda event: True)
+    cross_cell._finish_switch(doc)
+
+    # THEN the server's copy in cell1 stays visible
+    assert rows("cell1", uuid, newer)["instance"][:2] == (False, states.RESIZED)
+
+
+def test_a_revert_that_failed_after_removing_the_target_copy_settled_the_move(monkeypatch):
+    # GIVEN a move whose last step committed but whose answer was lost, so CheckMoveCommitted comes late
+    uuid, inp = image_backed_server_in_cell1()
+    doc = run(inp)
+    # AND meanwhile the owner reverted: the revert flipped the server back to cell1, removed the target
+    # copy, and failed restoring the source guest (FailRevert: server ERROR, migration error)
+    revert = revert_as_the_owner(uuid, monkeypatch)
+    revert["move"] = revert_resize.check_resize_to_revert(revert)
+    revert["flipped"] = cross_cell_settle.flip_to_source_cell(revert)
+    revert["reverted_at_dest"] = host_result(revert, TARGET_HOST, states.NOSTATE)
+    revert["restore"] = revert_resize.revert_resources_to_source(revert)
+    revert_resize.fail_revert({**revert, "error": {"Error": "Ferry.HypervisorError", "Cause": "cannot restore"}})
+    assert rows("cell2", uuid, inp["migration_uuid"])["instance"] is None
+    failed = rows("cell1", uuid, inp["migration_uuid"])
+    assert (failed["instance"][:3], failed["migration"][0]) == ((False, states.ERROR, None), migration_states.ERROR)
+
+    # WHEN the move's CheckMoveCommitted runs
+    answer = cross_cell.check_move_committed({**doc, "error": {"Error": "Sandbox.Timedout", "Cause": "x"}})
+
+    # THEN the move stands (its rollback never runs on the server the revert left), and nothing changed
+    assert answer == {"committed": True}
+    assert rows("cell1", uuid, inp["migration_uuid"]) == failed
+    assert instances.cell_of(uuid).name == "cell1"
 
 # --- servers already left with both copies visible ---------------------------------------------------------
 

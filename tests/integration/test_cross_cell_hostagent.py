@@ -9,6 +9,7 @@ from __future__ import annotations
 import uuid
 
 import test_hostagent_resize as harness
+from botocore.exceptions import ClientError
 from digest_helpers import block_digest
 from test_hostagent_resize import IMAGES, NEW, PORTS, boot, finish_revert_args, logical_sha256
 
@@ -93,6 +94,28 @@ def test_a_snapshot_prep_whose_workflow_gave_up_takes_back_the_snapshot(cloud, s
         assert cloud.s3.list_objects_v2(Bucket=IMAGES, Prefix=prefix).get("KeyCount", 0) == 0
     assert logical_sha256(source.kept(server.uuid) / disks.ROOT_DISK) == server.root_sha256, "kept for the revert"
 
+
+def test_a_snapshot_taken_back_with_s3_failing_on_its_extents_keeps_its_image_object(cloud, source, monkeypatch):
+    """What is left must stay findable: the image object points at the extents, so it goes last."""
+    # GIVEN a late snapshot prep, and S3 failing to delete the snapshot's extents
+    server = boot(source)
+    image_id = str(uuid.uuid4())
+    delete_objects = source.agent.s3.delete_objects
+
+    def failing_on_extents(**kwargs):
+        if any(o["Key"].startswith(f"image-data/{image_id}/") for o in kwargs["Delete"]["Objects"]):
+            raise ClientError({"Error": {"Code": "ServiceUnavailable", "Message": "S3 is unavailable"}},
+                              "DeleteObjects")
+        return delete_objects(**kwargs)
+
+    monkeypatch.setattr(source.agent.s3, "delete_objects", failing_on_extents)
+
+    # WHEN its workflow gave up on it, so the agent takes the snapshot back
+    source.abandoned(OP, server.uuid, snapshot_args(str(uuid.uuid4()), image_id))
+
+    # THEN the extents are there and so is the image object pointing at them
+    assert cloud.s3.list_objects_v2(Bucket=IMAGES, Prefix=f"image-data/{image_id}/").get("KeyCount", 0) > 0
+    assert cloud.s3.head_object(Bucket=IMAGES, Key=f"images/{image_id}")["Metadata"]["image-id"] == image_id
 
 def test_a_volume_backed_server_is_not_snapshotted(cloud, source, tmp_path):
     volume_path = tmp_path / "vol-1"

@@ -7,6 +7,7 @@ import io
 import os
 
 import pytest
+from botocore.exceptions import ClientError
 from test_api_support import ADMIN, ALICE, BOB, IMAGE_BYTES, call, mocked_cloud
 
 from ferry import aws, config, errors, images
@@ -92,6 +93,32 @@ def test_a_private_image_is_seen_and_booted_only_by_its_owners_project_and_admin
     assert call("POST", "/v2.1/servers", caller=ALICE, body=boot, version="2.90").status == 202
 
 
+def test_api_lists_only_the_images_an_id_filter_names_without_listing_the_bucket(cloud, monkeypatch):
+    # GIVEN three images, one of them private to Bob's project
+    second = images.upload_image(io.BytesIO(IMAGE_BYTES), "second")
+    images.upload_image(io.BytesIO(IMAGE_BYTES), "third")
+    bobs = images.upload_image(io.BytesIO(IMAGE_BYTES), "bobs", visibility="private", owner=BOB.project_id)
+    missing = "00000000-0000-4000-8000-000000000000"
+
+    def no_listing(**_kwargs):
+        raise AssertionError("the bucket was listed")
+    monkeypatch.setattr(images, "list_images", no_listing)
+
+    def ids(value, caller=ALICE, **query):
+        response = call("GET", "/v2.1/images", caller=caller, query={"id": value, **query})
+        assert response.status == 200, response.body
+        return sorted(i["id"] for i in response.body["images"])
+
+    # WHEN `openstack server list` asks for its servers' images (id=in:<id>,<id>), or for one id
+    # THEN only those visible to the caller are listed; unknown ids are skipped
+    assert ids(f"in:{cloud.image_id},{second['id']},{missing}") == sorted([cloud.image_id, second["id"]])
+    assert ids(second["id"]) == [second["id"]]
+    assert ids(f"in:{bobs['id']},{second['id']}") == [second["id"]]
+    assert ids(f"in:{bobs['id']},{second['id']}", caller=BOB) == sorted([bobs["id"], second["id"]])
+    assert ids(f"in:{cloud.image_id},{second['id']}", name="second") == [second["id"]]
+    assert ids(missing) == []
+
+
 def test_a_private_image_with_no_owner_is_an_admins_only(cloud):
     private = images.upload_image(io.BytesIO(IMAGE_BYTES), "old-snapshot", visibility="private")
 
@@ -121,6 +148,32 @@ def test_a_sparse_image_shows_its_disk_size_and_goes_with_its_extents(cloud):
     left = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket).get("Contents", [])]
     assert not [key for key in left if image_id in key], left
 
+
+def test_a_sparse_image_whose_extents_could_not_be_deleted_keeps_its_image_object(cloud, monkeypatch):
+    # GIVEN a sparse image, and S3 failing to delete its extents
+    s3, bucket, image_id = aws.client("s3"), config.get().image_bucket, "3c9a1e5d-6b2f-4e8a-9d7c-1f0e2d3c4b5a"
+    prefix = images.data_prefix(image_id)
+    s3.put_object(Bucket=bucket, Key=f"{prefix}/disk", Body=b"x" * 4096)
+    s3.put_object(Bucket=bucket, Key=f"images/{image_id}", Body=b'{"layout": "extents"}', Metadata={
+        "image-id": image_id, "name": "vm-resize-temp", "layout": "extents", "sha256": "ab" * 32})
+    delete_object = s3.delete_object
+
+    def failing_on_extents(**kwargs):
+        if kwargs["Key"].startswith(prefix):
+            raise ClientError({"Error": {"Code": "ServiceUnavailable", "Message": "S3 is unavailable"}},
+                              "DeleteObject")
+        return delete_object(**kwargs)
+
+    # WHEN the image is deleted
+    with monkeypatch.context() as patched:
+        patched.setattr(s3, "delete_object", failing_on_extents)
+        with pytest.raises(ClientError):
+            images.delete_image(image_id)
+
+    # THEN the image still points at its extents, so it is still listed (and deleting it again removes both)
+    assert images.get_image(image_id)["status"] == "active"
+    assert images.delete_image(image_id) is True
+    assert s3.list_objects_v2(Bucket=bucket, Prefix=prefix).get("KeyCount", 0) == 0
 
 @pytest.mark.parametrize("digest", [None, "sha256", "sha256-blocks"])
 def test_only_a_plain_sha256_shows_as_the_images_hash_and_the_host_gets_the_recorded_digest(cloud, digest):

@@ -18,9 +18,9 @@ The audit runs beside live workflows, so it only judges what has settled:
 Repairs (``fix=True``) only remove what nothing owns or put a stuck record into ``error``; each
 one re-checks what it changes (placement consumer generation, migration status, the hidden copy's
 row and its cell's migrations, the binding's or attachment's columns and the server's moves, the
-volume's status) and refuses when it changed meanwhile. A stuck migration is only put in error
-when every move state machine's executions were listed. After repairing, the audit runs again
-and reports what is left.
+volume's status, that snapshot extents still have no image object) and refuses when it changed
+meanwhile. A stuck migration is only put in error when every move state machine's executions
+were listed. After repairing, the audit runs again and reports what is left.
 """
 
 from __future__ import annotations
@@ -76,6 +76,7 @@ PORT_BINDING_MISSING = "port_binding_missing"
 VOLUME_ATTACHMENT_ORPHAN = "volume_attachment_orphan"
 VOLUME_LEFT_DELETING = "volume_left_deleting"
 SNAPSHOT_IMAGE_ORPHAN = "snapshot_image_orphan"
+SNAPSHOT_DATA_ORPHAN = "snapshot_data_orphan"
 TRANSFER_ORPHAN = "transfer_orphan"
 MIGRATION_STATE_MISMATCH = "migration_state_mismatch"
 MIGRATION_STUCK = "migration_stuck"
@@ -101,6 +102,7 @@ HINTS: dict[str, str] = {
     VOLUME_ATTACHMENT_ORPHAN: "ferry audit --fix deletes the attachment",
     VOLUME_LEFT_DELETING: "remove what is at the volume's path, then run ferry volume forget <id>",
     SNAPSHOT_IMAGE_ORPHAN: "ferry audit --fix deletes Ferry's own snapshots; check and delete any other by hand",
+    SNAPSHOT_DATA_ORPHAN: "ferry audit --fix deletes the extents of a known move's snapshot; check any other by hand",
     TRANSFER_ORPHAN: "ferry audit --fix deletes the objects",
     MIGRATION_STATE_MISMATCH: "ferry audit --fix puts the migration in error",
     MIGRATION_STUCK: "ferry audit --fix puts it in error once no workflow runs for it",
@@ -699,19 +701,19 @@ def _check_volumes_left(world: _World) -> Iterable[Problem]:
 
 
 def _check_storage(world: _World, skipped: list[str]) -> Iterable[Problem]:
-    """Temporary snapshots and disk transfers only while the move that made them is under way."""
+    """Temporary snapshots (their image objects and their extents) and disk transfers only while the move
+    that made them is under way."""
     from ferry.workflows.cross_cell import snapshot_image_id
 
     snapshots = {snapshot_image_id(m.uuid): m for m in world.migrations.values() if m.cross_cell_move}
     bucket = config.get().image_bucket
     try:
-        listed = images.list_images()
-        transfers: dict[str, list[dict[str, Any]]] = defaultdict(list)
         paginator = aws.client("s3").get_paginator("list_objects_v2")
-        for page in paginator.paginate(Bucket=bucket, Prefix=images.TRANSFER_PREFIX):
-            for item in page.get("Contents", []):
-                parts = item["Key"][len(images.TRANSFER_PREFIX):].split("/", 1)
-                transfers[parts[0]].append(item)
+        # The extents before the image objects: an upload writes its image object last, so one that
+        # finishes between the two listings is seen with its image object.
+        extents = _objects_by_folder(paginator, bucket, images.DATA_PREFIX)
+        listed = images.list_images()
+        transfers = _objects_by_folder(paginator, bucket, images.TRANSFER_PREFIX)
     except (ClientError, BotoCoreError) as exc:
         skipped.append(f"image bucket {bucket}: listing failed ({exc}); snapshots and transfers were not checked")
         return
@@ -730,17 +732,47 @@ def _check_storage(world: _World, skipped: list[str]) -> Iterable[Problem]:
             yield Problem(SNAPSHOT_IMAGE_ORPHAN, f"image/{image['id']}",
                           f"Image {image['id']} ({image['name']}) is the temporary snapshot of migration "
                           f"{migration.uuid}, which is {migration.status}.", _repair_image(image["id"]))
+    with_object = {image["id"] for image in listed}
+    for image_id, objects in sorted(extents.items()):
+        # An image object takes its extents with it (the image check above judges it).
+        if image_id in with_object or world.recent(_newest(objects)):
+            continue
+        migration = snapshots.get(image_id)
+        resource = f"s3://{bucket}/{images.DATA_PREFIX}{image_id}/"
+        if migration is None:
+            yield Problem(SNAPSHOT_DATA_ORPHAN, resource,
+                          f"{len(objects)} snapshot extent object(s) of image {image_id} remain without their image "
+                          f"object, and no move is known to have made them; check who wrote them.")
+        elif migration.status not in FORWARD:
+            yield Problem(SNAPSHOT_DATA_ORPHAN, resource,
+                          f"{len(objects)} extent object(s) of the temporary snapshot of migration {migration.uuid} "
+                          f"remain without their image object; the migration is {migration.status}.",
+                          _repair_snapshot_data(bucket, image_id, [o["Key"] for o in objects]))
     for migration_uuid, objects in sorted(transfers.items()):
         migration = world.migrations.get(migration_uuid)
         if migration is not None and migration.status in FORWARD + (migration_states.REVERTING,):
             continue
-        newest = max(cast(dt.datetime, o["LastModified"]) for o in objects)
-        if world.recent(newest.astimezone(dt.UTC).replace(tzinfo=None) if newest.tzinfo else newest):
+        if world.recent(_newest(objects)):
             continue
         state = f"is {migration.status}" if migration is not None else "does not exist"
         yield Problem(TRANSFER_ORPHAN, f"s3://{bucket}/{images.TRANSFER_PREFIX}{migration_uuid}/",
                       f"{len(objects)} disk transfer object(s) of migration {migration_uuid} remain; the migration "
                       f"{state}.", _repair_transfer(bucket, [o["Key"] for o in objects]))
+
+
+def _objects_by_folder(paginator: Any, bucket: str, prefix: str) -> dict[str, list[dict[str, Any]]]:
+    """The objects under ``prefix`` by their first folder there (``<prefix><folder>/…``)."""
+    found: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for page in paginator.paginate(Bucket=bucket, Prefix=prefix):
+        for item in page.get("Contents", []):
+            found[item["Key"][len(prefix):].split("/", 1)[0]].append(item)
+    return found
+
+
+def _newest(objects: list[dict[str, Any]]) -> dt.datetime:
+    """The newest ``LastModified`` of listed objects, naive UTC as the records' times."""
+    newest = max(cast(dt.datetime, o["LastModified"]) for o in objects)
+    return newest.astimezone(dt.UTC).replace(tzinfo=None) if newest.tzinfo else newest
 
 
 def _check_migrations(world: _World) -> Iterable[Problem]:
@@ -998,6 +1030,26 @@ def _repair_image(image_id: str) -> Callable[[], str]:
     def repair() -> str:
         images.delete_image(image_id)
         return f"deleted image {image_id}"
+
+    return repair
+
+
+def _repair_snapshot_data(bucket: str, image_id: str, keys: list[str]) -> Callable[[], str]:
+    def repair() -> str:
+        # Only while no image object points at them (an upload that finished since owns them), and only
+        # the objects read: what was written since is left for the next run.
+        try:
+            images.get_image(image_id)
+        except errors.ImageNotFound:
+            pass
+        else:
+            raise errors.FerryError(f"image {image_id} has its image object now; its extents were left as they are")
+        s3 = aws.client("s3")
+        for start in range(0, len(keys), 1000):
+            done = s3.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": k} for k in keys[start:start + 1000]]})
+            if done.get("Errors"):
+                raise errors.FerryError(f"S3 did not delete {len(done['Errors'])} extent object(s) of image {image_id}")
+        return f"deleted {len(keys)} extent object(s) of image {image_id}"
 
     return repair
 

@@ -223,17 +223,23 @@ def image_location(image_id: str) -> dict[str, Any]:
 
 
 def delete_image(image_id: str) -> bool:
-    """Delete an image; returns False when there was none (deleting twice is harmless)."""
+    """Delete an image; returns False when there was none (deleting twice is harmless).
+
+    A sparse image's extents under ``image-data/<id>/`` go first and its object ``images/<id>``
+    last: a deletion that fails half-way leaves the image listed (and ``ferry audit`` finds a
+    snapshot so left), never extents that no object points at.
+
+    Raises:
+        ClientError, BotoCoreError: S3 failed; what is left is deleted by deleting again.
+    """
     s3 = aws.client("s3")
     try:
         _head(image_id)
     except errors.ImageNotFound:
         found = False
     else:
-        s3.delete_object(Bucket=_bucket(), Key=_key(image_id))
         found = True
-    # A sparse image's extents go after its pointer, and also when only they were written: an
-    # upload that stopped before the pointer leaves them behind.
+    # Also when only the extents were written: an upload that stopped before the pointer leaves them behind.
     for page in s3.get_paginator("list_objects_v2").paginate(Bucket=_bucket(), Prefix=data_prefix(image_id) + "/"):
         for item in page.get("Contents", []):
             s3.delete_object(Bucket=_bucket(), Key=item["Key"])
@@ -241,5 +247,6 @@ def delete_image(image_id: str) -> bool:
     aws.abort_uploads(s3, _bucket(), data_prefix(image_id) + "/")
     aws.abort_uploads(s3, _bucket(), _key(image_id))
     if found:
+        s3.delete_object(Bucket=_bucket(), Key=_key(image_id))
         logger.info("image deleted", extra={"image_id": image_id})
     return found

@@ -37,6 +37,7 @@ from ferry.compute import actions, instances, states
 from ferry.compute.migration_states import (
     CONFIRMED,
     CONFIRMING,
+    ERROR,
     FINISHED,
     MIGRATING,
     POST_MIGRATING,
@@ -99,12 +100,16 @@ def target_db_setup(event: dict[str, Any]) -> dict[str, Any]:
 
     The copies keep their uuids; the migration is marked ``cross_cell_move`` in both cells.
     What this move already copied into the target cell is left as it is, so a re-run copies
-    nothing twice. A hidden copy of the server there that is not this move's (an earlier move's
-    leftover: no copy of this migration beside it) is hard-deleted first and copied afresh, so
-    none of its block device mappings, tags or migrations outlive it.
+    nothing twice. A copy of the server there that is not this move's (an earlier move's
+    leftover: no copy of this migration beside it), hidden or visible, is hard-deleted first and
+    copied afresh, so none of its block device mappings, tags or migrations outlive it (see
+    :func:`_purge_stale_copy`).
 
     Returns:
         ``{"cell": <target cell>}``.
+
+    Raises:
+        MoveNotPrepared: the migration is missing, or the instance mapping names the target cell.
     """
     uuid, migration_uuid, cell, target = event["instance_uuid"], event["migration_uuid"], event["cell"], _target(event)
     with cell_session(cell) as session:
@@ -138,14 +143,32 @@ def target_db_setup(event: dict[str, Any]) -> dict[str, Any]:
 def _purge_stale_copy(target: str, uuid: str, migration_uuid: str) -> None:
     """Hard-delete what ``target`` holds of the server unless this move copied it (see :func:`target_db_setup`).
 
-    A visible copy is the server's and is never touched (the move then keeps it, as before).
+    A visible copy there is stale as well, and is hidden, then removed as a hidden one is: the
+    instance mapping names the source cell (``validate_input`` checked it, and the server's task,
+    this move's, keeps any other move from switching it), so the API never shows that copy. It is
+    an earlier move's, whose CompleteMoveAcrossCells showed it and died before switching the mapping
+    while its RollbackTargetCell could not reach this cell; adopted, its block device mappings and
+    migrations would become the server's. Removing it is safer than refusing the move: only rows
+    nothing reads go (no host, port or volume is touched), where a refusal would leave the server
+    unable to move to this cell until a person removed them. The mapping is read again first.
+
+    Raises:
+        MoveNotPrepared: the instance mapping names the target cell (the copy there is the server).
+        CellCopyNotHidden: the copy was shown again between hiding and removing it.
     """
     with cell_session(target) as session:
         if session.scalars(select(Migration.id).where(Migration.uuid == migration_uuid)).first() is not None:
             return  # a re-run of this move's TargetDBSetup
         copy = session.scalars(select(Instance).where(Instance.uuid == uuid)).one_or_none()
-        if copy is not None and not copy.hidden and not copy.deleted:
-            return
+        visible = copy is not None and not copy.hidden and not copy.deleted
+    if visible:
+        if instances.cell_of(uuid).name == target:
+            raise errors.MoveNotPrepared(f"Instance {uuid} is mapped to cell {target}, the move's target cell.")
+        with cell_session(target) as session:
+            session.execute(update(Instance).where(Instance.uuid == uuid, Instance.hidden.is_(False))
+                            .values(hidden=True))
+        logger.warning("an earlier move left a visible copy of the server in the target cell: hidden",
+                       extra={"instance_uuid": uuid, "migration_uuid": migration_uuid, "target_cell": target})
     if cross_cell_settle.hard_delete_copy(target, uuid, migration_uuid):
         logger.warning("an earlier move's copy of the server was left in the target cell: replaced",
                        extra={"instance_uuid": uuid, "migration_uuid": migration_uuid, "target_cell": target})
@@ -384,8 +407,17 @@ def _finish_switch(event: dict[str, Any]) -> None:
 
 
 def _settled_since(event: dict[str, Any]) -> bool:
-    """Whether the owner has confirmed or reverted the move since this step first ran (on either copy)."""
-    settling = (CONFIRMING, CONFIRMED, REVERTING, REVERTED)
+    """Whether the owner has confirmed or reverted the move since this step first ran (on either copy).
+
+    A migration in ``error`` counts too. Before the switch only this execution's own RollbackMove
+    puts it there, once CheckMoveCommitted has answered (``statemachine/resize.asl.json``;
+    auto-confirm and ``ferry audit --fix`` leave it alone while the source copy has its task and
+    this execution runs): a late run of this step then finds the move rolled back and must not
+    switch it. After the switch a confirm or revert
+    that failed did (FailConfirm; FailRevert, with the server ERROR in the source cell and the target
+    copy possibly gone): rolling the move back would then act on what that settle left.
+    """
+    settling = (CONFIRMING, CONFIRMED, REVERTING, REVERTED, ERROR)
     for cell in (event["cell"], _target(event)):
         with cell_session(cell) as session:
             status = session.scalars(select(Migration.status).where(Migration.uuid == event["migration_uuid"])).first()
@@ -461,11 +493,12 @@ def check_move_committed(event: dict[str, Any]) -> dict[str, Any]:
 
     Committed means, within one cell, that the migration is ``finished`` or beyond; across cells,
     that the instance mapping names the target cell (the switch that makes the target copy the
-    server), or that either migration copy is being confirmed or reverted. A committed move
-    between cells is finished here as the step would have finished it: the source copy hidden
-    whenever the mapping names the target cell (also when a confirm has taken over meanwhile;
-    not when a revert owns the copy), and the temporary snapshot deleted, best effort. A move not
-    committed keeps its snapshot for RollbackTargetCell to delete.
+    server), or that either migration copy is being (or was) confirmed or reverted, or is in
+    ``error`` (see :func:`_settled_since`). A committed move between cells is finished here as
+    the step would have finished it: the source copy hidden whenever the mapping names the target
+    cell (also when a confirm has taken over meanwhile; not when a revert owns the copy), and the
+    temporary snapshot deleted, best effort. A move not committed keeps its snapshot for
+    RollbackTargetCell to delete.
 
     Returns:
         ``{"committed": bool}``.

@@ -133,23 +133,29 @@ def carry_older_migrations(cell: str, instance_uuid: str, migration_uuid: str) -
 def hide_source_copy(cell: str, instance_uuid: str, migration_uuid: str) -> bool:
     """Hide the server's copy in ``cell``, the source cell of move ``migration_uuid``, with no task.
 
-    Nothing changes when a revert owns that copy (``cell``'s copy of the migration is ``reverting``
-    or ``reverted``, or the copy's task is ``resize_reverting``: FlipToSourceCell writes both in
-    one transaction and then makes the copy the server again) or when the copy is gone. The
-    condition is part of the one UPDATE, and the task is on the row it updates (a concurrent
+    Only while ``cell`` holds that move's migration (``cross_cell_move``, not deleted): once a
+    confirm removed the move's records there, the copy in ``cell`` can only be a newer move's (one
+    back to ``cell``, which may be the server), never this move's source copy. Nothing changes
+    either when a revert owns that copy (``cell``'s copy of the migration is ``reverting`` or
+    ``reverted``, or the copy's task is ``resize_reverting``: FlipToSourceCell writes both in one
+    transaction and then makes the copy the server again) or when the copy is gone. The
+    conditions are part of the one UPDATE, and the task is on the row it updates (a concurrent
     write of it is re-read before the update applies), so a revert flipping the server back at
     the same moment is never undone by it. Idempotent.
 
     Returns:
         Whether the copy changed (it was visible, or ran a task).
     """
+    of_this_move = select(Migration.id).where(
+        Migration.uuid == migration_uuid, Migration.instance_uuid == instance_uuid,
+        Migration.cross_cell_move.is_(True), Migration.deleted.is_(False)).exists()
     owned_by_revert = select(Migration.id).where(
         Migration.uuid == migration_uuid,
         Migration.status.in_((migration_states.REVERTING, migration_states.REVERTED))).exists()
     with cell_session(cell) as session:
         result = cast(CursorResult[Any], session.execute(
             update(Instance)
-            .where(Instance.uuid == instance_uuid, Instance.deleted.is_(False), ~owned_by_revert,
+            .where(Instance.uuid == instance_uuid, Instance.deleted.is_(False), of_this_move, ~owned_by_revert,
                    or_(Instance.task_state.is_(None), Instance.task_state != states.RESIZE_REVERTING),
                    or_(Instance.hidden.is_(False), Instance.task_state.is_not(None)))
             .values(hidden=True, task_state=None)))
