@@ -1333,7 +1333,8 @@ def delete_transfer(s3_client: Any, bucket: str, prefix: str) -> int:
     Nothing there is fine.
 
     Raises:
-        ClientError, BotoCoreError: S3 failed.
+        ClientError, BotoCoreError: S3 failed, also when it answered that some objects were not
+            deleted (DeleteObjects reports those in its answer instead of raising).
     """
     folder = prefix.rstrip("/") + "/"
     deleted = 0
@@ -1341,7 +1342,12 @@ def delete_transfer(s3_client: Any, bucket: str, prefix: str) -> int:
     for page in paginator.paginate(Bucket=bucket, Prefix=folder):
         keys = [{"Key": item["Key"]} for item in page.get("Contents", [])]
         if keys:
-            s3_client.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
+            answer = s3_client.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
+            if failed := answer.get("Errors"):
+                raise ClientError({"Error": {"Code": failed[0].get("Code", "InternalError"),
+                                             "Message": f"{len(failed)} object(s) under {folder} not deleted, "
+                                                        f"{failed[0].get('Key')} first: {failed[0].get('Message')}"}},
+                                  "DeleteObjects")
             deleted += len(keys)
     aws.abort_uploads(s3_client, bucket, folder)
     return deleted

@@ -10,6 +10,7 @@ import os
 import boto3
 import pytest
 from blake3 import blake3
+from botocore.exceptions import ClientError
 from digest_helpers import MOVES, block_digest, block_digest_of
 from moto import mock_aws
 
@@ -239,6 +240,19 @@ def test_deleting_a_transfer_removes_only_its_prefix(s3, tmp_path):
 
     left = [o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET).get("Contents", [])]
     assert sorted(left) == [f"{PREFIX}0/root", f"{PREFIX}0/root.manifest.json"]
+
+
+def test_deleting_a_transfer_that_s3_answers_partly_failed_raises(s3, tmp_path, monkeypatch):
+    # GIVEN S3 answers a DeleteObjects with a per-object error, as it does instead of raising
+    src = tmp_path / "src"
+    _sparse_file(src, MiB, {0: b"data"})
+    disks.upload_disk(s3, src, BUCKET, PREFIX, "root")
+    monkeypatch.setattr(s3, "delete_objects", lambda **kwargs: {"Errors": [
+        {"Key": f"{PREFIX}/root", "Code": "SlowDown", "Message": "Please reduce your request rate."}]})
+
+    # THEN the deletion raises, so that no caller goes on as if the objects were gone
+    with pytest.raises(ClientError, match="SlowDown"):
+        disks.delete_transfer(s3, BUCKET, PREFIX)
 
 
 def test_deleting_a_transfer_aborts_the_upload_a_killed_sender_left_open(s3):
