@@ -112,11 +112,29 @@ def handler(event, context):
 """
 
 
-def write_app(root: Path) -> Path:
+GATEWAY_RESPONSES = """
+      GatewayResponses:
+        UNAUTHORIZED:
+          StatusCode: 401
+          ResponseTemplates: {application/json: '{"error": {"code": 401, "message": "Authenticate first."}}'}
+        MISSING_AUTHENTICATION_TOKEN:
+          StatusCode: 404
+          ResponseTemplates: {application/json: '{"itemNotFound": {"code": 404, "message": "Not here."}}'}
+        DEFAULT_4XX:
+          StatusCode: 403
+          ResponseTemplates: {application/json: '{"forbidden": {"code": 403, "message": "Not for you."}}'}
+"""
+
+
+def write_app(root: Path, gateway_responses: str = "") -> Path:
     for name, code in {"authorizer": AUTHORIZER, "echo": ECHO}.items():
         (root / "functions" / name).mkdir(parents=True)
         (root / "functions" / name / "app.py").write_text(textwrap.dedent(code))
-    (root / "template.yaml").write_text(textwrap.dedent(TEMPLATE))
+    template = textwrap.dedent(TEMPLATE)
+    if gateway_responses:
+        anchor = "            Identity: {Headers: [X-Auth-Token], ReauthorizeEvery: 0}\n"
+        template = template.replace(anchor, anchor + gateway_responses.lstrip("\n"), 1)
+    (root / "template.yaml").write_text(template)
     return root / "template.yaml"
 
 
@@ -267,3 +285,21 @@ def test_a_binary_request_body_arrives_base64_encoded(gateway):
     event = _event(response)
     assert event["isBase64Encoded"] is True
     assert base64.b64decode(event["body"]) == b"\xff\xfe\x00"
+
+
+def test_the_apis_gateway_responses_replace_api_gateways_own_answers(tmp_path):
+    # GIVEN an API whose template sets its own answers for a missing token, an unknown path, and
+    # (DEFAULT_4XX) every other error API Gateway answers itself
+    model = resolve(write_app(tmp_path, GATEWAY_RESPONSES))
+    with ApiGateway(model, FunctionRunner(model), port=0) as gateway:
+        # WHEN API Gateway answers itself, THEN it answers as the template says
+        missing = requests.get(gateway.url + "/v9/servers")
+        unknown = requests.get(gateway.url + "/nowhere")
+        denied = requests.get(gateway.url + "/v9/servers", headers={"X-Auth-Token": "deny"})
+        allowed = requests.get(gateway.url + "/v9/servers", headers={"X-Auth-Token": "good"})
+
+    assert (missing.status_code, missing.json()) == (401, {"error": {"code": 401, "message": "Authenticate first."}})
+    assert (unknown.status_code, unknown.json()) == (404, {"itemNotFound": {"code": 404, "message": "Not here."}})
+    assert (denied.status_code, denied.json()) == (403, {"forbidden": {"code": 403, "message": "Not for you."}})
+    assert allowed.status_code == 200
+

@@ -483,3 +483,14 @@ def test_every_metric_to_watch_has_an_alarm_unless_clients_cause_it():
     assert watched - alarmed == _WATCHED_WITHOUT_ALARM
     assert alarmed <= watched
 
+
+def test_what_api_gateway_answers_itself_is_in_the_compute_apis_error_shape():
+    responses = RAW["Resources"]["ComputeApi"]["Properties"]["GatewayResponses"]
+
+    assert {"MISSING_AUTHENTICATION_TOKEN", "UNAUTHORIZED", "ACCESS_DENIED"} <= set(responses)
+    for kind, spec in responses.items():
+        [(error_kind, error)] = json.loads(spec["ResponseTemplates"]["application/json"]).items()
+        assert error["code"] == int(spec["StatusCode"]) and error["message"], kind
+        assert error_kind in {"itemNotFound", "error", "forbidden", "computeFault"}, kind
+    assert TEMPLATE.apis["ComputeApi"].gateway_responses["MISSING_AUTHENTICATION_TOKEN"][0] == 404
+

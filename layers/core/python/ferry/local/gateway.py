@@ -10,7 +10,8 @@ domain: there is no stage prefix.
 Authorizer decisions are not cached (the template's ``ReauthorizeEvery: 0``; other values are
 ignored locally). Answers follow API Gateway: an unknown route is 403 ``Missing Authentication
 Token``, a missing identity source or ``Unauthorized`` from the authorizer 401, a policy that
-does not allow the call 403, an authorizer or integration that fails 500 / 502.
+does not allow the call 403, an authorizer or integration that fails 500 / 502; the API's
+``GatewayResponses`` replace the answers API Gateway gives itself, as they do on AWS.
 """
 
 from __future__ import annotations
@@ -165,6 +166,16 @@ class ApiGateway:
                 return compiled.route, {k: unquote(v) for k, v in found.groupdict().items()}
         return None
 
+    def _gateway_response(self, kind: str, status: int, document: Any) -> Response:
+        """What API Gateway answers itself for ``kind`` (``UNAUTHORIZED``, …): the API's
+        ``GatewayResponses`` entry for it (or ``DEFAULT_4XX`` / ``DEFAULT_5XX``), else ``status``
+        with API Gateway's own ``document``."""
+        responses = self.api.gateway_responses if self.api else {}
+        chosen = responses.get(kind) or responses.get("DEFAULT_5XX" if status >= 500 else "DEFAULT_4XX")
+        if chosen is None:
+            return _json_response(status, document)
+        return Response(chosen[0], [("Content-Type", "application/json")], chosen[1].encode())
+
     def handle(
         self, method: str, raw_path: str, headers: list[tuple[str, str]], body: bytes, source_ip: str
     ) -> Response:
@@ -173,7 +184,8 @@ class ApiGateway:
         path = split.path or "/"
         matched = self.match(method, path)
         if matched is None:
-            return _json_response(403, {"message": "Missing Authentication Token"})
+            return self._gateway_response("MISSING_AUTHENTICATION_TOKEN", 403,
+                                          {"message": "Missing Authentication Token"})
         route, path_parameters = matched
         query = parse_qsl(split.query, keep_blank_values=True)
         request_id = str(uuid.uuid4())
@@ -287,7 +299,7 @@ class ApiGateway:
         if any(not headers.get(h.lower()) for h in authorizer.identity_headers) or any(
             not query.get(q) for q in authorizer.identity_query_strings
         ):
-            return _json_response(401, {"message": "Unauthorized"}), {}
+            return self._gateway_response("UNAUTHORIZED", 401, {"message": "Unauthorized"}), {}
         method_arn = self._method_arn(event["httpMethod"], event["path"])
         if authorizer.payload_type == "REQUEST":
             request = {
@@ -307,22 +319,22 @@ class ApiGateway:
         if invocation.failed:
             assert invocation.error is not None
             if invocation.error.get("errorMessage") == "Unauthorized":
-                return _json_response(401, {"message": "Unauthorized"}), {}
+                return self._gateway_response("UNAUTHORIZED", 401, {"message": "Unauthorized"}), {}
             log.warning("authorizer %s failed: %s", authorizer.name, invocation.error)
-            return _json_response(500, {"message": None}), {}
+            return self._gateway_response("AUTHORIZER_FAILURE", 500, {"message": None}), {}
         policy = invocation.result if isinstance(invocation.result, dict) else {}
         decision = _policy_decision(policy.get("policyDocument") or {}, method_arn)
         if decision == "Deny":
-            return _json_response(
-                403, {"Message": "User is not authorized to access this resource with an explicit deny"}
-            ), {}
+            return self._gateway_response("ACCESS_DENIED", 403, {
+                "Message": "User is not authorized to access this resource with an explicit deny"}), {}
         if decision != "Allow":
-            return _json_response(403, {"Message": "User is not authorized to access this resource"}), {}
+            return self._gateway_response(
+                "ACCESS_DENIED", 403, {"Message": "User is not authorized to access this resource"}), {}
         context: dict[str, Any] = {}
         for key, value in (policy.get("context") or {}).items():
             if isinstance(value, (dict, list)):
                 log.warning("authorizer %s returned a non-scalar context value %s", authorizer.name, key)
-                return _json_response(500, {"message": None}), {}
+                return self._gateway_response("AUTHORIZER_CONFIGURATION_ERROR", 500, {"message": None}), {}
             context[key] = ("true" if value else "false") if isinstance(value, bool) else value
         context["principalId"] = policy.get("principalId")
         return None, context

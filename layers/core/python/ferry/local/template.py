@@ -227,6 +227,8 @@ class Api:
     stage_name: str
     default_authorizer: str | None
     authorizers: dict[str, Authorizer]
+    # GatewayResponses: {response type: (status code, JSON body)}.
+    gateway_responses: dict[str, tuple[int, str]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -765,6 +767,9 @@ class _Builder:
                 stage_name=_stringify(resolved.get("StageName", stage)),
                 default_authorizer=default,
                 authorizers=authorizers,
+                gateway_responses={
+                    kind: (int(spec["StatusCode"]), str((spec.get("ResponseTemplates") or {})["application/json"]))
+                    for kind, spec in (resolved.get("GatewayResponses") or {}).items()},
             )
         return apis
 
