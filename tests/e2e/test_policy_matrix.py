@@ -184,6 +184,10 @@ TOKEN_ONLY: dict[str, Probe] = {
     "identity:projects:index": Probe("GET", "/identity/v3/projects"),
     "identity:projects:show": Probe("GET", "/identity/v3/projects/{project_id}", passes=NOT_FOUND,
                                     values={"project_id": OWNER_PROJECT}),
+    # a member may look up only herself: another user is 403, Keystone's answer (clients then use the name)
+    "identity:users:index": Probe("GET", "/identity/v3/users"),
+    "identity:users:show": Probe("GET", "/identity/v3/users/{user_id}", passes=frozenset({403}),
+                                 values={"user_id": "{demo_user}"}),
 }
 
 # Rules that decide what an answer shows or what a workflow may do, not whether a request is
@@ -250,6 +254,7 @@ def resources(local_stack):
                                project_id=local_stack.seeded.identities["demo"].project_id,
                                path=str(local_stack.state_dir / "volumes" / demo_volume)))
         yield {"helper": helper, "active": active["id"], "shutoff": shutoff, "demo_volume": demo_volume,
+               "demo_user": local_stack.seeded.identities["demo"].user_id,
                "host": active["OS-EXT-SRV-ATTR:host"], "request_id": actions[0]["request_id"],
                "flavor_id": local_stack.seeded.flavors[0], "image_id": local_stack.seeded.image["id"]}
         seeded = {f: helper.api("admin").get(f"/flavors/{f}").status_code for f in local_stack.seeded.flavors}

@@ -136,6 +136,19 @@ def test_unknown_aggregates_are_404_and_a_non_integer_id_400(cloud):
     assert admin("GET", f"{AGGREGATES}/gen3").status == 400
 
 
+@pytest.mark.parametrize("aggregate_id", ["99999999999999999999999", "2147483648"])
+def test_an_aggregate_id_beyond_the_column_is_404_as_any_unknown_id(cloud, aggregate_id):
+    for method, path, body in (("GET", f"{AGGREGATES}/{aggregate_id}", None),
+                               ("PUT", f"{AGGREGATES}/{aggregate_id}", {"aggregate": {"name": "x"}}),
+                               ("DELETE", f"{AGGREGATES}/{aggregate_id}", None),
+                               ("POST", f"{AGGREGATES}/{aggregate_id}/action",
+                                {"set_metadata": {"metadata": {"a": "b"}}})):
+        response = admin(method, path, body=body)
+        assert response.status == 404, (method, response.body)
+        assert error(response, "itemNotFound") == f"Aggregate {aggregate_id} could not be found."
+    assert stored() == {}
+
+
 def test_members_are_refused_every_aggregate_request(computes):
     created = create("gen3")
     requests = [

@@ -107,6 +107,49 @@ def test_flavor_numbers_out_of_range_are_400_and_create_nothing(cloud, field, va
     assert flavor_named("huge") is None
 
 
+@pytest.mark.parametrize(("value", "message"), [
+    (3.5e38, "Invalid input for field/attribute flavor/rxtx_factor. Value: 3.5e+38. "
+             "3.5e+38 is greater than the maximum of 3.40282e+38"),
+    ("9" * 40, "Invalid input received: 'rxtx_factor' argument must be a float between 0 and 3.40282e+38"),
+    ("0", "Invalid input received: 'rxtx_factor' argument must be a float between 0 and 3.40282e+38"),
+])
+def test_an_rxtx_factor_beyond_novas_bounds_is_400_and_creates_nothing(cloud, value, message):
+    body = {"name": "fast", "ram": 512, "vcpus": 1, "disk": 1, "rxtx_factor": value}
+
+    response = call("POST", "/v2.1/flavors", caller=ADMIN, body={"flavor": body})
+
+    assert response.status == 400, response.body
+    assert response.body["badRequest"]["message"] == message
+    assert flavor_named("fast") is None
+
+
+def test_the_largest_rxtx_factor_nova_takes_is_taken(cloud):
+    body = {"name": "fast", "ram": 512, "vcpus": 1, "disk": 1, "rxtx_factor": "340282000000000000000000000000000000000"}
+
+    response = call("POST", "/v2.1/flavors", caller=ADMIN, body={"flavor": body})
+
+    assert response.status == 200, response.body
+    assert response.body["flavor"]["rxtx_factor"] == 3.40282e38
+
+
+@pytest.mark.parametrize("path", ["/v2.1/flavors", "/v2.1/flavors/detail"])
+@pytest.mark.parametrize("name", ["minDisk", "minRam"])
+@pytest.mark.parametrize(("value", "bound"), [("99999999999999999999999", "greater than the maximum of 2147483647"),
+                                              ("-99999999999999999999999", "less than the minimum of -2147483648")])
+def test_a_min_filter_beyond_an_integer_column_is_400(cloud, path, name, value, bound):
+    response = call("GET", path, query={name: value})
+
+    assert response.status == 400, response.body
+    assert response.body["badRequest"]["message"] == \
+        f"Invalid input for field/attribute {name}. Value: {value}. {value} is {bound}"
+
+
+def test_min_filters_within_the_column_still_filter(cloud):
+    assert names(call("GET", "/v2.1/flavors/detail", query={"minDisk": "2"})) == ["m1.medium"]
+    assert names(call("GET", "/v2.1/flavors/detail", query={"minRam": "2147483647"})) == []
+    assert names(call("GET", "/v2.1/flavors/detail", query={"minRam": "-5"})) == ["m1.small", "m1.medium"]
+
+
 @pytest.mark.parametrize("name", [" m1.edge", "m1.edge\u00a0", "m1\u200bedge", "m1\x7fedge"])
 def test_flavor_names_nova_refuses_are_400_and_create_nothing(cloud, name):
     response = call("POST", "/v2.1/flavors", caller=ADMIN, body={"flavor": {

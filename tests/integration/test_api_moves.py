@@ -712,6 +712,23 @@ def test_confirm_of_a_server_that_was_not_resized_is_400(cloud):
     assert snapshot(cloud, server_id) == before
 
 
+@pytest.mark.parametrize("vm_state", [states.ACTIVE, states.STOPPED])
+def test_revert_of_a_server_that_was_not_resized_is_409_as_in_nova(cloud, vm_state):
+    # GIVEN a server that was never resized (no migration at all)
+    server_id = active_server(vm_state=vm_state)
+    before = snapshot(cloud, server_id)
+
+    # WHEN its resize is reverted
+    response = action(server_id, {"revertResize": None})
+
+    # THEN Nova's vm_state check answers, before any look at migrations; nothing changes
+    assert response.status == 409
+    assert response.body["conflictingRequest"]["message"] == \
+        f"Cannot 'revertResize' instance {server_id} while it is in vm_state {vm_state}"
+    assert snapshot(cloud, server_id) == before
+    assert cloud.executions("revert_resize") == []
+
+
 def test_confirm_without_a_finished_migration_is_400(cloud):
     server_id, _ = resized_server(status=migration_states.ERROR)
     before = snapshot(cloud, server_id)
@@ -722,8 +739,11 @@ def test_confirm_without_a_finished_migration_is_400(cloud):
     assert snapshot(cloud, server_id) == before
 
 
-@pytest.mark.parametrize("body", [{"confirmResize": None}, {"revertResize": None}])
-def test_confirm_or_revert_during_the_resize_is_409(cloud, body):
+@pytest.mark.parametrize(("body", "reason"), [
+    ({"confirmResize": None}, "task_state resize_prep"),
+    ({"revertResize": None}, "vm_state active"),  # a revert checks vm_state first, as Nova does
+])
+def test_confirm_or_revert_during_the_resize_is_409(cloud, body, reason):
     server_id = active_server()
     assert action(server_id, {"resize": {"flavorRef": "2"}}).status == 202
     before = snapshot(cloud, server_id)
@@ -731,7 +751,7 @@ def test_confirm_or_revert_during_the_resize_is_409(cloud, body):
     response = action(server_id, body)
 
     assert response.status == 409
-    assert "task_state resize_prep" in response.body["conflictingRequest"]["message"]
+    assert reason in response.body["conflictingRequest"]["message"]
     assert snapshot(cloud, server_id) == before
 
 
@@ -838,9 +858,9 @@ def test_revert_works_after_the_old_flavor_was_deleted(cloud):
 def test_revert_without_the_old_flavor_or_a_finished_migration_is_400(cloud):
     forgotten, _ = resized_server()
     set_instance(forgotten, old_flavor=None)
-    never = active_server()
+    failed, _ = resized_server(status=migration_states.ERROR)  # resized, but no finished migration
 
-    for server_id in (forgotten, never):
+    for server_id in (forgotten, failed):
         before = snapshot(cloud, server_id)
         response = action(server_id, {"revertResize": None})
         assert response.status == 400, response.body

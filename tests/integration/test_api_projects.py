@@ -1,4 +1,4 @@
-"""The identity API's project look-ups through the real handler (SQLite and PostgreSQL)."""
+"""The identity API's project and user look-ups through the real handler (SQLite and PostgreSQL)."""
 
 from __future__ import annotations
 
@@ -39,3 +39,37 @@ def test_a_member_sees_only_her_own_project(cloud):
     assert call("GET", "/identity/v3/projects/project-b", caller=ALICE).status == 404
     assert [p["id"] for p in call("GET", "/identity/v3/projects", caller=ALICE).body["projects"]] == ["project-a"]
     assert call("GET", "/identity/v3/projects", caller=ALICE, query={"name": "project-b"}).body["projects"] == []
+
+
+# --- users ------------------------------------------------------------------------------------------
+
+
+def test_admins_look_any_user_up_by_id_or_name_and_list_the_users_ferry_knows(cloud):
+    # GIVEN a user with a token only and one owning a server
+    auth.issue_token("carol", "project-c", ["member"])
+    create_server(BOB)
+
+    # WHEN an admin looks a user up as the CLI does (`--user U`: by id, then by name)
+    shown = call("GET", "/identity/v3/users/carol", caller=ADMIN)
+    named = call("GET", "/identity/v3/users", caller=ADMIN, query={"name": "dave"})
+    listed = call("GET", "/identity/v3/users", caller=ADMIN)
+
+    # THEN the name is the id; any well-formed id is a user; the list holds those Ferry knows
+    assert shown.status == 200
+    assert {k: shown.body["user"][k] for k in ("id", "name", "domain_id", "enabled")} == \
+        {"id": "carol", "name": "carol", "domain_id": "default", "enabled": True}
+    assert shown.body["user"]["links"]["self"].endswith("/identity/v3/users/carol")
+    assert [u["id"] for u in named.body["users"]] == ["dave"]
+    assert {"bob", "carol"} <= {u["id"] for u in listed.body["users"]}
+    assert call("GET", "/identity/v3/users/not%20an%20id", caller=ADMIN).status == 404
+
+
+def test_a_member_looks_up_only_herself_and_is_refused_another_user_as_keystone_refuses(cloud):
+    create_server(ALICE)
+
+    assert call("GET", "/identity/v3/users/alice", caller=ALICE).body["user"]["id"] == "alice"
+    assert [u["id"] for u in call("GET", "/identity/v3/users", caller=ALICE).body["users"]] == ["alice"]
+    # another user is 403, which clients take as "use the name as the id"
+    other = call("GET", "/identity/v3/users/bob", caller=ALICE)
+    assert other.status == 403 and "identity:get_user" in other.body["forbidden"]["message"]
+    assert call("GET", "/identity/v3/users", caller=ALICE, query={"name": "bob"}).status == 403

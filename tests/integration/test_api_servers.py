@@ -543,6 +543,24 @@ def test_list_filters_by_the_time_of_the_last_change(cloud):
     assert crossed.status == 400
 
 
+@pytest.mark.parametrize(("path", "caller", "version", "name", "value"), [
+    ("/v2.1/servers/detail", ALICE, "2.90", "changes-since", "0001-01-01T00:00:00+01:00"),
+    ("/v2.1/servers", ALICE, "2.66", "changes-before", "9999-12-31T23:59:59-01:00"),
+    ("/v2.1/os-migrations", ADMIN, "2.80", "changes-since", "0001-01-01T00:00:00+01:00"),
+    ("/v2.1/servers/{server_id}/os-instance-actions", ALICE, "2.96", "changes-before", "9999-12-31T23:59:59-01:00"),
+])
+def test_a_time_filter_with_no_utc_equivalent_is_400_as_any_bad_timestamp(cloud, path, caller, version, name, value):
+    # GIVEN a timestamp that is well-formed but, once moved to UTC, falls outside the calendar
+    server_id = create_server()
+
+    response = call("GET", path.format(server_id=server_id), caller=caller, version=version, query={name: value})
+
+    # THEN it is refused in the words used for any timestamp that is not one
+    assert response.status == 400, response.body
+    assert response.body["badRequest"]["message"] == \
+        f"Invalid input for query parameters {name}. Value: {value}. '{value}' is not a 'date-time'"
+
+
 def test_list_filters_by_tags(cloud):
     create_server(name="ab", tags=["a", "b"])
     create_server(name="a", tags=["a"])
@@ -1165,6 +1183,32 @@ def test_actions_of_a_deleted_server_are_shown_from_2_21(cloud):
     assert call("GET", base, version="2.20").status == 404
     assert call("GET", f"{base}/{stop_id}", version="2.20").status == 404
     assert call("GET", f"/v2.1/servers/{server_id}", version="2.21").status == 404
+
+
+@pytest.mark.parametrize(("version", "name"), [
+    ("2.58", "foo"),
+    ("2.96", "sort_key"),
+    ("2.65", "changes-before"),  # from 2.66
+    ("2.96", "server_id"),
+])
+def test_the_action_list_refuses_query_parameters_it_does_not_know_from_2_58(cloud, version, name):
+    server_id = create_server()
+
+    response = call("GET", f"/v2.1/servers/{server_id}/os-instance-actions", version=version, query={name: "x"})
+
+    assert response.status == 400, response.body
+    assert response.body["badRequest"]["message"] == (
+        f"Invalid input for query parameters {name}. Additional properties are not allowed ('{name}' was unexpected)")
+
+
+def test_the_action_list_ignores_unknown_query_parameters_below_2_58(cloud):
+    server_id = create_server()
+
+    response = call("GET", f"/v2.1/servers/{server_id}/os-instance-actions", version="2.57",
+                    query={"foo": "bar", "limit": "nonsense"})
+
+    assert response.status == 200, response.body
+    assert "instanceActions" in response.body
 
 
 @pytest.mark.parametrize(("caller", "version", "shows_events"), [

@@ -288,6 +288,17 @@ def test_delete_forgets_the_host_everywhere(computes):
     assert "compute-1" not in listed()
 
 
+@pytest.mark.parametrize("service_id", ["99999999999999999999999", "2147483648", "-99999999999999999999999"])
+def test_legacy_delete_of_an_integer_id_beyond_the_column_is_404_as_any_unknown_id(computes, service_id):
+    before = states()
+
+    response = admin("DELETE", f"{SERVICES}/{service_id}", version="2.52")
+
+    assert response.status == 404, response.body
+    assert error(response, "itemNotFound") == f"Service {service_id} could not be found."
+    assert states() == before
+
+
 def test_legacy_delete_by_integer_id_needs_an_unambiguous_id(computes):
     # compute-1 (cell1) and compute-3 (cell2) are each the first service of their cell.
     assert row("compute-1").id == row("compute-3").id

@@ -114,6 +114,41 @@ def test_list_and_show_in_nova_shapes_per_microversion(cloud, tmp_path):
                          "bdm_uuid"}
 
 
+@pytest.mark.parametrize("query", [{"limit": "x"}, {"limit": "-1"}, {"offset": "1.5"}, {"offset": ""}])
+def test_a_list_limit_or_offset_that_is_not_a_non_negative_integer_is_400(cloud, tmp_path, query):
+    resized = make_resized(volume=True, state_dir=tmp_path)
+    [(name, value)] = query.items()
+
+    response = call("GET", path(resized.instance_uuid), caller=OWNER, version="2.1", query=query)
+
+    assert response.status == 400, response.body
+    assert response.body["badRequest"]["message"] == \
+        f"Invalid input for query parameters {name}. Value: {value}. '{value}' does not match '^[0-9]*$'"
+
+
+def test_the_list_pages_by_limit_and_offset_as_nova_does(cloud, tmp_path):
+    resized = make_resized(volume=True, state_dir=tmp_path)
+
+    def listed(**query):
+        response = call("GET", path(resized.instance_uuid), caller=OWNER, version="2.1", query=query)
+        assert response.status == 200, response.body
+        return [a["volumeId"] for a in response.body["volumeAttachments"]]
+
+    assert listed(limit="1") == listed(limit="0") == listed(offset="0") == [resized.volume_id]  # 0: no limit
+    assert listed(offset="1") == []
+
+
+def test_the_list_refuses_unknown_query_parameters_from_2_75(cloud, tmp_path):
+    resized = make_resized(volume=True, state_dir=tmp_path)
+
+    refused = call("GET", path(resized.instance_uuid), caller=OWNER, version="2.75", query={"sort_key": "device"})
+    ignored = call("GET", path(resized.instance_uuid), caller=OWNER, version="2.74", query={"sort_key": "device"})
+
+    assert refused.status == 400
+    assert "'sort_key' was unexpected" in refused.body["badRequest"]["message"]
+    assert ignored.status == 200
+
+
 def test_the_attachment_id_shown_is_that_of_the_attachment_on_the_servers_host_now(cloud, tmp_path):
     # GIVEN a server moved to DEST with a volume whose mapping still carries its first attachment's
     # id (the move made a new attachment on DEST; confirming it drops the one on SOURCE)

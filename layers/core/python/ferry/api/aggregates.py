@@ -87,11 +87,15 @@ def _aggregate_id(value: str) -> int:
 
     Raises:
         BadRequest: not an integer.
+        NotFound: an integer beyond the id column, which no aggregate can have.
     """
     try:
-        return int(value)
+        number = int(value)
     except ValueError as exc:
         raise errors.BadRequest(f"Invalid aggregate id {value}: id must be an integer.") from exc
+    if not request.fits_int_column(number):
+        raise errors.NotFound(f"Aggregate {value} could not be found.")
+    return number
 
 
 def _answer(view: ViewContext, record: AggregateRecord, **options: bool) -> Response:

@@ -27,12 +27,33 @@ def _is_public(value: str | None) -> bool | None:
 
 
 def _int_param(name: str, value: str | None) -> int | None:
+    """``minDisk`` or ``minRam``: an integer (negative ones are taken, as Nova takes them) the
+    databases can compare with a column.
+
+    Raises:
+        BadRequest: not an integer, or beyond an integer column.
+    """
     if value is None:
         return None
     try:
-        return int(value)
+        number = int(value)
     except ValueError as exc:
         raise errors.BadRequest(f"Invalid {name} filter [{value}]") from exc
+    return request.bounded_int(name, number, -schemas.MAX_INT - 1, schemas.MAX_INT)
+
+
+def _rxtx_factor(value: float | str) -> float:
+    """A new flavor's ``rxtx_factor`` (a number, or a string of digits the schema's bounds do not
+    check), above 0 and at most what a database float column holds, as Nova bounds it.
+
+    Raises:
+        BadRequest: out of bounds.
+    """
+    factor = float(value)
+    if not 0 < factor <= schemas.MAX_FLOAT:
+        raise errors.BadRequest(f"Invalid input received: 'rxtx_factor' argument must be a float between 0 and "
+                                f"{schemas.MAX_FLOAT:g}")
+    return factor
 
 
 def _list(detail: bool) -> Response:
@@ -85,7 +106,7 @@ def create_flavor() -> Response:
     created = compute_api.create_flavor(
         name=flavor["name"], vcpus=number("vcpus", 1), memory_mb=number("ram", 1), root_gb=number("disk", 0),
         ephemeral_gb=number("OS-FLV-EXT-DATA:ephemeral", 0, 0), swap=number("swap", 0, 0),
-        flavorid=flavor.get("id"), rxtx_factor=float(flavor.get("rxtx_factor", 1.0)),
+        flavorid=flavor.get("id"), rxtx_factor=_rxtx_factor(flavor.get("rxtx_factor", 1.0)),
         is_public=is_public if isinstance(is_public, bool) else request.parse_bool("is_public", is_public),
         description=flavor.get("description"))
     return request.json_response(200, {"flavor": views.flavor_detail(view, created)})

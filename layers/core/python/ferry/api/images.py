@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from aws_lambda_powertools.event_handler import Response
 from aws_lambda_powertools.event_handler.api_gateway import Router
 
@@ -11,14 +13,42 @@ from ferry.api import request
 
 router = Router()
 
+# Glance's operator for "any of these" in a filter's value: ``id=in:<id>,<id>``.
+IN_OPERATOR = "in:"
+
+
+def _ids(value: str) -> list[str]:
+    """The image ids an ``id`` filter names: one id, or ``in:`` and ids separated by commas
+    (each may be quoted, as Glance allows)."""
+    if not value.startswith(IN_OPERATOR):
+        return [value]
+    wanted = (part.strip().strip('"') for part in value[len(IN_OPERATOR):].split(","))
+    return list(dict.fromkeys(image_id for image_id in wanted if image_id))
+
+
+def _by_id(image_ids: list[str]) -> list[dict[str, Any]]:
+    """The images among ``image_ids`` that exist, oldest first as the list orders them (each is
+    looked up alone: the bucket is not listed)."""
+    found = []
+    for image_id in image_ids:
+        try:
+            found.append(image_store.get_image(image_id))
+        except errors.ImageNotFound:
+            continue
+    return sorted(found, key=lambda image: (image["created_at"] or "", image["id"]))
+
 
 @router.get("/images")
 def list_images() -> Response:
+    """``?name=`` (exact) and ``?id=`` (``<id>`` or ``in:<id>,<id>``, as ``openstack server list``
+    sends it) narrow the list; both together give the images matching both."""
     ctx = request.caller(router)
-    names = request.query(router).get("name")
-    name = names[-1] if names else None
-    shown = [image for image in image_store.list_images(name=name)
-             if image_store.visible_to(image, ctx.project_id, is_admin=ctx.is_admin)]
+    params = request.query(router)
+    name = request.last(params, "name")
+    wanted = request.last(params, "id")
+    candidates = image_store.list_images(name=name) if wanted is None else \
+        [image for image in _by_id(_ids(wanted)) if name is None or image["name"] == name]
+    shown = [image for image in candidates if image_store.visible_to(image, ctx.project_id, is_admin=ctx.is_admin)]
     return request.json_response(200, {"images": shown})
 
 

@@ -43,13 +43,8 @@ PARAMETERS: Mapping[str, str] = {
 
 def _refuse_unknown(view: ViewContext, params: dict[str, list[str]]) -> None:
     """Raises BadRequest for the first (by name) parameter the microversion does not know, from 2.59."""
-    if not view.at_least("2.59"):
-        return
-    for name in sorted(params):
-        since = PARAMETERS.get(name)
-        if since is None or not view.at_least(since):
-            raise errors.BadRequest(f"Invalid input for query parameters {name}. "
-                                    f"Additional properties are not allowed ('{name}' was unexpected)")
+    if view.at_least("2.59"):
+        request.refuse_unknown(params, PARAMETERS, view.version)
 
 
 def _filters(view: ViewContext, params: dict[str, list[str]]) -> moves.MigrationFilters:

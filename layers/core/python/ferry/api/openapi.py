@@ -139,8 +139,8 @@ _MIGRATION_QUERY: dict[str, Schema] = {
 _VOLUME_QUERY: dict[str, Schema] = {
     "all_tenants": _STRING, "project_id": _STRING, "name": _STRING, "status": _STRING, "bootable": _STRING,
     "metadata": _STRING, "limit": _LIMIT, "marker": _STRING}
-_ACTION_QUERY: dict[str, Schema] = {
-    "limit": _LIMIT, "marker": _STRING, "changes-since": _STRING, "changes-before": _STRING}
+_ACTION_QUERY: dict[str, Schema] = {name: _LIMIT if name == "limit" else _STRING
+                                    for name in servers.ACTION_LIST_PARAMETERS}
 _USER_ID: dict[str, Schema] = {"user_id": _STRING}
 
 _WRITE_ERRORS = (400, 401, 403, 404, 406, 409)
@@ -160,6 +160,12 @@ def _operations(bodies: dict[str, dict[str, Any]]) -> dict[tuple[str, str], Oper
             {200: _keyed("projects", _OBJECTS)}, errors=(401,)),
         ("GET", "/identity/v3/projects/{project_id}"): Operation(
             "A project Ferry knows (members: their own only)", {200: _keyed("project", _OBJECT)}, errors=(401, 404)),
+        ("GET", "/identity/v3/users"): Operation(
+            "Users Ferry knows (admins: all; members: themselves, 403 for another), ?name= narrowing (the name is "
+            "the id)", {200: _keyed("users", _OBJECTS)}, query={"name": _STRING, "id": _STRING}, errors=(401, 403)),
+        ("GET", "/identity/v3/users/{user_id}"): Operation(
+            "A user (members: themselves only, 403 for another)", {200: _keyed("user", _OBJECT)},
+            errors=(401, 403, 404)),
         ("GET", "/identity/v3"): Operation("An identity version document for clients' discovery (no token)",
                                            {200: _VERSION}, errors=()),
         ("GET", PATH): Operation("This document (no token)", {200: _OBJECT}, errors=_PUBLIC_ERRORS),
@@ -202,7 +208,8 @@ def _operations(bodies: dict[str, dict[str, Any]]) -> dict[tuple[str, str], Oper
         ("GET", f"{server}/migrations/{{migration_id}}"): Operation(
             "Show an in-progress live migration (always 404; 2.23+)", {200: _keyed("migration", _OBJECT)}),
         ("GET", attachments): Operation("List a server's volume attachments",
-                                        {200: _keyed("volumeAttachments", {"type": "array", "items": _ATTACHMENT})}),
+                                        {200: _keyed("volumeAttachments", {"type": "array", "items": _ATTACHMENT})},
+                                        query={name: _LIMIT for name in volume_attachments.LIST_PARAMETERS}),
         ("POST", attachments): Operation("Attach a volume", {200: _keyed("volumeAttachment", _ATTACHMENT)},
                                          bodies["attach"], errors=_WRITE_ERRORS),
         ("GET", f"{attachments}/{{volume_id}}"): Operation("Show a volume attachment",
@@ -236,7 +243,7 @@ def _operations(bodies: dict[str, dict[str, Any]]) -> dict[tuple[str, str], Oper
                                                                   errors=_WRITE_ERRORS),
         # images
         ("GET", f"{v}/images"): Operation("List images (Image service v2 shapes)",
-                                          {200: _keyed("images", _OBJECTS)}, query={"name": _STRING}),
+                                          {200: _keyed("images", _OBJECTS)}, query={"name": _STRING, "id": _STRING}),
         ("GET", f"{v}/images/{{image_id}}"): Operation("Show an image (by id; a name is 404)",
                                                        {200: _shape("id", id=_STRING, name=_STRING)}),
         # migrations
@@ -295,7 +302,7 @@ def _operations(bodies: dict[str, dict[str, Any]]) -> dict[tuple[str, str], Oper
 
 
 _ERROR_TEXT = {400: "Bad request: malformed or invalid input, or a malformed microversion",
-               401: "No valid token (answered by the gateway: `{\"message\": \"Unauthorized\"}`)",
+               401: "No valid token (answered by the gateway, as keystonemiddleware does: kind `error`)",
                403: "A policy rule or a quota refused", 404: "Not found (or another project's)",
                406: "The microversion is not supported", 409: "The state of the resource does not allow it"}
 
@@ -311,11 +318,9 @@ def _components() -> dict[str, Any]:
     versions = ["latest", *(f"{MIN_VERSION.major}.{minor}" for minor in minors)]
     responses: dict[str, Any] = {str(status): {"description": text, "content": {"application/json": {"schema": {
         "$ref": "#/components/schemas/Fault"}}}} for status, text in _ERROR_TEXT.items()}
-    responses["401"]["content"]["application/json"]["schema"] = {"$ref": "#/components/schemas/GatewayMessage"}
     return {
         "securitySchemes": {"token": {"type": "apiKey", "in": "header", "name": "X-Auth-Token"}},
-        "schemas": {"Fault": fault,
-                    "GatewayMessage": _shape("message", message={"type": ["string", "null"]})},
+        "schemas": {"Fault": fault},
         "responses": responses,
         "parameters": {
             "microversion": {"name": HEADER, "in": "header", "required": False,

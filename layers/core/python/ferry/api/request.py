@@ -182,11 +182,12 @@ def parse_timestamp(name: str, value: str | None) -> dt.datetime | None:
         return None
     try:
         parsed = dt.datetime.fromisoformat(value.strip().replace(" ", "+"))
-    except ValueError as exc:
+        if parsed.tzinfo is not None:
+            # A time near the ends of the calendar may have no UTC equivalent (OverflowError).
+            parsed = parsed.astimezone(dt.UTC).replace(tzinfo=None)
+    except (ValueError, OverflowError) as exc:
         raise errors.BadRequest(f"Invalid input for query parameters {name}. Value: {value}. "
                                 f"'{value}' is not a 'date-time'") from exc
-    if parsed.tzinfo is not None:
-        parsed = parsed.astimezone(dt.UTC).replace(tzinfo=None)
     return parsed
 
 
@@ -218,6 +219,43 @@ def parse_limit(value: str | None) -> int | None:
     if limit < 0:
         raise errors.BadRequest("limit param must be positive")
     return limit
+
+
+def non_negative_int(name: str, value: str | None) -> int | None:
+    """A query parameter Nova's schema takes as a non-negative integer (None when absent).
+
+    Raises:
+        BadRequest: not a string of digits, in the words of Nova's query schema.
+    """
+    if value is None:
+        return None
+    if not value.isascii() or not value.isdigit():
+        raise errors.BadRequest(f"Invalid input for query parameters {name}. Value: {value}. "
+                                f"'{value}' does not match '^[0-9]*$'")
+    return int(value)
+
+
+def refuse_unknown(params: Mapping[str, Any], known: Mapping[str, str], version: APIVersion) -> None:
+    """Refuse a query naming a parameter ``version`` does not know, as Nova's query schemas without
+    additional properties do.
+
+    Params:
+        known: every parameter taken, with the microversion it comes with.
+
+    Raises:
+        BadRequest: for the first such parameter by name.
+    """
+    for name in sorted(params):
+        since = known.get(name)
+        if since is None or not version.at_least(since):
+            raise errors.BadRequest(f"Invalid input for query parameters {name}. "
+                                    f"Additional properties are not allowed ('{name}' was unexpected)")
+
+
+def fits_int_column(number: int) -> bool:
+    """Whether ``number`` fits the databases' integer columns: an id beyond them names nothing
+    stored (and cannot even be compared with one on every database)."""
+    return -schemas.MAX_INT - 1 <= number <= schemas.MAX_INT
 
 
 def validate(document: Any, schema: dict[str, Any]) -> None:

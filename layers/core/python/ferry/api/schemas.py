@@ -34,6 +34,9 @@ def server_hostname(version: APIVersion) -> dict[str, Any] | None:
         return HOSTNAME_V294
     return HOSTNAME_V290 if version.at_least("2.90") else None
 DESCRIPTION = {"type": ["string", "null"], "maxLength": 65535}
+# The largest value a single-precision database float column holds (Nova's SQL_SP_FLOAT_MAX):
+# the bound of a flavor's rxtx_factor.
+MAX_FLOAT = 3.40282e38
 # A number or a string of digits; a string's bounds are checked where it is read (request.bounded_int).
 POSITIVE_INT = {"type": ["integer", "string"], "pattern": "^[0-9]+$", "minimum": 1, "maximum": MAX_INT}
 NON_NEGATIVE_INT = {"type": ["integer", "string"], "pattern": "^[0-9]+$", "minimum": 0, "maximum": MAX_INT}
@@ -171,7 +174,8 @@ def flavor_create(version: APIVersion) -> dict[str, Any]:
             "disk": NON_NEGATIVE_INT,
             "OS-FLV-EXT-DATA:ephemeral": NON_NEGATIVE_INT,
             "swap": {"type": ["integer", "string"], "pattern": "^[0-9]*$", "minimum": 0, "maximum": MAX_INT},
-            "rxtx_factor": {"type": ["number", "string"], "pattern": "^[0-9]+(\\.[0-9]+)?$"},
+            "rxtx_factor": {"type": ["number", "string"], "pattern": "^[0-9]+(\\.[0-9]+)?$", "exclusiveMinimum": 0,
+                            "maximum": MAX_FLOAT},
             "os-flavor-access:is_public": BOOLEAN,
         },
         "required": ["name", "ram", "vcpus", "disk"],

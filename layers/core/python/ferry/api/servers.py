@@ -9,7 +9,7 @@ from __future__ import annotations
 import base64
 import binascii
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -272,18 +272,27 @@ def _action_server(view: request.ViewContext, server_id: str) -> compute_api.Loc
     return compute_api.locate(view.ctx, server_id, read_deleted=view.at_least("2.21"))
 
 
+# Query parameters of the action list, by the microversion they come with: from 2.58 Nova's
+# schema refuses any other (before, every parameter is ignored).
+ACTION_LIST_PARAMETERS: Mapping[str, str] = {
+    "limit": "2.58", "marker": "2.58", "changes-since": "2.58", "changes-before": "2.66"}
+
+
 @router.get("/servers/<server_id>/os-instance-actions")
 def list_instance_actions(server_id: str) -> Response:
     view = request.view_context(router)
+    params = request.query(router)
+    # Paging and the time filters exist from 2.58 (changes-before from 2.66), as in Nova, whose
+    # schema checks the query before the server is looked up.
+    paged = view.at_least("2.58")
+    if paged:
+        request.refuse_unknown(params, ACTION_LIST_PARAMETERS, view.version)
     location = _action_server(view, server_id)
     policy.enforce(view.ctx, "os_compute_api:os-instance-actions:list", location.target)
-    params = request.query(router)
 
     def last(name: str) -> str | None:
         return request.last(params, name)
 
-    # Paging and the time filters exist from 2.58 (changes-before from 2.66), as in Nova.
-    paged = view.at_least("2.58")
     limit = compute_api.page_size(request.parse_limit(last("limit"))) if paged else None
     since, before = request.time_window(last("changes-since") if paged else None,
                                         last("changes-before") if view.at_least("2.66") else None)

@@ -151,6 +151,8 @@ def delete_service(service_id: str) -> Response:
             number = int(service_id)
         except ValueError as exc:
             raise errors.BadRequest(f"Invalid service id {service_id}: it must be an integer below 2.53.") from exc
+        if not request.fits_int_column(number):
+            raise errors.NotFound(f"Service {service_id} could not be found.")
         service = services.get_by_id(number)
     services.delete_service(service)
     return request.empty(204)

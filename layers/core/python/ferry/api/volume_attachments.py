@@ -8,6 +8,7 @@ refused. Volume swap (``PUT``) is not supported.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from aws_lambda_powertools.event_handler import Response
@@ -85,12 +86,24 @@ def _located(view_or_ctx: Any, server_id: str, kind: str) -> compute_api.Locatio
     return location
 
 
+# The list's query parameters (Nova's schema refuses any other from 2.75; before, others are ignored).
+LIST_PARAMETERS: Mapping[str, str] = {"limit": "2.1", "offset": "2.1"}
+
+
 @router.get("/servers/<server_id>/os-volume_attachments")
 def list_volume_attachments(server_id: str) -> Response:
+    """``limit`` and ``offset`` page as Nova's ``limited`` does: a limit of 0 or none is the
+    largest page (1000)."""
     view = request.view_context(router)
+    params = request.query(router)
+    if view.at_least("2.75"):
+        request.refuse_unknown(params, LIST_PARAMETERS, view.version)
+    limit = request.non_negative_int("limit", request.last(params, "limit"))
+    offset = request.non_negative_int("offset", request.last(params, "offset")) or 0
     location = _located(view, server_id, "index")
     attachments = volume_attachment.list_attachments(location)
-    return request.json_response(200, {"volumeAttachments": [attachment_view(view, a) for a in attachments]})
+    page = attachments[offset:offset + compute_api.page_size(limit or None)]
+    return request.json_response(200, {"volumeAttachments": [attachment_view(view, a) for a in page]})
 
 
 @router.get("/servers/<server_id>/os-volume_attachments/<volume_id>")

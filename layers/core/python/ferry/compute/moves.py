@@ -123,9 +123,10 @@ def _check_settle_state(session: Session, action: str, instance_uuid: str) -> tu
     """The instance and its finished migration, for a confirm or a revert.
 
     A server busy with a task, or whose confirm or revert is already under way, is a conflict
-    (409); a server with no task and no finished migration (one that was never resized, say)
-    has not been resized (400, the contract's answer where Nova would also say 409 for a
-    server that is not in vm_state ``resized``).
+    (409). A revert checks vm_state ``resized`` first, as Nova does (409 otherwise, so also for
+    a server that was never resized). A confirm of a server with no task and no finished
+    migration (one that was never resized, say) is 400, "has not been resized": the contract's
+    answer where Nova says 409 for a server that is not in vm_state ``resized``.
 
     Raises:
         InstanceNotFound: no such (visible) instance in this cell.
@@ -134,6 +135,8 @@ def _check_settle_state(session: Session, action: str, instance_uuid: str) -> tu
         InstanceNotResized: the instance has no finished migration.
     """
     instance = instances.get(session, instance_uuid)
+    if action == actions.REVERT_RESIZE and instance.vm_state != states.RESIZED:
+        raise _invalid_state(action, instance_uuid, "vm_state", instance.vm_state)
     if instance.task_state is not None:
         raise _invalid_state(action, instance_uuid, "task_state", instance.task_state)
     migration = _latest_migration(session, instance_uuid)
@@ -323,7 +326,7 @@ def begin_revert(cell: str, instance_uuid: str, *, request_id: str, user_id: str
 
     Raises:
         InstanceNotFound, InstanceInvalidState, MigrationInProgress, InstanceNotResized: as
-            :func:`begin_confirm`.
+            :func:`begin_confirm`, except that vm_state not ``resized`` is checked first (409).
         InstanceNotResized: also when the instance has no record of its old flavor (400).
         Anything starting the execution raises, after the instance and migration are put back.
     """
