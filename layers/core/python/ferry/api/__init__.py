@@ -38,11 +38,6 @@ from ferry.observability import logger, metrics
 _ACTION_MODULES = (moves,)
 
 
-# Nova's fault kind for a method a known path does not take, and webob's words for it.
-BAD_METHOD_KIND = "badMethod"
-BAD_METHOD_MESSAGE = "The method {method} is not allowed for this resource."
-
-
 def fault_response(exc: Exception, context: dict[str, Any]) -> Response:
     """The API's answer to an exception: typed errors keep their status, kind and message;
     anything else is a 500 ``computeFault`` whose message names only the request id."""
@@ -59,31 +54,8 @@ def fault_response(exc: Exception, context: dict[str, Any]) -> Response:
         logger.error("request failed", exc_info=exc, extra={"status": status, "error": type(exc).__name__})
     else:
         logger.info("request refused", extra={"status": status, "error": type(exc).__name__, "reason": message})
-    return _fault(status, kind, message, request.common_headers(context))
-
-
-def _fault(status: int, kind: str, message: str, headers: dict[str, str]) -> Response:
     return Response(status_code=status, content_type="application/json",
-                    body={kind: {"code": status, "message": message}}, headers=headers)
-
-
-def allowed_methods(app: APIGatewayRestResolver, path: str) -> list[str]:
-    """The methods the routes take on ``path`` (none when no route's path matches it)."""
-    return sorted({route.method for route in app._static_routes + app._dynamic_routes if route.rule.match(path)})
-
-
-def no_route_response(app: APIGatewayRestResolver) -> Response:
-    """The answer when no route takes the request: 405 ``badMethod`` (with ``Allow``) when a
-    compute API path is known but not with this method, as Nova answers; otherwise 404."""
-    path = app.current_event.path or ""
-    on_compute_api = path == request.API_PREFIX or path.startswith(request.API_PREFIX + "/")
-    allowed = allowed_methods(app, path) if on_compute_api else []
-    if not allowed:
-        return fault_response(NotFoundError(), app.context)
-    method = app.current_event.http_method.upper()
-    message = BAD_METHOD_MESSAGE.format(method=method)
-    logger.info("request refused", extra={"status": 405, "error": BAD_METHOD_KIND, "reason": message})
-    return _fault(405, BAD_METHOD_KIND, message, {**request.common_headers(app.context), "Allow": ", ".join(allowed)})
+                    body={kind: {"code": status, "message": message}}, headers=request.common_headers(context))
 
 
 @cache
@@ -103,9 +75,5 @@ def get_resolver() -> APIGatewayRestResolver:
     @app.exception_handler(Exception)
     def handle_error(exc: Exception) -> Response:
         return fault_response(exc, app.context)
-
-    @app.not_found
-    def handle_no_route(_exc: NotFoundError) -> Response:
-        return no_route_response(app)
 
     return app
