@@ -585,6 +585,7 @@ def test_a_drain_completes_only_when_its_host_holds_nothing_else(store, move_mac
         into = other_move == "into the host"
         other = add_instance("source" if into else "dest")
         with cell_session("cell1") as session:
+            session.execute(update(Instance).where(Instance.uuid == other).values(vm_state="resized"))
             session.add(Migration(uuid=str(uuid.uuid4()), instance_uuid=other, status="finished",
                                   migration_type="migration", source_compute="dest" if into else "source",
                                   dest_compute="source" if into else "dest"))
@@ -599,6 +600,47 @@ def test_a_drain_completes_only_when_its_host_holds_nothing_else(store, move_mac
     else:
         assert report["status"] == "failed" and other in report["message"], report
         assert report["message"].startswith("All 1 servers moved, but source still holds 1 server(s)")
+
+
+def test_a_drain_whose_host_only_waits_for_another_servers_confirm_fails_and_keeps_the_host_disabled(store):
+    # GIVEN host source holds no server, but a resize of one off it awaits its confirm (a revert
+    # would bring it back)
+    add_compute("source")
+    add_compute("dest")
+    other = add_instance("dest")
+    with cell_session("cell1") as session:
+        session.execute(update(Instance).where(Instance.uuid == other).values(vm_state="resized"))
+        session.add(Migration(uuid=str(uuid.uuid4()), instance_uuid=other, status="finished",
+                              migration_type="resize", source_compute="source", dest_compute="dest"))
+    drain = _record({"host": "source"})
+
+    # WHEN the drain plans nothing to move and finishes
+    assert drains.start(drain)["proceed"] is False
+    report = drains.finish(drain)
+
+    # THEN it failed, naming that server, and source stays disabled: it is not empty yet
+    assert report["status"] == "failed" and other in report["message"]
+    assert all(s.disabled for s in services.list_services(host="source"))
+
+
+@pytest.mark.parametrize("leftover", ["deleted server", "server reset to active", "move no longer running"])
+def test_a_migration_record_no_live_server_shows_does_not_fail_a_drain(store, move_machines, leftover):
+    # GIVEN a drain of source whose one server moved; and a migration touching source that no live
+    # server shows any more: its server deleted, or reset by an admin, or its move's task gone
+    drain, server, slot, _move = _prepared_move()
+    _moved_to_dest(server, slot["migration_uuid"], "active", "confirmed")
+    drain_steps.record_moved({"drain_uuid": drain, "instance_uuid": server, "slot": slot})
+    other = add_instance("dest")
+    status = "migrating" if leftover == "move no longer running" else "finished"
+    with cell_session("cell1") as session:
+        session.execute(update(Instance).where(Instance.uuid == other).values(
+            vm_state="resized" if leftover == "deleted server" else "active",
+            deleted=leftover == "deleted server"))
+        session.add(Migration(uuid=str(uuid.uuid4()), instance_uuid=other, status=status,
+                              migration_type="migration", source_compute="source", dest_compute="dest"))
+
+    # THEN the drain completes
+    assert drains.finish(drain)["status"] == "completed"
 
 
 def test_an_execution_started_before_confirms_were_marked_never_goes_on_to_a_confirm(store, move_machines):

@@ -185,7 +185,7 @@ OUTLAST_AN_OUTAGE = [
     ("resize", "RollbackMove"), ("resize", "CheckMoveCommitted"),
     ("confirm_resize", "RestoreVerifyResize"), ("confirm_resize", "FailConfirm"),
     ("revert_resize", "RestoreVerifyResize"), ("revert_resize", "FailRevert"),
-    ("drain", "BeginDrain"), ("drain", "PlanDrain"), ("drain", "AcquireSlot"),
+    ("drain", "BeginDrain"), ("drain", "PlanDrain"), ("drain", "AcquireSlot"), ("drain", "FinishDrain"),
     ("drain", "RecordFailure"), ("drain", "SettleServer"),
     ("boot", "FailBuild"), ("boot", "CheckBuildCommitted"), ("delete", "FailDelete"), ("power", "FailPowerAction"),
     ("volume_attachment", "CheckVolumeCommitted"), ("volume_attachment", "FailVolumeOperation"),

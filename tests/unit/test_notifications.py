@@ -171,3 +171,22 @@ def test_a_drain_that_fits_is_published_whole(bus):
 
     [event] = bus.received()
     assert event["detail"]["payload"]["servers"] == servers and "servers_omitted" not in event["detail"]["payload"]
+
+
+def test_a_drain_whose_plan_did_not_fit_sends_its_unplaceable_servers_once(bus):
+    # GIVEN the end of a drain of 3,000 servers none of which could be placed: the plan's list
+    # repeats each one with its reason
+    servers = [{"id": f"{n:08d}-0000-4000-8000-000000000000", "name": f"vm{n}", "state": "unplaceable",
+                "error": "No valid host was found. There are not enough hosts available."} for n in range(3000)]
+    plan = {"fits": False, "unplaceable": [{"id": s["id"], "name": s["name"], "reason": s["error"]} for s in servers]}
+
+    notifications.notify_drain("drain.error", drain_uuid="d1", payload={"status": "failed", "plan": plan,
+                                                                        "servers": servers})
+
+    # THEN it fits the bus: the plan's list is left out (counted), and the servers carry them
+    [event] = bus.received()
+    payload = event["detail"]["payload"]
+    assert len(json.dumps(event["detail"])) <= 256 * 1024
+    assert payload["plan"] == {"fits": False, "unplaceable": [], "unplaceable_omitted": 3000}
+    assert len(payload["servers"]) + payload["servers_omitted"] == 3000 and payload["servers"]
+

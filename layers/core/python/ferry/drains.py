@@ -642,24 +642,47 @@ def _instances_on(drain: Drain) -> list[tuple[str, Instance, bool]]:
 def _left_on_targets(drain_uuid: str) -> list[str]:
     """The servers the drain's hosts (or cell) still hold or may get back, other than through the
     drain's own moves: a server on them (one that moved there, or was kept there, since the plan),
-    and one with a move or resize to or from them not yet confirmed or reverted (a move that
-    began before the drain, whose revert would bring the server back). Sorted ids."""
+    and one with a move or resize to or from them still open (a move that began before the drain,
+    whose revert would bring the server back). A move is open while its server, alive, still
+    shows it: in VERIFY_RESIZE for a finished one, with a task for one under way or being
+    settled; a record a reset or deleted server left is not (``ferry audit`` reports those).
+    Only the drained hosts' cells are read: a move records its migration in the cell of each
+    host it touches. Sorted ids."""
     with api_session() as session:
         drain = _load(session, drain_uuid)
         own = {server.migration_uuid for server in _servers(session, drain) if server.migration_uuid}
         session.expunge(drain)
     open_statuses = (*migration_states.MOVING, migration_states.FINISHED, *migration_states.SETTLING)
     left = {instance.uuid for _cell, instance, _bfv in _instances_on(drain)}
-    cells = [drain.targets[0]] if drain.target_kind == CELL else [c.name for c in all_cells(include_cell0=False)]
+    cells = [drain.targets[0]] if drain.target_kind == CELL else sorted(
+        {cell for host in drain.targets if (cell := hosts.cell_of_host(host))})
+    candidates: list[tuple[str, str]] = []
     for cell in cells:
         with cell_session(cell) as session:
-            query = select(Migration.uuid, Migration.instance_uuid).where(
+            query = select(Migration.uuid, Migration.instance_uuid, Migration.status).where(
                 Migration.deleted.is_(False), Migration.status.in_(open_statuses))
             if drain.target_kind == HOST:
                 query = query.where(or_(Migration.source_compute.in_(drain.targets),
                                         Migration.dest_compute.in_(drain.targets)))
-            left.update(instance_uuid for uuid, instance_uuid in session.execute(query) if uuid not in own)
+            candidates.extend((instance_uuid, status) for uuid, instance_uuid, status in session.execute(query)
+                              if uuid not in own and instance_uuid not in left)
+    left.update(uuid for uuid, status in candidates if _shows_open_move(uuid, status))
     return sorted(left)
+
+
+def _shows_open_move(instance_uuid: str, status: str) -> bool:
+    """Whether the server, alive, still shows a move whose migration is ``status``."""
+    try:
+        cell = instances.cell_of(instance_uuid)
+    except errors.InstanceNotFound:
+        return False
+    with cell_session(cell) as session:
+        live = session.execute(select(Instance.vm_state, Instance.task_state).where(
+            Instance.uuid == instance_uuid, Instance.deleted.is_(False), Instance.hidden.is_(False))).first()
+    if live is None:
+        return False
+    vm_state, task_state = live
+    return vm_state == states.RESIZED if status == migration_states.FINISHED else task_state is not None
 
 
 def _unmovable_reason(instance: Instance) -> str | None:
@@ -1407,7 +1430,7 @@ def finish(drain_uuid: str, error: Mapping[str, Any] | None = None) -> dict[str,
     it is announced by the next look at it once its workflow has ended
     (:func:`finish_if_workflow_ended`). The report and the announcement are read in the
     transaction that settles the status: after its commit only giving back the hosts of a
-    drain cancelled or failed before any move was tried (every run, as
+    drain cancelled, or failed by its workflow, before any move was tried (every run, as
     :func:`give_back_targets` is idempotent),
     undoing what the drain accepted and never started (every run, see
     :func:`_abandon_left_behind`) and the announcement itself are left to do. Nothing written
@@ -1456,10 +1479,13 @@ def finish(drain_uuid: str, error: Mapping[str, Any] | None = None) -> dict[str,
                 status, message = COMPLETED, f"All {counts['total']} servers moved."
             drain.status, drain.message, drain.finished_at, drain.updated_at = status, message, utcnow(), utcnow()
             drain.version += 1
-        # Cancelled or failed before any move was tried (its plan or its workflow failed, no slot
-        # could be had): nothing moved, so its hosts are given back. Read from the record, final
-        # already or not: a run that died after its commit left them to its retry.
-        give_back = drain.status in (CANCELLED, FAILED) and not any(server.attempts for server in servers)
+        # Cancelled, or failed by its workflow (its plan could not be made, its execution ended),
+        # before any move was tried: nothing moved, so its hosts are given back. A drain that failed
+        # otherwise (its hosts still hold servers, its servers waited past its iterations' life)
+        # keeps them disabled. Read from the record and the step's error, final already or not: a
+        # run that died after its commit left them to its retry.
+        give_back = not any(server.attempts for server in servers) and (
+            drain.status == CANCELLED or (drain.status == FAILED and error is not None))
         # The servers failed short of a destination whose last try was handed a move: those found
         # moving above (or settled by their iteration) may have it accepted and never started.
         # Read from the record too, for the same reason; the others' RecordFailure undid theirs.

@@ -146,16 +146,19 @@ _LARGEST_DETAIL_BYTES = 240 * 1024
 def _fit_on_the_bus(document: dict[str, Any]) -> dict[str, Any]:
     """``document`` with as many of its drain's servers as the bus takes: the servers that did not
     move first, then the others; ``servers_omitted`` counts those left out (the drain's record,
-    ``GET /v2.1/ferry/drains/{id}``, and its callback have them all)."""
-    if len(json.dumps(document, default=str)) <= _LARGEST_DETAIL_BYTES:
+    ``GET /v2.1/ferry/drains/{id}``, and its callback have them all). The plan's list of the
+    servers that could not be placed, which repeats theirs, goes first."""
+    if _size(document) <= _LARGEST_DETAIL_BYTES:
         return document
-    payload = document["payload"]
+    payload = dict(document["payload"])
+    plan = payload.get("plan")
+    if isinstance(plan, dict) and plan.get("unplaceable"):
+        payload["plan"] = {**plan, "unplaceable": [], "unplaceable_omitted": len(plan["unplaceable"])}
     servers = sorted(payload.get("servers") or [], key=lambda server: server.get("state") == "done")
     kept: list[dict[str, Any]] = []
-    base = len(json.dumps({**document, "payload": {**payload, "servers": [], "servers_omitted": len(servers)}},
-                          default=str))
+    base = _size({**document, "payload": {**payload, "servers": [], "servers_omitted": len(servers)}})
     for server in servers:
-        size = len(json.dumps(server, default=str)) + 2
+        size = _size(server) + 2
         if base + size > _LARGEST_DETAIL_BYTES:
             break
         kept.append(server)
@@ -163,6 +166,10 @@ def _fit_on_the_bus(document: dict[str, Any]) -> dict[str, Any]:
     logger.warning("drain notification too large for the bus: servers left out",
                    extra={"drain": payload.get("drain_id"), "kept": len(kept), "omitted": len(servers) - len(kept)})
     return {**document, "payload": {**payload, "servers": kept, "servers_omitted": len(servers) - len(kept)}}
+
+
+def _size(value: Any) -> int:
+    return len(json.dumps(value, default=str))
 
 
 def notify(event_type: str, *, instance_uuid: str, publisher_id: str, payload: dict[str, Any] | None = None,

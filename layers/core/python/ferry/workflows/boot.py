@@ -431,9 +431,11 @@ def fail_build(event: dict[str, Any]) -> dict[str, Any]:
             return {}
         if instance.vm_state == states.ERROR and instance.task_state is None:
             return {}
-        # An admin settled the server by hand while it was being built (os-resetState: no task,
-        # no longer building): the build failed under it all the same, and left it no guest.
-        reset = instance.task_state is None and instance.vm_state != states.BUILDING
+        # An admin settled the server by hand on this build's host while it was being built
+        # (os-resetState: no task, no longer building): the build failed under it all the same,
+        # and left it no guest.
+        reset = (instance.task_state is None and instance.vm_state != states.BUILDING
+                 and instance.host == event.get("destination", {}).get("host"))
         instances.update_cas(session, uuid, {"vm_state": states.ERROR, "task_state": None},
                              expected_task_state=(None,) if reset else (states.SCHEDULING, states.SPAWNING),
                              expected_vm_state=(instance.vm_state,) if reset else None)
