@@ -188,6 +188,9 @@ TOKEN_ONLY: dict[str, Probe] = {
     "identity:users:index": Probe("GET", "/identity/v3/users"),
     "identity:users:show": Probe("GET", "/identity/v3/users/{user_id}", passes=frozenset({403}),
                                  values={"user_id": "{demo_user}"}),
+    # the one domain, default: every caller with a token may look it up
+    "identity:domains:index": Probe("GET", "/identity/v3/domains"),
+    "identity:domains:show": Probe("GET", "/identity/v3/domains/{domain_id}", values={"domain_id": "default"}),
 }
 
 # Rules that decide what an answer shows or what a workflow may do, not whether a request is

@@ -1,9 +1,19 @@
-"""The identity API's project and user look-ups through the real handler (SQLite and PostgreSQL)."""
+"""The identity API's project, user and domain look-ups through the real handler (SQLite and PostgreSQL)."""
 
 from __future__ import annotations
 
+import json
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import openstack.connection
 import pytest
-from test_api_support import ADMIN, ALICE, BOB, call, create_server, mocked_cloud
+import requests
+from keystoneauth1 import session as ks_session
+from keystoneauth1 import token_endpoint
+from openstackclient.identity import common as identity_common
+from requests.adapters import BaseAdapter
+from test_api_support import ADMIN, ALICE, BASE_URL, BOB, STAGE, Caller, call, create_server, mocked_cloud
 
 from ferry import auth
 
@@ -73,3 +83,65 @@ def test_a_member_looks_up_only_herself_and_is_refused_another_user_as_keystone_
     other = call("GET", "/identity/v3/users/bob", caller=ALICE)
     assert other.status == 403 and "identity:get_user" in other.body["forbidden"]["message"]
     assert call("GET", "/identity/v3/users", caller=ALICE, query={"name": "bob"}).status == 403
+
+
+# --- domains ----------------------------------------------------------------------------------------
+
+
+class _ThroughTheHandler(BaseAdapter):
+    """A transport for ``requests`` that hands each request to the API function as ``caller``."""
+
+    def __init__(self, caller: Caller) -> None:
+        super().__init__()
+        self.caller = caller
+
+    def send(self, request: requests.PreparedRequest, **kwargs: Any) -> requests.Response:
+        url = urlsplit(request.url or "")
+        answer = call(request.method or "GET", url.path.removeprefix(f"/{STAGE}"), caller=self.caller,
+                      query=parse_qs(url.query))
+        response = requests.Response()
+        response.status_code, response.url, response.request = answer.status, request.url or "", request
+        response.headers.update(answer.headers)
+        response._content = json.dumps(answer.body).encode() if answer.body is not None else b""
+        return response
+
+    def close(self) -> None:
+        pass
+
+
+def _identity_proxy(caller: Caller) -> Any:
+    """openstacksdk's identity proxy, as the CLI builds it, over the API function."""
+    identity = f"{BASE_URL}/identity/v3"
+    session = ks_session.Session(auth=token_endpoint.Token(identity, "token"))
+    session.session.mount("https://", _ThroughTheHandler(caller))
+    return openstack.connection.Connection(session=session, identity_endpoint_override=identity,
+                                           identity_api_version="3").identity
+
+
+@pytest.mark.parametrize("caller", [ADMIN, ALICE], ids=["admin", "member"])
+def test_the_cli_finds_a_user_in_the_default_domain(cloud, caller):
+    # GIVEN carol, who has a token
+    auth.issue_token("carol", "project-c", ["member"])
+    user = "carol" if caller is ADMIN else caller.user_id
+
+    # WHEN the CLI looks her up as `server list --user U --user-domain default` does (the domain first)
+    found = identity_common.find_user_id_sdk(_identity_proxy(caller), user, "default")
+
+    # THEN the domain is found and so is the user
+    assert found == user
+
+
+def test_there_is_one_domain_default_by_id_and_by_name(cloud):
+    shown = call("GET", "/identity/v3/domains/default", caller=ALICE)
+    other = call("GET", "/identity/v3/domains/other", caller=ADMIN)
+
+    assert shown.status == 200
+    assert {k: shown.body["domain"][k] for k in ("id", "name", "enabled")} == \
+        {"id": "default", "name": "default", "enabled": True}
+    assert shown.body["domain"]["links"]["self"].endswith("/identity/v3/domains/default")
+    assert (other.status, other.body["itemNotFound"]["message"]) == (404, "Could not find domain: other.")
+    assert [d["id"] for d in call("GET", "/identity/v3/domains", caller=ALICE).body["domains"]] == ["default"]
+    assert [d["id"] for d in call("GET", "/identity/v3/domains", caller=ADMIN,
+                                  query={"name": "default"}).body["domains"]] == ["default"]
+    assert call("GET", "/identity/v3/domains", caller=ADMIN, query={"name": "other"}).body["domains"] == []
+    assert call("GET", "/identity/v3/domains", caller=None).status == 401

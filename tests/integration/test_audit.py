@@ -830,6 +830,45 @@ def test_snapshot_extents_whose_image_object_was_written_meanwhile_are_not_delet
     assert "image object" in refusal(report, audit.SNAPSHOT_DATA_ORPHAN)
     assert objects_under(folder) == 2
 
+
+def snapshot_data_repair(report: audit.AuditReport) -> str:
+    """What the one repair of snapshot extents did (it must have succeeded)."""
+    (repair,) = [r for r in report.repairs if r.problem.kind == audit.SNAPSHOT_DATA_ORPHAN]
+    assert repair.action and repair.error is None, report.describe()
+    return repair.action
+
+
+def test_snapshot_extents_deleted_meanwhile_are_not_deleted_again(cloud, monkeypatch):
+    # GIVEN a failed move's snapshot extents without their image object
+    migration = add_migration(cloud.active, migration_states.ERROR, cross_cell_move=True)
+    image_id = snapshot_image_id(migration)
+    folder = put_extents(image_id)
+
+    # WHEN a deletion of them finishes between the audit's read and its repair
+    s3, bucket = aws.client("s3"), config.get().image_bucket
+    report = fix_with_race(monkeypatch, lambda: s3.delete_objects(Bucket=bucket, Delete={"Objects": [
+        {"Key": f"{folder}disk"}, {"Key": f"{folder}disk.manifest.json"}]}))
+
+    # THEN the repair says nothing was left, not that it deleted them
+    assert snapshot_data_repair(report) == f"nothing was left to delete: no extent object of image {image_id} remains"
+    assert objects_under(folder) == 0
+
+
+def test_the_repair_of_snapshot_extents_counts_only_those_still_there(cloud, monkeypatch):
+    # GIVEN a failed move's two snapshot extent objects without their image object
+    migration = add_migration(cloud.active, migration_states.ERROR, cross_cell_move=True)
+    image_id = snapshot_image_id(migration)
+    folder = put_extents(image_id)
+
+    # WHEN one of them is deleted between the audit's read and its repair
+    s3, bucket = aws.client("s3"), config.get().image_bucket
+    report = fix_with_race(monkeypatch, lambda: s3.delete_object(Bucket=bucket, Key=f"{folder}disk"))
+
+    # THEN the repair deletes and counts the other only
+    assert snapshot_data_repair(report) == f"deleted 1 extent object(s) of image {image_id}"
+    assert objects_under(folder) == 0
+
+
 def test_disk_transfer_objects_of_a_finished_move_are_found_and_deleted(cloud):
     s3, bucket = aws.client("s3"), config.get().image_bucket
     prefix = f"{images.TRANSFER_PREFIX}{cloud.resized.migration_uuid}"

@@ -125,6 +125,17 @@ GATEWAY_RESPONSES = """
           ResponseTemplates: {application/json: '{"forbidden": {"code": 403, "message": "Not for you."}}'}
 """
 
+# Entries that leave out their status code or their JSON body: API Gateway's own apply to what is left out.
+PARTIAL_GATEWAY_RESPONSES = """
+      GatewayResponses:
+        UNAUTHORIZED:
+          ResponseTemplates: {application/json: '{"error": {"code": 401, "message": "Authenticate first."}}'}
+        MISSING_AUTHENTICATION_TOKEN:
+          StatusCode: 404
+        DEFAULT_4XX:
+          ResponseTemplates: {text/plain: 'Not for you.'}
+"""
+
 
 def write_app(root: Path, gateway_responses: str = "") -> Path:
     for name, code in {"authorizer": AUTHORIZER, "echo": ECHO}.items():
@@ -302,4 +313,19 @@ def test_the_apis_gateway_responses_replace_api_gateways_own_answers(tmp_path):
     assert (unknown.status_code, unknown.json()) == (404, {"itemNotFound": {"code": 404, "message": "Not here."}})
     assert (denied.status_code, denied.json()) == (403, {"forbidden": {"code": 403, "message": "Not for you."}})
     assert allowed.status_code == 200
+
+
+def test_a_gateway_response_without_a_status_or_a_json_body_keeps_api_gateways_own(tmp_path):
+    # GIVEN an API whose gateway responses leave out a status code, a body, or the JSON body
+    model = resolve(write_app(tmp_path, PARTIAL_GATEWAY_RESPONSES))
+    with ApiGateway(model, FunctionRunner(model), port=0) as gateway:
+        # WHEN API Gateway answers itself
+        missing = requests.get(gateway.url + "/v9/servers")
+        unknown = requests.get(gateway.url + "/nowhere")
+        denied = requests.get(gateway.url + "/v9/servers", headers={"X-Auth-Token": "deny"})
+
+    # THEN what an entry gives replaces API Gateway's own answer, and only that
+    assert (missing.status_code, missing.json()) == (401, {"error": {"code": 401, "message": "Authenticate first."}})
+    assert (unknown.status_code, unknown.json()) == (404, {"message": "Missing Authentication Token"})
+    assert denied.status_code == 403 and set(denied.json()) == {"Message"}
 

@@ -1034,7 +1034,7 @@ def _repair_image(image_id: str) -> Callable[[], str]:
     return repair
 
 
-def _repair_snapshot_data(bucket: str, image_id: str, keys: list[str]) -> Callable[[], str]:
+def _repair_snapshot_data(bucket: str, image_id: str, read: list[str]) -> Callable[[], str]:
     def repair() -> str:
         # Only while no image object points at them (an upload that finished since owns them), and only
         # the objects read: what was written since is left for the next run.
@@ -1045,6 +1045,14 @@ def _repair_snapshot_data(bucket: str, image_id: str, keys: list[str]) -> Callab
         else:
             raise errors.FerryError(f"image {image_id} has its image object now; its extents were left as they are")
         s3 = aws.client("s3")
+        # A deletion may have finished since the audit read them: count only what is still there.
+        still_there: set[str] = set()
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket,
+                                                                  Prefix=f"{images.data_prefix(image_id)}/"):
+            still_there.update(item["Key"] for item in page.get("Contents", []))
+        keys = [key for key in read if key in still_there]
+        if not keys:
+            return f"nothing was left to delete: no extent object of image {image_id} remains"
         for start in range(0, len(keys), 1000):
             done = s3.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": k} for k in keys[start:start + 1000]]})
             if done.get("Errors"):

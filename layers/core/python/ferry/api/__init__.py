@@ -17,6 +17,7 @@ from ferry import errors
 from ferry.api import (
     aggregates,
     block_storage,
+    domains,
     drains,
     flavors,
     images,
@@ -67,6 +68,7 @@ def get_resolver() -> APIGatewayRestResolver:
     app.include_router(openapi.router)
     app.include_router(projects.router)
     app.include_router(users.router)
+    app.include_router(domains.router)
     app.include_router(block_storage.router)
     for module in (servers, flavors, images, migrations, quotas, volume_attachments, aggregates, services,
                    drains):

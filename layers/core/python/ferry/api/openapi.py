@@ -166,6 +166,11 @@ def _operations(bodies: dict[str, dict[str, Any]]) -> dict[tuple[str, str], Oper
         ("GET", "/identity/v3/users/{user_id}"): Operation(
             "A user (members: themselves only, 403 for another)", {200: _keyed("user", _OBJECT)},
             errors=(401, 403, 404)),
+        ("GET", "/identity/v3/domains"): Operation(
+            "The one domain, default (its id and its name), ?name= or ?id= narrowing",
+            {200: _keyed("domains", _OBJECTS)}, query={"name": _STRING, "id": _STRING}, errors=(401,)),
+        ("GET", "/identity/v3/domains/{domain_id}"): Operation(
+            "The domain default (404 for any other)", {200: _keyed("domain", _OBJECT)}, errors=(401, 404)),
         ("GET", "/identity/v3"): Operation("An identity version document for clients' discovery (no token)",
                                            {200: _VERSION}, errors=()),
         ("GET", PATH): Operation("This document (no token)", {200: _OBJECT}, errors=_PUBLIC_ERRORS),

@@ -169,12 +169,15 @@ class ApiGateway:
     def _gateway_response(self, kind: str, status: int, document: Any) -> Response:
         """What API Gateway answers itself for ``kind`` (``UNAUTHORIZED``, …): the API's
         ``GatewayResponses`` entry for it (or ``DEFAULT_4XX`` / ``DEFAULT_5XX``), else ``status``
-        with API Gateway's own ``document``."""
+        with API Gateway's own ``document``; an entry without a status or a JSON template keeps
+        ``status`` or ``document`` for what it leaves out."""
         responses = self.api.gateway_responses if self.api else {}
         chosen = responses.get(kind) or responses.get("DEFAULT_5XX" if status >= 500 else "DEFAULT_4XX")
         if chosen is None:
             return _json_response(status, document)
-        return Response(chosen[0], [("Content-Type", "application/json")], chosen[1].encode())
+        chosen_status, body = chosen
+        return Response(status if chosen_status is None else chosen_status, [("Content-Type", "application/json")],
+                        json.dumps(document).encode() if body is None else body.encode())
 
     def handle(
         self, method: str, raw_path: str, headers: list[tuple[str, str]], body: bytes, source_ip: str

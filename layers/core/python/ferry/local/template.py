@@ -227,8 +227,9 @@ class Api:
     stage_name: str
     default_authorizer: str | None
     authorizers: dict[str, Authorizer]
-    # GatewayResponses: {response type: (status code, JSON body)}.
-    gateway_responses: dict[str, tuple[int, str]] = field(default_factory=dict)
+    # GatewayResponses: {response type: (status code, JSON body)}; None where the entry gives none
+    # (the answer's own default then applies, as on AWS).
+    gateway_responses: dict[str, tuple[int | None, str | None]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -767,11 +768,17 @@ class _Builder:
                 stage_name=_stringify(resolved.get("StageName", stage)),
                 default_authorizer=default,
                 authorizers=authorizers,
-                gateway_responses={
-                    kind: (int(spec["StatusCode"]), str((spec.get("ResponseTemplates") or {})["application/json"]))
-                    for kind, spec in (resolved.get("GatewayResponses") or {}).items()},
+                gateway_responses={kind: _gateway_response(spec)
+                                   for kind, spec in (resolved.get("GatewayResponses") or {}).items()},
             )
         return apis
+
+
+def _gateway_response(spec: Mapping[str, Any]) -> tuple[int | None, str | None]:
+    """A ``GatewayResponses`` entry's status code and JSON body, each None when the entry leaves it out."""
+    status = spec.get("StatusCode")
+    body = (spec.get("ResponseTemplates") or {}).get("application/json")
+    return (None if status is None else int(status)), (None if body is None else str(body))
 
 
 def _route(function: str, event_name: str, spec: Mapping[str, Any], apis: Mapping[str, Api]) -> Route:
