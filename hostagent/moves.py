@@ -130,7 +130,9 @@ class MoveOperations:
         """The destination's resize claim: memory and instance disk space for the new flavor.
 
         Placement has claimed VCPU, MEMORY_MB and DISK_GB already; this checks what the
-        hypervisor and the filesystem really have. Nothing is reserved or written. Unless the
+        hypervisor and the filesystem really have. The disk space is the flavor's root (unless
+        ``is_bfv``: a volume-backed server has no root disk here, as placement counts it),
+        ephemeral and swap disks. Nothing is reserved or written. Unless the
         move stays on this host (or ``direct_copies`` is off), the result offers this host's
         instances directory (``direct``: its path and this host's token) for the source to copy
         the disks into, should it see the same storage.
@@ -143,7 +145,7 @@ class MoveOperations:
         uuid, flavor = op.instance_uuid, op.args["flavor"]
         self._claim_memory(uuid, flavor)
         if self.disk_headroom_check:
-            self._claim_disk(uuid, flavor)
+            self._claim_disk(uuid, flavor, is_bfv=bool(op.args.get("is_bfv", False)))
         result = {**self._result(uuid, self._power_state_here(uuid)), "claimed": True}
         if self.direct_copies and not op.args["same_host"]:
             try:
@@ -174,8 +176,9 @@ class MoveOperations:
                 host=self.host,
             )
 
-    def _claim_disk(self, instance_uuid: str, flavor: dict[str, Any]) -> None:
-        full = flavor["root_gb"] * disks.GiB + flavor["ephemeral_gb"] * disks.GiB + flavor["swap"] * disks.MiB
+    def _claim_disk(self, instance_uuid: str, flavor: dict[str, Any], *, is_bfv: bool) -> None:
+        root_gb = 0 if is_bfv else flavor["root_gb"]
+        full = root_gb * disks.GiB + flavor["ephemeral_gb"] * disks.GiB + flavor["swap"] * disks.MiB
         needed = math.ceil(full / self.disk_overcommit_ratio)
         self.instances_dir.mkdir(parents=True, exist_ok=True)
         st = os.statvfs(self.instances_dir)

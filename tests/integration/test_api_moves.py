@@ -597,9 +597,30 @@ def test_a_requested_host_that_is_not_one_or_not_allowed_creates_nothing(cloud, 
 def test_migrate_to_a_named_host_from_2_56(cloud):
     server_id = active_server()
 
-    response = action(server_id, {"migrate": {"host": "host3"}}, caller=ADMIN, version="2.56")
+    response = action(server_id, {"migrate": {"host": "host2"}}, caller=ADMIN, version="2.56")
 
     assert response.status == 202
+    [execution] = cloud.executions("resize")
+    assert execution["input"]["requested_host"] == "host2"
+
+
+def test_a_named_host_in_another_cell_is_not_found_unless_the_caller_may_move_across_cells(
+        cloud, tmp_path, monkeypatch):
+    # GIVEN a server in cell1, and a caller the cross-cell policy does not allow (the default)
+    server_id = active_server()
+    before = snapshot(cloud, server_id)
+
+    # WHEN an admin migrates it to host3, a compute host of cell2
+    refused = action(server_id, {"migrate": {"host": "host3"}}, caller=ADMIN, version="2.56")
+
+    # THEN the host is not found (as Nova looks it up only in the server's cell), and nothing changed
+    assert refused.status == 400, refused.body
+    assert refused.body["badRequest"]["message"] == "Compute host host3 could not be found."
+    assert snapshot(cloud, server_id) == before
+
+    # AND once the policy lets admins move servers between cells, the same request is accepted
+    write_policy(tmp_path, monkeypatch, {"compute:servers:resize:cross_cell": "admin"})
+    assert action(server_id, {"migrate": {"host": "host3"}}, caller=ADMIN, version="2.56").status == 202
     [execution] = cloud.executions("resize")
     assert execution["input"]["requested_host"] == "host3"
 

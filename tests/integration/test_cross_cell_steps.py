@@ -15,6 +15,7 @@ from sqlalchemy import select
 from test_resize_steps import (  # noqa: F401 - the cloud fixture
     BIG,
     PROJECT,
+    boot_from_volume,
     cloud,
     host_result,
     instance,
@@ -113,6 +114,21 @@ def _snapshot_on_source(doc: dict[str, Any]) -> dict[str, Any]:
                                     Metadata={"image-id": snap["image_id"], "sha256": digest})
         snapshot = {"image_id": snap["image_id"], "sha256": digest, "size": len(body)}
     return host_result(doc, doc["move"]["source"]["host"], 0, was_running=True, snapshot=snapshot)
+
+
+def test_prep_at_dest_tells_the_destination_a_volume_backed_server_has_no_root_disk_there(two_cells):
+    # GIVEN a volume-backed server moving to another cell, and an image-backed one
+    bfv, inp = server_in_cell1()
+    boot_from_volume(bfv)
+    _image_backed, other = server_in_cell1()
+
+    # WHEN PrepCrossCellAtDest builds the destination's prep_resize arguments
+    prep = run(inp, until="PrepResizeOnDestHost")["prep"]["args"]
+
+    # THEN only the volume-backed server's say it has no root disk there
+    assert prep["is_bfv"] is True
+    protocol.validate(prep, protocol.ARGS_SCHEMAS[protocol.PREP_RESIZE])
+    assert run(other, until="PrepResizeOnDestHost")["prep"]["args"]["is_bfv"] is False
 
 
 def images_left() -> list[str]:

@@ -1288,6 +1288,23 @@ def test_prep_resize_refuses_disks_the_filesystem_cannot_hold(cloud, dest):
     assert thin.fails("prep_resize", str(uuid.uuid4()), {**prep, "flavor": {**NEW, "root_gb": _free_gib(dest) * 8}})
 
 
+def test_prep_resize_counts_no_root_disk_for_a_volume_backed_server(dest):
+    # GIVEN a flavor whose root disk the instances filesystem cannot hold
+    too_big = {**NEW, "root_gb": _free_gib(dest) + 10}
+    prep = {"migration_uuid": str(uuid.uuid4()), "flavor": too_big, "same_host": False}
+
+    # WHEN the server being moved is volume-backed (its root disk is not on the host)
+    claim = dest.ok("prep_resize", str(uuid.uuid4()), {**prep, "is_bfv": True})
+
+    # THEN the claim passes, as placement counted no root disk; an image-backed server's does not
+    assert claim["claimed"] is True
+    assert dest.fails("prep_resize", str(uuid.uuid4()), {**prep, "is_bfv": False}) == "Ferry.ResizeClaimFailed"
+    assert dest.fails("prep_resize", str(uuid.uuid4()), prep) == "Ferry.ResizeClaimFailed"
+    # its ephemeral disk is still the host's to hold
+    ephemeral = {**prep, "is_bfv": True, "flavor": {**NEW, "ephemeral_gb": _free_gib(dest) + 10}}
+    assert dest.fails("prep_resize", str(uuid.uuid4()), ephemeral) == "Ferry.ResizeClaimFailed"
+
+
 # --- volumes ------------------------------------------------------------------------------------
 
 

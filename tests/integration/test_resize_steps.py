@@ -512,7 +512,7 @@ def test_prep_records_the_destination_and_binds_ports_and_volumes_there_inactive
 
     dest = doc["destination"]["host"]
     assert doc["prep"]["args"] == {"migration_uuid": inp["migration_uuid"], "flavor": resize.host_flavor(BIG),
-                                   "same_host": False}
+                                   "same_host": False, "is_bfv": False}
     m = migration(inp["migration_uuid"])
     assert (m.dest_compute, m.dest_node, m.dest_host, m.status) == (dest, dest, dest, "pre-migrating")
     state = snapshot(uuid)
@@ -522,6 +522,26 @@ def test_prep_records_the_destination_and_binds_ports_and_volumes_there_inactive
     assert events_of(uuid)[resize.EVENT_PREP] == (None, dest, False)
     published = [(n["event_type"], n["publisher_id"]) for n in cloud.drain()]
     assert ("instance.resize_prep.start", f"compute:{dest}") in published
+
+
+def boot_from_volume(uuid: str) -> None:
+    """Make the server volume-backed: its boot device (boot_index 0) a volume."""
+    with cell_session("cell1") as session:
+        session.add(BlockDeviceMapping(instance_uuid=uuid, source_type="volume", destination_type="volume",
+                                       device_name="vda", boot_index=0, volume_id=f"root-{uuid[:8]}"))
+
+
+def test_prep_tells_the_destination_a_volume_backed_server_has_no_root_disk_there(cloud):
+    # GIVEN a volume-backed server being resized
+    uuid = make_server()
+    boot_from_volume(uuid)
+
+    # WHEN PrepResizeAtDest builds the destination's prep_resize arguments
+    doc = run(prepare_move(uuid, BIG), until="PrepResizeOnDestHost")
+
+    # THEN they say so, for the claim to count no root disk, and they are what the agent accepts
+    assert doc["prep"]["args"]["is_bfv"] is True
+    protocol.validate(doc["prep"]["args"], protocol.ARGS_SCHEMAS[protocol.PREP_RESIZE])
 
 
 def test_a_refused_claim_moves_to_the_alternate_and_releases_the_refusing_host(cloud):

@@ -121,6 +121,20 @@ def test_the_messages_the_workflows_send_parse(operation):
     assert (op.name, op.instance_uuid, op.args) == (operation, INSTANCE, VALID_ARGS[operation])
 
 
+@pytest.mark.parametrize("is_bfv", [True, False])
+def test_prep_resize_says_whether_the_server_is_volume_backed_and_an_older_message_need_not(is_bfv):
+    # GIVEN prep_resize arguments with is_bfv, and the same without it (a workflow older than it)
+    args = {**VALID_ARGS["prep_resize"], "is_bfv": is_bfv}
+
+    # WHEN the agent parses them
+    op = parse_message(_body("prep_resize", args))
+
+    # THEN both are accepted, and the schema says an absent is_bfv is false
+    assert op.args["is_bfv"] is is_bfv
+    assert parse_message(_body("prep_resize", VALID_ARGS["prep_resize"])).args == VALID_ARGS["prep_resize"]
+    assert protocol.PREP_RESIZE_ARGS_SCHEMA["properties"]["is_bfv"] == {"type": "boolean", "default": False}
+
+
 @pytest.mark.parametrize("operation", ["resize_instance", "finish_resize", "revert_resize"])
 def test_a_move_to_another_host_needs_a_transfer_and_one_on_the_same_host_does_not(operation):
     args = {k: v for k, v in VALID_ARGS[operation].items() if k != "transfer"}
@@ -149,6 +163,7 @@ def _with(args: dict, path: tuple, value) -> dict:
         ("prep_resize", _without(VALID_ARGS["prep_resize"], "flavor")),
         ("prep_resize", _with(VALID_ARGS["prep_resize"], ("flavor", "memory_mb"), 0)),
         ("prep_resize", _with(VALID_ARGS["prep_resize"], ("same_host",), "no")),
+        ("prep_resize", _with(VALID_ARGS["prep_resize"], ("is_bfv",), "yes")),
         ("resize_instance", _without(VALID_ARGS["resize_instance"], "migration_uuid")),
         ("resize_instance", _with(VALID_ARGS["resize_instance"], ("timeout",), -1)),
         ("resize_instance", _with(VALID_ARGS["resize_instance"], ("transfer", "prefix"), "")),

@@ -250,6 +250,8 @@ PREP_RESIZE_ARGS_SCHEMA: dict[str, Any] = {
         "migration_uuid": _MIGRATION_UUID,
         "flavor": FLAVOR_SCHEMA,
         "same_host": {"type": "boolean"},
+        # Volume-backed: the claim counts no root disk. Absent (a workflow older than it) is false.
+        "is_bfv": {"type": "boolean", "default": False},
     },
 }
 

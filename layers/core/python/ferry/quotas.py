@@ -17,8 +17,9 @@ mapping moved, the source cell's copy hidden, each a write of its own) counts th
 at every moment, whatever order the cells are read in; a create or resize racing it is not
 refused for a server counted twice. A build request whose instance is already written counts
 once too, the larger of the two. A server in the middle of a resize counts the larger of its
-old and new flavor for each resource, as Nova counts it, so a revert never needs quota of its
-own.
+old and new flavor for each resource, so a revert never needs quota of its own. This differs
+from Nova on purpose: Nova counts the flavor the server has at the moment (or, counting from
+placement, the allocations of both flavors) and checks quota again on a revert that grows.
 
 Checks count the usage, add the request, and refuse what would go over a limit. Because two
 requests can pass the same check concurrently, callers check again after writing their

@@ -391,13 +391,19 @@ def _resizable_flavor(ctx: RequestContext, flavor_ref: str) -> dict[str, Any]:
         return compute_api.flavor_snapshot(flavor)
 
 
-def _check_requested_host(host: str) -> None:
+def _check_requested_host(host: str, cell: str | None) -> None:
     """A migrate's named host must be a compute host mapped to a cell with a service record there.
 
+    Args:
+        host: the host named.
+        cell: the only cell the host may be in (the server's, when the caller may not move it
+            to another cell), or None for any cell.
+
     Raises:
-        ComputeHostNotFound: it is not.
+        ComputeHostNotFound: it is not, or it is in another cell than ``cell`` (as Nova looks
+            the host up only in the server's cell then).
     """
-    if not hosts.is_compute_host(host):
+    if not hosts.is_compute_host(host) or (cell is not None and hosts.cell_of_host(host) != cell):
         raise errors.ComputeHostNotFound(f"Compute host {host} could not be found.")
 
 
@@ -521,7 +527,8 @@ def _accept_move(ctx: RequestContext, location: compute_api.Location, move: _Mov
             raise errors.CannotResizeToSameFlavor()
         _check_disks_fit(current, new_flavor, volume_backed=volume_backed)
     if move.requested_host is not None:
-        _check_requested_host(move.requested_host)
+        cross_cell_allowed = policy.check(ctx, CROSS_CELL_RULE, location.target)
+        _check_requested_host(move.requested_host, None if cross_cell_allowed else cell.name)
         if move.requested_host == source_host:
             raise errors.CannotMigrateToSameHost()
     deltas = upsize_deltas(current, new_flavor)
@@ -745,7 +752,8 @@ def begin_migrate(ctx: RequestContext, location: compute_api.Location, host: str
     As :func:`begin_resize` with the flavor unchanged (``new_flavor`` = the current flavor,
     migration type ``migration``, action ``migrate``, no quota check). ``host`` (2.56+, the
     caller has checked the policy) must be a known compute host other than the server's
-    own; the workflow gets it as ``requested_host``.
+    own, and in the server's cell unless ``compute:servers:resize:cross_cell`` lets the caller
+    move it to another cell; the workflow gets it as ``requested_host``.
 
     Returns:
         The migration's uuid.

@@ -254,7 +254,8 @@ def prep_resize_at_dest(event: dict[str, Any]) -> dict[str, Any]:
     (``compute:<dest>``).
 
     Returns:
-        ``{"args": <prep_resize arguments>}`` for the destination host.
+        ``{"args": <prep_resize arguments>}`` for the destination host (``is_bfv`` as for a move
+        within a cell).
     """
     uuid, migration_uuid = event["instance_uuid"], event["migration_uuid"]
     dest, source = event["destination"], resize._source(event)
@@ -266,6 +267,7 @@ def prep_resize_at_dest(event: dict[str, Any]) -> dict[str, Any]:
         actions.start_event(session, instance_uuid=uuid, request_id=event["request_id"],
                             event=EVENT_PREP_AT_DEST_CROSS_CELL, host=dest["host"])
         new_flavor = cast(dict[str, Any], instance.new_flavor)
+        is_bfv = instances.is_bfv(session, uuid)
         start = resize._notify(notifications.RESIZE_PREP_START, instance,
                                notifications.compute_publisher(dest["host"]),
                                **resize._move_extra(instance, migration_uuid))
@@ -276,7 +278,7 @@ def prep_resize_at_dest(event: dict[str, Any]) -> dict[str, Any]:
         volumes.reserve_on(session, uuid, source["host"], dest["host"])
     resize._publish(start)
     return {"args": {"migration_uuid": migration_uuid, "flavor": resize.host_flavor(new_flavor),
-                     "same_host": False}}
+                     "same_host": False, "is_bfv": is_bfv}}
 
 
 # --- PrepResizeAtSource -------------------------------------------------------------------------

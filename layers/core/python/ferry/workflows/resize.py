@@ -447,7 +447,8 @@ def prep_resize_at_dest(event: dict[str, Any]) -> dict[str, Any]:
     (publisher ``compute:<dest>``).
 
     Returns:
-        ``{"args": <prep_resize arguments>}`` for the destination host.
+        ``{"args": <prep_resize arguments>}`` for the destination host; ``is_bfv`` tells its claim
+        that a volume-backed server's root disk is not on the host.
     """
     uuid, migration_uuid, cell = event["instance_uuid"], event["migration_uuid"], event["cell"]
     dest, source = event["destination"], _source(event)
@@ -461,6 +462,7 @@ def prep_resize_at_dest(event: dict[str, Any]) -> dict[str, Any]:
         actions.start_event(session, instance_uuid=uuid, request_id=event["request_id"], event=EVENT_PREP,
                             host=dest["host"])
         new_flavor = cast(dict[str, Any], instance.new_flavor)
+        is_bfv = instances.is_bfv(session, uuid)
         start = _notify(notifications.RESIZE_PREP_START, instance, notifications.compute_publisher(dest["host"]),
                         **_move_extra(instance, migration_uuid))
     with api_session() as session:
@@ -468,7 +470,7 @@ def prep_resize_at_dest(event: dict[str, Any]) -> dict[str, Any]:
         volumes.reserve_on(session, uuid, source["host"], dest["host"])
     _publish(start)
     return {"args": {"migration_uuid": migration_uuid, "flavor": host_flavor(new_flavor),
-                     "same_host": dest["same_host"]}}
+                     "same_host": dest["same_host"], "is_bfv": is_bfv}}
 
 
 # --- RescheduleMove -----------------------------------------------------------------------------
