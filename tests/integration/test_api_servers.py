@@ -42,7 +42,7 @@ from ferry.store.cell_models import (
     Tag,
 )
 from ferry.store.db import api_session, cell_session
-from ferry.workflows import delete
+from ferry.workflows import delete, power
 
 
 @pytest.fixture
@@ -812,6 +812,68 @@ def test_stop_then_start_use_compare_and_swap_and_start_the_power_workflow(cloud
     with cell_session("cell1") as session:
         recorded = session.scalars(select(InstanceAction).where(InstanceAction.request_id == request_id)).one()
     assert recorded.action == "stop"
+
+
+@pytest.mark.parametrize("began", [True, False])
+@pytest.mark.parametrize("body", [{"os-stop": None}, "delete"])
+def test_a_request_whose_start_answered_an_error_stands_only_if_its_workflow_took_it(cloud, monkeypatch, began,
+                                                                                    body):
+    # GIVEN starting the workflow answers an error and Step Functions cannot show the execution;
+    # it began (its first step took the request) or it did not
+    add_host("host1")
+    server_id = create_server()
+    schedule(server_id)
+
+    def start(arn, name, payload):
+        if began:
+            first_step = power.begin_power_action if body != "delete" else delete.find_resize_to_confirm
+            first_step(payload)
+        raise RuntimeError("Step Functions answered 500 and does not show the execution")
+
+    monkeypatch.setattr(workflows, "start_execution", start)
+
+    # WHEN the request is made
+    if body == "delete":
+        answer = call("DELETE", f"/v2.1/servers/{server_id}")
+    else:
+        answer = call("POST", f"/v2.1/servers/{server_id}/action", body=body)
+
+    # THEN a request its workflow took stands (accepted); one it did not take is undone (500, no task)
+    task = states.DELETING if body == "delete" else states.POWERING_OFF
+    if began:
+        assert answer.status in (202, 204), answer.body
+        assert instance(server_id).task_state == task
+    else:
+        assert answer.status == 500
+        assert instance(server_id).task_state is None
+
+
+@pytest.mark.parametrize("body", [{"os-stop": None}, "delete"])
+def test_the_first_step_of_a_request_the_api_undid_changes_nothing(cloud, monkeypatch, body):
+    # GIVEN the API undid a request whose start answered an error, while its workflow had in fact begun
+    add_host("host1")
+    server_id = create_server()
+    schedule(server_id)
+    started: list[dict] = []
+
+    def start(arn, name, payload):
+        started.append(payload)
+        raise RuntimeError("Step Functions answered 500")
+
+    monkeypatch.setattr(workflows, "start_execution", start)
+    if body == "delete":
+        call("DELETE", f"/v2.1/servers/{server_id}")
+    else:
+        call("POST", f"/v2.1/servers/{server_id}/action", body=body)
+    assert instance(server_id).task_state is None
+
+    # WHEN the workflow's first step runs, THEN it refuses, and nothing is recorded
+    first_step = power.begin_power_action if body != "delete" else delete.find_resize_to_confirm
+    with pytest.raises(errors.UnexpectedTaskState):
+        first_step(started[0])
+    assert instance(server_id).task_state is None
+    with cell_session("cell1") as session:
+        assert session.scalars(select(InstanceActionEvent)).all() == []
 
 
 def test_start_powers_on_a_stopped_server(cloud):

@@ -35,6 +35,7 @@ from test_resize_steps import (  # noqa: F401 - the cloud fixture
     make_server,
     prepare_move,
 )
+from verify_resize_helpers import accept_delete
 
 from ferry import errors, images, workflows
 from ferry.compute import instances, migration_states, moves, states
@@ -381,6 +382,7 @@ def test_a_delete_removes_a_source_copy_the_switch_left_visible(monkeypatch):
     switch_then_die(run(inp, until="CompleteMoveAcrossCells"), monkeypatch)
     removal: dict[str, Any] = {"instance_uuid": uuid, "cell": "cell2", "request_id": "req-delete",
                                "host": TARGET_HOST}
+    accept_delete(uuid, "req-delete", "cell2")
     removal["confirm"] = delete.find_resize_to_confirm(removal)
     assert removal["confirm"]["source_cell"] == "cell1"
 

@@ -35,6 +35,7 @@ from verify_resize_helpers import (
     PROJECT,
     SOURCE,
     USER,
+    accept_delete,
     attachments,
     bindings,
     host_down,
@@ -47,8 +48,8 @@ from verify_resize_helpers import (
 
 from ferry import errors, placement, quotas, workflows
 from ferry.auth import RequestContext
-from ferry.compute import actions, migration_states, moves, states
 from ferry.compute import api as compute_api
+from ferry.compute import migration_states, moves, states
 from ferry.compute.server_filters import ServerFilters
 from ferry.store.cell_models import Migration
 from ferry.store.db import cell_session
@@ -301,6 +302,7 @@ def test_delete_in_verify_resize_cleans_both_cells_and_both_hosts(cloud, tmp_pat
     moved = make_cross_cell(tmp_path)
     event: dict[str, Any] = {"instance_uuid": moved.instance_uuid, "cell": TARGET_CELL, "request_id": "req-del",
                              "host": CROSS_DEST}
+    accept_delete(moved.instance_uuid, "req-del", TARGET_CELL)
     event["confirm"] = delete.find_resize_to_confirm(event)
     assert event["confirm"]["source_cell"] == SOURCE_CELL and event["confirm"]["queue_url"]
 
@@ -325,9 +327,7 @@ def test_delete_records_the_snapshot_based_confirm_and_keeps_the_earlier_moves(c
                               source_node=SOURCE, dest_compute=SOURCE, dest_node=SOURCE,
                               status=migration_states.CONFIRMED,
                               migration_type=migration_states.MIGRATION, user_id=USER, project_id=PROJECT))
-    with cell_session(TARGET_CELL) as session:
-        actions.start_action(session, instance_uuid=moved.instance_uuid, action="delete", request_id="req-del",
-                             user_id=USER, project_id=PROJECT)
+    accept_delete(moved.instance_uuid, "req-del", TARGET_CELL)
     event: dict[str, Any] = {"instance_uuid": moved.instance_uuid, "cell": TARGET_CELL, "request_id": "req-del",
                              "host": CROSS_DEST}
     event["confirm"] = delete.find_resize_to_confirm(event)
@@ -443,6 +443,7 @@ def test_deleting_a_server_releases_what_an_older_failed_confirm_left_held(cloud
     placement.claim(newer, PROJECT, USER, {provider(CROSS_DEST): {"VCPU": 1}})
     removal = {"instance_uuid": moved.instance_uuid, "cell": TARGET_CELL, "request_id": "req-delete",
                "host": CROSS_DEST}
+    accept_delete(moved.instance_uuid, "req-delete", TARGET_CELL)
     removal["confirm"] = delete.find_resize_to_confirm(removal)
     assert removal["confirm"]["migration_uuid"] == newer
 

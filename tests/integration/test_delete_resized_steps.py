@@ -11,6 +11,7 @@ from verify_resize_helpers import (
     CELL,
     DEST,
     SOURCE,
+    accept_delete,
     attachments,
     bindings,
     events,
@@ -27,8 +28,7 @@ from verify_resize_helpers import (
 )
 
 from ferry import notifications, placement
-from ferry.compute import actions, migration_states, states
-from ferry.store.db import cell_session
+from ferry.compute import migration_states, states
 from ferry.workflows import confirm_resize, delete
 
 
@@ -40,10 +40,7 @@ def cloud(store, monkeypatch):
 
 def deleting(resized, request_id: str = "req-delete") -> dict:
     """What the compute API's delete writes and starts the workflow with (dest host up)."""
-    set_instance(resized.instance_uuid, task_state=states.DELETING)
-    with cell_session(CELL) as session:
-        actions.start_action(session, instance_uuid=resized.instance_uuid, action=actions.DELETE,
-                             request_id=request_id, user_id="u1", project_id="demo")
+    accept_delete(resized.instance_uuid, request_id)
     return {"instance_uuid": resized.instance_uuid, "request_id": request_id, "cell": CELL, "host": resized.dest,
             "queue_url": "unused", "execution_name": f"delete-{resized.instance_uuid}"}
 

@@ -24,7 +24,7 @@ from moto_credentials import use_moto_credentials
 from sqlalchemy import select, update
 
 from ferry import aws, config, hosts, notifications, placement, protocol, workflows
-from ferry.compute import migration_states, moves, states
+from ferry.compute import actions, migration_states, moves, states
 from ferry.store.api_models import (
     CellMapping,
     InstanceMapping,
@@ -257,6 +257,15 @@ def volume_status(volume_id: str) -> str:
 def set_instance(instance_uuid: str, **values: Any) -> None:
     with cell_session(CELL) as session:
         session.execute(update(Instance).where(Instance.uuid == instance_uuid).values(**values))
+
+
+def accept_delete(instance_uuid: str, request_id: str, cell: str = CELL) -> None:
+    """What the compute API's delete writes before it starts the workflow: task ``deleting`` and
+    the request's action."""
+    with cell_session(cell) as session:
+        session.execute(update(Instance).where(Instance.uuid == instance_uuid).values(task_state="deleting"))
+        actions.start_action(session, instance_uuid=instance_uuid, action=actions.DELETE, request_id=request_id,
+                             user_id="u1", project_id="demo")
 
 
 def set_migration(migration_uuid: str, **values: Any) -> None:

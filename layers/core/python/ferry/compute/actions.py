@@ -13,8 +13,9 @@ from typing import Any
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
+from ferry import errors
 from ferry.store.api_models import utcnow
-from ferry.store.cell_models import InstanceAction, InstanceActionEvent
+from ferry.store.cell_models import Instance, InstanceAction, InstanceActionEvent
 
 # Action names (as Nova's instance_actions).
 CREATE = "create"
@@ -70,6 +71,27 @@ def has_events(session: Session, instance_uuid: str, request_id: str) -> bool:
     action = _action(session, instance_uuid, request_id)
     return action is not None and session.scalars(select(InstanceActionEvent.id).where(
         InstanceActionEvent.action_id == action.id).limit(1)).first() is not None
+
+
+def take_request(session: Session, *, instance_uuid: str, request_id: str, task_states: tuple[str, ...],
+                 event: str, host: str | None = None) -> None:
+    """The first step of a workflow the API started: record ``event``'s start once the request is
+    seen still in force (the server's task one of ``task_states``, the request's action recorded),
+    under the server's row lock. The API, undoing a request whose start it could not confirm,
+    takes the same lock and leaves a request whose workflow recorded an event
+    (:func:`has_events`): either the step sees the request undone, or the API sees it begun.
+
+    Raises:
+        UnexpectedTaskState: the request was undone (or the server is gone); nothing is recorded.
+    """
+    instance = session.scalars(select(Instance).where(Instance.uuid == instance_uuid)
+                               .with_for_update()).one_or_none()
+    if instance is None or instance.deleted or instance.task_state not in task_states \
+            or _action(session, instance_uuid, request_id) is None:
+        raise errors.UnexpectedTaskState(
+            f"Instance {instance_uuid} is not under request {request_id} any more "
+            f"(task_state {instance.task_state if instance else None}); nothing was done.")
+    start_event(session, instance_uuid=instance_uuid, request_id=request_id, event=event, host=host)
 
 
 def event_result(session: Session, instance_uuid: str, request_id: str, event: str) -> str | None:

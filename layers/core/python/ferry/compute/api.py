@@ -899,9 +899,17 @@ def _check_unlocked(ctx: RequestContext, instance: Instance) -> None:
 
 
 def _undo(cell: CellMapping, instance_uuid: str, request_id: str, undo: dict[str, Any] | None,
-          undo_from: str) -> None:
-    """Put back the task state an accepted request set, and forget its action."""
+          undo_from: str, *, unless_begun: bool = False) -> bool:
+    """Put back the task state an accepted request set, and forget its action; whether it did.
+
+    ``unless_begun`` leaves both when the request's workflow recorded an event: its first step
+    takes the request under the server's row lock (:func:`actions.take_request`), as this does.
+    """
     with cell_session(cell) as session:
+        if unless_begun:
+            session.scalars(select(Instance.id).where(Instance.uuid == instance_uuid).with_for_update()).first()
+            if actions.has_events(session, instance_uuid, request_id):
+                return False
         if undo is not None:
             try:
                 instances.update_cas(session, instance_uuid, undo, expected_task_state=(undo_from,))
@@ -912,17 +920,23 @@ def _undo(cell: CellMapping, instance_uuid: str, request_id: str, undo: dict[str
         if action is not None:
             session.execute(delete(InstanceActionEvent).where(InstanceActionEvent.action_id == action.id))
             session.delete(action)
+    return True
 
 
 def _start_or_undo(state_machine_arn: str, name: str, payload: dict[str, Any], cell: CellMapping,
                    undo: dict[str, Any] | None, undo_from: str) -> None:
-    """Start a workflow; if that fails, undo the accepted state change (:func:`_undo`) and raise."""
+    """Start a workflow; if that fails, undo the accepted state change (:func:`_undo`) and raise,
+    unless the workflow began after all (its start answered an error, and Step Functions could
+    not show the execution, yet its first step took the request): then the request stands."""
     try:
         workflows.start_execution(state_machine_arn, name, payload)
     except Exception:
-        logger.exception("workflow did not start; undoing the state change",
+        if not _undo(cell, payload["instance_uuid"], payload["request_id"], undo, undo_from, unless_begun=True):
+            logger.warning("starting the workflow answered an error, but it began; the request stands",
+                           extra={"instance_uuid": payload["instance_uuid"], "execution": name})
+            return
+        logger.exception("workflow did not start; the state change was undone",
                          extra={"instance_uuid": payload["instance_uuid"]})
-        _undo(cell, payload["instance_uuid"], payload["request_id"], undo, undo_from)
         raise
 
 

@@ -38,7 +38,9 @@ _TO_CONFIRM = (migration_states.FINISHED, migration_states.CONFIRMING)
 def find_resize_to_confirm(event: dict[str, Any]) -> dict[str, Any]:
     """The server's migration a delete must confirm first, or ``{}`` when there is none.
 
-    That is its newest migration that is ``finished`` or ``confirming``, or in ``error`` while
+    The delete's first step: it takes the request first (the server still ``deleting`` under
+    this request's action, ``compute_terminate_instance`` started: :func:`actions.take_request`).
+    The migration is the newest that is ``finished`` or ``confirming``, or in ``error`` while
     still holding an allocation. Records the start of ``compute_confirm_resize`` (after a move
     between cells ``compute_confirm_snapshot_based_resize_at_source``) under the delete's action
     and sends ``instance.resize_confirm.start``.
@@ -49,6 +51,8 @@ def find_resize_to_confirm(event: dict[str, Any]) -> dict[str, Any]:
     """
     uuid = event["instance_uuid"]
     with cell_session(event["cell"]) as session:
+        actions.take_request(session, instance_uuid=uuid, request_id=event["request_id"],
+                             task_states=(states.DELETING,), event=EVENT_TERMINATE, host=event.get("host"))
         candidates = session.scalars(select(Migration).where(
             Migration.instance_uuid == uuid, Migration.deleted.is_(False),
             Migration.status.in_((*_TO_CONFIRM, migration_states.ERROR))).order_by(Migration.id.desc()))

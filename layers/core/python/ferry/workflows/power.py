@@ -1,6 +1,7 @@
 """Steps of the power workflow (``statemachine/power.asl.json``): os-stop and os-start.
 
-SetPowerAtHost (host agent) → FinishPowerAction; a failure runs FailPowerAction.
+BeginPowerAction → SetPowerAtHost (host agent) → FinishPowerAction; a failure runs
+FailPowerAction, except a request the API undid before its workflow began, which changes nothing.
 """
 
 from __future__ import annotations
@@ -24,6 +25,20 @@ POWER_EVENT_SCHEMA: dict[str, Any] = {
     "required": ["instance_uuid", "request_id", "cell", "operation"],
     "properties": {"operation": {"enum": sorted(_TASK_STATE)}},
 }
+
+
+def begin_power_action(event: dict[str, Any]) -> dict[str, Any]:
+    """Take the request before the host acts: the server still ``powering-off`` (``-on``) under
+    this request's action, its event started (:func:`actions.take_request`).
+
+    Raises:
+        UnexpectedTaskState: the API undid the request meanwhile; nothing was done.
+    """
+    uuid, operation = event["instance_uuid"], event["operation"]
+    with cell_session(event["cell"]) as session:
+        actions.take_request(session, instance_uuid=uuid, request_id=event["request_id"],
+                             task_states=(_TASK_STATE[operation],), event=_EVENT[operation], host=event.get("host"))
+    return {}
 
 
 def finish_power_action(event: dict[str, Any]) -> dict[str, Any]:
