@@ -45,11 +45,14 @@ class Started:
     def __init__(self) -> None:
         self.payloads: list[dict[str, Any]] = []
         self.fail = False
+        self.began = False  # with fail: the workflow began, its first step ran, yet the start answered an error
 
     def __call__(self, arn: str, name: str, payload: dict[str, Any]) -> str:
-        if self.fail:
-            raise RuntimeError("Step Functions is unreachable")
         self.payloads.append({**payload, "execution_name": name})
+        if self.fail:
+            if self.began:
+                va.check_volume_operation(payload)
+            raise RuntimeError("Step Functions is unreachable")
         return f"{arn}:{name}"
 
 
@@ -227,6 +230,49 @@ def test_an_execution_that_cannot_start_leaves_nothing_behind(started, tmp_path)
     assert bdms(resized.instance_uuid) == []
     row = instance_row(resized.instance_uuid)
     assert row.task_state is None and events(resized.instance_uuid) == {}
+
+
+@pytest.mark.parametrize("operation", [va.ATTACH, va.DETACH])
+def test_a_request_whose_workflow_began_though_its_start_answered_an_error_stands(started, tmp_path, operation):
+    # GIVEN starting the workflow answers an error, though it began: its first step took the request
+    resized = make_resized(volume=operation == va.DETACH, state_dir=tmp_path)
+    started.fail = started.began = True
+
+    # WHEN the attach or detach is asked for
+    if operation == va.ATTACH:
+        volume_id = make_volume(tmp_path)
+        va.begin_attach(owner(), location(resized), volume_id)
+    else:
+        volume_id = str(resized.volume_id)
+        va.begin_detach(owner(), location(resized), volume_id)
+
+    # THEN it stands as accepted, for its workflow to finish
+    assert instance_row(resized.instance_uuid).task_state == va._TASK_STATE[operation]
+    assert volume_status(volume_id) == (va.ATTACHING if operation == va.ATTACH else va.DETACHING)
+    assert events(resized.instance_uuid) == {va._EVENT[operation]: None}
+    va.finish_volume_operation(done_at_host(started.payloads[0]))
+    assert volume_status(volume_id) == (va.IN_USE if operation == va.ATTACH else va.AVAILABLE)
+
+
+@pytest.mark.parametrize("operation", [va.ATTACH, va.DETACH])
+def test_the_first_step_of_a_request_the_api_undid_changes_nothing(started, tmp_path, operation):
+    # GIVEN the API undid an attach or detach whose start answered an error
+    resized = make_resized(volume=operation == va.DETACH, state_dir=tmp_path)
+    started.fail = True
+    volume_id = make_volume(tmp_path) if operation == va.ATTACH else str(resized.volume_id)
+    with pytest.raises(RuntimeError):
+        if operation == va.ATTACH:
+            va.begin_attach(owner(), location(resized), volume_id)
+        else:
+            va.begin_detach(owner(), location(resized), volume_id)
+    [payload] = started.payloads
+
+    # WHEN its workflow's first step runs after all, THEN it refuses, and nothing is recorded
+    with pytest.raises((errors.UnexpectedTaskState, errors.VolumeNotAttached)):
+        va.check_volume_operation({k: v for k, v in payload.items() if k != "execution_name"})
+    assert instance_row(resized.instance_uuid).task_state is None
+    assert events(resized.instance_uuid) == {}
+    assert volume_status(volume_id) == (va.AVAILABLE if operation == va.ATTACH else va.IN_USE)
 
 
 def test_a_failed_attach_is_rolled_back_completely(started, tmp_path):

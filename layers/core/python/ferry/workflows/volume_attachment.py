@@ -309,28 +309,46 @@ def begin_attach(ctx: RequestContext, location: Location, volume_id: str, *,
         _swap_volume_status(volume_id, ATTACHING, AVAILABLE)
         raise
     except Exception:
-        logger.exception("attach did not start; undoing", extra={"instance_uuid": uuid, "volume_id": volume_id})
-        _undo_attach(cell.name, uuid, volume_id, request_id)
+        if not _undo_attach(cell.name, uuid, volume_id, request_id):
+            logger.warning("starting the attach answered an error, but it began; the request stands",
+                           extra={"instance_uuid": uuid, "volume_id": volume_id})
+            return attachment
+        logger.exception("attach did not start; undone", extra={"instance_uuid": uuid, "volume_id": volume_id})
         raise
     logger.info("attach accepted", extra={"instance_uuid": uuid, "volume_id": volume_id, "device": device})
     return attachment
 
 
-def _undo_attach(cell: str, instance_uuid: str, volume_id: str, request_id: str) -> None:
+def _undo_attach(cell: str, instance_uuid: str, volume_id: str, request_id: str) -> bool:
+    """Undo an accepted attach whose workflow did not start; whether it did (see :func:`_undo_in_cell`)."""
+    with cell_session(cell) as session:
+        if not _undo_in_cell(session, instance_uuid, request_id, ATTACHING_VOLUME):
+            return False
+        session.execute(delete(BlockDeviceMapping).where(BlockDeviceMapping.instance_uuid == instance_uuid,
+                                                         BlockDeviceMapping.volume_id == volume_id,
+                                                         BlockDeviceMapping.deleted.is_(False)))
     with api_session() as session:
         session.execute(delete(VolumeAttachment).where(VolumeAttachment.volume_id == volume_id,
                                                        VolumeAttachment.instance_uuid == instance_uuid))
     _swap_volume_status(volume_id, ATTACHING, AVAILABLE)
-    with cell_session(cell) as session:
-        session.execute(delete(BlockDeviceMapping).where(BlockDeviceMapping.instance_uuid == instance_uuid,
-                                                         BlockDeviceMapping.volume_id == volume_id,
-                                                         BlockDeviceMapping.deleted.is_(False)))
-        try:
-            instances.update_cas(session, instance_uuid, {"task_state": None},
-                                 expected_task_state=(ATTACHING_VOLUME,))
-        except errors.UnexpectedTaskState:
-            logger.warning("task changed meanwhile; left as is", extra={"instance_uuid": instance_uuid})
-        actions.forget_action(session, instance_uuid, request_id)
+    return True
+
+
+def _undo_in_cell(session: Session, instance_uuid: str, request_id: str, task_state: str) -> bool:
+    """The server's part of undoing an accepted attach or detach (task cleared, action forgotten),
+    done first and under the server's row lock, which the workflow's first step takes too
+    (:func:`actions.take_request`): False, and nothing undone, when that step took the request
+    (its workflow began after all, though its start answered an error). Once this commits, the
+    step finds the request undone and changes nothing."""
+    session.scalars(select(Instance.id).where(Instance.uuid == instance_uuid).with_for_update()).first()
+    if actions.has_events(session, instance_uuid, request_id):
+        return False
+    try:
+        instances.update_cas(session, instance_uuid, {"task_state": None}, expected_task_state=(task_state,))
+    except errors.UnexpectedTaskState:
+        logger.warning("task changed meanwhile; left as is", extra={"instance_uuid": instance_uuid})
+    actions.forget_action(session, instance_uuid, request_id)
+    return True
 
 
 def begin_detach(ctx: RequestContext, location: Location, volume_id: str) -> None:
@@ -369,14 +387,14 @@ def begin_detach(ctx: RequestContext, location: Location, volume_id: str) -> Non
     try:
         _start(cell.name, uuid, request_id, DETACH, volume_id)
     except Exception:
-        logger.exception("detach did not start; undoing", extra={"instance_uuid": uuid, "volume_id": volume_id})
-        _swap_volume_status(volume_id, DETACHING, IN_USE)
         with cell_session(cell) as session:
-            try:
-                instances.update_cas(session, uuid, {"task_state": None}, expected_task_state=(DETACHING_VOLUME,))
-            except errors.UnexpectedTaskState:
-                logger.warning("task changed meanwhile; left as is", extra={"instance_uuid": uuid})
-            actions.forget_action(session, uuid, request_id)
+            undone = _undo_in_cell(session, uuid, request_id, DETACHING_VOLUME)
+        if not undone:
+            logger.warning("starting the detach answered an error, but it began; the request stands",
+                           extra={"instance_uuid": uuid, "volume_id": volume_id})
+            return
+        _swap_volume_status(volume_id, DETACHING, IN_USE)
+        logger.exception("detach did not start; undone", extra={"instance_uuid": uuid, "volume_id": volume_id})
         raise
     logger.info("detach accepted", extra={"instance_uuid": uuid, "volume_id": volume_id})
 
@@ -409,8 +427,10 @@ def check_volume_operation(event: dict[str, Any]) -> dict[str, Any]:
         if bdm is None:
             raise errors.VolumeNotAttached(f"Volume {volume_id} has no block device mapping on server {uuid}.")
         host, device = str(instance.host), str(bdm.device_name)
-        actions.start_event(session, instance_uuid=uuid, request_id=event["request_id"], event=_EVENT[operation],
-                            host=host)
+        # Under the server's row lock, as the API's undo of a request whose start it could not
+        # confirm: either this sees the request undone, or the undo sees it taken.
+        actions.take_request(session, instance_uuid=uuid, request_id=event["request_id"],
+                             task_states=(_TASK_STATE[operation],), event=_EVENT[operation], host=host)
     with api_session() as session:
         volume = session.get(Volume, volume_id)
         if volume is None:
