@@ -17,8 +17,10 @@ from typing import Any
 import boto3
 import pytest
 from moto import mock_aws
+from moto.stepfunctions.parser.asl.component.common.retry import retrier_decl
 from moto_credentials import REGION, use_moto_credentials
 
+from ferry.local.runtime import ScaledRetryClock
 from ferry.local.template import resolve
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,6 +39,12 @@ def moto_sfn(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     use_moto_credentials(monkeypatch)
     with mock_aws(config={"stepfunctions": {"execute_state_machine": True}}):
         yield boto3.client("stepfunctions", region_name=REGION)
+
+
+def moto_sfn_skipping_retry_waits(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """:func:`moto_sfn` whose executions skip the waits between Retry attempts."""
+    monkeypatch.setattr(retrier_decl, "time", ScaledRetryClock(sleep=lambda seconds: None))
+    yield from moto_sfn(monkeypatch)
 
 
 def run_piece(sfn: Any, kept: dict[str, Any], start: str, document: dict[str, Any]) -> tuple[list[str], Any]:

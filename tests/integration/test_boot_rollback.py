@@ -15,10 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from asl_pieces import answering, attempt, deployed_definition, failing, moto_sfn, path, run_piece
-from moto.stepfunctions.parser.asl.component.common.retry import retrier_decl
-
-from ferry.local.runtime import ScaledRetryClock
+from asl_pieces import answering, attempt, deployed_definition, failing, moto_sfn_skipping_retry_waits, path, run_piece
 
 DOCUMENT = {"instance_uuid": "i", "request_id": "r", "execution_name": "boot-i",
             "destination": {"host": "cell1-host1", "node": "cell1-host1", "cell": "cell1", "queue_url": "q",
@@ -28,8 +25,7 @@ DOCUMENT = {"instance_uuid": "i", "request_id": "r", "execution_name": "boot-i",
 
 @pytest.fixture
 def sfn(monkeypatch) -> Iterator[Any]:
-    monkeypatch.setattr(retrier_decl, "time", ScaledRetryClock(sleep=lambda seconds: None))
-    yield from moto_sfn(monkeypatch)
+    yield from moto_sfn_skipping_retry_waits(monkeypatch)
 
 
 @pytest.fixture

@@ -10,10 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from asl_pieces import answering, attempt, deployed_definition, failing, moto_sfn, path, run_piece
-from moto.stepfunctions.parser.asl.component.common.retry import retrier_decl
-
-from ferry.local.runtime import ScaledRetryClock
+from asl_pieces import answering, attempt, deployed_definition, failing, moto_sfn_skipping_retry_waits, path, run_piece
 
 DOCUMENT = {"instance_uuid": "i", "request_id": "r", "cell": "cell1", "operation": "attach", "volume_id": "v",
             "volume_op": {"host": "cell1-host1", "queue_url": "q", "args": {}}, "attached": {}}
@@ -21,8 +18,7 @@ DOCUMENT = {"instance_uuid": "i", "request_id": "r", "cell": "cell1", "operation
 
 @pytest.fixture
 def sfn(monkeypatch) -> Iterator[Any]:
-    monkeypatch.setattr(retrier_decl, "time", ScaledRetryClock(sleep=lambda seconds: None))
-    yield from moto_sfn(monkeypatch)
+    yield from moto_sfn_skipping_retry_waits(monkeypatch)
 
 
 @pytest.fixture

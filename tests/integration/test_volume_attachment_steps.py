@@ -112,6 +112,17 @@ def finish_with_the_cell_unreachable(event: dict[str, Any], monkeypatch) -> dict
     return {**event, "error": {"Error": "OperationalError", "Cause": "cell database unreachable"}}
 
 
+def ask(operation: str, resized: Resized, tmp_path) -> str:
+    """Ask for an attach of a new volume to ``resized`` or a detach of its volume; the volume's id."""
+    if operation == va.ATTACH:
+        volume_id = make_volume(tmp_path)
+        va.begin_attach(owner(), location(resized), volume_id)
+    else:
+        volume_id = str(resized.volume_id)
+        va.begin_detach(owner(), location(resized), volume_id)
+    return volume_id
+
+
 def hold(volume_id: str, instance_uuid: str, host: str = DEST) -> None:
     """An attachment of another server holds the volume (a boot's reservation, or records left over)."""
     with api_session() as session:
@@ -239,12 +250,7 @@ def test_a_request_whose_workflow_began_though_its_start_answered_an_error_stand
     started.fail = started.began = True
 
     # WHEN the attach or detach is asked for
-    if operation == va.ATTACH:
-        volume_id = make_volume(tmp_path)
-        va.begin_attach(owner(), location(resized), volume_id)
-    else:
-        volume_id = str(resized.volume_id)
-        va.begin_detach(owner(), location(resized), volume_id)
+    volume_id = ask(operation, resized, tmp_path)
 
     # THEN it stands as accepted, for its workflow to finish
     assert instance_row(resized.instance_uuid).task_state == va._TASK_STATE[operation]
@@ -261,10 +267,7 @@ def test_the_first_step_of_a_request_the_api_undid_changes_nothing(started, tmp_
     started.fail = True
     volume_id = make_volume(tmp_path) if operation == va.ATTACH else str(resized.volume_id)
     with pytest.raises(RuntimeError):
-        if operation == va.ATTACH:
-            va.begin_attach(owner(), location(resized), volume_id)
-        else:
-            va.begin_detach(owner(), location(resized), volume_id)
+        (va.begin_attach if operation == va.ATTACH else va.begin_detach)(owner(), location(resized), volume_id)
     [payload] = started.payloads
 
     # WHEN its workflow's first step runs after all, THEN it refuses, and nothing is recorded
@@ -527,12 +530,7 @@ def test_a_detach_leaves_the_volume_in_use_while_another_server_still_holds_it(s
 def test_an_operation_whose_last_step_failed_after_it_committed_stands(started, tmp_path, operation):
     # GIVEN an attach or detach whose FinishVolumeOperation committed and then failed (its response lost)
     resized = make_resized(volume=operation == va.DETACH, state_dir=tmp_path)
-    if operation == va.ATTACH:
-        volume_id = make_volume(tmp_path)
-        va.begin_attach(owner(), location(resized), volume_id)
-    else:
-        volume_id = str(resized.volume_id)
-        va.begin_detach(owner(), location(resized), volume_id)
+    volume_id = ask(operation, resized, tmp_path)
     event = done_at_host(started.payloads[0])
     va.finish_volume_operation(event)
     failed = {**event, "error": {"Error": "Sandbox.Timedout", "Cause": "Task timed out after 30.00 seconds"}}
@@ -550,10 +548,7 @@ def test_an_operation_whose_last_step_failed_after_it_committed_stands(started, 
 def test_an_operation_whose_cell_records_never_committed_is_rolled_back(started, monkeypatch, tmp_path, operation):
     # GIVEN an attach or detach whose FinishVolumeOperation committed at most the volume's records
     resized = make_resized(volume=operation == va.DETACH, state_dir=tmp_path)
-    if operation == va.ATTACH:
-        va.begin_attach(owner(), location(resized), make_volume(tmp_path))
-    else:
-        va.begin_detach(owner(), location(resized), str(resized.volume_id))
+    ask(operation, resized, tmp_path)
     event = done_at_host(started.payloads[0])
     assert va.check_volume_committed({**event, "error": {"Error": "States.Timeout"}}) == {"committed": False}
     failed = finish_with_the_cell_unreachable(event, monkeypatch)
