@@ -118,14 +118,15 @@ def _identity_proxy(caller: Caller) -> Any:
                                            identity_api_version="3").identity
 
 
+@pytest.mark.parametrize("domain", ["default", "Default"])
 @pytest.mark.parametrize("caller", [ADMIN, ALICE], ids=["admin", "member"])
-def test_the_cli_finds_a_user_in_the_default_domain(cloud, caller):
+def test_the_cli_finds_a_user_in_the_default_domain(cloud, caller, domain):
     # GIVEN carol, who has a token
     auth.issue_token("carol", "project-c", ["member"])
     user = "carol" if caller is ADMIN else caller.user_id
 
-    # WHEN the CLI looks her up as `server list --user U --user-domain default` does (the domain first)
-    found = identity_common.find_user_id_sdk(_identity_proxy(caller), user, "default")
+    # WHEN the CLI looks her up as `server list --user U --user-domain <id or name>` does (the domain first)
+    found = identity_common.find_user_id_sdk(_identity_proxy(caller), user, domain)
 
     # THEN the domain is found and so is the user
     assert found == user
@@ -137,11 +138,12 @@ def test_there_is_one_domain_default_by_id_and_by_name(cloud):
 
     assert shown.status == 200
     assert {k: shown.body["domain"][k] for k in ("id", "name", "enabled")} == \
-        {"id": "default", "name": "default", "enabled": True}
+        {"id": "default", "name": "Default", "enabled": True}
     assert shown.body["domain"]["links"]["self"].endswith("/identity/v3/domains/default")
     assert (other.status, other.body["itemNotFound"]["message"]) == (404, "Could not find domain: other.")
     assert [d["id"] for d in call("GET", "/identity/v3/domains", caller=ALICE).body["domains"]] == ["default"]
-    assert [d["id"] for d in call("GET", "/identity/v3/domains", caller=ADMIN,
-                                  query={"name": "default"}).body["domains"]] == ["default"]
+    for name in ("Default", "default"):
+        assert [d["id"] for d in call("GET", "/identity/v3/domains", caller=ADMIN,
+                                      query={"name": name}).body["domains"]] == ["default"]
     assert call("GET", "/identity/v3/domains", caller=ADMIN, query={"name": "other"}).body["domains"] == []
     assert call("GET", "/identity/v3/domains", caller=None).status == 401

@@ -18,8 +18,8 @@ from sqlalchemy.exc import OperationalError
 
 from ferry import aws, config, errors, hosts, placement, protocol
 from ferry.auth import RequestContext
+from ferry.compute import actions, states
 from ferry.compute import api as compute_api
-from ferry.compute import states
 from ferry.store.api_models import BuildRequest, InstanceMapping, Network, Port, RequestSpec, utcnow
 from ferry.store.cell_models import Instance, InstanceAction, InstanceActionEvent, InstanceFault, Service
 from ferry.store.db import api_session, cell_session
@@ -309,20 +309,29 @@ def test_a_finished_power_action_sets_vm_state_by_the_operation_whatever_power_s
     assert (instance.vm_state, instance.task_state, instance.power_state) == (vm_state, None, reported)
 
 
-def test_failed_power_action_keeps_vm_state_and_records_fault(cloud):
+@pytest.mark.parametrize("undone", [False, True])
+def test_failed_power_action_keeps_vm_state_and_records_fault(cloud, undone):
+    # GIVEN a stop under way; or one the API undid, the server now stopping under another request
     event = accept_server(cloud["image_id"])
     boot.select_destinations(event)
     with cell_session("cell1") as session:
         session.execute(Instance.__table__.update().values(task_state=states.POWERING_OFF, vm_state="active"))
+        actions.start_action(session, instance_uuid=event["instance_uuid"], action=actions.STOP,
+                             request_id="r-other" if undone else "r", user_id="u1", project_id="demo")
 
+    # WHEN the stop's FailPowerAction runs
     power.fail_power_action({"instance_uuid": event["instance_uuid"], "request_id": "r", "cell": "cell1",
                              "operation": protocol.POWER_OFF,
                              "error": {"Error": "Ferry.HypervisorError", "Cause": "libvirt said no"}})
 
+    # THEN the stop's failure is recorded; the other request's task is never touched
     with cell_session("cell1") as session:
         instance = session.scalars(select(Instance)).one()
-        assert session.scalars(select(InstanceFault)).one().message == "libvirt said no"
-    assert (instance.vm_state, instance.task_state) == ("active", None)
+        faults = [f.message for f in session.scalars(select(InstanceFault))]
+    if undone:
+        assert (instance.task_state, faults) == (states.POWERING_OFF, [])
+    else:
+        assert (instance.vm_state, instance.task_state, faults) == ("active", None, ["libvirt said no"])
 
 
 def test_host_report_maps_new_host_and_records_heartbeat(cloud):
@@ -622,6 +631,21 @@ def test_a_server_an_admin_reset_while_its_spawn_failed_ends_in_error_without_it
     assert placement.get_allocations(event["instance_uuid"]) == {}
     with cell_session("cell1") as session:
         assert [f.message for f in session.scalars(select(InstanceFault))] == ["disk full"]
+
+
+@pytest.mark.parametrize("host", [None, "elsewhere"])
+def test_a_server_reset_off_its_builds_host_whose_spawn_failed_is_not_refused_for_good(cloud, host):
+    # GIVEN an admin reset a building server that a reschedule had taken off its host (no host),
+    # or that has moved to another host since; then its spawn failed
+    event = _spawned(cloud["image_id"])
+    with cell_session("cell1") as session:
+        session.execute(Instance.__table__.update().values(vm_state=states.ACTIVE, task_state=None, host=host))
+    event["error"] = {"Error": "Ferry.SpawnFailed", "Cause": "disk full"}
+
+    # WHEN FailBuild runs, THEN it ends (no retries into RollbackFailed): a server with no host is
+    # in ERROR, one that moved on is left as it is
+    boot.fail_build(event)
+    assert _instance(event["instance_uuid"]).vm_state == (states.ERROR if host is None else states.ACTIVE)
 
 
 def test_a_late_finish_build_for_a_host_the_build_was_rescheduled_from_commits_nothing(cloud):

@@ -1034,6 +1034,30 @@ def test_a_drain_whose_plan_failed_gives_its_hosts_back(store):
     assert not any(s.disabled for s in services.list_services(host="source"))
 
 
+def test_a_drain_whose_workflow_failed_gives_its_hosts_back_at_a_later_look_without_the_error(store, monkeypatch):
+    # GIVEN a drain whose PlanDrain failed, finished as failed by FinishDrain, which then died
+    # before it gave the host back (its retries too)
+    source = add_compute("source")
+    add_compute("dest")
+    _server_on("source", source)
+    drain = _record({"host": "source"})
+    drains.disable_targets(drain)
+
+    def died(_drain_uuid):
+        raise RuntimeError("Task timed out after 60.00 seconds")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(drains, "give_back_targets", died)
+        drains.finish(drain, error={"Error": "OperationalError", "Cause": "database unreachable"})
+    assert all(s.disabled for s in services.list_services(host="source"))
+
+    # WHEN the drain is finished again by a later look, which knows no step's error
+    drains.finish(drain)
+
+    # THEN the record says its workflow failed before any move: its host is given back
+    assert not any(s.disabled for s in services.list_services(host="source"))
+
+
 def test_a_drain_that_failed_after_trying_a_move_keeps_its_hosts_disabled(store):
     source = add_compute("source")
     add_compute("dest")

@@ -56,6 +56,9 @@ CANCELLED = "cancelled"
 COMPLETED = "completed"
 FAILED = "failed"
 FINAL_STATUSES = frozenset({PLANNED, CANCELLED, COMPLETED, FAILED})
+# How the message of a drain its workflow failed begins (FinishDrain decides from it, at every run,
+# whether the drain gives its hosts back).
+WORKFLOW_FAILED = "The drain workflow failed:"
 UNFINISHED_STATUSES = frozenset({PLANNING, RUNNING, PAUSED, CANCELLING})
 
 # Server states.
@@ -1457,7 +1460,7 @@ def finish(drain_uuid: str, error: Mapping[str, Any] | None = None) -> dict[str,
                                     "see the server's actions and migrations.")
             counts = _counts(servers)
             if error:
-                status, message = FAILED, f"The drain workflow failed: {workflows.error_message(dict(error))}"
+                status, message = FAILED, f"{WORKFLOW_FAILED} {workflows.error_message(dict(error))}"
             elif drain.status == CANCELLING:
                 status, message = CANCELLED, f"Cancelled: {counts['done']} of {counts['total']} servers moved."
             elif drain.fits is False and not drain.options.get("move_what_fits"):
@@ -1482,10 +1485,11 @@ def finish(drain_uuid: str, error: Mapping[str, Any] | None = None) -> dict[str,
         # Cancelled, or failed by its workflow (its plan could not be made, its execution ended),
         # before any move was tried: nothing moved, so its hosts are given back. A drain that failed
         # otherwise (its hosts still hold servers, its servers waited past its iterations' life)
-        # keeps them disabled. Read from the record and the step's error, final already or not: a
-        # run that died after its commit left them to its retry.
+        # keeps them disabled. Read from the record, final already or not: a run that died after
+        # its commit left them to the next.
         give_back = not any(server.attempts for server in servers) and (
-            drain.status == CANCELLED or (drain.status == FAILED and error is not None))
+            drain.status == CANCELLED
+            or (drain.status == FAILED and (drain.message or "").startswith(WORKFLOW_FAILED)))
         # The servers failed short of a destination whose last try was handed a move: those found
         # moving above (or settled by their iteration) may have it accepted and never started.
         # Read from the record too, for the same reason; the others' RecordFailure undid theirs.

@@ -431,11 +431,17 @@ def fail_build(event: dict[str, Any]) -> dict[str, Any]:
             return {}
         if instance.vm_state == states.ERROR and instance.task_state is None:
             return {}
-        # An admin settled the server by hand on this build's host while it was being built
-        # (os-resetState: no task, no longer building): the build failed under it all the same,
-        # and left it no guest.
-        reset = (instance.task_state is None and instance.vm_state != states.BUILDING
-                 and instance.host == event.get("destination", {}).get("host"))
+        # An admin settled the server by hand while it was being built (os-resetState: no task,
+        # no longer building). On this build's host, or on none (a reschedule had taken it off
+        # one), the build failed under it all the same and left it no guest. On another host it
+        # has moved on since: what the build left is not its state any more.
+        reset = instance.task_state is None and instance.vm_state != states.BUILDING
+        if reset and instance.host not in (None, event.get("destination", {}).get("host")):
+            actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"], event=EVENT_BUILD,
+                                 host=instance.host, error=error or None)
+            logger.warning("build failed for a server reset and moved since; left as it is",
+                           extra={"instance_uuid": uuid, "host": instance.host, "error": message})
+            return {}
         instances.update_cas(session, uuid, {"vm_state": states.ERROR, "task_state": None},
                              expected_task_state=(None,) if reset else (states.SCHEDULING, states.SPAWNING),
                              expected_vm_state=(instance.vm_state,) if reset else None)

@@ -57,11 +57,15 @@ def finish_power_action(event: dict[str, Any]) -> dict[str, Any]:
 
 
 def fail_power_action(event: dict[str, Any]) -> dict[str, Any]:
-    """Clear the task state of a failed power action and record the fault; vm_state is kept."""
+    """Clear the task state of a failed power action and record the fault; vm_state is kept.
+    Nothing is done for a request the API undid (its action forgotten): a task there is another's."""
     uuid, operation = event["instance_uuid"], event["operation"]
     error = event.get("error") or {}
     with cell_session(event["cell"]) as session:
         if instances.get(session, uuid).task_state != _TASK_STATE[operation]:
+            return {}
+        if actions.find(session, uuid, event["request_id"]) is None:
+            # The API undid this request (its start seemed to fail); the task is another request's.
             return {}
         instances.update_cas(session, uuid, {"task_state": None}, expected_task_state=(_TASK_STATE[operation],))
         instances.add_fault(session, uuid, error_message(error), host=event.get("host"))
