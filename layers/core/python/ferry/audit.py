@@ -1053,10 +1053,7 @@ def _repair_snapshot_data(bucket: str, image_id: str, read: list[str]) -> Callab
         keys = [key for key in read if key in still_there]
         if not keys:
             return f"nothing was left to delete: no extent object of image {image_id} remains"
-        for start in range(0, len(keys), 1000):
-            done = s3.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": k} for k in keys[start:start + 1000]]})
-            if done.get("Errors"):
-                raise errors.FerryError(f"S3 did not delete {len(done['Errors'])} extent object(s) of image {image_id}")
+        _delete_objects(s3, bucket, keys, f"extent object(s) of image {image_id}")
         return f"deleted {len(keys)} extent object(s) of image {image_id}"
 
     return repair
@@ -1064,12 +1061,22 @@ def _repair_snapshot_data(bucket: str, image_id: str, read: list[str]) -> Callab
 
 def _repair_transfer(bucket: str, keys: list[str]) -> Callable[[], str]:
     def repair() -> str:
-        s3 = aws.client("s3")
-        for start in range(0, len(keys), 1000):
-            s3.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": k} for k in keys[start:start + 1000]]})
+        _delete_objects(aws.client("s3"), bucket, keys, "transfer object(s)")
         return f"deleted {len(keys)} object(s)"
 
     return repair
+
+
+def _delete_objects(s3: Any, bucket: str, keys: list[str], what: str) -> None:
+    """Delete ``keys`` a thousand at a time (DeleteObjects' most).
+
+    Raises:
+        FerryError: S3 answered that some were not deleted (it does not raise for them).
+    """
+    for start in range(0, len(keys), 1000):
+        done = s3.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": k} for k in keys[start:start + 1000]]})
+        if done.get("Errors"):
+            raise errors.FerryError(f"S3 did not delete {len(done['Errors'])} {what}")
 
 
 def _repair_migration(world: _World, migration_uuid: str, seen_status: str) -> Callable[[], str]:

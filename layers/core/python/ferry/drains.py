@@ -166,17 +166,33 @@ def _check_size(targets_text: str, count: int) -> None:
             f"at a time.")
 
 
-def _count_on(kind: str, names: list[str], cells: list[str]) -> int:
-    """How many visible servers the hosts (in ``cells``) or the cell ``names`` hold."""
+def _count_on(kind: str, names: list[str]) -> int:
+    """How many visible servers the hosts or the cell ``names`` hold (those :func:`_instances_on` finds)."""
     count = 0
-    for cell in (names if kind == CELL else cells):
+    for cell, cell_hosts in _by_cell(kind, names).items():
         with cell_session(cell) as session:
-            query = select(func.count(Instance.id)).where(Instance.deleted.is_(False), Instance.hidden.is_(False),
-                                                          Instance.host.is_not(None))
-            if kind == HOST:
-                query = query.where(Instance.host.in_(names))
-            count += session.scalars(query).one()
+            count += session.scalars(select(func.count(Instance.id)).where(*_visible_on(kind, cell_hosts))).one()
     return count
+
+
+def _by_cell(kind: str, names: list[str]) -> dict[str, list[str]]:
+    """``{cell: its drained hosts}``: the drained cell (no hosts named), or the cells of the drained hosts."""
+    if kind == CELL:
+        return {names[0]: []}
+    by_cell: dict[str, list[str]] = defaultdict(list)
+    for host in names:
+        if cell := hosts.cell_of_host(host):
+            by_cell[cell].append(host)
+    return by_cell
+
+
+def _visible_on(kind: str, cell_hosts: list[str]) -> list[ColumnElement[bool]]:
+    """The servers a drain moves in a cell: visible, on a host (one of ``cell_hosts`` for a host drain)."""
+    criteria: list[ColumnElement[bool]] = [Instance.deleted.is_(False), Instance.hidden.is_(False),
+                                           Instance.host.is_not(None)]
+    if kind == HOST:
+        criteria.append(Instance.host.in_(cell_hosts))
+    return criteria
 
 
 def _resolve_targets(request: Mapping[str, Any]) -> _Targets:
@@ -272,7 +288,7 @@ def record_drain(ctx: RequestContext, request: Mapping[str, Any], *, origin: str
         if existing:
             return existing, False
     targets = _resolve_targets(request)
-    _check_size(", ".join(targets.names), _count_on(targets.kind, targets.names, targets.cells))
+    _check_size(", ".join(targets.names), _count_on(targets.kind, targets.names))
     allow_cross_cell = policy.check(ctx, CROSS_CELL_RULE, {"project_id": ctx.project_id})
     if targets.kind == CELL and not allow_cross_cell:
         raise errors.Forbidden(
@@ -622,27 +638,16 @@ _MOVABLE = (states.ACTIVE, states.STOPPED)
 def _instances_on(drain: Drain) -> list[tuple[str, Instance, bool]]:
     """``(cell, instance, volume-backed)`` for every visible server on the drain's hosts or in its cell."""
     found: list[tuple[str, Instance, bool]] = []
-    by_cell: dict[str, list[str]] = defaultdict(list)
-    if drain.target_kind == CELL:
-        by_cell[drain.targets[0]] = []
-    else:
-        for host in drain.targets:
-            cell = hosts.cell_of_host(host)
-            if cell:
-                by_cell[cell].append(host)
-    for cell, cell_hosts in by_cell.items():
+    for cell, cell_hosts in _by_cell(drain.target_kind, list(drain.targets)).items():
         with cell_session(cell) as session:
-            query = select(Instance).where(Instance.deleted.is_(False), Instance.hidden.is_(False),
-                                           Instance.host.is_not(None))
-            if drain.target_kind == HOST:
-                query = query.where(Instance.host.in_(cell_hosts))
+            query = select(Instance).where(*_visible_on(drain.target_kind, cell_hosts))
             for instance in session.scalars(query.order_by(Instance.created_at, Instance.id)):
                 found.append((cell, instance, instances.is_bfv(session, instance.uuid)))
                 session.expunge(instance)
     return found
 
 
-def _left_on_targets(drain_uuid: str) -> list[str]:
+def _left_on_targets(drain: Drain, own: set[str]) -> list[str]:
     """The servers the drain's hosts (or cell) still hold or may get back, other than through the
     drain's own moves: a server on them (one that moved there, or was kept there, since the plan),
     and one with a move or resize to or from them still open (a move that began before the drain,
@@ -650,17 +655,11 @@ def _left_on_targets(drain_uuid: str) -> list[str]:
     shows it: in VERIFY_RESIZE for a finished one, with a task for one under way or being
     settled; a record a reset or deleted server left is not (``ferry audit`` reports those).
     Only the drained hosts' cells are read: a move records its migration in the cell of each
-    host it touches. Sorted ids."""
-    with api_session() as session:
-        drain = _load(session, drain_uuid)
-        own = {server.migration_uuid for server in _servers(session, drain) if server.migration_uuid}
-        session.expunge(drain)
+    host it touches. ``own`` names the migrations of the drain's own moves. Sorted ids."""
     open_statuses = (*migration_states.MOVING, migration_states.FINISHED, *migration_states.SETTLING)
     left = {instance.uuid for _cell, instance, _bfv in _instances_on(drain)}
-    cells = [drain.targets[0]] if drain.target_kind == CELL else sorted(
-        {cell for host in drain.targets if (cell := hosts.cell_of_host(host))})
     candidates: list[tuple[str, str]] = []
-    for cell in cells:
+    for cell in _by_cell(drain.target_kind, list(drain.targets)):
         with cell_session(cell) as session:
             query = select(Migration.uuid, Migration.instance_uuid, Migration.status).where(
                 Migration.deleted.is_(False), Migration.status.in_(open_statuses))
@@ -1443,8 +1442,10 @@ def finish(drain_uuid: str, error: Mapping[str, Any] | None = None) -> dict[str,
     with api_session() as session:
         drain = _load(session, drain_uuid)
         look = not (drain.status in FINAL_STATUSES or drain.dry_run or error)
+        own = {server.migration_uuid for server in _servers(session, drain) if server.migration_uuid}
+        session.expunge(drain)
     # Read before the drain's row is taken: the cells are read in sessions of their own.
-    left = _left_on_targets(drain_uuid) if look else []
+    left = _left_on_targets(drain, own) if look else []
     with api_session() as session:
         drain = _load(session, drain_uuid, for_update=True)
         servers = _servers(session, drain)

@@ -17,8 +17,9 @@ from typing import Any
 import jsonschema_rs
 
 # The largest value the databases' integer columns hold (Nova's MAX_INT): a bound for every
-# integer Ferry takes in and stores.
+# integer Ferry takes in and stores; and the smallest.
 MAX_INT = 2**31 - 1
+MIN_INT = -(2**31)
 
 
 class SchemaMismatch(ValueError):

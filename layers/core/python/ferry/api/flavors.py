@@ -7,7 +7,7 @@ from typing import Any
 from aws_lambda_powertools.event_handler import Response
 from aws_lambda_powertools.event_handler.api_gateway import Router
 
-from ferry import errors, policy
+from ferry import errors, policy, validation
 from ferry.api import request, schemas, views
 from ferry.compute import api as compute_api
 
@@ -39,7 +39,7 @@ def _int_param(name: str, value: str | None) -> int | None:
         number = int(value)
     except ValueError as exc:
         raise errors.BadRequest(f"Invalid {name} filter [{value}]") from exc
-    return request.bounded_int(name, number, -schemas.MAX_INT - 1, schemas.MAX_INT)
+    return request.bounded_int(name, number, validation.MIN_INT, validation.MAX_INT)
 
 
 def _rxtx_factor(value: float | str) -> float:

@@ -255,7 +255,7 @@ def refuse_unknown(params: Mapping[str, Any], known: Mapping[str, str], version:
 def fits_int_column(number: int) -> bool:
     """Whether ``number`` fits the databases' integer columns: an id beyond them names nothing
     stored (and cannot even be compared with one on every database)."""
-    return -schemas.MAX_INT - 1 <= number <= schemas.MAX_INT
+    return validation.MIN_INT <= number <= validation.MAX_INT
 
 
 def validate(document: Any, schema: dict[str, Any]) -> None:

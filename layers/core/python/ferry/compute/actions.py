@@ -94,6 +94,14 @@ def take_request(session: Session, *, instance_uuid: str, request_id: str, task_
     start_event(session, instance_uuid=instance_uuid, request_id=request_id, event=event, host=host)
 
 
+def request_taken(session: Session, instance_uuid: str, request_id: str) -> bool:
+    """Whether a workflow step took the request (:func:`take_request`), read under the server's
+    row lock, which that step takes too: once this answers False in a transaction that goes on
+    to undo the request, the step finds it undone."""
+    session.scalars(select(Instance.id).where(Instance.uuid == instance_uuid).with_for_update()).first()
+    return has_events(session, instance_uuid, request_id)
+
+
 def event_result(session: Session, instance_uuid: str, request_id: str, event: str) -> str | None:
     """The result of the action's ``event`` (``Success``, ``Error``; None while unfinished or unknown)."""
     action = _action(session, instance_uuid, request_id)

@@ -906,10 +906,8 @@ def _undo(cell: CellMapping, instance_uuid: str, request_id: str, undo: dict[str
     takes the request under the server's row lock (:func:`actions.take_request`), as this does.
     """
     with cell_session(cell) as session:
-        if unless_begun:
-            session.scalars(select(Instance.id).where(Instance.uuid == instance_uuid).with_for_update()).first()
-            if actions.has_events(session, instance_uuid, request_id):
-                return False
+        if unless_begun and actions.request_taken(session, instance_uuid, request_id):
+            return False
         if undo is not None:
             try:
                 instances.update_cas(session, instance_uuid, undo, expected_task_state=(undo_from,))

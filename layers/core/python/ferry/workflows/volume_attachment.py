@@ -340,8 +340,7 @@ def _undo_in_cell(session: Session, instance_uuid: str, request_id: str, task_st
     (:func:`actions.take_request`): False, and nothing undone, when that step took the request
     (its workflow began after all, though its start answered an error). Once this commits, the
     step finds the request undone and changes nothing."""
-    session.scalars(select(Instance.id).where(Instance.uuid == instance_uuid).with_for_update()).first()
-    if actions.has_events(session, instance_uuid, request_id):
+    if actions.request_taken(session, instance_uuid, request_id):
         return False
     try:
         instances.update_cas(session, instance_uuid, {"task_state": None}, expected_task_state=(task_state,))
