@@ -720,6 +720,127 @@ def test_a_volume_attachment_of_a_deleted_server_is_found_and_the_volume_freed(c
         assert session.get(Volume, volume_id).status == "available"
 
 
+# --- volumes an attach or detach left behind --------------------------------------------------------
+
+
+def _attach_left(cloud: Cloud) -> str:
+    """What an attach to the ACTIVE server leaves when its undo stopped after the server's part: the
+    volume ``attaching`` with a ``reserved`` attachment on the server's host, no mapping, no task."""
+    volume_id = make_volume(cloud.state_dir)
+    with api_session() as session:
+        session.get(Volume, volume_id).status = "attaching"
+        session.add(VolumeAttachment(volume_id=volume_id, instance_uuid=cloud.active, host=SOURCE, device="vdc",
+                                     status="reserved"))
+    return volume_id
+
+
+def _detach_left(cloud: Cloud) -> str:
+    """What a detach from the ACTIVE server leaves when its undo stopped after the server's part: its
+    attached, mapped volume ``detaching``, no task."""
+    with api_session() as session:
+        session.get(Volume, cloud.volume_id).status = "detaching"
+    return cloud.volume_id
+
+
+def volume_status(volume_id: str) -> str:
+    with api_session() as session:
+        return session.get(Volume, volume_id).status
+
+
+def test_an_attach_left_half_undone_is_found_and_its_volume_freed(cloud):
+    volume_id = _attach_left(cloud)
+
+    report = check()
+
+    [problem] = report.problems
+    assert problem.kind == audit.VOLUME_OPERATION_LEFT and problem.resource == f"volume/{volume_id}"
+    assert problem.fixable and cloud.active in problem.message and "attaching" in problem.message
+    assert_fixed(audit.VOLUME_OPERATION_LEFT)
+    assert volume_status(volume_id) == "available"
+    with api_session() as session:
+        assert session.scalars(select(VolumeAttachment).where(VolumeAttachment.volume_id == volume_id)).all() == []
+
+
+def test_a_detach_left_half_undone_is_found_and_its_volume_in_use_again(cloud):
+    volume_id = _detach_left(cloud)
+
+    assert check().kinds() == [audit.VOLUME_OPERATION_LEFT]
+    assert_fixed(audit.VOLUME_OPERATION_LEFT)
+    assert volume_status(volume_id) == "in-use"
+    with api_session() as session:  # still attached where the server is
+        assert session.scalars(select(VolumeAttachment.host).where(
+            VolumeAttachment.volume_id == volume_id)).all() == [SOURCE]
+
+
+@pytest.mark.parametrize("status", ["attaching", "detaching"])
+def test_a_volume_left_attaching_or_detaching_that_nothing_holds_is_made_available(cloud, status):
+    volume_id = make_volume(cloud.state_dir)
+    with api_session() as session:
+        session.get(Volume, volume_id).status = status
+
+    assert check().kinds() == [audit.VOLUME_OPERATION_LEFT]
+    assert_fixed(audit.VOLUME_OPERATION_LEFT)
+    assert volume_status(volume_id) == "available"
+
+
+@pytest.mark.parametrize("left", [_attach_left, _detach_left])
+def test_a_volume_whose_server_has_its_task_or_a_running_workflow_is_not_judged(cloud, left):
+    left(cloud)
+    assert check(running_executions={f"attach-{cloud.active}-0123"}).clean
+    cell_write(CELL, update(Instance).where(Instance.uuid == cloud.active).values(task_state="attaching_volume"))
+    assert audit.VOLUME_OPERATION_LEFT not in check().kinds()
+
+
+def test_a_volume_left_attaching_is_reported_not_freed_when_the_workflows_cannot_be_listed(cloud):
+    volume_id = _attach_left(cloud)
+
+    report = check(fix=True, running_executions=None)
+
+    [problem] = report.of_kind(audit.VOLUME_OPERATION_LEFT)
+    assert not problem.fixable and "could not be listed" in problem.message
+    assert volume_status(volume_id) == "attaching"
+
+
+def test_an_attaching_volume_its_server_maps_is_reported_for_a_person(cloud):
+    volume_id = _attach_left(cloud)
+    with cell_session(CELL) as session:
+        session.add(BlockDeviceMapping(instance_uuid=cloud.active, source_type="volume", destination_type="volume",
+                                       device_name="vdc", volume_id=volume_id))
+
+    report = check(fix=True)
+
+    [problem] = report.of_kind(audit.VOLUME_OPERATION_LEFT)
+    assert not problem.fixable and "disagree" in problem.message
+    assert volume_status(volume_id) == "attaching"
+
+
+@pytest.mark.parametrize("left", [_attach_left, _detach_left])
+def test_a_volume_whose_server_took_a_task_meanwhile_is_left_as_it_is(cloud, monkeypatch, left):
+    volume_id = left(cloud)
+    before = volume_status(volume_id)
+
+    report = fix_with_race(monkeypatch, lambda: cell_write(
+        CELL, update(Instance).where(Instance.uuid == cloud.active).values(task_state="resize_prep")))
+
+    assert "has a task now" in refusal(report, audit.VOLUME_OPERATION_LEFT)
+    assert volume_status(volume_id) == before
+    with api_session() as session:
+        assert session.scalars(select(VolumeAttachment).where(VolumeAttachment.volume_id == volume_id)).all()
+
+
+def test_a_volume_whose_status_moved_on_meanwhile_is_left_as_it_is(cloud, monkeypatch):
+    volume_id = _detach_left(cloud)
+
+    def detach_finished() -> None:
+        with api_session() as session:
+            session.get(Volume, volume_id).status = "available"
+
+    report = fix_with_race(monkeypatch, detach_finished)
+
+    assert "changed meanwhile" in refusal(report, audit.VOLUME_OPERATION_LEFT)
+    assert volume_status(volume_id) == "available"
+
+
 # --- the image bucket -----------------------------------------------------------------------------
 
 

@@ -30,7 +30,7 @@ from verify_resize_helpers import (
     volume_status,
 )
 
-from ferry import errors, placement, protocol, workflows
+from ferry import audit, errors, placement, protocol, workflows
 from ferry.auth import RequestContext
 from ferry.compute import api as compute_api
 from ferry.compute import states
@@ -276,6 +276,43 @@ def test_the_first_step_of_a_request_the_api_undid_changes_nothing(started, tmp_
     assert instance_row(resized.instance_uuid).task_state is None
     assert events(resized.instance_uuid) == {}
     assert volume_status(volume_id) == (va.AVAILABLE if operation == va.ATTACH else va.IN_USE)
+
+
+@pytest.mark.parametrize("operation", [va.ATTACH, va.DETACH])
+def test_an_undo_stopped_after_the_servers_part_is_finished_by_the_audit(started, monkeypatch, tmp_path, operation):
+    # GIVEN an attach or detach whose start answered an error, and whose undo then failed after the
+    # server's part (task cleared), before the volume's status was put back
+    resized = make_resized(volume=operation == va.DETACH, state_dir=tmp_path)
+    started.fail = True
+    swap = va._swap_volume_status
+
+    def database_lost(volume_id: str, expected: str, new: str, *conditions: Any) -> bool:
+        if (expected, new) in ((va.ATTACHING, va.AVAILABLE), (va.DETACHING, va.IN_USE)):
+            raise OperationalError("UPDATE volumes", {}, ConnectionRefusedError("API database unreachable"))
+        return swap(volume_id, expected, new, *conditions)
+
+    monkeypatch.setattr(va, "_swap_volume_status", database_lost)
+    with pytest.raises(OperationalError):
+        ask(operation, resized, tmp_path)
+    monkeypatch.setattr(va, "_swap_volume_status", swap)
+    volume_id = started.payloads[0]["volume_id"]
+    assert instance_row(resized.instance_uuid).task_state is None
+    assert volume_status(volume_id) == (va.ATTACHING if operation == va.ATTACH else va.DETACHING)
+
+    # WHEN the audit runs with --fix, THEN it puts the volume back as the server's records say
+    report = audit.run_audit(fix=True, grace_seconds=0, clock_skew_seconds=0, running_executions=set(),
+                             check_storage=False)
+    assert [r.error for r in report.repairs if r.problem.kind == audit.VOLUME_OPERATION_LEFT] == [None]
+    assert volume_status(volume_id) == (va.AVAILABLE if operation == va.ATTACH else va.IN_USE)
+    assert not report.of_kind(audit.VOLUME_OPERATION_LEFT)
+    # and the volume may be attached or detached again
+    started.fail = False
+    if operation == va.ATTACH:
+        va.begin_attach(owner(), location(resized), volume_id)
+    else:
+        va.begin_detach(owner(), location(resized), volume_id)
+    va.finish_volume_operation(done_at_host(started.payloads[-1]))
+    assert volume_status(volume_id) == (va.IN_USE if operation == va.ATTACH else va.AVAILABLE)
 
 
 def test_a_failed_attach_is_rolled_back_completely(started, tmp_path):

@@ -75,6 +75,7 @@ PORT_BINDING_ORPHAN = "port_binding_orphan"
 PORT_BINDING_MISSING = "port_binding_missing"
 VOLUME_ATTACHMENT_ORPHAN = "volume_attachment_orphan"
 VOLUME_LEFT_DELETING = "volume_left_deleting"
+VOLUME_OPERATION_LEFT = "volume_operation_left"
 SNAPSHOT_IMAGE_ORPHAN = "snapshot_image_orphan"
 SNAPSHOT_DATA_ORPHAN = "snapshot_data_orphan"
 TRANSFER_ORPHAN = "transfer_orphan"
@@ -101,6 +102,7 @@ HINTS: dict[str, str] = {
     PORT_BINDING_MISSING: "bind the port to the server's host again (ACTIVE)",
     VOLUME_ATTACHMENT_ORPHAN: "ferry audit --fix deletes the attachment",
     VOLUME_LEFT_DELETING: "remove what is at the volume's path, then run ferry volume forget <id>",
+    VOLUME_OPERATION_LEFT: "ferry audit --fix puts the volume back as its server's records say; else see the runbook",
     SNAPSHOT_IMAGE_ORPHAN: "ferry audit --fix deletes Ferry's own snapshots; check and delete any other by hand",
     SNAPSHOT_DATA_ORPHAN: "ferry audit --fix deletes the extents of a known move's snapshot; check any other by hand",
     TRANSFER_ORPHAN: "ferry audit --fix deletes the objects",
@@ -123,6 +125,8 @@ SETTLED_VM_STATES = (states.ACTIVE, states.STOPPED, states.RESIZED, states.SUSPE
 # Volume statuses an orphan attachment's repair may make ``available`` once nothing holds the volume
 # (Cinder's; ``deleting`` never: the volume's file may already be gone).
 HELD_VOLUME_STATUSES = (volumes.IN_USE, volumes.ATTACHING, volumes.DETACHING, volumes.ERROR_DETACHING)
+# Volume statuses only an attach or detach under way may leave a volume in.
+OPERATING_VOLUME_STATUSES = (volumes.ATTACHING, volumes.DETACHING)
 
 SNAPSHOT_SUFFIX = "-resize-temp"
 
@@ -251,6 +255,10 @@ class _World:
     attachments: list[VolumeAttachment]
     # Volumes a server was deleted with whose file no host removed (status ``deleting``).
     left_deleting: list[Volume]
+    # Volumes being attached or detached (status ``attaching``, ``detaching``), with their attachments.
+    operating: list[Volume]
+    # ``(instance uuid, volume id)`` of every live block device mapping of a volume, in any cell.
+    volume_mappings: set[tuple[str, str]]
     volume_statuses: dict[str, str]
     # Names of the running workflow executions; None when they cannot be listed.
     running: set[str] | None
@@ -371,10 +379,12 @@ def _read_world(grace_seconds: float, clock_skew_seconds: float, running: Collec
         ports = list(session.scalars(select(Port)))
         attachments = list(session.scalars(select(VolumeAttachment)))
         left_deleting = list(session.scalars(select(Volume).where(Volume.status == volumes.DELETING)))
+        operating = list(session.scalars(select(Volume).where(Volume.status.in_(OPERATING_VOLUME_STATUSES))))
         volume_statuses = {volume_id: status for volume_id, status in session.execute(select(Volume.id, Volume.status))}
     copies: dict[str, list[_Copy]] = defaultdict(list)
     migration_copies: dict[str, list[tuple[str, Migration]]] = defaultdict(list)
     bfv: set[tuple[str, str]] = set()
+    volume_mappings: set[tuple[str, str | None]] = set()
     views: dict[str, _HostView] = {}
     for cell in cells:
         with cell_session(cell) as session:
@@ -385,6 +395,9 @@ def _read_world(grace_seconds: float, clock_skew_seconds: float, running: Collec
             bfv.update((cell.name, uuid) for uuid in session.scalars(select(BlockDeviceMapping.instance_uuid).where(
                 BlockDeviceMapping.deleted.is_(False), BlockDeviceMapping.boot_index == 0,
                 BlockDeviceMapping.destination_type == "volume")))
+            volume_mappings.update((uuid, volume_id) for uuid, volume_id in session.execute(
+                select(BlockDeviceMapping.instance_uuid, BlockDeviceMapping.volume_id).where(
+                    BlockDeviceMapping.deleted.is_(False), BlockDeviceMapping.volume_id.is_not(None))))
             for service in session.scalars(select(Service)):
                 view = _parse_view(service, cell.name, skipped)
                 if view is not None:
@@ -394,7 +407,8 @@ def _read_world(grace_seconds: float, clock_skew_seconds: float, running: Collec
         cell_names={c.id: c.name for c in cells}, mappings=mappings, build_requests=build_requests,
         copies=dict(copies), migration_copies=dict(migration_copies), bfv=bfv, views=views, providers=providers,
         inventories=inventories, allocations={c: dict(a) for c, a in allocations.items()}, consumers=consumers,
-        ports=ports, attachments=attachments, left_deleting=left_deleting, volume_statuses=volume_statuses,
+        ports=ports, attachments=attachments, left_deleting=left_deleting, operating=operating,
+        volume_mappings={(u, v) for u, v in volume_mappings if v is not None}, volume_statuses=volume_statuses,
         running=running_names, unlisted=unlisted,
     )
     # One record per migration: the copy in the cell the server is mapped to wins (as GET /os-migrations).
@@ -700,6 +714,57 @@ def _check_volumes_left(world: _World) -> Iterable[Problem]:
                           f"{volume.path}.")
 
 
+def _check_volume_operations(world: _World) -> Iterable[Problem]:
+    """A volume ``attaching`` or ``detaching`` only while its server's attach or detach is under way.
+
+    An attach or detach whose start answered an error is undone server first (task cleared), then
+    the volume's records; an undo that failed in between leaves the volume in that status for good
+    (no new attach or detach takes it), with, for an attach, a ``reserved`` attachment a later move
+    of the server would carry along and complete."""
+    for volume in sorted(world.operating, key=lambda v: v.id):
+        holders = sorted({a.instance_uuid for a in volume.attachments})
+        if world.recent(_changed(volume)) or any(world.recent(_changed(a)) for a in volume.attachments):
+            continue
+        # A deleted holder is volume_attachment_orphan's; one with a task or a move is its workflow's (or
+        # instance_task_stuck's); one with a workflow running (an admin reset its task) is left to it.
+        if any(world.visible(u) is None or world.in_flight(u) or world.recent(world.last_change(u))
+               or world.live(u) for u in holders):
+            continue
+        resource, status = f"volume/{volume.id}", volume.status
+        if not holders:
+            yield Problem(VOLUME_OPERATION_LEFT, resource,
+                          f"Volume {volume.id} is {status}, but no server holds it: an {_OPERATION[status]} that did "
+                          f"not start was partly undone.", _repair_volume_operation(world, volume, None))
+            continue
+        if len(holders) > 1:
+            yield Problem(VOLUME_OPERATION_LEFT, resource,
+                          f"Volume {volume.id} is {status} and held by servers {', '.join(holders)}, none of which "
+                          f"has an {_OPERATION[status]} under way.")
+            continue
+        [holder] = holders
+        mapped = (holder, volume.id) in world.volume_mappings
+        reserved_only = all(a.status == volumes.RESERVED for a in volume.attachments)
+        undone = not mapped and reserved_only if status == volumes.ATTACHING else mapped and not reserved_only
+        message = (f"Volume {volume.id} is {status}, but server {holder} has no {_OPERATION[status]} under way "
+                   f"(no task, no workflow running)")
+        if not undone:
+            statuses = ", ".join(sorted({a.status for a in volume.attachments}))
+            yield Problem(VOLUME_OPERATION_LEFT, resource,
+                          f"{message}, and its records disagree: the server {'maps' if mapped else 'does not map'} "
+                          f"the volume, its attachments are {statuses}.")
+        elif world.running is None:
+            yield Problem(VOLUME_OPERATION_LEFT, resource,
+                          f"{message} as far as can be told (the running workflows could not be listed): an "
+                          f"{_OPERATION[status]} that did not start was partly undone.")
+        else:
+            yield Problem(VOLUME_OPERATION_LEFT, resource,
+                          f"{message}: an {_OPERATION[status]} that did not start was partly undone.",
+                          _repair_volume_operation(world, volume, holder))
+
+
+_OPERATION = {volumes.ATTACHING: "attach", volumes.DETACHING: "detach"}
+
+
 def _check_storage(world: _World, skipped: list[str]) -> Iterable[Problem]:
     """Temporary snapshots (their image objects and their extents) and disk transfers only while the move
     that made them is under way."""
@@ -966,6 +1031,52 @@ def _repair_attachment(world: _World, attachment: VolumeAttachment, *, server_li
     return repair
 
 
+def _repair_volume_operation(world: _World, volume: Volume, holder: str | None) -> Callable[[], str]:
+    """Finish the undo of an attach (the holder's ``reserved`` attachments deleted, the volume
+    ``available``) or of a detach (the volume ``in-use`` again, or ``available`` if nothing holds
+    it), under the holder's row lock, while it still has no task and maps the volume as read."""
+    volume_id, status, updated_at = volume.id, volume.status, volume.updated_at
+    attachment_ids = [a.id for a in volume.attachments]
+    cell = world.mapped_cell(holder) if holder is not None else None
+    to_status = volumes.IN_USE if holder is not None and status == volumes.DETACHING else volumes.AVAILABLE
+
+    def finish(session: Session) -> str:
+        for attachment_id in attachment_ids if to_status == volumes.AVAILABLE else []:
+            _delete_as_read(session, VolumeAttachment, attachment_id, f"the attachment of volume {volume_id}",
+                            VolumeAttachment.instance_uuid == holder, VolumeAttachment.status == volumes.RESERVED)
+        held = volumes.held_by(holder) if holder is not None and to_status == volumes.IN_USE else volumes.unheld()
+        done = cast(CursorResult[Any], session.execute(
+            update(Volume).where(Volume.id == volume_id, Volume.status == status, _same(Volume.updated_at, updated_at),
+                                 held).values(status=to_status).execution_options(synchronize_session=False)))
+        if done.rowcount != 1:
+            raise errors.FerryError(f"volume {volume_id} changed meanwhile; left as it is")
+        dropped = "deleted its reserved attachment(s); " if to_status == volumes.AVAILABLE and attachment_ids else ""
+        return f"{dropped}volume {volume_id} is {to_status} again"
+
+    def repair() -> str:
+        if holder is None or cell is None:
+            with api_session() as session:
+                return finish(session)
+        # The server's row lock, as an attach's or detach's first step takes it, held until the
+        # volume's records commit: a new operation of the server either waits or is seen.
+        with cell_session(cell) as cell_db:
+            instance = cell_db.scalars(select(Instance).where(Instance.uuid == holder, Instance.deleted.is_(False))
+                                       .with_for_update()).first()
+            if instance is None or instance.task_state is not None:
+                raise errors.FerryError(f"server {holder} is gone or has a task now; volume {volume_id} was left "
+                                        f"as it is")
+            mapped = cell_db.scalars(select(BlockDeviceMapping.id).where(
+                BlockDeviceMapping.instance_uuid == holder, BlockDeviceMapping.volume_id == volume_id,
+                BlockDeviceMapping.deleted.is_(False))).first() is not None
+            if mapped != (to_status == volumes.IN_USE):
+                raise errors.FerryError(f"server {holder}'s mapping of volume {volume_id} changed meanwhile; left "
+                                        f"as it is")
+            with api_session() as session:
+                return finish(session)
+
+    return repair
+
+
 def _copy_as_read(session: Session, cell: str, instance_uuid: str, copy: tuple[int, dt.datetime | None],
                   seen: set[tuple[str, str]]) -> bool:
     """Whether the hidden copy the audit read is still in ``session``'s cell ``cell`` (False: it is gone).
@@ -1128,7 +1239,8 @@ def _find_problems(grace_seconds: float, clock_skew_seconds: float, running: Col
                    check_storage: bool, skipped: list[str]) -> list[Problem]:
     world = _read_world(grace_seconds, clock_skew_seconds, running, skipped)
     found = [*_check_instances(world), *_check_allocations(world), *_check_hosts(world),
-             *_check_ports_and_volumes(world), *_check_volumes_left(world), *_check_migrations(world)]
+             *_check_ports_and_volumes(world), *_check_volumes_left(world),
+             *_check_volume_operations(world), *_check_migrations(world)]
     if check_storage:
         found += list(_check_storage(world, skipped))
     return found
