@@ -642,10 +642,14 @@ def test_a_server_reset_off_its_builds_host_whose_spawn_failed_is_not_refused_fo
         session.execute(Instance.__table__.update().values(vm_state=states.ACTIVE, task_state=None, host=host))
     event["error"] = {"Error": "Ferry.SpawnFailed", "Cause": "disk full"}
 
+    claim = placement.get_allocations(event["instance_uuid"])
+    assert claim
+
     # WHEN FailBuild runs, THEN it ends (no retries into RollbackFailed): a server with no host is
-    # in ERROR, one that moved on is left as it is
+    # in ERROR without its claim, one that moved on is left as it is, with the claim it holds
     boot.fail_build(event)
     assert _instance(event["instance_uuid"]).vm_state == (states.ERROR if host is None else states.ACTIVE)
+    assert placement.get_allocations(event["instance_uuid"]) == ({} if host is None else claim)
 
 
 def test_a_late_finish_build_for_a_host_the_build_was_rescheduled_from_commits_nothing(cloud):

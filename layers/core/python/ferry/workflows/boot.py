@@ -392,20 +392,22 @@ def fail_build(event: dict[str, Any]) -> dict[str, Any]:
     A server deleted meanwhile (its mapping says so, its instance is gone or deleted, or its task
     is ``deleting``) is left to its delete: only the claim is released. One an admin reset while
     it was built (no task, no longer building) is set to ERROR all the same: the failed build
-    left it no guest.
+    left it no guest; unless it has moved to another host since, which leaves it, and the claim
+    it holds there, as they are.
     """
     uuid = event["instance_uuid"]
     error = event.get("error") or {}
     message = error_message(error)
-    placement.delete_allocations(uuid)
     with api_session() as session:
         build = session.scalars(select(BuildRequest).where(BuildRequest.instance_uuid == uuid)).one_or_none()
     if build is not None:
+        placement.delete_allocations(uuid)
         _remove_unhanded_copies(uuid)
         _bury_in_cell0(build, event["request_id"], message)
         return {}
     cell = _cell_unless_deleted(uuid)
     if cell is None:
+        placement.delete_allocations(uuid)
         _remove_unhanded_copies(uuid)
         _deleted_meanwhile(uuid, message)
         return {}
@@ -416,6 +418,17 @@ def fail_build(event: dict[str, Any]) -> dict[str, Any]:
                    f"the guest or its disks may remain there.")
     with cell_session(cell) as session:
         instance = session.scalars(select(Instance).where(Instance.uuid == uuid)).one_or_none()
+        # An admin settled the server by hand while it was being built (os-resetState: no task,
+        # no longer building). On this build's host, or on none (a reschedule had taken it off
+        # one), the build failed under it all the same and left it no guest. On another host it
+        # has moved on since: what the build left is not its state any more, and the claim it
+        # holds now is that host's, not the build's.
+        reset = instance is not None and not instance.deleted and instance.task_state is None \
+            and instance.vm_state not in (states.BUILDING, states.ERROR)
+        moved_on = reset and instance is not None and instance.host not in (
+            None, event.get("destination", {}).get("host"))
+        if not moved_on:
+            placement.delete_allocations(uuid)
         if instance is None or instance.deleted:
             _deleted_meanwhile(uuid, message)
             return {}
@@ -431,12 +444,7 @@ def fail_build(event: dict[str, Any]) -> dict[str, Any]:
             return {}
         if instance.vm_state == states.ERROR and instance.task_state is None:
             return {}
-        # An admin settled the server by hand while it was being built (os-resetState: no task,
-        # no longer building). On this build's host, or on none (a reschedule had taken it off
-        # one), the build failed under it all the same and left it no guest. On another host it
-        # has moved on since: what the build left is not its state any more.
-        reset = instance.task_state is None and instance.vm_state != states.BUILDING
-        if reset and instance.host not in (None, event.get("destination", {}).get("host")):
+        if moved_on:
             actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"], event=EVENT_BUILD,
                                  host=instance.host, error=error or None)
             logger.warning("build failed for a server reset and moved since; left as it is",
