@@ -1093,6 +1093,46 @@ def test_a_drain_that_ended_before_it_gave_its_host_back_never_enables_it_under_
     assert service.disabled and service.disabled_reason == f"drain {second}: again"
 
 
+def test_a_host_an_ended_drain_still_owed_back_is_given_back_by_the_drain_that_took_it_over(store):
+    # GIVEN drain A disabled host source and was cancelled, its FinishDrain dying before it gave
+    # the host back; drain B of source took the service over
+    source = add_compute("source")
+    add_compute("dest")
+    _server_on("source", source)
+    first = _record({"host": "source"})
+    drains.disable_targets(first)
+    with api_session() as session:
+        session.execute(update(Drain).where(Drain.uuid == first).values(status="cancelled"))
+    second = _record({"host": "source"})
+    assert drains.disable_targets(second) == ["source"]
+
+    # WHEN B fails before any move (its plan could not be made)
+    drains.finish(second, error={"Error": "OperationalError", "Cause": "database unreachable"})
+
+    # THEN source is given back: neither drain leaves it disabled
+    assert not any(s.disabled for s in services.list_services(host="source"))
+    assert drains.give_back_targets(first) == []
+
+
+def test_a_host_an_ended_drain_kept_disabled_is_not_given_back_by_the_drain_that_took_it_over(store):
+    # GIVEN drain A tried a move off source and failed (it keeps source disabled); drain B of source
+    # took the service over
+    source = add_compute("source")
+    add_compute("dest")
+    server = _server_on("source", source)
+    first = _record({"host": "source"})
+    assert drains.start(first)["proceed"] is True
+    assert drains.acquire_slot(first, server).action == "move"
+    drains.finish(first, error={"Error": "States.Runtime", "Cause": "the Map failed"})
+    second = _record({"host": "source"})
+    assert drains.disable_targets(second) == []
+
+    # WHEN B fails before any move, THEN source stays disabled (now in B's name)
+    drains.finish(second, error={"Error": "OperationalError", "Cause": "database unreachable"})
+    [service] = services.list_services(host="source")
+    assert service.disabled and service.disabled_reason == f"drain {second}"
+
+
 def test_a_service_disabled_by_hand_or_by_a_running_drain_is_not_taken_over(store):
     add_compute("source")
     [service] = services.list_services(host="source")

@@ -823,8 +823,8 @@ def disable_targets(drain_uuid: str) -> list[str]:
     Services disabled already (by an operator or an earlier run) are left as they are; the ones
     this drain disabled are recorded so a drain that moves nothing can give them back. A service
     still disabled by a drain that has ended is taken over (its reason names this drain, not
-    recorded as this drain's to give back): the ended drain, giving back what it disabled, would
-    otherwise enable it under this one.
+    recorded as this drain's to give back, unless the ended drain still owed it back): the ended
+    drain, giving back what it disabled, would otherwise enable it under this one.
 
     Returns:
         The hosts this drain has disabled.
@@ -833,13 +833,19 @@ def disable_targets(drain_uuid: str) -> list[str]:
         drain = _load(session, drain_uuid)
         session.expunge(drain)
     reason = (f"drain {drain.uuid}" + (f": {drain.reason}" if drain.reason else ""))[:255]
-    for record in _target_services(drain):
-        other = _drain_named_by(record.disabled_reason) if record.disabled else None
-        if other and other != drain.uuid and _is_final(other):
-            services.change_disabled_from(record, f"drain {other}", disabled=True, disabled_reason=reason)
+    taken = [(record, other) for record in _target_services(drain)
+             if record.disabled and (other := _drain_named_by(record.disabled_reason))
+             and other != drain.uuid and _is_final(other)]
+    # A host an ended drain still owes back (it moved nothing, and its give-back has not run or
+    # failed) becomes this drain's to give back: recorded before the take-over, as below.
+    owed = {record.host for record, other in taken if _owes_back(other, record.host)}
+    if owed - set(drain.disabled_hosts):
+        _record_disabled_hosts(drain_uuid, sorted(set(drain.disabled_hosts) | owed))
+    for record, other in taken:
+        services.change_disabled_from(record, f"drain {other}", disabled=True, disabled_reason=reason)
     # Read again: a service an ended drain gave back meanwhile is enabled now, and disabled below.
     enabled = [record for record in _target_services(drain) if not record.disabled]
-    ours = sorted(set(drain.disabled_hosts) | {record.host for record in enabled})
+    ours = sorted(set(drain.disabled_hosts) | owed | {record.host for record in enabled})
     # Recorded before any service changes, so a run that stops half-way can still give them back.
     _record_disabled_hosts(drain_uuid, ours)
     for record in enabled:
@@ -863,6 +869,23 @@ def _is_final(drain_uuid: str) -> bool:
     with api_session() as session:
         status = session.scalars(select(Drain.status).where(Drain.uuid == drain_uuid)).one_or_none()
     return status in FINAL_STATUSES
+
+
+def _gives_back(drain: Drain, servers: list[DrainServer]) -> bool:
+    """Whether a final drain gives its hosts back: cancelled, or failed by its workflow (its plan
+    could not be made, its execution ended), before any move was tried. A drain that failed
+    otherwise (its hosts still hold servers, its servers waited past its iterations' life) keeps
+    them disabled."""
+    return not any(server.attempts for server in servers) and (
+        drain.status == CANCELLED
+        or (drain.status == FAILED and (drain.message or "").startswith(WORKFLOW_FAILED)))
+
+
+def _owes_back(drain_uuid: str, host: str) -> bool:
+    """Whether the final drain ``drain_uuid`` gives ``host`` back and has not yet."""
+    with api_session() as session:
+        drain = _load(session, drain_uuid)
+        return host in drain.disabled_hosts and _gives_back(drain, _servers(session, drain))
 
 
 def give_back_targets(drain_uuid: str) -> list[str]:
@@ -1483,14 +1506,9 @@ def finish(drain_uuid: str, error: Mapping[str, Any] | None = None) -> dict[str,
                 status, message = COMPLETED, f"All {counts['total']} servers moved."
             drain.status, drain.message, drain.finished_at, drain.updated_at = status, message, utcnow(), utcnow()
             drain.version += 1
-        # Cancelled, or failed by its workflow (its plan could not be made, its execution ended),
-        # before any move was tried: nothing moved, so its hosts are given back. A drain that failed
-        # otherwise (its hosts still hold servers, its servers waited past its iterations' life)
-        # keeps them disabled. Read from the record, final already or not: a run that died after
-        # its commit left them to the next.
-        give_back = not any(server.attempts for server in servers) and (
-            drain.status == CANCELLED
-            or (drain.status == FAILED and (drain.message or "").startswith(WORKFLOW_FAILED)))
+        # Read from the record, final already or not: a run that died after its commit left the
+        # give-back to the next.
+        give_back = _gives_back(drain, servers)
         # The servers failed short of a destination whose last try was handed a move: those found
         # moving above (or settled by their iteration) may have it accepted and never started.
         # Read from the record too, for the same reason; the others' RecordFailure undid theirs.
