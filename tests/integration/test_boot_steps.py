@@ -173,22 +173,26 @@ def test_finish_build_marks_active_and_records_the_build_event(cloud):
     assert events == {boot.EVENT_SCHEDULE: "Success", boot.EVENT_BUILD: "Success"}
 
 
-def test_failed_spawn_releases_claim_and_sets_error_with_cleanup_details(cloud):
+@pytest.mark.parametrize("cleaned", [True, False])
+def test_failed_spawn_sets_error_and_releases_the_claim_unless_the_guest_may_remain(cloud, cleaned):
     event = accept_server(cloud["image_id"])
     event["destination"] = boot.select_destinations(event)
     boot.bind_resources_at_dest(event)
+    claim = placement.get_allocations(event["instance_uuid"])
     event["error"] = {"Error": "Ferry.SpawnFailed", "Cause": "disk full"}
-    event["cleanup_error"] = {"Error": "States.Timeout", "Cause": ""}
+    if not cleaned:
+        event["cleanup_error"] = {"Error": "States.Timeout", "Cause": ""}
     boot.fail_build(event)
 
-    assert placement.get_allocations(event["instance_uuid"]) == {}
-    assert used_on(event["destination"]["host"]) == {}
+    # A destination not cleaned up may still run the guest: the server keeps its claim there
+    assert placement.get_allocations(event["instance_uuid"]) == ({} if cleaned else claim)
+    assert (used_on(event["destination"]["host"]) == {}) is cleaned
     with cell_session("cell1") as session:
         instance = session.scalars(select(Instance)).one()
         fault = session.scalars(select(InstanceFault)).one()
     assert (instance.vm_state, instance.task_state) == ("error", None)
     assert fault.message == "disk full"
-    assert event["destination"]["host"] in fault.details
+    assert cleaned or event["destination"]["host"] in fault.details
 
 
 def test_reschedule_moves_the_claim_to_the_alternate(cloud):

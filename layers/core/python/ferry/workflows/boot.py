@@ -393,7 +393,8 @@ def fail_build(event: dict[str, Any]) -> dict[str, Any]:
     is ``deleting``) is left to its delete: only the claim is released. One an admin reset while
     it was built (no task, no longer building) is set to ERROR all the same: the failed build
     left it no guest; unless it has moved to another host since, which leaves it, and the claim
-    it holds there, as they are.
+    it holds there, as they are. A server whose destination could not be cleaned up keeps its
+    claim: the guest may still run there, and the server's delete releases the claim with it.
     """
     uuid = event["instance_uuid"]
     error = event.get("error") or {}
@@ -427,7 +428,10 @@ def fail_build(event: dict[str, Any]) -> dict[str, Any]:
             and instance.vm_state not in (states.BUILDING, states.ERROR)
         moved_on = reset and instance is not None and instance.host not in (
             None, event.get("destination", {}).get("host"))
-        if not moved_on:
+        # A destination that could not be cleaned up may still run the guest: the claim stays
+        # with the server (and its host) until its delete releases it, as for any server in ERROR.
+        left_on_host = bool(event.get("cleanup_error")) and instance is not None and not instance.deleted
+        if not moved_on and not left_on_host:
             placement.delete_allocations(uuid)
         if instance is None or instance.deleted:
             _deleted_meanwhile(uuid, message)
