@@ -1095,6 +1095,32 @@ def test_a_reschedule_after_the_allocation_was_removed_since_validation_moves_th
     assert snapshot(uuid) == before
 
 
+def test_a_resize_to_a_flavor_of_the_same_size_that_may_stay_on_its_host_is_scheduled(cloud, monkeypatch):
+    # GIVEN resizes may stay on their host, and a server resized to a flavor that differs only in
+    # its extra specs (its allocation on the source is exactly what a claim of the new one holds)
+    allow_same_host(monkeypatch)
+    uuid = make_server()
+    before = placement.get_allocations(uuid)
+    same_size = {**SMALL, "flavorid": "3", "name": "ferry.tiny-gen2", "extra_specs": {"hw:cpu_policy": "shared"}}
+    doc = resize.validate_input({"input": prepare_move(uuid, same_size)})
+
+    # WHEN SelectMoveDestinations runs (twice: its first answer lost)
+    doc["destination"] = resize.select_destinations(doc)
+    again = resize.select_destinations(doc)
+
+    # THEN the move was scheduled (not taken for an earlier run's claim): the migration holds the
+    # server's allocation, the instance the claim, and the second run found that claim
+    assert again["host"] == doc["destination"]["host"]
+    assert placement.get_allocations(doc["migration_uuid"]) == before
+    assert placement.get_allocations(uuid) == doc["destination"]["claimed"]
+    assert doc["destination"]["alternates"] or doc["destination"]["host"] != SOURCE
+
+    # and a rollback gives the server back exactly what it held
+    fail_and_roll_back(doc)
+    assert placement.get_allocations(uuid) == before
+    assert placement.get_allocations(doc["migration_uuid"]) == {}
+
+
 def test_a_rollback_on_one_host_keeps_an_allocation_given_back_that_a_claim_would_equal(cloud, monkeypatch):
     # GIVEN a server whose allocations an operator removed, resized on its host to a flavor of the same size;
     # SelectMoveDestinations failed after its claim, so the document records none

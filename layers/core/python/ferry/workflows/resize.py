@@ -339,7 +339,7 @@ def _claim_provider(held: placement.Allocations, spec: Mapping[str, Any]) -> pla
     ``ignore_hosts`` (which hold the source unless the move may stay there), and the requested
     host when one was asked for. The server's own allocation on the source, as an operator gives
     it back, is not one, unless the move may stay on the source and the two flavors are the same
-    size: nothing tells those apart.
+    size: the allocations alone do not tell those apart (callers that know more say so).
     """
     if len(held) != 1:
         return None
@@ -356,8 +356,8 @@ def _claim_provider(held: placement.Allocations, spec: Mapping[str, Any]) -> pla
     return provider
 
 
-def _claimed_selection(instance_uuid: str, migration_uuid: str, cell: str,
-                       spec: Mapping[str, Any]) -> scheduler.Selection | None:
+def _claimed_selection(instance_uuid: str, migration_uuid: str, cell: str, spec: Mapping[str, Any],
+                       allocated_on: str | None) -> scheduler.Selection | None:
     """The destination an earlier run of this step claimed, None when none did.
 
     The migration then holds the source allocation and the instance the claim. A migration that
@@ -366,12 +366,15 @@ def _claimed_selection(instance_uuid: str, migration_uuid: str, cell: str,
     claim only when it is exactly what a claim of this move holds (:func:`_claim_provider`): an
     operator may have given the server its allocation back since, as ``ferry audit`` advises,
     and that allocation is the server's to hand to the migration, not a destination that skipped
-    the filters.
+    the filters. Nor is the allocation of a server that held one on its source host when the
+    move started (``allocated_on``, as ValidateMoveInput read it), still there: a claim would
+    have handed it to the migration, so it is the server's own, even when the new flavor is the
+    same size and the move may stay on that host.
     """
     claimed = placement.get_allocations(instance_uuid)
     if not placement.get_allocations(migration_uuid):
         provider = _claim_provider(claimed, spec)
-        if provider is None:
+        if provider is None or (allocated_on is not None and provider.host == allocated_on):
             return None
         rp_uuid, resources = provider.uuid, claimed[provider.uuid]
     else:
@@ -425,7 +428,8 @@ def select_destinations(event: dict[str, Any]) -> dict[str, Any]:
         actions.start_event(session, instance_uuid=uuid, request_id=event["request_id"], event=EVENT_MIGRATE)
         spec = _move_spec(instance, migration, cell, event.get("requested_host"), instances.is_bfv(session, uuid))
         source_host = cast(str, instance.host)
-    chosen = _claimed_selection(uuid, migration_uuid, cell, spec)
+    allocated = ((event.get("move") or {}).get("source") or {}).get("allocated")
+    chosen = _claimed_selection(uuid, migration_uuid, cell, spec, source_host if allocated else None)
     alternates: list[scheduler.Selection] = []
     if chosen is None:
         selections = scheduler.select_destinations(spec, migration_uuid=migration_uuid)
