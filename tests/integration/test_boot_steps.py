@@ -109,6 +109,8 @@ def test_select_destinations_run_twice_claims_once(cloud):
     assert used_on(first["host"]) == {"VCPU": 2, "MEMORY_MB": 1024, "DISK_GB": 2}
     with cell_session("cell1") as session:
         assert len(session.scalars(select(Instance)).all()) == 1
+    # the second run lists the alternates again, for a reschedule
+    assert first["alternates"] and second["alternates"] == first["alternates"]
 
 
 def test_no_valid_host_buries_the_server_in_cell0_without_allocations(cloud):

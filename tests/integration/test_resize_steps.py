@@ -400,6 +400,8 @@ def test_select_run_twice_claims_once(cloud):
     assert second["host"] == first["host"]
     assert used_on(first["host"]) == {"VCPU": 2, "MEMORY_MB": 1024, "DISK_GB": 3}
     assert used_on(SOURCE) == {"VCPU": 1, "MEMORY_MB": 512, "DISK_GB": 1}
+    # the second run lists the alternates again, for a reschedule
+    assert first["alternates"] and second["alternates"] == first["alternates"]
 
 
 def test_select_run_twice_for_a_server_without_allocations_claims_once_and_gives_the_migration_nothing(cloud):

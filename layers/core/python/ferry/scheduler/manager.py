@@ -267,6 +267,18 @@ def select_destinations(request_spec: Mapping[str, Any], *, claim: bool = True,
     return [_selection(chosen, spec)] + [_selection(alt, spec) for alt in alternates]
 
 
+def alternates_for(request_spec: Mapping[str, Any], chosen: Selection, *,
+                   migration_uuid: str | None = None) -> list[Selection]:
+    """The alternates for a destination an earlier run claimed (its answer lost): the hosts of
+    ``chosen``'s cell that pass now, in weighed order, without ``chosen``, as
+    :func:`select_destinations` lists them; claims nothing. None pass: an empty list."""
+    spec = build_spec(request_spec)
+    spec = dataclasses.replace(spec, ignore_hosts=spec.ignore_hosts | {chosen.host}, allowed_cells=(chosen.cell,))
+    filtered = _filter(spec, _replaced_consumers(spec, migration_uuid))
+    ranked = [host for host, _ in host_weighers.weigh_hosts(filtered.hosts, spec)]
+    return [_selection(host, spec) for host in ranked[:max(config.get().scheduler_max_attempts - 1, 0)]]
+
+
 def plan_destination(request_spec: Mapping[str, Any],
                      pending: Mapping[str, Mapping[str, int]] | None = None) -> Selection:
     """Where the scheduler would put ``request_spec`` now, with ``pending`` counted as used; claims nothing.

@@ -95,6 +95,9 @@ def select_destinations(event: dict[str, Any]) -> dict[str, Any]:
         _remove_unmapped_copy(uuid, chosen.cell)
         placement.delete_allocations(uuid)
         return {"abandoned": True}
+    else:
+        # An earlier run claimed (its answer lost): its alternates are listed again.
+        alternates = scheduler.alternates_for(spec_row.spec, chosen) if spec_row is not None else []
     if build is not None and not _materialize(build, chosen, event["request_id"]):
         placement.delete_allocations(uuid)
         return {"abandoned": True}

@@ -430,10 +430,11 @@ def select_destinations(event: dict[str, Any]) -> dict[str, Any]:
         source_host = cast(str, instance.host)
     allocated = ((event.get("move") or {}).get("source") or {}).get("allocated")
     chosen = _claimed_selection(uuid, migration_uuid, cell, spec, source_host if allocated else None)
-    alternates: list[scheduler.Selection] = []
     if chosen is None:
         selections = scheduler.select_destinations(spec, migration_uuid=migration_uuid)
         chosen, alternates = selections[0], selections[1:]
+    else:  # an earlier run claimed (its answer lost): its alternates are listed again
+        alternates = scheduler.alternates_for(spec, chosen, migration_uuid=migration_uuid)
     with cell_session(cell) as session:
         actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"], event=EVENT_MIGRATE)
     logger.info("move scheduled", extra={"instance_uuid": uuid, "migration_uuid": migration_uuid,
