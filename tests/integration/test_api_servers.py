@@ -15,7 +15,7 @@ from sqlalchemy import select, update
 from sqlalchemy.exc import OperationalError
 from test_api_support import ADMIN, ALICE, BOB, add_host, call, create_server, mocked_cloud
 
-from ferry import config, errors, workflows
+from ferry import config, errors, quotas, workflows
 from ferry.auth import RequestContext
 from ferry.compute import aggregates, states
 from ferry.compute import api as compute_api
@@ -325,6 +325,22 @@ def test_a_workflow_that_cannot_start_leaves_nothing_behind(cloud, monkeypatch):
     assert response.status == 500 and "computeFault" in response.body
     for model in (InstanceMapping, BuildRequest, RequestSpec, Port):
         assert api_rows(model) == []
+
+
+def test_a_quota_recount_that_fails_leaves_nothing_behind(cloud, monkeypatch):
+    # GIVEN counting usage again after the build request is written fails (a cell's database out of reach)
+    def unreachable(*_args, **_kwargs):
+        raise OperationalError("SELECT", {}, ConnectionRefusedError("cell database unreachable"))
+    monkeypatch.setattr(quotas, "recheck", unreachable)
+
+    response = call("POST", "/v2.1/servers", version="2.90", body={"server": {
+        "name": "x", "flavorRef": "1", "imageRef": cloud.image_id, "networks": "auto"}})
+
+    # THEN the boot is refused and nothing it wrote stays (no workflow would ever take it)
+    assert response.status == 500 and "computeFault" in response.body
+    for model in (InstanceMapping, BuildRequest, RequestSpec, Port):
+        assert api_rows(model) == []
+    assert cloud.executions("boot") == []
 
 
 # --- show and list ---------------------------------------------------------------------------------

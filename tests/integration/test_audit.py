@@ -37,8 +37,10 @@ from verify_resize_helpers import (
 )
 
 from ferry import audit, aws, config, hosts, images, network, placement, volumes
+from ferry.compute import api as compute_api
 from ferry.compute import migration_states, states
 from ferry.store.api_models import (
+    BuildRequest,
     CellMapping,
     InstanceMapping,
     Inventory,
@@ -839,6 +841,29 @@ def test_a_volume_whose_status_moved_on_meanwhile_is_left_as_it_is(cloud, monkey
 
     assert "changed meanwhile" in refusal(report, audit.VOLUME_OPERATION_LEFT)
     assert volume_status(volume_id) == "available"
+
+
+# --- a boot that never reached a cell ---------------------------------------------------------------
+
+
+def test_a_build_request_no_boot_workflow_runs_for_is_reported_with_its_claim(cloud):
+    # GIVEN a boot whose workflow ended after it claimed a host, before it handed the server to a cell
+    uuid = str(uuidlib.uuid4())
+    placement.claim(uuid, PROJECT, USER, {provider(OTHER): OLD_USAGE})
+    with api_session() as session:
+        session.add(BuildRequest(instance_uuid=uuid, project_id=PROJECT, instance={"display_name": "stuck"}))
+        session.add(InstanceMapping(instance_uuid=uuid, project_id=PROJECT, user_id=USER, cell_id=None))
+
+    # THEN the audit reports it (not while its boot runs), naming the host it holds a claim on
+    assert check(running_executions={f"boot-{uuid}"}).clean
+    [problem] = check(fix=True).problems
+    assert (problem.kind, problem.resource, problem.fixable) == (audit.BUILD_REQUEST_STUCK, f"instance/{uuid}", False)
+    assert OTHER in problem.message
+
+    # and once the server is deleted (as the API deletes a build request), --fix releases the claim
+    assert compute_api._discard_build(uuid, forget=False)
+    assert check().kinds() == [audit.ALLOCATION_ORPHAN]
+    assert_fixed(audit.ALLOCATION_ORPHAN)
 
 
 # --- the image bucket -----------------------------------------------------------------------------

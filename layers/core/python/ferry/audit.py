@@ -82,6 +82,7 @@ TRANSFER_ORPHAN = "transfer_orphan"
 MIGRATION_STATE_MISMATCH = "migration_state_mismatch"
 MIGRATION_STUCK = "migration_stuck"
 INSTANCE_TASK_STUCK = "instance_task_stuck"
+BUILD_REQUEST_STUCK = "build_request_stuck"
 
 # One line of what to do; docs/reliability.md has the whole runbook entry under the kind's name.
 HINTS: dict[str, str] = {
@@ -109,6 +110,7 @@ HINTS: dict[str, str] = {
     MIGRATION_STATE_MISMATCH: "ferry audit --fix puts the migration in error",
     MIGRATION_STUCK: "ferry audit --fix puts it in error once no workflow runs for it",
     INSTANCE_TASK_STUCK: "read the server's last action and execution, then reset its state",
+    BUILD_REQUEST_STUCK: "delete the server, then run ferry audit --fix for the claim it held",
 }
 
 KINDS = tuple(HINTS)
@@ -882,6 +884,20 @@ def _check_migrations(world: _World) -> Iterable[Problem]:
         yield Problem(INSTANCE_TASK_STUCK, f"instance/{uuid}",
                       f"Server {uuid} has had task {instance.task_state} since "
                       f"{_changed(instance).isoformat()} and no workflow runs for it.")
+    # A boot whose workflow ended before it handed the server to a cell (stopped by hand, its
+    # rollback failed for good) or never started (its start's undo failed) leaves a build request.
+    for uuid in sorted(world.build_requests):
+        mapping = world.mappings.get(uuid)
+        if (mapping is not None and (mapping.queued_for_delete or world.mapped_cell(uuid) is not None)) \
+                or world.live(uuid) is not False or world.recent(world.last_change(uuid)):
+            continue
+        held = sorted(world.providers[rp].name if rp in world.providers else rp
+                      for rp in world.allocations.get(uuid, {}))
+        copies = sorted(c.cell for c in world.copies.get(uuid, []) if not c.row.deleted)
+        yield Problem(BUILD_REQUEST_STUCK, f"instance/{uuid}",
+                      f"Server {uuid} is still a build request (BUILD, scheduling) and no boot workflow runs for "
+                      f"it" + (f"; it holds a claim on {', '.join(held)}" if held else "")
+                      + (f"; a copy never handed over is in {', '.join(copies)}" if copies else "") + ".")
 
 
 # --- repairs ------------------------------------------------------------------------------------

@@ -827,8 +827,10 @@ def create_server(ctx: RequestContext, request: BootRequest) -> str:
         })
     try:
         quotas.recheck(ctx.project_id, deltas)
-    except errors.OverQuota:
-        _discard_build(uuid, forget=True)  # a concurrent boot took the room
+    except Exception:
+        # A concurrent boot took the room (OverQuota), or the count could not be made (a cell's
+        # database out of reach): no workflow would ever take the build request.
+        _discard_build(uuid, forget=True)
         raise
     try:
         workflows.start_execution(config.get().boot_state_machine_arn, execution_name("boot", uuid),
