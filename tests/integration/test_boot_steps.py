@@ -129,6 +129,18 @@ def test_no_valid_host_buries_the_server_in_cell0_without_allocations(cloud):
         fault = session.scalars(select(InstanceFault)).one()
     assert (instance.vm_state, instance.task_state) == ("error", None)
     assert fault.message.startswith("No valid host was found")
+    with cell_session("cell0") as session:
+        assert session.scalars(select(InstanceActionEvent.details)).one().startswith("NoValidHost: No valid host")
+
+
+def test_a_build_failed_before_scheduling_for_another_reason_is_buried_with_that_error(cloud):
+    event = accept_server(cloud["image_id"])
+
+    boot.fail_build({**event, "error": {"Error": "OperationalError", "Cause": "cell database unreachable"}})
+
+    with cell_session("cell0") as session:
+        assert session.scalars(select(InstanceActionEvent.details)).one() == (
+            "OperationalError: cell database unreachable")
 
 
 def test_server_deleted_before_scheduling_is_abandoned_without_claim(cloud):

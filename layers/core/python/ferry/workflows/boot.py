@@ -407,7 +407,7 @@ def fail_build(event: dict[str, Any]) -> dict[str, Any]:
     if build is not None:
         placement.delete_allocations(uuid)
         _remove_unhanded_copies(uuid)
-        _bury_in_cell0(build, event["request_id"], message)
+        _bury_in_cell0(build, event["request_id"], message, error)
         return {}
     cell = _cell_unless_deleted(uuid)
     if cell is None:
@@ -466,6 +466,11 @@ def fail_build(event: dict[str, Any]) -> dict[str, Any]:
     return {}
 
 
+def _error_name(error: dict[str, Any]) -> str:
+    """A Step Functions error's name without Ferry's prefix (``Ferry.NoValidHost`` → ``NoValidHost``)."""
+    return str(error.get("Error") or "").removeprefix("Ferry.")
+
+
 def _deleted_meanwhile(uuid: str, message: str) -> None:
     logger.info("build failed for a server deleted meanwhile: claim released, nothing else to record",
                 extra={"instance_uuid": uuid, "error": message})
@@ -484,12 +489,13 @@ def _remove_unhanded_copies(uuid: str) -> None:
                            extra={"instance_uuid": uuid, "cell": cell.name, "error": str(exc)})
 
 
-def _bury_in_cell0(build: BuildRequest, request_id: str, message: str) -> None:
+def _bury_in_cell0(build: BuildRequest, request_id: str, message: str, error: dict[str, Any]) -> None:
     uuid = build.instance_uuid
     _create_in_cell(build, CELL0_NAME, request_id, vm_state=states.ERROR, task_state=None, host=None, node=None)
     with cell_session(CELL0_NAME) as session:
         instances.add_fault(session, uuid, message)
+        # The schedule event names what failed: no valid host, or the step's own error.
         actions.finish_event(session, instance_uuid=uuid, request_id=request_id, event=EVENT_SCHEDULE,
-                             error={"Error": errors.NoValidHost.__name__, "Cause": message})
+                             error={"Error": _error_name(error) or errors.NoValidHost.__name__, "Cause": message})
     if not _hand_over(uuid, CELL0_NAME):
         _remove_unmapped_copy(uuid, CELL0_NAME)  # deleted meanwhile: no server to bury
