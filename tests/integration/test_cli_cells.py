@@ -80,3 +80,45 @@ def test_set_up_commands_need_their_arguments():
         with pytest.raises(SystemExit) as exited:
             cli.main(argv)
         assert exited.value.code == 2
+
+
+def test_a_database_mapped_to_another_cell_is_refused_naming_that_cell(empty_deployment, capsys):
+    cell1 = f"sqlite:///{empty_deployment / 'cell1.sqlite'}"
+    assert cli.main(["cell", "create", "cell1", "--database-url", cell1]) == 0
+    capsys.readouterr()
+
+    # a typo of cell1's name, with cell1's database: both cells would list the same servers
+    assert cli.main(["cell", "create", "cel1", "--database-url", f" {cell1} "]) == 1
+
+    captured = capsys.readouterr()
+    assert captured.err == f"ferry: {cell1} is the database of cell cell1; two cells never share one " \
+                           f"(both would list the same servers).\n"
+    assert captured.out == "" and cli.main(["cell", "list"]) == 0
+    assert capsys.readouterr().out == f"cell1\t{cell1}\n"
+    assert cli.main(["cell", "create", "cell1", "--database-url", f"{cell1} "]) == 0  # the same cell, again
+
+
+@pytest.mark.parametrize(("name", "url"), [
+    ("", "{cell}"), ("   ", "{cell}"), (" cell1", "{cell}"), ("cell1", ""), ("cell1", "  "),
+])
+def test_a_blank_cell_name_or_database_url_is_refused_and_nothing_is_written(empty_deployment, capsys, name, url):
+    api = empty_deployment / "api.sqlite"
+
+    assert cli.main(["cell", "create", name, "--database-url", url.format(cell=empty_deployment / "c.sqlite")]) == 1
+
+    err = capsys.readouterr().err
+    assert err.startswith("ferry: ") and err.count("\n") == 1
+    assert not api.exists() and not (empty_deployment / "c.sqlite").exists()
+    assert list(empty_deployment.iterdir()) == []  # not even a default database for an empty URL
+
+
+@pytest.mark.parametrize("host", ["bad host!", "compute1-dlq", "compute/1", "reports", "", "a" * 254])
+def test_a_host_name_no_agent_can_serve_is_refused(empty_deployment, capsys, host):
+    assert cli.main(["cell", "create", "cell1", "--database-url", f"sqlite:///{empty_deployment / 'c1.sqlite'}"]) == 0
+    capsys.readouterr()
+
+    assert cli.main(["host", "map", host, "--cell", "cell1"]) == 1
+
+    err = capsys.readouterr().err
+    assert err.startswith(f"ferry: {host!r} is not a host name an agent can serve") and err.count("\n") == 1
+    assert hosts.cell_of_host(host) is None

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
-from ferry import cli, config, protocol
+from ferry import cli, cli_volumes, config, protocol
+from ferry import volumes as volumes_module
 from ferry.store import db, setup
 from ferry.store.api_models import Volume, VolumeAttachment
 from ferry.store.db import api_session
@@ -153,6 +154,23 @@ def test_the_list_names_the_servers_holding_a_volume_and_filters_by_status(deplo
 
     assert cli.main(["volume", "list", "--status", "deleting"]) == 0
     assert [line.split("\t")[0] for line in capsys.readouterr().out.splitlines()[1:]] == [left_id]
+
+
+@pytest.mark.parametrize("status", ["bogus", "in_use", "Available", ""])
+def test_listing_by_a_status_no_volume_can_have_is_a_usage_error(deployment, capsys, status):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["volume", "list", "--status", status])
+
+    assert exited.value.code == 2
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_every_status_a_volume_can_have_can_be_listed(deployment, capsys):
+    for status in cli_volumes.STATUSES:
+        assert cli.main(["volume", "list", "--status", status]) == 0
+    assert set(cli_volumes.STATUSES) == {volumes_module.AVAILABLE, volumes_module.RESERVED, volumes_module.ATTACHING,
+                                         volumes_module.IN_USE, volumes_module.DETACHING,
+                                         volumes_module.ERROR_DETACHING, volumes_module.DELETING}
 
 
 def test_a_file_that_cannot_be_sized_is_removed_and_nothing_recorded(deployment, capsys, monkeypatch):

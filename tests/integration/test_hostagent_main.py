@@ -137,6 +137,48 @@ def test_an_agent_refuses_a_host_whose_queue_cannot_be_its_own(configured, tmp_p
     assert refusal in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("queue_flags", [[], ["--queue-url", "http://127.0.0.1:1/000000000000/anything"]],
+                         ids=["queue-from-prefix", "queue-url"])
+def test_an_agent_refuses_the_host_name_reports_whatever_else_it_is_given(configured, tmp_path, monkeypatch, capsys,
+                                                                          queue_flags):
+    """``<prefix>reports`` is the stack's host reports queue, even when this agent is not told its URL."""
+    monkeypatch.delenv("FERRY_HOST_REPORTS_QUEUE_URL", raising=False)
+    config.reset()
+
+    with pytest.raises(SystemExit) as refused:
+        agent_main.main(["--host", "reports", "--state-dir", str(tmp_path / "state"), *queue_flags])
+
+    assert refused.value.code == 2 and configured == []
+    assert "would poll the host reports queue" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags", [
+    ["--disk-overcommit-ratio", "0"],
+    ["--disk-overcommit-ratio", "-1.5"],
+    ["--heartbeat-interval", "0"],
+    ["--report-interval", "0"],
+    ["--report-interval", "nan"],
+    ["--keepalive-interval", "-1"],
+    ["--visibility-timeout", "0"],
+    ["--poll-wait-seconds", "21"],
+    ["--poll-wait-seconds", "-1"],
+    ["--vcpus", "-4"],
+    ["--reserved-memory-mb", "-512"],
+    ["--image-cache-max-age", "-1"],
+], ids=lambda flags: " ".join(flags))
+def test_an_agent_refuses_a_value_that_cannot_work_before_it_opens_the_hypervisor(configured, tmp_path, monkeypatch,
+                                                                                  capsys, flags):
+    opened: list[str] = []
+    monkeypatch.setattr(agent_main, "LibvirtDriver", lambda uri, **_options: opened.append(uri))
+
+    with pytest.raises(SystemExit) as refused:
+        agent_main.main([*agent_flags(tmp_path), *flags])
+
+    assert refused.value.code == 2 and configured == [] and opened == []
+    assert f"argument {flags[0]}: " in capsys.readouterr().err
+    assert not (tmp_path / "state").exists()  # nothing was set up
+
+
 def test_agent_process_reports_runs_operations_and_exits_cleanly_on_sigterm(moto_endpoint, tmp_path):
     sqs = boto3.client(
         "sqs",

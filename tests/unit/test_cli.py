@@ -96,3 +96,32 @@ def test_the_console_script_is_registered():
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
 
     assert scripts["ferry"] == "ferry.cli:main"
+
+
+@pytest.mark.parametrize("grace", ["-5", "-0.1", "nan", "inf", "soon"])
+def test_a_grace_that_is_no_number_of_seconds_from_0_is_a_usage_error(sqlite_store, capsys, grace):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["audit", "--no-storage", "--grace", grace])
+
+    assert exited.value.code == 2
+    assert "argument --grace" in capsys.readouterr().err
+
+
+def test_the_admin_extra_installs_what_ferry_drain_and_the_openstack_cli_need_and_the_tests_get_it_too():
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+
+    assert {requirement.split(">=")[0] for requirement in extras["admin"]} == {"openstacksdk",
+                                                                               "python-openstackclient"}
+    assert set(extras["admin"]) <= set(extras["dev"])
+
+
+def test_a_command_without_the_api_database_url_says_which_database_it_uses(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("FERRY_API_DATABASE_URL", raising=False)
+    monkeypatch.setenv("FERRY_STATE_DIR", str(tmp_path))
+    from ferry import config
+    config.reset()
+
+    assert cli.main(["db", "sync"]) == 0
+
+    assert f"FERRY_API_DATABASE_URL is not set: using sqlite:///{tmp_path}/api.sqlite" in capsys.readouterr().err
+    config.reset()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 from typing import Any
 
 import openstack
@@ -615,3 +616,26 @@ def test_start_watch_starts_then_follows_until_the_end(cloud, monkeypatch, capsy
     assert [call[:2] for call in conn.compute.calls] == [
         ("POST", "/ferry/drains"), ("GET", f"/ferry/drains/{DRAIN_ID}"), ("GET", f"/ferry/drains/{DRAIN_ID}")]
     assert f"Drain {DRAIN_ID} failed: 2 done, 1 failed" in capsys.readouterr().out
+
+
+def test_no_cloud_given_is_one_line_and_exit_1(monkeypatch, tmp_path, capsys):
+    """Neither --os-cloud nor OS_CLOUD, and no OS_* variable to authenticate with: said in one line."""
+    for name in [name for name in os.environ if name.startswith("OS_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("OS_CLIENT_CONFIG_FILE", str(tmp_path / "clouds.yaml"))
+    monkeypatch.setattr(openstack.config.loader, "CONFIG_FILES", [str(tmp_path / "clouds.yaml")])
+
+    assert cli.main(["drain", "list"]) == 1
+
+    err = capsys.readouterr().err
+    assert err.startswith("ferry drain: no cloud given (--os-cloud, or OS_CLOUD)") and "auth_url" in err
+    assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize("interval", ["0", "-1", "inf", "nan"])
+def test_an_interval_that_is_no_finite_number_above_0_is_a_usage_error(capsys, interval):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["drain", "watch", DRAIN_ID, "--interval", interval])
+
+    assert exited.value.code == 2
+    assert "argument --interval" in capsys.readouterr().err

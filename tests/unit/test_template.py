@@ -15,7 +15,7 @@ from pathlib import Path
 import cfnlint.api
 import pytest
 
-from ferry import config, deliveries, images
+from ferry import config, deliveries, images, protocol
 from ferry.local.template import load_template, resolve
 from ferry.workflows import auto_confirm
 
@@ -494,3 +494,25 @@ def test_what_api_gateway_answers_itself_is_in_the_compute_apis_error_shape():
         assert error_kind in {"itemNotFound", "error", "forbidden", "computeFault"}, kind
     assert TEMPLATE.apis["ComputeApi"].gateway_responses["MISSING_AUTHENTICATION_TOKEN"][0] == 404
 
+
+
+def test_the_stage_is_what_the_installation_guide_says_and_every_name_made_from_it_fits():
+    """Lower-case letters, digits and hyphens (docs/installation.md); the longest such stage still names
+    every function, queue, state machine and the bucket within AWS's limits."""
+    stage = RAW["Parameters"]["Stage"]
+    pattern, longest = re.compile(stage["AllowedPattern"]), stage["MaxLength"]
+
+    assert all(pattern.fullmatch(name) for name in ("local", "prod", "eu-west-2", "qa7", stage["Default"]))
+    assert not any(pattern.fullmatch(name) for name in ("", "Prod", "prod_1", "prod.eu", "prod 1", "prød"))
+    assert "lower-case letters, digits and hyphens" in stage["ConstraintDescription"]
+    assert "lower-case letters, digits and hyphens" in (ROOT / "docs" / "installation.md").read_text()
+    model = resolve(TEMPLATE_PATH, stage="s" * longest)
+    assert max(len(f.name) for f in model.functions.values()) == 64  # the limit: one character more would not fit
+    assert max(len(q.name) for q in model.queues.values()) <= 80
+    assert max(len(m.name) for m in model.state_machines.values()) <= 80
+    assert max(len(b.name) for b in model.buckets.values()) <= 63
+
+
+def test_the_host_name_no_agent_serves_is_that_of_the_host_reports_queue():
+    queue = load_template(TEMPLATE_PATH)["Resources"]["HostReportsQueue"]["Properties"]["QueueName"]
+    assert queue == {"Fn::Sub": f"${{HostQueuePrefix.Value}}{protocol.REPORTS_HOST}"}

@@ -8,21 +8,36 @@ command (``ferry drain …``, say) is one more entry in :data:`COMMANDS`. A hand
 exit status.
 
 Exit statuses: 0 success (for ``audit``: no problem left), 1 problems remain (or, for the set-up
-commands of :mod:`ferry.cli_cells` and for ``ferry volume``, refused), 2 bad usage.
+commands of :mod:`ferry.cli_cells` and for ``ferry volume``, refused), 2 bad usage, 3 could not run
+(a database that cannot be reached, or whose URL cannot be read: one line on standard error).
+
+Standard output is the command's answer (``ferry audit --json`` is read by programs): Ferry's log
+lines go to standard error while a command runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import math
+import os
 import sys
-from collections.abc import Callable, Sequence
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
+
+from sqlalchemy.exc import ArgumentError, DBAPIError
 
 from ferry import cli_cells, cli_drain, cli_volumes
 from ferry.audit import DEFAULT_GRACE_SECONDS
 
 Handler = Callable[[argparse.Namespace], int]
+
+# The exit status of a command that could not run: a database it cannot reach or whose URL it
+# cannot read. Distinct from 1, which says what the command found (problems, a refusal).
+EXIT_CANNOT_RUN = 3
 
 
 def _run_audit(args: argparse.Namespace) -> int:
@@ -41,17 +56,28 @@ def _run_audit(args: argparse.Namespace) -> int:
     return 0 if report.clean else 1
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number of seconds from 0 up")
+    return value
+
+
 def add_audit(commands: Any) -> None:
     parser = commands.add_parser(
         "audit", help="check Ferry's invariants (records, placement, hosts, images)",
         description="Check that servers, migrations, allocations, port bindings, volume attachments, the "
                     "hosts' guests and disks and the image bucket agree. Exit status 0 when clean, 1 when "
-                    "problems remain. See docs/reliability.md for each problem kind.")
+                    "problems remain, 3 when a database cannot be used. See docs/reliability.md for each "
+                    "problem kind.")
     parser.add_argument("--fix", action="store_true",
                         help="repair what is safe (orphan allocations, bindings, attachments, temporary "
                              "snapshots and transfers, stale hidden copies, stuck migrations), then check again")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    parser.add_argument("--grace", type=float, default=DEFAULT_GRACE_SECONDS, metavar="SECONDS",
+    parser.add_argument("--grace", type=_seconds, default=DEFAULT_GRACE_SECONDS, metavar="SECONDS",
                         help="leave records changed within this many seconds alone: a workflow may be between "
                              "two writes (default: %(default)g)")
     parser.add_argument("--no-storage", action="store_true",
@@ -78,11 +104,66 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@contextmanager
+def _logs_to_standard_error() -> Iterator[None]:
+    """Ferry's log lines (the Powertools logger's) go to standard error until the block ends.
+
+    Standard output is left to the command's answer. Only the process running ``ferry`` is
+    concerned: the functions log to standard output as Lambda expects.
+    """
+    from ferry.observability import logger
+
+    log_handler = logger.registered_handler
+    if not isinstance(log_handler, logging.StreamHandler):
+        yield
+        return
+    previous = log_handler.setStream(sys.stderr)  # None when it wrote there already
+    try:
+        yield
+    finally:
+        if previous is not None:
+            log_handler.setStream(previous)
+
+
+def _first_line(exc: BaseException) -> str:
+    cause = exc.orig if isinstance(exc, DBAPIError) and exc.orig is not None else exc
+    lines = str(cause).strip().splitlines()
+    return lines[0] if lines else type(cause).__name__
+
+
+def _driver_missing(exc: ImportError) -> bool:
+    """Whether ``exc`` is SQLAlchemy failing to import the driver a database URL names
+    (``postgresql://`` names psycopg 3, which Ferry does not install)."""
+    dialects = os.path.join("sqlalchemy", "dialects", "")
+    return any(dialects in frame.filename for frame in traceback.extract_tb(exc.__traceback__))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``ferry`` with ``argv`` (default: the process's arguments); returns the exit status."""
+    """Run ``ferry`` with ``argv`` (default: the process's arguments); returns the exit status.
+
+    A database that cannot be reached, or whose URL cannot be read or names a driver that is not
+    installed, ends the command with one line on standard error and :data:`EXIT_CANNOT_RUN`.
+    """
     args = build_parser().parse_args(argv)
     handler: Handler = args.handler
-    return handler(args)
+    if args.command != "drain" and not os.environ.get("FERRY_API_DATABASE_URL"):
+        # Not an error (a local stack's state directory holds its databases), but an export lost in
+        # a new shell would otherwise write a deployment's records into a file nobody reads.
+        from ferry import config
+
+        print(f"ferry: FERRY_API_DATABASE_URL is not set: using {config.get().api_database_url}", file=sys.stderr)
+    with _logs_to_standard_error():
+        try:
+            return handler(args)
+        except (DBAPIError, ArgumentError) as exc:
+            print(f"ferry: cannot use the database: {_first_line(exc)}", file=sys.stderr)
+            return EXIT_CANNOT_RUN
+        except ImportError as exc:
+            if not _driver_missing(exc):
+                raise
+            print(f"ferry: cannot use the database: its URL names a driver that is not installed ({exc}); "
+                  f"Ferry installs psycopg2: postgresql+psycopg2://…", file=sys.stderr)
+            return EXIT_CANNOT_RUN
 
 
 if __name__ == "__main__":

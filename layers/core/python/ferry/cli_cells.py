@@ -13,9 +13,12 @@ added, where the control plane's settings are (``FERRY_API_DATABASE_URL``, as th
 
 Each is idempotent: run again, it changes nothing. A cell is never re-pointed at another
 database, and a host never moved to another cell by these commands: both would strand the
-servers recorded there, so they are refused (exit status 1) with what is mapped now.
+servers recorded there, so they are refused (exit status 1) with what is mapped now. So are a
+cell with a blank name or the database of another cell (both cells would list the same
+servers), and a host name no agent can serve; nothing is written then.
 
-Exit statuses: 0 success, 1 refused, 2 bad usage.
+Exit statuses: 0 success, 1 refused, 2 bad usage, 3 could not run (a database that cannot be
+reached, or a URL that cannot be read: see :mod:`ferry.cli`).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import argparse
 import sys
 from typing import Any
 
-from ferry import config
+from ferry import config, protocol
 
 
 def _hidden(url: str) -> str:
@@ -62,14 +65,23 @@ def _run_db_sync(_args: argparse.Namespace) -> int:
 def _run_cell_create(args: argparse.Namespace) -> int:
     from ferry.store import setup
 
+    name, url = args.name, args.database_url.strip()
+    if not name.strip() or name != name.strip():
+        return _refused(f"{name!r} is no cell name: a cell's name is not blank and has no space at either end.")
+    if not url:
+        return _refused("--database-url is blank: give the cell database's SQLAlchemy URL.")
     setup.init_api_database()
-    existing = {cell.name: cell for cell in _cells()}.get(args.name)
-    if existing is not None and existing.database_connection != args.database_url:
-        return _refused(f"cell {args.name} is mapped to {_hidden(existing.database_connection)}; "
+    cells = _cells()
+    existing = next((cell for cell in cells if cell.name == name), None)
+    if existing is not None and existing.database_connection.strip() != url:
+        return _refused(f"cell {name} is mapped to {_hidden(existing.database_connection)}; "
                         f"a cell is never re-pointed at another database.")
-    setup.create_cell(args.name, args.database_url)
-    print(f"cell {args.name} database {_hidden(args.database_url)}: "
-          f"{'up to date' if existing is not None else 'created and mapped'}")
+    holder = next((cell for cell in cells if cell.name != name and cell.database_connection.strip() == url), None)
+    if holder is not None:
+        return _refused(f"{_hidden(url)} is the database of cell {holder.name}; two cells never share one "
+                        f"(both would list the same servers).")
+    setup.create_cell(name, url)
+    print(f"cell {name} database {_hidden(url)}: {'up to date' if existing is not None else 'created and mapped'}")
     return 0
 
 
@@ -86,6 +98,10 @@ def _run_host_map(args: argparse.Namespace) -> int:
     from ferry.store.api_models import CellMapping, HostMapping
     from ferry.store.db import api_session
 
+    if not protocol.is_host_name(args.host) or args.host == protocol.REPORTS_HOST:
+        return _refused(f"{args.host!r} is not a host name an agent can serve: letters, digits, '-' and '_' in "
+                        f"labels separated by dots, not ending in {protocol.DLQ_SUFFIX}, and not "
+                        f"{protocol.REPORTS_HOST}.")
     with api_session() as session:
         cell = session.scalars(select(CellMapping).where(CellMapping.name == args.cell)).one_or_none()
         current = session.scalars(select(CellMapping.name).join(HostMapping, HostMapping.cell_id == CellMapping.id)

@@ -17,6 +17,7 @@ import argparse
 import datetime as dt
 import http
 import json
+import math
 import os
 import sys
 import time
@@ -83,16 +84,22 @@ def connect(cloud: str | None) -> Connection:
     """The openstacksdk connection for ``cloud`` from clouds.yaml (None: ``$OS_CLOUD``/``OS_*``).
 
     Raises:
-        DrainError: openstacksdk is not installed or the cloud is not configured.
+        DrainError: openstacksdk is not installed, or the cloud is not configured (unknown, or
+            lacking what its authentication needs, such as ``auth_url``).
     """
     try:
         import openstack
+        from keystoneauth1 import exceptions as ksa
     except ImportError as exc:
-        raise DrainError("ferry drain needs openstacksdk: pip install openstacksdk") from exc
+        raise DrainError("ferry drain needs openstacksdk: install Ferry's wheel with its admin extra, "
+                         "'<wheel>[admin]' (docs/installation.md)") from exc
     try:
         return openstack.connect(cloud=cloud)
-    except openstack.exceptions.SDKException as exc:
-        raise DrainError(f"cannot use cloud {cloud or '(from the environment)'}: {exc}") from exc
+    except (openstack.exceptions.SDKException, ksa.ClientException) as exc:
+        if cloud is None:
+            raise DrainError(f"no cloud given (--os-cloud, or OS_CLOUD) and the OS_* variables are not enough: "
+                             f"{exc}") from exc
+        raise DrainError(f"cannot use cloud {cloud}: {exc}") from exc
 
 
 def _client_errors() -> tuple[tuple[type[Exception], ...], tuple[type[Exception], ...]]:
@@ -669,8 +676,8 @@ def _interval(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError("must be more than 0")
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError("must be more than 0 (and finite)")
     return value
 
 

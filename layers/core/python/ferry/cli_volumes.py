@@ -12,7 +12,8 @@ made and forgotten here, where the control plane's settings are:
 - ``ferry volume forget ID``: the record of a volume nothing holds (``available`` or
   ``deleting``, no attachment) is deleted; what is at its path is left alone.
 
-Exit statuses: 0 success, 1 refused (the reason on standard error), 2 bad usage.
+Exit statuses: 0 success, 1 refused (the reason on standard error), 2 bad usage, 3 could not
+run (a database that cannot be reached, or whose URL cannot be read: see :mod:`ferry.cli`).
 """
 
 from __future__ import annotations
@@ -24,11 +25,14 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from ferry import protocol
+from ferry import protocol, volumes
 
 GiB = 1024**3
 # The largest volume recorded: 1 PiB (a file's size must fit in 63 bits of bytes).
 MAX_SIZE_GB = 1024**2
+# The statuses a volume can be in, as ``list --status`` takes them.
+STATUSES = (volumes.AVAILABLE, volumes.RESERVED, volumes.ATTACHING, volumes.IN_USE, volumes.DETACHING,
+            volumes.ERROR_DETACHING, volumes.DELETING)
 
 
 def _refused(message: str) -> int:
@@ -54,7 +58,7 @@ def _new_file(directory: str, volume_id: str, size_gb: int) -> Path:
 
 
 def _run_register(args: argparse.Namespace) -> int:
-    from ferry import errors, volumes
+    from ferry import errors
     from ferry.store.db import api_session
 
     volume_id, made = str(uuid.uuid4()), None
@@ -105,7 +109,7 @@ def _run_list(args: argparse.Namespace) -> int:
 
 
 def _run_forget(args: argparse.Namespace) -> int:
-    from ferry import errors, volumes
+    from ferry import errors
     from ferry.store.db import api_session
 
     try:
@@ -142,7 +146,8 @@ def add_volume(commands: Any) -> None:
     register.set_defaults(handler=_run_register)
     listing = sub.add_parser("list", help="the volumes, with their paths and the servers that hold them")
     listing.add_argument("--project", help="only this project's")
-    listing.add_argument("--status", help="only volumes in this status (deleting: left after their server)")
+    listing.add_argument("--status", choices=STATUSES,
+                         help="only volumes in this status (deleting: left after their server)")
     listing.set_defaults(handler=_run_list)
     forget = sub.add_parser("forget", help="delete the record of a volume nothing holds (its storage stays)")
     forget.add_argument("volume_id", help="the volume's id")

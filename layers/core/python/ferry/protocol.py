@@ -481,6 +481,9 @@ def disk_digest(entry: dict[str, Any]) -> str:
 _QUEUE_NAME_MAX = 80
 # A host queue's dead-letter queue is named after it with this suffix.
 DLQ_SUFFIX = "-dlq"
+# The host name whose queue, ``<HostQueuePrefix>reports``, is the stack's host reports queue
+# (template.yaml's HostReportsQueue): no agent serves it.
+REPORTS_HOST = "reports"
 # What a host name may hold: labels of letters, digits, ``-`` and ``_`` (as hosts are named in
 # practice), separated by dots.
 _HOST_NAME = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?(\.[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?)*")
