@@ -165,12 +165,17 @@ def parse_message(body: Any) -> Operation:
         raise errors.InvalidOperation(
             f"Invalid operation message: {exc.message}", operation=body.get("operation")
         ) from exc
+    # Only the canonical form (lower case, dashes, nothing around it): the uuid names the instance's
+    # directories, which inventory reports and ``ferry audit`` recognise by that form alone.
     try:
-        uuid.UUID(body["instance_uuid"])
-    except ValueError as exc:
+        canonical = str(uuid.UUID(body["instance_uuid"])) == body["instance_uuid"]
+    except ValueError:
+        canonical = False
+    if not canonical:
         raise errors.InvalidOperation(
-            f"Invalid instance uuid {body['instance_uuid']!r}.", operation=body["operation"]
-        ) from exc
+            f"Invalid instance uuid {body['instance_uuid']!r}: not a uuid in its canonical form.",
+            operation=body["operation"],
+        )
     return Operation(
         name=body["operation"],
         operation_id=body["operation_id"],
@@ -202,6 +207,25 @@ def operation_delay(operation: str) -> float:
             except ValueError:
                 return 0.0
     return 0.0
+
+
+# The volume files a spawn makes: each listed before it is made, with its identity (``disks.file_identity``)
+# once made, so that undoing the spawn removes only a file it made, never one another attempt put there.
+CreatedVolumes = dict[Path, tuple[int, int] | None]
+
+
+def _created_volumes(record: dict[str, Any]) -> CreatedVolumes:
+    """The volume files a spawn record lists, with the identity it recorded for each (None: none)."""
+    identities = record.get("created_volume_files")
+    identities = identities if isinstance(identities, dict) else {}
+    created: CreatedVolumes = {}
+    for path in record.get("created_volumes", []):
+        made = identities.get(path)
+        if isinstance(made, list) and len(made) == 2 and all(isinstance(n, int) for n in made):
+            created[Path(path)] = (made[0], made[1])
+        else:
+            created[Path(path)] = None
+    return created
 
 
 class _TakenBack(Exception):
@@ -1074,14 +1098,15 @@ class HostAgent(MoveOperations):
         created here, sparse, with the content of its ``source_image`` if it has one, only in one of
         the volumes directories (``volumes_dirs``): a spawn that would make one elsewhere is
         refused before anything is touched. An existing path (a block device in production) is
-        never written.
+        never written, nor is a file that appears at the path while the spawn writes the volume
+        (another attempt to boot the server made it): the spawn then fails and leaves it.
 
         The instance directory is this spawn's when its record (``spawn.json``) names the
         operation: a guest that exists then is this spawn done before, only powered on if asked,
         and a root disk in it was written by an interrupted attempt. A guest or directory without
         that record is an earlier operation's leftover (a spawn goes only to a host the server is
         new to) and is removed first. On failure the spawn leaves nothing behind: no guest, no
-        instance directory, no volume file it created (in any attempt).
+        instance directory, no volume file it created (in any attempt) that is still the file it made.
 
         Raises:
             SpawnFailed, ImageDownloadFailed, DiskCopyFailed, HypervisorError, InvalidOperation.
@@ -1103,7 +1128,7 @@ class HostAgent(MoveOperations):
             self.driver.destroy(uuid)
             disks.remove_dir(directory)
             record = {}
-        created_volumes = [Path(p) for p in record.get("created_volumes", [])]
+        created_volumes = _created_volumes(record)
         try:
             directory.mkdir(parents=True, exist_ok=True)
             self._write_spawn_record(op, created_volumes)
@@ -1153,17 +1178,20 @@ class HostAgent(MoveOperations):
             logger.info("cached image removed: unused", extra={"host": self.host, "path": str(path)})
         return removed
 
-    def _undo_spawn(self, op: Operation, created_volumes: list[Path]) -> None:
+    def _undo_spawn(self, op: Operation, created_volumes: CreatedVolumes) -> None:
         try:
             self.driver.destroy(op.instance_uuid)
             disks.remove_instance_dir(self.instances_dir, op.instance_uuid)
-            for path in created_volumes:
+            for path, made in created_volumes.items():
                 target = disks.volume_target(path, self.volumes_dirs)
-                if target is not None:
-                    target.unlink(missing_ok=True)
-                else:
+                if target is None:
                     logger.warning("a volume file the spawn's record names outside the volumes directories is left",
                                    extra={**self._context(op), "path": str(path)})
+                elif not (made is not None and disks.remove_file_made(target, made)) and os.path.lexists(target):
+                    # Another attempt's (another host booting the server made it since), or one whose
+                    # making this spawn could not record: it may be in use.
+                    logger.warning("a volume file the spawn did not make is left",
+                                   extra={**self._context(op), "path": str(target)})
         except Exception:
             # Never hide the spawn's own error behind the cleanup's.
             logger.exception("cleaning up a failed spawn failed", extra=self._context(op))
@@ -1185,13 +1213,16 @@ class HostAgent(MoveOperations):
             )
         return target
 
-    def _write_spawn_record(self, op: Operation, created_volumes: list[Path]) -> None:
-        """Name the spawn in its instance directory, with the volume files it creates (before it creates them)."""
+    def _write_spawn_record(self, op: Operation, created_volumes: CreatedVolumes) -> None:
+        """Name the spawn in its instance directory, with the volume files it creates (before it creates
+        them) and the identity of each once made."""
         write_record(disks.instance_dir(self.instances_dir, op.instance_uuid),
-                     {"operation_id": op.operation_id, "created_volumes": [str(p) for p in created_volumes]},
+                     {"operation_id": op.operation_id, "created_volumes": [str(p) for p in created_volumes],
+                      "created_volume_files": {str(p): list(made) for p, made in created_volumes.items()
+                                               if made is not None}},
                      SPAWN_RECORD)
 
-    def _prepare_disks(self, op: Operation, created_volumes: list[Path]) -> list[DiskSpec]:
+    def _prepare_disks(self, op: Operation, created_volumes: CreatedVolumes) -> list[DiskSpec]:
         instance_uuid, args = op.instance_uuid, op.args
         flavor, image, volumes = args["flavor"], args["image"], args["volumes"]
         cacheable = self.use_image_cache and image is not None and image.get("cache", True)
@@ -1228,15 +1259,32 @@ class HostAgent(MoveOperations):
                 # resolved it, not through a link put in the path since.
                 target = self._volume_file(op, volume["path"])
                 size = int(volume["size_gb"]) * disks.GiB
-                created_volumes.append(target)
+                created_volumes[target] = None
                 self._write_spawn_record(op, created_volumes)
                 for leftover in disks.remove_abandoned_parts(target.parent, target.name):
                     logger.info("removed a file an interrupted write of the volume left",
                                 extra={**self._context(op), "path": str(leftover)})
-                if volume.get("source_image"):
-                    disks.create_root_disk(self.s3, volume["source_image"], size, target, cache_dir=cache)
-                else:
-                    disks.create_sparse(target, size)
+                source_image = volume.get("source_image")
+                try:
+                    # Never over a file made meanwhile: volumes are shared storage, and another
+                    # attempt to boot the server (rescheduled to another host while this one ran
+                    # long) may have made the volume and booted from it.
+                    if source_image:
+                        with self._cached_image_in_use(source_image["sha256"].lower() if cache is not None else None):
+                            disks.create_root_disk(self.s3, source_image, size, target, cache_dir=cache,
+                                                   exclusive=True)
+                    else:
+                        disks.create_sparse(target, size, exclusive=True)
+                except disks.FileTaken as exc:
+                    del created_volumes[target]
+                    self._write_spawn_record(op, created_volumes)
+                    raise errors.SpawnFailed(
+                        f"The file of volume {volume['volume_id']} ({target}) was made by another attempt to "
+                        f"boot instance {instance_uuid} while this one wrote it; it is left to that attempt.",
+                        instance_uuid=instance_uuid,
+                    ) from exc
+                created_volumes[target] = disks.file_identity(target)
+                self._write_spawn_record(op, created_volumes)
                 protocol.mark_volume_dir(target.parent)
         except OSError as exc:
             raise errors.SpawnFailed(

@@ -89,6 +89,9 @@ MANIFEST_SUFFIX = ".manifest.json"
 # Multipart part size of a transfer upload (S3's minimum part is 5 MiB); parts in flight at once.
 TRANSFER_PART_SIZE = 8 * MiB
 TRANSFER_CONCURRENCY = 4
+# S3 takes at most 10,000 parts of at most 5 GiB each; a transfer aims below the count, with a margin.
+TRANSFER_MAX_PARTS = 9_000
+TRANSFER_MAX_PART_SIZE = 5 * GiB
 # Drills only: the MiB per second every disk stream of this process is held to (unset: no limit).
 THROTTLE_ENV = "FERRY_DISK_THROTTLE_MIBPS"
 
@@ -206,6 +209,33 @@ def remove_volume_file(path: str | os.PathLike[str], volume_id: str) -> bool:
     return True
 
 
+def file_identity(path: str | os.PathLike[str]) -> tuple[int, int]:
+    """The ``(st_dev, st_ino)`` of the file at ``path`` (a link there is not followed): which file it is.
+
+    Raises:
+        OSError: there is none.
+    """
+    found = os.lstat(path)
+    return found.st_dev, found.st_ino
+
+
+def remove_file_made(path: str | os.PathLike[str], identity: tuple[int, int]) -> bool:
+    """Delete ``path`` if it is still the file ``identity`` (:func:`file_identity`) names; whether it did.
+
+    On shared storage another host may have put another file at the name since: that one is left.
+
+    Raises:
+        OSError: the file cannot be removed.
+    """
+    try:
+        if file_identity(path) != tuple(identity):
+            return False
+    except FileNotFoundError:
+        return False
+    Path(path).unlink(missing_ok=True)
+    return True
+
+
 def inside(path: str | os.PathLike[str], directories: Iterable[str | os.PathLike[str]]) -> bool:
     """Whether ``path`` lies within one of ``directories`` (beneath it, not the directory itself)
     once ``..`` and symbolic links are resolved (the directories' too). A relative path, or one
@@ -227,8 +257,8 @@ def volume_target(path: str | os.PathLike[str], directories: Iterable[str | os.P
 
     Resolved when the file is about to be written or removed, so that the write goes to the
     directory that was checked, not through a link put in place of one since. A link at the
-    file's own name is never followed: a write renames over it, :func:`grow` refuses it and
-    :func:`remove_volume_file` leaves it.
+    file's own name is never followed: an ``exclusive`` write (a spawn's) fails on it
+    (:class:`FileTaken`), :func:`grow` refuses it and :func:`remove_volume_file` leaves it.
     """
     roots = list(directories)
     path = Path(path)
@@ -360,12 +390,25 @@ def _held_part(dest: Path) -> tuple[int, Path]:
         os.close(fd)
 
 
+class FileTaken(Exception):
+    """A file made ``exclusive`` found another at its name (made meanwhile by someone else), left as it was.
+
+    Not an OSError, so that the writers' handlers of I/O errors let it through as it is.
+    """
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(f"{path} was made by someone else meanwhile.")
+        self.path = path
+
+
 @contextmanager
-def _temp_beside(dest: Path) -> Iterator[tuple[IO[bytes], Path]]:
+def _temp_beside(dest: Path, *, exclusive: bool = False) -> Iterator[tuple[IO[bytes], Path]]:
     """A temporary file in ``dest``'s directory, renamed to ``dest`` on success and removed on failure.
 
     The file is held while it is written, and renamed before it is let go: a sweep of abandoned
     temporary files (:func:`remove_abandoned_parts`) never takes one that is being written.
+    ``exclusive`` never replaces a file at ``dest``: the temporary file is hard-linked there
+    instead of renamed, and a file found there is left and :class:`FileTaken` raised.
     """
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = _held_part(dest)
@@ -374,7 +417,14 @@ def _temp_beside(dest: Path) -> Iterator[tuple[IO[bytes], Path]]:
             yield out, tmp
             out.flush()
             os.fsync(out.fileno())
-            os.replace(tmp, dest)
+            if not exclusive:
+                os.replace(tmp, dest)
+            else:
+                try:
+                    os.link(tmp, dest)
+                except FileExistsError:
+                    raise FileTaken(dest) from None
+                tmp.unlink()
         sync_dir(dest.parent)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -630,33 +680,37 @@ class _NotTheExpectedContent(Exception):
 
 
 def copy_sparse_verified(src: str | os.PathLike[str], dst: str | os.PathLike[str], expected: str,
-                         chunk_size: int = CHUNK_SIZE, algorithm: str = SHA256) -> bool:
+                         chunk_size: int = CHUNK_SIZE, algorithm: str = SHA256, *, exclusive: bool = False) -> bool:
     """:func:`copy_sparse`, but ``dst`` appears only when the copy's digest is ``expected``.
+
+    ``exclusive``: a file at ``dst`` is never replaced (:class:`FileTaken`).
 
     Returns:
         Whether it did; when not, nothing is left at ``dst``.
 
     Raises:
         DiskCopyFailed: reading or writing failed, or ``src`` changed size during the copy.
+        FileTaken: with ``exclusive``, a file appeared at ``dst`` meanwhile.
     """
     try:
-        copy_sparse_digest(src, dst, chunk_size, algorithm, expected=expected)
+        copy_sparse_digest(src, dst, chunk_size, algorithm, expected=expected, exclusive=exclusive)
     except _NotTheExpectedContent:
         return False
     return True
 
 
 def copy_sparse_digest(src: str | os.PathLike[str], dst: str | os.PathLike[str], chunk_size: int = CHUNK_SIZE,
-                       algorithm: str = SHA256, *, expected: str | None = None) -> Digest:
+                       algorithm: str = SHA256, *, expected: str | None = None, exclusive: bool = False) -> Digest:
     """:func:`copy_sparse`, returning the digest object itself (to extend with :func:`grown_digest`).
 
     With ``expected``, a copy of another digest is removed before it takes ``dst``'s name
-    (``_NotTheExpectedContent``), so a crash never leaves an unchecked file there.
+    (``_NotTheExpectedContent``), so a crash never leaves an unchecked file there. With
+    ``exclusive``, a file at ``dst`` is never replaced (:class:`FileTaken`).
     """
     src_path, dst_path = Path(src), Path(dst)
     hasher = DIGESTS[algorithm]()
     try:
-        with open(src_path, "rb") as fin, _temp_beside(dst_path) as (out, _tmp):
+        with open(src_path, "rb") as fin, _temp_beside(dst_path, exclusive=exclusive) as (out, _tmp):
             size = os.fstat(fin.fileno()).st_size
             writer = _SparseWriter(out)
             pace = _Pace()
@@ -699,19 +753,23 @@ def download_image(
     dest: str | os.PathLike[str],
     expected_sha256: str,
     chunk_size: int = CHUNK_SIZE,
+    *,
+    exclusive: bool = False,
 ) -> int:
     """Stream ``s3://bucket/key`` to ``dest`` (sparse), verifying its sha256; return its size in bytes.
 
-    ``dest`` appears atomically and only with the expected content.
+    ``dest`` appears atomically and only with the expected content; with ``exclusive``, never
+    in place of a file there (:class:`FileTaken`).
 
     Raises:
         ImageDownloadFailed: the object cannot be read, writing failed, or the checksum differs.
+        FileTaken: with ``exclusive``, a file appeared at ``dest`` meanwhile.
     """
     dest_path = Path(dest)
     hasher = hashlib.sha256()
     size = 0
     try:
-        with _temp_beside(dest_path) as (out, _tmp):
+        with _temp_beside(dest_path, exclusive=exclusive) as (out, _tmp):
             body = s3_client.get_object(Bucket=bucket, Key=key)["Body"]
             writer = _SparseWriter(out)
             pace = _Pace()
@@ -758,21 +816,24 @@ def grow(path: str | os.PathLike[str], size_bytes: int) -> int:
         os.close(fd)
 
 
-def create_sparse(path: str | os.PathLike[str], size_bytes: int) -> Path:
+def create_sparse(path: str | os.PathLike[str], size_bytes: int, *, exclusive: bool = False) -> Path:
     """Create an empty (all-hole) disk of ``size_bytes``; an existing disk is kept and grown if smaller.
 
-    A symbolic link at ``path`` is never followed (see :func:`grow`).
+    A symbolic link at ``path`` is never followed (see :func:`grow`). With ``exclusive`` a file at
+    ``path`` is neither grown nor replaced: it is left, and :class:`FileTaken` raised.
 
     Raises:
         OSError: the file cannot be created, or ``path`` is a symbolic link.
+        FileTaken: with ``exclusive``, there is a file at ``path``.
     """
     target = Path(path)
-    try:
-        grow(target, size_bytes)
-        return target
-    except FileNotFoundError:
-        pass
-    with _temp_beside(target) as (out, _tmp):
+    if not exclusive:
+        try:
+            grow(target, size_bytes)
+            return target
+        except FileNotFoundError:
+            pass
+    with _temp_beside(target, exclusive=exclusive) as (out, _tmp):
         out.truncate(size_bytes)
     return target
 
@@ -784,12 +845,14 @@ def create_root_disk(
     dest: str | os.PathLike[str],
     cache_dir: str | os.PathLike[str] | None = None,
     chunk_size: int = CHUNK_SIZE,
+    *,
+    exclusive: bool = False,
 ) -> int:
     """Write a root disk from an image in S3 (raw or sparse) and grow it to ``root_bytes``; return its size.
 
     ``root_bytes == 0`` (a flavor with ``root_gb`` 0) keeps the image's own size, as Nova does.
     With ``cache_dir`` the image is downloaded once per checksum into the cache and copied
-    (sparse, verified) from there.
+    (sparse, verified) from there. With ``exclusive`` the disk never replaces a file at ``dest``.
 
     Args:
         image: ``{"id", "bucket", "key", "sha256"}``.
@@ -798,6 +861,7 @@ def create_root_disk(
         SpawnFailed: the image is larger than the root disk.
         ImageDownloadFailed: the image cannot be fetched or its checksum differs.
         DiskCopyFailed: copying from the cache failed.
+        FileTaken: with ``exclusive``, a file appeared at ``dest`` meanwhile (it is left as it is).
     """
     dest_path = Path(dest)
     bucket, key, expected = image["bucket"], image["key"], image["sha256"].lower()
@@ -821,7 +885,7 @@ def create_root_disk(
                                          bucket=bucket, key=key)
     fetch = _download_sparse_image if sparse else download_image
     if cache_dir is None:
-        fetch(s3_client, bucket, key, dest_path, expected, chunk_size)
+        fetch(s3_client, bucket, key, dest_path, expected, chunk_size, exclusive=exclusive)
     else:
         cached = Path(cache_dir) / expected
         if cached.exists():
@@ -829,11 +893,11 @@ def create_root_disk(
         else:
             fetch(s3_client, bucket, key, cached, expected, chunk_size)
         # Checked before the copy takes its name: a root disk that exists is a verified one.
-        if not copy_sparse_verified(cached, dest_path, expected, chunk_size, algorithm):
+        if not copy_sparse_verified(cached, dest_path, expected, chunk_size, algorithm, exclusive=exclusive):
             # The cached copy rotted on disk: drop it, and fetch the image afresh.
             cached.unlink(missing_ok=True)
             fetch(s3_client, bucket, key, cached, expected, chunk_size)
-            if not copy_sparse_verified(cached, dest_path, expected, chunk_size, algorithm):
+            if not copy_sparse_verified(cached, dest_path, expected, chunk_size, algorithm, exclusive=exclusive):
                 raise errors.ImageDownloadFailed(f"Image {image.get('id')} changed while it was being copied.")
     if root_bytes > 0 and os.path.getsize(dest_path) > root_bytes:
         # The object changed between its size check and its download.
@@ -1159,6 +1223,18 @@ class _ExtentReader:
         return False
 
 
+def transfer_part_size(size: int, minimum: int = TRANSFER_PART_SIZE) -> int:
+    """The part size of a multipart upload of at most ``size`` bytes: ``minimum``, or more when the
+    upload would otherwise take more than :data:`TRANSFER_MAX_PARTS` parts; a whole number of MiB,
+    at most S3's largest part (:data:`TRANSFER_MAX_PART_SIZE`).
+
+    A disk's data is sent as a stream the transfer manager cannot measure (:class:`_ExtentReader`),
+    so the manager keeps the part size it is given, and S3 refuses a part beyond the 10,000th.
+    """
+    needed = -(-size // TRANSFER_MAX_PARTS)  # ceiling division
+    return min(max(minimum, -(-needed // MiB) * MiB), TRANSFER_MAX_PART_SIZE)
+
+
 def upload_disk(
     s3_client: Any,
     path: str | os.PathLike[str],
@@ -1175,17 +1251,22 @@ def upload_disk(
     and sent, and memory holds at most a few parts. Sending again replaces both objects. The
     manifest carries the ``algorithm`` digest (:data:`DIGESTS`) of the whole disk.
 
+    Args:
+        part_size: the smallest part; parts are larger for a disk whose logical size (the most
+            data it can hold) would need too many (:func:`transfer_part_size`).
+
     Raises:
         DiskCopyFailed: the disk cannot be read or the upload failed.
     """
     source = Path(path)
     key = transfer_key(prefix, kind)
-    config = TransferConfig(
-        multipart_threshold=part_size, multipart_chunksize=part_size, max_concurrency=TRANSFER_CONCURRENCY
-    )
     try:
         with open(source, "rb") as f:
             reader = _ExtentReader(f, os.fstat(f.fileno()).st_size, chunk_size, algorithm)
+            part = transfer_part_size(reader.size, part_size)
+            config = TransferConfig(
+                multipart_threshold=part, multipart_chunksize=part, max_concurrency=TRANSFER_CONCURRENCY
+            )
             aws.upload_fileobj(s3_client, reader, bucket, key, Config=config)
             if reader.read(1):
                 raise errors.DiskCopyFailed(f"The upload of {source} stopped before its end.")
@@ -1260,14 +1341,18 @@ def download_disk(
     expected_sha256: str | None = None,
     expected_size: int | None = None,
     chunk_size: int = CHUNK_SIZE,
+    *,
+    exclusive: bool = False,
 ) -> Transferred:
     """Rebuild a transferred disk at ``dest``: each extent written in place in a sparse file.
 
     The disk's digest must match its manifest and, when given, ``expected_sha256`` and
-    ``expected_size`` (what the sender reported). ``dest`` appears atomically and only when verified.
+    ``expected_size`` (what the sender reported). ``dest`` appears atomically and only when
+    verified; with ``exclusive``, never in place of a file there.
 
     Raises:
         DiskCopyFailed: the transfer is missing, incomplete, inconsistent or corrupt, or writing failed.
+        FileTaken: with ``exclusive``, a file appeared at ``dest`` meanwhile.
     """
     dest_path = Path(dest)
     data_key, man_key = transfer_key(prefix, kind), manifest_key(prefix, kind)
@@ -1288,7 +1373,7 @@ def download_disk(
             )
         hasher = DIGESTS[algorithm]()
         data_bytes = 0
-        with _temp_beside(dest_path) as (out, _tmp):
+        with _temp_beside(dest_path, exclusive=exclusive) as (out, _tmp):
             body = s3_client.get_object(Bucket=bucket, Key=data_key)["Body"]
             try:
                 writer = _SparseWriter(out)
@@ -1411,12 +1496,14 @@ def upload_sparse_image(
 
 
 def _download_sparse_image(
-    s3_client: Any, bucket: str, key: str, dest: str | os.PathLike[str], expected_sha256: str, chunk_size: int
+    s3_client: Any, bucket: str, key: str, dest: str | os.PathLike[str], expected_sha256: str, chunk_size: int,
+    *, exclusive: bool = False,
 ) -> int:
     """Rebuild a sparse image's disk at ``dest`` from its extents, verified; return its size.
 
     Raises:
         ImageDownloadFailed: the pointer, manifest or data are missing or do not match.
+        FileTaken: with ``exclusive``, a file appeared at ``dest`` meanwhile.
     """
     try:
         body = s3_client.get_object(Bucket=bucket, Key=key)["Body"]
@@ -1425,7 +1512,7 @@ def _download_sparse_image(
         finally:
             body.close()
         got = download_disk(s3_client, bucket, str(pointer["prefix"]), str(pointer["kind"]), dest,
-                            expected_sha256=expected_sha256, chunk_size=chunk_size)
+                            expected_sha256=expected_sha256, chunk_size=chunk_size, exclusive=exclusive)
     except (ValueError, TypeError, KeyError) as exc:
         raise errors.ImageDownloadFailed(f"Image s3://{bucket}/{key} is not a valid sparse image: {exc}",
                                          bucket=bucket, key=key) from exc

@@ -32,7 +32,7 @@ import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
@@ -339,12 +339,13 @@ def _reconnecting(
             return method(self, *args, **kwargs)
         self._calls.active = True
         try:
+            used = self._conn
             try:
                 return method(self, *args, **kwargs)
             except (errors.HypervisorError, libvirt.libvirtError) as exc:
                 if not self._connection_lost(exc) or _failed_reopening(exc):
                     raise
-                self._reconnect()
+                self._reconnect(stale=used)
             return method(self, *args, **kwargs)
         finally:
             self._calls.active = False
@@ -389,6 +390,14 @@ def _replace_file(target: Path, content: bytes) -> None:
         out.flush()
         os.fsync(out.fileno())
     os.replace(tmp, target)
+
+
+@dataclass
+class _GuestLock:
+    """The lock of one guest, and how many calls hold or wait for it (it goes when none does)."""
+
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    users: int = 0
 
 
 class LibvirtDriver(Driver):
@@ -460,7 +469,14 @@ class LibvirtDriver(Driver):
         self.device_detach_attempts = max(1, device_detach_attempts)
         self.device_detach_timeout = device_detach_timeout
         self.device_poll_interval = device_poll_interval
+        # Held only to swap the connection (reopen, close), never across a call on it: a driver call
+        # that waits (a guest slow to release a device or to stop) must not stall the others.
         self._lock = threading.RLock()
+        # One lock per guest being changed (_guest_lock), so that one guest's changes never interleave.
+        self._guest_locks: dict[str, _GuestLock] = {}
+        self._guest_locks_guard = threading.Lock()
+        # Writers of the test node description (persist_test_guests), one at a time.
+        self._save_lock = threading.Lock()
         # Whether O_DIRECT works, by directory holding disk files (see _cache_mode).
         self._direct_io: dict[Path, bool] = {}
         # Per thread: whether a driver call is running, so that only the outermost one is repeated
@@ -482,7 +498,7 @@ class LibvirtDriver(Driver):
         """Write the guests and their run state into the test node description (``persist_test_guests``)."""
         if self._test_node_file is None:
             return
-        with self._lock, _hypervisor_errors("save the test hypervisor's guests"):
+        with self._save_lock, _hypervisor_errors("save the test hypervisor's guests"):
             node = ET.parse(self._test_node_file).getroot()
             for old in node.findall("domain"):
                 node.remove(old)
@@ -517,12 +533,35 @@ class LibvirtDriver(Driver):
             return False
         return _is_connection_error(cause) or not self._alive()
 
-    def _reconnect(self) -> None:
-        """Close the (dead) connection and open a new one; domain handles of the old one are void."""
+    def _reconnect(self, stale: libvirt.virConnect | None = None) -> None:
+        """Close the (dead) connection and open a new one; domain handles of the old one are void.
+
+        Args:
+            stale: the connection a call found gone; when another thread has replaced it already,
+                the new one is kept (it may be in use).
+        """
         with self._lock:
+            if stale is not None and self._conn is not stale:
+                return
             self.close()
             with _hypervisor_errors(_REOPEN):
                 self._conn = libvirt.open(self.uri)
+
+    @contextmanager
+    def _guest_lock(self, instance_uuid: str) -> Iterator[None]:
+        """Hold the guest ``instance_uuid`` for a change made of several libvirt calls (reading its
+        definition, then changing it); other guests' calls and every read go on meanwhile."""
+        with self._guest_locks_guard:
+            held = self._guest_locks.setdefault(instance_uuid, _GuestLock())
+            held.users += 1
+        try:
+            with held.lock:
+                yield
+        finally:
+            with self._guest_locks_guard:
+                held.users -= 1
+                if not held.users:
+                    del self._guest_locks[instance_uuid]
 
     def close(self) -> None:
         with self._lock:
@@ -647,10 +686,9 @@ class LibvirtDriver(Driver):
         directory = Path(os.path.abspath(path)).parent
         if self.disk_path is not None and directory.is_relative_to(self.disk_path):
             directory = self.disk_path
-        with self._lock:
-            direct = self._direct_io.get(directory)
-            if direct is None:
-                direct = self._direct_io[directory] = _supports_direct_io(directory)
+        direct = self._direct_io.get(directory)
+        if direct is None:  # two calls probing at once find the same
+            direct = self._direct_io[directory] = _supports_direct_io(directory)
         return "none" if direct else "writethrough"
 
     # -- Driver
@@ -658,7 +696,7 @@ class LibvirtDriver(Driver):
     @_reconnecting
     def define_guest(self, spec: GuestSpec) -> None:
         _check_devices(spec)
-        with self._lock, _hypervisor_errors("define guest", spec.instance_uuid):
+        with self._guest_lock(spec.instance_uuid), _hypervisor_errors("define guest", spec.instance_uuid):
             self.connection.defineXML(self.guest_xml(spec))
         self._save_test_guests()
 
@@ -669,7 +707,7 @@ class LibvirtDriver(Driver):
         Raises:
             GuestNotFound, HypervisorError.
         """
-        with self._lock:
+        with self._guest_lock(instance_uuid):
             dom = self._domain(instance_uuid)
             with _hypervisor_errors("power on", instance_uuid):
                 state, _reason = dom.state()
@@ -754,7 +792,7 @@ class LibvirtDriver(Driver):
 
     @_reconnecting
     def destroy(self, instance_uuid: str) -> None:
-        with self._lock:
+        with self._guest_lock(instance_uuid):
             dom = self._lookup(instance_uuid)
             if dom is None:
                 return
@@ -816,7 +854,7 @@ class LibvirtDriver(Driver):
     def attach_volume(self, instance_uuid: str, disk: DiskSpec) -> None:
         if disk.kind != VOLUME or not disk.volume_id:
             raise errors.InvalidOperation("Only volumes can be attached to a guest.", instance_uuid=instance_uuid)
-        with self._lock:
+        with self._guest_lock(instance_uuid):
             spec = self.guest_spec(instance_uuid)
             known = next((d for d in spec.disks if d.volume_id == disk.volume_id), None)
             if known is not None and not self.live_device_updates:
@@ -827,7 +865,7 @@ class LibvirtDriver(Driver):
 
     @_reconnecting
     def detach_volume(self, instance_uuid: str, volume_id: str) -> None:
-        with self._lock:
+        with self._guest_lock(instance_uuid):
             spec = self.guest_spec(instance_uuid)
             found = [d for d in spec.disks if d.volume_id == volume_id]
             if not found and not self.live_device_updates:
@@ -840,7 +878,7 @@ class LibvirtDriver(Driver):
 
     @_reconnecting
     def attach_interface(self, instance_uuid: str, port: PortSpec) -> None:
-        with self._lock:
+        with self._guest_lock(instance_uuid):
             spec = self.guest_spec(instance_uuid)
             known = next((p for p in spec.ports if p.port_id == port.port_id), None)
             if known is not None and not self.live_device_updates:
@@ -850,7 +888,7 @@ class LibvirtDriver(Driver):
 
     @_reconnecting
     def detach_interface(self, instance_uuid: str, port_id: str) -> None:
-        with self._lock:
+        with self._guest_lock(instance_uuid):
             spec = self.guest_spec(instance_uuid)
             found = [p for p in spec.ports if p.port_id == port_id]
             if not found and not self.live_device_updates:

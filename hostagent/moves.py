@@ -24,7 +24,6 @@ import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import quote
 
 from aws_lambda_powertools.metrics import MetricUnit
 from botocore.exceptions import BotoCoreError, ClientError
@@ -52,8 +51,6 @@ if TYPE_CHECKING:
 MOVE_RECORD = "migration.json"
 # The spawn that made an instance directory (hostagent.agent), with the volume files it created.
 SPAWN_RECORD = "spawn.json"
-
-
 def volume_disks(volumes: list[dict[str, Any]], boot_from_volume: bool) -> list[DiskSpec]:
     """The guest disks of attached volumes; with ``boot_from_volume`` the lowest boot_index boots."""
     boot_volume = None
@@ -656,7 +653,7 @@ class MoveOperations:
             )
         metadata = {
             "image-id": image_id,
-            "name": quote(snapshot["name"], safe=""),
+            "name": protocol.image_metadata_name(snapshot["name"]),
             "disk-format": "raw",
             "container-format": "bare",
             "min-disk": "0",

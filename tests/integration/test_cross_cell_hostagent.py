@@ -13,7 +13,7 @@ from botocore.exceptions import ClientError
 from digest_helpers import block_digest
 from test_hostagent_resize import IMAGES, NEW, PORTS, boot, finish_revert_args, logical_sha256
 
-from ferry import protocol
+from ferry import images, protocol
 from hostagent import disks
 from hostagent.driver import NOSTATE, RUNNING
 
@@ -60,6 +60,26 @@ def test_snapshot_prep_uploads_the_root_disk_as_an_image_and_keeps_the_disks(clo
         image_digest, "sha256-blocks", "extents", str(root.stat().st_size), str(snapshot["data_bytes"]))
     assert (meta["disk-format"], meta["name"], meta["image-id"]) == ("raw", "web-1-resize-temp", image_id)
     assert (meta["visibility"], meta["owner"]) == ("private", "project-a")
+
+
+def test_a_snapshot_of_a_server_with_a_long_non_ascii_name_stays_within_s3s_metadata_size(cloud, source):
+    # GIVEN a server named with 255 characters outside ASCII (12 bytes each, percent-encoded)
+    server = boot(source)
+    migration_uuid, image_id = str(uuid.uuid4()), str(uuid.uuid4())
+    args = snapshot_args(migration_uuid, image_id)
+    name = "\U0001f680" * 200 + "\u00e9" * 55 + "-resize-temp"
+    args["snapshot"]["name"] = name
+
+    # WHEN its root disk is snapshotted
+    source.ok(OP, server.uuid, args)
+
+    # THEN the image's metadata fits in S3's 2 KB (moto does not enforce it; S3 refuses more)
+    meta = cloud.s3.head_object(Bucket=IMAGES, Key=f"images/{image_id}")["Metadata"]
+    assert sum(len(k.encode()) + len(v.encode()) for k, v in meta.items()) <= 2048 - 512
+    # and the image API reads back the name's beginning and its end, the move's suffix included
+    shown = images.get_image(image_id)["name"]
+    assert shown.startswith("\U0001f680" * 40) and shown.endswith("\u00e9" * 20 + "-resize-temp")
+    assert "\ufffd" not in shown and len(shown) < len(name)
 
 
 def test_snapshot_prep_run_again_returns_the_same_snapshot_without_sending_it_again(cloud, source):

@@ -135,6 +135,34 @@ def test_a_large_disk_is_sent_in_parts(s3, tmp_path):
     assert dst.read_bytes() == content
 
 
+def test_the_part_size_keeps_every_upload_within_s3s_part_count():
+    # S3 refuses a multipart upload's 10,001st part; the transfer manager cannot size a stream.
+    assert {disks.transfer_part_size(size) for size in (0, MiB, 20 * GiB, 70 * GiB)} == {8 * MiB}
+    for size in (200 * GiB, 2**40, 5 * 2**40):  # 5 TiB: S3's largest object
+        part = disks.transfer_part_size(size)
+        assert part % MiB == 0 and 8 * MiB < part <= 5 * GiB
+        assert -(-size // part) <= 10_000
+    assert disks.transfer_part_size(100 * 2**40) == 5 * GiB  # S3's largest part
+    assert disks.transfer_part_size(GiB, minimum=5 * MiB) == 5 * MiB
+
+
+def test_a_disk_too_large_for_8_mib_parts_is_sent_in_larger_ones(s3, tmp_path):
+    # GIVEN a 200 GiB disk: filled, it would take 25,600 parts of 8 MiB
+    src = tmp_path / "src"
+    with open(src, "wb") as f:
+        f.write(os.urandom(30 * MiB))
+        f.truncate(200 * GiB)
+    parts = _count_calls(s3, "UploadPart")
+
+    # WHEN it is sent
+    sent = disks.upload_disk(s3, src, BUCKET, PREFIX, "root")
+
+    # THEN its parts are as large as its logical size needs (23 MiB), however little data it holds
+    assert parts == [23 * MiB, 7 * MiB] == [disks.transfer_part_size(200 * GiB), 7 * MiB]
+    assert sent.data_bytes == 30 * MiB
+    assert len(_object(s3, disks.transfer_key(PREFIX, "root"))) == 30 * MiB
+
+
 def test_sending_again_replaces_the_transfer(s3, tmp_path):
     src = tmp_path / "src"
     _sparse_file(src, 8 * MiB, {0: os.urandom(MiB)})

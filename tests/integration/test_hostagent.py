@@ -450,8 +450,10 @@ def test_a_spawn_run_again_that_fails_removes_what_its_first_attempt_made(host):
     volume_path.write_bytes(b"made by the first attempt")
     directory = disks.instance_dir(host.instances_dir, instance_uuid)
     directory.mkdir(parents=True)
+    made = list(disks.file_identity(volume_path))
     (directory / "spawn.json").write_text(json.dumps({"operation_id": operation_id,
-                                                      "created_volumes": [str(volume_path)]}))
+                                                      "created_volumes": [str(volume_path)],
+                                                      "created_volume_files": {str(volume_path): made}}))
     volume = {"volume_id": "vol-4", "path": str(volume_path), "device": "/dev/vda", "boot_index": 0, "size_gb": 1}
     args = spawn_args(None, volumes=[volume], ports=[{"id": "port-1", "mac_address": "not-a-mac"}],
                       flavor={**FLAVOR, "root_gb": 0, "ephemeral_gb": 0, "swap": 0})
@@ -606,6 +608,96 @@ def test_a_spawn_that_makes_a_volume_file_marks_its_directory(host):
     output(host.execute("spawn", str(uuid.uuid4()), args))
 
     assert (path.parent / protocol.VOLUME_DIR_MARKER).is_file()
+
+
+@pytest.mark.parametrize("kind", ["empty", "from an image"])
+def test_a_spawn_never_writes_over_a_volume_file_another_attempt_made_meanwhile(host, monkeypatch, kind):
+    # GIVEN a spawn making a volume file, and another attempt to boot the server (rescheduled to
+    # another host while this one ran long) that makes the same file while this one writes it
+    path = host.instances_dir.parent / "volumes" / "vol-31"
+    volume = {"volume_id": "vol-31", "path": str(path), "device": "/dev/vda", "boot_index": 0, "size_gb": 1}
+    if kind == "from an image":
+        volume["source_image"] = host.image(os.urandom(MiB))
+    args = spawn_args(None, volumes=[volume], flavor={**FLAVOR, "root_gb": 0, "ephemeral_gb": 0, "swap": 0})
+    sweep = disks.remove_abandoned_parts
+
+    def other_attempt_makes_it(directory: Path, name: str | None = None) -> list[Path]:
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(b"the volume another host booted from")
+        return sweep(directory, name)
+
+    monkeypatch.setattr(disks, "remove_abandoned_parts", other_attempt_makes_it)
+    instance_uuid = str(uuid.uuid4())
+
+    # WHEN the spawn finishes writing
+    error = failure(host.execute("spawn", instance_uuid, args))
+
+    # THEN it fails, leaving the other attempt's file as it was, and nothing of its own
+    assert error == "Ferry.SpawnFailed"
+    assert path.read_bytes() == b"the volume another host booted from"
+    assert [p.name for p in path.parent.iterdir() if p.name.endswith(disks.PART_SUFFIX)] == []
+    assert not host.driver.guest_exists(instance_uuid)
+    assert not disks.instance_dir(host.instances_dir, instance_uuid).exists()
+
+
+def test_a_failed_spawn_leaves_a_volume_file_another_attempt_put_in_place_of_its_own(host, monkeypatch):
+    # GIVEN a spawn that made a volume file, which another attempt replaced before the spawn failed
+    path = host.instances_dir.parent / "volumes" / "vol-32"
+    args = {**volume_boot_args("vol-32", path), "ports": [{"id": "port-1", "mac_address": "not-a-mac"}]}
+    define = host.driver.define_guest
+
+    def replaced_then_define(spec):  # type: ignore[no-untyped-def]
+        assert path.is_file()
+        other = path.with_name("vol-32.other")
+        other.write_bytes(b"another attempt's volume")
+        os.replace(other, path)
+        define(spec)
+
+    monkeypatch.setattr(host.driver, "define_guest", replaced_then_define)
+    instance_uuid = str(uuid.uuid4())
+
+    # WHEN the spawn fails and is undone
+    assert failure(host.execute("spawn", instance_uuid, args)) == "Ferry.HypervisorError"
+
+    # THEN the file it did not make is left
+    assert path.read_bytes() == b"another attempt's volume"
+    assert not disks.instance_dir(host.instances_dir, instance_uuid).exists()
+
+
+def test_a_failed_spawn_removes_the_volume_file_it_made(host):
+    path = host.instances_dir.parent / "volumes" / "vol-33"
+    args = {**volume_boot_args("vol-33", path), "ports": [{"id": "port-1", "mac_address": "not-a-mac"}]}
+
+    assert failure(host.execute("spawn", str(uuid.uuid4()), args)) == "Ferry.HypervisorError"
+
+    assert not path.exists()
+
+
+def test_a_cached_image_a_new_volume_is_copied_from_is_not_pruned_meanwhile(host, monkeypatch):
+    # GIVEN an image in the cache that no spawn used for more than its max age
+    volume_image = host.image(os.urandom(MiB))
+    output(host.execute("spawn", str(uuid.uuid4()), spawn_args(volume_image)))
+    cached = host.agent.instances_dir / disks.IMAGE_CACHE_DIR / volume_image["sha256"]
+    day_and_a_bit = time.time() - 25 * 3600
+    os.utime(cached, (day_and_a_bit, day_and_a_bit))
+    path = host.instances_dir.parent / "volumes" / "vol-34"
+    volume = {"volume_id": "vol-34", "path": str(path), "device": "/dev/vdd", "size_gb": 1,
+              "source_image": volume_image}
+    create_root_disk, pruned = disks.create_root_disk, []
+
+    def pruned_while_copying(s3, image, size, dest, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if Path(dest) == path:
+            pruned.extend(host.agent.prune_image_cache())  # the reporter thread's prune, right then
+        return create_root_disk(s3, image, size, dest, *args, **kwargs)
+
+    monkeypatch.setattr(disks, "create_root_disk", pruned_while_copying)
+
+    # WHEN a spawn makes a volume from it (beside a root disk from another image)
+    output(host.execute("spawn", str(uuid.uuid4()), spawn_args(host.image(b"x" * 4096), volumes=[volume])))
+
+    # THEN the prune kept it, and the spawn marked it used
+    assert pruned == []
+    assert cached.exists() and cached.stat().st_mtime > day_and_a_bit + 3600
 
 
 def test_a_volume_file_that_cannot_be_removed_is_left_and_the_destroy_goes_on(host, caplog):

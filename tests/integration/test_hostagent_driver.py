@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import threading
 import uuid
 import xml.etree.ElementTree as ET
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 
 import libvirt
 import pytest
@@ -22,6 +25,8 @@ from hostagent.driver import (
     guest_name,
     write_test_node_xml,
 )
+
+WAIT = 30.0
 
 
 @pytest.fixture
@@ -164,6 +169,54 @@ def test_attach_and_detach_volume_redefine_the_guest_on_the_test_driver(driver, 
     root = _domain_xml(driver, instance_uuid, libvirt.VIR_DOMAIN_XML_INACTIVE)
     assert [d.find("target").get("dev") for d in root.findall("devices/disk")] == ["vda"]
     assert [d.volume_id for d in driver.guest_spec(instance_uuid).disks] == [None]
+
+
+def test_a_detach_waiting_for_the_guest_to_let_go_stalls_no_other_driver_call(tmp_path, monkeypatch):
+    # GIVEN a running guest with a volume, on a driver that detaches live and waits for the guest
+    uri = write_test_node_xml(tmp_path / "node.xml", vcpus=12, memory_mb=24576)
+    drv = LibvirtDriver(uri, disk_path=tmp_path / "instances", live_device_updates=True, device_detach_attempts=1,
+                        device_detach_timeout=0.05, device_poll_interval=0.01)
+    instance_uuid, other_uuid = str(uuid.uuid4()), str(uuid.uuid4())
+    volume = DiskSpec(kind=VOLUME, path=str(tmp_path / "vol-1"), device="/dev/vdb", volume_id="vol-1")
+    base = _spec(instance_uuid, tmp_path)
+    drv.define_guest(_spec(instance_uuid, tmp_path, disks=(*base.disks, volume)))
+    drv.power_on(instance_uuid)
+    drv.define_guest(_spec(other_uuid, tmp_path))
+    waiting, others_done = threading.Event(), threading.Event()
+    finished_while_waiting: list[bool] = []
+    live_device, looks = drv._live_device, []
+
+    def held_in_the_wait(dom, wanted):  # type: ignore[no-untyped-def]
+        looks.append(wanted)
+        if len(looks) == 2:  # the first look once the request is sent: the detach waits for the guest
+            waiting.set()
+            finished_while_waiting.append(others_done.wait(WAIT))
+        return live_device(dom, wanted)
+
+    monkeypatch.setattr(drv, "_live_device", held_in_the_wait)
+
+    def other_calls() -> None:
+        # the reporter's listing, a read of the same guest, a change of another guest
+        drv.list_guests()
+        drv.guest_power_state(instance_uuid)
+        drv.destroy(other_uuid)
+        others_done.set()
+
+    try:
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            detaching = pool.submit(drv.detach_volume, instance_uuid, "vol-1")
+            assert waiting.wait(WAIT), "the detach never waited"
+
+            # WHEN other driver calls are made meanwhile
+            pool.submit(other_calls).result(timeout=2 * WAIT)
+            with suppress(errors.HypervisorError):  # the test driver may not release the device
+                detaching.result(timeout=2 * WAIT)
+
+        # THEN they all finished while the detach was still waiting
+        assert finished_while_waiting == [True]
+        assert not drv.guest_exists(other_uuid)
+    finally:
+        drv.close()
 
 
 def test_attach_volume_on_a_used_device_is_refused(driver, tmp_path):

@@ -207,3 +207,15 @@ def test_deleting_a_snapshot_aborts_the_uploads_a_killed_agent_left_open(cloud):
     images.delete_image(image_id)
 
     assert [u["Key"] for u in s3.list_multipart_uploads(Bucket=bucket).get("Uploads", [])] == ["images/another"]
+
+
+def test_an_image_with_a_long_non_ascii_name_stays_within_s3s_metadata_size(cloud):
+    name = "\U0001f680" * 200 + "\u00e9" * 55
+
+    image = images.upload_image(io.BytesIO(b"disk"), name)
+
+    s3 = aws.client("s3")
+    meta = s3.head_object(Bucket=config.get().image_bucket, Key=f"images/{image['id']}")["Metadata"]
+    assert sum(len(k.encode()) + len(v.encode()) for k, v in meta.items()) <= 2048 - 512
+    shown = images.get_image(image["id"])["name"]
+    assert shown.startswith("\U0001f680" * 40) and shown.endswith("\u00e9" * 20) and len(shown) < len(name)

@@ -11,6 +11,7 @@ import copy
 import errno
 import os
 import stat
+import threading
 import uuid
 import xml.etree.ElementTree as ET
 from typing import Any
@@ -696,6 +697,33 @@ def test_a_dead_connection_is_reopened_before_the_call(hypervisor, drv, tmp_path
 
     assert len(hypervisor.connections) == 2
     assert [d.volume_id for d in drv.guest_spec(instance_uuid).disks] == [None, "vol-1"]
+
+
+def test_a_call_that_lost_its_connection_keeps_the_one_another_call_reopened(hypervisor, drv, tmp_path, monkeypatch):
+    # GIVEN a detach waiting for the guest to let go when libvirtd restarts, and another call
+    # (the reporter's, in its own thread) that reopens the connection meanwhile
+    instance_uuid, guest = _running_guest(hypervisor, drv, tmp_path)
+    drv.attach_volume(instance_uuid, _volume(tmp_path))
+    guest.ignored_live_detaches = 1
+    live_device, looks = drv._live_device, []
+
+    def restarted_in_the_wait(dom, wanted):  # type: ignore[no-untyped-def]
+        looks.append(wanted)
+        if len(looks) == 2:
+            hypervisor.restart()
+            other = threading.Thread(target=drv.list_guests)
+            other.start()
+            other.join(30)
+        return live_device(dom, wanted)
+
+    monkeypatch.setattr(drv, "_live_device", restarted_in_the_wait)
+
+    # WHEN the detach finds its connection gone
+    drv.detach_volume(instance_uuid, "vol-1")
+
+    # THEN it runs again on the connection the other call opened, which stays open
+    assert len(hypervisor.connections) == 2 and not hypervisor.connections[-1].closed
+    assert _serials(guest.live) == [None] and _serials(guest.persistent) == [None]
 
 
 def test_a_daemon_still_down_fails_the_call_with_hypervisor_error(hypervisor, drv, tmp_path):

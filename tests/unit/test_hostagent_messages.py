@@ -75,6 +75,18 @@ def test_invalid_messages_raise_invalid_operation(body):
     assert caught.value.name == "Ferry.InvalidOperation"
 
 
+@pytest.mark.parametrize("spelling", [INSTANCE.upper(), "{" + INSTANCE + "}", "urn:uuid:" + INSTANCE,
+                                      INSTANCE.replace("-", ""), f" {INSTANCE}"],
+                         ids=["upper-case", "braces", "urn", "no-dashes", "space"])
+def test_a_uuid_not_in_its_canonical_form_is_refused(spelling):
+    # Its directory would have a name inventory reports and audits never recognise as an instance's.
+    with pytest.raises(errors.InvalidOperation):
+        parse_message(_spawn_body(instance_uuid=spelling))
+
+    assert protocol.INSTANCE_DIR_NAME.match(spelling) is None
+    assert protocol.INSTANCE_DIR_NAME.match(parse_message(_spawn_body()).instance_uuid)
+
+
 def test_inventory_reports_capacity_and_caps_reservations_at_the_total():
     inventory = inventory_from_capacity(
         HostCapacity(vcpus=8, memory_mb=256, disk_gb=100), reserved_vcpus=1, reserved_memory_mb=512, reserved_disk_gb=10

@@ -23,9 +23,9 @@ import hashlib
 import uuid as uuidlib
 from pathlib import Path
 from typing import Any, BinaryIO
-from urllib.parse import quote, unquote
+from urllib.parse import unquote
 
-from ferry import aws, config, errors
+from ferry import aws, config, errors, protocol
 from ferry.observability import logger
 
 PREFIX = "images/"
@@ -176,7 +176,7 @@ def upload_image(source: BinaryIO, name: str, *, image_id: str | None = None, di
     metadata once the upload is complete, which is what makes the image ``active``.
     """
     image_id = image_id or str(uuidlib.uuid4())
-    metadata = {"image-id": image_id, "name": quote(name, safe=""), "disk-format": disk_format,
+    metadata = {"image-id": image_id, "name": protocol.image_metadata_name(name), "disk-format": disk_format,
                 "container-format": container_format, "min-disk": str(min_disk), "min-ram": str(min_ram),
                 "visibility": visibility, **({"owner": owner} if owner else {})}
     s3, bucket, key = aws.client("s3"), _bucket(), _key(image_id)

@@ -14,6 +14,7 @@ import os
 import re
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from ferry import validation
 
@@ -507,3 +508,34 @@ def host_queue_name(prefix: str, host: str) -> str:
         digest = hashlib.blake2b(host.encode(), digest_size=6).hexdigest()
         name = f"{(prefix + host.replace('.', '_'))[:room - len(digest) - 1]}-{digest}"
     return name
+
+
+# --- image names in object metadata -------------------------------------------------------------
+
+# S3 keeps at most 2 KB of an object's metadata: an image's name, percent-encoded, takes at most
+# this much of it, the rest of the image's metadata about 400 bytes.
+IMAGE_NAME_BYTES = 1024
+# The last characters of a name too long for that, always kept (a move's snapshot ends
+# ``-resize-temp``, which ``ferry audit`` looks for).
+_NAME_TAIL = 32
+_ELLIPSIS = quote("\u2026", safe="")
+
+
+def image_metadata_name(name: str, limit: int = IMAGE_NAME_BYTES) -> str:
+    """``name`` percent-encoded, as an image object's metadata holds it (``ferry.images`` decodes
+    it), in at most ``limit`` bytes: a longer one keeps its beginning and its last characters
+    around an ellipsis (``…``), cut between characters, never inside one's encoding. Written by
+    the compute API's image uploads and by the host agents' snapshots."""
+    encoded = quote(name, safe="")
+    if len(encoded) <= limit:
+        return encoded
+    tail = quote(name[-_NAME_TAIL:], safe="")
+    used = len(tail) + len(_ELLIPSIS)
+    head: list[str] = []
+    for char in name:
+        piece = quote(char, safe="")
+        if used + len(piece) > limit:
+            break
+        head.append(piece)
+        used += len(piece)
+    return "".join(head) + _ELLIPSIS + tail
