@@ -182,7 +182,7 @@ TRIGGERS: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
     "resize:FinishRevertOnSourceHost": ("resize", [("MarkResized", faults.ALWAYS, "InjectedFault")]),
     "resize:RollbackMove": ("resize", [("PrepResizeAtDest", faults.ALWAYS, "InjectedFault")]),
     "resize:CheckMoveCommitted": ("resize", [("MarkResized", faults.ALWAYS, "InjectedFault")]),
-    "revert_resize:RestoreVerifyResize": ("revert", [("RevertAtDest", faults.ALWAYS, "InjectedFault")]),
+    "revert_resize:RestoreVerifyResize": ("revert", [("RevertAtDest", faults.ALWAYS, "HypervisorError")]),
     "revert_resize:FailRevert": ("revert", [("FinishRevertAtSource", faults.ALWAYS, "InjectedFault")]),
     "volume_attachment:CheckVolumeCommitted": ("attach", [("FinishVolumeOperation", faults.ALWAYS,
                                                             "InjectedFault")]),

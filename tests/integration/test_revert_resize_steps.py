@@ -232,7 +232,7 @@ def test_a_destination_that_cannot_clean_up_leaves_verify_resize_and_a_finished_
     resized = make_resized()
     event = checked(begin("revert", resized, monkeypatch))
 
-    confirm_resize.restore_verify_resize({**event, "error": {"Error": "Ferry.HostOperationFailed",
+    confirm_resize.restore_verify_resize({**event, "error": {"Error": "Ferry.HypervisorError",
                                                              "Cause": "device busy"}})
 
     row = instance_row(resized.instance_uuid)
@@ -246,6 +246,26 @@ def test_a_destination_that_cannot_clean_up_leaves_verify_resize_and_a_finished_
     assert events(resized.instance_uuid) == {revert_resize.EVENT_REVERT: "Error"}
     begin("revert", resized, monkeypatch)  # retryable
     assert instance_row(resized.instance_uuid).task_state == states.RESIZE_REVERTING
+
+
+def test_a_destination_step_that_timed_out_leaves_error_never_verify_resize(cloud, monkeypatch):
+    # GIVEN the destination's revert_resize timed out (its agent may have destroyed the guest
+    # before it stopped answering): RevertAtDest's Catch goes to FailRevert, not RestoreVerifyResize
+    resized = make_resized()
+    event = checked(begin("revert", resized, monkeypatch))
+
+    revert_resize.fail_revert({**event, "error": {"Error": "States.Timeout", "Cause": ""}})
+
+    # THEN the server is in ERROR (no confirm, no auto-confirm, deletes its old disks), its
+    # migration in error holding the source's allocation, the fault saying what may be where
+    row = instance_row(resized.instance_uuid)
+    assert (row.vm_state, row.task_state, row.host) == (states.ERROR, None, DEST)
+    assert migration_row(resized.migration_uuid).status == migration_states.ERROR
+    assert usage(SOURCE) == OLD_USAGE
+    [fault] = faults(resized.instance_uuid)
+    assert "removing the new guest and its disks on the destination host" in fault.message
+    assert f"may still be on {DEST}, or gone" in fault.details
+    assert f"{resized.instance_uuid}_resize on {SOURCE}" in fault.details
 
 
 def test_a_down_source_host_stops_the_revert_before_the_destination_is_touched(cloud, monkeypatch):

@@ -273,3 +273,12 @@ def test_a_drain_iteration_cannot_end_with_its_server_still_moving():
     for catcher in states["SettleServer"]["Catch"]:
         assert "SettleServer" in _reachable(states, catcher["Next"])
         assert "ServerSettled" not in _reachable(unsettled, catcher["Next"])
+
+
+def test_a_revert_goes_back_to_verify_resize_only_when_the_destination_removed_nothing():
+    # A confirm after the server went back to VERIFY_RESIZE deletes the source's disks: only an
+    # error that says the destination's guest is intact (HypervisorError: it could not be
+    # destroyed) may lead there; a timeout or any other failure may come after it was destroyed.
+    state = _definition(ROOT / "statemachine" / "revert_resize.asl.json")["States"]["RevertAtDest"]
+    catches = [(catcher["ErrorEquals"], catcher["Next"]) for catcher in state["Catch"]]
+    assert catches == [(["Ferry.HypervisorError"], "RestoreVerifyResize"), (["States.ALL"], "FailRevert")]

@@ -244,9 +244,10 @@ def finish_revert(event: dict[str, Any]) -> dict[str, Any]:
 
 
 def fail_revert(event: dict[str, Any]) -> dict[str, Any]:
-    """Rollback tail of a revert that failed after the destination was cleaned up.
+    """Rollback tail of a revert that failed once the destination may have been cleaned up.
 
-    No host runs the server any more, so it goes to ERROR (task cleared) and the migration to
+    No host may run the server any more (the destination's step failed in a way that does not
+    say the guest is still there, or came through), so it goes to ERROR (task cleared) and the migration to
     ``error``; the fault says which step failed, what the destination and the source hold, where
     the instance record points and which allocations the instance and the migration hold.
     """
@@ -270,10 +271,12 @@ def fail_revert(event: dict[str, Any]) -> dict[str, Any]:
                                f"The old disks are in {uuid}_resize on {source}, or already back in its "
                                f"instance directory.")
             event_name = finish_event
-        elif cells and "reverted_at_dest" not in event:
+        elif "reverted_at_dest" not in event:
+            # The destination's step failed (DestroyAtDest; RevertAtDest past a HypervisorError, a
+            # timeout above all): it may have destroyed the guest before it failed.
             step, on_source = ("removing the new guest and its disks on the destination host",
                                f"The old disks are in {uuid}_resize on {source}.")
-            on_dest, event_name = f"The new guest and its disks may still be on {dest}.", reverted_event
+            on_dest, event_name = f"The new guest and its disks may still be on {dest}, or gone.", reverted_event
         else:
             step, on_source = ("moving allocations, ports and volumes back to the source host",
                                f"The old disks are in {uuid}_resize on {source}.")
