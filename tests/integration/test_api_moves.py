@@ -34,7 +34,9 @@ from ferry.store import setup
 from ferry.store.api_models import Flavor, RequestSpec
 from ferry.store.cell_models import BlockDeviceMapping, Instance, InstanceAction, Migration
 from ferry.store.db import api_session, cell_session
+from ferry.workflows import confirm_resize as confirm_steps
 from ferry.workflows import resize as resize_steps
+from ferry.workflows import revert_resize as revert_steps
 
 MOVE_WORKFLOWS = {"resize": "RESIZE", "confirm_resize": "CONFIRM_RESIZE", "revert_resize": "REVERT_RESIZE"}
 
@@ -898,6 +900,55 @@ def test_a_revert_workflow_that_cannot_start_is_undone(cloud, monkeypatch):
     assert migrations_of(server_id)[0].status == "finished"
     assert instance(server_id).task_state is None
     assert actions_of(server_id) == []
+
+
+SETTLE_STEPS = {"confirmResize": confirm_steps.check_resize_to_confirm,
+                "revertResize": revert_steps.check_resize_to_revert}
+
+
+def start_answering_an_error(monkeypatch: pytest.MonkeyPatch, *, began: bool) -> list[dict[str, Any]]:
+    """StartExecution answers an error (and Step Functions cannot show the execution); with ``began``
+    the workflow began all the same and its first step ran. The payloads it was asked to start."""
+    payloads: list[dict[str, Any]] = []
+
+    def start(arn: str, name: str, payload: dict[str, Any]) -> str:
+        payloads.append(payload)
+        if began:
+            step = confirm_steps.check_resize_to_confirm if "confirm" in name else revert_steps.check_resize_to_revert
+            step(payload)
+        raise RuntimeError("Step Functions is unreachable")
+
+    monkeypatch.setattr(moves.workflows, "start_execution", start)
+    return payloads
+
+
+@pytest.mark.parametrize("settle", ["confirmResize", "revertResize"])
+def test_a_confirm_or_revert_whose_workflow_began_though_its_start_answered_an_error_stands(cloud, monkeypatch,
+                                                                                             settle):
+    server_id, _ = resized_server()
+    start_answering_an_error(monkeypatch, began=True)
+
+    response = action(server_id, {settle: None})
+
+    # THEN it is accepted, for its workflow to finish: nothing was undone under it
+    assert response.status in (202, 204), response.body
+    assert migrations_of(server_id)[0].status == ("confirming" if settle == "confirmResize" else "reverting")
+    assert [a.action for a in actions_of(server_id)] == [settle]
+
+
+@pytest.mark.parametrize("settle", ["confirmResize", "revertResize"])
+def test_the_first_step_of_a_confirm_or_revert_the_api_undid_changes_nothing(cloud, monkeypatch, settle):
+    server_id, _ = resized_server()
+    payloads = start_answering_an_error(monkeypatch, began=False)
+    assert action(server_id, {settle: None}).status == 500
+    [payload] = payloads
+    before = snapshot(cloud, server_id)
+
+    with pytest.raises(errors.UnexpectedMigrationState):
+        SETTLE_STEPS[settle](payload)
+
+    assert snapshot(cloud, server_id) == before
+    assert migrations_of(server_id)[0].status == "finished" and actions_of(server_id) == []
 
 
 # --- what the NoValidHost rule means for the API ---------------------------------------------------

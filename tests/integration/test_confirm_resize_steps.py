@@ -226,6 +226,25 @@ def test_a_server_deleted_during_the_confirm_is_left_to_its_delete(cloud, monkey
     assert usage(SOURCE) == {}
 
 
+def test_a_confirm_whose_migration_a_delete_confirmed_meanwhile_still_ends_its_action(cloud, monkeypatch):
+    # GIVEN a confirm under way, and a delete that came meanwhile confirmed the migration itself
+    # (ConfirmBeforeDelete) before FinishConfirm ran
+    resized = make_resized()
+    event = confirmed_at_source(checked(begin("confirm", resized, monkeypatch)))
+    set_instance(resized.instance_uuid, task_state=states.DELETING)
+    confirm_resize.finish_confirm({**event, "request_id": "req-the-delete"})  # what the delete's step leaves
+    assert migration_row(resized.migration_uuid).status == migration_states.CONFIRMED
+    cloud.event_types()  # what the delete announced, read and set aside
+
+    # WHEN the confirm's FinishConfirm runs (twice)
+    confirm_resize.finish_confirm(event)
+    confirm_resize.finish_confirm(event)
+
+    # THEN its action ends (its event finished), and its end is announced once
+    assert events(resized.instance_uuid) == {confirm_resize.EVENT_CONFIRM: "Success"}
+    assert cloud.event_types() == [(notifications.RESIZE_CONFIRM_END, f"compute:{SOURCE}")]
+
+
 @pytest.mark.parametrize("name", SCHEMAS)
 def test_the_input_schema_beside_the_state_machine_is_the_one_the_step_uses(name):
     beside = json.loads((ROOT / "statemachine" / f"{name}.input.schema.json").read_text())

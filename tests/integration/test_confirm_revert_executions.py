@@ -222,7 +222,7 @@ def test_a_revert_runs_to_the_end(stack, tmp_path):
 
 def test_a_revert_the_destination_cannot_clean_up_leaves_verify_resize(stack):
     resized = make_resized()
-    stack.agents.failures[(DEST, protocol.REVERT_RESIZE)] = ("Ferry.HostOperationFailed", "device busy")
+    stack.agents.failures[(DEST, protocol.REVERT_RESIZE)] = ("Ferry.HypervisorError", "device busy")
 
     execution = revert(resized, stack)
 
@@ -231,6 +231,19 @@ def test_a_revert_the_destination_cannot_clean_up_leaves_verify_resize(stack):
     assert (row.vm_state, row.task_state, row.host) == (states.RESIZED, None, DEST)
     assert migration_row(resized.migration_uuid).status == migration_states.FINISHED
     assert (usage(SOURCE), usage(DEST)) == (OLD_USAGE, NEW_USAGE)
+
+
+def test_a_revert_whose_destination_failed_otherwise_is_error_never_verify_resize(stack):
+    # Any failure but a HypervisorError may come after the destination destroyed the guest
+    resized = make_resized()
+    stack.agents.failures[(DEST, protocol.REVERT_RESIZE)] = ("Ferry.HostOperationFailed", "lost its answer")
+
+    execution = revert(resized, stack)
+
+    assert (execution["status"], execution.get("error")) == ("FAILED", "Ferry.RevertResizeFailed")
+    row = instance_row(resized.instance_uuid)
+    assert (row.vm_state, row.task_state) == (states.ERROR, None)
+    assert migration_row(resized.migration_uuid).status == migration_states.ERROR
 
 
 def test_a_revert_the_source_cannot_finish_is_error(stack):
@@ -320,7 +333,7 @@ def test_a_failed_volume_attach_is_detached_again_and_leaves_no_attachment(stack
 
 def test_a_revert_rolled_back_to_verify_resize_can_be_asked_again(stack):
     resized = make_resized()
-    stack.agents.failures[(DEST, protocol.REVERT_RESIZE)] = ("Ferry.HostOperationFailed", "device busy")
+    stack.agents.failures[(DEST, protocol.REVERT_RESIZE)] = ("Ferry.HypervisorError", "device busy")
     assert revert(resized, stack)["status"] == "FAILED"
     del stack.agents.failures[(DEST, protocol.REVERT_RESIZE)]
 

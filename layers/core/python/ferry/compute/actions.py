@@ -94,11 +94,17 @@ def take_request(session: Session, *, instance_uuid: str, request_id: str, task_
     start_event(session, instance_uuid=instance_uuid, request_id=request_id, event=event, host=host)
 
 
-def request_taken(session: Session, instance_uuid: str, request_id: str) -> bool:
-    """Whether a workflow step took the request (:func:`take_request`), read under the server's
-    row lock, which that step takes too: once this answers False in a transaction that goes on
-    to undo the request, the step finds it undone."""
+def lock_server(session: Session, instance_uuid: str) -> None:
+    """Take the server's row lock for the rest of the transaction (see :func:`request_taken`)."""
     session.scalars(select(Instance.id).where(Instance.uuid == instance_uuid).with_for_update()).first()
+
+
+def request_taken(session: Session, instance_uuid: str, request_id: str) -> bool:
+    """Whether a workflow step took the request (:func:`take_request`, or a first step that
+    records its event after :func:`lock_server`), read under the server's row lock, which that
+    step takes too: once this answers False in a transaction that goes on to undo the request,
+    the step finds it undone."""
+    lock_server(session, instance_uuid)
     return has_events(session, instance_uuid, request_id)
 
 

@@ -299,15 +299,26 @@ def abandon_prepared_confirm(cell: str, instance_uuid: str, migration_uuid: str,
 
 def _start_settle(kind: str, arn: str, cell: str, instance_uuid: str, migration_uuid: str, request_id: str,
                   undo: Callable[[Session], None]) -> None:
-    """Start the ``kind`` (confirm/revert) workflow; if it does not start, ``undo`` the acceptance and re-raise."""
+    """Start the ``kind`` (confirm/revert) workflow; if it does not start, ``undo`` the acceptance and re-raise.
+
+    Undone under the server's row lock, and only when the workflow's first step did not take the
+    request (its event recorded under the same lock): a workflow that began though its start
+    answered an error goes on, and the request stands as accepted. Otherwise its first step,
+    run late, finds the migration given back and changes nothing."""
     try:
         name = _fresh_execution_name(arn, move_execution_name(kind, instance_uuid, migration_uuid), request_id)
         workflows.start_execution(arn, name, _settle_payload(cell, instance_uuid, migration_uuid, request_id))
     except Exception:
-        logger.exception(f"{kind} workflow did not start; undoing", extra={"instance_uuid": instance_uuid})
         with cell_session(cell) as session:
-            undo(session)
-            actions.forget_action(session, instance_uuid, request_id)
+            taken = actions.request_taken(session, instance_uuid, request_id)
+            if not taken:
+                undo(session)
+                actions.forget_action(session, instance_uuid, request_id)
+        if taken:
+            logger.warning(f"starting the {kind} answered an error, but it began; the request stands",
+                           extra={"instance_uuid": instance_uuid, "migration_uuid": migration_uuid})
+            return
+        logger.exception(f"{kind} workflow did not start; undone", extra={"instance_uuid": instance_uuid})
         raise
     logger.info(f"{kind} accepted", extra={"instance_uuid": instance_uuid, "migration_uuid": migration_uuid})
 

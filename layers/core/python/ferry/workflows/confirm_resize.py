@@ -185,6 +185,9 @@ def check_resize_to_confirm(event: dict[str, Any]) -> dict[str, Any]:
     validate_input(event, INPUT_SCHEMA)
     uuid, migration_uuid = event["instance_uuid"], event["migration_uuid"]
     with cell_session(event["cell"]) as session:
+        # The API undoing a confirm whose start answered an error takes this lock too: either it
+        # sees this step's event and lets the confirm stand, or this step sees it undone.
+        actions.lock_server(session, uuid)
         migration = migration_of(session, uuid, migration_uuid)
         instance = live_instance(session, uuid)
         if instance is None:
@@ -242,6 +245,9 @@ def finish_confirm(event: dict[str, Any]) -> dict[str, Any]:
     cells = cross_cell_settle.cross_cell(event)
     with cell_session(cell) as session:
         if migration_of(session, uuid, migration_uuid).status == migration_states.CONFIRMED:
+            # Confirmed already: by this step's earlier run, or by a delete that came meanwhile
+            # (its ConfirmBeforeDelete). This request's action still ends, once.
+            _close_confirm(session, event, cells, source)
             return {}
     if cells:
         cross_cell_settle.hard_delete_copy(cells["source_cell"], uuid, migration_uuid)
@@ -265,6 +271,21 @@ def finish_confirm(event: dict[str, Any]) -> dict[str, Any]:
     notifications.notify(notifications.RESIZE_CONFIRM_END, instance_uuid=uuid, publisher_id=publisher,
                          payload=payload)
     return {}
+
+
+def _close_confirm(session: Session, event: dict[str, Any], cells: dict[str, str] | None, source: str) -> None:
+    """End the confirm's events (Success) and announce its end, unless this request did already."""
+    uuid, request_id = event["instance_uuid"], event["request_id"]
+    if event_finished(session, uuid, request_id, _confirm_events(cells, "")[-1][0]) \
+            or actions.find(session, uuid, request_id) is None:
+        return
+    for name, host in _confirm_events(cells, source):
+        actions.finish_event(session, instance_uuid=uuid, request_id=request_id, event=name, host=host)
+    instance = live_instance(session, uuid)
+    payload = notifications.instance_payload(instance, migration_uuid=event["migration_uuid"]) if instance else None
+    publisher = notifications.conductor_publisher() if cells else notifications.compute_publisher(source)
+    notifications.notify(notifications.RESIZE_CONFIRM_END, instance_uuid=uuid, publisher_id=publisher,
+                         payload=payload)
 
 
 def fail_confirm(event: dict[str, Any]) -> dict[str, Any]:

@@ -79,6 +79,9 @@ def check_resize_to_revert(event: dict[str, Any]) -> dict[str, Any]:
     validate_input(event, INPUT_SCHEMA)
     uuid, migration_uuid = event["instance_uuid"], event["migration_uuid"]
     with cell_session(event["cell"]) as session:
+        # The API undoing a revert whose start answered an error takes this lock too: either it
+        # sees this step's event and lets the revert stand, or this step sees it undone.
+        actions.lock_server(session, uuid)
         migration = migration_of(session, uuid, migration_uuid)
         instance = live_instance(session, uuid)
         if instance is None:
