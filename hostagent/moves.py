@@ -715,6 +715,12 @@ class MoveOperations:
         would then delete the source's disks. ``ferry audit`` reports what is left
         (``instance_dir_orphan``, ``transfer_orphan``; the bucket's expiry rule removes transfers).
 
+        The answer's power state is NOSTATE when it cannot be read once the guest is gone: the
+        workflow takes a HypervisorError for "nothing here was removed" and puts the server back
+        in VERIFY_RESIZE, so none may be raised once anything was. For the same reason a destroy
+        that fails where an earlier run of this operation (its agent died mid-way) already
+        removed the instance directory is taken as done: no guest here has disks any more.
+
         Raises:
             HypervisorError: the guest could not be destroyed (nothing here was removed).
         """
@@ -729,7 +735,14 @@ class MoveOperations:
                        "kept_for_another_move": kept.exists()},
             )
         else:
-            self.driver.destroy(uuid)
+            try:
+                self.driver.destroy(uuid)
+            except errors.HypervisorError as exc:
+                if live.exists():
+                    raise
+                logger.warning("the guest could not be destroyed, but its disks are gone (an earlier run removed "
+                               "them): the revert goes on", extra={"host": self.host, "instance_uuid": uuid,
+                                                                  "error": exc.message})
             try:
                 disks.remove_dir(live)
                 disks.remove_dir(disks.incoming_dir(self.instances_dir, uuid))
@@ -739,7 +752,13 @@ class MoveOperations:
                 self._emit_metric("HostCleanupFailed", MetricUnit.Count, 1, op.name)
         if args.get("transfer"):
             self._delete_transfer(op, args["transfer"])
-        return self._result(uuid, self._power_state_here(uuid))
+        try:
+            power_state = self._power_state_here(uuid)
+        except errors.HypervisorError as exc:
+            logger.warning("the power state after the revert could not be read", extra={
+                "host": self.host, "instance_uuid": uuid, "error": exc.message})
+            power_state = NOSTATE
+        return self._result(uuid, power_state)
 
     # -- finish_revert_resize (source)
 

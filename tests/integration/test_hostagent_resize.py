@@ -605,6 +605,29 @@ def test_a_revert_that_destroyed_the_new_guest_goes_on_whatever_it_cannot_remove
     assert logical_sha256(source.live(server.uuid) / disks.ROOT_DISK) == server.root_sha256
 
 
+@pytest.mark.parametrize("broken", ["power-state", "destroy-after-an-earlier-run"])
+def test_a_revert_that_destroyed_the_new_guest_never_answers_a_hypervisor_error(cloud, source, dest, monkeypatch,
+                                                                                broken):
+    # GIVEN a moved server whose destination's libvirt answers errors once the new guest is gone
+    # (reading its power state), or that an earlier run of the revert destroyed before its agent died
+    server = boot(source)
+    migration_uuid, _resized, _finished = move(source, dest, server)
+    if broken == "destroy-after-an-earlier-run":
+        dest.driver.destroy(server.uuid)
+        disks.remove_dir(dest.live(server.uuid))
+
+    def libvirt_restarting(*_args, **_kwargs):
+        raise errors.HypervisorError("Cannot recv data: Connection reset by peer")
+
+    # WHEN the destination reverts, THEN it answers done (a HypervisorError sends the server back to
+    # VERIFY_RESIZE, where a confirm would delete its only disks on the source)
+    with monkeypatch.context() as patched:
+        patched.setattr(dest.driver, "destroy" if broken != "power-state" else "guest_exists", libvirt_restarting)
+        reverted = dest.ok("revert_resize", server.uuid, revert_args(migration_uuid))
+    assert reverted["power_state"] == NOSTATE
+    assert not dest.driver.guest_exists(server.uuid) and not dest.live(server.uuid).exists()
+
+
 def test_finish_revert_recreates_a_missing_swap(source, dest):
     server = boot(source)
     migration_uuid, resized, _finished = move(source, dest, server)
