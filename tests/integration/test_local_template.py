@@ -6,9 +6,14 @@ import json
 import textwrap
 from pathlib import Path
 
+import boto3
 import pytest
+from botocore.exceptions import ClientError
+from moto import mock_aws
+from moto_credentials import REGION, use_moto_credentials
 
 from ferry.errors import TemplateError
+from ferry.local import provision
 from ferry.local import template as tpl
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,6 +83,33 @@ def test_every_function_gets_the_global_environment_and_keeps_its_own(raw, model
         assert global_keys <= set(function.environment), lid
         own = (raw["Resources"][lid]["Properties"].get("Environment") or {}).get("Variables") or {}
         assert set(own) <= set(function.environment), lid
+
+
+def test_what_the_local_stack_does_not_play_is_read_without_a_fault(raw, model):
+    """The functions' log group (and their LoggingConfig) and the image bucket's policy: AWS keeps the
+    logs and enforces the policy; the local stack does neither, and reading them changes nothing."""
+    assert _of_type(raw, "AWS::Logs::LogGroup") and _of_type(raw, "AWS::S3::BucketPolicy")
+    assert "LoggingConfig" in raw["Globals"]["Function"]
+    for lid, function in model.functions.items():
+        assert function.environment["FERRY_IMAGE_BUCKET"] == model.buckets["ImageBucket"].name, lid
+
+
+def test_the_local_stack_provisions_the_image_bucket_without_its_tls_only_policy(model, monkeypatch):
+    """The template's ImageBucketPolicy denies requests without TLS. moto takes the policy but, checking
+    object requests against it, does not evaluate aws:SecureTransport and refuses them all; the local
+    stack, whose endpoint is plain HTTP anyway, must leave it out."""
+    use_moto_credentials(monkeypatch)
+    with mock_aws():
+        provision.provision(model, lambda service: boto3.client(service, region_name=REGION))
+        s3 = boto3.client("s3", region_name=REGION)
+        bucket = model.buckets["ImageBucket"].name
+
+        with pytest.raises(ClientError) as raised:
+            s3.get_bucket_policy(Bucket=bucket)
+        s3.put_object(Bucket=bucket, Key="images/probe", Body=b"probe")
+
+        assert raised.value.response["Error"]["Code"] == "NoSuchBucketPolicy"
+        assert s3.get_object(Bucket=bucket, Key="images/probe")["Body"].read() == b"probe"
 
 
 def test_parameter_overrides_reach_the_environment(raw, model):

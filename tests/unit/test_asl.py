@@ -278,7 +278,109 @@ def test_a_drain_iteration_cannot_end_with_its_server_still_moving():
 def test_a_revert_goes_back_to_verify_resize_only_when_the_destination_removed_nothing():
     # A confirm after the server went back to VERIFY_RESIZE deletes the source's disks: only an
     # error that says the destination's guest is intact (HypervisorError: it could not be
-    # destroyed) may lead there; a timeout or any other failure may come after it was destroyed.
+    # destroyed; InvalidOperation: the agent refused the message; States.Runtime: none was sent)
+    # may lead there; a timeout or any other failure may come after it was destroyed.
     state = _definition(ROOT / "statemachine" / "revert_resize.asl.json")["States"]["RevertAtDest"]
     catches = [(catcher["ErrorEquals"], catcher["Next"]) for catcher in state["Catch"]]
-    assert catches == [(["Ferry.HypervisorError"], "RestoreVerifyResize"), (["States.ALL"], "FailRevert")]
+    assert catches == [(["Ferry.HypervisorError", "Ferry.InvalidOperation", "States.Runtime"], "RestoreVerifyResize"),
+                       (["States.ALL"], "FailRevert")]
+
+
+# --- retries of Lambda's own transient errors, and of host operations ----------------------------
+
+# What Lambda's service answers when it fails (not the function): always worth another try.
+LAMBDA_TRANSIENT_ERRORS = ("Lambda.ServiceException", "Lambda.TooManyRequestsException",
+                           "Lambda.AWSLambdaException", "Lambda.SdkClientException")
+
+
+def _retrier_for(state: dict[str, Any], error: str) -> dict[str, Any] | None:
+    """The Retry rule Step Functions applies to ``error``: the first naming it or ``States.ALL``."""
+    return next((rule for rule in state.get("Retry", [])
+                 if error in rule["ErrorEquals"] or "States.ALL" in rule["ErrorEquals"]), None)
+
+
+def _is_lambda_task(state: dict[str, Any]) -> bool:
+    resource = state.get("Resource", "")
+    return state["Type"] == "Task" and (":lambda:" in resource and ":function:" in resource
+                                         or resource.startswith("arn:aws:states:::lambda:invoke"))
+
+
+def test_the_retrier_for_an_error_is_the_first_rule_that_matches_it():
+    state = {"Retry": [{"ErrorEquals": ["Ferry.Refused"], "MaxAttempts": 0},
+                       {"ErrorEquals": ["Lambda.ServiceException"], "MaxAttempts": 2},
+                       {"ErrorEquals": ["States.ALL"], "MaxAttempts": 5}]}
+
+    assert _retrier_for(state, "Ferry.Refused")["MaxAttempts"] == 0
+    assert _retrier_for(state, "Lambda.ServiceException")["MaxAttempts"] == 2
+    assert _retrier_for(state, "Lambda.SdkClientException")["MaxAttempts"] == 5
+    assert _retrier_for({"Retry": state["Retry"][:2]}, "Lambda.SdkClientException") is None
+
+
+@pytest.mark.parametrize("asl_file", ASL_FILES, ids=_rel)
+def test_every_lambda_task_retries_lambdas_transient_errors(asl_file):
+    """Each of the four is retried, by a rule naming it or by one on States.ALL, never left to the Catch."""
+    unretried = [
+        f"{where}{name}: {error}"
+        for where, scope in _scopes(_definition(asl_file))
+        for name, state in scope["States"].items() if _is_lambda_task(state)
+        for error in LAMBDA_TRANSIENT_ERRORS
+        if (rule := _retrier_for(state, error)) is None or rule.get("MaxAttempts", 3) < 1
+    ]
+
+    assert unretried == []
+
+
+@pytest.mark.parametrize("asl_file", ASL_FILES, ids=_rel)
+def test_every_lambda_task_is_found_as_one(asl_file):
+    """The test above checks nothing if it recognises no Lambda Task."""
+    tasks = [state for _where, scope in _scopes(_definition(asl_file)) for state in scope["States"].values()
+             if state["Type"] == "Task" and not state["Resource"].startswith("arn:aws:states:::")]
+
+    assert tasks and all(_is_lambda_task(state) for state in tasks)
+
+
+# (definition, state) of the host operations a workflow sends again after a timeout or a hypervisor
+# error: they are idempotent (the agent journals each operation id, and a second stop or start
+# finds the guest already so), and the workflow does nothing else meanwhile.
+RETRIED_HOST_OPERATIONS = [
+    ("power", "SetPowerAtHost"),
+    ("delete", "ConfirmAtSource"), ("delete", "DestroyAtHost"),
+    ("volume_attachment", "AttachAtHost"), ("volume_attachment", "DetachAtHost"),
+    ("confirm_resize", "ConfirmAtSource"),
+    ("revert_resize", "DestroyAtDest"), ("revert_resize", "RevertAtDest"), ("revert_resize", "FinishRevertAtSource"),
+]
+
+
+@pytest.mark.parametrize(("workflow", "name"), RETRIED_HOST_OPERATIONS,
+                         ids=[f"{w}:{n}" for w, n in RETRIED_HOST_OPERATIONS])
+def test_idempotent_host_operations_retry_a_timeout_and_a_hypervisor_error(workflow, name):
+    state = _states_named(workflow)[name]
+
+    assert state["Resource"] == HOST_OPERATION
+    for error in ("States.Timeout", "Ferry.HypervisorError"):
+        rule = _retrier_for(state, error)
+        assert rule is not None and rule.get("MaxAttempts", 3) >= 1, error
+
+
+def test_a_power_action_retries_its_host_operation_as_a_delete_does():
+    """os-stop and os-start are idempotent on the host (a stopped guest stays stopped, a running one runs)."""
+    assert _states_named("power")["SetPowerAtHost"].get("Retry") == _states_named("delete")["DestroyAtHost"]["Retry"]
+
+
+# --- the drain's plan: one long Lambda step ------------------------------------------------------
+
+# How a Lambda step that ran out of time (or memory) fails: Sandbox.Timedout (Lambda.Unknown from
+# older runtimes); States.Timeout if the Task's own TimeoutSeconds ran out first.
+OUT_OF_TIME_ERRORS = ("Sandbox.Timedout", "Lambda.Unknown", "States.Timeout")
+
+
+def test_plan_drain_has_its_functions_whole_timeout_and_runs_out_of_it_at_most_twice():
+    """A plan that used its 15 minutes is tried once more (a slow store), not 14 times like a short outage."""
+    state = _states_named("drain")["PlanDrain"]
+    function_timeout = TEMPLATE.functions["PlanDrainFunction"].timeout
+
+    assert state.get("TimeoutSeconds", function_timeout) >= function_timeout
+    for error in OUT_OF_TIME_ERRORS:
+        rule = _retrier_for(state, error)
+        assert rule is not None and rule.get("MaxAttempts", 3) <= 1, error
+    assert "FinishDrain" in {catcher["Next"] for catcher in state["Catch"] if "States.ALL" in catcher["ErrorEquals"]}

@@ -15,7 +15,7 @@ from pathlib import Path
 import cfnlint.api
 import pytest
 
-from ferry import config, deliveries, images, protocol
+from ferry import config, deliveries, drains, images, protocol
 from ferry.local.template import load_template, resolve
 from ferry.workflows import auto_confirm
 
@@ -129,6 +129,23 @@ def test_every_setting_the_template_sets_is_read_by_the_code():
 def test_functions_that_sign_or_check_drain_callbacks_get_the_webhook_secret(logical_id):
     """The webhook checks signed requests; PlanDrain (drain.start) and FinishDrain (drain.end) sign callbacks."""
     assert "FERRY_WEBHOOK_SECRET" in TEMPLATE.functions[logical_id].environment
+
+
+# The longest a Lambda function may run.
+LAMBDA_MAX_TIMEOUT = 900
+# PlanDrain runs the scheduler once per server; docs/benchmarks.md measures one placement at 42-65 ms
+# at the median and up to some 104 ms at p95 (100,000 hosts, PostgreSQL).
+PLAN_SECONDS_PER_SERVER = 0.15
+
+
+def test_plan_drain_has_time_to_plan_the_largest_drain():
+    timeout = TEMPLATE.functions["PlanDrainFunction"].timeout
+
+    assert drains.MAX_SERVERS * PLAN_SECONDS_PER_SERVER <= timeout <= LAMBDA_MAX_TIMEOUT
+
+
+def test_no_function_asks_for_more_time_than_lambda_gives():
+    assert {lid: f.timeout for lid, f in TEMPLATE.functions.items() if not 1 <= f.timeout <= LAMBDA_MAX_TIMEOUT} == {}
 
 
 def test_the_image_bucket_expires_transfers_where_the_code_writes_them_and_aborts_open_uploads():
@@ -516,3 +533,55 @@ def test_the_stage_is_what_the_installation_guide_says_and_every_name_made_from_
 def test_the_host_name_no_agent_serves_is_that_of_the_host_reports_queue():
     queue = load_template(TEMPLATE_PATH)["Resources"]["HostReportsQueue"]["Properties"]["QueueName"]
     assert queue == {"Fn::Sub": f"${{HostQueuePrefix.Value}}{protocol.REPORTS_HOST}"}
+
+
+# --- logs, the image bucket's life and transport, the reports' concurrency -------------------------
+
+# The retentions CloudWatch Logs accepts (PutRetentionPolicy), in days.
+CLOUDWATCH_RETENTIONS = [1, 3, 5, 7, 14, 30, 60, 90, 120, 150, 180, 365, 400, 545, 731, 1096, 1827, 2192, 2557,
+                         2922, 3288, 3653]
+
+
+def _installation_parameters() -> set[str]:
+    """The parameters the table of docs/installation.md's "Deploy the stack" describes."""
+    section = (ROOT / "docs" / "installation.md").read_text().split("## 3. Deploy the stack", 1)[1].split("\n## ")[0]
+    return {row.split("`")[1] for row in section.splitlines() if row.startswith("| `")}
+
+
+def test_every_function_logs_to_the_stacks_log_group_which_expires_its_logs():
+    logging = RAW["Globals"]["Function"]["LoggingConfig"]
+    [(group_id, group)] = [(lid, r) for lid, r in RAW["Resources"].items() if r["Type"] == "AWS::Logs::LogGroup"]
+    retention = RAW["Parameters"]["LogRetentionDays"]
+
+    assert logging == {"LogGroup": {"Ref": group_id}}
+    assert [lid for lid in TEMPLATE.functions if "LoggingConfig" in RAW["Resources"][lid]["Properties"]] == []
+    assert group["Properties"]["RetentionInDays"] == {"Ref": "LogRetentionDays"}
+    name = group["Properties"]["LogGroupName"]["Fn::Sub"]
+    assert "${Stage}" in name and not name.lstrip("/").startswith("aws/"), "Lambda writes no custom group aws/…"
+    assert retention["AllowedValues"] == CLOUDWATCH_RETENTIONS and retention["Default"] in CLOUDWATCH_RETENTIONS
+    assert "LogRetentionDays" in _installation_parameters()
+
+
+def test_the_image_bucket_outlives_the_stack_and_refuses_plain_http():
+    bucket = RAW["Resources"]["ImageBucket"]
+    [policy] = [r["Properties"] for r in RAW["Resources"].values()
+                if r["Type"] == "AWS::S3::BucketPolicy" and r["Properties"]["Bucket"] == {"Ref": "ImageBucket"}]
+    [statement] = policy["PolicyDocument"]["Statement"]
+
+    assert (bucket["DeletionPolicy"], bucket["UpdateReplacePolicy"]) == ("Retain", "Retain")
+    assert (statement["Effect"], statement["Principal"], statement["Action"]) == ("Deny", "*", "s3:*")
+    assert statement["Condition"] == {"Bool": {"aws:SecureTransport": "false"}}
+    assert statement["Resource"] == [{"Fn::GetAtt": ["ImageBucket", "Arn"]}, {"Fn::Sub": "${ImageBucket.Arn}/*"}]
+    guide = (ROOT / "docs" / "installation.md").read_text().split("## Removing the stack", 1)[1].split("\n## ")[0]
+    assert "ferry-<stage>-images" in guide
+
+
+def test_host_reports_are_applied_a_bounded_number_at_a_time():
+    """A burst of reports waits in the queue rather than taking every database connection."""
+    [event] = [e for e in RAW["Resources"]["ReportHostStateFunction"]["Properties"]["Events"].values()
+               if e["Type"] == "SQS"]
+    parameter = RAW["Parameters"]["HostReportsMaxConcurrency"]
+
+    assert event["Properties"]["ScalingConfig"] == {"MaximumConcurrency": {"Ref": "HostReportsMaxConcurrency"}}
+    assert 2 <= parameter["MinValue"] <= parameter["Default"] <= parameter["MaxValue"] <= 1000  # Lambda's bounds
+    assert "HostReportsMaxConcurrency" in _installation_parameters()
