@@ -951,6 +951,21 @@ def test_the_first_step_of_a_confirm_or_revert_the_api_undid_changes_nothing(clo
     assert migrations_of(server_id)[0].status == "finished" and actions_of(server_id) == []
 
 
+@pytest.mark.parametrize("settle", ["confirmResize", "revertResize"])
+def test_the_late_first_step_of_an_undone_request_leaves_a_newer_ones_migration_alone(cloud, monkeypatch, settle):
+    # GIVEN a confirm or revert the API undid (its start answered an error), then asked again and accepted
+    server_id, _ = resized_server()
+    with monkeypatch.context() as patched:
+        payloads = start_answering_an_error(patched, began=False)
+        assert action(server_id, {settle: None}).status == 500
+    assert action(server_id, {settle: None}).status in (202, 204)
+
+    # WHEN the undone request's first step runs late, THEN it refuses: the migration is the newer request's
+    with pytest.raises(errors.UnexpectedMigrationState, match="undone"):
+        SETTLE_STEPS[settle](payloads[0])
+    assert migrations_of(server_id)[0].status == ("confirming" if settle == "confirmResize" else "reverting")
+
+
 # --- what the NoValidHost rule means for the API ---------------------------------------------------
 
 

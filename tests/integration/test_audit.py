@@ -785,6 +785,23 @@ def test_a_volume_left_attaching_or_detaching_that_nothing_holds_is_made_availab
     assert volume_status(volume_id) == "available"
 
 
+def test_an_attaching_volume_no_attachment_holds_but_a_server_maps_is_not_freed(cloud):
+    # GIVEN an attach that died between the server's records (mapping, task) and the volume's
+    # attachment, whose server's task was then reset
+    volume_id = make_volume(cloud.state_dir)
+    with api_session() as session:
+        session.get(Volume, volume_id).status = "attaching"
+    with cell_session(CELL) as session:
+        session.add(BlockDeviceMapping(instance_uuid=cloud.active, source_type="volume", destination_type="volume",
+                                       device_name="vdc", volume_id=volume_id))
+
+    report = check(fix=True)
+
+    [problem] = report.of_kind(audit.VOLUME_OPERATION_LEFT)
+    assert not problem.fixable and cloud.active in problem.message
+    assert volume_status(volume_id) == "attaching"
+
+
 @pytest.mark.parametrize("left", [_attach_left, _detach_left])
 def test_a_volume_whose_server_has_its_task_or_a_running_workflow_is_not_judged(cloud, left):
     left(cloud)
@@ -846,7 +863,7 @@ def test_a_volume_whose_status_moved_on_meanwhile_is_left_as_it_is(cloud, monkey
 # --- a boot that never reached a cell ---------------------------------------------------------------
 
 
-def test_a_build_request_no_boot_workflow_runs_for_is_reported_with_its_claim(cloud):
+def test_a_build_request_no_boot_workflow_runs_for_is_reported_with_its_claim(cloud, monkeypatch):
     # GIVEN a boot whose workflow ended after it claimed a host, before it handed the server to a cell
     uuid = str(uuidlib.uuid4())
     placement.claim(uuid, PROJECT, USER, {provider(OTHER): OLD_USAGE})
@@ -859,6 +876,12 @@ def test_a_build_request_no_boot_workflow_runs_for_is_reported_with_its_claim(cl
     [problem] = check(fix=True).problems
     assert (problem.kind, problem.resource, problem.fixable) == (audit.BUILD_REQUEST_STUCK, f"instance/{uuid}", False)
     assert OTHER in problem.message
+
+    # (not when the boot's executions cannot be listed: its state machine not configured)
+    monkeypatch.setattr(audit, "_running_executions", lambda skipped: set())
+    monkeypatch.setenv("FERRY_BOOT_STATE_MACHINE_ARN", "")
+    config.reset()
+    assert audit.BUILD_REQUEST_STUCK not in check(running_executions=None).kinds()
 
     # and once the server is deleted (as the API deletes a build request), --fix releases the claim
     assert compute_api._discard_build(uuid, forget=False)

@@ -266,6 +266,8 @@ class _World:
     running: set[str] | None
     # The move state machines (resize, confirm, revert) whose executions ``running`` leaves out.
     unlisted: list[str]
+    # Whether ``running`` leaves out the boot's executions (its state machine is not configured).
+    boots_unlisted: bool = False
     migrations: dict[str, Migration] = field(default_factory=dict)
     migrations_of: dict[str, list[Migration]] = field(default_factory=dict)
 
@@ -412,6 +414,7 @@ def _read_world(grace_seconds: float, clock_skew_seconds: float, running: Collec
         ports=ports, attachments=attachments, left_deleting=left_deleting, operating=operating,
         volume_mappings={(u, v) for u, v in volume_mappings if v is not None}, volume_statuses=volume_statuses,
         running=running_names, unlisted=unlisted,
+        boots_unlisted=running is None and not config.get().boot_state_machine_arn,
     )
     # One record per migration: the copy in the cell the server is mapped to wins (as GET /os-migrations).
     for migration_uuid, found in world.migration_copies.items():
@@ -734,9 +737,18 @@ def _check_volume_operations(world: _World) -> Iterable[Problem]:
             continue
         resource, status = f"volume/{volume.id}", volume.status
         if not holders:
+            # A server whose mapping names it (an attach that died between the server's records and
+            # the volume's, its server's task then reset) may still be given it: not freed then.
+            mappers = sorted(u for u, v in world.volume_mappings if v == volume.id)
+            if mappers:
+                yield Problem(VOLUME_OPERATION_LEFT, resource,
+                              f"Volume {volume.id} is {status}, held by no attachment, but server(s) "
+                              f"{', '.join(mappers)} map it.")
+                continue
             yield Problem(VOLUME_OPERATION_LEFT, resource,
-                          f"Volume {volume.id} is {status}, but no server holds it: an {_OPERATION[status]} that did "
-                          f"not start was partly undone.", _repair_volume_operation(world, volume, None))
+                          f"Volume {volume.id} is {status}, but no server holds or maps it: an "
+                          f"{_OPERATION[status]} that did not start was partly undone.",
+                          _repair_volume_operation(world, volume, None))
             continue
         if len(holders) > 1:
             yield Problem(VOLUME_OPERATION_LEFT, resource,
@@ -889,7 +901,7 @@ def _check_migrations(world: _World) -> Iterable[Problem]:
     for uuid in sorted(world.build_requests):
         mapping = world.mappings.get(uuid)
         if (mapping is not None and (mapping.queued_for_delete or world.mapped_cell(uuid) is not None)) \
-                or world.live(uuid) is not False or world.recent(world.last_change(uuid)):
+                or world.boots_unlisted or world.live(uuid) is not False or world.recent(world.last_change(uuid)):
             continue
         held = sorted(world.providers[rp].name if rp in world.providers else rp
                       for rp in world.allocations.get(uuid, {}))

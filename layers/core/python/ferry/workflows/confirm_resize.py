@@ -186,7 +186,8 @@ def check_resize_to_confirm(event: dict[str, Any]) -> dict[str, Any]:
     uuid, migration_uuid = event["instance_uuid"], event["migration_uuid"]
     with cell_session(event["cell"]) as session:
         # The API undoing a confirm whose start answered an error takes this lock too: either it
-        # sees this step's event and lets the confirm stand, or this step sees it undone.
+        # sees this step's event and lets the confirm stand, or this step sees it undone (its
+        # action forgotten: a newer request may have taken the migration since).
         actions.lock_server(session, uuid)
         migration = migration_of(session, uuid, migration_uuid)
         instance = live_instance(session, uuid)
@@ -198,6 +199,12 @@ def check_resize_to_confirm(event: dict[str, Any]) -> dict[str, Any]:
             raise errors.UnexpectedMigrationState(
                 f"Migration {migration_uuid} is {migration.status} and instance {uuid} is in vm_state "
                 f"{instance.vm_state} task_state {instance.task_state} on {instance.host}: not a confirm under way.")
+        if confirming and actions.find(session, uuid, event["request_id"]) is None:
+            # A confirm the API undid; the migration is another request's now. (The clean-up of a
+            # failed confirm's migration may be started by hand, under a request of its own.)
+            raise errors.UnexpectedMigrationState(
+                f"Request {event['request_id']} of instance {uuid} is not the confirm under way (it was undone); "
+                f"nothing was done.")
         source, dest = str(migration.source_compute), str(migration.dest_compute)
         cells = cross_cell_settle.cells_of(migration, event["cell"])
         # Within a cell the service is read in this session: no API session is opened inside it.

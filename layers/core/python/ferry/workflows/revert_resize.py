@@ -80,7 +80,8 @@ def check_resize_to_revert(event: dict[str, Any]) -> dict[str, Any]:
     uuid, migration_uuid = event["instance_uuid"], event["migration_uuid"]
     with cell_session(event["cell"]) as session:
         # The API undoing a revert whose start answered an error takes this lock too: either it
-        # sees this step's event and lets the revert stand, or this step sees it undone.
+        # sees this step's event and lets the revert stand, or this step sees it undone (its
+        # action forgotten: a newer request may have taken the migration since).
         actions.lock_server(session, uuid)
         migration = migration_of(session, uuid, migration_uuid)
         instance = live_instance(session, uuid)
@@ -92,6 +93,11 @@ def check_resize_to_revert(event: dict[str, Any]) -> dict[str, Any]:
             raise errors.UnexpectedMigrationState(
                 f"Migration {migration_uuid} is {migration.status} and instance {uuid} is in vm_state "
                 f"{instance.vm_state} task_state {instance.task_state} on {instance.host}: not a revert under way.")
+        if actions.find(session, uuid, event["request_id"]) is None:
+            # A revert the API undid; the migration is another request's now.
+            raise errors.UnexpectedMigrationState(
+                f"Request {event['request_id']} of instance {uuid} is not the revert under way (it was undone); "
+                f"nothing was done.")
         source, dest = str(migration.source_compute), str(migration.dest_compute)
         cells = cross_cell_settle.cells_of(migration, event["cell"])
         for host in {source, dest}:
