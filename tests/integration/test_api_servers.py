@@ -7,6 +7,7 @@ import datetime as dt
 import hashlib
 import ipaddress
 import re
+import time
 import uuid
 from urllib.parse import parse_qs, urlsplit
 
@@ -17,7 +18,7 @@ from test_api_support import ADMIN, ALICE, BOB, add_host, call, create_server, m
 
 from ferry import config, errors, quotas, workflows
 from ferry.auth import RequestContext
-from ferry.compute import aggregates, states
+from ferry.compute import aggregates, server_filters, states
 from ferry.compute import api as compute_api
 from ferry.store.api_models import (
     AggregateHost,
@@ -376,6 +377,27 @@ def test_list_filters_by_name_as_a_regular_expression(cloud):
 
     assert sorted(s["name"] for s in listed) == ["web-1", "web-2"]
     assert set(listed[0]) == {"id", "name", "links"}
+
+
+def test_a_name_filter_that_backtracks_for_ever_is_400_within_the_lists_budget(cloud, monkeypatch):
+    # GIVEN a server whose name makes a backtracking expression take exponential time
+    monkeypatch.setattr(server_filters, "MATCH_SECONDS", 0.2)
+    create_server(name="a" * 40 + "!")
+    started = time.monotonic()
+
+    response = call("GET", "/v2.1/servers", query={"name": "(a|a)+$"})
+
+    # THEN the list answers 400 once its matching budget is spent, instead of holding the function
+    assert response.status == 400, response.body
+    assert "takes too long to match" in response.body["badRequest"]["message"]
+    assert time.monotonic() - started < 30
+    assert call("GET", "/v2.1/servers", query={"name": "a+!$"}).body["servers"]  # a sane one matches
+
+
+def test_a_name_filter_that_is_no_regular_expression_is_400(cloud):
+    response = call("GET", "/v2.1/servers", query={"name": "web("})
+
+    assert response.status == 400 and "Invalid name filter" in response.body["badRequest"]["message"]
 
 
 def test_only_admins_list_all_projects(cloud):

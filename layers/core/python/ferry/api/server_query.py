@@ -14,13 +14,20 @@ delete, so no server is ``SOFT_DELETED``.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 
 from ferry import errors
 from ferry.api import request
 from ferry.api.request import ViewContext
-from ferry.compute.server_filters import ADMIN_SORT_KEYS, SORT_DIRECTIONS, SORT_KEYS, ReadDeleted, ServerFilters
+from ferry.compute.server_filters import (
+    ADMIN_SORT_KEYS,
+    SORT_DIRECTIONS,
+    SORT_KEYS,
+    MatchBudget,
+    ReadDeleted,
+    SearchPattern,
+    ServerFilters,
+)
 
 # Parameter → (the microversion it exists from, the one members may use it from; None: admins only).
 PARAMETERS: Mapping[str, tuple[str, str | None]] = {
@@ -97,11 +104,12 @@ def parse(view: ViewContext, params: Mapping[str, list[str]]) -> ServerFilters:
         if not admin:
             raise errors.Forbidden("Only administrators may list deleted instances")
         read_deleted = "only"
+    budget = MatchBudget()
     return ServerFilters(
-        name=_pattern("name", last("name")),
-        display_name=_pattern("display_name", last("display_name")),
-        hostname=_pattern("hostname", last("hostname")),
-        description=_pattern("display_description", last("display_description")),
+        name=_pattern("name", last("name"), budget),
+        display_name=_pattern("display_name", last("display_name"), budget),
+        hostname=_pattern("hostname", last("hostname"), budget),
+        description=_pattern("display_description", last("display_description"), budget),
         read_deleted=read_deleted,
         statuses=statuses,
         all_tenants="all_tenants" in usable and request.parse_bool("all_tenants", last("all_tenants") or "true"),
@@ -114,7 +122,7 @@ def parse(view: ViewContext, params: Mapping[str, list[str]]) -> ServerFilters:
         power_states=_power_states(usable.get("power_state")),
         locked=None if locked is None else request.parse_bool("locked", locked),
         changes_since=changes_since, changes_before=changes_before,
-        ip=_pattern("ip", last("ip")), ip6=_pattern("ip6", last("ip6")),
+        ip=_pattern("ip", last("ip"), budget), ip6=_pattern("ip6", last("ip6"), budget),
         tags=_tags(last("tags")), tags_any=_tags(last("tags-any")),
         not_tags=_tags(last("not-tags")), not_tags_any=_tags(last("not-tags-any")),
         sort=_sort(usable.get("sort_key") or [], usable.get("sort_dir") or [], admin=admin),
@@ -130,13 +138,8 @@ def _read_deleted(deleted: str | None, *, windowed: bool) -> ReadDeleted:
     return "yes" if windowed else "no"
 
 
-def _pattern(name: str, value: str | None) -> re.Pattern[str] | None:
-    if not value:
-        return None
-    try:
-        return re.compile(value)
-    except re.error as exc:
-        raise errors.BadRequest(f"Invalid {name} filter {value!r}: {exc}.") from exc
+def _pattern(name: str, value: str | None, budget: MatchBudget) -> SearchPattern | None:
+    return SearchPattern(name, value, budget) if value else None
 
 
 def _upper(values: list[str] | None) -> frozenset[str] | None:

@@ -23,13 +23,66 @@ the candidates and keeps those :func:`matches` accepts, in :func:`order`.
 from __future__ import annotations
 
 import datetime as dt
-import re
+import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
+
+import regex
+
+from ferry import errors
 
 if TYPE_CHECKING:
     from ferry.compute.api import Server
+
+# How long the regular expressions of one list may take to match, all servers together: a caller's
+# expression must not hold a function (and the concurrency every tenant shares) for its timeout.
+MATCH_SECONDS = 1.0
+
+
+@dataclass
+class MatchBudget:
+    """The time the patterns of one list share, counted from their first search."""
+
+    seconds: float | None = None  # None: MATCH_SECONDS
+    _deadline: float | None = field(default=None, repr=False)
+
+    def remaining(self) -> float:
+        now = time.monotonic()
+        if self._deadline is None:
+            self._deadline = now + (MATCH_SECONDS if self.seconds is None else self.seconds)
+        return self._deadline - now
+
+
+class SearchPattern:
+    """A filter's regular expression (Python's syntax, as Nova's on SQLite), searched anywhere in a
+    value within a :class:`MatchBudget` (the ``regex`` engine stops a search at its timeout).
+
+    Raises (when made):
+        BadRequest: not a regular expression.
+    """
+
+    def __init__(self, name: str, expression: str, budget: MatchBudget) -> None:
+        self.name, self.expression, self._budget = name, expression, budget
+        try:
+            self._compiled = regex.compile(expression)
+        except regex.error as exc:
+            raise errors.BadRequest(f"Invalid {name} filter {expression!r}: {exc}.") from exc
+
+    def search(self, value: str) -> bool:
+        """Whether the expression is found in ``value``.
+
+        Raises:
+            BadRequest: the list's searches ran out of time (an expression that backtracks).
+        """
+        remaining = self._budget.remaining()
+        try:
+            if remaining <= 0:
+                raise TimeoutError
+            return self._compiled.search(value, timeout=remaining) is not None
+        except TimeoutError:
+            raise errors.BadRequest(f"The {self.name} filter {self.expression!r} takes too long to match: "
+                                    f"give a simpler expression.") from None
 
 # Sort keys Ferry orders by (Nova's names); host and node are for admins only.
 SORT_KEYS: Mapping[str, Callable[[Server], Any]] = {
@@ -62,10 +115,10 @@ SORT_DIRECTIONS = ("asc", "desc")
 class ServerFilters:
     """A server list's filters, paging and order; None (or empty) leaves a filter out."""
 
-    name: re.Pattern[str] | None = None
-    display_name: re.Pattern[str] | None = None
-    hostname: re.Pattern[str] | None = None
-    description: re.Pattern[str] | None = None
+    name: SearchPattern | None = None
+    display_name: SearchPattern | None = None
+    hostname: SearchPattern | None = None
+    description: SearchPattern | None = None
     read_deleted: ReadDeleted = "no"
     statuses: frozenset[str] | None = None
     all_tenants: bool = False
@@ -85,8 +138,8 @@ class ServerFilters:
     locked: bool | None = None
     changes_since: dt.datetime | None = None
     changes_before: dt.datetime | None = None
-    ip: re.Pattern[str] | None = None
-    ip6: re.Pattern[str] | None = None
+    ip: SearchPattern | None = None
+    ip6: SearchPattern | None = None
     tags: frozenset[str] | None = None
     tags_any: frozenset[str] | None = None
     not_tags: frozenset[str] | None = None
@@ -133,7 +186,7 @@ def matches(server: Server, filters: ServerFilters, *, flavor_id: int | None = N
         return False
     searched = ((f.name, server.name), (f.display_name, server.name), (f.hostname, server.hostname),
                 (f.description, server.description))
-    if any(pattern is not None and (value is None or pattern.search(value) is None) for pattern, value in searched):
+    if any(pattern is not None and (value is None or not pattern.search(value)) for pattern, value in searched):
         return False
     if f.flavor is not None and server.flavor.get("id") != flavor_id:
         return False
@@ -151,11 +204,11 @@ def matches(server: Server, filters: ServerFilters, *, flavor_id: int | None = N
     return not f.by_tags or _tags_match(set(server.tags), f)
 
 
-def _address_matches(addresses: list[str], ip: re.Pattern[str] | None, ip6: re.Pattern[str] | None) -> bool:
+def _address_matches(addresses: list[str], ip: SearchPattern | None, ip6: SearchPattern | None) -> bool:
     """Whether ``ip`` is found in an IPv4 address, or ``ip6`` in an IPv6 one (Nova keeps either)."""
     for address in addresses:
         pattern = ip6 if ":" in address else ip
-        if pattern is not None and pattern.search(address) is not None:
+        if pattern is not None and pattern.search(address):
             return True
     return False
 
