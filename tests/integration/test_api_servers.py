@@ -220,6 +220,29 @@ def test_create_from_an_existing_volume_reserves_it(cloud):
     assert again.status == 400 and "not available" in again.body["badRequest"]["message"]
 
 
+def test_a_fixed_ip_is_chosen_by_admins_and_the_networks_owner_only(cloud):
+    # GIVEN Alice's server on the shared network, and a network of Alice's own
+    alice = create_server(ALICE, networks="auto")
+    [taken] = [p.fixed_ip for p in api_rows(Port, device_id=alice)]
+    shared = api_rows(Port, device_id=alice)[0].network_id
+    with api_session() as session:
+        session.add(Network(id="11111111-1111-4111-8111-111111111111", name="private", cidr="192.168.7.0/24",
+                            project_id="project-a", shared=False))
+
+    def boot(caller, network: str, fixed_ip: str):
+        return call("POST", "/v2.1/servers", caller=caller, version="2.90", body={"server": {
+            "name": "b", "flavorRef": "1", "imageRef": cloud.image_id,
+            "networks": [{"uuid": network, "fixed_ip": fixed_ip}]}})
+
+    # THEN Bob may not choose an address on the shared network (he would learn Alice's, or take one),
+    refused = boot(BOB, shared, taken)
+    assert refused.status == 403 and "fixed IP" in refused.body["forbidden"]["message"]
+    assert boot(BOB, shared, "10.0.200.7").status == 403
+    # Alice may on her own network, and an admin anywhere
+    assert boot(ALICE, "11111111-1111-4111-8111-111111111111", "192.168.7.9").status == 202
+    assert boot(ADMIN, shared, taken).status == 409
+
+
 def test_create_with_a_network_list_and_an_existing_port(cloud):
     with api_session() as session:
         session.add(Network(id="11111111-1111-4111-8111-111111111111", name="private", cidr="192.168.7.0/24",

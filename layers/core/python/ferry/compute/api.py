@@ -704,6 +704,11 @@ def _allocate_ports(session: Session, ctx: RequestContext, instance_uuid: str,
                                      item))
             continue
         network = _network_for(session, ctx, item["uuid"])
+        if item.get("fixed_ip") and not ctx.is_admin and network.project_id != ctx.project_id:
+            # As Neutron's default policy (create_port:fixed_ips:ip_address): on a network another
+            # project shares, a member would otherwise learn, and take, the addresses of others.
+            raise errors.Forbidden("Only administrators and the network's owner may choose a fixed IP on "
+                                   f"network {network.id}.")
         port = Port(network_id=network.id, project_id=ctx.project_id, device_id=instance_uuid,
                     mac_address=_new_mac(session), fixed_ip=_allocate_ip(session, network, item.get("fixed_ip")))
         session.add(port)
