@@ -62,6 +62,11 @@ def test_os_migrations_is_for_admins_unless_the_policy_file_says_otherwise(cloud
     write_policy(tmp_path, monkeypatch, {"os_compute_api:os-migrations:index": "member"})
     assert len(listed(caller=ALICE)) == 1
 
+    # admin_or_owner on a rule no project owns (every project's migrations) is admins only, not everyone
+    write_policy(tmp_path, monkeypatch, {"os_compute_api:os-migrations:index": "admin_or_owner"})
+    assert call("GET", "/v2.1/os-migrations", caller=ALICE, version="2.80").status == 403
+    assert call("GET", "/v2.1/os-migrations", caller=ADMIN, version="2.80").status == 200
+
 
 # --- fields per microversion -----------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 from ferry import config, errors
@@ -156,8 +157,16 @@ def rules() -> dict[str, str]:
     return dict(_loaded["rules"])
 
 
+# The target of a rule about the cloud rather than a project (services, aggregates, drains, the
+# migrations of every project, flavor management): no project owns it, so ``admin_or_owner`` set
+# on such a rule allows admins only (as oslo.policy's ``project_id:%(project_id)s`` fails on a
+# target without a project), never every caller.
+NO_PROJECT: Mapping[str, Any] = MappingProxyType({})
+
+
 def check(context: RequestContext, rule: str, target: Mapping[str, Any] | None = None) -> bool:
-    """Whether ``rule`` allows ``context`` to act on ``target`` (by default the caller's own project).
+    """Whether ``rule`` allows ``context`` to act on ``target`` (by default the caller's own
+    project; :data:`NO_PROJECT` for what no project owns).
 
     Raises:
         InvalidPolicy: ``rule`` is not a known rule name, or the policy file is invalid.
@@ -173,8 +182,8 @@ def check(context: RequestContext, rule: str, target: Mapping[str, Any] | None =
     if context.is_admin:
         return True
     if word == ADMIN_OR_OWNER:
-        owner = (target or {}).get("project_id", context.project_id)
-        return owner == context.project_id
+        owner = context.project_id if target is None else target.get("project_id")
+        return owner is not None and owner == context.project_id
     return False
 
 

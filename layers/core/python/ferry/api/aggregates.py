@@ -105,14 +105,14 @@ def _answer(view: ViewContext, record: AggregateRecord, **options: bool) -> Resp
 @router.get("/os-aggregates")
 def list_aggregates() -> Response:
     view = request.view_context(router)
-    policy.enforce(view.ctx, RULE.format("index"))
+    policy.enforce(view.ctx, RULE.format("index"), policy.NO_PROJECT)
     return request.json_response(200, {"aggregates": [aggregate_view(view, a) for a in aggregates.list_aggregates()]})
 
 
 @router.post("/os-aggregates")
 def create_aggregate() -> Response:
     view = request.view_context(router)
-    policy.enforce(view.ctx, RULE.format("create"))
+    policy.enforce(view.ctx, RULE.format("create"), policy.NO_PROJECT)
     wanted = request.body(router, CREATE)["aggregate"]
     request.require_printable(wanted, "aggregate", "name", "availability_zone")
     created = aggregates.create_aggregate(wanted["name"], wanted.get("availability_zone"))
@@ -122,14 +122,14 @@ def create_aggregate() -> Response:
 @router.get("/os-aggregates/<aggregate_id>")
 def show_aggregate(aggregate_id: str) -> Response:
     view = request.view_context(router)
-    policy.enforce(view.ctx, RULE.format("show"))
+    policy.enforce(view.ctx, RULE.format("show"), policy.NO_PROJECT)
     return _answer(view, aggregates.get_aggregate(_aggregate_id(aggregate_id)))
 
 
 @router.put("/os-aggregates/<aggregate_id>")
 def update_aggregate(aggregate_id: str) -> Response:
     view = request.view_context(router)
-    policy.enforce(view.ctx, RULE.format("update"))
+    policy.enforce(view.ctx, RULE.format("update"), policy.NO_PROJECT)
     number = _aggregate_id(aggregate_id)
     wanted = request.body(router, UPDATE)["aggregate"]
     request.require_printable(wanted, "aggregate", "name", "availability_zone")
@@ -139,7 +139,7 @@ def update_aggregate(aggregate_id: str) -> Response:
 @router.delete("/os-aggregates/<aggregate_id>")
 def delete_aggregate(aggregate_id: str) -> Response:
     ctx = request.caller(router)
-    policy.enforce(ctx, RULE.format("delete"))
+    policy.enforce(ctx, RULE.format("delete"), policy.NO_PROJECT)
     aggregates.delete_aggregate(_aggregate_id(aggregate_id))
     return request.empty(200)
 
@@ -151,7 +151,7 @@ def aggregate_action(aggregate_id: str) -> Response:
     name, argument = next(iter(body.items()))
     if name not in ACTIONS:
         raise errors.BadRequest(f"There is no such action: {name}")
-    policy.enforce(view.ctx, RULE.format(name))
+    policy.enforce(view.ctx, RULE.format(name), policy.NO_PROJECT)
     number = _aggregate_id(aggregate_id)
     request.validate(body, {"type": "object", "properties": {name: ACTIONS[name]}})
     if name == "add_host":

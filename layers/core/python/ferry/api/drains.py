@@ -46,7 +46,7 @@ def _drain_id(value: str) -> str:
 @router.post("/ferry/drains")
 def create_drain() -> Response:
     ctx = request.caller(router)
-    policy.enforce(ctx, RULE.format("create"))
+    policy.enforce(ctx, RULE.format("create"), policy.NO_PROJECT)
     wanted = request.body(router, CREATE)
     status, document = drains.create_drain(ctx, wanted["drain"], origin="api")
     return request.json_response(status, document)
@@ -55,7 +55,7 @@ def create_drain() -> Response:
 @router.get("/ferry/drains")
 def list_drains() -> Response:
     ctx = request.caller(router)
-    policy.enforce(ctx, RULE.format("list"))
+    policy.enforce(ctx, RULE.format("list"), policy.NO_PROJECT)
     params = request.query(router)
     status = params["status"][-1] if params.get("status") else None
     limit = request.parse_limit(params["limit"][-1]) if params.get("limit") else None
@@ -65,14 +65,14 @@ def list_drains() -> Response:
 @router.get("/ferry/drains/<drain_id>")
 def show_drain(drain_id: str) -> Response:
     ctx = request.caller(router)
-    policy.enforce(ctx, RULE.format("show"))
+    policy.enforce(ctx, RULE.format("show"), policy.NO_PROJECT)
     return request.json_response(200, {"drain": drains.get_view(_drain_id(drain_id))})
 
 
 @router.post("/ferry/drains/<drain_id>/action")
 def drain_action(drain_id: str) -> Response:
     ctx = request.caller(router)
-    policy.enforce(ctx, RULE.format("action"))
+    policy.enforce(ctx, RULE.format("action"), policy.NO_PROJECT)
     wanted = request.body(router, ACTION)
     action = next(iter(wanted))
     return request.json_response(202, {"drain": drains.act(_drain_id(drain_id), action)})

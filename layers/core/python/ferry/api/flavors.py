@@ -94,7 +94,7 @@ def show_flavor(flavor_id: str) -> Response:
 @router.post("/flavors")
 def create_flavor() -> Response:
     view = request.view_context(router)
-    policy.enforce(view.ctx, "os_compute_api:os-flavor-manage:create")
+    policy.enforce(view.ctx, "os_compute_api:os-flavor-manage:create", policy.NO_PROJECT)
     flavor = request.body(router, schemas.flavor_create(view.version))["flavor"]
     request.require_printable(flavor, "flavor", "name")
     request.require_printable(flavor, "flavor", "description", text=True)
@@ -117,7 +117,7 @@ def update_flavor(flavor_id: str) -> Response:
     view = request.view_context(router)
     if not view.at_least("2.55"):
         raise errors.NotFound("The resource could not be found.")
-    policy.enforce(view.ctx, "os_compute_api:os-flavor-manage:update")
+    policy.enforce(view.ctx, "os_compute_api:os-flavor-manage:update", policy.NO_PROJECT)
     wanted = request.body(router, schemas.FLAVOR_UPDATE)["flavor"]
     request.require_printable(wanted, "flavor", "description", text=True)
     description = wanted["description"]
@@ -128,7 +128,7 @@ def update_flavor(flavor_id: str) -> Response:
 @router.delete("/flavors/<flavor_id>")
 def delete_flavor(flavor_id: str) -> Response:
     ctx = request.caller(router)
-    policy.enforce(ctx, "os_compute_api:os-flavor-manage:delete")
+    policy.enforce(ctx, "os_compute_api:os-flavor-manage:delete", policy.NO_PROJECT)
     compute_api.delete_flavor(flavor_id)
     return request.empty(202)
 
@@ -150,7 +150,7 @@ def list_extra_specs(flavor_id: str) -> Response:
 @router.post("/flavors/<flavor_id>/os-extra_specs")
 def create_extra_specs(flavor_id: str) -> Response:
     ctx = request.caller(router)
-    policy.enforce(ctx, "os_compute_api:os-flavor-extra-specs:create")
+    policy.enforce(ctx, "os_compute_api:os-flavor-extra-specs:create", policy.NO_PROJECT)
     specs = _spec_values(request.body(router, schemas.EXTRA_SPECS_CREATE)["extra_specs"])
     compute_api.set_extra_specs(flavor_id, specs)
     return request.json_response(200, {"extra_specs": specs})
@@ -169,7 +169,7 @@ def show_extra_spec(flavor_id: str, key: str) -> Response:
 @router.put("/flavors/<flavor_id>/os-extra_specs/<key>")
 def update_extra_spec(flavor_id: str, key: str) -> Response:
     ctx = request.caller(router)
-    policy.enforce(ctx, "os_compute_api:os-flavor-extra-specs:update")
+    policy.enforce(ctx, "os_compute_api:os-flavor-extra-specs:update", policy.NO_PROJECT)
     spec = _spec_values(request.body(router, schemas.EXTRA_SPEC_UPDATE))
     if key not in spec:
         raise errors.BadRequest("Request body and URI mismatch")
@@ -180,7 +180,7 @@ def update_extra_spec(flavor_id: str, key: str) -> Response:
 @router.delete("/flavors/<flavor_id>/os-extra_specs/<key>")
 def delete_extra_spec(flavor_id: str, key: str) -> Response:
     ctx = request.caller(router)
-    policy.enforce(ctx, "os_compute_api:os-flavor-extra-specs:delete")
+    policy.enforce(ctx, "os_compute_api:os-flavor-extra-specs:delete", policy.NO_PROJECT)
     compute_api.delete_extra_spec(flavor_id, key)
     return request.empty(200)
 
@@ -206,7 +206,7 @@ def flavor_action(flavor_id: str) -> Response:
     ctx = request.caller(router)
     body = request.body(router, schemas.FLAVOR_ACTION)
     if "addTenantAccess" in body:
-        policy.enforce(ctx, "os_compute_api:os-flavor-access:add_tenant_access")
+        policy.enforce(ctx, "os_compute_api:os-flavor-access:add_tenant_access", policy.NO_PROJECT)
         return _access(flavor_id, compute_api.add_flavor_access(flavor_id, body["addTenantAccess"]["tenant"]))
-    policy.enforce(ctx, "os_compute_api:os-flavor-access:remove_tenant_access")
+    policy.enforce(ctx, "os_compute_api:os-flavor-access:remove_tenant_access", policy.NO_PROJECT)
     return _access(flavor_id, compute_api.remove_flavor_access(flavor_id, body["removeTenantAccess"]["tenant"]))

@@ -67,7 +67,7 @@ def list_migrations() -> Response:
     view = request.view_context(router)
     params = request.query(router)
     _refuse_unknown(view, params)  # the query is checked before the policy, as Nova checks its schema first
-    policy.enforce(view.ctx, "os_compute_api:os-migrations:index")
+    policy.enforce(view.ctx, "os_compute_api:os-migrations:index", policy.NO_PROJECT)
     filters = _filters(view, params)
     paged = view.at_least("2.59")
     limit = marker = None

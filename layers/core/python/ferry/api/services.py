@@ -66,7 +66,7 @@ def service_view(view: ViewContext, record: ServiceRecord) -> dict[str, Any]:
 @router.get("/os-services")
 def list_services() -> Response:
     view = request.view_context(router)
-    policy.enforce(view.ctx, RULE.format("list"))
+    policy.enforce(view.ctx, RULE.format("list"), policy.NO_PROJECT)
     params = request.query(router)
     host = params["host"][-1] if params.get("host") else None
     binary = params["binary"][-1] if params.get("binary") else None
@@ -132,7 +132,7 @@ def _legacy_update(view: ViewContext, action: str) -> Response:
 @router.put("/os-services/<service_id>")
 def update_service(service_id: str) -> Response:
     view = request.view_context(router)
-    policy.enforce(view.ctx, RULE.format("update"))
+    policy.enforce(view.ctx, RULE.format("update"), policy.NO_PROJECT)
     if view.at_least("2.53"):
         return _update(view, service_id)
     if service_id not in LEGACY_ACTIONS:
@@ -143,7 +143,7 @@ def update_service(service_id: str) -> Response:
 @router.delete("/os-services/<service_id>")
 def delete_service(service_id: str) -> Response:
     view = request.view_context(router)
-    policy.enforce(view.ctx, RULE.format("delete"))
+    policy.enforce(view.ctx, RULE.format("delete"), policy.NO_PROJECT)
     if view.at_least("2.53"):
         service = services.get_by_uuid(_service_uuid(service_id))
     else:
