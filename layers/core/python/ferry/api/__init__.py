@@ -40,11 +40,13 @@ _ACTION_MODULES = (moves,)
 
 
 def fault_response(exc: Exception, context: dict[str, Any]) -> Response:
-    """The API's answer to an exception: typed errors keep their status, kind and message;
-    anything else is a 500 ``computeFault`` whose message names only the request id."""
+    """The API's answer to an exception: typed errors keep their status, kind and message, but
+    for a 500 (an error of the deployment: a policy file, a setting, a workflow not configured)
+    and anything else, which is a 500 ``computeFault`` whose message names only the request id:
+    what went wrong stays in the log, where the operator finds it by that id."""
     if isinstance(exc, NotFoundError):
         status, kind, message = 404, errors.NotFound.api_kind, "The resource could not be found."
-    elif isinstance(exc, errors.FerryError):
+    elif isinstance(exc, errors.FerryError) and exc.http_status != 500:
         status, kind, message = exc.http_status, exc.api_kind, exc.message
     else:
         status, kind = 500, errors.FerryError.api_kind
