@@ -11,6 +11,7 @@ from botocore.exceptions import ClientError
 from test_api_support import ADMIN, ALICE, BOB, IMAGE_BYTES, call, mocked_cloud
 
 from ferry import aws, config, errors, images
+from ferry.api import images as api_images
 
 
 @pytest.fixture
@@ -117,6 +118,10 @@ def test_api_lists_only_the_images_an_id_filter_names_without_listing_the_bucket
     assert ids(f"in:{bobs['id']},{second['id']}", caller=BOB) == sorted([bobs["id"], second["id"]])
     assert ids(f"in:{cloud.image_id},{second['id']}", name="second") == [second["id"]]
     assert ids(missing) == []
+    # and a filter naming more than MAX_IDS images is refused before any look-up
+    many = ",".join(f"00000000-0000-4000-8000-{n:012d}" for n in range(api_images.MAX_IDS + 1))
+    refused = call("GET", "/v2.1/images", query={"id": f"in:{many}"})
+    assert refused.status == 400 and f"at most {api_images.MAX_IDS}" in refused.body["badRequest"]["message"]
 
 
 def test_a_private_image_with_no_owner_is_an_admins_only(cloud):

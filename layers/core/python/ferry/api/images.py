@@ -15,15 +15,25 @@ router = Router()
 
 # Glance's operator for "any of these" in a filter's value: ``id=in:<id>,<id>``.
 IN_OPERATOR = "in:"
+# The most ids one ``in:`` filter names: each is one look-up in the bucket, and a request must end
+# well within API Gateway's 29 seconds.
+MAX_IDS = 200
 
 
 def _ids(value: str) -> list[str]:
     """The image ids an ``id`` filter names: one id, or ``in:`` and ids separated by commas
-    (each may be quoted, as Glance allows)."""
+    (each may be quoted, as Glance allows).
+
+    Raises:
+        BadRequest: more than :data:`MAX_IDS` ids.
+    """
     if not value.startswith(IN_OPERATOR):
         return [value]
     wanted = (part.strip().strip('"') for part in value[len(IN_OPERATOR):].split(","))
-    return list(dict.fromkeys(image_id for image_id in wanted if image_id))
+    ids = list(dict.fromkeys(image_id for image_id in wanted if image_id))
+    if len(ids) > MAX_IDS:
+        raise errors.BadRequest(f"An id filter names at most {MAX_IDS} images ({len(ids)} given).")
+    return ids
 
 
 def _by_id(image_ids: list[str]) -> list[dict[str, Any]]:
