@@ -832,15 +832,19 @@ def test_an_errored_server_shows_its_fault_with_details_for_admins(cloud):
     server_id = create_server()
     schedule(server_id, vm_state=states.ERROR)
     with cell_session("cell1") as session:
-        session.add(InstanceFault(instance_uuid=server_id, code=500, message="No valid host was found.",
-                                  details="Traceback: ..."))
+        session.add(InstanceFault(instance_uuid=server_id, code=500, message=(
+            "No valid host was found for x: 40 compute node(s) in the allowed cells; RamFilter removed 40."),
+            details="Traceback: ..."))
 
     member_view = call("GET", f"/v2.1/servers/{server_id}").body["server"]
     admin_view = call("GET", f"/v2.1/servers/{server_id}", caller=ADMIN).body["server"]
 
+    # the member reads Nova's words, not the cloud's host counts; the admin reads it all
     assert member_view["status"] == "ERROR"
-    assert member_view["fault"]["message"] == "No valid host was found." and "details" not in member_view["fault"]
+    assert member_view["fault"]["message"] == "No valid host was found. There are not enough hosts available."
+    assert "details" not in member_view["fault"]
     assert admin_view["fault"]["details"] == "Traceback: ..."
+    assert "RamFilter removed 40" in admin_view["fault"]["message"]
 
 
 # --- stop and start --------------------------------------------------------------------------------

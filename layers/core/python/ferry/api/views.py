@@ -77,11 +77,18 @@ def _image(view: ViewContext, server: Server) -> dict[str, Any] | str:
             "links": [{"rel": "bookmark", "href": f"{view.base_url}/images/{server.image_ref}"}]}
 
 
+# What a member reads of a scheduling failure (Nova's words): the scheduler's count of hosts per
+# filter describes the cloud, for admins only.
+NO_VALID_HOST_MESSAGE = "No valid host was found. There are not enough hosts available."
+
+
 def _fault(view: ViewContext, server: Server) -> dict[str, Any] | None:
     if server.fault is None or server.status not in ("ERROR", "DELETED"):
         return None
-    fault = {"code": server.fault["code"], "message": server.fault["message"],
-             "created": isotime(server.fault["created"])}
+    message = server.fault["message"]
+    if not view.ctx.is_admin and message.startswith("No valid host was found"):
+        message = NO_VALID_HOST_MESSAGE
+    fault = {"code": server.fault["code"], "message": message, "created": isotime(server.fault["created"])}
     if view.ctx.is_admin and server.fault.get("details"):
         fault["details"] = server.fault["details"]
     return fault
