@@ -25,6 +25,7 @@ already have deleted it, and nothing else would again.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -1215,12 +1216,18 @@ class HostAgent(MoveOperations):
 
     def _write_spawn_record(self, op: Operation, created_volumes: CreatedVolumes) -> None:
         """Name the spawn in its instance directory, with the volume files it creates (before it creates
-        them) and the identity of each once made."""
+        them) and the identity of each (before the file takes its name)."""
         write_record(disks.instance_dir(self.instances_dir, op.instance_uuid),
                      {"operation_id": op.operation_id, "created_volumes": [str(p) for p in created_volumes],
                       "created_volume_files": {str(p): list(made) for p, made in created_volumes.items()
                                                if made is not None}},
                      SPAWN_RECORD)
+
+    def _record_volume_file(self, op: Operation, created_volumes: CreatedVolumes, target: Path,
+                            identity: tuple[int, int]) -> None:
+        """Record in the spawn's record that the volume file ``target`` is the file ``identity`` names."""
+        created_volumes[target] = identity
+        self._write_spawn_record(op, created_volumes)
 
     def _prepare_disks(self, op: Operation, created_volumes: CreatedVolumes) -> list[DiskSpec]:
         instance_uuid, args = op.instance_uuid, op.args
@@ -1265,6 +1272,9 @@ class HostAgent(MoveOperations):
                     logger.info("removed a file an interrupted write of the volume left",
                                 extra={**self._context(op), "path": str(leftover)})
                 source_image = volume.get("source_image")
+                # The file's identity is recorded before the file takes its name (a link keeps it):
+                # a crash right after still leaves a file an attempt run again knows as its own.
+                record_identity = functools.partial(self._record_volume_file, op, created_volumes, target)
                 try:
                     # Never over a file made meanwhile: volumes are shared storage, and another
                     # attempt to boot the server (rescheduled to another host while this one ran
@@ -1272,9 +1282,9 @@ class HostAgent(MoveOperations):
                     if source_image:
                         with self._cached_image_in_use(source_image["sha256"].lower() if cache is not None else None):
                             disks.create_root_disk(self.s3, source_image, size, target, cache_dir=cache,
-                                                   exclusive=True)
+                                                   exclusive=True, record_identity=record_identity)
                     else:
-                        disks.create_sparse(target, size, exclusive=True)
+                        disks.create_sparse(target, size, exclusive=True, record_identity=record_identity)
                 except disks.FileTaken as exc:
                     del created_volumes[target]
                     self._write_spawn_record(op, created_volumes)
@@ -1283,8 +1293,6 @@ class HostAgent(MoveOperations):
                         f"boot instance {instance_uuid} while this one wrote it; it is left to that attempt.",
                         instance_uuid=instance_uuid,
                     ) from exc
-                created_volumes[target] = disks.file_identity(target)
-                self._write_spawn_record(op, created_volumes)
                 protocol.mark_volume_dir(target.parent)
         except OSError as exc:
             raise errors.SpawnFailed(

@@ -45,7 +45,7 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Container, Iterable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -89,6 +89,10 @@ MANIFEST_SUFFIX = ".manifest.json"
 # Multipart part size of a transfer upload (S3's minimum part is 5 MiB); parts in flight at once.
 TRANSFER_PART_SIZE = 8 * MiB
 TRANSFER_CONCURRENCY = 4
+# The bytes of a transfer upload's parts held in memory at once (a stream's parts are buffered whole):
+# ten parts of 8 MiB; fewer, larger parts for a large disk, but never fewer than two.
+TRANSFER_MEMORY = 80 * MiB
+TRANSFER_MIN_PARTS_IN_MEMORY = 2
 # S3 takes at most 10,000 parts of at most 5 GiB each; a transfer aims below the count, with a margin.
 TRANSFER_MAX_PARTS = 9_000
 TRANSFER_MAX_PART_SIZE = 5 * GiB
@@ -390,6 +394,10 @@ def _held_part(dest: Path) -> tuple[int, Path]:
         os.close(fd)
 
 
+# Records a new file's identity (:func:`file_identity`) before the file takes its name.
+IdentityRecorder = Callable[[tuple[int, int]], None]
+
+
 class FileTaken(Exception):
     """A file made ``exclusive`` found another at its name (made meanwhile by someone else), left as it was.
 
@@ -402,13 +410,18 @@ class FileTaken(Exception):
 
 
 @contextmanager
-def _temp_beside(dest: Path, *, exclusive: bool = False) -> Iterator[tuple[IO[bytes], Path]]:
+def _temp_beside(
+    dest: Path, *, exclusive: bool = False, record_identity: IdentityRecorder | None = None
+) -> Iterator[tuple[IO[bytes], Path]]:
     """A temporary file in ``dest``'s directory, renamed to ``dest`` on success and removed on failure.
 
     The file is held while it is written, and renamed before it is let go: a sweep of abandoned
     temporary files (:func:`remove_abandoned_parts`) never takes one that is being written.
     ``exclusive`` never replaces a file at ``dest``: the temporary file is hard-linked there
     instead of renamed, and a file found there is left and :class:`FileTaken` raised.
+    ``record_identity`` is given the file's identity (:func:`file_identity`) before it takes
+    ``dest``'s name (a hard link or a rename keeps it), so that a crash right after leaves a file
+    its writer can still recognise as its own.
     """
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = _held_part(dest)
@@ -417,18 +430,39 @@ def _temp_beside(dest: Path, *, exclusive: bool = False) -> Iterator[tuple[IO[by
             yield out, tmp
             out.flush()
             os.fsync(out.fileno())
+            made = os.fstat(out.fileno())
+            if record_identity is not None:
+                record_identity((made.st_dev, made.st_ino))
             if not exclusive:
                 os.replace(tmp, dest)
             else:
-                try:
-                    os.link(tmp, dest)
-                except FileExistsError:
-                    raise FileTaken(dest) from None
+                _link_exclusive(tmp, dest, (made.st_dev, made.st_ino))
                 tmp.unlink()
         sync_dir(dest.parent)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def _link_exclusive(tmp: Path, dest: Path, identity: tuple[int, int]) -> None:
+    """Hard-link ``tmp`` (the file ``identity`` names) at ``dest``, never over a file there.
+
+    An NFSv3 server may answer a retransmitted LINK that succeeded with EEXIST: a name that is
+    already this very file is the link made, not another's file.
+
+    Raises:
+        FileTaken: another file is at ``dest``.
+        OSError: the link cannot be made.
+    """
+    try:
+        os.link(tmp, dest)
+    except FileExistsError:
+        try:
+            found = file_identity(dest)
+        except FileNotFoundError:
+            found = None
+        if found != identity:
+            raise FileTaken(dest) from None
 
 
 class _SparseWriter:
@@ -680,10 +714,12 @@ class _NotTheExpectedContent(Exception):
 
 
 def copy_sparse_verified(src: str | os.PathLike[str], dst: str | os.PathLike[str], expected: str,
-                         chunk_size: int = CHUNK_SIZE, algorithm: str = SHA256, *, exclusive: bool = False) -> bool:
+                         chunk_size: int = CHUNK_SIZE, algorithm: str = SHA256, *, exclusive: bool = False,
+                         record_identity: IdentityRecorder | None = None) -> bool:
     """:func:`copy_sparse`, but ``dst`` appears only when the copy's digest is ``expected``.
 
-    ``exclusive``: a file at ``dst`` is never replaced (:class:`FileTaken`).
+    ``exclusive``: a file at ``dst`` is never replaced (:class:`FileTaken`). ``record_identity``
+    is given the copy's identity before it takes ``dst``'s name.
 
     Returns:
         Whether it did; when not, nothing is left at ``dst``.
@@ -693,24 +729,28 @@ def copy_sparse_verified(src: str | os.PathLike[str], dst: str | os.PathLike[str
         FileTaken: with ``exclusive``, a file appeared at ``dst`` meanwhile.
     """
     try:
-        copy_sparse_digest(src, dst, chunk_size, algorithm, expected=expected, exclusive=exclusive)
+        copy_sparse_digest(src, dst, chunk_size, algorithm, expected=expected, exclusive=exclusive,
+                           record_identity=record_identity)
     except _NotTheExpectedContent:
         return False
     return True
 
 
 def copy_sparse_digest(src: str | os.PathLike[str], dst: str | os.PathLike[str], chunk_size: int = CHUNK_SIZE,
-                       algorithm: str = SHA256, *, expected: str | None = None, exclusive: bool = False) -> Digest:
+                       algorithm: str = SHA256, *, expected: str | None = None, exclusive: bool = False,
+                       record_identity: IdentityRecorder | None = None) -> Digest:
     """:func:`copy_sparse`, returning the digest object itself (to extend with :func:`grown_digest`).
 
     With ``expected``, a copy of another digest is removed before it takes ``dst``'s name
     (``_NotTheExpectedContent``), so a crash never leaves an unchecked file there. With
-    ``exclusive``, a file at ``dst`` is never replaced (:class:`FileTaken`).
+    ``exclusive``, a file at ``dst`` is never replaced (:class:`FileTaken`). ``record_identity``
+    is given the copy's identity before it takes ``dst``'s name.
     """
     src_path, dst_path = Path(src), Path(dst)
     hasher = DIGESTS[algorithm]()
     try:
-        with open(src_path, "rb") as fin, _temp_beside(dst_path, exclusive=exclusive) as (out, _tmp):
+        with open(src_path, "rb") as fin, _temp_beside(dst_path, exclusive=exclusive,
+                                                       record_identity=record_identity) as (out, _tmp):
             size = os.fstat(fin.fileno()).st_size
             writer = _SparseWriter(out)
             pace = _Pace()
@@ -755,11 +795,13 @@ def download_image(
     chunk_size: int = CHUNK_SIZE,
     *,
     exclusive: bool = False,
+    record_identity: IdentityRecorder | None = None,
 ) -> int:
     """Stream ``s3://bucket/key`` to ``dest`` (sparse), verifying its sha256; return its size in bytes.
 
     ``dest`` appears atomically and only with the expected content; with ``exclusive``, never
-    in place of a file there (:class:`FileTaken`).
+    in place of a file there (:class:`FileTaken`). ``record_identity`` is given the file's
+    identity before it takes ``dest``'s name.
 
     Raises:
         ImageDownloadFailed: the object cannot be read, writing failed, or the checksum differs.
@@ -769,7 +811,7 @@ def download_image(
     hasher = hashlib.sha256()
     size = 0
     try:
-        with _temp_beside(dest_path, exclusive=exclusive) as (out, _tmp):
+        with _temp_beside(dest_path, exclusive=exclusive, record_identity=record_identity) as (out, _tmp):
             body = s3_client.get_object(Bucket=bucket, Key=key)["Body"]
             writer = _SparseWriter(out)
             pace = _Pace()
@@ -816,11 +858,14 @@ def grow(path: str | os.PathLike[str], size_bytes: int) -> int:
         os.close(fd)
 
 
-def create_sparse(path: str | os.PathLike[str], size_bytes: int, *, exclusive: bool = False) -> Path:
+def create_sparse(path: str | os.PathLike[str], size_bytes: int, *, exclusive: bool = False,
+                  record_identity: IdentityRecorder | None = None) -> Path:
     """Create an empty (all-hole) disk of ``size_bytes``; an existing disk is kept and grown if smaller.
 
     A symbolic link at ``path`` is never followed (see :func:`grow`). With ``exclusive`` a file at
     ``path`` is neither grown nor replaced: it is left, and :class:`FileTaken` raised.
+    ``record_identity`` is given a new file's identity (:func:`file_identity`) before it takes
+    ``path``'s name.
 
     Raises:
         OSError: the file cannot be created, or ``path`` is a symbolic link.
@@ -833,7 +878,7 @@ def create_sparse(path: str | os.PathLike[str], size_bytes: int, *, exclusive: b
             return target
         except FileNotFoundError:
             pass
-    with _temp_beside(target, exclusive=exclusive) as (out, _tmp):
+    with _temp_beside(target, exclusive=exclusive, record_identity=record_identity) as (out, _tmp):
         out.truncate(size_bytes)
     return target
 
@@ -847,12 +892,15 @@ def create_root_disk(
     chunk_size: int = CHUNK_SIZE,
     *,
     exclusive: bool = False,
+    record_identity: IdentityRecorder | None = None,
 ) -> int:
     """Write a root disk from an image in S3 (raw or sparse) and grow it to ``root_bytes``; return its size.
 
     ``root_bytes == 0`` (a flavor with ``root_gb`` 0) keeps the image's own size, as Nova does.
     With ``cache_dir`` the image is downloaded once per checksum into the cache and copied
     (sparse, verified) from there. With ``exclusive`` the disk never replaces a file at ``dest``.
+    ``record_identity`` is given the disk's identity (:func:`file_identity`) before it takes
+    ``dest``'s name.
 
     Args:
         image: ``{"id", "bucket", "key", "sha256"}``.
@@ -885,7 +933,8 @@ def create_root_disk(
                                          bucket=bucket, key=key)
     fetch = _download_sparse_image if sparse else download_image
     if cache_dir is None:
-        fetch(s3_client, bucket, key, dest_path, expected, chunk_size, exclusive=exclusive)
+        fetch(s3_client, bucket, key, dest_path, expected, chunk_size, exclusive=exclusive,
+              record_identity=record_identity)
     else:
         cached = Path(cache_dir) / expected
         if cached.exists():
@@ -893,11 +942,13 @@ def create_root_disk(
         else:
             fetch(s3_client, bucket, key, cached, expected, chunk_size)
         # Checked before the copy takes its name: a root disk that exists is a verified one.
-        if not copy_sparse_verified(cached, dest_path, expected, chunk_size, algorithm, exclusive=exclusive):
+        if not copy_sparse_verified(cached, dest_path, expected, chunk_size, algorithm, exclusive=exclusive,
+                                    record_identity=record_identity):
             # The cached copy rotted on disk: drop it, and fetch the image afresh.
             cached.unlink(missing_ok=True)
             fetch(s3_client, bucket, key, cached, expected, chunk_size)
-            if not copy_sparse_verified(cached, dest_path, expected, chunk_size, algorithm, exclusive=exclusive):
+            if not copy_sparse_verified(cached, dest_path, expected, chunk_size, algorithm, exclusive=exclusive,
+                                        record_identity=record_identity):
                 raise errors.ImageDownloadFailed(f"Image {image.get('id')} changed while it was being copied.")
     if root_bytes > 0 and os.path.getsize(dest_path) > root_bytes:
         # The object changed between its size check and its download.
@@ -1235,6 +1286,14 @@ def transfer_part_size(size: int, minimum: int = TRANSFER_PART_SIZE) -> int:
     return min(max(minimum, -(-needed // MiB) * MiB), TRANSFER_MAX_PART_SIZE)
 
 
+def transfer_parts_in_memory(part_size: int) -> int:
+    """How many parts of ``part_size`` a transfer upload buffers at once: as many as
+    :data:`TRANSFER_MEMORY` holds, and at least :data:`TRANSFER_MIN_PARTS_IN_MEMORY` (one read
+    while another is sent).
+    """
+    return max(TRANSFER_MIN_PARTS_IN_MEMORY, TRANSFER_MEMORY // part_size)
+
+
 def upload_disk(
     s3_client: Any,
     path: str | os.PathLike[str],
@@ -1248,8 +1307,9 @@ def upload_disk(
     """Send a disk to ``s3://bucket/<prefix>/<kind>`` as its data extents, then its manifest.
 
     Streams with a multipart upload; only the data (non-zero chunks of the data ranges) is read
-    and sent, and memory holds at most a few parts. Sending again replaces both objects. The
-    manifest carries the ``algorithm`` digest (:data:`DIGESTS`) of the whole disk.
+    and sent. The stream's parts are buffered whole, at most :func:`transfer_parts_in_memory`
+    of them (about :data:`TRANSFER_MEMORY`) plus the one being read. Sending again replaces both
+    objects. The manifest carries the ``algorithm`` digest (:data:`DIGESTS`) of the whole disk.
 
     Args:
         part_size: the smallest part; parts are larger for a disk whose logical size (the most
@@ -1264,9 +1324,13 @@ def upload_disk(
         with open(source, "rb") as f:
             reader = _ExtentReader(f, os.fstat(f.fileno()).st_size, chunk_size, algorithm)
             part = transfer_part_size(reader.size, part_size)
+            in_memory = transfer_parts_in_memory(part)
+            # A part being sent holds its place in memory: more threads than places would only wait.
             config = TransferConfig(
-                multipart_threshold=part, multipart_chunksize=part, max_concurrency=TRANSFER_CONCURRENCY
+                multipart_threshold=part, multipart_chunksize=part,
+                max_concurrency=min(TRANSFER_CONCURRENCY, in_memory),
             )
+            config.max_in_memory_upload_chunks = in_memory  # not one of boto3's arguments
             aws.upload_fileobj(s3_client, reader, bucket, key, Config=config)
             if reader.read(1):
                 raise errors.DiskCopyFailed(f"The upload of {source} stopped before its end.")
@@ -1343,12 +1407,14 @@ def download_disk(
     chunk_size: int = CHUNK_SIZE,
     *,
     exclusive: bool = False,
+    record_identity: IdentityRecorder | None = None,
 ) -> Transferred:
     """Rebuild a transferred disk at ``dest``: each extent written in place in a sparse file.
 
     The disk's digest must match its manifest and, when given, ``expected_sha256`` and
     ``expected_size`` (what the sender reported). ``dest`` appears atomically and only when
-    verified; with ``exclusive``, never in place of a file there.
+    verified; with ``exclusive``, never in place of a file there. ``record_identity`` is given
+    the disk's identity before it takes ``dest``'s name.
 
     Raises:
         DiskCopyFailed: the transfer is missing, incomplete, inconsistent or corrupt, or writing failed.
@@ -1373,7 +1439,7 @@ def download_disk(
             )
         hasher = DIGESTS[algorithm]()
         data_bytes = 0
-        with _temp_beside(dest_path, exclusive=exclusive) as (out, _tmp):
+        with _temp_beside(dest_path, exclusive=exclusive, record_identity=record_identity) as (out, _tmp):
             body = s3_client.get_object(Bucket=bucket, Key=data_key)["Body"]
             try:
                 writer = _SparseWriter(out)
@@ -1497,7 +1563,7 @@ def upload_sparse_image(
 
 def _download_sparse_image(
     s3_client: Any, bucket: str, key: str, dest: str | os.PathLike[str], expected_sha256: str, chunk_size: int,
-    *, exclusive: bool = False,
+    *, exclusive: bool = False, record_identity: IdentityRecorder | None = None,
 ) -> int:
     """Rebuild a sparse image's disk at ``dest`` from its extents, verified; return its size.
 
@@ -1512,7 +1578,8 @@ def _download_sparse_image(
         finally:
             body.close()
         got = download_disk(s3_client, bucket, str(pointer["prefix"]), str(pointer["kind"]), dest,
-                            expected_sha256=expected_sha256, chunk_size=chunk_size, exclusive=exclusive)
+                            expected_sha256=expected_sha256, chunk_size=chunk_size, exclusive=exclusive,
+                            record_identity=record_identity)
     except (ValueError, TypeError, KeyError) as exc:
         raise errors.ImageDownloadFailed(f"Image s3://{bucket}/{key} is not a valid sparse image: {exc}",
                                          bucket=bucket, key=key) from exc

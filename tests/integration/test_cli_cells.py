@@ -70,7 +70,7 @@ def test_a_cell_is_never_re_pointed_and_a_host_never_moved(empty_deployment, cap
 
 
 def test_a_database_password_is_never_printed():
-    hidden = cli_cells._hidden("postgresql+psycopg2://ferry:s3cret@db.example/cell1")
+    hidden = cli_cells.hidden_url("postgresql+psycopg2://ferry:s3cret@db.example/cell1")
 
     assert "s3cret" not in hidden and hidden.startswith("postgresql+psycopg2://ferry:***@db.example/cell1")
 

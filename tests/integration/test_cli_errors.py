@@ -14,9 +14,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import sqlalchemy.engine.url
+from sqlalchemy import event, insert
+from sqlalchemy.exc import ArgumentError, IntegrityError
+from sqlalchemy.orm import Session
 
 from ferry import cli, config
 from ferry.store import db
+from ferry.store.api_models import CellMapping
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -83,6 +88,53 @@ def test_a_cell_database_that_cannot_be_used_is_one_line_and_exit_3_and_maps_not
     assert cli.main(["cell", "list"]) == 0
     assert capsys.readouterr().out == ""
 
+
+
+@pytest.mark.parametrize("where", ["api", "cell"])
+def test_a_url_quoted_whole_in_its_error_is_shown_without_its_password(api_database, tmp_path, capsys, monkeypatch,
+                                                                       where):
+    # GIVEN a URL SQLAlchemy cannot parse, and a SQLAlchemy that quotes such a URL in its error (2.0 did)
+    unreadable = "ferry:s3cret@db.example/ferry_api"
+    parse = sqlalchemy.engine.url._parse_url
+
+    def quoting(name, *args, **kwargs):
+        if name != unreadable:
+            return parse(name, *args, **kwargs)
+        raise ArgumentError(f"Could not parse SQLAlchemy URL from string '{name}'")
+
+    monkeypatch.setattr(sqlalchemy.engine.url, "_parse_url", quoting)
+    api_database(unreadable if where == "api" else f"sqlite:///{tmp_path / 'api.sqlite'}")
+    argv = ["cell", "list"] if where == "api" else ["cell", "create", "cell1", "--database-url", unreadable]
+
+    # WHEN a command uses it
+    assert cli.main(argv) == cli.EXIT_CANNOT_RUN
+
+    # THEN the one line names it, its password hidden
+    assert capsys.readouterr().err == ("ferry: cannot use the database: "
+                                       "Could not parse SQLAlchemy URL from string '***@db.example/ferry_api'\n")
+
+def test_a_cell_created_meanwhile_by_another_command_is_a_traceback_not_a_database_that_cannot_be_used(
+    api_database, tmp_path, capsys
+):
+    # GIVEN another `ferry cell create cell1` that maps the cell between this one's check and its insert
+    api_database(f"sqlite:///{tmp_path / 'api.sqlite'}")
+
+    def racing(session, _flush_context, _instances):
+        if any(isinstance(added, CellMapping) for added in session.new):
+            session.connection().execute(insert(CellMapping).values(
+                name="cell1", uuid="00000000-0000-4000-8000-000000000001",
+                database_connection=f"sqlite:///{tmp_path / 'other.sqlite'}"))
+
+    event.listen(Session, "before_flush", racing)
+    try:
+        # WHEN this one inserts the mapping
+        with pytest.raises(IntegrityError):
+            cli.main(["cell", "create", "cell1", "--database-url", f"sqlite:///{tmp_path / 'cell1.sqlite'}"])
+    finally:
+        event.remove(Session, "before_flush", racing)
+
+    # THEN the database was used, and the error is raised (a traceback, exit status 1), not called unreachable
+    assert "cannot use the database" not in capsys.readouterr().err
 
 def test_audit_json_on_standard_output_is_the_report_alone(tmp_path):
     """GIVEN a clean store WHEN ``ferry audit --json`` runs as a process THEN its standard output is JSON."""

@@ -163,6 +163,49 @@ def test_a_disk_too_large_for_8_mib_parts_is_sent_in_larger_ones(s3, tmp_path):
     assert len(_object(s3, disks.transfer_key(PREFIX, "root"))) == 30 * MiB
 
 
+
+@pytest.fixture
+def transfer_configs(monkeypatch):
+    """The TransferConfig of every upload made through ``disks``' transfer manager."""
+    configs = []
+    upload = disks.aws.upload_fileobj
+
+    def recording(*args, **kwargs):
+        configs.append(kwargs["Config"])
+        upload(*args, **kwargs)
+
+    monkeypatch.setattr(disks.aws, "upload_fileobj", recording)
+    return configs
+
+
+def test_a_large_disks_upload_keeps_its_buffered_parts_within_the_memory_bound(s3, tmp_path, transfer_configs):
+    # GIVEN a 2 TiB disk: its parts are hundreds of MiB, and a stream's parts are buffered whole
+    src = tmp_path / "src"
+    with open(src, "wb") as f:
+        f.write(os.urandom(MiB))
+        f.truncate(2 * 2**40)
+
+    # WHEN it is sent
+    disks.upload_disk(s3, src, BUCKET, PREFIX, "root")
+
+    # THEN the transfer manager buffers two of them (not its default ten), and sends no more at once
+    (config,) = transfer_configs
+    part = disks.transfer_part_size(2 * 2**40)
+    assert config.multipart_chunksize == part == 234 * MiB
+    assert config.max_in_memory_upload_chunks * part == 2 * part
+    assert config.max_request_concurrency <= config.max_in_memory_upload_chunks
+
+
+def test_a_small_disks_upload_buffers_as_many_parts_as_the_memory_bound_holds(s3, tmp_path, transfer_configs):
+    src = tmp_path / "src"
+    _sparse_file(src, 16 * MiB, {0: os.urandom(MiB)})
+
+    disks.upload_disk(s3, src, BUCKET, PREFIX, "root")
+
+    (config,) = transfer_configs
+    assert (config.max_in_memory_upload_chunks, config.multipart_chunksize) == (10, 8 * MiB)  # 80 MiB, as ever
+    assert config.max_request_concurrency == disks.TRANSFER_CONCURRENCY
+
 def test_sending_again_replaces_the_transfer(s3, tmp_path):
     src = tmp_path / "src"
     _sparse_file(src, 8 * MiB, {0: os.urandom(MiB)})

@@ -191,6 +191,46 @@ def test_a_disk_path_that_is_a_symbolic_link_is_never_followed(tmp_path, grower)
     assert target.read_bytes() == b"not a disk"
 
 
+
+def test_an_exclusive_write_leaves_a_file_made_meanwhile(tmp_path):
+    path = tmp_path / "vol-1"
+    path.write_bytes(b"another attempt's")
+
+    with pytest.raises(disks.FileTaken):
+        disks.create_sparse(path, 64 * MiB, exclusive=True)
+
+    assert path.read_bytes() == b"another attempt's"
+    assert [p.name for p in tmp_path.iterdir()] == ["vol-1"]
+
+
+def test_an_exclusive_write_whose_link_was_made_though_the_server_answered_eexist_succeeds(tmp_path, monkeypatch):
+    # GIVEN an NFSv3 server that made the link but answers the client's retransmitted LINK with EEXIST
+    path = tmp_path / "vol-1"
+    link = os.link
+
+    def retransmitted(src, dst, *args, **kwargs):
+        link(src, dst, *args, **kwargs)
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(dst))
+
+    monkeypatch.setattr(os, "link", retransmitted)
+
+    # WHEN a volume file is made there
+    disks.create_sparse(path, 64 * MiB, exclusive=True)
+
+    # THEN the file at the name, being the one written, is taken as made
+    assert os.path.getsize(path) == 64 * MiB
+    assert [p.name for p in tmp_path.iterdir()] == ["vol-1"]
+
+
+def test_an_exclusive_write_records_the_files_identity_before_it_takes_its_name(tmp_path):
+    path = tmp_path / "vol-1"
+    recorded: list[tuple[tuple[int, int], bool]] = []
+
+    disks.create_sparse(path, 64 * MiB, exclusive=True,
+                        record_identity=lambda identity: recorded.append((identity, path.exists())))
+
+    assert recorded == [(disks.file_identity(path), False)]
+
 def _image(s3, key: str, content: bytes) -> dict[str, str]:
     s3.put_object(Bucket=BUCKET, Key=key, Body=content)
     return {"id": key, "bucket": BUCKET, "key": key, "sha256": hashlib.sha256(content).hexdigest()}

@@ -464,6 +464,39 @@ def test_a_spawn_run_again_that_fails_removes_what_its_first_attempt_made(host):
     assert not host.driver.guest_exists(instance_uuid)
 
 
+
+class Crash(BaseException):
+    """The agent's process dying at that point (nothing after it runs, no handler catches it)."""
+
+
+def test_a_spawn_run_again_after_a_crash_right_after_its_volume_file_took_its_name_removes_that_file(
+    host, monkeypatch
+):
+    # GIVEN a spawn whose agent died right after the new volume's file took its name
+    instance_uuid, operation_id = str(uuid.uuid4()), f"{uuid.uuid4()}:spawn"
+    volume_path = host.instances_dir.parent / "volumes" / "vol-4"
+    volume = {"volume_id": "vol-4", "path": str(volume_path), "device": "/dev/vda", "boot_index": 0, "size_gb": 1}
+    args = spawn_args(None, volumes=[volume], ports=[{"id": "port-1", "mac_address": "not-a-mac"}],
+                      flavor={**FLAVOR, "root_gb": 0, "ephemeral_gb": 0, "swap": 0})
+    link = os.link
+
+    def link_then_crash(src, dst, *link_args, **kwargs):
+        link(src, dst, *link_args, **kwargs)
+        raise Crash
+
+    with monkeypatch.context() as patched:
+        patched.setattr(os, "link", link_then_crash)
+        with pytest.raises(Crash):
+            host.agent.spawn(Operation("spawn", operation_id, instance_uuid, args, None))
+    assert volume_path.exists()
+
+    # WHEN the spawn, run again, fails
+    assert failure(host.execute("spawn", instance_uuid, args, operation_id=operation_id)) == "Ferry.HypervisorError"
+
+    # THEN the file its first attempt made is known as its own and removed
+    assert not volume_path.exists()
+    assert not disks.instance_dir(host.instances_dir, instance_uuid).exists()
+
 def test_corrupt_image_fails_with_image_download_failed_and_leaves_no_files(host):
     instance_uuid = str(uuid.uuid4())
     image = {**host.image(os.urandom(MiB)), "sha256": hashlib.sha256(b"another image").hexdigest()}

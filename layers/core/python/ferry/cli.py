@@ -9,7 +9,8 @@ exit status.
 
 Exit statuses: 0 success (for ``audit``: no problem left), 1 problems remain (or, for the set-up
 commands of :mod:`ferry.cli_cells` and for ``ferry volume``, refused), 2 bad usage, 3 could not run
-(a database that cannot be reached, or whose URL cannot be read: one line on standard error).
+(a database that cannot be reached, or whose URL cannot be read: one line on standard error, passwords
+hidden). Any other database error (two ``ferry cell create`` racing, say) is a traceback and 1.
 
 Standard output is the command's answer (``ferry audit --json`` is read by programs): Ferry's log
 lines go to standard error while a command runs.
@@ -22,13 +23,14 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from sqlalchemy.exc import ArgumentError, DBAPIError
+from sqlalchemy.exc import ArgumentError, DatabaseError, DBAPIError, InterfaceError, OperationalError
 
 from ferry import cli_cells, cli_drain, cli_volumes
 from ferry.audit import DEFAULT_GRACE_SECONDS
@@ -38,6 +40,8 @@ Handler = Callable[[argparse.Namespace], int]
 # The exit status of a command that could not run: a database it cannot reach or whose URL it
 # cannot read. Distinct from 1, which says what the command found (problems, a refusal).
 EXIT_CANNOT_RUN = 3
+# A URL within a message (``scheme://`` up to a blank or a quote).
+_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"]+")
 
 
 def _run_audit(args: argparse.Namespace) -> int:
@@ -125,10 +129,27 @@ def _logs_to_standard_error() -> Iterator[None]:
             log_handler.setStream(previous)
 
 
+def _cannot_use_the_database(exc: Exception) -> bool:
+    """Whether ``exc`` says the database cannot be used at all: unreachable, refusing the connection,
+    no database (SQLite's "file is not a database" is a bare ``DatabaseError``), or a URL that cannot be
+    read. Any other database error (a constraint two commands racing broke, say) is the command's own."""
+    return isinstance(exc, (OperationalError, InterfaceError, ArgumentError)) or type(exc) is DatabaseError
+
+
 def _first_line(exc: BaseException) -> str:
     cause = exc.orig if isinstance(exc, DBAPIError) and exc.orig is not None else exc
     lines = str(cause).strip().splitlines()
     return lines[0] if lines else type(cause).__name__
+
+
+def _without_passwords(message: str, args: argparse.Namespace) -> str:
+    """``message`` with the password of every database URL in it hidden (:func:`ferry.cli_cells.hidden_url`):
+    the URLs the command was given, verbatim (a URL that cannot be parsed may be quoted whole), and
+    any other ``scheme://`` one."""
+    for url in (os.environ.get("FERRY_API_DATABASE_URL"), getattr(args, "database_url", None)):
+        if url and url.strip():
+            message = message.replace(url.strip(), cli_cells.hidden_url(url.strip()))
+    return _URL_IN_TEXT.sub(lambda found: cli_cells.hidden_url(found[0]), message)
 
 
 def _driver_missing(exc: ImportError) -> bool:
@@ -142,7 +163,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run ``ferry`` with ``argv`` (default: the process's arguments); returns the exit status.
 
     A database that cannot be reached, or whose URL cannot be read or names a driver that is not
-    installed, ends the command with one line on standard error and :data:`EXIT_CANNOT_RUN`.
+    installed, ends the command with one line on standard error (passwords hidden) and
+    :data:`EXIT_CANNOT_RUN`. Any other database error is raised (a traceback, exit status 1).
     """
     args = build_parser().parse_args(argv)
     handler: Handler = args.handler
@@ -156,7 +178,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             return handler(args)
         except (DBAPIError, ArgumentError) as exc:
-            print(f"ferry: cannot use the database: {_first_line(exc)}", file=sys.stderr)
+            if not _cannot_use_the_database(exc):
+                raise
+            print(f"ferry: cannot use the database: {_without_passwords(_first_line(exc), args)}", file=sys.stderr)
             return EXIT_CANNOT_RUN
         except ImportError as exc:
             if not _driver_missing(exc):

@@ -24,16 +24,28 @@ reached, or a URL that cannot be read: see :mod:`ferry.cli`).
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from typing import Any
 
 from ferry import config, protocol
 
+# What lies between a URL's scheme (if any) and its last "@": its user and password.
+_USERINFO = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)?.*@")
 
-def _hidden(url: str) -> str:
+
+def hidden_url(url: str) -> str:
+    """``url`` with its password shown as ``***``, to print.
+
+    A URL SQLAlchemy cannot parse shows ``***`` for all that lies between its scheme and its last ``@``.
+    """
     from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
 
-    return make_url(url).render_as_string(hide_password=True)
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except (ArgumentError, ValueError):
+        return _USERINFO.sub(lambda found: f"{found['scheme'] or ''}***@", url, count=1)
 
 
 def _refused(message: str) -> int:
@@ -55,10 +67,10 @@ def _run_db_sync(_args: argparse.Namespace) -> int:
     from ferry.store import migrate, setup
 
     setup.init_api_database()
-    print(f"API database {_hidden(config.get().api_database_url)}: up to date")
+    print(f"API database {hidden_url(config.get().api_database_url)}: up to date")
     for cell in _cells():
         migrate.upgrade("cell", cell.database_connection)
-        print(f"cell {cell.name} database {_hidden(cell.database_connection)}: up to date")
+        print(f"cell {cell.name} database {hidden_url(cell.database_connection)}: up to date")
     return 0
 
 
@@ -74,20 +86,20 @@ def _run_cell_create(args: argparse.Namespace) -> int:
     cells = _cells()
     existing = next((cell for cell in cells if cell.name == name), None)
     if existing is not None and existing.database_connection.strip() != url:
-        return _refused(f"cell {name} is mapped to {_hidden(existing.database_connection)}; "
+        return _refused(f"cell {name} is mapped to {hidden_url(existing.database_connection)}; "
                         f"a cell is never re-pointed at another database.")
     holder = next((cell for cell in cells if cell.name != name and cell.database_connection.strip() == url), None)
     if holder is not None:
-        return _refused(f"{_hidden(url)} is the database of cell {holder.name}; two cells never share one "
+        return _refused(f"{hidden_url(url)} is the database of cell {holder.name}; two cells never share one "
                         f"(both would list the same servers).")
     setup.create_cell(name, url)
-    print(f"cell {name} database {_hidden(url)}: {'up to date' if existing is not None else 'created and mapped'}")
+    print(f"cell {name} database {hidden_url(url)}: {'up to date' if existing is not None else 'created and mapped'}")
     return 0
 
 
 def _run_cell_list(_args: argparse.Namespace) -> int:
     for cell in _cells():
-        print(f"{cell.name}\t{_hidden(cell.database_connection)}")
+        print(f"{cell.name}\t{hidden_url(cell.database_connection)}")
     return 0
 
 
