@@ -417,6 +417,23 @@ def test_a_name_filter_that_backtracks_for_ever_is_400_within_the_lists_budget(c
     assert call("GET", "/v2.1/servers", query={"name": "a+!$"}).body["servers"]  # a sane one matches
 
 
+def test_a_name_filter_reads_as_pythons_regular_expressions_do(cloud):
+    # Braces that are no quantifier are characters (never another engine's fuzzy matching), and
+    # a "[" in a set is a character (never a POSIX class)
+    for name in ("job-{id}", "db-{e}", "db-1", "web:1", "web-22"):
+        create_server(name=name)
+
+    def names(expression: str) -> list[str]:
+        response = call("GET", "/v2.1/servers", query={"name": expression})
+        assert response.status == 200, response.body
+        return sorted(s["name"] for s in response.body["servers"])
+
+    assert names("job-{id}") == ["job-{id}"]
+    assert names("db-{e}") == ["db-{e}"]
+    assert names("web-2{2}") == ["web-22"]
+    assert names("web[[:]1") == ["web:1"]
+
+
 def test_a_name_filter_that_is_no_regular_expression_is_400(cloud):
     response = call("GET", "/v2.1/servers", query={"name": "web("})
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy.engine.url
 from sqlalchemy import event, insert
-from sqlalchemy.exc import ArgumentError, IntegrityError
+from sqlalchemy.exc import ArgumentError
 from sqlalchemy.orm import Session
 
 from ferry import cli, config
@@ -113,11 +113,12 @@ def test_a_url_quoted_whole_in_its_error_is_shown_without_its_password(api_datab
     assert capsys.readouterr().err == ("ferry: cannot use the database: "
                                        "Could not parse SQLAlchemy URL from string '***@db.example/ferry_api'\n")
 
-def test_a_cell_created_meanwhile_by_another_command_is_a_traceback_not_a_database_that_cannot_be_used(
+def test_a_cell_created_meanwhile_by_another_command_is_refused_in_one_line_without_its_password(
     api_database, tmp_path, capsys
 ):
     # GIVEN another `ferry cell create cell1` that maps the cell between this one's check and its insert
     api_database(f"sqlite:///{tmp_path / 'api.sqlite'}")
+    url = f"sqlite:///{tmp_path / 'cell1.sqlite'}?password=s3cret"
 
     def racing(session, _flush_context, _instances):
         if any(isinstance(added, CellMapping) for added in session.new):
@@ -128,13 +129,16 @@ def test_a_cell_created_meanwhile_by_another_command_is_a_traceback_not_a_databa
     event.listen(Session, "before_flush", racing)
     try:
         # WHEN this one inserts the mapping
-        with pytest.raises(IntegrityError):
-            cli.main(["cell", "create", "cell1", "--database-url", f"sqlite:///{tmp_path / 'cell1.sqlite'}"])
+        status = cli.main(["cell", "create", "cell1", "--database-url", url])
     finally:
         event.remove(Session, "before_flush", racing)
 
-    # THEN the database was used, and the error is raised (a traceback, exit status 1), not called unreachable
-    assert "cannot use the database" not in capsys.readouterr().err
+    # THEN it is refused (exit 1) in one line, not called a database that cannot be used, and no
+    # traceback shows the statement's parameters (the URL, with a password in it)
+    err = capsys.readouterr().err
+    assert status == 1 and "the database refused it" in err and "cannot use the database" not in err
+    assert "s3cret" not in err and "Traceback" not in err
+
 
 def test_audit_json_on_standard_output_is_the_report_alone(tmp_path):
     """GIVEN a clean store WHEN ``ferry audit --json`` runs as a process THEN its standard output is JSON."""

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from sqlalchemy.exc import ArgumentError, DatabaseError, DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.exc import ArgumentError, DatabaseError, DBAPIError, InterfaceError, OperationalError, ProgrammingError
 
 from ferry import cli_cells, cli_drain, cli_volumes
 from ferry.audit import DEFAULT_GRACE_SECONDS
@@ -131,9 +131,12 @@ def _logs_to_standard_error() -> Iterator[None]:
 
 def _cannot_use_the_database(exc: Exception) -> bool:
     """Whether ``exc`` says the database cannot be used at all: unreachable, refusing the connection,
-    no database (SQLite's "file is not a database" is a bare ``DatabaseError``), or a URL that cannot be
-    read. Any other database error (a constraint two commands racing broke, say) is the command's own."""
-    return isinstance(exc, (OperationalError, InterfaceError, ArgumentError)) or type(exc) is DatabaseError
+    no database (SQLite's "file is not a database" is a bare ``DatabaseError``), no schema, no
+    permission or an option PostgreSQL does not know (``ProgrammingError``), or a URL that cannot
+    be read. Any other database error (a constraint two commands racing broke, say) is the
+    command's own: refused."""
+    return isinstance(exc, (OperationalError, InterfaceError, ProgrammingError, ArgumentError)) \
+        or type(exc) is DatabaseError
 
 
 def _first_line(exc: BaseException) -> str:
@@ -164,7 +167,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     A database that cannot be reached, or whose URL cannot be read or names a driver that is not
     installed, ends the command with one line on standard error (passwords hidden) and
-    :data:`EXIT_CANNOT_RUN`. Any other database error is raised (a traceback, exit status 1).
+    :data:`EXIT_CANNOT_RUN`. Any other database error (two commands racing, say) is one line
+    too, and exit status 1: refused. Never a traceback, whose statement parameters may hold a
+    database URL with its password.
     """
     args = build_parser().parse_args(argv)
     handler: Handler = args.handler
@@ -178,9 +183,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             return handler(args)
         except (DBAPIError, ArgumentError) as exc:
+            line = _without_passwords(_first_line(exc), args)
             if not _cannot_use_the_database(exc):
-                raise
-            print(f"ferry: cannot use the database: {_without_passwords(_first_line(exc), args)}", file=sys.stderr)
+                print(f"ferry: the database refused it: {line}", file=sys.stderr)
+                return 1
+            print(f"ferry: cannot use the database: {line}", file=sys.stderr)
             return EXIT_CANNOT_RUN
         except ImportError as exc:
             if not _driver_missing(exc):

@@ -196,7 +196,7 @@ def _access(flavor_id: str, projects: list[str]) -> Response:
 @router.get("/flavors/<flavor_id>/os-flavor-access")
 def list_flavor_access(flavor_id: str) -> Response:
     ctx = request.caller(router)
-    policy.enforce(ctx, "os_compute_api:os-flavor-access")
+    policy.enforce(ctx, "os_compute_api:os-flavor-access", policy.NO_PROJECT)
     return _access(flavor_id, compute_api.flavor_projects(flavor_id))
 
 

@@ -23,6 +23,7 @@ the candidates and keeps those :func:`matches` accepts, in :func:`order`.
 from __future__ import annotations
 
 import datetime as dt
+import re
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -54,6 +55,41 @@ class MatchBudget:
         return self._deadline - now
 
 
+# A quantifier in Python's syntax: ``{m}``, ``{m,}``, ``{,n}``, ``{m,n}``.
+_QUANTIFIER = re.compile(r"\{(?:\d+(?:,\d*)?|,\d+)\}")
+
+
+def _literal_braces(expression: str) -> str:
+    """``expression`` with every ``{`` that Python reads as a character, not as a quantifier,
+    escaped, and every ``[`` within a set: the ``regex`` engine reads some of those (``{e}``,
+    ``{s<=1}``) as fuzzy matching, and ``[:digit:]`` in a set as a POSIX class."""
+    out: list[str] = []
+    index, in_class = 0, False
+    while index < len(expression):
+        char = expression[index]
+        if char == "\\":
+            out.append(expression[index:index + 2])
+            index += 2
+            continue
+        if in_class:
+            in_class = char != "]"
+            if char == "[":  # a character to Python; the start of a POSIX class ("[:digit:]") to regex
+                char = "\\["
+        elif char == "[":
+            in_class = True
+            # A "]" right after "[" or "[^" is a member of the class, not its end.
+            ahead = 2 if expression.startswith("[^", index) else 1
+            if expression.startswith("]", index + ahead):
+                out.append(expression[index:index + ahead + 1])
+                index += ahead + 1
+                continue
+        elif char == "{" and not _QUANTIFIER.match(expression, index):
+            char = "\\{"
+        out.append(char)
+        index += 1
+    return "".join(out)
+
+
 class SearchPattern:
     """A filter's regular expression (Python's syntax, as Nova's on SQLite), searched anywhere in a
     value within a :class:`MatchBudget` (the ``regex`` engine stops a search at its timeout).
@@ -65,8 +101,9 @@ class SearchPattern:
     def __init__(self, name: str, expression: str, budget: MatchBudget) -> None:
         self.name, self.expression, self._budget = name, expression, budget
         try:
-            self._compiled = regex.compile(expression)
-        except regex.error as exc:
+            re.compile(expression)  # Python's syntax decides what is an expression
+            self._compiled = regex.compile(_literal_braces(expression))
+        except (re.error, regex.error) as exc:
             raise errors.BadRequest(f"Invalid {name} filter {expression!r}: {exc}.") from exc
 
     def search(self, value: str) -> bool:
