@@ -14,7 +14,7 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 from sqlalchemy import select, update
 from sqlalchemy.exc import OperationalError
-from test_api_support import ADMIN, ALICE, BOB, add_host, call, create_server, mocked_cloud
+from test_api_support import ADMIN, ALICE, BOB, Caller, add_host, call, create_server, mocked_cloud
 
 from ferry import config, errors, quotas, workflows
 from ferry.auth import RequestContext
@@ -438,6 +438,26 @@ def test_a_name_filter_that_is_no_regular_expression_is_400(cloud):
     response = call("GET", "/v2.1/servers", query={"name": "web("})
 
     assert response.status == 400 and "Invalid name filter" in response.body["badRequest"]["message"]
+
+
+def test_a_reader_of_the_project_reads_its_servers_and_changes_nothing(cloud):
+    add_host("host1")
+    server_id = create_server(ALICE)
+    schedule(server_id)
+    carol = Caller("carol", "project-a", ("reader",))
+
+    assert [s["id"] for s in call("GET", "/v2.1/servers", caller=carol).body["servers"]] == [server_id]
+    assert call("GET", f"/v2.1/servers/{server_id}", caller=carol).status == 200
+    for method, path, body in (("DELETE", f"/v2.1/servers/{server_id}", None),
+                               ("POST", f"/v2.1/servers/{server_id}/action", {"os-stop": None}),
+                               ("PUT", f"/v2.1/servers/{server_id}", {"server": {"name": "renamed"}}),
+                               ("POST", "/v2.1/servers", {"server": {"name": "x", "flavorRef": "1",
+                                                                      "imageRef": cloud.image_id,
+                                                                      "networks": "auto"}})):
+        response = call(method, path, caller=carol, body=body, version="2.90")
+        assert response.status == 403, (method, path, response.body)
+    row = instance(server_id)
+    assert (row.display_name, row.task_state) == ("vm1", None)
 
 
 def test_only_admins_list_all_projects(cloud):

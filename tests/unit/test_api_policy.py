@@ -91,3 +91,25 @@ def test_a_missing_policy_file_or_unknown_rule_is_refused(tmp_path, monkeypatch)
     config.reset()
     with pytest.raises(errors.InvalidPolicy):
         policy.check(MEMBER, "os_compute_api:servers:create")
+
+
+READER = RequestContext(user_id="carol", project_id="project-a", roles=("reader",))
+
+
+def test_a_reader_reads_her_projects_servers_and_changes_nothing_whatever_the_rules_say(policy_file):
+    policy_file.write_text("{}\n")
+    assert READER.reader_only and not MEMBER.reader_only and not ADMIN.reader_only
+    assert not RequestContext(user_id="dave", project_id="project-a", roles=("reader", "member")).reader_only
+    assert policy.check(READER, "os_compute_api:servers:show") and policy.check(READER, "os_compute_api:servers:index")
+    for rule in ("os_compute_api:servers:create", "os_compute_api:servers:delete", "os_compute_api:servers:stop",
+                 "os_compute_api:servers:resize", "os_compute_api:servers:confirm_resize",
+                 "os_compute_api:os-volumes-attachments:create"):
+        assert policy.check(MEMBER, rule) and not policy.check(READER, rule), rule
+    # an operator opening a write to everyone does not open it to readers
+    policy_file.write_text('"os_compute_api:os-migrate-server:migrate": "@"\n')
+    assert policy.check(MEMBER, "os_compute_api:os-migrate-server:migrate")
+    assert not policy.check(READER, "os_compute_api:os-migrate-server:migrate")
+
+
+def test_every_read_rule_is_a_rule():
+    assert policy.READ_RULES <= set(policy.DEFAULT_RULES)

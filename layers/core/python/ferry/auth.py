@@ -27,6 +27,8 @@ from ferry.store.db import api_session
 
 TOKEN_HEADER = "X-Auth-Token"
 ADMIN_ROLE = "admin"
+# Keystone's read-only project role.
+READER_ROLE = "reader"
 
 
 def new_request_id() -> str:
@@ -38,7 +40,9 @@ def new_request_id() -> str:
 class RequestContext:
     """Who is calling and under which request id.
 
-    ``is_admin`` follows from ``roles`` (the ``admin`` role) and cannot be set on its own.
+    ``is_admin`` follows from ``roles`` (the ``admin`` role) and cannot be set on its own;
+    ``reader_only`` too: a caller whose every role is ``reader`` (Keystone's project reader)
+    reads, and changes nothing (:mod:`ferry.policy`).
     """
 
     user_id: str
@@ -46,10 +50,13 @@ class RequestContext:
     roles: tuple[str, ...] = ()
     request_id: str = field(default_factory=new_request_id)
     is_admin: bool = field(init=False)
+    reader_only: bool = field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "roles", tuple(self.roles))
         object.__setattr__(self, "is_admin", ADMIN_ROLE in self.roles)
+        object.__setattr__(self, "reader_only", bool(self.roles) and not self.is_admin
+                           and all(role.lower() == READER_ROLE for role in self.roles))
 
 
 def hash_token(token: str) -> str:

@@ -11,6 +11,10 @@ A rule is one of four words:
 ``!``
     nobody.
 
+A caller whose every role is ``reader`` (Keystone's project reader, see
+:attr:`ferry.auth.RequestContext.reader_only`) passes only the rules that read
+(:data:`READ_RULES`), as Nova's project reader: whatever a rule's word, it changes nothing.
+
 Operators override rules with a YAML (or JSON) mapping of rule name to rule in the file
 named by ``FERRY_POLICY_FILE``, e.g. ``{"compute:servers:resize:cross_cell": "admin"}``.
 Rules not in the file keep their defaults. The file is re-read when it changes.
@@ -114,6 +118,27 @@ DEFAULT_RULES: dict[str, str] = {
     "ferry:drains:action": ADMIN,
 }
 
+# The rules that only read: a reader-only caller passes these (as their words allow) and no other.
+READ_RULES = frozenset({
+    "os_compute_api:servers:index", "os_compute_api:servers:detail",
+    "os_compute_api:servers:index:get_all_tenants", "os_compute_api:servers:detail:get_all_tenants",
+    "os_compute_api:servers:show", "os_compute_api:servers:show:host_status",
+    "os_compute_api:os-extended-server-attributes",
+    "os_compute_api:os-instance-actions:list", "os_compute_api:os-instance-actions:show",
+    "os_compute_api:os-instance-actions:events", "os_compute_api:os-instance-actions:events:details",
+    "os_compute_api:os-flavor-access", "os_compute_api:os-flavor-extra-specs:index",
+    "os_compute_api:os-flavor-extra-specs:show",
+    "os_compute_api:os-migrations:index", "os_compute_api:servers:migrations:index",
+    "os_compute_api:servers:migrations:show",
+    "os_compute_api:os-quota-sets:show", "os_compute_api:os-quota-sets:detail",
+    "os_compute_api:os-quota-sets:defaults", "os_compute_api:limits", "os_compute_api:limits:other_project",
+    "os_compute_api:os-volumes-attachments:index", "os_compute_api:os-volumes-attachments:show",
+    "volume:get", "volume:get_all", "volume_extension:volume_tenant_attribute",
+    "os_compute_api:os-aggregates:index", "os_compute_api:os-aggregates:show",
+    "os_compute_api:os-services:list",
+    "ferry:drains:list", "ferry:drains:show",
+})
+
 _loaded: dict[str, Any] = {"key": None, "rules": dict(DEFAULT_RULES)}
 
 
@@ -175,7 +200,7 @@ def check(context: RequestContext, rule: str, target: Mapping[str, Any] | None =
     if rule not in effective:
         raise errors.InvalidPolicy(f"Policy rule {rule} is not registered.")
     word = effective[rule]
-    if word == NOBODY:
+    if word == NOBODY or (context.reader_only and rule not in READ_RULES):
         return False
     if word in (MEMBER, ANYONE):
         return True
