@@ -916,23 +916,6 @@ def test_stop_then_start_use_compare_and_swap_and_start_the_power_workflow(cloud
     assert recorded.action == "stop"
 
 
-def test_a_server_in_error_may_be_stopped_as_in_nova_and_ends_stopped(cloud):
-    # GIVEN a server a failed operation left in ERROR, its guest perhaps still running
-    add_host("host1")
-    server_id = create_server()
-    schedule(server_id, vm_state=states.ERROR)
-
-    # WHEN its owner stops it, THEN the power workflow runs, and its end makes it stopped
-    stopped = call("POST", f"/v2.1/servers/{server_id}/action", body={"os-stop": None})
-    assert stopped.status == 202, stopped.body
-    assert (instance(server_id).vm_state, instance(server_id).task_state) == (states.ERROR, states.POWERING_OFF)
-    [execution] = cloud.executions("power")
-    power.begin_power_action(execution["input"])
-    power.finish_power_action({**execution["input"], "result": {"power_state": states.SHUTDOWN}})
-    assert (instance(server_id).vm_state, instance(server_id).task_state) == (states.STOPPED, None)
-    assert call("POST", f"/v2.1/servers/{server_id}/action", body={"os-start": None}).status == 202
-
-
 @pytest.mark.parametrize("began", [True, False])
 @pytest.mark.parametrize("body", [{"os-stop": None}, "delete"])
 def test_a_request_whose_start_answered_an_error_stands_only_if_its_workflow_took_it(cloud, monkeypatch, began,

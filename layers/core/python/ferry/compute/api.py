@@ -1073,7 +1073,7 @@ def delete_server(ctx: RequestContext, location: Location) -> None:
                    cell, undo=undo, undo_from=states.DELETING)
 
 
-def _power(ctx: RequestContext, location: Location, action: str, operation: str, from_vm_states: tuple[str, ...],
+def _power(ctx: RequestContext, location: Location, action: str, operation: str, from_vm_state: str,
            task_state: str) -> None:
     uuid = location.instance_uuid
     if location.cell is None:
@@ -1087,10 +1087,10 @@ def _power(ctx: RequestContext, location: Location, action: str, operation: str,
             raise errors.InstanceNotReady(f"Instance {uuid} is not ready")
         try:
             instances.update_cas(session, uuid, {"task_state": task_state}, expected_task_state=(None,),
-                                 expected_vm_state=from_vm_states)
+                                 expected_vm_state=(from_vm_state,))
         except errors.UnexpectedTaskState as exc:
             current = instances.get(session, uuid)
-            if current.vm_state not in from_vm_states:
+            if current.vm_state != from_vm_state:
                 raise _invalid_state(action, uuid, "vm_state", current.vm_state) from exc
             raise _invalid_state(action, uuid, "task_state", current.task_state) from exc
         # Looked up inside the transaction: if the host has no queue, nothing is changed.
@@ -1104,15 +1104,14 @@ def _power(ctx: RequestContext, location: Location, action: str, operation: str,
 
 
 def stop_server(ctx: RequestContext, location: Location) -> None:
-    """os-stop: an active server, or one in error (as Nova allows: its guest may still run), with
-    no task goes to ``powering-off`` and the power workflow runs; it ends ``stopped``.
+    """os-stop: an active server with no task goes to ``powering-off`` and the power workflow runs.
 
     Raises:
         InstanceIsLocked: locked, and the caller is not an admin.
         InstanceNotReady: the server has no host.
-        InstanceInvalidState: neither active nor in error, or another operation is in progress.
+        InstanceInvalidState: not active, or another operation is in progress.
     """
-    _power(ctx, location, actions.STOP, protocol.POWER_OFF, (states.ACTIVE, states.ERROR), states.POWERING_OFF)
+    _power(ctx, location, actions.STOP, protocol.POWER_OFF, states.ACTIVE, states.POWERING_OFF)
 
 
 def start_server(ctx: RequestContext, location: Location) -> None:
@@ -1123,7 +1122,7 @@ def start_server(ctx: RequestContext, location: Location) -> None:
         InstanceNotReady: the server has no host.
         InstanceInvalidState: not stopped, or another operation is in progress.
     """
-    _power(ctx, location, actions.START, protocol.POWER_ON, (states.STOPPED,), states.POWERING_ON)
+    _power(ctx, location, actions.START, protocol.POWER_ON, states.STOPPED, states.POWERING_ON)
 
 
 # --- instance actions ------------------------------------------------------------------------------
