@@ -327,6 +327,26 @@ def test_a_finished_power_action_sets_vm_state_by_the_operation_whatever_power_s
     assert (instance.vm_state, instance.task_state, instance.power_state) == (vm_state, None, reported)
 
 
+def test_a_power_action_whose_last_step_failed_after_the_host_did_it_settles_the_server(cloud):
+    # GIVEN a stop the host did (its answer in the document), whose FinishPowerAction failed for good
+    event = accept_server(cloud["image_id"])
+    boot.select_destinations(event)
+    with cell_session("cell1") as session:
+        session.execute(Instance.__table__.update().values(task_state=states.POWERING_OFF, vm_state="active"))
+        actions.start_action(session, instance_uuid=event["instance_uuid"], action=actions.STOP,
+                             request_id="r", user_id="u1", project_id="demo")
+
+    power.fail_power_action({"instance_uuid": event["instance_uuid"], "request_id": "r", "cell": "cell1",
+                             "operation": protocol.POWER_OFF, "result": {"power_state": states.SHUTDOWN},
+                             "error": {"Error": "OperationalError", "Cause": "database went away"}})
+
+    # THEN the server is stopped as the host left it (nothing would correct it later), the error recorded
+    with cell_session("cell1") as session:
+        instance = session.scalars(select(Instance)).one()
+    assert (instance.vm_state, instance.task_state, instance.power_state) == (
+        states.STOPPED, None, states.SHUTDOWN)
+
+
 @pytest.mark.parametrize("undone", [False, True])
 def test_failed_power_action_keeps_vm_state_and_records_fault(cloud, undone):
     # GIVEN a stop under way; or one the API undid, the server now stopping under another request

@@ -336,6 +336,35 @@ def test_a_failed_attach_is_rolled_back_completely(started, tmp_path):
     assert events(resized.instance_uuid) == {va.EVENT_ATTACH: "Error"}
 
 
+def test_a_failed_attach_the_host_could_not_detach_again_stays_attached_for_a_detach_to_free(started, tmp_path):
+    # GIVEN an attach that failed at the host, whose DetachAfterFailedAttach failed too: the guest
+    # may still see the volume
+    resized = make_resized(state_dir=tmp_path)
+    volume_id = make_volume(tmp_path)
+    va.begin_attach(owner(), location(resized), volume_id)
+    payload = started.payloads[0]
+    event = {**payload, "volume_op": va.check_volume_operation(payload),
+             "error": {"Error": "States.Timeout", "Cause": ""},
+             "cleanup_error": {"Error": "States.Timeout", "Cause": ""}}
+
+    # WHEN FailVolumeOperation runs (twice)
+    va.fail_volume_operation(event)
+    va.fail_volume_operation(event)
+
+    # THEN the volume is not freed for another server: it stays attached to this one, in-use with its
+    # mapping, the fault saying so; and a detach frees it
+    assert volume_status(volume_id) == "in-use"
+    assert attachments(resized.instance_uuid)[DEST] == "attached"
+    assert (volume_id, False) in bdms(resized.instance_uuid)
+    row = instance_row(resized.instance_uuid)
+    assert (row.vm_state, row.task_state) == (states.RESIZED, None)
+    [fault] = faults(resized.instance_uuid)
+    assert "stays attached" in fault.details
+    va.begin_detach(owner(), location(resized), volume_id)
+    va.finish_volume_operation(done_at_host(started.payloads[-1]))
+    assert volume_status(volume_id) == "available"
+
+
 def test_a_failed_detach_leaves_the_volume_attached(started, tmp_path):
     resized = make_resized(volume=True, state_dir=tmp_path)
     assert resized.volume_id is not None

@@ -1049,9 +1049,13 @@ def delete_server(ctx: RequestContext, location: Location) -> None:
             select(BlockDeviceMapping.volume_id).where(
                 BlockDeviceMapping.instance_uuid == uuid, BlockDeviceMapping.deleted.is_(False),
                 BlockDeviceMapping.delete_on_termination.is_(True), BlockDeviceMapping.volume_id.is_not(None))))
-        expected = None if instance.vm_state == states.ERROR else DELETABLE_TASK_STATES
+        # A server in error may be deleted whatever its task, as long as it is still in error when
+        # the swap lands (a reset meanwhile may have let a move take it).
+        in_error = instance.vm_state == states.ERROR
         try:
-            instances.update_cas(session, uuid, {"task_state": states.DELETING}, expected_task_state=expected)
+            instances.update_cas(session, uuid, {"task_state": states.DELETING},
+                                 expected_task_state=None if in_error else DELETABLE_TASK_STATES,
+                                 expected_vm_state=(states.ERROR,) if in_error else None)
         except errors.UnexpectedTaskState as exc:
             current = instances.get(session, uuid)
             raise _invalid_state("delete", uuid, "task_state", current.task_state) from exc

@@ -57,8 +57,11 @@ def finish_power_action(event: dict[str, Any]) -> dict[str, Any]:
 
 
 def fail_power_action(event: dict[str, Any]) -> dict[str, Any]:
-    """Clear the task state of a failed power action and record the fault; vm_state is kept.
-    Nothing is done for a request the API undid (its action forgotten): a task there is another's."""
+    """Clear the task state of a failed power action and record the fault; vm_state is kept,
+    unless the host did it (its answer, ``result``, is in the event: FinishPowerAction failed
+    after it), when the server is settled as FinishPowerAction would have (Ferry has no periodic
+    power-state sync that would correct it later). Nothing is done for a request the API undid
+    (its action forgotten): a task there is another's."""
     uuid, operation = event["instance_uuid"], event["operation"]
     error = event.get("error") or {}
     with cell_session(event["cell"]) as session:
@@ -67,7 +70,11 @@ def fail_power_action(event: dict[str, Any]) -> dict[str, Any]:
         if actions.find(session, uuid, event["request_id"]) is None:
             # The API undid this request (its start seemed to fail); the task is another request's.
             return {}
-        instances.update_cas(session, uuid, {"task_state": None}, expected_task_state=(_TASK_STATE[operation],))
+        done_at_host: dict[str, Any] = {}
+        if isinstance(event.get("result"), dict) and "power_state" in event["result"]:
+            done_at_host = {"vm_state": _VM_STATE[operation], "power_state": int(event["result"]["power_state"])}
+        instances.update_cas(session, uuid, {"task_state": None, **done_at_host},
+                             expected_task_state=(_TASK_STATE[operation],))
         instances.add_fault(session, uuid, error_message(error), host=event.get("host"))
         actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"], event=_EVENT[operation],
                              host=event.get("host"), error=error or None)

@@ -506,7 +506,10 @@ def check_volume_committed(event: dict[str, Any]) -> dict[str, Any]:
 def fail_volume_operation(event: dict[str, Any]) -> dict[str, Any]:
     """Rollback tail: a failed attach leaves no attachment (volume ``available`` unless another
     server holds it, mapping removed), also when FinishVolumeOperation recorded the volume
-    ``in-use`` before its cell part failed. A failed detach leaves the volume attached
+    ``in-use`` before its cell part failed; but one whose detach at the host failed too
+    (``cleanup_error``: the guest may still see the volume) stays attached, ``in-use`` with its
+    mapping, for a detach to free it: freed, another server could attach it beside this guest.
+    A failed detach leaves the volume attached
     (``in-use``), unless the host already detached it: when FinishVolumeOperation's API part
     recorded that (no attachment of the server left) the mapping is deleted too, else the volume
     is ``error_detaching`` (the fault says so). The task is cleared, the event and a fault record
@@ -518,15 +521,22 @@ def fail_volume_operation(event: dict[str, Any]) -> dict[str, Any]:
     detached_at_host = operation == DETACH and "detached" in event
     records_detached = False
     details = None
-    if operation == ATTACH:
+    kept = operation == ATTACH and bool(event.get("cleanup_error"))
+    if kept:
+        with api_session() as session:
+            for attachment in volumes.attachments(session, uuid, host):
+                if attachment.volume_id == volume_id:
+                    attachment.status = volumes.ATTACHED
+            session.flush()
+            _swap_in(session, volume_id, (ATTACHING,), IN_USE, volumes.held_by(uuid))
+        details = (f"Detaching the volume again on {host} failed ({error_message(event['cleanup_error'])}); "
+                   f"the guest may still see it, so it stays attached: detach it to free it.")
+    elif operation == ATTACH:
         with api_session() as session:
             session.execute(delete(VolumeAttachment).where(VolumeAttachment.volume_id == volume_id,
                                                            VolumeAttachment.instance_uuid == uuid))
             # ``in-use`` when FinishVolumeOperation's API part committed and its cell part did not.
             _swap_in(session, volume_id, (ATTACHING, IN_USE), AVAILABLE, volumes.unheld())
-        if event.get("cleanup_error"):
-            details = (f"Detaching the volume again on {host} failed ({error_message(event['cleanup_error'])}); "
-                       f"the guest may still see it.")
     else:
         with api_session() as session:
             # A detach was accepted only while the server held the volume, and only
@@ -544,7 +554,7 @@ def fail_volume_operation(event: dict[str, Any]) -> dict[str, Any]:
         instance = live_instance(session, uuid)
         if instance is None or instance.task_state != _TASK_STATE[operation]:
             return {}
-        if operation == ATTACH:
+        if operation == ATTACH and not kept:
             session.execute(delete(BlockDeviceMapping).where(
                 BlockDeviceMapping.instance_uuid == uuid, BlockDeviceMapping.volume_id == volume_id,
                 BlockDeviceMapping.deleted.is_(False)))
