@@ -41,7 +41,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from aws_lambda_powertools.metrics import MetricUnit, single_metric
+from aws_lambda_powertools.metrics import MetricUnit
 from botocore.exceptions import BotoCoreError, ClientError
 
 from ferry import aws, errors, faults, protocol, validation
@@ -60,6 +60,7 @@ from hostagent.driver import (
     PortSpec,
 )
 from hostagent.journal import Journal, JournalEntry
+from hostagent.metrics import DEFAULT_FLUSH_INTERVAL, MetricsPublisher, namespace_from_environment
 from hostagent.moves import SPAWN_RECORD, MoveOperations, read_record, volume_disks, write_record
 
 # A received message reappears this long after its last renewal (an agent that died): well inside
@@ -293,7 +294,11 @@ class HostAgent(MoveOperations):
             :func:`default_volumes_dirs` unless given ``--volumes-dir``.
         inventory: the inventory to report; ``None`` reports the driver's host capacity.
         queue_prefix: host queue name prefix, needed when ``queue_url`` is None.
-        sqs, stepfunctions, s3: boto3 clients (default: :func:`ferry.aws.client`).
+        sqs, stepfunctions, s3, cloudwatch: boto3 clients (default: :func:`ferry.aws.client`).
+        metrics_namespace: the namespace the agent's metrics are published in (default:
+            ``POWERTOOLS_METRICS_NAMESPACE``, else ``Ferry``): the stack's ``MetricsNamespace``.
+        metrics_flush_interval: seconds between sends of the buffered metrics to CloudWatch
+            (see :mod:`hostagent.metrics`) while :meth:`run` runs; it sends what is left as it returns.
         poll_wait_seconds: SQS long-poll wait (0..20); 0 polls without waiting, pausing
             ``idle_wait_seconds`` when the queue is empty.
         report_interval: seconds between inventory reports (one is sent at start).
@@ -334,6 +339,9 @@ class HostAgent(MoveOperations):
         sqs: Any = None,
         stepfunctions: Any = None,
         s3: Any = None,
+        cloudwatch: Any = None,
+        metrics_namespace: str | None = None,
+        metrics_flush_interval: float = DEFAULT_FLUSH_INTERVAL,
         poll_wait_seconds: int = 20,
         idle_wait_seconds: float = 0.05,
         report_interval: float = 60.0,
@@ -375,6 +383,11 @@ class HostAgent(MoveOperations):
         self.sqs = sqs or aws.client("sqs")
         self.sfn = stepfunctions or aws.client("stepfunctions")
         self.s3 = s3 or aws.client("s3")
+        self.metrics = MetricsPublisher(
+            cloudwatch or aws.client("cloudwatch"),
+            metrics_namespace or namespace_from_environment(),
+            flush_interval=metrics_flush_interval,
+        )
         self.poll_wait_seconds = max(0, min(20, int(poll_wait_seconds)))
         self.idle_wait_seconds = idle_wait_seconds
         self.report_interval = report_interval
@@ -490,26 +503,33 @@ class HostAgent(MoveOperations):
         signal.signal(signal.SIGINT, _handle)
 
     def run(self) -> None:
-        """Poll and run operations until :meth:`stop`; running operations finish before it returns."""
-        self.start()
-        self._reporter = threading.Thread(target=self._report_loop, name=f"reports-{self.host}", daemon=True)
-        self._reporter.start()
-        taken = self.max_workers + self.max_waiting  # messages held at once, running or waiting for a worker
-        slots = threading.BoundedSemaphore(taken)
-        with ThreadPoolExecutor(max_workers=taken, thread_name_prefix=f"op-{self.host}") as pool:
-            while not self._stop.is_set():
-                if not slots.acquire(timeout=0.5):
-                    continue
-                message = self._receive()
-                if message is None:
-                    slots.release()
-                    continue
-                if self._stop.is_set():
-                    self._release(message["ReceiptHandle"])
-                    slots.release()
-                    break
-                pool.submit(self._process_in_slot, message, slots)
-        self._reporter.join()
+        """Poll and run operations until :meth:`stop`; running operations finish before it returns.
+
+        The metrics are sent to CloudWatch meanwhile, and what is left of them as it returns.
+        """
+        self.metrics.start()
+        try:
+            self.start()
+            self._reporter = threading.Thread(target=self._report_loop, name=f"reports-{self.host}", daemon=True)
+            self._reporter.start()
+            taken = self.max_workers + self.max_waiting  # messages held at once, running or waiting for a worker
+            slots = threading.BoundedSemaphore(taken)
+            with ThreadPoolExecutor(max_workers=taken, thread_name_prefix=f"op-{self.host}") as pool:
+                while not self._stop.is_set():
+                    if not slots.acquire(timeout=0.5):
+                        continue
+                    message = self._receive()
+                    if message is None:
+                        slots.release()
+                        continue
+                    if self._stop.is_set():
+                        self._release(message["ReceiptHandle"])
+                        slots.release()
+                        break
+                    pool.submit(self._process_in_slot, message, slots)
+            self._reporter.join()
+        finally:
+            self.metrics.close()
         logger.info("host agent stopped", extra={"host": self.host})
 
     def _process_in_slot(self, message: dict[str, Any], slots: threading.BoundedSemaphore) -> None:
@@ -582,7 +602,7 @@ class HostAgent(MoveOperations):
                 "operation_id": body.get("operation_id") if isinstance(body, dict) else None,
             }
             logger.warning("invalid operation message deleted", extra={**context, "error": exc.message})
-            self._count_failure(str(context["operation"] or "unknown"), exc.name)
+            self._count_failure(str(context["operation"] or "unknown"))
             token = _message_token(body)
             if token:
                 self._answer(token, None, exc.name, exc.message, context)
@@ -819,7 +839,7 @@ class HostAgent(MoveOperations):
                 "operation failed",
                 extra={**context, "error": error, "cause": cause, "duration_ms": round(duration_ms, 1)},
             )
-            self._count_failure(op.name, error)
+            self._count_failure(op.name)
         self._emit_metric("HostOperationDuration", MetricUnit.Milliseconds, duration_ms, op.name)
         return result, error, cause
 
@@ -897,13 +917,7 @@ class HostAgent(MoveOperations):
             logger.warning("operation dropped without running: its workflow timed out or ended", extra=context)
         else:
             logger.warning("operation not started: it runs when its message comes back", extra=context)
-        with single_metric(
-            name="HostOperationNotStarted",
-            unit=MetricUnit.Count,
-            value=1,
-            default_dimensions={"Host": self.host, "Operation": op.name},
-        ) as metric:
-            metric.add_metadata(key="reason", value="not awaited" if awaited is False else "unknown")
+        self._emit_metric("HostOperationNotStarted", MetricUnit.Count, 1, op.name)
 
     def _redeliver_later(self, receipt: str, context: dict[str, Any]) -> None:
         """Let the message come back in :data:`UNSURE_REDELIVERY_SECONDS` rather than its full visibility timeout."""
@@ -1072,19 +1086,12 @@ class HostAgent(MoveOperations):
         }
 
     def _emit_metric(self, name: str, unit: MetricUnit, value: float, operation: str) -> None:
-        with single_metric(
-            name=name, unit=unit, value=value, default_dimensions={"Host": self.host, "Operation": operation}
-        ):
-            pass
+        """Buffer one value of the metric ``name`` for CloudWatch, with the dimensions ``Host`` and ``Operation``."""
+        self.metrics.add(name, unit.value, value, {"Host": self.host, "Operation": operation})
 
-    def _count_failure(self, operation: str, error: str) -> None:
-        with single_metric(
-            name="HostOperationFailed",
-            unit=MetricUnit.Count,
-            value=1,
-            default_dimensions={"Host": self.host, "Operation": operation},
-        ) as metric:
-            metric.add_metadata(key="error", value=error)
+    def _count_failure(self, operation: str) -> None:
+        """Count a failed operation (its error name is in the log line that reports it)."""
+        self._emit_metric("HostOperationFailed", MetricUnit.Count, 1, operation)
 
     # -- operations
 

@@ -1,6 +1,6 @@
 """The host agent end to end: Step Functions task tokens, its SQS queue, the libvirt test driver, real disk files.
 
-Each test runs an agent in a thread against moto (SQS, S3 and Step Functions executing a one-state
+Each test runs an agent in a thread against moto (SQS, S3, CloudWatch and Step Functions executing a one-state
 machine that sends the operation with ``sqs:sendMessage.waitForTaskToken``).
 """
 
@@ -117,6 +117,7 @@ class Host:
     sqs: Recorder
     sfn: Recorder
     s3: Any
+    cloudwatch: Recorder
     reports_url: str
     state_machine_arn: str
     instances_dir: Path
@@ -230,6 +231,7 @@ def host(cloud, tmp_path, request) -> Iterator[Host]:
     sfn = Recorder(boto3.client("stepfunctions", region_name=REGION))
     s3 = boto3.client("s3", region_name=REGION)
     s3.create_bucket(Bucket=BUCKET)
+    cloudwatch = Recorder(boto3.client("cloudwatch", region_name=REGION))
     reports_url = sqs.create_queue(QueueName="ferry-test-host-reports")["QueueUrl"]
     instances_dir = tmp_path / "instances"
     driver = ObservedDriver(
@@ -248,6 +250,7 @@ def host(cloud, tmp_path, request) -> Iterator[Host]:
         sqs=sqs,
         stepfunctions=sfn,
         s3=s3,
+        cloudwatch=cloudwatch,
         **{
             "poll_wait_seconds": 0,
             "idle_wait_seconds": 0.02,
@@ -280,6 +283,7 @@ def host(cloud, tmp_path, request) -> Iterator[Host]:
         sqs=sqs,
         sfn=sfn,
         s3=s3,
+        cloudwatch=cloudwatch,
         reports_url=reports_url,
         state_machine_arn=state_machine_arn,
         instances_dir=instances_dir,
