@@ -66,3 +66,17 @@ def test_an_unknown_drain_action_is_400(cloud):
 
     assert response.status == 400
     assert status_of(drain_uuid) == drains.RUNNING
+
+
+@pytest.mark.parametrize("url", ["https://ops.example.com/hook?token=s3cret x", "https://ops.example.com/\nhook?token=s3cret"])
+def test_a_drain_whose_callback_url_has_a_space_or_a_control_character_is_400_and_recorded_nowhere(cloud, url):
+    add_host("host1")
+    setup.map_host("host1", "cell1")
+
+    response = call("POST", "/v2.1/ferry/drains", caller=ADMIN, body={"drain": {"host": "host1", "callback_url": url}})
+
+    assert response.status == 400, response.body
+    assert "callback_url" in response.body["badRequest"]["message"]
+    assert "s3cret" not in response.body["badRequest"]["message"]
+    with api_session() as session:
+        assert session.scalars(select(Drain.uuid)).all() == []

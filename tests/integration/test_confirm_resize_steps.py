@@ -252,3 +252,23 @@ def test_the_input_schema_beside_the_state_machine_is_the_one_the_step_uses(name
 
     assert beside == used
     jsonschema.Draft202012Validator.check_schema(beside)
+
+
+def test_a_confirm_whose_steps_run_twice_announces_each_event_under_one_message_id(cloud, monkeypatch):
+    # GIVEN a confirm whose first and last steps each ran twice
+    resized = make_resized()
+    event = begin("confirm", resized, monkeypatch)
+    confirm_resize.check_resize_to_confirm(event)
+    event = confirmed_at_source(checked(event))
+    confirm_resize.finish_confirm(event)
+    confirm_resize.finish_confirm(event)
+
+    # THEN each event's copies share one message id, and the start's differs from the end's
+    published = cloud.drain()
+    ids = {n["event_type"]: set() for n in published}
+    for n in published:
+        ids[n["event_type"]].add(n["message_id"])
+    assert sorted(ids) == ["instance.resize_confirm.end", "instance.resize_confirm.start"]
+    assert all(len(copies) == 1 for copies in ids.values())
+    assert ids["instance.resize_confirm.start"] != ids["instance.resize_confirm.end"]
+    assert [n["event_type"] for n in published].count("instance.resize_confirm.start") == 2

@@ -29,6 +29,7 @@ from verify_resize_helpers import (
 
 from ferry import notifications, placement
 from ferry.compute import migration_states, states
+from ferry.observability import metrics
 from ferry.workflows import confirm_resize, delete
 
 
@@ -124,3 +125,18 @@ def test_a_failed_confirm_before_the_delete_is_error_naming_the_source_and_can_b
     assert events(resized.instance_uuid)[confirm_resize.EVENT_CONFIRM] == "Error"
     retry = deleting(resized, "req-delete-again")
     assert delete.find_resize_to_confirm(retry)["migration_uuid"] == resized.migration_uuid
+
+
+def test_a_failed_delete_counts_the_server_left_in_error_once(cloud, monkeypatch):
+    counted: list[str] = []
+    monkeypatch.setattr(metrics, "add_metric", lambda **metric: counted.append(metric["name"]))
+    resized = make_resized()
+    event = deleting(resized)
+    event["confirm"] = delete.find_resize_to_confirm(event)
+    failed = {**event, "confirm_error": {"Error": "States.Timeout", "Cause": ""}}
+
+    delete.fail_delete(failed)
+    delete.fail_delete(failed)  # run again: the task is cleared, nothing more happens
+
+    assert instance_row(resized.instance_uuid).vm_state == states.ERROR
+    assert counted.count("ServerLeftInError") == 1

@@ -40,6 +40,7 @@ from verify_resize_helpers import (
 from ferry import config, errors, notifications, placement, protocol
 from ferry.compute import api as compute_api
 from ferry.compute import migration_states, states
+from ferry.observability import metrics
 from ferry.store.api_models import Flavor
 from ferry.store.db import api_session
 from ferry.workflows import confirm_resize, revert_resize
@@ -309,3 +310,16 @@ def test_a_failure_moving_resources_back_names_the_allocations_where_they_are(cl
     assert f"migration {resized.migration_uuid} DISK_GB 1, MEMORY_MB 512, VCPU 1 on {SOURCE}" in fault.details
     assert f"instance DISK_GB 3, MEMORY_MB 1024, VCPU 2 on {DEST}" in fault.details
     assert events(resized.instance_uuid)[revert_resize.EVENT_REVERT] == "Error"
+
+
+def test_a_failed_revert_counts_the_server_left_in_error_once(cloud, monkeypatch):
+    counted: list[str] = []
+    monkeypatch.setattr(metrics, "add_metric", lambda **metric: counted.append(metric["name"]))
+    resized = make_resized()
+    failed = {**checked(begin("revert", resized, monkeypatch)), "error": {"Error": "States.Timeout", "Cause": ""}}
+
+    revert_resize.fail_revert(failed)
+    revert_resize.fail_revert(failed)  # run again: the migration is in error, nothing more happens
+
+    assert instance_row(resized.instance_uuid).vm_state == states.ERROR
+    assert counted.count("ServerLeftInError") == 1

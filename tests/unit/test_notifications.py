@@ -190,3 +190,24 @@ def test_a_drain_whose_plan_did_not_fit_sends_its_unplaceable_servers_once(bus):
     assert payload["plan"] == {"fits": False, "unplaceable": [], "unplaceable_omitted": 3000}
     assert len(payload["servers"]) + payload["servers_omitted"] == 3000 and payload["servers"]
 
+
+
+def test_every_copy_of_an_event_with_an_identity_carries_the_same_message_id_and_other_events_new_ones(bus):
+    def publish(event_type: str, publisher: str, identity: str | None) -> None:
+        notifications.notify(event_type, instance_uuid="i-3", publisher_id=publisher, identity=identity)
+
+    # GIVEN one event published twice (a step run again), and events that differ in one part each
+    publish(notifications.RESIZE_PREP_START, "compute:h1", "migration-1")
+    publish(notifications.RESIZE_PREP_START, "compute:h1", "migration-1")
+    publish(notifications.RESIZE_PREP_START, "compute:h2", "migration-1")  # the alternate host's prep
+    publish(notifications.RESIZE_PREP_END, "compute:h1", "migration-1")
+    publish(notifications.RESIZE_PREP_START, "compute:h1", "migration-2")  # a second resize of the server
+    publish(notifications.RESIZE_PREP_START, "compute:h1", None)  # no identity: a new id each time
+    publish(notifications.RESIZE_PREP_START, "compute:h1", None)
+
+    ids = [e["detail"]["message_id"] for e in bus.received()]
+
+    assert len(ids) == 7
+    assert len(set(ids)) == 6
+    assert ids.count(notifications.message_id(notifications.RESIZE_PREP_START, "i-3", "compute:h1",
+                                              "migration-1")) == 2

@@ -288,3 +288,29 @@ def test_failed_callback_counts_a_metric_and_logs_without_the_query(monkeypatch)
 
     assert counted == ["CallbackFailed"]
     assert logged[0]["url"] == "http://127.0.0.1:9/cb"
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:9/cb path?token=secret-token",
+                                 "http://127.0.0.1:9/cb\r\nX-Injected: x?token=secret-token"])
+def test_a_callback_to_a_url_the_http_client_refuses_logs_the_errors_type_not_its_message(monkeypatch, url):
+    # GIVEN a URL the HTTP client refuses with a message that repeats its path and query
+    logged: list[dict[str, Any]] = []
+    monkeypatch.setattr(signing.logger, "warning", lambda message, extra: logged.append(extra))
+
+    assert signing.post_callback(url, {"x": 1}, SECRET) is False
+
+    [extra] = logged
+    assert extra["error"] == "InvalidURL"
+    assert "secret-token" not in json.dumps(extra)
+
+
+def test_a_callback_answered_with_an_error_status_logs_the_status(receiver, monkeypatch):
+    logged: list[dict[str, Any]] = []
+    monkeypatch.setattr(signing.logger, "warning", lambda message, extra: logged.append(extra))
+    receiver.status = 503
+
+    assert signing.post_callback(receiver.url, {"drain": {}}, SECRET) is False
+
+    [extra] = logged
+    assert (extra["error"], extra["status"]) == ("HTTPError", 503)
+    assert "token" not in json.dumps(extra)

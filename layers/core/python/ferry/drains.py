@@ -89,6 +89,9 @@ UNSTARTED_GRACE = dt.timedelta(minutes=5)
 CELL_DRAIN_CROSS_CELL_MULTIPLIER = -1_000_000.0
 
 _NAME = {"type": "string", "minLength": 1, "maxLength": 255}
+# An http(s) URL without whitespace or control characters: the HTTP client refuses those when the
+# callback is sent (with a message that repeats the URL, query and all), so the request is refused now.
+CALLBACK_URL_PATTERN = r"^https?://[^\s\x00-\x1f\x7f-\x9f]+$"
 _LIMIT = {"type": ["integer", "null"], "minimum": 1, "maximum": 1000}
 
 REQUEST_SCHEMA: dict[str, Any] = {
@@ -105,7 +108,7 @@ REQUEST_SCHEMA: dict[str, Any] = {
         "confirm": {"type": "boolean"},
         "move_what_fits": {"type": "boolean"},
         "retries": {"type": "integer", "minimum": 0, "maximum": 5},
-        "callback_url": {"type": ["string", "null"], "pattern": "^https?://", "maxLength": 2048},
+        "callback_url": {"type": ["string", "null"], "pattern": CALLBACK_URL_PATTERN, "maxLength": 2048},
     },
     "oneOf": [{"required": ["host"]}, {"required": ["hosts"]}, {"required": ["cell"]}],
     "additionalProperties": False,
@@ -265,6 +268,9 @@ def validate_request(request: Any) -> None:
     except validation.SchemaMismatch as exc:
         where = exc.where()
         message = exc.message if exc.keyword != "oneOf" else "name exactly one of 'host', 'hosts' or 'cell'"
+        if where == "callback_url" and exc.keyword == "pattern":
+            # Not the schema's message: it repeats the URL, whose query may carry a token.
+            message = "must be an http:// or https:// URL without spaces or control characters"
         raise errors.BadRequest(f"Invalid drain request{' at ' + where if where else ''}: {message}.") from exc
 
 

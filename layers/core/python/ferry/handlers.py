@@ -78,8 +78,11 @@ def step_handler(
             validation.check(event, schema or STEP_EVENT_SCHEMA)
         except validation.SchemaMismatch as exc:
             raise errors.InvalidStepInput(f"{name}: {exc.message}") from exc
+        # The request id (``req-…``, what ``openstack server event list`` shows) and the move's
+        # migration find every step's lines of one request; a key without a value is left out.
         logger.append_keys(step=name, instance_uuid=event.get("instance_uuid"),
-                           execution=event.get("execution_name"))
+                           execution=event.get("execution_name"), request_id=event.get("request_id"),
+                           migration_uuid=event.get("migration_uuid"))
         metrics.add_dimension(name="Step", value=name)
         with timed_step(name):
             faults.check(name)

@@ -8,7 +8,9 @@ with source ``ferry.compute`` and the event type as its detail type, so a rule c
 ``detail-type`` alone.
 
 Notifications are informational: a failure to publish is logged and counted
-(``NotificationPublishFailed``) and never fails the step that sent it.
+(``NotificationPublishFailed``) and never fails the step that sent it. They go out at least once:
+a step that runs again publishes its events again, under the same ``message_id`` when the event
+has an identity of its own (see :func:`message_id`), so consumers can drop the repeats.
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ RESIZE_CONFIRM_START = "instance.resize_confirm.start"
 RESIZE_CONFIRM_END = "instance.resize_confirm.end"
 RESIZE_REVERT_START = "instance.resize_revert.start"
 RESIZE_REVERT_END = "instance.resize_revert.end"
+
+# The namespace of the message ids derived from an event's identity (uuid5).
+_MESSAGE_ID_NAMESPACE = uuid.uuid5(uuid.NAMESPACE_URL, "ferry:notification")
 
 _FLAVOR_FIELDS = ("flavorid", "name", "vcpus", "memory_mb", "root_gb", "ephemeral_gb", "swap", "extra_specs")
 
@@ -172,8 +177,19 @@ def _size(value: Any) -> int:
     return len(json.dumps(value, default=str))
 
 
+def message_id(event_type: str, instance_uuid: str, publisher_id: str, identity: str) -> str:
+    """The ``message_id`` of an instance notification with an identity: the same for every copy of the event.
+
+    A uuid5 over the event type, the server, the publisher and ``identity``, what tells this
+    event from the server's other events of that type from that publisher (a move's migration
+    uuid; a confirm's or revert's migration uuid and request id). A step run twice publishes the
+    event again under the same id; another move, confirm or revert of the server gets new ones.
+    """
+    return str(uuid.uuid5(_MESSAGE_ID_NAMESPACE, "\n".join((event_type, instance_uuid, publisher_id, identity))))
+
+
 def notify(event_type: str, *, instance_uuid: str, publisher_id: str, payload: dict[str, Any] | None = None,
-           priority: str | None = None) -> None:
+           priority: str | None = None, identity: str | None = None) -> None:
     """Publish one notification to the notification bus; never raises.
 
     Params:
@@ -182,8 +198,12 @@ def notify(event_type: str, *, instance_uuid: str, publisher_id: str, payload: d
         publisher_id: ``compute:<host>`` or ``conductor:<host>``.
         payload: what to say about the server, usually :func:`instance_payload`.
         priority: ``INFO``, or ``ERROR`` (the default for ``*.error`` event types).
+        identity: what makes the event one of its own (see :func:`message_id`): with it the
+            ``message_id`` is derived, and every copy of the event carries the same; without it,
+            each publication gets a new random one.
     """
-    document = _document(event_type, publisher_id, {**(payload or {}), "instance_uuid": instance_uuid}, priority)
+    document = _document(event_type, publisher_id, {**(payload or {}), "instance_uuid": instance_uuid}, priority,
+                         message_id(event_type, instance_uuid, publisher_id, identity) if identity else None)
     _put(event_type, document, subject=instance_uuid)
 
 

@@ -202,7 +202,9 @@ def post_callback(url: str, document: Any, secret: str | bytes, delivery_id: str
 
     Never raises: a callback that cannot be delivered (no secret, a URL that is not http(s),
     a connection error, a timeout after 10 s, an answer other than 2xx) is logged and counted
-    (``CallbackFailed``) and reported by the result.
+    (``CallbackFailed``) and reported by the result. The log names the URL without its query
+    and credentials, the error's type and the receiver's status, never the error's message:
+    the HTTP client's may repeat the whole URL (``InvalidURL``), token and all.
 
     Args:
         delivery_id: ``X-Ferry-Delivery`` (default: a new random id).
@@ -230,9 +232,11 @@ def post_callback(url: str, document: Any, secret: str | bytes, delivery_id: str
             raise ValueError(f"the receiver answered {status}")
     except Exception as exc:
         metrics.add_metric(name="CallbackFailed", unit=MetricUnit.Count, value=1)
+        answered = getattr(exc, "code", None)  # an HTTPError's status: the receiver answered, not 2xx
         logger.warning(
             "callback not delivered",
-            extra={"url": where, "delivery": delivery, "error": f"{type(exc).__name__}: {exc}"},
+            extra={"url": where, "delivery": delivery, "error": type(exc).__name__,
+                   **({"status": answered} if isinstance(answered, int) else {})},
         )
         return False
     metrics.add_metric(name="CallbackDelivered", unit=MetricUnit.Count, value=1)

@@ -17,7 +17,7 @@ Failures:
   workflow again for that migration: a migration in ``error`` whose allocation is still held and
   whose server runs on its destination is accepted, and confirmed without touching the server.
 
-The helpers :func:`release_source` and :func:`migration_of` are shared with the revert and
+The helpers :func:`release_source`, :func:`migration_of` and :func:`settle_identity` are shared with the revert and
 delete workflows.
 """
 
@@ -82,6 +82,16 @@ def live_instance(session: Session, instance_uuid: str) -> Instance | None:
     """The visible, undeleted instance, or None."""
     return session.scalars(select(Instance).where(
         Instance.uuid == instance_uuid, Instance.deleted.is_(False), Instance.hidden.is_(False))).one_or_none()
+
+
+def settle_identity(event: dict[str, Any], migration_uuid: str | None = None) -> str:
+    """The identity of a confirm's or revert's notifications (:func:`ferry.notifications.message_id`).
+
+    The migration and the request: a step run again announces the same event under the same
+    ``message_id``, while the same migration confirmed again under another request (the
+    clean-up of a failed confirm, a delete) is another event.
+    """
+    return f"{migration_uuid or event['migration_uuid']}/{event['request_id']}"
 
 
 def host_ref(host: str, node: str | None) -> dict[str, Any]:
@@ -226,7 +236,7 @@ def check_resize_to_confirm(event: dict[str, Any]) -> dict[str, Any]:
             move["cross_cell"] = cells
     publisher = notifications.conductor_publisher() if cells else notifications.compute_publisher(source)
     notifications.notify(notifications.RESIZE_CONFIRM_START, instance_uuid=uuid, publisher_id=publisher,
-                         payload=payload)
+                         payload=payload, identity=settle_identity(event))
     return move
 
 
@@ -276,7 +286,7 @@ def finish_confirm(event: dict[str, Any]) -> dict[str, Any]:
                                            "cross_cell": bool(cells)})
     publisher = notifications.conductor_publisher() if cells else notifications.compute_publisher(source)
     notifications.notify(notifications.RESIZE_CONFIRM_END, instance_uuid=uuid, publisher_id=publisher,
-                         payload=payload)
+                         payload=payload, identity=settle_identity(event))
     return {}
 
 
@@ -292,7 +302,7 @@ def _close_confirm(session: Session, event: dict[str, Any], cells: dict[str, str
     payload = notifications.instance_payload(instance, migration_uuid=event["migration_uuid"]) if instance else None
     publisher = notifications.conductor_publisher() if cells else notifications.compute_publisher(source)
     notifications.notify(notifications.RESIZE_CONFIRM_END, instance_uuid=uuid, publisher_id=publisher,
-                         payload=payload)
+                         payload=payload, identity=settle_identity(event))
 
 
 def fail_confirm(event: dict[str, Any]) -> dict[str, Any]:

@@ -251,7 +251,8 @@ def prep_resize_at_dest(event: dict[str, Any]) -> dict[str, Any]:
     """Record the destination on both migration copies, bind ports (INACTIVE) and reserve volumes there.
 
     Records ``compute_prep_snapshot_based_resize_at_dest`` and sends ``instance.resize_prep.start``
-    (``compute:<dest>``).
+    (``compute:<dest>``) once the destination is recorded on the migration, as a move within a
+    cell does (its end is owed from then on: see :func:`ferry.workflows.resize._prep_end`).
 
     Returns:
         ``{"args": <prep_resize arguments>}`` for the destination host (``is_bfv`` as for a move
@@ -273,10 +274,10 @@ def prep_resize_at_dest(event: dict[str, Any]) -> dict[str, Any]:
                                **resize._move_extra(instance, migration_uuid))
     _update_both(event, {"dest_compute": dest["host"], "dest_node": dest["node"], "dest_host": dest["host"]},
                  (PRE_MIGRATING,))
+    resize._publish(start)
     with api_session() as session:
         network.bind_inactive(session, uuid, dest["host"])
         volumes.reserve_on(session, uuid, source["host"], dest["host"])
-    resize._publish(start)
     return {"args": {"migration_uuid": migration_uuid, "flavor": resize.host_flavor(new_flavor),
                      "same_host": False, "is_bfv": is_bfv}}
 
@@ -401,11 +402,36 @@ def _mapped_to_target(event: dict[str, Any]) -> bool:
 
 def _finish_switch(event: dict[str, Any]) -> None:
     """The end of a switch that committed: the source copy hidden when the mapping names the target
-    cell (and no revert owns it), then the snapshot deleted, best effort."""
+    cell (and no revert owns it), ``instance.resize_finish.end`` sent (see :func:`_announce_finished`),
+    then the snapshot deleted, best effort."""
     uuid, migration_uuid = event["instance_uuid"], event["migration_uuid"]
     if _mapped_to_target(event):
         _hide_source(event["cell"], uuid, migration_uuid)
+        _announce_finished(event, _target(event))
     _delete_snapshot(uuid, migration_uuid)
+
+
+def _announce_finished(event: dict[str, Any], cell: str) -> None:
+    """Send ``instance.resize_finish.end`` (``compute:<dest>``) for a move found committed, again.
+
+    The move's last step sends it after its commit (CompleteMoveAcrossCells only after the switch
+    and hiding the source copy), so a run that failed or died in between never did; this runs
+    when the move is found committed. The event carries the same ``message_id`` as any copy
+    sent before (its identity is the move's migration), so a consumer drops it if it was. Only
+    while the move waits in VERIFY_RESIZE (``cell``'s migration ``finished``, the server visible
+    there): once a confirm or revert took over, a late end would contradict what it announced.
+    """
+    uuid, migration_uuid = event["instance_uuid"], event["migration_uuid"]
+    with cell_session(cell) as session:
+        migration = resize._get_migration(session, migration_uuid)
+        moved = session.scalars(select(Instance).where(Instance.uuid == uuid, Instance.deleted.is_(False),
+                                                       Instance.hidden.is_(False))).one_or_none()
+        if migration is None or migration.status != FINISHED or moved is None:
+            return
+        end = resize._notify(notifications.RESIZE_FINISH_END, moved,
+                             notifications.compute_publisher(event["destination"]["host"]),
+                             **resize._move_extra(moved, migration_uuid))
+    resize._publish(end)
 
 
 def _settled_since(event: dict[str, Any]) -> bool:
@@ -498,9 +524,11 @@ def check_move_committed(event: dict[str, Any]) -> dict[str, Any]:
     server), or that either migration copy is being (or was) confirmed or reverted, or is in
     ``error`` (see :func:`_settled_since`). A committed move between cells is finished here as
     the step would have finished it: the source copy hidden whenever the mapping names the target
-    cell (also when a confirm has taken over meanwhile; not when a revert owns the copy), and the
-    temporary snapshot deleted, best effort. A move not committed keeps its snapshot for
-    RollbackTargetCell to delete.
+    cell (also when a confirm has taken over meanwhile; not when a revert owns the copy),
+    ``instance.resize_finish.end`` sent while the move waits in VERIFY_RESIZE (the failed step may
+    not have sent it; a copy it did send has the same ``message_id``), and the temporary snapshot
+    deleted, best effort. A move not committed keeps its snapshot for RollbackTargetCell to
+    delete. Within one cell the same end is sent when the migration is ``finished``.
 
     Returns:
         ``{"committed": bool}``.
@@ -510,6 +538,8 @@ def check_move_committed(event: dict[str, Any]) -> dict[str, Any]:
         with cell_session(cell) as session:
             migration = resize._get_migration(session, migration_uuid)
             committed = migration is not None and migration.status in resize.MARKED
+        if committed:
+            _announce_finished(event, cell)
     else:
         committed = _settled_since(event) or _mapped_to_target(event)
         if committed:

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from aws_lambda_powertools.metrics import MetricUnit
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from ferry import hosts, network, notifications, placement, volumes
 from ferry.compute import actions, instances, migration_states, states
-from ferry.observability import logger
+from ferry.observability import logger, metrics
 from ferry.store.api_models import InstanceMapping, Volume, VolumeAttachment, utcnow
 from ferry.store.cell_models import BlockDeviceMapping, Instance, Migration
 from ferry.store.db import CELL0_NAME, api_session, cell_session
@@ -85,7 +86,8 @@ def find_resize_to_confirm(event: dict[str, Any]) -> dict[str, Any]:
         logger.warning("source host is down: its old disks stay until it is cleaned up",
                        extra={"instance_uuid": uuid, "host": source, "migration_uuid": found["migration_uuid"]})
     notifications.notify(notifications.RESIZE_CONFIRM_START, instance_uuid=uuid,
-                         publisher_id=notifications.compute_publisher(source), payload=payload)
+                         publisher_id=notifications.compute_publisher(source), payload=payload,
+                         identity=confirm_resize.settle_identity(event, found["migration_uuid"]))
     return {**found, "queue_url": hosts.queue_url(source) if up else None}
 
 
@@ -110,7 +112,8 @@ def confirm_before_delete(event: dict[str, Any]) -> dict[str, Any]:
         instance = session.scalars(select(Instance).where(Instance.uuid == uuid)).one_or_none()
         payload = notifications.instance_payload(instance, migration_uuid=migration_uuid) if instance else None
     notifications.notify(notifications.RESIZE_CONFIRM_END, instance_uuid=uuid,
-                         publisher_id=notifications.compute_publisher(source), payload=payload)
+                         publisher_id=notifications.compute_publisher(source), payload=payload,
+                         identity=confirm_resize.settle_identity(event, migration_uuid))
     return {}
 
 
@@ -201,7 +204,11 @@ def _migrations_of(cell: str, instance_uuid: str) -> list[str]:
 
 
 def fail_delete(event: dict[str, Any]) -> dict[str, Any]:
-    """Record a failed delete: ERROR with a fault naming the host, task cleared so delete can be retried."""
+    """Record a failed delete: ERROR with a fault naming the host, task cleared so delete can be retried.
+
+    Counts ``ServerLeftInError`` when this run puts the server in ERROR (a run again finds the
+    task cleared and does nothing).
+    """
     uuid, cell = event["instance_uuid"], event["cell"]
     error = event.get("error") or event.get("confirm_error") or {}
     host, details, event_name = event.get("host"), None, EVENT_TERMINATE
@@ -220,4 +227,7 @@ def fail_delete(event: dict[str, Any]) -> dict[str, Any]:
         instances.add_fault(session, uuid, error_message(error), host=host, details=details)
         actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"], event=event_name,
                              host=host, error=error or None)
+    metrics.add_metric(name="ServerLeftInError", unit=MetricUnit.Count, value=1)
+    logger.warning("delete failed: the server is in ERROR", extra={"instance_uuid": uuid, "host": host,
+                                                                    "error": (error or {}).get("Error")})
     return {}

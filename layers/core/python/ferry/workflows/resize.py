@@ -55,6 +55,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, cast
 
+from aws_lambda_powertools.metrics import MetricUnit
 from sqlalchemy import CursorResult, select, update
 from sqlalchemy.orm import Session
 
@@ -73,7 +74,7 @@ from ferry.compute.migration_states import (
     REVERTED,
     REVERTING,
 )
-from ferry.observability import logger
+from ferry.observability import logger, metrics
 from ferry.store.api_models import RequestSpec
 from ferry.store.cell_models import BlockDeviceMapping, Instance, InstanceAction, InstanceActionEvent, Migration
 from ferry.store.db import all_cells, api_session, cell_session
@@ -181,21 +182,42 @@ def _volumes_on(host: str, instance_uuid: str, cell: str) -> list[dict[str, Any]
 
 
 def _notify(event_type: str, instance: Instance, publisher_id: str, **extra: Any) -> dict[str, Any]:
-    """Build the payload now (inside the session); the caller publishes it after the commit."""
+    """Build the payload now (inside the session); the caller publishes it after the commit.
+
+    The move's ``migration_uuid`` (in ``extra``) is the event's identity: every copy of it (a
+    step run again) carries the same ``message_id`` (:func:`ferry.notifications.message_id`).
+    """
     payload = notifications.instance_payload(instance, **extra)
     return {"event_type": event_type, "instance_uuid": instance.uuid, "publisher_id": publisher_id,
-            "payload": payload}
+            "payload": payload, "identity": extra.get("migration_uuid")}
 
 
 def _publish(*pending: dict[str, Any]) -> None:
     for item in pending:
         notifications.notify(item["event_type"], instance_uuid=item["instance_uuid"],
-                             publisher_id=item["publisher_id"], payload=item["payload"])
+                             publisher_id=item["publisher_id"], payload=item["payload"],
+                             identity=item.get("identity"))
 
 
 def _move_extra(instance: Instance, migration_uuid: str) -> dict[str, Any]:
     return {"migration_uuid": migration_uuid, "old_flavor": notifications.flavor_payload(instance.old_flavor),
             "new_flavor": notifications.flavor_payload(instance.new_flavor)}
+
+
+def _prep_end(instance: Instance, migration: Migration) -> dict[str, Any] | None:
+    """``instance.resize_prep.end`` for a prep that started and has not ended, else None (read in the session).
+
+    A prep starts when PrepResizeAtDest records its destination on the migration (it sends the
+    start right after). It ends when ResizeInstanceAtSource moves the server on from
+    ``resize_prep`` (it sends the end), or when RescheduleMove clears the refused destination
+    (it sends the end, with this). So a migration naming a destination while the server is still
+    in ``resize_prep`` is a prep whose end is owed, from that destination as its start was; once
+    it is sent the record says so, and a step run again sends no second end.
+    """
+    if migration.dest_compute is None or instance.task_state != states.RESIZE_PREP:
+        return None
+    return _notify(notifications.RESIZE_PREP_END, instance, notifications.compute_publisher(migration.dest_compute),
+                   **_move_extra(instance, migration.uuid))
 
 
 # --- ValidateMoveInput --------------------------------------------------------------------------
@@ -449,7 +471,9 @@ def prep_resize_at_dest(event: dict[str, Any]) -> dict[str, Any]:
     """Record the destination on the migration, bind ports (INACTIVE) and reserve volumes there.
 
     Records the ``compute_prep_resize`` event and sends ``instance.resize_prep.start``
-    (publisher ``compute:<dest>``).
+    (publisher ``compute:<dest>``) as soon as the destination is recorded on the migration: a
+    destination recorded there has had its start, whose end ResizeInstanceAtSource sends, or
+    RescheduleMove or RollbackMove when the prep goes no further (:func:`_prep_end`).
 
     Returns:
         ``{"args": <prep_resize arguments>}`` for the destination host; ``is_bfv`` tells its claim
@@ -470,10 +494,10 @@ def prep_resize_at_dest(event: dict[str, Any]) -> dict[str, Any]:
         is_bfv = instances.is_bfv(session, uuid)
         start = _notify(notifications.RESIZE_PREP_START, instance, notifications.compute_publisher(dest["host"]),
                         **_move_extra(instance, migration_uuid))
+    _publish(start)
     with api_session() as session:
         network.bind_inactive(session, uuid, dest["host"])
         volumes.reserve_on(session, uuid, source["host"], dest["host"])
-    _publish(start)
     return {"args": {"migration_uuid": migration_uuid, "flavor": host_flavor(new_flavor),
                      "same_host": dest["same_host"], "is_bfv": is_bfv}}
 
@@ -496,10 +520,12 @@ def _release_destination(instance_uuid: str, dest_host: str, source_host: str) -
 def reschedule_move(event: dict[str, Any]) -> dict[str, Any]:
     """Move the instance's claim from the destination that refused it to the next alternate.
 
-    The failed destination's port bindings and volume reservations are dropped; the migration
-    keeps the source allocation. What the instance holds now decides what the migration gets,
-    not what it held at ValidateMoveInput: this move's claim (the refused destination's as it
-    recorded it, or exactly what a claim of the move holds there or on an alternate) just moves,
+    The failed destination's port bindings and volume reservations are dropped, and its prep
+    ends (``instance.resize_prep.end`` from ``compute:<refused host>``, once: the run that clears
+    the destination from the migration sends it); the migration keeps the source allocation.
+    What the instance holds now decides what the migration gets, not what it held at
+    ValidateMoveInput: this move's claim (the refused destination's as it recorded it, or
+    exactly what a claim of the move holds there or on an alternate) just moves,
     since handing it over would leave the migration holding a claim as if it were the source
     allocation; anything else (the server's allocation, given back since it was removed) goes
     to the migration unless it holds one already, as for a server that kept its allocation.
@@ -523,9 +549,12 @@ def reschedule_move(event: dict[str, Any]) -> dict[str, Any]:
     _release_destination(uuid, failed["host"], source_host)
     with cell_session(cell) as session:
         instance, migration = _load(session, event)
+        prep_end = _prep_end(instance, migration)
         _update_migration(session, migration_uuid, {"dest_compute": None, "dest_node": None, "dest_host": None},
                           (PRE_MIGRATING,))
         spec = _move_spec(instance, migration, cell, None, instances.is_bfv(session, uuid))
+    if prep_end is not None:
+        _publish(prep_end)
     source_holder = None if _is_move_claim(held, failed, spec) else migration_uuid
     spec = {**spec, "ignore_hosts": sorted({*spec["ignore_hosts"], failed["host"]})}
     reasons = []
@@ -857,15 +886,16 @@ def rollback_move(event: dict[str, Any]) -> dict[str, Any]:
     claim and the migration consumer are gone); the destination's port bindings and volume
     attachments are dropped and the source's bindings are active; the instance gets its host,
     node, flavor, vm_state and power state back, task_state None; the migration becomes
-    ``error``; the failed step's event records the error and ``instance.resize.error`` is sent.
-    An instance fault is recorded, except for a move the scheduler found no host for. The server
-    goes to ERROR, with a fault saying what is left on which host, only when the source guest
+    ``error``; the failed step's event records the error and ``instance.resize.error`` is sent,
+    after the ``instance.resize_prep.end`` of a prep that started and never ended (see
+    :func:`_prep_end`). An instance fault is recorded, except for a move the scheduler found no
+    host for. The server goes to ERROR, with a fault saying what is left on which host, only when the source guest
     could not be restored (``restore_error``), or when a guest of the server may still run on the
     destination: its clean-up failed (``cleanup_error``) after ``spawn`` or ``finish_resize`` may
     have been sent to another host. The source guest was then restored shut off, and its power
     state says so; the fault tells the operator to destroy the destination's guest before
     resetting the state, stopping (which records the guest shut off) and, if it ran before the
-    move, starting the server.
+    move, starting the server. The run that puts the server in ERROR counts ``ServerLeftInError``.
     Idempotent: a migration already in ``error`` means the rollback finished.
     """
     uuid, migration_uuid, cell = event["instance_uuid"], event["migration_uuid"], event["cell"]
@@ -910,6 +940,8 @@ def rollback_move(event: dict[str, Any]) -> dict[str, Any]:
             vm_state, power_state = states.ERROR, states.NOSTATE
         elif guest_left_at_dest:
             vm_state, power_state = states.ERROR, int(restored.get("power_state", states.SHUTDOWN))
+        migration = cast(Migration, _get_migration(session, migration_uuid))
+        prep_end = _prep_end(instance, migration)
         instances.update_cas(session, uuid, {
             "host": source_host, "node": source_node, "flavor": instance.old_flavor or instance.flavor,
             "vm_state": vm_state, "task_state": None, "power_state": power_state,
@@ -926,7 +958,9 @@ def rollback_move(event: dict[str, Any]) -> dict[str, Any]:
                      else notifications.compute_publisher(failed_host))
         pending = _notify(notifications.RESIZE_ERROR, instance, publisher, migration_uuid=migration_uuid,
                           fault={"message": fault_message, "error": cause["Error"], "details": details})
-    _publish(pending)
+    if restore_failed or guest_left_at_dest:
+        metrics.add_metric(name="ServerLeftInError", unit=MetricUnit.Count, value=1)
+    _publish(*(item for item in (prep_end, pending) if item is not None))
     logger.warning("move rolled back", extra={"instance_uuid": uuid, "migration_uuid": migration_uuid,
                                               "failed_event": failed, "error": cause["Error"],
                                               "vm_state": vm_state, "guest_may_run_at_dest": guest_left_at_dest})

@@ -27,12 +27,13 @@ import json
 from pathlib import Path
 from typing import Any
 
+from aws_lambda_powertools.metrics import MetricUnit
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from ferry import errors, hosts, images, network, notifications, placement, volumes
 from ferry.compute import actions, instances, migration_states, states
-from ferry.observability import logger
+from ferry.observability import logger, metrics
 from ferry.store.api_models import VolumeAttachment
 from ferry.store.cell_models import BlockDeviceMapping, Instance, Migration
 from ferry.store.db import api_session, cell_session
@@ -43,6 +44,7 @@ from ferry.workflows.confirm_resize import (
     host_ref,
     live_instance,
     migration_of,
+    settle_identity,
     validate_input,
 )
 
@@ -124,7 +126,7 @@ def check_resize_to_revert(event: dict[str, Any]) -> dict[str, Any]:
             move["cross_cell"] = cells
     publisher = notifications.conductor_publisher() if cells else notifications.compute_publisher(dest)
     notifications.notify(notifications.RESIZE_REVERT_START, instance_uuid=uuid, publisher_id=publisher,
-                         payload=payload)
+                         payload=payload, identity=settle_identity(event))
     return move
 
 
@@ -248,7 +250,7 @@ def finish_revert(event: dict[str, Any]) -> dict[str, Any]:
                                           "cross_cell": bool(cells)})
     publisher = notifications.conductor_publisher() if cells else notifications.compute_publisher(source)
     notifications.notify(notifications.RESIZE_REVERT_END, instance_uuid=uuid, publisher_id=publisher,
-                         payload=payload)
+                         payload=payload, identity=settle_identity(event))
     return {}
 
 
@@ -258,7 +260,9 @@ def fail_revert(event: dict[str, Any]) -> dict[str, Any]:
     No host may run the server any more (the destination's step failed in a way that does not
     say the guest is still there, or came through), so it goes to ERROR (task cleared) and the migration to
     ``error``; the fault says which step failed, what the destination and the source hold, where
-    the instance record points and which allocations the instance and the migration hold.
+    the instance record points and which allocations the instance and the migration hold. The
+    run that puts the server in ERROR counts ``ServerLeftInError`` (a run again finds the
+    migration in ``error`` and does nothing).
     """
     uuid, migration_uuid, request_id = event["instance_uuid"], event["migration_uuid"], event["request_id"]
     error = event.get("error") or {}
@@ -296,10 +300,12 @@ def fail_revert(event: dict[str, Any]) -> dict[str, Any]:
                    f"Allocations: instance {describe_allocations(uuid)}; migration {migration_uuid} "
                    f"{describe_allocations(migration_uuid)}.")
         message = f"Reverting the resize failed while {step}: {cause}"
+        left_in_error = False
         if instance is not None:
             try:
                 instances.update_cas(session, uuid, {"vm_state": states.ERROR, "task_state": None},
                                      expected_task_state=(states.RESIZE_REVERTING,))
+                left_in_error = True
             except errors.UnexpectedTaskState:
                 logger.warning("task changed meanwhile; vm_state left as is", extra={"instance_uuid": uuid})
             instances.add_fault(session, uuid, message, host=instance.host, details=details)
@@ -311,6 +317,8 @@ def fail_revert(event: dict[str, Any]) -> dict[str, Any]:
         if cells:
             actions.finish_event(session, instance_uuid=uuid, request_id=request_id,
                                  event=cross_cell_settle.EVENT_REVERT, error=failure)
+    if left_in_error:
+        metrics.add_metric(name="ServerLeftInError", unit=MetricUnit.Count, value=1)
     logger.error("revert failed", extra={"instance_uuid": uuid, "migration_uuid": migration_uuid, "cause": cause,
                                          "details": details})
     return {}
