@@ -14,17 +14,16 @@ Environment: ``AWS_ENDPOINT_URL`` (the local stack), ``FERRY_HOST_QUEUE_PREFIX``
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
 from ferry import config, errors, protocol
+from ferry.arguments import more_than_zero, seconds, whole
 from ferry.observability import logger
 from hostagent.agent import (
     DEFAULT_KEEPALIVE_INTERVAL,
@@ -45,45 +44,6 @@ DEFAULT_IMAGE_CACHE_MAX_AGE = 24 * 60 * 60.0
 PARENT_CHECK_SECONDS = 1.0
 # The longest SQS long poll.
 MAX_POLL_WAIT_SECONDS = 20
-
-
-def _more_than_zero(text: str) -> float:
-    """An interval or a ratio: a finite number above 0 (an interval of 0 would spin)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"{text} is not a finite number above 0")
-    return value
-
-
-def _seconds(text: str) -> float:
-    """A finite number of seconds, 0 or more."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"{text} is not a finite number of seconds from 0 up")
-    return value
-
-
-def _whole(low: int, high: int | None = None) -> Callable[[str], int]:
-    """A whole number from ``low`` (up to ``high``, when given)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-        if high is not None and not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"{value} is not in {low}..{high}")
-        if value < low:
-            raise argparse.ArgumentTypeError(f"{value} is less than {low}")
-        return value
-
-    return parse
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -126,29 +86,29 @@ def build_parser() -> argparse.ArgumentParser:
         "stack's FerryStateDir, as in the local stack: otherwise give that directory, and each directory "
         "volumes are registered in with --new-file-in)",
     )
-    parser.add_argument("--vcpus", type=_whole(1), help="vCPUs to report (and of the test hypervisor)")
-    parser.add_argument("--memory-mb", type=_whole(1), help="memory to report (and of the test hypervisor)")
-    parser.add_argument("--disk-gb", type=_whole(0), help="instance disk to report (default: the instances filesystem)")
-    parser.add_argument("--reserved-vcpus", type=_whole(0), default=0, help="vCPUs kept for the host")
+    parser.add_argument("--vcpus", type=whole(1), help="vCPUs to report (and of the test hypervisor)")
+    parser.add_argument("--memory-mb", type=whole(1), help="memory to report (and of the test hypervisor)")
+    parser.add_argument("--disk-gb", type=whole(0), help="instance disk to report (default: the instances filesystem)")
+    parser.add_argument("--reserved-vcpus", type=whole(0), default=0, help="vCPUs kept for the host")
     parser.add_argument(
-        "--reserved-memory-mb", type=_whole(0), default=DEFAULT_RESERVED_MEMORY_MB, help="memory kept for the host"
+        "--reserved-memory-mb", type=whole(0), default=DEFAULT_RESERVED_MEMORY_MB, help="memory kept for the host"
     )
-    parser.add_argument("--reserved-disk-gb", type=_whole(0), default=0, help="disk kept for the host")
+    parser.add_argument("--reserved-disk-gb", type=whole(0), default=0, help="disk kept for the host")
     parser.add_argument("--queue-url", help="the host's operation queue (default: created from the queue prefix)")
-    parser.add_argument("--poll-wait-seconds", type=_whole(0, MAX_POLL_WAIT_SECONDS), default=MAX_POLL_WAIT_SECONDS,
+    parser.add_argument("--poll-wait-seconds", type=whole(0, MAX_POLL_WAIT_SECONDS), default=MAX_POLL_WAIT_SECONDS,
                         help=f"SQS long-poll wait, 0-{MAX_POLL_WAIT_SECONDS}")
     parser.add_argument(
-        "--report-interval", type=_more_than_zero, default=60.0, help="seconds between inventory reports"
+        "--report-interval", type=more_than_zero, default=60.0, help="seconds between inventory reports"
     )
-    parser.add_argument("--heartbeat-interval", type=_more_than_zero, default=10.0, help="seconds between heartbeats")
+    parser.add_argument("--heartbeat-interval", type=more_than_zero, default=10.0, help="seconds between heartbeats")
     parser.add_argument(
-        "--keepalive-interval", type=_more_than_zero, default=DEFAULT_KEEPALIVE_INTERVAL,
+        "--keepalive-interval", type=more_than_zero, default=DEFAULT_KEEPALIVE_INTERVAL,
         help="seconds between task heartbeats and visibility renewals while an operation runs or waits for a worker "
         "(at most half the visibility timeout)"
     )
     parser.add_argument(
         "--visibility-timeout",
-        type=_whole(1),
+        type=whole(1),
         default=DEFAULT_VISIBILITY_TIMEOUT,
         help="seconds a received operation stays invisible (renewed while it runs)",
     )
@@ -178,13 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--image-cache-max-age",
-        type=_seconds,
+        type=seconds,
         default=DEFAULT_IMAGE_CACHE_MAX_AGE,
         help="seconds after its last use a cached image (<instances-dir>/_base) is deleted; 0 keeps them all",
     )
     parser.add_argument(
         "--disk-overcommit-ratio",
-        type=_more_than_zero,
+        type=more_than_zero,
         default=1.0,
         help="the disk headroom check needs a flavor's full disk size divided by this ratio free "
         "(above 1 for sparse disks that are expected to stay sparse)",

@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_template import _referenced_resources
 
 from ferry.local.template import load_template, resolve
 
@@ -369,33 +370,12 @@ class Grant:
     source: str
 
 
-def _named_resources(node: Any) -> set[str]:
-    """The resources a value names through Ref, GetAtt or a !Sub variable."""
-    names: set[str] = set()
-    if isinstance(node, list):
-        for item in node:
-            names |= _named_resources(item)
-    elif isinstance(node, dict):
-        for key, value in node.items():
-            if key == "Ref" and isinstance(value, str):
-                names.add(value)
-            elif key == "Fn::GetAtt":
-                names.add(value[0] if isinstance(value, list) else value.split(".", 1)[0])
-            elif key == "Fn::Sub":
-                text = value[0] if isinstance(value, list) else value
-                names |= {v.split(".", 1)[0] for v in re.findall(r"\$\{([^}!]+)\}", text)}
-                names |= _named_resources(value[1:] if isinstance(value, list) else [])
-            else:
-                names |= _named_resources(value)
-    return names & set(RAW["Resources"])
-
-
 def _statement_grants(statements: list[dict[str, Any]], source: str) -> Iterator[Grant]:
     for statement in statements:
         if statement.get("Effect") == "Allow":
             actions = statement.get("Action", [])
             yield Grant(frozenset([actions] if isinstance(actions, str) else actions),
-                        frozenset(_named_resources(statement.get("Resource"))), source)
+                        frozenset(_referenced_resources(statement.get("Resource"))), source)
 
 
 def _grants_of(logical_id: str) -> list[Grant]:
@@ -413,7 +393,7 @@ def _grants_of(logical_id: str) -> list[Grant]:
             assert template in SAM_POLICY_TEMPLATES, (
                 f"{logical_id}: add {template}'s actions (SAM's policy_templates.json) to SAM_POLICY_TEMPLATES")
             grants.append(Grant(frozenset(SAM_POLICY_TEMPLATES[template]),
-                                frozenset(_named_resources(parameters)), template))
+                                frozenset(_referenced_resources(parameters)), template))
     return grants
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import re
 import sys
@@ -32,7 +31,7 @@ from typing import Any
 
 from sqlalchemy.exc import ArgumentError, DatabaseError, DBAPIError, InterfaceError, OperationalError, ProgrammingError
 
-from ferry import cli_cells, cli_drain, cli_volumes
+from ferry import arguments, cli_cells, cli_drain, cli_volumes
 from ferry.audit import DEFAULT_GRACE_SECONDS
 
 Handler = Callable[[argparse.Namespace], int]
@@ -60,16 +59,6 @@ def _run_audit(args: argparse.Namespace) -> int:
     return 0 if report.clean else 1
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"{text} is not a finite number of seconds from 0 up")
-    return value
-
-
 def add_audit(commands: Any) -> None:
     parser = commands.add_parser(
         "audit", help="check Ferry's invariants (records, placement, hosts, images)",
@@ -81,7 +70,7 @@ def add_audit(commands: Any) -> None:
                         help="repair what is safe (orphan allocations, bindings, attachments, temporary "
                              "snapshots and transfers, stale hidden copies, stuck migrations), then check again")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    parser.add_argument("--grace", type=_seconds, default=DEFAULT_GRACE_SECONDS, metavar="SECONDS",
+    parser.add_argument("--grace", type=arguments.seconds, default=DEFAULT_GRACE_SECONDS, metavar="SECONDS",
                         help="leave records changed within this many seconds alone: a workflow may be between "
                              "two writes (default: %(default)g)")
     parser.add_argument("--no-storage", action="store_true",

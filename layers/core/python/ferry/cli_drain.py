@@ -17,13 +17,14 @@ import argparse
 import datetime as dt
 import http
 import json
-import math
 import os
 import sys
 import time
 import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, TextIO
+
+from ferry import arguments
 
 DRAINS = "/ferry/drains"
 STATUSES = ("planning", "planned", "running", "paused", "cancelling", "cancelled", "completed", "failed")
@@ -658,29 +659,6 @@ def _handler(run: Callable[[Connection, argparse.Namespace], int]) -> Callable[[
 # --- the parser ---------------------------------------------------------------------------------
 
 
-def _int_between(low: int, high: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"{value} is not in {low}..{high}")
-        return value
-
-    return parse
-
-
-def _interval(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError("must be more than 0 (and finite)")
-    return value
-
-
 def add_drain(commands: Any) -> None:
     """Add ``ferry drain`` and its subcommands to ``commands`` (the ``ferry`` sub-parsers)."""
     parser = commands.add_parser(
@@ -692,7 +670,7 @@ def add_drain(commands: Any) -> None:
     cloud.add_argument("--os-cloud", default=os.environ.get("OS_CLOUD"), metavar="CLOUD",
                        help="the cloud in clouds.yaml, as for the openstack CLI (default: $OS_CLOUD)")
     interval = argparse.ArgumentParser(add_help=False)
-    interval.add_argument("--interval", type=_interval, default=DEFAULT_INTERVAL, metavar="SECONDS",
+    interval.add_argument("--interval", type=arguments.more_than_zero, default=DEFAULT_INTERVAL, metavar="SECONDS",
                           help="seconds between two looks at the drain (default: %(default)g)")
 
     start = sub.add_parser("start", parents=[cloud, interval], help="drain hosts or a cell (or plan it: --dry-run)",
@@ -703,17 +681,17 @@ def add_drain(commands: Any) -> None:
     target.add_argument("--cell", metavar="CELL", help="drain every host of this cell")
     start.add_argument("--reason", help="why: kept with the drain and shown by list and show")
     start.add_argument("--dry-run", action="store_true", help="plan only: print where each server would go")
-    start.add_argument("--max-concurrency", type=_int_between(1, 100), metavar="N",
+    start.add_argument("--max-concurrency", type=arguments.whole(1, 100), metavar="N",
                        help="moves under way at once, 1..100 (API default: 5)")
-    start.add_argument("--max-per-source-host", type=_int_between(1, 1000), metavar="N",
+    start.add_argument("--max-per-source-host", type=arguments.whole(1, 1000), metavar="N",
                        help="moves at once off one host, 1..1000 (default: no limit)")
-    start.add_argument("--max-per-dest-host", type=_int_between(1, 1000), metavar="N",
+    start.add_argument("--max-per-dest-host", type=arguments.whole(1, 1000), metavar="N",
                        help="moves at once onto one host, 1..1000 (default: no limit)")
     start.add_argument("--no-confirm", action="store_true",
                        help="leave each moved server in VERIFY_RESIZE instead of confirming it")
     start.add_argument("--move-what-fits", action="store_true",
                        help="when not every server can be placed, move the others (default: change nothing)")
-    start.add_argument("--retries", type=_int_between(0, 5), metavar="N",
+    start.add_argument("--retries", type=arguments.whole(0, 5), metavar="N",
                        help="tries after a server's failed move, 0..5 (API default: 1)")
     start.add_argument("--callback-url", metavar="URL", help="POST a signed notice here when the drain starts and ends")
     shown = start.add_mutually_exclusive_group()
