@@ -1086,8 +1086,11 @@ class HostAgent(MoveOperations):
         }
 
     def _emit_metric(self, name: str, unit: MetricUnit, value: float, operation: str) -> None:
-        """Buffer one value of the metric ``name`` for CloudWatch, with the dimensions ``Host`` and ``Operation``."""
-        self.metrics.add(name, unit.value, value, {"Host": self.host, "Operation": operation})
+        """Buffer one value of the metric ``name`` for CloudWatch, with the dimensions ``Host`` and
+        ``Operation``: an operation this agent does not know (a malformed message's) is ``invalid``,
+        since a value CloudWatch refuses would lose the whole batch it is sent in."""
+        known = operation in self._handlers or operation == "unknown"
+        self.metrics.add(name, unit.value, value, {"Host": self.host, "Operation": operation if known else "invalid"})
 
     def _count_failure(self, operation: str) -> None:
         """Count a failed operation (its error name is in the log line that reports it)."""

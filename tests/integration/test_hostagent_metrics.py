@@ -93,6 +93,15 @@ def test_a_failed_operation_is_counted_in_cloudwatch_by_host_and_operation(host:
                                                                           ("Operation", "power_on")]
 
 
+def test_an_operation_the_agent_does_not_know_is_counted_as_invalid(host: Host):
+    # A malformed message's operation (any text) would be a dimension value CloudWatch may refuse,
+    # and with it the whole batch: it is counted under "invalid"
+    assert failure(host.execute("power_on\u00e9" * 200, str(uuid.uuid4()), {})) == "Ferry.InvalidOperation"
+
+    where = {"Host": "compute1", "Operation": "invalid"}
+    assert wait_for(lambda: published(host.cloudwatch, "HostOperationFailed", where), "HostOperationFailed") == 1
+
+
 @pytest.mark.parametrize("host", [QUICK_FLUSHES], indirect=True)
 def test_a_cloudwatch_error_never_fails_an_operation_and_its_metrics_are_sent_again(host: Host, caplog):
     # GIVEN CloudWatch throttles every PutMetricData

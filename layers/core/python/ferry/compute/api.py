@@ -1058,6 +1058,8 @@ def delete_server(ctx: RequestContext, location: Location) -> None:
                                  expected_vm_state=(states.ERROR,) if in_error else None)
         except errors.UnexpectedTaskState as exc:
             current = instances.get(session, uuid)
+            if in_error and current.vm_state != states.ERROR:
+                raise _invalid_state("delete", uuid, "vm_state", current.vm_state) from exc
             raise _invalid_state("delete", uuid, "task_state", current.task_state) from exc
         actions.start_action(session, instance_uuid=uuid, action=actions.DELETE, request_id=ctx.request_id,
                              user_id=ctx.user_id, project_id=ctx.project_id)

@@ -24,7 +24,8 @@ settled, and a second attach or detach on the same server gets 409 too. The task
 vm_state says (ACTIVE, SHUTOFF, VERIFY_RESIZE).
 
 Failures roll back: a failed attach is detached on the host again and its records removed
-(volume ``available``); a failed detach leaves the volume attached (``in-use``). Either way the
+(volume ``available``), or kept attached (``in-use``) when that detach fails too, for a detach to
+free; a failed detach leaves the volume attached (``in-use``). Either way the
 task is cleared and the instance action's event records the error. FinishVolumeOperation writes
 the API database, then the cell; when only the first committed, the rollback follows it: an
 attach's ``in-use`` volume is freed with the rest, a detach's records already say detached (the
