@@ -431,7 +431,11 @@ def _announce_finished(event: dict[str, Any], cell: str) -> None:
         end = resize._notify(notifications.RESIZE_FINISH_END, moved,
                              notifications.compute_publisher(event["destination"]["host"]),
                              **resize._move_extra(moved, migration_uuid))
-    resize._publish(end)
+    try:
+        resize._publish(end)
+    except Exception:  # best effort: the move stands whether or not its end is announced again
+        logger.exception("the end of a committed move could not be announced again",
+                         extra={"instance_uuid": uuid, "migration_uuid": migration_uuid})
 
 
 def _settled_since(event: dict[str, Any]) -> bool:

@@ -133,18 +133,20 @@ def finish_delete(event: dict[str, Any]) -> dict[str, Any]:
             BlockDeviceMapping.instance_uuid == uuid, BlockDeviceMapping.deleted.is_(False))))
         doomed = {b.volume_id for b in bdms if b.volume_id and b.delete_on_termination}
         made_for_it = {b.volume_id for b in bdms if b.volume_id and b.source_type == "image"}
-    with api_session() as session:
-        network.release_ports(session, uuid, network.requested_networks(session, uuid))
-        # A server in cell0 was never scheduled: no host ever wrote a volume made for it.
-        _release_volumes(session, uuid, doomed, removed, made_for_it if cell == CELL0_NAME else set())
-        session.execute(update(InstanceMapping).where(InstanceMapping.instance_uuid == uuid)
-                        .values(queued_for_delete=True))
+    # Released before the mapping is queued for delete, which makes the server 404: a server
+    # shown gone holds nothing any more.
     placement.delete_allocations(uuid)
     for migration_uuid in _migrations_of(cell, uuid):
         if placement.get_allocations(migration_uuid):
             placement.delete_allocations(migration_uuid)
             logger.info("allocation of an earlier move released with the server",
                         extra={"instance_uuid": uuid, "migration_uuid": migration_uuid})
+    with api_session() as session:
+        network.release_ports(session, uuid, network.requested_networks(session, uuid))
+        # A server in cell0 was never scheduled: no host ever wrote a volume made for it.
+        _release_volumes(session, uuid, doomed, removed, made_for_it if cell == CELL0_NAME else set())
+        session.execute(update(InstanceMapping).where(InstanceMapping.instance_uuid == uuid)
+                        .values(queued_for_delete=True))
     now = utcnow()
     with cell_session(cell) as session:
         instance = session.scalars(select(Instance).where(Instance.uuid == uuid)).one_or_none()
