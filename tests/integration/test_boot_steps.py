@@ -285,6 +285,28 @@ def test_fail_delete_sets_error_and_clears_the_task(cloud):
     assert placement.get_allocations(event["instance_uuid"]) != {}
 
 
+def test_a_failed_delete_leaves_the_task_of_a_newer_delete_alone(cloud):
+    # GIVEN a delete that failed once its server was in error, and a second delete accepted since
+    event = accept_server(cloud["image_id"])
+    event["destination"] = boot.select_destinations(event)
+    uuid = event["instance_uuid"]
+    with cell_session("cell1") as session:
+        session.execute(Instance.__table__.update().values(task_state=states.DELETING, vm_state="error"))
+        for request_id in ("r-first", "r-second"):
+            actions.start_action(session, instance_uuid=uuid, action=actions.DELETE, request_id=request_id,
+                                 user_id="u1", project_id="demo")
+
+    # WHEN the first delete's FailDelete runs (late, or again)
+    delete.fail_delete({"instance_uuid": uuid, "request_id": "r-first", "cell": "cell1", "host": "cell1-host1",
+                        "error": {"Error": "Ferry.HypervisorError", "Cause": "boom"}})
+
+    # THEN the second delete keeps its task, and no second fault is written
+    with cell_session("cell1") as session:
+        instance = session.scalars(select(Instance)).one()
+        assert session.scalars(select(InstanceFault)).all() == []
+    assert instance.task_state == states.DELETING
+
+
 @pytest.mark.parametrize(("operation", "task", "power_state", "vm_state"), [
     (protocol.POWER_OFF, states.POWERING_OFF, states.SHUTDOWN, states.STOPPED),
     (protocol.POWER_ON, states.POWERING_ON, states.RUNNING, states.ACTIVE),

@@ -224,6 +224,12 @@ def fail_delete(event: dict[str, Any]) -> dict[str, Any]:
         instance = instances.get(session, uuid)
         if instance.task_state != states.DELETING:
             return {}
+        if actions.newest_request_id(session, uuid, actions.DELETE) not in (None, event["request_id"]):
+            # A newer delete was accepted meanwhile (a server in error takes one whatever its
+            # task): the task is that one's, to finish; this one only records its failure.
+            actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"], event=event_name,
+                                 host=host, error=error or None)
+            return {}
         instances.update_cas(session, uuid, {"vm_state": states.ERROR, "task_state": None},
                              expected_task_state=(states.DELETING,))
         instances.add_fault(session, uuid, error_message(error), host=host, details=details)
