@@ -468,7 +468,7 @@ def fail_build(event: dict[str, Any]) -> dict[str, Any]:
 
 def _error_name(error: dict[str, Any]) -> str:
     """A Step Functions error's name without Ferry's prefix (``Ferry.NoValidHost`` → ``NoValidHost``)."""
-    return str(error.get("Error") or "").removeprefix("Ferry.")
+    return str(error.get("Error") or "").removeprefix(errors.PREFIX)
 
 
 def _deleted_meanwhile(uuid: str, message: str) -> None:

@@ -261,11 +261,14 @@ def finish_confirm(event: dict[str, Any]) -> dict[str, Any]:
     source = move["source"]["host"]
     cells = cross_cell_settle.cross_cell(event)
     with cell_session(cell) as session:
-        if migration_of(session, uuid, migration_uuid).status == migration_states.CONFIRMED:
-            # Confirmed already: by this step's earlier run, or by a delete that came meanwhile
-            # (its ConfirmBeforeDelete). This request's action still ends, once.
-            _close_confirm(session, event, cells, source)
-            return {}
+        confirmed = migration_of(session, uuid, migration_uuid).status == migration_states.CONFIRMED
+        # Confirmed already: by this step's earlier run, or by a delete that came meanwhile (its
+        # ConfirmBeforeDelete). This request's action still ends, once, announced once committed.
+        closed = _close_confirm(session, event, cells, source) if confirmed else None
+    if confirmed:
+        if closed is not None:
+            _announce_confirmed(event, cells, source, closed["payload"])
+        return {}
     if cells:
         cross_cell_settle.hard_delete_copy(cells["source_cell"], uuid, migration_uuid)
     release_source(uuid, migration_uuid, source, move["same_host"])
@@ -284,25 +287,31 @@ def finish_confirm(event: dict[str, Any]) -> dict[str, Any]:
             payload = notifications.instance_payload(instance, migration_uuid=migration_uuid)
     logger.info("resize confirmed", extra={"instance_uuid": uuid, "migration_uuid": migration_uuid,
                                            "cross_cell": bool(cells)})
-    publisher = notifications.conductor_publisher() if cells else notifications.compute_publisher(source)
-    notifications.notify(notifications.RESIZE_CONFIRM_END, instance_uuid=uuid, publisher_id=publisher,
-                         payload=payload, identity=settle_identity(event))
+    _announce_confirmed(event, cells, source, payload)
     return {}
 
 
-def _close_confirm(session: Session, event: dict[str, Any], cells: dict[str, str] | None, source: str) -> None:
-    """End the confirm's events (Success) and announce its end, unless this request did already."""
+def _close_confirm(session: Session, event: dict[str, Any], cells: dict[str, str] | None,
+                   source: str) -> dict[str, Any] | None:
+    """End the confirm's events (Success) in ``session``, unless this request did already (None);
+    ``{"payload"}`` of its end, to announce once the session commits."""
     uuid, request_id = event["instance_uuid"], event["request_id"]
     if event_finished(session, uuid, request_id, _confirm_events(cells, "")[-1][0]) \
             or actions.find(session, uuid, request_id) is None:
-        return
+        return None
     for name, host in _confirm_events(cells, source):
         actions.finish_event(session, instance_uuid=uuid, request_id=request_id, event=name, host=host)
     instance = live_instance(session, uuid)
-    payload = notifications.instance_payload(instance, migration_uuid=event["migration_uuid"]) if instance else None
+    return {"payload": notifications.instance_payload(instance, migration_uuid=event["migration_uuid"])
+            if instance else None}
+
+
+def _announce_confirmed(event: dict[str, Any], cells: dict[str, str] | None, source: str,
+                        payload: dict[str, Any] | None) -> None:
+    """``instance.resize_confirm.end``: from the conductor after a move between cells, else the source."""
     publisher = notifications.conductor_publisher() if cells else notifications.compute_publisher(source)
-    notifications.notify(notifications.RESIZE_CONFIRM_END, instance_uuid=uuid, publisher_id=publisher,
-                         payload=payload, identity=settle_identity(event))
+    notifications.notify(notifications.RESIZE_CONFIRM_END, instance_uuid=event["instance_uuid"],
+                         publisher_id=publisher, payload=payload, identity=settle_identity(event))
 
 
 def fail_confirm(event: dict[str, Any]) -> dict[str, Any]:
