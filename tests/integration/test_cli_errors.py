@@ -76,6 +76,21 @@ def test_a_database_that_cannot_be_used_is_one_line_and_exit_3(api_database, tmp
     assert "s3cret" not in captured.err
 
 
+def test_a_sqlite_url_with_a_host_is_refused_without_a_directory_made_for_it(api_database, tmp_path, capsys,
+                                                                             monkeypatch):
+    # GIVEN a SQLite URL written like a server's (SQLite takes no host, user or password)
+    monkeypatch.chdir(tmp_path)
+    api_database("sqlite://ferry:s3cret@db.example/ferry_api")
+
+    # WHEN a command uses it
+    assert cli.main(["cell", "list"]) == cli.EXIT_CANNOT_RUN
+
+    # THEN it is refused in one line, its password hidden, and nothing was made in the working directory
+    err = capsys.readouterr().err
+    assert err.startswith("ferry: cannot use the database: Invalid SQLite URL") and "s3cret" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_cell_database_that_cannot_be_used_is_one_line_and_exit_3_and_maps_nothing(api_database, tmp_path,
                                                                                      capsys):
     api_database(f"sqlite:///{tmp_path / 'api.sqlite'}")

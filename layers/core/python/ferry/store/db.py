@@ -40,10 +40,11 @@ def engine_for(url: str) -> Engine:
         engine = _engines.get(url)
         if engine is None:
             if url.startswith("sqlite"):
-                path = url.split("///", 1)[-1]
-                if path and path != ":memory:":
-                    Path(path).parent.mkdir(parents=True, exist_ok=True)
+                # create_engine refuses a URL SQLite cannot use before any directory is made for it
                 engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
+                path = engine.url.database
+                if path and path != ":memory:" and not engine.url.query.get("uri"):
+                    Path(path).parent.mkdir(parents=True, exist_ok=True)
                 event.listen(engine, "connect", _sqlite_pragmas)
                 # SQLite's own BEGIN is deferred; take the write lock at BEGIN so that
                 # read-then-write transactions serialise instead of failing on upgrade.
