@@ -33,6 +33,9 @@ COMMANDS_READING_THE_STORE = [
     ["volume", "list"],
     ["volume", "forget", "00000000-0000-4000-8000-000000000000"],
     ["audit", "--no-storage"],
+    ["token", "issue", "--user", "alice", "--project", "demo"],
+    ["token", "list"],
+    ["token", "revoke", "--expired"],
 ]
 
 
@@ -64,7 +67,7 @@ def not_a_database(path: Path) -> str:
     "postgresql+psycopg2://ferry:s3cret@127.0.0.1:1/ferry_api",  # nothing listens there
     "postgresql://ferry:s3cret@127.0.0.1:1/ferry_api",  # psycopg 3's, not installed (or nothing listens there)
 ], ids=["unreadable", "unknown-dialect", "not-a-database", "unreachable", "driver"])
-@pytest.mark.parametrize("argv", COMMANDS_READING_THE_STORE, ids=lambda argv: " ".join(argv[:2]))
+@pytest.mark.parametrize("argv", COMMANDS_READING_THE_STORE, ids=lambda argv: " ".join(argv[:3]))
 def test_a_database_that_cannot_be_used_is_one_line_and_exit_3(api_database, tmp_path, capsys, argv, url):
     api_database(url.format(not_a_database=not_a_database(tmp_path / "api.sqlite")))
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import re
 import secrets
 import uuid
 from collections.abc import Iterable, Mapping
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aws_lambda_powertools.metrics import MetricUnit
-from sqlalchemy import select
+from sqlalchemy import ColumnElement, and_, or_, select
 
 from ferry import errors
 from ferry.observability import metrics
@@ -29,6 +30,9 @@ TOKEN_HEADER = "X-Auth-Token"
 ADMIN_ROLE = "admin"
 # Keystone's read-only project role.
 READER_ROLE = "reader"
+# A role's name, and a user's or project's id, as tokens record them (the columns hold 255).
+ROLE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+IDENTITY_ID = re.compile(r"[^\s\x00-\x1f\x7f]{1,255}")
 
 
 def new_request_id() -> str:
@@ -73,6 +77,14 @@ def issue_token(user_id: str, project_id: str, roles: Iterable[str], token: str 
             again replaces the identity it stands for (so seeding is idempotent).
         expires_at: naive UTC expiry; ``None`` never expires.
     """
+    roles = list(roles)
+    for role in roles:
+        # The authorizer passes roles on comma-joined: a comma in one would make two.
+        if not ROLE_NAME.fullmatch(role):
+            raise errors.BadRequest(f"A role name is 1 to 64 letters, digits, '_', '.' or '-': {role!r}.")
+    for what, value in (("user", user_id), ("project", project_id)):
+        if not IDENTITY_ID.fullmatch(value):
+            raise errors.BadRequest(f"A {what} id is 1 to 255 printable characters without spaces: {value!r}.")
     token = token or secrets.token_urlsafe(32)
     digest = hash_token(token)
     with api_session() as session:
@@ -81,16 +93,68 @@ def issue_token(user_id: str, project_id: str, roles: Iterable[str], token: str 
             record = AuthToken(token_sha256=digest)
             session.add(record)
         record.user_id, record.project_id = user_id, project_id
-        record.roles, record.expires_at = list(roles), expires_at
+        record.roles, record.expires_at = roles, expires_at
     return token
 
 
 def revoke_token(token: str) -> None:
     """Forget a token (no-op when it is unknown)."""
+    revoke_tokens(tokens=[token])
+
+
+@dataclass(frozen=True)
+class TokenRecord:
+    """What is kept of a token: never the token itself."""
+
+    id: int
+    user_id: str
+    project_id: str
+    roles: tuple[str, ...]
+    expires_at: dt.datetime | None
+    created_at: dt.datetime
+
+    @property
+    def expired(self) -> bool:
+        return self.expires_at is not None and self.expires_at <= utcnow()
+
+
+def list_tokens(user_id: str | None = None, project_id: str | None = None) -> list[TokenRecord]:
+    """The stored tokens (of ``user_id``, in ``project_id``, when given), oldest first."""
+    query = select(AuthToken).order_by(AuthToken.created_at, AuthToken.id)
+    if user_id is not None:
+        query = query.where(AuthToken.user_id == user_id)
+    if project_id is not None:
+        query = query.where(AuthToken.project_id == project_id)
     with api_session() as session:
-        record = session.scalars(select(AuthToken).where(AuthToken.token_sha256 == hash_token(token))).one_or_none()
-        if record is not None:
+        return [TokenRecord(id=record.id, user_id=record.user_id, project_id=record.project_id,
+                            roles=tuple(record.roles or ()), expires_at=record.expires_at,
+                            created_at=record.created_at)
+                for record in session.scalars(query)]
+
+
+def revoke_tokens(*, ids: Iterable[int] = (), tokens: Iterable[str] = (), user_id: str | None = None,
+                  project_id: str | None = None, expired: bool = False) -> int:
+    """Forget the tokens named (by record id, by value), those of ``user_id`` (in ``project_id``),
+    those of ``project_id``, or the expired ones; returns how many were forgotten. Unknown ids
+    and values are no error: a token revoked twice is gone either way."""
+    conditions: list[ColumnElement[bool]] = []
+    if ids := list(ids):
+        conditions.append(AuthToken.id.in_(ids))
+    if digests := [hash_token(token) for token in tokens]:
+        conditions.append(AuthToken.token_sha256.in_(digests))
+    if user_id is not None or project_id is not None:
+        owner = [AuthToken.user_id == user_id] if user_id is not None else []
+        owner += [AuthToken.project_id == project_id] if project_id is not None else []
+        conditions.append(and_(*owner))
+    if expired:
+        conditions.append(AuthToken.expires_at <= utcnow())
+    if not conditions:
+        return 0
+    with api_session() as session:
+        records = list(session.scalars(select(AuthToken).where(or_(*conditions))))
+        for record in records:
             session.delete(record)
+    return len(records)
 
 
 def known_projects(project_id: str | None = None) -> list[str]:

@@ -8,7 +8,7 @@ command (``ferry drain …``, say) is one more entry in :data:`COMMANDS`. A hand
 exit status.
 
 Exit statuses: 0 success (for ``audit``: no problem left), 1 problems remain (or, for the set-up
-commands of :mod:`ferry.cli_cells` and for ``ferry volume``, refused), 2 bad usage, 3 could not run
+commands of :mod:`ferry.cli_cells`, for ``ferry volume`` and ``ferry token``, refused), 2 bad usage, 3 could not run
 (a database that cannot be reached, or whose URL cannot be read: one line on standard error, passwords
 hidden). Any other database error (two ``ferry cell create`` racing, say) is a traceback and 1.
 
@@ -31,7 +31,7 @@ from typing import Any
 
 from sqlalchemy.exc import ArgumentError, DatabaseError, DBAPIError, InterfaceError, OperationalError, ProgrammingError
 
-from ferry import arguments, cli_cells, cli_drain, cli_volumes
+from ferry import arguments, cli_cells, cli_drain, cli_tokens, cli_volumes
 from ferry.audit import DEFAULT_GRACE_SECONDS
 
 Handler = Callable[[argparse.Namespace], int]
@@ -86,6 +86,7 @@ COMMANDS: list[tuple[str, Callable[[Any], None]]] = [
     ("cell", cli_cells.add_cell),
     ("host", cli_cells.add_host),
     ("volume", cli_volumes.add_volume),
+    ("token", cli_tokens.add_token),
 ]
 
 
