@@ -135,7 +135,10 @@ class InsufficientCapacity(FerryError):
 
 
 class NoValidHost(FerryError):
-    default_message = "No valid host was found."
+    # How every scheduling failure's message starts (the scheduler's, and a workflow's fault): the
+    # API tells one by it in a server's fault.
+    MESSAGE_START = "No valid host was found"
+    default_message = f"{MESSAGE_START}."
 
 
 # --- Host operations (sent by the host agent with SendTaskFailure) -------------------------------

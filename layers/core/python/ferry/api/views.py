@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 from urllib.parse import urlencode
 
-from ferry import policy
+from ferry import errors, policy
 from ferry.api.request import ViewContext
 from ferry.compute import states
 from ferry.compute.api import Server
@@ -79,14 +79,14 @@ def _image(view: ViewContext, server: Server) -> dict[str, Any] | str:
 
 # What a member reads of a scheduling failure (Nova's words): the scheduler's count of hosts per
 # filter describes the cloud, for admins only.
-NO_VALID_HOST_MESSAGE = "No valid host was found. There are not enough hosts available."
+NO_VALID_HOST_MESSAGE = f"{errors.NoValidHost.MESSAGE_START}. There are not enough hosts available."
 
 
 def _fault(view: ViewContext, server: Server) -> dict[str, Any] | None:
     if server.fault is None or server.status not in ("ERROR", "DELETED"):
         return None
     message = server.fault["message"]
-    if not view.ctx.is_admin and message.startswith("No valid host was found"):
+    if not view.ctx.is_admin and message.startswith(errors.NoValidHost.MESSAGE_START):
         message = NO_VALID_HOST_MESSAGE
     fault = {"code": server.fault["code"], "message": message, "created": isotime(server.fault["created"])}
     if view.ctx.is_admin and server.fault.get("details"):

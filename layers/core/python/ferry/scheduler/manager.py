@@ -189,12 +189,12 @@ def _explain(spec: SchedulingSpec, filtered: _Filtered, raced: int = 0) -> str:
     """Why no host is left, stage by stage."""
     where = f"host {spec.requested_host}" if spec.requested_host else "the allowed cells"
     if filtered.in_scope == 0:
-        return f"No valid host was found for {spec.instance_uuid}: no compute node in {where}."
+        return f"{errors.NoValidHost.MESSAGE_START} for {spec.instance_uuid}: no compute node in {where}."
     parts = [f"{name} removed {count}" for name, count in filtered.removed if count]
     if raced:
         parts.append(f"{raced} filled up before the claim")
-    return (f"No valid host was found for {spec.instance_uuid}: {filtered.in_scope} compute node(s) in {where}; "
-            + ", ".join(parts) + ".")
+    return (f"{errors.NoValidHost.MESSAGE_START} for {spec.instance_uuid}: {filtered.in_scope} compute node(s) "
+            f"in {where}; " + ", ".join(parts) + ".")
 
 
 def _selection(host: HostState, spec: SchedulingSpec) -> Selection:

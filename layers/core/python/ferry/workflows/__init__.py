@@ -100,6 +100,6 @@ def error_message(error: dict[str, Any]) -> str:
     if isinstance(parsed, dict) and "errorMessage" in parsed:
         cause = parsed["errorMessage"]
     name = error.get("Error", "")
-    if name == errors.NoValidHost.__name__ and not cause.startswith("No valid host"):
-        cause = f"No valid host was found. {cause}".strip()
+    if name == errors.NoValidHost.__name__ and not cause.startswith(errors.NoValidHost.MESSAGE_START):
+        cause = f"{errors.NoValidHost.MESSAGE_START}. {cause}".strip()
     return cause or name or "Unknown error"
