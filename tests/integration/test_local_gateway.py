@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import requests
 
+from ferry.errors import TemplateError
 from ferry.local.gateway import ApiGateway
 from ferry.local.runtime import FunctionRunner
 from ferry.local.template import resolve
@@ -134,6 +135,18 @@ PARTIAL_GATEWAY_RESPONSES = """
           StatusCode: 404
         DEFAULT_4XX:
           ResponseTemplates: {text/plain: 'Not for you.'}
+"""
+
+
+# A stage throttle of 2 requests at once, refilled at 1 a minute, and what API Gateway answers over it.
+THROTTLE = """
+      MethodSettings:
+        - {ResourcePath: "/*", HttpMethod: "*", ThrottlingRateLimit: 0.0166, ThrottlingBurstLimit: 2}
+      GatewayResponses:
+        THROTTLED:
+          StatusCode: 429
+          ResponseParameters: {Headers: {Retry-After: "'60'"}}
+          ResponseTemplates: {application/json: '{"overLimit": {"code": 429, "message": "Slow down."}}'}
 """
 
 
@@ -329,3 +342,23 @@ def test_a_gateway_response_without_a_status_or_a_json_body_keeps_api_gateways_o
     assert (unknown.status_code, unknown.json()) == (404, {"message": "Missing Authentication Token"})
     assert denied.status_code == 403 and set(denied.json()) == {"Message"}
 
+
+
+def test_a_request_over_the_stage_throttle_is_429_before_any_function_runs(tmp_path):
+    # GIVEN a stage that takes 2 requests at once and one more a minute
+    model = resolve(write_app(tmp_path, THROTTLE))
+    assert model.apis["Api"].throttle is not None and model.apis["Api"].throttle.burst == 2
+    with ApiGateway(model, FunctionRunner(model), port=0) as gateway:
+        # WHEN a third request comes at once
+        first, second = (requests.get(gateway.url + "/v9") for _ in range(2))
+        third = requests.get(gateway.url + "/v9/servers", headers={"X-Auth-Token": "good"})
+
+    # THEN the first two reach their function, the third is the template's THROTTLED answer
+    assert (first.status_code, second.status_code) == (200, 200)
+    assert (third.status_code, third.json()) == (429, {"overLimit": {"code": 429, "message": "Slow down."}})
+    assert third.headers["Retry-After"] == "60"
+
+
+def test_a_gateway_response_header_must_be_a_static_value(tmp_path):
+    with pytest.raises(TemplateError, match="Retry-After is not a static value"):
+        resolve(write_app(tmp_path, THROTTLE.replace("\"'60'\"", "method.request.header.Wait")))

@@ -508,8 +508,19 @@ def test_what_api_gateway_answers_itself_is_in_the_compute_apis_error_shape():
     for kind, spec in responses.items():
         [(error_kind, error)] = json.loads(spec["ResponseTemplates"]["application/json"]).items()
         assert error["code"] == int(spec["StatusCode"]) and error["message"], kind
-        assert error_kind in {"itemNotFound", "error", "forbidden", "computeFault"}, kind
-    assert TEMPLATE.apis["ComputeApi"].gateway_responses["MISSING_AUTHENTICATION_TOKEN"][0] == 404
+        assert error_kind in {"itemNotFound", "error", "forbidden", "computeFault", "overLimit"}, kind
+    assert TEMPLATE.apis["ComputeApi"].gateway_responses["MISSING_AUTHENTICATION_TOKEN"].status == 404
+
+
+def test_the_compute_api_is_throttled_by_its_parameters_and_says_when_to_retry():
+    [setting] = RAW["Resources"]["ComputeApi"]["Properties"]["MethodSettings"]
+    assert (setting["ResourcePath"], setting["HttpMethod"]) == ("/*", "*")
+    assert setting["ThrottlingRateLimit"] == {"Ref": "ApiThrottleRate"}
+    assert setting["ThrottlingBurstLimit"] == {"Ref": "ApiThrottleBurst"}
+
+    throttled = TEMPLATE.apis["ComputeApi"].gateway_responses["THROTTLED"]
+    assert throttled.status == 429 and ("Retry-After", "1") in throttled.headers
+    assert TEMPLATE.apis["ComputeApi"].throttle.rate == RAW["Parameters"]["ApiThrottleRate"]["Default"]
 
 
 

@@ -10,8 +10,9 @@ domain: there is no stage prefix.
 Authorizer decisions are not cached (the template's ``ReauthorizeEvery: 0``; other values are
 ignored locally). Answers follow API Gateway: an unknown route is 403 ``Missing Authentication
 Token``, a missing identity source or ``Unauthorized`` from the authorizer 401, a policy that
-does not allow the call 403, an authorizer or integration that fails 500 / 502; the API's
-``GatewayResponses`` replace the answers API Gateway gives itself, as they do on AWS.
+does not allow the call 403, an authorizer or integration that fails 500 / 502, a request over
+the stage's throttle (``MethodSettings`` for ``/*`` and ``*``: rate and burst, one token bucket)
+429; the API's ``GatewayResponses`` replace the answers API Gateway gives itself, as they do on AWS.
 """
 
 from __future__ import annotations
@@ -72,6 +73,26 @@ def _json_response(status: int, document: Any, headers: list[tuple[str, str]] | 
     return Response(status, [("Content-Type", "application/json"), *(headers or [])], json.dumps(document).encode())
 
 
+class _TokenBucket:
+    """API Gateway's throttle: ``burst`` requests at once, refilled at ``rate`` per second."""
+
+    def __init__(self, rate: float, burst: int) -> None:
+        self.rate, self.capacity = rate, float(burst)
+        self.tokens, self.stamp = float(burst), time.monotonic()
+        self.lock = threading.Lock()
+
+    def take(self) -> bool:
+        """Whether a request may pass now (it takes a token)."""
+        with self.lock:
+            now = time.monotonic()
+            self.tokens = min(self.capacity, self.tokens + (now - self.stamp) * self.rate)
+            self.stamp = now
+            if self.tokens < 1:
+                return False
+            self.tokens -= 1
+            return True
+
+
 class ApiGateway:
     """The template's REST API on ``host:port``, calling handlers through ``runner``.
 
@@ -104,6 +125,8 @@ class ApiGateway:
         # (Powertools' router keeps the current request on the class): one environment per function.
         self._environments: dict[str, threading.Lock] = {}
         self._environments_lock = threading.Lock()
+        throttle = self.api.throttle if self.api else None
+        self._throttle = _TokenBucket(throttle.rate, throttle.burst) if throttle else None
 
     @property
     def url(self) -> str:
@@ -175,9 +198,9 @@ class ApiGateway:
         chosen = responses.get(kind) or responses.get("DEFAULT_5XX" if status >= 500 else "DEFAULT_4XX")
         if chosen is None:
             return _json_response(status, document)
-        chosen_status, body = chosen
-        return Response(status if chosen_status is None else chosen_status, [("Content-Type", "application/json")],
-                        json.dumps(document).encode() if body is None else body.encode())
+        return Response(status if chosen.status is None else chosen.status,
+                        [("Content-Type", "application/json"), *chosen.headers],
+                        json.dumps(document).encode() if chosen.body is None else chosen.body.encode())
 
     def handle(
         self, method: str, raw_path: str, headers: list[tuple[str, str]], body: bytes, source_ip: str
@@ -190,6 +213,8 @@ class ApiGateway:
             return self._gateway_response("MISSING_AUTHENTICATION_TOKEN", 403,
                                           {"message": "Missing Authentication Token"})
         route, path_parameters = matched
+        if self._throttle is not None and not self._throttle.take():
+            return self._gateway_response("THROTTLED", 429, {"message": "Too Many Requests"})
         query = parse_qsl(split.query, keep_blank_values=True)
         request_id = str(uuid.uuid4())
         headers = self._forwarded(headers, source_ip)

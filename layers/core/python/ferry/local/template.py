@@ -220,6 +220,24 @@ class Authorizer:
 
 
 @dataclass(frozen=True)
+class GatewayResponse:
+    """A ``GatewayResponses`` entry: its status code and JSON body, None where the entry gives none
+    (the answer's own default then applies, as on AWS), and its static headers."""
+
+    status: int | None
+    body: str | None
+    headers: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class Throttle:
+    """A stage's throttle (``MethodSettings`` for every method): requests per second, and at once."""
+
+    rate: float
+    burst: int
+
+
+@dataclass(frozen=True)
 class Api:
     logical_id: str
     name: str
@@ -227,9 +245,8 @@ class Api:
     stage_name: str
     default_authorizer: str | None
     authorizers: dict[str, Authorizer]
-    # GatewayResponses: {response type: (status code, JSON body)}; None where the entry gives none
-    # (the answer's own default then applies, as on AWS).
-    gateway_responses: dict[str, tuple[int | None, str | None]] = field(default_factory=dict)
+    gateway_responses: dict[str, GatewayResponse] = field(default_factory=dict)
+    throttle: Throttle | None = None
 
 
 @dataclass(frozen=True)
@@ -768,17 +785,38 @@ class _Builder:
                 stage_name=_stringify(resolved.get("StageName", stage)),
                 default_authorizer=default,
                 authorizers=authorizers,
-                gateway_responses={kind: _gateway_response(spec)
+                gateway_responses={kind: _gateway_response(lid, kind, spec)
                                    for kind, spec in (resolved.get("GatewayResponses") or {}).items()},
+                throttle=_throttle(resolved.get("MethodSettings") or []),
             )
         return apis
 
 
-def _gateway_response(spec: Mapping[str, Any]) -> tuple[int | None, str | None]:
-    """A ``GatewayResponses`` entry's status code and JSON body, each None when the entry leaves it out."""
+def _gateway_response(api: str, kind: str, spec: Mapping[str, Any]) -> GatewayResponse:
+    """A ``GatewayResponses`` entry; its headers must be static values (``"'1'"``)."""
     status = spec.get("StatusCode")
     body = (spec.get("ResponseTemplates") or {}).get("application/json")
-    return (None if status is None else int(status)), (None if body is None else str(body))
+    headers = []
+    for name, value in ((spec.get("ResponseParameters") or {}).get("Headers") or {}).items():
+        text = _stringify(value)
+        if not (len(text) >= 2 and text[0] == text[-1] == "'"):
+            raise TemplateError(f"{api}: GatewayResponses {kind}: header {name} is not a static value ('…'), "
+                                f"the only kind the local stack plays.")
+        headers.append((str(name), text[1:-1]))
+    return GatewayResponse(None if status is None else int(status), None if body is None else str(body),
+                           tuple(headers))
+
+
+def _throttle(method_settings: list[Mapping[str, Any]]) -> Throttle | None:
+    """The stage-wide throttle of ``MethodSettings`` (the entry for ``/*`` and ``*``), if any; the
+    local stack plays no per-method settings."""
+    for setting in method_settings:
+        if setting.get("ResourcePath") == "/*" and setting.get("HttpMethod") == "*" \
+                and "ThrottlingRateLimit" in setting:
+            rate = float(_stringify(setting["ThrottlingRateLimit"]))
+            burst = int(_stringify(setting.get("ThrottlingBurstLimit", rate)))
+            return Throttle(rate=rate, burst=burst)
+    return None
 
 
 def _route(function: str, event_name: str, spec: Mapping[str, Any], apis: Mapping[str, Api]) -> Route:
