@@ -277,6 +277,26 @@ def test_a_complete_move_that_failed_before_switching_the_mapping_is_rolled_back
     assert rows("cell1", uuid, inp["migration_uuid"])["instance"][0] is False
 
 
+def test_a_rollback_after_target_db_setup_refused_leaves_a_server_living_in_the_target_cell_alone(two_cells):
+    # GIVEN a server another move took to cell2 (VERIFY_RESIZE there), and a move of it from cell1
+    # whose TargetDBSetup then fails (the server is no longer cell1's)
+    uuid, inp = server_in_cell1()
+    doc = {**run(inp, until="TargetDBSetup"), "migration_uuid": "00000000-0000-4000-8000-00000000beef"}
+    run(inp)
+    assert instances.cell_of(uuid).name == "cell2"
+    before = rows("cell2", uuid, inp["migration_uuid"])
+    with pytest.raises((errors.InstanceNotFound, errors.MoveNotPrepared)):  # the source copy is hidden there
+        cross_cell.target_db_setup(doc)
+
+    # WHEN the Catch rolls the target cell back
+    cross_cell.rollback_target_cell({**doc, "error": {"Error": "Ferry.MoveNotPrepared", "Cause": "x"}})
+
+    # THEN the server stays where it lives, its records there untouched
+    assert instances.cell_of(uuid).name == "cell2"
+    assert rows("cell2", uuid, inp["migration_uuid"]) == before
+    assert rows("cell1", uuid, inp["migration_uuid"])["instance"][0] is True  # the old copy stays hidden
+
+
 def test_an_image_backed_server_is_snapshotted_and_spawned_from_the_snapshot(two_cells):
     uuid = make_server()
     allow_cross_cell(uuid)

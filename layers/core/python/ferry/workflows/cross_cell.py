@@ -212,16 +212,39 @@ def _map_to(uuid: str, cell: str) -> None:
         session.execute(update(InstanceMapping).where(InstanceMapping.instance_uuid == uuid).values(cell_id=cell_id))
 
 
+def _lives_in_without_this_move(uuid: str, target: str, migration_uuid: str) -> bool:
+    """Whether the instance mapping names ``target`` while ``target`` holds no copy of this move's
+    migration: the server is there by another move's doing (this one's switch always copies its
+    migration first)."""
+    with api_session() as session:
+        mapped = session.scalars(select(CellMapping.name)
+                                 .join(InstanceMapping, InstanceMapping.cell_id == CellMapping.id)
+                                 .where(InstanceMapping.instance_uuid == uuid)).one_or_none()
+    if mapped != target:
+        return False
+    with cell_session(target) as session:
+        return session.scalars(select(Migration.id).where(Migration.uuid == migration_uuid)).first() is None
+
+
 def rollback_target_cell(event: dict[str, Any]) -> dict[str, Any]:
     """Undo the cross-cell parts of a failed move: the server is the source cell's again, and only there.
 
     Maps the instance back to the source cell, shows the source copies again (instance and
     migration), hard-deletes the target cell's copies, and last deletes the temporary snapshot,
     best effort (an S3 failure leaves the image to ``ferry audit --fix``, never the target
-    cell's rows to a later move). Safe to run whatever the move reached, and twice.
+    cell's rows to a later move). Safe to run whatever the move reached, and twice. A server the
+    mapping names in the target cell without this move's migration there is left alone (only the
+    snapshot goes): TargetDBSetup refused to prepare over it.
     """
     uuid, migration_uuid, cell, target = event["instance_uuid"], event["migration_uuid"], event["cell"], _target(event)
     if target == cell:
+        return {}
+    if _lives_in_without_this_move(uuid, target, migration_uuid):
+        # TargetDBSetup refused to touch the target cell (MoveNotPrepared): what it holds of the
+        # server is the server, which another move took there, not this move's copy.
+        logger.error("the server lives in the move's target cell by another move: its records there are left alone",
+                     extra={"instance_uuid": uuid, "migration_uuid": migration_uuid, "target_cell": target})
+        _delete_snapshot(uuid, migration_uuid)
         return {}
     _map_to(uuid, cell)
     with cell_session(cell) as session:
