@@ -11,6 +11,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+from cross_cell_helpers import events_in
 from sqlalchemy import select
 from test_resize_steps import (  # noqa: F401 - the cloud fixture
     BIG,
@@ -337,6 +338,19 @@ def test_a_failure_at_any_cross_cell_stage_leaves_the_server_in_its_cell_as_befo
     assert images_left() == []
     assert placement.get_allocations(uuid) == allocations_before
     assert placement.get_allocations(inp["migration_uuid"]) == {}
+
+
+def test_a_failed_target_db_setup_is_the_conductors_migrate_event_not_a_destination_step(two_cells):
+    # GIVEN a move across cells whose copy into the target cell failed
+    uuid, inp = server_in_cell1()
+    doc = run(inp, until="TargetDBSetup")
+
+    # WHEN it is rolled back
+    roll_back(doc)
+
+    # THEN the error is on the orchestrator's event, and no destination step is shown as having run
+    assert events_in("cell1", uuid) == {resize.EVENT_MIGRATE: "Error"}
+    assert fault_in_cell1(uuid).host == "cell1-host1"
 
 
 def fault_in_cell1(uuid: str) -> InstanceFault:

@@ -727,6 +727,8 @@ def _failed_step(event: Mapping[str, Any]) -> tuple[str, str | None]:
     if "destination" not in event:
         return EVENT_MIGRATE, None
     if is_cross_cell(event):
+        if "target" not in event:  # TargetDBSetup: the orchestrator's copy into the target cell
+            return EVENT_MIGRATE, None
         if "claim" not in event:
             return EVENT_PREP_AT_DEST_CROSS_CELL, event["destination"]["host"]
         if "snapshotted" not in event:
