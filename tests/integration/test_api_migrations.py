@@ -374,6 +374,27 @@ def test_a_servers_migrations_are_in_progress_live_migrations_only(cloud):
         f"In-progress live migration 1 is not found for server {server_id}."
 
 
+def test_aborting_or_forcing_a_live_migration_is_409_as_for_a_server_not_migrating_live(cloud):
+    server_id, _ = resized_server()
+    abort, force = f"/v2.1/servers/{server_id}/migrations/1", f"/v2.1/servers/{server_id}/migrations/1/action"
+
+    aborted = call("DELETE", abort, caller=ADMIN, version="2.80")
+    forced = call("POST", force, caller=ADMIN, body={"force_complete": None}, version="2.80")
+
+    assert (aborted.status, aborted.body["conflictingRequest"]["message"]) == (
+        409, f"Cannot 'abort live migration' instance {server_id} while it is in task_state None")
+    assert (forced.status, forced.body["conflictingRequest"]["message"]) == (
+        409, f"Cannot 'force_complete' instance {server_id} while it is in task_state None")
+    # before their microversions there is no such resource; a member may not; a bad body is 400
+    assert call("DELETE", abort, caller=ADMIN, version="2.23").status == 404
+    assert call("POST", force, caller=ADMIN, body={"force_complete": None}, version="2.21").status == 404
+    assert call("DELETE", abort, caller=ALICE, version="2.80").status == 403
+    assert call("POST", force, caller=ALICE, body={"force_complete": None}, version="2.80").status == 403
+    assert call("POST", force, caller=ADMIN, body={"force_complete": 1}, version="2.80").status == 400
+    assert call("DELETE", "/v2.1/servers/00000000-0000-4000-8000-000000000000/migrations/1", caller=ADMIN,
+                version="2.80").status == 404
+
+
 def test_server_migrations_need_2_23_a_known_server_and_the_policy(cloud):
     server_id, _ = resized_server()
 

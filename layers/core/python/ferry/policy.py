@@ -80,6 +80,8 @@ DEFAULT_RULES: dict[str, str] = {
     "os_compute_api:os-migrations:index": ADMIN,
     "os_compute_api:servers:migrations:index": ADMIN,
     "os_compute_api:servers:migrations:show": ADMIN,
+    "os_compute_api:servers:migrations:delete": ADMIN,
+    "os_compute_api:servers:migrations:force_complete": ADMIN,
     "compute:servers:resize:cross_cell": NOBODY,
     # quotas and limits
     "os_compute_api:os-quota-sets:show": ADMIN_OR_OWNER,

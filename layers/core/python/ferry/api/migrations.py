@@ -9,7 +9,9 @@ As in Nova, from 2.59 a query parameter the microversion does not know is refuse
 before 2.59 it is ignored. ``hidden`` is taken and changes nothing: cross-cell copies are
 merged by uuid.
 
-Ferry has no live migration, so a server's in-progress live migrations are always none.
+Ferry has no live migration, so a server's in-progress live migrations are always none, and
+aborting or forcing one to complete is refused (409) as Nova refuses it for a server whose task
+is not ``migrating``.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from aws_lambda_powertools.event_handler import Response
 from aws_lambda_powertools.event_handler.api_gateway import Router
 
 from ferry import errors, policy
-from ferry.api import request, views
+from ferry.api import request, schemas, views
 from ferry.api.request import ViewContext
 from ferry.compute import api as compute_api
 from ferry.compute import moves
@@ -84,8 +86,8 @@ def list_migrations() -> Response:
     return request.json_response(200, body)
 
 
-def _server_migrations_supported(view: ViewContext) -> None:
-    if not view.at_least("2.23"):
+def _server_migrations_supported(view: ViewContext, since: str = "2.23") -> None:
+    if not view.at_least(since):
         raise errors.NotFound("The resource could not be found.")
 
 
@@ -106,3 +108,24 @@ def show_server_migration(server_id: str, migration_id: str) -> Response:
     policy.enforce(view.ctx, "os_compute_api:servers:migrations:show", location.target)
     raise errors.NotFound(f"In-progress live migration {migration_id} is not found for server "
                           f"{location.instance_uuid}.")
+
+
+@router.delete("/servers/<server_id>/migrations/<migration_id>")
+def abort_server_migration(server_id: str, migration_id: str) -> Response:
+    """Abort a live migration (2.24): always 409, as Nova answers for a server not migrating live."""
+    view = request.view_context(router)
+    _server_migrations_supported(view, "2.24")
+    location = compute_api.locate(view.ctx, server_id)
+    policy.enforce(view.ctx, "os_compute_api:servers:migrations:delete", location.target)
+    compute_api.refuse_live_migration_action(view.ctx, server_id, "abort live migration")
+
+
+@router.post("/servers/<server_id>/migrations/<migration_id>/action")
+def force_complete_server_migration(server_id: str, migration_id: str) -> Response:
+    """Force a live migration to complete (2.22): always 409, as Nova answers for a server not migrating live."""
+    view = request.view_context(router)
+    _server_migrations_supported(view, "2.22")
+    request.body(router, schemas.FORCE_COMPLETE_ACTION)
+    location = compute_api.locate(view.ctx, server_id)
+    policy.enforce(view.ctx, "os_compute_api:servers:migrations:force_complete", location.target)
+    compute_api.refuse_live_migration_action(view.ctx, server_id, "force_complete")

@@ -110,6 +110,7 @@ def _bodies() -> dict[str, dict[str, Any]]:
         "extra_spec_update": schemas.EXTRA_SPEC_UPDATE,
         "quota_set_update": schemas.quota_set_update(resources),
         "attach": volume_attachments.attach_schema(MAX_VERSION),
+        "force_complete": schemas.FORCE_COMPLETE_ACTION,
         "aggregate_create": aggregates.CREATE,
         "aggregate_update": aggregates.UPDATE,
         "aggregate_action": _one_key_each(aggregates.ACTIONS),
@@ -212,6 +213,12 @@ def _operations(bodies: dict[str, dict[str, Any]]) -> dict[tuple[str, str], Oper
             {200: _keyed("migrations", _OBJECTS)}),
         ("GET", f"{server}/migrations/{{migration_id}}"): Operation(
             "Show an in-progress live migration (always 404; 2.23+)", {200: _keyed("migration", _OBJECT)}),
+        ("DELETE", f"{server}/migrations/{{migration_id}}"): Operation(
+            "Abort a live migration (admins; always 409: no server migrates live; 2.24+)", {202: None},
+            errors=_WRITE_ERRORS),
+        ("POST", f"{server}/migrations/{{migration_id}}/action"): Operation(
+            "Force a live migration to complete (admins; always 409: no server migrates live; 2.22+)", {202: None},
+            bodies["force_complete"], errors=_WRITE_ERRORS),
         ("GET", attachments): Operation("List a server's volume attachments",
                                         {200: _keyed("volumeAttachments", {"type": "array", "items": _ATTACHMENT})},
                                         query={name: _LIMIT for name in volume_attachments.LIST_PARAMETERS}),

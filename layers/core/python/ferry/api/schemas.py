@@ -151,6 +151,13 @@ def server_create(version: APIVersion) -> dict[str, Any]:
 
 SERVER_ACTION = {"type": "object", "minProperties": 1, "maxProperties": 1}
 NULL_ACTION = {"type": "null"}
+# A live migration's force_complete: exactly ``{"force_complete": null}``.
+FORCE_COMPLETE_ACTION = {
+    "type": "object",
+    "properties": {"force_complete": NULL_ACTION},
+    "required": ["force_complete"],
+    "additionalProperties": False,
+}
 # os-resetState: exactly ``state``, one of the two vm_states an admin may set (Nova's choice).
 RESET_STATE_ACTION = {
     "type": "object",

@@ -38,7 +38,7 @@ import secrets
 import uuid as uuidlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar, cast
+from typing import Any, NoReturn, TypeVar, cast
 
 from sqlalchemy import ColumnElement, CursorResult, and_, delete, select, update
 from sqlalchemy.exc import IntegrityError
@@ -240,6 +240,18 @@ def execution_name(kind: str, instance_uuid: str, request_id: str | None = None)
 
 def _invalid_state(action: str, instance_uuid: str, attr: str, state: Any) -> errors.InstanceInvalidState:
     return errors.InstanceInvalidState(f"Cannot '{action}' instance {instance_uuid} while it is in {attr} {state}")
+
+
+def refuse_live_migration_action(ctx: RequestContext, server_id: str, action: str) -> NoReturn:
+    """Refuse ``action`` (abort, force_complete) on a server's live migration: Ferry moves servers
+    cold only, so no server's task is ever ``migrating``, and Nova refuses the action then.
+
+    Raises:
+        InstanceNotFound: no such server for the caller.
+        InstanceInvalidState: always otherwise (409), naming the server's task state.
+    """
+    server = get_server(ctx, server_id)
+    raise _invalid_state(action, server.uuid, "task_state", server.task_state)
 
 
 # --- request specs ---------------------------------------------------------------------------------
