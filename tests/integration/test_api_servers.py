@@ -717,6 +717,10 @@ def test_list_filters_by_lock_from_2_73(cloud):
     assert _listed({"locked": "true"}) == ["locked"]
     assert _listed({"locked": "false"}) == ["free"]
     assert sorted(_listed({"locked": "true"}, version="2.72")) == ["free", "locked"]
+    # a sort key from 2.73, ignored before
+    assert _listed({"sort_key": "locked", "sort_dir": "desc"}, version="2.73") == ["locked", "free"]
+    assert _listed({"sort_key": "locked", "sort_dir": "asc"}, version="2.96") == ["free", "locked"]
+    assert _listed({"sort_key": "locked", "sort_dir": "asc"}, version="2.72") == ["free", "locked"]  # by created_at
     assert call("GET", "/v2.1/servers", query={"locked": "maybe"}, version="2.90").status == 400
 
 
@@ -788,6 +792,20 @@ def test_deleted_servers_are_listed_with_a_time_window_or_deleted_true(cloud):
     assert call("GET", f"/v2.1/servers/{gone}", version="2.90").status == 404
 
 
+def test_server_groups_are_shown_for_one_server_only_from_2_71(cloud):
+    server_id = create_server(name="vm")
+    schedule(server_id)
+
+    def keys(method: str, path: str, version: str, body: dict | None = None) -> set[str]:
+        answer = call(method, path, version=version, body=body).body
+        return set(answer["server"] if "server" in answer else answer["servers"][0])
+
+    assert "server_groups" in keys("GET", f"/v2.1/servers/{server_id}", "2.71")
+    assert "server_groups" in keys("PUT", f"/v2.1/servers/{server_id}", "2.96", {"server": {"name": "vm2"}})
+    assert "server_groups" not in keys("GET", "/v2.1/servers/detail", "2.96")  # as Nova's list
+    assert "server_groups" not in keys("GET", f"/v2.1/servers/{server_id}", "2.70")
+
+
 def test_list_sorts_by_the_keys_asked_for(cloud):
     for name in ("b", "c", "a"):
         create_server(name=name)
@@ -800,7 +818,10 @@ def test_list_sorts_by_the_keys_asked_for(cloud):
     assert call("GET", "/v2.1/servers", query={"sort_key": "kernel_id"}, version="2.90").body["badRequest"][
         "message"] == "Ferry does not sort servers by kernel_id."
     assert call("GET", "/v2.1/servers", query={"sort_key": "colour"}, version="2.90").status == 400
-    assert _listed({"sort_key": ["id", "display_name"], "sort_dir": ["asc", "asc"]}) == ["a", "b", "c"]  # id ignored
+    assert _listed({"sort_key": ["id", "display_name"], "sort_dir": ["asc", "asc"]}, version="2.74") == [
+        "a", "b", "c"]  # id ignored until 2.75
+    refused = call("GET", "/v2.1/servers", query={"sort_key": "vcpus"}, version="2.75")
+    assert (refused.status, refused.body["badRequest"]["message"]) == (400, "Invalid sort key vcpus.")
     assert _listed({"sort_dir": "asc"}) == ["b", "c", "a"]  # created_at when no key is given
     assert call("GET", "/v2.1/servers", query={"sort_key": "display_name", "sort_dir": "up"},
                 version="2.90").status == 400

@@ -60,12 +60,15 @@ NOVA_SORT_KEYS = frozenset({
     "access_ip_v4", "access_ip_v6", "auto_disk_config", "availability_zone", "config_drive", "created_at",
     "display_description", "display_name", "host", "hostname", "image_ref", "instance_type_id", "kernel_id",
     "key_name", "launch_index", "launched_at", "locked_by", "node", "power_state", "progress", "project_id",
-    "ramdisk_id", "root_device_name", "reservation_id", "task_state", "terminated_at", "updated_at", "user_id",
+    "ramdisk_id", "root_device_name", "task_state", "terminated_at", "updated_at", "user_id",
     "uuid", "vm_state"})
+# Nova takes and ignores these until 2.75 (``locked`` until 2.73, a sort key from then on), and
+# refuses them from 2.75.
 IGNORED_SORT_KEYS = frozenset({
     "architecture", "cell_name", "cleaned", "default_ephemeral_device", "default_swap_device", "deleted",
     "deleted_at", "disable_terminate", "ephemeral_gb", "ephemeral_key_uuid", "id", "key_data", "launched_on",
-    "locked", "memory_mb", "os_type", "root_gb", "shutdown_terminate", "user_data", "vcpus", "vm_mode"})
+    "locked", "memory_mb", "os_type", "reservation_id", "root_gb", "shutdown_terminate", "user_data", "vcpus",
+    "vm_mode"})
 
 
 def parse(view: ViewContext, params: Mapping[str, list[str]]) -> ServerFilters:
@@ -125,7 +128,7 @@ def parse(view: ViewContext, params: Mapping[str, list[str]]) -> ServerFilters:
         ip=_pattern("ip", last("ip"), budget), ip6=_pattern("ip6", last("ip6"), budget),
         tags=_tags(last("tags")), tags_any=_tags(last("tags-any")),
         not_tags=_tags(last("not-tags")), not_tags_any=_tags(last("not-tags-any")),
-        sort=_sort(usable.get("sort_key") or [], usable.get("sort_dir") or [], admin=admin),
+        sort=_sort(view, usable.get("sort_key") or [], usable.get("sort_dir") or [], admin=admin),
         limit=request.parse_limit(last("limit")), marker=last("marker"))
 
 
@@ -169,10 +172,18 @@ def _tags(value: str | None) -> frozenset[str] | None:
     return tags or None
 
 
-def _sort(keys: list[str], directions: list[str], *, admin: bool) -> tuple[tuple[str, str], ...]:
+def _ignored_sort_keys(view: ViewContext) -> frozenset[str]:
+    """The sort keys Nova takes and ignores at the request's microversion."""
+    if view.at_least("2.75"):
+        return frozenset()
+    return IGNORED_SORT_KEYS - {"locked"} if view.at_least("2.73") else IGNORED_SORT_KEYS
+
+
+def _sort(view: ViewContext, keys: list[str], directions: list[str], *,
+          admin: bool) -> tuple[tuple[str, str], ...]:
     """``(key, direction)`` pairs, as Nova pairs them: ``created_at`` when directions come without
     keys; a key without a direction takes the first direction given (descending when none is).
-    Keys Nova ignores are left out.
+    Keys Nova ignores at the microversion are left out (none from 2.75: Nova refuses them).
 
     Raises:
         BadRequest: a key Nova refuses or Ferry cannot sort by, an unknown direction, or more
@@ -188,8 +199,9 @@ def _sort(keys: list[str], directions: list[str], *, admin: bool) -> tuple[tuple
             raise errors.BadRequest(f"Invalid sort direction {direction!r}: use asc or desc.")
     default = directions[0].lower() if directions else "desc"
     pairs = []
+    ignored = _ignored_sort_keys(view)
     for index, key in enumerate(keys):
-        if key in IGNORED_SORT_KEYS:
+        if key in ignored:
             continue
         if key not in SORT_KEYS:
             refused = "Ferry does not sort servers by" if key in NOVA_SORT_KEYS else "Invalid sort key"

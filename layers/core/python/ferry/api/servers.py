@@ -102,7 +102,7 @@ def show_server(server_id: str) -> Response:
     server = compute_api.get_server(view.ctx, server_id)
     policy.enforce(view.ctx, "os_compute_api:servers:show", server.target)
     _add_host_status(view, [server])
-    return request.json_response(200, {"server": views.server_detail(view, server)})
+    return request.json_response(200, {"server": views.server_detail(view, server, one=True)})
 
 
 # --- create ----------------------------------------------------------------------------------------
@@ -212,7 +212,7 @@ def update_server(server_id: str) -> Response:
     changes = {k: v for k, v in body.items() if k in instances.UPDATABLE}
     server = compute_api.update_server(view.ctx, location, changes)
     _add_host_status(view, [server])
-    return request.json_response(200, {"server": views.server_detail(view, server)})
+    return request.json_response(200, {"server": views.server_detail(view, server, one=True)})
 
 
 # --- delete and actions ----------------------------------------------------------------------------

@@ -118,8 +118,9 @@ def _progress(server: Server) -> int:
     return 0
 
 
-def server_detail(view: ViewContext, server: Server) -> dict[str, Any]:
-    """The full server view (``GET /servers/{id}``, ``/servers/detail``)."""
+def server_detail(view: ViewContext, server: Server, *, one: bool = False) -> dict[str, Any]:
+    """The full server view (``GET /servers/{id}``, ``/servers/detail``); ``one`` for a single
+    server's (show, update), which alone carries ``server_groups`` from 2.71, as Nova's."""
     body: dict[str, Any] = {
         "id": server.uuid,
         "name": server.name,
@@ -177,7 +178,7 @@ def server_detail(view: ViewContext, server: Server) -> dict[str, Any]:
         body["tags"] = list(server.tags)
     if view.at_least("2.63"):
         body["trusted_image_certificates"] = None
-    if view.at_least("2.71"):
+    if one and view.at_least("2.71"):
         body["server_groups"] = []
     if view.at_least("2.73"):
         body["locked_reason"] = None

@@ -139,8 +139,8 @@ SORT_KEYS: Mapping[str, Callable[[Server], Any]] = {
     "user_id": lambda s: s.user_id,
     "project_id": lambda s: s.project_id,
     "hostname": lambda s: s.hostname,
-    "reservation_id": lambda s: s.reservation_id,
     "display_description": lambda s: s.description,
+    "locked": lambda s: s.locked,  # from 2.73
 }
 ADMIN_SORT_KEYS = frozenset({"host", "node"})
 # Which servers a list reads, by whether they are deleted (Nova's ``read_deleted``).
