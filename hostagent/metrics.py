@@ -25,11 +25,8 @@ from typing import Any
 
 from botocore.exceptions import ClientError, ParamValidationError
 
-from ferry.observability import logger
+from ferry.observability import DEFAULT_NAMESPACE, NAMESPACE_VARIABLE, logger
 
-# The namespace the stack's alarms watch: its MetricsNamespace output, given to every agent.
-NAMESPACE_VARIABLE = "POWERTOOLS_METRICS_NAMESPACE"
-DEFAULT_NAMESPACE = "Ferry"
 # How often buffered metrics are sent (one PutMetricData call per batch, none when nothing is buffered).
 DEFAULT_FLUSH_INTERVAL = 5.0
 # Entries kept while CloudWatch cannot be reached, the oldest dropped beyond (a few hours of a busy host).

@@ -11,10 +11,13 @@ from contextlib import contextmanager
 from aws_lambda_powertools import Logger, Metrics
 from aws_lambda_powertools.metrics import MetricUnit
 
-os.environ.setdefault("POWERTOOLS_METRICS_NAMESPACE", "Ferry")
+# The variable naming the metrics' namespace (the stack's MetricsNamespace), and its default.
+NAMESPACE_VARIABLE = "POWERTOOLS_METRICS_NAMESPACE"
+DEFAULT_NAMESPACE = "Ferry"
+os.environ.setdefault(NAMESPACE_VARIABLE, DEFAULT_NAMESPACE)
 
 logger = Logger(service=os.environ.get("POWERTOOLS_SERVICE_NAME", "ferry"))
-metrics = Metrics(namespace=os.environ["POWERTOOLS_METRICS_NAMESPACE"])
+metrics = Metrics(namespace=os.environ[NAMESPACE_VARIABLE])
 
 # Some invocations publish no metric (the auto-confirm sweep when no resize is due; the host-report
 # consumer, which records state and counts nothing), and Powertools warns at each such flush;
