@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--reserved-disk-gb", type=whole(0), default=0, help="disk kept for the host")
     parser.add_argument("--queue-url", help="the host's operation queue (default: created from the queue prefix)")
+    parser.add_argument("--print-queue-tag", action="store_true",
+                        help="print the value of the ferry-host tag that confines this host's AWS identity to its "
+                             "own queues (HostAgentOwnQueuePolicyArn) and exit")
     parser.add_argument("--poll-wait-seconds", type=whole(0, MAX_POLL_WAIT_SECONDS), default=MAX_POLL_WAIT_SECONDS,
                         help=f"SQS long-poll wait, 0-{MAX_POLL_WAIT_SECONDS}")
     parser.add_argument(
@@ -194,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     reports_queue = settings.host_reports_queue_url.rstrip("/").rsplit("/", 1)[-1]
     if not args.queue_url and protocol.host_queue_name(settings.host_queue_prefix, host) == reports_queue:
         parser.error(f"--host {host!r} would poll the host reports queue {reports_queue}: choose another host name")
+    if args.print_queue_tag:
+        print(protocol.host_queue_tag(settings.host_queue_prefix, host))
+        return 0
     state_dir: Path = (args.state_dir or settings.state_dir / "hosts" / host).resolve()
     instances_dir: Path = (args.instances_dir or state_dir / "instances").resolve()
     volumes_dirs = [d.resolve() for d in args.volumes_dirs or default_volumes_dirs(settings.state_dir, instances_dir)]

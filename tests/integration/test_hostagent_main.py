@@ -104,6 +104,21 @@ def test_volumes_directories_given_replace_the_defaults(configured, tmp_path):
     assert options["volumes_dirs"] == [tmp_path / "a", tmp_path / "c"]
 
 
+@pytest.mark.parametrize(("host", "tag"), [
+    ("compute1", "compute1"),
+    ("compute1.example.org", protocol.host_queue_name("ferry-test-host-", "compute1.example.org")[16:]),
+])
+def test_the_queue_tag_is_the_hosts_queue_name_after_the_prefix_and_nothing_starts(configured, tmp_path, capsys,
+                                                                                   host, tag):
+    flags = ["--host", host, "--state-dir", str(tmp_path / "state"), "--print-queue-tag"]
+
+    assert agent_main.main(flags) == 0
+
+    assert capsys.readouterr().out == f"{tag}\n"
+    assert "ferry-test-host-" + tag == protocol.host_queue_name("ferry-test-host-", host)
+    assert configured == [] and not (tmp_path / "state").exists()  # no agent, nothing set up
+
+
 def test_an_agent_without_its_queue_prefix_or_queue_refuses_to_start(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("FERRY_HOST_QUEUE_PREFIX", raising=False)
     monkeypatch.setattr(agent_main, "HostAgent", RecordedAgent)

@@ -598,3 +598,16 @@ def test_host_reports_are_applied_a_bounded_number_at_a_time():
     assert event["Properties"]["ScalingConfig"] == {"MaximumConcurrency": {"Ref": "HostReportsMaxConcurrency"}}
     assert 2 <= parameter["MinValue"] <= parameter["Default"] <= parameter["MaxValue"] <= 1000  # Lambda's bounds
     assert "HostReportsMaxConcurrency" in _installation_parameters()
+
+
+def test_the_own_queue_policy_leaves_an_agent_its_queue_its_dead_letter_queue_and_the_reports_queue_only():
+    policy = RAW["Resources"]["HostAgentOwnQueuePolicy"]["Properties"]["PolicyDocument"]
+    [statement] = policy["Statement"]
+    own = "${HostQueuePrefix.Value}${!aws:PrincipalTag/ferry-host}"
+    agent_actions = set(next(s for s in RAW["Resources"]["HostAgentPolicy"]["Properties"]["PolicyDocument"][
+        "Statement"] if s["Sid"] == "OwnQueue")["Action"])
+
+    assert statement["Effect"] == "Deny" and agent_actions | {"sqs:SendMessage"} == set(statement["Action"])
+    [queue, dead_letters, reports] = statement["NotResource"]
+    assert queue["Fn::Sub"].endswith(":" + own) and dead_letters["Fn::Sub"].endswith(":" + own + protocol.DLQ_SUFFIX)
+    assert reports == {"Fn::GetAtt": ["HostReportsQueue", "Arn"]}

@@ -510,6 +510,12 @@ def host_queue_name(prefix: str, host: str) -> str:
     return name
 
 
+def host_queue_tag(prefix: str, host: str) -> str:
+    """What a host's queue name holds after the prefix: the ``ferry-host`` principal tag that
+    confines the host's AWS identity to its own queues (the template's HostAgentOwnQueuePolicy)."""
+    return host_queue_name(prefix, host)[len(prefix):]
+
+
 # --- image names in object metadata -------------------------------------------------------------
 
 # S3 keeps at most 2 KB of an object's metadata: an image's name, percent-encoded, takes at most
