@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import base64
 import json
+import socket
 import textwrap
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -12,7 +14,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from ferry.errors import TemplateError
+from ferry.errors import LocalStackError, TemplateError
 from ferry.local.gateway import ApiGateway
 from ferry.local.runtime import FunctionRunner
 from ferry.local.template import resolve
@@ -101,6 +103,15 @@ def handler(event, context):
         return {"statusCode": 200, "body": json.dumps({"most": running["most"]})}
     if event["path"].endswith("/explode"):
         raise RuntimeError("boom")
+    malformed = {
+        "dict-body": {"statusCode": 200, "body": {"servers": []}},
+        "no-status": {"body": "{}"},
+        "string-status": {"statusCode": "200", "body": "{}"},
+        "boolean-status": {"statusCode": True, "body": "{}"},
+        "list-headers": {"statusCode": 200, "headers": [["X-A", "1"]], "body": "{}"},
+    }
+    if event["path"].rsplit("/", 1)[-1] in malformed:
+        return malformed[event["path"].rsplit("/", 1)[-1]]
     if event["path"].endswith("/binary"):
         return {"statusCode": 200, "headers": {"Content-Type": "application/octet-stream"},
                 "body": base64.b64encode(b"\\x00\\x01\\xff").decode(), "isBase64Encoded": True}
@@ -362,3 +373,42 @@ def test_a_request_over_the_stage_throttle_is_429_before_any_function_runs(tmp_p
 def test_a_gateway_response_header_must_be_a_static_value(tmp_path):
     with pytest.raises(TemplateError, match="Retry-After is not a static value"):
         resolve(write_app(tmp_path, THROTTLE.replace("\"'60'\"", "method.request.header.Wait")))
+
+
+@pytest.mark.parametrize("case", ["dict-body", "no-status", "string-status", "boolean-status", "list-headers"])
+def test_a_malformed_proxy_response_is_502_as_api_gateway_answers_it(gateway, case):
+    # GIVEN a function returning a body that is not a string, or no integer statusCode, ...
+    # WHEN it is called through the API
+    response = requests.get(gateway.url + f"/v9/{case}", headers={"X-Auth-Token": "good"})
+
+    # THEN the client gets API Gateway's 502, not the function's status with the body's repr
+    assert response.status_code == 502
+    assert response.json() == {"message": "Internal server error"}
+
+
+def test_a_kept_alive_connection_gets_no_answer_once_the_gateway_stopped(tmp_path):
+    # GIVEN a client whose connection to the gateway is kept alive in its pool
+    model = resolve(write_app(tmp_path))
+    gateway = ApiGateway(model, FunctionRunner(model), port=0).start()
+    session = requests.Session()
+    try:
+        assert session.get(gateway.url + "/v9", timeout=10).status_code == 200
+    finally:
+        # WHEN the gateway stops
+        gateway.stop()
+
+    # THEN the pooled connection is served no more, and no thread serves one
+    with pytest.raises(requests.ConnectionError):
+        session.get(gateway.url + "/v9", timeout=10)
+    session.close()
+    assert not [thread for thread in threading.enumerate() if thread.name == "api-connection"]
+
+
+def test_a_taken_port_is_a_local_stack_error_naming_the_option_to_choose_another(tmp_path):
+    model = resolve(write_app(tmp_path))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(LocalStackError, match=f"127.0.0.1:{port} is in use .*--api-port"):
+            ApiGateway(model, FunctionRunner(model), port=port).start()

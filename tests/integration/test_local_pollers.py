@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import textwrap
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -11,8 +12,9 @@ from typing import Any
 
 import pytest
 
+from ferry.errors import LocalStackError
 from ferry.local import provision, runtime, template
-from ferry.local.pollers import Pollers, SqsPoller, failed_message_ids
+from ferry.local.pollers import RATE_SCALE_VARIABLE, Pollers, SqsPoller, default_rate_scale, failed_message_ids
 
 TEMPLATE = """
 Transform: AWS::Serverless-2016-10-31
@@ -54,6 +56,22 @@ Resources:
         Plain:
           Type: SQS
           Properties: {Queue: !GetAtt PlainQueue.Arn, BatchSize: 10}
+  BusyQueue:
+    Type: AWS::SQS::Queue
+    Properties: {QueueName: !Sub "pl-${Stage}-busy", VisibilityTimeout: 30}
+  BusyFunction:
+    Type: AWS::Serverless::Function
+    Properties:
+      FunctionName: !Sub "pl-${Stage}-busy"
+      CodeUri: functions/busy/
+      Handler: app.handler
+      Events:
+        Busy:
+          Type: SQS
+          Properties:
+            Queue: !GetAtt BusyQueue.Arn
+            BatchSize: 1
+            ScalingConfig: {MaximumConcurrency: 3}
   TickFunction:
     Type: AWS::Serverless::Function
     Properties:
@@ -80,6 +98,23 @@ def handler(event, context):
                                   if r["body"].startswith("fail")]}
 """
 
+# Each batch takes a while and leaves (start, end, module) in a file next to the code: every
+# execution environment is its own module, so a module-level list would not see the others.
+BUSY = """
+import json
+import time
+from pathlib import Path
+
+TRACE = Path(__file__).with_name("trace.jsonl")
+
+def handler(event, context):
+    started = time.monotonic()
+    time.sleep(0.5)
+    with TRACE.open("a") as trace:
+        trace.write(json.dumps([started, time.monotonic(), __name__]) + "\\n")
+    return {}
+"""
+
 TICK = """
 calls = []
 
@@ -91,7 +126,7 @@ def handler(event, context):
 
 @pytest.fixture
 def app(tmp_path) -> Iterator[tuple[template.LocalTemplate, runtime.LocalAws]]:
-    for name, code in {"report": REPORT, "tick": TICK}.items():
+    for name, code in {"report": REPORT, "tick": TICK, "busy": BUSY}.items():
         (tmp_path / "functions" / name).mkdir(parents=True)
         (tmp_path / "functions" / name / "app.py").write_text(textwrap.dedent(code))
     (tmp_path / "template.yaml").write_text(textwrap.dedent(TEMPLATE))
@@ -235,3 +270,33 @@ def test_a_schedule_runs_its_function_on_the_scaled_rate_with_its_input(app):
 )
 def test_batch_item_failures_are_read_as_lambda_reads_them(result, expected):
     assert failed_message_ids(json.loads(json.dumps(result)), {"a", "b"}) == expected
+
+
+def test_a_mapping_with_maximum_concurrency_runs_that_many_batches_at_once(app):
+    # GIVEN a mapping of batch size 1 with ScalingConfig.MaximumConcurrency 3, and six messages
+    model, aws = app
+    assert [s.maximum_concurrency for s in model.sqs_event_sources if s.function == "BusyFunction"] == [3]
+    send(aws, model.queues["BusyQueue"], *(f"m{i}" for i in range(6)))
+    trace = model.functions["BusyFunction"].code_dir / "trace.jsonl"
+
+    # WHEN the event sources run
+    pollers = Pollers(model, aws.runner, aws.client, rate_scale=1000).start()
+    try:
+        wait_for(lambda: trace.is_file() and len(trace.read_text().splitlines()) == 6)
+    finally:
+        pollers.stop()
+
+    # THEN three batches ran at once, each poller in an execution environment of its own, and
+    # stopping joined every poller
+    batches = [json.loads(line) for line in trace.read_text().splitlines()]
+    most = max(sum(1 for start, end, _ in batches if start <= moment < end) for moment, _, _ in batches)
+    assert most == 3
+    assert len({module for _, _, module in batches}) == 3
+    assert not [thread for thread in threading.enumerate() if thread.name.startswith("sqs-BusyFunction")]
+
+
+@pytest.mark.parametrize("value", ["fast", "0", "-1", "inf", "nan"])
+def test_a_rate_scale_that_is_not_a_number_above_zero_is_refused(monkeypatch, value):
+    monkeypatch.setenv(RATE_SCALE_VARIABLE, value)
+    with pytest.raises(LocalStackError, match=RATE_SCALE_VARIABLE):
+        default_rate_scale()

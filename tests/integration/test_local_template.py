@@ -195,6 +195,30 @@ def test_an_unknown_parameter_is_refused():
         tpl.resolve(TEMPLATE, parameters={"NoSuchParameter": "x"})
 
 
+def test_the_report_mapping_runs_as_many_batches_at_once_as_the_template_allows(raw, model):
+    (source,) = [s for s in model.sqs_event_sources if s.function == "ReportHostStateFunction"]
+    assert source.maximum_concurrency == int(raw["Parameters"]["HostReportsMaxConcurrency"]["Default"])
+    raised = tpl.resolve(TEMPLATE, parameters={"HostReportsMaxConcurrency": 7})
+    assert [s.maximum_concurrency for s in raised.sqs_event_sources if s.function == source.function] == [7]
+
+
+@pytest.mark.parametrize(
+    ("stage", "parameters", "refused"),
+    [
+        ("local", {"HostReportsMaxConcurrency": 1}, "HostReportsMaxConcurrency=.* less than its MinValue 2"),
+        ("local", {"HostReportsMaxConcurrency": 1001}, "HostReportsMaxConcurrency=.* more than its MaxValue 1000"),
+        ("Dev", {}, "Stage='Dev' does not match its AllowedPattern .*: lower-case letters"),
+        ("local", {"Stage": "my_stage"}, "Stage='my_stage' does not match"),
+        ("local", {"Stage": "a" * 32}, "Stage=.* is longer than its MaxLength 31"),
+        ("local", {"MetricsNamespace": "Ferry Metrics"}, "MetricsNamespace=.* does not match"),
+        ("local", {"ApiThrottleRate": "fast"}, "ApiThrottleRate='fast' is not a number"),
+    ],
+)
+def test_a_value_sam_deploy_would_refuse_is_refused_locally(stage, parameters, refused):
+    with pytest.raises(TemplateError, match=refused):
+        tpl.resolve(TEMPLATE, stage=stage, parameters=parameters)
+
+
 def test_the_stage_names_every_resource():
     model = tpl.resolve(TEMPLATE, stage="qa")
     assert all("-qa-" in f.name for f in model.functions.values())
@@ -312,6 +336,63 @@ def test_conditions_choose_values_drop_no_value_and_skip_resources(small):
 def test_a_parameter_outside_its_allowed_values_is_refused(small):
     with pytest.raises(TemplateError):
         tpl.resolve(small, parameters={"Wide": "maybe"})
+
+
+CONSTRAINED = """
+Parameters:
+  Name:
+    Type: String
+    Default: abc
+    AllowedPattern: "[a-z]+"
+    MinLength: 2
+    MaxLength: 5
+    ConstraintDescription: two to five lower-case letters
+  Count: {Type: Number, Default: 5, MinValue: 2, MaxValue: 10}
+  Secret: {Type: String, Default: hidden, NoEcho: true, MinLength: 4}
+  Zones: {Type: CommaDelimitedList, Default: "a,b", AllowedPattern: "[a-z]"}
+Resources:
+  Work: {Type: AWS::SQS::Queue}
+"""
+
+
+@pytest.mark.parametrize(
+    ("parameters", "refused"),
+    [
+        ({"Name": "Abc"}, "Name='Abc' does not match its AllowedPattern \\[a-z\\]\\+: two to five lower-case letters"),
+        ({"Name": "ab1"}, "Name='ab1' does not match"),  # the whole value must match, not a part of it
+        ({"Name": "a"}, "Name='a' is shorter than its MinLength 2: two to five"),
+        ({"Name": "abcdef"}, "Name='abcdef' is longer than its MaxLength 5"),
+        ({"Count": 1}, "Count='1' is less than its MinValue 2"),
+        ({"Count": "11"}, "Count='11' is more than its MaxValue 10"),
+        ({"Count": "many"}, "Count='many' is not a number"),
+        ({"Zones": "a,bc"}, "Zones='bc' does not match"),
+    ],
+)
+def test_a_parameter_breaking_its_constraints_is_refused_as_cloudformation_refuses_it(tmp_path, parameters, refused):
+    path = tmp_path / "template.yaml"
+    path.write_text(textwrap.dedent(CONSTRAINED))
+    assert tpl.resolve(path).parameters["Count"] == "5"
+    with pytest.raises(TemplateError, match=refused):
+        tpl.resolve(path, parameters=parameters)
+
+
+def test_a_no_echo_parameter_breaking_its_constraints_is_refused_without_its_value(tmp_path):
+    path = tmp_path / "template.yaml"
+    path.write_text(textwrap.dedent(CONSTRAINED).replace("Default: hidden", "Default: abc"))
+    with pytest.raises(TemplateError, match="Secret is shorter than its MinLength 4") as refused:
+        tpl.resolve(path)
+    assert "abc" not in str(refused.value)
+
+
+def test_an_event_source_concurrency_lambda_refuses_is_refused(small):
+    small.write_text(
+        small.read_text().replace(
+            "{Queue: !GetAtt Work.Arn, BatchSize: 5}",
+            "{Queue: !GetAtt Work.Arn, BatchSize: 5, ScalingConfig: {MaximumConcurrency: 1}}",
+        )
+    )
+    with pytest.raises(TemplateError, match="Worker.Jobs: ScalingConfig.MaximumConcurrency '1'"):
+        tpl.resolve(small)
 
 
 def test_globals_merge_lists_and_let_the_function_override_scalars(small):

@@ -13,6 +13,11 @@ Token``, a missing identity source or ``Unauthorized`` from the authorizer 401, 
 does not allow the call 403, an authorizer or integration that fails 500 / 502, a request over
 the stage's throttle (``MethodSettings`` for ``/*`` and ``*``: rate and burst, one token bucket)
 429; the API's ``GatewayResponses`` replace the answers API Gateway gives itself, as they do on AWS.
+A function's response that is not a valid Lambda proxy response (no integer ``statusCode``, a
+``body`` that is not a string, ...) is 502, as on AWS.
+
+``stop()`` also closes the keep-alive connections still open: a pooled client connection gets
+no answer from a stopped gateway, whose process may no longer point at the local AWS.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import hashlib
 import json
 import logging
 import re
+import socket
 import threading
 import time
 import uuid
@@ -32,12 +38,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from ferry.local.runtime import FunctionRunner
+from ferry.local.runtime import FunctionRunner, port_taken
 from ferry.local.template import Authorizer, LocalTemplate, Route
 
 log = logging.getLogger("ferry-local")
 
 _PARAMETER = re.compile(r"\{([^}/]+?)(\+?)\}")
+# How long stop() waits for the connections' handlers once their sockets are shut down.
+STOP_TIMEOUT = 5.0
 
 
 @dataclass(frozen=True)
@@ -93,6 +101,58 @@ class _TokenBucket:
             return True
 
 
+class _Server(ThreadingHTTPServer):
+    """An HTTP server that knows its open connections, so that stopping closes them too.
+
+    A ``ThreadingHTTPServer`` stops accepting on ``shutdown()``, but each keep-alive connection
+    is served by its own thread until the client closes it.
+    """
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler],
+                 stopping: threading.Event) -> None:
+        super().__init__(address, handler)
+        self.stopping = stopping
+        self._open: dict[socket.socket, threading.Thread] = {}
+        self._open_lock = threading.Lock()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """Serve a new connection on a thread of its own, remembered until the connection closes."""
+        if self.stopping.is_set():
+            self.shutdown_request(request)
+            return
+        thread = threading.Thread(target=self.process_request_thread, args=(request, client_address),
+                                  name="api-connection", daemon=True)
+        with self._open_lock:
+            self._open[request] = thread
+        thread.start()
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self._open_lock:
+                self._open.pop(request, None)
+
+    def close_connections(self, timeout: float) -> None:
+        """Shut every open connection down (its handler's next read or write fails), then wait up to
+        ``timeout`` seconds for their handlers to end."""
+        with self._open_lock:
+            open_now = dict(self._open)
+        for connection in open_now:
+            try:
+                connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # the client closed it already
+        deadline = time.monotonic() + timeout
+        for thread in open_now.values():
+            thread.join(max(0.0, deadline - time.monotonic()))
+        left = sum(thread.is_alive() for thread in open_now.values())
+        if left:
+            log.warning("%d API connection(s) still being served %.0f s after the gateway stopped", left, timeout)
+
+
 class ApiGateway:
     """The template's REST API on ``host:port``, calling handlers through ``runner``.
 
@@ -119,8 +179,9 @@ class ApiGateway:
         routes = [r for r in model.routes if api is None or r.api == api]
         self.api = model.apis.get(api or (routes[0].api if routes and routes[0].api else ""))
         self._routes = sorted((_compile(r) for r in routes), key=lambda c: c.rank)
-        self._server: ThreadingHTTPServer | None = None
+        self._server: _Server | None = None
         self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
         # Lambda gives each execution environment one event at a time, and the handlers rely on it
         # (Powertools' router keeps the current request on the class): one environment per function.
         self._environments: dict[str, threading.Lock] = {}
@@ -140,11 +201,16 @@ class ApiGateway:
     def rest_api_id(self) -> str:
         return self.api.rest_api_id if self.api else "local"
 
+    @property
+    def stopping(self) -> bool:
+        """Whether ``stop()`` has begun: requests still arriving on open connections are not served."""
+        return self._stopping.is_set()
+
     def start(self) -> ApiGateway:
         """Listen and serve in a background thread.
 
         Raises:
-            OSError: the port is taken.
+            LocalStackError: the port is taken.
         """
         gateway = self
 
@@ -152,8 +218,11 @@ class ApiGateway:
             pass
 
         Handler.gateway = gateway
-        self._server = ThreadingHTTPServer((self.host, self.port), Handler)
-        self._server.daemon_threads = True
+        self._stopping.clear()
+        try:
+            self._server = _Server((self.host, self.port), Handler, self._stopping)
+        except OSError as exc:
+            raise port_taken(self.host, self.port, exc, "--api-port") from exc
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(
             target=self._server.serve_forever, kwargs={"poll_interval": 0.1}, name="api-gateway", daemon=True
@@ -163,8 +232,11 @@ class ApiGateway:
         return self
 
     def stop(self) -> None:
+        """Stop listening, close the open connections and wait (bounded) for their handlers."""
+        self._stopping.set()
         if self._server is not None:
             self._server.shutdown()
+            self._server.close_connections(STOP_TIMEOUT)
             self._server.server_close()
             self._server = None
         if self._thread is not None:
@@ -368,8 +440,10 @@ class ApiGateway:
         return None, context
 
     def _integration_response(self, route: Route, result: Any, request_id: str) -> Response:
-        if not isinstance(result, dict) or not isinstance(result.get("statusCode", 200), int):
-            log.warning("%s returned a malformed proxy response: %r", route.function, result)
+        """The function's Lambda proxy response as HTTP, or 502 for a malformed one (as API Gateway)."""
+        fault = _proxy_response_fault(result)
+        if fault is not None:
+            log.warning("%s returned a malformed proxy response (%s): %r", route.function, fault, result)
             return _json_response(502, {"message": "Internal server error"})
         headers: list[tuple[str, str]] = []
         for name, values in (result.get("multiValueHeaders") or {}).items():
@@ -379,11 +453,30 @@ class ApiGateway:
             if name.lower() not in multi_names:
                 headers.append((name, str(value)))
         body = result.get("body") or ""
-        raw = base64.b64decode(body) if result.get("isBase64Encoded") else str(body).encode()
+        raw = base64.b64decode(body) if result.get("isBase64Encoded") else body.encode()
         if not any(name.lower() == "content-type" for name, _ in headers):
             headers.append(("Content-Type", "application/json"))
         headers.append(("x-amzn-RequestId", request_id))
-        return Response(int(result.get("statusCode", 200)), headers, raw)
+        return Response(result["statusCode"], headers, raw)
+
+
+def _proxy_response_fault(result: Any) -> str | None:
+    """Why API Gateway would refuse ``result`` as a Lambda proxy response, or None for a valid one."""
+    if not isinstance(result, dict):
+        return "not an object"
+    status = result.get("statusCode")
+    if isinstance(status, bool) or not isinstance(status, int):
+        return "statusCode is not an integer"
+    if not 100 <= status <= 599:
+        return "statusCode is not an HTTP status"
+    if result.get("body") is not None and not isinstance(result["body"], str):
+        return "body is not a string"
+    if not isinstance(result.get("headers") or {}, dict):
+        return "headers is not an object"
+    multi = result.get("multiValueHeaders") or {}
+    if not isinstance(multi, dict) or not all(isinstance(values, list) for values in multi.values()):
+        return "multiValueHeaders is not an object of lists"
+    return None
 
 
 def _resource_id(path: str) -> str:
@@ -417,6 +510,10 @@ class _RequestHandler(BaseHTTPRequestHandler):
     server_version = "ferry-local-apigateway"
 
     def _serve(self) -> None:
+        if self.gateway.stopping:
+            # A request on a connection kept alive across stop(): closed unanswered, like one to a closed port.
+            self.close_connection = True
+            return
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length) if length else b""
         started = time.monotonic()

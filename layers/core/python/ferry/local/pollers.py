@@ -4,23 +4,27 @@ An :class:`SqsPoller` long-polls its queue and hands batches to the function lik
 event source mapping: messages of a successful batch are deleted; when the function fails,
 the whole batch stays and comes back after the visibility timeout (and, past
 ``maxReceiveCount``, goes to the dead-letter queue); with ``ReportBatchItemFailures`` only the
-messages named in ``batchItemFailures`` stay.
+messages named in ``batchItemFailures`` stay. A mapping with ``ScalingConfig.MaximumConcurrency``
+gets that many pollers, each with an execution environment of its own, so that batches run at
+once as on Lambda; without it, one.
 
 A :class:`ScheduleRunner` invokes its function every ``rate(...)`` period times ``rate_scale``
-(``FERRY_LOCAL_RATE_SCALE``; below 1 to run schedules faster in tests). cron() expressions are
-not played locally.
+(``FERRY_LOCAL_RATE_SCALE``; below 1 to run schedules faster in tests; a number above 0).
+cron() expressions are not played locally.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import logging
+import math
 import os
 import threading
 import uuid
 from collections.abc import Callable
 from typing import Any
 
+from ferry.errors import LocalStackError
 from ferry.local.runtime import FunctionRunner
 from ferry.local.template import LocalTemplate, Queue, Schedule, SqsEventSource
 
@@ -87,25 +91,35 @@ class _Worker:
     def stop(self, timeout: float = 10) -> None:
         self._stop.set()
         self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("%s did not stop in %.0f s", self._thread.name, timeout)
 
     def _loop(self) -> None:
         raise NotImplementedError
 
 
 class SqsPoller(_Worker):
-    """One SQS event source mapping: ``queue`` → ``function``.
+    """One poller of an SQS event source mapping: ``queue`` → ``function``.
 
     Args:
         source: the mapping from the template.
         model: the resolved template.
         runner: runs the function's handler.
         client: ``client(service)`` returns a boto3 client for the local AWS.
+        environment: the function's execution environment this poller invokes (one per poller of
+            a mapping, so concurrent batches share no module state).
     """
 
     def __init__(
-        self, source: SqsEventSource, model: LocalTemplate, runner: FunctionRunner, client: Callable[[str], Any]
+        self,
+        source: SqsEventSource,
+        model: LocalTemplate,
+        runner: FunctionRunner,
+        client: Callable[[str], Any],
+        environment: int = 0,
     ) -> None:
-        super().__init__(f"sqs-{source.function}")
+        super().__init__(f"sqs-{source.function}" + (f"-{environment}" if environment else ""))
+        self.environment = environment
         self.source = source
         self.queue = model.queues[source.queue]
         self.function = model.functions[source.function]
@@ -125,7 +139,8 @@ class SqsPoller(_Worker):
         messages = response.get("Messages") or []
         if not messages:
             return 0
-        invocation = self.runner.invoke(self.function.name, sqs_event(self.queue, self.region, messages))
+        event = sqs_event(self.queue, self.region, messages)
+        invocation = self.runner.invoke(self.function.name, event, environment=self.environment)
         if invocation.failed:
             log.warning("%s failed a batch of %d: %s", self.function.name, len(messages), invocation.error)
             return len(messages)
@@ -196,8 +211,36 @@ class ScheduleRunner(_Worker):
 
 
 def default_rate_scale() -> float:
-    """``FERRY_LOCAL_RATE_SCALE`` or 1."""
-    return float(os.environ.get(RATE_SCALE_VARIABLE) or 1)
+    """``FERRY_LOCAL_RATE_SCALE`` or 1.
+
+    Raises:
+        LocalStackError: it is not a number above 0.
+    """
+    return checked_rate_scale(os.environ.get(RATE_SCALE_VARIABLE) or "1", RATE_SCALE_VARIABLE)
+
+
+def checked_rate_scale(value: float | str, source: str = "rate_scale") -> float:
+    """``value`` as a schedule rate scale: a finite number above 0 (0 would run schedules back to back).
+
+    Raises:
+        LocalStackError: it is anything else; the message names ``source``.
+    """
+    try:
+        scale = float(value)
+    except ValueError:
+        scale = math.nan
+    if not 0 < scale < math.inf:
+        raise LocalStackError(f"{source} must be a number above 0, not {value!r}.")
+    return scale
+
+
+def sqs_pollers(
+    source: SqsEventSource, model: LocalTemplate, runner: FunctionRunner, client: Callable[[str], Any]
+) -> list[SqsPoller]:
+    """The pollers of one mapping: ``MaximumConcurrency`` of them (each in its own environment), else one."""
+    return [
+        SqsPoller(source, model, runner, client, environment) for environment in range(source.maximum_concurrency or 1)
+    ]
 
 
 class Pollers:
@@ -208,6 +251,9 @@ class Pollers:
         runner: runs the functions' handlers.
         client: ``client(service)`` returns a boto3 client for the local AWS.
         rate_scale: multiplies every schedule's period (default :func:`default_rate_scale`).
+
+    Raises:
+        LocalStackError: the rate scale is not a number above 0.
     """
 
     def __init__(
@@ -218,9 +264,12 @@ class Pollers:
         *,
         rate_scale: float | None = None,
     ) -> None:
-        scale = default_rate_scale() if rate_scale is None else rate_scale
+        scale = default_rate_scale() if rate_scale is None else checked_rate_scale(rate_scale)
         self.workers: list[_Worker] = [
-            SqsPoller(source, model, runner, client) for source in model.sqs_event_sources if source.enabled
+            poller
+            for source in model.sqs_event_sources
+            if source.enabled
+            for poller in sqs_pollers(source, model, runner, client)
         ]
         for schedule in model.schedules:
             if not schedule.enabled:

@@ -121,16 +121,19 @@ def error_document(exc: BaseException, request_id: str = "") -> dict[str, Any]:
 class FunctionRunner:
     """Calls the template's functions' handlers in this process.
 
-    Each function's ``app.py`` is imported once, by file path, under a module name of its own
-    (every function has an ``app`` module), with its code folder first on ``sys.path`` while it
-    imports, as Lambda's task root would be.
+    Each function's ``app.py`` is imported once per execution environment, by file path, under a
+    module name of its own (every function has an ``app`` module), with its code folder first on
+    ``sys.path`` while it imports, as Lambda's task root would be. Environment 0 serves every
+    caller unless told otherwise; an event source running batches at once gives each of its
+    threads an environment of its own, since on Lambda concurrent invocations never share a
+    module's state (a batch processor at module level, say).
     """
 
     def __init__(self, functions: Mapping[str, Function] | LocalTemplate) -> None:
         if isinstance(functions, LocalTemplate):
             functions = functions.functions
         self._functions = dict(functions)
-        self._handlers: dict[str, Callable[[Any, Any], Any]] = {}
+        self._handlers: dict[tuple[str, int], Callable[[Any, Any], Any]] = {}
         self._import_lock = threading.Lock()
 
     def function(self, name_or_arn: str) -> Function | None:
@@ -142,27 +145,29 @@ class FunctionRunner:
                 return function
         return None
 
-    def handler(self, function: Function) -> Callable[[Any, Any], Any]:
-        """The function's handler, imported on first use.
+    def handler(self, function: Function, environment: int = 0) -> Callable[[Any, Any], Any]:
+        """The function's handler in execution environment ``environment``, imported on first use.
 
         Raises:
             TemplateError: the handler file or attribute does not exist.
         """
         with self._import_lock:
-            found = self._handlers.get(function.logical_id)
+            found = self._handlers.get((function.logical_id, environment))
             if found is None:
-                found = getattr(self._import(function), function.handler_attribute, None)
+                found = getattr(self._import(function, environment), function.handler_attribute, None)
                 if not callable(found):
                     raise TemplateError(f"{function.logical_id}: {function.module_path} has no {function.handler}.")
-                self._handlers[function.logical_id] = found
+                self._handlers[(function.logical_id, environment)] = found
             return found
 
     @staticmethod
-    def _import(function: Function) -> ModuleType:
+    def _import(function: Function, environment: int) -> ModuleType:
         path = function.module_path
         if not path.is_file():
             raise TemplateError(f"{function.logical_id}: no handler file at {path}.")
         module_name = f"ferry_local_functions.{function.logical_id}"
+        if environment:
+            module_name += f"__environment{environment}"
         spec = importlib.util.spec_from_file_location(module_name, path)
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
@@ -193,8 +198,11 @@ class FunctionRunner:
             return self.invoke(name_or_arn, copy.deepcopy(event))
         return self.invoke(name_or_arn, event)
 
-    def invoke(self, name_or_arn: str, event: Any, *, request_id: str | None = None) -> Invocation:
-        """Run a function's handler on ``event``; an exception becomes Lambda's error document.
+    def invoke(
+        self, name_or_arn: str, event: Any, *, request_id: str | None = None, environment: int = 0
+    ) -> Invocation:
+        """Run a function's handler on ``event`` in execution environment ``environment``; an
+        exception becomes Lambda's error document.
 
         Raises:
             TemplateError: no function has this name, or its handler cannot be found.
@@ -203,7 +211,7 @@ class FunctionRunner:
         if function is None:
             raise TemplateError(f"No function {name_or_arn} in the template.")
         context = LambdaContext(function, request_id)
-        handler = self.handler(function)
+        handler = self.handler(function, environment)
         request_id = context.aws_request_id
         try:
             result = handler(event, context)
@@ -651,13 +659,27 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-def _check_port(host: str, port: int) -> None:
+def check_port(host: str, port: int, option: str = "--moto-port") -> None:
+    """Refuse a port this process cannot listen on, before anything is started on the other.
+
+    Raises:
+        LocalStackError: the port is taken (or not ours to bind); the message names ``option``,
+            the command line's way to choose another.
+    """
     with socket.socket() as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError as exc:
-            raise LocalStackError(f"Port {host}:{port} is in use: {exc.strerror}.") from exc
+            raise port_taken(host, port, exc, option) from exc
+
+
+def port_taken(host: str, port: int, exc: OSError, option: str) -> LocalStackError:
+    """The error for a port that could not be bound, with the option that picks another."""
+    return LocalStackError(
+        f"Port {host}:{port} is in use ({exc.strerror}): stop what listens there, or choose another "
+        f"port with {option} (0 picks a free one)."
+    )
 
 
 class LocalAws:
@@ -739,7 +761,7 @@ class LocalAws:
         self.model.environment()  # refuse conflicting function environments before starting anything
         retry_scale()  # and a retry scale that would fail an execution's first Retry
         if self.port:
-            _check_port(self.host, self.port)
+            check_port(self.host, self.port)
         self._server = ThreadedMotoServer(ip_address=self.host, port=self.port, verbose=False)
         self._server.start()
         self.port = self._server.get_host_and_port()[1]

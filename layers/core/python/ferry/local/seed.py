@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -180,6 +181,22 @@ def _ensure_network() -> str:
         return network.id
 
 
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` readable and writable by its owner only (it holds tokens).
+
+    The file is created with mode 0600 rather than made private after writing, so that no other
+    user can open it even for a moment; an existing file loses any wider mode before it is written.
+    """
+    fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+    except BaseException:
+        os.close(fd)
+        raise
+    with os.fdopen(fd, "w") as file:
+        file.write(text)
+
+
 def clouds_document(api_url: str, identity_url: str, volume_url: str,
                     identities: dict[str, Identity]) -> dict[str, Any]:
     """A clouds.yaml document with one cloud per identity (``ferry-<name>``), token auth."""
@@ -256,8 +273,8 @@ def seed(
         seeded[name] = Identity(identity.user_id, identity.project_id, tuple(identity.roles), token)
 
     clouds_yaml = state / "clouds.yaml"
-    clouds_yaml.write_text(yaml.safe_dump(clouds_document(api_url, identity_url, volume_url, seeded), sort_keys=False))
-    clouds_yaml.chmod(0o600)
+    clouds = clouds_document(api_url, identity_url, volume_url, seeded)
+    write_private(clouds_yaml, yaml.safe_dump(clouds, sort_keys=False))
 
     result = SeedResult(
         cells=cell_names,
@@ -273,8 +290,7 @@ def seed(
     )
     record = asdict(result)
     record["tokens"] = result.tokens
-    (state / "seed.json").write_text(json.dumps(record, indent=2))
-    (state / "seed.json").chmod(0o600)
+    write_private(state / "seed.json", json.dumps(record, indent=2))
     log.info(
         "seeded %d cells, %d hosts, %d flavors, image %s", len(cell_names), len(hosts), len(flavor_ids), image["id"]
     )

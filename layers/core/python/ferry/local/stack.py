@@ -14,6 +14,7 @@ its simulated hypervisor's guests, which the test driver keeps in the host's nod
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import logging
 import os
 import secrets
@@ -29,12 +30,12 @@ from typing import IO, TYPE_CHECKING, Any, Literal
 
 from sqlalchemy import select
 
-from ferry import errors
+from ferry import config, errors, faults
 from ferry.local import seed as seeding
 from ferry.local.gateway import ApiGateway
-from ferry.local.pollers import Pollers
+from ferry.local.pollers import Pollers, checked_rate_scale, default_rate_scale
 from ferry.local.provision import provision
-from ferry.local.runtime import LocalAws, free_port
+from ferry.local.runtime import FAKE_CREDENTIALS, LocalAws, check_port, free_port
 from ferry.local.template import LocalTemplate, load_template, resolve
 
 if TYPE_CHECKING:
@@ -64,6 +65,19 @@ API_PATH = "/v2.1"
 IDENTITY_PATH = "/identity/v3"
 VOLUME_PATH = "/volume/v3"
 WEBHOOK_PATH = "/webhooks/drain"
+# The file that marks a directory as a state directory the stack made: --fresh wipes no other.
+STATE_MARKER = ".ferry-local-state"
+# The FERRY_* variables a host agent reads (docs/host-agent.md#environment): the stack's queues and
+# state directory, and the drill switches. An agent process gets no other FERRY_* variable of this
+# process (the functions' settings: database URL, webhook secret, state machines), as on AWS.
+AGENT_FERRY_VARIABLES = frozenset({
+    config.HOST_QUEUE_PREFIX_VARIABLE,
+    "FERRY_HOST_REPORTS_QUEUE_URL",
+    "FERRY_STATE_DIR",
+    faults.ENV_VAR,
+    "FERRY_AGENT_OPERATION_DELAY",  # hostagent.agent.OPERATION_DELAY_ENV
+    "FERRY_DISK_THROTTLE_MIBPS",  # hostagent.disks.THROTTLE_ENV
+})
 
 
 def default_template_path() -> Path:
@@ -112,9 +126,20 @@ class _AgentProcess:
 
 
 def default_host_capacity() -> HostCapacity:
-    """What a local host offers unless told otherwise: a small hypervisor."""
-    from hostagent.driver import HostCapacity  # loads libvirt: only where agents are started
+    """What a local host offers unless told otherwise: a small hypervisor.
 
+    Raises:
+        LocalStackError: the host agent cannot be loaded (libvirt-python is missing).
+    """
+    try:
+        from hostagent.driver import HostCapacity  # loads libvirt: only where agents are started
+    except ModuleNotFoundError as exc:
+        if exc.name != "libvirt":
+            raise
+        raise errors.LocalStackError(
+            "The host agent cannot be loaded: libvirt-python is missing. Install libvirt-dev and pkg-config, "
+            "then run `make bootstrap`."
+        ) from exc
     return HostCapacity(AGENT_VCPUS, AGENT_MEMORY_MB, AGENT_DISK_GB)
 
 
@@ -194,6 +219,9 @@ class LocalStack:
             keeps one in ``<state>/webhook-secret``, made on the first start.
         host_capacity: what each host offers guests (vCPUs, memory, disk); None: a small
             hypervisor (``AGENT_VCPUS``, ``AGENT_MEMORY_MB``, ``AGENT_DISK_GB``).
+
+    Raises:
+        LocalStackError: the host agent cannot be loaded (libvirt-python is missing).
     """
 
     def __init__(
@@ -248,6 +276,8 @@ class LocalStack:
         self.pollers: Pollers | None = None
         self.seeded: seeding.SeedResult | None = None
         self.agents: dict[str, _AgentProcess | _AgentThread] = {}
+        # When this start began its agents (naive UTC, as the store keeps heartbeats).
+        self.agents_started_at: dt.datetime | None = None
         self._log_handler: logging.Handler | None = None
         self._redirected: list[tuple[logging.StreamHandler, Any]] = []
         self._propagate: dict[str, bool] = {}
@@ -318,11 +348,12 @@ class LocalStack:
         """Bring the stack up; returns once every host has reported a heartbeat.
 
         Raises:
-            LocalStackError: a port is taken or the hosts did not report in time (everything
-                started so far is stopped again).
+            LocalStackError: a port is taken, ``FERRY_LOCAL_RATE_SCALE`` is not a number above 0
+                (both found before anything starts), or the hosts did not report in time
+                (everything started so far is stopped again).
             TemplateError: the template cannot be played locally.
         """
-        self.state_dir.mkdir(parents=True, exist_ok=True)
+        claim_state_dir(self.state_dir)
         self.logs_dir.mkdir(exist_ok=True)
         self._start_logging()
         try:
@@ -334,8 +365,10 @@ class LocalStack:
         return self
 
     def _start(self) -> None:
+        rate_scale = default_rate_scale() if self.rate_scale is None else checked_rate_scale(self.rate_scale)
         self.moto_port = self.moto_port or free_port()
         self.api_port = self.api_port or free_port()
+        check_port("127.0.0.1", self.api_port, "--api-port")  # the moto port: LocalAws.start, before moto
         if WEBHOOK_SECRET_PARAMETER in (load_template(self.template_path).get("Parameters") or {}):
             self.webhook_secret = self.parameters.setdefault(
                 WEBHOOK_SECRET_PARAMETER, self.webhook_secret or self._kept_webhook_secret()
@@ -354,7 +387,8 @@ class LocalStack:
             hosts_per_cell=self.hosts_per_cell,
         )
         self.gateway = ApiGateway(self.model, self.aws.runner, port=self.api_port).start()
-        self.pollers = Pollers(self.model, self.aws.runner, self.aws.client, rate_scale=self.rate_scale).start()
+        self.pollers = Pollers(self.model, self.aws.runner, self.aws.client, rate_scale=rate_scale).start()
+        self.agents_started_at = _utcnow()
         for host, cell in self.seeded.hosts.items():
             self.agents[host] = self._start_agent(host, cell)
         self.wait_for_hosts(self.ready_timeout)
@@ -413,7 +447,26 @@ class LocalStack:
             command += ["--visibility-timeout", str(visibility_timeout)]
         if not direct_copies:
             command.append("--no-direct-copies")
-        return _AgentProcess(host, command, {**os.environ, **(environment or {})}, self.agent_log(host))
+        return _AgentProcess(host, command, self.agent_environment(environment), self.agent_log(host))
+
+    def agent_environment(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The environment of an agent process, what an agent on AWS gets and no more of Ferry's.
+
+        This process's variables (PATH, HOME, Python's, coverage's ...) without the FERRY_* ones
+        an agent does not read (:data:`AGENT_FERRY_VARIABLES`), plus the local AWS endpoint, its
+        fake credentials and region, plus ``extra`` (a drill's switches for one agent).
+        """
+        assert self.model is not None
+        kept = {k: v for k, v in os.environ.items() if not k.startswith("FERRY_") or k in AGENT_FERRY_VARIABLES}
+        region = self.model.region
+        return {
+            **kept,
+            **FAKE_CREDENTIALS,
+            "AWS_ENDPOINT_URL": self.aws_endpoint_url,
+            "AWS_REGION": region,
+            "AWS_DEFAULT_REGION": region,
+            **(extra or {}),
+        }
 
     def agent_log(self, host: str) -> Path:
         """Where the agent process of ``host`` writes its log."""
@@ -489,20 +542,27 @@ class LocalStack:
         except FileNotFoundError:
             return False
 
-    def reporting_hosts(self) -> set[str]:
-        """Hosts whose service record in their cell has a heartbeat."""
+    def reporting_hosts(self, since: dt.datetime | None = None) -> set[str]:
+        """Hosts whose service record in their cell has a heartbeat from ``since`` on.
+
+        Args:
+            since: naive UTC; None: since this start began its agents (a heartbeat an earlier run
+                left in the state directory does not count), or any heartbeat before a start.
+        """
         from ferry.store.cell_models import Service
         from ferry.store.db import cell_session
 
         assert self.seeded is not None
+        since = since or self.agents_started_at
+        reported = Service.last_seen_at.is_not(None) if since is None else Service.last_seen_at >= since
         found: set[str] = set()
         for cell in sorted(set(self.seeded.hosts.values())):
             with cell_session(cell) as session:
-                found.update(session.scalars(select(Service.host).where(Service.last_seen_at.is_not(None))))
+                found.update(session.scalars(select(Service.host).where(reported)))
         return found
 
     def wait_for_hosts(self, timeout: float) -> None:
-        """Wait until every seeded host has reported.
+        """Wait until every seeded host has reported since this start began its agents.
 
         Raises:
             HostsNotReporting: some did not within ``timeout`` seconds, or their agent exited.
@@ -595,13 +655,53 @@ class LocalStack:
         self._log_handler = None
 
 
+def _utcnow() -> dt.datetime:
+    """Now in naive UTC, as the store keeps its timestamps."""
+    return dt.datetime.now(dt.UTC).replace(tzinfo=None)
+
+
+def claim_state_dir(state_dir: Path) -> None:
+    """Create the state directory; one the stack creates (or finds empty) gets :data:`STATE_MARKER`,
+    so that ``--fresh`` later knows it as the stack's own."""
+    if state_dir.is_dir() and any(state_dir.iterdir()):
+        return
+    state_dir.mkdir(parents=True, exist_ok=True)
+    (state_dir / STATE_MARKER).write_text("A state directory of ferry-local: `ferry-local --fresh` deletes it.\n")
+
+
 def _wipe(state_dir: Path) -> None:
+    """Delete a state directory the stack made (``--fresh``).
+
+    Raises:
+        LocalStackError: the directory is not one (see :func:`_not_wipeable`); the message names it.
+    """
     if not state_dir.exists():
         return
-    looks_like_stack = (state_dir / "seed.json").exists() or (state_dir / "logs").is_dir()
-    if any(state_dir.iterdir()) and not looks_like_stack:
-        raise errors.LocalStackError(f"{state_dir} does not look like a local stack's state; not wiping it.")
+    reason = _not_wipeable(state_dir.resolve())
+    if reason is not None:
+        raise errors.LocalStackError(f"Not wiping {state_dir}: {reason}.")
     shutil.rmtree(state_dir)
+
+
+def _not_wipeable(state_dir: Path) -> str | None:
+    """Why ``state_dir`` must not be wiped, or None: only an empty directory or one the stack marked
+    as its own (:data:`STATE_MARKER`, or the ``seed.json`` seeding writes) is, and never ``/``, a
+    home directory or what holds it, or a git work tree, whatever they hold."""
+    try:
+        home: Path | None = Path.home().resolve()
+    except RuntimeError:  # no HOME and no password entry
+        home = None
+    if state_dir == state_dir.parent:
+        return "it is the root directory"
+    if home is not None and (state_dir == home or state_dir in home.parents):
+        return "it is a home directory or holds one"
+    if (state_dir / ".git").exists():
+        return "it is a git work tree"
+    if not any(state_dir.iterdir()):
+        return None
+    if not ((state_dir / STATE_MARKER).is_file() or (state_dir / "seed.json").is_file()):
+        return f"it holds neither {STATE_MARKER} nor seed.json, so the local stack did not make it"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -629,17 +729,21 @@ def main(argv: list[str] | None = None) -> int:
     except errors.LocalStackError as exc:
         print(f"ferry-local: {exc.message}", file=sys.stderr)
         return 2
-    stack = LocalStack(
-        state_dir,
-        cells=args.cells,
-        hosts_per_cell=args.hosts_per_cell,
-        moto_port=args.moto_port,
-        api_port=args.api_port,
-        agent_mode=args.agent_mode,
-        template_path=args.template,
-        parameters={POLICY_FILE_PARAMETER: str(args.policy_file.resolve())} if args.policy_file else None,
-        webhook_secret=args.webhook_secret,
-    )
+    try:
+        stack = LocalStack(
+            state_dir,
+            cells=args.cells,
+            hosts_per_cell=args.hosts_per_cell,
+            moto_port=args.moto_port,
+            api_port=args.api_port,
+            agent_mode=args.agent_mode,
+            template_path=args.template,
+            parameters={POLICY_FILE_PARAMETER: str(args.policy_file.resolve())} if args.policy_file else None,
+            webhook_secret=args.webhook_secret,
+        )
+    except errors.LocalStackError as exc:
+        print(f"ferry-local: {exc.message}", file=sys.stderr)
+        return 1
     terminal = sys.stdout
     print(f"Starting Ferry's local stack in {state_dir} (logs in {stack.logs_dir}) ...", flush=True)
 
@@ -648,7 +752,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # While starting, SIGTERM interrupts like Ctrl-C: start() stops what it started and re-raises.
     signal.signal(signal.SIGTERM, _interrupt)
-    stack.state_dir.mkdir(parents=True, exist_ok=True)
+    claim_state_dir(stack.state_dir)
     stack.logs_dir.mkdir(exist_ok=True)
     # Handlers print their metrics (EMF) to stdout: send them to the stack log, keep the terminal for us.
     log_stream = (stack.logs_dir / "stack.log").open("a")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -60,6 +61,10 @@ NAME_PROPERTIES = {
     **dict.fromkeys(TOPIC_TYPES, "TopicName"),
     **dict.fromkeys(PARAMETER_TYPES, "Name"),
 }
+
+# What Lambda accepts as an SQS event source's ScalingConfig.MaximumConcurrency.
+MIN_MAXIMUM_CONCURRENCY = 2
+MAX_MAXIMUM_CONCURRENCY = 1000
 
 _RATE = re.compile(r"^rate\(\s*(\d+)\s+(minute|minutes|hour|hours|day|days)\s*\)$")
 _RATE_UNITS = {"minute": 60, "minutes": 60, "hour": 3600, "hours": 3600, "day": 86400, "days": 86400}
@@ -263,12 +268,16 @@ class Route:
 
 @dataclass(frozen=True)
 class SqsEventSource:
+    """An ``SQS`` event: its queue, batch, and how many batches may run at once
+    (``ScalingConfig.MaximumConcurrency``; None when the mapping does not set it)."""
+
     function: str
     queue: str
     batch_size: int
     report_batch_item_failures: bool
     enabled: bool = True
     maximum_batching_window_seconds: int = 0
+    maximum_concurrency: int | None = None
 
 
 @dataclass(frozen=True)
@@ -382,6 +391,59 @@ def _stringify(value: Any) -> str:
     return str(value)
 
 
+def _check_parameter(name: str, spec: Mapping[str, Any], value: Any) -> None:
+    """Refuse a parameter value (given or the default) that CloudFormation would refuse, so that a
+    value the local stack starts with also deploys: ``AllowedValues``, ``AllowedPattern`` (the
+    whole value must match), ``MinLength``/``MaxLength`` for strings, ``MinValue``/``MaxValue``
+    for numbers. A list parameter is checked item by item.
+
+    Raises:
+        TemplateError: naming the parameter, the rule it breaks and its ``ConstraintDescription``
+            (the value too, unless the parameter is ``NoEcho``).
+    """
+    for item in value if isinstance(value, list) else [value]:
+        fault = _constraint_fault(spec, _stringify(item))
+        if fault is None:
+            continue
+        shown = "" if spec.get("NoEcho") in (True, "true") else f"={item!r}"
+        description = spec.get("ConstraintDescription")
+        raise TemplateError(
+            f"Template parameter {name}{shown} {fault}" + (f": {description}" if description else "") + "."
+        )
+
+
+def _constraint_fault(spec: Mapping[str, Any], item: str) -> str | None:
+    """Which of the parameter's constraints ``item`` breaks, or None."""
+    allowed = spec.get("AllowedValues")
+    if allowed and item not in [_stringify(a) for a in allowed]:
+        return f"is not one of {allowed}"
+    if spec.get("Type", "String") == "Number":
+        return _number_fault(spec, item)
+    pattern = spec.get("AllowedPattern")
+    if pattern is not None and re.fullmatch(str(pattern), item) is None:
+        return f"does not match its AllowedPattern {pattern}"
+    if "MinLength" in spec and len(item) < int(spec["MinLength"]):
+        return f"is shorter than its MinLength {spec['MinLength']}"
+    if "MaxLength" in spec and len(item) > int(spec["MaxLength"]):
+        return f"is longer than its MaxLength {spec['MaxLength']}"
+    return None
+
+
+def _number_fault(spec: Mapping[str, Any], item: str) -> str | None:
+    """Which of a Number parameter's constraints ``item`` breaks (being a number first), or None."""
+    try:
+        number = float(item)
+    except ValueError:
+        return "is not a number"
+    if not math.isfinite(number):
+        return "is not a number"
+    if "MinValue" in spec and number < float(spec["MinValue"]):
+        return f"is less than its MinValue {spec['MinValue']}"
+    if "MaxValue" in spec and number > float(spec["MaxValue"]):
+        return f"is more than its MaxValue {spec['MaxValue']}"
+    return None
+
+
 class _Resolver:
     """Evaluates intrinsic functions against one local deployment."""
 
@@ -439,9 +501,7 @@ class _Resolver:
                 value = [item.strip() for item in value.split(",")] if value else []
             else:
                 value = value if isinstance(value, list) else _stringify(value)
-            allowed = spec.get("AllowedValues")
-            if allowed and value not in [_stringify(a) for a in allowed]:
-                raise TemplateError(f"Template parameter {name}={value!r} is not one of {allowed}.")
+            _check_parameter(name, spec, value)
             values[name] = value
         return values
 
@@ -850,7 +910,23 @@ def _sqs_source(function: str, event_name: str, spec: Mapping[str, Any], queues:
         report_batch_item_failures="ReportBatchItemFailures" in (spec.get("FunctionResponseTypes") or []),
         enabled=spec.get("Enabled", True) not in (False, "false"),
         maximum_batching_window_seconds=int(spec.get("MaximumBatchingWindowInSeconds", 0)),
+        maximum_concurrency=_maximum_concurrency(f"{function}.{event_name}", spec.get("ScalingConfig")),
     )
+
+
+def _maximum_concurrency(event: str, scaling: Any) -> int | None:
+    """``ScalingConfig.MaximumConcurrency`` of an SQS event, None when unset.
+
+    Raises:
+        TemplateError: it is not a whole number from 2 to 1000, which Lambda refuses.
+    """
+    if not isinstance(scaling, Mapping) or scaling.get("MaximumConcurrency") is None:
+        return None
+    raw = _stringify(scaling["MaximumConcurrency"])
+    if not raw.isdigit() or not MIN_MAXIMUM_CONCURRENCY <= int(raw) <= MAX_MAXIMUM_CONCURRENCY:
+        raise TemplateError(f"{event}: ScalingConfig.MaximumConcurrency {raw!r} is not a whole number from "
+                            f"{MIN_MAXIMUM_CONCURRENCY} to {MAX_MAXIMUM_CONCURRENCY}.")
+    return int(raw)
 
 
 def _schedule(function: str, event_name: str, kind: str, spec: Mapping[str, Any]) -> Schedule:
