@@ -80,3 +80,31 @@ def test_a_drain_whose_callback_url_has_a_space_or_a_control_character_is_400_an
     assert "s3cret" not in response.body["badRequest"]["message"]
     with api_session() as session:
         assert session.scalars(select(Drain.uuid)).all() == []
+
+
+TOKEN = "t0ken-n0t-to-be-repeated"
+CALLBACK = f"https://ops.example.com/ferry?token={TOKEN}"
+# Each refusal as the schema words it would repeat the URL (pattern, maxLength) or the whole drain (oneOf).
+BAD_DRAINS = {
+    "space in the URL": {"host": "host1", "callback_url": CALLBACK + " x"},
+    "URL over 2048 characters": {"host": "host1", "callback_url": CALLBACK + "a" * 2048},
+    "host and cell both named": {"host": "host1", "cell": "cell1", "callback_url": CALLBACK},
+    "drain not an object": CALLBACK,
+}
+
+
+@pytest.mark.parametrize("drain", BAD_DRAINS.values(), ids=BAD_DRAINS.keys())
+def test_a_refused_drain_request_repeats_its_callback_url_neither_in_the_answer_nor_in_the_log(
+        cloud, caplog, capsys, drain):
+    add_host("host1")
+    setup.map_host("host1", "cell1")
+
+    response = call("POST", "/v2.1/ferry/drains", caller=ADMIN, body={"drain": drain})
+
+    assert response.status == 400, response.body
+    assert "Invalid drain request" in response.body["badRequest"]["message"]
+    assert TOKEN not in str(response.body)
+    logged = "\n".join(str(vars(record)) for record in caplog.records) + capsys.readouterr().out
+    assert TOKEN not in logged
+    with api_session() as session:
+        assert session.scalars(select(Drain.uuid)).all() == []

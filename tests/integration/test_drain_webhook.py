@@ -8,6 +8,7 @@ executions the webhook starts and the drains it records.
 from __future__ import annotations
 
 import base64
+import datetime as dt
 import json
 import time
 import uuid
@@ -19,11 +20,11 @@ from typing import Any
 import pytest
 import requests
 from moto import mock_aws
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.exc import OperationalError
 from test_api_support import function
 
-from ferry import aws, config, signing
+from ferry import aws, config, errors, signing
 from ferry import drains as drains_module
 from ferry.local.gateway import ApiGateway
 from ferry.local.runtime import FunctionRunner
@@ -233,17 +234,37 @@ def test_a_replay_is_refused_before_any_drain_is_made(cloud):
     assert len(cloud.executions()) == 1
 
 
-def test_the_used_signature_is_kept_for_600_seconds(cloud):
+def test_a_used_signature_is_kept_until_its_timestamp_can_no_longer_be_accepted(cloud):
     body = _body()
     headers = signed(body, "delivery-1")
-    before = int(time.time())
 
     post(body, headers)
 
     digest = headers["X-Ferry-Signature"].removeprefix("sha256=")
     item = cloud.dynamodb.get_item(TableName=cloud.table, Key={"id": {"S": f"webhook-signature#{digest}"}})["Item"]
     assert item["delivery"] == {"S": "delivery-1"}
-    assert before + 600 <= int(item["expiration"]["N"]) <= int(time.time()) + 600
+    assert int(item["expiration"]["N"]) == int(headers["X-Ferry-Timestamp"]) + signing.MAX_AGE_SECONDS + 60
+
+
+def test_a_signature_made_ahead_of_the_clock_keeps_its_nonce_until_it_can_no_longer_be_accepted(cloud, monkeypatch):
+    # GIVEN a request signed at 1301, first used at 1000.9 (300.1 s ahead of Ferry's clock, as a
+    # check rounding to whole seconds accepts it)
+    from ferry import webhook
+
+    body = _body()
+    headers = signed(body, "delivery-1", at=1301)
+    used = signing.SignedRequest(timestamp=1301, signature=headers["X-Ferry-Signature"].removeprefix("sha256="),
+                                 delivery="delivery-1")
+    monkeypatch.setattr(webhook.time, "time", lambda: 1000.9)
+    webhook._spend_signature(cloud.table, used, "delivery-1")
+
+    # WHEN it is replayed under another delivery id at 1601.0, when its signature is still accepted
+    monkeypatch.setattr(webhook.time, "time", lambda: 1601.0)
+    replayed = signing.verify(SECRET, {**headers, "X-Ferry-Delivery": "delivery-2"}, body, now=1601.0)
+
+    # THEN its nonce is still there: the replay is refused
+    with pytest.raises(errors.WebhookReplayed):
+        webhook._spend_signature(cloud.table, replayed, "delivery-2")
 
 
 def test_a_base64_encoded_body_is_verified_on_its_bytes(cloud):
@@ -303,6 +324,31 @@ def test_a_dry_run_whose_plan_failed_is_planned_when_its_delivery_comes_again(cl
     assert answer.body["drain"]["status"] == "planned"
     [drain] = drains()
     assert drain.status == "planned"
+
+
+def test_a_dry_run_its_first_try_abandoned_is_failed_and_its_delivery_again_plans_a_new_one(cloud, monkeypatch):
+    # GIVEN a dry run whose function died while planning it, over 2 minutes ago
+    body = _body({"host": "h1", "dry_run": True})
+    headers = signed(body, "delivery-dry")
+    def killed(drain_uuid):
+        raise OperationalError("SELECT", {}, ConnectionRefusedError("database unreachable"))
+
+    with monkeypatch.context() as patched:
+        patched.setattr(drains_module, "plan", killed)
+        assert post(body, headers).status == 500
+    [abandoned] = drains()
+    long_ago = drains_module.utcnow() - drains_module.DRY_RUN_PLANNING_LIMIT - dt.timedelta(seconds=1)
+    with api_session() as session:
+        session.execute(update(Drain).where(Drain.id == abandoned.id).values(created_at=long_ago, updated_at=long_ago))
+
+    # WHEN the sender tries the same delivery again
+    answer = post(body, signed(body, "delivery-dry"))
+
+    # THEN the abandoned one is failed, and a new dry run is planned
+    assert answer.status == 200, answer.body
+    assert answer.body["drain"]["status"] == "planned" and answer.body["drain"]["id"] != abandoned.uuid
+    statuses = {d.uuid: (d.status, d.message) for d in drains()}
+    assert statuses[abandoned.uuid] == ("failed", drains_module.DRY_RUN_ABANDONED)
 
 
 def test_a_refused_drain_is_not_remembered_for_its_delivery(cloud):
@@ -387,9 +433,9 @@ def test_malformed_json_is_refused(cloud):
 @pytest.mark.parametrize(
     ("document", "complaint"),
     [
-        ({"host": "h1", "max_concurrency": 0}, "0 is less than the minimum of 1"),
+        ({"host": "h1", "max_concurrency": 0}, "at max_concurrency: is less than the minimum of 1"),
         ({"host": "h1", "color": "blue"}, "Additional properties are not allowed"),
-        ({"reason": "no target"}, "Invalid drain request at drain"),
+        ({"reason": "no target"}, "name exactly one of 'host', 'hosts' or 'cell'"),
         (None, '"drain" is a required property'),
     ],
 )
@@ -399,6 +445,35 @@ def test_a_body_that_is_not_a_drain_request_is_refused(cloud, document, complain
     answer = post(body, signed(body))
 
     assert_fault(answer, 400, "badRequest", complaint)
+    assert_nothing_started(cloud)
+
+
+TOKEN = "t0ken-n0t-to-be-repeated"
+CALLBACK = f"https://ops.example.com/ferry?token={TOKEN}"
+# Bodies the schema refuses for their callback URL or their shape; each refusal's wording by the
+# schema would repeat the URL (pattern, maxLength) or the whole drain (oneOf).
+BAD_DRAINS = {
+    "space in the URL": {"host": "h1", "callback_url": CALLBACK + " x"},
+    "URL over 2048 characters": {"host": "h1", "callback_url": CALLBACK + "a" * 2048},
+    "host and cell both named": {"host": "h1", "cell": "cell1", "callback_url": CALLBACK},
+}
+
+
+def logged(caplog, capsys) -> str:
+    """Everything logged: the records with their extra fields, and the JSON lines Powertools printed."""
+    return "\n".join(str(vars(record)) for record in caplog.records) + capsys.readouterr().out
+
+
+@pytest.mark.parametrize("drain", BAD_DRAINS.values(), ids=BAD_DRAINS.keys())
+def test_a_refused_drain_request_repeats_its_callback_url_neither_in_the_answer_nor_in_the_log(
+        cloud, caplog, capsys, drain):
+    body = _body(drain)
+
+    answer = post(body, signed(body))
+
+    assert_fault(answer, 400, "badRequest", "Invalid drain request")
+    assert TOKEN not in answer.text
+    assert TOKEN not in logged(caplog, capsys)
     assert_nothing_started(cloud)
 
 

@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import socket
+import threading
+import time
 import uuid
+from collections.abc import Callable
 
 import pytest
 from moto import mock_aws
@@ -1953,3 +1957,195 @@ def test_finishing_a_drain_of_hosts_in_two_cells_undoes_each_move_in_its_servers
     # THEN each move is undone in its server's cell
     for cell, (server, slot) in servers.items():
         assert _move_records(server, slot["migration_uuid"], cell) == (None, "error")
+
+
+# --- a slow callback, dry runs, the plan's order, disabling -----------------------------------------
+
+
+def _trickling_receiver(pause: float) -> tuple[str, Callable[[], None]]:
+    """A receiver that reads each request, then answers one byte every ``pause`` seconds."""
+    listening = socket.socket()
+    listening.bind(("127.0.0.1", 0))
+    listening.listen(4)
+    done = threading.Event()
+
+    def answer() -> None:
+        while not done.is_set():
+            try:
+                connection, _address = listening.accept()
+            except OSError:
+                return
+            try:
+                connection.recv(65536)
+                for byte in b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n":
+                    if done.is_set():
+                        break
+                    connection.send(bytes([byte]))
+                    time.sleep(pause)
+            except OSError:
+                pass
+            finally:
+                connection.close()
+
+    def stop() -> None:
+        done.set()
+        listening.close()
+
+    threading.Thread(target=answer, daemon=True).start()
+    return f"http://127.0.0.1:{listening.getsockname()[1]}/ferry?token=s3cret", stop
+
+
+def test_a_drain_whose_callback_receiver_answers_a_byte_at_a_time_finishes_at_the_callbacks_deadline(
+        store, bus, monkeypatch):
+    # GIVEN a drain whose callback receiver would take some 6 s to answer each POST
+    monkeypatch.setenv("FERRY_WEBHOOK_SECRET", "callback-secret")
+    config.reset()
+    monkeypatch.setattr(drains.signing, "CALLBACK_TIMEOUT_SECONDS", 1.0)
+    url, stop = _trickling_receiver(0.15)
+    source = add_compute("source")
+    add_compute("dest")
+    _server_on("source", source)
+    drain = _record({"host": "source", "callback_url": url})
+    drains.start(drain)
+
+    # WHEN it finishes
+    started = time.monotonic()
+    report = drains.finish(drain)
+    took = time.monotonic() - started
+    stop()
+
+    # THEN the callback gives up at its deadline, and the end is recorded announced
+    assert report["status"] == "failed"
+    assert took < drains.signing.CALLBACK_TIMEOUT_SECONDS + 1.0
+    assert _drain_times(drain)[1] is not None
+
+
+def test_a_drains_end_is_recorded_announced_before_its_callback_is_posted(store, bus, monkeypatch):
+    # GIVEN a drain whose FinishDrain is killed while it posts the callback (the receiver hangs)
+    source = add_compute("source")
+    add_compute("dest")
+    _server_on("source", source)
+    drain = _record({"host": "source", "callback_url": "https://ops.example.com/ferry"})
+    drains.start(drain)
+    with monkeypatch.context() as patched:
+        patched.setattr(drains.signing, "post_callback", _killed)
+        with pytest.raises(_FunctionKilled):
+            drains.finish(drain)
+
+    # THEN the end counts as announced: no later look posts it again inline
+    assert _drain_times(drain)[1] is not None
+    assert [e["detail-type"] for e in bus()] == ["drain.start", "drain.error"]
+
+
+def test_a_dry_run_of_more_servers_than_one_request_plans_in_time_is_refused_before_it_is_recorded(
+        store, monkeypatch):
+    monkeypatch.setattr(drains, "MAX_DRY_RUN_SERVERS", 2)
+    source = add_compute("source", memory_mb=16384)
+    add_compute("dest", memory_mb=16384)
+    for _ in range(3):
+        _server_on("source", source)
+
+    with pytest.raises(errors.DrainTooLarge, match="a dry run plans at most 2: dry-run fewer hosts at once"):
+        drains.create_drain(ADMIN, {"host": "source", "dry_run": True}, origin="api")
+
+    assert drains.list_views() == []
+    assert drains.record_drain(ADMIN, {"host": "source"}, origin="api")[1]  # a real drain of them is taken
+    # and so is a dry run started on the state machine: PlanDrain plans it, with its own time
+    assert drains.record_drain(drains.operator_context(), {"host": "source", "dry_run": True},
+                               origin=drains.EXECUTION_ORIGIN, execution_name="drain-x")[1]
+
+
+def _dry_run_whose_plan_died(monkeypatch, key: str | None = None) -> str:
+    """A dry run of host ``source`` whose function died while planning it."""
+    add_compute("source")
+    with monkeypatch.context() as patched:
+        patched.setattr(drains, "plan", _killed)
+        with pytest.raises(_FunctionKilled):
+            drains.create_drain(ADMIN, {"host": "source", "dry_run": True}, origin="webhook", idempotency_key=key)
+    [view] = drains.list_views()
+    assert view["status"] == "planning"
+    return view["id"]
+
+
+def test_a_dry_run_left_planning_by_a_function_that_ended_is_failed_when_next_read(store, monkeypatch):
+    # GIVEN a dry run whose function died while planning it, just over 2 minutes ago
+    drain = _dry_run_whose_plan_died(monkeypatch, key="webhook:d1")
+    assert drains.get_view(drain)["status"] == "planning"  # within the limit, it may still be planned
+    long_ago = drains.utcnow() - drains.DRY_RUN_PLANNING_LIMIT - dt.timedelta(seconds=1)
+    with api_session() as session:
+        session.execute(update(Drain).where(Drain.uuid == drain).values(created_at=long_ago, updated_at=long_ago))
+
+    # WHEN it is read
+    view = drains.get_view(drain)
+
+    # THEN it is shown and recorded failed, saying why, and its key is given up
+    assert (view["status"], view["message"]) == ("failed", drains.DRY_RUN_ABANDONED)
+    assert [v["status"] for v in drains.list_views()] == ["failed"]
+    with api_session() as session:
+        recorded = session.scalars(select(Drain).where(Drain.uuid == drain)).one()
+        assert (recorded.status, recorded.idempotency_key) == ("failed", None)
+        assert recorded.finished_at is not None
+
+
+@pytest.mark.parametrize("action", ["pause", "resume", "cancel"])
+def test_a_dry_run_takes_no_action(store, monkeypatch, action):
+    # GIVEN a dry run whose plan failed (still planning), and one planned
+    planning = _dry_run_whose_plan_died(monkeypatch)
+    add_compute("dest")
+    _status, planned = drains.create_drain(ADMIN, {"host": "dest", "dry_run": True}, origin="api")
+
+    # WHEN an operator acts on them THEN each is refused (409), and stays as it was
+    for drain, status in ((planning, "planning"), (planned["drain"]["id"], "planned")):
+        with pytest.raises(errors.DrainInvalidState, match="it is a dry run"):
+            drains.act(drain, action)
+        assert drains.get_view(drain)["status"] == status
+
+
+def test_the_plan_takes_the_servers_round_robin_by_source_host_largest_first_on_each(store):
+    # GIVEN three hosts holding 3, 2 and 1 servers of different sizes
+    big, medium = flavor(vcpus=1, memory_mb=4096, root_gb=1), flavor(vcpus=1, memory_mb=3072, root_gb=1)
+    providers = {host: add_compute(host, memory_mb=32768) for host in ("h1", "h2", "h3")}
+    add_compute("dest", memory_mb=65536)
+    h1 = [_server_on("h1", providers["h1"], size=size) for size in (SMALL, big, medium)]
+    h2 = [_server_on("h2", providers["h2"], size=size) for size in (SMALL, medium)]
+    h3 = [_server_on("h3", providers["h3"], size=big)]
+    drain = _record({"hosts": ["h1", "h2", "h3"], "max_per_source_host": 1, "dry_run": True})
+
+    # WHEN it is planned
+    result = drains.plan(drain)
+
+    # THEN the Map gets one server of each host in turn, each host's largest first
+    expected = [h1[1], h3[0], h2[1], h1[2], h2[0], h1[0]]
+    assert result["servers"] == expected
+    assert [s["id"] for s in drains.get_view(drain)["servers"]] == expected
+
+
+def test_a_service_an_operator_disables_while_the_drain_disables_it_keeps_the_operators_reason(store, monkeypatch):
+    # GIVEN a drain of two hosts, and an operator who disables one of them right after the drain
+    # read them enabled
+    for host in ("h1", "h2"):
+        add_compute(host)
+    drain = _record({"hosts": ["h1", "h2"], "reason": "retire"})
+    read = drains._target_services
+    looks = []
+
+    def operator_disables_h1_after_the_read(record):
+        found = read(record)
+        looks.append(found)
+        if len(looks) == 2:
+            services.update_service(services.get_by_host("h1", services.COMPUTE_BINARY), disabled=True,
+                                    disabled_reason="operator: bad disk")
+        return found
+
+    monkeypatch.setattr(drains, "_target_services", operator_disables_h1_after_the_read)
+
+    # WHEN the drain disables its hosts
+    ours = drains.disable_targets(drain)
+
+    # THEN h1 keeps the operator's reason and is not the drain's to give back
+    assert ours == ["h2"]
+    [h1] = services.list_services(host="h1")
+    assert (h1.disabled, h1.disabled_reason) == (True, "operator: bad disk")
+    assert drains.give_back_targets(drain) == ["h2"]
+    [h1] = services.list_services(host="h1")
+    assert (h1.disabled, h1.disabled_reason) == (True, "operator: bad disk")

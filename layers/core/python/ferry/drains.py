@@ -30,10 +30,10 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from aws_lambda_powertools.metrics import MetricUnit
-from sqlalchemy import ColumnElement, and_, func, or_, select, update
+from sqlalchemy import ColumnElement, CursorResult, and_, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from ferry import config, errors, hosts, notifications, policy, scheduler, signing, validation, workflows
@@ -43,7 +43,7 @@ from ferry.compute import instances, migration_states, moves, services, states
 from ferry.compute.moves import CROSS_CELL_RULE
 from ferry.observability import logger, metrics
 from ferry.store.api_models import CellMapping, Drain, DrainServer, HostMapping, utcnow
-from ferry.store.cell_models import Instance, Migration
+from ferry.store.cell_models import Instance, Migration, Service
 from ferry.store.db import all_cells, api_session, cell_session
 
 # Drain statuses.
@@ -72,6 +72,9 @@ SETTLED_STATES = frozenset({DONE, SERVER_FAILED, SERVER_CANCELLED, UNPLACEABLE})
 
 HOST = "host"
 CELL = "cell"
+
+# Where a drain came from: the compute API, the webhook, or an execution started directly.
+EXECUTION_ORIGIN = "execution"
 
 RULE = "ferry:drains:{}"
 
@@ -162,11 +165,37 @@ class _Targets:
 MAX_SERVERS = 5000
 
 
-def _check_size(targets_text: str, count: int) -> None:
+# A dry run of the API or the webhook is planned inline, in their function, whose caller (API
+# Gateway) waits 29 s at most: at 40 to 100 ms a server (docs/benchmarks.md), this many plan
+# within 15 s. One started on the state machine is planned by PlanDrain, as a drain is.
+MAX_DRY_RUN_SERVERS = 150
+# A dry run still planning this long after it was recorded (or last planned again) was left by a
+# function that ended (timed out, killed): it is failed when next read or acted on.
+DRY_RUN_PLANNING_LIMIT = dt.timedelta(minutes=2)
+DRY_RUN_ABANDONED = (f"The dry run's plan was not made within {DRY_RUN_PLANNING_LIMIT.seconds // 60} minutes: "
+                     f"the function planning it ended. Nothing was disabled or moved: run it again.")
+
+
+def _planned_inline(drain: Drain) -> bool:
+    """Whether the drain is a dry run its request plans in its own function (not the state machine's)."""
+    return drain.dry_run and drain.origin != EXECUTION_ORIGIN
+
+
+def _check_size(targets_text: str, count: int, *, dry_run: bool = False) -> None:
+    """Refuse a drain of more servers than its workflow holds, or (``dry_run``: planned inline) a
+    dry run of more than its request's function plans in time.
+
+    Raises:
+        DrainTooLarge.
+    """
     if count > MAX_SERVERS:
         raise errors.DrainTooLarge(
             f"{targets_text} hold {count} servers, and a drain moves at most {MAX_SERVERS}: drain fewer hosts "
             f"at a time.")
+    if dry_run and count > MAX_DRY_RUN_SERVERS:
+        raise errors.DrainTooLarge(
+            f"{targets_text} hold {count} servers, and a dry run plans at most {MAX_DRY_RUN_SERVERS}: dry-run "
+            f"fewer hosts at once.")
 
 
 def _count_on(kind: str, names: list[str]) -> int:
@@ -257,21 +286,94 @@ def _cells_of(session: Session, drain: Drain) -> list[str]:
                                       .where(HostMapping.host.in_(drain.targets)))))
 
 
+# The body of ``POST /ferry/drains`` and of the webhook.
+BODY_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["drain"],
+    "properties": {"drain": REQUEST_SCHEMA},
+    "additionalProperties": False,
+}
+
+
 def validate_request(request: Any) -> None:
     """Check a drain request against :data:`REQUEST_SCHEMA`.
 
     Raises:
-        BadRequest: with the schema's message.
+        BadRequest: worded by :func:`refusal_of` (never repeating what was sent).
     """
+    _check(request, REQUEST_SCHEMA, errors.BadRequest)
+
+
+def request_of(body: Any, refusal: type[errors.BadRequest] = errors.BadRequest) -> dict[str, Any]:
+    """The drain request of a body ``{"drain": {...}}`` (the API's and the webhook's).
+
+    Raises:
+        refusal: the body does not match :data:`BODY_SCHEMA`, worded by :func:`refusal_of`.
+    """
+    _check(body, BODY_SCHEMA, refusal)
+    request: dict[str, Any] = body["drain"]
+    return request
+
+
+def _check(document: Any, schema: dict[str, Any], refusal: type[errors.BadRequest]) -> None:
     try:
-        validation.check(request, REQUEST_SCHEMA)
+        validation.check(document, schema)
     except validation.SchemaMismatch as exc:
-        where = exc.where()
-        message = exc.message if exc.keyword != "oneOf" else "name exactly one of 'host', 'hosts' or 'cell'"
-        if where == "callback_url" and exc.keyword == "pattern":
-            # Not the schema's message: it repeats the URL, whose query may carry a token.
-            message = "must be an http:// or https:// URL without spaces or control characters"
-        raise errors.BadRequest(f"Invalid drain request{' at ' + where if where else ''}: {message}.") from exc
+        raise refusal(refusal_of(exc, schema)) from exc
+
+
+def refusal_of(mismatch: validation.SchemaMismatch, schema: Mapping[str, Any]) -> str:
+    """The message refusing a drain request or body that does not match ``schema``.
+
+    Built from where the mismatch is and which keyword failed, with the limits the schema sets,
+    never from what was sent: the schema's own messages repeat the value (a callback URL whose
+    query may carry a token, or the whole request for ``oneOf``), and refusals are answered and
+    logged. Paths inside ``{"drain": ...}`` are named as in the request itself.
+    """
+    path = list(mismatch.path)
+    node = _schema_at(schema, path)
+    subject = "Invalid drain request"
+    if schema is BODY_SCHEMA:
+        subject, path = (subject, path[1:]) if path[:1] == ["drain"] else (subject + " body", path)
+    where = "/".join(str(part) for part in path)
+    return f"{subject}{' at ' + where if where else ''}: {_keyword_rule(mismatch, node, where)}."
+
+
+def _schema_at(schema: Mapping[str, Any], path: list[str | int]) -> Mapping[str, Any]:
+    """The part of ``schema`` that checks the value at ``path`` (an empty schema when none does)."""
+    node = schema
+    for part in path:
+        node = node.get("items", {}) if isinstance(part, int) else node.get("properties", {}).get(part, {})
+    return node
+
+
+def _keyword_rule(mismatch: validation.SchemaMismatch, node: Mapping[str, Any], where: str) -> str:
+    """What the failed keyword of ``node`` asks for, in words."""
+    keyword = mismatch.keyword
+    if keyword == "pattern" and where == "callback_url":
+        return "must be an http:// or https:// URL without spaces or control characters"
+    if keyword == "oneOf":
+        names = [name for choice in node.get("oneOf", []) for name in choice.get("required", [])]
+        quoted = [f"'{name}'" for name in names]
+        return "name exactly one of " + " or ".join(filter(None, [", ".join(quoted[:-1]), *quoted[-1:]]))
+    if keyword == "required":
+        given = mismatch.instance if isinstance(mismatch.instance, Mapping) else {}
+        missing = [name for name in node.get("required", []) if name not in given]
+        return f'"{missing[0] if missing else "?"}" is a required property'
+    if keyword == "additionalProperties":
+        return f"Additional properties are not allowed (it takes {', '.join(node.get('properties', {}))})"
+    if keyword == "type":
+        types = node.get("type")
+        return "is not of type " + " or ".join(f'"{t}"' for t in (types if isinstance(types, list) else [types]))
+    rules = {
+        "minimum": "is less than the minimum of {}", "maximum": "is greater than the maximum of {}",
+        "minLength": "is shorter than {} character(s)", "maxLength": "is longer than {} characters",
+        "minItems": "names fewer than {} item(s)", "maxItems": "names more than {} items",
+        "uniqueItems": "names an item more than once",
+    }
+    if keyword in rules:
+        return rules[keyword].format(node.get(keyword))
+    return f"does not match the schema ({keyword or 'unknown rule'})"
 
 
 def record_drain(ctx: RequestContext, request: Mapping[str, Any], *, origin: str,
@@ -283,7 +385,8 @@ def record_drain(ctx: RequestContext, request: Mapping[str, Any], *, origin: str
 
     Raises:
         BadRequest: the request does not match the schema, or names an unknown host or cell.
-        DrainTooLarge: the hosts or the cell hold more than :data:`MAX_SERVERS` servers (400).
+        DrainTooLarge: the hosts or the cell hold more than :data:`MAX_SERVERS` servers, or more
+            than :data:`MAX_DRY_RUN_SERVERS` for a dry run (400).
         Forbidden: a cell drain, and the caller may not move servers between cells.
         DrainInvalidState: a drain of the same hosts or cell is under way (409).
     """
@@ -291,16 +394,18 @@ def record_drain(ctx: RequestContext, request: Mapping[str, Any], *, origin: str
     if idempotency_key:
         with api_session() as session:
             existing = session.scalars(select(Drain.uuid).where(Drain.idempotency_key == idempotency_key)).first()
-        if existing:
+        # A dry run its first try abandoned gives its key up: the request makes a new one.
+        if existing and not _fail_abandoned_dry_runs(existing):
             return existing, False
     targets = _resolve_targets(request)
-    _check_size(", ".join(targets.names), _count_on(targets.kind, targets.names))
+    dry_run = bool(request.get("dry_run", False))
+    _check_size(", ".join(targets.names), _count_on(targets.kind, targets.names),
+                dry_run=dry_run and origin != EXECUTION_ORIGIN)
     allow_cross_cell = policy.check(ctx, CROSS_CELL_RULE, {"project_id": ctx.project_id})
     if targets.kind == CELL and not allow_cross_cell:
         raise errors.Forbidden(
             f"Draining cell {targets.names[0]} moves its servers to other cells, and policy "
             f"{CROSS_CELL_RULE} does not allow that for you.")
-    dry_run = bool(request.get("dry_run", False))
     if not dry_run:
         # The drains in the way whose workflow ended are finished; and one finished by an earlier
         # look that died before it announced the end (this request's first try, say) is announced.
@@ -341,7 +446,8 @@ def create_drain(ctx: RequestContext, request: Mapping[str, Any], *, origin: str
     answer is 202 with the drain as recorded. The same ``idempotency_key`` again answers with
     the drain it started the first time (200) and starts nothing more; a drain recorded by an
     attempt that died before its workflow started is started then, and a dry run whose plan
-    failed is planned then.
+    failed is planned then (one left planning past :data:`DRY_RUN_PLANNING_LIMIT` is failed
+    instead, giving its key up, and the request makes a new dry run).
 
     Returns:
         ``(http status, {"drain": view})``.
@@ -355,9 +461,11 @@ def create_drain(ctx: RequestContext, request: Mapping[str, Any], *, origin: str
     drain_uuid, created = record_drain(ctx, request, origin=origin, idempotency_key=idempotency_key)
     if not created:
         with api_session() as session:
-            drain = _load(session, drain_uuid)
+            drain = _load(session, drain_uuid, for_update=True)
             unstarted = drain.status == PLANNING and not drain.dry_run and drain.execution_name is not None
             unplanned = drain.status == PLANNING and drain.dry_run  # its first try's plan failed
+            if unplanned:  # planned again now: not abandoned while this plan is made
+                drain.updated_at = utcnow()
             name = drain.execution_name
         if unstarted and name and _describe_execution(name)[0] == _MISSING:
             _start_workflow(drain_uuid, name, ctx)
@@ -551,6 +659,7 @@ def get_view(drain_uuid: str) -> dict[str, Any]:
     Raises:
         DrainNotFound.
     """
+    _fail_abandoned_dry_runs(drain_uuid)
     with api_session() as session:
         drain = _load(session, drain_uuid)
         return _view(drain, _servers(session, drain))
@@ -558,6 +667,7 @@ def get_view(drain_uuid: str) -> dict[str, Any]:
 
 def list_views(status: str | None = None, limit: int | None = None) -> list[dict[str, Any]]:
     """Every drain, newest first (optionally only those in ``status``), without their servers."""
+    _fail_abandoned_dry_runs()
     with api_session() as session:
         query = select(Drain).order_by(Drain.created_at.desc(), Drain.id.desc())
         if status:
@@ -570,6 +680,30 @@ def list_views(status: str | None = None, limit: int | None = None) -> list[dict
             for server in session.scalars(select(DrainServer).where(DrainServer.drain_id.in_([d.id for d in drains]))):
                 by_drain[server.drain_id].append(server)
         return [_view(d, by_drain[d.id], with_servers=False) for d in drains]
+
+
+def _fail_abandoned_dry_runs(drain_uuid: str | None = None) -> int:
+    """Record ``failed`` the dry runs of the API and the webhook (``drain_uuid`` only, when given)
+    left ``planning`` for more than :data:`DRY_RUN_PLANNING_LIMIT`, and return how many: the
+    function that planned them ended before it wrote the plan, and nothing else would ever
+    finish them (PlanDrain plans a dry run started on the state machine, for up to 15 minutes). Their key is given
+    up, so the same webhook delivery again makes a new dry run. One conditional UPDATE: a plan
+    written meanwhile is kept."""
+    now = utcnow()
+    where = [Drain.dry_run.is_(True), Drain.status == PLANNING, Drain.origin != EXECUTION_ORIGIN,
+             func.coalesce(Drain.updated_at, Drain.created_at) < now - DRY_RUN_PLANNING_LIMIT]
+    if drain_uuid is not None:
+        where.append(Drain.uuid == drain_uuid)
+    with api_session() as session:
+        failed = cast(CursorResult[Any], session.execute(
+            update(Drain).where(*where).values(status=FAILED, message=DRY_RUN_ABANDONED, finished_at=now,
+                                               updated_at=now, announced_at=now, idempotency_key=None,
+                                               version=Drain.version + 1)
+            .execution_options(synchronize_session=False))).rowcount
+    if failed:
+        logger.warning("dry run left planning by a function that ended; recorded failed",
+                       extra={"drain": drain_uuid, "count": failed})
+    return failed
 
 
 # --- pause, resume, cancel -----------------------------------------------------------------------
@@ -587,7 +721,8 @@ def act(drain_uuid: str, action: str) -> dict[str, Any]:
 
     Pause stops new moves from starting; resume lets them start again; cancel stops new moves
     for good, and the drain ends ``cancelled`` once the moves in flight finished. Asking for
-    the status the drain is already in (pause twice) answers without change.
+    the status the drain is already in (pause twice) answers without change. A dry run takes
+    no action: it moves nothing, and no workflow would settle it.
 
     A drain whose workflow ended without finishing it is finished first (failed), and then
     refuses every action; a final drain whose end was never announced is announced first (see
@@ -595,14 +730,19 @@ def act(drain_uuid: str, action: str) -> dict[str, Any]:
 
     Raises:
         DrainNotFound; BadRequest for an unknown action; DrainInvalidState (409) when the
-        drain's status does not allow the action.
+        drain's status does not allow the action, or the drain is a dry run.
     """
     if action not in _TRANSITIONS:
         raise errors.BadRequest(f"Unknown drain action {action!r}; use one of {', '.join(ACTIONS)}.")
     allowed_from, to = _TRANSITIONS[action]
+    _fail_abandoned_dry_runs(drain_uuid)
     finish_if_workflow_ended(drain_uuid)  # a drain whose workflow is gone can no longer act (and is announced)
     with api_session() as session:
         drain = _load(session, drain_uuid, for_update=True)
+        if drain.dry_run:
+            # No workflow would ever settle it: a dry run cancelled would stay cancelling for ever.
+            raise errors.DrainInvalidState(
+                f"Cannot {action} drain {drain_uuid}: it is a dry run ({drain.status}), which moves nothing.")
         if drain.status != to:
             if drain.status not in allowed_from:
                 raise errors.DrainInvalidState(f"Cannot {action} drain {drain_uuid} while it is {drain.status}.")
@@ -761,7 +901,9 @@ def plan(drain_uuid: str) -> dict[str, Any]:
     """Plan the drain: one ``drain_servers`` row per server, with its planned host or why it has none.
 
     Servers are planned largest first (RAM, then vCPUs, then disk), each with the capacity the
-    servers planned before it took counted as used. Planning again replaces the earlier plan
+    servers planned before it took counted as used. They are then moved (the plan's order, the
+    Map's items) round-robin by source host, each host's largest first (see
+    :func:`_round_robin_by_source`). Planning again replaces the earlier plan
     (a step run twice writes the same rows). A drain that is final by the time the plan would
     be written (finished meanwhile, its workflow having ended) keeps its rows as announced: the
     plan is not written, and the answer is what they record.
@@ -773,14 +915,20 @@ def plan(drain_uuid: str) -> dict[str, Any]:
         drain = _load(session, drain_uuid)
         session.expunge(drain)
     found = _instances_on(drain)
-    _check_size(", ".join(drain.targets), len(found))  # servers came since the drain was accepted
+    try:  # servers came since the drain was accepted
+        _check_size(", ".join(drain.targets), len(found), dry_run=_planned_inline(drain))
+    except errors.DrainTooLarge as exc:
+        if _planned_inline(drain):  # answered now: nothing to announce, and the same request is refused afresh
+            _set_status(drain_uuid, FAILED, message=exc.message, release_key=True, only_from=PLANNING,
+                        nothing_to_announce=True)
+        raise
     specs = _request_specs([instance.uuid for _cell, instance, _bfv in found])
     cell_names = [c.name for c in all_cells(include_cell0=False)]
     pending: dict[str, dict[str, int]] = {}
     rows: list[DrainServer] = []
     ordered = sorted(found, key=lambda item: _size(item[1]), reverse=True)
-    for position, (cell, instance, is_bfv) in enumerate(ordered):
-        row = DrainServer(drain_id=drain.id, position=position, instance_uuid=instance.uuid, name=instance.display_name,
+    for cell, instance, is_bfv in ordered:
+        row = DrainServer(drain_id=drain.id, instance_uuid=instance.uuid, name=instance.display_name,
                           cell=cell, source_host=instance.host or "", vm_state=instance.vm_state, state=PENDING,
                           attempts=0)
         reason = _unmovable_reason(instance)
@@ -792,6 +940,9 @@ def plan(drain_uuid: str) -> dict[str, Any]:
         else:
             row.planned_host, row.planned_cell = selection.host, selection.cell
         rows.append(row)
+    rows = _round_robin_by_source(rows)
+    for position, row in enumerate(rows):
+        row.position = position
     fits = all(row.state != UNPLACEABLE for row in rows)
     with api_session() as session:
         live = _load(session, drain_uuid, for_update=True)
@@ -813,6 +964,21 @@ def plan(drain_uuid: str) -> dict[str, Any]:
     return {"fits": fits, "servers": to_move, "unplaceable": len(rows) - len(to_move)}
 
 
+def _round_robin_by_source(rows: list[DrainServer]) -> list[DrainServer]:
+    """``rows`` (largest first) taken one per source host in turn, each host's in their order.
+
+    The Map starts its iterations in the plan's order: with every host's servers together, its
+    concurrent slots would fill with one host's servers waiting for ``max_per_source_host``
+    while the other hosts' servers queue behind them. Hosts take their turns in the order of
+    their largest server.
+    """
+    by_host: dict[str, list[DrainServer]] = {}
+    for row in rows:
+        by_host.setdefault(row.source_host, []).append(row)
+    turns = max((len(queue) for queue in by_host.values()), default=0)
+    return [queue[turn] for turn in range(turns) for queue in by_host.values() if turn < len(queue)]
+
+
 # --- disabling and giving back -------------------------------------------------------------------
 
 
@@ -826,8 +992,9 @@ def _target_services(drain: Drain) -> list[services.ServiceRecord]:
 def disable_targets(drain_uuid: str) -> list[str]:
     """Disable the compute service of every drained host (the reason names the drain).
 
-    Services disabled already (by an operator or an earlier run) are left as they are; the ones
-    this drain disabled are recorded so a drain that moves nothing can give them back. A service
+    Services disabled already (by an operator or an earlier run) are left as they are, and so is
+    one disabled by someone else between the read and the write (the write is conditional); the
+    ones this drain disabled are recorded so a drain that moves nothing can give them back. A service
     still disabled by a drain that has ended is taken over (its reason names this drain, not
     recorded as this drain's to give back, unless the ended drain still owed it back): the ended
     drain, giving back what it disabled, would otherwise enable it under this one.
@@ -851,12 +1018,33 @@ def disable_targets(drain_uuid: str) -> list[str]:
         services.change_disabled_from(record, f"drain {other}", disabled=True, disabled_reason=reason)
     # Read again: a service an ended drain gave back meanwhile is enabled now, and disabled below.
     enabled = [record for record in _target_services(drain) if not record.disabled]
-    ours = sorted(set(drain.disabled_hosts) | owed | {record.host for record in enabled})
-    # Recorded before any service changes, so a run that stops half-way can still give them back.
-    _record_disabled_hosts(drain_uuid, ours)
-    for record in enabled:
-        services.update_service(record, disabled=True, disabled_reason=reason)
-    return ours
+    kept = set(drain.disabled_hosts) | owed
+    # Recorded before any service changes, so a run that stops half-way can still give them back
+    # (giving back enables only a service whose reason names this drain).
+    meant = kept | {record.host for record in enabled}
+    _record_disabled_hosts(drain_uuid, sorted(meant))
+    ours = kept | {record.host for record in enabled if _disable_if_enabled(record, reason)}
+    if ours != meant:  # someone else disabled some in between: those are not the drain's
+        _record_disabled_hosts(drain_uuid, sorted(ours))
+    return sorted(ours)
+
+
+def _disable_if_enabled(record: services.ServiceRecord, reason: str) -> bool:
+    """Disable the service with ``reason`` only while it is enabled (one conditional UPDATE), and
+    say whether it was: one an operator disabled since it was read keeps the operator's reason,
+    and is not the drain's to give back."""
+    with cell_session(record.cell) as session:
+        changed = cast(CursorResult[Any], session.execute(
+            update(Service).where(Service.uuid == record.uuid, Service.disabled.is_(False))
+            .values(disabled=True, disabled_reason=reason, updated_at=utcnow())
+            .execution_options(synchronize_session=False))).rowcount == 1
+    if changed:
+        logger.info("compute service updated", extra={"host": record.host, "disabled": True,
+                                                      "disabled_reason": reason})
+    else:
+        logger.info("compute service disabled by someone else meanwhile; left as it is",
+                    extra={"host": record.host})
+    return changed
 
 
 def _drain_named_by(disabled_reason: str | None) -> str | None:
@@ -1386,7 +1574,7 @@ def begin(execution_input: Mapping[str, Any], execution_name: str) -> dict[str, 
         drain_uuid = execution_input["drain_uuid"]
     else:
         drain_uuid, _created = record_drain(operator_context(execution_input.get("request_id")),
-                                            execution_input["drain"], origin="execution",
+                                            execution_input["drain"], origin=EXECUTION_ORIGIN,
                                             idempotency_key=f"execution:{execution_name}",
                                             execution_name=execution_name)
     with api_session() as session:
@@ -1455,9 +1643,11 @@ def finish(drain_uuid: str, error: Mapping[str, Any] | None = None) -> dict[str,
     before the announcement goes out, so a run that fails in between (or dies) leaves a final
     drain whose event may never have gone out, and the FinishDrain retry announces it again.
     Every announcement of the same event carries the same identity and timestamp (see
-    :func:`_announce`), so consumers drop the repeats. Once an announcement has gone out (the
-    notification put and the callback posted, delivered or not: both are logged and counted
-    when they are not, and not tried again), ``announced_at`` records it; a final drain without
+    :func:`_announce`), so consumers drop the repeats. Once the notification was put (delivered
+    or not: it is logged and counted when not, and not tried again), ``announced_at`` records it,
+    and then the callback is posted (within :data:`ferry.signing.CALLBACK_TIMEOUT_SECONDS`, never
+    tried again by a later look, which a receiver that answers slowly would hold up for every
+    look otherwise); a final drain without
     it is announced by the next look at it once its workflow has ended
     (:func:`finish_if_workflow_ended`). The report and the announcement are read in the
     transaction that settles the status: after its commit only giving back the hosts of a
@@ -1533,8 +1723,8 @@ def finish(drain_uuid: str, error: Mapping[str, Any] | None = None) -> dict[str,
         if already_final:
             logger.info("drain final already; its final event is announced again",
                         extra={"drain": drain_uuid, "status": view["status"]})
-        _announce(drain_uuid, DRAIN_ERROR if view["status"] == FAILED else DRAIN_END, view, at=finished_at)
-        _record_announced(drain_uuid)
+        _announce(drain_uuid, DRAIN_ERROR if view["status"] == FAILED else DRAIN_END, view, at=finished_at,
+                  final=True)
     logger.info("drain finished", extra={"drain": drain_uuid, "status": view["status"], "counts": view["counts"]})
     return {"status": view["status"], "counts": view["counts"], "message": view["message"]}
 
@@ -1594,7 +1784,7 @@ def _announcement_id(drain_uuid: str, event_type: str) -> str:
 
 
 def _announce(drain_uuid: str, event_type: str, view: Mapping[str, Any] | None = None, *,
-              at: dt.datetime | None = None) -> None:
+              at: dt.datetime | None = None, final: bool = False) -> None:
     """One grouped notification on the bus, and the signed callback when the request named one.
 
     Both carry :func:`_announcement_id`, so an event announced again (a retried FinishDrain) can
@@ -1602,6 +1792,10 @@ def _announce(drain_uuid: str, event_type: str, view: Mapping[str, Any] | None =
     ``at`` is when the event happened, the notification's timestamp (default: now): the drain's
     ``finished_at`` for its end, the same at every announcement of it. Neither raises: what is
     not delivered is logged and counted by :mod:`ferry.notifications` and :mod:`ferry.signing`.
+
+    ``final`` (the drain's end) records the end announced once the notification was put, before
+    the callback is posted: a callback cut off (its function timed out while the receiver
+    answered) then never makes every later look at the drain announce it again inline.
     """
     view = view if view is not None else get_view(drain_uuid)
     summary = {**{k: v for k, v in view.items() if k != "servers"},
@@ -1609,6 +1803,8 @@ def _announce(drain_uuid: str, event_type: str, view: Mapping[str, Any] | None =
                            for s in view["servers"]]}
     identity = _announcement_id(drain_uuid, event_type)
     notifications.notify_drain(event_type, drain_uuid=drain_uuid, payload=summary, message_id=identity, timestamp=at)
+    if final:
+        _record_announced(drain_uuid)
     with api_session() as session:
         url = _load(session, drain_uuid).options.get("callback_url")
     if url:

@@ -16,14 +16,18 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import http.client
+import io
 import json
 import re
+import socket
 import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
+from urllib import request as urlrequest
 from urllib.parse import urlsplit
 
 from aws_lambda_powertools.metrics import MetricUnit
@@ -37,6 +41,8 @@ DELIVERY_HEADER = "X-Ferry-Delivery"
 SCHEME = "sha256"
 # How far a request's timestamp may lie from the receiver's clock, either way.
 MAX_AGE_SECONDS = 300
+# The whole of a callback's POST (connect, TLS handshake, send, the answer's status and headers)
+# ends within this, however slowly the receiver answers: announcing a drain's end waits for it.
 CALLBACK_TIMEOUT_SECONDS = 10.0
 
 _SIGNATURE = re.compile(rf"^{SCHEME}=([0-9a-fA-F]{{64}})$")
@@ -133,7 +139,7 @@ def verify(
         WebhookSignatureInvalid: a signature header is missing or malformed, or the signature
             does not match.
         WebhookTimestampStale: the signature matches but the timestamp is more than ``max_age``
-            seconds old or ahead.
+            seconds old or ahead (compared exactly, not in whole seconds).
     """
     key = _key(secret)
     raw_timestamp = header(headers, TIMESTAMP_HEADER)
@@ -159,33 +165,133 @@ def verify(
             f"{SIGNATURE_HEADER} does not match the body and {TIMESTAMP_HEADER} under the configured secret."
         )
     timestamp = int(raw_timestamp)
-    age = int((time.time() if now is None else now) - timestamp)
+    # Compared exactly: a receiver that remembers signatures until timestamp + max_age (see
+    # ferry.webhook) must never accept one a moment later.
+    age = (time.time() if now is None else now) - timestamp
     if age > max_age:
         raise errors.WebhookTimestampStale(
-            f"{TIMESTAMP_HEADER} is {age} s old; requests older than {max_age} s are refused."
+            f"{TIMESTAMP_HEADER} is {age:.0f} s old; requests older than {max_age} s are refused."
         )
     if -age > max_age:
         raise errors.WebhookTimestampStale(
-            f"{TIMESTAMP_HEADER} is {-age} s in the future; requests more than {max_age} s ahead of "
+            f"{TIMESTAMP_HEADER} is {-age:.0f} s in the future; requests more than {max_age} s ahead of "
             f"this server's clock are refused."
         )
     return SignedRequest(timestamp=timestamp, signature=given, delivery=header(headers, DELIVERY_HEADER))
 
 
-@cache
-def _opener() -> Any:
-    """The HTTP client of callbacks, made by the first one (the webhook's receiving side never needs it).
+class _Deadline:
+    """A moment after which a callback's POST gives up, whatever the receiver does."""
 
-    Callbacks are not followed to another URL: a redirect would turn the POST into a GET
-    without its body, and the receiver named is the one meant to get it.
+    def __init__(self, seconds: float) -> None:
+        self._at = time.monotonic() + seconds
+
+    def left(self) -> float:
+        """Seconds left until the deadline.
+
+        Raises:
+            TimeoutError: none are left.
+        """
+        left = self._at - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the callback's deadline passed")
+        return left
+
+
+class _DeadlineSocket:
+    """A connected socket whose every send and receive is bounded by what is left of a deadline.
+
+    A socket's own timeout bounds each call, and a receiver answering a byte at a time makes
+    every call short: only a bound recomputed at each call keeps the whole POST within the
+    deadline. Everything else goes to the socket itself.
     """
-    from urllib import request as urlrequest
 
-    class NoRedirects(urlrequest.HTTPRedirectHandler):
-        def redirect_request(self, *args: Any, **kwargs: Any) -> None:
-            return None
+    def __init__(self, sock: socket.socket, deadline: _Deadline) -> None:
+        self._sock, self._deadline = sock, deadline
+        self._io_refs, self._closed = 0, False
 
-    return urlrequest.build_opener(NoRedirects)
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+    def _bounded(self) -> socket.socket:
+        self._sock.settimeout(self._deadline.left())
+        return self._sock
+
+    def sendall(self, data: Any, *args: Any) -> None:
+        self._bounded().sendall(data, *args)
+
+    def recv_into(self, buffer: Any, *args: Any) -> int:
+        return self._bounded().recv_into(buffer, *args)
+
+    def recv(self, *args: Any) -> bytes:
+        return self._bounded().recv(*args)
+
+    def makefile(self, mode: str = "rb", *_args: Any, **_kwargs: Any) -> io.BufferedReader:
+        """A binary reader of the answer (all http.client asks for), reading through the deadline."""
+        self._io_refs += 1
+        return io.BufferedReader(socket.SocketIO(self, "rb"))  # type: ignore[arg-type]
+
+    def _decref_socketios(self) -> None:
+        self._io_refs -= 1
+        if self._closed and self._io_refs <= 0:
+            self._sock.close()
+
+    def close(self) -> None:
+        """Close the socket once the readers made from it are closed too (as a socket does)."""
+        self._closed = True
+        if self._io_refs <= 0:
+            self._sock.close()
+
+
+def _connection_class(base: type[http.client.HTTPConnection], deadline: _Deadline) -> Any:
+    """``base`` (HTTP or HTTPS) connecting, shaking hands, sending and reading within ``deadline``."""
+
+    def create_connection(address: tuple[str, int], _timeout: Any = None,
+                          source_address: tuple[str, int] | None = None) -> socket.socket:
+        sock = socket.create_connection(address, deadline.left(), source_address)
+        sock.settimeout(deadline.left())  # the TLS handshake that follows gets what is left
+        return sock
+
+    class DeadlineConnection(base):  # type: ignore[misc, valid-type]
+        def connect(self) -> None:
+            self._create_connection = create_connection
+            super().connect()
+            self.sock = _DeadlineSocket(self.sock, deadline)  # type: ignore[has-type, arg-type]
+
+    return DeadlineConnection
+
+
+class _CallbackRequest(urlrequest.Request):
+    """A callback's request, with the deadline its connection keeps."""
+
+    def __init__(self, *args: Any, deadline: _Deadline, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.deadline = deadline
+
+
+class _NoRedirects(urlrequest.HTTPRedirectHandler):
+    """Callbacks are not followed to another URL: a redirect would turn the POST into a GET
+    without its body, and the receiver named is the one meant to get it."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+class _DeadlineHTTPHandler(urlrequest.HTTPHandler):
+    def http_open(self, req: _CallbackRequest) -> Any:  # type: ignore[override]
+        return self.do_open(_connection_class(http.client.HTTPConnection, req.deadline), req)
+
+
+class _DeadlineHTTPSHandler(urlrequest.HTTPSHandler):
+    def https_open(self, req: _CallbackRequest) -> Any:  # type: ignore[override]
+        return self.do_open(_connection_class(http.client.HTTPSConnection, req.deadline), req,
+                            context=self._context)  # type: ignore[attr-defined]
+
+
+@cache
+def _opener() -> urlrequest.OpenerDirector:
+    """The HTTP client of callbacks: no redirects, and every request within its deadline."""
+    return urlrequest.build_opener(_NoRedirects, _DeadlineHTTPHandler, _DeadlineHTTPSHandler)
 
 
 def redacted_url(url: str) -> str:
@@ -201,7 +307,8 @@ def post_callback(url: str, document: Any, secret: str | bytes, delivery_id: str
     """POST ``document`` as JSON to ``url``, signed with ``secret`` (the headers of :func:`signed_headers`).
 
     Never raises: a callback that cannot be delivered (no secret, a URL that is not http(s),
-    a connection error, a timeout after 10 s, an answer other than 2xx) is logged and counted
+    a connection error, no answer within :data:`CALLBACK_TIMEOUT_SECONDS` in all, an answer
+    other than 2xx) is logged and counted
     (``CallbackFailed``) and reported by the result. The log names the URL without its query
     and credentials, the error's type and the receiver's status, never the error's message:
     the HTTP client's may repeat the whole URL (``InvalidURL``), token and all.
@@ -223,9 +330,8 @@ def post_callback(url: str, document: Any, secret: str | bytes, delivery_id: str
             "User-Agent": "ferry-callback",
             **signed_headers(secret, body, delivery_id=delivery),
         }
-        from urllib.request import Request
-
-        request = Request(url, data=body, headers=headers, method="POST")
+        deadline = _Deadline(CALLBACK_TIMEOUT_SECONDS)
+        request = _CallbackRequest(url, data=body, headers=headers, method="POST", deadline=deadline)
         with _opener().open(request, timeout=CALLBACK_TIMEOUT_SECONDS) as response:
             status = response.status
         if not 200 <= status < 300:

@@ -10,8 +10,8 @@ signed with the shared secret (:mod:`ferry.signing`). The webhook answers in thi
    delivery in ``FERRY_IDEMPOTENCY_TABLE``, 24 hours, :mod:`ferry.deliveries`); the same
    delivery id with another body, or while its first request is still being answered: 409;
 5. a signature another delivery already used (a captured request sent again under a new
-   delivery id): 409. Accepted signatures are kept as one-time nonces in the same table for
-   600 s, longer than the window in which their timestamp is accepted;
+   delivery id): 409. Accepted signatures are kept as one-time nonces in the same table until
+   their signed timestamp is 6 minutes old, past the last moment it is accepted;
 6. otherwise :func:`ferry.drains.create_drain` as :func:`ferry.drains.webhook_context`: its
    status (202 started, 200 dry run) and ``{"drain": view}``.
 
@@ -30,23 +30,15 @@ from typing import Any
 
 from aws_lambda_powertools.metrics import MetricUnit
 
-from ferry import aws, config, deliveries, drains, errors, signing, validation
+from ferry import aws, config, deliveries, drains, errors, signing
 from ferry.observability import logger, metrics
 
 TABLE_VARIABLE = "FERRY_IDEMPOTENCY_TABLE"
 DELIVERY_MAX_LENGTH = 128
-# A signature is accepted while its timestamp is within MAX_AGE_SECONDS either way of the clock:
-# remembering it from its first use for twice that covers every moment it could be replayed.
-SIGNATURE_NONCE_SECONDS = 2 * signing.MAX_AGE_SECONDS
+# A signature is accepted until its signed timestamp + MAX_AGE_SECONDS (ferry.signing compares
+# exactly): its nonce is kept until then, and this margin longer (clock steps between functions).
+SIGNATURE_NONCE_MARGIN_SECONDS = 60
 SIGNATURE_KEY_PREFIX = "webhook-signature#"
-
-_BODY_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "required": ["drain"],
-    "properties": {"drain": drains.REQUEST_SCHEMA},
-    "additionalProperties": False,
-}
-
 
 def handle(event: Mapping[str, Any], context: Any = None) -> dict[str, Any]:
     """Answer one API Gateway REST proxy event (payload 1.0) for ``POST /webhooks/drain``.
@@ -87,17 +79,18 @@ def _start_drain_once(event: Mapping[str, Any], context: Any) -> dict[str, Any]:
     request = _drain_request(body)
     answer = deliveries.answer_once(
         table, delivery, request,
-        lambda: _start_drain(delivery=delivery, request=request, signature=signed.signature, table=table),
+        lambda: _start_drain(delivery=delivery, request=request, signed=signed, table=table),
         context,
     )
     return {**answer.document, "repeated": answer.repeated, "delivery": delivery}
 
 
-def _start_drain(*, delivery: str, request: dict[str, Any], signature: str, table: str) -> dict[str, Any]:
+def _start_drain(*, delivery: str, request: dict[str, Any], signed: signing.SignedRequest,
+                 table: str) -> dict[str, Any]:
     """Run once per delivery id (:mod:`ferry.deliveries` keeps the answer): spend the signature,
     start the drain. Raising withdraws the delivery's claim, so the sender may try it again.
     """
-    _spend_signature(table, signature, delivery)
+    _spend_signature(table, signed, delivery)
     status, document = drains.create_drain(
         drains.webhook_context(), request, origin="webhook", idempotency_key=f"webhook:{delivery}"
     )
@@ -105,37 +98,44 @@ def _start_drain(*, delivery: str, request: dict[str, Any], signature: str, tabl
     return {"status": status, "body": json.loads(json.dumps(document, default=str))}
 
 
-def _spend_signature(table: str, signature: str, delivery: str) -> None:
-    """Record ``signature`` as used by ``delivery`` (a conditional put).
+def _spend_signature(table: str, signed: signing.SignedRequest, delivery: str) -> None:
+    """Record ``signed``'s signature as used by ``delivery`` (a conditional put).
 
     The delivery that first used a signature may use it again (its first attempt failed after
-    this point and the sender retries the same signed request).
+    this point and the sender retries the same signed request). The nonce lives until the
+    signature can no longer be accepted (:func:`nonce_expiry`), however far ahead of this
+    server's clock the request was signed.
 
     Raises:
-        WebhookReplayed: another delivery used the signature within the last
-            :data:`SIGNATURE_NONCE_SECONDS`.
+        WebhookReplayed: another delivery used the signature, and its nonce has not expired.
     """
-    now = int(time.time())
+    now = time.time()
     client = aws.client("dynamodb")
     try:
         client.put_item(
             TableName=table,
             Item={
-                deliveries.KEY_ATTRIBUTE: {"S": SIGNATURE_KEY_PREFIX + signature},
-                deliveries.EXPIRY_ATTRIBUTE: {"N": str(now + SIGNATURE_NONCE_SECONDS)},
+                deliveries.KEY_ATTRIBUTE: {"S": SIGNATURE_KEY_PREFIX + signed.signature},
+                deliveries.EXPIRY_ATTRIBUTE: {"N": str(nonce_expiry(signed.timestamp))},
                 "delivery": {"S": delivery},
             },
             # DynamoDB deletes expired items late: an expired nonce counts as gone.
             ConditionExpression="attribute_not_exists(#key) OR #expiry < :now OR #delivery = :delivery",
             ExpressionAttributeNames={"#key": deliveries.KEY_ATTRIBUTE, "#expiry": deliveries.EXPIRY_ATTRIBUTE,
                                       "#delivery": "delivery"},
-            ExpressionAttributeValues={":now": {"N": str(now)}, ":delivery": {"S": delivery}},
+            ExpressionAttributeValues={":now": {"N": repr(now)}, ":delivery": {"S": delivery}},
         )
     except client.exceptions.ConditionalCheckFailedException as exc:
         raise errors.WebhookReplayed(
             f"This {signing.SIGNATURE_HEADER} was already used by another delivery: the request is a replay "
             f"and is refused. Sign every delivery anew."
         ) from exc
+
+
+def nonce_expiry(timestamp: int) -> int:
+    """When the nonce of a signature made at ``timestamp`` (unix seconds) lapses: after the last
+    moment :func:`ferry.signing.verify` accepts it, :data:`SIGNATURE_NONCE_MARGIN_SECONDS` on."""
+    return timestamp + signing.MAX_AGE_SECONDS + SIGNATURE_NONCE_MARGIN_SECONDS
 
 
 def _headers(event: Mapping[str, Any]) -> dict[str, Any]:
@@ -163,21 +163,14 @@ def _drain_request(body: bytes) -> dict[str, Any]:
     """The drain request of a body ``{"drain": {...}}``.
 
     Raises:
-        WebhookRequestInvalid: the body is not JSON, or does not match the schema.
+        WebhookRequestInvalid: the body is not JSON, or is not a drain request (worded as the
+            API words it, never repeating what was sent: see :func:`ferry.drains.refusal_of`).
     """
     try:
         document = json.loads(body)
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
         raise errors.WebhookRequestInvalid(f"The body is not valid JSON: {exc}.") from exc
-    try:
-        validation.check(document, _BODY_SCHEMA)
-    except validation.SchemaMismatch as exc:
-        where = exc.where(".")
-        raise errors.WebhookRequestInvalid(
-            f"Invalid drain request{f' at {where}' if where else ''}: {exc.message}"
-        ) from exc
-    request: dict[str, Any] = document["drain"]
-    return request
+    return drains.request_of(document, errors.WebhookRequestInvalid)
 
 
 def _request_id(event: Mapping[str, Any], context: Any) -> str:
