@@ -7,6 +7,7 @@ threads and processes share them; PostgreSQL is used as is.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -15,13 +16,27 @@ from pathlib import Path
 from sqlalchemy import Engine, create_engine, event, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from ferry import config, errors
+from ferry import LAMBDA_VARIABLE, config, errors
 from ferry.store.api_models import CellMapping
 
 # Instances that could not be scheduled live in cell0, a cell with no hosts (as in Nova).
 CELL0_NAME = "cell0"
 
 _engines: dict[str, Engine] = {}
+
+# Seconds a new PostgreSQL connection may take: a database that does not answer fails the request
+# or step (which Step Functions retries) instead of holding it until the function's timeout.
+CONNECT_TIMEOUT = 10
+# Connections per database a process keeps open between requests, and opens beyond them at a peak
+# (the scheduler reads cells side by side). A Lambda execution environment serves one request at a
+# time, and every idle connection it keeps counts against PostgreSQL's max_connections for as long
+# as the environment lives: one is kept there (docs/installation.md#database-connections).
+LAMBDA_POOL = {"pool_size": 1, "max_overflow": 4}
+PROCESS_POOL = {"pool_size": 5, "max_overflow": 20}
+
+
+def _pool_sizes() -> dict[str, int]:
+    return LAMBDA_POOL if os.environ.get(LAMBDA_VARIABLE) else PROCESS_POOL
 _lock = threading.Lock()
 
 
@@ -51,7 +66,8 @@ def engine_for(url: str) -> Engine:
                 event.listen(engine, "begin", lambda conn: conn.exec_driver_sql("BEGIN IMMEDIATE"))
                 event.listen(engine, "connect", _disable_pysqlite_begin)
             else:
-                engine = create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=20)
+                engine = create_engine(url, pool_pre_ping=True, connect_args={"connect_timeout": CONNECT_TIMEOUT},
+                                       **_pool_sizes())
             _engines[url] = engine
         return engine
 
