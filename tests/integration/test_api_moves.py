@@ -405,6 +405,22 @@ def test_resize_policy_comes_from_the_policy_file(cloud, tmp_path, monkeypatch):
     assert action(server_id, {"resize": {"flavorRef": "2"}}, caller=ADMIN).status == 202
 
 
+def test_a_flavor_made_after_the_servers_flavor_was_deleted_is_another_flavor(cloud):
+    # GIVEN a server of a flavor since deleted, and a new flavor that took its internal id
+    # (SQLite gives the highest deleted id again)
+    def make_flavor(flavor_id: str) -> None:
+        assert call("POST", "/v2.1/flavors", caller=ADMIN, version="2.90", body={"flavor": {
+            "name": f"f-{flavor_id}", "id": flavor_id, "vcpus": 1, "ram": 512, "disk": 1}}).status == 200
+
+    make_flavor("old")
+    server_id = active_server(flavorRef="old")
+    assert call("DELETE", "/v2.1/flavors/old", caller=ADMIN, version="2.90").status == 202
+    make_flavor("new")
+
+    # WHEN the server is resized to the new flavor THEN it is accepted
+    assert action(server_id, {"resize": {"flavorRef": "new"}}).status == 202
+
+
 def test_a_resize_workflow_that_cannot_start_is_undone(cloud, monkeypatch):
     server_id = active_server()
     monkeypatch.setenv("FERRY_RESIZE_STATE_MACHINE_ARN", "")

@@ -534,7 +534,9 @@ def _accept_move(ctx: RequestContext, location: compute_api.Location, move: _Mov
     if move.flavor_ref is not None:
         # Only a server that may move has its flavor looked at (409 before 400, as Nova answers).
         new_flavor = _resizable_flavor(ctx, move.flavor_ref)
-        if new_flavor.get("id") == current.get("id"):
+        # The internal id, as Nova compares; and the flavor id, since SQLite gives a deleted flavor's
+        # internal id to the next flavor made (PostgreSQL never does).
+        if (new_flavor.get("id"), new_flavor.get("flavorid")) == (current.get("id"), current.get("flavorid")):
             raise errors.CannotResizeToSameFlavor()
         _check_disks_fit(current, new_flavor, volume_backed=volume_backed)
     if move.requested_host is not None:
