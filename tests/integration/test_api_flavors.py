@@ -61,6 +61,21 @@ def test_flavors_sort_and_page_as_nova_does(cloud):
     assert "flavors_links" not in call("GET", "/v2.1/flavors").body
 
 
+@pytest.mark.parametrize("path", ["/v2.1/flavors", "/v2.1/flavors/detail"])
+def test_an_unknown_list_parameter_is_refused_from_2_75_and_ignored_before(cloud, path):
+    refused = call("GET", path, version="2.75", query={"minRam": "1", "colour": "red"})
+    ignored = call("GET", path, version="2.74", query={"minRam": "1", "colour": "red"})
+    known = call("GET", path, version="2.75", query={
+        "is_public": "True", "minRam": "1", "minDisk": "0", "limit": "5", "marker": "1", "sort_key": "flavorid",
+        "sort_dir": "asc"})
+
+    assert refused.status == 400
+    assert refused.body["badRequest"]["message"] == (
+        "Invalid input for query parameters colour. Additional properties are not allowed ('colour' was unexpected)")
+    assert ignored.status == 200 and names(ignored) == ["m1.small", "m1.medium"]
+    assert known.status == 200 and names(known) == ["m1.medium"]
+
+
 def test_flavor_detail_has_the_fields_clients_read(cloud):
     flavor = call("GET", "/v2.1/flavors/detail", version="2.61").body["flavors"][0]
 
@@ -205,6 +220,19 @@ def test_extra_specs_are_set_by_admins_and_read_by_members(cloud):
     assert call("GET", "/v2.1/flavors/1/os-extra_specs/hw:cpu_policy").status == 404
     bad = call("POST", "/v2.1/flavors/1/os-extra_specs", caller=ADMIN, body={"extra_specs": {"bad/key": "x"}})
     assert bad.status == 400
+
+
+@pytest.mark.parametrize(("method", "path", "body"), [
+    ("POST", "/v2.1/flavors/1/os-extra_specs", {"extra_specs": {"hw:cpu_realtime": True}}),
+    ("POST", "/v2.1/flavors/1/os-extra_specs", {"extra_specs": {"gen": 3, "ssd": False}}),
+    ("PUT", "/v2.1/flavors/1/os-extra_specs/ssd", {"ssd": True}),
+])
+def test_a_boolean_extra_spec_value_is_400_as_nova_takes_strings_and_numbers_only(cloud, method, path, body):
+    response = call(method, path, caller=ADMIN, body=body)
+
+    assert response.status == 400
+    assert "is not of type" in response.body["badRequest"]["message"]
+    assert compute_api.get_extra_specs("1") == {}
 
 
 def test_a_server_keeps_its_flavor_after_the_flavor_is_deleted(cloud):

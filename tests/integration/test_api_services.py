@@ -111,6 +111,18 @@ def test_host_and_binary_filters(computes):
     assert listed(query={"host": "nowhere"}) == {}
 
 
+def test_an_unknown_list_parameter_is_refused_from_2_75_before_the_policy_and_ignored_before(computes):
+    refused = admin("GET", SERVICES, version="2.75", query={"host": "compute-1", "zone": "nova"})
+    by_member = call("GET", SERVICES, caller=ALICE, version="2.75", query={"zone": "nova"})
+
+    for response in (refused, by_member):
+        assert response.status == 400
+        assert error(response, "badRequest") == (
+            "Invalid input for query parameters zone. Additional properties are not allowed ('zone' was unexpected)")
+    assert list(listed(version="2.74", query={"host": "compute-1", "zone": "nova"})) == ["compute-1"]
+    assert list(listed(version="2.75", query={"host": "compute-1", "binary": "nova-compute"})) == ["compute-1"]
+
+
 def test_members_are_refused_every_services_request(computes):
     service_uuid = row("compute-1").uuid
     for method, path, body, rule in (
@@ -159,13 +171,14 @@ def test_force_down_and_up_by_uuid(computes):
 
 @pytest.mark.parametrize(("body", "message"), [
     ({}, "No updates were requested. Fields 'status' or 'forced_down' should be specified."),
-    ({"disabled_reason": "disk"}, "Specifying 'disabled_reason' with status other than 'disabled' is invalid."),
+    ({"disabled_reason": "disk"}, "No updates were requested. Fields 'status' or 'forced_down' should be specified."),
     ({"status": "enabled", "disabled_reason": "disk"},
-     "Specifying 'disabled_reason' with status other than 'disabled' is invalid."),
+     "Specifying 'disabled_reason' with status 'enabled' is invalid."),
     ({"status": "off"}, None),
     ({"status": "disabled", "disabled_reason": ""}, None),
     ({"status": "disabled", "disabled_reason": "x" * 256}, None),
-    ({"forced_down": "yes"}, None),
+    ({"forced_down": "maybe"}, None),
+    ({"forced_down": 1}, None),
     ({"status": "disabled", "host": "compute-1"}, None),
     (None, None),
 ])
@@ -176,6 +189,28 @@ def test_a_bad_update_is_400_and_changes_nothing(computes, body, message):
     if message:
         assert error(response, "badRequest") == message
     assert states()["compute-1"] == (False, None, False)
+
+
+def test_a_reason_without_a_status_is_ignored_as_nova_ignores_it(computes):
+    """GIVEN an enabled service, WHEN forced down with a reason but no status, THEN the reason is not kept."""
+    response = admin("PUT", f"{SERVICES}/{row('compute-1').uuid}", body={"disabled_reason": "disk",
+                                                                         "forced_down": True})
+
+    assert response.status == 200
+    assert (response.body["service"]["status"], response.body["service"]["disabled_reason"]) == ("enabled", None)
+    assert states()["compute-1"] == (False, None, True)
+
+
+@pytest.mark.parametrize(("host", "value", "forced_down"), [
+    ("compute-1", "true", True), ("compute-1", "True", True), ("compute-1", "1", True), ("compute-3", "false", False)])
+def test_forced_down_takes_novas_boolean_strings(computes, host, value, forced_down):
+    by_uuid = admin("PUT", f"{SERVICES}/{row(host).uuid}", body={"forced_down": value})
+    legacy = admin("PUT", f"{SERVICES}/force-down", version="2.11",
+                   body={"host": host, "binary": "nova-compute", "forced_down": value})
+
+    assert by_uuid.status == 200 and by_uuid.body["service"]["forced_down"] is forced_down
+    assert legacy.status == 200 and legacy.body["service"]["forced_down"] is forced_down
+    assert states()[host][2] is forced_down
 
 
 def test_update_of_an_unknown_or_malformed_service_id(computes):
@@ -210,12 +245,34 @@ def test_legacy_disable_log_reason_disable_and_enable(computes):
 def test_legacy_force_down_from_2_11(computes):
     naming = {"host": "compute-1", "binary": "nova-compute"}
 
-    too_early = admin("PUT", f"{SERVICES}/force-down", version="2.10", body={**naming, "forced_down": True})
+    too_early = admin("PUT", f"{SERVICES}/force-down", version="2.10", body=naming)
+    early_body = admin("PUT", f"{SERVICES}/force-down", version="2.10", body={**naming, "forced_down": True})
     forced = admin("PUT", f"{SERVICES}/force-down", version="2.11", body={**naming, "forced_down": True})
 
     assert too_early.status == 404
+    assert early_body.status == 400  # Nova's schema below 2.11 has no forced_down, and is checked first
     assert forced.status == 200 and forced.body == {"service": {**naming, "forced_down": True}}
     assert states()["compute-1"] == (False, None, True)
+
+
+def test_legacy_forms_from_2_11_take_forced_down_and_a_reason_in_any_body_as_nova_does(computes):
+    """Nova's 2.11 schema is one for every action: each reads what it needs and ignores the rest."""
+    naming = {"host": "compute-1", "binary": "nova-compute"}
+
+    disabled = admin("PUT", f"{SERVICES}/disable", version="2.11", body={**naming, "forced_down": True})
+    assert disabled.status == 200 and disabled.body == {"service": {**naming, "status": "disabled"}}
+    assert states()["compute-1"] == (True, None, False)
+
+    forced = admin("PUT", f"{SERVICES}/force-down", version="2.52",
+                   body={**naming, "forced_down": True, "disabled_reason": "fan"})
+    assert forced.status == 200 and forced.body == {"service": {**naming, "forced_down": True}}
+    assert states()["compute-1"] == (True, None, True)
+
+    missing = admin("PUT", f"{SERVICES}/force-down", version="2.52", body=naming)
+    assert missing.status == 400 and error(missing, "badRequest") == "Missing forced_down field"
+    below = admin("PUT", f"{SERVICES}/disable", version="2.10", body={**naming, "forced_down": False})
+    assert below.status == 400
+    assert states()["compute-1"] == (True, None, True)
 
 
 @pytest.mark.parametrize(("path", "body", "status"), [

@@ -114,6 +114,22 @@ def test_per_user_quotas_are_refused(cloud):
     assert response.status == 400
 
 
+@pytest.mark.parametrize("path", ["/v2.1/os-quota-sets/project-a", "/v2.1/os-quota-sets/project-a/detail",
+                                  "/v2.1/limits"])
+def test_an_unknown_query_parameter_is_refused_from_2_75_and_ignored_before(cloud, path):
+    refused = call("GET", path, caller=ALICE, version="2.75", query={"colour": "red"})
+    by_stranger = call("GET", path, caller=BOB, version="2.75", query={"colour": "red"})
+    ignored = call("GET", path, caller=ALICE, version="2.74", query={"colour": "red"})
+
+    for response in (refused, by_stranger):  # the query is checked before the policy, as in Nova
+        assert response.status == 400
+        assert response.body["badRequest"]["message"] == (
+            "Invalid input for query parameters colour. Additional properties are not allowed "
+            "('colour' was unexpected)")
+    assert ignored.status == 200
+    assert call("GET", path, caller=ALICE, version="2.75").status == 200
+
+
 def test_deleting_a_users_quota_is_refused_and_keeps_the_projects(cloud):
     call("PUT", "/v2.1/os-quota-sets/project-a", caller=ADMIN, body={"quota_set": {"cores": 40}})
 
@@ -323,6 +339,19 @@ def test_limits_of_another_project_are_for_admins(cloud):
     assert call("GET", "/v2.1/limits", caller=ALICE, query={"tenant_id": "project-b"}).status == 403
     shown = call("GET", "/v2.1/limits", caller=ADMIN, query={"tenant_id": "project-b"}).body["limits"]["absolute"]
     assert shown["totalInstancesUsed"] == 1
+    later = call("GET", "/v2.1/limits", caller=ADMIN, version="2.75", query={"tenant_id": "project-b"})
+    assert later.status == 200 and later.body["limits"]["absolute"]["totalInstancesUsed"] == 1
+
+
+def test_naming_even_the_callers_own_project_in_limits_needs_the_other_project_rule(cloud):
+    """Nova checks ``limits:other_project`` whenever ``tenant_id`` is given, whichever project it names."""
+    own = call("GET", "/v2.1/limits", caller=ALICE, query={"tenant_id": "project-a"})
+
+    assert own.status == 403
+    assert own.body["forbidden"]["message"] == \
+        "Policy doesn't allow os_compute_api:limits:other_project to be performed."
+    assert call("GET", "/v2.1/limits", caller=ALICE).status == 200
+    assert call("GET", "/v2.1/limits", caller=ADMIN, query={"tenant_id": "admin-project"}).status == 200
 
 
 def test_an_invalid_default_is_reported(cloud, monkeypatch):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from aws_lambda_powertools.event_handler import Response
@@ -12,6 +13,10 @@ from ferry.api import request, schemas, views
 from ferry.compute import api as compute_api
 
 router = Router()
+
+# The list's query parameters (Nova's schema refuses any other from 2.75; before, others are ignored).
+LIST_PARAMETERS: Mapping[str, str] = dict.fromkeys(
+    ("is_public", "minRam", "minDisk", "limit", "marker", "sort_key", "sort_dir"), "2.1")
 
 
 def _is_public(value: str | None) -> bool | None:
@@ -59,6 +64,8 @@ def _rxtx_factor(value: float | str) -> float:
 def _list(detail: bool) -> Response:
     view = request.view_context(router)
     query = request.query(router)
+    if view.at_least("2.75"):
+        request.refuse_unknown(query, LIST_PARAMETERS, view.version)
     params = {k: v[-1] for k, v in query.items() if v}
     limit = request.parse_limit(params.get("limit"))
     flavors = compute_api.list_flavors(
@@ -137,7 +144,8 @@ def delete_flavor(flavor_id: str) -> Response:
 
 
 def _spec_values(specs: dict[str, Any]) -> dict[str, str]:
-    return {key: str(value).lower() if isinstance(value, bool) else str(value) for key, value in specs.items()}
+    """Extra spec values as stored: every one a string (the schema lets numbers through too)."""
+    return {key: str(value) for key, value in specs.items()}
 
 
 @router.get("/flavors/<flavor_id>/os-extra_specs")

@@ -6,6 +6,8 @@ keeps no per-user quotas.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from aws_lambda_powertools.event_handler import Response
 from aws_lambda_powertools.event_handler.api_gateway import Router
 
@@ -15,9 +17,23 @@ from ferry.api.request import ViewContext
 
 router = Router()
 
+# The query parameters of a quota set's show and detail, and of the limits (Nova's schemas refuse
+# any other from 2.75; before, others are ignored).
+QUOTA_SET_PARAMETERS: Mapping[str, str] = {"user_id": "2.1"}
+LIMITS_PARAMETERS: Mapping[str, str] = {"tenant_id": "2.1"}
+
 
 def _resources(view: ViewContext) -> list[str]:
     return views.quota_resources(view, quotas.RESOURCES, quotas.INJECTED_FILE_RESOURCES)
+
+
+def _refuse_unknown(view: ViewContext, known: Mapping[str, str]) -> None:
+    """Raises BadRequest for the first (by name) query parameter not in ``known``, from 2.75.
+
+    Called before the policy, as Nova checks its query schema first.
+    """
+    if view.at_least("2.75"):
+        request.refuse_unknown(request.query(router), known, view.version)
 
 
 def _project_only() -> None:
@@ -28,6 +44,7 @@ def _project_only() -> None:
 @router.get("/os-quota-sets/<project_id>")
 def show_quota_set(project_id: str) -> Response:
     view = request.view_context(router)
+    _refuse_unknown(view, QUOTA_SET_PARAMETERS)
     policy.enforce(view.ctx, "os_compute_api:os-quota-sets:show", {"project_id": project_id})
     _project_only()
     body = views.quota_set(view, quotas.limits(project_id), _resources(view), project_id)
@@ -37,6 +54,7 @@ def show_quota_set(project_id: str) -> Response:
 @router.get("/os-quota-sets/<project_id>/detail")
 def show_quota_set_detail(project_id: str) -> Response:
     view = request.view_context(router)
+    _refuse_unknown(view, QUOTA_SET_PARAMETERS)
     policy.enforce(view.ctx, "os_compute_api:os-quota-sets:detail", {"project_id": project_id})
     _project_only()
     body = views.quota_set_detail(view, quotas.limits(project_id), quotas.usage(project_id), _resources(view),
@@ -75,13 +93,26 @@ def delete_quota_set(project_id: str) -> Response:
     return request.empty(202)
 
 
+def _limits_project(view: ViewContext) -> str:
+    """The project ``/limits`` is about: ``tenant_id`` when given (whichever project it names, as
+    Nova checks ``os_compute_api:limits:other_project`` whenever it is), else the caller's.
+
+    Raises:
+        Forbidden: ``tenant_id`` is given and the caller may not use it.
+    """
+    params = request.query(router)
+    if "tenant_id" not in params:
+        return view.ctx.project_id
+    project_id = request.last(params, "tenant_id") or ""
+    policy.enforce(view.ctx, "os_compute_api:limits:other_project", {"project_id": project_id})
+    return project_id
+
+
 @router.get("/limits")
 def show_limits() -> Response:
     view = request.view_context(router)
+    _refuse_unknown(view, LIMITS_PARAMETERS)
     policy.enforce(view.ctx, "os_compute_api:limits")
-    params = request.query(router)
-    project_id = params["tenant_id"][-1] if params.get("tenant_id") else view.ctx.project_id
-    if project_id != view.ctx.project_id:
-        policy.enforce(view.ctx, "os_compute_api:limits:other_project", {"project_id": project_id})
+    project_id = _limits_project(view)
     absolute = views.absolute_limits(view, quotas.limits(project_id), quotas.usage(project_id))
     return request.json_response(200, {"limits": {"rate": [], "absolute": absolute}})

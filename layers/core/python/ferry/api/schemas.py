@@ -202,7 +202,8 @@ FLAVOR_UPDATE = {
 }
 
 _SPEC_KEY = "^[a-zA-Z0-9-_:. ]{1,255}$"
-_SPEC_VALUE = {"type": ["string", "number", "boolean"], "maxLength": 255}
+# A string or a number, as Nova takes them: a boolean is refused.
+_SPEC_VALUE = {"type": ["string", "number"], "maxLength": 255}
 
 EXTRA_SPECS_CREATE = {
     "type": "object",

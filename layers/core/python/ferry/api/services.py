@@ -8,6 +8,7 @@ its integer id. What the requests do is in :mod:`ferry.compute.services`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from aws_lambda_powertools.event_handler import Response
@@ -25,11 +26,11 @@ router = Router()
 RULE = "os_compute_api:os-services:{}"
 
 _REASON = {"type": "string", "minLength": 1, "maxLength": 255}
-_BOOLEAN = {"type": "boolean"}
 
 UPDATE = {
     "type": "object",
-    "properties": {"status": {"enum": ["enabled", "disabled"]}, "disabled_reason": _REASON, "forced_down": _BOOLEAN},
+    "properties": {"status": {"enum": ["enabled", "disabled"]}, "disabled_reason": _REASON,
+                   "forced_down": schemas.BOOLEAN},
     "additionalProperties": False,
 }
 
@@ -41,13 +42,20 @@ LEGACY_UPDATE = {
     "required": ["host", "binary"],
     "additionalProperties": False,
 }
-LEGACY_FORCE_DOWN = {
-    "type": "object",
-    "properties": {**_LEGACY_NAMING, "forced_down": _BOOLEAN},
-    "required": ["host", "binary", "forced_down"],
-    "additionalProperties": False,
+# From 2.11 every pre-2.53 action takes the one body of Nova's ``service_update_v211``: a
+# ``forced_down`` anywhere (only ``force-down`` reads it) and a reason anywhere (only
+# ``disable-log-reason`` records it).
+LEGACY_UPDATE_V211 = {
+    **LEGACY_UPDATE,
+    "properties": {**_LEGACY_NAMING, "disabled_reason": _REASON, "forced_down": schemas.BOOLEAN},
 }
+# The body ``force-down`` needs (published in the OpenAPI document): the missing ``forced_down`` is
+# found in code rather than by the schema, to refuse it in Nova's words.
+LEGACY_FORCE_DOWN = {**LEGACY_UPDATE_V211, "required": ["host", "binary", "forced_down"]}
 LEGACY_ACTIONS = ("enable", "disable", "disable-log-reason", "force-down")
+
+# The list's query parameters (Nova's schema refuses any other from 2.75; before, others are ignored).
+LIST_PARAMETERS: Mapping[str, str] = {"host": "2.1", "binary": "2.1"}
 
 
 def service_view(view: ViewContext, record: ServiceRecord) -> dict[str, Any]:
@@ -66,8 +74,10 @@ def service_view(view: ViewContext, record: ServiceRecord) -> dict[str, Any]:
 @router.get("/os-services")
 def list_services() -> Response:
     view = request.view_context(router)
-    policy.enforce(view.ctx, RULE.format("list"), policy.NO_PROJECT)
     params = request.query(router)
+    if view.at_least("2.75"):  # the query is checked before the policy, as Nova checks its schema first
+        request.refuse_unknown(params, LIST_PARAMETERS, view.version)
+    policy.enforce(view.ctx, RULE.format("list"), policy.NO_PROJECT)
     host = params["host"][-1] if params.get("host") else None
     binary = params["binary"][-1] if params.get("binary") else None
     found = services.list_services(host=host, binary=binary)
@@ -87,34 +97,67 @@ def _service_uuid(value: str) -> str:
     return value
 
 
+def _forced_down(value: bool | str) -> bool:
+    """``forced_down`` as given: a boolean, or one of the spellings of one the schema lets through."""
+    return value if isinstance(value, bool) else request.parse_bool("forced_down", value)
+
+
+def _changes(wanted: Mapping[str, Any]) -> dict[str, Any]:
+    """What a 2.53+ body changes, read as Nova reads it: a reason counts with ``status: disabled``
+    only, is refused with ``status: enabled`` and ignored without a status.
+
+    Raises:
+        BadRequest: a reason with ``status: enabled``, or neither ``status`` nor ``forced_down``.
+    """
+    changes: dict[str, Any] = {}
+    if wanted.get("status") == "enabled":
+        if wanted.get("disabled_reason"):
+            raise errors.BadRequest("Specifying 'disabled_reason' with status 'enabled' is invalid.")
+        changes.update(disabled=False, disabled_reason=None)
+    elif wanted.get("status") == "disabled":
+        changes.update(disabled=True, disabled_reason=wanted.get("disabled_reason"))
+    if "forced_down" in wanted:
+        changes["forced_down"] = _forced_down(wanted["forced_down"])
+    if not changes:
+        raise errors.BadRequest("No updates were requested. Fields 'status' or 'forced_down' should be specified.")
+    return changes
+
+
 def _update(view: ViewContext, service_id: str) -> Response:
     service_uuid = _service_uuid(service_id)
     wanted = request.body(router, UPDATE)
-    if "disabled_reason" in wanted and wanted.get("status") != "disabled":
-        raise errors.BadRequest("Specifying 'disabled_reason' with status other than 'disabled' is invalid.")
-    if "status" not in wanted and "forced_down" not in wanted:
-        raise errors.BadRequest("No updates were requested. Fields 'status' or 'forced_down' should be specified.")
-    service = services.get_by_uuid(service_uuid)
-    changes: dict[str, Any] = {}
-    if "status" in wanted:
-        changes["disabled"] = wanted["status"] == "disabled"
-        changes["disabled_reason"] = wanted.get("disabled_reason")
-    if "forced_down" in wanted:
-        changes["forced_down"] = wanted["forced_down"]
-    updated = services.update_service(service, **changes)
+    service = services.get_by_uuid(service_uuid)  # an unknown service is 404 before the body's sense is read
+    updated = services.update_service(service, **_changes(wanted))
     return request.json_response(200, {"service": service_view(view, updated)})
 
 
+def _force_down(wanted: Mapping[str, Any]) -> Response:
+    """``PUT /os-services/force-down`` (2.11–2.52).
+
+    Raises:
+        BadRequest: no ``forced_down`` in the body.
+    """
+    if "forced_down" not in wanted:
+        raise errors.BadRequest("Missing forced_down field")
+    forced_down = _forced_down(wanted["forced_down"])
+    service = services.get_by_host(wanted["host"], wanted["binary"])
+    services.update_service(service, forced_down=forced_down)
+    return request.json_response(200, {"service": {
+        "host": wanted["host"], "binary": wanted["binary"], "forced_down": forced_down}})
+
+
 def _legacy_update(view: ViewContext, action: str) -> Response:
+    """The pre-2.53 forms; the body is checked before the action is looked up, as in Nova.
+
+    Raises:
+        BadRequest: the body does not match the microversion's schema, or lacks what the action needs.
+        NotFound: an unknown action (``force-down`` is one below 2.11), host or binary.
+    """
+    wanted = request.body(router, LEGACY_UPDATE_V211 if view.at_least("2.11") else LEGACY_UPDATE)
+    if action not in LEGACY_ACTIONS or (action == "force-down" and not view.at_least("2.11")):
+        raise errors.NotFound("Unknown action")
     if action == "force-down":
-        if not view.at_least("2.11"):
-            raise errors.NotFound("Unknown action")
-        wanted = request.body(router, LEGACY_FORCE_DOWN)
-        service = services.get_by_host(wanted["host"], wanted["binary"])
-        services.update_service(service, forced_down=wanted["forced_down"])
-        return request.json_response(200, {"service": {
-            "host": wanted["host"], "binary": wanted["binary"], "forced_down": wanted["forced_down"]}})
-    wanted = request.body(router, LEGACY_UPDATE)
+        return _force_down(wanted)
     reason = wanted.get("disabled_reason")
     if action == "disable-log-reason" and reason is None:
         raise errors.BadRequest("Missing disabled reason field")
@@ -135,8 +178,6 @@ def update_service(service_id: str) -> Response:
     policy.enforce(view.ctx, RULE.format("update"), policy.NO_PROJECT)
     if view.at_least("2.53"):
         return _update(view, service_id)
-    if service_id not in LEGACY_ACTIONS:
-        raise errors.NotFound("Unknown action")
     return _legacy_update(view, service_id)
 
 

@@ -8,7 +8,7 @@ the metadata and through the aggregate's own field are the same thing.
 A host may be in several aggregates but in one availability zone only: adding a host, or
 giving an aggregate a zone, is refused when it would put one of its hosts in two zones.
 Changing the zone of an aggregate whose hosts run servers is refused too (the servers would
-silently change zone).
+silently change zone). Once given, a zone can be changed but not removed, as in Nova.
 """
 
 from __future__ import annotations
@@ -93,21 +93,23 @@ def _zones_elsewhere(session: Session, hosts: Iterable[str], aggregate_id: int |
 
 def _check_zone_change(session: Session, aggregate: Aggregate, hosts: list[str], new_zone: str | None,
                        action: str, error: type[errors.FerryError]) -> None:
-    """Refuse a zone (``None``: no zone) that would put one of ``hosts`` in two zones, or move servers.
+    """Refuse a zone that is empty or none, would put one of ``hosts`` in two zones, or move servers.
+
+    As in Nova, an aggregate's zone can be changed but not taken away: ``None`` (which would remove
+    the ``availability_zone`` key) is refused like an empty name.
 
     Raises:
-        ``error``: the zone is empty, conflicts with another aggregate's, or (except when a host
-            is added) the zone changes while the hosts run servers.
+        ``error``: the zone is empty or ``None``, conflicts with another aggregate's, or (except when
+            a host is added) the zone changes while the hosts run servers.
     """
-    if new_zone is not None:
-        if not new_zone.strip():
-            raise _refused(action, aggregate.id, f"Aggregate {aggregate.name} does not support empty named "
-                                                 f"availability zone", error)
-        conflicting = sorted({zone for zones in _zones_elsewhere(session, hosts, aggregate.id).values()
-                              for zone in zones if zone != new_zone})
-        if conflicting:
-            raise _refused(action, aggregate.id, f"One or more hosts already in availability zone(s) {conflicting}",
-                           error)
+    if new_zone is None or not new_zone.strip():
+        raise _refused(action, aggregate.id, f"Aggregate {aggregate.name} does not support empty named "
+                                             f"availability zone", error)
+    conflicting = sorted({zone for zones in _zones_elsewhere(session, hosts, aggregate.id).values()
+                          for zone in zones if zone != new_zone})
+    if conflicting:
+        raise _refused(action, aggregate.id, f"One or more hosts already in availability zone(s) {conflicting}",
+                       error)
     current = aggregate.metadata_dict.get(AZ_KEY)
     if action != ACTION_ADD_HOST and current != new_zone and hosts_have_servers(session, hosts):
         raise _refused(action, aggregate.id, "One or more hosts contain instances in this zone", error)
@@ -194,23 +196,29 @@ _UNCHANGED: Any = object()
 
 def update_aggregate(aggregate_id: int, *, name: str = _UNCHANGED,
                      availability_zone: str | None = _UNCHANGED) -> AggregateRecord:
-    """Rename an aggregate and/or change its availability zone (``None`` removes the zone).
+    """Rename an aggregate and/or change its availability zone.
+
+    The name is written first, as Nova saves it before it checks the zone: a taken name is a 409
+    whatever the zone, and a refused zone names the aggregate by its new name. A refusal leaves
+    the aggregate as it was.
 
     Raises:
         NotFound: no such aggregate.
         Conflict: another aggregate has the new name.
-        BadRequest: the new zone conflicts with another aggregate of its hosts, or its hosts run servers.
+        BadRequest: the new zone is ``None`` (a zone cannot be removed), conflicts with another
+            aggregate of its hosts, or its hosts run servers.
     """
     with api_session() as session:
         aggregate = _load(session, aggregate_id, for_update=True)
+        if name is not _UNCHANGED:
+            aggregate.name = name
+            _flush_or_conflict(session, f"Aggregate {name} already exists.")
         if availability_zone is not _UNCHANGED:
             hosts = [h.host for h in aggregate.hosts]
             _check_zone_change(session, aggregate, hosts, availability_zone, ACTION_UPDATE, errors.BadRequest)
             _set_metadata_items(aggregate, {AZ_KEY: availability_zone})
-        if name is not _UNCHANGED:
-            aggregate.name = name
         _touch(aggregate)
-        _flush_or_conflict(session, f"Aggregate {name} already exists.")
+        session.flush()
         session.refresh(aggregate)
         record = _record(aggregate)
     logger.info("aggregate updated", extra={"aggregate_id": aggregate_id})
@@ -246,8 +254,9 @@ def add_host(aggregate_id: int, host: str) -> AggregateRecord:
             raise errors.NotFound(f"Compute host {host} could not be found.")
         if any(h.host == host for h in aggregate.hosts):
             raise errors.Conflict(f"Aggregate {aggregate_id} already has host {host}.")
-        _check_zone_change(session, aggregate, [host], aggregate.metadata_dict.get(AZ_KEY), ACTION_ADD_HOST,
-                           errors.Conflict)
+        zone = aggregate.metadata_dict.get(AZ_KEY)
+        if zone is not None:  # an aggregate without a zone puts its hosts in none
+            _check_zone_change(session, aggregate, [host], zone, ACTION_ADD_HOST, errors.Conflict)
         aggregate.hosts.append(AggregateHost(host=host))
         _touch(aggregate)
         _flush_or_conflict(session, f"Aggregate {aggregate_id} already has host {host}.")
@@ -258,20 +267,21 @@ def add_host(aggregate_id: int, host: str) -> AggregateRecord:
 
 
 def remove_host(aggregate_id: int, host: str) -> AggregateRecord:
-    """Take a host out of an aggregate.
+    """Take a host out of an aggregate (a member whose compute service is gone too).
 
     Raises:
-        NotFound: no such aggregate, or ``host`` is not a compute host.
-        Conflict: the host is not in the aggregate.
+        NotFound: no such aggregate, or ``host`` is not one of its members; both in Nova's one
+            message, which does not tell them apart.
     """
-    known = is_compute_host(host)  # read before the aggregate is locked (its own sessions)
+    not_found = errors.NotFound(f"Cannot remove host {host} in aggregate {aggregate_id}")
     with api_session() as session:
-        aggregate = _load(session, aggregate_id, for_update=True)
+        try:
+            aggregate = _load(session, aggregate_id, for_update=True)
+        except errors.NotFound as exc:
+            raise not_found from exc
         member = next((h for h in aggregate.hosts if h.host == host), None)
         if member is None:
-            if not known:
-                raise errors.NotFound(f"Compute host {host} could not be found.")
-            raise errors.Conflict(f"Aggregate {aggregate_id} has no host {host}.")
+            raise not_found
         aggregate.hosts.remove(member)
         _touch(aggregate)
         session.flush()
@@ -299,8 +309,8 @@ def set_metadata(aggregate_id: int, metadata: Mapping[str, str | None]) -> Aggre
 
     Raises:
         NotFound: no such aggregate.
-        BadRequest: a new ``availability_zone`` conflicts with another aggregate of its hosts, or
-            its hosts run servers.
+        BadRequest: a new ``availability_zone`` is ``None`` (a zone cannot be removed), conflicts
+            with another aggregate of its hosts, or its hosts run servers.
     """
     with api_session() as session:
         aggregate = _load(session, aggregate_id, for_update=True)
