@@ -1562,6 +1562,38 @@ def test_a_plan_made_for_another_try_while_the_drain_ended_is_not_written(store,
 # --- retries --------------------------------------------------------------------------------------
 
 
+def test_a_retry_prefers_another_host_than_the_one_its_failed_try_went_to(store, move_machines):
+    # GIVEN a server whose first try failed on the host it was planned to, another host as good
+    source = add_compute("source", memory_mb=16384)
+    for host in ("d1", "d2"):
+        add_compute(host)
+    server = _server_on("source", source)
+    drain = _record({"host": "source", "retries": 2})
+    drains.start(drain)
+    slot = drains.acquire_slot(drain, server).to_dict()
+    failed_at = drains.prepare_move(drain, server, slot)["input"]["requested_host"]
+    with cell_session("cell1") as session:  # the move was scheduled there before it failed
+        session.execute(update(Migration).where(Migration.uuid == slot["migration_uuid"])
+                        .values(dest_compute=failed_at))
+    assert drains.record_failure(drain, server, slot, {"Error": "Ferry.SpawnFailed", "Cause": "no"})["retry"]
+
+    # WHEN it is tried again THEN it goes to the other host
+    retry = drains.acquire_slot(drain, server).to_dict()
+    other = ({"d1", "d2"} - {failed_at}).pop()
+    assert retry["action"] == "move" and _servers(drain)[server].planned_host == other
+
+    # and when that try fails too and no other host takes it, back to the one it last failed on
+    # rather than nowhere
+    with cell_session("cell1") as session:
+        session.execute(update(Migration).where(Migration.uuid == retry["migration_uuid"])
+                        .values(dest_compute=other))
+    assert drains.record_failure(drain, server, retry, {"Error": "Ferry.SpawnFailed", "Cause": "no"})["retry"]
+    [service] = services.list_services(host=failed_at)
+    services.update_service(service, disabled=True)
+    assert drains.acquire_slot(drain, server).action == "move"
+    assert _servers(drain)[server].planned_host == other
+
+
 def test_a_retry_recorded_with_the_plan_of_its_failed_try_is_planned_afresh(store, move_machines):
     # GIVEN a server whose first try failed, its retry's row pending again with the host of the
     # failed try kept, a host that takes no servers now

@@ -879,13 +879,16 @@ def _size(instance: Instance) -> tuple[int, int, int]:
 
 
 def plan_server(drain: Drain, cell: str, instance: Instance, is_bfv: bool, base: Mapping[str, Any],
-                pending: dict[str, dict[str, int]], cell_names: list[str]) -> tuple[scheduler.Selection | None, str]:
+                pending: dict[str, dict[str, int]], cell_names: list[str],
+                avoid: Iterable[str] = ()) -> tuple[scheduler.Selection | None, str]:
     """Where one server would go with ``pending`` counted as used; adds the choice to ``pending``.
+    ``avoid`` names hosts not to choose.
 
     Returns:
         ``(selection, "")``, or ``(None, why not)``.
     """
     spec = _plan_spec(drain, cell, instance, is_bfv, base, cell_names)
+    spec["ignore_hosts"] = sorted({*spec["ignore_hosts"], *avoid})
     try:
         selection = scheduler.plan_destination(spec, pending)
     except errors.NoValidHost as exc:
@@ -1278,6 +1281,15 @@ def _planned_again(drain_uuid: str, instance_uuid: str) -> str | None:
     return None
 
 
+def _failed_destination(cell: str, drain_uuid: str, instance_uuid: str, attempts: int) -> str | None:
+    """The destination of the server's last attempt, whose move failed (None before any attempt)."""
+    if attempts < 1:
+        return None
+    migration_uuid, _ = _attempt_ids(drain_uuid, instance_uuid, attempts)
+    with cell_session(cell) as session:
+        return session.scalars(select(Migration.dest_compute).where(Migration.uuid == migration_uuid)).first()
+
+
 def _replan(drain_uuid: str, instance_uuid: str, *, state: str, step: str) -> str | None:
     """A fresh destination for a server whose earlier attempt failed (the others' moves are real by now).
 
@@ -1294,14 +1306,19 @@ def _replan(drain_uuid: str, instance_uuid: str, *, state: str, step: str) -> st
     with api_session() as session:
         drain, server = _load_server(session, drain_uuid, instance_uuid)
         session.expunge(drain)
-        cell = server.cell
+        cell, attempts = server.cell, server.attempts
     with cell_session(cell) as session:
         instance = session.scalars(select(Instance).where(Instance.uuid == instance_uuid)).one()
         bfv = instances.is_bfv(session, instance_uuid)
         session.expunge(instance)
     base = _request_specs([instance_uuid])[instance_uuid]
-    selection, reason = plan_server(drain, cell, instance, bfv, base, {},
-                                    [c.name for c in all_cells(include_cell0=False)])
+    cells = [c.name for c in all_cells(include_cell0=False)]
+    failed_at = _failed_destination(cell, drain_uuid, instance_uuid, attempts)
+    # A retry prefers another host than the one its last attempt failed on (as a move's reschedule
+    # does), and goes back there only when no other host takes it.
+    selection, reason = plan_server(drain, cell, instance, bfv, base, {}, cells, avoid=[failed_at] if failed_at else [])
+    if selection is None and failed_at:
+        selection, reason = plan_server(drain, cell, instance, bfv, base, {}, cells)
     if selection is None:
         raise errors.NoValidHost(reason)
     with api_session() as session:
