@@ -97,6 +97,11 @@ PROBES: dict[str, Probe] = {
     "os_compute_api:servers:migrations:index": Probe("GET", f"{S}/migrations", server="active"),
     "os_compute_api:servers:migrations:show": Probe("GET", f"{S}/migrations/{{migration_id}}", server="active",
                                                     passes=NOT_FOUND),
+    # no server migrates live: an authorised caller gets Nova's 409
+    "os_compute_api:servers:migrations:delete": Probe("DELETE", f"{S}/migrations/{{migration_id}}",
+                                                      server="active"),
+    "os_compute_api:servers:migrations:force_complete": Probe(
+        "POST", f"{S}/migrations/{{migration_id}}/action", body={"force_complete": None}, server="active"),
     # flavors
     "os_compute_api:os-flavor-manage:create": Probe("POST", f"{V}/flavors", body={"flavor": {}}),
     "os_compute_api:os-flavor-manage:update": Probe("PUT", f"{V}/flavors/{{flavor_id}}", body={"flavor": {}}),
