@@ -93,11 +93,7 @@ def apply_report(report: dict[str, Any], queued_at: dt.datetime | None = None) -
         cell = report["cell"]
     view = _host_view(report, queued)
     with cell_session(cell) as session:
-        # The service's row lock orders two reports of the host applied at once (report batches
-        # run side by side): each compares its view with the other's and writes the inventory
-        # under the lock, so an older report's inventory never lands after a newer one's.
-        service = session.scalars(select(Service).where(Service.host == host).with_for_update()
-                                  .execution_options(populate_existing=True)).one_or_none()
+        service = session.scalars(select(Service).where(Service.host == host)).one_or_none()
         if service is None:
             service = Service(host=host, last_seen_at=now, details={})
             session.add(service)
@@ -107,11 +103,10 @@ def apply_report(report: dict[str, Any], queued_at: dt.datetime | None = None) -
         if view is not None and newest:
             # A new dict, so the JSON column sees the change.
             service.details = {**(service.details or {}), HOST_VIEW: view}
-        if report["kind"] == protocol.REPORT_INVENTORY and newest:
-            session.flush()
-            with api_session() as api:
-                cell_id = api.scalars(select(CellMapping.id).where(CellMapping.name == cell)).one()
-            placement.ensure_provider(host, report.get("node") or host, cell_id, report["inventory"])
+    if report["kind"] == protocol.REPORT_INVENTORY and newest:
+        with api_session() as session:
+            cell_id = session.scalars(select(CellMapping.id).where(CellMapping.name == cell)).one()
+        placement.ensure_provider(host, report.get("node") or host, cell_id, report["inventory"])
     if view is not None:
         try:
             reap_deleted(host, view)
