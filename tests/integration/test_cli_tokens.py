@@ -118,11 +118,14 @@ def test_revoked_tokens_are_refused_at_once(deployment, capsys, monkeypatch):
     assert capsys.readouterr().out == "1 token revoked\n" and stored() == []
 
 
-def test_a_revoke_that_names_nothing_is_bad_usage_and_revokes_nothing(deployment, capsys):
+@pytest.mark.parametrize("selectors", [[], ["--user", "alice", "--expired"], ["1", "--user", "bob"],
+                                       ["--project", "demo", "--stdin"]])
+def test_a_revoke_that_names_nothing_or_names_tokens_two_ways_is_bad_usage_and_revokes_nothing(deployment, capsys,
+                                                                                               selectors):
     token = issued(capsys, "--user", "alice", "--project", "demo")
 
-    assert cli.main(["token", "revoke"]) == 2
-    assert "say which tokens" in capsys.readouterr().err
+    assert cli.main(["token", "revoke", *selectors]) == 2
+    assert "say which tokens, one way" in capsys.readouterr().err
     assert auth.validate(token).user_id == "alice"
 
 

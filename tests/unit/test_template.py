@@ -602,7 +602,7 @@ def test_host_reports_are_applied_a_bounded_number_at_a_time():
 
 def test_the_own_queue_policy_leaves_an_agent_its_queue_its_dead_letter_queue_and_the_reports_queue_only():
     policy = RAW["Resources"]["HostAgentOwnQueuePolicy"]["Properties"]["PolicyDocument"]
-    [statement] = policy["Statement"]
+    statement, untagged = policy["Statement"]
     own = "${HostQueuePrefix.Value}${!aws:PrincipalTag/ferry-host}"
     agent_actions = set(next(s for s in RAW["Resources"]["HostAgentPolicy"]["Properties"]["PolicyDocument"][
         "Statement"] if s["Sid"] == "OwnQueue")["Action"])
@@ -611,3 +611,7 @@ def test_the_own_queue_policy_leaves_an_agent_its_queue_its_dead_letter_queue_an
     [queue, dead_letters, reports] = statement["NotResource"]
     assert queue["Fn::Sub"].endswith(":" + own) and dead_letters["Fn::Sub"].endswith(":" + own + protocol.DLQ_SUFFIX)
     assert reports == {"Fn::GetAtt": ["HostReportsQueue", "Arn"]}
+    # without the tag, every queue is denied outright
+    assert (untagged["Effect"], untagged["Resource"]) == ("Deny", "*")
+    assert set(untagged["Action"]) == set(statement["Action"])
+    assert untagged["Condition"] == {"Null": {"aws:PrincipalTag/ferry-host": "true"}}

@@ -8,7 +8,8 @@ SHA-256 is kept (:mod:`ferry.auth`).
   30 days unless told otherwise;
 - ``ferry token list [--user U] [--project P]``: the tokens kept, by record id, never their values;
 - ``ferry token revoke ID …``, ``--user U [--project P]``, ``--project P``, ``--expired`` or
-  ``--stdin`` (token values, one per line): forgotten at once (the authorizer caches nothing).
+  ``--stdin`` (token values, one per line), one of these at a time: forgotten at once (the
+  authorizer caches nothing).
 
 Exit statuses: 0 success, 1 refused (the reason on standard error), 2 bad usage, 3 could not run
 (a database that cannot be used: see :mod:`ferry.cli`).
@@ -77,9 +78,12 @@ def _run_list(args: argparse.Namespace) -> int:
 def _run_revoke(args: argparse.Namespace) -> int:
     from ferry import auth
 
-    if not (args.ids or args.stdin or args.expired or args.user is not None or args.project is not None):
-        print("ferry token revoke: say which tokens: record ids, --user, --project, --expired or --stdin",
-              file=sys.stderr)
+    # One way of naming tokens at a time: combined, they would add up (ids *and* a user's), which
+    # reads as narrowing; only --user and --project narrow each other.
+    chosen = [bool(args.ids), args.stdin, args.expired, args.user is not None or args.project is not None]
+    if sum(chosen) != 1:
+        print("ferry token revoke: say which tokens, one way: record ids, --user and/or --project, --expired "
+              "or --stdin", file=sys.stderr)
         return 2
     tokens = [line.strip() for line in sys.stdin if line.strip()] if args.stdin else []
     if args.stdin and not tokens:
