@@ -39,3 +39,13 @@ def test_a_database_that_does_not_answer_fails_the_connection_within_a_bound(eng
 
     [options] = made
     assert options["connect_args"] == {"connect_timeout": db.CONNECT_TIMEOUT} and options["pool_pre_ping"] is True
+
+
+def test_a_connect_timeout_the_url_gives_is_kept(engines, monkeypatch):
+    made = []
+    monkeypatch.setattr(db, "create_engine", lambda url, **options: made.append(options) or create_engine(
+        url, **options))
+
+    db.engine_for(URL + "?connect_timeout=3")
+
+    assert made[0]["connect_args"] == {}

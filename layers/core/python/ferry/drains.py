@@ -1282,12 +1282,15 @@ def _planned_again(drain_uuid: str, instance_uuid: str) -> str | None:
 
 
 def _failed_destination(cell: str, drain_uuid: str, instance_uuid: str, attempts: int) -> str | None:
-    """The destination of the server's last attempt, whose move failed (None before any attempt)."""
-    if attempts < 1:
+    """The destination of the server's last attempt that made a move (a try whose plan found no
+    host made none), which failed; None before any."""
+    tried = [_attempt_ids(drain_uuid, instance_uuid, attempt)[0] for attempt in range(attempts, 0, -1)]
+    if not tried:
         return None
-    migration_uuid, _ = _attempt_ids(drain_uuid, instance_uuid, attempts)
     with cell_session(cell) as session:
-        return session.scalars(select(Migration.dest_compute).where(Migration.uuid == migration_uuid)).first()
+        found = {row.uuid: row.dest_compute for row in session.execute(
+            select(Migration.uuid, Migration.dest_compute).where(Migration.uuid.in_(tried)))}
+    return next((found[uuid] for uuid in tried if found.get(uuid)), None)
 
 
 def _replan(drain_uuid: str, instance_uuid: str, *, state: str, step: str) -> str | None:

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from sqlalchemy import Engine, create_engine, event, select
+from sqlalchemy import Engine, create_engine, event, make_url, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from ferry import LAMBDA_VARIABLE, config, errors
@@ -66,7 +66,10 @@ def engine_for(url: str) -> Engine:
                 event.listen(engine, "begin", lambda conn: conn.exec_driver_sql("BEGIN IMMEDIATE"))
                 event.listen(engine, "connect", _disable_pysqlite_begin)
             else:
-                engine = create_engine(url, pool_pre_ping=True, connect_args={"connect_timeout": CONNECT_TIMEOUT},
+                # A connect_timeout the URL gives is the operator's (connect_args would override it).
+                given = "connect_timeout" in make_url(url).query
+                engine = create_engine(url, pool_pre_ping=True,
+                                       connect_args={} if given else {"connect_timeout": CONNECT_TIMEOUT},
                                        **_pool_sizes())
             _engines[url] = engine
         return engine
