@@ -4,14 +4,83 @@ from __future__ import annotations
 
 import datetime as dt
 import re
+import uuid
+from collections.abc import Iterator
+from typing import Any
 
+import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import text
+from sqlalchemy import create_engine, select, text
+from sqlalchemy.exc import IntegrityError
 
-from ferry.store import migrate
-from ferry.store.cell_models import CellBase
+from ferry.compute.instances import default_hostname
+from ferry.store import db, migrate
+from ferry.store.cell_models import CellBase, InstanceAction, InstanceActionEvent
 from ferry.store.db import engine_for
+
+NOW = dt.datetime(2026, 1, 1)
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def empty_cell_url(request, tmp_path) -> Iterator[str]:
+    """The URL of an empty database, on SQLite and on PostgreSQL."""
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'cell.sqlite'}"
+        yield url
+        forget_engine(url)
+    else:
+        yield from empty_pg_database(request.getfixturevalue("pg_base_url"))
+
+
+def empty_pg_database(base_url: str) -> Iterator[str]:
+    """A new empty PostgreSQL database's URL; the database is dropped after."""
+    name = f"ferry_mig_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(base_url + "postgres", isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            conn.execute(text(f"CREATE DATABASE {name}"))
+        yield base_url + name
+        forget_engine(base_url + name)
+        with admin.connect() as conn:
+            conn.execute(text(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+    finally:
+        admin.dispose()
+
+
+def forget_engine(url: str) -> None:
+    """Close the process's connections to ``url`` and forget its engine."""
+    with db._lock:
+        engine = db._engines.pop(url, None)
+    if engine is not None:
+        engine.dispose()
+
+
+def insert_instance(connection: Any, instance_uuid: str, name: str) -> None:
+    """A server row as the schema of 0001_cell has it."""
+    connection.execute(text(
+        "INSERT INTO instances (uuid, display_name, project_id, user_id, flavor, vm_state, power_state, metadata, "
+        "locked, hidden, deleted, created_at) VALUES (:uuid, :name, 'p', 'u', '{}', 'active', 1, '{}', "
+        ":no, :no, :no, :now)"), {"uuid": instance_uuid, "name": name, "no": False, "now": NOW})
+
+
+def insert_action(connection: Any, instance_uuid: str, request_id: str, **values: Any) -> int:
+    """An action row (without the unique constraint of 0005_cell, copies are allowed); its id."""
+    row = {"action": "create", "user_id": None, "project_id": None, "start_time": NOW, "finish_time": None,
+           "message": None, "updated_at": None, **values, "instance_uuid": instance_uuid, "request_id": request_id}
+    connection.execute(text(
+        "INSERT INTO instance_actions (action, instance_uuid, request_id, user_id, project_id, start_time, "
+        "finish_time, message, updated_at) VALUES (:action, :instance_uuid, :request_id, :user_id, :project_id, "
+        ":start_time, :finish_time, :message, :updated_at)"), row)
+    return connection.execute(text("SELECT max(id) FROM instance_actions")).scalar_one()
+
+
+def insert_event(connection: Any, action_id: int, event: str, **values: Any) -> None:
+    row = {"start_time": NOW, "finish_time": None, "result": None, "traceback": None, "host": None,
+           "details": None, **values, "action_id": action_id, "event": event}
+    connection.execute(text(
+        "INSERT INTO instance_actions_events (action_id, event, start_time, finish_time, result, traceback, host, "
+        "details) VALUES (:action_id, :event, :start_time, :finish_time, :result, :traceback, :host, :details)"), row)
 
 
 def test_migrated_cell_databases_match_the_models(store):
@@ -21,14 +90,11 @@ def test_migrated_cell_databases_match_the_models(store):
             assert compare_metadata(context, CellBase.metadata) == []
 
 
-def test_the_description_column_is_added_to_existing_instances(tmp_path):
-    url = f"sqlite:///{tmp_path / 'cell.sqlite'}"
+def test_the_description_column_is_added_to_existing_instances(empty_cell_url):
+    url = empty_cell_url
     migrate.upgrade("cell", url, "0001_cell")
     with engine_for(url).begin() as connection:
-        connection.execute(text(
-            "INSERT INTO instances (uuid, display_name, project_id, user_id, flavor, vm_state, power_state, metadata, "
-            "locked, hidden, deleted, created_at) VALUES ('u-1', 'before', 'p', 'u', '{}', 'active', 1, '{}', "
-            "0, 0, 0, :now)"), {"now": dt.datetime(2026, 1, 1)})
+        insert_instance(connection, "u-1", "before")
 
     migrate.upgrade("cell", url)
 
@@ -37,15 +103,12 @@ def test_the_description_column_is_added_to_existing_instances(tmp_path):
     assert tuple(row) == ("before", None)
 
 
-def test_servers_that_exist_get_a_hostname_from_their_name_and_a_reservation_id(tmp_path):
-    url = f"sqlite:///{tmp_path / 'cell.sqlite'}"
+def test_servers_that_exist_get_a_hostname_from_their_name_and_a_reservation_id(empty_cell_url):
+    url = empty_cell_url
     migrate.upgrade("cell", url, "0002_cell")
     with engine_for(url).begin() as connection:
-        for uuid, name in (("u-1", "Web Server_1"), ("u-2", "☕")):
-            connection.execute(text(
-                "INSERT INTO instances (uuid, display_name, project_id, user_id, flavor, vm_state, power_state, "
-                "metadata, locked, hidden, deleted, created_at) VALUES (:uuid, :name, 'p', 'u', '{}', 'active', 1, "
-                "'{}', 0, 0, 0, :now)"), {"uuid": uuid, "name": name, "now": dt.datetime(2026, 1, 1)})
+        for instance_uuid, name in (("u-1", "Web Server_1"), ("u-2", "☕")):
+            insert_instance(connection, instance_uuid, name)
 
     migrate.upgrade("cell", url)
 
@@ -56,3 +119,81 @@ def test_servers_that_exist_get_a_hostname_from_their_name_and_a_reservation_id(
                                                                  ("u-2", "Server-u-2", None)]
     assert all(re.fullmatch(r"r-[a-z0-9]{8}", r.reservation_id) for r in rows)
     assert rows[0].reservation_id != rows[1].reservation_id
+
+
+NAMES = ["Web Server_1", "☕", "", "..db.01..", "Ünïcode façade", "x" * 80, "a b_c.d", "ß²µ-ºª", "  -_-  ", "web"]
+
+
+def test_every_server_is_filled_in_as_before_however_many_there_are(empty_cell_url):
+    # GIVEN more servers than one statement fills in, with names of every kind, at 0002
+    url = empty_cell_url
+    migrate.upgrade("cell", url, "0002_cell")
+    servers = {f"u-{n:04d}": NAMES[n % len(NAMES)] + ("" if n < len(NAMES) else f" {n}") for n in range(457)}
+    with engine_for(url).begin() as connection:
+        for instance_uuid, name in servers.items():
+            insert_instance(connection, instance_uuid, name)
+
+    # WHEN the cell is upgraded
+    migrate.upgrade("cell", url)
+
+    # THEN each has the hostname its name gave before, and a reservation id of its own
+    with engine_for(url).connect() as connection:
+        rows = connection.execute(text("SELECT uuid, hostname, reservation_id FROM instances")).all()
+    assert {r.uuid: r.hostname for r in rows} == {u: default_hostname(name, u) for u, name in servers.items()}
+    assert all(re.fullmatch(r"r-[a-z0-9]{8}", r.reservation_id) for r in rows)
+    assert len({r.reservation_id for r in rows}) == len(rows)
+
+
+def test_a_requests_copies_of_an_action_become_one_with_every_event(empty_cell_url):
+    # GIVEN a request whose action two deliveries recorded three times, each copy with events,
+    # beside actions that are no copies (another request of the server, the request on another server)
+    url = empty_cell_url
+    migrate.upgrade("cell", url, "0004_cell")
+    t = [NOW + dt.timedelta(minutes=m) for m in range(10)]
+    with engine_for(url).begin() as connection:
+        oldest = insert_action(connection, "u-1", "req-1", start_time=t[1])
+        second = insert_action(connection, "u-1", "req-1", user_id="alice", start_time=t[0], finish_time=t[5],
+                               updated_at=t[5])
+        third = insert_action(connection, "u-1", "req-1", project_id="demo", start_time=t[2], message="Error",
+                              finish_time=t[4], updated_at=t[6])
+        other_request = insert_action(connection, "u-1", "req-2")
+        other_server = insert_action(connection, "u-2", "req-1")
+        insert_event(connection, oldest, "compute_boot", start_time=t[2])
+        insert_event(connection, second, "compute_boot", start_time=t[1], finish_time=t[5], result="Success",
+                     host="h1", details="ok")
+        insert_event(connection, third, "compute_boot", start_time=t[3], finish_time=t[4], result="Error",
+                     details="HypervisorError: boom", traceback="Traceback …")
+        insert_event(connection, second, "schedule", start_time=t[0], finish_time=t[1], result="Success")
+        insert_event(connection, other_request, "compute_stop")
+        insert_event(connection, other_server, "compute_boot")
+
+    # WHEN the cell is upgraded
+    migrate.upgrade("cell", url)
+
+    # THEN the oldest action stands for the request, with what every copy recorded
+    with engine_for(url).connect() as connection:
+        a, e = InstanceAction, InstanceActionEvent
+        actions = connection.execute(select(a.id, a.instance_uuid, a.request_id, a.user_id, a.project_id,
+                                            a.start_time, a.finish_time, a.message, a.updated_at).order_by(a.id)).all()
+        events = connection.execute(select(e.action_id, e.event, e.start_time, e.finish_time, e.result, e.host,
+                                           e.details, e.traceback).order_by(e.action_id, e.event)).all()
+    assert [tuple(a) for a in actions] == [
+        (oldest, "u-1", "req-1", "alice", "demo", t[0], t[5], "Error", t[6]),
+        (other_request, "u-1", "req-2", None, None, NOW, None, None, None),
+        (other_server, "u-2", "req-1", None, None, NOW, None, None, None)]
+    assert [tuple(e) for e in events] == [
+        (oldest, "compute_boot", t[1], t[5], "Error", "h1", "HypervisorError: boom", "Traceback …"),
+        (oldest, "schedule", t[0], t[1], "Success", None, None, None),
+        (other_request, "compute_stop", NOW, None, None, None, None, None),
+        (other_server, "compute_boot", NOW, None, None, None, None, None)]
+
+
+def test_a_request_cannot_record_a_second_action_on_a_server(empty_cell_url):
+    url = empty_cell_url
+    migrate.upgrade("cell", url)
+    with engine_for(url).begin() as connection:
+        insert_action(connection, "u-1", "req-1")
+        insert_action(connection, "u-2", "req-1")
+
+    with pytest.raises(IntegrityError), engine_for(url).begin() as connection:
+        insert_action(connection, "u-1", "req-1")

@@ -11,6 +11,7 @@ import traceback as tb
 from typing import Any
 
 from sqlalchemy import delete, select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from ferry import errors
@@ -33,15 +34,24 @@ ERROR = "Error"
 
 def start_action(session: Session, *, instance_uuid: str, action: str, request_id: str,
                  user_id: str | None, project_id: str | None) -> InstanceAction:
-    """Record that ``action`` was accepted for an instance (idempotent per request id)."""
-    existing = session.scalars(select(InstanceAction).where(
-        InstanceAction.instance_uuid == instance_uuid, InstanceAction.request_id == request_id)).one_or_none()
+    """Record that ``action`` was accepted for an instance (idempotent per request id).
+
+    Two deliveries of one step may both find no action and insert one: the second insert is refused
+    by the (instance_uuid, request_id) constraint once the first commits, in a savepoint so that the
+    rest of its transaction stands, and the action the first recorded is returned.
+    """
+    existing = _action(session, instance_uuid, request_id)
     if existing is not None:
         return existing
     record = InstanceAction(instance_uuid=instance_uuid, action=action, request_id=request_id,
                             user_id=user_id, project_id=project_id)
-    session.add(record)
     session.flush()
+    try:
+        with session.begin_nested():
+            session.add(record)
+    except IntegrityError:
+        return session.scalars(select(InstanceAction).where(
+            InstanceAction.instance_uuid == instance_uuid, InstanceAction.request_id == request_id)).one()
     return record
 
 
@@ -84,8 +94,7 @@ def take_request(session: Session, *, instance_uuid: str, request_id: str, task_
     Raises:
         UnexpectedTaskState: the request was undone (or the server is gone); nothing is recorded.
     """
-    instance = session.scalars(select(Instance).where(Instance.uuid == instance_uuid)
-                               .with_for_update()).one_or_none()
+    instance = _locked_instance(session, instance_uuid)
     if instance is None or instance.deleted or instance.task_state not in task_states \
             or _action(session, instance_uuid, request_id) is None:
         raise errors.UnexpectedTaskState(
@@ -95,8 +104,17 @@ def take_request(session: Session, *, instance_uuid: str, request_id: str, task_
 
 
 def lock_server(session: Session, instance_uuid: str) -> None:
-    """Take the server's row lock for the rest of the transaction (see :func:`request_taken`)."""
-    session.scalars(select(Instance.id).where(Instance.uuid == instance_uuid).with_for_update()).first()
+    """Take the server's row lock for the rest of the transaction (see :func:`request_taken`); the
+    server, if the session read it before, now has the values read under the lock."""
+    _locked_instance(session, instance_uuid)
+
+
+def _locked_instance(session: Session, instance_uuid: str) -> Instance | None:
+    """The server read under its row lock. The row read replaces what the session holds of it:
+    otherwise a server the session loaded before would keep the values it had then, and a check
+    "under the lock" would check those."""
+    return session.scalars(select(Instance).where(Instance.uuid == instance_uuid).with_for_update()
+                           .execution_options(populate_existing=True)).one_or_none()
 
 
 def request_taken(session: Session, instance_uuid: str, request_id: str) -> bool:

@@ -115,7 +115,11 @@ class Tag(CellBase):
 
 
 class InstanceAction(CellBase):
+    """An action a request started on a server: one per server and request id (a step delivered
+    twice finds the one recorded)."""
+
     __tablename__ = "instance_actions"
+    __table_args__ = (UniqueConstraint("instance_uuid", "request_id"),)
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     action: Mapped[str] = mapped_column(String(255))
     instance_uuid: Mapped[str] = mapped_column(String(36), index=True)

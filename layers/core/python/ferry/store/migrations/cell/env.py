@@ -28,6 +28,9 @@ def _run_with(connection) -> None:  # noqa: ANN001 - alembic hands us a Connecti
         target_metadata=target_metadata,
         render_as_batch=connection.dialect.name == "sqlite",
         compare_type=True,
+        # Each revision commits on its own: a table a revision altered is not held locked while
+        # the revisions after it run (on SQLite, ferry.store.migrate runs them in one transaction).
+        transaction_per_migration=True,
     )
     with context.begin_transaction():
         context.run_migrations()
