@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import create_engine, select, text
@@ -197,3 +198,24 @@ def test_a_request_cannot_record_a_second_action_on_a_server(empty_cell_url):
 
     with pytest.raises(IntegrityError), engine_for(url).begin() as connection:
         insert_action(connection, "u-1", "req-1")
+
+
+def test_undoing_0005_on_sqlite_with_foreign_keys_on_is_refused_and_keeps_every_event(tmp_path):
+    # GIVEN a SQLite cell at the head with an action and its event, its foreign keys on (as
+    # Ferry's engines have them)
+    url = f"sqlite:///{tmp_path / 'cell.sqlite'}"
+    migrate.upgrade("cell", url)
+    with engine_for(url).begin() as connection:
+        insert_event(connection, insert_action(connection, "u-1", "req-1"), "compute_resize")
+
+    # WHEN 0005 is undone through such a connection
+    cfg = migrate.alembic_config("cell", url)
+    with pytest.raises(RuntimeError, match="foreign keys"), engine_for(url).begin() as connection:
+        cfg.attributes["connection"] = connection
+        command.downgrade(cfg, "0004_cell")
+
+    # THEN nothing was undone, and the event is still there
+    with engine_for(url).connect() as connection:
+        assert connection.execute(text("SELECT count(*) FROM instance_actions_events")).scalar_one() == 1
+        assert connection.execute(text("SELECT version_num FROM alembic_version")).scalar_one() == "0005_cell"
+    forget_engine(url)

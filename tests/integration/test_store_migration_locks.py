@@ -140,6 +140,31 @@ def test_a_revision_that_waited_too_long_is_tried_again(cell_url, quick_lock_wai
     assert version_of(cell_url) == HEAD
 
 
+def test_a_revision_whose_lock_wait_deadlocked_with_a_step_is_tried_again(cell_url, monkeypatch):
+    # GIVEN a cell at 0004 and a step forgetting an action: its events first, then the action
+    migrate.upgrade("cell", cell_url, "0004_cell")
+    monkeypatch.setattr(migrate, "RETRY_PAUSE_SECONDS", 0.5)
+    step = create_engine(cell_url)
+    with step.connect() as forgetting:
+        forgetting.execute(text("DELETE FROM instance_actions_events WHERE action_id = -1"))
+
+        # WHEN 0005 takes its tables meanwhile (the actions', then waits for the events'), and the
+        # step goes on to the actions' table: a cycle PostgreSQL breaks by failing one side
+        upgrading = threading.Thread(target=migrate.upgrade, args=("cell", cell_url))
+        upgrading.start()
+        time.sleep(0.3)
+        try:
+            forgetting.execute(text("DELETE FROM instance_actions WHERE id = -1"))
+            forgetting.commit()
+        except Exception:  # noqa: BLE001 - the step may be the side PostgreSQL fails
+            forgetting.rollback()
+        upgrading.join(30)
+    step.dispose()
+
+    # THEN the sync still reaches the head (tried again when it was the side that failed)
+    assert version_of(cell_url) == HEAD
+
+
 def _assert_advisory_lock_free(url: str) -> None:
     other = create_engine(url)
     try:

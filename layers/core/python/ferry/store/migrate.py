@@ -38,19 +38,21 @@ ADVISORY_LOCK_KEYS = {"api": 0x6665727279617069, "cell": 0x666572727963656C}
 LOCK_TIMEOUT = "5s"
 LOCK_ATTEMPTS = 3
 RETRY_PAUSE_SECONDS = 2.0
-# PostgreSQL's SQLSTATE for a lock not granted within lock_timeout (lock_not_available).
-_LOCK_NOT_AVAILABLE = "55P03"
+# PostgreSQL's SQLSTATEs of a lock a revision did not get: not granted within lock_timeout
+# (lock_not_available), or a wait that closed a cycle with a function's transaction, which PostgreSQL
+# broke by failing the revision (deadlock_detected).
+_LOCK_NOT_HAD = frozenset({"55P03", "40P01"})
 
 
 class SchemaLockTimeout(OperationalError):
-    """A revision could not have a table's lock within :data:`LOCK_TIMEOUT`, :data:`LOCK_ATTEMPTS`
-    times: a long transaction holds it. The revisions before it are applied; running the upgrade
-    again goes on from there."""
+    """A revision did not have a table's lock, :data:`LOCK_ATTEMPTS` times in all: a long transaction
+    held it (:data:`LOCK_TIMEOUT`), or the wait closed a deadlock PostgreSQL broke. The revisions
+    before it are applied; running the upgrade again goes on from there."""
 
     def __init__(self, kind: str, cause: OperationalError) -> None:
-        message = (f"the {kind} database's schema change waited more than {LOCK_TIMEOUT} for a table's lock "
-                   f"{LOCK_ATTEMPTS} times (a long transaction holds it); the revisions before it are applied: "
-                   f"run `ferry db sync` again")
+        message = (f"the {kind} database's schema change did not get a table's lock {LOCK_ATTEMPTS} times (a long "
+                   f"transaction held it past {LOCK_TIMEOUT}, or a deadlock with a running step); the revisions "
+                   f"before it are applied: run `ferry db sync` again")
         super().__init__(cause.statement, None, RuntimeError(message))
 
 
@@ -99,7 +101,7 @@ def _run_retrying(cfg: Config, connection: Connection, revision: str, kind: str)
             return
         except OperationalError as exc:
             connection.rollback()
-            if getattr(exc.orig, "pgcode", None) != _LOCK_NOT_AVAILABLE:
+            if getattr(exc.orig, "pgcode", None) not in _LOCK_NOT_HAD:
                 raise
             if attempt == LOCK_ATTEMPTS:
                 raise SchemaLockTimeout(kind, exc) from exc

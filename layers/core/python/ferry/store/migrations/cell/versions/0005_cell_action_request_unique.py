@@ -40,8 +40,11 @@ def upgrade() -> None:
     """Merge each request's duplicate actions into its oldest, then make (instance_uuid, request_id) unique."""
     connection = op.get_bind()
     if connection.dialect.name == "postgresql":
-        # No action or event is written between the merge and the constraint (reads go on).
-        op.execute("LOCK TABLE instance_actions, instance_actions_events IN SHARE ROW EXCLUSIVE MODE")
+        # Both tables for the whole revision, taken at once and never raised later: the functions
+        # touch them in either order, so a weaker lock raised at the ALTER could close a cycle with
+        # a function mid-step. A cycle while taking them is broken by PostgreSQL (one side fails:
+        # the step is retried, the sync too: ferry.store.migrate).
+        op.execute("LOCK TABLE instance_actions, instance_actions_events IN ACCESS EXCLUSIVE MODE")
     for instance_uuid, request_id in connection.execute(
             sa.select(ACTIONS.c.instance_uuid, ACTIONS.c.request_id)
             .group_by(ACTIONS.c.instance_uuid, ACTIONS.c.request_id).having(sa.func.count() > 1)).all():
@@ -50,10 +53,9 @@ def upgrade() -> None:
 
 
 def _add_constraint(dialect: str) -> None:
-    """Make (instance_uuid, request_id) unique. On PostgreSQL the index is built first, under the
-    lock above, and then becomes the constraint: the ALTER's exclusive lock, which stops reads too,
-    is held only for that. (SQLite rebuilds the table: ferry.store.migrate turns its foreign keys
-    off meanwhile, or dropping the old table would delete every event with its action.)"""
+    """Make (instance_uuid, request_id) unique. On PostgreSQL the index is built under the lock
+    above and then becomes the constraint. (SQLite rebuilds the table: ferry.store.migrate turns its
+    foreign keys off meanwhile, or dropping the old table would delete every event with its action.)"""
     if dialect == "postgresql":
         op.execute(f"CREATE UNIQUE INDEX {UNIQUE} ON instance_actions (instance_uuid, request_id)")
         op.execute(f"ALTER TABLE instance_actions ADD CONSTRAINT {UNIQUE} UNIQUE USING INDEX {UNIQUE}")
@@ -63,7 +65,14 @@ def _add_constraint(dialect: str) -> None:
 
 
 def downgrade() -> None:
-    """Drop the constraint (merged actions stay merged)."""
+    """Drop the constraint (merged actions stay merged).
+
+    Refused on SQLite with foreign keys on: rebuilding the table there would delete every event.
+    """
+    connection = op.get_bind()
+    if connection.dialect.name == "sqlite" and connection.exec_driver_sql("PRAGMA foreign_keys").scalar():
+        raise RuntimeError("0005_cell's downgrade rebuilds instance_actions: turn SQLite's foreign keys off "
+                           "first (PRAGMA foreign_keys=OFF), or every action event is deleted with the old table")
     with op.batch_alter_table('instance_actions', schema=None) as batch_op:
         batch_op.drop_constraint(UNIQUE, type_='unique')
 
