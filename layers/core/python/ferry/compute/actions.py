@@ -50,8 +50,10 @@ def start_action(session: Session, *, instance_uuid: str, action: str, request_i
         with session.begin_nested():
             session.add(record)
     except IntegrityError:
-        return session.scalars(select(InstanceAction).where(
-            InstanceAction.instance_uuid == instance_uuid, InstanceAction.request_id == request_id)).one()
+        recorded = _action(session, instance_uuid, request_id)
+        if recorded is None:  # refused for another reason than the other delivery's action
+            raise
+        return recorded
     return record
 
 
