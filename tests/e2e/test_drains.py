@@ -114,7 +114,7 @@ def test_a_host_drain_moves_ten_servers_and_keeps_their_power_states(local_stack
 
     assert finished["status"] == "completed", finished
     assert finished["counts"] == {"total": 10, "done": 10, "failed": 0, "in_progress": 0, "left": 0,
-                                  "cancelled": 0, "unplaceable": 0}
+                                  "cancelled": 0, "unplaceable": 0, "gone": 0}
     assert {s["id"] for s in finished["servers"]} == set(before)
     for server in finished["servers"]:
         assert server["state"] == "done" and server["source_host"] == host and server["dest_host"] != host

@@ -11,7 +11,7 @@ from test_api_support import ADMIN, add_host, call, mocked_cloud
 from ferry import drains
 from ferry.auth import RequestContext
 from ferry.store import setup
-from ferry.store.api_models import Drain
+from ferry.store.api_models import Drain, DrainServer
 from ferry.store.db import api_session
 
 OPERATOR = RequestContext(user_id=ADMIN.user_id, project_id=ADMIN.project_id, roles=ADMIN.roles)
@@ -108,3 +108,27 @@ def test_a_refused_drain_request_repeats_its_callback_url_neither_in_the_answer_
     assert TOKEN not in logged
     with api_session() as session:
         assert session.scalars(select(Drain.uuid)).all() == []
+
+
+def test_a_drains_view_counts_and_shows_a_server_deleted_during_the_drain_as_gone(cloud):
+    # GIVEN a drain with one server moved and one deleted by its owner before its turn
+    drain_uuid = running_drain()
+    with api_session() as session:
+        drain_id = session.scalars(select(Drain.id).where(Drain.uuid == drain_uuid)).one()
+        session.add_all([
+            DrainServer(drain_id=drain_id, position=0, instance_uuid="11111111-1111-1111-1111-111111111111",
+                        cell="cell1", source_host="host1", dest_host="host2", state=drains.DONE, attempts=1),
+            DrainServer(drain_id=drain_id, position=1, instance_uuid="22222222-2222-2222-2222-222222222222",
+                        cell="cell1", source_host="host1", state=drains.GONE, attempts=0,
+                        error="The server no longer exists: it was deleted before its move started.")])
+
+    # WHEN it is shown and listed
+    shown = call("GET", f"/v2.1/ferry/drains/{drain_uuid}", caller=ADMIN)
+    listed = call("GET", "/v2.1/ferry/drains", caller=ADMIN)
+
+    # THEN both count it gone, apart from the failed, and the server's state says so
+    assert shown.status == listed.status == 200
+    counts = shown.body["drain"]["counts"]
+    assert (counts["done"], counts["gone"], counts["failed"], counts["left"]) == (1, 1, 0, 0)
+    assert [s["state"] for s in shown.body["drain"]["servers"]] == ["done", "gone"]
+    assert listed.body["drains"][0]["counts"] == counts

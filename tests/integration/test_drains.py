@@ -2181,3 +2181,147 @@ def test_a_service_an_operator_disables_while_the_drain_disables_it_keeps_the_op
     assert drains.give_back_targets(drain) == ["h2"]
     [h1] = services.list_services(host="h1")
     assert (h1.disabled, h1.disabled_reason) == (True, "operator: bad disk")
+
+
+# --- servers deleted during the drain -------------------------------------------------------------
+
+
+def _deleted(server: str, how: str = "deleted", cell: str = "cell1") -> None:
+    """The server's records once its owner deleted it: ``deleted`` as the delete workflow leaves
+    them (mapping queued for delete, instance soft-deleted), or only one half of that
+    (``mapping queued``, ``instance deleted``), or its mapping removed altogether (``purged``)."""
+    if how in ("deleted", "mapping queued"):
+        with api_session() as session:
+            session.execute(update(InstanceMapping).where(InstanceMapping.instance_uuid == server)
+                            .values(queued_for_delete=True))
+    if how in ("deleted", "instance deleted"):
+        with cell_session(cell) as session:
+            session.execute(update(Instance).where(Instance.uuid == server)
+                            .values(deleted=True, vm_state="deleted", task_state=None))
+    if how == "purged":
+        with api_session() as session:
+            session.delete(session.scalars(select(InstanceMapping).where(
+                InstanceMapping.instance_uuid == server)).one())
+
+
+def _migrations_of(server: str) -> list[str]:
+    with cell_session("cell1") as session:
+        return list(session.scalars(select(Migration.uuid).where(Migration.instance_uuid == server)))
+
+
+@pytest.mark.parametrize("how", ["deleted", "mapping queued", "instance deleted", "purged"])
+def test_a_server_deleted_before_its_move_started_is_gone_and_no_move_starts(store, how):
+    # GIVEN a running drain of two servers, one deleted by its owner before its turn
+    drain, kept, deleted = _started_with_two()
+    _deleted(deleted, how)
+
+    # WHEN its iteration asks for a slot (twice: a step may run again)
+    first = drains.acquire_slot(drain, deleted)
+    again = drains.acquire_slot(drain, deleted)
+
+    # THEN its iteration stops, no move is accepted, and the server is gone, not failed
+    assert first.action == again.action == "stop"
+    row = _servers(drain)[deleted]
+    assert (row.state, row.attempts, row.migration_uuid) == ("gone", 0, None)
+    assert row.error == "The server no longer exists: it was deleted before its move started."
+    assert _migrations_of(deleted) == []
+    # and the other server still moves
+    assert drains.acquire_slot(drain, kept).action == "move"
+
+
+def test_a_server_deleted_before_its_retry_is_gone_and_not_planned_again(store, move_machines):
+    # GIVEN a server whose first try failed and rolled back, waiting for its retry
+    drain, server, slot, _move = _prepared_move()
+    assert drains.record_failure(drain, server, slot, {"Error": "States.Runtime", "Cause": "throttled"})["retry"]
+    _deleted(server)
+
+    # WHEN its iteration asks for a slot again
+    assert drains.acquire_slot(drain, server).action == "stop"
+
+    # THEN it is gone with its one try, and no second move was accepted
+    row = _servers(drain)[server]
+    assert (row.state, row.attempts, row.planned_host) == ("gone", 1, None)
+    assert "before its next try started" in row.error
+    assert _migrations_of(server) == [slot["migration_uuid"]]
+
+
+def test_a_server_deleted_once_its_slot_was_taken_is_refused_by_preparemove_and_recorded_gone(store, move_machines):
+    # GIVEN AcquireSlot handed out the move, and the server was deleted before PrepareMove ran
+    drain, _kept, server = _started_with_two(retries=1)
+    slot = drains.acquire_slot(drain, server).to_dict()
+    _deleted(server)
+
+    # WHEN PrepareMove runs: it accepts nothing
+    with pytest.raises(errors.InstanceNotFound, match="deleted before its move started"):
+        drains.prepare_move(drain, server, slot)
+    assert _migrations_of(server) == []
+
+    # THEN RecordFailure, where the workflow goes, records it gone without another try
+    error = {"Error": "Ferry.InstanceNotFound", "Cause": f"Server {server} was deleted before its move started."}
+    outcome = drains.record_failure(drain, server, slot, error)
+    assert outcome["retry"] is False and outcome["confirm"] is False and outcome["state"] == "gone"
+    assert drains.record_failure(drain, server, slot, error) == outcome  # run twice: the same
+
+
+def test_a_server_deleted_after_its_move_failed_is_gone_and_not_tried_again(store, move_machines):
+    # GIVEN a drain with a retry left whose server's move failed and rolled back, and whose owner
+    # then deleted the server before RecordFailure ran
+    drain, server, slot, _move = _prepared_move()
+    with cell_session("cell1") as session:
+        session.execute(update(Instance).where(Instance.uuid == server).values(task_state=None))
+        session.execute(update(Migration).where(Migration.uuid == slot["migration_uuid"]).values(status="error"))
+    _deleted(server)
+    error = {"Error": "Ferry.HostOpTimeout", "Cause": "PrepResizeAtDest timed out"}
+
+    # WHEN RecordFailure runs (twice: a step may run again)
+    outcome = drains.record_failure(drain, server, slot, error)
+    again = drains.record_failure(drain, server, slot, error)
+
+    # THEN the server is gone, with the move's error, and not tried again
+    assert outcome == again == {
+        "retry": False, "confirm": False, "state": "gone",
+        "error": "The server no longer exists (deleted during the drain): PrepResizeAtDest timed out"}
+    row = _servers(drain)[server]
+    assert (row.state, row.dest_host, row.attempts) == ("gone", None, 1)
+    assert drains.acquire_slot(drain, server).action == "stop"
+
+
+def test_a_drain_whose_only_other_servers_moved_completes_with_the_deleted_one_counted_gone(store, bus):
+    # GIVEN a running drain of two servers: one moves, the other is deleted before its turn
+    drain, moved, deleted = _started_with_two()
+    assert drains.acquire_slot(drain, moved).action == "move"
+    with cell_session("cell1") as session:
+        session.execute(update(Instance).where(Instance.uuid == moved).values(host="dest", node="dest"))
+    drains.record_moved(drain, moved, confirmed=True)
+    _deleted(deleted)
+    assert drains.acquire_slot(drain, deleted).action == "stop"
+
+    # WHEN the drain finishes
+    report = drains.finish(drain)
+
+    # THEN it completed, counting the deleted server gone and naming it so
+    assert report["status"] == "completed"
+    assert report["message"] == "All 2 servers left: 1 moved, 1 deleted during the drain."
+    assert report["counts"] == {"total": 2, "done": 1, "failed": 0, "in_progress": 0, "left": 0, "cancelled": 0,
+                                "unplaceable": 0, "gone": 1}
+    view = drains.get_view(drain)
+    assert {s["id"]: s["state"] for s in view["servers"]} == {moved: "done", deleted: "gone"}
+    # and its end is announced as drain.end, with the server gone in the payload
+    end = bus()[-1]
+    assert end["detail-type"] == "drain.end"
+    assert end["detail"]["payload"]["counts"]["gone"] == 1
+    assert {s["id"]: s["state"] for s in end["detail"]["payload"]["servers"]}[deleted] == "gone"
+
+
+def test_a_drain_with_a_deleted_server_and_a_failed_one_fails_naming_both(store):
+    drain, failed, deleted = _started_with_two()
+    with api_session() as session:
+        session.execute(update(DrainServer).where(DrainServer.instance_uuid == failed)
+                        .values(state="failed", error="boom"))
+    _deleted(deleted)
+    assert drains.acquire_slot(drain, deleted).action == "stop"
+
+    report = drains.finish(drain)
+
+    assert report["status"] == "failed"
+    assert report["message"] == "0 of 2 servers moved; 1 failed, 0 could not be placed, 1 deleted during the drain."

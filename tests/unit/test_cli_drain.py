@@ -416,6 +416,7 @@ def test_durations_read_at_a_glance(seconds, text):
     ({"total": 2, "done": 1, "in_progress": 1, "left": 1}, 50),  # moving servers are in "left" too
     ({"total": 200, "done": 150, "failed": 40, "cancelled": 5, "unplaceable": 4}, 99),  # floored
     ({"total": 4, "done": 2, "failed": 1, "unplaceable": 1}, 100),
+    ({"total": 3, "done": 2, "gone": 1}, 100),  # a server deleted during the drain is settled too
 ])
 def test_the_percentage_counts_settled_servers(counts, percent):
     assert cli_drain.settled_percent(counts) == percent
@@ -639,3 +640,33 @@ def test_an_interval_that_is_no_finite_number_above_0_is_a_usage_error(capsys, i
 
     assert exited.value.code == 2
     assert "argument --interval" in capsys.readouterr().err
+
+
+def test_a_server_deleted_during_the_drain_is_shown_gone_not_back_on_its_source(cloud, capsys):
+    # GIVEN a drain that completed with one of its servers deleted by its owner on the way
+    servers = [server(VM1, "vm1", "done", dest_host="h2", attempts=1),
+               server(VM2, "vm2", "done", dest_host="h2", attempts=1),
+               server(VM3, "vm3", "gone", error="The server no longer exists: it was deleted before its move started.")]
+    completed = view("completed", {"done": 2, "gone": 1, "left": 0}, servers=servers,
+                     message="All 3 servers left: 2 moved, 1 deleted during the drain.")
+
+    # WHEN it is watched to its end
+    status, out, _ = watched(FakeConnection(ok({"drain": running(2)}), ok({"drain": completed})))
+
+    # THEN the server is announced gone, counted, named in the summary, and the watch succeeds
+    assert status == 0
+    assert f"vm3 ({VM3}): gone, deleted during the drain (it was on h1)" in out
+    assert "back on" not in out
+    assert "completed  100%  2 done, 0 failed of 3, 1 gone" in out
+    assert out.splitlines()[-3:] == [
+        f"Drain {DRAIN_ID} completed: 2 done, 0 failed, 0 cancelled, 0 unplaceable, 1 gone of 3.",
+        "All 3 servers left: 2 moved, 1 deleted during the drain.",
+        f"  gone: vm3 ({VM3}) was on h1: deleted during the drain"]
+
+    # and show lists it in its own state
+    cloud(ok({"drain": completed}))
+    assert cli.main(["drain", "show", DRAIN_ID]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "  progress     completed  [########################]  100%  2 done, 0 failed of 3, 1 gone" in lines
+    [row] = [line.split()[:6] for line in lines if line.startswith("vm3")]
+    assert row == ["vm3", VM3, "h1", "-", "gone", "0"]  # its planned host no longer means anything

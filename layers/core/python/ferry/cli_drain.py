@@ -30,7 +30,7 @@ DRAINS = "/ferry/drains"
 STATUSES = ("planning", "planned", "running", "paused", "cancelling", "cancelled", "completed", "failed")
 # A drain in one of these changes no more: ``watch`` returns. ``planned`` is a dry run's end.
 FINAL_STATUSES = frozenset({"planned", "completed", "failed", "cancelled"})
-COUNTS = ("total", "done", "failed", "in_progress", "left", "cancelled", "unplaceable")
+COUNTS = ("total", "done", "failed", "in_progress", "left", "cancelled", "unplaceable", "gone")
 ACTIONS = ("pause", "resume", "cancel")
 DEFAULT_INTERVAL = 2.0
 # Consecutive 5xx answers or connection failures ``watch`` rides out before it gives up.
@@ -240,8 +240,8 @@ def _counts(view: Mapping[str, Any]) -> dict[str, int]:
 
 
 def settled(counts: Mapping[str, int]) -> int:
-    """Servers whose fate is decided: done, failed, cancelled or unplaceable."""
-    return sum(counts.get(key, 0) for key in ("done", "failed", "cancelled", "unplaceable"))
+    """Servers whose fate is decided: done, failed, cancelled, unplaceable or gone (deleted during the drain)."""
+    return sum(counts.get(key, 0) for key in ("done", "failed", "cancelled", "unplaceable", "gone"))
 
 
 def settled_percent(counts: Mapping[str, int]) -> int:
@@ -274,7 +274,7 @@ def progress_line(view: Mapping[str, Any], *, bar: bool = True, width: int = BAR
     summary = f"{counts['done']} done, {counts['failed']} failed of {counts['total']}"
     if counts["in_progress"] or status not in FINAL_STATUSES:
         summary += f", {counts['in_progress']} in progress"
-    for key in ("unplaceable", "cancelled"):
+    for key in ("unplaceable", "cancelled", "gone"):
         if counts[key]:
             summary += f", {counts[key]} {key}"
     parts.append(summary)
@@ -393,7 +393,7 @@ def render_view(view: Mapping[str, Any]) -> str:
         for server in servers:
             if server.get("dest_host"):
                 destination = str(server["dest_host"])
-            elif server.get("planned_host"):
+            elif server.get("planned_host") and server.get("state") != "gone":  # a deleted server goes nowhere
                 destination = f"{server['planned_host']} (planned)"
             else:
                 destination = "-"
@@ -429,11 +429,13 @@ def _elapsed(view: Mapping[str, Any]) -> float | None:
 
 
 def render_summary(view: Mapping[str, Any]) -> str:
-    """What ``watch`` prints at the end: the outcome, the counts, and each server that failed."""
+    """What ``watch`` prints at the end: the outcome, the counts, each server that failed, and each
+    server deleted during the drain (``gone``)."""
     counts = _counts(view)
     took = _elapsed(view)
     line = (f"Drain {view.get('id')} {view.get('status')}: {counts['done']} done, {counts['failed']} failed, "
-            f"{counts['cancelled']} cancelled, {counts['unplaceable']} unplaceable of {counts['total']}")
+            f"{counts['cancelled']} cancelled, {counts['unplaceable']} unplaceable"
+            + (f", {counts['gone']} gone" if counts["gone"] else "") + f" of {counts['total']}")
     if took is not None:
         line += f" in {format_duration(took)}"
     lines = [line + "."]
@@ -443,6 +445,9 @@ def render_summary(view: Mapping[str, Any]) -> str:
         if server.get("state") == "failed":
             lines.append(f"  failed: {_text(server.get('name'))} ({server.get('id')}) on "
                          f"{_text(server.get('source_host'))}: {_text(server.get('error'))}")
+        elif server.get("state") == "gone":
+            lines.append(f"  gone: {_text(server.get('name'))} ({server.get('id')}) was on "
+                         f"{_text(server.get('source_host'))}: deleted during the drain")
     return "\n".join(lines)
 
 
@@ -475,6 +480,8 @@ def _server_event(server: Mapping[str, Any]) -> str:
         where = f"now on {_text(dest)}" if dest and dest != server.get("source_host") else f"back on {source}"
         return f"{name}: failed after {_text(server.get('attempts'))} attempt(s), {where}: " \
                f"{_text(server.get('error'))}"
+    if state == "gone":  # deleted: on no host any more, neither moved nor back on its source
+        return f"{name}: gone, deleted during the drain (it was on {source})"
     if state == "pending" and server.get("error"):
         return f"{name}: will be tried again after: {server['error']}"
     return f"{name}: {state}" + (f": {server['error']}" if server.get("error") else "")

@@ -15,7 +15,8 @@ webhook and a direct StartExecution all create the same record; the workflow the
 Statuses: ``planning`` → ``planned`` (a dry run) | ``running`` ⇄ ``paused`` → ``cancelling`` →
 ``cancelled``; ``running`` → ``completed`` (every server moved) | ``failed`` (some server could
 not be moved, the plan did not fit, or the workflow failed). Server states: ``pending``,
-``moving``, ``done``, ``failed``, ``cancelled``, ``unplaceable``.
+``moving``, ``done``, ``failed``, ``cancelled``, ``unplaceable``, ``gone`` (deleted during the
+drain: nothing left to move, and no failure).
 
 A plan that does not fit fails the drain before anything moves and gives back the services it
 disabled, unless the request says ``move_what_fits``.
@@ -42,7 +43,7 @@ from ferry.compute import api as compute_api
 from ferry.compute import instances, migration_states, moves, services, states
 from ferry.compute.moves import CROSS_CELL_RULE
 from ferry.observability import logger, metrics
-from ferry.store.api_models import CellMapping, Drain, DrainServer, HostMapping, utcnow
+from ferry.store.api_models import CellMapping, Drain, DrainServer, HostMapping, InstanceMapping, utcnow
 from ferry.store.cell_models import Instance, Migration, Service
 from ferry.store.db import all_cells, api_session, cell_session
 
@@ -68,7 +69,10 @@ DONE = "done"
 SERVER_FAILED = "failed"
 SERVER_CANCELLED = "cancelled"
 UNPLACEABLE = "unplaceable"
-SETTLED_STATES = frozenset({DONE, SERVER_FAILED, SERVER_CANCELLED, UNPLACEABLE})
+# The server no longer exists (deleted during the drain, before its move started or while its
+# move failed): it has left the drained hosts, so it never fails the drain.
+GONE = "gone"
+SETTLED_STATES = frozenset({DONE, SERVER_FAILED, SERVER_CANCELLED, UNPLACEABLE, GONE})
 
 HOST = "host"
 CELL = "cell"
@@ -595,7 +599,7 @@ def _counts(servers: Iterable[DrainServer]) -> dict[str, int]:
     moving, pending = states_seen.count(MOVING), states_seen.count(PENDING)
     return {"total": len(states_seen), "done": done, "failed": failed, "in_progress": moving,
             "left": pending + moving, "cancelled": states_seen.count(SERVER_CANCELLED),
-            "unplaceable": states_seen.count(UNPLACEABLE)}
+            "unplaceable": states_seen.count(UNPLACEABLE), "gone": states_seen.count(GONE)}
 
 
 def _eta(drain: Drain, servers: list[DrainServer], counts: Mapping[str, int],
@@ -1178,7 +1182,9 @@ def acquire_slot(drain_uuid: str, instance_uuid: str) -> Slot:
     is settled, the drain is being cancelled (a pending server is then ``cancelled``) or the
     drain has ended (final: nothing changes);
     ``move`` marks it ``moving`` and hands out the ids of this attempt; every answer says whether
-    the drain confirms its moves. The drain row is locked
+    the drain confirms its moves. A pending server that no longer exists (deleted since it was
+    planned, or since its last try) is recorded ``gone`` and gets ``stop``: no move starts for
+    it, and it is neither planned again nor failed. The drain row is locked
     (and its version bumped) so two iterations cannot both take the last slot of a host. A
     server already ``moving`` gets its attempt again (the step ran twice). A server to be tried
     again (its earlier attempt failed) is planned again first, so the per-host limits count the
@@ -1192,6 +1198,11 @@ def acquire_slot(drain_uuid: str, instance_uuid: str) -> Slot:
         # A retry is planned afresh whatever host it has; a server without a plan is planned too.
         replan = server.state == PENDING and (server.attempts > 0 or server.planned_host is None) \
             and drain.status == RUNNING
+        waiting = server.state == PENDING and drain.status not in FINAL_STATUSES
+    # Read before the drain's row is taken again: the cells are read in sessions of their own.
+    if waiting and _gone(instance_uuid):
+        _record_gone_before_move(drain_uuid, instance_uuid)
+        replan = False  # the look below answers stop for the server settled, or the drain ended
     if replan and (unplanned := _planned_again(drain_uuid, instance_uuid)) is not None:
         return Slot(unplanned, confirm=bool(drain.options.get("confirm", True)))
     with api_session() as session:
@@ -1221,6 +1232,21 @@ def acquire_slot(drain_uuid: str, instance_uuid: str) -> Slot:
         server.migration_uuid, request_id = _attempt_ids(drain_uuid, instance_uuid, server.attempts)
         drain.version += 1
         return Slot("move", server.migration_uuid, request_id, server.attempts, confirm)
+
+
+def _record_gone_before_move(drain_uuid: str, instance_uuid: str) -> None:
+    """Record ``gone`` a server deleted before its (next) move started, while it is still
+    ``pending`` and the drain has not ended (a drain's final records stay as announced)."""
+    with api_session() as session:
+        drain, server = _load_server(session, drain_uuid, instance_uuid)
+        if server.state != PENDING or _ended_before(drain, server, "AcquireSlot"):
+            return
+        server.state, server.finished_at = GONE, utcnow()
+        server.error = (f"The server no longer exists: it was deleted before its "
+                        f"{'next try' if server.attempts else 'move'} started.")
+        drain.version += 1
+    logger.info("drain server deleted before its move started; recorded gone",
+                extra={"drain": drain_uuid, "instance_uuid": instance_uuid})
 
 
 def _load_server(session: Session, drain_uuid: str, instance_uuid: str) -> tuple[Drain, DrainServer]:
@@ -1347,6 +1373,8 @@ def prepare_move(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any]) -
             nothing for a drain that ended. (The check is not held while the move is accepted:
             a drain that ends in that moment has the move recorded failed, and the move runs or
             rolls back as any move does.)
+        InstanceNotFound: the server no longer exists (deleted since AcquireSlot handed out
+            the move): nothing is accepted, and RecordFailure records it ``gone``.
     """
     with api_session() as session:
         drain, server = _load_server(session, drain_uuid, instance_uuid)
@@ -1354,6 +1382,8 @@ def prepare_move(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any]) -
             raise errors.DrainInvalidState(f"Drain {drain_uuid} is {drain.status}: it starts no more moves.")
         ctx = _drain_context(drain, slot["request_id"])
         planned = server.planned_host
+    if _gone(instance_uuid):  # deleted since AcquireSlot: RecordFailure records it gone
+        raise errors.InstanceNotFound(f"Server {instance_uuid} was deleted before its move started.")
     if planned is None:  # an attempt handed out before AcquireSlot planned retries (mid-update)
         planned = _replan(drain_uuid, instance_uuid, state=MOVING, step="PrepareMove")
     if planned is None:
@@ -1408,6 +1438,27 @@ def _where_now(instance_uuid: str, migration_uuid: str | None = None) -> _Wherea
         return _Whereabouts(instance.host, instance.vm_state, instance.task_state, status)
 
 
+def _gone(instance_uuid: str) -> bool:
+    """Whether the server no longer exists: its instance mapping is gone or queued for delete,
+    or its instance in the cell the mapping names is deleted (or purged).
+
+    A server hidden in that cell (a move between cells switching over) still exists, and so does
+    one whose delete is under way (task ``deleting``): its delete may yet fail. Call it outside
+    any API database session.
+    """
+    with api_session() as session:
+        mapping = session.scalars(select(InstanceMapping).where(
+            InstanceMapping.instance_uuid == instance_uuid)).one_or_none()
+        if mapping is None or mapping.queued_for_delete:
+            return True
+        cell = mapping.cell
+    if cell is None:  # not scheduled yet: not a server a drain found on a host
+        return False
+    with cell_session(cell) as session:
+        deleted = session.scalars(select(Instance.deleted).where(Instance.uuid == instance_uuid)).first()
+    return deleted is None or bool(deleted)
+
+
 def record_moved(drain_uuid: str, instance_uuid: str, *, confirmed: bool) -> dict[str, Any]:
     """Record a server's finished move (idempotent).
 
@@ -1445,6 +1496,7 @@ def record_failure(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any],
     move that finished (VERIFY_RESIZE on another host) although the step waiting for it failed,
     once per attempt: ``confirm_slot`` is the request id of the attempt whose confirm the
     workflow already went to, and then the server is failed instead ("confirm or revert it").
+    A server that no longer exists (deleted during the drain) is ``gone``, never tried again.
     Otherwise the server is tried again when it is back on its source unchanged (its move
     rolled back), attempts are left (``retries``) and the drain is still running or paused; or
     it is ``failed`` with the error. A drain that ended meanwhile (final) records nothing more
@@ -1474,6 +1526,7 @@ def record_failure(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any],
         _abandon_unstarted(cell, instance_uuid, migration_uuid, slot)
     now = _where_now(instance_uuid, migration_uuid)
     host, vm_state, task_state = now.host, now.vm_state, now.task_state
+    gone = host is None and _gone(instance_uuid)
     # Waiting for its confirm or revert (not one under way, as after a failed RunConfirm).
     move_finished = now.migration_status == migration_states.FINISHED
     with api_session() as session:
@@ -1496,6 +1549,12 @@ def record_failure(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any],
             return {"retry": False, "confirm": True, "state": server.state, "error": server.error if ended else None}
         if ended:
             return {"retry": False, "confirm": False, "state": server.state, "error": server.error}
+        if gone:
+            server.state, server.finished_at = GONE, utcnow()
+            server.error = f"The server no longer exists (deleted during the drain): {message}"
+            logger.info("drain server deleted while it was moved; recorded gone",
+                        extra={"drain": drain_uuid, "instance_uuid": instance_uuid, "error": message})
+            return {"retry": False, "confirm": False, "state": server.state, "error": server.error}
         back_home = host == server.source_host and vm_state in _MOVABLE and task_state is None
         retry = back_home and server.attempts <= retries and drain.status in (RUNNING, PAUSED)
         server.error = message
@@ -1505,7 +1564,7 @@ def record_failure(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any],
         else:
             server.state, server.finished_at = SERVER_FAILED, utcnow()
             if host is None:
-                server.error = f"{message} (the server no longer exists)"
+                server.error = f"{message} (the server is on no host)"
             elif host != server.source_host:
                 server.dest_host = host
                 if awaits_confirm:
@@ -1652,11 +1711,12 @@ def start(drain_uuid: str) -> dict[str, Any]:
 def finish(drain_uuid: str, error: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Settle the drain's status from its servers, announce it, and return the report.
 
-    ``completed`` when every server moved and the hosts hold nothing else (see
-    :func:`_left_on_targets`); ``cancelled`` after a cancel; ``failed`` when a server could not
-    be moved or placed, the hosts still hold servers, or the workflow itself failed (``error``). Servers
-    still pending (the Map stopped early) are marked cancelled; servers still moving (their
-    iteration could not record the result) failed, pointing at the server's own records.
+    ``completed`` when every server moved (or was deleted during the drain: ``gone``) and the
+    hosts hold nothing else (see :func:`_left_on_targets`); ``cancelled`` after a cancel;
+    ``failed`` when a server could not be moved or placed, the hosts still hold servers, or the
+    workflow itself failed (``error``). Servers still pending (the Map stopped early) are marked
+    cancelled; servers still moving (their iteration could not record the result) failed,
+    pointing at the server's own records.
 
     The final event (``drain.end`` or ``drain.error``, and the callback) is announced every time
     this runs for a drain that is not a dry run, final already or not: the status is committed
@@ -1699,10 +1759,12 @@ def finish(drain_uuid: str, error: Mapping[str, Any] | None = None) -> dict[str,
                     server.error = ("The drain could not record the result of this server's move; "
                                     "see the server's actions and migrations.")
             counts = _counts(servers)
+            # Servers deleted during the drain left its hosts too: named, never failed.
+            gone = f", {counts['gone']} deleted during the drain" if counts["gone"] else ""
             if error:
                 status, message = FAILED, f"{WORKFLOW_FAILED} {workflows.error_message(dict(error))}"
             elif drain.status == CANCELLING:
-                status, message = CANCELLED, f"Cancelled: {counts['done']} of {counts['total']} servers moved."
+                status, message = CANCELLED, f"Cancelled: {counts['done']} of {counts['total']} servers moved{gone}."
             elif drain.fits is False and not drain.options.get("move_what_fits"):
                 status = FAILED
                 message = (f"The plan does not fit: {counts['unplaceable']} of {counts['total']} servers cannot "
@@ -1711,15 +1773,15 @@ def finish(drain_uuid: str, error: Mapping[str, Any] | None = None) -> dict[str,
                 status = FAILED
                 message = (f"{counts['done']} of {counts['total']} servers moved; {counts['failed']} failed, "
                            f"{counts['unplaceable']} could not be placed"
-                           + (f", {counts['cancelled']} not moved" if counts["cancelled"] else "") + ".")
+                           + (f", {counts['cancelled']} not moved" if counts["cancelled"] else "") + gone + ".")
             elif left:
                 status = FAILED
-                message = (f"All {counts['total']} servers moved, but {', '.join(drain.targets)} still "
+                message = (f"{_all_moved(counts)}, but {', '.join(drain.targets)} still "
                            f"{'holds' if len(drain.targets) == 1 else 'hold'} {len(left)} server(s) moved there or "
                            f"kept there by a move begun before the drain, or with a resize from there awaiting "
                            f"its confirm: {', '.join(left[:10])}{' …' if len(left) > 10 else ''}.")
             else:
-                status, message = COMPLETED, f"All {counts['total']} servers moved."
+                status, message = COMPLETED, f"{_all_moved(counts)}."
             drain.status, drain.message, drain.finished_at, drain.updated_at = status, message, utcnow(), utcnow()
             drain.version += 1
         # Read from the record, final already or not: a run that died after its commit left the
@@ -1747,6 +1809,14 @@ def finish(drain_uuid: str, error: Mapping[str, Any] | None = None) -> dict[str,
                   final=True)
     logger.info("drain finished", extra={"drain": drain_uuid, "status": view["status"], "counts": view["counts"]})
     return {"status": view["status"], "counts": view["counts"], "message": view["message"]}
+
+
+def _all_moved(counts: Mapping[str, int]) -> str:
+    """``All N servers moved``, or, when some were deleted during the drain, ``All N servers left:
+    M moved, K deleted during the drain``."""
+    if not counts["gone"]:
+        return f"All {counts['total']} servers moved"
+    return f"All {counts['total']} servers left: {counts['done']} moved, {counts['gone']} deleted during the drain"
 
 
 def _last_move_slot(drain_uuid: str, server: DrainServer) -> dict[str, Any] | None:
