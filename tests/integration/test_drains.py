@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import socket
-import threading
 import time
 import uuid
-from collections.abc import Callable
 
 import pytest
 from moto import mock_aws
 from placement_helpers import PROJECT, USER, add_compute, add_instance, flavor, resources
 from sqlalchemy import select, update
+from trickling_receiver import trickling_receiver
 
 from ferry import aws, config, drains, errors, notifications, placement
 from ferry.auth import RequestContext
@@ -1994,46 +1992,13 @@ def test_finishing_a_drain_of_hosts_in_two_cells_undoes_each_move_in_its_servers
 # --- a slow callback, dry runs, the plan's order, disabling -----------------------------------------
 
 
-def _trickling_receiver(pause: float) -> tuple[str, Callable[[], None]]:
-    """A receiver that reads each request, then answers one byte every ``pause`` seconds."""
-    listening = socket.socket()
-    listening.bind(("127.0.0.1", 0))
-    listening.listen(4)
-    done = threading.Event()
-
-    def answer() -> None:
-        while not done.is_set():
-            try:
-                connection, _address = listening.accept()
-            except OSError:
-                return
-            try:
-                connection.recv(65536)
-                for byte in b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n":
-                    if done.is_set():
-                        break
-                    connection.send(bytes([byte]))
-                    time.sleep(pause)
-            except OSError:
-                pass
-            finally:
-                connection.close()
-
-    def stop() -> None:
-        done.set()
-        listening.close()
-
-    threading.Thread(target=answer, daemon=True).start()
-    return f"http://127.0.0.1:{listening.getsockname()[1]}/ferry?token=s3cret", stop
-
-
 def test_a_drain_whose_callback_receiver_answers_a_byte_at_a_time_finishes_at_the_callbacks_deadline(
         store, bus, monkeypatch):
     # GIVEN a drain whose callback receiver would take some 6 s to answer each POST
     monkeypatch.setenv("FERRY_WEBHOOK_SECRET", "callback-secret")
     config.reset()
     monkeypatch.setattr(drains.signing, "CALLBACK_TIMEOUT_SECONDS", 1.0)
-    url, stop = _trickling_receiver(0.15)
+    url, stop = trickling_receiver(0.15, "/ferry?token=s3cret")
     source = add_compute("source")
     add_compute("dest")
     _server_on("source", source)

@@ -5,15 +5,15 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
+from trickling_receiver import trickling_receiver
 
 from ferry import errors, signing
 
@@ -332,39 +332,10 @@ def test_a_timestamp_half_a_second_past_max_age_either_way_is_refused(offset):
 # --- a callback's deadline -----------------------------------------------------------------------
 
 
-def _trickling_receiver(pause: float) -> tuple[str, Callable[[], None]]:
-    """A receiver that reads the request, then answers one byte every ``pause`` seconds."""
-    listening = socket.socket()
-    listening.bind(("127.0.0.1", 0))
-    listening.listen(1)
-    done = threading.Event()
-
-    def answer() -> None:
-        connection, _address = listening.accept()
-        try:
-            connection.recv(65536)
-            for byte in b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n":
-                if done.is_set():
-                    break
-                connection.send(bytes([byte]))
-                time.sleep(pause)
-        except OSError:
-            pass
-        finally:
-            connection.close()
-
-    def stop() -> None:
-        done.set()
-        listening.close()
-
-    threading.Thread(target=answer, daemon=True).start()
-    return f"http://127.0.0.1:{listening.getsockname()[1]}/hook?token=s3cret", stop
-
-
 def test_a_callback_whose_receiver_trickles_its_answer_gives_up_at_its_deadline(monkeypatch):
     # GIVEN a receiver that would take some 6 s to answer, a byte at a time (each read is quick)
     monkeypatch.setattr(signing, "CALLBACK_TIMEOUT_SECONDS", 1.0)
-    url, stop = _trickling_receiver(0.15)
+    url, stop = trickling_receiver(0.15)
 
     # WHEN a callback is posted to it
     started = time.monotonic()
