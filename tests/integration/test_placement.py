@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import uuid
 
 import pytest
@@ -28,6 +29,27 @@ def test_ensure_provider_creates_provider_with_configured_ratios(store, monkeypa
     assert inventories[MEMORY_MB]["reserved"] == 512
     assert placement.provider_by_host("host-a") == rp
     assert placement.provider_by_node("node-a") == rp
+
+
+def test_an_inventory_reported_before_the_one_the_provider_has_is_not_written(store):
+    # GIVEN a provider whose inventory came from a report queued at 12:00:10
+    at = dt.datetime(2026, 1, 1, 12, 0, 10)
+    rp = placement.ensure_provider("host-a", "host-a", cell_id("cell1"), {VCPU: {"total": 16}}, reported_at=at)
+
+    # WHEN a report queued before it is applied, THEN the inventory stays the newer one's
+    placement.ensure_provider("host-a", "host-a", cell_id("cell1"), {VCPU: {"total": 4}},
+                              reported_at=at - dt.timedelta(seconds=5))
+    assert placement.get_inventories(rp)[VCPU]["total"] == 16
+    # an unchanged inventory reported later still counts as the newest (an older one cannot come back)
+    placement.ensure_provider("host-a", "host-a", cell_id("cell1"), {VCPU: {"total": 16}},
+                              reported_at=at + dt.timedelta(seconds=10))
+    placement.ensure_provider("host-a", "host-a", cell_id("cell1"), {VCPU: {"total": 8}},
+                              reported_at=at + dt.timedelta(seconds=5))
+    assert placement.get_inventories(rp)[VCPU]["total"] == 16
+    # and a newer one is written
+    placement.ensure_provider("host-a", "host-a", cell_id("cell1"), {VCPU: {"total": 8}},
+                              reported_at=at + dt.timedelta(seconds=20))
+    assert placement.get_inventories(rp)[VCPU]["total"] == 8
 
 
 def test_ensure_provider_unchanged_report_keeps_generation(store):

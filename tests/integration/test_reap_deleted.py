@@ -1,9 +1,11 @@
-"""What a host still holds of servers deleted while it was down is destroyed when it reports it."""
+"""What a host still holds of servers deleted while it was down is destroyed when it reports it; reports
+of one host applied at once keep the newer one's inventory."""
 
 from __future__ import annotations
 
 import datetime as dt
 import json
+import threading
 import uuid
 from collections.abc import Iterator
 
@@ -11,8 +13,8 @@ import pytest
 from moto import mock_aws
 from sqlalchemy import select
 
-from ferry import aws, config, hosts, protocol
-from ferry.store.api_models import CellMapping, InstanceMapping, utcnow
+from ferry import aws, config, hosts, placement, protocol
+from ferry.store.api_models import CellMapping, InstanceMapping, Inventory, ResourceProvider, utcnow
 from ferry.store.cell_models import Instance, Service
 from ferry.store.db import api_session, cell_session
 
@@ -159,3 +161,37 @@ def test_a_reap_that_cannot_be_sent_leaves_the_report_applied(queue, caplog):
     with cell_session("cell1") as session:
         service = session.scalars(select(Service).where(Service.host == HOST)).one()
     assert hosts.host_view(service)["guests"] == [gone]
+
+
+def test_two_reports_of_a_host_applied_at_once_leave_the_newer_ones_inventory(queue, monkeypatch):
+    # GIVEN an inventory report whose placement write is slow, and a newer one of the same host
+    # applied while the first is under way (report batches run side by side)
+    write, older_writing = placement.ensure_provider, threading.Event()
+
+    def slow_for_the_older(host, node, cell_id, inventories, **options):
+        if inventories["VCPU"]["total"] == 4:
+            older_writing.set()
+            threading.Event().wait(0.5)
+        return write(host, node, cell_id, inventories, **options)
+
+    monkeypatch.setattr(placement, "ensure_provider", slow_for_the_older)
+
+    def inventory_report(vcpus: int) -> None:  # queued as it is applied
+        hosts.apply_report({"kind": "inventory", "host": HOST, "node": HOST, "cell": "cell1",
+                            "sent_at": utcnow().isoformat(), "guests": [], "instance_dirs": [],
+                            "inventory": {"VCPU": {"total": vcpus}, "MEMORY_MB": {"total": 8192},
+                                          "DISK_GB": {"total": 40}}})
+
+    older = threading.Thread(target=inventory_report, args=(4,))
+    older.start()
+    assert older_writing.wait(10)
+
+    # WHEN the newer one is applied meanwhile
+    inventory_report(16)
+    older.join(10)
+
+    # THEN the host's inventory is the newer report's
+    with api_session() as session:
+        total = session.scalars(select(Inventory.total).join(ResourceProvider).where(
+            ResourceProvider.name == HOST, Inventory.resource_class == "VCPU")).one()
+    assert total == 16

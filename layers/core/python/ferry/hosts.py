@@ -106,7 +106,7 @@ def apply_report(report: dict[str, Any], queued_at: dt.datetime | None = None) -
     if report["kind"] == protocol.REPORT_INVENTORY and newest:
         with api_session() as session:
             cell_id = session.scalars(select(CellMapping.id).where(CellMapping.name == cell)).one()
-        placement.ensure_provider(host, report.get("node") or host, cell_id, report["inventory"])
+        placement.ensure_provider(host, report.get("node") or host, cell_id, report["inventory"], reported_at=queued)
     if view is not None:
         try:
             reap_deleted(host, view)

@@ -23,6 +23,7 @@ without summing allocations, a bounded window of providers at a time.
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import math
 import random
 import time
@@ -47,6 +48,7 @@ from sqlalchemy import (
     func,
     insert,
     literal,
+    or_,
     select,
     update,
 )
@@ -257,7 +259,8 @@ def _inventory_record(resource_class: str, spec: Mapping[str, Any]) -> dict[str,
     return record
 
 
-def ensure_provider(host: str, node: str, cell_id: int | None, inventories: Mapping[str, Mapping[str, Any]]) -> str:
+def ensure_provider(host: str, node: str, cell_id: int | None, inventories: Mapping[str, Mapping[str, Any]],
+                    reported_at: dt.datetime | None = None) -> str:
     """Create or update the resource provider of compute node ``node`` and replace its inventory.
 
     The provider is named after the node and records its host and cell. Missing
@@ -272,6 +275,9 @@ def ensure_provider(host: str, node: str, cell_id: int | None, inventories: Mapp
         cell_id: the id of the host's cell mapping.
         inventories: ``{resource_class: {"total", "reserved"?, "allocation_ratio"?, "min_unit"?,
             "max_unit"?, "step_size"?}}``.
+        reported_at: when the host's report was queued. An inventory reported before the one the
+            provider has is left unwritten: reports of one host applied side by side (batches
+            run at once) keep the newest inventory whatever order they finish in.
 
     Returns:
         The provider's uuid.
@@ -298,9 +304,13 @@ def ensure_provider(host: str, node: str, cell_id: int | None, inventories: Mapp
                 ).one()
             except IntegrityError as exc:
                 raise _GenerationConflict(f"resource provider {node} was created concurrently") from exc
+            if reported_at is not None:
+                _newest_report(session, provider_id, reported_at)
             generation, current = 0, {}
         else:
             provider_id, provider_uuid, generation = row.id, row.uuid, row.generation
+            if reported_at is not None and not _newest_report(session, provider_id, reported_at):
+                return provider_uuid
             current = {
                 inv.resource_class: {field: getattr(inv, field) for field in _INVENTORY_FIELDS}
                 for inv in session.scalars(select(Inventory).where(Inventory.resource_provider_id == provider_id))
@@ -356,6 +366,19 @@ def ensure_provider(host: str, node: str, cell_id: int | None, inventories: Mapp
     provider_uuid = _in_transaction(work, f"update inventory of {node}")
     logger.debug("resource provider ensured", extra={"host": host, "node": node, "provider": provider_uuid})
     return provider_uuid
+
+
+def _newest_report(session: Session, provider_id: int, reported_at: dt.datetime) -> bool:
+    """Record ``reported_at`` as the provider's newest inventory report unless a newer one was
+    applied; whether it is the newest. The conditional write locks the provider's row until the
+    transaction ends, so two reports of one provider apply one after the other, in either order."""
+    result = session.execute(
+        update(ResourceProvider)
+        .where(ResourceProvider.id == provider_id,
+               or_(ResourceProvider.inventory_reported_at.is_(None),
+                   ResourceProvider.inventory_reported_at <= reported_at))
+        .values(inventory_reported_at=reported_at))
+    return bool(cast(CursorResult[Any], result).rowcount)
 
 
 # --- allocations --------------------------------------------------------------------------------

@@ -195,6 +195,8 @@ class ResourceProvider(TimestampMixin, ApiBase):
     host: Mapped[str] = mapped_column(String(255), index=True)
     cell_id: Mapped[int | None] = mapped_column(ForeignKey("cell_mappings.id"), nullable=True)
     generation: Mapped[int] = mapped_column(Integer, default=0)
+    # When the host report whose inventory the provider has was queued: an older one is not applied.
+    inventory_reported_at: Mapped[dt.datetime | None] = mapped_column(DateTime, nullable=True)
 
 
 class Inventory(ApiBase):
