@@ -2194,6 +2194,44 @@ def test_a_server_deleted_before_its_move_started_is_gone_and_no_move_starts(sto
     assert drains.acquire_slot(drain, kept).action == "move"
 
 
+def test_a_server_a_move_between_cells_took_back_while_it_was_looked_at_is_not_gone(store, monkeypatch):
+    # GIVEN a drained server its owner moved to cell2 (mapping there, its cell1 copy hidden)
+    drain, kept, server = _started_with_two()
+    with cell_session("cell1") as session:
+        instance = session.scalars(select(Instance).where(Instance.uuid == server)).one()
+        copy = {column.name: getattr(instance, column.name) for column in Instance.__table__.columns
+                if column.name != "id"}
+        instance.hidden = True
+    with cell_session("cell2") as session:
+        session.add(Instance(**{**copy, "hidden": False}))
+    with api_session() as session:
+        cell2 = session.scalars(select(CellMapping.id).where(CellMapping.name == "cell2")).one()
+        session.execute(update(InstanceMapping).where(InstanceMapping.instance_uuid == server).values(cell_id=cell2))
+    real, reverted = drains.cell_session, []
+
+    def revert_first(cell):  # the owner's revert lands between the mapping's read and cell2's
+        if not reverted:
+            reverted.append(cell)
+            with api_session() as session:
+                cell1 = session.scalars(select(CellMapping.id).where(CellMapping.name == "cell1")).one()
+                session.execute(update(InstanceMapping).where(InstanceMapping.instance_uuid == server)
+                                .values(cell_id=cell1))
+            with real("cell1") as session:
+                session.execute(update(Instance).where(Instance.uuid == server).values(hidden=False))
+            with real("cell2") as session:
+                instances.purge(session, server)
+        return real(cell)
+
+    monkeypatch.setattr(drains, "cell_session", revert_first)
+
+    # WHEN its iteration asks for a slot meanwhile
+    slot = drains.acquire_slot(drain, server)
+
+    # THEN the server, alive in cell1, is not recorded gone: it moves
+    assert reverted == ["cell2"]
+    assert slot.action == "move" and _servers(drain)[server].state == "moving"
+
+
 def test_a_server_deleted_before_its_retry_is_gone_and_not_planned_again(store, move_machines):
     # GIVEN a server whose first try failed and rolled back, waiting for its retry
     drain, server, slot, _move = _prepared_move()

@@ -7,9 +7,11 @@ import uuid
 
 import pytest
 from placement_helpers import PROJECT, USER, add_compute, assert_used_counters_match_allocations, cell_id, resources
+from sqlalchemy import delete as sa_delete
 
 from ferry import config, errors, placement
 from ferry.placement import DISK_GB, MEMORY_MB, VCPU
+from ferry.store.api_models import Inventory, ResourceProvider
 
 
 def new_uuid() -> str:
@@ -49,6 +51,30 @@ def test_an_inventory_reported_before_the_one_the_provider_has_is_not_written(st
     # and a newer one is written
     placement.ensure_provider("host-a", "host-a", cell_id("cell1"), {VCPU: {"total": 8}},
                               reported_at=at + dt.timedelta(seconds=20))
+    assert placement.get_inventories(rp)[VCPU]["total"] == 8
+
+
+def test_a_report_whose_provider_was_removed_meanwhile_registers_the_host_again(store, monkeypatch):
+    # GIVEN a provider, removed (its service deleted) while a report of its host waits for its row
+    at = dt.datetime(2026, 1, 1, 12, 0, 10)
+    placement.ensure_provider("host-a", "host-a", cell_id("cell1"), {VCPU: {"total": 16}}, reported_at=at)
+    newest, removed = placement._newest_report, []
+
+    def removed_first(session, provider_id, reported_at):
+        if not removed:
+            removed.append(provider_id)
+            session.execute(sa_delete(Inventory).where(Inventory.resource_provider_id == provider_id))
+            session.execute(sa_delete(ResourceProvider).where(ResourceProvider.id == provider_id))
+        return newest(session, provider_id, reported_at)
+
+    monkeypatch.setattr(placement, "_newest_report", removed_first)
+
+    # WHEN the report is applied
+    rp = placement.ensure_provider("host-a", "host-a", cell_id("cell1"), {VCPU: {"total": 8}},
+                                   reported_at=at + dt.timedelta(seconds=10))
+
+    # THEN the host has a provider again, with the report's inventory
+    assert removed and placement.provider_by_host("host-a") == rp
     assert placement.get_inventories(rp)[VCPU]["total"] == 8
 
 

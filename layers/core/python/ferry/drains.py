@@ -1440,23 +1440,34 @@ def _where_now(instance_uuid: str, migration_uuid: str | None = None) -> _Wherea
 
 def _gone(instance_uuid: str) -> bool:
     """Whether the server no longer exists: its instance mapping is gone or queued for delete,
-    or its instance in the cell the mapping names is deleted (or purged).
+    or its instance in the cell the mapping names is deleted (the mapping read again after).
 
     A server hidden in that cell (a move between cells switching over) still exists, and so does
-    one whose delete is under way (task ``deleting``): its delete may yet fail. Call it outside
+    one whose delete is under way (task ``deleting``): its delete may yet fail; so does one whose
+    row that cell no longer holds (a move between cells purged the copy read). Call it outside
     any API database session.
     """
+    mapped = _mapped_cell(instance_uuid)
+    if mapped is None:
+        return True
+    if mapped == "":  # not scheduled yet: not a server a drain found on a host
+        return False
+    with cell_session(mapped) as session:
+        deleted = session.scalars(select(Instance.deleted).where(Instance.uuid == instance_uuid)).first()
+    # Deleted in the cell the mapping still names: a move between cells that switched the mapping
+    # meanwhile (and purged the copy read) leaves a server that exists elsewhere.
+    return bool(deleted) and _mapped_cell(instance_uuid) == mapped
+
+
+def _mapped_cell(instance_uuid: str) -> str | None:
+    """The name of the cell the server's mapping names; "" before it is scheduled; None when the
+    mapping is gone or queued for delete (the server's delete finished)."""
     with api_session() as session:
         mapping = session.scalars(select(InstanceMapping).where(
             InstanceMapping.instance_uuid == instance_uuid)).one_or_none()
         if mapping is None or mapping.queued_for_delete:
-            return True
-        cell = mapping.cell
-    if cell is None:  # not scheduled yet: not a server a drain found on a host
-        return False
-    with cell_session(cell) as session:
-        deleted = session.scalars(select(Instance.deleted).where(Instance.uuid == instance_uuid)).first()
-    return deleted is None or bool(deleted)
+            return None
+        return mapping.cell.name if mapping.cell is not None else ""
 
 
 def record_moved(drain_uuid: str, instance_uuid: str, *, confirmed: bool) -> dict[str, Any]:

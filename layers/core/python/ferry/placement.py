@@ -266,8 +266,9 @@ def ensure_provider(host: str, node: str, cell_id: int | None, inventories: Mapp
     The provider is named after the node and records its host and cell. Missing
     ``allocation_ratio`` values come from the configured ``*_allocation_ratio`` and a missing
     ``max_unit`` is the class's ``total``; resource classes absent from ``inventories`` are
-    removed. Nothing is written (and the generation stays) when the provider already looks like
-    this, so periodic reports do not disturb concurrent claims.
+    removed. The inventory is not written (and the generation stays) when the provider already
+    looks like this, so periodic reports do not disturb concurrent claims; with ``reported_at``
+    the report's time is written all the same (one small update of the provider's row).
 
     Params:
         host: the compute host.
@@ -310,6 +311,8 @@ def ensure_provider(host: str, node: str, cell_id: int | None, inventories: Mapp
         else:
             provider_id, provider_uuid, generation = row.id, row.uuid, row.generation
             if reported_at is not None and not _newest_report(session, provider_id, reported_at):
+                if session.scalar(select(ResourceProvider.id).where(ResourceProvider.id == provider_id)) is None:
+                    raise _GenerationConflict(f"resource provider {node} was removed concurrently")
                 return provider_uuid
             current = {
                 inv.resource_class: {field: getattr(inv, field) for field in _INVENTORY_FIELDS}
