@@ -16,10 +16,10 @@ import secrets
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from aws_lambda_powertools.metrics import MetricUnit
-from sqlalchemy import ColumnElement, and_, or_, select
+from sqlalchemy import ColumnElement, CursorResult, and_, delete, or_, select
 
 from ferry import errors
 from ferry.observability import metrics
@@ -151,10 +151,7 @@ def revoke_tokens(*, ids: Iterable[int] = (), tokens: Iterable[str] = (), user_i
     if not conditions:
         return 0
     with api_session() as session:
-        records = list(session.scalars(select(AuthToken).where(or_(*conditions))))
-        for record in records:
-            session.delete(record)
-    return len(records)
+        return cast(CursorResult[Any], session.execute(delete(AuthToken).where(or_(*conditions)))).rowcount
 
 
 def known_projects(project_id: str | None = None) -> list[str]:

@@ -180,9 +180,9 @@ DRY_RUN_ABANDONED = (f"The dry run's plan was not made within {DRY_RUN_PLANNING_
                      f"the function planning it ended. Nothing was disabled or moved: run it again.")
 
 
-def _planned_inline(drain: Drain) -> bool:
-    """Whether the drain is a dry run its request plans in its own function (not the state machine's)."""
-    return drain.dry_run and drain.origin != EXECUTION_ORIGIN
+def _planned_inline(dry_run: bool, origin: str | None) -> bool:
+    """Whether a drain is a dry run its request plans in its own function (not the state machine's)."""
+    return dry_run and origin != EXECUTION_ORIGIN
 
 
 def _check_size(targets_text: str, count: int, *, dry_run: bool = False) -> None:
@@ -404,7 +404,7 @@ def record_drain(ctx: RequestContext, request: Mapping[str, Any], *, origin: str
     targets = _resolve_targets(request)
     dry_run = bool(request.get("dry_run", False))
     _check_size(", ".join(targets.names), _count_on(targets.kind, targets.names),
-                dry_run=dry_run and origin != EXECUTION_ORIGIN)
+                dry_run=_planned_inline(dry_run, origin))
     allow_cross_cell = policy.check(ctx, CROSS_CELL_RULE, {"project_id": ctx.project_id})
     if targets.kind == CELL and not allow_cross_cell:
         raise errors.Forbidden(
@@ -922,10 +922,11 @@ def plan(drain_uuid: str) -> dict[str, Any]:
         drain = _load(session, drain_uuid)
         session.expunge(drain)
     found = _instances_on(drain)
+    inline = _planned_inline(drain.dry_run, drain.origin)
     try:  # servers came since the drain was accepted
-        _check_size(", ".join(drain.targets), len(found), dry_run=_planned_inline(drain))
+        _check_size(", ".join(drain.targets), len(found), dry_run=inline)
     except errors.DrainTooLarge as exc:
-        if _planned_inline(drain):  # answered now: nothing to announce, and the same request is refused afresh
+        if inline:  # answered now: nothing to announce, and the same request is refused afresh
             _set_status(drain_uuid, FAILED, message=exc.message, release_key=True, only_from=PLANNING,
                         nothing_to_announce=True)
         raise
@@ -1816,8 +1817,7 @@ def finish(drain_uuid: str, error: Mapping[str, Any] | None = None) -> dict[str,
         if already_final:
             logger.info("drain final already; its final event is announced again",
                         extra={"drain": drain_uuid, "status": view["status"]})
-        _announce(drain_uuid, DRAIN_ERROR if view["status"] == FAILED else DRAIN_END, view, at=finished_at,
-                  final=True)
+        _announce(drain_uuid, DRAIN_ERROR if view["status"] == FAILED else DRAIN_END, view, at=finished_at)
     logger.info("drain finished", extra={"drain": drain_uuid, "status": view["status"], "counts": view["counts"]})
     return {"status": view["status"], "counts": view["counts"], "message": view["message"]}
 
@@ -1885,7 +1885,7 @@ def _announcement_id(drain_uuid: str, event_type: str) -> str:
 
 
 def _announce(drain_uuid: str, event_type: str, view: Mapping[str, Any] | None = None, *,
-              at: dt.datetime | None = None, final: bool = False) -> None:
+              at: dt.datetime | None = None) -> None:
     """One grouped notification on the bus, and the signed callback when the request named one.
 
     Both carry :func:`_announcement_id`, so an event announced again (a retried FinishDrain) can
@@ -1894,8 +1894,8 @@ def _announce(drain_uuid: str, event_type: str, view: Mapping[str, Any] | None =
     ``finished_at`` for its end, the same at every announcement of it. Neither raises: what is
     not delivered is logged and counted by :mod:`ferry.notifications` and :mod:`ferry.signing`.
 
-    ``final`` (the drain's end) records the end announced once the notification was put, before
-    the callback is posted: a callback cut off (its function timed out while the receiver
+    The drain's end (``drain.end``, ``drain.error``) is recorded announced once the notification
+    was put, before the callback is posted: a callback cut off (its function timed out while the receiver
     answered) then never makes every later look at the drain announce it again inline.
     """
     view = view if view is not None else get_view(drain_uuid)
@@ -1904,7 +1904,7 @@ def _announce(drain_uuid: str, event_type: str, view: Mapping[str, Any] | None =
                            for s in view["servers"]]}
     identity = _announcement_id(drain_uuid, event_type)
     notifications.notify_drain(event_type, drain_uuid=drain_uuid, payload=summary, message_id=identity, timestamp=at)
-    if final:
+    if event_type != DRAIN_START:
         _record_announced(drain_uuid)
     with api_session() as session:
         url = _load(session, drain_uuid).options.get("callback_url")

@@ -300,13 +300,11 @@ def ensure_provider(host: str, node: str, cell_id: int | None, inventories: Mapp
             try:
                 provider_id, provider_uuid = session.execute(
                     insert(ResourceProvider)
-                    .values(name=node, host=host, cell_id=cell_id, generation=0)
+                    .values(name=node, host=host, cell_id=cell_id, generation=0, inventory_reported_at=reported_at)
                     .returning(ResourceProvider.id, ResourceProvider.uuid)
                 ).one()
             except IntegrityError as exc:
                 raise _GenerationConflict(f"resource provider {node} was created concurrently") from exc
-            if reported_at is not None:
-                _newest_report(session, provider_id, reported_at)
             generation, current = 0, {}
         else:
             provider_id, provider_uuid, generation = row.id, row.uuid, row.generation

@@ -21,13 +21,6 @@ router = Router()
 
 RULE = "ferry:drains:{}"
 
-# The body's shape, as the OpenAPI document shows it (with ferry.drains.REQUEST_SCHEMA for "drain").
-CREATE = {
-    "type": "object",
-    "properties": {"drain": {"type": "object"}},
-    "required": ["drain"],
-    "additionalProperties": False,
-}
 # What the route parses: any JSON. ferry.drains.request_of checks it, and its refusals never
 # repeat what was sent (a callback URL's query may carry a token).
 _ANY_JSON: dict[str, Any] = {}

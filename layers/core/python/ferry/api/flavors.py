@@ -64,8 +64,7 @@ def _rxtx_factor(value: float | str) -> float:
 def _list(detail: bool) -> Response:
     view = request.view_context(router)
     query = request.query(router)
-    if view.at_least("2.75"):
-        request.refuse_unknown(query, LIST_PARAMETERS, view.version)
+    request.refuse_unknown_from_strict(query, LIST_PARAMETERS, view)
     params = {k: v[-1] for k, v in query.items() if v}
     limit = request.parse_limit(params.get("limit"))
     flavors = compute_api.list_flavors(

@@ -97,8 +97,7 @@ def _bodies() -> dict[str, dict[str, Any]]:
     actions = {name: action.schema for name, action in servers.ACTIONS.items()}
     actions["migrate"] = schemas.MIGRATE_ACTION_V256  # what 2.56 and later check
     resources = [r for r in quotas.RESOURCES if r not in quotas.INJECTED_FILE_RESOURCES]
-    drain_create: Schema = copy.deepcopy(drains.CREATE)
-    drain_create["properties"]["drain"] = drain_store.REQUEST_SCHEMA
+    drain_create: Schema = copy.deepcopy(drain_store.BODY_SCHEMA)
     return {
         "server_create": schemas.server_create(MAX_VERSION),
         "server_update": schemas.server_update(MAX_VERSION),

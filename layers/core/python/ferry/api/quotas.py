@@ -32,8 +32,7 @@ def _refuse_unknown(view: ViewContext, known: Mapping[str, str]) -> None:
 
     Called before the policy, as Nova checks its query schema first.
     """
-    if view.at_least("2.75"):
-        request.refuse_unknown(request.query(router), known, view.version)
+    request.refuse_unknown_from_strict(request.query(router), known, view)
 
 
 def _project_only() -> None:
@@ -78,7 +77,7 @@ def update_quota_set(project_id: str) -> Response:
     resources = _resources(view)
     wanted = dict(request.body(router, schemas.quota_set_update(resources))["quota_set"])
     force = wanted.pop("force", False)
-    force = force if isinstance(force, bool) else request.parse_bool("force", str(force))
+    force = request.flag("force", force)
     values = quotas.update(project_id, {k: request.bounded_int(k, v, -1, schemas.MAX_INT) for k, v in wanted.items()},
                            force=force)
     return request.json_response(200, {"quota_set": views.quota_set(view, values, resources)})

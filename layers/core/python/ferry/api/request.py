@@ -141,6 +141,11 @@ def is_true(value: str) -> bool:
     return value.strip().lower() in _TRUE
 
 
+def flag(name: str, value: Any) -> bool:
+    """A body's boolean: a JSON boolean as it is, else one of the spellings :func:`parse_bool` takes."""
+    return value if isinstance(value, bool) else parse_bool(name, str(value))
+
+
 def parse_bool(name: str, value: str) -> bool:
     """A query parameter as a boolean (Nova's strict spellings).
 
@@ -233,6 +238,21 @@ def non_negative_int(name: str, value: str | None) -> int | None:
         raise errors.BadRequest(f"Invalid input for query parameters {name}. Value: {value}. "
                                 f"'{value}' does not match '^[0-9]*$'")
     return int(value)
+
+
+# From this microversion Nova's query schemas take no parameter they do not name (before, the
+# others are ignored).
+STRICT_QUERY = "2.75"
+
+
+def refuse_unknown_from_strict(params: Mapping[str, Any], known: Mapping[str, str], view: ViewContext) -> None:
+    """:func:`refuse_unknown` from :data:`STRICT_QUERY` on; nothing before it.
+
+    Raises:
+        BadRequest: see :func:`refuse_unknown`.
+    """
+    if view.at_least(STRICT_QUERY):
+        refuse_unknown(params, known, view.version)
 
 
 def refuse_unknown(params: Mapping[str, Any], known: Mapping[str, str], version: APIVersion) -> None:

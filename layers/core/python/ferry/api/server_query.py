@@ -85,7 +85,7 @@ def parse(view: ViewContext, params: Mapping[str, list[str]]) -> ServerFilters:
     for name, values in params.items():
         known = PARAMETERS.get(name)
         if known is None or not view.at_least(known[0]):
-            if view.at_least("2.75"):
+            if view.at_least(request.STRICT_QUERY):
                 raise errors.BadRequest(f"Invalid input for query parameters {name}. "
                                         f"Additional properties are not allowed ('{name}' was unexpected)")
             continue
@@ -174,7 +174,7 @@ def _tags(value: str | None) -> frozenset[str] | None:
 
 def _ignored_sort_keys(view: ViewContext) -> frozenset[str]:
     """The sort keys Nova takes and ignores at the request's microversion."""
-    if view.at_least("2.75"):
+    if view.at_least(request.STRICT_QUERY):
         return frozenset()
     return IGNORED_SORT_KEYS - {"locked"} if view.at_least("2.73") else IGNORED_SORT_KEYS
 

@@ -108,10 +108,6 @@ def show_server(server_id: str) -> Response:
 # --- create ----------------------------------------------------------------------------------------
 
 
-def _as_flag(name: str, value: Any) -> bool:
-    return value if isinstance(value, bool) else request.parse_bool(name, str(value))
-
-
 def _networks(server: dict[str, Any]) -> str | list[dict[str, Any]]:
     networks = server.get("networks", compute_api.NETWORKS_AUTO)
     if isinstance(networks, str):
@@ -163,7 +159,7 @@ def boot_request(document: dict[str, Any], version: APIVersion) -> compute_api.B
         raise errors.BadRequest("min_count must be <= max_count")
     if max_count > 1:
         raise errors.BadRequest("Creating more than one server per request is not supported.")
-    bdms = [{**bdm, "delete_on_termination": _as_flag("delete_on_termination",
+    bdms = [{**bdm, "delete_on_termination": request.flag("delete_on_termination",
                                                    bdm.get("delete_on_termination", False))}
             for bdm in server.get("block_device_mapping_v2", [])]
     hints = document.get("os:scheduler_hints") or document.get("OS-SCH-HNT:scheduler_hints") or {}
@@ -188,7 +184,7 @@ def create_server() -> Response:
     boot = boot_request(document, view.version)
     server_id = compute_api.create_server(view.ctx, boot)
     requested = document["server"]
-    if _as_flag("return_reservation_id", requested.get("return_reservation_id", False)):
+    if request.flag("return_reservation_id", requested.get("return_reservation_id", False)):
         return request.json_response(202, {"reservation_id": boot.reservation_id})
     body = {"server": {
         "id": server_id,

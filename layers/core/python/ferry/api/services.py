@@ -75,8 +75,8 @@ def service_view(view: ViewContext, record: ServiceRecord) -> dict[str, Any]:
 def list_services() -> Response:
     view = request.view_context(router)
     params = request.query(router)
-    if view.at_least("2.75"):  # the query is checked before the policy, as Nova checks its schema first
-        request.refuse_unknown(params, LIST_PARAMETERS, view.version)
+    # the query is checked before the policy, as Nova checks its schema first
+    request.refuse_unknown_from_strict(params, LIST_PARAMETERS, view)
     policy.enforce(view.ctx, RULE.format("list"), policy.NO_PROJECT)
     host = params["host"][-1] if params.get("host") else None
     binary = params["binary"][-1] if params.get("binary") else None
@@ -99,7 +99,7 @@ def _service_uuid(value: str) -> str:
 
 def _forced_down(value: bool | str) -> bool:
     """``forced_down`` as given: a boolean, or one of the spellings of one the schema lets through."""
-    return value if isinstance(value, bool) else request.parse_bool("forced_down", value)
+    return request.flag("forced_down", value)
 
 
 def _changes(wanted: Mapping[str, Any]) -> dict[str, Any]:

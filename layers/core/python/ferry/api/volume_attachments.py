@@ -96,8 +96,7 @@ def list_volume_attachments(server_id: str) -> Response:
     largest page (1000)."""
     view = request.view_context(router)
     params = request.query(router)
-    if view.at_least("2.75"):
-        request.refuse_unknown(params, LIST_PARAMETERS, view.version)
+    request.refuse_unknown_from_strict(params, LIST_PARAMETERS, view)
     limit = request.non_negative_int("limit", request.last(params, "limit"))
     offset = request.non_negative_int("offset", request.last(params, "offset")) or 0
     location = _located(view, server_id, "index")

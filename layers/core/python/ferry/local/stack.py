@@ -388,7 +388,9 @@ class LocalStack:
         )
         self.gateway = ApiGateway(self.model, self.aws.runner, port=self.api_port).start()
         self.pollers = Pollers(self.model, self.aws.runner, self.aws.client, rate_scale=rate_scale).start()
-        self.agents_started_at = _utcnow()
+        from ferry.store.api_models import utcnow  # the store's clock: heartbeats are compared with it
+
+        self.agents_started_at = utcnow()
         for host, cell in self.seeded.hosts.items():
             self.agents[host] = self._start_agent(host, cell)
         self.wait_for_hosts(self.ready_timeout)
@@ -401,9 +403,7 @@ class LocalStack:
         if kept:
             return kept
         made = secrets.token_urlsafe(32)
-        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as file:
-            file.write(made + "\n")
-        path.chmod(0o600)
+        seeding.write_private(path, made + "\n")
         return made
 
     def _start_agent(
@@ -542,18 +542,15 @@ class LocalStack:
         except FileNotFoundError:
             return False
 
-    def reporting_hosts(self, since: dt.datetime | None = None) -> set[str]:
-        """Hosts whose service record in their cell has a heartbeat from ``since`` on.
-
-        Args:
-            since: naive UTC; None: since this start began its agents (a heartbeat an earlier run
-                left in the state directory does not count), or any heartbeat before a start.
-        """
+    def reporting_hosts(self) -> set[str]:
+        """Hosts whose service record in their cell has a heartbeat since this start began its
+        agents (a heartbeat an earlier run left in the state directory does not count), or any
+        heartbeat before a start."""
         from ferry.store.cell_models import Service
         from ferry.store.db import cell_session
 
         assert self.seeded is not None
-        since = since or self.agents_started_at
+        since = self.agents_started_at
         reported = Service.last_seen_at.is_not(None) if since is None else Service.last_seen_at >= since
         found: set[str] = set()
         for cell in sorted(set(self.seeded.hosts.values())):
@@ -653,11 +650,6 @@ class LocalStack:
             self._captured_warnings = False
         self._log_handler.close()
         self._log_handler = None
-
-
-def _utcnow() -> dt.datetime:
-    """Now in naive UTC, as the store keeps its timestamps."""
-    return dt.datetime.now(dt.UTC).replace(tzinfo=None)
 
 
 def claim_state_dir(state_dir: Path) -> None:

@@ -874,7 +874,7 @@ def _throttle(method_settings: list[Mapping[str, Any]]) -> Throttle | None:
         if setting.get("ResourcePath") == "/*" and setting.get("HttpMethod") == "*" \
                 and "ThrottlingRateLimit" in setting:
             rate = float(_stringify(setting["ThrottlingRateLimit"]))
-            burst = int(_stringify(setting.get("ThrottlingBurstLimit", rate)))
+            burst = int(float(_stringify(setting.get("ThrottlingBurstLimit", rate))))
             return Throttle(rate=rate, burst=burst)
     return None
 

@@ -56,7 +56,7 @@ from ferry.store.cell_models import (
     Tag,
 )
 from ferry.store.db import api_session, cell_session
-from ferry.workflows import cross_cell_settle, error_message, resize
+from ferry.workflows import confirm_resize, cross_cell_settle, error_message, resize
 from ferry.workflows.resize import (
     EVENT_FINISH_AT_DEST_CROSS_CELL,
     EVENT_PREP_AT_DEST_CROSS_CELL,
@@ -216,11 +216,10 @@ def _lives_in_without_this_move(uuid: str, target: str, migration_uuid: str) -> 
     """Whether the instance mapping names ``target`` while ``target`` holds no copy of this move's
     migration: the server is there by another move's doing (this one's switch always copies its
     migration first)."""
-    with api_session() as session:
-        mapped = session.scalars(select(CellMapping.name)
-                                 .join(InstanceMapping, InstanceMapping.cell_id == CellMapping.id)
-                                 .where(InstanceMapping.instance_uuid == uuid)).one_or_none()
-    if mapped != target:
+    try:
+        if instances.cell_of(uuid).name != target:
+            return False
+    except errors.InstanceNotFound:  # no mapping (the server's delete finished): nothing lives there
         return False
     with cell_session(target) as session:
         return session.scalars(select(Migration.id).where(Migration.uuid == migration_uuid)).first() is None
@@ -447,8 +446,7 @@ def _announce_finished(event: dict[str, Any], cell: str) -> None:
     uuid, migration_uuid = event["instance_uuid"], event["migration_uuid"]
     with cell_session(cell) as session:
         migration = resize._get_migration(session, migration_uuid)
-        moved = session.scalars(select(Instance).where(Instance.uuid == uuid, Instance.deleted.is_(False),
-                                                       Instance.hidden.is_(False))).one_or_none()
+        moved = confirm_resize.live_instance(session, uuid)
         if migration is None or migration.status != FINISHED or moved is None:
             return
         end = resize._notify(notifications.RESIZE_FINISH_END, moved,

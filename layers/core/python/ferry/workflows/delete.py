@@ -237,5 +237,5 @@ def fail_delete(event: dict[str, Any]) -> dict[str, Any]:
                              host=host, error=error or None)
     metrics.add_metric(name="ServerLeftInError", unit=MetricUnit.Count, value=1)
     logger.warning("delete failed: the server is in ERROR", extra={"instance_uuid": uuid, "host": host,
-                                                                    "error": (error or {}).get("Error")})
+                                                                    "error": error.get("Error")})
     return {}

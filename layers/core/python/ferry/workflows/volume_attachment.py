@@ -441,6 +441,16 @@ def check_volume_operation(event: dict[str, Any]) -> dict[str, Any]:
     return {"host": host, "queue_url": hosts.queue_url(host), "args": args}
 
 
+def _record_attached(session: Session, uuid: str, volume_id: str, host: str | None) -> None:
+    """The server's attachments of the volume on ``host`` are ``attached``, the volume ``in-use``
+    (from ``attaching``) and held by the server."""
+    for attachment in volumes.attachments(session, uuid, host):
+        if attachment.volume_id == volume_id:
+            attachment.status = volumes.ATTACHED
+    session.flush()
+    _swap_in(session, volume_id, (ATTACHING,), IN_USE, volumes.held_by(uuid))
+
+
 def finish_volume_operation(event: dict[str, Any]) -> dict[str, Any]:
     """Record a done attach (attachment ``attached`` on the server's host, volume ``in-use``) or
     detach (every attachment to the server gone, volume ``available`` unless another server still
@@ -454,11 +464,7 @@ def finish_volume_operation(event: dict[str, Any]) -> dict[str, Any]:
     with api_session() as session:
         mine = [a for a in volumes.attachments(session, uuid) if a.volume_id == volume_id]
         if operation == ATTACH:
-            for attachment in mine:
-                if attachment.host == host:
-                    attachment.status = volumes.ATTACHED
-            session.flush()
-            _swap_in(session, volume_id, (ATTACHING,), IN_USE, volumes.held_by(uuid))
+            _record_attached(session, uuid, volume_id, host)
         else:
             for attachment in mine:
                 session.delete(attachment)
@@ -525,11 +531,7 @@ def fail_volume_operation(event: dict[str, Any]) -> dict[str, Any]:
     kept = operation == ATTACH and bool(event.get("cleanup_error"))
     if kept:
         with api_session() as session:
-            for attachment in volumes.attachments(session, uuid, host):
-                if attachment.volume_id == volume_id:
-                    attachment.status = volumes.ATTACHED
-            session.flush()
-            _swap_in(session, volume_id, (ATTACHING,), IN_USE, volumes.held_by(uuid))
+            _record_attached(session, uuid, volume_id, host)
         details = (f"Detaching the volume again on {host} failed ({error_message(event['cleanup_error'])}); "
                    f"the guest may still see it, so it stays attached: detach it to free it.")
     elif operation == ATTACH:
