@@ -12,7 +12,7 @@ import pytest
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import create_engine, select, text
+from sqlalchemy import create_engine, inspect, select, text
 from sqlalchemy.exc import IntegrityError
 
 from ferry.compute.instances import default_hostname
@@ -207,6 +207,7 @@ def test_undoing_0005_on_sqlite_with_foreign_keys_on_is_refused_and_keeps_every_
     migrate.upgrade("cell", url)
     with engine_for(url).begin() as connection:
         insert_event(connection, insert_action(connection, "u-1", "req-1"), "compute_resize")
+        head = connection.execute(text("SELECT version_num FROM alembic_version")).scalar_one()
 
     # WHEN 0005 is undone through such a connection
     cfg = migrate.alembic_config("cell", url)
@@ -217,5 +218,38 @@ def test_undoing_0005_on_sqlite_with_foreign_keys_on_is_refused_and_keeps_every_
     # THEN nothing was undone, and the event is still there
     with engine_for(url).connect() as connection:
         assert connection.execute(text("SELECT count(*) FROM instance_actions_events")).scalar_one() == 1
-        assert connection.execute(text("SELECT version_num FROM alembic_version")).scalar_one() == "0005_cell"
+        assert connection.execute(text("SELECT version_num FROM alembic_version")).scalar_one() == head
     forget_engine(url)
+
+
+@pytest.mark.parametrize(("kind", "last", "indexed"), [
+    ("cell", "0006_cell", {("migrations", "source_compute"), ("migrations", "dest_compute")}),
+    ("api", "0009_api", {("host_mappings", "cell_id"), ("instance_mappings", "cell_id"),
+                         ("resource_providers", "cell_id"), ("ports", "network_id"),
+                         ("volume_attachments", "volume_id")}),
+])
+def test_the_host_and_foreign_key_indexes_come_and_go_with_their_revision(empty_cell_url, kind, last, indexed):
+    # GIVEN a database at the head
+    migrate.upgrade(kind, empty_cell_url)
+    assert indexed <= single_column_indexes(empty_cell_url, indexed)
+
+    # WHEN the revision is undone, THEN its indexes are gone and the revision before is current
+    cfg = migrate.alembic_config(kind, empty_cell_url)
+    with engine_for(empty_cell_url).begin() as connection:
+        cfg.attributes["connection"] = connection
+        command.downgrade(cfg, "-1")
+    assert not indexed & single_column_indexes(empty_cell_url, indexed)
+    with engine_for(empty_cell_url).connect() as connection:
+        assert connection.execute(text("SELECT version_num FROM alembic_version")).scalar_one() != last
+
+    # WHEN it is done again, THEN they are back
+    migrate.upgrade(kind, empty_cell_url)
+    assert indexed <= single_column_indexes(empty_cell_url, indexed)
+
+
+def single_column_indexes(url: str, wanted: set[tuple[str, str]]) -> set[tuple[str, str]]:
+    """The (table, column) pairs of the tables named in ``wanted`` that have an index of their own."""
+    with engine_for(url).connect() as connection:
+        inspector = inspect(connection)
+        return {(table, index["column_names"][0]) for table in {t for t, _ in wanted}
+                for index in inspector.get_indexes(table) if len(index["column_names"]) == 1}

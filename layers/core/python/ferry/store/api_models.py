@@ -63,7 +63,7 @@ class HostMapping(TimestampMixin, ApiBase):
     __tablename__ = "host_mappings"
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     host: Mapped[str] = mapped_column(String(255), unique=True)
-    cell_id: Mapped[int] = mapped_column(ForeignKey("cell_mappings.id"))
+    cell_id: Mapped[int] = mapped_column(ForeignKey("cell_mappings.id"), index=True)
     cell: Mapped[CellMapping] = relationship(lazy="joined")
 
 
@@ -73,7 +73,7 @@ class InstanceMapping(TimestampMixin, ApiBase):
     __tablename__ = "instance_mappings"
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     instance_uuid: Mapped[str] = mapped_column(String(36), unique=True)
-    cell_id: Mapped[int | None] = mapped_column(ForeignKey("cell_mappings.id"), nullable=True)
+    cell_id: Mapped[int | None] = mapped_column(ForeignKey("cell_mappings.id"), index=True, nullable=True)
     project_id: Mapped[str] = mapped_column(String(255), index=True)
     user_id: Mapped[str | None] = mapped_column(String(255), nullable=True)
     queued_for_delete: Mapped[bool] = mapped_column(Boolean, default=False)
@@ -193,7 +193,7 @@ class ResourceProvider(TimestampMixin, ApiBase):
     uuid: Mapped[str] = mapped_column(String(36), unique=True, default=new_uuid)
     name: Mapped[str] = mapped_column(String(255), unique=True)
     host: Mapped[str] = mapped_column(String(255), index=True)
-    cell_id: Mapped[int | None] = mapped_column(ForeignKey("cell_mappings.id"), nullable=True)
+    cell_id: Mapped[int | None] = mapped_column(ForeignKey("cell_mappings.id"), index=True, nullable=True)
     generation: Mapped[int] = mapped_column(Integer, default=0)
     # When the host report whose inventory the provider has was queued: an older one is not applied.
     inventory_reported_at: Mapped[dt.datetime | None] = mapped_column(DateTime, nullable=True)
@@ -257,7 +257,7 @@ class Network(TimestampMixin, ApiBase):
 class Port(TimestampMixin, ApiBase):
     __tablename__ = "ports"
     id: Mapped[str] = mapped_column(String(36), primary_key=True, default=new_uuid)
-    network_id: Mapped[str] = mapped_column(ForeignKey("networks.id"))
+    network_id: Mapped[str] = mapped_column(ForeignKey("networks.id"), index=True)
     project_id: Mapped[str] = mapped_column(String(255))
     device_id: Mapped[str | None] = mapped_column(String(36), index=True, nullable=True)
     mac_address: Mapped[str] = mapped_column(String(32), unique=True)
@@ -293,7 +293,7 @@ class Volume(TimestampMixin, ApiBase):
 class VolumeAttachment(TimestampMixin, ApiBase):
     __tablename__ = "volume_attachments"
     id: Mapped[str] = mapped_column(String(36), primary_key=True, default=new_uuid)
-    volume_id: Mapped[str] = mapped_column(ForeignKey("volumes.id", ondelete="CASCADE"))
+    volume_id: Mapped[str] = mapped_column(ForeignKey("volumes.id", ondelete="CASCADE"), index=True)
     instance_uuid: Mapped[str] = mapped_column(String(36), index=True)
     host: Mapped[str | None] = mapped_column(String(255), nullable=True)
     device: Mapped[str | None] = mapped_column(String(64), nullable=True)
