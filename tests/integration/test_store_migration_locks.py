@@ -174,3 +174,29 @@ def _assert_advisory_lock_free(url: str) -> None:
             connection.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": key})
     finally:
         other.dispose()
+
+
+def test_a_statement_timeout_the_database_gives_does_not_cut_off_an_upgrade(cell_url, monkeypatch):
+    # GIVEN a database whose sessions have a short statement_timeout (as the functions' role may)
+    with engine_for(cell_url).connect() as connection:
+        name = connection.execute(text("SELECT current_database()")).scalar_one()
+        connection.execute(text(f"ALTER DATABASE {name} SET statement_timeout = '250ms'"))
+        connection.commit()
+    engine_for(cell_url).dispose()
+    seen: list[str] = []
+    run = migrate._run
+
+    def look_then_run(cfg, connection, revision) -> None:
+        seen.append(connection.execute(text("SHOW statement_timeout")).scalar_one())
+        connection.commit()  # as the upgrade's connection is given to the revisions: no transaction begun
+        run(cfg, connection, revision)
+
+    monkeypatch.setattr(migrate, "_run", look_then_run)
+
+    # WHEN the cell is upgraded
+    migrate.upgrade("cell", cell_url)
+
+    # THEN its revisions ran with none, and the connection went back to the pool with the database's
+    assert seen == ["0"] and version_of(cell_url) == HEAD
+    with engine_for(cell_url).connect() as connection:
+        assert connection.execute(text("SHOW statement_timeout")).scalar_one() == "250ms"

@@ -125,9 +125,12 @@ def _foreign_keys_off(connection: Connection) -> Iterator[None]:
 
 @contextmanager
 def _upgrade_lock(connection: Connection, kind: str) -> Iterator[None]:
-    """Hold ``kind``'s advisory lock (waiting for an upgrade that holds it) with lock_timeout set,
-    for the connection's session; both are undone after, since the connection goes back to the pool."""
+    """Hold ``kind``'s advisory lock (waiting for an upgrade that holds it) with lock_timeout set and
+    no statement_timeout, for the connection's session; all are undone after, since the connection
+    goes back to the pool. (The role the functions use may carry a statement_timeout,
+    docs/installation.md#database-connections: a revision's index build or backfill outlasts it.)"""
     key = ADVISORY_LOCK_KEYS[kind]
+    connection.execute(text("SELECT set_config('statement_timeout', '0', false)"))
     connection.execute(text("SELECT pg_advisory_lock(:key)"), {"key": key})
     try:
         connection.execute(text("SELECT set_config('lock_timeout', :timeout, false)"), {"timeout": LOCK_TIMEOUT})
@@ -138,12 +141,13 @@ def _upgrade_lock(connection: Connection, kind: str) -> Iterator[None]:
 
 
 def _release(connection: Connection, key: int) -> None:
-    """Give the advisory lock back and reset lock_timeout; a connection that cannot is discarded
-    (closing its session releases both)."""
+    """Give the advisory lock back and reset the timeouts; a connection that cannot is discarded
+    (closing its session releases the lock and forgets the settings)."""
     try:
         connection.rollback()
         connection.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": key})
         connection.execute(text("RESET lock_timeout"))
+        connection.execute(text("RESET statement_timeout"))
         connection.commit()
     except DBAPIError:
         connection.invalidate()
