@@ -2316,6 +2316,47 @@ def test_a_drain_whose_only_other_servers_moved_completes_with_the_deleted_one_c
     assert {s["id"]: s["state"] for s in end["detail"]["payload"]["servers"]}[deleted] == "gone"
 
 
+def test_a_server_deleted_while_its_iteration_could_not_record_its_move_is_settled_gone(store):
+    # GIVEN a server whose move slot was taken, deleted by its owner, and whose iteration's
+    # bookkeeping then failed (SettleServer runs in place of RecordFailure)
+    drain, deleted, other = _started_with_two()
+    assert drains.acquire_slot(drain, deleted).action == "move"
+    _deleted(deleted)
+    error = {"Error": "OperationalError", "Cause": json.dumps({"errorMessage": "could not connect to server"})}
+
+    # WHEN the iteration settles it (twice: a step may run again)
+    settled = drains.settle_server(drain, deleted, error)
+    again = drains.settle_server(drain, deleted, error)
+
+    # THEN it is gone, not failed, and its slot is free
+    assert settled == again == {"state": "gone", "error": drains.GONE_MESSAGE}
+    assert drains.acquire_slot(drain, other).action == "move"
+
+
+@pytest.mark.parametrize("left", ["moving", "pending"])
+def test_a_server_the_map_left_unsettled_and_its_owner_deleted_is_gone_when_the_drain_finishes(store, bus, left):
+    # GIVEN a drain whose one server moved and whose other, left moving or pending by the Map,
+    # was deleted meanwhile
+    drain, moved, deleted = _started_with_two()
+    assert drains.acquire_slot(drain, moved).action == "move"
+    with cell_session("cell1") as session:
+        session.execute(update(Instance).where(Instance.uuid == moved).values(host="dest", node="dest"))
+    drains.record_moved(drain, moved, confirmed=True)
+    if left == "moving":
+        assert drains.acquire_slot(drain, deleted).action == "move"
+    _deleted(deleted)
+
+    # WHEN the drain finishes
+    report = drains.finish(drain)
+
+    # THEN the deleted server is gone and the drain completed: it left the host
+    assert report["status"] == "completed"
+    assert report["message"] == "All 2 servers left: 1 moved, 1 deleted during the drain."
+    row = _servers(drain)[deleted]
+    assert (row.state, row.error) == ("gone", drains.GONE_MESSAGE)
+    assert bus()[-1]["detail-type"] == "drain.end"
+
+
 def test_a_drain_with_a_deleted_server_and_a_failed_one_fails_naming_both(store):
     drain, failed, deleted = _started_with_two()
     with api_session() as session:

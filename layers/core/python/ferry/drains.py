@@ -69,9 +69,10 @@ DONE = "done"
 SERVER_FAILED = "failed"
 SERVER_CANCELLED = "cancelled"
 UNPLACEABLE = "unplaceable"
-# The server no longer exists (deleted during the drain, before its move started or while its
-# move failed): it has left the drained hosts, so it never fails the drain.
+# The server no longer exists (deleted during the drain, before its move started, while its
+# move failed, or before the drain settled it): it has left the drained hosts, so it never fails the drain.
 GONE = "gone"
+GONE_MESSAGE = "The server no longer exists (deleted during the drain)."
 SETTLED_STATES = frozenset({DONE, SERVER_FAILED, SERVER_CANCELLED, UNPLACEABLE, GONE})
 
 HOST = "host"
@@ -1563,7 +1564,7 @@ def record_failure(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any],
             return {"retry": False, "confirm": False, "state": server.state, "error": server.error}
         if gone:
             server.state, server.finished_at = GONE, utcnow()
-            server.error = f"The server no longer exists (deleted during the drain): {message}"
+            server.error = f"{GONE_MESSAGE.rstrip('.')}: {message}"
             logger.info("drain server deleted while it was moved; recorded gone",
                         extra={"drain": drain_uuid, "instance_uuid": instance_uuid, "error": message})
             return {"retry": False, "confirm": False, "state": server.state, "error": server.error}
@@ -1618,7 +1619,8 @@ def settle_server(drain_uuid: str, instance_uuid: str, error: Mapping[str, Any] 
 
     The iteration will not move its server any more, so a server still ``pending`` or ``moving`` is
     recorded ``failed`` with the error: a server left ``moving`` would hold its per-host slot (see
-    :func:`acquire_slot`) and make the other servers wait for ever. A server already settled, or no
+    :func:`acquire_slot`) and make the other servers wait for ever; one deleted meanwhile is
+    recorded ``gone`` instead, as RecordFailure would have. A server already settled, or no
     longer in the drain, is left as it is, and so is every server of a drain that ended (final).
     Idempotent.
 
@@ -1626,6 +1628,7 @@ def settle_server(drain_uuid: str, instance_uuid: str, error: Mapping[str, Any] 
         ``{"state", "error"}`` of the server (Nones when it is not in the drain).
     """
     message = workflows.error_message(dict(error)) if error else "unknown error"
+    gone = _gone(instance_uuid)  # read in the cells before the drain's row is taken
     with api_session() as session:
         try:
             drain, server = _load_server(session, drain_uuid, instance_uuid)
@@ -1633,6 +1636,12 @@ def settle_server(drain_uuid: str, instance_uuid: str, error: Mapping[str, Any] 
             return {"state": None, "error": None}
         if server.state not in SETTLED_STATES and not _ended_before(drain, server, "SettleServer"):
             was = server.state
+            if gone:
+                server.state, server.finished_at, server.error = GONE, utcnow(), GONE_MESSAGE
+                drain.version += 1
+                logger.info("drain server deleted during the drain; recorded gone",
+                            extra={"drain": drain_uuid, "instance_uuid": instance_uuid, "was": was, "error": message})
+                return {"state": server.state, "error": server.error}
             if was == MOVING:
                 server.error = (f"The drain could not record the result of this server's move ({message}); "
                                 f"see the server's actions and migrations.")
@@ -1728,7 +1737,7 @@ def finish(drain_uuid: str, error: Mapping[str, Any] | None = None) -> dict[str,
     ``failed`` when a server could not be moved or placed, the hosts still hold servers, or the
     workflow itself failed (``error``). Servers still pending (the Map stopped early) are marked
     cancelled; servers still moving (their iteration could not record the result) failed,
-    pointing at the server's own records.
+    pointing at the server's own records; either of them deleted meanwhile, ``gone``.
 
     The final event (``drain.end`` or ``drain.error``, and the callback) is announced every time
     this runs for a drain that is not a dry run, final already or not: the status is committed
@@ -1753,17 +1762,26 @@ def finish(drain_uuid: str, error: Mapping[str, Any] | None = None) -> dict[str,
     with api_session() as session:
         drain = _load(session, drain_uuid)
         look = not (drain.status in FINAL_STATUSES or drain.dry_run or error)
-        own = {server.migration_uuid for server in _servers(session, drain) if server.migration_uuid}
+        settles = drain.status not in FINAL_STATUSES and not drain.dry_run
+        own, unsettled = set(), []
+        for server in _servers(session, drain):
+            if server.migration_uuid:
+                own.add(server.migration_uuid)
+            if settles and server.state in (PENDING, MOVING):
+                unsettled.append(server.instance_uuid)
         session.expunge(drain)
     # Read before the drain's row is taken: the cells are read in sessions of their own.
     left = _left_on_targets(drain, own) if look else []
+    gone = {instance_uuid for instance_uuid in unsettled if _gone(instance_uuid)}
     with api_session() as session:
         drain = _load(session, drain_uuid, for_update=True)
         servers = _servers(session, drain)
         already_final = drain.status in FINAL_STATUSES
         if not already_final:
             for server in servers:
-                if server.state == PENDING:
+                if server.state in (PENDING, MOVING) and server.instance_uuid in gone:
+                    server.state, server.finished_at, server.error = GONE, utcnow(), GONE_MESSAGE
+                elif server.state == PENDING:
                     server.state, server.finished_at = SERVER_CANCELLED, utcnow()
                     server.error = server.error or "The drain ended before this server was moved."
                 elif server.state == MOVING:
@@ -1803,7 +1821,7 @@ def finish(drain_uuid: str, error: Mapping[str, Any] | None = None) -> dict[str,
         # moving above (or settled by their iteration) may have it accepted and never started.
         # Read from the record too, for the same reason; the others' RecordFailure undid theirs.
         left_behind = [(server.cell, server.instance_uuid, slot) for server in servers
-                       if server.state == SERVER_FAILED and server.dest_host is None
+                       if server.state in (SERVER_FAILED, GONE) and server.dest_host is None
                        and (slot := _last_move_slot(drain_uuid, server)) is not None]
         view, finished_at = _view(drain, servers), drain.finished_at
     if give_back:
