@@ -1772,14 +1772,14 @@ def finish(drain_uuid: str, error: Mapping[str, Any] | None = None) -> dict[str,
         session.expunge(drain)
     # Read before the drain's row is taken: the cells are read in sessions of their own.
     left = _left_on_targets(drain, own) if look else []
-    gone = {instance_uuid for instance_uuid in unsettled if _gone(instance_uuid)}
+    deleted = {instance_uuid for instance_uuid in unsettled if _gone(instance_uuid)}
     with api_session() as session:
         drain = _load(session, drain_uuid, for_update=True)
         servers = _servers(session, drain)
         already_final = drain.status in FINAL_STATUSES
         if not already_final:
             for server in servers:
-                if server.state in (PENDING, MOVING) and server.instance_uuid in gone:
+                if server.state in (PENDING, MOVING) and server.instance_uuid in deleted:
                     server.state, server.finished_at, server.error = GONE, utcnow(), GONE_MESSAGE
                 elif server.state == PENDING:
                     server.state, server.finished_at = SERVER_CANCELLED, utcnow()
