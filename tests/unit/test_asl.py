@@ -291,6 +291,8 @@ def test_a_revert_goes_back_to_verify_resize_only_when_the_destination_removed_n
 # What Lambda's service answers when it fails (not the function): always worth another try.
 LAMBDA_TRANSIENT_ERRORS = ("Lambda.ServiceException", "Lambda.TooManyRequestsException",
                            "Lambda.AWSLambdaException", "Lambda.SdkClientException")
+# And a database failure of the moment, as every step handler names it (ferry.handlers).
+TRANSIENT_STEP_ERRORS = (*LAMBDA_TRANSIENT_ERRORS, "Ferry.DatabaseUnavailable")
 
 
 def _retrier_for(state: dict[str, Any], error: str) -> dict[str, Any] | None:
@@ -317,13 +319,13 @@ def test_the_retrier_for_an_error_is_the_first_rule_that_matches_it():
 
 
 @pytest.mark.parametrize("asl_file", ASL_FILES, ids=_rel)
-def test_every_lambda_task_retries_lambdas_transient_errors(asl_file):
-    """Each of the four is retried, by a rule naming it or by one on States.ALL, never left to the Catch."""
+def test_every_lambda_task_retries_lambdas_and_the_databases_transient_errors(asl_file):
+    """Each of the five is retried, by a rule naming it or by one on States.ALL, never left to the Catch."""
     unretried = [
         f"{where}{name}: {error}"
         for where, scope in _scopes(_definition(asl_file))
         for name, state in scope["States"].items() if _is_lambda_task(state)
-        for error in LAMBDA_TRANSIENT_ERRORS
+        for error in TRANSIENT_STEP_ERRORS
         if (rule := _retrier_for(state, error)) is None or rule.get("MaxAttempts", 3) < 1
     ]
 

@@ -361,6 +361,15 @@ class InvalidStepInput(FerryError):
     """A workflow step received input that does not match its schema."""
 
 
+class DatabaseUnavailable(FerryError):
+    """A database could not serve a workflow step for a moment: its connection was refused or
+    lost, or PostgreSQL ended the step's transaction as the losing side of a deadlock or a
+    serialization conflict, or a lock (SQLite's write lock) was not had in time. Every state
+    running a step retries it (the steps are idempotent); what the step committed before stays."""
+
+    http_status = 503
+
+
 class WorkflowNotConfigured(FerryError):
     """The state machine ARN for a workflow is not set in this function's environment."""
 

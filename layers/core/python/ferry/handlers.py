@@ -11,7 +11,9 @@ heap its imports built on its first invocation (:func:`freeze_startup_heap`).
 
 A fault armed for the step's name (:mod:`ferry.faults`, off unless configured) fails it
 before it runs. Typed errors propagate unchanged: their class name (``Ferry.NoValidHost``, …) is the
-``errorType`` the state machine's ``Retry``/``Catch`` match on.
+``errorType`` the state machine's ``Retry``/``Catch`` match on. A database failure of the moment
+(:func:`ferry.store.db.transient`) becomes ``Ferry.DatabaseUnavailable``, which every state running
+a step retries; any other error is the step's.
 """
 
 from __future__ import annotations
@@ -21,9 +23,12 @@ import gc
 from collections.abc import Callable
 from typing import Any
 
+from sqlalchemy.exc import DBAPIError
+
 import ferry
 from ferry import errors, faults, validation
 from ferry.observability import logger, metrics, timed_step
+from ferry.store import db
 
 # Every step receives the workflow's state document; these keys are always present.
 STEP_EVENT_SCHEMA: dict[str, Any] = {
@@ -86,7 +91,15 @@ def step_handler(
         metrics.add_dimension(name="Step", value=name)
         with timed_step(name):
             faults.check(name)
-            return step(event)
+            try:
+                return step(event)
+            except DBAPIError as exc:
+                if not db.transient(exc):
+                    raise
+                reason = str(exc.orig).strip().splitlines()[0][:200] if exc.orig is not None else type(exc).__name__
+                logger.warning("database unavailable for a moment; the step is retried", extra={"error": reason})
+                raise errors.DatabaseUnavailable(
+                    f"{name}: the database could not serve the step for a moment ({reason}).") from exc
 
     handler.__name__ = f"{name}_handler"
     return lambda_entry(handler)

@@ -8,12 +8,14 @@ threads and processes share them; PostgreSQL is used as is.
 from __future__ import annotations
 
 import os
+import sqlite3
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from sqlalchemy import Engine, create_engine, event, make_url, select
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from ferry import LAMBDA_VARIABLE, config, errors
@@ -33,6 +35,30 @@ CONNECT_TIMEOUT = 10
 # as the environment lives: one is kept there (docs/installation.md#database-connections).
 LAMBDA_POOL = {"pool_size": 1, "max_overflow": 4}
 PROCESS_POOL = {"pool_size": 5, "max_overflow": 20}
+
+
+# PostgreSQL's SQLSTATEs after which the same transaction run again may well succeed: the
+# connection's class (08), serialization_failure, deadlock_detected, too_many_connections,
+# lock_not_available, and the server shutting down or starting (57P01-57P03).
+_TRANSIENT_SQLSTATES = frozenset({"40001", "40P01", "53300", "55P03", "57P01", "57P02", "57P03"})
+
+
+def transient(exc: BaseException) -> bool:
+    """Whether ``exc`` is a database failure of the moment rather than of the request: a connection
+    refused, lost or closed, a transaction PostgreSQL ended to break a deadlock or a serialization
+    conflict, a lock not had within lock_timeout, SQLite's write lock not had within its busy
+    timeout. A statement cancelled by statement_timeout is not: it would likely run as long again."""
+    if not isinstance(exc, DBAPIError):
+        return False
+    if exc.connection_invalidated or isinstance(exc, InterfaceError):
+        return True
+    if not isinstance(exc, OperationalError):
+        return False
+    if isinstance(exc.orig, sqlite3.OperationalError):
+        return "locked" in str(exc.orig) or "busy" in str(exc.orig)
+    code = getattr(exc.orig, "pgcode", None)
+    # No SQLSTATE: the driver's own failure to reach the server or keep talking to it.
+    return code is None or code.startswith("08") or code in _TRANSIENT_SQLSTATES
 
 
 def _pool_sizes() -> dict[str, int]:
