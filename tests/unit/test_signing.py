@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -346,3 +347,31 @@ def test_a_callback_whose_receiver_trickles_its_answer_gives_up_at_its_deadline(
     # THEN the POST as a whole ends at its deadline, not delivered
     assert delivered is False
     assert took < signing.CALLBACK_TIMEOUT_SECONDS + 0.5
+
+
+def test_a_callback_whose_hosts_name_server_never_answers_gives_up_at_its_deadline(monkeypatch):
+    # GIVEN a receiver's name whose lookup would take 5 s (a name server that does not answer)
+    monkeypatch.setattr(signing, "CALLBACK_TIMEOUT_SECONDS", 1.0)
+    lookup = socket.getaddrinfo
+
+    def slow_lookup(host, *args, **kwargs):
+        if host == "receiver.example":
+            time.sleep(5)
+        return lookup(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", slow_lookup)
+
+    # WHEN a callback is posted to it
+    started = time.monotonic()
+    delivered = signing.post_callback("https://receiver.example/drain-events", {"event_type": "drain.end"}, SECRET)
+
+    # THEN it gives up at its deadline, not delivered
+    assert delivered is False
+    assert time.monotonic() - started < signing.CALLBACK_TIMEOUT_SECONDS + 0.5
+
+
+def test_a_callback_to_a_host_name_is_looked_up_and_delivered(receiver):
+    url = receiver.url.replace("127.0.0.1", "localhost")
+
+    assert signing.post_callback(url, {"event_type": "drain.end"}, SECRET) is True
+    assert len(receiver.received) == 1

@@ -19,8 +19,10 @@ import hmac
 import http.client
 import io
 import json
+import queue
 import re
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Mapping
@@ -243,14 +245,53 @@ class _DeadlineSocket:
             self._sock.close()
 
 
+def _addresses(host: str, port: int, deadline: _Deadline) -> list[tuple[Any, ...]]:
+    """The socket addresses of ``host``, looked up within what is left of ``deadline``.
+
+    The resolver takes no timeout (a name server that never answers holds it for as long as the
+    system's resolver retries): it runs on a thread of its own, left to end by itself when the
+    deadline passes first.
+
+    Raises:
+        TimeoutError: the lookup outlasted the deadline.
+        OSError: the name does not resolve.
+    """
+    found: queue.Queue[list[tuple[Any, ...]] | OSError] = queue.Queue(maxsize=1)
+
+    def look_up() -> None:
+        try:
+            found.put([info[4] for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)])
+        except OSError as exc:
+            found.put(exc)
+
+    threading.Thread(target=look_up, name="callback-lookup", daemon=True).start()
+    try:
+        result = found.get(timeout=deadline.left())
+    except queue.Empty:
+        raise TimeoutError("looking up the callback's host outlasted its deadline") from None
+    if isinstance(result, OSError):
+        raise result
+    return result
+
+
 def _connection_class(base: type[http.client.HTTPConnection], deadline: _Deadline) -> Any:
-    """``base`` (HTTP or HTTPS) connecting, shaking hands, sending and reading within ``deadline``."""
+    """``base`` (HTTP or HTTPS) looking its host up, connecting, shaking hands, sending and
+    reading within ``deadline``."""
 
     def create_connection(address: tuple[str, int], _timeout: Any = None,
                           source_address: tuple[str, int] | None = None) -> socket.socket:
-        sock = socket.create_connection(address, deadline.left(), source_address)
-        sock.settimeout(deadline.left())  # the TLS handshake that follows gets what is left
-        return sock
+        refused: OSError | None = None
+        for found in _addresses(address[0], address[1], deadline):
+            try:  # a numeric address: connecting looks nothing up
+                sock = socket.create_connection(found[:2], deadline.left(), source_address)
+            except TimeoutError:
+                raise
+            except OSError as exc:  # the next address, as socket.create_connection does
+                refused = exc
+                continue
+            sock.settimeout(deadline.left())  # the TLS handshake that follows gets what is left
+            return sock
+        raise refused or OSError(f"{address[0]} has no address")
 
     class DeadlineConnection(base):  # type: ignore[misc, valid-type]
         def connect(self) -> None:
