@@ -434,15 +434,22 @@ def test_a_report_that_waited_in_the_queue_longer_than_a_host_may_be_silent_is_d
         assert session.scalars(select(ResourceProvider).where(ResourceProvider.host == "compute-9")).all() == []
 
 
-def test_a_report_that_waited_less_than_that_is_a_heartbeat_now(computes):
-    # A backlog shorter than service_down_time must not make every host look down.
+def test_a_report_that_waited_less_than_that_is_a_heartbeat_as_of_when_it_was_queued(computes):
+    # A backlog shorter than service_down_time must not make every host look down; a host that
+    # died just after its last report is down service_down_time after it, however long it waited.
     queued_at = utcnow() - dt.timedelta(seconds=50)
 
     hosts.apply_report({"kind": protocol.REPORT_HEARTBEAT, "host": "compute-2", "sent_at": queued_at.isoformat()},
                        queued_at)
 
-    assert row("compute-2").last_seen_at >= queued_at + dt.timedelta(seconds=50)
+    assert row("compute-2").last_seen_at == queued_at
     assert listed()["compute-2"]["state"] == "up"
+
+    # AND a report queued before it, applied after, does not take the heartbeat back
+    earlier = queued_at - dt.timedelta(seconds=5)
+    hosts.apply_report({"kind": protocol.REPORT_HEARTBEAT, "host": "compute-2", "sent_at": earlier.isoformat()},
+                       earlier)
+    assert row("compute-2").last_seen_at == queued_at
 
 
 def test_an_agent_clock_that_went_back_does_not_freeze_the_hosts_inventory(computes):

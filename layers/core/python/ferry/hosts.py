@@ -58,8 +58,10 @@ def apply_report(report: dict[str, Any], queued_at: dt.datetime | None = None) -
     None: now). A report that waited longer than ``service_down_time`` (a failed batch handled
     again, a backlog) says nothing of the host now and is dropped, logged and counted
     (``HostReportStale``): it would make a host that died since look up, or map again a host
-    deleted since. A report younger than that is a heartbeat now (a backlog of less than that
-    must not make every host look down). Reports are ordered by the time the queue took them, not
+    deleted since. A younger one is the host's heartbeat as of when it was queued, not when it is
+    applied: a host that died just after its last report is down ``service_down_time`` after that
+    report, however long the report waited (a backlog shorter than that keeps every host up, each
+    report being younger). Reports are ordered by the time the queue took them, not
     by the agent's clock (which may go back): an inventory report queued before the one last
     applied does not overwrite the host's inventory.
 
@@ -93,12 +95,13 @@ def apply_report(report: dict[str, Any], queued_at: dt.datetime | None = None) -
         cell = report["cell"]
     view = _host_view(report, queued)
     with cell_session(cell) as session:
-        service = session.scalars(select(Service).where(Service.host == host)).one_or_none()
+        # Locked: two reports of the host applied side by side keep the newer view (read, then written).
+        service = session.scalars(select(Service).where(Service.host == host).with_for_update()).one_or_none()
         if service is None:
-            service = Service(host=host, last_seen_at=now, details={})
+            service = Service(host=host, last_seen_at=queued, details={})
             session.add(service)
-        elif service.last_seen_at is None or service.last_seen_at < now:
-            service.last_seen_at = now
+        elif service.last_seen_at is None or service.last_seen_at < queued:
+            service.last_seen_at = queued
         newest = view is None or _newer_view(view, (service.details or {}).get(HOST_VIEW))
         if view is not None and newest:
             # A new dict, so the JSON column sees the change.
