@@ -1181,3 +1181,19 @@ def test_a_report_that_arrives_after_a_newer_one_does_not_replace_its_view(cloud
                        utcnow() - dt.timedelta(seconds=30))  # queued before the newer one, handled after it
 
     assert check().kinds() == [audit.GUEST_ORPHAN]
+
+
+def test_a_drifted_counter_is_found_on_a_host_that_keeps_reporting(cloud):
+    # GIVEN a drifted counter on a host whose report was just applied (the provider changed now)
+    with api_session() as session:
+        provider_id = session.scalars(select(ResourceProvider.id).where(ResourceProvider.host == OTHER)).one()
+        session.execute(update(Inventory).where(Inventory.resource_provider_id == provider_id,
+                                                Inventory.resource_class == "VCPU").values(used=3))
+    report_view(OTHER, [], [])
+
+    # WHEN the audit runs with its grace period, THEN the drift is found and recomputed all the same
+    report = check(grace_seconds=120)
+
+    (problem,) = found(report, audit.INVENTORY_USAGE_DRIFT)
+    assert problem.resource == f"provider/{OTHER}/VCPU"
+    assert_fixed(audit.INVENTORY_USAGE_DRIFT)

@@ -251,6 +251,9 @@ class _World:
     views: dict[str, _HostView]
     providers: dict[str, ResourceProvider]
     inventories: dict[tuple[int, str], Inventory]
+    # Each inventory's used counter and what its allocations add up to, by inventory id, read in
+    # one statement: a claim writes both in one transaction, so they differ only if they drifted.
+    usage: dict[int, tuple[int, int]]
     allocations: dict[str, dict[str, dict[str, int]]]
     consumers: dict[str, Consumer]
     ports: list[Port]
@@ -375,6 +378,8 @@ def _read_world(grace_seconds: float, clock_skew_seconds: float, running: Collec
         build_requests = set(session.scalars(select(BuildRequest.instance_uuid)))
         providers = {p.uuid: p for p in session.scalars(select(ResourceProvider))}
         inventories = {(i.resource_provider_id, i.resource_class): i for i in session.scalars(select(Inventory))}
+        usage = {inventory_id: (int(used), int(allocated)) for inventory_id, used, allocated in session.execute(
+            select(Inventory.id, Inventory.used, _allocated_sum()))}
         consumers = {c.uuid: c for c in session.scalars(select(Consumer))}
         allocations: dict[str, dict[str, dict[str, int]]] = defaultdict(lambda: defaultdict(dict))
         rp_uuid = {p.id: p.uuid for p in providers.values()}
@@ -410,7 +415,7 @@ def _read_world(grace_seconds: float, clock_skew_seconds: float, running: Collec
         now=now, grace=dt.timedelta(seconds=grace_seconds), skew=dt.timedelta(seconds=clock_skew_seconds),
         cell_names={c.id: c.name for c in cells}, mappings=mappings, build_requests=build_requests,
         copies=dict(copies), migration_copies=dict(migration_copies), bfv=bfv, views=views, providers=providers,
-        inventories=inventories, allocations={c: dict(a) for c, a in allocations.items()}, consumers=consumers,
+        inventories=inventories, usage=usage, allocations={c: dict(a) for c, a in allocations.items()}, consumers=consumers,
         ports=ports, attachments=attachments, left_deleting=left_deleting, operating=operating,
         volume_mappings={(u, v) for u, v in volume_mappings if v is not None}, volume_statuses=volume_statuses,
         running=running_names, unlisted=unlisted,
@@ -604,14 +609,17 @@ def _check_allocations(world: _World) -> Iterable[Problem]:
         for rp, amounts in held.items():
             for rc, amount in amounts.items():
                 used[(rp, rc)] += amount
+    names = {p.id: p.name for p in world.providers.values()}
     for inventory in sorted(world.inventories.values(), key=lambda i: (i.resource_provider_id, i.resource_class)):
-        provider = next(p for p in world.providers.values() if p.id == inventory.resource_provider_id)
-        allocated = used.get((provider.uuid, inventory.resource_class), 0)
-        if inventory.used != allocated and not world.recent(_changed(provider)):
-            yield Problem(INVENTORY_USAGE_DRIFT, f"provider/{provider.name}/{inventory.resource_class}",
-                          f"Resource provider {provider.name} counts {inventory.used} {inventory.resource_class} "
+        # Compared as one statement read them, whenever the provider last changed (its host
+        # reports every minute): a claim under way shows in neither or both.
+        counted, allocated = world.usage.get(inventory.id, (inventory.used, inventory.used))
+        if counted != allocated:
+            name = names[inventory.resource_provider_id]
+            yield Problem(INVENTORY_USAGE_DRIFT, f"provider/{name}/{inventory.resource_class}",
+                          f"Resource provider {name} counts {counted} {inventory.resource_class} "
                           f"used, but its allocations add up to {allocated}.",
-                          _repair_usage(inventory.id, inventory.used))
+                          _repair_usage(inventory.id, counted))
     for (rp, rc), amount in sorted(used.items()):
         provider = world.providers[rp]
         limit = world.inventories.get((provider.id, rc))
@@ -927,22 +935,30 @@ def _repair_allocation(world: _World, consumer: str) -> Callable[[], str]:
     return repair
 
 
+def _allocated_sum() -> Any:
+    """What the allocations of an inventory's provider and class add up to, as a correlated subquery."""
+    return (select(func.coalesce(func.sum(Allocation.used), 0))
+            .where(Allocation.resource_provider_id == Inventory.resource_provider_id,
+                   Allocation.resource_class == Inventory.resource_class)
+            .scalar_subquery())
+
+
 def _repair_usage(inventory_id: int, seen: int) -> Callable[[], str]:
     def repair() -> str:
         with api_session() as session:
             inventory = session.get(Inventory, inventory_id)
             if inventory is None:
                 return "the inventory was already gone"
-            allocated = int(session.scalar(select(func.coalesce(func.sum(Allocation.used), 0)).where(
-                Allocation.resource_provider_id == inventory.resource_provider_id,
-                Allocation.resource_class == inventory.resource_class)) or 0)
-            # Only over the value read: every placement write refreshes the counter in its transaction.
+            # Only over the value read (every placement write refreshes the counter in its
+            # transaction), and summed in the UPDATE itself: a claim committed between a read of
+            # the sum and the write would leave the sum read stale.
             result = cast(CursorResult[Any], session.execute(
                 update(Inventory).where(Inventory.id == inventory_id, Inventory.used == seen)
-                .values(used=allocated).execution_options(synchronize_session=False)))
+                .values(used=_allocated_sum()).execution_options(synchronize_session=False)))
             if result.rowcount != 1:
                 raise errors.FerryError(f"the {inventory.resource_class} counter changed meanwhile; left as it is")
-            return f"set the {inventory.resource_class} used counter from {seen} to {allocated}"
+            now = session.scalar(select(Inventory.used).where(Inventory.id == inventory_id))
+            return f"set the {inventory.resource_class} used counter from {seen} to {now}"
 
     return repair
 
