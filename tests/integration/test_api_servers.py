@@ -52,8 +52,12 @@ def cloud(store, monkeypatch, tmp_path):
 
 
 def schedule(server_id: str, cell: str = "cell1", *, host: str = "host1", vm_state: str = states.ACTIVE,
-             power_state: int = states.RUNNING, hidden_copy_in: str | None = None) -> None:
-    """Do what the boot workflow does: the instance in a cell, the mapping pointing there."""
+             power_state: int = states.RUNNING, hidden_copy_in: str | None = None,
+             launched: bool | None = None) -> None:
+    """Do what the boot workflow does: the instance in a cell, the mapping pointing there; launched
+    (by default) unless it is building or in error."""
+    if launched is None:
+        launched = vm_state not in (states.BUILDING, states.ERROR)
     with api_session() as session:
         build = session.scalars(select(BuildRequest).where(BuildRequest.instance_uuid == server_id)).one()
         fields = {k: v for k, v in build.instance.items() if k != "metadata"}
@@ -65,6 +69,7 @@ def schedule(server_id: str, cell: str = "cell1", *, host: str = "host1", vm_sta
     with cell_session(cell) as session:
         session.add(Instance(uuid=server_id, **{**fields, "vm_state": vm_state, "task_state": None,
                                                 "power_state": power_state, "host": host, "node": host,
+                                                "launched_at": utcnow() if launched else None,
                                                 "metadata_items": metadata}))
         session.add_all(Tag(instance_uuid=server_id, tag=tag) for tag in tags)
     if hidden_copy_in:
@@ -1162,6 +1167,42 @@ def test_a_volume_made_for_a_server_that_was_never_scheduled_goes_with_it(cloud,
     assert "host" not in execution["input"]  # buried in cell0: no host ever wrote its file
     delete.finish_delete(execution["input"])
     assert api_rows(Volume) == [] and api_rows(VolumeAttachment) == []
+
+
+@pytest.mark.parametrize("host_up", [True, False])
+def test_a_volume_made_from_an_image_for_a_server_that_never_launched_goes_with_it(cloud, host_up):
+    # GIVEN a server whose build failed on its host (ERROR, never launched), booted from a volume
+    # made from an image that its owner did not ask to delete with it
+    server_id, volume = volume_backed_server_on("host1", {
+        "source_type": "image", "uuid": cloud.image_id, "volume_size": 1, "delete_on_termination": False},
+        up=host_up, vm_state=states.ERROR)
+
+    # WHEN it is deleted
+    assert call("DELETE", f"/v2.1/servers/{server_id}").status == 204
+
+    # THEN its host is asked to remove the volume's file, and the volume goes once it did; a host
+    # that could not be asked leaves it deleting, never available without its image in it
+    [execution] = cloud.executions("delete")
+    expected = [{"volume_id": volume.id, "path": volume.path}]
+    assert execution["input"]["delete_volumes"] == expected
+    destroyed = {"destroyed": {"volumes_removed": [volume.id]}} if host_up else {}
+    delete.finish_delete({**execution["input"], **destroyed})
+    if host_up:
+        assert api_rows(Volume) == []
+    else:
+        assert api_rows(Volume, id=volume.id)[0].status == "deleting"
+
+
+def test_a_volume_made_from_an_image_for_a_server_that_launched_stays_available(cloud):
+    server_id, volume = volume_backed_server_on("host1", {
+        "source_type": "image", "uuid": cloud.image_id, "volume_size": 1, "delete_on_termination": False})
+
+    assert call("DELETE", f"/v2.1/servers/{server_id}").status == 204
+
+    [execution] = cloud.executions("delete")
+    assert execution["input"]["delete_volumes"] == []
+    delete.finish_delete({**execution["input"], "destroyed": {"volumes_removed": []}})
+    assert api_rows(Volume, id=volume.id)[0].status == "available"
 
 
 def test_a_volume_of_a_server_rescheduled_to_no_host_stays_deleting(cloud):

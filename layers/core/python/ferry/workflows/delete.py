@@ -131,7 +131,9 @@ def finish_delete(event: dict[str, Any]) -> dict[str, Any]:
     with cell_session(cell) as session:
         bdms = list(session.scalars(select(BlockDeviceMapping).where(
             BlockDeviceMapping.instance_uuid == uuid, BlockDeviceMapping.deleted.is_(False))))
-        doomed = {b.volume_id for b in bdms if b.volume_id and b.delete_on_termination}
+        instance = session.scalars(select(Instance).where(Instance.uuid == uuid)).one_or_none()
+        doomed = instances.volumes_deleted_with(session, instance) if instance is not None else \
+            {b.volume_id for b in bdms if b.volume_id and b.delete_on_termination}
         made_for_it = {b.volume_id for b in bdms if b.volume_id and b.source_type == "image"}
     # Released before the mapping is queued for delete, which makes the server 404: a server
     # shown gone holds nothing any more.
@@ -164,8 +166,9 @@ def finish_delete(event: dict[str, Any]) -> dict[str, Any]:
 def _release_volumes(session: Session, uuid: str, doomed: set[str], removed: set[str], unwritten: set[str]) -> None:
     """Detach the server's volumes in the records; delete those deleted with it that are gone.
 
-    A volume deleted with the server (``delete_on_termination``, in ``doomed``) is deleted once
-    a host removed its file (``removed``). A volume made for the server that no host ever wrote
+    A volume deleted with the server (``delete_on_termination``, or made from an image for a
+    server never launched: :func:`ferry.compute.instances.volumes_deleted_with`; in ``doomed``) is
+    deleted once a host removed its file (``removed``). A volume made for the server that no host ever wrote
     (``unwritten``: the server was never scheduled) is deleted whatever its flag, as it never
     existed but in the records. One whose file may remain (the host was down, the server was
     still being built, the volume is no file the hosts make) is left ``deleting`` for an
