@@ -704,7 +704,7 @@ def test_a_mark_resized_that_failed_after_it_committed_is_not_rolled_back(cloud)
     assert (server.vm_state, server.host) == (states.RESIZED, doc["destination"]["host"])
 
 
-@pytest.mark.parametrize("status", ["confirming", "confirmed", "reverting", "reverted"])
+@pytest.mark.parametrize("status", ["confirming", "confirmed", "reverting", "reverted", "error"])
 def test_a_move_the_owner_confirmed_or_reverted_since_its_last_step_committed_stands(cloud, status):
     uuid = make_server()
     inp = prepare_move(uuid, BIG)

@@ -544,7 +544,8 @@ def check_move_committed(event: dict[str, Any]) -> dict[str, Any]:
     be confirming or reverting it: rolling the move back then would destroy the guest the records
     point at. So the move stands, and the execution ends as an undisturbed one would.
 
-    Committed means, within one cell, that the migration is ``finished`` or beyond; across cells,
+    Committed means, within one cell, that the migration is ``finished`` or beyond (a confirm or
+    revert that failed since left it ``error``); across cells,
     that the instance mapping names the target cell (the switch that makes the target copy the
     server), or that either migration copy is being (or was) confirmed or reverted, or is in
     ``error`` (see :func:`_settled_since`). A committed move between cells is finished here as
@@ -562,7 +563,11 @@ def check_move_committed(event: dict[str, Any]) -> dict[str, Any]:
     if not resize.is_cross_cell(event):
         with cell_session(cell) as session:
             migration = resize._get_migration(session, migration_uuid)
-            committed = migration is not None and migration.status in resize.MARKED
+            # ``error`` too: before MarkResized commits nothing but this execution's own RollbackMove,
+            # after CheckMoveCommitted answered, puts the migration there; after it, a confirm or
+            # revert that failed did (FailConfirm, FailRevert), and the guest on the destination may
+            # be the server's only one.
+            committed = migration is not None and migration.status in (*resize.MARKED, ERROR)
         if committed:
             _announce_finished(event, cell)
     else:
