@@ -11,6 +11,7 @@ import json
 
 import jsonschema
 import pytest
+from sqlalchemy import update
 from verify_resize_helpers import (
     CELL,
     DEST,
@@ -37,6 +38,7 @@ from verify_resize_helpers import (
 
 from ferry import errors, notifications, placement, protocol
 from ferry.compute import migration_states, states
+from ferry.store.cell_models import Migration
 from ferry.workflows import confirm_resize
 
 SCHEMAS = ("confirm_resize", "revert_resize", "volume_attachment", "drain")
@@ -154,6 +156,29 @@ def test_a_down_source_host_is_not_a_refusal_and_the_rollback_restores_verify_re
     assert events(resized.instance_uuid) == {confirm_resize.EVENT_CONFIRM: "Error"}
     begin("confirm", resized, monkeypatch)  # the owner can confirm again
     assert migration_row(resized.migration_uuid).status == migration_states.CONFIRMING
+
+
+def test_a_restore_leaves_a_migration_a_delete_confirmed_after_it_was_read(cloud, monkeypatch):
+    # GIVEN a confirm whose first step failed on a down source host, and a delete that confirms
+    # the migration just after the restore read it (as READ COMMITTED lets a concurrent commit show)
+    resized = make_resized()
+    event = begin("confirm", resized, monkeypatch)
+    read = confirm_resize.migration_of
+
+    def read_then_confirmed_elsewhere(session, uuid, migration_uuid):
+        migration = read(session, uuid, migration_uuid)
+        session.execute(update(Migration).where(Migration.uuid == migration_uuid)
+                        .values(status=migration_states.CONFIRMED).execution_options(synchronize_session=False))
+        return migration
+
+    monkeypatch.setattr(confirm_resize, "migration_of", read_then_confirmed_elsewhere)
+
+    # WHEN the restore runs
+    confirm_resize.restore_verify_resize({**event, "error": {"Error": "Ferry.ComputeServiceUnavailable",
+                                                             "Cause": "source host down"}})
+
+    # THEN the delete's confirmed stands
+    assert migration_row(resized.migration_uuid).status == migration_states.CONFIRMED
 
 
 def test_a_failure_at_the_source_leaves_the_server_usable_and_says_what_is_left(cloud, monkeypatch, tmp_path):

@@ -36,7 +36,7 @@ from ferry.observability import logger
 from ferry.store.api_models import ResourceProvider
 from ferry.store.cell_models import Instance, InstanceAction, InstanceActionEvent, Migration
 from ferry.store.db import api_session, cell_session
-from ferry.workflows import cross_cell_settle, error_message
+from ferry.workflows import cross_cell_settle, error_message, resize
 
 EVENT_CONFIRM = "compute_confirm_resize"
 
@@ -422,6 +422,13 @@ def restore_verify_resize(event: dict[str, Any]) -> dict[str, Any]:
             message = f"{verb} the resize failed before any host was changed: {cause}"
             details = (f"The server stays in VERIFY_RESIZE on {dest} (source host {source}). Confirm or revert "
                        f"it again.")
+        try:  # only over the status read: a delete's confirm may have settled the migration since
+            resize._update_migration(session, migration_uuid, {"status": migration_states.FINISHED},
+                                     (migration_states.CONFIRMING, migration_states.REVERTING))
+        except errors.UnexpectedTaskState:
+            logger.warning("migration settled meanwhile; nothing restored",
+                           extra={"instance_uuid": uuid, "migration_uuid": migration_uuid})
+            return {}
         instance = live_instance(session, uuid)
         if reverting and instance is not None:
             try:
@@ -429,8 +436,6 @@ def restore_verify_resize(event: dict[str, Any]) -> dict[str, Any]:
                                      expected_task_state=(states.RESIZE_REVERTING,))
             except errors.UnexpectedTaskState:
                 logger.warning("task changed meanwhile; left as is", extra={"instance_uuid": uuid})
-        migration = migration_of(session, uuid, migration_uuid)
-        migration.status = migration_states.FINISHED
         if instance is not None:
             instances.add_fault(session, uuid, message, host=dest, details=details)
         actions.finish_event(session, instance_uuid=uuid, request_id=request_id, event=name,
