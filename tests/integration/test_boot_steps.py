@@ -285,6 +285,43 @@ def test_fail_delete_sets_error_and_clears_the_task(cloud):
     assert placement.get_allocations(event["instance_uuid"]) != {}
 
 
+def test_a_delete_that_failed_after_releasing_its_server_is_finished_not_left_in_error(cloud, monkeypatch):
+    # GIVEN a delete whose FinishDelete released the server in the API database (mapping queued
+    # for delete) and then failed in the cell, after its retries
+    event = accept_server(cloud["image_id"])
+    event["destination"] = boot.select_destinations(event)
+    boot.bind_resources_at_dest(event)
+    event["spawn"] = {"power_state": 1}
+    boot.finish_build(event)
+    uuid = event["instance_uuid"]
+    with cell_session("cell1") as session:
+        session.execute(Instance.__table__.update().values(task_state=states.DELETING))
+        actions.start_action(session, instance_uuid=uuid, action=actions.DELETE, request_id="r-del",
+                             user_id="u1", project_id="demo")
+    step = {"instance_uuid": uuid, "request_id": "r-del", "cell": "cell1", "host": event["destination"]["host"]}
+    mark_deleted = delete._mark_deleted
+
+    def cell_unreachable(_event):
+        raise RuntimeError("cell database unreachable")
+
+    monkeypatch.setattr(delete, "_mark_deleted", cell_unreachable)
+    with pytest.raises(RuntimeError):
+        delete.finish_delete(step)
+    monkeypatch.setattr(delete, "_mark_deleted", mark_deleted)
+
+    # WHEN FailDelete runs (twice: a step may run again)
+    failed = {**step, "error": {"Error": "RuntimeError", "Cause": "cell database unreachable"}}
+    delete.fail_delete(failed)
+    delete.fail_delete(failed)
+
+    # THEN the delete is finished: the server deleted, no fault, nothing held
+    with cell_session("cell1") as session:
+        instance = session.scalars(select(Instance)).one()
+        assert session.scalars(select(InstanceFault)).all() == []
+    assert (instance.deleted, instance.vm_state, instance.task_state) == (True, states.DELETED, None)
+    assert placement.get_allocations(uuid) == {}
+
+
 def test_a_failed_delete_leaves_the_task_of_a_newer_delete_alone(cloud):
     # GIVEN a delete that failed once its server was in error, and a second delete accepted since
     event = accept_server(cloud["image_id"])

@@ -149,18 +149,25 @@ def finish_delete(event: dict[str, Any]) -> dict[str, Any]:
         _release_volumes(session, uuid, doomed, removed, made_for_it if cell == CELL0_NAME else set())
         session.execute(update(InstanceMapping).where(InstanceMapping.instance_uuid == uuid)
                         .values(queued_for_delete=True))
+    _mark_deleted(event)
+    return {}
+
+
+def _mark_deleted(event: dict[str, Any]) -> None:
+    """The cell's part of a delete, once the API database's is committed: the server deleted, its
+    block device mappings with it, the delete's event finished (idempotent)."""
+    uuid, cell = event["instance_uuid"], event["cell"]
     now = utcnow()
     with cell_session(cell) as session:
         instance = session.scalars(select(Instance).where(Instance.uuid == uuid)).one_or_none()
         if instance is None or instance.deleted:
-            return {}
+            return
         instance.vm_state, instance.task_state, instance.power_state = states.DELETED, None, states.NOSTATE
         instance.deleted, instance.deleted_at, instance.terminated_at = True, now, now
         session.execute(update(BlockDeviceMapping).where(BlockDeviceMapping.instance_uuid == uuid)
                         .values(deleted=True))
         actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"], event=EVENT_TERMINATE,
                              host=event.get("host"))
-    return {}
 
 
 def _release_volumes(session: Session, uuid: str, doomed: set[str], removed: set[str], unwritten: set[str]) -> None:
@@ -213,8 +220,21 @@ def fail_delete(event: dict[str, Any]) -> dict[str, Any]:
 
     Counts ``ServerLeftInError`` when this run puts the server in ERROR (a run again finds the
     task cleared and does nothing).
+
+    A delete whose FinishDelete failed after the API database's part committed (the mapping
+    queued for delete: ports, volumes and allocations released, the server 404 to its owner) is
+    finished instead: left in ERROR, it could be neither seen nor deleted again, and would count
+    against its project's quota.
     """
     uuid, cell = event["instance_uuid"], event["cell"]
+    with api_session() as session:
+        queued = session.scalar(select(InstanceMapping.queued_for_delete).where(
+            InstanceMapping.instance_uuid == uuid))
+    if queued and "confirm_error" not in event:
+        logger.warning("delete failed after its server was released; finishing it",
+                       extra={"instance_uuid": uuid, "error": (event.get("error") or {}).get("Error")})
+        _mark_deleted(event)
+        return {}
     error = event.get("error") or event.get("confirm_error") or {}
     host, details, event_name = event.get("host"), None, EVENT_TERMINATE
     if "confirm_error" in event:
