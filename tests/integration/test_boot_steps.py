@@ -13,15 +13,32 @@ from contextlib import contextmanager
 
 import pytest
 from moto import mock_aws
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.exc import OperationalError
 
 from ferry import aws, config, errors, hosts, placement, protocol
 from ferry.auth import RequestContext
 from ferry.compute import actions, states
 from ferry.compute import api as compute_api
-from ferry.store.api_models import BuildRequest, InstanceMapping, Network, Port, RequestSpec, utcnow
-from ferry.store.cell_models import Instance, InstanceAction, InstanceActionEvent, InstanceFault, Service
+from ferry.store.api_models import (
+    BuildRequest,
+    InstanceMapping,
+    Network,
+    Port,
+    PortBinding,
+    RequestSpec,
+    Volume,
+    VolumeAttachment,
+    utcnow,
+)
+from ferry.store.cell_models import (
+    BlockDeviceMapping,
+    Instance,
+    InstanceAction,
+    InstanceActionEvent,
+    InstanceFault,
+    Service,
+)
 from ferry.store.db import api_session, cell_session
 from ferry.workflows import boot, delete, power
 
@@ -902,3 +919,49 @@ def test_a_retried_select_destinations_for_a_server_deleted_since_the_claim_is_a
     with cell_session("cell1") as session:
         assert session.scalars(select(Instance)).first() is None
         assert session.scalars(select(InstanceAction)).first() is None
+
+
+def scheduled_from_volume(image_id: str) -> tuple[dict, str]:
+    """A server booted from an existing volume (no device named), scheduled into its cell: the
+    boot's event and the volume's id, reserved for the server as the API leaves it."""
+    event = accept_server(image_id)
+    with api_session() as session:
+        volume = Volume(project_id="demo", size_gb=1, path="/var/lib/ferry/volumes/v1", status="reserved")
+        session.add(volume)
+        session.flush()
+        session.add(VolumeAttachment(volume_id=volume.id, instance_uuid=event["instance_uuid"], status="reserved"))
+        volume_id = volume.id
+    event["destination"] = boot.select_destinations(event)
+    with cell_session("cell1") as session:
+        session.add(BlockDeviceMapping(instance_uuid=event["instance_uuid"], source_type="volume",
+                                       destination_type="volume", boot_index=0, volume_id=volume_id))
+    return event, volume_id
+
+
+def test_the_root_volume_keeps_the_device_it_was_given(cloud):
+    event, volume_id = scheduled_from_volume(cloud["image_id"])
+
+    args = boot.bind_resources_at_dest(event)["spawn_args"]
+
+    assert [(v["volume_id"], v["device"]) for v in args["volumes"]] == [(volume_id, "vda")]
+    with cell_session("cell1") as session:
+        assert session.scalars(select(BlockDeviceMapping.device_name)).one() == "vda"
+
+
+def test_a_server_deleted_before_its_resources_are_bound_gets_none_bound(cloud):
+    # GIVEN a server being built whose delete finished (its host down: at once) after the build's
+    # task swap, releasing its volume and queueing its mapping for delete
+    event, volume_id = scheduled_from_volume(cloud["image_id"])
+    with api_session() as session:
+        session.execute(update(InstanceMapping).where(InstanceMapping.instance_uuid == event["instance_uuid"])
+                        .values(queued_for_delete=True))
+        session.query(VolumeAttachment).delete()
+        session.execute(update(Volume).values(status="available"))
+
+    # WHEN BindResourcesAtDest runs, THEN it is refused and binds nothing
+    with pytest.raises(errors.UnexpectedTaskState, match="deleted while it was being built"):
+        boot.bind_resources_at_dest(event)
+    with api_session() as session:
+        assert session.scalars(select(VolumeAttachment)).all() == []
+        assert session.scalars(select(Volume.status)).one() == "available"
+        assert session.scalars(select(PortBinding)).all() == []

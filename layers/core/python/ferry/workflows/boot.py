@@ -232,6 +232,13 @@ def bind_resources_at_dest(event: dict[str, Any]) -> dict[str, Any]:
         name, flavor, image_ref = instance.display_name, instance.flavor, instance.image_ref
     is_bfv = any(b.boot_index == 0 for b in bdms)
     with api_session() as session:
+        # Under the mapping's row lock: a delete that finished since the task was swapped (its host
+        # down, so at once) released the ports and volumes and queued the mapping in one
+        # transaction; binding them again would leave them held by a deleted server.
+        mapping = session.scalars(select(InstanceMapping).where(InstanceMapping.instance_uuid == uuid)
+                                  .with_for_update()).one_or_none()
+        if mapping is None or mapping.queued_for_delete:
+            raise errors.UnexpectedTaskState(f"Instance {uuid} was deleted while it was being built.")
         ports = list(session.scalars(select(Port).where(Port.device_id == uuid).order_by(Port.created_at)))
         for port in ports:
             if not any(b.host == host for b in port.bindings):
@@ -239,6 +246,7 @@ def bind_resources_at_dest(event: dict[str, Any]) -> dict[str, Any]:
         volume_args = _attach_volumes(session, uuid, host, bdms)
         port_args = [{"id": p.id, "mac_address": p.mac_address, "network_id": p.network_id,
                       "fixed_ip": p.fixed_ip} for p in ports]
+    _record_devices(dest["cell"], uuid, volume_args)
     image = None if is_bfv or not image_ref else images.image_location(image_ref)
     return {"spawn_args": {"name": name, "flavor": _flavor_args(flavor), "image": image, "ports": port_args,
                            "volumes": volume_args, "power_on": True}}
@@ -268,6 +276,17 @@ def _attach_volumes(session: Any, uuid: str, host: str, bdms: list[BlockDeviceMa
             entry["source_image"] = images.image_location(bdm.image_id)
         result.append(entry)
     return result
+
+
+def _record_devices(cell: str, uuid: str, volume_args: list[dict[str, Any]]) -> None:
+    """Write the device each volume was given where its mapping named none, so that the server's
+    volume attachments show it (``/dev/vda`` for the root volume, as Nova's do)."""
+    with cell_session(cell) as session:
+        for entry in volume_args:
+            session.execute(update(BlockDeviceMapping).where(
+                BlockDeviceMapping.instance_uuid == uuid, BlockDeviceMapping.volume_id == entry["volume_id"],
+                BlockDeviceMapping.deleted.is_(False), BlockDeviceMapping.device_name.is_(None))
+                .values(device_name=entry["device"]).execution_options(synchronize_session=False))
 
 
 def unbind_resources_at_dest(event: dict[str, Any]) -> dict[str, Any]:
