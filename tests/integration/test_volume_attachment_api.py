@@ -230,7 +230,7 @@ def test_unknown_server_unknown_volume_and_another_projects_volume_are_404(cloud
     assert cloud.executions("volume_attachment") == []
 
 
-def test_a_volume_in_use_or_a_busy_server_is_409_and_changes_nothing(cloud, tmp_path):
+def test_a_volume_in_use_is_400_and_a_busy_server_409_and_neither_changes_anything(cloud, tmp_path):
     resized = make_resized(volume=True, state_dir=tmp_path)
     other = make_resized(state_dir=tmp_path)
     free = make_volume(tmp_path)
@@ -239,8 +239,8 @@ def test_a_volume_in_use_or_a_busy_server_is_409_and_changes_nothing(cloud, tmp_
     set_instance(other.instance_uuid, task_state=states.RESIZE_REVERTING)
     busy = attach(other.instance_uuid, {"volumeAttachment": {"volumeId": free}})
 
-    assert (in_use.status, busy.status) == (409, 409)
-    assert "conflictingRequest" in in_use.body and "conflictingRequest" in busy.body
+    assert (in_use.status, busy.status) == (400, 409)  # Nova's InvalidVolume, and its instance state conflict
+    assert "badRequest" in in_use.body and "conflictingRequest" in busy.body
     assert volume_status(free) == "available" and attachments(other.instance_uuid) == {}
     assert instance_row(other.instance_uuid).task_state == states.RESIZE_REVERTING
     assert cloud.executions("volume_attachment") == []
@@ -268,7 +268,7 @@ def test_an_admin_may_attach_to_any_project_server(cloud, tmp_path):
     assert response.status == 200, json.dumps(response.body)
 
 
-def test_a_detach_through_a_stale_mapping_is_409_and_leaves_the_holder_alone(cloud, tmp_path):
+def test_a_detach_through_a_stale_mapping_is_400_and_leaves_the_holder_alone(cloud, tmp_path):
     # GIVEN a volume in use by one server, and another whose block device mapping of it is stale
     holder, stale = make_resized(volume=True, state_dir=tmp_path), make_resized(state_dir=tmp_path)
     volume_id = holder.volume_id
@@ -280,7 +280,7 @@ def test_a_detach_through_a_stale_mapping_is_409_and_leaves_the_holder_alone(clo
 
     response = call("DELETE", path(stale.instance_uuid, volume_id), caller=OWNER)
 
-    assert response.status == 409, response.body
+    assert response.status == 400, response.body
     assert volume_status(volume_id) == "in-use"
     assert attachments(holder.instance_uuid) == {DEST: "attached", SOURCE: "attached"}
     assert instance_row(stale.instance_uuid).task_state is None

@@ -341,8 +341,8 @@ class VolumeNotFound(NotFound):
     """No such volume (or another project's)."""
 
 
-class VolumeInUse(Conflict):
-    """The volume is attached, or being attached or detached, elsewhere."""
+class VolumeInUse(BadRequest):
+    """The volume is attached, or being attached or detached, elsewhere: Nova's InvalidVolume (400)."""
 
 
 class VolumeNotAttached(NotFound):

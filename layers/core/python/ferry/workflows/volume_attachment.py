@@ -265,7 +265,7 @@ def begin_attach(ctx: RequestContext, location: Location, volume_id: str, *,
 
     Raises:
         VolumeNotFound: no such volume, or another project's (404).
-        VolumeInUse: the volume is not ``available``, or a server holds it (409).
+        VolumeInUse: the volume is not ``available``, or a server holds it (400).
         InstanceIsLocked, InstanceInvalidState: the server is locked, building, on no host, in
             another vm_state, or busy (409).
         Anything starting the execution raises, after everything written here is undone.
@@ -358,7 +358,7 @@ def begin_detach(ctx: RequestContext, location: Location, volume_id: str) -> Non
         VolumeNotAttached: the volume is not attached to this server (404).
         BadRequest: it is the server's root volume (400).
         VolumeInUse: the volume is not ``in-use`` (being attached or detached), or no attachment
-            of this server holds it (the mapping is stale) (409).
+            of this server holds it (the mapping is stale) (400).
         InstanceIsLocked, InstanceInvalidState: as :func:`begin_attach` (409).
         Anything starting the execution raises, after everything written here is undone.
     """
