@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from ferry import errors
+
 
 def _env_bool(name: str, default: bool) -> bool:
     raw = os.environ.get(name)
@@ -92,8 +94,23 @@ class Settings:
         return self.state_dir
 
 
+# What AWS Lambda's own runtime sets (``AWS_Lambda_python3.11``); the local stack's does not.
+LAMBDA_EXECUTION_ENV_PREFIX = "AWS_Lambda_"
+
+
 def load() -> Settings:
+    """The settings from the environment.
+
+    Raises:
+        DatabaseNotConfigured: on AWS Lambda without ``FERRY_API_DATABASE_URL`` (the stack's
+            ``ApiDatabaseUrl``): its SQLite default would be each execution environment's own.
+    """
     state_dir = Path(os.environ.get("FERRY_STATE_DIR", Path.cwd() / ".ferry")).resolve()
+    if not is_set("FERRY_API_DATABASE_URL") and \
+            os.environ.get("AWS_EXECUTION_ENV", "").startswith(LAMBDA_EXECUTION_ENV_PREFIX):
+        raise errors.DatabaseNotConfigured(
+            "FERRY_API_DATABASE_URL is empty: set the stack's ApiDatabaseUrl parameter to the API database's URL "
+            "(on AWS Lambda the embedded SQLite database would be each execution environment's own).")
     return Settings(
         state_dir=state_dir,
         api_database_url=os.environ.get("FERRY_API_DATABASE_URL") or f"sqlite:///{state_dir / 'api.sqlite'}",

@@ -370,6 +370,11 @@ class DatabaseUnavailable(FerryError):
     http_status = 503
 
 
+class DatabaseNotConfigured(FerryError):
+    """A function on AWS Lambda has no API database URL: the embedded SQLite default would give
+    each execution environment a database of its own."""
+
+
 class WorkflowNotConfigured(FerryError):
     """The state machine ARN for a workflow is not set in this function's environment."""
 
