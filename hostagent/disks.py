@@ -75,6 +75,8 @@ INCOMING_SUFFIX = "_incoming"
 PART_SUFFIX = ".part"
 # Such a temporary file's name: ``<random>`` is tempfile.mkstemp's (letters, digits, ``_``; no dot).
 _PART_NAME = re.compile(rf"\.(?P<name>.+)\.[a-z0-9_]+{re.escape(PART_SUFFIX)}")
+# An image's digest, lower-cased: the name of its file in the image cache (see :func:`create_root_disk`).
+_IMAGE_DIGEST = re.compile(r"[0-9a-f]{64}")
 # What flock answers on storage that has no locks.
 _NO_LOCKS = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP})
 # This host's name and token in its instances directory: whoever reads the same there shares the storage.
@@ -906,13 +908,19 @@ def create_root_disk(
         image: ``{"id", "bucket", "key", "sha256"}``.
 
     Raises:
+        InvalidOperation: the image's ``sha256`` is not a hex SHA-256 digest (it names its file in
+            ``cache_dir``: nothing is touched).
         SpawnFailed: the image is larger than the root disk.
         ImageDownloadFailed: the image cannot be fetched or its checksum differs.
         DiskCopyFailed: copying from the cache failed.
         FileTaken: with ``exclusive``, a file appeared at ``dest`` meanwhile (it is left as it is).
     """
     dest_path = Path(dest)
-    bucket, key, expected = image["bucket"], image["key"], image["sha256"].lower()
+    bucket, key, expected = image["bucket"], image["key"], str(image["sha256"]).lower()
+    if not _IMAGE_DIGEST.fullmatch(expected):
+        # Refused before it becomes a path: ``../x`` or an absolute one would reach outside the cache.
+        raise errors.InvalidOperation(f"Image {image.get('id')} has no valid sha256 digest: {image['sha256']!r}.",
+                                      image_id=image.get("id"))
     try:
         head = s3_client.head_object(Bucket=bucket, Key=key)
         metadata = head.get("Metadata") or {}

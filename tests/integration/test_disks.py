@@ -296,6 +296,25 @@ def test_a_rotten_cache_entry_is_fetched_again(s3, tmp_path):
     assert disks.sha256_file(cache / image["sha256"]) == image["sha256"]
 
 
+@pytest.mark.parametrize("name", ["../victim", "absolute"])
+def test_an_image_digest_that_is_not_one_is_refused_before_it_names_a_file(s3, tmp_path, name):
+    # GIVEN a file beside the image cache, and an image whose "digest" names it
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"not an image")
+    os.utime(victim, (1_000_000, 1_000_000))
+    image = {**_image(s3, "evil.raw", os.urandom(MiB)), "sha256": str(victim) if name == "absolute" else name}
+    cache, dest = tmp_path / "_base", tmp_path / "inst" / "disk"
+    before = sorted(tmp_path.iterdir())
+
+    # WHEN a root disk is made from it THEN it is refused, and nothing outside the cache is touched
+    with pytest.raises(errors.InvalidOperation):
+        disks.create_root_disk(s3, image, 2 * MiB, dest, cache_dir=cache)
+
+    assert victim.read_bytes() == b"not an image"
+    assert victim.stat().st_mtime == 1_000_000
+    assert sorted(tmp_path.iterdir()) == before
+
+
 def test_a_verified_copy_takes_its_name_only_when_its_digest_is_the_expected_one(tmp_path):
     source = tmp_path / "source"
     source.write_bytes(os.urandom(MiB))

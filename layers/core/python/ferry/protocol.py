@@ -132,25 +132,32 @@ VOLUME_SCHEMA: dict[str, Any] = {
 
 VOLUMES_SCHEMA: dict[str, Any] = {"type": "array", "items": VOLUME_SCHEMA}
 
+# An image's digest as Ferry records it (lower-case hex, ``hashlib``'s ``hexdigest``). A host names
+# the image's file in its image cache after it: nothing else (``..``, ``/``) may reach a path.
+IMAGE_DIGEST_SCHEMA: dict[str, Any] = {"type": "string", "pattern": "^[0-9a-f]{64}$"}
+
+# Where a spawn finds an image: ``ferry.images.image_location``.
+IMAGE_LOCATION_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["id", "bucket", "key", "sha256"],
+    "properties": {
+        "id": {"type": "string"},
+        "bucket": {"type": "string"},
+        "key": {"type": "string"},
+        "sha256": IMAGE_DIGEST_SCHEMA,
+        # False for an image that is deleted once the spawn is done (a cross-cell move's
+        # snapshot): the host then writes it into the instance only, never into its image cache.
+        "cache": {"type": "boolean"},
+    },
+}
+
 SPAWN_ARGS_SCHEMA: dict[str, Any] = {
     "type": "object",
     "required": ["name", "flavor", "image", "ports", "volumes", "power_on"],
     "properties": {
         "name": {"type": "string"},
         "flavor": FLAVOR_SCHEMA,
-        "image": {
-            "type": ["object", "null"],
-            "required": ["id", "bucket", "key", "sha256"],
-            "properties": {
-                "id": {"type": "string"},
-                "bucket": {"type": "string"},
-                "key": {"type": "string"},
-                "sha256": {"type": "string"},
-                # False for an image that is deleted once the spawn is done (a cross-cell move's
-                # snapshot): the host then writes it into the instance only, never into its image cache.
-                "cache": {"type": "boolean"},
-            },
-        },
+        "image": {**IMAGE_LOCATION_SCHEMA, "type": ["object", "null"]},
         "ports": PORTS_SCHEMA,
         "volumes": {
             "type": "array",
@@ -162,6 +169,10 @@ SPAWN_ARGS_SCHEMA: dict[str, Any] = {
                     "path": {"type": "string"},
                     "device": {"type": "string"},
                     "boot_index": {"type": ["integer", "null"]},
+                    # A new file-backed volume the host makes (when its path does not exist yet), of
+                    # this size, holding ``source_image`` if it has one.
+                    "size_gb": {"type": "integer", "minimum": 1},
+                    "source_image": IMAGE_LOCATION_SCHEMA,
                 },
             },
         },
