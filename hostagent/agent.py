@@ -70,6 +70,8 @@ DEFAULT_VISIBILITY_TIMEOUT = 45
 DEFAULT_KEEPALIVE_INTERVAL = 15.0
 # The keepalive's first beat comes this soon (or at the interval, when shorter).
 KEEPALIVE_FIRST_BEAT_SECONDS = 1.0
+# How long an operation's end waits for its keepalive to stop before it answers.
+KEEPALIVE_JOIN_SECONDS = 5.0
 # Messages received beyond the workers, waiting for one with their tasks heartbeat meanwhile.
 DEFAULT_MAX_WAITING = 4
 # Drills only: ``<operation>=<seconds>[,...]`` (``*`` for every operation) makes this agent wait that
@@ -977,32 +979,46 @@ class HostAgent(MoveOperations):
 
     @contextmanager
     def _keepalive(self, claim: _Claim, context: dict[str, Any]) -> Iterator[None]:
-        """While the block runs, keep the claim's message and its copies invisible and heartbeat their tasks.
+        """While the block runs, heartbeat the claim's tasks and keep its message and copies invisible.
 
         The first beat comes within a second (a message that came back late and waits for a
         worker has little of its Task's heartbeat time left), then one every keepalive interval.
         A copy that brings a new task token (the workflow retrying) has it heartbeat at once too,
         not at the next beat: its Task may have little heartbeat time left as well.
+
+        The heartbeats and the visibility extensions beat on threads of their own: a slow SQS
+        (its calls retried for minutes) never holds a heartbeat back past HostOpHeartbeatSeconds,
+        which would time out a healthy operation. Once the block ends they are waited for
+        :data:`KEEPALIVE_JOIN_SECONDS` at most: one stuck in a call ends by itself, after the answer.
         """
         done = threading.Event()
 
-        def beat() -> None:
+        def heartbeat() -> None:
             gone: set[str] = set()  # tokens whose workflow stopped waiting: their messages are kept alive only
             beaten: set[str] = set()
             due = time.monotonic() + min(self.keepalive_interval, KEEPALIVE_FIRST_BEAT_SECONDS)
             while True:
                 claim.new_token.wait(max(0.0, due - time.monotonic()))
-                if done.is_set():
-                    return
                 claim.new_token.clear()
+                if done.is_set():  # after the clear: the wake-up that ends the beat is never lost
+                    return
                 with self._claims_guard:
                     deliveries = claim.deliveries()
+                tokens = dict.fromkeys(token for _receipt, token in deliveries if token)
                 if time.monotonic() < due:  # woken by a copy: only its new task is heartbeat now
-                    for token in dict.fromkeys(t for _receipt, t in deliveries if t and t not in beaten):
-                        beaten.add(token)
-                        self._keepalive_heartbeat(token, gone, context)
-                    continue
-                due = time.monotonic() + self.keepalive_interval
+                    tokens = dict.fromkeys(token for token in tokens if token not in beaten)
+                else:
+                    due = time.monotonic() + self.keepalive_interval
+                for token in tokens:
+                    beaten.add(token)
+                    self._keepalive_heartbeat(token, gone, context)
+
+        def extend_visibility() -> None:
+            wait = min(self.keepalive_interval, KEEPALIVE_FIRST_BEAT_SECONDS)
+            while not done.wait(wait):
+                wait = self.keepalive_interval
+                with self._claims_guard:
+                    deliveries = claim.deliveries()
                 for receipt in dict.fromkeys(receipt for receipt, _token in deliveries):
                     try:
                         self.sqs.change_message_visibility(
@@ -1011,18 +1027,21 @@ class HostAgent(MoveOperations):
                     except (ClientError, BotoCoreError) as exc:
                         logger.warning("extending the message's visibility failed",
                                        extra={**context, "error": str(exc)})
-                for token in dict.fromkeys(token for _receipt, token in deliveries if token):
-                    beaten.add(token)
-                    self._keepalive_heartbeat(token, gone, context)
 
-        thread = threading.Thread(target=beat, name=f"keepalive-{claim.op.operation_id}", daemon=True)
-        thread.start()
+        threads = [
+            threading.Thread(target=heartbeat, name=f"keepalive-{claim.op.operation_id}", daemon=True),
+            threading.Thread(target=extend_visibility, name=f"visibility-{claim.op.operation_id}", daemon=True),
+        ]
+        for thread in threads:
+            thread.start()
         try:
             yield
         finally:
             done.set()
-            claim.new_token.set()  # wakes the beat to end it
-            thread.join()
+            claim.new_token.set()  # wakes the heartbeat to end it
+            deadline = time.monotonic() + KEEPALIVE_JOIN_SECONDS
+            for thread in threads:
+                thread.join(max(0.0, deadline - time.monotonic()))
 
     def _keepalive_heartbeat(self, token: str, gone: set[str], context: dict[str, Any]) -> None:
         """Heartbeat ``token``'s task unless it is in ``gone``; add it there when its workflow stopped waiting."""

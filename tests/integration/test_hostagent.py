@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from moto_credentials import REGION, use_moto_credentials
 
 from ferry import config, errors, protocol
 from ferry.local.runtime import moto_heartbeat_fixes
+from hostagent import agent as agent_module
 from hostagent import disks
 from hostagent.agent import UNSURE_REDELIVERY_SECONDS, HostAgent, Operation, default_volumes_dirs, ensure_host_queue
 from hostagent.driver import RUNNING, SHUTDOWN, LibvirtDriver, write_test_node_xml
@@ -1336,6 +1338,63 @@ def test_a_long_operation_sends_task_heartbeats_and_extends_the_message_visibili
     assert host.sfn.called("send_task_heartbeat")
     extended = host.sqs.called("change_message_visibility")
     assert extended and all(call["VisibilityTimeout"] == host.agent.visibility_timeout for call in extended)
+
+
+@contextmanager
+def stuck_visibility_extensions(host: Host) -> Iterator[threading.Event]:
+    """SQS holds every ChangeMessageVisibility the keepalive makes until the block ends (however long
+    it runs); yields an event set once one is held."""
+    held, release = threading.Event(), threading.Event()
+
+    def slow_sqs(kwargs: dict[str, Any]) -> None:
+        if kwargs["VisibilityTimeout"] == host.agent.visibility_timeout:
+            held.set()
+            release.wait()  # set when the block ends, whatever happens in it
+
+    host.sqs.hooks["change_message_visibility"] = slow_sqs
+    try:
+        yield held
+    finally:
+        release.set()
+        del host.sqs.hooks["change_message_visibility"]
+
+
+def test_a_slow_sqs_holds_back_no_task_heartbeat_of_a_running_operation(host):
+    # GIVEN an operation held running, and SQS stuck in the keepalive's first visibility extension
+    instance_uuid = str(uuid.uuid4())
+    output(host.execute("spawn", instance_uuid, spawn_args(host.image(b"x" * 4096), power_on=False)))
+    host.driver.gate = threading.Event()
+    host.driver.entered.clear()
+    before = heartbeat_tokens(host)
+    with stuck_visibility_extensions(host) as held:
+        running = host.start("power_on", instance_uuid, {})
+        assert host.driver.entered.wait(WAIT)
+        (token,) = wait_for(lambda: heartbeat_tokens(host) - before, "the operation to be taken")
+        assert held.wait(WAIT)
+        beats = len([c for c in host.sfn.called("send_task_heartbeat") if c["taskToken"] == token])
+
+        # WHEN the keepalive beats on (every 0.1 s here) THEN the task is heartbeat again and again
+        # while SQS still holds the first extension
+        wait_for(lambda: len([c for c in host.sfn.called("send_task_heartbeat") if c["taskToken"] == token])
+                 >= beats + 3, "task heartbeats while SQS is stuck")
+        host.driver.gate.set()
+        assert output(host.finished(running))["power_state"] == RUNNING
+
+
+def test_an_operation_answers_although_its_keepalive_is_stuck_in_sqs(host, monkeypatch):
+    monkeypatch.setattr(agent_module, "KEEPALIVE_JOIN_SECONDS", 0)
+    instance_uuid = str(uuid.uuid4())
+    output(host.execute("spawn", instance_uuid, spawn_args(host.image(b"x" * 4096), power_on=False)))
+    host.driver.gate = threading.Event()
+    host.driver.entered.clear()
+    with stuck_visibility_extensions(host) as held:
+        running = host.start("power_on", instance_uuid, {})
+        assert host.driver.entered.wait(WAIT)
+        assert held.wait(WAIT)
+
+        host.driver.gate.set()  # the operation ends while SQS still holds the keepalive
+
+        assert output(host.finished(running))["power_state"] == RUNNING
 
 
 def test_an_operation_waiting_for_the_busy_worker_has_its_task_heartbeat_meanwhile(host):
