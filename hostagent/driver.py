@@ -59,6 +59,10 @@ _POWER_STATE_BY_LIBVIRT_STATE = {
     libvirt.VIR_DOMAIN_PMSUSPENDED: SUSPENDED,
 }
 
+# Guests that cannot act on a shutdown request (libvirt refuses one unless the guest runs): a
+# power off pulls their plug at once.
+_DEAF_TO_SHUTDOWN = frozenset({libvirt.VIR_DOMAIN_PAUSED, libvirt.VIR_DOMAIN_PMSUSPENDED})
+
 METADATA_NS = "urn:ferry:instance:1"
 METADATA_PREFIX = "ferry"
 ET.register_namespace(METADATA_PREFIX, METADATA_NS)
@@ -729,8 +733,10 @@ class LibvirtDriver(Driver):
         """Stop the guest: ask it to shut down (again every ``shutdown_retry_interval``), then pull the plug.
 
         The plug is pulled after ``timeout`` seconds. A stopped guest is left alone;
-        ``clean_shutdown=False`` pulls the plug at once, and so does a paused guest, which cannot
-        react to the request. A guest that stops by itself meanwhile is stopped as asked.
+        ``clean_shutdown=False`` pulls the plug at once, and so does a paused or suspended (S3)
+        guest, which cannot react to the request (libvirt takes one only from a running guest),
+        and one libvirt refuses the request for (paused or suspended meanwhile). A guest that
+        stops by itself meanwhile is stopped as asked.
 
         Raises:
             GuestNotFound, HypervisorError.
@@ -740,7 +746,7 @@ class LibvirtDriver(Driver):
             state, _reason = dom.state()
             if not dom.isActive():
                 return
-            if clean_shutdown and state != libvirt.VIR_DOMAIN_PAUSED:
+            if clean_shutdown and state not in _DEAF_TO_SHUTDOWN:
                 self._shut_down(dom, timeout)
             if dom.isActive():
                 self._force_off(dom)
@@ -764,11 +770,12 @@ class LibvirtDriver(Driver):
 
     @staticmethod
     def _request_shutdown(dom: libvirt.virDomain) -> bool:
-        """Send the guest a shutdown request; False if it had stopped already."""
+        """Send the guest a shutdown request; False if it had stopped already, or cannot take one
+        (libvirt says the operation is invalid for it: paused or suspended since it was looked at)."""
         try:
             dom.shutdown()
         except libvirt.libvirtError as exc:
-            if _stopped_meanwhile(dom, exc):
+            if exc.get_error_code() == libvirt.VIR_ERR_OPERATION_INVALID:
                 return False
             raise
         return True

@@ -83,3 +83,47 @@ def test_power_on_resumes_a_guest_paused_on_the_test_driver(tmp_path):
         assert drv.guest_power_state(spec.instance_uuid) == SHUTDOWN
     finally:
         drv.close()
+
+
+class _RefusingShutdown:
+    """A test-driver guest that libvirt refuses a shutdown request for, as QEMU's driver does unless
+    the guest runs (the test driver cannot suspend a guest to RAM); it reports ``state`` while it runs."""
+
+    def __init__(self, dom: libvirt.virDomain, state: int) -> None:
+        self._dom, self._state = dom, state
+        self.shutdown_requests = 0
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self._dom, name)
+
+    def state(self) -> list[int]:
+        return [self._state, 0] if self._dom.isActive() else self._dom.state()
+
+    def shutdown(self) -> int:
+        self.shutdown_requests += 1
+        exc = libvirt.libvirtError("Requested operation is not valid: domain is not running")
+        exc.err = (libvirt.VIR_ERR_OPERATION_INVALID, libvirt.VIR_FROM_QEMU, "domain is not running",
+                   libvirt.VIR_ERR_ERROR, None, None, None, 0, 0)
+        raise exc
+
+
+@pytest.mark.parametrize(("state", "requests"), [
+    (libvirt.VIR_DOMAIN_PMSUSPENDED, 0),  # suspended to RAM: it cannot take a request, so none is sent
+    (libvirt.VIR_DOMAIN_RUNNING, 1),  # suspended or paused meanwhile: the request is refused
+])
+def test_power_off_pulls_the_plug_of_a_guest_that_cannot_take_a_shutdown_request(tmp_path, monkeypatch, state,
+                                                                                  requests):
+    drv = _driver(tmp_path)
+    try:
+        spec = _spec()
+        drv.define_guest(spec)
+        drv.power_on(spec.instance_uuid)
+        guest = _RefusingShutdown(drv.connection.lookupByUUIDString(spec.instance_uuid), state)
+        monkeypatch.setattr(drv, "_domain", lambda _uuid: guest)
+
+        drv.power_off(spec.instance_uuid, timeout=5)
+
+        assert not guest.isActive()
+        assert guest.shutdown_requests == requests
+    finally:
+        drv.close()
