@@ -1160,7 +1160,7 @@ class HostAgent(MoveOperations):
             record = {}
         created_volumes = _created_volumes(record)
         try:
-            directory.mkdir(parents=True, exist_ok=True)
+            disks.make_dir(directory, exist_ok=True)
             self._write_spawn_record(op, created_volumes)
             spec = GuestSpec(
                 instance_uuid=uuid,

@@ -182,6 +182,21 @@ def _log_unsupported_directory_sync(directory: str, exc: OSError) -> None:
                    extra={"path": directory, "error": str(exc)})
 
 
+def make_dir(directory: str | os.PathLike[str], *, exist_ok: bool = False) -> Path:
+    """Create ``directory`` (and its missing parents), and sync the directory that holds it: a
+    host's answer says its disks are there, and a new directory outlasts a power loss only once
+    its parent is synced. Returns it.
+
+    Raises:
+        FileExistsError: it exists and not ``exist_ok``.
+        OSError: it cannot be created or its parent synced.
+    """
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=exist_ok)
+    sync_dir(path.parent)
+    return path
+
+
 def remove_dir(directory: str | os.PathLike[str]) -> None:
     """Delete a directory and everything in it; an absent directory is already gone."""
     try:
@@ -841,7 +856,7 @@ def download_image(
 
 
 def grow(path: str | os.PathLike[str], size_bytes: int) -> int:
-    """Extend a raw disk to ``size_bytes`` with a hole; a larger disk is never shrunk. Returns the size.
+    """Extend a raw disk to ``size_bytes`` with a hole, synced; a larger disk is never shrunk. Returns the size.
 
     A symbolic link at ``path`` is never followed.
 
@@ -854,6 +869,7 @@ def grow(path: str | os.PathLike[str], size_bytes: int) -> int:
         current = os.fstat(fd).st_size
         if size_bytes > current:
             os.ftruncate(fd, size_bytes)
+            os.fsync(fd)  # the host answers with this size: it must outlast a power loss
             return size_bytes
         return current
     finally:

@@ -261,7 +261,7 @@ class MoveOperations:
         incoming = disks.incoming_dir(offer["instances_dir"], uuid)
         try:
             disks.remove_dir(incoming)
-            incoming.mkdir(parents=True)
+            disks.make_dir(incoming)
         except OSError as exc:
             logger.warning("copying directly failed to start; sending through the transfer",
                            extra={"host": self.host, "instance_uuid": uuid, "path": str(incoming), "error": str(exc)})
@@ -359,7 +359,7 @@ class MoveOperations:
             )
         try:
             disks.remove_dir(live)  # what an interrupted attempt left
-            live.mkdir(parents=True)
+            disks.make_dir(live)
             received = self._receive_disks(op, live, kept)
             local = self._prepare_local_disks(uuid, live, args["flavor"])
             checksums = self._disk_checksums(uuid, live, received)

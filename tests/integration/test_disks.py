@@ -315,6 +315,32 @@ def test_an_image_digest_that_is_not_one_is_refused_before_it_names_a_file(s3, t
     assert sorted(tmp_path.iterdir()) == before
 
 
+def test_a_grown_disk_is_synced(tmp_path, monkeypatch):
+    path = tmp_path / "disk"
+    path.write_bytes(b"boot sector")
+    synced: list[int] = []  # the inode of each file synced
+    real_fsync = os.fsync
+
+    def recording(fd):  # type: ignore[no-untyped-def]
+        synced.append(os.fstat(fd).st_ino)
+        real_fsync(fd)
+
+    monkeypatch.setattr(disks.os, "fsync", recording)
+
+    disks.grow(path, 64 * MiB)
+
+    assert path.stat().st_ino in synced
+
+
+def test_a_directory_made_is_synced_in_its_parent(tmp_path, monkeypatch):
+    synced: list[tuple[Path, list[str]]] = []
+    monkeypatch.setattr(disks, "sync_dir", lambda d: synced.append((Path(d), sorted(os.listdir(d)))))
+
+    disks.make_dir(tmp_path / "instance")
+
+    assert synced == [(tmp_path, ["instance"])]
+
+
 def test_a_verified_copy_takes_its_name_only_when_its_digest_is_the_expected_one(tmp_path):
     source = tmp_path / "source"
     source.write_bytes(os.urandom(MiB))

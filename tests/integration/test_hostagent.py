@@ -354,6 +354,22 @@ def test_spawn_creates_a_running_guest_with_the_flavor_ports_and_sparse_disks(ho
     assert wait_for(host.queue_is_empty, "the message to be deleted")
 
 
+def test_a_spawn_answers_once_its_new_instance_directory_is_synced_in_the_instances_directory(host, monkeypatch):
+    synced: list[tuple[Path, list[str]]] = []  # each directory synced, with what it then held
+    real_sync_dir = disks.sync_dir
+
+    def recording(directory):  # type: ignore[no-untyped-def]
+        synced.append((Path(directory), sorted(os.listdir(directory))))
+        real_sync_dir(directory)
+
+    monkeypatch.setattr(disks, "sync_dir", recording)
+    instance_uuid = str(uuid.uuid4())
+
+    output(host.execute("spawn", instance_uuid, spawn_args(host.image(b"x" * 4096))))
+
+    assert any(path == host.instances_dir and instance_uuid in names for path, names in synced)
+
+
 def test_spawn_without_power_on_leaves_the_guest_shut_off(host):
     instance_uuid = str(uuid.uuid4())
     args = spawn_args(host.image(b"x" * 4096), power_on=False, flavor={**FLAVOR, "ephemeral_gb": 0, "swap": 0})

@@ -789,6 +789,26 @@ def test_what_a_step_writes_is_synced_with_its_directory_before_the_host_answers
     assert read_record(tmp_path) == {"migration_uuid": "m-1"}
 
 
+def test_the_directories_a_move_makes_are_synced_in_the_instances_directory_before_the_host_answers(
+        source, dest, monkeypatch):
+    synced: list[tuple[Path, list[str]]] = []  # each directory synced, with what it then held
+    real_sync_dir = disks.sync_dir
+
+    def recording(directory):  # type: ignore[no-untyped-def]
+        synced.append((Path(directory), sorted(os.listdir(directory))))
+        real_sync_dir(directory)
+
+    server = boot(source)
+    monkeypatch.setattr(disks, "sync_dir", recording)
+
+    migration_uuid, _claim, resized = direct_resize(source, dest, server)
+    dest.ok("finish_resize", server.uuid, {**finish_args(migration_uuid, server, resized), "direct": True})
+
+    held = [names for path, names in synced if path == dest.instances_dir]
+    assert any(f"{server.uuid}{disks.INCOMING_SUFFIX}" in names for names in held), "the direct copy's directory"
+    assert any(server.uuid in names for names in held), "the new live directory"
+
+
 def test_an_offer_the_source_cannot_verify_sends_the_disks_through_the_transfer(cloud, source, dest):
     server = boot(source)
     offer = {"instances_dir": str(dest.instances_dir.resolve()), "token": "not-the-destinations"}
