@@ -610,13 +610,13 @@ def _check_allocations(world: _World) -> Iterable[Problem]:
         for rp, amounts in held.items():
             for rc, amount in amounts.items():
                 used[(rp, rc)] += amount
-    names = {p.id: p.name for p in world.providers.values()}
+    provider_names = {p.id: p.name for p in world.providers.values()}
     for inventory in sorted(world.inventories.values(), key=lambda i: (i.resource_provider_id, i.resource_class)):
         # Compared as one statement read them, whenever the provider last changed (its host
         # reports every minute): a claim under way shows in neither or both.
         counted, allocated = world.usage.get(inventory.id, (inventory.used, inventory.used))
         if counted != allocated:
-            name = names[inventory.resource_provider_id]
+            name = provider_names[inventory.resource_provider_id]
             yield Problem(INVENTORY_USAGE_DRIFT, f"provider/{name}/{inventory.resource_class}",
                           f"Resource provider {name} counts {counted} {inventory.resource_class} "
                           f"used, but its allocations add up to {allocated}.",

@@ -7,7 +7,7 @@ import secrets
 from collections.abc import Iterable
 from typing import Any, cast
 
-from sqlalchemy import CursorResult, delete, false, or_, select, update
+from sqlalchemy import ColumnElement, CursorResult, delete, false, or_, select, update
 from sqlalchemy.orm import Session
 
 from ferry import errors
@@ -185,7 +185,7 @@ def volumes_deleted_with(session: Session, instance: Instance) -> set[str]:
     (``delete_on_termination``), and, of a server never launched, those made from an image for
     it. No spawn of it finished writing one of these, so it holds nothing of the owner's (a
     failed spawn removes its file); left ``available`` it would boot a server as an empty disk."""
-    goes = BlockDeviceMapping.delete_on_termination.is_(True)
+    goes: ColumnElement[bool] = BlockDeviceMapping.delete_on_termination.is_(True)
     if instance.launched_at is None:
         goes = or_(goes, BlockDeviceMapping.source_type == "image")
     return set(session.scalars(select(BlockDeviceMapping.volume_id).where(
