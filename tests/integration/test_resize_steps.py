@@ -665,6 +665,40 @@ def test_a_resize_reaches_verify_resize_with_migration_based_allocations(cloud):
                          ("instance.resize_finish.end", f"compute:{dest}")}
 
 
+def test_a_finish_resize_retried_after_its_commit_still_announces_the_resize_end(cloud, monkeypatch):
+    # GIVEN FinishResizeAtDest committed the switch to the destination, then failed reading the
+    # API database (the state retries it: Ferry.DatabaseUnavailable)
+    uuid = make_server()
+    doc = run(prepare_move(uuid, BIG), until="FinishResizeAtDest")
+    cloud.drain()
+    monkeypatch.setattr(resize, "_ports", lambda *_: (_ for _ in ()).throw(RuntimeError("API database away")))
+    with pytest.raises(RuntimeError):
+        resize.finish_resize_at_dest(doc)
+    monkeypatch.undo()
+
+    # WHEN it is retried
+    resize.finish_resize_at_dest(doc)
+
+    # THEN instance.resize.end went out (from the source), as did the finish's start
+    published = {(n["event_type"], n["publisher_id"]) for n in cloud.drain()}
+    assert ("instance.resize.end", f"compute:{SOURCE}") in published
+    assert ("instance.resize_finish.start", f"compute:{doc['destination']['host']}") in published
+
+
+def test_a_mark_resized_retried_after_its_commit_announces_the_finish_end(cloud):
+    # GIVEN MarkResized committed VERIFY_RESIZE and failed before it published its end
+    uuid = make_server()
+    doc = run(prepare_move(uuid, BIG))
+    cloud.drain()  # what the committing run published is taken as lost
+
+    # WHEN it is retried
+    assert resize.mark_resized(doc) == {}
+
+    # THEN the end goes out (the same message id as the first run's, for consumers to drop a repeat)
+    assert [(n["event_type"], n["publisher_id"]) for n in cloud.drain()] == [
+        ("instance.resize_finish.end", f"compute:{doc['destination']['host']}")]
+
+
 @pytest.mark.parametrize("status", ["confirming", "confirmed", "reverting", "reverted"])
 def test_mark_resized_run_again_after_a_confirm_or_revert_took_over_changes_nothing(cloud, status):
     """A redelivered MarkResized must not undo what the owner's confirm or revert has done since."""

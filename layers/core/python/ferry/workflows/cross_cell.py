@@ -56,7 +56,7 @@ from ferry.store.cell_models import (
     Tag,
 )
 from ferry.store.db import api_session, cell_session
-from ferry.workflows import confirm_resize, cross_cell_settle, error_message, resize
+from ferry.workflows import cross_cell_settle, error_message, resize
 from ferry.workflows.resize import (
     EVENT_FINISH_AT_DEST_CROSS_CELL,
     EVENT_PREP_AT_DEST_CROSS_CELL,
@@ -375,9 +375,11 @@ def finish_resize_at_dest(event: dict[str, Any]) -> dict[str, Any]:
             actions.finish_event(session, instance_uuid=uuid, request_id=request_id,
                                  event=EVENT_PREP_AT_SOURCE_CROSS_CELL, host=source["host"])
             instance = instances.get(session, uuid)
-            pending.append(resize._notify(notifications.RESIZE_END, instance,
-                                          notifications.compute_publisher(source["host"]),
-                                          **resize._move_extra(instance, migration_uuid)))
+        # On every run: one that failed after its commit (retried) did not publish it; a repeat
+        # carries the same message id.
+        pending.append(resize._notify(notifications.RESIZE_END, instance,
+                                      notifications.compute_publisher(source["host"]),
+                                      **resize._move_extra(instance, migration_uuid)))
         instances.update_cas(session, uuid, {"task_state": states.RESIZE_FINISH},
                              expected_task_state=(states.RESIZE_MIGRATED, states.RESIZE_FINISH))
         actions.start_event(session, instance_uuid=uuid, request_id=request_id,
@@ -424,39 +426,13 @@ def _mapped_to_target(event: dict[str, Any]) -> bool:
 
 def _finish_switch(event: dict[str, Any]) -> None:
     """The end of a switch that committed: the source copy hidden when the mapping names the target
-    cell (and no revert owns it), ``instance.resize_finish.end`` sent (see :func:`_announce_finished`),
-    then the snapshot deleted, best effort."""
+    cell (and no revert owns it), ``instance.resize_finish.end`` sent (see
+    :func:`ferry.workflows.resize.announce_finished`), then the snapshot deleted, best effort."""
     uuid, migration_uuid = event["instance_uuid"], event["migration_uuid"]
     if _mapped_to_target(event):
         _hide_source(event["cell"], uuid, migration_uuid)
-        _announce_finished(event, _target(event))
+        resize.announce_finished(event, _target(event))
     _delete_snapshot(uuid, migration_uuid)
-
-
-def _announce_finished(event: dict[str, Any], cell: str) -> None:
-    """Send ``instance.resize_finish.end`` (``compute:<dest>``) for a move found committed, again.
-
-    The move's last step sends it after its commit (CompleteMoveAcrossCells only after the switch
-    and hiding the source copy), so a run that failed or died in between never did; this runs
-    when the move is found committed. The event carries the same ``message_id`` as any copy
-    sent before (its identity is the move's migration), so a consumer drops it if it was. Only
-    while the move waits in VERIFY_RESIZE (``cell``'s migration ``finished``, the server visible
-    there): once a confirm or revert took over, a late end would contradict what it announced.
-    """
-    uuid, migration_uuid = event["instance_uuid"], event["migration_uuid"]
-    with cell_session(cell) as session:
-        migration = resize._get_migration(session, migration_uuid)
-        moved = confirm_resize.live_instance(session, uuid)
-        if migration is None or migration.status != FINISHED or moved is None:
-            return
-        end = resize._notify(notifications.RESIZE_FINISH_END, moved,
-                             notifications.compute_publisher(event["destination"]["host"]),
-                             **resize._move_extra(moved, migration_uuid))
-    try:
-        resize._publish(end)
-    except Exception:  # best effort: the move stands whether or not its end is announced again
-        logger.exception("the end of a committed move could not be announced again",
-                         extra={"instance_uuid": uuid, "migration_uuid": migration_uuid})
 
 
 def _settled_since(event: dict[str, Any]) -> bool:
@@ -569,7 +545,7 @@ def check_move_committed(event: dict[str, Any]) -> dict[str, Any]:
             # be the server's only one.
             committed = migration is not None and migration.status in (*resize.MARKED, ERROR)
         if committed:
-            _announce_finished(event, cell)
+            resize.announce_finished(event, cell)
     else:
         committed = _settled_since(event) or _mapped_to_target(event)
         if committed:

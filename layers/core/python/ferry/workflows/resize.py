@@ -645,9 +645,10 @@ def finish_resize_at_dest(event: dict[str, Any]) -> dict[str, Any]:
             actions.finish_event(session, instance_uuid=uuid, request_id=request_id, event=EVENT_RESIZE,
                                  host=source["host"])
             instance = instances.get(session, uuid)
-            pending.append(_notify(notifications.RESIZE_END, instance,
-                                   notifications.compute_publisher(source["host"]),
-                                   **_move_extra(instance, migration_uuid)))
+        # On every run: one that failed after its commit (retried) did not publish it; a repeat
+        # carries the same message id.
+        pending.append(_notify(notifications.RESIZE_END, instance, notifications.compute_publisher(source["host"]),
+                               **_move_extra(instance, migration_uuid)))
         instances.update_cas(session, uuid, {"task_state": states.RESIZE_FINISH},
                              expected_task_state=(states.RESIZE_MIGRATED, states.RESIZE_FINISH))
         actions.start_event(session, instance_uuid=uuid, request_id=request_id, event=EVENT_FINISH,
@@ -688,8 +689,12 @@ def mark_resized(event: dict[str, Any]) -> dict[str, Any]:
     finished = event.get("finished") or {}
     with cell_session(cell) as session:
         _instance, migration = _load(session, event)
-        if migration.status in MARKED:
-            return {}  # this step ran before; a confirm or revert may already have taken over
+        ran_before = migration.status in MARKED  # a confirm or revert may already have taken over
+    if ran_before:
+        # Its end is announced again while the move waits in VERIFY_RESIZE: the run that
+        # committed may have failed before it published it (same message id).
+        announce_finished(event, cell)
+        return {}
     with api_session() as session:
         network.activate(session, uuid, dest["host"])
         volumes.complete_on(session, uuid, dest["host"])
@@ -712,6 +717,35 @@ def mark_resized(event: dict[str, Any]) -> dict[str, Any]:
     logger.info("server resized", extra={"instance_uuid": uuid, "migration_uuid": migration_uuid,
                                          "host": dest["host"], "power_state": power_state})
     return {}
+
+
+def announce_finished(event: dict[str, Any], cell: str) -> None:
+    """Send ``instance.resize_finish.end`` (``compute:<dest>``) for a move found committed, again.
+
+    The move's last step sends it after its commit (CompleteMoveAcrossCells only after the switch
+    and hiding the source copy), so a run that failed or died in between never did; this runs
+    when the move is found committed. The event carries the same ``message_id`` as any copy
+    sent before (its identity is the move's migration), so a consumer drops it if it was. Only
+    while the move waits in VERIFY_RESIZE (``cell``'s migration ``finished``, the server visible
+    there): once a confirm or revert took over, a late end would contradict what it announced.
+    """
+    uuid, migration_uuid = event["instance_uuid"], event["migration_uuid"]
+    with cell_session(cell) as session:
+        migration = _get_migration(session, migration_uuid)
+        if migration is None or migration.status != FINISHED:
+            return
+        try:
+            moved = instances.get(session, uuid)
+        except errors.InstanceNotFound:
+            return
+        publisher = notifications.compute_publisher(event["destination"]["host"])
+        end = _notify(notifications.RESIZE_FINISH_END, moved, publisher, **_move_extra(moved, migration_uuid))
+    try:
+        _publish(end)
+    except Exception:  # best effort: the move stands whether or not its end is announced again
+        logger.exception("the end of a committed move could not be announced again",
+                         extra={"instance_uuid": uuid, "migration_uuid": migration_uuid})
+
 
 
 # --- RollbackMove -------------------------------------------------------------------------------
