@@ -328,8 +328,7 @@ def test_a_delete_that_failed_after_releasing_its_server_is_finished_not_left_in
 
     # WHEN FailDelete runs (twice: a step may run again)
     failed = {**step, "error": {"Error": "RuntimeError", "Cause": "cell database unreachable"}}
-    delete.fail_delete(failed)
-    delete.fail_delete(failed)
+    assert delete.fail_delete(failed) == delete.fail_delete(failed) == {"finished": True}
 
     # THEN the delete is finished: the server deleted, no fault, nothing held
     with cell_session("cell1") as session:

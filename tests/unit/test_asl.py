@@ -358,6 +358,9 @@ def _matches(rule: dict[str, Any], document: dict[str, Any]) -> bool:
     assert value is not _MISSING, f"{rule['Variable']} is read without IsPresent first: States.Runtime"
     if "IsString" in rule:
         return isinstance(value, str) == rule["IsString"]
+    if "BooleanEquals" in rule:
+        assert isinstance(value, bool), f"{rule['Variable']} is not a boolean: States.Runtime"
+        return value == rule["BooleanEquals"]
     if "StringMatches" in rule:
         assert "\\" not in rule["StringMatches"], "escapes are not evaluated here"
         pattern = ".*".join(re.escape(part) for part in rule["StringMatches"].split("*"))
@@ -534,3 +537,13 @@ def test_plan_drain_has_its_functions_whole_timeout_and_runs_out_of_it_at_most_t
         rule = _retrier_for(state, error)
         assert rule is not None and rule.get("MaxAttempts", 3) <= 1, error
     assert "FinishDrain" in {catcher["Next"] for catcher in state["Catch"] if "States.ALL" in catcher["ErrorEquals"]}
+
+
+def test_a_delete_failed_delete_finished_after_all_ends_deleted_and_a_failed_one_fails():
+    states = _states_named("delete")
+    after = states[states["FailDelete"]["Next"]]
+
+    assert states["FailDelete"]["ResultPath"] == "$.failed"
+    assert _choose(after, {"failed": {"finished": True}}) == "Deleted"
+    assert _choose(after, {"failed": {}}) == "DeleteFailed"
+    assert states["Deleted"]["Type"] == "Succeed" and states["DeleteFailed"]["Type"] == "Fail"

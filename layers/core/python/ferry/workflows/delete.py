@@ -144,6 +144,10 @@ def finish_delete(event: dict[str, Any]) -> dict[str, Any]:
             logger.info("allocation of an earlier move released with the server",
                         extra={"instance_uuid": uuid, "migration_uuid": migration_uuid})
     with api_session() as session:
+        # The mapping's row first, as BindResourcesAtDest takes it before binding ports and volumes:
+        # one order, so a build's bind and this release wait for each other instead of deadlocking,
+        # and a bind that went first is released here in full.
+        session.execute(select(InstanceMapping.id).where(InstanceMapping.instance_uuid == uuid).with_for_update())
         network.release_ports(session, uuid, network.requested_networks(session, uuid))
         # A server in cell0 was never scheduled: no host ever wrote a volume made for it.
         _release_volumes(session, uuid, doomed, removed, made_for_it if cell == CELL0_NAME else set())
@@ -225,6 +229,9 @@ def fail_delete(event: dict[str, Any]) -> dict[str, Any]:
     queued for delete: ports, volumes and allocations released, the server 404 to its owner) is
     finished instead: left in ERROR, it could be neither seen nor deleted again, and would count
     against its project's quota.
+
+    Returns:
+        ``{"finished": True}`` when the delete was finished (the execution then succeeds), else ``{}``.
     """
     uuid, cell = event["instance_uuid"], event["cell"]
     with api_session() as session:
@@ -234,7 +241,7 @@ def fail_delete(event: dict[str, Any]) -> dict[str, Any]:
         logger.warning("delete failed after its server was released; finishing it",
                        extra={"instance_uuid": uuid, "error": (event.get("error") or {}).get("Error")})
         _mark_deleted(event)
-        return {}
+        return {"finished": True}
     error = event.get("error") or event.get("confirm_error") or {}
     host, details, event_name = event.get("host"), None, EVENT_TERMINATE
     if "confirm_error" in event:
