@@ -483,6 +483,26 @@ def test_every_lambda_task_retries_lambdas_and_the_databases_transient_errors(as
     assert unretried == []
 
 
+# How long a database failover takes (RDS Multi-AZ, Aurora): a step's retries of a database
+# failure of the moment outlast one on average.
+FAILOVER_SECONDS = 60
+
+
+@pytest.mark.parametrize("asl_file", ASL_FILES, ids=_rel)
+def test_every_lambda_task_outlasts_a_database_failover_with_a_retrier_of_its_own(asl_file):
+    """Not the one of Lambda's errors (it would share their attempts), and spread out (full jitter)."""
+    short = [
+        f"{where}{name}"
+        for where, scope in _scopes(_definition(asl_file))
+        for name, state in scope["States"].items() if _is_lambda_task(state)
+        if (rule := _retrier_for(state, "Ferry.DatabaseUnavailable")) is None
+        or _expected_wait(rule) < FAILOVER_SECONDS or rule.get("JitterStrategy") != "FULL"
+        or (rule["ErrorEquals"] != ["Ferry.DatabaseUnavailable"] and "States.ALL" not in rule["ErrorEquals"])
+    ]
+
+    assert short == []
+
+
 @pytest.mark.parametrize("asl_file", ASL_FILES, ids=_rel)
 def test_every_lambda_task_is_found_as_one(asl_file):
     """The test above checks nothing if it recognises no Lambda Task."""

@@ -60,8 +60,8 @@ def apply_report(report: dict[str, Any], queued_at: dt.datetime | None = None) -
     (``HostReportStale``): it would make a host that died since look up, or map again a host
     deleted since. A younger one is the host's heartbeat as of when it was queued, not when it is
     applied: a host that died just after its last report is down ``service_down_time`` after that
-    report, however long the report waited (a backlog shorter than that keeps every host up, each
-    report being younger). Reports are ordered by the time the queue took them, not
+    report, however long the report waited (a backlog keeps a host up while its reports are younger
+    than ``service_down_time`` less its report interval). Reports are ordered by the time the queue took them, not
     by the agent's clock (which may go back): an inventory report queued before the one last
     applied does not overwrite the host's inventory.
 
