@@ -539,6 +539,23 @@ def test_a_concurrent_request_that_took_the_quota_undoes_the_resize(cloud, monke
     assert instance(server_id).task_state is None and cloud.executions("resize") == []
 
 
+def test_a_recount_that_cannot_be_made_undoes_the_resize(cloud, monkeypatch):
+    # GIVEN an upsize whose second count fails (a cell's database out of reach for a moment)
+    server_id = active_server()
+
+    def unreachable(project_id, deltas):
+        raise RuntimeError("cell database unreachable")
+
+    monkeypatch.setattr(moves.quotas, "recheck", unreachable)
+
+    # WHEN it is asked for, THEN it fails and nothing stays of it: the server can be moved again
+    response = action(server_id, {"resize": {"flavorRef": "2"}})
+
+    assert response.status == 500
+    assert migrations_of(server_id) == [] and actions_of(server_id) == []
+    assert instance(server_id).task_state is None and cloud.executions("resize") == []
+
+
 # --- migrate --------------------------------------------------------------------------------------
 
 

@@ -567,11 +567,9 @@ def _accept_move(ctx: RequestContext, location: compute_api.Location, move: _Mov
         actions.start_action(session, instance_uuid=uuid, action=move.action, request_id=ctx.request_id,
                              user_id=ctx.user_id, project_id=ctx.project_id)
     try:
+        # A concurrent request took the room (OverQuota), or the count could not be made (a cell's
+        # database out of reach): no workflow would ever take the move.
         quotas.recheck(project_id, deltas)
-    except errors.OverQuota:
-        _undo_move(cell, uuid, migration_uuid, ctx.request_id, previous, forget_migration=True)
-        raise
-    try:
         _remember_cross_cell_choice(ctx, location)
     except Exception:
         _undo_move(cell, uuid, migration_uuid, ctx.request_id, previous, forget_migration=True)
