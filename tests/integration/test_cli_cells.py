@@ -9,7 +9,7 @@ import pytest
 from sqlalchemy import create_engine, inspect
 
 from ferry import cli, cli_cells, config, hosts
-from ferry.store import db
+from ferry.store import db, migrate
 
 
 @pytest.fixture
@@ -75,6 +75,17 @@ def test_a_database_password_is_never_printed():
     assert "s3cret" not in hidden and hidden.startswith("postgresql+psycopg2://ferry:***@db.example/cell1")
 
 
+@pytest.mark.parametrize(("url", "shown"), [
+    ("postgresql://ferry@db.example/cell1?password=s3cret&sslmode=require",
+     "postgresql://ferry@db.example/cell1?password=***&sslmode=require"),
+    ("postgresql://ferry@db.example/cell1?sslpassword=s3cret", "postgresql://ferry@db.example/cell1?sslpassword=***"),
+    ("postgresql://ferry:pa@s3cret@db.example/cell1", "postgresql://***@db.example/cell1"),
+    ("no url at all ferry:s3cret@db.example", "***@db.example"),
+], ids=["query", "ssl-query", "unencoded-at", "unparsed"])
+def test_a_password_in_a_query_or_holding_an_at_sign_is_never_printed(url, shown):
+    assert cli_cells.hidden_url(url) == shown
+
+
 def test_set_up_commands_need_their_arguments():
     for argv in (["cell", "create", "cell1"], ["host", "map", "compute1"], ["db"]):
         with pytest.raises(SystemExit) as exited:
@@ -122,3 +133,44 @@ def test_a_host_name_no_agent_can_serve_is_refused(empty_deployment, capsys, hos
     err = capsys.readouterr().err
     assert err.startswith(f"ferry: {host!r} is not a host name an agent can serve") and err.count("\n") == 1
     assert hosts.cell_of_host(host) is None
+
+
+def test_a_host_mapped_meanwhile_to_another_cell_is_not_moved(empty_deployment, capsys, monkeypatch):
+    # GIVEN two cells, and a host the command reads as unmapped, whose first report maps it to
+    # cell1 before the command's write
+    from ferry.store import setup
+
+    for name in ("cell1", "cell2"):
+        assert cli.main(["cell", "create", name, "--database-url", f"sqlite:///{empty_deployment / name}.sqlite"]) == 0
+    capsys.readouterr()
+    mapping = setup.map_host
+
+    def report_maps_it_first(host, cell):
+        mapping(host, "cell1")
+        mapping(host, cell)
+
+    monkeypatch.setattr(setup, "map_host", report_maps_it_first)
+
+    # WHEN the operator maps it to cell2, THEN it is refused and the host stays in cell1
+    assert cli.main(["host", "map", "compute7", "--cell", "cell2"]) == 1
+    assert "is mapped to cell cell1" in capsys.readouterr().err
+    assert hosts.cell_of_host("compute7") == "cell1"
+
+
+def test_a_cell_on_the_api_database_or_on_a_database_of_another_schema_is_refused_in_one_line(empty_deployment,
+                                                                                             capsys):
+    api_url = config.get().api_database_url
+    assert cli.main(["db", "sync"]) == 0
+    capsys.readouterr()
+
+    assert cli.main(["cell", "create", "cell1", "--database-url", api_url]) == 1
+    assert "is the API database" in capsys.readouterr().err
+
+    # a database another API schema was migrated into (a copy of the API database, say)
+    other = f"sqlite:///{empty_deployment / 'copy.sqlite'}"
+    migrate.upgrade("api", other)
+    assert cli.main(["cell", "create", "cell1", "--database-url", other]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("ferry: ") and "is not a cell database Ferry can migrate" in err
+    assert "Traceback" not in err and len(err.splitlines()) == 1
+    assert cli.main(["cell", "list"]) == 0 and capsys.readouterr().out == ""

@@ -28,24 +28,35 @@ import re
 import sys
 from typing import Any
 
-from ferry import config, protocol
+from ferry import config, errors, protocol
 
 # What lies between a URL's scheme (if any) and its last "@": its user and password.
-_USERINFO = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)?.*@")
+_USERINFO = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)?[^/?]*@")
+# Query parameters that carry a secret (psycopg2 takes ``?password=``, libpq ``sslpassword``).
+_SECRET_PARAMETER = re.compile(r"pass|secret|token", re.IGNORECASE)
 
 
 def hidden_url(url: str) -> str:
-    """``url`` with its password shown as ``***``, to print.
+    """``url`` with its password, and any query parameter named like a secret, shown as ``***``, to print.
 
-    A URL SQLAlchemy cannot parse shows ``***`` for all that lies between its scheme and its last ``@``.
+    A URL SQLAlchemy cannot parse, or whose user and password hold an unencoded ``@`` (which the
+    parse splits at the wrong one), shows ``***`` for all that lies between its scheme and its last
+    ``@`` before the path.
     """
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError
 
+    def mask_userinfo(text: str) -> str:
+        return _USERINFO.sub(lambda found: f"{found['scheme'] or ''}***@", text, count=1)
+
     try:
-        return make_url(url).render_as_string(hide_password=True)
+        parsed = make_url(url)
     except (ArgumentError, ValueError):
-        return _USERINFO.sub(lambda found: f"{found['scheme'] or ''}***@", url, count=1)
+        return mask_userinfo(url)
+    query = {key: ("***" if _SECRET_PARAMETER.search(key) else value) for key, value in parsed.query.items()}
+    shown = parsed.set(query=query).render_as_string(hide_password=True).replace("=%2A%2A%2A", "=***")
+    authority = url.split("://", 1)[-1].split("/", 1)[0].split("?", 1)[0]
+    return mask_userinfo(shown) if authority.count("@") > 1 else shown
 
 
 def _refused(message: str) -> int:
@@ -82,6 +93,8 @@ def _run_cell_create(args: argparse.Namespace) -> int:
         return _refused(f"{name!r} is no cell name: a cell's name is not blank and has no space at either end.")
     if not url:
         return _refused("--database-url is blank: give the cell database's SQLAlchemy URL.")
+    if url == config.get().api_database_url.strip():
+        return _refused(f"{hidden_url(url)} is the API database; a cell's database is a database of its own.")
     setup.init_api_database()
     cells = _cells()
     existing = next((cell for cell in cells if cell.name == name), None)
@@ -92,7 +105,13 @@ def _run_cell_create(args: argparse.Namespace) -> int:
     if holder is not None:
         return _refused(f"{hidden_url(url)} is the database of cell {holder.name}; two cells never share one "
                         f"(both would list the same servers).")
-    setup.create_cell(name, url)
+    from alembic.util import CommandError
+
+    try:
+        setup.create_cell(name, url)
+    except CommandError as exc:  # the database holds a schema no cell revision knows
+        return _refused(f"{hidden_url(url)} is not a cell database Ferry can migrate ({exc}): give an empty "
+                        f"database, or one an earlier `ferry cell create` made.")
     print(f"cell {name} database {hidden_url(url)}: {'up to date' if existing is not None else 'created and mapped'}")
     return 0
 
@@ -123,7 +142,10 @@ def _run_host_map(args: argparse.Namespace) -> int:
     if current is not None and current != args.cell:
         return _refused(f"host {args.host} is mapped to cell {current}; a host with servers recorded there "
                         f"is never moved to another cell.")
-    setup.map_host(args.host, args.cell)
+    try:
+        setup.map_host(args.host, args.cell)
+    except errors.HostMappedElsewhere as exc:  # mapped since it was read above
+        return _refused(exc.message)
     print(f"host {args.host}: cell {args.cell}")
     return 0
 

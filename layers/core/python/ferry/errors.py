@@ -180,6 +180,10 @@ class HostNotMapped(FerryError):
     """A host reported without being mapped to a cell."""
 
 
+class HostMappedElsewhere(Conflict):
+    """A host is mapped to another cell: a host with servers recorded in one cell is never moved to another."""
+
+
 class BuildFailed(FerryError):
     """A server could not be built; the instance fault holds the cause."""
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from sqlalchemy import select
 
-from ferry import config
+from ferry import config, errors
 from ferry.store import migrate
 from ferry.store.api_models import CellMapping, HostMapping
 from ferry.store.db import api_session
@@ -32,11 +32,20 @@ def create_cell(name: str, database_url: str | None = None) -> CellMapping:
 
 
 def map_host(host: str, cell_name: str) -> None:
-    """Record which cell a compute host belongs to (idempotent)."""
+    """Record which cell a compute host belongs to (idempotent).
+
+    Raises:
+        HostMappedElsewhere: the host is mapped to another cell (read in the same transaction as
+            the write: a mapping made meanwhile, by the host's first report say, is never moved).
+    """
     with api_session() as session:
         cell = session.scalars(select(CellMapping).where(CellMapping.name == cell_name)).one()
-        existing = session.scalars(select(HostMapping).where(HostMapping.host == host)).one_or_none()
-        if existing is None:
+        # The row alone (its cell is eagerly joined otherwise, and PostgreSQL locks no outer join).
+        mapped_to = session.scalars(select(HostMapping.cell_id).where(HostMapping.host == host)
+                                    .with_for_update()).one_or_none()
+        if mapped_to is None:
             session.add(HostMapping(host=host, cell_id=cell.id))
-        elif existing.cell_id != cell.id:
-            existing.cell_id = cell.id
+        elif mapped_to != cell.id:
+            other = session.get(CellMapping, mapped_to)
+            raise errors.HostMappedElsewhere(f"host {host} is mapped to cell {other.name if other else mapped_to}; a "
+                                             f"host with servers recorded there is never moved to another cell.")
