@@ -235,9 +235,10 @@ def bind_resources_at_dest(event: dict[str, Any]) -> dict[str, Any]:
         # Under the mapping's row lock: a delete that finished since the task was swapped (its host
         # down, so at once) released the ports and volumes and queued the mapping in one
         # transaction; binding them again would leave them held by a deleted server.
-        mapping = session.scalars(select(InstanceMapping).where(InstanceMapping.instance_uuid == uuid)
-                                  .with_for_update()).one_or_none()
-        if mapping is None or mapping.queued_for_delete:
+        # (The column alone: the mapping's cell is eagerly joined, and PostgreSQL locks no outer join.)
+        queued = session.scalars(select(InstanceMapping.queued_for_delete)
+                                 .where(InstanceMapping.instance_uuid == uuid).with_for_update()).one_or_none()
+        if queued is None or queued:
             raise errors.UnexpectedTaskState(f"Instance {uuid} was deleted while it was being built.")
         ports = list(session.scalars(select(Port).where(Port.device_id == uuid).order_by(Port.created_at)))
         for port in ports:
