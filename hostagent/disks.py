@@ -59,10 +59,9 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from ferry import aws, errors, faults
 from ferry.observability import logger
-from ferry.protocol import BLOCK_BLAKE3, BLOCK_SHA256, MOVE_DIGEST, VOLUME_DIR_MARKER
+from ferry.protocol import BLOCK_BLAKE3, BLOCK_SHA256, MOVE_DIGEST, VOLUME_DIR_MARKER, GiB
 
 CHUNK_SIZE = 4 * 2**20
-GiB = 2**30
 MiB = 2**20
 
 ROOT_DISK = "disk"

@@ -343,6 +343,25 @@ def test_unknown_flavor_or_image_is_400(cloud, field):
     assert api_rows(InstanceMapping) == [] and cloud.executions("boot") == []
 
 
+@pytest.mark.parametrize("root", ["flavor", "volume"])
+def test_an_image_larger_than_the_disk_it_would_fill_is_400_and_nothing_is_built(cloud, monkeypatch, root):
+    # GIVEN an image whose disk is 5 GiB (its virtual size), and a 1 GiB flavor disk or new volume
+    read = compute_api.images.get_image
+    monkeypatch.setattr(compute_api.images, "get_image", lambda image_id: {**read(image_id),
+                                                                            "virtual_size": 5 * 2**30})
+    body = {"name": "x", "flavorRef": "1", "imageRef": cloud.image_id, "networks": "auto"}
+    if root == "volume":
+        body = {"name": "x", "flavorRef": "1", "networks": "auto", "block_device_mapping_v2": [{
+            "source_type": "image", "destination_type": "volume", "uuid": cloud.image_id, "boot_index": 0,
+            "volume_size": 1}]}
+
+    response = call("POST", "/v2.1/servers", version="2.90", body={"server": body})
+
+    assert response.status == 400, response.body
+    assert f"is {2**30} bytes, image is {5 * 2**30} bytes" in response.body["badRequest"]["message"]
+    assert api_rows(InstanceMapping) == [] and api_rows(Volume) == [] and cloud.executions("boot") == []
+
+
 def test_a_workflow_that_cannot_start_leaves_nothing_behind(cloud, monkeypatch):
     def refuse(*_args, **_kwargs):
         raise errors.WorkflowNotConfigured("No state machine is configured for this operation.")

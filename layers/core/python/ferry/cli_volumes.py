@@ -27,7 +27,6 @@ from typing import Any
 
 from ferry import protocol, volumes
 
-GiB = 1024**3
 # The largest volume recorded: 1 PiB (a file's size must fit in 63 bits of bytes).
 MAX_SIZE_GB = 1024**2
 # The statuses a volume can be in, as ``list --status`` takes them.
@@ -47,7 +46,7 @@ def _new_file(directory: str, volume_id: str, size_gb: int) -> Path:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o660)
     try:
         os.fchmod(fd, 0o660)
-        os.ftruncate(fd, size_gb * GiB)
+        os.ftruncate(fd, size_gb * protocol.GiB)
         os.fsync(fd)
     except BaseException:
         path.unlink(missing_ok=True)  # a file that could not be made whole is not left

@@ -18,6 +18,9 @@ from urllib.parse import quote
 
 from ferry import validation
 
+# Disk and volume sizes travel in whole GiB (``size_gb``, a flavor's ``root_gb``).
+GiB = 2**30
+
 # Operations a host agent performs.
 SPAWN = "spawn"
 POWER_OFF = "power_off"

@@ -625,14 +625,23 @@ def _root_device(request: BootRequest) -> dict[str, Any] | None:
 
 
 def _check_image_fits(image: dict[str, Any], flavor: Flavor, root: dict[str, Any] | None) -> None:
+    """Refuse (400) a boot whose flavor or new root volume cannot hold the image: its minimums, and
+    its disk's size (the virtual size of a sparse image), as Nova does before anything is built."""
     if flavor.memory_mb < image["min_ram"]:
         raise errors.BadRequest("Flavor's memory is too small for requested image.")
+    image_bytes = int(image.get("virtual_size") or image.get("size") or 0)
     if root is not None:
         if root["source_type"] == "image" and root["volume_size"] < image["min_disk"]:
             raise errors.BadRequest("Volume is smaller than the minimum size specified in image metadata.")
+        if root["source_type"] == "image" and root["volume_size"] * protocol.GiB < image_bytes:
+            raise errors.BadRequest(f"Volume is smaller than the requested image. Volume size is "
+                                    f"{root['volume_size'] * protocol.GiB} bytes, image is {image_bytes} bytes.")
         return
     if flavor.root_gb and flavor.root_gb < image["min_disk"]:
         raise errors.BadRequest("Flavor's disk is too small for requested image.")
+    if flavor.root_gb and flavor.root_gb * protocol.GiB < image_bytes:
+        raise errors.BadRequest(f"Flavor's disk is too small for requested image. Flavor disk is "
+                                f"{flavor.root_gb * protocol.GiB} bytes, image is {image_bytes} bytes.")
 
 
 def _new_mac(session: Session) -> str:
