@@ -81,7 +81,9 @@ def test_a_database_password_is_never_printed():
     ("postgresql://ferry@db.example/cell1?sslpassword=s3cret", "postgresql://ferry@db.example/cell1?sslpassword=***"),
     ("postgresql://ferry:pa@s3cret@db.example/cell1", "postgresql://***@db.example/cell1"),
     ("no url at all ferry:s3cret@db.example", "***@db.example"),
-], ids=["query", "ssl-query", "unencoded-at", "unparsed"])
+    ("mysql://ferry:pa/s3cret@db.example:port/cell1", "mysql://***@db.example:port/cell1"),
+    ("postgresql://ferry:a@b/s3cret@db.example/cell1", "postgresql://***@db.example/cell1"),
+], ids=["query", "ssl-query", "unencoded-at", "unparsed", "unparsed-slash", "at-and-slash"])
 def test_a_password_in_a_query_or_holding_an_at_sign_is_never_printed(url, shown):
     assert cli_cells.hidden_url(url) == shown
 

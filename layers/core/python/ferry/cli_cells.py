@@ -31,7 +31,7 @@ from typing import Any
 from ferry import config, errors, protocol
 
 # What lies between a URL's scheme (if any) and its last "@": its user and password.
-_USERINFO = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)?[^/?]*@")
+_USERINFO = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)?.*@")
 # Query parameters that carry a secret (psycopg2 takes ``?password=``, libpq ``sslpassword``).
 _SECRET_PARAMETER = re.compile(r"pass|secret|token", re.IGNORECASE)
 
@@ -39,9 +39,9 @@ _SECRET_PARAMETER = re.compile(r"pass|secret|token", re.IGNORECASE)
 def hidden_url(url: str) -> str:
     """``url`` with its password, and any query parameter named like a secret, shown as ``***``, to print.
 
-    A URL SQLAlchemy cannot parse, or whose user and password hold an unencoded ``@`` (which the
-    parse splits at the wrong one), shows ``***`` for all that lies between its scheme and its last
-    ``@`` before the path.
+    A URL SQLAlchemy cannot parse, or with more than one ``@`` (a password holding an unencoded
+    one, which the parse splits at the wrong place), shows ``***`` for all that lies between its
+    scheme and its last ``@``: more than the password, never less.
     """
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError
@@ -49,14 +49,18 @@ def hidden_url(url: str) -> str:
     def mask_userinfo(text: str) -> str:
         return _USERINFO.sub(lambda found: f"{found['scheme'] or ''}***@", text, count=1)
 
+    def mask_all(text: str) -> str:  # the query too: it is not parsed either
+        base, _, query = text.partition("?")
+        return mask_userinfo(base) + ("?***" if query else "")
+
+    if url.count("@") > 1:
+        return mask_all(url)
     try:
         parsed = make_url(url)
     except (ArgumentError, ValueError):
-        return mask_userinfo(url)
+        return mask_all(url)
     query = {key: ("***" if _SECRET_PARAMETER.search(key) else value) for key, value in parsed.query.items()}
-    shown = parsed.set(query=query).render_as_string(hide_password=True).replace("=%2A%2A%2A", "=***")
-    authority = url.split("://", 1)[-1].split("/", 1)[0].split("?", 1)[0]
-    return mask_userinfo(shown) if authority.count("@") > 1 else shown
+    return parsed.set(query=query).render_as_string(hide_password=True).replace("=%2A%2A%2A", "=***")
 
 
 def _refused(message: str) -> int:
