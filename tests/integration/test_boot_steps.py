@@ -338,6 +338,32 @@ def test_a_delete_that_failed_after_releasing_its_server_is_finished_not_left_in
     assert placement.get_allocations(uuid) == {}
 
 
+def test_an_older_delete_that_failed_leaves_finishing_to_the_newer_one_that_released_the_server(cloud):
+    # GIVEN two deletes of a server in error, the newer one's FinishDelete having released it in
+    # the API database (mapping queued for delete), and the older one failed
+    event = accept_server(cloud["image_id"])
+    event["destination"] = boot.select_destinations(event)
+    uuid = event["instance_uuid"]
+    with cell_session("cell1") as session:
+        session.execute(Instance.__table__.update().values(task_state=states.DELETING, vm_state="error"))
+        for request_id in ("r-older", "r-newer"):
+            actions.start_action(session, instance_uuid=uuid, action=actions.DELETE, request_id=request_id,
+                                 user_id="u1", project_id="demo")
+    with api_session() as session:
+        session.execute(update(InstanceMapping).where(InstanceMapping.instance_uuid == uuid)
+                        .values(queued_for_delete=True))
+
+    # WHEN the older delete's FailDelete runs
+    outcome = delete.fail_delete({"instance_uuid": uuid, "request_id": "r-older", "cell": "cell1",
+                                  "error": {"Error": "Ferry.HypervisorError", "Cause": "boom"}})
+
+    # THEN it finishes nothing of the server's (the newer delete does) and its execution fails
+    assert outcome == {}
+    with cell_session("cell1") as session:
+        instance = session.scalars(select(Instance)).one()
+    assert (instance.deleted, instance.task_state) == (False, states.DELETING)
+
+
 def test_a_failed_delete_leaves_the_task_of_a_newer_delete_alone(cloud):
     # GIVEN a delete that failed once its server was in error, and a second delete accepted since
     event = accept_server(cloud["image_id"])

@@ -234,14 +234,6 @@ def fail_delete(event: dict[str, Any]) -> dict[str, Any]:
         ``{"finished": True}`` when the delete was finished (the execution then succeeds), else ``{}``.
     """
     uuid, cell = event["instance_uuid"], event["cell"]
-    with api_session() as session:
-        queued = session.scalar(select(InstanceMapping.queued_for_delete).where(
-            InstanceMapping.instance_uuid == uuid))
-    if queued and "confirm_error" not in event:
-        logger.warning("delete failed after its server was released; finishing it",
-                       extra={"instance_uuid": uuid, "error": (event.get("error") or {}).get("Error")})
-        _mark_deleted(event)
-        return {"finished": True}
     error = event.get("error") or event.get("confirm_error") or {}
     host, details, event_name = event.get("host"), None, EVENT_TERMINATE
     if "confirm_error" in event:
@@ -251,14 +243,23 @@ def fail_delete(event: dict[str, Any]) -> dict[str, Any]:
                    f"migration {found.get('migration_uuid')} keeps its allocation and the old disks may remain "
                    f"there. Delete the server again to retry.")
     with cell_session(cell) as session:
-        instance = instances.get(session, uuid)
-        if instance.task_state != states.DELETING:
-            return {}
         if actions.newest_request_id(session, uuid, actions.DELETE) not in (None, event["request_id"]):
             # A newer delete was accepted meanwhile (a server in error takes one whatever its
-            # task): the task is that one's, to finish; this one only records its failure.
+            # task): the server is that one's, to finish; this one only records its failure.
             actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"], event=event_name,
                                  host=host, error=error or None)
+            return {}
+    with api_session() as session:
+        queued = session.scalar(select(InstanceMapping.queued_for_delete).where(
+            InstanceMapping.instance_uuid == uuid))
+    if queued and "confirm_error" not in event:
+        logger.warning("delete failed after its server was released; finishing it",
+                       extra={"instance_uuid": uuid, "error": error.get("Error")})
+        _mark_deleted(event)
+        return {"finished": True}
+    with cell_session(cell) as session:
+        instance = instances.get(session, uuid)
+        if instance.task_state != states.DELETING:
             return {}
         instances.update_cas(session, uuid, {"vm_state": states.ERROR, "task_state": None},
                              expected_task_state=(states.DELETING,))
