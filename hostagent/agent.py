@@ -1020,6 +1020,8 @@ class HostAgent(MoveOperations):
                 with self._claims_guard:
                     deliveries = claim.deliveries()
                 for receipt in dict.fromkeys(receipt for receipt, _token in deliveries):
+                    if done.is_set():  # the operation ended: its settle sets the visibility now
+                        return
                     try:
                         self.sqs.change_message_visibility(
                             QueueUrl=self.queue_url, ReceiptHandle=receipt, VisibilityTimeout=self.visibility_timeout
@@ -1042,6 +1044,9 @@ class HostAgent(MoveOperations):
             deadline = time.monotonic() + KEEPALIVE_JOIN_SECONDS
             for thread in threads:
                 thread.join(max(0.0, deadline - time.monotonic()))
+                if thread.is_alive():  # a call to SQS or Step Functions still under way: it ends alone
+                    logger.warning("keepalive call still under way as the operation ends",
+                                   extra={**context, "thread": thread.name})
 
     def _keepalive_heartbeat(self, token: str, gone: set[str], context: dict[str, Any]) -> None:
         """Heartbeat ``token``'s task unless it is in ``gone``; add it there when its workflow stopped waiting."""
