@@ -1046,7 +1046,7 @@ class HostAgent(MoveOperations):
                 thread.join(max(0.0, deadline - time.monotonic()))
                 if thread.is_alive():  # a call to SQS or Step Functions still under way: it ends alone
                     logger.warning("keepalive call still under way as the operation ends",
-                                   extra={**context, "thread": thread.name})
+                                   extra={**context, "keepalive": thread.name})
 
     def _keepalive_heartbeat(self, token: str, gone: set[str], context: dict[str, Any]) -> None:
         """Heartbeat ``token``'s task unless it is in ``gone``; add it there when its workflow stopped waiting."""
