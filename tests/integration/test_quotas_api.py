@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from sqlalchemy import select, update
+from sqlalchemy.exc import OperationalError, ProgrammingError
 from test_api_moves import active_server, resized_server, set_instance, snapshot_of, start_move_cloud
 from test_api_support import ADMIN, ALICE, BOB, call, create_server, mocked_cloud
 
@@ -171,6 +172,32 @@ def test_usage_counts_every_cell_and_leaves_out_deleted_and_hidden_copies(cloud)
                              vm_state=states.ERROR))
 
     assert quotas.usage("project-a") == {"instances": 2, "cores": 2, "ram": 1024}
+
+
+def test_a_cell_whose_database_does_not_answer_is_left_out_of_the_count(cloud, monkeypatch):
+    # GIVEN a server of the project in cell1 and one in cell2, whose database stops answering
+    small = snapshot_of("m1.small")
+    for cell in ("cell1", "cell2"):
+        with cell_session(cell) as session:
+            session.add(Instance(display_name=cell, project_id="project-a", user_id="alice", flavor=small,
+                                 vm_state=states.ACTIVE))
+    opened = quotas.cell_session
+
+    def cell2_away(cell):
+        if getattr(cell, "name", cell) == "cell2":
+            raise OperationalError("SELECT", {}, ConnectionRefusedError("could not connect to server"))
+        return opened(cell)
+
+    monkeypatch.setattr(quotas, "cell_session", cell2_away)
+
+    # WHEN the project's usage is counted, THEN cell2's server is left out, not the count failed
+    assert quotas.usage("project-a") == {"instances": 1, "cores": 1, "ram": 512}
+
+    # AND a database error that is not of the moment still fails the count
+    monkeypatch.setattr(quotas, "cell_session", lambda cell: (_ for _ in ()).throw(
+        ProgrammingError("SELECT", {}, Exception("relation does not exist"))))
+    with pytest.raises(ProgrammingError):
+        quotas.usage("project-a")
 
 
 def test_a_server_recorded_in_two_cells_counts_once_as_its_mapped_cell_records_it(cloud):

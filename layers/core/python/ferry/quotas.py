@@ -21,6 +21,10 @@ old and new flavor for each resource, so a revert never needs quota of its own. 
 from Nova on purpose: Nova counts the flavor the server has at the moment (or, counting from
 placement, the allocations of both flavors) and checks quota again on a revert that grows.
 
+A cell whose database does not answer (:func:`ferry.store.db.transient`) is left out of the
+count, logged, as Nova leaves out a cell that does not respond: its servers count again once it
+answers, and meanwhile a project may go over its limit by them.
+
 Checks count the usage, add the request, and refuse what would go over a limit. Because two
 requests can pass the same check concurrently, callers check again after writing their
 records (with no further delta) and undo when the limit was crossed meanwhile.
@@ -35,9 +39,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from sqlalchemy import select
+from sqlalchemy.exc import DBAPIError
 
 from ferry import config, errors
 from ferry.compute import states
+from ferry.observability import logger
+from ferry.store import db
 from ferry.store.api_models import BuildRequest, InstanceMapping, Quota
 from ferry.store.cell_models import Instance
 from ferry.store.db import all_cells, api_session, cell_session
@@ -139,17 +146,27 @@ def usage(project_id: str) -> dict[str, int]:
                 servers[build.instance_uuid] = _flavor_usage(build.instance.get("flavor"))
     at_home: set[str] = set()  # servers counted by a visible record in their mapped cell
     for cell in all_cells():
-        with cell_session(cell) as session:
-            for instance in session.scalars(select(Instance).where(
-                    Instance.project_id == project_id, Instance.deleted.is_(False))):
-                counted = instance_usage(instance)
-                mapped_here = home.get(instance.uuid) == cell.id
-                if mapped_here and not instance.hidden:
-                    servers[instance.uuid] = counted
-                    at_home.add(instance.uuid)
-                elif (mapped_here or not instance.hidden) and instance.uuid not in at_home:
-                    cores, ram = servers.get(instance.uuid, (0, 0))
-                    servers[instance.uuid] = (max(cores, counted[0]), max(ram, counted[1]))
+        try:
+            with cell_session(cell) as session:
+                records = list(session.scalars(select(Instance).where(
+                    Instance.project_id == project_id, Instance.deleted.is_(False))))
+        except DBAPIError as exc:
+            if not db.transient(exc):
+                raise
+            # As Nova counts: a cell that does not answer is left out (its servers are not
+            # counted until it answers again), rather than every boot and upsize failing.
+            logger.warning("quota usage leaves out a cell whose database did not answer",
+                           extra={"cell": cell.name, "project_id": project_id})
+            continue
+        for instance in records:
+            counted = instance_usage(instance)
+            mapped_here = home.get(instance.uuid) == cell.id
+            if mapped_here and not instance.hidden:
+                servers[instance.uuid] = counted
+                at_home.add(instance.uuid)
+            elif (mapped_here or not instance.hidden) and instance.uuid not in at_home:
+                cores, ram = servers.get(instance.uuid, (0, 0))
+                servers[instance.uuid] = (max(cores, counted[0]), max(ram, counted[1]))
     return {INSTANCES: len(servers), CORES: sum(cores for cores, _ in servers.values()),
             RAM: sum(ram for _, ram in servers.values())}
 
