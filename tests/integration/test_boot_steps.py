@@ -364,6 +364,30 @@ def test_an_older_delete_that_failed_leaves_finishing_to_the_newer_one_that_rele
     assert (instance.deleted, instance.task_state) == (False, states.DELETING)
 
 
+def test_an_older_delete_that_released_the_server_finishes_it_when_the_newer_one_ended_without(cloud):
+    # GIVEN two deletes of a server in error: the newer one failed and ended (the server back in
+    # ERROR, no task), then the older one's FinishDelete released the server and failed
+    event = accept_server(cloud["image_id"])
+    event["destination"] = boot.select_destinations(event)
+    uuid = event["instance_uuid"]
+    with cell_session("cell1") as session:
+        session.execute(Instance.__table__.update().values(task_state=None, vm_state="error"))
+        for request_id in ("r-older", "r-newer"):
+            actions.start_action(session, instance_uuid=uuid, action=actions.DELETE, request_id=request_id,
+                                 user_id="u1", project_id="demo")
+    with api_session() as session:
+        session.execute(update(InstanceMapping).where(InstanceMapping.instance_uuid == uuid)
+                        .values(queued_for_delete=True))
+
+    # WHEN the older delete's FailDelete runs, THEN it finishes the delete: nobody else would
+    outcome = delete.fail_delete({"instance_uuid": uuid, "request_id": "r-older", "cell": "cell1",
+                                  "error": {"Error": "RuntimeError", "Cause": "cell database unreachable"}})
+
+    assert outcome == {"finished": True}
+    with cell_session("cell1") as session:
+        assert session.scalars(select(Instance.deleted)).one() is True
+
+
 def test_a_failed_delete_leaves_the_task_of_a_newer_delete_alone(cloud):
     # GIVEN a delete that failed once its server was in error, and a second delete accepted since
     event = accept_server(cloud["image_id"])

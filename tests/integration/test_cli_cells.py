@@ -83,7 +83,10 @@ def test_a_database_password_is_never_printed():
     ("no url at all ferry:s3cret@db.example", "***@db.example"),
     ("mysql://ferry:pa/s3cret@db.example:port/cell1", "mysql://***@db.example:port/cell1"),
     ("postgresql://ferry:a@b/s3cret@db.example/cell1", "postgresql://***@db.example/cell1"),
-], ids=["query", "ssl-query", "unencoded-at", "unparsed", "unparsed-slash", "at-and-slash"])
+    ("postgresql://ferry:s3?cret@db.example/cell1?application_name=ops@site", "postgresql://***@site"),
+    ("postgresql://ferry:s3?cr@et@db.example/cell1", "postgresql://***@db.example/cell1"),
+], ids=["query", "ssl-query", "unencoded-at", "unparsed", "unparsed-slash", "at-and-slash", "question-mark",
+        "question-mark-and-at"])
 def test_a_password_in_a_query_or_holding_an_at_sign_is_never_printed(url, shown):
     assert cli_cells.hidden_url(url) == shown
 

@@ -30,8 +30,8 @@ from typing import Any
 
 from ferry import config, errors, protocol
 
-# What lies between a URL's scheme (if any) and its last "@": its user and password.
-_USERINFO = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)?.*@")
+# A URL's scheme, as it starts the URL.
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 # Query parameters that carry a secret (psycopg2 takes ``?password=``, libpq ``sslpassword``).
 _SECRET_PARAMETER = re.compile(r"pass|secret|token", re.IGNORECASE)
 
@@ -46,12 +46,14 @@ def hidden_url(url: str) -> str:
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError
 
-    def mask_userinfo(text: str) -> str:
-        return _USERINFO.sub(lambda found: f"{found['scheme'] or ''}***@", text, count=1)
-
-    def mask_all(text: str) -> str:  # the query too: it is not parsed either
+    def mask_all(text: str) -> str:
+        """All up to the last ``@`` (a password may hold ``/``, ``?`` or ``@``), then any query."""
+        before, at, after = text.rpartition("@")
+        if at:
+            scheme = _SCHEME.match(before)
+            text = f"{scheme.group(0) if scheme else ''}***@{after}"
         base, _, query = text.partition("?")
-        return mask_userinfo(base) + ("?***" if query else "")
+        return base + ("?***" if query else "")
 
     if url.count("@") > 1:
         return mask_all(url)

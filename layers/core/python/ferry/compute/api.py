@@ -854,8 +854,8 @@ def create_server(ctx: RequestContext, request: BootRequest) -> str:
     try:
         quotas.recheck(ctx.project_id, deltas)
     except Exception:
-        # A concurrent boot took the room (OverQuota), or the count could not be made (a cell's
-        # database out of reach): no workflow would ever take the build request.
+        # A concurrent boot took the room (OverQuota), or the count could not be made (the API
+        # database out of reach, say: a cell's is left out of it): no workflow would ever take the build request.
         _discard_build(uuid, forget=True)
         raise
     try:

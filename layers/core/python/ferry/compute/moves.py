@@ -567,8 +567,8 @@ def _accept_move(ctx: RequestContext, location: compute_api.Location, move: _Mov
         actions.start_action(session, instance_uuid=uuid, action=move.action, request_id=ctx.request_id,
                              user_id=ctx.user_id, project_id=ctx.project_id)
     try:
-        # A concurrent request took the room (OverQuota), or the count could not be made (a cell's
-        # database out of reach): no workflow would ever take the move.
+        # A concurrent request took the room (OverQuota), or the count could not be made (the API
+        # database out of reach, say: a cell's is left out of it): no workflow would ever take the move.
         quotas.recheck(project_id, deltas)
         _remember_cross_cell_choice(ctx, location)
     except Exception:

@@ -242,17 +242,24 @@ def fail_delete(event: dict[str, Any]) -> dict[str, Any]:
         details = (f"Confirming the resize on source host {host} failed before the server was destroyed; "
                    f"migration {found.get('migration_uuid')} keeps its allocation and the old disks may remain "
                    f"there. Delete the server again to retry.")
-    with cell_session(cell) as session:
-        if actions.newest_request_id(session, uuid, actions.DELETE) not in (None, event["request_id"]):
-            # A newer delete was accepted meanwhile (a server in error takes one whatever its
-            # task): the server is that one's, to finish; this one only records its failure.
-            actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"], event=event_name,
-                                 host=host, error=error or None)
-            return {}
     with api_session() as session:
         queued = session.scalar(select(InstanceMapping.queued_for_delete).where(
             InstanceMapping.instance_uuid == uuid))
+    newer_runs = False
+    with cell_session(cell) as session:
+        newer = actions.newest_request_id(session, uuid, actions.DELETE) not in (None, event["request_id"])
+        if newer:
+            # A newer delete was accepted meanwhile (a server in error takes one whatever its
+            # task): this one records its failure, and leaves the server to that one while it
+            # runs (task deleting).
+            actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"], event=event_name,
+                                 host=host, error=error or None)
+            instance = session.scalars(select(Instance).where(Instance.uuid == uuid)).one_or_none()
+            newer_runs = instance is None or instance.deleted or instance.task_state == states.DELETING
+    if newer and (newer_runs or not queued or "confirm_error" in event):
+        return {}
     if queued and "confirm_error" not in event:
+        # This delete released the server (or a newer one that ended without finishing did).
         logger.warning("delete failed after its server was released; finishing it",
                        extra={"instance_uuid": uuid, "error": error.get("Error")})
         _mark_deleted(event)
