@@ -338,20 +338,28 @@ def test_a_delete_that_failed_after_releasing_its_server_is_finished_not_left_in
     assert placement.get_allocations(uuid) == {}
 
 
-def test_an_older_delete_that_failed_leaves_finishing_to_the_newer_one_that_released_the_server(cloud):
-    # GIVEN two deletes of a server in error, the newer one's FinishDelete having released it in
-    # the API database (mapping queued for delete), and the older one failed
-    event = accept_server(cloud["image_id"])
+def two_deletes_of_a_server_in_error(image_id: str, *, task_state: str | None, released: bool) -> str:
+    """A scheduled server in ERROR with task ``task_state`` and two deletes accepted, ``r-older``
+    then ``r-newer``; its mapping queued for delete when one FinishDelete ``released`` it. Its uuid."""
+    event = accept_server(image_id)
     event["destination"] = boot.select_destinations(event)
     uuid = event["instance_uuid"]
     with cell_session("cell1") as session:
-        session.execute(Instance.__table__.update().values(task_state=states.DELETING, vm_state="error"))
+        session.execute(Instance.__table__.update().values(task_state=task_state, vm_state="error"))
         for request_id in ("r-older", "r-newer"):
             actions.start_action(session, instance_uuid=uuid, action=actions.DELETE, request_id=request_id,
                                  user_id="u1", project_id="demo")
-    with api_session() as session:
-        session.execute(update(InstanceMapping).where(InstanceMapping.instance_uuid == uuid)
-                        .values(queued_for_delete=True))
+    if released:
+        with api_session() as session:
+            session.execute(update(InstanceMapping).where(InstanceMapping.instance_uuid == uuid)
+                            .values(queued_for_delete=True))
+    return uuid
+
+
+def test_an_older_delete_that_failed_leaves_finishing_to_the_newer_one_that_released_the_server(cloud):
+    # GIVEN two deletes of a server in error, the newer one's FinishDelete having released it in
+    # the API database (mapping queued for delete), and the older one failed
+    uuid = two_deletes_of_a_server_in_error(cloud["image_id"], task_state=states.DELETING, released=True)
 
     # WHEN the older delete's FailDelete runs
     outcome = delete.fail_delete({"instance_uuid": uuid, "request_id": "r-older", "cell": "cell1",
@@ -367,17 +375,7 @@ def test_an_older_delete_that_failed_leaves_finishing_to_the_newer_one_that_rele
 def test_an_older_delete_that_released_the_server_finishes_it_when_the_newer_one_ended_without(cloud):
     # GIVEN two deletes of a server in error: the newer one failed and ended (the server back in
     # ERROR, no task), then the older one's FinishDelete released the server and failed
-    event = accept_server(cloud["image_id"])
-    event["destination"] = boot.select_destinations(event)
-    uuid = event["instance_uuid"]
-    with cell_session("cell1") as session:
-        session.execute(Instance.__table__.update().values(task_state=None, vm_state="error"))
-        for request_id in ("r-older", "r-newer"):
-            actions.start_action(session, instance_uuid=uuid, action=actions.DELETE, request_id=request_id,
-                                 user_id="u1", project_id="demo")
-    with api_session() as session:
-        session.execute(update(InstanceMapping).where(InstanceMapping.instance_uuid == uuid)
-                        .values(queued_for_delete=True))
+    uuid = two_deletes_of_a_server_in_error(cloud["image_id"], task_state=None, released=True)
 
     # WHEN the older delete's FailDelete runs, THEN it finishes the delete: nobody else would
     outcome = delete.fail_delete({"instance_uuid": uuid, "request_id": "r-older", "cell": "cell1",
@@ -390,17 +388,10 @@ def test_an_older_delete_that_released_the_server_finishes_it_when_the_newer_one
 
 def test_a_failed_delete_leaves_the_task_of_a_newer_delete_alone(cloud):
     # GIVEN a delete that failed once its server was in error, and a second delete accepted since
-    event = accept_server(cloud["image_id"])
-    event["destination"] = boot.select_destinations(event)
-    uuid = event["instance_uuid"]
-    with cell_session("cell1") as session:
-        session.execute(Instance.__table__.update().values(task_state=states.DELETING, vm_state="error"))
-        for request_id in ("r-first", "r-second"):
-            actions.start_action(session, instance_uuid=uuid, action=actions.DELETE, request_id=request_id,
-                                 user_id="u1", project_id="demo")
+    uuid = two_deletes_of_a_server_in_error(cloud["image_id"], task_state=states.DELETING, released=False)
 
     # WHEN the first delete's FailDelete runs (late, or again)
-    delete.fail_delete({"instance_uuid": uuid, "request_id": "r-first", "cell": "cell1", "host": "cell1-host1",
+    delete.fail_delete({"instance_uuid": uuid, "request_id": "r-older", "cell": "cell1", "host": "cell1-host1",
                         "error": {"Error": "Ferry.HypervisorError", "Cause": "boom"}})
 
     # THEN the second delete keeps its task, and no second fault is written
