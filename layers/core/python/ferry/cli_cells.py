@@ -132,7 +132,7 @@ def _run_host_map(args: argparse.Namespace) -> int:
     from sqlalchemy import select
 
     from ferry.store import setup
-    from ferry.store.api_models import CellMapping, HostMapping
+    from ferry.store.api_models import CellMapping
     from ferry.store.db import api_session
 
     if not protocol.is_host_name(args.host) or args.host == protocol.REPORTS_HOST:
@@ -140,17 +140,12 @@ def _run_host_map(args: argparse.Namespace) -> int:
                         f"labels separated by dots, not ending in {protocol.DLQ_SUFFIX}, and not "
                         f"{protocol.REPORTS_HOST}.")
     with api_session() as session:
-        cell = session.scalars(select(CellMapping).where(CellMapping.name == args.cell)).one_or_none()
-        current = session.scalars(select(CellMapping.name).join(HostMapping, HostMapping.cell_id == CellMapping.id)
-                                  .where(HostMapping.host == args.host)).one_or_none()
+        cell = session.scalars(select(CellMapping.id).where(CellMapping.name == args.cell)).one_or_none()
     if cell is None:
         return _refused(f"no cell named {args.cell}; create it first with `ferry cell create`.")
-    if current is not None and current != args.cell:
-        return _refused(f"host {args.host} is mapped to cell {current}; a host with servers recorded there "
-                        f"is never moved to another cell.")
     try:
         setup.map_host(args.host, args.cell)
-    except errors.HostMappedElsewhere as exc:  # mapped since it was read above
+    except errors.HostMappedElsewhere as exc:  # checked where the mapping is written, under its row's lock
         return _refused(exc.message)
     print(f"host {args.host}: cell {args.cell}")
     return 0

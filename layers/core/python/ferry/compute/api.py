@@ -1066,7 +1066,8 @@ def delete_server(ctx: RequestContext, location: Location) -> None:
             payload.update(host=host, queue_url=hosts.queue_url(host))
         # The files of volumes deleted with the server, for its host to remove; not while it is
         # still being built (its spawn may write a new volume's file after the host removed it).
-        doomed = set() if instance.vm_state == states.BUILDING else instances.volumes_deleted_with(session, instance)
+        doomed = set() if instance.vm_state == states.BUILDING else instances.volumes_deleted_with(
+            session, uuid, launched=instance.launched_at is not None)
         # A server in error may be deleted whatever its task, as long as it is still in error when
         # the swap lands (a reset meanwhile may have let a move take it).
         in_error = instance.vm_state == states.ERROR

@@ -180,14 +180,14 @@ def is_bfv(session: Session, instance_uuid: str) -> bool:
         BlockDeviceMapping.boot_index == 0, BlockDeviceMapping.destination_type == "volume")).first() is not None
 
 
-def volumes_deleted_with(session: Session, instance: Instance) -> set[str]:
-    """The volumes that go when ``instance`` is deleted: those its owner asked for
-    (``delete_on_termination``), and, of a server never launched, those made from an image for
+def volumes_deleted_with(session: Session, instance_uuid: str, *, launched: bool) -> set[str]:
+    """The volumes that go when the server is deleted: those its owner asked for
+    (``delete_on_termination``), and, of a server never ``launched``, those made from an image for
     it. No spawn of it finished writing one of these, so it holds nothing of the owner's (a
     failed spawn removes its file); left ``available`` it would boot a server as an empty disk."""
     goes: ColumnElement[bool] = BlockDeviceMapping.delete_on_termination.is_(True)
-    if instance.launched_at is None:
+    if not launched:
         goes = or_(goes, BlockDeviceMapping.source_type == "image")
     return set(session.scalars(select(BlockDeviceMapping.volume_id).where(
-        BlockDeviceMapping.instance_uuid == instance.uuid, BlockDeviceMapping.deleted.is_(False),
+        BlockDeviceMapping.instance_uuid == instance_uuid, BlockDeviceMapping.deleted.is_(False),
         BlockDeviceMapping.volume_id.is_not(None), goes)))

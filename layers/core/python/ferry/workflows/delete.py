@@ -131,9 +131,10 @@ def finish_delete(event: dict[str, Any]) -> dict[str, Any]:
     with cell_session(cell) as session:
         bdms = list(session.scalars(select(BlockDeviceMapping).where(
             BlockDeviceMapping.instance_uuid == uuid, BlockDeviceMapping.deleted.is_(False))))
-        instance = session.scalars(select(Instance).where(Instance.uuid == uuid)).one_or_none()
-        doomed = instances.volumes_deleted_with(session, instance) if instance is not None else \
-            {b.volume_id for b in bdms if b.volume_id and b.delete_on_termination}
+        record = session.execute(select(Instance.launched_at).where(Instance.uuid == uuid)).first()
+        # A server whose record is gone counts as launched: only what its owner asked for goes.
+        launched = record is None or record.launched_at is not None
+        doomed = instances.volumes_deleted_with(session, uuid, launched=launched)
         made_for_it = {b.volume_id for b in bdms if b.volume_id and b.source_type == "image"}
     # Released before the mapping is queued for delete, which makes the server 404: a server
     # shown gone holds nothing any more.

@@ -747,7 +747,6 @@ def announce_finished(event: dict[str, Any], cell: str) -> None:
                          extra={"instance_uuid": uuid, "migration_uuid": migration_uuid})
 
 
-
 # --- RollbackMove -------------------------------------------------------------------------------
 
 
