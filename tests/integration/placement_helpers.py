@@ -16,6 +16,8 @@ from ferry.store.api_models import (
     AggregateMetadata,
     Allocation,
     CellMapping,
+    InstanceGroup,
+    InstanceGroupMember,
     InstanceMapping,
     Inventory,
     utcnow,
@@ -117,3 +119,28 @@ def assert_used_counters_match_allocations() -> None:
         }
     assert counters == sums
 
+
+
+def add_group(policy: str, rules: dict[str, int] | None = None) -> str:
+    """A server group of PROJECT with ``policy``; returns its uuid."""
+    with api_session() as session:
+        group = InstanceGroup(name="group", project_id=PROJECT, user_id=USER, policy=policy, rules=rules or {})
+        session.add(group)
+        session.flush()
+        return group.uuid
+
+
+def join_group(group_uuid: str, instance_uuid: str | None = None) -> str:
+    """Make ``instance_uuid`` (a new uuid by default) a member of the group; returns it."""
+    instance_uuid = instance_uuid or str(uuidlib.uuid4())
+    with api_session() as session:
+        group_id = session.scalars(select(InstanceGroup.id).where(InstanceGroup.uuid == group_uuid)).one()
+        session.add(InstanceGroupMember(group_id=group_id, instance_uuid=instance_uuid))
+    return instance_uuid
+
+
+def place_member(group_uuid: str, rp_uuid: str) -> str:
+    """A member of the group whose allocations are on ``rp_uuid`` (an earlier boot placed it there)."""
+    member = join_group(group_uuid)
+    placement.claim(member, PROJECT, USER, {rp_uuid: resources()})
+    return member

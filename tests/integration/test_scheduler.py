@@ -11,9 +11,12 @@ from placement_helpers import (
     USER,
     add_aggregate,
     add_compute,
+    add_group,
     add_instance,
     assert_used_counters_match_allocations,
     flavor,
+    join_group,
+    place_member,
     request_spec,
     resources,
 )
@@ -143,22 +146,25 @@ def test_cell0_and_cells_not_allowed_are_left_out(store):
 
 def test_affinity_group_stays_on_members_hosts(store):
     add_compute("host-a", memory_mb=65536)
-    add_compute("host-member")
+    group = add_group("affinity")
+    place_member(group, add_compute("host-member", memory_mb=65536))
 
-    group = {"policy": "affinity", "hosts": ["host-member"]}
-    assert hosts_of(scheduler.select_destinations(request_spec(group=group))) == ["host-member"]
+    assert hosts_of(scheduler.select_destinations(request_spec(join_group(group), group={"uuid": group}))) == [
+        "host-member"]
 
 
 def test_anti_affinity_group_avoids_members_hosts(store, attempts):
     attempts(5)
-    add_compute("host-a")
+    group = add_group("anti-affinity")
+    place_member(group, add_compute("host-a", memory_mb=65536))
     add_compute("host-b")
-    add_compute("host-c")
+    place_member(group, add_compute("host-c", memory_mb=65536))
 
-    group = {"policy": "anti-affinity", "hosts": ["host-a", "host-c"]}
-    assert hosts_of(scheduler.select_destinations(request_spec(group=group))) == ["host-b"]
+    assert hosts_of(scheduler.select_destinations(request_spec(join_group(group), group={"uuid": group}))) == [
+        "host-b"]
     with pytest.raises(errors.NoValidHost, match="ServerGroupAntiAffinityFilter removed 1"):
-        scheduler.select_destinations(request_spec(group=group, requested_destination={"host": "host-a"}))
+        scheduler.select_destinations(request_spec(join_group(group), group={"uuid": group},
+                                                   requested_destination={"host": "host-a"}))
 
 
 def test_same_host_and_different_host_hints_follow_the_named_instances(store, attempts):
@@ -494,14 +500,16 @@ def test_same_host_hint_and_affinity_group_ask_placement_for_their_hosts_only(st
                                                                             hosts_read):
     attempts(3)
     placement_results(2)
-    for n in range(6):
-        add_compute(f"host-{n}", memory_mb=65536 if n == 0 else 8192)
+    providers = [add_compute(f"host-{n}", memory_mb=65536 if n == 0 else 8192) for n in range(6)]
     on_4 = add_instance("host-4")
+    group = add_group("affinity")
+    place_member(group, providers[3])
+    place_member(group, providers[5])
 
     assert hosts_of(scheduler.select_destinations(request_spec(scheduler_hints={"same_host": [on_4]}))) == [
         "host-4"]
-    group = {"policy": "affinity", "hosts": ["host-3", "host-5"]}
-    assert sorted(hosts_of(scheduler.select_destinations(request_spec(group=group)))) == ["host-3", "host-5"]
+    spec = request_spec(join_group(group), group={"uuid": group})
+    assert sorted(hosts_of(scheduler.select_destinations(spec, claim=False))) == ["host-3", "host-5"]
     assert [sorted(batch) for batch in hosts_read] == [["host-4"], ["host-3", "host-5"]]
 
 

@@ -50,7 +50,7 @@ def test_aggregates_for_extra_specs_match_the_aggregate_filter_host_by_host(stor
 def test_narrowing_is_left_out_when_asked_and_for_an_empty_same_host(store):
     spec = SchedulingSpec(instance_uuid="i", project_id="p", user_id="u", flavor={}, resources={"VCPU": 1},
                           extra_specs={"hw_generation": "gen1"}, same_host=frozenset(), group_policy="affinity",
-                          group_hosts=frozenset({"host-a", "host-b"}))
+                          group_hosts={"host-a": 1, "host-b": 1})
 
     narrowed = request_filter.placement_request(spec, exclude_consumers=["i", "i"])
     plain = request_filter.placement_request(spec, narrow=False)

@@ -105,14 +105,17 @@ def test_hint_and_group_filters():
     assert filters.SameHostFilter().host_passes(b, spec(same_host=frozenset({"host-b"})))
     assert not filters.DifferentHostFilter().host_passes(b, spec(different_host=frozenset({"host-b"})))
 
-    affinity = spec(group_policy="affinity", group_hosts=frozenset({"host-a"}))
+    affinity = spec(group_policy="affinity", group_hosts={"host-a": 1})
     assert filters.ServerGroupAffinityFilter().host_passes(a, affinity)
     assert not filters.ServerGroupAffinityFilter().host_passes(b, affinity)
     assert filters.ServerGroupAffinityFilter().host_passes(b, spec(group_policy="affinity"))
-    anti = spec(group_policy="anti-affinity", group_hosts=frozenset({"host-a"}))
+    anti = spec(group_policy="anti-affinity", group_hosts={"host-a": 1})
     assert not filters.ServerGroupAntiAffinityFilter().host_passes(a, anti)
     assert filters.ServerGroupAntiAffinityFilter().host_passes(b, anti)
     assert filters.ServerGroupAntiAffinityFilter().host_passes(a, affinity)
+    two_per_host = spec(group_policy="anti-affinity", group_max_per_host=2, group_hosts={"host-a": 1, "host-b": 2})
+    assert filters.ServerGroupAntiAffinityFilter().host_passes(a, two_per_host)
+    assert not filters.ServerGroupAntiAffinityFilter().host_passes(b, two_per_host)
 
 
 def test_a_server_asked_for_in_a_zone_passes_only_hosts_of_that_zone():

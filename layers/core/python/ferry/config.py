@@ -75,6 +75,8 @@ class Settings:
     ram_weight_multiplier: float
     cpu_weight_multiplier: float
     cross_cell_move_weight_multiplier: float
+    soft_affinity_weight_multiplier: float
+    soft_anti_affinity_weight_multiplier: float
     placement_max_retries: int
     policy_file: str | None
     # Default per-project quota limits as configured (raw; ferry.quotas validates them), by variable.
@@ -136,6 +138,8 @@ def load() -> Settings:
         ram_weight_multiplier=_env_float("FERRY_RAM_WEIGHT_MULTIPLIER", 1.0),
         cpu_weight_multiplier=_env_float("FERRY_CPU_WEIGHT_MULTIPLIER", 1.0),
         cross_cell_move_weight_multiplier=_env_float("FERRY_CROSS_CELL_MOVE_WEIGHT_MULTIPLIER", 1_000_000.0),
+        soft_affinity_weight_multiplier=_env_float("FERRY_SOFT_AFFINITY_WEIGHT_MULTIPLIER", 1.0),
+        soft_anti_affinity_weight_multiplier=_env_float("FERRY_SOFT_ANTI_AFFINITY_WEIGHT_MULTIPLIER", 1.0),
         placement_max_retries=_env_int("FERRY_PLACEMENT_MAX_RETRIES", 10),
         policy_file=os.environ.get("FERRY_POLICY_FILE") or None,
         quota_defaults={name: os.environ[name] for name in QUOTA_VARIABLES if os.environ.get(name)},

@@ -95,6 +95,10 @@ class CellNotFound(NotFound):
     pass
 
 
+class ServerGroupNotFound(NotFound):
+    pass
+
+
 class Conflict(FerryError):
     http_status = 409
     api_kind = "conflictingRequest"
@@ -129,6 +133,13 @@ class AllocationConflict(FerryError):
 
 class InsufficientCapacity(FerryError):
     """A claim does not fit the provider's inventory."""
+
+    http_status = 409
+    api_kind = "conflictingRequest"
+
+
+class GroupPolicyConflict(FerryError):
+    """A claim would break its server group's policy: another member was placed since the hosts were read."""
 
     http_status = 409
     api_kind = "conflictingRequest"

@@ -86,6 +86,8 @@ _RETRY_PAUSE_CAP = 0.5
 
 T = TypeVar("T")
 Allocations = dict[str, dict[str, int]]
+# A check a claim runs in its own transaction before writing (see :func:`claim`).
+Guard = Callable[[Session], None]
 
 
 class _GenerationConflict(Exception):
@@ -636,32 +638,46 @@ def set_allocations(changes: Mapping[str, Mapping[str, Any]]) -> None:
 
 
 def claim(consumer_uuid: str, project_id: str, user_id: str, allocations: Mapping[str, Mapping[str, int]],
-          *, consumer_generation: Any = _NOT_GIVEN) -> None:
+          *, consumer_generation: Any = _NOT_GIVEN, guard: Guard | None = None) -> None:
     """Replace ``consumer_uuid``'s allocations with ``allocations`` (``{rp_uuid: {rc: n}}``).
 
-    Raises: as :func:`set_allocations`.
+    ``guard`` runs first in the claim's transaction (each time it is tried); what it raises
+    leaves everything as it was.
+
+    Raises: as :func:`set_allocations`, and what ``guard`` raises.
     """
     change: dict[str, Any] = {"project_id": project_id, "user_id": user_id, "allocations": allocations}
     if consumer_generation is not _NOT_GIVEN:
         change["consumer_generation"] = consumer_generation
-    set_allocations({consumer_uuid: change})
+    if guard is None:
+        set_allocations({consumer_uuid: change})
+        return
+    wanted = [_normalise_change(consumer_uuid, change)]
+
+    def work(session: Session) -> None:
+        guard(session)
+        _write_allocations(session, wanted)
+
+    _in_transaction(work, "set allocations")
 
 
 def claim_for_move(instance_uuid: str, migration_uuid: str, project_id: str, user_id: str,
-                   allocations: Mapping[str, Mapping[str, int]]) -> None:
+                   allocations: Mapping[str, Mapping[str, int]], *, guard: Guard | None = None) -> None:
     """Hand the instance's current allocations to its migration and claim ``allocations`` for it.
 
     In one transaction: unless the migration already holds allocations (an earlier run of the
     same move did this), the instance's current allocations become the migration's; then the
     instance's allocations are replaced with ``allocations``. When both land on one provider
-    (a same-host resize) they must fit together.
+    (a same-host resize) they must fit together. ``guard``: as for :func:`claim`.
 
-    Raises: as :func:`set_allocations`.
+    Raises: as :func:`set_allocations`, and what ``guard`` raises.
     """
     wanted = _normalise_change(instance_uuid, {"project_id": project_id, "user_id": user_id,
                                                "allocations": allocations})
 
     def work(session: Session) -> None:
+        if guard is not None:
+            guard(session)
         changes = [wanted]
         read = {migration_uuid: _allocations_of(session, migration_uuid)}
         if not read[migration_uuid]:

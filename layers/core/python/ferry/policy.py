@@ -109,6 +109,12 @@ DEFAULT_RULES: dict[str, str] = {
     "os_compute_api:os-aggregates:add_host": ADMIN,
     "os_compute_api:os-aggregates:remove_host": ADMIN,
     "os_compute_api:os-aggregates:set_metadata": ADMIN,
+    # server groups
+    "os_compute_api:os-server-groups:index": MEMBER,
+    "os_compute_api:os-server-groups:index:all_projects": ADMIN,
+    "os_compute_api:os-server-groups:create": MEMBER,
+    "os_compute_api:os-server-groups:show": ADMIN_OR_OWNER,
+    "os_compute_api:os-server-groups:delete": ADMIN_OR_OWNER,
     # compute services
     "os_compute_api:os-services:list": ADMIN,
     "os_compute_api:os-services:update": ADMIN,
@@ -122,6 +128,8 @@ DEFAULT_RULES: dict[str, str] = {
 
 # The rules that only read: a reader-only caller passes these (as their words allow) and no other.
 READ_RULES = frozenset({
+    "os_compute_api:os-server-groups:index", "os_compute_api:os-server-groups:index:all_projects",
+    "os_compute_api:os-server-groups:show",
     "os_compute_api:servers:index", "os_compute_api:servers:detail",
     "os_compute_api:servers:index:get_all_tenants", "os_compute_api:servers:detail:get_all_tenants",
     "os_compute_api:servers:show", "os_compute_api:servers:show:host_status",

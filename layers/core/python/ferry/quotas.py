@@ -29,8 +29,10 @@ Checks count the usage, add the request, and refuse what would go over a limit. 
 requests can pass the same check concurrently, callers check again after writing their
 records (with no further delta) and undo when the limit was crossed meanwhile.
 
-The other resources Nova lists (key pairs, metadata items, server groups, injected files)
-are shown with Nova's defaults and can be set, but Ferry does not enforce them.
+Server groups (``server_groups`` per project, ``server_group_members`` per group and user) are
+counted and enforced where groups are made and joined (:mod:`ferry.compute.server_groups`). The
+other resources Nova lists (key pairs, metadata items, injected files) are shown with Nova's
+defaults and can be set, but Ferry does not enforce them.
 """
 
 from __future__ import annotations

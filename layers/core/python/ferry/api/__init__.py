@@ -27,6 +27,7 @@ from ferry.api import (
     projects,
     quotas,
     request,
+    server_groups,
     servers,
     services,
     users,
@@ -73,7 +74,7 @@ def get_resolver() -> APIGatewayRestResolver:
     app.include_router(domains.router)
     app.include_router(block_storage.router)
     for module in (servers, flavors, images, migrations, quotas, volume_attachments, aggregates, services,
-                   drains):
+                   server_groups, drains):
         app.include_router(module.router, prefix=request.API_PREFIX)
 
     @app.exception_handler(Exception)

@@ -18,7 +18,17 @@ from aws_lambda_powertools.event_handler.api_gateway import Router
 
 from ferry import drains as drain_store
 from ferry import quotas
-from ferry.api import aggregates, drains, migrations, request, schemas, servers, services, volume_attachments
+from ferry.api import (
+    aggregates,
+    drains,
+    migrations,
+    request,
+    schemas,
+    server_groups,
+    servers,
+    services,
+    volume_attachments,
+)
 from ferry.api.microversions import HEADER, LEGACY_HEADER, MAX_VERSION, MIN_VERSION
 
 router = Router()
@@ -69,6 +79,7 @@ _QUOTA_SET = _keyed("quota_set", {"type": "object", "additionalProperties": {"ty
                                                                                          "string"]}})
 _AGGREGATE = _shape("id", "name", id=_INTEGER, name=_STRING, hosts={"type": "array", "items": _STRING},
                     metadata=_OBJECT)
+_SERVER_GROUP = _shape("id", "name", "members", id=_STRING, name=_STRING, members={"type": "array", "items": _STRING})
 _SERVICE = _shape("host", "binary", host=_STRING, binary=_STRING, status=_STRING)
 _ATTACHMENT = _shape("device", "serverId", "volumeId", device={"type": ["string", "null"]}, serverId=_STRING,
                      volumeId=_STRING)
@@ -113,6 +124,7 @@ def _bodies() -> dict[str, dict[str, Any]]:
         "aggregate_create": aggregates.CREATE,
         "aggregate_update": aggregates.UPDATE,
         "aggregate_action": _one_key_each(aggregates.ACTIONS),
+        "server_group_create": server_groups.create_schema(MAX_VERSION),
         "service_update": {"anyOf": [services.UPDATE, services.LEGACY_UPDATE, services.LEGACY_FORCE_DOWN]},
         "drain_create": drain_create,
         "drain_action": drains.ACTION,
@@ -152,6 +164,7 @@ def _operations(bodies: dict[str, dict[str, Any]]) -> dict[tuple[str, str], Oper
     server, flavor, aggregate = f"{v}/servers/{{server_id}}", f"{v}/flavors/{{flavor_id}}", \
         f"{v}/os-aggregates/{{aggregate_id}}"
     quota, attachments = f"{v}/os-quota-sets/{{project_id}}", f"{server}/os-volume_attachments"
+    group = f"{v}/os-server-groups/{{group_id}}"
     return {
         ("GET", "/"): Operation("The major versions served: v2.1 (no token)", {200: _VERSIONS}, errors=()),
         ("GET", v): Operation("The versions of the compute API (no token)", {200: _VERSION}, errors=_PUBLIC_ERRORS),
@@ -289,6 +302,16 @@ def _operations(bodies: dict[str, dict[str, Any]]) -> dict[tuple[str, str], Oper
         ("POST", f"{aggregate}/action"): Operation("add_host, remove_host or set_metadata (admins)",
                                                    {200: _keyed("aggregate", _AGGREGATE)}, bodies["aggregate_action"],
                                                    errors=_WRITE_ERRORS),
+        # server groups
+        ("GET", f"{v}/os-server-groups"): Operation(
+            "List server groups (the caller's project's; an admin's with all_projects: every project's)",
+            {200: _keyed("server_groups", {"type": "array", "items": _SERVER_GROUP})},
+            query={"all_projects": _STRING, "limit": _LIMIT, "offset": _LIMIT}),
+        ("POST", f"{v}/os-server-groups"): Operation(
+            "Create a server group (policies below 2.64, policy and rules from it)",
+            {200: _keyed("server_group", _SERVER_GROUP)}, bodies["server_group_create"], errors=_WRITE_ERRORS),
+        ("GET", group): Operation("Show a server group and its members", {200: _keyed("server_group", _SERVER_GROUP)}),
+        ("DELETE", group): Operation("Delete a server group (its servers stay)", {204: None}, errors=_WRITE_ERRORS),
         # compute services
         ("GET", f"{v}/os-services"): Operation("List compute services (admins)",
                                                {200: _keyed("services", {"type": "array", "items": _SERVICE})},

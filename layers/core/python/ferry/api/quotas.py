@@ -14,6 +14,7 @@ from aws_lambda_powertools.event_handler.api_gateway import Router
 from ferry import errors, policy, quotas
 from ferry.api import request, schemas, views
 from ferry.api.request import ViewContext
+from ferry.compute import server_groups
 
 router = Router()
 
@@ -40,6 +41,11 @@ def _project_only() -> None:
         raise errors.BadRequest("Per-user quotas are not supported; quotas are set per project.")
 
 
+def _usage(project_id: str) -> dict[str, int]:
+    """What the project uses of the counted resources, its server groups included."""
+    return {**quotas.usage(project_id), server_groups.GROUPS_QUOTA: server_groups.count_groups(project_id)}
+
+
 @router.get("/os-quota-sets/<project_id>")
 def show_quota_set(project_id: str) -> Response:
     view = request.view_context(router)
@@ -56,7 +62,7 @@ def show_quota_set_detail(project_id: str) -> Response:
     _refuse_unknown(view, QUOTA_SET_PARAMETERS)
     policy.enforce(view.ctx, "os_compute_api:os-quota-sets:detail", {"project_id": project_id})
     _project_only()
-    body = views.quota_set_detail(view, quotas.limits(project_id), quotas.usage(project_id), _resources(view),
+    body = views.quota_set_detail(view, quotas.limits(project_id), _usage(project_id), _resources(view),
                                   project_id)
     return request.json_response(200, {"quota_set": body})
 
@@ -113,5 +119,5 @@ def show_limits() -> Response:
     _refuse_unknown(view, LIMITS_PARAMETERS)
     policy.enforce(view.ctx, "os_compute_api:limits")
     project_id = _limits_project(view)
-    absolute = views.absolute_limits(view, quotas.limits(project_id), quotas.usage(project_id))
+    absolute = views.absolute_limits(view, quotas.limits(project_id), _usage(project_id))
     return request.json_response(200, {"limits": {"rate": [], "absolute": absolute}})

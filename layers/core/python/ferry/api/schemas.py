@@ -109,7 +109,7 @@ _SERVER_BASE: dict[str, Any] = {
 
 _SCHEDULER_HINTS = {
     "type": "object",
-    "properties": {"same_host": HOST_HINT, "different_host": HOST_HINT},
+    "properties": {"same_host": HOST_HINT, "different_host": HOST_HINT, "group": UUID},
     "additionalProperties": True,
 }
 

@@ -20,7 +20,7 @@ from ferry import errors, policy
 from ferry.api import request, schemas, server_query, views
 from ferry.api.microversions import APIVersion
 from ferry.auth import RequestContext
-from ferry.compute import admin_actions, instances, services
+from ferry.compute import admin_actions, instances, server_groups, services
 from ferry.compute import api as compute_api
 
 router = Router()
@@ -96,13 +96,19 @@ def list_servers_detail() -> Response:
     return _list(detail=True)
 
 
+def _groups(view: request.ViewContext, server: compute_api.Server) -> list[str]:
+    """The server groups a single server's view names (from 2.71; not read before)."""
+    return server_groups.groups_of(server.uuid) if view.at_least("2.71") else []
+
+
 @router.get("/servers/<server_id>")
 def show_server(server_id: str) -> Response:
     view = request.view_context(router)
     server = compute_api.get_server(view.ctx, server_id)
     policy.enforce(view.ctx, "os_compute_api:servers:show", server.target)
     _add_host_status(view, [server])
-    return request.json_response(200, {"server": views.server_detail(view, server, one=True)})
+    return request.json_response(200, {"server": views.server_detail(view, server, one=True,
+                                                                     groups=_groups(view, server))})
 
 
 # --- create ----------------------------------------------------------------------------------------
@@ -208,7 +214,8 @@ def update_server(server_id: str) -> Response:
     changes = {k: v for k, v in body.items() if k in instances.UPDATABLE}
     server = compute_api.update_server(view.ctx, location, changes)
     _add_host_status(view, [server])
-    return request.json_response(200, {"server": views.server_detail(view, server, one=True)})
+    return request.json_response(200, {"server": views.server_detail(view, server, one=True,
+                                                                     groups=_groups(view, server))})
 
 
 # --- delete and actions ----------------------------------------------------------------------------

@@ -118,9 +118,11 @@ def _progress(server: Server) -> int:
     return 0
 
 
-def server_detail(view: ViewContext, server: Server, *, one: bool = False) -> dict[str, Any]:
+def server_detail(view: ViewContext, server: Server, *, one: bool = False,
+                  groups: list[str] | None = None) -> dict[str, Any]:
     """The full server view (``GET /servers/{id}``, ``/servers/detail``); ``one`` for a single
-    server's (show, update), which alone carries ``server_groups`` from 2.71, as Nova's."""
+    server's (show, update), which alone carries ``server_groups`` (``groups``, the uuids of the
+    groups it is in) from 2.71, as Nova's."""
     body: dict[str, Any] = {
         "id": server.uuid,
         "name": server.name,
@@ -179,7 +181,7 @@ def server_detail(view: ViewContext, server: Server, *, one: bool = False) -> di
     if view.at_least("2.63"):
         body["trusted_image_certificates"] = None
     if one and view.at_least("2.71"):
-        body["server_groups"] = []
+        body["server_groups"] = list(groups or [])
     if view.at_least("2.73"):
         body["locked_reason"] = None
     if view.at_least("2.96"):
@@ -344,7 +346,7 @@ def absolute_limits(view: ViewContext, values: dict[str, int], used: dict[str, i
         "totalCoresUsed": used["cores"],
         "totalInstancesUsed": used["instances"],
         "totalRAMUsed": used["ram"],
-        "totalServerGroupsUsed": 0,
+        "totalServerGroupsUsed": used.get("server_groups", 0),
     }
     if not view.at_least("2.57"):
         body["maxPersonality"] = values["injected_files"]

@@ -21,9 +21,9 @@ What :func:`create_server` writes, for the boot workflow:
 * ``RequestSpec.spec``: ``instance_uuid``, ``project_id``, ``user_id``, ``flavor``,
   ``image`` ``{id}``, ``is_bfv``, ``ignore_hosts``, ``requested_destination``,
   ``allowed_cells``, ``scheduler_hints`` (``same_host``/``different_host`` lists),
-  ``group``, ``availability_zone`` and ``requested_networks`` (``[{network_id, port_id,
-  preexisting, tag?}]``: ports the user brought are only detached when the server goes; ``tag``
-  is the device tag asked for);
+  ``group`` (``{uuid}`` of the server group it joined, or null), ``availability_zone`` and
+  ``requested_networks`` (``[{network_id, port_id, preexisting, tag?}]``: ports the user
+  brought are only detached when the server goes; ``tag`` is the device tag asked for);
 * ports with a MAC and a fixed IP, and for a volume-backed server the root volume with a
   reserved attachment: a new one for an image (its file created by the host), or an existing
   one reserved.
@@ -54,6 +54,7 @@ from ferry.compute import (
     instances,
     migration_states,
     server_filters,
+    server_groups,
     services,
     states,
 )
@@ -793,9 +794,11 @@ def create_server(ctx: RequestContext, request: BootRequest) -> str:
 
     Raises:
         BadRequest: unknown or disabled flavor, unknown image, an unsupported block device
-            mapping, an unknown network, port or volume, or an image that does not fit.
+            mapping, an unknown network, port or volume, an image that does not fit, or an
+            unknown server group.
         Forbidden: an image-backed server on a zero-disk flavor without the policy for it.
-        OverQuota: the project's instances, cores or RAM would go over its quota (403).
+        OverQuota: the project's instances, cores or RAM would go over its quota, or the
+            caller's servers in the ``group`` hint's server group over ``server_group_members`` (403).
         Conflict: a port already in use, a fixed IP taken, a network out of addresses.
     """
     root = _root_device(request)
@@ -842,13 +845,15 @@ def create_server(ctx: RequestContext, request: BootRequest) -> str:
                      "boot_index": 0, "image_id": image_id, "delete_on_termination": True, "tag": local_tag}]
         else:
             bdms = [_reserve_root_volume(session, ctx, uuid, root)]
+        group_hint = request.scheduler_hints.get("group")
+        group = server_groups.add_member(session, ctx, str(group_hint), uuid) if group_hint else None
         session.add(BuildRequest(instance_uuid=uuid, project_id=ctx.project_id, instance=instance,
                                  block_device_mappings=bdms, tags=list(dict.fromkeys(request.tags))))
         save_request_spec(session, uuid, {
             "instance_uuid": uuid, "project_id": ctx.project_id, "user_id": ctx.user_id, "flavor": snapshot,
             "image": {"id": image_id}, "is_bfv": root is not None, "ignore_hosts": [],
             "requested_destination": destination, "allowed_cells": None,
-            "scheduler_hints": _scheduler_hints(request.scheduler_hints), "group": None,
+            "scheduler_hints": _scheduler_hints(request.scheduler_hints), "group": group,
             "availability_zone": request.availability_zone, "requested_networks": requested_networks,
         })
     try:
@@ -906,6 +911,7 @@ def _discard_build(instance_uuid: str, *, forget: bool) -> bool:
         spec = session.scalars(select(RequestSpec).where(RequestSpec.instance_uuid == instance_uuid)).one_or_none()
         network.release_ports(session, instance_uuid, (spec.spec.get("requested_networks") or []) if spec else [])
         _release_unbuilt_volumes(session, instance_uuid, bdms)
+        server_groups.remove_member(session, instance_uuid)
         mapping = session.scalars(select(InstanceMapping).where(InstanceMapping.instance_uuid == instance_uuid)
                                   ).one_or_none()
         if forget:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import ClassVar
 
 from ferry import config
-from ferry.compute import aggregates
+from ferry.compute import aggregates, server_groups
 from ferry.scheduler.host_state import HostState, SchedulingSpec
 from ferry.store.api_models import utcnow
 
@@ -179,19 +179,20 @@ class DifferentHostFilter(BaseHostFilter):
 
 @register
 class ServerGroupAffinityFilter(BaseHostFilter):
-    """An affinity group's members share one host: once it has members, only their hosts pass."""
+    """An affinity group's members share one host: once other members are placed, only their hosts pass."""
 
     def host_passes(self, host_state: HostState, spec: SchedulingSpec) -> bool:
-        if spec.group_policy != "affinity" or not spec.group_hosts:
+        if spec.group_policy != server_groups.AFFINITY:
             return True
-        return host_state.host in spec.group_hosts
+        return server_groups.allows(spec.group_policy, spec.group_max_per_host, spec.group_hosts, host_state.host)
 
 
 @register
 class ServerGroupAntiAffinityFilter(BaseHostFilter):
-    """An anti-affinity group's members never share a host: hosts of members are left out."""
+    """An anti-affinity group's members keep apart: a host with as many other members as the
+    group allows on one (one, unless its ``max_server_per_host`` rule says more) is left out."""
 
     def host_passes(self, host_state: HostState, spec: SchedulingSpec) -> bool:
-        if spec.group_policy != "anti-affinity":
+        if spec.group_policy != server_groups.ANTI_AFFINITY:
             return True
-        return host_state.host not in spec.group_hosts
+        return server_groups.allows(spec.group_policy, spec.group_max_per_host, spec.group_hosts, host_state.host)

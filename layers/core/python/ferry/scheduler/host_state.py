@@ -19,7 +19,7 @@ from typing import Any
 from sqlalchemy import select
 
 from ferry import config, errors, placement
-from ferry.compute import instances
+from ferry.compute import instances, server_groups
 from ferry.store import db
 from ferry.store.api_models import AggregateHost, AggregateMetadata, CellMapping
 from ferry.store.cell_models import Instance, Service
@@ -103,8 +103,12 @@ class SchedulingSpec:
     allowed_cells: tuple[str, ...] | None = None
     same_host: frozenset[str] | None = None
     different_host: frozenset[str] = frozenset()
+    # The server's group (see ferry.compute.server_groups): its uuid and policy, how many members
+    # an anti-affinity group allows on one host, and how many other members each host holds.
+    group_uuid: str | None = None
     group_policy: str | None = None
-    group_hosts: frozenset[str] = frozenset()
+    group_max_per_host: int = 1
+    group_hosts: Mapping[str, int] = field(default_factory=dict)
     source_cell: str | None = None
     # The zone the server was asked for at creation (it stays there when it moves), or None.
     availability_zone: str | None = None
@@ -144,7 +148,7 @@ def build_spec(request_spec: Mapping[str, Any]) -> SchedulingSpec:
     flavor = request_spec["flavor"]
     hints = request_spec.get("scheduler_hints") or {}
     destination = request_spec.get("requested_destination") or {}
-    group = request_spec.get("group") or {}
+    group = server_groups.scheduling_group(request_spec.get("group"), request_spec["instance_uuid"])
     allowed = request_spec.get("allowed_cells")
     same_host = hints.get("same_host")
     if isinstance(same_host, str):
@@ -166,8 +170,10 @@ def build_spec(request_spec: Mapping[str, Any]) -> SchedulingSpec:
         allowed_cells=None if allowed is None else tuple(allowed),
         same_host=None if not same_host else frozenset(hosts_of_instances(same_host)),
         different_host=frozenset(hosts_of_instances(different_host)) if different_host else frozenset(),
-        group_policy=group.get("policy"),
-        group_hosts=frozenset(group.get("hosts") or ()),
+        group_uuid=group.uuid if group else None,
+        group_policy=group.policy if group else None,
+        group_max_per_host=group.max_per_host if group else 1,
+        group_hosts=dict(group.hosts) if group else {},
         source_cell=request_spec.get("source_cell"),
         availability_zone=request_spec.get("availability_zone") or None,
         cross_cell_weight_multiplier=request_spec.get("cross_cell_move_weight_multiplier"),

@@ -9,6 +9,9 @@ first one placement accepts. A host that filled up since placement listed it (an
 request claimed it first) is skipped for the next. For a move, the same placement
 transaction also hands the instance's current allocations to the migration, so the source
 stays held by the migration and the destination by the instance, with no moment in between.
+A member of a server group with a hard policy is claimed only while its group's policy allows
+the host (:func:`ferry.compute.server_groups.claim_guard`); when another member was placed
+meanwhile, the search runs again with that member's host known.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ferry import config, errors, placement
+from ferry.compute import server_groups
 from ferry.observability import logger
 from ferry.scheduler import filters as host_filters
 from ferry.scheduler import request_filter
@@ -33,6 +37,8 @@ from ferry.scheduler.host_state import (
 from ferry.scheduler.selection import Selection
 
 CAPACITY_STAGE = "PlacementCapacity"
+# How many times a search runs when other members of the server's group were placed during it.
+_GROUP_SEARCHES = 3
 
 
 @dataclasses.dataclass
@@ -204,11 +210,45 @@ def _selection(host: HostState, spec: SchedulingSpec) -> Selection:
 
 
 def _claim(selection: Selection, spec: SchedulingSpec, migration_uuid: str | None) -> None:
+    """Claim ``selection``; for a member of a group with a hard policy, only while the policy still allows it.
+
+    Raises:
+        GroupPolicyConflict: another member of the group took a place since the hosts were read.
+    """
+    guard = None
+    if spec.group_uuid and spec.group_policy in server_groups.POLICIES:
+        guard = server_groups.claim_guard(spec.group_uuid, spec.instance_uuid, selection.host)
     if migration_uuid is None:
-        placement.claim(spec.instance_uuid, spec.project_id, spec.user_id, selection.allocations)
+        placement.claim(spec.instance_uuid, spec.project_id, spec.user_id, selection.allocations, guard=guard)
     else:
         placement.claim_for_move(spec.instance_uuid, migration_uuid, spec.project_id, spec.user_id,
-                                 selection.allocations)
+                                 selection.allocations, guard=guard)
+
+
+def _claim_first(ranked: list[HostState], spec: SchedulingSpec,
+                 migration_uuid: str | None) -> tuple[int | None, int, bool]:
+    """Claim the first of ``ranked`` that takes the claim.
+
+    Returns:
+        ``(index claimed or None, hosts lost to other requests, whether a group's policy refused one)``.
+    """
+    raced, group_moved = 0, False
+    for index, host in enumerate(ranked):
+        try:
+            _claim(_selection(host, spec), spec, migration_uuid)
+        except errors.GroupPolicyConflict as exc:
+            raced += 1
+            group_moved = True
+            logger.info("host no longer fits the server group, trying the next host",
+                        extra={"instance_uuid": spec.instance_uuid, "host": host.host, "reason": exc.message})
+            continue
+        except (errors.InsufficientCapacity, errors.ResourceProviderNotFound) as exc:
+            raced += 1
+            logger.info("claim lost to a concurrent request, trying the next host",
+                        extra={"instance_uuid": spec.instance_uuid, "host": host.host, "reason": exc.message})
+            continue
+        return index, raced, group_moved
+    return None, raced, group_moved
 
 
 def select_destinations(request_spec: Mapping[str, Any], *, claim: bool = True,
@@ -233,30 +273,27 @@ def select_destinations(request_spec: Mapping[str, Any], *, claim: bool = True,
             message says how many hosts each stage removed.
         AllocationConflict: placement kept conflicting.
     """
-    spec = build_spec(request_spec)
-    filtered = _filter(spec, _replaced_consumers(spec, migration_uuid))
-    ranked = [host for host, _ in host_weighers.weigh_hosts(filtered.hosts, spec)]
-    if not ranked:
-        message = _explain(spec, filtered)
-        logger.info("no valid host", extra={"instance_uuid": spec.instance_uuid, "reason": message})
-        raise errors.NoValidHost(message, removed=dict(filtered.removed))
-
-    chosen_index = 0
-    if claim:
-        raced = 0
-        for index, host in enumerate(ranked):
-            try:
-                _claim(_selection(host, spec), spec, migration_uuid)
-            except (errors.InsufficientCapacity, errors.ResourceProviderNotFound) as exc:
-                raced += 1
-                logger.info("claim lost to a concurrent request, trying the next host",
-                            extra={"instance_uuid": spec.instance_uuid, "host": host.host, "reason": exc.message})
-                continue
-            chosen_index = index
+    for search in range(_GROUP_SEARCHES):
+        spec = build_spec(request_spec)
+        filtered = _filter(spec, _replaced_consumers(spec, migration_uuid))
+        ranked = [host for host, _ in host_weighers.weigh_hosts(filtered.hosts, spec)]
+        if not ranked:
+            message = _explain(spec, filtered)
+            logger.info("no valid host", extra={"instance_uuid": spec.instance_uuid, "reason": message})
+            raise errors.NoValidHost(message, removed=dict(filtered.removed))
+        if not claim:
+            chosen_index = 0
             break
-        else:
+        claimed, raced, group_moved = _claim_first(ranked, spec, migration_uuid)
+        if claimed is not None:
+            chosen_index = claimed
+            break
+        if not group_moved or search == _GROUP_SEARCHES - 1:
             message = _explain(spec, filtered, raced)
             raise errors.NoValidHost(message, removed=dict(filtered.removed), raced=raced)
+        # Another member of the group was placed meanwhile: its host changes which hosts pass.
+        logger.info("server group changed during the search, searching again",
+                    extra={"instance_uuid": spec.instance_uuid, "group_uuid": spec.group_uuid})
 
     chosen = ranked[chosen_index]
     max_alternates = max(config.get().scheduler_max_attempts - 1, 0)
@@ -322,7 +359,7 @@ def claim_alternate(request_spec: Mapping[str, Any], selection: Selection, *,
     chosen = _selection(filtered.hosts[0], spec)
     try:
         _claim(chosen, spec, migration_uuid)
-    except (errors.InsufficientCapacity, errors.ResourceProviderNotFound) as exc:
+    except (errors.InsufficientCapacity, errors.ResourceProviderNotFound, errors.GroupPolicyConflict) as exc:
         raise errors.NoValidHost(_explain(spec, filtered, raced=1), removed=dict(filtered.removed)) from exc
     logger.info("alternate claimed", extra={"instance_uuid": spec.instance_uuid, "host": chosen.host,
                                             "node": chosen.node})

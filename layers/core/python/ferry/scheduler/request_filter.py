@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from sqlalchemy import select
 
 from ferry import placement
+from ferry.compute import server_groups
 from ferry.scheduler.filters import aggregate_spec_key, spec_matches
 from ferry.scheduler.host_state import SchedulingSpec
 from ferry.store import db
@@ -52,8 +53,9 @@ def _hosts(spec: SchedulingSpec) -> frozenset[str] | None:
     hosts: frozenset[str] | None = None
     if spec.same_host:
         hosts = spec.same_host
-    if spec.group_policy == "affinity" and spec.group_hosts:
-        hosts = spec.group_hosts if hosts is None else hosts & spec.group_hosts
+    if spec.group_policy == server_groups.AFFINITY and spec.group_hosts:
+        members = frozenset(spec.group_hosts)
+        hosts = members if hosts is None else hosts & members
     return hosts
 
 

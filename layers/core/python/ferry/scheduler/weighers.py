@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from ferry import config
+from ferry.compute import server_groups
 from ferry.observability import logger
 from ferry.scheduler.host_state import HostState, SchedulingSpec
 
@@ -120,3 +121,29 @@ class CrossCellWeigher(BaseWeigher):
                 logger.warning("aggregate weight multiplier is not a number",
                                extra={"host": host_state.host, "key": CROSS_CELL_MULTIPLIER_KEY, "value": raw})
         return min(overrides) if overrides else config.get().cross_cell_move_weight_multiplier
+
+
+@register
+class ServerGroupSoftAffinityWeigher(BaseWeigher):
+    """For a ``soft-affinity`` group, prefers the hosts with more of the other members."""
+
+    def weigh(self, host_state: HostState, spec: SchedulingSpec) -> float:
+        if spec.group_policy != server_groups.SOFT_AFFINITY:
+            return 0.0
+        return float(spec.group_hosts.get(host_state.host, 0))
+
+    def multiplier(self, host_state: HostState, spec: SchedulingSpec) -> float:
+        return config.get().soft_affinity_weight_multiplier
+
+
+@register
+class ServerGroupSoftAntiAffinityWeigher(BaseWeigher):
+    """For a ``soft-anti-affinity`` group, prefers the hosts with fewer of the other members."""
+
+    def weigh(self, host_state: HostState, spec: SchedulingSpec) -> float:
+        if spec.group_policy != server_groups.SOFT_ANTI_AFFINITY:
+            return 0.0
+        return -float(spec.group_hosts.get(host_state.host, 0))
+
+    def multiplier(self, host_state: HostState, spec: SchedulingSpec) -> float:
+        return config.get().soft_anti_affinity_weight_multiplier

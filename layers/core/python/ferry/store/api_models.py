@@ -1,5 +1,5 @@
-"""Tables of the API database: mappings, flavors, aggregates, request specs, placement,
-ports, volumes and auth tokens."""
+"""Tables of the API database: mappings, flavors, aggregates, request specs, server groups,
+placement, ports, volumes and auth tokens."""
 
 from __future__ import annotations
 
@@ -180,6 +180,35 @@ class BuildRequest(TimestampMixin, ApiBase):
     instance: Mapped[dict] = mapped_column(JSON)
     block_device_mappings: Mapped[list] = mapped_column(JSON, default=list)
     tags: Mapped[list] = mapped_column(JSON, default=list)
+
+
+# --- server groups ------------------------------------------------------------------------------
+
+
+class InstanceGroup(TimestampMixin, ApiBase):
+    """A server group: servers its owner asked to keep together or apart (Nova's instance group).
+
+    ``policy`` is ``affinity``, ``anti-affinity``, ``soft-affinity`` or ``soft-anti-affinity``;
+    ``rules`` holds ``max_server_per_host`` for an anti-affinity group that allows more than one.
+    """
+
+    __tablename__ = "instance_groups"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    uuid: Mapped[str] = mapped_column(String(36), unique=True, default=new_uuid)
+    name: Mapped[str] = mapped_column(String(255))
+    project_id: Mapped[str] = mapped_column(String(255), index=True)
+    user_id: Mapped[str] = mapped_column(String(255))
+    policy: Mapped[str] = mapped_column(String(32))
+    rules: Mapped[dict] = mapped_column(JSON, default=dict)
+
+
+class InstanceGroupMember(ApiBase):
+    """A server in a group; a server is in one group at most (it names one at creation)."""
+
+    __tablename__ = "instance_group_members"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    group_id: Mapped[int] = mapped_column(ForeignKey("instance_groups.id", ondelete="CASCADE"), index=True)
+    instance_uuid: Mapped[str] = mapped_column(String(36), unique=True)
 
 
 # --- placement ----------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from ferry import hosts, network, notifications, placement, volumes
-from ferry.compute import actions, instances, migration_states, states
+from ferry.compute import actions, instances, migration_states, server_groups, states
 from ferry.observability import logger, metrics
 from ferry.store.api_models import InstanceMapping, Volume, VolumeAttachment, utcnow
 from ferry.store.cell_models import BlockDeviceMapping, Instance, Migration
@@ -152,6 +152,7 @@ def finish_delete(event: dict[str, Any]) -> dict[str, Any]:
         network.release_ports(session, uuid, network.requested_networks(session, uuid))
         # A server in cell0 was never scheduled: no host ever wrote a volume made for it.
         _release_volumes(session, uuid, doomed, removed, made_for_it if cell == CELL0_NAME else set())
+        server_groups.remove_member(session, uuid)
         session.execute(update(InstanceMapping).where(InstanceMapping.instance_uuid == uuid)
                         .values(queued_for_delete=True))
     _mark_deleted(event)

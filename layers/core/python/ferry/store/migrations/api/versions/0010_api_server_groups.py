@@ -1,0 +1,54 @@
+"""server groups: instance_groups and their members
+
+Revision ID: 0010_api
+Revises: 0009_api
+Create Date: 2026-11-27 17:00:00.000000
+
+"""
+from collections.abc import Sequence
+
+import sqlalchemy as sa
+from alembic import op
+
+# revision identifiers, used by Alembic.
+revision: str = '0010_api'
+down_revision: str | Sequence[str] | None = '0009_api'
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
+
+
+def upgrade() -> None:
+    """Add instance_groups and instance_group_members."""
+    op.create_table('instance_groups',
+    sa.Column('id', sa.Integer(), nullable=False),
+    sa.Column('uuid', sa.String(length=36), nullable=False),
+    sa.Column('name', sa.String(length=255), nullable=False),
+    sa.Column('project_id', sa.String(length=255), nullable=False),
+    sa.Column('user_id', sa.String(length=255), nullable=False),
+    sa.Column('policy', sa.String(length=32), nullable=False),
+    sa.Column('rules', sa.JSON(), nullable=False),
+    sa.Column('created_at', sa.DateTime(), nullable=False),
+    sa.Column('updated_at', sa.DateTime(), nullable=True),
+    sa.PrimaryKeyConstraint('id', name=op.f('pk_instance_groups')),
+    sa.UniqueConstraint('uuid', name=op.f('uq_instance_groups_uuid'))
+    )
+    op.create_index(op.f('ix_instance_groups_project_id'), 'instance_groups', ['project_id'], unique=False)
+    op.create_table('instance_group_members',
+    sa.Column('id', sa.Integer(), nullable=False),
+    sa.Column('group_id', sa.Integer(), nullable=False),
+    sa.Column('instance_uuid', sa.String(length=36), nullable=False),
+    sa.ForeignKeyConstraint(['group_id'], ['instance_groups.id'],
+                            name=op.f('fk_instance_group_members_group_id_instance_groups'), ondelete='CASCADE'),
+    sa.PrimaryKeyConstraint('id', name=op.f('pk_instance_group_members')),
+    sa.UniqueConstraint('instance_uuid', name=op.f('uq_instance_group_members_instance_uuid'))
+    )
+    op.create_index(op.f('ix_instance_group_members_group_id'), 'instance_group_members', ['group_id'],
+                    unique=False)
+
+
+def downgrade() -> None:
+    """Drop the server group tables."""
+    op.drop_index(op.f('ix_instance_group_members_group_id'), table_name='instance_group_members')
+    op.drop_table('instance_group_members')
+    op.drop_index(op.f('ix_instance_groups_project_id'), table_name='instance_groups')
+    op.drop_table('instance_groups')
