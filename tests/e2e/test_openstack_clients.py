@@ -189,3 +189,32 @@ def test_the_cli_looks_volumes_up_to_attach_detach_and_boot_from_them(cli, serve
     assert [v["id"] for v in cli.json("server", "show", booted["id"])["volumes_attached"]] == [volume["id"]]
     cli.run("server", "delete", "--wait", booted["id"])
     assert status() == "available"
+
+
+def test_the_cli_keeps_an_anti_affinity_groups_servers_apart(cli, servers, local_stack):
+    # GIVEN an anti-affinity group made with the CLI
+    name = f"e2e-apart-{uuid.uuid4().hex[:8]}"
+    group = cli.json("server", "group", "create", "--policy", "anti-affinity", name)
+    assert (group["name"], group["policy"]) == (name, "anti-affinity")
+    assert group["id"] in {g["ID"] for g in cli.json("server", "group", "list")}
+
+    # WHEN two servers are booted into it with the group hint
+    booted = []
+    for index in range(2):
+        created = cli.json("server", "create", "--flavor", "ferry.tiny", "--image", local_stack.seeded.image["name"],
+                           "--nic", "none", "--hint", f"group={group['id']}", "--wait", f"{name}-{index}")
+        servers.created.append(created["id"])
+        assert created["status"] == "ACTIVE"
+        booted.append(created["id"])
+
+    # THEN they run on two hosts, and the group lists both
+    hosts = {servers.show(server_id)["OS-EXT-SRV-ATTR:host"] for server_id in booted}
+    assert len(hosts) == 2
+    assert sorted(cli.json("server", "group", "show", group["id"])["members"]) == sorted(booted)
+
+    # a deleted server leaves the group; the group goes, its other server stays
+    cli.run("server", "delete", "--wait", booted[0])
+    assert cli.json("server", "group", "show", group["id"])["members"] == [booted[1]]
+    cli.run("server", "group", "delete", group["id"])
+    assert group["id"] not in {g["ID"] for g in cli.json("server", "group", "list")}
+    assert servers.show(booted[1])["status"] == "ACTIVE"

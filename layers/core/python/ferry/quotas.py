@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 from sqlalchemy import select
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.orm import Session
 
 from ferry import config, errors
 from ferry.compute import states
@@ -104,13 +105,16 @@ def defaults() -> dict[str, int]:
     return values
 
 
-def limits(project_id: str) -> dict[str, int]:
-    """The project's limit for every resource (overrides over defaults)."""
+def limits(project_id: str, session: Session | None = None) -> dict[str, int]:
+    """The project's limit for every resource (overrides over defaults); read in ``session`` when
+    given (a caller inside a write transaction of its own), else in a session of its own."""
     values = defaults()
-    with api_session() as session:
-        for row in session.scalars(select(Quota).where(Quota.project_id == project_id)):
-            if row.resource in values:
-                values[row.resource] = row.hard_limit
+    if session is None:
+        with api_session() as own:
+            return limits(project_id, own)
+    for row in session.scalars(select(Quota).where(Quota.project_id == project_id)):
+        if row.resource in values:
+            values[row.resource] = row.hard_limit
     return values
 
 

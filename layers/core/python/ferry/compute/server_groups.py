@@ -217,7 +217,7 @@ def add_member(session: Session, ctx: RequestContext, group_uuid: str, instance_
                           .where(InstanceGroup.uuid == group_uuid).with_for_update()).first()
     if row is None or (row.project_id != ctx.project_id and not ctx.is_admin):
         raise errors.BadRequest(not_found(group_uuid).message)
-    limit = quotas.limits(ctx.project_id)[MEMBERS_QUOTA]
+    limit = quotas.limits(ctx.project_id, session)[MEMBERS_QUOTA]
     mine = session.scalar(
         select(func.count(InstanceGroupMember.id))
         .join(InstanceMapping, InstanceMapping.instance_uuid == InstanceGroupMember.instance_uuid)
