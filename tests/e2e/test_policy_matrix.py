@@ -44,7 +44,9 @@ class Probe:
     """One request: ``path`` is the route with ``{server_id}`` etc. filled from the module's resources.
 
     ``server``: the server the path names (``active``, ``shutoff`` or ``fresh``: booted for this
-    request, so deleting it costs nothing), or None. ``project``: the project a quota request names.
+    request, so deleting it costs nothing), or None. ``project``: the project a quota request names,
+    or owning the group. ``group``: the path names a server group ``demo`` makes for this request
+    (and the admin deletes after it).
     ``passes``: statuses an authorised caller may get besides any non-401/403/404 (e.g. 404 for an
     unknown aggregate looked up after the policy check). ``values``: path values of this probe only.
     """
@@ -57,6 +59,7 @@ class Probe:
     project: str | None = None
     passes: frozenset[int] = frozenset()
     values: dict[str, str] = field(default_factory=dict)
+    group: bool = False
 
 
 V = "/v2.1"
@@ -64,6 +67,7 @@ VOLUME = "/volume/v3"
 S = f"{V}/servers/{{server_id}}"
 NOT_FOUND = frozenset({404})
 _action = f"{S}/action"
+GROUP = f"{V}/os-server-groups/{{group_id}}"
 
 # rule -> the request that checks it.
 PROBES: dict[str, Probe] = {
@@ -157,6 +161,11 @@ PROBES: dict[str, Probe] = {
                                                       body={"remove_host": {"host": "{host}"}}, passes=NOT_FOUND),
     "os_compute_api:os-aggregates:set_metadata": Probe("POST", f"{V}/os-aggregates/{{aggregate_id}}/action",
                                                        body={"set_metadata": {"metadata": {}}}, passes=NOT_FOUND),
+    # server groups (demo's own, made for the request; an empty body is refused after the policy)
+    "os_compute_api:os-server-groups:index": Probe("GET", f"{V}/os-server-groups"),
+    "os_compute_api:os-server-groups:create": Probe("POST", f"{V}/os-server-groups", body={"server_group": {}}),
+    "os_compute_api:os-server-groups:show": Probe("GET", GROUP, project=OWNER_PROJECT, group=True),
+    "os_compute_api:os-server-groups:delete": Probe("DELETE", GROUP, project=OWNER_PROJECT, group=True),
     # compute services (a path that is not a uuid: 400 once authorised)
     "os_compute_api:os-services:list": Probe("GET", f"{V}/os-services"),
     "os_compute_api:os-services:update": Probe("PUT", f"{V}/os-services/{{service_id}}", body={}),
@@ -208,6 +217,7 @@ NOT_A_REQUEST = {
     "os_compute_api:os-instance-actions:events": "which fields an event shows",
     "os_compute_api:os-instance-actions:events:details": "which fields an event shows",
     "compute:servers:resize:cross_cell": "whether the scheduler may pick another cell",
+    "os_compute_api:os-server-groups:index:all_projects": "whose groups a list shows (others get their own)",
     "volume_extension:volume_tenant_attribute": "which fields a volume shows",
 }
 
@@ -292,6 +302,19 @@ def _request(local_stack, resources, identity: str | None, probe: Probe):
         values["server_id"] = resources[probe.server]
     if probe.project is not None:
         values["project_id"] = probe.project
+    if probe.group:
+        made = helper.api("demo").post("/os-server-groups", json={"server_group": {
+            "name": "e2e-policy-group", "policy": "anti-affinity"}})
+        assert made.status_code == 200, made.text
+        values["group_id"] = made.json()["server_group"]["id"]
+        try:
+            return _send(local_stack, identity, probe, values)
+        finally:
+            helper.api("admin").delete(f"/os-server-groups/{values['group_id']}")
+    return _send(local_stack, identity, probe, values)
+
+
+def _send(local_stack, identity: str | None, probe: Probe, values: dict[str, str]):
     path = _fill(probe.route, values)
     # Compute paths are relative to the session's /v2.1; identity and volume paths sit beside it.
     path = path.removeprefix(V) if path.startswith(V + "/") else local_stack.api_url.removesuffix(V) + path
