@@ -598,7 +598,7 @@ class MoveOperations:
             return
         bucket = snapshot["bucket"]
         disks.delete_transfer(self.s3, bucket, snapshot["data_prefix"])
-        aws.abort_uploads(self.s3, bucket, snapshot["key"])
+        aws.abort_uploads(self.s3, bucket, snapshot["key"], whole_key=True)
         self.s3.delete_object(Bucket=bucket, Key=snapshot["key"])
 
     def take_back_guest(self, op: Operation) -> None:

@@ -88,7 +88,7 @@ def test_commands_are_a_list_others_can_extend():
     names = [name for name, _add in cli.COMMANDS]
     parser = cli.build_parser()
 
-    assert names == ["audit", "drain", "db", "cell", "host", "volume", "token"]
+    assert names == ["audit", "drain", "db", "cell", "host", "volume", "image", "token"]
     assert parser.parse_args(["audit", "--fix", "--json"]).handler is not None
 
 

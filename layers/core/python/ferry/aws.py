@@ -69,8 +69,11 @@ def upload_fileobj(s3_client: Any, fileobj: Readable, bucket: str, key: str, **k
     managed_upload(s3_client, fileobj, bucket, key, **kwargs)
 
 
-def abort_uploads(s3_client: Any, bucket: str, prefix: str) -> int:
+def abort_uploads(s3_client: Any, bucket: str, prefix: str, *, whole_key: bool = False) -> int:
     """Abort the multipart uploads under ``prefix`` that never completed; return how many.
+
+    With ``whole_key``, only those of the object named ``prefix`` (S3 lists by prefix: the
+    uploads of ``images/ab`` would take those of ``images/abc`` too).
 
     An uploader killed mid-way leaves its upload open, and S3 keeps (and bills) its parts until
     it is aborted; listing objects never shows them. The bucket's lifecycle rule aborts what is
@@ -79,6 +82,8 @@ def abort_uploads(s3_client: Any, bucket: str, prefix: str) -> int:
     aborted = 0
     for page in s3_client.get_paginator("list_multipart_uploads").paginate(Bucket=bucket, Prefix=prefix):
         for upload in page.get("Uploads", []):
+            if whole_key and upload["Key"] != prefix:
+                continue
             s3_client.abort_multipart_upload(Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
             aborted += 1
     return aborted

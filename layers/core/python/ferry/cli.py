@@ -8,9 +8,10 @@ command (``ferry drain …``, say) is one more entry in :data:`COMMANDS`. A hand
 exit status.
 
 Exit statuses: 0 success (for ``audit``: no problem left), 1 problems remain (or, for the set-up
-commands of :mod:`ferry.cli_cells`, for ``ferry volume`` and ``ferry token``, refused), 2 bad usage, 3 could not run
-(a database that cannot be reached, or whose URL cannot be read: one line on standard error, passwords
-hidden). Any other database error (two ``ferry cell create`` racing, say) is a traceback and 1.
+commands of :mod:`ferry.cli_cells`, for ``ferry volume``, ``ferry image`` and ``ferry token``,
+refused), 2 bad usage, 3 could not run (a database that cannot be reached, or whose URL cannot be
+read, or for ``ferry image`` the image bucket: one line on standard error, passwords hidden). Any
+other database error (two ``ferry cell create`` racing, say) is one line and 1.
 
 Standard output is the command's answer (``ferry audit --json`` is read by programs): Ferry's log
 lines go to standard error while a command runs.
@@ -31,7 +32,7 @@ from typing import Any
 
 from sqlalchemy.exc import ArgumentError, DatabaseError, DBAPIError, InterfaceError, OperationalError, ProgrammingError
 
-from ferry import arguments, cli_cells, cli_drain, cli_tokens, cli_volumes
+from ferry import arguments, cli_cells, cli_drain, cli_images, cli_tokens, cli_volumes
 from ferry.audit import DEFAULT_GRACE_SECONDS
 
 Handler = Callable[[argparse.Namespace], int]
@@ -86,6 +87,7 @@ COMMANDS: list[tuple[str, Callable[[Any], None]]] = [
     ("cell", cli_cells.add_cell),
     ("host", cli_cells.add_host),
     ("volume", cli_volumes.add_volume),
+    ("image", cli_images.add_image),
     ("token", cli_tokens.add_token),
 ]
 
@@ -163,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     args = build_parser().parse_args(argv)
     handler: Handler = args.handler
-    if args.command != "drain" and not os.environ.get("FERRY_API_DATABASE_URL"):
+    if args.command not in ("drain", "image") and not os.environ.get("FERRY_API_DATABASE_URL"):
         # Not an error (a local stack's state directory holds its databases), but an export lost in
         # a new shell would otherwise write a deployment's records into a file nobody reads.
         from ferry import config

@@ -245,7 +245,7 @@ def delete_image(image_id: str) -> bool:
             s3.delete_object(Bucket=_bucket(), Key=item["Key"])
     # And what a killed upload left unfinished, of the extents or of the image itself.
     aws.abort_uploads(s3, _bucket(), data_prefix(image_id) + "/")
-    aws.abort_uploads(s3, _bucket(), _key(image_id))
+    aws.abort_uploads(s3, _bucket(), _key(image_id), whole_key=True)
     if found:
         s3.delete_object(Bucket=_bucket(), Key=_key(image_id))
         logger.info("image deleted", extra={"image_id": image_id})
