@@ -6,8 +6,8 @@ checks it (:data:`PROBES`), and the expected answer follows from the rule's word
 * no token: 401 (the gateway refuses before the API runs);
 * ``admin``: an admin passes, the owner ``demo`` is refused with 403;
 * ``admin_or_owner``: the admin and the owner pass; ``alt`` (a member of another project) gets
-  403 for a project target (quotas) and 404 for another project's server, which it must not
-  learn exists, whatever the rule;
+  403 for a project target (quotas) and 404 for another project's server or server group,
+  which it must not learn exists, whatever the rule;
 * ``member`` / ``@``: every caller with a token passes.
 
 "Passes" means authorisation went through: the answer is not 401 or 403 (and not 404 for a
@@ -243,8 +243,8 @@ def _expected(rule: str | None, identity: str | None, probe: Probe) -> str:
     """``"401"``, ``"403"``, ``"404"`` or ``"pass"``."""
     if identity is None:
         return "401"
-    if probe.server is not None and identity == "alt":
-        return "404"  # another project's server does not exist for the caller, whatever the rule
+    if (probe.server is not None or probe.group) and identity == "alt":
+        return "404"  # another project's server or group does not exist for the caller, whatever the rule
     word = policy.MEMBER if rule is None else policy.DEFAULT_RULES[rule]
     if word == policy.NOBODY:
         return "403"

@@ -112,6 +112,25 @@ def test_soft_policies_weigh_but_never_refuse(store, monkeypatch):
     assert chosen(spec_for(apart), claim=False) in {"host-a", "host-b"}
 
 
+def test_a_moving_member_holds_its_source_until_the_move_ends_so_a_revert_never_joins_another(three_hosts):
+    # GIVEN an anti-affinity member on host-a moving to host-b (its source held by the migration)
+    group = add_group(server_groups.ANTI_AFFINITY)
+    mover = place_member(group, three_hosts["host-a"])
+    migration = str(uuid.uuid4())
+    spec = spec_for(group, mover)
+    spec["ignore_hosts"] = ["host-a", "host-c"]
+    assert chosen(spec, migration_uuid=migration) == "host-b"
+
+    # WHEN another member is booted, THEN neither the source nor the destination is free for it
+    newcomer = join_group(group)
+    assert chosen(spec_for(group, newcomer)) == "host-c"
+
+    # and the move reverted puts the mover back alone on its source
+    placement.revert_move_allocations(migration, mover, claimed={three_hosts["host-b"]: resources()})
+    assert placement.get_allocations(mover) == {three_hosts["host-a"]: resources()}
+    assert placement.get_allocations(newcomer) == {three_hosts["host-c"]: resources()}
+
+
 def test_a_deleted_group_constrains_nothing(three_hosts):
     group = add_group(server_groups.ANTI_AFFINITY)
     for name in ("host-a", "host-b", "host-c"):
@@ -141,7 +160,8 @@ def test_a_member_placed_during_the_search_sends_the_claim_elsewhere(three_hosts
     member = join_group(group)
 
     # WHEN the member is scheduled, THEN its claim is refused there and it lands on another host
-    host = chosen(spec_for(group, member))
+    spec = spec_for(group, member)
+    host = chosen(spec)
     assert host != rival["host"]
     assert placement.get_allocations(member) == {three_hosts[host]: resources()}
 
@@ -165,7 +185,7 @@ def test_alternates_of_an_anti_affinity_member_are_checked_again_when_claimed(th
     assert alternates
     place_member(group, three_hosts[alternates[0].host])  # another member took the alternate meanwhile
 
-    with pytest.raises(errors.NoValidHost):
+    with pytest.raises(errors.NoValidHost, match="ServerGroupAntiAffinityFilter removed 1"):
         scheduler.claim_alternate(spec, alternates[0])
     assert placement.get_allocations(member) == {three_hosts[first.host]: resources()}
 
@@ -196,3 +216,4 @@ def test_members_booted_at_once_never_share_a_host(pg_store):
     placed = [host for host in outcomes if host != "none"]
     assert len(placed) == len(set(placed)) == 6
     assert outcomes.count("none") == 2
+

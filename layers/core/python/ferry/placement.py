@@ -395,6 +395,8 @@ class _Change:
     allocations: Allocations
     check_generation: bool
     expected_generation: int | None
+    # For a migration's consumer created by the change: the instance it moves.
+    moves_instance: str | None = None
 
 
 _NOT_GIVEN = object()
@@ -588,7 +590,7 @@ def _write_consumer(session: Session, change: _Change, row: Any) -> None:
         try:
             session.execute(
                 insert(Consumer).values(uuid=change.consumer, project_id=change.project_id,
-                                        user_id=change.user_id, generation=1)
+                                        user_id=change.user_id, generation=1, instance_uuid=change.moves_instance)
             )
         except IntegrityError as exc:
             raise _GenerationConflict(f"consumer {change.consumer} was created concurrently") from exc
@@ -666,9 +668,10 @@ def claim_for_move(instance_uuid: str, migration_uuid: str, project_id: str, use
     """Hand the instance's current allocations to its migration and claim ``allocations`` for it.
 
     In one transaction: unless the migration already holds allocations (an earlier run of the
-    same move did this), the instance's current allocations become the migration's; then the
-    instance's allocations are replaced with ``allocations``. When both land on one provider
-    (a same-host resize) they must fit together. ``guard``: as for :func:`claim`.
+    same move did this), the instance's current allocations become the migration's (its
+    consumer records the instance it moves); then the instance's allocations are replaced with
+    ``allocations``. When both land on one provider (a same-host resize) they must fit together.
+    ``guard``: as for :func:`claim`.
 
     Raises: as :func:`set_allocations`, and what ``guard`` raises.
     """
@@ -683,7 +686,8 @@ def claim_for_move(instance_uuid: str, migration_uuid: str, project_id: str, use
         if not read[migration_uuid]:
             held = read[instance_uuid] = _allocations_of(session, instance_uuid)
             if held:
-                changes.append(_Change(migration_uuid, project_id, user_id, held, False, None))
+                changes.append(_Change(migration_uuid, project_id, user_id, held, False, None,
+                                       moves_instance=instance_uuid))
         _write_allocations(session, changes, based_on=read)
 
     _in_transaction(work, f"claim for migration {migration_uuid}")

@@ -40,7 +40,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
@@ -48,7 +48,7 @@ from ferry import config, errors
 from ferry.compute import states
 from ferry.observability import logger
 from ferry.store import db
-from ferry.store.api_models import BuildRequest, InstanceMapping, Quota
+from ferry.store.api_models import BuildRequest, InstanceGroup, InstanceMapping, Quota
 from ferry.store.cell_models import Instance
 from ferry.store.db import all_cells, api_session, cell_session
 
@@ -56,6 +56,9 @@ INSTANCES = "instances"
 CORES = "cores"
 RAM = "ram"
 COUNTED = (INSTANCES, CORES, RAM)
+# Server groups per project, and servers per group and user (ferry.compute.server_groups).
+SERVER_GROUPS = "server_groups"
+SERVER_GROUP_MEMBERS = "server_group_members"
 
 UNLIMITED = -1
 
@@ -66,8 +69,8 @@ NOVA_DEFAULTS: dict[str, int] = {
     RAM: 51200,
     "key_pairs": 100,
     "metadata_items": 128,
-    "server_groups": 10,
-    "server_group_members": 10,
+    SERVER_GROUPS: 10,
+    SERVER_GROUP_MEMBERS: 10,
     "injected_files": 5,
     "injected_file_content_bytes": 10240,
     "injected_file_path_bytes": 255,
@@ -133,6 +136,14 @@ def instance_usage(instance: Instance) -> tuple[int, int]:
             other_cores, other_ram = _flavor_usage(other)
             cores, ram = max(cores, other_cores), max(ram, other_ram)
     return cores, ram
+
+
+def server_groups_used(project_id: str, session: Session | None = None) -> int:
+    """How many server groups the project has (in ``session`` when given)."""
+    if session is None:
+        with api_session() as own:
+            return server_groups_used(project_id, own)
+    return session.scalar(select(func.count(InstanceGroup.id)).where(InstanceGroup.project_id == project_id)) or 0
 
 
 def usage(project_id: str) -> dict[str, int]:
@@ -252,7 +263,8 @@ def update(project_id: str, values: Mapping[str, int], *, force: bool = False) -
 
     Params:
         values: resource → limit (``-1`` unlimited); unknown resources are refused.
-        force: allow a counted limit below what the project uses now (Nova's ``force``).
+        force: allow a counted limit (instances, cores, RAM, server groups) below what the
+            project uses now (Nova's ``force``).
 
     Raises:
         BadRequest: an unknown resource, a limit below -1, or (without ``force``) a counted
@@ -264,9 +276,11 @@ def update(project_id: str, values: Mapping[str, int], *, force: bool = False) -
     for resource, limit in values.items():
         if int(limit) < UNLIMITED:
             raise errors.BadRequest(f"Quota limit {limit} for {resource} must be -1 or greater.")
-    if not force and any(r in values and int(values[r]) != UNLIMITED for r in COUNTED):
-        used = usage(project_id)
-        for resource in COUNTED:
+    checked = (*COUNTED, SERVER_GROUPS)
+    if not force and any(r in values and int(values[r]) != UNLIMITED for r in checked):
+        used = {**(usage(project_id) if any(r in values for r in COUNTED) else {}),
+                **({SERVER_GROUPS: server_groups_used(project_id)} if SERVER_GROUPS in values else {})}
+        for resource in checked:
             wanted = values.get(resource)
             if wanted is not None and int(wanted) != UNLIMITED and int(wanted) < used[resource]:
                 raise errors.BadRequest(f"Quota limit {wanted} for {resource} must be greater than or equal to "

@@ -14,7 +14,6 @@ from aws_lambda_powertools.event_handler.api_gateway import Router
 from ferry import errors, policy, quotas
 from ferry.api import request, schemas, views
 from ferry.api.request import ViewContext
-from ferry.compute import server_groups
 
 router = Router()
 
@@ -43,7 +42,7 @@ def _project_only() -> None:
 
 def _usage(project_id: str) -> dict[str, int]:
     """What the project uses of the counted resources, its server groups included."""
-    return {**quotas.usage(project_id), server_groups.GROUPS_QUOTA: server_groups.count_groups(project_id)}
+    return {**quotas.usage(project_id), quotas.SERVER_GROUPS: quotas.server_groups_used(project_id)}
 
 
 @router.get("/os-quota-sets/<project_id>")

@@ -20,7 +20,9 @@ from ferry import errors, policy
 from ferry.api import request, schemas
 from ferry.api.microversions import APIVersion
 from ferry.api.request import ViewContext
+from ferry.auth import RequestContext
 from ferry.compute import server_groups
+from ferry.compute.api import normalize_uuid
 from ferry.compute.server_groups import GroupRecord
 
 router = Router()
@@ -96,6 +98,17 @@ def _rules(policy_name: str, rules: dict[str, Any] | None) -> dict[str, int]:
     return {name: request.bounded_int(name, rules[name], 1, schemas.MAX_INT)} if name in rules else {}
 
 
+def _group_id(value: str) -> str:
+    """The group id in the path, as groups are stored (a uuid in any spelling, canonical)."""
+    return normalize_uuid(value) or value
+
+
+def _scope(ctx: RequestContext) -> str | None:
+    """The project whose groups ``ctx`` may name: its own, every project's (None) for an admin.
+    Another project's group is 404 to a member, as in Nova, whose look-up is scoped so."""
+    return None if ctx.is_admin else ctx.project_id
+
+
 @router.get("/os-server-groups")
 def list_groups() -> Response:
     view = request.view_context(router)
@@ -106,17 +119,18 @@ def list_groups() -> Response:
                                                                 policy.NO_PROJECT)
     limit = request.non_negative_int("limit", request.last(params, "limit"))
     offset = request.non_negative_int("offset", request.last(params, "offset")) or 0
+    # No limit, or 0, is the most a page holds (Nova's ``limited``).
     found = server_groups.list_groups(None if every_project else view.ctx.project_id,
-                                      limit=MAX_LIMIT if limit is None else min(limit, MAX_LIMIT), offset=offset)
+                                      limit=min(limit or MAX_LIMIT, MAX_LIMIT), offset=offset)
     return request.json_response(200, {"server_groups": [group_view(view, g) for g in found]})
 
 
 @router.post("/os-server-groups")
 def create_group() -> Response:
     view = request.view_context(router)
+    wanted = request.body(router, create_schema(view.version))["server_group"]  # before the policy, as Nova
     policy.enforce(view.ctx, RULE.format("create"), {"project_id": view.ctx.project_id,
                                                      "user_id": view.ctx.user_id})
-    wanted = request.body(router, create_schema(view.version))["server_group"]
     request.require_printable(wanted, "server_group", "name")
     if view.at_least(POLICY_FIELD_FROM):
         policy_name, rules = wanted["policy"], _rules(wanted["policy"], wanted.get("rules"))
@@ -129,7 +143,7 @@ def create_group() -> Response:
 @router.get("/os-server-groups/<group_id>")
 def show_group(group_id: str) -> Response:
     view = request.view_context(router)
-    found = server_groups.get_group(group_id)
+    found = server_groups.get_group(_group_id(group_id), _scope(view.ctx))
     policy.enforce(view.ctx, RULE.format("show"), {"project_id": found.project_id})
     return request.json_response(200, {"server_group": group_view(view, found)})
 
@@ -137,7 +151,7 @@ def show_group(group_id: str) -> Response:
 @router.delete("/os-server-groups/<group_id>")
 def delete_group(group_id: str) -> Response:
     ctx = request.caller(router)
-    found = server_groups.get_group(group_id)
+    found = server_groups.get_group(_group_id(group_id), _scope(ctx))
     policy.enforce(ctx, RULE.format("delete"), {"project_id": found.project_id})
-    server_groups.delete_group(group_id)
+    server_groups.delete_group(found.uuid)
     return request.empty(204)

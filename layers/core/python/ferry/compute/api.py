@@ -846,7 +846,9 @@ def create_server(ctx: RequestContext, request: BootRequest) -> str:
         else:
             bdms = [_reserve_root_volume(session, ctx, uuid, root)]
         group_hint = request.scheduler_hints.get("group")
-        group = server_groups.add_member(session, ctx, str(group_hint), uuid) if group_hint else None
+        group = None
+        if group_hint:
+            group = server_groups.add_member(session, ctx, normalize_uuid(str(group_hint)) or str(group_hint), uuid)
         session.add(BuildRequest(instance_uuid=uuid, project_id=ctx.project_id, instance=instance,
                                  block_device_mappings=bdms, tags=list(dict.fromkeys(request.tags))))
         save_request_spec(session, uuid, {

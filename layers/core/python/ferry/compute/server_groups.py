@@ -15,8 +15,9 @@ of an affinity group with others stays on their host (which needs
 Where a member is comes from placement: the host its allocations are on. A claim is what
 places a server, so two members scheduled at once cannot both take a host that only one of
 them may have: the claim of a member locks its group's row and checks the policy again in the
-claim's own transaction (:func:`claim_guard`); the scheduler then tries its next host. A member
-on the move counts on its destination from the claim (its source is held by the migration).
+claim's own transaction (:func:`claim_guard`); the scheduler then searches again. A member on
+the move counts on its destination from the claim and on its source (held by its migration)
+until the move is confirmed or reverted, so a revert never lands it beside another member.
 
 Quotas: ``server_groups`` per project and ``server_group_members`` per group and user, as
 Nova counts them.
@@ -37,6 +38,7 @@ from ferry.auth import RequestContext
 from ferry.observability import logger
 from ferry.store.api_models import (
     Allocation,
+    Consumer,
     InstanceGroup,
     InstanceGroupMember,
     InstanceMapping,
@@ -54,8 +56,6 @@ SOFT_POLICIES = (SOFT_AFFINITY, SOFT_ANTI_AFFINITY)
 
 MAX_SERVER_PER_HOST = "max_server_per_host"
 
-GROUPS_QUOTA = "server_groups"
-MEMBERS_QUOTA = "server_group_members"
 
 
 @dataclass(frozen=True)
@@ -111,10 +111,6 @@ def _record(group: InstanceGroup, members: list[str]) -> GroupRecord:
                        created_at=group.created_at)
 
 
-def _count_groups(session: Session, project_id: str) -> int:
-    return session.scalar(select(func.count(InstanceGroup.id)).where(InstanceGroup.project_id == project_id)) or 0
-
-
 def _over(limit: int, used: int) -> bool:
     return limit != quotas.UNLIMITED and used > limit
 
@@ -125,20 +121,23 @@ def create_group(ctx: RequestContext, name: str, policy: str, rules: Mapping[str
     Raises:
         OverQuota: the project has ``server_groups`` groups already (403).
     """
-    limit = quotas.limits(ctx.project_id)[GROUPS_QUOTA]
+    limit = quotas.limits(ctx.project_id)[quotas.SERVER_GROUPS]
     with api_session() as session:
-        if _over(limit, _count_groups(session, ctx.project_id) + 1):
+        if _over(limit, quotas.server_groups_used(ctx.project_id, session) + 1):
             raise errors.OverQuota("Quota exceeded, too many server groups.")
         group = InstanceGroup(name=name, project_id=ctx.project_id, user_id=ctx.user_id, policy=policy,
                               rules=dict(rules))
         session.add(group)
         session.flush()
         record = _record(group, [])
-    # Counted again once written: two creates may both have passed the check.
+    # Counted again once written: two creates may both have passed the check. The group goes in
+    # a transaction of its own, which the refusal must not roll back.
     with api_session() as session:
-        if _over(limit, _count_groups(session, ctx.project_id)):
+        over = _over(limit, quotas.server_groups_used(ctx.project_id, session))
+        if over:
             session.execute(delete(InstanceGroup).where(InstanceGroup.uuid == record.uuid))
-            raise errors.OverQuota("Quota exceeded, too many server groups.")
+    if over:
+        raise errors.OverQuota("Quota exceeded, too many server groups.")
     logger.info("server group created", extra={"group_uuid": record.uuid, "policy": policy})
     return record
 
@@ -156,14 +155,18 @@ def list_groups(project_id: str | None, *, limit: int | None = None, offset: int
         return [_record(group, members[group.id]) for group in groups]
 
 
-def get_group(group_uuid: str) -> GroupRecord:
-    """One group, whoever owns it (the caller checks the policy against its project).
+def get_group(group_uuid: str, project_id: str | None = None) -> GroupRecord:
+    """One group: of ``project_id`` only when given (a member never learns another project's
+    group exists), of any project with None (an admin; the caller checks the policy).
 
     Raises:
-        ServerGroupNotFound: no such group.
+        ServerGroupNotFound: no such group (in ``project_id``).
     """
     with api_session() as session:
-        group = session.scalars(select(InstanceGroup).where(InstanceGroup.uuid == group_uuid)).one_or_none()
+        query = select(InstanceGroup).where(InstanceGroup.uuid == group_uuid)
+        if project_id is not None:
+            query = query.where(InstanceGroup.project_id == project_id)
+        group = session.scalars(query).one_or_none()
         if group is None:
             raise not_found(group_uuid)
         return _record(group, _live_members(session, [group.id])[group.id])
@@ -182,12 +185,6 @@ def delete_group(group_uuid: str) -> None:
         session.execute(delete(InstanceGroupMember).where(InstanceGroupMember.group_id == group_id))
         session.execute(delete(InstanceGroup).where(InstanceGroup.id == group_id))
     logger.info("server group deleted", extra={"group_uuid": group_uuid})
-
-
-def count_groups(project_id: str) -> int:
-    """How many groups the project has (its ``server_groups`` usage)."""
-    with api_session() as session:
-        return _count_groups(session, project_id)
 
 
 def groups_of(instance_uuid: str) -> list[str]:
@@ -217,7 +214,7 @@ def add_member(session: Session, ctx: RequestContext, group_uuid: str, instance_
                           .where(InstanceGroup.uuid == group_uuid).with_for_update()).first()
     if row is None or (row.project_id != ctx.project_id and not ctx.is_admin):
         raise errors.BadRequest(not_found(group_uuid).message)
-    limit = quotas.limits(ctx.project_id, session)[MEMBERS_QUOTA]
+    limit = quotas.limits(ctx.project_id, session)[quotas.SERVER_GROUP_MEMBERS]
     mine = session.scalar(
         select(func.count(InstanceGroupMember.id))
         .join(InstanceMapping, InstanceMapping.instance_uuid == InstanceGroupMember.instance_uuid)
@@ -245,14 +242,29 @@ def _max_per_host(policy: str, rules: Mapping[str, Any] | None) -> int:
 
 
 def _member_hosts(session: Session, group_id: int, instance_uuid: str) -> dict[str, int]:
-    """How many members other than ``instance_uuid`` each host holds (by their allocations)."""
+    """How many members other than ``instance_uuid`` each host holds, by their allocations.
+
+    A member on the move holds its destination (its own allocations) and its source (its
+    migration's, until the move is confirmed or reverted): it counts on both, as a revert or a
+    rollback puts it back on its source without asking the scheduler.
+    """
+    members = set(session.scalars(select(InstanceGroupMember.instance_uuid).where(
+        InstanceGroupMember.group_id == group_id, InstanceGroupMember.instance_uuid != instance_uuid)))
+    if not members:
+        return {}
+    # consumer -> the member it places: each member's own, and its moves' migrations.
+    holders = {uuid: uuid for uuid in members}
+    for migration, moved in session.execute(select(Consumer.uuid, Consumer.instance_uuid)
+                                            .where(Consumer.instance_uuid.in_(sorted(members)))):
+        holders[migration] = moved or migration
     rows = session.execute(
-        select(ResourceProvider.host, func.count(func.distinct(Allocation.consumer_uuid)))
+        select(ResourceProvider.host, Allocation.consumer_uuid).distinct()
         .join(Allocation, Allocation.resource_provider_id == ResourceProvider.id)
-        .join(InstanceGroupMember, InstanceGroupMember.instance_uuid == Allocation.consumer_uuid)
-        .where(InstanceGroupMember.group_id == group_id, Allocation.consumer_uuid != instance_uuid)
-        .group_by(ResourceProvider.host))
-    return {host: count for host, count in rows}
+        .where(Allocation.consumer_uuid.in_(sorted(holders))))
+    on_host: dict[str, set[str]] = {}
+    for host, consumer in rows:
+        on_host.setdefault(host, set()).add(holders[consumer])
+    return {host: len(servers) for host, servers in on_host.items()}
 
 
 def scheduling_group(group: Mapping[str, Any] | None, instance_uuid: str) -> SchedulingGroup | None:

@@ -11,7 +11,7 @@ transaction also hands the instance's current allocations to the migration, so t
 stays held by the migration and the destination by the instance, with no moment in between.
 A member of a server group with a hard policy is claimed only while its group's policy allows
 the host (:func:`ferry.compute.server_groups.claim_guard`); when another member was placed
-meanwhile, the search runs again with that member's host known.
+meanwhile, the search runs again with that member's host known (up to three searches).
 """
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ def _favoured_cells(spec: SchedulingSpec,
     return None
 
 
-def _explain(spec: SchedulingSpec, filtered: _Filtered, raced: int = 0) -> str:
+def _explain(spec: SchedulingSpec, filtered: _Filtered, raced: int = 0, group_refused: int = 0) -> str:
     """Why no host is left, stage by stage."""
     where = f"host {spec.requested_host}" if spec.requested_host else "the allowed cells"
     if filtered.in_scope == 0:
@@ -199,6 +199,9 @@ def _explain(spec: SchedulingSpec, filtered: _Filtered, raced: int = 0) -> str:
     parts = [f"{name} removed {count}" for name, count in filtered.removed if count]
     if raced:
         parts.append(f"{raced} filled up before the claim")
+    if group_refused:
+        parts.append(f"{group_refused} refused by the server group's policy when claimed (another member took a "
+                     f"place meanwhile)")
     return (f"{errors.NoValidHost.MESSAGE_START} for {spec.instance_uuid}: {filtered.in_scope} compute node(s) "
             f"in {where}; " + ", ".join(parts) + ".")
 
@@ -226,29 +229,32 @@ def _claim(selection: Selection, spec: SchedulingSpec, migration_uuid: str | Non
 
 
 def _claim_first(ranked: list[HostState], spec: SchedulingSpec,
-                 migration_uuid: str | None) -> tuple[int | None, int, bool]:
+                 migration_uuid: str | None) -> tuple[int | None, int, int]:
     """Claim the first of ``ranked`` that takes the claim.
 
+    A host the server group's policy refuses (another member was placed since the hosts were
+    read) is passed over like one that filled up: the claim re-checks the policy each time, so
+    walking on finds the hosts still open to it (an anti-affinity group's) without a new search.
+
     Returns:
-        ``(index claimed or None, hosts lost to other requests, whether a group's policy refused one)``.
+        ``(index claimed or None, hosts lost to other requests, hosts the group's policy refused)``.
     """
-    raced, group_moved = 0, False
+    raced = group_refused = 0
     for index, host in enumerate(ranked):
         try:
             _claim(_selection(host, spec), spec, migration_uuid)
         except errors.GroupPolicyConflict as exc:
-            raced += 1
-            group_moved = True
-            logger.info("host no longer fits the server group, trying the next host",
-                        extra={"instance_uuid": spec.instance_uuid, "host": host.host, "reason": exc.message})
+            group_refused += 1
+            logger.info("host no longer fits the server group, trying the next host", extra={
+                "instance_uuid": spec.instance_uuid, "host": host.host, "reason": exc.message})
             continue
         except (errors.InsufficientCapacity, errors.ResourceProviderNotFound) as exc:
             raced += 1
             logger.info("claim lost to a concurrent request, trying the next host",
                         extra={"instance_uuid": spec.instance_uuid, "host": host.host, "reason": exc.message})
             continue
-        return index, raced, group_moved
-    return None, raced, group_moved
+        return index, raced, group_refused
+    return None, raced, group_refused
 
 
 def select_destinations(request_spec: Mapping[str, Any], *, claim: bool = True,
@@ -273,6 +279,7 @@ def select_destinations(request_spec: Mapping[str, Any], *, claim: bool = True,
             message says how many hosts each stage removed.
         AllocationConflict: placement kept conflicting.
     """
+    group_refused = 0
     for search in range(_GROUP_SEARCHES):
         spec = build_spec(request_spec)
         filtered = _filter(spec, _replaced_consumers(spec, migration_uuid))
@@ -284,12 +291,13 @@ def select_destinations(request_spec: Mapping[str, Any], *, claim: bool = True,
         if not claim:
             chosen_index = 0
             break
-        claimed, raced, group_moved = _claim_first(ranked, spec, migration_uuid)
+        claimed, raced, refused = _claim_first(ranked, spec, migration_uuid)
         if claimed is not None:
             chosen_index = claimed
             break
-        if not group_moved or search == _GROUP_SEARCHES - 1:
-            message = _explain(spec, filtered, raced)
+        group_refused += refused
+        if not refused or search == _GROUP_SEARCHES - 1:
+            message = _explain(spec, filtered, raced, group_refused)
             raise errors.NoValidHost(message, removed=dict(filtered.removed), raced=raced)
         # Another member of the group was placed meanwhile: its host changes which hosts pass.
         logger.info("server group changed during the search, searching again",
@@ -359,8 +367,10 @@ def claim_alternate(request_spec: Mapping[str, Any], selection: Selection, *,
     chosen = _selection(filtered.hosts[0], spec)
     try:
         _claim(chosen, spec, migration_uuid)
-    except (errors.InsufficientCapacity, errors.ResourceProviderNotFound, errors.GroupPolicyConflict) as exc:
+    except (errors.InsufficientCapacity, errors.ResourceProviderNotFound) as exc:
         raise errors.NoValidHost(_explain(spec, filtered, raced=1), removed=dict(filtered.removed)) from exc
+    except errors.GroupPolicyConflict as exc:
+        raise errors.NoValidHost(_explain(spec, filtered, group_refused=1), removed=dict(filtered.removed)) from exc
     logger.info("alternate claimed", extra={"instance_uuid": spec.instance_uuid, "host": chosen.host,
                                             "node": chosen.node})
     return chosen

@@ -248,7 +248,11 @@ class Inventory(ApiBase):
 
 
 class Consumer(TimestampMixin, ApiBase):
-    """An instance or a migration holding allocations."""
+    """An instance or a migration holding allocations.
+
+    ``instance_uuid`` is, for a move's migration, the instance it moves (the source host the
+    migration holds is still that server's, which a server group counts); None otherwise.
+    """
 
     __tablename__ = "consumers"
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -256,6 +260,7 @@ class Consumer(TimestampMixin, ApiBase):
     project_id: Mapped[str] = mapped_column(String(255))
     user_id: Mapped[str] = mapped_column(String(255))
     generation: Mapped[int] = mapped_column(Integer, default=0)
+    instance_uuid: Mapped[str | None] = mapped_column(String(36), nullable=True, index=True)
 
 
 class Allocation(ApiBase):

@@ -1,4 +1,8 @@
-"""server groups: instance_groups and their members
+"""server groups: instance_groups and their members; a move's consumer names its instance
+
+``consumers.instance_uuid`` links a migration's consumer (the source host a move holds) to the
+server it moves, so a server group counts a moving member on its source too. Moves under way
+when the revision runs keep no link until they end.
 
 Revision ID: 0010_api
 Revises: 0009_api
@@ -18,7 +22,7 @@ depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
-    """Add instance_groups and instance_group_members."""
+    """Add instance_groups, instance_group_members and consumers.instance_uuid."""
     op.create_table('instance_groups',
     sa.Column('id', sa.Integer(), nullable=False),
     sa.Column('uuid', sa.String(length=36), nullable=False),
@@ -44,10 +48,16 @@ def upgrade() -> None:
     )
     op.create_index(op.f('ix_instance_group_members_group_id'), 'instance_group_members', ['group_id'],
                     unique=False)
+    with op.batch_alter_table('consumers', schema=None) as batch_op:
+        batch_op.add_column(sa.Column('instance_uuid', sa.String(length=36), nullable=True))
+        batch_op.create_index(batch_op.f('ix_consumers_instance_uuid'), ['instance_uuid'], unique=False)
 
 
 def downgrade() -> None:
-    """Drop the server group tables."""
+    """Drop the server group tables and consumers.instance_uuid."""
+    with op.batch_alter_table('consumers', schema=None) as batch_op:
+        batch_op.drop_index(batch_op.f('ix_consumers_instance_uuid'))
+        batch_op.drop_column('instance_uuid')
     op.drop_index(op.f('ix_instance_group_members_group_id'), table_name='instance_group_members')
     op.drop_table('instance_group_members')
     op.drop_index(op.f('ix_instance_groups_project_id'), table_name='instance_groups')
