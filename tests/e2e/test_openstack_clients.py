@@ -198,14 +198,15 @@ def test_the_cli_keeps_an_anti_affinity_groups_servers_apart(cli, servers, local
     assert (group["name"], group["policy"]) == (name, "anti-affinity")
     assert group["id"] in {g["ID"] for g in cli.json("server", "group", "list")}
 
-    # WHEN two servers are booted into it with the group hint
-    booted = []
-    for index in range(2):
-        created = cli.json("server", "create", "--flavor", "ferry.tiny", "--image", local_stack.seeded.image["name"],
-                           "--nic", "none", "--hint", f"group={group['id']}", "--wait", f"{name}-{index}")
-        servers.created.append(created["id"])
-        assert created["status"] == "ACTIVE"
-        booted.append(created["id"])
+    # WHEN two servers are booted into it with the group hint, in one request
+    cli.json("server", "create", "--flavor", "ferry.tiny", "--image", local_stack.seeded.image["name"],
+             "--nic", "none", "--hint", f"group={group['id']}", "--min", "2", "--max", "2", name)
+    named = {s["Name"]: s["ID"] for s in cli.json("server", "list", "--name", f"^{name}-")}
+    assert sorted(named) == [f"{name}-1", f"{name}-2"]
+    booted = [named[f"{name}-1"], named[f"{name}-2"]]
+    servers.created.extend(booted)
+    for server_id in booted:
+        servers.wait_for_status(server_id, "ACTIVE")
 
     # THEN they run on two hosts, and the group lists both
     hosts = {servers.show(server_id)["OS-EXT-SRV-ATTR:host"] for server_id in booted}

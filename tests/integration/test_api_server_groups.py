@@ -7,8 +7,7 @@ import uuid
 from typing import Any
 
 import pytest
-from sqlalchemy import select
-from test_api_support import ADMIN, ALICE, BOB, ApiResponse, Caller, call, create_server, mocked_cloud
+from test_api_support import ADMIN, ALICE, BOB, ApiResponse, Caller, api_rows, call, create_server, mocked_cloud
 
 from ferry import images, quotas
 from ferry.store.api_models import (
@@ -19,7 +18,6 @@ from ferry.store.api_models import (
     Port,
     RequestSpec,
 )
-from ferry.store.db import api_session
 
 CAROL = Caller("carol", "project-a")  # ALICE's project, another user
 GROUPS = "/v2.1/os-server-groups"
@@ -28,14 +26,6 @@ GROUPS = "/v2.1/os-server-groups"
 @pytest.fixture
 def cloud(store, monkeypatch, tmp_path):
     yield from mocked_cloud(monkeypatch, tmp_path)
-
-
-def api_rows(model, **where):
-    with api_session() as session:
-        query = select(model)
-        for key, value in where.items():
-            query = query.where(getattr(model, key) == value)
-        return list(session.scalars(query))
 
 
 def post_group(group: dict[str, Any], *, caller: Caller = ALICE, version: str = "2.64") -> ApiResponse:

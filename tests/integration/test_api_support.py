@@ -204,3 +204,12 @@ def _image_id() -> str:
 def flavor_named(name: str) -> Flavor | None:
     with api_session() as session:
         return session.scalars(select(Flavor).where(Flavor.name == name)).one_or_none()
+
+
+def api_rows(model: Any, **where: Any) -> list[Any]:
+    """The API database's rows of ``model`` whose columns equal ``where``."""
+    with api_session() as session:
+        query = select(model)
+        for key, value in where.items():
+            query = query.where(getattr(model, key) == value)
+        return list(session.scalars(query))

@@ -316,15 +316,16 @@ def test_another_projects_servers_do_not_count(cloud):
 
 def test_a_boot_that_loses_the_race_for_the_last_instance_is_removed(cloud, monkeypatch):
     quotas.update("project-a", {"instances": 1})
-    original = quotas.check
+    original = quotas.servers_that_fit
 
-    def racer_boots_meanwhile(project_id, deltas):
-        original(project_id, deltas)
+    def racer_boots_meanwhile(project_id, each, minimum, maximum):
+        fit = original(project_id, each, minimum, maximum)
         with cell_session("cell1") as session:
             session.add(Instance(display_name="racer", project_id="project-a", user_id="alice",
                                  flavor=snapshot_of("m1.small"), vm_state=states.ACTIVE))
+        return fit
 
-    monkeypatch.setattr(quotas, "check", racer_boots_meanwhile)
+    monkeypatch.setattr(quotas, "servers_that_fit", racer_boots_meanwhile)
 
     response = call("POST", "/v2.1/servers", version="2.90", body={
         "server": {"name": "late", "flavorRef": "1", "imageRef": cloud.image_id, "networks": "auto"}})

@@ -240,6 +240,26 @@ def check(project_id: str, deltas: Mapping[str, int]) -> None:
         raise errors.OverQuota(over_quota_message(overs), project_id=project_id)
 
 
+def servers_that_fit(project_id: str, each: Mapping[str, int], minimum: int, maximum: int) -> int:
+    """How many servers asking ``each`` (per counted resource) the project has room for, from
+    ``minimum`` up to ``maximum`` (Nova's multiple create: as many as fit, at least the minimum).
+
+    Raises:
+        OverQuota: not even ``minimum`` fit (the message names what ``minimum`` servers ask).
+    """
+    wanted = {r: int(each[r]) for r in COUNTED if int(each.get(r, 0)) > 0}
+    project_limits = limits(project_id)
+    bounded = [r for r in wanted if project_limits[r] != UNLIMITED]
+    if not bounded:
+        return maximum
+    used = usage(project_id)
+    fit = min([maximum, *((project_limits[r] - used[r]) // wanted[r] for r in bounded)])
+    if fit < minimum:
+        overs = [h for h in (Headroom(r, project_limits[r], used[r], wanted[r] * minimum) for r in bounded) if h.over]
+        raise errors.OverQuota(over_quota_message(overs), project_id=project_id)
+    return fit
+
+
 def recheck(project_id: str, deltas: Mapping[str, int]) -> None:
     """After writing what ``deltas`` asked for: refuse when a concurrent request took the room.
 

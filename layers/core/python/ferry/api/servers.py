@@ -156,15 +156,13 @@ def boot_request(document: dict[str, Any], version: APIVersion) -> compute_api.B
     below 2.19 a server's description is its name, as in Nova).
 
     Raises:
-        BadRequest: asking for more than one server.
+        BadRequest: ``min_count`` above ``max_count``.
     """
     server = document["server"]
     min_count = request.bounded_int("min_count", server.get("min_count", 1), 1, schemas.MAX_INT)
     max_count = request.bounded_int("max_count", server.get("max_count", min_count), 1, schemas.MAX_INT)
     if min_count > max_count:
         raise errors.BadRequest("min_count must be <= max_count")
-    if max_count > 1:
-        raise errors.BadRequest("Creating more than one server per request is not supported.")
     bdms = [{**bdm, "delete_on_termination": request.flag("delete_on_termination",
                                                    bdm.get("delete_on_termination", False))}
             for bdm in server.get("block_device_mapping_v2", [])]
@@ -177,7 +175,7 @@ def boot_request(document: dict[str, Any], version: APIVersion) -> compute_api.B
         networks=_networks(server), metadata=dict(server.get("metadata", {})), key_name=server.get("key_name"),
         availability_zone=server.get("availability_zone"), block_device_mapping=bdms,
         tags=list(server.get("tags", [])), scheduler_hints=dict(hints), requested_host=server.get("host"),
-        requested_node=server.get("hypervisor_hostname"))
+        requested_node=server.get("hypervisor_hostname"), min_count=min_count, max_count=max_count)
 
 
 @router.post("/servers")
@@ -188,7 +186,7 @@ def create_server() -> Response:
     policy.enforce(view.ctx, "os_compute_api:servers:create",
                    {"project_id": view.ctx.project_id, "user_id": view.ctx.user_id})
     boot = boot_request(document, view.version)
-    server_id = compute_api.create_server(view.ctx, boot)
+    server_id = compute_api.create_servers(view.ctx, boot)[0]  # of several, the first, as Nova answers
     requested = document["server"]
     if request.flag("return_reservation_id", requested.get("return_reservation_id", False)):
         return request.json_response(202, {"reservation_id": boot.reservation_id})

@@ -196,6 +196,9 @@ class BootRequest:
     # The host and compute node asked for (2.74, admins): the scheduler then checks that one only.
     requested_host: str | None = None
     requested_node: str | None = None
+    # How many servers: at least min_count, as many as the quota allows up to max_count.
+    min_count: int = 1
+    max_count: int = 1
 
 
 # --- small helpers -------------------------------------------------------------------------------
@@ -786,22 +789,68 @@ def _scheduler_hints(hints: Mapping[str, Any]) -> dict[str, list[str]]:
     return result
 
 
-def create_server(ctx: RequestContext, request: BootRequest) -> str:
-    """Accept a new server and start its boot workflow; returns the server's id.
+# The most servers one create makes (a larger max_count makes this many, as a quota would limit it).
+MAX_SERVERS_PER_CREATE = 100
 
-    Nothing is written when a check fails. When the workflow cannot be started, what was
-    written is removed again and the error is raised.
+
+def create_server(ctx: RequestContext, request: BootRequest) -> str:
+    """Accept one new server (see :func:`create_servers`); returns its id."""
+    return create_servers(ctx, request)[0]
+
+
+def _refuse_multiple(request: BootRequest, root: dict[str, Any] | None) -> None:
+    """Refuse what one create cannot give several servers: a port, a fixed IP, a volume, a
+    hostname; and more servers at least than one request makes.
+
+    Raises:
+        BadRequest: ``min_count`` above :data:`MAX_SERVERS_PER_CREATE`, or ``max_count`` above 1
+            and the request names one of them.
+    """
+    if request.min_count > MAX_SERVERS_PER_CREATE:
+        raise errors.BadRequest(f"min_count may be at most {MAX_SERVERS_PER_CREATE}: one request creates at most "
+                                f"{MAX_SERVERS_PER_CREATE} servers.")
+    if request.max_count <= 1:
+        return
+    networks = request.networks if isinstance(request.networks, list) else []
+    if any(item.get("port") for item in networks):
+        raise errors.BadRequest("Unable to launch multiple instances with a single configured port ID. "
+                                "Please launch your instance one by one with different ports.")
+    if any(item.get("fixed_ip") for item in networks):
+        raise errors.BadRequest("max_count cannot be greater than 1 if an fixed_ip is specified.")
+    if root is not None and root["source_type"] == "volume":
+        raise errors.BadRequest("Cannot attach one or more volumes to multiple instances")
+    if request.hostname:
+        raise errors.BadRequest("Cannot set the hostname of more than one server: leave it out, and each server "
+                                "gets one made from its name.")
+
+
+def create_servers(ctx: RequestContext, request: BootRequest) -> list[str]:
+    """Accept new servers and start a boot workflow for each; returns their ids, in launch order.
+
+    ``request.min_count`` to ``request.max_count`` servers: as many as the project's quota
+    leaves room for, at least ``min_count`` (Nova's multiple create), and at most
+    :data:`MAX_SERVERS_PER_CREATE` (each is written and its workflow started before the API
+    answers, which must be within API Gateway's 29 s). Several servers share
+    the request's reservation id and are named ``<name>-1``, ``<name>-2``… (Nova's
+    ``multi_instance_display_name_template``).
+
+    Nothing is written when a check fails. When a workflow cannot be started, that server's
+    records and those of the servers after it are removed again and the error is raised; the
+    servers before it boot.
 
     Raises:
         BadRequest: unknown or disabled flavor, unknown image, an unsupported block device
-            mapping, an unknown network, port or volume, an image that does not fit, or an
-            unknown server group.
+            mapping, an unknown network, port or volume, an image that does not fit, an
+            unknown server group, or more than one server with a port, a fixed IP, a volume
+            or a hostname.
         Forbidden: an image-backed server on a zero-disk flavor without the policy for it.
-        OverQuota: the project's instances, cores or RAM would go over its quota, or the
-            caller's servers in the ``group`` hint's server group over ``server_group_members`` (403).
+        OverQuota: the project's instances, cores or RAM would go over its quota with
+            ``min_count`` servers, or the caller's servers in the ``group`` hint's server group
+            over ``server_group_members`` (403).
         Conflict: a port already in use, a fixed IP taken, a network out of addresses.
     """
     root = _root_device(request)
+    _refuse_multiple(request, root)
     if request.availability_zone and request.availability_zone not in services.available_zones():
         raise errors.BadRequest("The requested availability zone is not available")
     destination = _requested_destination(ctx, request)
@@ -822,58 +871,71 @@ def create_server(ctx: RequestContext, request: BootRequest) -> str:
         _check_image_fits(_bootable_image(ctx, image_id), flavor, root)
     if root is None and flavor.root_gb == 0:
         policy.enforce(ctx, "os_compute_api:servers:create:zero_disk_flavor", {"project_id": ctx.project_id})
-    deltas = {quotas.INSTANCES: 1, quotas.CORES: flavor.vcpus, quotas.RAM: flavor.memory_mb}
-    quotas.check(ctx.project_id, deltas)
+    each = {quotas.INSTANCES: 1, quotas.CORES: flavor.vcpus, quotas.RAM: flavor.memory_mb}
+    count = quotas.servers_that_fit(ctx.project_id, each, request.min_count,
+                                    min(request.max_count, MAX_SERVERS_PER_CREATE))
+    deltas = {resource: amount * count for resource, amount in each.items()}
 
-    uuid = str(uuidlib.uuid4())
-    instance = {
-        "display_name": request.name, "display_description": request.description,
-        "hostname": request.hostname or instances.default_hostname(request.name, uuid),
-        "reservation_id": request.reservation_id or instances.new_reservation_id(), "user_data": request.user_data,
-        "project_id": ctx.project_id, "user_id": ctx.user_id, "image_ref": image_id if root is None else "",
-        "flavor": snapshot, "vm_state": states.BUILDING,
-        "task_state": states.SCHEDULING, "power_state": states.NOSTATE,
-        "availability_zone": request.availability_zone, "key_name": request.key_name,
-        "metadata": dict(request.metadata), "locked": False,
-    }
+    uuids = [str(uuidlib.uuid4()) for _ in range(count)]
+    reservation_id = request.reservation_id or instances.new_reservation_id()
+    group_hint = request.scheduler_hints.get("group")
     with api_session() as session:
-        session.add(InstanceMapping(instance_uuid=uuid, cell_id=None, project_id=ctx.project_id, user_id=ctx.user_id))
-        requested_networks = _allocate_ports(session, ctx, uuid, request.networks)
-        if root is None:
-            local_tag = next((b.get("tag") for b in request.block_device_mapping if _is_local_image_root(b)), None)
-            bdms = [{"uuid": str(uuidlib.uuid4()), "source_type": "image", "destination_type": "local",
-                     "boot_index": 0, "image_id": image_id, "delete_on_termination": True, "tag": local_tag}]
-        else:
-            bdms = [_reserve_root_volume(session, ctx, uuid, root)]
-        group_hint = request.scheduler_hints.get("group")
-        group = None
-        if group_hint:
-            group = server_groups.add_member(session, ctx, normalize_uuid(str(group_hint)) or str(group_hint), uuid)
-        session.add(BuildRequest(instance_uuid=uuid, project_id=ctx.project_id, instance=instance,
-                                 block_device_mappings=bdms, tags=list(dict.fromkeys(request.tags))))
-        save_request_spec(session, uuid, {
-            "instance_uuid": uuid, "project_id": ctx.project_id, "user_id": ctx.user_id, "flavor": snapshot,
-            "image": {"id": image_id}, "is_bfv": root is not None, "ignore_hosts": [],
-            "requested_destination": destination, "allowed_cells": None,
-            "scheduler_hints": _scheduler_hints(request.scheduler_hints), "group": group,
-            "availability_zone": request.availability_zone, "requested_networks": requested_networks,
-        })
+        for index, uuid in enumerate(uuids):
+            name = request.name if count == 1 else f"{request.name}-{index + 1}"
+            instance = {
+                "display_name": name, "display_description": request.description,
+                "hostname": request.hostname or instances.default_hostname(name, uuid),
+                "reservation_id": reservation_id, "user_data": request.user_data,
+                "project_id": ctx.project_id, "user_id": ctx.user_id, "image_ref": image_id if root is None else "",
+                "flavor": snapshot, "vm_state": states.BUILDING,
+                "task_state": states.SCHEDULING, "power_state": states.NOSTATE,
+                "availability_zone": request.availability_zone, "key_name": request.key_name,
+                "metadata": dict(request.metadata), "locked": False,
+            }
+            session.add(InstanceMapping(instance_uuid=uuid, cell_id=None, project_id=ctx.project_id,
+                                        user_id=ctx.user_id))
+            requested_networks = _allocate_ports(session, ctx, uuid, request.networks)
+            if root is None:
+                local_tag = next((b.get("tag") for b in request.block_device_mapping if _is_local_image_root(b)),
+                                 None)
+                bdms = [{"uuid": str(uuidlib.uuid4()), "source_type": "image", "destination_type": "local",
+                         "boot_index": 0, "image_id": image_id, "delete_on_termination": True, "tag": local_tag}]
+            else:
+                bdms = [_reserve_root_volume(session, ctx, uuid, root)]
+            group = None
+            if group_hint:
+                group = server_groups.add_member(session, ctx, normalize_uuid(str(group_hint)) or str(group_hint),
+                                                 uuid)
+            session.add(BuildRequest(instance_uuid=uuid, project_id=ctx.project_id, instance=instance,
+                                     block_device_mappings=bdms, tags=list(dict.fromkeys(request.tags))))
+            save_request_spec(session, uuid, {
+                "instance_uuid": uuid, "project_id": ctx.project_id, "user_id": ctx.user_id, "flavor": snapshot,
+                "image": {"id": image_id}, "is_bfv": root is not None, "ignore_hosts": [],
+                "requested_destination": destination, "allowed_cells": None,
+                "scheduler_hints": _scheduler_hints(request.scheduler_hints), "group": group,
+                "availability_zone": request.availability_zone, "requested_networks": requested_networks,
+            })
     try:
         quotas.recheck(ctx.project_id, deltas)
     except Exception:
         # A concurrent boot took the room (OverQuota), or the count could not be made (the API
-        # database out of reach, say: a cell's is left out of it): no workflow would ever take the build request.
-        _discard_build(uuid, forget=True)
+        # database out of reach, say: a cell's is left out of it): no workflow would ever take the build requests.
+        for uuid in uuids:
+            _discard_build(uuid, forget=True)
         raise
-    try:
-        workflows.start_execution(config.get().boot_state_machine_arn, execution_name("boot", uuid),
-                                  {"instance_uuid": uuid, "request_id": ctx.request_id})
-    except Exception:
-        logger.exception("boot workflow did not start; discarding the build request", extra={"instance_uuid": uuid})
-        _discard_build(uuid, forget=True)
-        raise
-    logger.info("server accepted", extra={"instance_uuid": uuid, "flavor": snapshot["flavorid"]})
-    return uuid
+    for index, uuid in enumerate(uuids):
+        try:
+            workflows.start_execution(config.get().boot_state_machine_arn, execution_name("boot", uuid),
+                                      {"instance_uuid": uuid, "request_id": ctx.request_id})
+        except Exception:
+            logger.exception("boot workflow did not start; discarding the build requests not started",
+                             extra={"instance_uuid": uuid, "started": uuids[:index]})
+            for unstarted in uuids[index:]:
+                _discard_build(unstarted, forget=True)
+            raise
+        logger.info("server accepted", extra={"instance_uuid": uuid, "flavor": snapshot["flavorid"],
+                                              "reservation_id": reservation_id})
+    return uuids
 
 
 # --- releasing what a server holds --------------------------------------------------------------------
