@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from ferry import errors
 from ferry.api import request
 from ferry.api.request import ViewContext
+from ferry.compute import states
 from ferry.compute.server_filters import (
     ADMIN_SORT_KEYS,
     SORT_DIRECTIONS,
@@ -40,8 +41,9 @@ PARAMETERS: Mapping[str, tuple[str, str | None]] = {
     **{name: ("2.1", "2.83") for name in ("availability_zone", "config_drive", "key_name", "created_at",
                                           "launched_at", "terminated_at", "power_state", "task_state", "vm_state",
                                           "progress", "user_id")},
+    "hostname": ("2.1", "2.90"),
     **{name: ("2.1", None) for name in ("project_id", "tenant_id", "host", "node", "uuid", "deleted", "soft_deleted",
-                                        "hostname", "kernel_id", "ramdisk_id", "root_device_name", "launch_index",
+                                        "kernel_id", "ramdisk_id", "root_device_name", "launch_index",
                                         "access_ip_v4", "access_ip_v6", "auto_disk_config", "locked_by",
                                         "description", "display_name", "display_description", "image_ref",
                                         "instance_name")},
@@ -107,6 +109,9 @@ def parse(view: ViewContext, params: Mapping[str, list[str]]) -> ServerFilters:
         if not admin:
             raise errors.Forbidden("Only administrators may list deleted instances")
         read_deleted = "only"
+    vm_states, task_states = _set(usable.get("vm_state")), _set(usable.get("task_state"))
+    if statuses is not None:
+        vm_states, task_states = _states_of(view, statuses)
     budget = MatchBudget()
     return ServerFilters(
         name=_pattern("name", last("name"), budget),
@@ -114,14 +119,13 @@ def parse(view: ViewContext, params: Mapping[str, list[str]]) -> ServerFilters:
         hostname=_pattern("hostname", last("hostname"), budget),
         description=_pattern("display_description", last("display_description"), budget),
         read_deleted=read_deleted,
-        statuses=statuses,
         all_tenants="all_tenants" in usable and request.parse_bool("all_tenants", last("all_tenants") or "true"),
         project_id=last("project_id") or last("tenant_id"),
         user_id=last("user_id"), host=last("host"), node=last("node"), uuid=last("uuid"),
         reservation_id=last("reservation_id"),
         flavor=last("flavor"), image=last("image") or last("image_ref"),
         availability_zone=last("availability_zone"), key_name=last("key_name"),
-        vm_states=_set(usable.get("vm_state")), task_states=_set(usable.get("task_state")),
+        vm_states=vm_states, task_states=task_states,
         power_states=_power_states(usable.get("power_state")),
         locked=None if locked is None else request.parse_bool("locked", locked),
         changes_since=changes_since, changes_before=changes_before,
@@ -146,8 +150,27 @@ def _pattern(name: str, value: str | None, budget: MatchBudget) -> SearchPattern
 
 
 def _upper(values: list[str] | None) -> frozenset[str] | None:
-    found = frozenset(v.upper() for v in values or () if v)
+    found = frozenset(v.strip().upper() for v in values or () if v.strip())
     return found or None
+
+
+# From this microversion a status Nova does not know is refused; before, it finds nothing.
+INVALID_STATUS_REFUSED = "2.38"
+
+
+def _states_of(view: ViewContext, statuses: frozenset[str]) -> tuple[frozenset[str], frozenset[str] | None]:
+    """The vm_states and task_states a ``status`` filter selects (it replaces ``vm_state`` and
+    ``task_state``, as in Nova: see :func:`ferry.compute.states.states_of_statuses`).
+
+    Raises:
+        BadRequest: from 2.38, no status is one Nova knows.
+    """
+    selected = states.states_of_statuses(statuses)
+    if selected is None:
+        if view.at_least(INVALID_STATUS_REFUSED):
+            raise errors.BadRequest("Invalid status value")
+        return frozenset(), None
+    return selected
 
 
 def _set(values: list[str] | None) -> frozenset[str] | None:

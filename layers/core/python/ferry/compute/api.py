@@ -510,6 +510,10 @@ def list_servers(ctx: RequestContext, filters: ServerFilters) -> list[Server]:
                 rows = session.scalars(select(Instance).where(
                     Instance.uuid.in_(chunk), Instance.deleted.in_(deleted), Instance.hidden.is_(False)))
                 servers.extend(_server_from_instance(row, cell.name) for row in rows)
+    if filters.marker and not any(server.uuid == filters.marker for server in servers):
+        # Deleted since the page before (or a server the list does not read): as in Nova, the
+        # page still starts after its place in the order.
+        servers.extend(_deleted_marker(filters.marker, project))
     _add_zones(servers)
     servers = server_filters.order(servers, filters.sort)
     # As in Nova, the marker is found whether or not it passes the filters (it may have changed
@@ -522,6 +526,23 @@ def list_servers(ctx: RequestContext, filters: ServerFilters) -> list[Server]:
         s, filters, flavor_id=flavor_id, addresses=addresses)), page_size(filters.limit)))
     _add_details(page, tags=not filters.by_tags)
     return page
+
+
+def _deleted_marker(marker: str, project: str | None) -> list[Server]:
+    """The deleted server ``marker`` names (of ``project`` unless None), as a list to page after;
+    empty when there is none."""
+    with api_session() as session:
+        query = select(InstanceMapping).where(InstanceMapping.instance_uuid == marker,
+                                              InstanceMapping.queued_for_delete.is_(True))
+        if project is not None:
+            query = query.where(InstanceMapping.project_id == project)
+        mapping = session.scalars(query).one_or_none()
+        cell = mapping.cell if mapping is not None else None
+    if cell is None:
+        return []
+    with cell_session(cell) as session:
+        row = session.scalars(select(Instance).where(Instance.uuid == marker, Instance.hidden.is_(False))).first()
+        return [] if row is None else [_server_from_instance(row, cell.name)]
 
 
 def _fixed_addresses(uuids: Sequence[str]) -> dict[str, list[str]]:

@@ -157,7 +157,6 @@ class ServerFilters:
     hostname: SearchPattern | None = None
     description: SearchPattern | None = None
     read_deleted: ReadDeleted = "no"
-    statuses: frozenset[str] | None = None
     all_tenants: bool = False
     project_id: str | None = None
     user_id: str | None = None
@@ -217,8 +216,7 @@ def matches(server: Server, filters: ServerFilters, *, flavor_id: int | None = N
              (f.reservation_id, server.reservation_id))
     if any(wanted is not None and value != wanted for wanted, value in exact):
         return False
-    among = ((f.statuses, server.status), (f.vm_states, server.vm_state), (f.task_states, server.task_state),
-             (f.power_states, server.power_state))
+    among = ((f.vm_states, server.vm_state), (f.task_states, server.task_state), (f.power_states, server.power_state))
     if any(allowed is not None and value not in allowed for allowed, value in among):
         return False
     searched = ((f.name, server.name), (f.display_name, server.name), (f.hostname, server.hostname),
