@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from cross_cell_helpers import events_in
-from sqlalchemy import select
+from sqlalchemy import select, update
 from test_resize_steps import (  # noqa: F401 - the cloud fixture
     BIG,
     PROJECT,
@@ -265,6 +265,23 @@ def test_a_complete_move_that_failed_after_switching_the_mapping_stands_and_the_
     assert rows("cell1", uuid, inp["migration_uuid"])["instance"][0] is True
     assert rows("cell2", uuid, inp["migration_uuid"])["instance"] == (False, states.RESIZED, None, TARGET_HOST,
                                                                       BIG["flavorid"])
+
+
+def test_the_switch_is_refused_when_the_source_copy_is_no_longer_the_moves(two_cells):
+    # GIVEN an admin's os-resetState cleared the source copy's task while the destination spawned
+    uuid, inp = server_in_cell1()
+    doc = run(inp, until="CompleteMoveAcrossCells")
+    with cell_session("cell1") as session:
+        session.execute(update(Instance).where(Instance.uuid == uuid).values(task_state=None, vm_state=states.ERROR))
+
+    # WHEN CompleteMoveAcrossCells runs, THEN it refuses to switch: nothing of the move is finished
+    with pytest.raises(errors.UnexpectedTaskState):
+        cross_cell.complete_move(doc)
+    assert instances.cell_of(uuid).name == "cell1"
+    assert rows("cell1", uuid, inp["migration_uuid"])["migration"][0] == "post-migrating"
+    assert rows("cell2", uuid, inp["migration_uuid"])["instance"][0] is True  # the target copy stays hidden
+    assert cross_cell.check_move_committed({**doc, "error": {"Error": "Ferry.UnexpectedTaskState",
+                                                             "Cause": "x"}}) == {"committed": False}
 
 
 def test_a_complete_move_that_failed_before_switching_the_mapping_is_rolled_back(two_cells):

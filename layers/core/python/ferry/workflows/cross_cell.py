@@ -482,6 +482,10 @@ def complete_move(event: dict[str, Any]) -> dict[str, Any]:
         network.activate(session, uuid, dest["host"])
         volumes.complete_on(session, uuid, dest["host"])
     with cell_session(cell) as session:
+        # The source copy must still be this move's (an os-resetState, or a move started after it,
+        # changed its task): the switch is then refused, and CheckMoveCommitted rolls the move back.
+        instances.update_cas(session, uuid, {"task_state": states.RESIZE_FINISH},
+                             expected_task_state=(states.RESIZE_FINISH,))
         instance = instances.get(session, uuid)
         default_power = states.SHUTDOWN if instance.old_vm_state == states.STOPPED else states.RUNNING
         resized = {**cross_cell_settle.columns(instance, "hidden", "uuid", "created_at"), "vm_state": states.RESIZED,

@@ -56,7 +56,8 @@ def find_resize_to_confirm(event: dict[str, Any]) -> dict[str, Any]:
                              task_states=(states.DELETING,), event=EVENT_TERMINATE, host=event.get("host"))
         candidates = session.scalars(select(Migration).where(
             Migration.instance_uuid == uuid, Migration.deleted.is_(False),
-            Migration.status.in_((*_TO_CONFIRM, migration_states.ERROR))).order_by(Migration.id.desc()))
+            Migration.status.in_((*_TO_CONFIRM, migration_states.ERROR)))
+            .order_by(Migration.created_at.desc(), Migration.id.desc()))
         migration = next((m for m in candidates
                           if m.status in _TO_CONFIRM or placement.get_allocations(m.uuid)), None)
         if migration is None:

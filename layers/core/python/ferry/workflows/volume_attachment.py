@@ -186,7 +186,7 @@ def _settling(session: Session, instance_uuid: str) -> bool:
     """Whether the server's newest migration is being confirmed or reverted."""
     status = session.scalars(select(Migration.status).where(
         Migration.instance_uuid == instance_uuid, Migration.deleted.is_(False))
-        .order_by(Migration.id.desc()).limit(1)).first()
+        .order_by(Migration.created_at.desc(), Migration.id.desc()).limit(1)).first()
     return status in (migration_states.CONFIRMING, migration_states.REVERTING)
 
 
@@ -219,7 +219,8 @@ def _source_of_resize(session: Session, instance_uuid: str, host: str) -> str | 
     """The source host of the server's finished migration when it is elsewhere (VERIFY_RESIZE)."""
     migration = session.scalars(select(Migration).where(
         Migration.instance_uuid == instance_uuid, Migration.deleted.is_(False),
-        Migration.status == migration_states.FINISHED).order_by(Migration.id.desc())).first()
+        Migration.status == migration_states.FINISHED)
+        .order_by(Migration.created_at.desc(), Migration.id.desc())).first()
     if migration is None or not migration.source_compute or migration.source_compute == host:
         return None
     return migration.source_compute
