@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn, TypeVar, cast
 
 from sqlalchemy import ColumnElement, CursorResult, and_, delete, select, update
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.orm import Session
 
 from ferry import config, errors, hosts, images, network, placement, policy, protocol, quotas, validation, workflows
@@ -60,6 +60,7 @@ from ferry.compute import (
 )
 from ferry.compute.server_filters import ServerFilters
 from ferry.observability import logger
+from ferry.store import db
 from ferry.store.api_models import (
     BuildRequest,
     CellMapping,
@@ -505,11 +506,15 @@ def list_servers(ctx: RequestContext, filters: ServerFilters) -> list[Server]:
             by_cell.setdefault(mapping.cell.id, (mapping.cell, []))[1].append(mapping.instance_uuid)
     deleted = {"no": (False,), "yes": (False, True), "only": (True,)}[filters.read_deleted]
     for cell, uuids in by_cell.values():
-        with cell_session(cell) as session:
-            for chunk in _chunks(uuids):
-                rows = session.scalars(select(Instance).where(
-                    Instance.uuid.in_(chunk), Instance.deleted.in_(deleted), Instance.hidden.is_(False)))
-                servers.extend(_server_from_instance(row, cell.name) for row in rows)
+        try:
+            servers.extend(_listed_in(cell, uuids, deleted))
+        except DBAPIError as exc:
+            if not db.transient(exc):
+                raise
+            # As Nova lists by default (list_records_by_skipping_down_cells): the servers of a cell
+            # whose database does not answer are left out, not the whole list failed.
+            logger.warning("cell database does not answer; its servers are left out of the list",
+                           extra={"cell": cell.name, "servers": len(uuids), "error": type(exc).__name__})
     if filters.marker and not any(server.uuid == filters.marker for server in servers):
         # Deleted since the page before (or a server the list does not read): as in Nova, the
         # page still starts after its place in the order.
@@ -526,6 +531,17 @@ def list_servers(ctx: RequestContext, filters: ServerFilters) -> list[Server]:
         s, filters, flavor_id=flavor_id, addresses=addresses)), page_size(filters.limit)))
     _add_details(page, tags=not filters.by_tags)
     return page
+
+
+def _listed_in(cell: CellMapping, uuids: list[str], deleted: tuple[bool, ...]) -> list[Server]:
+    """The visible records in ``cell`` of the servers ``uuids``, deleted or not as ``deleted`` says."""
+    found: list[Server] = []
+    with cell_session(cell) as session:
+        for chunk in _chunks(uuids):
+            rows = session.scalars(select(Instance).where(
+                Instance.uuid.in_(chunk), Instance.deleted.in_(deleted), Instance.hidden.is_(False)))
+            found.extend(_server_from_instance(row, cell.name) for row in rows)
+    return found
 
 
 def _deleted_marker(marker: str, project: str | None) -> list[Server]:
