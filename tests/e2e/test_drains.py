@@ -25,7 +25,7 @@ import pytest
 import requests
 from move_helpers import CROSS_CELL_RULE, TINY, disabled_services, host_of, only_hosts_enabled, set_service
 
-from ferry import faults, signing
+from ferry import errors, faults, signing
 
 pytestmark = pytest.mark.e2e
 
@@ -310,6 +310,10 @@ def _webhook_secret(local_stack) -> str:
     return local_stack.stack.webhook_secret or local_stack.stack.webhook_secret_file.read_text().strip()
 
 
+def _callback_secret(local_stack) -> str:
+    return local_stack.stack.callback_secret or local_stack.stack.callback_secret_file.read_text().strip()
+
+
 def _drain_count(local_stack) -> int:
     return len(local_stack.session("admin").get("/ferry/drains").json()["drains"])
 
@@ -335,7 +339,10 @@ def test_a_signed_webhook_starts_one_drain_and_its_callback_is_signed(local_stac
 
     assert [json.loads(body)["event_type"] for _headers, body in received] == ["drain.start", "drain.end"]
     for posted_headers, posted_body in received:
-        signing.verify(secret, posted_headers, posted_body)  # raises unless signed with the secret
+        # signed with the callback secret, never with the webhook's (a receiver could start drains with it)
+        signing.verify(_callback_secret(local_stack), posted_headers, posted_body)
+        with pytest.raises(errors.WebhookSignatureInvalid):
+            signing.verify(secret, posted_headers, posted_body)
     assert json.loads(received[1][1])["drain"]["counts"]["done"] == 1
 
     tampered = {**headers, "X-Ferry-Delivery": str(uuid.uuid4()), "X-Ferry-Signature": "sha256=" + "0" * 64}

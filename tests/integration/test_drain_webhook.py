@@ -36,9 +36,11 @@ from ferry.store.db import api_session
 
 ROOT = Path(__file__).resolve().parents[2]
 SECRET = "webhook-secret-for-tests"
+CALLBACK_SECRET = "callback-secret-for-tests"
 PASS_DEFINITION = json.dumps({"StartAt": "Done", "States": {"Done": {"Type": "Succeed"}}})
 # What the function itself sets (the rest is Globals, which the test store replaces).
-FUNCTION_SETTINGS = ("FERRY_WEBHOOK_SECRET", "FERRY_IDEMPOTENCY_TABLE", "FERRY_DRAIN_STATE_MACHINE_ARN")
+FUNCTION_SETTINGS = ("FERRY_WEBHOOK_SECRET", "FERRY_CALLBACK_SECRET", "FERRY_IDEMPOTENCY_TABLE",
+                     "FERRY_DRAIN_STATE_MACHINE_ARN")
 
 
 class LambdaContext:
@@ -68,8 +70,9 @@ class Cloud:
             self.sfn.describe_execution(executionArn=e["executionArn"])["input"])} for e in listed]
 
 
-def _template(secret: str) -> LocalTemplate:
-    return resolve(ROOT / "template.yaml", parameters={"DrainWebhookSecret": secret})
+def _template(secret: str, callback_secret: str = CALLBACK_SECRET) -> LocalTemplate:
+    return resolve(ROOT / "template.yaml",
+                   parameters={"DrainWebhookSecret": secret, "DrainCallbackSecret": callback_secret})
 
 
 @pytest.fixture
@@ -366,6 +369,23 @@ def test_a_refused_drain_is_not_remembered_for_its_delivery(cloud):
 # --- refused -----------------------------------------------------------------------------------
 
 
+def test_the_same_delivery_with_another_body_after_its_record_expired_is_refused(cloud):
+    # GIVEN a delivery answered more than 24 hours ago: its record in the table has expired
+    first_body, other_body = _body({"host": "h1"}), _body({"host": "h2"})
+    first = post(first_body, signed(first_body, "delivery-1"))
+    cloud.dynamodb.delete_item(TableName=cloud.table, Key={"id": {"S": "drain-webhook-delivery#delivery-1"}})
+
+    # WHEN the same delivery id comes with another body, and then with the first one again
+    answer = post(other_body, signed(other_body, "delivery-1"))
+    repeated = post(first_body, signed(first_body, "delivery-1", at=time.time() + 1))
+
+    # THEN the drain the delivery id recorded refuses the other body, and names itself to the first
+    assert_fault(answer, 409, "conflictingRequest", "was used for a different drain request")
+    assert repeated.status == 200 and repeated.body["drain"]["id"] == first.body["drain"]["id"]
+    assert [d.targets for d in drains()] == [["h1"]]
+    assert len(cloud.executions()) == 1
+
+
 def test_the_same_delivery_with_another_body_is_refused(cloud):
     first_body, other_body = _body({"host": "h1"}), _body({"host": "h2"})
     post(first_body, signed(first_body, "delivery-1"))
@@ -492,6 +512,46 @@ def test_a_missing_or_overlong_delivery_id_is_refused(cloud, delivery):
     assert_nothing_started(cloud)
 
 
+def test_a_callback_url_is_refused_while_callbacks_are_not_configured(cloud, monkeypatch):
+    # GIVEN a stack with the webhook's secret and an empty DrainCallbackSecret
+    monkeypatch.setenv("FERRY_CALLBACK_SECRET", _template(SECRET, "").functions["DrainWebhookFunction"].environment[
+        "FERRY_CALLBACK_SECRET"])
+    config.reset()
+    body = _body({"host": "h1", "callback_url": CALLBACK})
+    headers = signed(body, "delivery-1")
+
+    # WHEN a signed request names a callback URL
+    answer = post(body, headers)
+
+    # THEN it is refused before its signature is spent, and never repeats the URL
+    assert_fault(answer, 400, "badRequest", "Drain callbacks are not configured")
+    assert TOKEN not in answer.text
+    assert_nothing_started(cloud)
+    digest = headers["X-Ferry-Signature"].removeprefix("sha256=")
+    nonce = {"id": {"S": f"webhook-signature#{digest}"}}
+    assert "Item" not in cloud.dynamodb.get_item(TableName=cloud.table, Key=nonce)
+
+
+def test_a_callback_url_with_credentials_is_refused(cloud):
+    body = _body({"host": "h1", "callback_url": f"https://hook:pa55@ops.example.com/ferry?token={TOKEN}"})
+
+    answer = post(body, signed(body))
+
+    assert_fault(answer, 400, "badRequest", "at callback_url: must not carry a user name or password")
+    assert TOKEN not in answer.text and "pa55" not in answer.text
+    assert_nothing_started(cloud)
+
+
+def test_the_webhook_function_holds_both_secrets_and_the_other_drain_functions_only_the_callbacks(cloud):
+    functions = cloud.model.functions
+    webhook = functions["DrainWebhookFunction"].environment
+
+    assert (webhook["FERRY_WEBHOOK_SECRET"], webhook["FERRY_CALLBACK_SECRET"]) == (SECRET, CALLBACK_SECRET)
+    for logical_id in ("ApiFunction", "BeginDrainFunction", "PlanDrainFunction", "FinishDrainFunction"):
+        assert functions[logical_id].environment["FERRY_CALLBACK_SECRET"] == CALLBACK_SECRET, logical_id
+        assert "FERRY_WEBHOOK_SECRET" not in functions[logical_id].environment, logical_id
+
+
 def test_without_a_secret_the_webhook_refuses_everything(cloud, monkeypatch):
     monkeypatch.setenv("FERRY_WEBHOOK_SECRET", _template("").functions["DrainWebhookFunction"].environment[
         "FERRY_WEBHOOK_SECRET"])
@@ -549,6 +609,7 @@ def test_the_local_stack_keeps_a_webhook_secret_and_serves_the_webhook(tmp_path)
     with LocalStack(state, cells=1, hosts_per_cell=1, moto_port=0, api_port=0, agent_mode="thread") as stack:
         secret_file = stack.webhook_secret_file
         secret = stack.webhook_secret
+        callback_secret = stack.callback_secret
         table = stack.model.tables["IdempotencyTable"].name
         dynamodb = stack.aws.client("dynamodb")
         ttl = dynamodb.describe_time_to_live(TableName=table)["TimeToLiveDescription"]
@@ -557,10 +618,15 @@ def test_the_local_stack_keeps_a_webhook_secret_and_serves_the_webhook(tmp_path)
         unsigned = requests.post(stack.webhook_url, data=body, headers={"X-Ferry-Delivery": "d"}, timeout=60)
     with LocalStack(state, cells=1, hosts_per_cell=1, moto_port=0, api_port=0, agent_mode="thread") as again:
         kept = again.webhook_secret
+        kept_callback_secret = again.callback_secret
 
     assert secret_file == state.resolve() / "webhook-secret"
     assert secret and secret_file.read_text().strip() == secret
     assert secret_file.stat().st_mode & 0o777 == 0o600
+    # and a callback secret of its own beside it, kept the same way
+    callback_file = state.resolve() / "callback-secret"
+    assert callback_secret and callback_secret != secret and kept_callback_secret == callback_secret
+    assert callback_file.read_text().strip() == callback_secret and callback_file.stat().st_mode & 0o777 == 0o600
     assert ttl == {"TimeToLiveStatus": "ENABLED", "AttributeName": "expiration"}
     assert planned.status_code == 200, planned.text
     assert planned.json()["drain"]["status"] == "planned"

@@ -15,11 +15,14 @@ import pytest
 from moto import mock_aws
 from placement_helpers import PROJECT, USER, add_compute, add_instance, flavor, resources
 from sqlalchemy import select, update
+from test_api_support import ADMIN as API_ADMIN
+from test_api_support import add_host, call, mocked_cloud
 from trickling_receiver import trickling_receiver
 
 from ferry import aws, config, drains, errors, notifications, placement
 from ferry.auth import RequestContext
 from ferry.compute import actions, instances, moves, services
+from ferry.store import setup
 from ferry.store.api_models import CellMapping, Drain, DrainServer, InstanceMapping
 from ferry.store.cell_models import Instance, InstanceAction, Migration
 from ferry.store.db import api_session, cell_session
@@ -28,6 +31,17 @@ from ferry.workflows import resize
 
 ADMIN = RequestContext(user_id="op", project_id="ops", roles=("admin",))
 SMALL = flavor(vcpus=1, memory_mb=2048, root_gb=1)
+CALLBACK_SECRET = "callback-secret-for-tests"
+WEBHOOK_SECRET = "webhook-secret-for-tests"
+
+
+@pytest.fixture(autouse=True)
+def callbacks_configured(monkeypatch):
+    """Drains may name a callback URL: the stack's DrainCallbackSecret is set (the webhook's secret too,
+    which callbacks must never be signed with)."""
+    monkeypatch.setenv("FERRY_CALLBACK_SECRET", CALLBACK_SECRET)
+    monkeypatch.setenv("FERRY_WEBHOOK_SECRET", WEBHOOK_SECRET)
+    config.reset()
 
 
 def _server_on(host: str, rp_uuid: str, cell: str = "cell1", size: dict | None = None) -> str:
@@ -394,7 +408,7 @@ def test_a_final_event_lost_after_the_status_was_committed_is_announced_again_by
     drain = _record({"host": "source", "callback_url": "https://ops.example.com/ferry"})
     posted: list[tuple[dict, str | None]] = []
     monkeypatch.setattr(drains.signing, "post_callback",
-                        lambda _url, document, _secret, delivery_id=None: posted.append((document, delivery_id)))
+                        lambda _url, document, _secret, delivery_id=None, **_: posted.append((document, delivery_id)))
     drains.start(drain)
 
     def timed_out(*_args, **_kwargs):
@@ -422,22 +436,22 @@ def test_a_final_event_lost_after_the_status_was_committed_is_announced_again_by
     assert posted[0][1] != posted[1][1]
 
 
-def test_a_callback_urls_query_and_credentials_are_shown_to_nobody_but_posted_to(store, bus, monkeypatch):
-    # GIVEN a drain whose callback URL carries a token in its query and credentials
+def test_a_callback_urls_query_is_shown_to_nobody_but_posted_to(store, bus, monkeypatch):
+    # GIVEN a drain whose callback URL carries a token in its query
     source = add_compute("source")
     add_compute("dest")
     _server_on("source", source)
-    url = "https://hook:pa55@ops.example.com:8443/ferry?token=s3cret"
+    url = "https://ops.example.com:8443/ferry?token=s3cret"
     drain = _record({"host": "source", "callback_url": url})
     posted: list[str] = []
     monkeypatch.setattr(drains.signing, "post_callback",
-                        lambda to, _document, _secret, delivery_id=None: posted.append(to))
+                        lambda to, _document, _secret, delivery_id=None, **_: posted.append(to))
 
     # WHEN it starts and ends
     drains.start(drain)
     drains.finish(drain)
 
-    # THEN the callbacks go to the URL as given, while the views and the notifications show it without them
+    # THEN the callbacks go to the URL as given, while the views and the notifications show it without its query
     assert posted == [url, url]
     shown = "https://ops.example.com:8443/ferry"
     assert drains.get_view(drain)["options"]["callback_url"] == shown
@@ -1638,7 +1652,7 @@ def _callbacks(monkeypatch) -> list[tuple[str, str | None]]:
     """``(event type, delivery id)`` of every callback the drains post from now on."""
     posted: list[tuple[str, str | None]] = []
 
-    def post(_url, document, _secret, delivery_id=None):
+    def post(_url, document, _secret, delivery_id=None, **_options):
         posted.append((document["event_type"], delivery_id))
         return True
 
@@ -1994,8 +2008,9 @@ def test_finishing_a_drain_of_hosts_in_two_cells_undoes_each_move_in_its_servers
 
 def test_a_drain_whose_callback_receiver_answers_a_byte_at_a_time_finishes_at_the_callbacks_deadline(
         store, bus, monkeypatch):
-    # GIVEN a drain whose callback receiver would take some 6 s to answer each POST
-    monkeypatch.setenv("FERRY_WEBHOOK_SECRET", "callback-secret")
+    # GIVEN a drain whose callback receiver (on loopback, which the stack allows) would take some
+    # 6 s to answer each POST
+    monkeypatch.setenv("FERRY_CALLBACK_ALLOW_PRIVATE", "true")
     config.reset()
     monkeypatch.setattr(drains.signing, "CALLBACK_TIMEOUT_SECONDS", 1.0)
     url, stop = trickling_receiver(0.15, "/ferry?token=s3cret")
@@ -2369,3 +2384,281 @@ def test_a_drain_with_a_deleted_server_and_a_failed_one_fails_naming_both(store)
 
     assert report["status"] == "failed"
     assert report["message"] == "0 of 2 servers moved; 1 failed, 0 could not be placed, 1 deleted during the drain."
+
+
+# --- callbacks: their secret and where they may go --------------------------------------------------
+
+
+@pytest.fixture
+def api_cloud(store, monkeypatch, tmp_path):
+    """The API function over moto (see test_api_support.mocked_cloud), with host ``host1`` in cell1."""
+    for cloud in mocked_cloud(monkeypatch, tmp_path):
+        add_host("host1")
+        setup.map_host("host1", "cell1")
+        yield cloud
+
+
+def _drain_uuids() -> list[str]:
+    with api_session() as session:
+        return list(session.scalars(select(Drain.uuid)))
+
+
+def test_a_drain_naming_a_callback_url_is_refused_while_callbacks_are_not_configured(store, monkeypatch):
+    # GIVEN a stack whose DrainCallbackSecret is empty (its webhook's secret set)
+    monkeypatch.setenv("FERRY_CALLBACK_SECRET", "")
+    config.reset()
+    add_compute("source")
+
+    # WHEN a drain names a callback URL
+    with pytest.raises(errors.BadRequest, match="Drain callbacks are not configured") as refused:
+        drains.record_drain(ADMIN, {"host": "source", "callback_url": "https://ops.example.com/ferry?token=s3cret"},
+                            origin="api")
+
+    # THEN it is refused and recorded nowhere, never repeating the URL; a drain without one is taken
+    assert "DrainCallbackSecret" in refused.value.message and "s3cret" not in refused.value.message
+    assert _drain_uuids() == []
+    assert _record({"host": "source"})
+
+
+def test_the_api_answers_400_to_a_callback_url_while_callbacks_are_not_configured(api_cloud, monkeypatch):
+    monkeypatch.setenv("FERRY_CALLBACK_SECRET", "")
+    config.reset()
+
+    response = call("POST", "/v2.1/ferry/drains", caller=API_ADMIN,
+                    body={"drain": {"host": "host1", "callback_url": "https://ops.example.com/ferry"}})
+
+    assert response.status == 400, response.body
+    assert "Drain callbacks are not configured" in response.body["badRequest"]["message"]
+    assert _drain_uuids() == []
+
+
+CREDENTIAL_URLS = ["https://hook:pa55@ops.example.com/ferry", "https://hook@ops.example.com:8443/ferry?t=1",
+                   "https://ops.example.com@elsewhere.example/ferry"]
+
+
+@pytest.mark.parametrize("url", CREDENTIAL_URLS)
+def test_a_callback_url_with_credentials_is_refused_when_the_drain_is_asked(store, url):
+    add_compute("source")
+
+    with pytest.raises(errors.BadRequest, match="at callback_url: must not carry a user name or password") as refused:
+        drains.record_drain(ADMIN, {"host": "source", "callback_url": url}, origin="api")
+
+    assert "pa55" not in refused.value.message and "hook" not in refused.value.message
+    assert _drain_uuids() == []
+    # a query may carry a token, and an @ in it is no credential
+    assert _record({"host": "source", "callback_url": "https://ops.example.com/ferry?to=ops@example.com"})
+
+
+def test_the_api_answers_400_to_a_callback_url_with_credentials(api_cloud):
+    response = call("POST", "/v2.1/ferry/drains", caller=API_ADMIN,
+                    body={"drain": {"host": "host1", "callback_url": CREDENTIAL_URLS[0]}})
+
+    assert response.status == 400, response.body
+    assert "must not carry a user name or password" in response.body["badRequest"]["message"]
+    assert "pa55" not in response.body["badRequest"]["message"]
+    assert _drain_uuids() == []
+
+
+@pytest.mark.parametrize("allow_private", [False, True])
+def test_callbacks_are_signed_with_the_callback_secret_never_the_webhook_secret(store, bus, monkeypatch,
+                                                                               allow_private):
+    # GIVEN a stack with both secrets, callbacks to private addresses allowed or not
+    monkeypatch.setenv("FERRY_CALLBACK_ALLOW_PRIVATE", str(allow_private).lower())
+    config.reset()
+    posted: list[tuple[str, str, bool]] = []
+
+    def post(_url, document, secret, delivery_id=None, allow_private=False):
+        posted.append((document["event_type"], secret, allow_private))
+        return True
+
+    monkeypatch.setattr(drains.signing, "post_callback", post)
+    source = add_compute("source")
+    add_compute("dest")
+    _server_on("source", source)
+    drain = _record({"host": "source", "callback_url": "https://ops.example.com/ferry"})
+
+    # WHEN it starts and ends
+    drains.start(drain)
+    drains.finish(drain)
+
+    # THEN each callback is signed with the callback secret, and goes where the stack allows
+    assert posted == [("drain.start", CALLBACK_SECRET, allow_private), ("drain.error", CALLBACK_SECRET, allow_private)]
+
+
+def test_a_callback_to_a_loopback_receiver_is_not_posted_unless_the_stack_allows_private_addresses(
+        store, bus, monkeypatch):
+    # GIVEN a drain whose callback receiver listens on 127.0.0.1
+    url, stop = trickling_receiver(0.0, "/ferry")
+    warned: list[tuple[str, dict]] = []
+    warning = drains.signing.logger.warning
+
+    def spy(message, *args, **kwargs):
+        warned.append((message, kwargs.get("extra") or {}))
+        warning(message, *args, **kwargs)
+
+    monkeypatch.setattr(drains.signing.logger, "warning", spy)
+    source = add_compute("source")
+    add_compute("dest")
+    _server_on("source", source)
+    drain = _record({"host": "source", "callback_url": url})
+
+    # WHEN it starts (callbacks to globally routable addresses only, the default)
+    drains.start(drain)
+    stop()
+
+    # THEN its drain.start is not posted: the address is refused before any connection
+    [extra] = [extra for message, extra in warned if message == "callback not delivered"]
+    assert extra["error"] == "AddressRefused" and extra["refused_addresses"] == ["127.0.0.1 is loopback"]
+
+
+# --- an idempotency key stands for one request -------------------------------------------------------
+
+
+@pytest.mark.parametrize("other", [{"host": "other"}, {"host": "source", "reason": "another"},
+                                   {"host": "source", "dry_run": True}, {"host": "source", "max_concurrency": 2},
+                                   {"host": "source", "callback_url": "https://ops.example.com/ferry"}])
+def test_an_idempotency_key_used_again_with_another_request_is_refused(store, other):
+    add_compute("source")
+    add_compute("other")
+    first = _record({"host": "source"}, idempotency_key="key-1")
+
+    with pytest.raises(errors.DrainInvalidState, match="'key-1' was used for a different drain request") as refused:
+        drains.record_drain(ADMIN, other, origin="api", idempotency_key="key-1")
+
+    assert refused.value.http_status == 409 and first in refused.value.message
+    assert _drain_uuids() == [first]
+
+
+def test_an_idempotency_key_used_again_with_the_same_request_however_written_names_the_first_drain(store):
+    add_compute("source")
+    first = _record({"host": "source", "reason": "retire"}, idempotency_key="key-1")
+
+    again = drains.record_drain(ADMIN, {"hosts": ["source"], "reason": "retire", "confirm": True, "max_concurrency": 5,
+                                        "dry_run": False, "callback_url": None},
+                                origin="api", idempotency_key="key-1")
+
+    assert again == (first, False)
+
+
+def test_a_drain_recorded_before_request_digests_is_named_by_its_key_whatever_the_request(store):
+    add_compute("source")
+    first = _record({"host": "source"}, idempotency_key="key-1")
+    with api_session() as session:
+        session.execute(update(Drain).where(Drain.uuid == first).values(request_digest=None))
+
+    assert drains.record_drain(ADMIN, {"host": "other"}, origin="api", idempotency_key="key-1") == (first, False)
+
+
+# --- show and list notice a drain whose workflow ended ------------------------------------------------
+
+
+def _quiet_for(drain: str, minutes: float) -> None:
+    """Record the drain as last changed ``minutes`` ago."""
+    with api_session() as session:
+        session.execute(update(Drain).where(Drain.uuid == drain)
+                        .values(updated_at=drains.utcnow() - dt.timedelta(minutes=minutes)))
+
+
+def _described(monkeypatch) -> list[str]:
+    """The names of the drain executions described from now on."""
+    names: list[str] = []
+    describe = drains.workflows.describe_execution
+
+    def spy(arn, name):
+        names.append(name)
+        return describe(arn, name)
+
+    monkeypatch.setattr(drains.workflows, "describe_execution", spy)
+    return names
+
+
+def _stopped_drain(sfn, arn: str, host: str) -> str:
+    add_compute(host)
+    drain, execution = _running_drain(sfn, arn, host)
+    sfn.stop_execution(executionArn=execution)  # stopped by hand, before FinishDrain
+    return drain
+
+
+def test_showing_a_quiet_drain_whose_workflow_ended_shows_it_finished(store, drain_machine):
+    # GIVEN a running drain whose execution was stopped by hand, unchanged since for 10 minutes
+    sfn, arn = drain_machine
+    source = add_compute("source")
+    add_compute("dest")
+    _server_on("source", source)
+    drain, execution = _running_drain(sfn, arn, "source")
+    sfn.stop_execution(executionArn=execution)
+    _quiet_for(drain, 10)
+
+    # WHEN it is shown
+    view = drains.get_view(drain)
+
+    # THEN it shows the end its workflow met, as an action on it would have found it
+    assert view["status"] == "failed" and f"drain-{drain} ended aborted" in view["message"]
+    assert view["servers"][0]["state"] == "cancelled"
+
+
+def test_listing_drains_finishes_the_quiet_ones_whose_workflow_ended_a_few_at_a_time(store, drain_machine,
+                                                                                     monkeypatch):
+    # GIVEN four drains whose executions were stopped, quiet for 10 to 40 minutes
+    sfn, arn = drain_machine
+    stopped = [_stopped_drain(sfn, arn, f"host-{minutes}") for minutes in (10, 20, 30, 40)]
+    for drain, minutes in zip(stopped, (10, 20, 30, 40), strict=True):
+        _quiet_for(drain, minutes)
+    described = _described(monkeypatch)
+
+    # WHEN they are listed, and listed again
+    first = {view["id"]: view["status"] for view in drains.list_views()}
+    asked_first = list(described)
+    second = {view["id"]: view["status"] for view in drains.list_views()}
+
+    # THEN each list asks about at most MAX_LOOKS_PER_LIST of them, quiet the longest first
+    assert drains.MAX_LOOKS_PER_LIST == 3
+    assert asked_first == [f"drain-{drain}" for drain in reversed(stopped[1:])]
+    assert [first[drain] for drain in stopped] == ["planning", "failed", "failed", "failed"]
+    assert described[3:] == [f"drain-{stopped[0]}"]
+    assert set(second.values()) == {"failed"}
+
+
+def test_a_drain_changed_lately_or_whose_workflow_runs_is_shown_as_recorded(store, drain_machine, monkeypatch):
+    # GIVEN a drain stopped a moment ago (its record changed lately), and one whose workflow runs, quiet for long
+    sfn, arn = drain_machine
+    recent = _stopped_drain(sfn, arn, "recent")
+    add_compute("runs")
+    running, _execution = _running_drain(sfn, arn, "runs")
+    _quiet_for(running, 60)
+    described = _described(monkeypatch)
+
+    # WHEN they are shown and listed
+    views = [drains.get_view(recent), drains.get_view(running), *drains.list_views()]
+
+    # THEN only the quiet one's workflow is asked about (once for each look), and nothing changes
+    assert described == [f"drain-{running}", f"drain-{running}"]
+    assert {view["status"] for view in views} == {"planning"}
+
+
+@pytest.mark.parametrize("failure", ["describe", "finish"])
+def test_a_failed_look_at_a_quiet_drains_workflow_never_fails_show_or_list(store, drain_machine, monkeypatch,
+                                                                            failure):
+    # GIVEN a quiet drain whose execution was stopped, and Step Functions (or the finish) failing
+    sfn, arn = drain_machine
+    drain = _stopped_drain(sfn, arn, "source")
+    _quiet_for(drain, 10)
+
+    tried: list[str] = []
+
+    def broken(*_args, **_kwargs):
+        tried.append(failure)
+        raise RuntimeError("ThrottlingException: Rate exceeded")
+
+    if failure == "describe":
+        monkeypatch.setattr(drains.workflows, "describe_execution", broken)
+    else:
+        monkeypatch.setattr(drains, "finish", broken)
+
+    # WHEN it is shown and listed
+    shown = drains.get_view(drain)
+    [listed] = drains.list_views()
+
+    # THEN each looked, and it is shown as recorded
+    assert tried == [failure, failure]
+    assert shown["status"] == listed["status"] == "planning"

@@ -239,7 +239,7 @@ def test_an_agent_process_gets_only_the_ferry_variables_an_agent_on_aws_gets(tmp
         functions = local.model.environment()
 
     # THEN it gets the queues, the state directory and the drill switch, none of the functions'
-    # settings (database, webhook secret, state machines, image bucket), and the local AWS
+    # settings (database, webhook and callback secrets, state machines, image bucket), and the local AWS
     assert {name for name in environ if name.startswith("FERRY_")} == {
         "FERRY_HOST_QUEUE_PREFIX",
         "FERRY_HOST_REPORTS_QUEUE_URL",
@@ -247,10 +247,47 @@ def test_an_agent_process_gets_only_the_ferry_variables_an_agent_on_aws_gets(tmp
         "FERRY_FAULT_INJECTION",
     }
     assert environ["FERRY_HOST_QUEUE_PREFIX"] == functions["FERRY_HOST_QUEUE_PREFIX"]
-    assert {"FERRY_API_DATABASE_URL", "FERRY_WEBHOOK_SECRET", "FERRY_IMAGE_BUCKET"} <= set(functions)
+    assert {"FERRY_API_DATABASE_URL", "FERRY_WEBHOOK_SECRET", "FERRY_CALLBACK_SECRET", "FERRY_IMAGE_BUCKET"} <= set(
+        functions)
     assert environ["AWS_ENDPOINT_URL"] == local.aws_endpoint_url
     assert environ["AWS_ACCESS_KEY_ID"] == "testing" and environ["AWS_REGION"] == local.model.region
     assert environ["PATH"] == os.environ["PATH"]
+
+
+def test_the_stack_signs_callbacks_with_a_secret_of_their_own_and_lets_them_reach_loopback(tmp_path):
+    # GIVEN a stack given its callback secret, and one left to make its own
+    with LocalStack(tmp_path / "given", cells=1, hosts_per_cell=1, moto_port=0, api_port=0, agent_mode="thread",
+                    callback_secret="given-callback-secret") as given:
+        given_functions = {lid: f.environment for lid, f in given.model.functions.items()}
+    with LocalStack(tmp_path / "made", cells=1, hosts_per_cell=1, moto_port=0, api_port=0,
+                    agent_mode="thread") as made:
+        made_secret, made_webhook_secret = made.callback_secret, made.webhook_secret
+        made_finish = made.model.functions["FinishDrainFunction"].environment
+
+    # THEN the functions that sign callbacks get it (the webhook's secret stays with the webhook),
+    # callbacks may reach the stack's own receivers on 127.0.0.1, and only a made secret is kept
+    for logical_id in ("ApiFunction", "DrainWebhookFunction", "PlanDrainFunction", "FinishDrainFunction"):
+        assert given_functions[logical_id]["FERRY_CALLBACK_SECRET"] == "given-callback-secret", logical_id
+        assert given_functions[logical_id]["FERRY_CALLBACK_ALLOW_PRIVATE"] == "true", logical_id
+    assert "FERRY_WEBHOOK_SECRET" not in given_functions["FinishDrainFunction"]
+    assert not (tmp_path / "given" / "callback-secret").exists()
+    assert made_secret and made_secret != made_webhook_secret and made_finish["FERRY_CALLBACK_SECRET"] == made_secret
+    kept = tmp_path / "made" / "callback-secret"
+    assert kept.read_text().strip() == made_secret and kept.stat().st_mode & 0o777 == 0o600
+
+
+def test_ferry_local_takes_a_callback_secret(monkeypatch, tmp_path):
+    started: dict[str, object] = {}
+
+    class Refused(LocalStack):
+        def __init__(self, state_dir, **options):
+            started.update(options)
+            raise LocalStackError("stop here")
+
+    monkeypatch.setattr(stack, "LocalStack", Refused)
+
+    assert stack.main(["--state-dir", str(tmp_path / "state"), "--callback-secret", "from-the-command-line"]) == 1
+    assert started["callback_secret"] == "from-the-command-line"
 
 
 def test_the_files_holding_tokens_are_never_readable_by_others(

@@ -232,7 +232,8 @@ def receiver() -> Iterator[Receiver]:
 def test_callback_posts_json_the_receiver_can_verify(receiver):
     document = {"drain": {"id": "d1", "status": "completed"}}
 
-    assert signing.post_callback(receiver.url, document, SECRET, delivery_id="drain-d1-completed") is True
+    assert signing.post_callback(receiver.url, document, SECRET, delivery_id="drain-d1-completed",
+                                 allow_private=True) is True
 
     [(headers, body)] = receiver.received
     verified = signing.verify(SECRET, headers, body)
@@ -242,7 +243,7 @@ def test_callback_posts_json_the_receiver_can_verify(receiver):
 
 
 def test_callback_under_another_secret_fails_the_receivers_check(receiver):
-    assert signing.post_callback(receiver.url, {"drain": {}}, "not-the-receivers-secret") is True
+    assert signing.post_callback(receiver.url, {"drain": {}}, "not-the-receivers-secret", allow_private=True) is True
 
     [(headers, body)] = receiver.received
     with pytest.raises(errors.WebhookSignatureInvalid):
@@ -252,14 +253,14 @@ def test_callback_under_another_secret_fails_the_receivers_check(receiver):
 def test_callback_answered_with_an_error_status_returns_false(receiver):
     receiver.status = 500
 
-    assert signing.post_callback(receiver.url, {"drain": {}}, SECRET) is False
+    assert signing.post_callback(receiver.url, {"drain": {}}, SECRET, allow_private=True) is False
     assert len(receiver.received) == 1
 
 
 def test_callback_is_not_redirected(receiver):
     receiver.status = 307
 
-    assert signing.post_callback(receiver.url, {"drain": {}}, SECRET) is False
+    assert signing.post_callback(receiver.url, {"drain": {}}, SECRET, allow_private=True) is False
     assert len(receiver.received) == 1
 
 
@@ -268,7 +269,7 @@ def test_callback_to_a_closed_port_returns_false_without_raising():
         port = server.server_address[1]
     # The port was free a moment ago and nothing listens on it now.
 
-    assert signing.post_callback(f"http://127.0.0.1:{port}/cb", {"drain": {}}, SECRET) is False
+    assert signing.post_callback(f"http://127.0.0.1:{port}/cb", {"drain": {}}, SECRET, allow_private=True) is False
 
 
 @pytest.mark.parametrize("url", ["file:///etc/passwd", "not a url", "http://[::1"])
@@ -312,7 +313,7 @@ def test_a_callback_answered_with_an_error_status_logs_the_status(receiver, monk
     monkeypatch.setattr(signing.logger, "warning", lambda message, extra: logged.append(extra))
     receiver.status = 503
 
-    assert signing.post_callback(receiver.url, {"drain": {}}, SECRET) is False
+    assert signing.post_callback(receiver.url, {"drain": {}}, SECRET, allow_private=True) is False
 
     [extra] = logged
     assert (extra["error"], extra["status"]) == ("HTTPError", 503)
@@ -340,7 +341,7 @@ def test_a_callback_whose_receiver_trickles_its_answer_gives_up_at_its_deadline(
 
     # WHEN a callback is posted to it
     started = time.monotonic()
-    delivered = signing.post_callback(url, {"event_type": "drain.end"}, SECRET)
+    delivered = signing.post_callback(url, {"event_type": "drain.end"}, SECRET, allow_private=True)
     took = time.monotonic() - started
     stop()
 
@@ -373,5 +374,108 @@ def test_a_callback_whose_hosts_name_server_never_answers_gives_up_at_its_deadli
 def test_a_callback_to_a_host_name_is_looked_up_and_delivered(receiver):
     url = receiver.url.replace("127.0.0.1", "localhost")
 
-    assert signing.post_callback(url, {"event_type": "drain.end"}, SECRET) is True
+    assert signing.post_callback(url, {"event_type": "drain.end"}, SECRET, allow_private=True) is True
     assert len(receiver.received) == 1
+
+
+# --- where a callback may connect ----------------------------------------------------------------
+
+REFUSED = {
+    "127.0.0.1": "loopback", "127.8.9.10": "loopback", "::1": "loopback",
+    "10.1.2.3": "private", "172.16.0.1": "private", "192.168.1.1": "private", "fd00::1": "private",
+    "100.64.0.1": "shared", "100.127.255.254": "shared",
+    "169.254.169.254": "link-local", "fe80::1": "link-local",
+    "224.0.0.1": "multicast", "ff02::1": "multicast",
+    "240.0.0.1": "reserved", "255.255.255.255": "reserved",
+    "0.0.0.0": "unspecified", "0.1.2.3": "unspecified", "::": "unspecified",
+    "::ffff:127.0.0.1": "loopback", "::ffff:10.0.0.1": "private", "::ffff:169.254.169.254": "link-local",
+    "::ffff:100.64.0.1": "shared", "2002:a9fe:a9fe::1": "link-local",
+}
+
+
+@pytest.mark.parametrize(("address", "kind"), REFUSED.items())
+def test_a_callback_may_not_connect_to_an_address_that_is_not_globally_routable(address, kind):
+    assert signing.address_refusal(address) == f"{address} is {kind}"
+
+
+@pytest.mark.parametrize("address", ["93.184.216.34", "8.8.8.8", "2606:4700:4700::1111", "::ffff:93.184.216.34"])
+def test_a_callback_may_connect_to_a_globally_routable_address(address):
+    assert signing.address_refusal(address) is None
+
+
+@pytest.mark.parametrize(("address", "allowed"), [
+    ("127.0.0.1", True), ("::1", True), ("10.1.2.3", True), ("fd00::1", True), ("100.64.0.1", True),
+    ("::ffff:192.168.0.7", True),
+    ("169.254.169.254", False), ("fe80::1", False), ("224.0.0.1", False), ("240.0.0.1", False), ("0.0.0.0", False),
+])
+def test_allowing_private_addresses_allows_loopback_private_and_shared_ones_only(address, allowed):
+    assert (signing.address_refusal(address, allow_private=True) is None) is allowed
+
+
+def _resolving(monkeypatch, name: str, addresses: list[str]) -> list[tuple[str, int]]:
+    """Make ``name`` resolve to ``addresses``; return the addresses connected to from now on (each refused)."""
+    lookup = socket.getaddrinfo
+
+    def resolve(host, port, *args, **kwargs):
+        if host != name:
+            return lookup(host, port, *args, **kwargs)
+        return [(socket.AF_INET6 if ":" in a else socket.AF_INET, socket.SOCK_STREAM, 6, "",
+                 (a, port, 0, 0) if ":" in a else (a, port)) for a in addresses]
+
+    connected: list[tuple[str, int]] = []
+
+    def connect(address, *_args, **_kwargs):
+        connected.append(tuple(address))
+        raise ConnectionRefusedError(111, "Connection refused")
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)
+    monkeypatch.setattr(socket, "create_connection", connect)
+    return connected
+
+
+def _warnings(monkeypatch) -> list[dict[str, Any]]:
+    logged: list[dict[str, Any]] = []
+    monkeypatch.setattr(signing.logger, "warning", lambda message, extra: logged.append(extra))
+    return logged
+
+
+def test_a_callback_to_a_loopback_receiver_is_not_delivered_and_makes_no_connection(receiver, monkeypatch):
+    logged = _warnings(monkeypatch)
+
+    assert signing.post_callback(receiver.url, {"drain": {}}, SECRET) is False
+
+    assert receiver.received == []
+    [extra] = logged
+    assert extra["error"] == "AddressRefused" and extra["refused_addresses"] == ["127.0.0.1 is loopback"]
+    assert "token" not in json.dumps(extra)
+
+
+@pytest.mark.parametrize("allow_private", [False, True])
+def test_a_host_name_resolving_to_the_metadata_service_is_refused_after_the_lookup(monkeypatch, allow_private):
+    # GIVEN a public-looking name that resolves to the instance metadata service
+    connected = _resolving(monkeypatch, "receiver.example", ["169.254.169.254", "::ffff:169.254.169.254"])
+    logged = _warnings(monkeypatch)
+
+    # WHEN a callback is posted to it (whether or not private addresses are allowed)
+    delivered = signing.post_callback("http://receiver.example/latest/meta-data/", {"drain": {}}, SECRET,
+                                      allow_private=allow_private)
+
+    # THEN nothing is connected to, and the log says why
+    assert delivered is False and connected == []
+    [extra] = logged
+    assert extra["error"] == "AddressRefused"
+    assert extra["refused_addresses"] == ["169.254.169.254 is link-local", "::ffff:169.254.169.254 is link-local"]
+
+
+def test_each_address_a_name_resolves_to_is_checked_before_it_is_tried(monkeypatch):
+    # GIVEN a name that resolves to a private address, then a global one (which refuses the connection)
+    connected = _resolving(monkeypatch, "receiver.example", ["10.0.0.5", "93.184.216.34"])
+    logged = _warnings(monkeypatch)
+
+    # WHEN a callback is posted to it
+    delivered = signing.post_callback("https://receiver.example/hook", {"drain": {}}, SECRET)
+
+    # THEN only the global address is tried
+    assert delivered is False and connected == [("93.184.216.34", 443)]
+    [extra] = logged
+    assert extra["error"] == "ConnectionRefusedError" and extra["refused_addresses"] == ["10.0.0.5 is private"]

@@ -125,10 +125,37 @@ def test_every_setting_the_template_sets_is_read_by_the_code():
     assert _settings_set_by_template() - _settings_read_by_config() == set()
 
 
-@pytest.mark.parametrize("logical_id", ["DrainWebhookFunction", "PlanDrainFunction", "FinishDrainFunction"])
-def test_functions_that_sign_or_check_drain_callbacks_get_the_webhook_secret(logical_id):
-    """The webhook checks signed requests; PlanDrain (drain.start) and FinishDrain (drain.end) sign callbacks."""
-    assert "FERRY_WEBHOOK_SECRET" in TEMPLATE.functions[logical_id].environment
+# The functions that record drains (refusing a callback_url without the callback secret) or
+# announce them (signing callbacks): the API, the webhook and BeginDrain record drains, and finish
+# one whose workflow ended; PlanDrain announces drain.start, FinishDrain the end.
+SIGNS_DRAIN_CALLBACKS = ("ApiFunction", "DrainWebhookFunction", "BeginDrainFunction", "PlanDrainFunction",
+                         "FinishDrainFunction")
+
+
+@pytest.mark.parametrize("logical_id", SIGNS_DRAIN_CALLBACKS)
+def test_functions_that_sign_drain_callbacks_get_the_callback_secret(logical_id):
+    environment = TEMPLATE.functions[logical_id].environment
+
+    assert RAW["Resources"][logical_id]["Properties"]["Environment"]["Variables"]["FERRY_CALLBACK_SECRET"] == {
+        "Ref": "DrainCallbackSecret"}
+    assert "FERRY_CALLBACK_ALLOW_PRIVATE" in environment
+
+
+def test_only_the_webhook_function_gets_the_webhook_secret():
+    """Whoever holds it starts drains as an admin: the functions that only sign callbacks never get it."""
+    holders = [lid for lid, function in TEMPLATE.functions.items() if "FERRY_WEBHOOK_SECRET" in function.environment]
+
+    assert holders == ["DrainWebhookFunction"]
+    assert RAW["Resources"]["DrainWebhookFunction"]["Properties"]["Environment"]["Variables"][
+        "FERRY_WEBHOOK_SECRET"] == {"Ref": "DrainWebhookSecret"}
+
+
+def test_the_callback_secret_is_a_parameter_of_its_own_hidden_and_empty_by_default():
+    parameters = RAW["Parameters"]
+
+    assert parameters["DrainCallbackSecret"]["NoEcho"] is True and parameters["DrainCallbackSecret"]["Default"] == ""
+    assert parameters["DrainCallbackAllowPrivateAddresses"]["Default"] == "false"
+    assert set(parameters["DrainCallbackAllowPrivateAddresses"]["AllowedValues"]) == {"true", "false"}
 
 
 # The longest a Lambda function may run.

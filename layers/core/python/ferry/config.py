@@ -83,8 +83,12 @@ class Settings:
     quota_defaults: dict[str, str]
     volume_attachment_state_machine_arn: str
     drain_state_machine_arn: str
-    # The shared secret of the drain webhook and of drain callbacks ("" turns the webhook off).
+    # The secret the drain webhook checks requests with ("" turns the webhook off).
     webhook_secret: str
+    # The secret drain callbacks are signed with ("" refuses drains that name a callback_url).
+    callback_secret: str
+    # Whether drain callbacks may go to private, shared and loopback addresses (not only global ones).
+    callback_allow_private: bool
     # The DynamoDB table of the webhook's deliveries and one-time signatures.
     idempotency_table: str
     # What is done with a guest or instance directory a host still reports of a server whose
@@ -146,6 +150,8 @@ def load() -> Settings:
         volume_attachment_state_machine_arn=os.environ.get("FERRY_VOLUME_ATTACHMENT_STATE_MACHINE_ARN", ""),
         drain_state_machine_arn=os.environ.get("FERRY_DRAIN_STATE_MACHINE_ARN", ""),
         webhook_secret=os.environ.get("FERRY_WEBHOOK_SECRET", ""),
+        callback_secret=os.environ.get("FERRY_CALLBACK_SECRET", ""),
+        callback_allow_private=_env_bool("FERRY_CALLBACK_ALLOW_PRIVATE", False),
         idempotency_table=os.environ.get("FERRY_IDEMPOTENCY_TABLE", ""),
         running_deleted_action=os.environ.get("FERRY_RUNNING_DELETED_ACTION", "reap").strip().lower(),
     )

@@ -25,7 +25,9 @@ disabled, unless the request says ``move_what_fits``.
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import json
+import re
 import uuid as uuidlib
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
@@ -95,11 +97,19 @@ DEFAULT_RETRIES = 1
 UNSTARTED_GRACE = dt.timedelta(minutes=5)
 # The cross-cell weight a cell drain's plan uses: other cells first.
 CELL_DRAIN_CROSS_CELL_MULTIPLIER = -1_000_000.0
+# A drain not final whose record has not changed for this long is asked about when it is shown or
+# listed: its workflow may have ended (stopped, timed out, failed) without finishing it, and
+# nothing else would (see finish_if_workflow_ended: one DescribeExecution while it runs).
+QUIET_BEFORE_LOOK = dt.timedelta(minutes=5)
+# How many such drains one list asks about (those quiet the longest first), so a list stays quick.
+MAX_LOOKS_PER_LIST = 3
 
 _NAME = {"type": "string", "minLength": 1, "maxLength": 255}
 # An http(s) URL without whitespace or control characters: the HTTP client refuses those when the
 # callback is sent (with a message that repeats the URL, query and all), so the request is refused now.
 CALLBACK_URL_PATTERN = r"^https?://[^\s\x00-\x1f\x7f-\x9f]+$"
+# A URL whose authority (up to the first /, ? or #) holds an @: user information before the host.
+_CREDENTIALS = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://[^/?#]*@")
 _LIMIT = {"type": ["integer", "null"], "minimum": 1, "maximum": 1000}
 
 REQUEST_SCHEMA: dict[str, Any] = {
@@ -301,23 +311,68 @@ BODY_SCHEMA: dict[str, Any] = {
 
 
 def validate_request(request: Any) -> None:
-    """Check a drain request against :data:`REQUEST_SCHEMA`.
+    """Check a drain request against :data:`REQUEST_SCHEMA`, and that its callback URL carries no
+    credentials.
 
     Raises:
         BadRequest: worded by :func:`refusal_of` (never repeating what was sent).
     """
     _check(request, REQUEST_SCHEMA, errors.BadRequest)
+    _check_callback_url(request, errors.BadRequest)
 
 
 def request_of(body: Any, refusal: type[errors.BadRequest] = errors.BadRequest) -> dict[str, Any]:
     """The drain request of a body ``{"drain": {...}}`` (the API's and the webhook's).
 
     Raises:
-        refusal: the body does not match :data:`BODY_SCHEMA`, worded by :func:`refusal_of`.
+        refusal: the body does not match :data:`BODY_SCHEMA`, worded by :func:`refusal_of`; its
+            callback URL carries credentials; or it names a callback URL and callbacks are not
+            configured (:func:`check_callbacks_configured`).
     """
     _check(body, BODY_SCHEMA, refusal)
     request: dict[str, Any] = body["drain"]
+    _check_callback_url(request, refusal)
+    check_callbacks_configured(request, refusal)
     return request
+
+
+def _check_callback_url(request: Mapping[str, Any], refusal: type[errors.BadRequest]) -> None:
+    """Refuse a callback URL with credentials (``user:password@host``): the HTTP client takes them
+    for part of the host, so the callback could never be sent."""
+    url = request.get("callback_url")
+    if url and _CREDENTIALS.match(url):
+        raise refusal("Invalid drain request at callback_url: must not carry a user name or password "
+                      "(user:password@host), which callbacks cannot send; a token may go in the query.")
+
+
+def check_callbacks_configured(request: Mapping[str, Any],
+                               refusal: type[errors.BadRequest] = errors.BadRequest) -> None:
+    """Refuse a drain request naming a ``callback_url`` when no callback secret is configured
+    (the stack's ``DrainCallbackSecret``): its callbacks could not be signed.
+
+    Raises:
+        refusal: (400) callbacks are not configured.
+    """
+    if request.get("callback_url") and not config.get().callback_secret:
+        raise refusal("Drain callbacks are not configured (the stack's DrainCallbackSecret is empty), so a drain "
+                      "cannot name a callback_url: leave it out, or ask the operator to set DrainCallbackSecret.")
+
+
+def request_digest(request: Mapping[str, Any]) -> str:
+    """The SHA-256 (hex) of what a valid drain request asks, as an idempotency key stands for it.
+
+    Normalised: ``host`` and ``hosts`` naming the same hosts (in any order) are the same targets,
+    and an option left out is its default. Who asks is not part of it (nor, so, whether policy
+    lets them move servers between cells): a key is used by one origin, whose identity is fixed,
+    and a retry after a policy change still names the same request.
+    """
+    if "cell" in request:
+        target = {"kind": CELL, "names": [request["cell"]]}
+    else:
+        target = {"kind": HOST, "names": sorted([request["host"]] if "host" in request else request["hosts"])}
+    normalised = {"target": target, "reason": request.get("reason"), "dry_run": bool(request.get("dry_run", False)),
+                  "options": _options(request)}
+    return hashlib.sha256(json.dumps(normalised, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def _check(document: Any, schema: dict[str, Any], refusal: type[errors.BadRequest]) -> None:
@@ -385,23 +440,36 @@ def record_drain(ctx: RequestContext, request: Mapping[str, Any], *, origin: str
                  idempotency_key: str | None = None, execution_name: str | None = None) -> tuple[str, bool]:
     """Validate a drain request and write its record (status ``planning``); idempotent on the key.
 
+    The drain records the request's digest (:func:`request_digest`): the same key again with the
+    same request names the drain recorded the first time, with another request it is refused. A
+    drain recorded before digests were (``request_digest`` null) is named whatever the request.
+
     Returns:
         The drain's id, and whether it was created now (False: the key named an existing one).
 
     Raises:
-        BadRequest: the request does not match the schema, or names an unknown host or cell.
+        BadRequest: the request does not match the schema, names an unknown host or cell, or
+            names a callback URL while callbacks are not configured.
         DrainTooLarge: the hosts or the cell hold more than :data:`MAX_SERVERS` servers, or more
             than :data:`MAX_DRY_RUN_SERVERS` for a dry run (400).
         Forbidden: a cell drain, and the caller may not move servers between cells.
-        DrainInvalidState: a drain of the same hosts or cell is under way (409).
+        DrainInvalidState: a drain of the same hosts or cell is under way, or the key was used
+            for a different request (409).
     """
     validate_request(request)
+    check_callbacks_configured(request)
+    digest = request_digest(request)
     if idempotency_key:
         with api_session() as session:
-            existing = session.scalars(select(Drain.uuid).where(Drain.idempotency_key == idempotency_key)).first()
+            existing = session.execute(select(Drain.uuid, Drain.request_digest)
+                                       .where(Drain.idempotency_key == idempotency_key)).first()
+        if existing is not None and existing.request_digest not in (None, digest):
+            raise errors.DrainInvalidState(
+                f"The idempotency key {idempotency_key!r} was used for a different drain request (drain "
+                f"{existing.uuid}): a new request needs a new key.")
         # A dry run its first try abandoned gives its key up: the request makes a new one.
-        if existing and not _fail_abandoned_dry_runs(existing):
-            return existing, False
+        if existing is not None and not _fail_abandoned_dry_runs(existing.uuid):
+            return existing.uuid, False
     targets = _resolve_targets(request)
     dry_run = bool(request.get("dry_run", False))
     _check_size(", ".join(targets.names), _count_on(targets.kind, targets.names),
@@ -434,8 +502,9 @@ def record_drain(ctx: RequestContext, request: Mapping[str, Any], *, origin: str
         drain = Drain(uuid=drain_uuid, status=PLANNING, target_kind=targets.kind, targets=targets.names,
                       reason=request.get("reason"), dry_run=dry_run, options=_options(request),
                       allow_cross_cell=allow_cross_cell, disabled_hosts=[], origin=origin,
-                      idempotency_key=idempotency_key, user_id=ctx.user_id, project_id=ctx.project_id,
-                      roles=list(ctx.roles), request_id=ctx.request_id, execution_name=execution_name, version=0)
+                      idempotency_key=idempotency_key, request_digest=digest, user_id=ctx.user_id,
+                      project_id=ctx.project_id, roles=list(ctx.roles), request_id=ctx.request_id,
+                      execution_name=execution_name, version=0)
         session.add(drain)
     logger.info("drain recorded", extra={"drain": drain_uuid, "targets": targets.names, "kind": targets.kind,
                                          "dry_run": dry_run, "origin": origin})
@@ -448,8 +517,9 @@ def create_drain(ctx: RequestContext, request: Mapping[str, Any], *, origin: str
 
     A dry run is planned at once and answered with the plan (200, status ``planned``; nothing is
     disabled or moved). Otherwise the drain workflow starts (execution ``drain-<id>``) and the
-    answer is 202 with the drain as recorded. The same ``idempotency_key`` again answers with
-    the drain it started the first time (200) and starts nothing more; a drain recorded by an
+    answer is 202 with the drain as recorded. The same ``idempotency_key`` again with the same
+    request answers with the drain it started the first time (200) and starts nothing more (with
+    another request it is refused: :func:`record_drain`); a drain recorded by an
     attempt that died before its workflow started is started then, and a dry run whose plan
     failed is planned then (one left planning past :data:`DRY_RUN_PLANNING_LIMIT` is failed
     instead, giving its key up, and the request makes a new dry run).
@@ -661,18 +731,41 @@ def _shown_options(drain: Drain) -> dict[str, Any]:
 def get_view(drain_uuid: str) -> dict[str, Any]:
     """The drain as the API shows it, with its servers.
 
+    A drain not final and unchanged for :data:`QUIET_BEFORE_LOOK` is first finished if its
+    workflow ended without finishing it (:func:`finish_if_workflow_ended`), so the view shows
+    that end; when Step Functions cannot be asked, it is shown as recorded.
+
     Raises:
         DrainNotFound.
     """
     _fail_abandoned_dry_runs(drain_uuid)
     with api_session() as session:
         drain = _load(session, drain_uuid)
+        if not _is_quiet(drain, utcnow()):
+            return _view(drain, _servers(session, drain))
+    _finish_ended_workflows([drain_uuid])
+    with api_session() as session:
+        drain = _load(session, drain_uuid)
         return _view(drain, _servers(session, drain))
 
 
 def list_views(status: str | None = None, limit: int | None = None) -> list[dict[str, Any]]:
-    """Every drain, newest first (optionally only those in ``status``), without their servers."""
+    """Every drain, newest first (optionally only those in ``status``), without their servers.
+
+    Of the drains listed that are not final and unchanged for :data:`QUIET_BEFORE_LOOK`, the
+    :data:`MAX_LOOKS_PER_LIST` quiet the longest are first finished if their workflow ended
+    without finishing them, as :func:`get_view` does.
+    """
     _fail_abandoned_dry_runs()
+    views, quiet = _listed(status, limit)
+    if quiet and _finish_ended_workflows(quiet[:MAX_LOOKS_PER_LIST]):
+        views, _quiet = _listed(status, limit)
+    return views
+
+
+def _listed(status: str | None, limit: int | None) -> tuple[list[dict[str, Any]], list[str]]:
+    """The views :func:`list_views` answers, and the ids of the quiet drains among them (quiet the longest first)."""
+    now = utcnow()
     with api_session() as session:
         query = select(Drain).order_by(Drain.created_at.desc(), Drain.id.desc())
         if status:
@@ -684,7 +777,34 @@ def list_views(status: str | None = None, limit: int | None = None) -> list[dict
         if drains:
             for server in session.scalars(select(DrainServer).where(DrainServer.drain_id.in_([d.id for d in drains]))):
                 by_drain[server.drain_id].append(server)
-        return [_view(d, by_drain[d.id], with_servers=False) for d in drains]
+        quiet = sorted((d for d in drains if _is_quiet(d, now)), key=_last_changed)
+        return [_view(d, by_drain[d.id], with_servers=False) for d in drains], [d.uuid for d in quiet]
+
+
+def _last_changed(drain: Drain) -> dt.datetime:
+    return drain.updated_at or drain.created_at
+
+
+def _is_quiet(drain: Drain, now: dt.datetime) -> bool:
+    """Whether a drain not final, run by a workflow, has not changed for :data:`QUIET_BEFORE_LOOK`
+    (a running drain changes each time it starts a move; one whose workflow ended does not)."""
+    return (drain.status in UNFINISHED_STATUSES and not drain.dry_run and drain.execution_name is not None
+            and now - _last_changed(drain) >= QUIET_BEFORE_LOOK)
+
+
+def _finish_ended_workflows(drain_uuids: list[str]) -> bool:
+    """Finish each of the drains whose workflow ended without finishing it; return whether any
+    was finished now. Never raises: a look that fails is logged, and the drain shown as recorded."""
+    if not config.get().drain_state_machine_arn:  # nothing to ask: Step Functions is not configured
+        return False
+    finished = False
+    for drain_uuid in drain_uuids:
+        try:
+            finished = finish_if_workflow_ended(drain_uuid) or finished
+        except Exception:
+            logger.exception("looking whether a quiet drain's workflow ended failed; it is shown as recorded",
+                             extra={"drain": drain_uuid})
+    return finished
 
 
 def _fail_abandoned_dry_runs(drain_uuid: str | None = None) -> int:
@@ -1927,5 +2047,6 @@ def _announce(drain_uuid: str, event_type: str, view: Mapping[str, Any] | None =
     with api_session() as session:
         url = _load(session, drain_uuid).options.get("callback_url")
     if url:
-        signing.post_callback(url, {"event_type": event_type, "drain": summary}, config.get().webhook_secret,
-                              delivery_id=identity)
+        settings = config.get()
+        signing.post_callback(url, {"event_type": event_type, "drain": summary}, settings.callback_secret,
+                              delivery_id=identity, allow_private=settings.callback_allow_private)

@@ -10,6 +10,10 @@ The timestamp is signed with the body, so a captured request can be replayed onl
 :data:`MAX_AGE_SECONDS` either side of the receiver's clock; receivers that must refuse even
 that remember the signatures they accepted (see :mod:`ferry.webhook`). The delivery id is not
 signed: it names the sender's attempt, and a receiver answers the same delivery once.
+
+A callback connects only to globally routable addresses, checked on each address its host
+resolves to, right before connecting (see :func:`address_refusal`): a drain's requester names
+the URL, and must not make Ferry's functions POST into their own network.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import hashlib
 import hmac
 import http.client
 import io
+import ipaddress
 import json
 import queue
 import re
@@ -30,6 +35,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 from urllib import request as urlrequest
+from urllib.error import URLError
 from urllib.parse import urlsplit
 
 from aws_lambda_powertools.metrics import MetricUnit
@@ -274,24 +280,97 @@ def _addresses(host: str, port: int, deadline: _Deadline) -> list[tuple[Any, ...
     return result
 
 
-def _connection_class(base: type[http.client.HTTPConnection], deadline: _Deadline) -> Any:
-    """``base`` (HTTP or HTTPS) looking its host up, connecting, shaking hands, sending and
-    reading within ``deadline``."""
+# The kinds of address DrainCallbackAllowPrivateAddresses lets a callback reach (never the others).
+PRIVATE_KINDS = ("loopback", "private", "shared")
+# RFC 6598's shared address space (carrier-grade NAT): neither private nor global.
+_SHARED = ipaddress.ip_network("100.64.0.0/10")
+# RFC 1122's "this network": connecting to one reaches this machine or nothing.
+_THIS_NETWORK = ipaddress.ip_network("0.0.0.0/8")
+
+
+class AddressRefused(OSError):
+    """Every address a callback's host resolves to is one callbacks may not reach.
+
+    Never leaves :func:`post_callback`, which logs it (with the reasons) as not delivered.
+    """
+
+
+def _kind_of(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | None:
+    """The kind of a non-global address (``loopback``, ``private``, …), or None for a global one."""
+    if address.is_unspecified or (address.version == 4 and address in _THIS_NETWORK):
+        return "unspecified"
+    if address.is_loopback:
+        return "loopback"
+    if address.is_link_local:
+        return "link-local"
+    if address.is_multicast:
+        return "multicast"
+    if address.version == 4 and address in _SHARED:
+        return "shared"
+    if address.is_reserved:
+        return "reserved"
+    if address.is_private or (address.version == 6 and address.is_site_local):
+        return "private"
+    if not address.is_global:
+        return "not globally routable"
+    return None
+
+
+def address_refusal(address: str, *, allow_private: bool = False) -> str | None:
+    """Why a callback may not connect to ``address`` (an IP address as the resolver gives it), or
+    None when it may.
+
+    Refused: loopback, private (RFC 1918, fc00::/7), shared (100.64.0.0/10), link-local
+    (169.254.0.0/16, including the instance metadata service, and fe80::/10), multicast,
+    reserved, unspecified and any other address that is not globally routable, and the IPv6
+    forms embedding such an IPv4 address (IPv4-mapped ``::ffff:a.b.c.d``, 6to4). With
+    ``allow_private``, loopback, private and shared addresses are allowed (receivers inside the
+    stack's network); the others stay refused.
+    """
+    try:
+        parsed = ipaddress.ip_address(address)
+    except ValueError:
+        return f"{address} is not an IP address"
+    if isinstance(parsed, ipaddress.IPv6Address) and parsed.ipv4_mapped is not None:
+        parsed = parsed.ipv4_mapped  # the socket connects to the IPv4 address itself
+    kinds = [_kind_of(parsed)]
+    if isinstance(parsed, ipaddress.IPv6Address) and parsed.sixtofour is not None:
+        kinds.append(_kind_of(parsed.sixtofour))  # a relay forwards to the IPv4 address it embeds
+    refused = [kind for kind in kinds if kind and not (allow_private and kind in PRIVATE_KINDS)]
+    return f"{address} is {refused[0]}" if refused else None
+
+
+def _connection_class(base: type[http.client.HTTPConnection], req: _CallbackRequest) -> Any:
+    """``base`` (HTTP or HTTPS) looking its host up, connecting only to the addresses
+    :func:`address_refusal` allows, shaking hands, sending and reading within the request's deadline.
+
+    Each address refused is noted in ``req.refused``; when every one is, no connection is made
+    and :class:`AddressRefused` is raised.
+    """
+    deadline = req.deadline
 
     def create_connection(address: tuple[str, int], _timeout: Any = None,
                           source_address: tuple[str, int] | None = None) -> socket.socket:
-        refused: OSError | None = None
+        failed: OSError | None = None
         for found in _addresses(address[0], address[1], deadline):
+            # Checked on the address connected to, after the lookup: a name may resolve anywhere.
+            if (why := address_refusal(str(found[0]), allow_private=req.allow_private)) is not None:
+                req.refused.append(why)
+                continue
             try:  # a numeric address: connecting looks nothing up
                 sock = socket.create_connection(found[:2], deadline.left(), source_address)
             except TimeoutError:
                 raise
             except OSError as exc:  # the next address, as socket.create_connection does
-                refused = exc
+                failed = exc
                 continue
             sock.settimeout(deadline.left())  # the TLS handshake that follows gets what is left
             return sock
-        raise refused or OSError(f"{address[0]} has no address")
+        if failed is not None:
+            raise failed
+        if req.refused:
+            raise AddressRefused(f"callbacks go to globally routable addresses only: {'; '.join(req.refused)}")
+        raise OSError(f"{address[0]} has no address")
 
     class DeadlineConnection(base):  # type: ignore[misc, valid-type]
         def connect(self) -> None:
@@ -303,11 +382,14 @@ def _connection_class(base: type[http.client.HTTPConnection], deadline: _Deadlin
 
 
 class _CallbackRequest(urlrequest.Request):
-    """A callback's request, with the deadline its connection keeps."""
+    """A callback's request, with the deadline its connection keeps, whether it may reach private
+    addresses, and the addresses it refused (with why)."""
 
-    def __init__(self, *args: Any, deadline: _Deadline, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, deadline: _Deadline, allow_private: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.deadline = deadline
+        self.allow_private = allow_private
+        self.refused: list[str] = []
 
 
 class _NoRedirects(urlrequest.HTTPRedirectHandler):
@@ -320,12 +402,12 @@ class _NoRedirects(urlrequest.HTTPRedirectHandler):
 
 class _DeadlineHTTPHandler(urlrequest.HTTPHandler):
     def http_open(self, req: _CallbackRequest) -> Any:  # type: ignore[override]
-        return self.do_open(_connection_class(http.client.HTTPConnection, req.deadline), req)
+        return self.do_open(_connection_class(http.client.HTTPConnection, req), req)
 
 
 class _DeadlineHTTPSHandler(urlrequest.HTTPSHandler):
     def https_open(self, req: _CallbackRequest) -> Any:  # type: ignore[override]
-        return self.do_open(_connection_class(http.client.HTTPSConnection, req.deadline), req,
+        return self.do_open(_connection_class(http.client.HTTPSConnection, req), req,
                             context=self._context)  # type: ignore[attr-defined]
 
 
@@ -344,24 +426,29 @@ def redacted_url(url: str) -> str:
         return "<unparseable URL>"
 
 
-def post_callback(url: str, document: Any, secret: str | bytes, delivery_id: str | None = None) -> bool:
+def post_callback(url: str, document: Any, secret: str | bytes, delivery_id: str | None = None, *,
+                  allow_private: bool = False) -> bool:
     """POST ``document`` as JSON to ``url``, signed with ``secret`` (the headers of :func:`signed_headers`).
 
     Never raises: a callback that cannot be delivered (no secret, a URL that is not http(s),
-    a connection error, no answer within :data:`CALLBACK_TIMEOUT_SECONDS` in all, an answer
-    other than 2xx) is logged and counted
-    (``CallbackFailed``) and reported by the result. The log names the URL without its query
-    and credentials, the error's type and the receiver's status, never the error's message:
-    the HTTP client's may repeat the whole URL (``InvalidURL``), token and all.
+    a host that resolves only to addresses :func:`address_refusal` refuses, a connection error,
+    no answer within :data:`CALLBACK_TIMEOUT_SECONDS` in all, an answer other than 2xx) is
+    logged and counted (``CallbackFailed``) and reported by the result. The log names the URL
+    without its query and credentials, the error's type, the receiver's status and the
+    addresses refused (with why), never the error's message: the HTTP client's may repeat the
+    whole URL (``InvalidURL``), token and all.
 
     Args:
         delivery_id: ``X-Ferry-Delivery`` (default: a new random id).
+        allow_private: also connect to loopback, private and shared addresses (the stack's
+            ``DrainCallbackAllowPrivateAddresses``).
 
     Returns:
         True when the receiver answered 2xx.
     """
     where = redacted_url(url)
     delivery = delivery_id or str(uuid.uuid4())
+    request: _CallbackRequest | None = None
     try:
         if urlsplit(url).scheme not in ("http", "https"):
             raise ValueError("callback URLs must be http or https")
@@ -372,7 +459,8 @@ def post_callback(url: str, document: Any, secret: str | bytes, delivery_id: str
             **signed_headers(secret, body, delivery_id=delivery),
         }
         deadline = _Deadline(CALLBACK_TIMEOUT_SECONDS)
-        request = _CallbackRequest(url, data=body, headers=headers, method="POST", deadline=deadline)
+        request = _CallbackRequest(url, data=body, headers=headers, method="POST", deadline=deadline,
+                                   allow_private=allow_private)
         with _opener().open(request, timeout=CALLBACK_TIMEOUT_SECONDS) as response:
             status = response.status
         if not 200 <= status < 300:
@@ -380,10 +468,14 @@ def post_callback(url: str, document: Any, secret: str | bytes, delivery_id: str
     except Exception as exc:
         metrics.add_metric(name="CallbackFailed", unit=MetricUnit.Count, value=1)
         answered = getattr(exc, "code", None)  # an HTTPError's status: the receiver answered, not 2xx
+        # urllib wraps what connecting raised (refused, timed out, no address) in a URLError: name that.
+        cause = exc.reason if isinstance(exc, URLError) and isinstance(exc.reason, BaseException) else exc
+        refused = request.refused if request is not None else []
         logger.warning(
             "callback not delivered",
-            extra={"url": where, "delivery": delivery, "error": type(exc).__name__,
-                   **({"status": answered} if isinstance(answered, int) else {})},
+            extra={"url": where, "delivery": delivery, "error": type(cause).__name__,
+                   **({"status": answered} if isinstance(answered, int) else {}),
+                   **({"refused_addresses": refused} if refused else {})},
         )
         return False
     metrics.add_metric(name="CallbackDelivered", unit=MetricUnit.Count, value=1)

@@ -5,7 +5,9 @@ signed with the shared secret (:mod:`ferry.signing`). The webhook answers in thi
 
 1. no secret configured (``FERRY_WEBHOOK_SECRET`` from the template's ``DrainWebhookSecret``): 503;
 2. a missing, malformed or wrong signature: 401; a timestamp over 5 minutes off either way: 401;
-3. a missing or too long ``X-Ferry-Delivery``, a body that is not JSON or not a drain request: 400;
+3. a missing or too long ``X-Ferry-Delivery``, a body that is not JSON or not a drain request, or
+   one naming a ``callback_url`` while no callback secret is set (``FERRY_CALLBACK_SECRET``, the
+   template's ``DrainCallbackSecret``; callbacks are signed with it, never with this secret): 400;
 4. the same delivery id again: the first answer, and nothing is started again (a record per
    delivery in ``FERRY_IDEMPOTENCY_TABLE``, 24 hours, :mod:`ferry.deliveries`); the same
    delivery id with another body, or while its first request is still being answered: 409;
@@ -164,7 +166,8 @@ def _drain_request(body: bytes) -> dict[str, Any]:
 
     Raises:
         WebhookRequestInvalid: the body is not JSON, or is not a drain request (worded as the
-            API words it, never repeating what was sent: see :func:`ferry.drains.refusal_of`).
+            API words it, never repeating what was sent: see :func:`ferry.drains.refusal_of`), or
+            names a callback URL while callbacks are not configured.
     """
     try:
         document = json.loads(body)

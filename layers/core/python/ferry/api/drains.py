@@ -1,8 +1,10 @@
 """``/ferry/drains`` (admins): start, list, show, pause, resume and cancel drains.
 
 ``POST /ferry/drains`` with ``{"drain": {...}}`` (see :data:`ferry.drains.REQUEST_SCHEMA`)
-answers 202 with the drain it started, or 200 with the plan of a dry run;
-``GET /ferry/drains[?status=]``, ``GET /ferry/drains/{id}``; ``POST /ferry/drains/{id}/action``
+answers 202 with the drain it started, or 200 with the plan of a dry run (400 for a
+``callback_url`` while callbacks are not configured: :func:`ferry.drains.check_callbacks_configured`);
+``GET /ferry/drains[?status=]``, ``GET /ferry/drains/{id}`` (a drain whose workflow ended without
+finishing it is shown finished: :func:`ferry.drains.get_view`); ``POST /ferry/drains/{id}/action``
 with ``{"pause": null}``, ``{"resume": null}`` or ``{"cancel": null}`` answers 202. What they
 do is in :mod:`ferry.drains`; docs/drains.md is the operator's guide.
 """

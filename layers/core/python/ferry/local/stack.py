@@ -52,6 +52,9 @@ HOST_OP_TIMEOUT_PARAMETER = "HostOpTimeoutSeconds"
 HOST_OP_HEARTBEAT_PARAMETER = "HostOpHeartbeatSeconds"
 POLICY_FILE_PARAMETER = "PolicyFile"
 WEBHOOK_SECRET_PARAMETER = "DrainWebhookSecret"
+CALLBACK_SECRET_PARAMETER = "DrainCallbackSecret"
+# The local stack's callback receivers (its tests', an operator's) listen on 127.0.0.1.
+CALLBACK_ALLOW_PRIVATE_PARAMETER = "DrainCallbackAllowPrivateAddresses"
 # The simulated hypervisors' size.
 AGENT_VCPUS = 8
 AGENT_MEMORY_MB = 16384
@@ -217,6 +220,10 @@ class LocalStack:
         redirect_logs: send handlers' and moto's logs to ``<state>/logs/stack.log``.
         webhook_secret: the drain webhook's secret (the template's DrainWebhookSecret); None
             keeps one in ``<state>/webhook-secret``, made on the first start.
+        callback_secret: the secret drain callbacks are signed with (the template's
+            DrainCallbackSecret); None keeps one in ``<state>/callback-secret``, made on the first
+            start. Callbacks may go to private and loopback addresses
+            (DrainCallbackAllowPrivateAddresses true, unless ``parameters`` says otherwise).
         host_capacity: what each host offers guests (vCPUs, memory, disk); None: a small
             hypervisor (``AGENT_VCPUS``, ``AGENT_MEMORY_MB``, ``AGENT_DISK_GB``).
 
@@ -245,6 +252,7 @@ class LocalStack:
         agent_visibility_timeout: int | None = None,
         redirect_logs: bool = True,
         webhook_secret: str | None = None,
+        callback_secret: str | None = None,
         host_capacity: HostCapacity | None = None,
     ) -> None:
         if agent_mode not in ("process", "thread"):
@@ -264,6 +272,7 @@ class LocalStack:
         self.agent_visibility_timeout = agent_visibility_timeout
         self.redirect_logs = redirect_logs
         self.webhook_secret = webhook_secret
+        self.callback_secret = callback_secret
         self.host_capacity = host_capacity or default_host_capacity()
         self.parameters: dict[str, Any] = {STATE_DIR_PARAMETER: str(self.state_dir), **(parameters or {})}
         if host_op_timeout_seconds is not None:
@@ -322,6 +331,11 @@ class LocalStack:
         return self.state_dir / "webhook-secret"
 
     @property
+    def callback_secret_file(self) -> Path:
+        """Where the callback secret made for this state directory is kept (mode 0600)."""
+        return self.state_dir / "callback-secret"
+
+    @property
     def aws_endpoint_url(self) -> str:
         return f"http://127.0.0.1:{self.moto_port}"
 
@@ -369,10 +383,17 @@ class LocalStack:
         self.moto_port = self.moto_port or free_port()
         self.api_port = self.api_port or free_port()
         check_port("127.0.0.1", self.api_port, "--api-port")  # the moto port: LocalAws.start, before moto
-        if WEBHOOK_SECRET_PARAMETER in (load_template(self.template_path).get("Parameters") or {}):
+        declared = load_template(self.template_path).get("Parameters") or {}
+        if WEBHOOK_SECRET_PARAMETER in declared:
             self.webhook_secret = self.parameters.setdefault(
-                WEBHOOK_SECRET_PARAMETER, self.webhook_secret or self._kept_webhook_secret()
+                WEBHOOK_SECRET_PARAMETER, self.webhook_secret or self._kept_secret(self.webhook_secret_file)
             )
+        if CALLBACK_SECRET_PARAMETER in declared:
+            self.callback_secret = self.parameters.setdefault(
+                CALLBACK_SECRET_PARAMETER, self.callback_secret or self._kept_secret(self.callback_secret_file)
+            )
+        if CALLBACK_ALLOW_PRIVATE_PARAMETER in declared:
+            self.parameters.setdefault(CALLBACK_ALLOW_PRIVATE_PARAMETER, "true")
         self.model = resolve(
             self.template_path, stage=self.stage, parameters=self.parameters, endpoint_url=self.aws_endpoint_url
         )
@@ -396,9 +417,9 @@ class LocalStack:
         self.wait_for_hosts(self.ready_timeout)
         log.info("local stack ready: compute API %s, AWS %s", self.api_url, self.aws_endpoint_url)
 
-    def _kept_webhook_secret(self) -> str:
-        """The secret in :attr:`webhook_secret_file`, made (random, readable by its owner only) when missing."""
-        path = self.webhook_secret_file
+    @staticmethod
+    def _kept_secret(path: Path) -> str:
+        """The secret in ``path``, made (random, readable by its owner only) when missing."""
         kept = path.read_text().strip() if path.is_file() else ""
         if kept:
             return kept
@@ -712,6 +733,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--webhook-secret", default=None,
                         help="the drain webhook's secret (the template's DrainWebhookSecret; default: a random "
                              "one made once and kept in <state dir>/webhook-secret)")
+    parser.add_argument("--callback-secret", default=None,
+                        help="the secret drain callbacks are signed with (the template's DrainCallbackSecret; "
+                             "default: a random one made once and kept in <state dir>/callback-secret)")
     args = parser.parse_args(argv)
 
     state_dir = args.state_dir.resolve()
@@ -732,6 +756,7 @@ def main(argv: list[str] | None = None) -> int:
             template_path=args.template,
             parameters={POLICY_FILE_PARAMETER: str(args.policy_file.resolve())} if args.policy_file else None,
             webhook_secret=args.webhook_secret,
+            callback_secret=args.callback_secret,
         )
     except errors.LocalStackError as exc:
         print(f"ferry-local: {exc.message}", file=sys.stderr)
@@ -765,12 +790,15 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, _request_stop)
         signal.signal(signal.SIGINT, _request_stop)
         secret_from = "given with --webhook-secret" if args.webhook_secret else f"in {stack.webhook_secret_file}"
+        callback_from = ("given with --callback-secret" if args.callback_secret
+                         else f"in {stack.callback_secret_file}")
         print(
             f"\nFerry is up.\n"
             f"  compute API   {stack.api_url}\n"
             f"  local AWS     {stack.aws_endpoint_url}\n"
             f"  drain webhook POST {stack.webhook_url}\n"
             f"                secret {secret_from}\n"
+            f"  callbacks     signed with the secret {callback_from}\n"
             f"  hosts         {', '.join(stack.agents)}\n\n"
             f"  export OS_CLIENT_CONFIG_FILE={stack.clouds_yaml}\n"
             f"  export OS_CLOUD=ferry-demo     # or ferry-admin, ferry-alt\n"

@@ -377,7 +377,9 @@ class Drain(TimestampMixin, ApiBase):
     services this drain disabled (so a drain that moved nothing can give them back);
     ``version`` is bumped by every change that hands out a move slot (compare-and-swap);
     ``announced_at`` is when the drain's end was announced (its final event published and its
-    callback posted, whether or not they were delivered), null while that is still to do.
+    callback posted, whether or not they were delivered), null while that is still to do;
+    ``request_digest`` the SHA-256 of the normalised request (``ferry.drains.request_digest``), so
+    ``idempotency_key`` again with another request is refused (null: recorded before digests were).
     """
 
     __tablename__ = "drains"
@@ -394,6 +396,7 @@ class Drain(TimestampMixin, ApiBase):
     disabled_hosts: Mapped[list] = mapped_column(JSON, default=list)
     origin: Mapped[str] = mapped_column(String(32), default="api")
     idempotency_key: Mapped[str | None] = mapped_column(String(255), unique=True, nullable=True)
+    request_digest: Mapped[str | None] = mapped_column(String(64), nullable=True)
     user_id: Mapped[str] = mapped_column(String(255))
     project_id: Mapped[str] = mapped_column(String(255))
     roles: Mapped[list] = mapped_column(JSON, default=list)

@@ -1,8 +1,12 @@
-"""server groups: instance_groups and their members; a move's consumer names its instance
+"""server groups: instance_groups and their members; a move's consumer names its instance; drains' request digests
 
 ``consumers.instance_uuid`` links a migration's consumer (the source host a move holds) to the
 server it moves, so a server group counts a moving member on its source too. Moves under way
 when the revision runs keep no link until they end.
+
+``drains.request_digest`` is the SHA-256 of a drain's normalised request, so its idempotency
+key used again with a different request is refused. Drains recorded before have none, and
+their key names them whatever the request, as before.
 
 Revision ID: 0010_api
 Revises: 0009_api
@@ -22,7 +26,7 @@ depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
-    """Add instance_groups, instance_group_members and consumers.instance_uuid."""
+    """Add instance_groups, instance_group_members, consumers.instance_uuid and drains.request_digest."""
     op.create_table('instance_groups',
     sa.Column('id', sa.Integer(), nullable=False),
     sa.Column('uuid', sa.String(length=36), nullable=False),
@@ -51,10 +55,14 @@ def upgrade() -> None:
     with op.batch_alter_table('consumers', schema=None) as batch_op:
         batch_op.add_column(sa.Column('instance_uuid', sa.String(length=36), nullable=True))
         batch_op.create_index(batch_op.f('ix_consumers_instance_uuid'), ['instance_uuid'], unique=False)
+    with op.batch_alter_table('drains', schema=None) as batch_op:
+        batch_op.add_column(sa.Column('request_digest', sa.String(length=64), nullable=True))
 
 
 def downgrade() -> None:
-    """Drop the server group tables and consumers.instance_uuid."""
+    """Drop drains.request_digest, the server group tables and consumers.instance_uuid."""
+    with op.batch_alter_table('drains', schema=None) as batch_op:
+        batch_op.drop_column('request_digest')
     with op.batch_alter_table('consumers', schema=None) as batch_op:
         batch_op.drop_index(batch_op.f('ix_consumers_instance_uuid'))
         batch_op.drop_column('instance_uuid')
