@@ -298,6 +298,26 @@ def test_an_iteration_that_cannot_record_its_move_settles_its_server_and_frees_i
     assert (shown["state"], shown["error"]) == ("failed", settled["error"])
 
 
+def test_a_moving_server_is_not_settled_while_its_move_still_runs(store, monkeypatch):
+    # GIVEN one move at a time onto the destination, taken by a server whose move's workflow
+    # still runs after RecordFailure gave up waiting for it
+    drain, stuck, waiting = _started_with_two(max_per_dest_host=1)
+    assert drains.acquire_slot(drain, stuck).action == "move"
+    running = {"status": "RUNNING"}
+    monkeypatch.setattr(drains.moves, "move_execution", lambda instance_uuid, migration_uuid: running)
+    error = {"Error": "Ferry.MoveStillRunning", "Cause": "still runs"}
+
+    # WHEN SettleServer runs, THEN it waits for the move: the server keeps its slot
+    with pytest.raises(errors.MoveStillRunning):
+        drains.settle_server(drain, stuck, error)
+    assert drains.acquire_slot(drain, waiting).action == "wait"
+
+    # and once the move's workflow has ended, the server is settled and its slot freed
+    running["status"] = "FAILED"
+    assert drains.settle_server(drain, stuck, error)["state"] == "failed"
+    assert drains.acquire_slot(drain, waiting).action == "move"
+
+
 def test_settling_fails_a_server_whose_move_never_started_and_leaves_a_settled_one(store):
     drain, pending, done = _started_with_two()
     with api_session() as session:

@@ -1734,21 +1734,49 @@ def _completed_as_asked(now: _Whereabouts, source_host: str, *, confirm: bool) -
     return now.vm_state == states.RESIZED and now.migration_status == migration_states.FINISHED
 
 
+def _wait_for_move(drain_uuid: str, instance_uuid: str) -> None:
+    """Refuse to settle a ``moving`` server while its move's workflow still runs.
+
+    Settled, it would no longer count against the drain's per-host and overall limits, and a
+    move that outlasted RecordFailure's wait would run beside the ones started in its place.
+
+    Raises:
+        MoveStillRunning: the workflow of the server's last move still runs (SettleServer waits).
+    """
+    with api_session() as session:
+        try:
+            _drain, server = _load_server(session, drain_uuid, instance_uuid)
+        except errors.DrainNotFound:
+            return
+        if server.state != MOVING or not server.attempts:
+            return
+        migration_uuid = _attempt_ids(drain_uuid, instance_uuid, server.attempts)[0]
+    ran = moves.move_execution(instance_uuid, migration_uuid)
+    if ran is not None and workflows.is_running(ran):
+        raise errors.MoveStillRunning(f"The workflow of move {migration_uuid} of server {instance_uuid} still runs: "
+                                      f"the server is settled once it has ended.")
+
+
 def settle_server(drain_uuid: str, instance_uuid: str, error: Mapping[str, Any] | None) -> dict[str, Any]:
     """The last step of a Map iteration whose bookkeeping failed (AcquireSlot or RecordFailure, after retries).
 
     The iteration will not move its server any more, so a server still ``pending`` or ``moving`` is
     recorded ``failed`` with the error: a server left ``moving`` would hold its per-host slot (see
     :func:`acquire_slot`) and make the other servers wait for ever; one deleted meanwhile is
-    recorded ``gone`` instead, as RecordFailure would have. A server already settled, or no
-    longer in the drain, is left as it is, and so is every server of a drain that ended (final).
-    Idempotent.
+    recorded ``gone`` instead, as RecordFailure would have. A ``moving`` server whose move's
+    workflow still runs is not settled yet (:func:`_wait_for_move`): its slot is still taken. A
+    server already settled, or no longer in the drain, is left as it is, and so is every server
+    of a drain that ended (final). Idempotent.
 
     Returns:
         ``{"state", "error"}`` of the server (Nones when it is not in the drain).
+
+    Raises:
+        MoveStillRunning: the server is ``moving`` and its move's workflow still runs.
     """
     message = workflows.error_message(dict(error)) if error else "unknown error"
     gone = _gone(instance_uuid)  # read in the cells before the drain's row is taken
+    _wait_for_move(drain_uuid, instance_uuid)
     with api_session() as session:
         try:
             drain, server = _load_server(session, drain_uuid, instance_uuid)
