@@ -2610,7 +2610,7 @@ def test_showing_a_quiet_drain_whose_workflow_ended_shows_it_finished(store, dra
     _quiet_for(drain, 10)
 
     # WHEN it is shown
-    view = drains.get_view(drain)
+    view = drains.show(drain)
 
     # THEN it shows the end its workflow met, as an action on it would have found it
     assert view["status"] == "failed" and f"drain-{drain} ended aborted" in view["message"]
@@ -2649,7 +2649,7 @@ def test_a_drain_changed_lately_or_whose_workflow_runs_is_shown_as_recorded(stor
     described = _described(monkeypatch)
 
     # WHEN they are shown and listed
-    views = [drains.get_view(recent), drains.get_view(running), *drains.list_views()]
+    views = [drains.show(recent), drains.show(running), *drains.list_views()]
 
     # THEN only the quiet one's workflow is asked about (once for each look), and nothing changes
     assert described == [f"drain-{running}", f"drain-{running}"]
@@ -2676,7 +2676,7 @@ def test_a_failed_look_at_a_quiet_drains_workflow_never_fails_show_or_list(store
         monkeypatch.setattr(drains, "finish", broken)
 
     # WHEN it is shown and listed
-    shown = drains.get_view(drain)
+    shown = drains.show(drain)
     [listed] = drains.list_views()
 
     # THEN each looked, and it is shown as recorded

@@ -729,7 +729,20 @@ def _shown_options(drain: Drain) -> dict[str, Any]:
 
 
 def get_view(drain_uuid: str) -> dict[str, Any]:
-    """The drain as the API shows it, with its servers.
+    """The drain as recorded, in the API's shape, with its servers (a dry run abandoned for good
+    failed first).
+
+    Raises:
+        DrainNotFound.
+    """
+    _fail_abandoned_dry_runs(drain_uuid)
+    with api_session() as session:
+        drain = _load(session, drain_uuid)
+        return _view(drain, _servers(session, drain))
+
+
+def show(drain_uuid: str) -> dict[str, Any]:
+    """The drain as the API shows it (:func:`get_view`), once the view can be trusted to be current.
 
     A drain not final and unchanged for :data:`QUIET_BEFORE_LOOK` is first finished if its
     workflow ended without finishing it (:func:`finish_if_workflow_ended`), so the view shows
@@ -738,15 +751,11 @@ def get_view(drain_uuid: str) -> dict[str, Any]:
     Raises:
         DrainNotFound.
     """
-    _fail_abandoned_dry_runs(drain_uuid)
     with api_session() as session:
-        drain = _load(session, drain_uuid)
-        if not _is_quiet(drain, utcnow()):
-            return _view(drain, _servers(session, drain))
-    _finish_ended_workflows([drain_uuid])
-    with api_session() as session:
-        drain = _load(session, drain_uuid)
-        return _view(drain, _servers(session, drain))
+        quiet = _is_quiet(_load(session, drain_uuid), utcnow())
+    if quiet:
+        _finish_ended_workflows([drain_uuid])
+    return get_view(drain_uuid)
 
 
 def list_views(status: str | None = None, limit: int | None = None) -> list[dict[str, Any]]:
@@ -754,7 +763,7 @@ def list_views(status: str | None = None, limit: int | None = None) -> list[dict
 
     Of the drains listed that are not final and unchanged for :data:`QUIET_BEFORE_LOOK`, the
     :data:`MAX_LOOKS_PER_LIST` quiet the longest are first finished if their workflow ended
-    without finishing them, as :func:`get_view` does.
+    without finishing them, as :func:`show` does.
     """
     _fail_abandoned_dry_runs()
     views, quiet = _listed(status, limit)

@@ -4,7 +4,7 @@
 answers 202 with the drain it started, or 200 with the plan of a dry run (400 for a
 ``callback_url`` while callbacks are not configured: :func:`ferry.drains.check_callbacks_configured`);
 ``GET /ferry/drains[?status=]``, ``GET /ferry/drains/{id}`` (a drain whose workflow ended without
-finishing it is shown finished: :func:`ferry.drains.get_view`); ``POST /ferry/drains/{id}/action``
+finishing it is shown finished: :func:`ferry.drains.show`); ``POST /ferry/drains/{id}/action``
 with ``{"pause": null}``, ``{"resume": null}`` or ``{"cancel": null}`` answers 202. What they
 do is in :mod:`ferry.drains`; docs/drains.md is the operator's guide.
 """
@@ -67,7 +67,7 @@ def list_drains() -> Response:
 def show_drain(drain_id: str) -> Response:
     ctx = request.caller(router)
     policy.enforce(ctx, RULE.format("show"), policy.NO_PROJECT)
-    return request.json_response(200, {"drain": drains.get_view(_drain_id(drain_id))})
+    return request.json_response(200, {"drain": drains.show(_drain_id(drain_id))})
 
 
 @router.post("/ferry/drains/<drain_id>/action")
