@@ -145,8 +145,8 @@ def test_a_group_that_cannot_take_them_all_refuses_the_request(cloud):
     assert sorted(shown) == sorted(s["id"] for s in listed().values())
 
 
-def test_a_workflow_that_does_not_start_takes_its_server_and_the_later_ones_back(cloud, monkeypatch):
-    # GIVEN Step Functions refusing the second start
+def refusing_the_second_start(monkeypatch) -> list[str]:
+    """Step Functions refusing every start after the first; returns the servers started."""
     real_start, started = workflows.start_execution, []
 
     def start(arn, name, payload):
@@ -156,11 +156,35 @@ def test_a_workflow_that_does_not_start_takes_its_server_and_the_later_ones_back
         return real_start(arn, name, payload)
 
     monkeypatch.setattr(workflows, "start_execution", start)
+    return started
 
-    # WHEN three servers are asked for, THEN the request fails, and only the first server is left
-    response = create(cloud, max_count=3)
+
+def test_a_workflow_that_does_not_start_takes_its_server_and_the_later_ones_back(cloud, monkeypatch):
+    started = refusing_the_second_start(monkeypatch)
+
+    # WHEN at least two servers are asked for, THEN the request fails, and only the first server is left
+    response = create(cloud, min_count=2, max_count=3)
 
     assert response.status == 500
     assert [s["id"] for s in listed().values()] == started
     assert [m.instance_uuid for m in api_rows(InstanceMapping)] == started
     assert {p.device_id for p in api_rows(Port)} == set(started)
+
+
+def test_servers_started_before_a_workflow_failed_are_the_answer_when_min_count_of_them_were(cloud, monkeypatch):
+    started = refusing_the_second_start(monkeypatch)
+
+    response = create(cloud, min_count=1, max_count=3)
+
+    assert response.status == 202 and response.body["server"]["id"] == started[0]
+    assert [s["id"] for s in listed().values()] == started
+    assert [m.instance_uuid for m in api_rows(InstanceMapping)] == started
+
+
+def test_long_names_give_each_server_a_hostname_of_its_own(cloud):
+    assert create(cloud, name="a" * 70, max_count=3).status == 202
+
+    hostnames = sorted(s["OS-EXT-SRV-ATTR:hostname"] for s in listed().values())
+    assert hostnames == ["a" * 61 + "-1", "a" * 61 + "-2", "a" * 61 + "-3"]
+    assert create(cloud, name="日本", max_count=2).status == 202  # nothing Latin-1 left: Server-<uuid> each
+    assert len({s["OS-EXT-SRV-ATTR:hostname"] for s in listed().values()}) == 5

@@ -103,15 +103,17 @@ def parse(view: ViewContext, params: Mapping[str, list[str]]) -> ServerFilters:
 
     changes_since, changes_before = request.time_window(last("changes-since"), last("changes-before"))
     locked = last("locked")
-    statuses = _upper(usable.get("status"))
     read_deleted = _read_deleted(last("deleted"), windowed=changes_since is not None or changes_before is not None)
-    if statuses == {"DELETED"}:  # as in Nova: deleted servers only, and for admins only
-        if not admin:
-            raise errors.Forbidden("Only administrators may list deleted instances")
-        read_deleted = "only"
     vm_states, task_states = _set(usable.get("vm_state")), _set(usable.get("task_state"))
-    if statuses is not None:
-        vm_states, task_states = _states_of(view, statuses)
+    if "status" in usable:
+        # As Nova: the status replaces vm_state, and task_state unless it stands for any task.
+        vm_states, by_status = _states_of(view, frozenset(v.upper() for v in usable["status"]))
+        if by_status is not None:
+            task_states = by_status
+        if vm_states == {states.DELETED}:  # deleted servers only, and for admins only
+            if not admin:
+                raise errors.Forbidden("Only administrators may list deleted instances")
+            read_deleted = "only"
     budget = MatchBudget()
     return ServerFilters(
         name=_pattern("name", last("name"), budget),
@@ -147,11 +149,6 @@ def _read_deleted(deleted: str | None, *, windowed: bool) -> ReadDeleted:
 
 def _pattern(name: str, value: str | None, budget: MatchBudget) -> SearchPattern | None:
     return SearchPattern(name, value, budget) if value else None
-
-
-def _upper(values: list[str] | None) -> frozenset[str] | None:
-    found = frozenset(v.strip().upper() for v in values or () if v.strip())
-    return found or None
 
 
 # From this microversion a status Nova does not know is refused; before, it finds nothing.

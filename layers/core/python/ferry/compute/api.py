@@ -556,9 +556,14 @@ def _deleted_marker(marker: str, project: str | None) -> list[Server]:
         cell = mapping.cell if mapping is not None else None
     if cell is None:
         return []
-    with cell_session(cell) as session:
-        row = session.scalars(select(Instance).where(Instance.uuid == marker, Instance.hidden.is_(False))).first()
-        return [] if row is None else [_server_from_instance(row, cell.name)]
+    try:
+        with cell_session(cell) as session:
+            row = session.scalars(select(Instance).where(Instance.uuid == marker, Instance.hidden.is_(False))).first()
+            return [] if row is None else [_server_from_instance(row, cell.name)]
+    except DBAPIError as exc:
+        if not db.transient(exc):
+            raise
+        return []  # its cell does not answer: the marker is not found, as for a live one there
 
 
 def _fixed_addresses(uuids: Sequence[str]) -> dict[str, list[str]]:
@@ -861,6 +866,17 @@ def _refuse_multiple(request: BootRequest, root: dict[str, Any] | None) -> None:
                                 "gets one made from its name.")
 
 
+def _default_hostname(name: str, uuid: str, index: int, count: int) -> str:
+    """The hostname of server ``index`` of ``count`` made from the request's ``name``: as one
+    server's, with ``-<index + 1>`` after it when there are several (the name made a hostname
+    first and cut to leave room for the number, so that no two are the same)."""
+    base = instances.default_hostname(name, uuid)
+    if count == 1 or base.startswith("Server-"):  # Server-<uuid>: each server's own already
+        return base
+    suffix = f"-{index + 1}"
+    return base[:instances.HOSTNAME_LENGTH - len(suffix)].rstrip(".-") + suffix
+
+
 def create_servers(ctx: RequestContext, request: BootRequest) -> list[str]:
     """Accept new servers and start a boot workflow for each; returns their ids, in launch order.
 
@@ -872,8 +888,9 @@ def create_servers(ctx: RequestContext, request: BootRequest) -> list[str]:
     ``multi_instance_display_name_template``).
 
     Nothing is written when a check fails. When a workflow cannot be started, that server's
-    records and those of the servers after it are removed again and the error is raised; the
-    servers before it boot.
+    records and those of the servers after it are removed again; the servers before it boot,
+    and they are the answer when there are at least ``min_count`` of them, else the error is
+    raised.
 
     Raises:
         BadRequest: unknown or disabled flavor, unknown image, an unsupported block device
@@ -921,7 +938,7 @@ def create_servers(ctx: RequestContext, request: BootRequest) -> list[str]:
             name = request.name if count == 1 else f"{request.name}-{index + 1}"
             instance = {
                 "display_name": name, "display_description": request.description,
-                "hostname": request.hostname or instances.default_hostname(name, uuid),
+                "hostname": request.hostname or _default_hostname(request.name, uuid, index, count),
                 "reservation_id": reservation_id, "user_data": request.user_data,
                 "project_id": ctx.project_id, "user_id": ctx.user_id, "image_ref": image_id if root is None else "",
                 "flavor": snapshot, "vm_state": states.BUILDING,
@@ -957,8 +974,7 @@ def create_servers(ctx: RequestContext, request: BootRequest) -> list[str]:
     except Exception:
         # A concurrent boot took the room (OverQuota), or the count could not be made (the API
         # database out of reach, say: a cell's is left out of it): no workflow would ever take the build requests.
-        for uuid in uuids:
-            _discard_build(uuid, forget=True)
+        _discard_builds(uuids)
         raise
     for index, uuid in enumerate(uuids):
         try:
@@ -967,12 +983,23 @@ def create_servers(ctx: RequestContext, request: BootRequest) -> list[str]:
         except Exception:
             logger.exception("boot workflow did not start; discarding the build requests not started",
                              extra={"instance_uuid": uuid, "started": uuids[:index]})
-            for unstarted in uuids[index:]:
-                _discard_build(unstarted, forget=True)
+            _discard_builds(uuids[index:])
+            if index and index >= request.min_count:
+                return uuids[:index]  # as many as could be made, and at least min_count: the request stands
             raise
         logger.info("server accepted", extra={"instance_uuid": uuid, "flavor": snapshot["flavorid"],
                                               "reservation_id": reservation_id})
     return uuids
+
+
+def _discard_builds(uuids: Iterable[str]) -> None:
+    """Discard the build requests of servers accepted and never started, each whatever became of
+    the others (one that cannot be discarded is logged: ``ferry audit`` reports what is left)."""
+    for uuid in uuids:
+        try:
+            _discard_build(uuid, forget=True)
+        except Exception:
+            logger.exception("build request not discarded", extra={"instance_uuid": uuid})
 
 
 # --- releasing what a server holds --------------------------------------------------------------------

@@ -90,7 +90,7 @@ def states_of_statuses(statuses: Iterable[str]) -> tuple[frozenset[str], frozens
         both empty for statuses Nova knows and no Ferry server shows; None when no status is one
         Nova knows.
     """
-    wanted = {status.strip().upper() for status in statuses}
+    wanted = {status.upper() for status in statuses}
     vm_states: set[str] = set()
     task_states: set[str] = set()
     for vm_state, by_task in _STATE_MAP.items():

@@ -455,6 +455,19 @@ def _settled_since(event: dict[str, Any]) -> bool:
     return False
 
 
+def _require_move_task(cell: str, uuid: str) -> None:
+    """Refuse to switch a server whose source copy is no longer this move's (``resize_finish``).
+
+    Raises:
+        UnexpectedTaskState: an os-resetState, or a move started after it, changed the task.
+    """
+    with cell_session(cell) as session:
+        task_state = instances.get(session, uuid).task_state
+    if task_state != states.RESIZE_FINISH:
+        raise errors.UnexpectedTaskState(
+            f"Instance {uuid} is in task_state {task_state}, not {states.RESIZE_FINISH}: the move is not switched.")
+
+
 def complete_move(event: dict[str, Any]) -> dict[str, Any]:
     """VERIFY_RESIZE in the target cell: the target copy shows, the mapping follows, the snapshot goes.
 
@@ -478,6 +491,7 @@ def complete_move(event: dict[str, Any]) -> dict[str, Any]:
         # finish the switch without undoing either.
         _finish_switch(event)
         return {}
+    _require_move_task(cell, uuid)  # before anything is written (and again where the source cell is)
     with api_session() as session:
         network.activate(session, uuid, dest["host"])
         volumes.complete_on(session, uuid, dest["host"])

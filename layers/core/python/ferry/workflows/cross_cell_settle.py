@@ -138,7 +138,9 @@ def hide_source_copy(cell: str, instance_uuid: str, migration_uuid: str) -> bool
     back to ``cell``, which may be the server), never this move's source copy. Nothing changes
     either when a revert owns that copy (``cell``'s copy of the migration is ``reverting`` or
     ``reverted``, or the copy's task is ``resize_reverting``: FlipToSourceCell writes both in one
-    transaction and then makes the copy the server again) or when the copy is gone. The
+    transaction and then makes the copy the server again), when the copy runs any task but this
+    move's last (``resize_finish``: an os-resetState and a newer move may have given it another),
+    or when the copy is gone. The
     conditions are part of the one UPDATE, and the task is on the row it updates (a concurrent
     write of it is re-read before the update applies), so a revert flipping the server back at
     the same moment is never undone by it. Idempotent.
@@ -156,7 +158,7 @@ def hide_source_copy(cell: str, instance_uuid: str, migration_uuid: str) -> bool
         result = cast(CursorResult[Any], session.execute(
             update(Instance)
             .where(Instance.uuid == instance_uuid, Instance.deleted.is_(False), of_this_move, ~owned_by_revert,
-                   or_(Instance.task_state.is_(None), Instance.task_state != states.RESIZE_REVERTING),
+                   or_(Instance.task_state.is_(None), Instance.task_state == states.RESIZE_FINISH),
                    or_(Instance.hidden.is_(False), Instance.task_state.is_not(None)))
             .values(hidden=True, task_state=None)))
         return result.rowcount > 0
