@@ -13,8 +13,19 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 from sqlalchemy import select, update
-from sqlalchemy.exc import OperationalError, ProgrammingError
-from test_api_support import ADMIN, ALICE, BOB, Caller, add_host, api_rows, call, create_server, mocked_cloud
+from sqlalchemy.exc import OperationalError
+from test_api_support import (
+    ADMIN,
+    ALICE,
+    BOB,
+    Caller,
+    add_host,
+    api_rows,
+    call,
+    cell_away,
+    create_server,
+    mocked_cloud,
+)
 
 from ferry import config, errors, quotas, workflows
 from ferry.auth import RequestContext
@@ -895,21 +906,13 @@ def test_a_cell_whose_database_does_not_answer_is_left_out_of_the_list(cloud, mo
     in_cell1, in_cell2 = create_server(name="one"), create_server(name="two")
     schedule(in_cell1)
     schedule(in_cell2, "cell2")
-    opened = compute_api.cell_session
-
-    def cell2_away(cell):
-        if getattr(cell, "name", cell) == "cell2":
-            raise OperationalError("SELECT", {}, ConnectionRefusedError("could not connect to server"))
-        return opened(cell)
-
-    monkeypatch.setattr(compute_api, "cell_session", cell2_away)
+    cell_away(monkeypatch, compute_api, "cell2")
 
     # WHEN the servers are listed, THEN cell1's are, and cell2's are left out (not a 500)
     assert _listed({}) == ["one"]
 
     # AND a database error that is not of the moment still fails the list
-    monkeypatch.setattr(compute_api, "cell_session", lambda cell: (_ for _ in ()).throw(
-        ProgrammingError("SELECT", {}, Exception("relation does not exist"))))
+    cell_away(monkeypatch, compute_api, "cell2", broken=True)
     assert call("GET", "/v2.1/servers/detail", version="2.90").status == 500
 
 

@@ -21,6 +21,7 @@ import pytest
 from moto import mock_aws
 from moto_credentials import use_moto_credentials
 from sqlalchemy import select
+from sqlalchemy.exc import OperationalError, ProgrammingError
 
 from ferry import aws, config, hosts, images, protocol
 from ferry.compute import api as compute_api
@@ -213,3 +214,19 @@ def api_rows(model: Any, **where: Any) -> list[Any]:
         for key, value in where.items():
             query = query.where(getattr(model, key) == value)
         return list(session.scalars(query))
+
+
+def cell_away(monkeypatch: pytest.MonkeyPatch, module: ModuleType, away: str, *, broken: bool = False) -> None:
+    """Make ``module``'s ``cell_session`` find cell ``away``'s database not answering (a
+    connection refused); with ``broken``, every cell's refusing a statement for good instead (an
+    error that is not of the moment)."""
+    opened = module.cell_session
+
+    def session_for(cell: Any) -> Any:
+        if broken:
+            raise ProgrammingError("SELECT", {}, Exception("relation does not exist"))
+        if getattr(cell, "name", cell) == away:
+            raise OperationalError("SELECT", {}, ConnectionRefusedError("could not connect to server"))
+        return opened(cell)
+
+    monkeypatch.setattr(module, "cell_session", session_for)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 from sqlalchemy import select, update
-from sqlalchemy.exc import OperationalError, ProgrammingError
+from sqlalchemy.exc import ProgrammingError
 from test_api_moves import active_server, resized_server, set_instance, snapshot_of, start_move_cloud
-from test_api_support import ADMIN, ALICE, BOB, call, create_server, mocked_cloud
+from test_api_support import ADMIN, ALICE, BOB, call, cell_away, create_server, mocked_cloud
 
 from ferry import config, quotas
 from ferry.compute import states
@@ -181,21 +181,13 @@ def test_a_cell_whose_database_does_not_answer_is_left_out_of_the_count(cloud, m
         with cell_session(cell) as session:
             session.add(Instance(display_name=cell, project_id="project-a", user_id="alice", flavor=small,
                                  vm_state=states.ACTIVE))
-    opened = quotas.cell_session
-
-    def cell2_away(cell):
-        if getattr(cell, "name", cell) == "cell2":
-            raise OperationalError("SELECT", {}, ConnectionRefusedError("could not connect to server"))
-        return opened(cell)
-
-    monkeypatch.setattr(quotas, "cell_session", cell2_away)
+    cell_away(monkeypatch, quotas, "cell2")
 
     # WHEN the project's usage is counted, THEN cell2's server is left out, not the count failed
     assert quotas.usage("project-a") == {"instances": 1, "cores": 1, "ram": 512}
 
     # AND a database error that is not of the moment still fails the count
-    monkeypatch.setattr(quotas, "cell_session", lambda cell: (_ for _ in ()).throw(
-        ProgrammingError("SELECT", {}, Exception("relation does not exist"))))
+    cell_away(monkeypatch, quotas, "cell2", broken=True)
     with pytest.raises(ProgrammingError):
         quotas.usage("project-a")
 
