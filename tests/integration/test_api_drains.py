@@ -132,3 +132,19 @@ def test_a_drains_view_counts_and_shows_a_server_deleted_during_the_drain_as_gon
     assert (counts["done"], counts["gone"], counts["failed"], counts["left"]) == (1, 1, 0, 0)
     assert [s["state"] for s in shown.body["drain"]["servers"]] == ["done", "gone"]
     assert listed.body["drains"][0]["counts"] == counts
+
+
+def test_drains_are_listed_by_a_status_with_the_hosts_they_disabled_and_an_unknown_status_is_400(cloud):
+    drain_uuid = running_drain()
+    with api_session() as session:  # as PlanDrain records the services it disabled
+        session.execute(update(Drain).where(Drain.uuid == drain_uuid).values(disabled_hosts=["host1"]))
+
+    running = call("GET", "/v2.1/ferry/drains", caller=ADMIN, query={"status": "running"})
+    completed = call("GET", "/v2.1/ferry/drains", caller=ADMIN, query={"status": "completed"})
+    unknown = call("GET", "/v2.1/ferry/drains", caller=ADMIN, query={"status": "bogus"})
+
+    assert [d["id"] for d in running.body["drains"]] == [drain_uuid]
+    shown = call("GET", f"/v2.1/ferry/drains/{drain_uuid}", caller=ADMIN).body["drain"]
+    assert running.body["drains"][0]["disabled_hosts"] == shown["disabled_hosts"] == ["host1"]
+    assert completed.body["drains"] == []
+    assert unknown.status == 400 and "Invalid drain status 'bogus'" in unknown.body["badRequest"]["message"]

@@ -697,7 +697,10 @@ def _server_view(server: DrainServer) -> dict[str, Any]:
             "error": server.error, "started_at": _iso(server.started_at), "finished_at": _iso(server.finished_at)}
 
 
-def _view(drain: Drain, servers: list[DrainServer], *, with_servers: bool = True) -> dict[str, Any]:
+def _view(drain: Drain, servers: list[DrainServer], *, with_servers: bool = True,
+          with_hosts: bool = False) -> dict[str, Any]:
+    """The drain in the API's shape; ``with_hosts`` adds ``disabled_hosts`` (the API's view, not
+    the announced one: FinishDrain run again gives hosts back and announces the same view)."""
     now = utcnow()
     counts = _counts(servers)
     average, left = _eta(drain, servers, counts, now)
@@ -714,6 +717,10 @@ def _view(drain: Drain, servers: list[DrainServer], *, with_servers: bool = True
         "plan": {"fits": drain.fits, "unplaceable": [
             {"id": s.instance_uuid, "name": s.name, "reason": s.error} for s in servers if s.state == UNPLACEABLE]},
     }
+    if with_hosts:
+        # The compute services this drain disabled and has not given back: after a cancel or a
+        # failure an operator enables them from here.
+        view["disabled_hosts"] = list(drain.disabled_hosts or [])
     if with_servers:
         view["servers"] = [_server_view(s) for s in servers]
     return view
@@ -742,7 +749,8 @@ def get_view(drain_uuid: str) -> dict[str, Any]:
 
 
 def show(drain_uuid: str) -> dict[str, Any]:
-    """The drain as the API shows it (:func:`get_view`), once the view can be trusted to be current.
+    """The drain as the API shows it (:func:`get_view`, with ``disabled_hosts``), once the view
+    can be trusted to be current.
 
     A drain not final and unchanged for :data:`QUIET_BEFORE_LOOK` is first finished if its
     workflow ended without finishing it (:func:`finish_if_workflow_ended`), so the view shows
@@ -751,11 +759,14 @@ def show(drain_uuid: str) -> dict[str, Any]:
     Raises:
         DrainNotFound.
     """
+    _fail_abandoned_dry_runs(drain_uuid)
     with api_session() as session:
         quiet = _is_quiet(_load(session, drain_uuid), utcnow())
     if quiet:
         _finish_ended_workflows([drain_uuid])
-    return get_view(drain_uuid)
+    with api_session() as session:
+        drain = _load(session, drain_uuid)
+        return _view(drain, _servers(session, drain), with_hosts=True)
 
 
 def list_views(status: str | None = None, limit: int | None = None) -> list[dict[str, Any]]:
@@ -787,7 +798,8 @@ def _listed(status: str | None, limit: int | None) -> tuple[list[dict[str, Any]]
             for server in session.scalars(select(DrainServer).where(DrainServer.drain_id.in_([d.id for d in drains]))):
                 by_drain[server.drain_id].append(server)
         quiet = sorted((d for d in drains if _is_quiet(d, now)), key=_last_changed)
-        return [_view(d, by_drain[d.id], with_servers=False) for d in drains], [d.uuid for d in quiet]
+        return [_view(d, by_drain[d.id], with_servers=False, with_hosts=True) for d in drains], \
+            [d.uuid for d in quiet]
 
 
 def _last_changed(drain: Drain) -> dt.datetime:

@@ -59,6 +59,9 @@ def list_drains() -> Response:
     policy.enforce(ctx, RULE.format("list"), policy.NO_PROJECT)
     params = request.query(router)
     status = params["status"][-1] if params.get("status") else None
+    if status is not None and status not in drains.FINAL_STATUSES | drains.UNFINISHED_STATUSES:
+        known = ", ".join(sorted(drains.FINAL_STATUSES | drains.UNFINISHED_STATUSES))
+        raise errors.BadRequest(f"Invalid drain status {status!r}: one of {known}.")
     limit = request.parse_limit(params["limit"][-1]) if params.get("limit") else None
     return request.json_response(200, {"drains": drains.list_views(status=status, limit=limit)})
 
