@@ -258,7 +258,8 @@ def test_show_renders_the_drain_and_its_servers(cloud, capsys):
                server(VM3, "vm3", "unplaceable", planned_host=None)]
     shown = view("running", {"done": 1, "in_progress": 1, "left": 1, "unplaceable": 1}, servers=servers,
                  eta="2026-11-23T10:06:05Z", eta_seconds=65, average_move_seconds=61.6, message="one cannot be placed",
-                 plan={"fits": False, "unplaceable": [{"id": VM3, "name": "vm3", "reason": "too big"}]})
+                 plan={"fits": False, "unplaceable": [{"id": VM3, "name": "vm3", "reason": "too big"}]},
+                 disabled_hosts=["h1"])
     conn = cloud(ok({"drain": shown}))
 
     assert cli.main(["drain", "show", DRAIN_ID]) == 0
@@ -273,6 +274,7 @@ def test_show_renders_the_drain_and_its_servers(cloud, capsys):
     assert "  average move 1m 02s" in lines
     assert "  plan         does not fit: 1 server(s) cannot be placed" in lines
     assert "  message      one cannot be placed" in lines
+    assert "  disabled     h1" in lines
     rows = [line.split() for line in lines[lines.index("") + 1:]]
     assert rows == [["SERVER", "ID", "SOURCE", "DESTINATION", "STATE", "ATTEMPTS", "ERROR"],
                     ["vm1", VM1, "h1", "h2", "done", "1", "-"],

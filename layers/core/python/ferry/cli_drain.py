@@ -384,6 +384,8 @@ def render_view(view: Mapping[str, Any]) -> str:
         fields.append(("plan", f"does not fit: {len(plan['unplaceable'])} server(s) cannot be placed"))
     if view.get("message"):
         fields.append(("message", str(view["message"])))
+    if view.get("disabled_hosts"):
+        fields.append(("disabled", ", ".join(str(host) for host in view["disabled_hosts"])))
     lines = [f"Drain {view.get('id')}  {view.get('status')}"]
     lines += [f"  {name:<13}{value}" for name, value in fields]
     servers = view.get("servers") or []
