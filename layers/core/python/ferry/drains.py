@@ -101,8 +101,10 @@ CELL_DRAIN_CROSS_CELL_MULTIPLIER = -1_000_000.0
 # listed: its workflow may have ended (stopped, timed out, failed) without finishing it, and
 # nothing else would (see finish_if_workflow_ended: one DescribeExecution while it runs).
 QUIET_BEFORE_LOOK = dt.timedelta(minutes=5)
-# How many such drains one list asks about (those quiet the longest first), so a list stays quick.
-MAX_LOOKS_PER_LIST = 3
+# How many such drains one list asks about (the one quiet the longest): a drain found ended is
+# finished there and then (its servers looked up, its end announced), which a list answering
+# within API Gateway's 29 s can afford once.
+MAX_LOOKS_PER_LIST = 1
 
 _NAME = {"type": "string", "minLength": 1, "maxLength": 255}
 # An http(s) URL without whitespace or control characters: the HTTP client refuses those when the
@@ -1756,26 +1758,27 @@ def _completed_as_asked(now: _Whereabouts, source_host: str, *, confirm: bool) -
 
 
 def _wait_for_move(drain_uuid: str, instance_uuid: str) -> None:
-    """Refuse to settle a ``moving`` server while its move's workflow still runs.
+    """Refuse to settle a ``moving`` server while its move's workflow, or its confirm's or
+    revert's, still runs; undo what the drain accepted for it and never started, as RecordFailure
+    does (:func:`_abandon_unstarted`).
 
-    Settled, it would no longer count against the drain's per-host and overall limits, and a
-    move that outlasted RecordFailure's wait would run beside the ones started in its place.
+    Settled, the server would no longer count against the drain's per-host and overall limits,
+    and a move that outlasted RecordFailure's wait would run beside the ones started in its place.
 
     Raises:
-        MoveStillRunning: the workflow of the server's last move still runs (SettleServer waits).
+        MoveStillRunning: a workflow of the server's last move still runs (SettleServer waits).
     """
     with api_session() as session:
         try:
-            _drain, server = _load_server(session, drain_uuid, instance_uuid)
+            drain, server = _load_server(session, drain_uuid, instance_uuid)
         except errors.DrainNotFound:
             return
-        if server.state != MOVING or not server.attempts:
+        if server.state != MOVING or not server.attempts or drain.status in FINAL_STATUSES:
             return
-        migration_uuid = _attempt_ids(drain_uuid, instance_uuid, server.attempts)[0]
-    ran = moves.move_execution(instance_uuid, migration_uuid)
-    if ran is not None and workflows.is_running(ran):
-        raise errors.MoveStillRunning(f"The workflow of move {migration_uuid} of server {instance_uuid} still runs: "
-                                      f"the server is settled once it has ended.")
+        cell = server.cell
+        migration_uuid, request_id = _attempt_ids(drain_uuid, instance_uuid, server.attempts)
+    _abandon_unstarted(cell, instance_uuid, migration_uuid, {"migration_uuid": migration_uuid,
+                                                             "request_id": request_id})
 
 
 def settle_server(drain_uuid: str, instance_uuid: str, error: Mapping[str, Any] | None) -> dict[str, Any]:

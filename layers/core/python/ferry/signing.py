@@ -413,8 +413,11 @@ class _DeadlineHTTPSHandler(urlrequest.HTTPSHandler):
 
 @cache
 def _opener() -> urlrequest.OpenerDirector:
-    """The HTTP client of callbacks: no redirects, and every request within its deadline."""
-    return urlrequest.build_opener(_NoRedirects, _DeadlineHTTPHandler, _DeadlineHTTPSHandler)
+    """The HTTP client of callbacks: no redirects, no proxy (a proxy from the environment would
+    be the address checked, and would reach any address for it), and every request within its
+    deadline."""
+    return urlrequest.build_opener(urlrequest.ProxyHandler({}), _NoRedirects, _DeadlineHTTPHandler,
+                                   _DeadlineHTTPSHandler)
 
 
 def redacted_url(url: str) -> str:
