@@ -111,8 +111,13 @@ def _record(group: InstanceGroup, members: list[str]) -> GroupRecord:
                        created_at=group.created_at)
 
 
-def _over(limit: int, used: int) -> bool:
-    return limit != quotas.UNLIMITED and used > limit
+def _over(resource: str, limit: int, used: int, requested: int) -> bool:
+    return quotas.Headroom(resource, limit, used, requested).over
+
+
+# Nova's words when a group, or a member of one, would go over its quota.
+TOO_MANY_GROUPS = "Quota exceeded, too many server groups."
+TOO_MANY_MEMBERS = "Quota exceeded, too many servers in group"
 
 
 def create_group(ctx: RequestContext, name: str, policy: str, rules: Mapping[str, Any]) -> GroupRecord:
@@ -123,8 +128,8 @@ def create_group(ctx: RequestContext, name: str, policy: str, rules: Mapping[str
     """
     limit = quotas.limits(ctx.project_id)[quotas.SERVER_GROUPS]
     with api_session() as session:
-        if _over(limit, quotas.server_groups_used(ctx.project_id, session) + 1):
-            raise errors.OverQuota("Quota exceeded, too many server groups.")
+        if _over(quotas.SERVER_GROUPS, limit, quotas.server_groups_used(ctx.project_id, session), 1):
+            raise errors.OverQuota(TOO_MANY_GROUPS)
         group = InstanceGroup(name=name, project_id=ctx.project_id, user_id=ctx.user_id, policy=policy,
                               rules=dict(rules))
         session.add(group)
@@ -133,11 +138,11 @@ def create_group(ctx: RequestContext, name: str, policy: str, rules: Mapping[str
     # Counted again once written: two creates may both have passed the check. The group goes in
     # a transaction of its own, which the refusal must not roll back.
     with api_session() as session:
-        over = _over(limit, quotas.server_groups_used(ctx.project_id, session))
+        over = _over(quotas.SERVER_GROUPS, limit, quotas.server_groups_used(ctx.project_id, session), 0)
         if over:
             session.execute(delete(InstanceGroup).where(InstanceGroup.uuid == record.uuid))
     if over:
-        raise errors.OverQuota("Quota exceeded, too many server groups.")
+        raise errors.OverQuota(TOO_MANY_GROUPS)
     logger.info("server group created", extra={"group_uuid": record.uuid, "policy": policy})
     return record
 
@@ -220,8 +225,8 @@ def add_member(session: Session, ctx: RequestContext, group_uuid: str, instance_
         .join(InstanceMapping, InstanceMapping.instance_uuid == InstanceGroupMember.instance_uuid)
         .where(InstanceGroupMember.group_id == row.id, InstanceMapping.user_id == ctx.user_id,
                InstanceMapping.queued_for_delete.is_(False))) or 0
-    if _over(limit, mine + 1):
-        raise errors.OverQuota("Quota exceeded, too many servers in group")
+    if _over(quotas.SERVER_GROUP_MEMBERS, limit, mine, 1):
+        raise errors.OverQuota(TOO_MANY_MEMBERS)
     session.add(InstanceGroupMember(group_id=row.id, instance_uuid=instance_uuid))
     session.flush()
     return {"uuid": group_uuid}
