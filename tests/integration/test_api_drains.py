@@ -50,13 +50,28 @@ def test_a_drain_action_with_a_value_other_than_null_is_400_and_changes_nothing(
     assert status_of(drain_uuid) == drains.RUNNING
 
 
-def test_a_drain_action_with_null_is_accepted(cloud):
+def test_a_drain_action_with_null_is_accepted_and_answered_with_the_hosts_the_drain_disabled(cloud):
     drain_uuid = running_drain()
+    with api_session() as session:  # as PlanDrain records the services it disabled
+        session.execute(update(Drain).where(Drain.uuid == drain_uuid).values(disabled_hosts=["host1"]))
 
     response = call("POST", f"/v2.1/ferry/drains/{drain_uuid}/action", caller=ADMIN, body={"pause": None})
 
     assert response.status == 202, response.body
     assert response.body["drain"]["status"] == drains.PAUSED == status_of(drain_uuid)
+    assert response.body["drain"]["disabled_hosts"] == ["host1"]
+
+
+def test_a_drain_is_answered_as_get_shows_it_with_the_hosts_it_disabled(cloud):
+    add_host("host1")
+    setup.map_host("host1", "cell1")
+
+    created = call("POST", "/v2.1/ferry/drains", caller=ADMIN, body={"drain": {"host": "host1", "dry_run": True}})
+
+    assert created.status == 200, created.body
+    shown = call("GET", f"/v2.1/ferry/drains/{created.body['drain']['id']}", caller=ADMIN).body["drain"]
+    assert created.body["drain"]["disabled_hosts"] == shown["disabled_hosts"] == []
+    assert set(created.body["drain"]) == set(shown)
 
 
 def test_an_unknown_drain_action_is_400(cloud):

@@ -548,12 +548,12 @@ def create_drain(ctx: RequestContext, request: Mapping[str, Any], *, origin: str
             _start_workflow(drain_uuid, name, ctx)
         if unplanned:
             plan(drain_uuid)
-        return 200, {"drain": get_view(drain_uuid)}
+        return 200, {"drain": get_view(drain_uuid, with_hosts=True)}
     if request.get("dry_run"):
         plan(drain_uuid)
-        return 200, {"drain": get_view(drain_uuid)}
+        return 200, {"drain": get_view(drain_uuid, with_hosts=True)}
     _start_workflow(drain_uuid, execution_name_of(drain_uuid), ctx)
-    return 202, {"drain": get_view(drain_uuid)}
+    return 202, {"drain": get_view(drain_uuid, with_hosts=True)}
 
 
 def _start_workflow(drain_uuid: str, name: str, ctx: RequestContext) -> None:
@@ -737,9 +737,9 @@ def _shown_options(drain: Drain) -> dict[str, Any]:
     return options
 
 
-def get_view(drain_uuid: str) -> dict[str, Any]:
+def get_view(drain_uuid: str, *, with_hosts: bool = False) -> dict[str, Any]:
     """The drain as recorded, in the API's shape, with its servers (a dry run abandoned for good
-    failed first).
+    failed first); ``with_hosts`` as in :func:`_view` (every answer of the API has them).
 
     Raises:
         DrainNotFound.
@@ -747,7 +747,7 @@ def get_view(drain_uuid: str) -> dict[str, Any]:
     _fail_abandoned_dry_runs(drain_uuid)
     with api_session() as session:
         drain = _load(session, drain_uuid)
-        return _view(drain, _servers(session, drain))
+        return _view(drain, _servers(session, drain), with_hosts=with_hosts)
 
 
 def show(drain_uuid: str) -> dict[str, Any]:
@@ -898,7 +898,7 @@ def act(drain_uuid: str, action: str) -> dict[str, Any]:
             drain.version += 1
             drain.updated_at = utcnow()
     logger.info("drain action", extra={"drain": drain_uuid, "action": action, "status": to})
-    return get_view(drain_uuid)
+    return get_view(drain_uuid, with_hosts=True)
 
 
 def _set_status(drain_uuid: str, status: str, *, message: str | None = None, release_key: bool = False,
