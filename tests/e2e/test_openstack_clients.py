@@ -209,8 +209,9 @@ def test_the_cli_keeps_an_anti_affinity_groups_servers_apart(cli, servers, local
         servers.wait_for_status(server_id, "ACTIVE")
 
     # THEN they run on two hosts, and the group lists both
-    hosts = {servers.show(server_id)["OS-EXT-SRV-ATTR:host"] for server_id in booted}
-    assert len(hosts) == 2
+    shown = [servers.show(server_id) for server_id in booted]
+    assert len({server["OS-EXT-SRV-ATTR:host"] for server in shown}) == 2
+    assert [server["OS-EXT-SRV-ATTR:launch_index"] for server in shown] == [0, 1]  # kept from the build
     assert sorted(cli.json("server", "group", "show", group["id"])["members"]) == sorted(booted)
 
     # a deleted server leaves the group; the group goes, its other server stays

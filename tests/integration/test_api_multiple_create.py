@@ -48,8 +48,11 @@ def test_max_count_servers_are_made_named_after_the_request_with_one_reservation
     assert response.body["server"]["id"] == servers["web-1"]["id"]  # the first, as Nova answers
     assert sorted(e["input"]["instance_uuid"] for e in cloud.executions("boot")) == sorted(
         s["id"] for s in servers.values())
-    # one reservation, which the list filters by; each server its own hostname and port
-    reservation = {s["OS-EXT-SRV-ATTR:reservation_id"] for s in listed_as_admin().values()}
+    # one reservation, which the list filters by; each server its own hostname, port and launch index
+    as_admin = listed_as_admin()
+    assert {name: s["OS-EXT-SRV-ATTR:launch_index"] for name, s in as_admin.items()} == {
+        "web-1": 0, "web-2": 1, "web-3": 2}
+    reservation = {s["OS-EXT-SRV-ATTR:reservation_id"] for s in as_admin.values()}
     assert len(reservation) == 1
     assert sorted(listed({"reservation_id": reservation.pop()})) == ["web-1", "web-2", "web-3"]
     assert sorted(s["OS-EXT-SRV-ATTR:hostname"] for s in servers.values()) == ["web-1", "web-2", "web-3"]

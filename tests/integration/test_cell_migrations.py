@@ -122,6 +122,29 @@ def test_servers_that_exist_get_a_hostname_from_their_name_and_a_reservation_id(
     assert rows[0].reservation_id != rows[1].reservation_id
 
 
+def test_the_launch_index_comes_and_goes_with_0007_and_servers_keep_their_rows(empty_cell_url):
+    # GIVEN a server made before 0007
+    url = empty_cell_url
+    migrate.upgrade("cell", url, "0006_cell")
+    with engine_for(url).begin() as connection:
+        insert_instance(connection, "u-1", "before")
+
+    # WHEN the cell is upgraded, THEN it has no launch index (shown as 0)
+    migrate.upgrade("cell", url)
+    with engine_for(url).connect() as connection:
+        assert tuple(connection.execute(text("SELECT display_name, launch_index FROM instances")).one()) == (
+            "before", None)
+
+    # WHEN 0007 is undone, THEN the column is gone and the server is still there
+    cfg = migrate.alembic_config("cell", url)
+    with engine_for(url).begin() as connection:
+        cfg.attributes["connection"] = connection
+        command.downgrade(cfg, "0006_cell")
+    with engine_for(url).connect() as connection:
+        assert "launch_index" not in {c["name"] for c in inspect(connection).get_columns("instances")}
+        assert connection.execute(text("SELECT display_name FROM instances")).scalar_one() == "before"
+
+
 NAMES = ["Web Server_1", "☕", "", "..db.01..", "Ünïcode façade", "x" * 80, "a b_c.d", "ß²µ-ºª", "  -_-  ", "web"]
 
 

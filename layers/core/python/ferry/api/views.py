@@ -164,7 +164,8 @@ def server_detail(view: ViewContext, server: Server, *, one: bool = False,
         body["OS-EXT-SRV-ATTR:instance_name"] = server.instance_name
         if view.at_least("2.3"):
             body.update({
-                "OS-EXT-SRV-ATTR:reservation_id": server.reservation_id, "OS-EXT-SRV-ATTR:launch_index": 0,
+                "OS-EXT-SRV-ATTR:reservation_id": server.reservation_id,
+                "OS-EXT-SRV-ATTR:launch_index": server.launch_index,
                 "OS-EXT-SRV-ATTR:hostname": server.hostname, "OS-EXT-SRV-ATTR:kernel_id": "",
                 "OS-EXT-SRV-ATTR:ramdisk_id": "", "OS-EXT-SRV-ATTR:user_data": server.user_data,
                 "OS-EXT-SRV-ATTR:root_device_name": ROOT_DEVICE if server.cell not in (None, CELL0_NAME) else None})

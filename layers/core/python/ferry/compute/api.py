@@ -12,7 +12,7 @@ What :func:`create_server` writes, for the boot workflow:
 
 * ``InstanceMapping`` (cell NULL);
 * ``BuildRequest.instance``: instance column values (``display_name``,
-  ``display_description``, ``hostname``, ``reservation_id``, ``user_data``, ``project_id``,
+  ``display_description``, ``hostname``, ``reservation_id``, ``launch_index``, ``user_data``, ``project_id``,
   ``user_id``, ``image_ref`` — ``""`` when volume-backed —, ``flavor`` snapshot,
   ``vm_state`` building, ``task_state`` scheduling, ``power_state`` 0,
   ``availability_zone``, ``key_name``, ``metadata``, ``locked``);
@@ -154,6 +154,7 @@ class Server:
     description: str | None = None
     hostname: str | None = None
     reservation_id: str | None = None
+    launch_index: int = 0
     user_data: str | None = None
 
     @property
@@ -323,6 +324,7 @@ def _server_from_instance(instance: Instance, cell: str) -> Server:
         launched_at=instance.launched_at, terminated_at=instance.terminated_at, cell=cell,
         description=instance.display_description,
         hostname=instance.hostname, reservation_id=instance.reservation_id, user_data=instance.user_data,
+        launch_index=instance.launch_index or 0,
     )
 
 
@@ -338,6 +340,7 @@ def _server_from_build(build: BuildRequest) -> Server:
         locked=bool(fields.get("locked")), tags=list(build.tags or []),
         description=fields.get("display_description"), hostname=fields.get("hostname"),
         reservation_id=fields.get("reservation_id"), user_data=fields.get("user_data"),
+        launch_index=fields.get("launch_index") or 0,
         volumes=[{"id": b["volume_id"], "delete_on_termination": bool(b.get("delete_on_termination"))}
                  for b in build.block_device_mappings or [] if b.get("destination_type") == "volume"],
     )
@@ -939,7 +942,7 @@ def create_servers(ctx: RequestContext, request: BootRequest) -> list[str]:
             instance = {
                 "display_name": name, "display_description": request.description,
                 "hostname": request.hostname or _default_hostname(request.name, uuid, index, count),
-                "reservation_id": reservation_id, "user_data": request.user_data,
+                "reservation_id": reservation_id, "launch_index": index, "user_data": request.user_data,
                 "project_id": ctx.project_id, "user_id": ctx.user_id, "image_ref": image_id if root is None else "",
                 "flavor": snapshot, "vm_state": states.BUILDING,
                 "task_state": states.SCHEDULING, "power_state": states.NOSTATE,

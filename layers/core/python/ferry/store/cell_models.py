@@ -41,6 +41,9 @@ class Instance(TimestampMixin, CellBase):
     display_description: Mapped[str | None] = mapped_column(Text, nullable=True)
     hostname: Mapped[str | None] = mapped_column(String(255), nullable=True)
     reservation_id: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    # Its place among the servers of its create request (0 for the first); None for servers made
+    # before the column was (shown as 0).
+    launch_index: Mapped[int | None] = mapped_column(Integer, nullable=True)
     user_data: Mapped[str | None] = mapped_column(Text, nullable=True)
     project_id: Mapped[str] = mapped_column(String(255), index=True)
     user_id: Mapped[str] = mapped_column(String(255))
