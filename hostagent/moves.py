@@ -661,7 +661,7 @@ class MoveOperations:
             "visibility": "private",
             # The server's project: no other project sees or boots the snapshot (an older
             # workflow sends no owner; the image is then an admin's only).
-            **({"owner": snapshot["owner"]} if snapshot.get("owner") else {}),
+            **protocol.image_metadata_owner(snapshot.get("owner")),
         }
         sent = disks.upload_sparse_image(self.s3, root, bucket, key, snapshot["data_prefix"], metadata)
         self._emit_metric("SnapshotBytesSent", MetricUnit.Bytes, sent.data_bytes, op.name)

@@ -82,6 +82,17 @@ def test_a_snapshot_of_a_server_with_a_long_non_ascii_name_stays_within_s3s_meta
     assert "\ufffd" not in shown and len(shown) < len(name)
 
 
+def test_a_snapshot_of_a_server_of_a_project_whose_id_is_not_ascii_is_that_projects(cloud, source):
+    server = boot(source)
+    migration_uuid, image_id = str(uuid.uuid4()), str(uuid.uuid4())
+    args = snapshot_args(migration_uuid, image_id)
+    args["snapshot"]["owner"] = "projet-été"
+
+    source.ok(OP, server.uuid, args)
+
+    assert images.get_image(image_id)["owner"] == "projet-été"
+
+
 def test_snapshot_prep_run_again_returns_the_same_snapshot_without_sending_it_again(cloud, source):
     server = boot(source)
     migration_uuid, image_id = str(uuid.uuid4()), str(uuid.uuid4())

@@ -131,6 +131,23 @@ def test_a_private_image_with_no_owner_is_an_admins_only(cloud):
     assert call("GET", f"/v2.1/images/{private['id']}", caller=ADMIN).status == 200
 
 
+@pytest.mark.parametrize("owner", ["prøject-ß", "项目", "p%41q", "hex-0123abcd"])
+def test_an_image_of_a_project_with_any_printable_id_is_that_projects(cloud, owner):
+    # S3 keeps only ASCII metadata: a project id outside it could own no image (nor a move's snapshot)
+    image = images.upload_image(io.BytesIO(IMAGE_BYTES), "theirs", visibility="private", owner=owner)
+
+    assert image["owner"] == images.get_image(image["id"])["owner"] == owner
+    assert images.visible_to(image, owner, is_admin=False)
+    assert not images.visible_to(image, owner + "x", is_admin=False)
+
+
+def test_an_owner_written_before_owners_were_encoded_is_read_as_it_is(cloud):
+    aws.client("s3").put_object(Bucket=config.get().image_bucket, Key="images/old", Body=b"x", Metadata={
+        "image-id": "old", "name": "old", "visibility": "private", "owner": "p%41q", "sha256": "0" * 64})
+
+    assert images.get_image("old")["owner"] == "p%41q"
+
+
 def test_api_image_lookup_by_name_in_the_path_is_404(cloud):
     response = call("GET", "/v2.1/images/cirros")
 

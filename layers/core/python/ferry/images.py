@@ -3,7 +3,8 @@
 An image is the object ``images/<id>`` in the image bucket. Its user metadata describes it:
 ``image-id``, ``name`` (percent-encoded, S3 metadata is ASCII), ``disk-format``,
 ``container-format``, ``sha256``, ``min-disk``, ``min-ram``, ``visibility`` and, for an image
-of a project, ``owner`` (its project id). An object without ``sha256`` is an upload that has not
+of a project, ``owner`` (its project id, percent-encoded with ``owner-encoding: percent``; an
+older image's is as it was written). An object without ``sha256`` is an upload that has not
 finished: it shows as ``saving`` and cannot be booted. A ``private`` image is seen (and booted)
 only by its owner's project and by admins (:func:`visible_to`), as Glance shows it.
 
@@ -111,7 +112,7 @@ def _image(image_id: str, head: dict[str, Any]) -> dict[str, Any]:
         "checksum": None,
         "os_hash_algo": "sha256" if plain_hash else None,
         "os_hash_value": sha256 if plain_hash else None,
-        "owner": meta.get("owner") or None,
+        "owner": protocol.image_owner(meta),
         "tags": [],
         "created_at": modified,
         "updated_at": modified,
@@ -178,7 +179,7 @@ def upload_image(source: BinaryIO, name: str, *, image_id: str | None = None, di
     image_id = image_id or str(uuidlib.uuid4())
     metadata = {"image-id": image_id, "name": protocol.image_metadata_name(name), "disk-format": disk_format,
                 "container-format": container_format, "min-disk": str(min_disk), "min-ram": str(min_ram),
-                "visibility": visibility, **({"owner": owner} if owner else {})}
+                "visibility": visibility, **protocol.image_metadata_owner(owner)}
     s3, bucket, key = aws.client("s3"), _bucket(), _key(image_id)
     reader = _HashingReader(source)
     aws.upload_fileobj(s3, reader, bucket, key, ExtraArgs={"Metadata": metadata})

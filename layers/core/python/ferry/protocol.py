@@ -12,9 +12,10 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import string
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, unquote
 
 from ferry import validation
 
@@ -559,3 +560,26 @@ def image_metadata_name(name: str, limit: int = IMAGE_NAME_BYTES) -> str:
         head.append(piece)
         used += len(piece)
     return "".join(head) + _ELLIPSIS + tail
+
+
+# --- image owners in object metadata -------------------------------------------------------------
+
+# An owner written so is percent-encoded: a project id may hold any printable character, and S3
+# metadata is ASCII. The printable ASCII ones but ``%`` stay as they are (a hex id is unchanged).
+_OWNER_ENCODED = {"owner-encoding": "percent"}
+_OWNER_SAFE = "".join(c for c in string.printable if c not in string.whitespace and c != "%")
+
+
+def image_metadata_owner(owner: str | None) -> dict[str, str]:
+    """The metadata that names an image's owner (a project id), none without one. Written by the
+    compute API's image uploads and by the host agents' snapshots; read by :func:`image_owner`."""
+    return {"owner": quote(owner, safe=_OWNER_SAFE), **_OWNER_ENCODED} if owner else {}
+
+
+def image_owner(metadata: dict[str, str]) -> str | None:
+    """The project that owns the image whose object ``metadata`` this is, or None. An owner
+    written before owners were encoded is taken as it is."""
+    owner = metadata.get("owner")
+    if not owner:
+        return None
+    return unquote(owner) if metadata.get("owner-encoding") == _OWNER_ENCODED["owner-encoding"] else owner
