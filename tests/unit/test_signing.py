@@ -390,6 +390,10 @@ REFUSED = {
     "0.0.0.0": "unspecified", "0.1.2.3": "unspecified", "::": "unspecified",
     "::ffff:127.0.0.1": "loopback", "::ffff:10.0.0.1": "private", "::ffff:169.254.169.254": "link-local",
     "::ffff:100.64.0.1": "shared", "2002:a9fe:a9fe::1": "link-local",
+    # documentation, benchmarking and protocol-assignment ranges: no deployment's own hosts
+    "192.0.2.1": "not globally routable", "198.51.100.7": "not globally routable",
+    "203.0.113.9": "not globally routable", "198.18.0.1": "not globally routable",
+    "192.0.0.1": "not globally routable", "2001:db8::1": "not globally routable",
 }
 
 
@@ -407,6 +411,7 @@ def test_a_callback_may_connect_to_a_globally_routable_address(address):
     ("127.0.0.1", True), ("::1", True), ("10.1.2.3", True), ("fd00::1", True), ("100.64.0.1", True),
     ("::ffff:192.168.0.7", True),
     ("169.254.169.254", False), ("fe80::1", False), ("224.0.0.1", False), ("240.0.0.1", False), ("0.0.0.0", False),
+    ("192.0.2.1", False), ("198.18.0.1", False), ("2001:db8::1", False), ("::ffff:203.0.113.9", False),
 ])
 def test_allowing_private_addresses_allows_loopback_private_and_shared_ones_only(address, allowed):
     assert (signing.address_refusal(address, allow_private=True) is None) is allowed

@@ -286,6 +286,11 @@ PRIVATE_KINDS = ("loopback", "private", "shared")
 _SHARED = ipaddress.ip_network("100.64.0.0/10")
 # RFC 1122's "this network": connecting to one reaches this machine or nothing.
 _THIS_NETWORK = ipaddress.ip_network("0.0.0.0/8")
+# The private networks a deployment numbers its own hosts in (RFC 1918, RFC 4193 and the
+# deprecated site-local fec0::/10). Python's ``is_private`` is wider: the documentation,
+# benchmarking and protocol-assignment ranges count there, and are only "not globally routable" here.
+_PRIVATE = tuple(ipaddress.ip_network(net) for net in (
+    "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "fc00::/7", "fec0::/10"))
 
 
 class AddressRefused(OSError):
@@ -309,7 +314,7 @@ def _kind_of(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | No
         return "shared"
     if address.is_reserved:
         return "reserved"
-    if address.is_private or (address.version == 6 and address.is_site_local):
+    if any(address in network for network in _PRIVATE if network.version == address.version):
         return "private"
     if not address.is_global:
         return "not globally routable"
