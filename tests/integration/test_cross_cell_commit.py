@@ -299,6 +299,60 @@ def test_a_visible_copy_in_the_target_cell_the_mapping_names_is_never_removed():
     assert rows("cell2", uuid, first["migration_uuid"])["instance"][:2] == (False, states.RESIZED)
 
 
+def test_a_switch_still_running_after_the_move_was_found_not_committed_switches_nothing(monkeypatch):
+    # GIVEN a cross-cell move whose CompleteMoveAcrossCells Step Functions gave up on, and
+    # CheckMoveCommitted found it not committed (the rollback may begin)
+    uuid, inp = image_backed_server_in_cell1()
+    doc = run(inp, until="CompleteMoveAcrossCells")
+    assert cross_cell.check_move_committed({**doc, "error": {"Error": "x", "Cause": "x"}}) == {"committed": False}
+
+    # WHEN the invocation Step Functions gave up on runs on (or one starts late)
+    with pytest.raises(errors.UnexpectedMigrationState, match="found not committed"):
+        cross_cell.complete_move(doc)
+
+    # THEN the server is still cell1's, its copy there visible and this move's, the target copy hidden
+    assert instances.cell_of(uuid).name == "cell1"
+    assert rows("cell1", uuid, inp["migration_uuid"])["instance"][:3] == (False, states.ACTIVE, states.RESIZE_FINISH)
+    assert rows("cell2", uuid, inp["migration_uuid"])["instance"][0] is True
+    # asked again, CheckMoveCommitted answers the same; the rollback leaves nothing in cell2
+    assert cross_cell.check_move_committed({**doc, "error": {"Error": "x", "Cause": "x"}}) == {"committed": False}
+    roll_back(doc)
+    assert instances.cell_of(uuid).name == "cell1"
+    assert rows("cell2", uuid, inp["migration_uuid"])["instance"] is None
+    assert rows("cell1", uuid, inp["migration_uuid"])["instance"][:3] == (False, states.ACTIVE, None)
+
+
+@pytest.mark.parametrize("paused_at", ["_require_move_task", "_map_to"])
+def test_a_switch_paused_while_the_move_is_found_not_committed_never_maps_the_server_to_the_target(
+        monkeypatch, paused_at):
+    # GIVEN a CompleteMoveAcrossCells paused before it writes anything (or just before it switches the
+    # mapping), long enough for its Catch to ask CheckMoveCommitted
+    uuid, inp = image_backed_server_in_cell1()
+    doc = run(inp, until="CompleteMoveAcrossCells")
+    answers: list[dict[str, Any]] = []
+    paused = getattr(cross_cell, paused_at)
+
+    def check_meanwhile(*args: Any, **kwargs: Any) -> Any:
+        if not answers:
+            answers.append(cross_cell.check_move_committed({**doc, "error": {"Error": "x", "Cause": "x"}}))
+        return paused(*args, **kwargs)
+
+    monkeypatch.setattr(cross_cell, paused_at, check_meanwhile)
+
+    # WHEN it goes on after CheckMoveCommitted answered
+    with pytest.raises(errors.UnexpectedMigrationState):
+        cross_cell.complete_move(doc)
+
+    # THEN the move was not committed, the mapping still names cell1 and the source copy shows
+    assert answers == [{"committed": False}]
+    assert instances.cell_of(uuid).name == "cell1"
+    assert rows("cell1", uuid, inp["migration_uuid"])["instance"][0] is False
+    monkeypatch.undo()
+    roll_back(doc)
+    assert rows("cell2", uuid, inp["migration_uuid"])["instance"] is None
+    assert rows("cell1", uuid, inp["migration_uuid"])["instance"][:3] == (False, states.ACTIVE, None)
+
+
 def test_a_late_switch_of_an_older_move_never_hides_the_copy_a_newer_move_made_the_server(monkeypatch):
     # GIVEN a move to cell2, confirmed (cell1's copy and its migration gone)
     uuid, first = image_backed_server_in_cell1()

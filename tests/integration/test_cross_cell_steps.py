@@ -239,7 +239,7 @@ def complete_move_failing_at(step: str, doc: dict[str, Any], monkeypatch: pytest
     """CompleteMoveAcrossCells failing when it reaches its ``step`` (``_map_to``, ``_hide_source``):
     the database lost, or the function dead, what came before that step done."""
 
-    def lost(*args: Any) -> None:
+    def lost(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("the connection to the database was lost")
 
     with monkeypatch.context() as patched:

@@ -29,7 +29,7 @@ from typing import Any, cast
 
 from aws_lambda_powertools.metrics import MetricUnit
 from botocore.exceptions import BotoCoreError, ClientError
-from sqlalchemy import select, update
+from sqlalchemy import CursorResult, select, update
 from sqlalchemy.orm import Session
 
 from ferry import config, errors, images, network, notifications, volumes
@@ -206,10 +206,51 @@ def _actions_of(session: Session, uuid: str) -> list[tuple[dict[str, Any], list[
     return acts
 
 
-def _map_to(uuid: str, cell: str) -> None:
+# CheckMoveCommitted's mark on the target cell's copy of a migration whose move it found not
+# committed (Nova's status of a migration that failed): the move is rolled back from then on, and
+# a CompleteMoveAcrossCells still running (its invocation outlived Step Functions' wait for it)
+# must not switch it. RollbackTargetCell removes the copy with its mark.
+ABANDONED = "failed"
+
+
+def _map_to(uuid: str, cell: str, move: dict[str, Any] | None = None) -> None:
+    """Map the instance to ``cell``; for the switch of ``move`` (its step's event), only while the
+    move is not abandoned, checked under the mapping's lock (:func:`_require_not_abandoned`)."""
     with api_session() as session:
+        if move is not None:
+            _require_not_abandoned(session, move)
         cell_id = session.scalars(select(CellMapping.id).where(CellMapping.name == cell)).one()
         session.execute(update(InstanceMapping).where(InstanceMapping.instance_uuid == uuid).values(cell_id=cell_id))
+
+
+def _cell_in(session: Session, name: str) -> CellMapping:
+    """The cell ``name``'s mapping, read in ``session`` (a second API session would wait on it)."""
+    return session.scalars(select(CellMapping).where(CellMapping.name == name)).one()
+
+
+def _lock_mapping(session: Session, uuid: str) -> str | None:
+    """Lock the instance mapping's row (the switch and CheckMoveCommitted take turns on it); the
+    name of the cell it names, or None without a mapping or a cell."""
+    session.scalars(select(InstanceMapping.id).where(InstanceMapping.instance_uuid == uuid)
+                    .with_for_update()).first()
+    return session.scalars(select(CellMapping.name).join(InstanceMapping, InstanceMapping.cell_id == CellMapping.id)
+                           .where(InstanceMapping.instance_uuid == uuid)).first()
+
+
+def _require_not_abandoned(session: Session, event: dict[str, Any]) -> None:
+    """Lock the instance mapping (in ``session``, the API database's) and refuse a switch of a move
+    CheckMoveCommitted has abandoned, or whose target copy is gone (rolled back).
+
+    Raises:
+        UnexpectedMigrationState: the move is being rolled back; nothing was written.
+    """
+    _lock_mapping(session, event["instance_uuid"])
+    with cell_session(_cell_in(session, _target(event))) as cell:  # its mapping read here: one API session
+        status = cell.scalars(select(Migration.status).where(Migration.uuid == event["migration_uuid"])).first()
+    if status is None or status == ABANDONED:
+        raise errors.UnexpectedMigrationState(
+            f"Migration {event['migration_uuid']} was found not committed and is being rolled back: "
+            f"instance {event['instance_uuid']} is not switched to cell {_target(event)}.")
 
 
 def _lives_in_without_this_move(uuid: str, target: str, migration_uuid: str) -> bool:
@@ -435,7 +476,23 @@ def _finish_switch(event: dict[str, Any]) -> None:
     _delete_snapshot(uuid, migration_uuid)
 
 
-def _settled_since(event: dict[str, Any]) -> bool:
+def _abandon_unless_switched(event: dict[str, Any]) -> bool:
+    """Under the instance mapping's lock, where CompleteMoveAcrossCells switches it: True when the
+    switch (or a settle) happened after all; else the target copy of the migration is marked
+    :data:`ABANDONED` (the switch then refuses), and False."""
+    with api_session() as session:
+        mapped = _lock_mapping(session, event["instance_uuid"])
+        source, target = _cell_in(session, event["cell"]), _cell_in(session, _target(event))
+        if mapped in (None, target.name) or _settled_since(event, (source, target)):
+            return True
+        with cell_session(target) as cell:
+            cell.execute(update(Migration).where(Migration.uuid == event["migration_uuid"]).values(status=ABANDONED))
+    logger.info("move abandoned: its rollback may begin", extra={
+        "instance_uuid": event["instance_uuid"], "migration_uuid": event["migration_uuid"]})
+    return False
+
+
+def _settled_since(event: dict[str, Any], cells: tuple[str | CellMapping, ...] | None = None) -> bool:
     """Whether the owner has confirmed or reverted the move since this step first ran (on either copy).
 
     A migration in ``error`` counts too. Before the switch only this execution's own RollbackMove
@@ -445,9 +502,11 @@ def _settled_since(event: dict[str, Any]) -> bool:
     switch it. After the switch a confirm or revert
     that failed did (FailConfirm; FailRevert, with the server ERROR in the source cell and the target
     copy possibly gone): rolling the move back would then act on what that settle left.
+
+    ``cells``: the source and target cells' mappings, when the caller holds an API session.
     """
     settling = (CONFIRMING, CONFIRMED, REVERTING, REVERTED, ERROR)
-    for cell in (event["cell"], _target(event)):
+    for cell in cells or (event["cell"], _target(event)):
         with cell_session(cell) as session:
             status = session.scalars(select(Migration.status).where(Migration.uuid == event["migration_uuid"])).first()
         if status in settling:
@@ -493,6 +552,7 @@ def complete_move(event: dict[str, Any]) -> dict[str, Any]:
         return {}
     _require_move_task(cell, uuid)  # before anything is written (and again where the source cell is)
     with api_session() as session:
+        _require_not_abandoned(session, event)  # and again where the mapping is switched
         network.activate(session, uuid, dest["host"])
         volumes.complete_on(session, uuid, dest["host"])
     with cell_session(cell) as session:
@@ -511,13 +571,17 @@ def complete_move(event: dict[str, Any]) -> dict[str, Any]:
         acts = _actions_of(session, uuid)
     # The source copy keeps its host and old flavor: it is what a revert restores.
     with cell_session(target) as session:
+        finished = update(Migration).where(Migration.uuid == migration_uuid, Migration.status != ABANDONED)
+        if cast(CursorResult[Any], session.execute(finished.values(status=FINISHED))).rowcount != 1:
+            raise errors.UnexpectedMigrationState(
+                f"Migration {migration_uuid} was found not committed and is being rolled back: "
+                f"instance {uuid} is not switched to cell {target}.")
         session.execute(update(Instance).where(Instance.uuid == uuid).values(**resized, hidden=False))
-        session.execute(update(Migration).where(Migration.uuid == migration_uuid).values(status=FINISHED))
         _sync_actions(session, uuid, acts)
         moved = instances.get(session, uuid)
         end = resize._notify(notifications.RESIZE_FINISH_END, moved, notifications.compute_publisher(dest["host"]),
                              **resize._move_extra(moved, migration_uuid))
-    _map_to(uuid, target)
+    _map_to(uuid, target, move=event)
     _hide_source(cell, uuid, migration_uuid)
     resize._publish(end)
     logger.info("server resized across cells", extra={"instance_uuid": uuid, "migration_uuid": migration_uuid,
@@ -550,6 +614,11 @@ def check_move_committed(event: dict[str, Any]) -> dict[str, Any]:
     deleted, best effort. A move not committed keeps its snapshot for RollbackTargetCell to
     delete. Within one cell the same end is sent when the migration is ``finished``.
 
+    A move between cells found not committed is abandoned, under the instance mapping's lock:
+    its target copy of the migration is marked :data:`ABANDONED`, so a CompleteMoveAcrossCells
+    still running (its invocation outlived Step Functions' wait) never switches the mapping to the
+    copy the rollback removes. Run again, it answers the same.
+
     Returns:
         ``{"committed": bool}``.
     """
@@ -565,7 +634,7 @@ def check_move_committed(event: dict[str, Any]) -> dict[str, Any]:
         if committed:
             resize.announce_finished(event, cell)
     else:
-        committed = _settled_since(event) or _mapped_to_target(event)
+        committed = _settled_since(event) or _mapped_to_target(event) or _abandon_unless_switched(event)
         if committed:
             _finish_switch(event)
     if committed:
