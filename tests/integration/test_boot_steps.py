@@ -411,6 +411,8 @@ def test_power_action_settles_vm_state_from_the_reported_power_state(cloud, oper
     boot.select_destinations(event)
     with cell_session("cell1") as session:
         session.execute(Instance.__table__.update().values(task_state=task))
+        actions.start_action(session, instance_uuid=event["instance_uuid"], action=actions.STOP,
+                             request_id="r", user_id="u1", project_id="demo")
     power_event = {"instance_uuid": event["instance_uuid"], "request_id": "r", "cell": "cell1",
                    "operation": operation, "result": {"power_state": power_state}}
 
@@ -433,6 +435,8 @@ def test_a_finished_power_action_sets_vm_state_by_the_operation_whatever_power_s
     boot.select_destinations(event)
     with cell_session("cell1") as session:
         session.execute(Instance.__table__.update().values(task_state=task))
+        actions.start_action(session, instance_uuid=event["instance_uuid"], action=actions.STOP,
+                             request_id="r", user_id="u1", project_id="demo")
 
     power.finish_power_action({"instance_uuid": event["instance_uuid"], "request_id": "r", "cell": "cell1",
                                "operation": operation, "result": {"power_state": reported}})
@@ -486,6 +490,43 @@ def test_failed_power_action_keeps_vm_state_and_records_fault(cloud, undone):
         assert (instance.task_state, faults) == (states.POWERING_OFF, [])
     else:
         assert (instance.vm_state, instance.task_state, faults) == ("active", None, ["libvirt said no"])
+
+
+@pytest.mark.parametrize("step", ["finish", "fail"])
+def test_a_power_step_run_again_after_it_committed_leaves_a_newer_stop_alone(cloud, step):
+    # GIVEN a stop whose last step committed (its answer lost), and a newer stop the owner asked for since
+    event = accept_server(cloud["image_id"])
+    boot.select_destinations(event)
+    uuid = event["instance_uuid"]
+    with cell_session("cell1") as session:
+        session.execute(Instance.__table__.update().values(task_state=states.POWERING_OFF, vm_state="active"))
+        actions.start_action(session, instance_uuid=uuid, action=actions.STOP, request_id="r1", user_id="u1",
+                             project_id="demo")
+    first = {"instance_uuid": uuid, "request_id": "r1", "cell": "cell1", "operation": protocol.POWER_OFF,
+             "result": {"power_state": states.RUNNING}, "error": {"Error": "Ferry.HypervisorError", "Cause": "no"}}
+    run = power.finish_power_action if step == "finish" else power.fail_power_action
+    run(first)
+    with cell_session("cell1") as session:
+        session.execute(Instance.__table__.update().values(task_state=states.POWERING_OFF, vm_state="active"))
+        actions.start_action(session, instance_uuid=uuid, action=actions.STOP, request_id="r2", user_id="u1",
+                             project_id="demo")
+        faults = len(list(session.scalars(select(InstanceFault))))
+
+    # WHEN Step Functions runs the first stop's step again
+    run(first)
+
+    # THEN the newer stop keeps its task, and nothing more is recorded
+    with cell_session("cell1") as session:
+        instance = session.scalars(select(Instance)).one()
+        assert (instance.vm_state, instance.task_state) == ("active", states.POWERING_OFF)
+        assert len(list(session.scalars(select(InstanceFault)))) == faults
+    # AND a reset alone does not stop the step from recording what its host did
+    with cell_session("cell1") as session:
+        actions.start_action(session, instance_uuid=uuid, action=actions.RESET_STATE, request_id="r3",
+                             user_id="u1", project_id="demo")
+    power.finish_power_action({**first, "request_id": "r2", "result": {"power_state": states.SHUTDOWN}})
+    with cell_session("cell1") as session:
+        assert session.scalars(select(Instance.vm_state)).one() == states.STOPPED
 
 
 def test_host_report_maps_new_host_and_records_heartbeat(cloud):

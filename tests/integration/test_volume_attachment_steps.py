@@ -98,14 +98,20 @@ def run_attach(payload: dict[str, Any]) -> dict[str, Any]:
 
 
 def finish_with_the_cell_unreachable(event: dict[str, Any], monkeypatch) -> dict[str, Any]:
-    """FinishVolumeOperation and its three retries, each committing the API database's part and then
-    failing on the cell's; returns FailVolumeOperation's input (after UndoAttach, and for an attach
-    DetachAfterFailedAttach answered)."""
-    def unreachable(*args: Any, **kwargs: Any) -> Any:
+    """FinishVolumeOperation and its three retries, each reading the request in the cell, committing
+    the API database's part and then failing on the cell's; returns FailVolumeOperation's input
+    (after UndoAttach, and for an attach DetachAfterFailedAttach answered)."""
+    reachable = va.cell_session
+    calls: list[int] = []
+
+    def lost_after_first_read(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) % 2:
+            return reachable(*args, **kwargs)
         raise OperationalError("SELECT 1", {}, ConnectionRefusedError("cell database unreachable"))
 
     with monkeypatch.context() as patched:
-        patched.setattr(va, "cell_session", unreachable)
+        patched.setattr(va, "cell_session", lost_after_first_read)
         for _ in range(4):
             with pytest.raises(OperationalError):
                 va.finish_volume_operation(event)
@@ -529,6 +535,77 @@ def test_a_failed_attach_delivered_again_leaves_alone_a_volume_another_server_no
     # THEN the other server keeps the volume
     assert volume_status(volume_id) == va.IN_USE
     assert attachments(other.instance_uuid) == {DEST: "attached", SOURCE: "reserved"}
+
+
+def test_a_failed_attach_delivered_again_after_the_same_volume_is_attached_again_leaves_that_attach_alone(
+        started, tmp_path):
+    # GIVEN a failed attach rolled back, and the owner attaching the same volume to the server again,
+    # its host already done
+    resized = make_resized(state_dir=tmp_path)
+    volume_id = make_volume(tmp_path)
+    va.begin_attach(owner(), location(resized), volume_id)
+    failed = {**done_at_host(started.payloads[0]), "error": {"Error": "Ferry.HypervisorError", "Cause": "busy"}}
+    va.fail_volume_operation(failed)
+    va.begin_attach(owner(), location(resized), volume_id)
+    again = done_at_host(started.payloads[1])
+
+    # WHEN the first attach's rollback tail is delivered again, and then the second attach finishes
+    va.fail_volume_operation(failed)
+    va.finish_volume_operation(again)
+
+    # THEN the volume is attached to the server, once, with its mapping; one fault, the first attach's
+    assert volume_status(volume_id) == va.IN_USE
+    assert attachments(resized.instance_uuid) == {DEST: "attached", SOURCE: "reserved"}
+    assert (volume_id, False) in bdms(resized.instance_uuid)
+    assert instance_row(resized.instance_uuid).task_state is None
+    assert len(faults(resized.instance_uuid)) == 1
+
+
+def test_a_finished_attach_delivered_again_leaves_alone_the_attach_of_another_volume_accepted_since(
+        started, tmp_path):
+    # GIVEN an attach finished, and an attach of another volume to the server accepted since
+    resized = make_resized(state_dir=tmp_path)
+    first, second = make_volume(tmp_path), make_volume(tmp_path)
+    va.begin_attach(owner(), location(resized), first)
+    done = run_attach(started.payloads[0])
+    va.begin_attach(owner(), location(resized), second)
+
+    # WHEN the first attach's last step is delivered again
+    va.finish_volume_operation(done)
+
+    # THEN the second attach keeps the server's task, and goes on to finish
+    assert instance_row(resized.instance_uuid).task_state == va.ATTACHING_VOLUME
+    va.finish_volume_operation(done_at_host(started.payloads[1]))
+    assert (volume_status(first), volume_status(second)) == (va.IN_USE, va.IN_USE)
+
+
+@pytest.mark.parametrize("step", ["finish", "fail"])
+def test_a_detach_step_delivered_again_after_the_volume_is_attached_again_leaves_the_attach_alone(
+        started, tmp_path, step):
+    # GIVEN a detach that ended (done, or failed), and the volume then attached to the server again
+    resized = make_resized(volume=True, state_dir=tmp_path)
+    volume_id = str(resized.volume_id)
+    va.begin_detach(owner(), location(resized), volume_id)
+    detach = done_at_host(started.payloads[0])
+    if step == "finish":
+        va.finish_volume_operation(detach)
+    else:
+        detach = {**detach, "error": {"Error": "Ferry.HypervisorError", "Cause": "stuck"}}
+        del detach["detached"]
+        va.fail_volume_operation(detach)
+        va.begin_detach(owner(), location(resized), volume_id)
+        va.finish_volume_operation(done_at_host(started.payloads[1]))
+    va.begin_attach(owner(), location(resized), volume_id)
+
+    # WHEN the detach's step is delivered again
+    (va.finish_volume_operation if step == "finish" else va.fail_volume_operation)(detach)
+
+    # THEN the attach keeps its reservation and its task, and finishes
+    assert volume_status(volume_id) == va.ATTACHING
+    assert instance_row(resized.instance_uuid).task_state == va.ATTACHING_VOLUME
+    va.finish_volume_operation(done_at_host(started.payloads[-1]))
+    assert volume_status(volume_id) == va.IN_USE
+    assert instance_row(resized.instance_uuid).task_state is None
 
 
 def test_a_detach_whose_cell_records_fail_after_its_volume_records_deletes_the_mapping(started, monkeypatch,

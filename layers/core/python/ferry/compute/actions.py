@@ -27,6 +27,8 @@ RESIZE = "resize"
 MIGRATE = "migrate"
 CONFIRM_RESIZE = "confirmResize"
 REVERT_RESIZE = "revertResize"
+# What an os-resetState records (it has no events).
+RESET_STATE = "resetState"
 
 SUCCESS = "Success"
 ERROR = "Error"
@@ -126,6 +128,25 @@ def request_taken(session: Session, instance_uuid: str, request_id: str) -> bool
     the step finds it undone."""
     lock_server(session, instance_uuid)
     return has_events(session, instance_uuid, request_id)
+
+
+def superseded(session: Session, instance_uuid: str, request_id: str, event: str) -> bool:
+    """Whether a step that ends the request's ``event`` must leave the server alone, read under
+    the server's row lock: the event has ended already (the step committed before, and Step
+    Functions runs it again), the request's action is gone (the API undid the request), or a newer
+    request's action was recorded since, other than an os-resetState (one cleared the task, and a
+    new request took the server). The task the server has then, if any, is another request's; a
+    reset alone leaves the step to record what its host did."""
+    lock_server(session, instance_uuid)
+    action = _action(session, instance_uuid, request_id)
+    if action is None:
+        return True
+    if session.scalars(select(InstanceActionEvent.finish_time).where(
+            InstanceActionEvent.action_id == action.id, InstanceActionEvent.event == event)).first() is not None:
+        return True
+    return session.scalars(select(InstanceAction.id).where(
+        InstanceAction.instance_uuid == instance_uuid, InstanceAction.id > action.id,
+        InstanceAction.action != RESET_STATE).limit(1)).first() is not None
 
 
 def event_result(session: Session, instance_uuid: str, request_id: str, event: str) -> str | None:

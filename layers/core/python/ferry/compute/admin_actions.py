@@ -15,8 +15,6 @@ from ferry.observability import logger
 from ferry.store.api_models import utcnow
 from ferry.store.db import cell_session
 
-# The instance action a reset records (Nova's name; it has no events).
-RESET_STATE = "resetState"
 # How often a reset reads the server again when a workflow changed it between the read and the write.
 _ATTEMPTS = 5
 
@@ -56,7 +54,7 @@ def reset_state(ctx: RequestContext, location: compute_api.Location, state: str)
             except errors.UnexpectedTaskState:
                 logger.info("server changed while being reset; reading it again", extra={"instance_uuid": uuid})
                 continue
-            record = actions.start_action(session, instance_uuid=uuid, action=RESET_STATE,
+            record = actions.start_action(session, instance_uuid=uuid, action=actions.RESET_STATE,
                                           request_id=ctx.request_id, user_id=ctx.user_id,
                                           project_id=ctx.project_id)
             record.finish_time = utcnow()

@@ -43,11 +43,13 @@ def begin_power_action(event: dict[str, Any]) -> dict[str, Any]:
 
 def finish_power_action(event: dict[str, Any]) -> dict[str, Any]:
     """Settle vm_state by the operation (stopped, active) and record the power state the host
-    reported (idempotent)."""
+    reported. Idempotent: once the request is over (this step committed, or a newer request took
+    the server: :func:`actions.superseded`) it changes nothing."""
     uuid, operation = event["instance_uuid"], event["operation"]
     power_state = int(event.get("result", {}).get("power_state", _EXPECTED_POWER[operation]))
     with cell_session(event["cell"]) as session:
-        if instances.get(session, uuid).task_state != _TASK_STATE[operation]:
+        if actions.superseded(session, uuid, event["request_id"], _EVENT[operation]) \
+                or instances.get(session, uuid).task_state != _TASK_STATE[operation]:
             return {}
         instances.update_cas(session, uuid, {"vm_state": _VM_STATE[operation], "power_state": power_state,
                                              "task_state": None}, expected_task_state=(_TASK_STATE[operation],))
@@ -60,15 +62,14 @@ def fail_power_action(event: dict[str, Any]) -> dict[str, Any]:
     """Clear the task state of a failed power action and record the fault; vm_state is kept,
     unless the host did it (its answer, ``result``, is in the event: FinishPowerAction failed
     after it), when the server is settled as FinishPowerAction would have (Ferry has no periodic
-    power-state sync that would correct it later). Nothing is done for a request the API undid
-    (its action forgotten): a task there is another's."""
+    power-state sync that would correct it later). Nothing is done for a request that is over
+    (:func:`actions.superseded`: the API undid it, this step committed before, or a newer request
+    took the server): a task there is another's."""
     uuid, operation = event["instance_uuid"], event["operation"]
     error = event.get("error") or {}
     with cell_session(event["cell"]) as session:
-        if instances.get(session, uuid).task_state != _TASK_STATE[operation]:
-            return {}
-        if actions.find(session, uuid, event["request_id"]) is None:
-            # The API undid this request (its start seemed to fail); the task is another request's.
+        if actions.superseded(session, uuid, event["request_id"], _EVENT[operation]) \
+                or instances.get(session, uuid).task_state != _TASK_STATE[operation]:
             return {}
         done_at_host: dict[str, Any] = {}
         if isinstance(event.get("result"), dict) and "power_state" in event["result"]:

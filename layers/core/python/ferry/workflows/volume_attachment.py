@@ -452,16 +452,32 @@ def _record_attached(session: Session, uuid: str, volume_id: str, host: str | No
     _swap_in(session, volume_id, (ATTACHING,), IN_USE, volumes.held_by(uuid))
 
 
+def _superseded(event: dict[str, Any]) -> bool:
+    """Whether the request's operation is over for this step (:func:`ferry.compute.actions.superseded`):
+    run again after it committed, or after a newer request took the server, it must touch neither
+    database (the volume's records, and the task, may be that request's by now)."""
+    with cell_session(event["cell"]) as session:
+        over = actions.superseded(session, event["instance_uuid"], event["request_id"], _EVENT[event["operation"]])
+    if over:
+        logger.info(f"volume {event['operation']} step: the request is over, nothing to do",
+                    extra={"instance_uuid": event["instance_uuid"], "volume_id": event["volume_id"],
+                           "request_id": event["request_id"]})
+    return over
+
+
 def finish_volume_operation(event: dict[str, Any]) -> dict[str, Any]:
     """Record a done attach (attachment ``attached`` on the server's host, volume ``in-use``) or
     detach (every attachment to the server gone, volume ``available`` unless another server still
-    holds it, mapping deleted); the task is cleared. Idempotent.
+    holds it, mapping deleted); the task is cleared. Idempotent: once the request is over (this
+    step committed, or a newer request took the server) it changes nothing.
 
     The API database's part commits first, then the cell's: when the cell's fails for good,
     FailVolumeOperation finds the volume's records already finished and settles the cell's to
     match (:func:`fail_volume_operation`)."""
     uuid, operation, volume_id = event["instance_uuid"], event["operation"], event["volume_id"]
     host = event["volume_op"]["host"]
+    if _superseded(event):
+        return {}
     with api_session() as session:
         mine = [a for a in volumes.attachments(session, uuid) if a.volume_id == volume_id]
         if operation == ATTACH:
@@ -521,11 +537,13 @@ def fail_volume_operation(event: dict[str, Any]) -> dict[str, Any]:
     (``in-use``), unless the host already detached it: when FinishVolumeOperation's API part
     recorded that (no attachment of the server left) the mapping is deleted too, else the volume
     is ``error_detaching`` (the fault says so). The task is cleared, the event and a fault record
-    the error. Idempotent."""
+    the error. Idempotent, as :func:`finish_volume_operation` is."""
     uuid, operation, volume_id = event["instance_uuid"], event["operation"], event["volume_id"]
     error = event.get("error") or {}
     cause = error_message(error)
     host = (event.get("volume_op") or {}).get("host")
+    if _superseded(event):
+        return {}
     detached_at_host = operation == DETACH and "detached" in event
     records_detached = False
     details = None
