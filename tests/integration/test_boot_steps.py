@@ -800,8 +800,18 @@ def test_a_server_an_admin_reset_while_it_spawned_keeps_its_guest(cloud, vm_stat
     # the guest under the server the admin settled
     assert boot.finish_build(event) == {}
     assert boot.check_build_committed(event) == {"committed": True}
-    assert (_instance(event["instance_uuid"]).vm_state, _instance(event["instance_uuid"]).task_state) == (
-        vm_state, None)
+    instance = _instance(event["instance_uuid"])
+    assert (instance.vm_state, instance.task_state) == (vm_state, None)
+    # AND it is recorded launched there, as it is (a delete keeps a root volume not meant to go with
+    # a server that ran), its ports active and the build's event closed; run again, nothing changes
+    assert (instance.launched_on, instance.launched_at is not None) == (event["destination"]["host"], True)
+    boot.finish_build(event)
+    assert _instance(event["instance_uuid"]).launched_at == instance.launched_at
+    with api_session() as session:
+        assert set(session.scalars(select(Port.status).where(Port.device_id == event["instance_uuid"]))) == {"ACTIVE"}
+    with cell_session("cell1") as session:
+        assert session.scalars(select(InstanceActionEvent.result).where(
+            InstanceActionEvent.event == boot.EVENT_BUILD)).one() == "Success"
 
 
 @pytest.mark.parametrize("vm_state", [states.ACTIVE, states.STOPPED])

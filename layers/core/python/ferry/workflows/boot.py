@@ -346,7 +346,10 @@ def finish_build(event: dict[str, Any]) -> dict[str, Any]:
 
     The ports are marked ACTIVE first, in the API database; the cell's commit comes last, so a
     step that fails after it has nothing left undone (CheckBuildCommitted then lets the build
-    stand). Run again after it committed, it changes nothing.
+    stand). Run again after it committed, it changes nothing. A server an admin settled by hand
+    while it spawned (os-resetState) keeps the states the admin gave it, and is recorded launched
+    all the same (its guest runs: a delete must treat it as a server that ran, keeping a root
+    volume not meant to go with it).
 
     Raises:
         UnexpectedTaskState: the server is no longer spawning (it is being deleted), or no longer
@@ -357,17 +360,23 @@ def finish_build(event: dict[str, Any]) -> dict[str, Any]:
     power_state = int(event.get("spawn", {}).get("power_state", states.RUNNING))
     with cell_session(dest["cell"]) as session:
         instance = instances.get(session, uuid)
-        if _build_committed(instance, dest["host"]):
+        if _build_committed(instance, dest["host"]) and instance.launched_on == dest["host"]:
             return {}
+        settled_by_hand = _build_committed(instance, dest["host"])
         if instance.host != dest["host"]:
             raise errors.UnexpectedTaskState(
                 f"Instance {uuid} is being built on {instance.host}, not on {dest['host']}.")
     with api_session() as session:
         session.execute(update(Port).where(Port.device_id == uuid).values(status="ACTIVE"))
     with cell_session(dest["cell"]) as session:
-        instances.update_cas(session, uuid, {
-            "vm_state": states.vm_state_from_power(power_state), "task_state": None, "power_state": power_state,
-            "launched_at": utcnow(), "launched_on": dest["host"]}, expected_task_state=(states.SPAWNING,))
+        launched = {"launched_at": utcnow(), "launched_on": dest["host"]}
+        if settled_by_hand:
+            session.execute(update(Instance).where(Instance.uuid == uuid, Instance.host == dest["host"],
+                                                   Instance.launched_on.is_(None)).values(**launched))
+        else:
+            instances.update_cas(session, uuid, {
+                "vm_state": states.vm_state_from_power(power_state), "task_state": None, "power_state": power_state,
+                **launched}, expected_task_state=(states.SPAWNING,))
         actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"], event=EVENT_BUILD,
                              host=dest["host"])
     return {}
