@@ -150,6 +150,25 @@ def test_no_valid_host_buries_the_server_in_cell0_without_allocations(cloud):
         assert session.scalars(select(InstanceActionEvent.details)).one().startswith("NoValidHost: No valid host")
 
 
+def test_a_burial_in_cell0_cut_short_and_run_again_records_one_fault(cloud, monkeypatch):
+    # GIVEN FailBuild recorded the fault in cell0, then lost the API database before handing the server over
+    event = accept_server(cloud["image_id"])
+    failed = {**event, "error": {"Error": "Ferry.NoValidHost", "Cause": "No valid host was found."}}
+    with monkeypatch.context() as patched:
+        patched.setattr(boot, "_hand_over", lambda *args: (_ for _ in ()).throw(OperationalError("UPDATE", {}, None)))
+        with pytest.raises(OperationalError):
+            boot.fail_build(failed)
+
+    # WHEN Step Functions runs it again
+    boot.fail_build(failed)
+
+    # THEN the server is buried with one fault
+    with api_session() as session:
+        assert session.scalars(select(InstanceMapping)).one().cell.name == "cell0"
+    with cell_session("cell0") as session:
+        assert len(list(session.scalars(select(InstanceFault)))) == 1
+
+
 def test_a_build_failed_before_scheduling_for_another_reason_is_buried_with_that_error(cloud):
     event = accept_server(cloud["image_id"])
 
@@ -895,6 +914,7 @@ def test_fail_build_of_a_server_being_deleted_releases_the_claim_and_leaves_the_
     event["error"] = {"Error": "Ferry.SpawnFailed", "Cause": "disk full"}
 
     assert boot.fail_build(event) == {}
+    assert boot.fail_build(event) == {}  # delivered again: one fault all the same
 
     assert placement.get_allocations(event["instance_uuid"]) == {}
     # in ERROR, so that a delete that then fails to start leaves a failed build, not one building

@@ -33,7 +33,7 @@ from ferry.store.api_models import (
     VolumeAttachment,
     utcnow,
 )
-from ferry.store.cell_models import BlockDeviceMapping, Instance, Tag
+from ferry.store.cell_models import BlockDeviceMapping, Instance, InstanceFault, Tag
 from ferry.store.db import CELL0_NAME, all_cells, api_session, cell_session
 from ferry.workflows import error_message
 
@@ -473,7 +473,8 @@ def fail_build(event: dict[str, Any]) -> dict[str, Any]:
             # then put back), the server is a failed build to delete, not one still building.
             session.execute(update(Instance).where(Instance.uuid == uuid, Instance.task_state == states.DELETING)
                             .values(vm_state=states.ERROR).execution_options(synchronize_session=False))
-            instances.add_fault(session, uuid, message, host=instance.host)
+            if actions.event_result(session, uuid, event["request_id"], EVENT_BUILD) is None:  # not on a run again
+                instances.add_fault(session, uuid, message, host=instance.host)
             actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"], event=EVENT_BUILD,
                                  host=instance.host, error=error or None)
             _deleted_meanwhile(uuid, message)
@@ -522,7 +523,9 @@ def _bury_in_cell0(build: BuildRequest, request_id: str, message: str, error: di
     uuid = build.instance_uuid
     _create_in_cell(build, CELL0_NAME, request_id, vm_state=states.ERROR, task_state=None, host=None, node=None)
     with cell_session(CELL0_NAME) as session:
-        instances.add_fault(session, uuid, message)
+        # The copy is this burial's: a fault there is this step's, recorded by a run cut short after it.
+        if session.scalars(select(InstanceFault.id).where(InstanceFault.instance_uuid == uuid)).first() is None:
+            instances.add_fault(session, uuid, message)
         # The schedule event names what failed: no valid host, or the step's own error.
         actions.finish_event(session, instance_uuid=uuid, request_id=request_id, event=EVENT_SCHEDULE,
                              error={"Error": _error_name(error) or errors.NoValidHost.__name__, "Cause": message})
