@@ -245,6 +245,24 @@ def test_failed_spawn_sets_error_and_releases_the_claim_unless_the_guest_may_rem
     assert cleaned or event["destination"]["host"] in fault.details
 
 
+def test_a_failed_spawn_whose_destination_was_cleaned_but_not_unbound_releases_the_claim_and_says_so(cloud):
+    # GIVEN a failed spawn whose guest DestroyAtDest removed, and whose UnbindResourcesAtDest failed for good
+    event = accept_server(cloud["image_id"])
+    event["destination"] = boot.select_destinations(event)
+    boot.bind_resources_at_dest(event)
+    event["error"] = {"Error": "Ferry.SpawnFailed", "Cause": "disk full"}
+    event["unbind_error"] = {"Error": "OperationalError", "Cause": "API database unreachable"}
+
+    boot.fail_build(event)
+
+    # THEN no guest is left to hold the claim: it is released; the fault names the bindings left, not a guest
+    assert placement.get_allocations(event["instance_uuid"]) == {}
+    with cell_session("cell1") as session:
+        fault = session.scalars(select(InstanceFault)).one()
+    assert "Unbinding its ports and volumes from host" in fault.details
+    assert "API database unreachable" in fault.details and "guest" not in fault.details
+
+
 def test_reschedule_moves_the_claim_to_the_alternate(cloud):
     event = accept_server(cloud["image_id"])
     first = boot.select_destinations(event)

@@ -420,7 +420,8 @@ def fail_build(event: dict[str, Any]) -> dict[str, Any]:
     """Rollback tail of a failed boot: release the claim, set ERROR and record the fault.
 
     A server that was never scheduled is buried in cell0, as Nova does. When the destination
-    could not be cleaned up (``cleanup_error``), the fault says what may be left on which host.
+    could not be cleaned up (``cleanup_error``), or its ports and volumes not unbound from it
+    (``unbind_error``), the fault says what may be left on which host.
     A server deleted meanwhile (its mapping says so, its instance is gone or deleted, or its task
     is ``deleting``) is left to its delete: only the claim is released. One an admin reset while
     it was built (no task, no longer building) is set to ERROR all the same: the failed build
@@ -444,11 +445,15 @@ def fail_build(event: dict[str, Any]) -> dict[str, Any]:
         _remove_unhanded_copies(uuid)
         _deleted_meanwhile(uuid, message)
         return {}
-    details = None
+    host = event.get("destination", {}).get("host")
+    left = []
     if event.get("cleanup_error"):
-        host = event.get("destination", {}).get("host")
-        details = (f"Cleanup on host {host} failed ({error_message(event['cleanup_error'])}); "
-                   f"the guest or its disks may remain there.")
+        left.append(f"Cleanup on host {host} failed ({error_message(event['cleanup_error'])}); "
+                    f"the guest or its disks may remain there.")
+    if event.get("unbind_error"):
+        left.append(f"Unbinding its ports and volumes from host {host} failed "
+                    f"({error_message(event['unbind_error'])}); they stay bound there until the server is deleted.")
+    details = " ".join(left) or None
     with cell_session(cell) as session:
         instance = session.scalars(select(Instance).where(Instance.uuid == uuid)).one_or_none()
         # An admin settled the server by hand while it was being built (os-resetState: no task,
