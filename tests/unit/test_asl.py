@@ -162,6 +162,26 @@ def test_every_host_operation_has_a_timeout_and_a_heartbeat(asl_file):
     assert unbounded == []
 
 
+# The host operations that move a disk's bytes (image or snapshot transfers, disk copies): they
+# wait the template's HostDiskOpTimeoutSeconds, every other host operation HostOpTimeoutSeconds.
+DISK_OPERATIONS = {"spawn", "resize_instance", "finish_resize", "prep_snapshot_based_resize_at_source"}
+
+
+def test_a_host_operation_that_moves_a_disk_waits_the_disk_timeout_and_every_other_the_host_timeout():
+    disk, other = (int(TEMPLATE.parameters[name]) for name in ("HostDiskOpTimeoutSeconds", "HostOpTimeoutSeconds"))
+    assert disk > other
+    waits = {
+        f"{_rel(asl_file)}:{where}{name}": (state["Parameters"]["MessageBody"]["operation"], state["TimeoutSeconds"])
+        for asl_file in ASL_FILES for where, scope in _scopes(_definition(asl_file))
+        for name, state in scope["States"].items() if state.get("Resource") == HOST_OPERATION
+        and "operation" in state["Parameters"]["MessageBody"]
+    }
+
+    wrong = {name: wait for name, wait in waits.items() if wait[1] != (disk if wait[0] in DISK_OPERATIONS else other)}
+    assert wrong == {}
+    assert {operation for operation, _ in waits.values()} >= DISK_OPERATIONS
+
+
 def test_rollback_step_is_terminal_only_when_no_work_can_follow():
     states = {
         "Claim": {"Type": "Task", "Resource": "x", "Catch": [{"ErrorEquals": ["States.ALL"], "Next": "Release"}]},
