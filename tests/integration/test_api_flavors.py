@@ -5,9 +5,14 @@ from __future__ import annotations
 import uuid
 
 import pytest
-from test_api_support import ADMIN, ALICE, BOB, call, flavor_named, mocked_cloud
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+from sqlalchemy.orm.attributes import set_committed_value
+from test_api_support import ADMIN, ALICE, BOB, api_rows, call, flavor_named, mocked_cloud
 
 from ferry.compute import api as compute_api
+from ferry.store.api_models import Flavor, FlavorExtraSpec, FlavorProject
+from ferry.store.db import api_session
 
 
 @pytest.fixture
@@ -235,6 +240,50 @@ def test_a_boolean_extra_spec_value_is_400_as_nova_takes_strings_and_numbers_onl
     assert compute_api.get_extra_specs("1") == {}
 
 
+@pytest.mark.parametrize(("method", "path", "body"), [
+    ("POST", "/v2.1/flavors/1/os-extra_specs", {"extra_specs": {"gen": int("9" * 256)}}),
+    ("POST", "/v2.1/flavors/1/os-extra_specs", {"extra_specs": {"ssd": "yes", "gen": int("9" * 300)}}),
+    ("PUT", "/v2.1/flavors/1/os-extra_specs/gen", {"gen": int("9" * 256)}),
+])
+def test_a_number_longer_than_255_characters_written_out_is_400_and_stores_nothing(cloud, method, path, body):
+    # WHEN an admin sets a number that, written out as the value is stored, takes over 255 characters
+    response = call(method, path, caller=ADMIN, body=body)
+
+    # THEN it is refused as Nova refuses it, and no spec of the request is stored
+    assert response.status == 400, response.body
+    assert response.body["badRequest"]["message"] == \
+        "Invalid input received: extra_specs value has more than 255 characters."
+    assert compute_api.get_extra_specs("1") == {}
+
+
+def test_a_first_extra_spec_written_by_a_concurrent_request_is_updated_not_a_server_error(cloud, monkeypatch):
+    # GIVEN another request commits the key hw:cpu_policy after this request read the flavor and its
+    # specs: the row is in the database, the first read of the flavor is made to have missed it
+    with api_session() as session:
+        flavor_id = session.scalars(select(Flavor.id).where(Flavor.flavorid == "1")).one()
+        session.add(FlavorExtraSpec(flavor_id=flavor_id, key="hw:cpu_policy", value="shared"))
+    read = compute_api._flavor
+    reads: list[str] = []
+
+    def read_before_the_other_committed(session: Session, flavorid: str) -> Flavor:
+        flavor = read(session, flavorid)
+        reads.append(flavorid)
+        if len(reads) == 1:
+            set_committed_value(flavor, "extra_specs", [s for s in flavor.extra_specs if s.key != "hw:cpu_policy"])
+        return flavor
+
+    monkeypatch.setattr(compute_api, "_flavor", read_before_the_other_committed)
+
+    # WHEN this request sets the same key (and another) for the first time
+    response = call("POST", "/v2.1/flavors/1/os-extra_specs", caller=ADMIN,
+                    body={"extra_specs": {"hw:cpu_policy": "dedicated", "gen": 3}})
+
+    # THEN its insert meets the other's row, and it is written again as an update: one row, its value
+    assert response.status == 200, response.body
+    assert compute_api.get_extra_specs("1") == {"hw:cpu_policy": "dedicated", "gen": "3"}
+    assert [spec.value for spec in api_rows(FlavorExtraSpec, key="hw:cpu_policy")] == ["dedicated"]
+
+
 def test_a_server_keeps_its_flavor_after_the_flavor_is_deleted(cloud):
     server = call("POST", "/v2.1/servers", version="2.90", body={"server": {
         "name": "vm", "flavorRef": "2", "imageRef": cloud.image_id, "networks": "none"}}).body["server"]
@@ -248,10 +297,12 @@ def test_a_server_keeps_its_flavor_after_the_flavor_is_deleted(cloud):
 # --- flavor access -----------------------------------------------------------------------------------
 
 
-def _access(flavor_id: str, action: str | None = None, project: str = "project-a", caller=ADMIN):
+def _access(flavor_id: str, action: str | None = None, project: str = "project-a", caller=ADMIN,
+            version: str | None = None):
     if action is None:
-        return call("GET", f"/v2.1/flavors/{flavor_id}/os-flavor-access", caller=caller)
-    return call("POST", f"/v2.1/flavors/{flavor_id}/action", caller=caller, body={action: {"tenant": project}})
+        return call("GET", f"/v2.1/flavors/{flavor_id}/os-flavor-access", caller=caller, version=version)
+    return call("POST", f"/v2.1/flavors/{flavor_id}/action", caller=caller, body={action: {"tenant": project}},
+                version=version)
 
 
 def test_admins_give_and_take_away_a_projects_access_to_a_private_flavor(private_flavor):
@@ -274,7 +325,7 @@ def test_admins_give_and_take_away_a_projects_access_to_a_private_flavor(private
 
 @pytest.mark.parametrize(("request_", "status"), [
     (lambda: _access("1"), 404),  # a public flavor has no access list
-    (lambda: _access("1", "addTenantAccess"), 409),
+    (lambda: _access("1", "addTenantAccess", version="2.7"), 409),
     (lambda: _access("no-such-flavor", "addTenantAccess"), 404),
     (lambda: _access("9", caller=ALICE), 403),
     (lambda: _access("9", "addTenantAccess", caller=ALICE), 403),
@@ -284,6 +335,25 @@ def test_admins_give_and_take_away_a_projects_access_to_a_private_flavor(private
 def test_flavor_access_refusals_change_nothing(private_flavor, request_, status):
     assert request_().status == status
     assert _access(private_flavor).body == {"flavor_access": []}
+
+
+@pytest.mark.parametrize("version", [None, "2.6"])
+def test_access_to_a_public_flavor_is_recorded_below_2_7_as_nova_records_it(cloud, version):
+    # WHEN an admin gives a project access to a public flavor below 2.7
+    added = _access("1", "addTenantAccess", version=version)
+
+    # THEN it is recorded and listed back, as Nova does; a second time it exists already
+    assert added.status == 200, added.body
+    assert added.body == {"flavor_access": [{"flavor_id": "1", "tenant_id": "project-a"}]}
+    assert [row.project_id for row in api_rows(FlavorProject)] == ["project-a"]
+    assert _access("1", "addTenantAccess", version=version).status == 409
+    # the flavor stays public: everyone's, with no access list to show
+    assert call("GET", "/v2.1/flavors/1", caller=BOB).status == 200
+    assert _access("1", version=version).status == 404
+    # and the access can be taken away again
+    removed = _access("1", "removeTenantAccess", version=version)
+    assert removed.status == 200 and removed.body == {"flavor_access": []}
+    assert api_rows(FlavorProject) == []
 
 
 def test_a_private_flavor_is_for_the_projects_with_access_only(cloud, private_flavor):

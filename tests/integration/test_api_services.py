@@ -5,13 +5,18 @@ from __future__ import annotations
 import datetime as dt
 import json
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 from placement_helpers import PROJECT, USER, add_aggregate, add_compute, add_instance, request_spec
 from sqlalchemy import select, update
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.orm import Session
 from test_api_support import ADMIN, ALICE, LambdaContext, call, function, mocked_cloud
 
 from ferry import errors, hosts, placement, protocol, scheduler
+from ferry.compute import services as compute_services
 from ferry.store.api_models import AggregateHost, HostMapping, ResourceProvider, utcnow
 from ferry.store.cell_models import Migration, Service
 from ferry.store.db import api_session, cell_session
@@ -369,6 +374,40 @@ def test_legacy_delete_by_integer_id_needs_an_unambiguous_id(computes):
     assert unique.status == 204
     assert malformed.status == 400
     assert sorted(states()) == ["compute-1", "compute-3"]
+
+
+def test_a_delete_whose_api_database_commit_failed_is_finished_by_asking_again(computes, monkeypatch):
+    # GIVEN the API database's commit fails once, after the host's providers, memberships and mapping
+    # were deleted in it
+    add_aggregate("ssd", ["compute-1", "compute-2"], {"ssd": "true"})
+    service_uuid = row("compute-1").uuid
+    real_api_session = compute_services.api_session
+    failures: list[str] = []
+
+    @contextmanager
+    def commit_fails_once() -> Iterator[Session]:
+        with real_api_session() as session:
+            yield session
+            if not failures:
+                failures.append("commit")
+                raise OperationalError("COMMIT", {}, Exception("server closed the connection unexpectedly"))
+
+    monkeypatch.setattr(compute_services, "api_session", commit_fails_once)
+
+    # WHEN the delete is asked, fails, and is asked again
+    failed = admin("DELETE", f"{SERVICES}/{service_uuid}")
+    again = admin("DELETE", f"{SERVICES}/{service_uuid}")
+
+    # THEN the first answer is an error that left the service to be found, and the second finishes the
+    # delete: the service, its provider, its aggregate membership and its mapping are all gone
+    assert failures == ["commit"]
+    assert failed.status >= 500, failed.body
+    assert again.status == 204, again.body
+    assert sorted(states()) == ["compute-2", "compute-3"]
+    with api_session() as session:
+        assert session.scalars(select(HostMapping.host).where(HostMapping.host == "compute-1")).all() == []
+        assert session.scalars(select(ResourceProvider.host).where(ResourceProvider.host == "compute-1")).all() == []
+        assert session.scalars(select(AggregateHost.host)).all() == ["compute-2"]
 
 
 def test_delete_of_an_unknown_service_is_404(computes):

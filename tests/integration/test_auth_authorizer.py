@@ -44,6 +44,23 @@ def test_issuing_a_known_token_again_replaces_its_identity(store):
     assert (ctx.project_id, ctx.roles, ctx.is_admin) == ("project-b", ("reader",), False)
 
 
+def test_a_token_for_an_id_the_identity_api_cannot_find_is_refused_while_one_stored_before_still_works(store):
+    # GIVEN a token stored, before ids were bounded as the identity API bounds them, for project proj:1
+    with api_session() as session:
+        session.add(AuthToken(token_sha256=auth.hash_token("older-token"), user_id="alice", project_id="proj:1",
+                              roles=["member"]))
+
+    # WHEN a new token is asked for the same project, and for a project the identity API finds
+    with pytest.raises(errors.BadRequest) as refused:
+        auth.issue_token("alice", "proj:1", ["member"])
+    token = auth.issue_token("alice@example.org", "team.a-1_b", ["member"])
+
+    # THEN only the new one for proj:1 is refused; the token stored before still stands for its identity
+    assert refused.value.message == "A project id is 1 to 255 letters, digits, '_', '.', '@' or '-': 'proj:1'."
+    assert (auth.validate(token).user_id, auth.validate(token).project_id) == ("alice@example.org", "team.a-1_b")
+    assert auth.validate("older-token").project_id == "proj:1"
+
+
 @pytest.mark.parametrize("token", [None, "", "unknown", "expired"])
 def test_missing_unknown_and_expired_tokens_are_unauthorized(store, token):
     auth.issue_token("alice", "project-a", ["member"], token="expired", expires_at=utcnow() - dt.timedelta(seconds=1))

@@ -106,7 +106,7 @@ def test_a_private_image_is_its_project_s_alone(bucket, image_file, capsys):
     (["--private"], "give --private and --project together"),
     (["--project", "demo"], "give --private and --project together"),
     (["--private", "--project", " "], "a project id is"),
-    (["--private", "--project", "d\u00e9mo"], "ASCII"),
+    (["--private", "--project", "d\u00e9mo"], "a project id is 1 to 255 letters, digits"),
     (["--min-disk", "-1"], "--min-disk is a size from 0"),
     (["--min-ram", "-512"], "--min-ram is a size from 0"),
 ], ids=["private-alone", "project-alone", "blank-project", "non-ascii-project", "min-disk", "min-ram"])

@@ -145,7 +145,23 @@ def test_a_role_the_authorizer_could_not_pass_on_is_refused_and_nothing_is_store
                                            ("alice\n", "demo")])
 def test_an_id_with_spaces_or_too_long_is_refused(deployment, capsys, user, project):
     assert cli.main(["token", "issue", "--user", user, "--project", project]) == 1
-    assert "id is 1 to 255 printable characters" in capsys.readouterr().err
+    assert "id is 1 to 255 letters, digits, '_', '.', '@' or '-'" in capsys.readouterr().err
+    assert stored() == []
+
+
+@pytest.mark.parametrize("user, project, what", [("alice", "proj:1", "project"), ("alice", "proj#1", "project"),
+                                                 ("alice", "d\u00e9mo", "project"), ("al/ice", "demo", "user"),
+                                                 ("alice+ops", "demo", "user")])
+def test_an_id_the_identity_api_could_not_find_is_refused_and_nothing_is_stored(deployment, capsys, user, project,
+                                                                                 what):
+    # WHEN an operator issues a token for an id outside what the identity API and flavor access take
+    status = cli.main(["token", "issue", "--user", user, "--project", project])
+
+    # THEN the CLI refuses it with one error line, and no token is made
+    out, err = capsys.readouterr()
+    assert status == 1 and out == ""
+    assert err.startswith(f"ferry: A {what} id is 1 to 255 letters, digits, '_', '.', '@' or '-': ")
+    assert len(err.splitlines()) == 1
     assert stored() == []
 
 

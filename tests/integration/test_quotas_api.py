@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import pytest
-from sqlalchemy import select, update
+from sqlalchemy import event, false, select, update
 from sqlalchemy.exc import ProgrammingError
+from sqlalchemy.orm import ORMExecuteState, Session
 from test_api_moves import active_server, resized_server, set_instance, snapshot_of, start_move_cloud
-from test_api_support import ADMIN, ALICE, BOB, call, cell_away, create_server, mocked_cloud
+from test_api_support import ADMIN, ALICE, BOB, api_rows, call, cell_away, create_server, mocked_cloud
 
 from ferry import config, quotas
 from ferry.compute import states
-from ferry.store.api_models import BuildRequest, CellMapping, InstanceMapping
+from ferry.store.api_models import BuildRequest, CellMapping, InstanceMapping, Quota
 from ferry.store.cell_models import Instance
 from ferry.store.db import api_session, cell_session
 
@@ -107,6 +108,53 @@ def test_a_limit_below_usage_needs_force(cloud):
     assert refused.body["badRequest"]["message"] == \
         "Quota limit 1 for cores must be greater than or equal to already used and reserved 2."
     assert forced.status == 200 and forced.body["quota_set"]["cores"] == 1
+
+
+@pytest.mark.parametrize("project_id", ["a b", "a%20b", "proj:1", "x" * 256])
+@pytest.mark.parametrize(("method", "suffix", "body"), [
+    ("GET", "", None),
+    ("GET", "/detail", None),
+    ("GET", "/defaults", None),
+    ("PUT", "", {"quota_set": {"cores": 5}}),
+    ("DELETE", "", None),
+])
+def test_a_project_id_no_project_can_have_is_400_and_writes_nothing(cloud, project_id, method, suffix, body):
+    # WHEN an admin names a project by an id the identity API would never find
+    response = call(method, f"/v2.1/os-quota-sets/{project_id}{suffix}", caller=ADMIN, body=body, version="2.90")
+
+    # THEN it is refused as Nova refuses a project it cannot verify, and no quota is written for it
+    assert response.status == 400, response.body
+    assert response.body["badRequest"]["message"] == f"Project ID {project_id} is not a valid project."
+    assert api_rows(Quota) == []
+    assert project_id not in [p["id"] for p in call("GET", "/identity/v3/projects", caller=ADMIN).body["projects"]]
+
+
+def test_a_first_limit_set_by_a_concurrent_request_is_updated_not_a_server_error(cloud):
+    # GIVEN another request commits a first cores limit for project-a after this request read the
+    # project's quota rows: the row is in the database, the first read is made to have missed it
+    with api_session() as session:
+        session.add(Quota(project_id="project-a", resource="cores", hard_limit=30))
+    reads: list[str] = []
+
+    def read_before_the_other_committed(state: ORMExecuteState):
+        if state.is_select and state.all_mappers and state.all_mappers[0].class_ is Quota and not reads:
+            reads.append("quotas")
+            return state.invoke_statement(statement=state.statement.where(false()))
+        return None
+
+    event.listen(Session, "do_orm_execute", read_before_the_other_committed)
+    try:
+        # WHEN this request sets the cores limit (and another) of the project
+        response = call("PUT", "/v2.1/os-quota-sets/project-a", caller=ADMIN, version="2.90",
+                        body={"quota_set": {"cores": 40, "instances": 7}})
+    finally:
+        event.remove(Session, "do_orm_execute", read_before_the_other_committed)
+
+    # THEN its insert meets the other's row, and it is written again as an update: one row, its limit
+    assert reads == ["quotas"]
+    assert response.status == 200, response.body
+    assert (response.body["quota_set"]["cores"], response.body["quota_set"]["instances"]) == (40, 7)
+    assert [row.hard_limit for row in api_rows(Quota, resource="cores")] == [40]
 
 
 def test_per_user_quotas_are_refused(cloud):

@@ -30,9 +30,11 @@ TOKEN_HEADER = "X-Auth-Token"
 ADMIN_ROLE = "admin"
 # Keystone's read-only project role.
 READER_ROLE = "reader"
-# A role's name, and a user's or project's id, as tokens record them (the columns hold 255).
+# A role's name as tokens record it.
 ROLE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-IDENTITY_ID = re.compile(r"[^\s\x00-\x1f\x7f]{1,255}")
+# A user's or project's id as a new token records it: one the identity API finds, and flavor access
+# and quotas take (the API's schemas use this pattern). Tokens issued before with other ids still work.
+IDENTITY_ID = re.compile(r"[A-Za-z0-9_.@-]{1,255}")
 
 
 def new_request_id() -> str:
@@ -46,7 +48,8 @@ class RequestContext:
 
     ``is_admin`` follows from ``roles`` (the ``admin`` role) and cannot be set on its own;
     ``reader_only`` too: a caller whose every role is ``reader`` (Keystone's project reader)
-    reads, and changes nothing (:mod:`ferry.policy`).
+    reads, and changes nothing (:mod:`ferry.policy`). Roles are kept in lower case, as role
+    names compare regardless of case (as oslo.policy compares them): ``Admin`` is ``admin``.
     """
 
     user_id: str
@@ -57,10 +60,10 @@ class RequestContext:
     reader_only: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "roles", tuple(self.roles))
+        object.__setattr__(self, "roles", tuple(role.lower() for role in self.roles))
         object.__setattr__(self, "is_admin", ADMIN_ROLE in self.roles)
         object.__setattr__(self, "reader_only", bool(self.roles) and not self.is_admin
-                           and all(role.lower() == READER_ROLE for role in self.roles))
+                           and all(role == READER_ROLE for role in self.roles))
 
 
 def hash_token(token: str) -> str:
@@ -84,7 +87,7 @@ def issue_token(user_id: str, project_id: str, roles: Iterable[str], token: str 
             raise errors.BadRequest(f"A role name is 1 to 64 letters, digits, '_', '.' or '-': {role!r}.")
     for what, value in (("user", user_id), ("project", project_id)):
         if not IDENTITY_ID.fullmatch(value):
-            raise errors.BadRequest(f"A {what} id is 1 to 255 printable characters without spaces: {value!r}.")
+            raise errors.BadRequest(f"A {what} id is 1 to 255 letters, digits, '_', '.', '@' or '-': {value!r}.")
     token = token or secrets.token_urlsafe(32)
     digest = hash_token(token)
     with api_session() as session:

@@ -104,11 +104,11 @@ def _name_problem(name: str) -> str | None:
 
 def _project_problem(project: str) -> str | None:
     """Why ``project`` cannot own an image, or None: a project id as tokens hold it
-    (:data:`ferry.auth.IDENTITY_ID`), in ASCII (S3 metadata is ASCII; ``owner`` is written as it is)."""
+    (:data:`ferry.auth.IDENTITY_ID`)."""
     from ferry.auth import IDENTITY_ID
 
-    if not project.isascii() or not IDENTITY_ID.fullmatch(project):
-        return f"a project id is 1 to 255 printable ASCII characters without spaces: {project!r}"
+    if not IDENTITY_ID.fullmatch(project):
+        return f"a project id is 1 to 255 letters, digits, '_', '.', '@' or '-': {project!r}"
     return None
 
 

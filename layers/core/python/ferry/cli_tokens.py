@@ -30,6 +30,8 @@ DEFAULT_EXPIRES_IN = dt.timedelta(days=30)
 MAX_EXPIRES_IN = dt.timedelta(days=3650)
 _DURATION = re.compile(r"(\d{1,9})([smhd]?)")
 _UNIT_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+# A user's or project's id as a token takes it (ferry.auth.IDENTITY_ID): one the identity API finds.
+_ID_RULE = "1 to 255 letters, digits, _ . @ or -"
 
 
 def duration(text: str) -> dt.timedelta:
@@ -102,11 +104,11 @@ def add_token(commands: Any) -> None:
     sub = parser.add_subparsers(dest="token_command", metavar="<token command>", required=True)
 
     issue = sub.add_parser("issue", help="make a token and print it (once)")
-    issue.add_argument("--user", required=True, help="the user id it stands for")
-    issue.add_argument("--project", required=True, help="the project id it stands for")
+    issue.add_argument("--user", required=True, help="the user id it stands for (" + _ID_RULE + ")")
+    issue.add_argument("--project", required=True, help="the project id it stands for (" + _ID_RULE + ")")
     issue.add_argument("--role", action="append", metavar="ROLE",
-                       help="a role (repeat for several): admin makes an administrator, reader alone a read-only "
-                            "member, any other a member (default: member)")
+                       help="a role (repeat for several; in any case): admin makes an administrator, reader alone "
+                            "a read-only member, any other a member (default: member)")
     lifetime = issue.add_mutually_exclusive_group()
     lifetime.add_argument("--expires-in", type=duration, default=DEFAULT_EXPIRES_IN, metavar="DURATION",
                           help="how long it is valid: seconds, or 90m, 12h, 30d (default: 30d)")

@@ -41,7 +41,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from sqlalchemy import func, select
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.orm import Session
 
 from ferry import config, errors
@@ -289,6 +289,8 @@ def update(project_id: str, values: Mapping[str, int], *, force: bool = False) -
     Raises:
         BadRequest: an unknown resource, a limit below -1, or (without ``force``) a counted
             limit below the current usage.
+
+    A first limit of a resource that a concurrent request set meanwhile is updated (written again once).
     """
     unknown = sorted(set(values) - set(RESOURCES))
     if unknown:
@@ -305,6 +307,21 @@ def update(project_id: str, values: Mapping[str, int], *, force: bool = False) -
             if wanted is not None and int(wanted) != UNLIMITED and int(wanted) < used[resource]:
                 raise errors.BadRequest(f"Quota limit {wanted} for {resource} must be greater than or equal to "
                                         f"already used and reserved {used[resource]}.")
+    try:
+        _write_limits(project_id, values)
+    except IntegrityError:
+        # A concurrent request set a first limit of one of these resources between the read and the
+        # insert (the unique project and resource): run again, which finds its row and updates it.
+        _write_limits(project_id, values)
+    return limits(project_id)
+
+
+def _write_limits(project_id: str, values: Mapping[str, int]) -> None:
+    """Update the project's rows of these resources, and add the missing ones, in one transaction.
+
+    Raises:
+        IntegrityError: a row added meanwhile by another transaction (nothing is written).
+    """
     with api_session() as session:
         existing = {row.resource: row for row in session.scalars(select(Quota).where(Quota.project_id == project_id))}
         for resource, limit in values.items():
@@ -313,7 +330,6 @@ def update(project_id: str, values: Mapping[str, int], *, force: bool = False) -
                 session.add(Quota(project_id=project_id, resource=resource, hard_limit=int(limit)))
             else:
                 row.hard_limit = int(limit)
-    return limits(project_id)
 
 
 def reset(project_id: str) -> None:

@@ -143,7 +143,8 @@ def delete_flavor(flavor_id: str) -> Response:
 
 
 def _spec_values(specs: dict[str, Any]) -> dict[str, str]:
-    """Extra spec values as stored: every one a string (the schema lets numbers through too)."""
+    """Extra spec values as stored: every one a string (the schema lets numbers through too, and
+    bounds strings only: :func:`ferry.compute.api.set_extra_specs` bounds a number written out)."""
     return {key: str(value) for key, value in specs.items()}
 
 
@@ -209,11 +210,16 @@ def list_flavor_access(flavor_id: str) -> Response:
 
 @router.post("/flavors/<flavor_id>/action")
 def flavor_action(flavor_id: str) -> Response:
-    """``addTenantAccess`` / ``removeTenantAccess`` ``{"tenant": <project id>}``."""
-    ctx = request.caller(router)
+    """``addTenantAccess`` / ``removeTenantAccess`` ``{"tenant": <project id>}``.
+
+    Access to a public flavor is refused (409) from 2.7; below, it is recorded, as Nova does.
+    """
+    view = request.view_context(router)
+    ctx = view.ctx
     body = request.body(router, schemas.FLAVOR_ACTION)
     if "addTenantAccess" in body:
         policy.enforce(ctx, "os_compute_api:os-flavor-access:add_tenant_access", policy.NO_PROJECT)
-        return _access(flavor_id, compute_api.add_flavor_access(flavor_id, body["addTenantAccess"]["tenant"]))
+        return _access(flavor_id, compute_api.add_flavor_access(flavor_id, body["addTenantAccess"]["tenant"],
+                                                                refuse_public=view.at_least("2.7")))
     policy.enforce(ctx, "os_compute_api:os-flavor-access:remove_tenant_access", policy.NO_PROJECT)
     return _access(flavor_id, compute_api.remove_flavor_access(flavor_id, body["removeTenantAccess"]["tenant"]))

@@ -6,6 +6,7 @@ keeps no per-user quotas.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
 from aws_lambda_powertools.event_handler import Response
@@ -21,6 +22,7 @@ router = Router()
 # any other from 2.75; before, others are ignored).
 QUOTA_SET_PARAMETERS: Mapping[str, str] = {"user_id": "2.1"}
 LIMITS_PARAMETERS: Mapping[str, str] = {"tenant_id": "2.1"}
+PROJECT_ID = re.compile(schemas.PROJECT_ID_PATTERN)
 
 
 def _resources(view: ViewContext) -> list[str]:
@@ -33,6 +35,16 @@ def _refuse_unknown(view: ViewContext, known: Mapping[str, str]) -> None:
     Called before the policy, as Nova checks its query schema first.
     """
     request.refuse_unknown_from_strict(request.query(router), known, view)
+
+
+def _valid_project(project_id: str) -> None:
+    """Raises BadRequest for a project id no project can have (one the identity API would not
+    find): its quotas would be written under it, and it would be listed as a project.
+
+    Called after the policy, as Nova verifies the project with the identity service then.
+    """
+    if not PROJECT_ID.fullmatch(project_id):
+        raise errors.BadRequest(f"Project ID {project_id} is not a valid project.")
 
 
 def _project_only() -> None:
@@ -50,6 +62,7 @@ def show_quota_set(project_id: str) -> Response:
     view = request.view_context(router)
     _refuse_unknown(view, QUOTA_SET_PARAMETERS)
     policy.enforce(view.ctx, "os_compute_api:os-quota-sets:show", {"project_id": project_id})
+    _valid_project(project_id)
     _project_only()
     body = views.quota_set(view, quotas.limits(project_id), _resources(view), project_id)
     return request.json_response(200, {"quota_set": body})
@@ -60,6 +73,7 @@ def show_quota_set_detail(project_id: str) -> Response:
     view = request.view_context(router)
     _refuse_unknown(view, QUOTA_SET_PARAMETERS)
     policy.enforce(view.ctx, "os_compute_api:os-quota-sets:detail", {"project_id": project_id})
+    _valid_project(project_id)
     _project_only()
     body = views.quota_set_detail(view, quotas.limits(project_id), _usage(project_id), _resources(view),
                                   project_id)
@@ -70,6 +84,7 @@ def show_quota_set_detail(project_id: str) -> Response:
 def show_quota_defaults(project_id: str) -> Response:
     view = request.view_context(router)
     policy.enforce(view.ctx, "os_compute_api:os-quota-sets:defaults", {"project_id": project_id})
+    _valid_project(project_id)
     body = views.quota_set(view, quotas.defaults(), _resources(view), project_id)
     return request.json_response(200, {"quota_set": body})
 
@@ -78,6 +93,7 @@ def show_quota_defaults(project_id: str) -> Response:
 def update_quota_set(project_id: str) -> Response:
     view = request.view_context(router)
     policy.enforce(view.ctx, "os_compute_api:os-quota-sets:update", {"project_id": project_id})
+    _valid_project(project_id)
     _project_only()
     resources = _resources(view)
     wanted = dict(request.body(router, schemas.quota_set_update(resources))["quota_set"])
@@ -92,6 +108,7 @@ def update_quota_set(project_id: str) -> Response:
 def delete_quota_set(project_id: str) -> Response:
     ctx = request.caller(router)
     policy.enforce(ctx, "os_compute_api:os-quota-sets:delete", {"project_id": project_id})
+    _valid_project(project_id)
     _project_only()  # else ``?user_id=`` would reset the whole project's overrides
     quotas.reset(project_id)
     return request.empty(202)

@@ -7,6 +7,7 @@ import unicodedata
 from collections.abc import Iterable
 from typing import Any
 
+from ferry import auth
 from ferry.api.microversions import APIVersion
 from ferry.compute import states
 from ferry.validation import MAX_INT
@@ -246,7 +247,7 @@ MIGRATE_ACTION_V256 = {
 # --- quotas -----------------------------------------------------------------------------------------
 
 # A project id as Ferry takes one (Keystone's ids, and the names Ferry's tokens use).
-PROJECT_ID_PATTERN = "^[A-Za-z0-9_.@-]{1,255}$"
+PROJECT_ID_PATTERN = f"^{auth.IDENTITY_ID.pattern}$"
 _TENANT = {"type": "object", "properties": {"tenant": {"type": "string", "pattern": PROJECT_ID_PATTERN}},
            "required": ["tenant"], "additionalProperties": False}
 FLAVOR_ACTION = {"oneOf": [{"type": "object", "properties": {name: _TENANT}, "required": [name],

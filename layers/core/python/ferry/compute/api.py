@@ -1494,33 +1494,40 @@ def flavor_projects(flavorid: str) -> list[str]:
         return [p.project_id for p in sorted(flavor.projects, key=lambda p: p.id)]
 
 
-def add_flavor_access(flavorid: str, project_id: str) -> list[str]:
-    """Give a project access to a private flavor; the projects with access afterwards.
+def add_flavor_access(flavorid: str, project_id: str, *, refuse_public: bool = True) -> list[str]:
+    """Give a project access to a flavor; the projects with access afterwards.
+
+    Params:
+        refuse_public: refuse a public flavor (Nova from 2.7); without it, the access to a public
+            flavor is recorded (it changes nothing: the flavor is anyone's), as Nova does below 2.7.
 
     Raises:
         FlavorNotFound: no such flavor.
-        FlavorAccessExists: the flavor is public, or the project has access already.
+        FlavorAccessExists: the flavor is public (with ``refuse_public``), or the project has access already.
     """
     exists = errors.FlavorAccessExists(
         f"Flavor access already exists for flavor {flavorid} and project {project_id} combination.")
     try:
         with api_session() as session:
             flavor = _flavor(session, flavorid)
-            if flavor.is_public:
+            if flavor.is_public and refuse_public:
                 raise errors.FlavorAccessExists("Can not add access to a public flavor.")
             if any(p.project_id == project_id for p in flavor.projects):
                 raise exists
             flavor.projects.append(FlavorProject(project_id=project_id))
+            session.flush()
+            projects = [p.project_id for p in sorted(flavor.projects, key=lambda p: p.id)]
     except IntegrityError as exc:  # the same access given, or the flavor deleted, by a concurrent request
         with api_session() as session:
             _flavor(session, flavorid)
         raise exists from exc
     logger.info("flavor access added", extra={"flavorid": flavorid, "project_id": project_id})
-    return flavor_projects(flavorid)
+    return projects
 
 
 def remove_flavor_access(flavorid: str, project_id: str) -> list[str]:
-    """Take a project's access to a private flavor away; the projects with access afterwards.
+    """Take a project's access to a flavor away (a public flavor's too, recorded below 2.7); the
+    projects with access afterwards.
 
     Raises:
         FlavorNotFound: no such flavor.
@@ -1533,8 +1540,9 @@ def remove_flavor_access(flavorid: str, project_id: str) -> list[str]:
             raise errors.FlavorAccessNotFound(
                 f"Flavor access not found for {flavorid} / {project_id} combination.")
         flavor.projects.remove(granted)
+        projects = [p.project_id for p in sorted(flavor.projects, key=lambda p: p.id)]
     logger.info("flavor access removed", extra={"flavorid": flavorid, "project_id": project_id})
-    return flavor_projects(flavorid)
+    return projects
 
 
 def get_extra_specs(flavorid: str, ctx: RequestContext | None = None) -> dict[str, str]:
@@ -1546,20 +1554,47 @@ def get_extra_specs(flavorid: str, ctx: RequestContext | None = None) -> dict[st
     return dict(get_flavor(flavorid, ctx).specs)
 
 
+# The longest extra spec value a flavor keeps (the column's size, and Nova's bound).
+MAX_EXTRA_SPEC_VALUE = 255
+
+
 def set_extra_specs(flavorid: str, specs: Mapping[str, Any]) -> dict[str, str]:
     """Add or replace extra specs (others are kept); returns the flavor's specs afterwards.
 
+    Values are stored as strings: a number as it reads (``3``, ``1.5``).
+
+    Raises:
+        BadRequest: a value (a number written out included) longer than 255 characters; nothing is stored.
+        FlavorNotFound: no such flavor.
+    """
+    values = {key: str(value) for key, value in specs.items()}
+    if any(len(value) > MAX_EXTRA_SPEC_VALUE for value in values.values()):
+        raise errors.BadRequest(
+            f"Invalid input received: extra_specs value has more than {MAX_EXTRA_SPEC_VALUE} characters.")
+    try:
+        return _write_extra_specs(flavorid, values)
+    except IntegrityError:
+        # A concurrent request added one of these keys between the read and the insert (the unique
+        # flavor and key), or deleted the flavor: run again, which updates its row (or finds no flavor).
+        return _write_extra_specs(flavorid, values)
+
+
+def _write_extra_specs(flavorid: str, values: Mapping[str, str]) -> dict[str, str]:
+    """Update the flavor's rows of these keys, and add the missing ones, in one transaction; the
+    flavor's specs afterwards.
+
     Raises:
         FlavorNotFound: no such flavor.
+        IntegrityError: a row added meanwhile by another transaction (nothing is written).
     """
     with api_session() as session:
         flavor = _flavor(session, flavorid)
         existing = {spec.key: spec for spec in flavor.extra_specs}
-        for key, value in specs.items():
+        for key, value in values.items():
             if key in existing:
-                existing[key].value = str(value)
+                existing[key].value = value
             else:
-                flavor.extra_specs.append(FlavorExtraSpec(key=key, value=str(value)))
+                flavor.extra_specs.append(FlavorExtraSpec(key=key, value=value))
         session.flush()
         return {spec.key: spec.value for spec in flavor.extra_specs}
 

@@ -255,6 +255,10 @@ def delete_service(service: ServiceRecord) -> None:
     """Delete the record of a compute host that has left: its service, resource provider, aggregate
     memberships and host mapping. A host agent still running registers its host again.
 
+    The API database's side is committed first and the service last: until the service is gone the
+    delete can be asked again (each step finds what is left of its part), so one that failed half
+    way is finished by asking again rather than leaving a provider and mapping without a service.
+
     Raises:
         Conflict: the host still runs servers, takes part in a migration, or holds allocations.
         NotFound: the service was deleted meanwhile.
@@ -267,8 +271,8 @@ def delete_service(service: ServiceRecord) -> None:
         # meanwhile either shows up here (and the delete is refused) or finds no provider left.
         _forget_host(api, service.host)
         cell = api.scalars(select(CellMapping).where(CellMapping.name == service.cell)).one()
-        with cell_session(cell) as session:
-            deleted = session.execute(delete(Service).where(Service.uuid == service.uuid))
-            if not getattr(deleted, "rowcount", 0):
-                raise errors.NotFound(f"Service {service.uuid} could not be found.")
+    with cell_session(cell) as session:
+        deleted = session.execute(delete(Service).where(Service.uuid == service.uuid))
+        if not getattr(deleted, "rowcount", 0):
+            raise errors.NotFound(f"Service {service.uuid} could not be found.")
     logger.info("compute service deleted", extra={"host": service.host, "cell": service.cell})
