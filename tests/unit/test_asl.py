@@ -416,6 +416,20 @@ LAMBDA_TRANSIENT_ERRORS = ("Lambda.ServiceException", "Lambda.TooManyRequestsExc
 TRANSIENT_STEP_ERRORS = (*LAMBDA_TRANSIENT_ERRORS, "Ferry.DatabaseUnavailable")
 
 
+@pytest.mark.parametrize("asl_file", ASL_FILES, ids=_rel)
+def test_every_host_operation_sends_again_when_sqs_refused_its_message(asl_file):
+    # A refused send (throttling, a queue being recreated) ran nothing on the host; the agent's
+    # journal makes a message sent twice run once.
+    not_again = [
+        f"{where}{name}: {error}"
+        for where, scope in _scopes(_definition(asl_file))
+        for name, state in scope["States"].items() if state.get("Resource") == HOST_OPERATION
+        for error in SQS_REFUSALS if _retrier_for(state, error) is None
+    ]
+
+    assert not_again == []
+
+
 def _retrier_for(state: dict[str, Any], error: str) -> dict[str, Any] | None:
     """The Retry rule Step Functions applies to ``error``: the first naming it or ``States.ALL``."""
     return next((rule for rule in state.get("Retry", [])
