@@ -172,6 +172,31 @@ def test_one_failing_confirm_does_not_stop_the_others(started, monkeypatch):
     assert migration_row(first.migration_uuid).status == migration_states.FINISHED
 
 
+@pytest.mark.parametrize("meanwhile", ["revert", "stop"])
+def test_a_server_its_owner_settled_or_changed_meanwhile_is_skipped_not_counted_failed(started, monkeypatch,
+                                                                                      meanwhile):
+    # GIVEN an expired resize whose owner reverts it (or whose server changes) right after the run read it
+    resized = expired()
+    real = moves.begin_confirm
+
+    def owner_first(cell: str, instance_uuid: str, **kwargs: Any) -> str:
+        if meanwhile == "revert":
+            set_migration(resized.migration_uuid, status=migration_states.REVERTING)
+            set_instance(instance_uuid, task_state=states.RESIZE_REVERTING)
+        else:
+            set_instance(instance_uuid, vm_state=states.ACTIVE)
+        return real(cell, instance_uuid, **kwargs)
+
+    monkeypatch.setattr(moves, "begin_confirm", owner_first)
+
+    # WHEN the automatic confirm runs on
+    result = auto_confirm.run()
+
+    # THEN the server is left to what its owner did, counted skipped: no failure to alarm on
+    assert (result["confirmed"], result["skipped"], result["failed"]) == (0, 1, 0)
+    assert started.payloads == []
+
+
 def test_a_migration_confirmed_meanwhile_is_not_confirmed_twice(started):
     resized = expired()
     auto_confirm.run()

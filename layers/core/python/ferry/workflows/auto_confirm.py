@@ -105,6 +105,11 @@ def confirm_one(found: Unconfirmed) -> str:
             _set_error(session.scalars(select(Migration).where(Migration.uuid == found.migration_uuid)).one())
         logger.warning("auto-confirm: the migration is not the server's newest; migration set to error", extra=context)
         return ERRORED
+    except (errors.InstanceInvalidState, errors.MigrationInProgress) as exc:
+        # The owner (or an admin) confirmed, reverted or changed the server since it was read: the
+        # next run reads it again.
+        logger.info("auto-confirm skipped: the server changed meanwhile", extra={**context, "reason": exc.message})
+        return SKIPPED
     logger.info("resize confirmed automatically", extra=context)
     return CONFIRMED
 
