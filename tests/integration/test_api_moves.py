@@ -375,6 +375,38 @@ def test_a_second_move_while_the_first_is_pending_is_409(cloud):
     assert instance(server_id).new_flavor["name"] == "m1.medium"
 
 
+@pytest.mark.parametrize("status", [migration_states.PRE_MIGRATING, migration_states.POST_MIGRATING,
+                                    migration_states.CONFIRMING, migration_states.REVERTING])
+def test_a_move_after_a_reset_while_another_moves_the_server_is_409_and_writes_nothing(cloud, status):
+    # GIVEN a move under way whose server an admin reset to active (task cleared), its migration still live
+    server_id = active_server()
+    assert action(server_id, {"resize": {"flavorRef": "2"}}).status == 202
+    [migration] = migrations_of(server_id)
+    with cell_session("cell1") as session:
+        session.execute(update(Migration).values(status=status))
+    assert call("POST", f"/v2.1/servers/{server_id}/action", caller=ADMIN,
+                body={"os-resetState": {"state": "active"}}).status == 202
+
+    # WHEN a new move is asked for
+    again = action(server_id, {"migrate": None}, caller=ADMIN)
+
+    # THEN it is refused while the first one's workflow may still act on the server; nothing is written
+    assert again.status == 409, again.body
+    assert f"its migration {migration.uuid} is still {status}" in again.body["conflictingRequest"]["message"]
+    assert len(migrations_of(server_id)) == 1 and len(cloud.executions("resize")) == 1
+    assert instance(server_id).task_state is None
+
+
+def test_a_move_after_an_ended_one_is_accepted(cloud):
+    server_id = active_server()
+    assert action(server_id, {"resize": {"flavorRef": "2"}}).status == 202
+    with cell_session("cell1") as session:
+        session.execute(update(Migration).values(status=migration_states.ERROR))
+    set_instance(server_id, task_state=None)
+
+    assert action(server_id, {"migrate": None}, caller=ADMIN).status == 202
+
+
 def test_a_move_that_loses_the_compare_and_swap_is_409_and_writes_nothing(cloud, monkeypatch):
     server_id = active_server()
     original = moves.quotas.check

@@ -559,6 +559,7 @@ def _accept_move(ctx: RequestContext, location: compute_api.Location, move: _Mov
                 f"Cannot '{move.action}' instance {uuid}: another operation changed it first.") from exc
         if instance.host != source_host or dict(instance.flavor or {}) != current:
             raise errors.InstanceInvalidState(f"Cannot '{move.action}' instance {uuid}: it moved meanwhile.")
+        _refuse_beside_a_live_migration(session, uuid, move.action)
         session.add(Migration(
             uuid=migration_uuid, instance_uuid=uuid, source_compute=instance.host, source_node=instance.node,
             status=PRE_MIGRATING, migration_type=RESIZE if move.flavor_ref is not None else MIGRATION,
@@ -578,6 +579,24 @@ def _accept_move(ctx: RequestContext, location: compute_api.Location, move: _Mov
     logger.info("move accepted", extra={"instance_uuid": uuid, "migration_uuid": migration_uuid,
                                         "action": move.action, "flavor": new_flavor.get("flavorid")})
     return cell, payload, previous
+
+
+def _refuse_beside_a_live_migration(session: Session, uuid: str, action: str) -> None:
+    """Refuse a move of a server another move's workflow may still act on: one of its migrations
+    is still moving, or being confirmed or reverted (after an os-resetState cleared its task). That
+    workflow's steps and rollback would otherwise act on the server, and on its allocations, under
+    the new move.
+
+    Raises:
+        MigrationInProgress: 409; nothing written.
+    """
+    live = session.scalars(select(Migration).where(
+        Migration.instance_uuid == uuid, Migration.status.in_((*MOVING, *SETTLING)),
+        Migration.deleted.is_(False)).order_by(Migration.created_at.desc()).limit(1)).first()
+    if live is not None:
+        raise errors.MigrationInProgress(
+            f"Cannot '{action}' instance {uuid}: its migration {live.uuid} is still {live.status}. Its "
+            f"workflow settles it; ferry audit --fix settles one whose workflow ended without (migration_stuck).")
 
 
 def _move_payload(ctx: RequestContext, instance_uuid: str, migration_uuid: str, cell: str,
