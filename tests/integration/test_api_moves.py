@@ -7,6 +7,7 @@ runs, which execution it starts with which input, and that a refused request cha
 from __future__ import annotations
 
 import hashlib
+import io
 from dataclasses import dataclass
 from typing import Any
 
@@ -290,6 +291,25 @@ def test_resize_refuses_to_shrink_the_root_disk(cloud):
     assert "the root disk cannot shrink (flavor m1.large has 4 GB, m1.medium 2 GB)" in \
         response.body["badRequest"]["message"]
     assert snapshot(cloud, server_id) == before
+
+
+def test_resize_of_an_image_backed_server_to_a_flavor_its_image_does_not_fit_is_400(cloud):
+    # GIVEN a server booted from an image that needs 2 GB of RAM, and a flavor with less but a bigger disk
+    image = images.upload_image(io.BytesIO(b"\0" * 4096), "needs-2g", min_ram=2048)
+    compute_api.create_flavor(name="m1.small-ram", vcpus=4, memory_mb=1024, root_gb=8, flavorid="small-ram")
+    server_id = create_server(flavorRef="3", imageRef=image["id"])
+    schedule(server_id)
+    before = snapshot(cloud, server_id)
+
+    # WHEN it is resized to that flavor
+    response = action(server_id, {"resize": {"flavorRef": "small-ram"}})
+
+    # THEN Nova's refusal, and nothing changed; the image deleted, the resize is not checked against it
+    assert response.status == 400, response.body
+    assert response.body["badRequest"]["message"] == "Flavor's memory is too small for requested image."
+    assert snapshot(cloud, server_id) == before
+    images.delete_image(image["id"])
+    assert action(server_id, {"resize": {"flavorRef": "small-ram"}}).status == 202
 
 
 def test_resize_of_someone_elses_or_an_unknown_server_is_404(cloud):

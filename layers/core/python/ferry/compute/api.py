@@ -673,10 +673,11 @@ def _root_device(request: BootRequest) -> dict[str, Any] | None:
     }
 
 
-def _check_image_fits(image: dict[str, Any], flavor: Flavor, root: dict[str, Any] | None) -> None:
-    """Refuse (400) a boot whose flavor or new root volume cannot hold the image: its minimums, and
-    its disk's size (the virtual size of a sparse image), as Nova does before anything is built."""
-    if flavor.memory_mb < image["min_ram"]:
+def check_image_fits(image: dict[str, Any], memory_mb: int, root_gb: int, root: dict[str, Any] | None = None) -> None:
+    """Refuse (400) a boot, or a resize of an image-backed server, whose flavor (``memory_mb``,
+    ``root_gb``) or new root volume cannot hold the image: its minimums, and its disk's size (the
+    virtual size of a sparse image), as Nova does before anything is built or moved."""
+    if memory_mb < image["min_ram"]:
         raise errors.BadRequest("Flavor's memory is too small for requested image.")
     image_bytes = int(image.get("virtual_size") or image.get("size") or 0)
     if root is not None:
@@ -686,11 +687,11 @@ def _check_image_fits(image: dict[str, Any], flavor: Flavor, root: dict[str, Any
             raise errors.BadRequest(f"Volume is smaller than the requested image. Volume size is "
                                     f"{root['volume_size'] * protocol.GiB} bytes, image is {image_bytes} bytes.")
         return
-    if flavor.root_gb and flavor.root_gb < image["min_disk"]:
+    if root_gb and root_gb < image["min_disk"]:
         raise errors.BadRequest("Flavor's disk is too small for requested image.")
-    if flavor.root_gb and flavor.root_gb * protocol.GiB < image_bytes:
+    if root_gb and root_gb * protocol.GiB < image_bytes:
         raise errors.BadRequest(f"Flavor's disk is too small for requested image. Flavor disk is "
-                                f"{flavor.root_gb * protocol.GiB} bytes, image is {image_bytes} bytes.")
+                                f"{root_gb * protocol.GiB} bytes, image is {image_bytes} bytes.")
 
 
 def _new_mac(session: Session) -> str:
@@ -925,7 +926,7 @@ def create_servers(ctx: RequestContext, request: BootRequest) -> list[str]:
     if root is None and not image_id:
         raise errors.BadRequest("Missing imageRef attribute")
     if image_id:
-        _check_image_fits(_bootable_image(ctx, image_id), flavor, root)
+        check_image_fits(_bootable_image(ctx, image_id), flavor.memory_mb, flavor.root_gb, root)
     if root is None and flavor.root_gb == 0:
         policy.enforce(ctx, "os_compute_api:servers:create:zero_disk_flavor", {"project_id": ctx.project_id})
     each = {quotas.INSTANCES: 1, quotas.CORES: flavor.vcpus, quotas.RAM: flavor.memory_mb}

@@ -23,10 +23,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
+from botocore.exceptions import BotoCoreError, ClientError
 from sqlalchemy import CursorResult, Select, delete, func, or_, select, update
 from sqlalchemy.orm import Session
 
-from ferry import config, errors, hosts, policy, quotas, workflows
+from ferry import config, errors, hosts, images, policy, quotas, workflows
 from ferry.auth import RequestContext
 from ferry.compute import actions, flavor_access, instances, states
 from ferry.compute import api as compute_api
@@ -529,7 +530,7 @@ def _accept_move(ctx: RequestContext, location: compute_api.Location, move: _Mov
         _check_movable(ctx, session, instance, move.action)
         current = dict(instance.flavor or {})
         volume_backed = _is_volume_backed(session, instance)
-        source_host, project_id = instance.host, instance.project_id
+        source_host, project_id, image_ref = instance.host, instance.project_id, instance.image_ref
     new_flavor = current
     if move.flavor_ref is not None:
         # Only a server that may move has its flavor looked at (409 before 400, as Nova answers).
@@ -539,6 +540,8 @@ def _accept_move(ctx: RequestContext, location: compute_api.Location, move: _Mov
         if (new_flavor.get("id"), new_flavor.get("flavorid")) == (current.get("id"), current.get("flavorid")):
             raise errors.CannotResizeToSameFlavor()
         _check_disks_fit(current, new_flavor, volume_backed=volume_backed)
+        if not volume_backed:
+            _check_image_still_fits(image_ref, new_flavor)
     if move.requested_host is not None:
         cross_cell_allowed = policy.check(ctx, CROSS_CELL_RULE, location.target)
         _check_requested_host(move.requested_host, None if cross_cell_allowed else cell.name)
@@ -579,6 +582,28 @@ def _accept_move(ctx: RequestContext, location: compute_api.Location, move: _Mov
     logger.info("move accepted", extra={"instance_uuid": uuid, "migration_uuid": migration_uuid,
                                         "action": move.action, "flavor": new_flavor.get("flavorid")})
     return cell, payload, previous
+
+
+def _check_image_still_fits(image_ref: str | None, new_flavor: dict[str, Any]) -> None:
+    """Refuse (400) a resize of an image-backed server to a flavor its image does not fit (its
+    ``min_ram``, ``min_disk`` and size), as Nova checks. Nova reads the image's properties it kept
+    at boot; Ferry reads the image, so one deleted since is not checked, nor one S3 cannot show
+    now (logged: the move's own steps do not need the image).
+
+    Raises:
+        BadRequest: Nova's messages (``Flavor's memory is too small for requested image.``, …).
+    """
+    if not image_ref:
+        return
+    try:
+        image = images.get_image(image_ref)
+    except errors.ImageNotFound:
+        return
+    except (BotoCoreError, ClientError) as exc:
+        logger.warning("the image was not read; the resize is not checked against it",
+                       extra={"image_id": image_ref, "error": str(exc)})
+        return
+    compute_api.check_image_fits(image, int(new_flavor.get("memory_mb") or 0), int(new_flavor.get("root_gb") or 0))
 
 
 def _refuse_beside_a_live_migration(session: Session, uuid: str, action: str) -> None:
