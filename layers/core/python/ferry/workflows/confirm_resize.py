@@ -165,9 +165,13 @@ def event_finished(session: Session, instance_uuid: str, request_id: str, event:
 
 
 def _is_leftover(instance: Instance, migration: Migration) -> bool:
-    """A migration a failed confirm left in ``error``: its server runs on the destination, settled,
-    and the migration still holds its allocation on the source."""
-    return (migration.status == migration_states.ERROR and instance.host == migration.dest_compute
+    """A migration a failed confirm left in ``error``, or one being confirmed whose server an admin
+    reset meanwhile (os-resetState: no task, no longer resized): its server runs on the
+    destination, settled, and the migration still holds its allocation on the source. The confirm
+    cleans the source up all the same (refused, the migration would stay ``confirming``, holding
+    the source, with nothing running for it)."""
+    return (migration.status in (migration_states.ERROR, migration_states.CONFIRMING)
+            and instance.host == migration.dest_compute
             and instance.vm_state in (states.ACTIVE, states.STOPPED) and instance.task_state is None
             and bool(placement.get_allocations(migration.uuid)))
 
