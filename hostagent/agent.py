@@ -18,13 +18,18 @@ run late, would leave a guest or disks on the host that nothing owns. When Step 
 tell (it keeps failing), the operation waits for the message's next delivery. An answer the
 workflow no longer waits for (the Task timed out while the operation ran) is logged and dropped.
 An operation that sends something off its host (a source's disks into the destination's
-directory or the transfer, a snapshot) asks again once it has run; when the workflow no longer
-waits, what it sent is taken back instead of answering, since the workflow's rollback may
-already have deleted it, and nothing else would again.
+directory or the transfer, a snapshot) or makes a guest here asks again once it has run; when the
+workflow no longer waits, what it did is taken back instead of answering, since the workflow's
+rollback may already have deleted it (or never comes to), and nothing else would again. The same
+goes for such an operation found cut short (the agent died during it, or before its answer went
+out) when its message comes back, and for one whose answer Step Functions refuses while no earlier
+answer of it may have been taken. A take-back is journaled before it starts, so that one cut short
+goes on when the message comes back; the message is settled only once it is done.
 """
 
 from __future__ import annotations
 
+import enum
 import functools
 import json
 import os
@@ -59,9 +64,18 @@ from hostagent.driver import (
     HostCapacity,
     PortSpec,
 )
-from hostagent.journal import Journal, JournalEntry
+from hostagent.journal import (
+    ANSWER_SENDING,
+    FAILED,
+    IN_PROGRESS,
+    SUCCEEDED,
+    TAKEN_BACK,
+    TAKING_BACK,
+    Journal,
+    JournalEntry,
+)
 from hostagent.metrics import DEFAULT_FLUSH_INTERVAL, MetricsPublisher, namespace_from_environment
-from hostagent.moves import SPAWN_RECORD, MoveOperations, read_record, volume_disks, write_record
+from hostagent.moves import SPAWN_RECORD, SPAWN_UNDONE, MoveOperations, read_record, volume_disks, write_record
 
 # A received message reappears this long after its last renewal (an agent that died): well inside
 # the template's HostOpHeartbeatSeconds (60 s), so that the operation runs again before its Task
@@ -232,9 +246,40 @@ def _created_volumes(record: dict[str, Any]) -> CreatedVolumes:
     return created
 
 
+def _spawn_record(operation_id: str, created_volumes: CreatedVolumes, undone: bool = False) -> dict[str, Any]:
+    """A spawn's record: the spawn, the volume files it makes and the identity of each made; ``undone``
+    (:data:`SPAWN_UNDONE`): the spawn failed, and the files it lists are left to remove."""
+    record: dict[str, Any] = {
+        "operation_id": operation_id, "created_volumes": [str(p) for p in created_volumes],
+        "created_volume_files": {str(p): list(made) for p, made in created_volumes.items() if made is not None},
+    }
+    if undone:
+        record[SPAWN_UNDONE] = True
+    return record
+
+
 class _TakenBack(Exception):
-    """The operation ran, but its workflow had stopped waiting: what it sent was taken back, and
-    its message is settled without an answer."""
+    """The operation's workflow had stopped waiting: what the operation did is taken back instead
+    of answering. ``done``: the take-back finished, and the message is settled without an answer;
+    else it failed, and the message comes back to try it again."""
+
+    def __init__(self, done: bool) -> None:
+        super().__init__("taken back" if done else "taking back failed")
+        self.done = done
+
+
+class _Answer(enum.Enum):
+    """What became of an answer sent to Step Functions."""
+
+    TAKEN = "taken"
+    # Refused (the workflow no longer waits) and, as far as this call knows, never taken before.
+    REFUSED = "refused"
+    # Refused after an attempt whose response was lost: the workflow may have taken that one.
+    REFUSED_MAYBE_TAKEN = "refused_maybe_taken"
+    # Not sent (Step Functions kept failing): the message comes back to be answered again.
+    UNSENT = "unsent"
+    # As UNSENT, but an attempt's response was lost: it may have been taken.
+    UNSENT_MAYBE_TAKEN = "unsent_maybe_taken"
 
 
 class _NotRun(Exception):
@@ -270,6 +315,15 @@ class _Claim:
     def deliveries(self) -> list[tuple[str, str | None]]:
         """(receipt handle, task token) of the claimed message and of each copy."""
         return [(self.receipt, self.op.task_token), *self.copies.values()]
+
+
+def _refused_unread(exc: Exception) -> bool:
+    """Whether a failed call to Step Functions was refused before it could act (a 4xx: throttled,
+    invalid), rather than failing in a way that may have let it act (a lost response, a 5xx)."""
+    if not isinstance(exc, ClientError):
+        return False
+    status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return isinstance(status, int) and 400 <= status < 500
 
 
 def _message_token(body: Any) -> str | None:
@@ -438,7 +492,8 @@ class HostAgent(MoveOperations):
         # which the workflow's rollback (another host, or a Lambda) may have deleted before, and a
         # guest it made here, which the rollback's own host operation may never come to destroy
         # (its Task, waiting behind this one, may time out too) while the rollback restores the
-        # server elsewhere.
+        # server elsewhere. Each may run again (a take-back cut short goes on when its message comes
+        # back) and leaves what a later operation of the instance made.
         self._take_back: dict[str, Callable[[Operation], None]] = {
             protocol.RESIZE_INSTANCE: self.take_back_sent_disks,
             protocol.PREP_SNAPSHOT_BASED_RESIZE_AT_SOURCE: self.take_back_snapshot,
@@ -466,11 +521,16 @@ class HostAgent(MoveOperations):
                 logger.info("removed a file an interrupted volume write left",
                             extra={"host": self.host, "path": str(leftover)})
         for entry in self.journal.in_progress():
-            # The message comes back after its visibility timeout and the operation runs again.
-            logger.warning(
-                "operation interrupted by the last stop will run again when redelivered",
-                extra=self._entry_context(entry),
-            )
+            # The message comes back after its visibility timeout and the operation runs again (or,
+            # its workflow no longer waiting, what it did is taken back).
+            if entry.status == TAKING_BACK:
+                logger.warning("taking back an abandoned operation, interrupted by the last stop, goes on when "
+                               "its message comes back", extra=self._entry_context(entry))
+            else:
+                logger.warning(
+                    "operation interrupted by the last stop will run again when redelivered",
+                    extra=self._entry_context(entry),
+                )
         if self.queue_url is None:
             assert self.queue_prefix is not None
             self.queue_url = ensure_host_queue(self.sqs, self.queue_prefix, self.host, self.visibility_timeout)
@@ -710,9 +770,12 @@ class HostAgent(MoveOperations):
                 return True
             self._redeliver_later(self._settling(claim), context)
             return False
-        except _TakenBack:
-            self._delete(self._settling(claim))
-            return True
+        except _TakenBack as taken:
+            if taken.done:
+                self._delete(self._settling(claim))
+                return True
+            self._redeliver_later(self._settling(claim), context)
+            return False
         return self._settle(op, self._settling(claim), result, error, cause, context)
 
     def _settling(self, claim: _Claim) -> str:
@@ -727,38 +790,116 @@ class HostAgent(MoveOperations):
         """Answer the message's task and delete the message; an answer that could not be sent
         brings the message back soon, to be answered from the journal well inside the Task's
         heartbeat time. True when a delete of the message was attempted (answered, or no
-        longer awaited)."""
-        if self._answer(op.task_token, result, error, cause, context):
+        longer awaited).
+
+        For an operation that may be taken back, the journal follows its answer: a refused answer
+        that no earlier attempt may have delivered means the workflow never had the outcome, and
+        what the operation did is taken back (:meth:`_take_back_refused`).
+        """
+        journal = self.journal if op.name in self._take_back and op.task_token else None
+        before = journal.answering(op.operation_id) if journal is not None else None
+        answer = self._answer(op.task_token, result, error, cause, context)
+        if answer is _Answer.TAKEN:
+            self._delete(receipt)
+            if journal is not None:  # after the delete: a copy of the message waits for it
+                journal.answered(op.operation_id)
+            return True
+        if journal is not None:
+            if answer is _Answer.UNSENT and before is None:
+                journal.unanswered(op.operation_id)
+            elif answer is _Answer.REFUSED and before is None:
+                return self._take_back_refused(op, receipt, context)
+            elif answer in (_Answer.REFUSED, _Answer.REFUSED_MAYBE_TAKEN):
+                logger.warning("an answer of this operation may have been taken before: nothing is taken back",
+                               extra=context)
+        if answer in (_Answer.UNSENT, _Answer.UNSENT_MAYBE_TAKEN):
+            self._redeliver_later(receipt, context)
+            return False
+        self._delete(receipt)
+        return True
+
+    def _take_back_refused(self, op: Operation, receipt: str, context: dict[str, Any]) -> bool:
+        """Take back what ``op`` did, its answer refused while never taken before (the Task timed
+        out as it was answered), and settle its message as :meth:`_settle` does.
+
+        Under the instance's lock, and only while the journal still holds this delivery's
+        unanswered outcome: another delivery may have moved the operation on meanwhile.
+        """
+        assert self.journal is not None
+        with self._instance_lock(op.instance_uuid):
+            entry = self.journal.get(op.operation_id)
+            if entry is None or not entry.run_for(op.task_token) or entry.status not in (SUCCEEDED, FAILED) \
+                    or entry.answer != ANSWER_SENDING:
+                self._delete(receipt)
+                return True
+            done = self._take_back_now(op, context)
+        if done:
             self._delete(receipt)
             return True
         self._redeliver_later(receipt, context)
         return False
 
-    def _take_back_sent(self, op: Operation, context: dict[str, Any]) -> None:
-        """Remove what ``op`` sent off this host, its workflow having stopped waiting (see ``_take_back``).
+    def _take_back_now(self, op: Operation, context: dict[str, Any]) -> bool:
+        """Take back what ``op`` did, its workflow having stopped waiting (see ``_take_back``); whether it is done.
 
-        Only for a run of this delivery, whose answer was never given, and under the instance's
+        Only for this delivery's own run, whose answer was never taken, and under the instance's
         lock (the caller holds it): a copy of the message answered from the journal belongs to a
-        run whose answer may have been taken, and the workflow then goes on with what was sent.
-        The journal then records the operation failed for this delivery, so that a new message
-        for it runs it again rather than answering with what is gone. A failure to take back is
-        logged and counted; ``ferry audit`` and the bucket's lifecycle rules find what is left.
+        run whose answer may have been taken, and the workflow then goes on with what it did.
+        Journaled as ``taking_back`` first: a crash during the take-back never leaves a success
+        naming what is gone, and the take-back goes on when the message comes back. Once done,
+        the journal records it taken back, so that a new message for the operation (a retry with
+        a new task) runs it again rather than answering with what is gone. A failure to take back
+        is logged and counted, and left to the message's next delivery; ``ferry audit`` and the
+        bucket's lifecycle rules find what is left should it never come.
         """
-        take_back = self._take_back.get(op.name)
-        if take_back is None:
-            return
         assert self.journal is not None
-        # Journaled first: a crash during the take-back never leaves a success naming what is gone.
-        abandoned = errors.HostOperationFailed(
-            "Its workflow stopped waiting while it ran; what it sent was taken back.")
-        self.journal.fail(op.operation_id, abandoned.name, abandoned.message)
+        self.journal.taking_back(op.operation_id)
         try:
-            take_back(op)
+            self._take_back[op.name](op)
         except Exception:
-            logger.exception("taking back what an abandoned operation sent failed", extra=context)
+            logger.exception("taking back what an abandoned operation did failed: tried again when its message "
+                             "comes back", extra=context)
             self._emit_metric("HostCleanupFailed", MetricUnit.Count, 1, op.name)
-        else:
-            logger.warning("what the abandoned operation sent was taken back", extra=context)
+            return False
+        abandoned = errors.HostOperationFailed("Its workflow stopped waiting; what it did was taken back.")
+        self.journal.taken_back(op.operation_id, abandoned.name, abandoned.message)
+        logger.warning("what the abandoned operation sent was taken back", extra=context)
+        return True
+
+    def _take_back_left(self, op: Operation, recorded: JournalEntry, context: dict[str, Any]) -> bool:
+        """Settle what an earlier run of ``op`` left, before the operation is answered from the
+        journal or run: a take-back cut short is finished (whatever the message); a run of this
+        message cut short (``in_progress``) or whose outcome was never answered is taken back
+        when its workflow no longer waits. Under the instance's lock (the caller holds it).
+
+        Returns:
+            True when Step Functions was asked and the workflow still waits.
+
+        Raises:
+            _TakenBack: this message's run was taken back (or its take-back failed).
+            _NotRun: Step Functions cannot tell now whether the workflow waits.
+        """
+        if recorded.status == TAKING_BACK:
+            logger.warning("taking back an abandoned operation, cut short, goes on", extra=context)
+            done = self._take_back_now(op, context)
+            if not done or recorded.run_for(op.task_token):
+                raise _TakenBack(done)
+            return False  # a new task for the operation: it runs again
+        if not recorded.run_for(op.task_token):
+            return False
+        if recorded.status == TAKEN_BACK:
+            raise _TakenBack(True)
+        if recorded.status != IN_PROGRESS and recorded.answer is not None:
+            return False
+        assert op.task_token is not None
+        awaited = self._still_awaited(op.task_token, context)
+        if awaited is None:
+            raise _NotRun(None)
+        if awaited:
+            return True
+        logger.warning("an earlier run of this operation was cut short or never answered, and its workflow no "
+                       "longer waits: what it did is taken back", extra={**context, "status": recorded.status})
+        raise _TakenBack(self._take_back_now(op, context))
 
     def _run(
         self, claim: _Claim, context: dict[str, Any]
@@ -768,28 +909,35 @@ class HostAgent(MoveOperations):
         An operation found finished once its instance's lock is held is answered with that run's
         outcome instead of running again: a delivery that found no outcome in the journal when it
         was received but claimed the operation only after the run that held it had ended, or one
-        of an operation that may take back what it sent (answered from the journal only here).
+        of an operation that may take back what it did (answered from the journal only here, once
+        what an earlier run left is settled: :meth:`_take_back_left`).
 
         Raises:
             _NotRun: the workflow no longer waits for the operation, or Step Functions cannot tell;
                 the operation was not started.
-            _TakenBack: the operation ran, but its workflow stopped waiting meanwhile; what it
-                sent was taken back.
+            _TakenBack: the operation ran (now or in an earlier run of this message), but its
+                workflow stopped waiting; what it did was taken back.
         """
         assert self.journal is not None
         op = claim.op
         with self._keepalive(claim, context), self._instance_lock(op.instance_uuid):
             recorded = self.journal.get(op.operation_id)
+            awaited = False
+            if recorded is not None and op.name in self._take_back:
+                awaited = self._take_back_left(op, recorded, context)
+                recorded = self.journal.get(op.operation_id)
             if recorded is not None and recorded.finished and recorded.answers(op.task_token):
                 logger.info("operation done meanwhile: answering from the journal", extra=context)
                 return recorded.result, recorded.error, recorded.cause
             with self._worker():
-                return self._run_here(op, context)
+                return self._run_here(op, context, awaited)
 
     def _run_here(
-        self, op: Operation, context: dict[str, Any]
+        self, op: Operation, context: dict[str, Any], awaited: bool = False
     ) -> tuple[dict[str, Any] | None, str | None, str | None]:
         """Run ``op`` now, under its instance's lock and a worker, journaling its outcome.
+
+        ``awaited``: Step Functions was just asked and the workflow waits (it is not asked again first).
 
         Raises:
             _NotRun, _TakenBack: as :meth:`_run`.
@@ -798,10 +946,10 @@ class HostAgent(MoveOperations):
         result: dict[str, Any] | None = None
         error: str | None = None
         cause: str | None = None
-        if op.task_token:
-            awaited = self._still_awaited(op.task_token, context)
-            if not awaited:
-                raise _NotRun(awaited)
+        if op.task_token and not awaited:
+            waits = self._still_awaited(op.task_token, context)
+            if not waits:
+                raise _NotRun(waits)
         self.journal.start(op.operation_id, op.name, op.instance_uuid, op.task_token)
         logger.info("operation started", extra=context)
         started = time.monotonic()
@@ -825,8 +973,7 @@ class HostAgent(MoveOperations):
             # journaled: a delivery of the message that claims the operation once this claim
             # ends would answer from the journal, and Step Functions would then refuse this
             # question just as it does for a Task that timed out.
-            self._take_back_sent(op, context)
-            raise _TakenBack()
+            raise _TakenBack(self._take_back_now(op, context))
         # Journaled before the instance's lock and the claim go: a delivery of the message that
         # claims the operation afterwards finds the outcome and answers with it, never running
         # the operation again.
@@ -852,11 +999,12 @@ class HostAgent(MoveOperations):
         error: str | None,
         cause: str | None,
         context: dict[str, Any],
-    ) -> bool:
-        """Send the answer for ``token``; True when the message is settled (delivered or no longer awaited)."""
+    ) -> _Answer:
+        """Send the answer for ``token``; say what became of it (without a token: taken)."""
         if not token:
-            return True
+            return _Answer.TAKEN
         failure: Exception | None = None
+        maybe_taken = False  # an attempt's response was lost: Step Functions may have taken it
         for attempt in range(STEP_FUNCTIONS_ATTEMPTS):
             if attempt:
                 self._stop.wait(attempt * STEP_FUNCTIONS_RETRY_SECONDS)
@@ -867,22 +1015,23 @@ class HostAgent(MoveOperations):
                     self.sfn.send_task_failure(
                         taskToken=token, error=error[:_MAX_ERROR_LEN], cause=(cause or "")[:_MAX_CAUSE_LEN]
                     )
-                return True
+                return _Answer.TAKEN
             except self._task_gone_errors() as exc:
                 # The workflow gave up on this task (timed out or ended): the answer is stale, nobody waits for it.
                 logger.warning(
                     "the workflow no longer waits for this answer: dropped",
                     extra={**context, "error": type(exc).__name__},
                 )
-                return True
+                return _Answer.REFUSED_MAYBE_TAKEN if maybe_taken else _Answer.REFUSED
             except (ClientError, BotoCoreError) as exc:
                 # Throttling or a 5xx; moto also answers a 500 while another execution is starting.
                 failure = exc
+                maybe_taken = maybe_taken or not _refused_unread(exc)
         logger.warning(
             "answering the workflow failed; the message will be answered again",
             extra={**context, "error": str(failure)},
         )
-        return False
+        return _Answer.UNSENT_MAYBE_TAKEN if maybe_taken else _Answer.UNSENT
 
     def _task_gone_errors(self) -> tuple[type[Exception], ...]:
         """What Step Functions answers about a task token whose Task no longer waits (timed out, or ended)."""
@@ -1141,7 +1290,10 @@ class HostAgent(MoveOperations):
         and a root disk in it was written by an interrupted attempt. A guest or directory without
         that record is an earlier operation's leftover (a spawn goes only to a host the server is
         new to) and is removed first. On failure the spawn leaves nothing behind: no guest, no
-        instance directory, no volume file it created (in any attempt) that is still the file it made.
+        instance directory, no volume file it created (in any attempt) that is still the file it made;
+        what cannot be removed (a guest that cannot be destroyed, a volume file) stays listed in the
+        record, marked undone, for the ``destroy`` that follows or a run again to finish
+        (see :meth:`_undo_spawn`).
 
         Raises:
             SpawnFailed, ImageDownloadFailed, DiskCopyFailed, HypervisorError, InvalidOperation.
@@ -1153,7 +1305,10 @@ class HostAgent(MoveOperations):
         directory = disks.instance_dir(self.instances_dir, uuid)
         record = read_record(directory, SPAWN_RECORD) or {}
         if record.get("operation_id") == op.operation_id:
-            if self.driver.guest_exists(uuid):
+            if record.get(SPAWN_UNDONE):
+                # A guest an attempt that failed could not destroy: built again, on the same volume files.
+                self.driver.destroy(uuid)
+            elif self.driver.guest_exists(uuid):
                 if args["power_on"]:
                     self.driver.power_on(uuid)
                 return self._result(uuid, self.driver.guest_power_state(uuid))
@@ -1214,22 +1369,86 @@ class HostAgent(MoveOperations):
         return removed
 
     def _undo_spawn(self, op: Operation, created_volumes: CreatedVolumes) -> None:
+        """Remove what a failed spawn made: its guest, then the volume files it made, then its
+        instance directory. Never raises over the spawn's own error.
+
+        Files go only once the guest is known gone (it may still be writing them), each on its
+        own: one that cannot be removed does not keep the others. The volume files go before the
+        directory, whose record is the only list of them. What is left is logged and counted,
+        and stays listed in the record, marked undone (:data:`SPAWN_UNDONE`), with the directory:
+        the ``destroy`` that follows (the workflow's rollback) or a run again of the spawn finishes it.
+        """
+        context = self._context(op)
         try:
             self.driver.destroy(op.instance_uuid)
+        except Exception:
+            logger.exception("undoing a failed spawn: its guest could not be destroyed; its disks and volume files "
+                             "stay for the destroy that follows", extra=context)
+            self._emit_metric("HostCleanupFailed", MetricUnit.Count, 1, op.name)
+            self._mark_spawn_undone(op, created_volumes)
+            return
+        if not self._remove_created_volumes(op.instance_uuid, op.name, created_volumes):
+            self._mark_spawn_undone(op, created_volumes)
+            return
+        try:
             disks.remove_instance_dir(self.instances_dir, op.instance_uuid)
-            for path, made in created_volumes.items():
-                target = disks.volume_target(path, self.volumes_dirs)
+        except OSError:
+            logger.exception("undoing a failed spawn: its instance directory could not be removed", extra=context)
+            self._emit_metric("HostCleanupFailed", MetricUnit.Count, 1, op.name)
+
+    def _mark_spawn_undone(self, op: Operation, created_volumes: CreatedVolumes) -> None:
+        """Mark the spawn's record undone, listing the volume files it made that are left."""
+        directory = disks.instance_dir(self.instances_dir, op.instance_uuid)
+        if not directory.is_dir():
+            return
+        try:
+            self._write_spawn_record(op, created_volumes, undone=True)
+        except OSError:
+            logger.exception("undoing a failed spawn: its record could not be marked undone", extra=self._context(op))
+            self._emit_metric("HostCleanupFailed", MetricUnit.Count, 1, op.name)
+
+    def _remove_created_volumes(self, instance_uuid: str, operation: str, created_volumes: CreatedVolumes) -> bool:
+        """Remove each volume file of ``created_volumes`` that is still the file the spawn made, dropping
+        from it those dealt with; whether none is left to try again.
+
+        A file another attempt put at the name since, or one whose making the spawn could not record,
+        is left (it may be in use), and so is a path outside the volumes directories: nothing more
+        can be done for those. A file that cannot be removed is logged, counted, and kept listed.
+        """
+        context = {"host": self.host, "operation": operation, "instance_uuid": instance_uuid}
+        for path, made in list(created_volumes.items()):
+            target = disks.volume_target(path, self.volumes_dirs)
+            try:
                 if target is None:
                     logger.warning("a volume file the spawn's record names outside the volumes directories is left",
-                                   extra={**self._context(op), "path": str(path)})
+                                   extra={**context, "path": str(path)})
                 elif not (made is not None and disks.remove_file_made(target, made)) and os.path.lexists(target):
                     # Another attempt's (another host booting the server made it since), or one whose
                     # making this spawn could not record: it may be in use.
                     logger.warning("a volume file the spawn did not make is left",
-                                   extra={**self._context(op), "path": str(target)})
-        except Exception:
-            # Never hide the spawn's own error behind the cleanup's.
-            logger.exception("cleaning up a failed spawn failed", extra=self._context(op))
+                                   extra={**context, "path": str(target)})
+            except OSError as exc:
+                logger.warning("a volume file the failed spawn made could not be removed: kept listed to try again",
+                               extra={**context, "path": str(path), "error": str(exc)})
+                self._emit_metric("HostCleanupFailed", MetricUnit.Count, 1, operation)
+                continue
+            del created_volumes[path]
+        return not created_volumes
+
+    def remove_volumes_of_undone_spawn(self, instance_uuid: str, operation: str) -> bool:
+        """Remove the volume files a failed spawn left listed in its record, marked undone (the guest
+        must be gone); whether none is left. Without such a record there is nothing to remove.
+        """
+        directory = disks.instance_dir(self.instances_dir, instance_uuid)
+        record = read_record(directory, SPAWN_RECORD)
+        if not record or not record.get(SPAWN_UNDONE):
+            return True
+        created_volumes = _created_volumes(record)
+        done = self._remove_created_volumes(instance_uuid, operation, created_volumes)
+        if not done:
+            write_record(directory, _spawn_record(str(record.get("operation_id")), created_volumes, undone=True),
+                         SPAWN_RECORD)
+        return done
 
     def _volume_file(self, op: Operation, path: str) -> Path:
         """Where to make or remove ``path``, the file of a volume this host is asked to make or
@@ -1248,14 +1467,12 @@ class HostAgent(MoveOperations):
             )
         return target
 
-    def _write_spawn_record(self, op: Operation, created_volumes: CreatedVolumes) -> None:
+    def _write_spawn_record(self, op: Operation, created_volumes: CreatedVolumes, undone: bool = False) -> None:
         """Name the spawn in its instance directory, with the volume files it creates (before it creates
-        them) and the identity of each (before the file takes its name)."""
+        them) and the identity of each (before the file takes its name); ``undone``: the spawn failed,
+        and those files are left to remove."""
         write_record(disks.instance_dir(self.instances_dir, op.instance_uuid),
-                     {"operation_id": op.operation_id, "created_volumes": [str(p) for p in created_volumes],
-                      "created_volume_files": {str(p): list(made) for p, made in created_volumes.items()
-                                               if made is not None}},
-                     SPAWN_RECORD)
+                     _spawn_record(op.operation_id, created_volumes, undone), SPAWN_RECORD)
 
     def _record_volume_file(self, op: Operation, created_volumes: CreatedVolumes, target: Path,
                             identity: tuple[int, int]) -> None:
@@ -1359,7 +1576,9 @@ class HostAgent(MoveOperations):
     def destroy(self, op: Operation) -> dict[str, Any]:
         """Remove the guest and, unless ``keep_disks``, the instance directory, the old disks a
         move kept here (``<uuid>_resize``: a server deleted after its revert failed) and disks a
-        move was copying in (``<uuid>_incoming``). An absent guest is fine.
+        move was copying in (``<uuid>_incoming``). An absent guest is fine. Before the instance
+        directory, the volume files a failed spawn made and could not remove (its record, marked
+        undone, lists them: see :meth:`_undo_spawn`) are removed while still the files it made.
 
         The files of the ``volumes`` deleted with the server go last (shared storage: any host
         reaches them); ``volumes_removed`` names those whose file is gone. A volume that is no
@@ -1375,6 +1594,9 @@ class HostAgent(MoveOperations):
         self.driver.destroy(uuid)
         if not op.args.get("keep_disks", False):
             try:
+                # A failed spawn's volume files, which its undo could not remove, before the record listing them.
+                if not self.remove_volumes_of_undone_spawn(uuid, op.name):
+                    raise OSError("volume files the failed spawn made are left; its record keeps them listed")
                 disks.remove_instance_dir(self.instances_dir, uuid)
                 disks.remove_dir(disks.resize_dir(self.instances_dir, uuid))
                 disks.remove_dir(disks.incoming_dir(self.instances_dir, uuid))

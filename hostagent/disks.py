@@ -204,6 +204,24 @@ def remove_dir(directory: str | os.PathLike[str]) -> None:
         pass
 
 
+def remove_dir_record_last(directory: str | os.PathLike[str], record: str) -> None:
+    """Delete a directory and everything in it, its file ``record`` last: until the directory is
+    gone, the record still says whose it is. An absent directory is already gone."""
+    path = Path(directory)
+    try:
+        entries = list(os.scandir(path))
+    except FileNotFoundError:
+        return
+    for entry in entries:
+        if entry.name == record:
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            remove_dir(entry.path)
+        else:
+            Path(entry.path).unlink(missing_ok=True)
+    remove_dir(path)
+
+
 def remove_volume_file(path: str | os.PathLike[str], volume_id: str) -> bool:
     """Delete a volume's file; whether it is gone.
 

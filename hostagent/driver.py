@@ -413,7 +413,10 @@ class LibvirtDriver(Driver):
         live_device_updates: attach and detach devices on running guests with libvirt's live calls.
             ``None`` chooses from the connection: the test driver cannot, so devices change there by
             redefining the persistent definition (the running guest sees them on its next boot).
-        shutdown_poll_interval: how often :meth:`power_off` checks whether the guest has stopped.
+        shutdown_poll_interval: how often :meth:`power_off` checks whether the guest has stopped,
+            and :meth:`power_on` whether a guest shutting down has.
+        shutting_down_wait: seconds :meth:`power_on` waits for a guest that is shutting down
+            (still active) to stop before it starts it again.
         persist_test_guests: on libvirt's test driver opened from a node description file, write
             the guests and their run state back into that file after every change, so that a
             restarted agent (:func:`write_test_node_xml` with ``keep_guests``) finds them again.
@@ -456,6 +459,7 @@ class LibvirtDriver(Driver):
         device_detach_attempts: int = 3,
         device_detach_timeout: float = 10.0,
         device_poll_interval: float = 0.5,
+        shutting_down_wait: float = 10.0,
     ) -> None:
         if cpu_mode not in CPU_MODES:
             raise ValueError(f"cpu_mode must be one of {', '.join(CPU_MODES)}, not {cpu_mode!r}.")
@@ -473,6 +477,7 @@ class LibvirtDriver(Driver):
         self.device_detach_attempts = max(1, device_detach_attempts)
         self.device_detach_timeout = device_detach_timeout
         self.device_poll_interval = device_poll_interval
+        self.shutting_down_wait = shutting_down_wait
         # Held only to swap the connection (reopen, close), never across a call on it: a driver call
         # that waits (a guest slow to release a device or to stop) must not stall the others.
         self._lock = threading.RLock()
@@ -708,13 +713,18 @@ class LibvirtDriver(Driver):
     def power_on(self, instance_uuid: str) -> None:
         """Start the guest; a paused guest is resumed and a suspended (S3) one woken; a running one is left alone.
 
+        A guest shutting down (still active, but on its way off) is waited for, up to
+        ``shutting_down_wait`` seconds, then started again: left alone, it would end off.
+
         Raises:
-            GuestNotFound, HypervisorError.
+            GuestNotFound, HypervisorError (also: the guest shutting down did not stop in time).
         """
         with self._guest_lock(instance_uuid):
             dom = self._domain(instance_uuid)
             with _hypervisor_errors("power on", instance_uuid):
                 state, _reason = dom.state()
+                if state == libvirt.VIR_DOMAIN_SHUTDOWN:
+                    self._wait_shut_down(dom, instance_uuid)
                 if state == libvirt.VIR_DOMAIN_PAUSED:
                     dom.resume()
                 elif state == libvirt.VIR_DOMAIN_PMSUSPENDED:
@@ -727,6 +737,24 @@ class LibvirtDriver(Driver):
                         if exc.get_error_code() != libvirt.VIR_ERR_OPERATION_INVALID or not dom.isActive():
                             raise
         self._save_test_guests()
+
+    def _wait_shut_down(self, dom: libvirt.virDomain, instance_uuid: str) -> None:
+        """Wait for a guest shutting down to stop, up to ``shutting_down_wait`` seconds.
+
+        Raises:
+            HypervisorError: it is still active then.
+        """
+        deadline = time.monotonic() + self.shutting_down_wait
+        while dom.isActive():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise errors.HypervisorError(
+                    f"power on failed: the guest is shutting down and did not stop within "
+                    f"{self.shutting_down_wait:g} s",
+                    action="power on",
+                    instance_uuid=instance_uuid,
+                )
+            time.sleep(max(0.0, min(self.shutdown_poll_interval, left)))
 
     @_reconnecting
     def power_off(self, instance_uuid: str, timeout: float = 60.0, clean_shutdown: bool = True) -> None:

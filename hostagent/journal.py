@@ -4,10 +4,17 @@ SQS and Step Functions deliver at least once. Before running an operation the ag
 as ``in_progress``; when it ends, the result or the error. A message whose operation already
 ended is answered from the journal. An operation still ``in_progress`` when a message for it
 arrives was interrupted (the agent stopped mid-way) and is run again: every operation is
-idempotent.
+idempotent (or, when its workflow no longer waits, what it did is taken back; see below).
 
 A recorded failure is replayed only to the same task token (a redelivery of the same message).
 A new token for the same operation id is the workflow retrying, so the operation runs again.
+
+An operation that may have to be taken back (its workflow stopped waiting: ``hostagent.agent``)
+also records whether its answer went out: ``answer`` is None until one is sent, ``sending`` once
+one may have reached Step Functions, and ``taken`` once Step Functions took it. Its take-back is
+recorded as ``taking_back`` before it starts, so that one cut short goes on when the message
+comes back, and as ``taken_back`` once done: an entry that answers no message, so that a retry
+with a new task token runs the operation again.
 """
 
 from __future__ import annotations
@@ -25,6 +32,13 @@ from typing import Any
 IN_PROGRESS = "in_progress"
 SUCCEEDED = "succeeded"
 FAILED = "failed"
+TAKING_BACK = "taking_back"
+TAKEN_BACK = "taken_back"
+# Where an operation's answer is (``answer``; None: never sent).
+ANSWER_SENDING = "sending"
+ANSWER_TAKEN = "taken"
+# Statuses whose entry is not finished: started, and not yet ended.
+_UNFINISHED = (IN_PROGRESS, TAKING_BACK)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS operations (
@@ -38,7 +52,8 @@ CREATE TABLE IF NOT EXISTS operations (
     cause         TEXT,
     attempts      INTEGER NOT NULL DEFAULT 0,
     started_at    TEXT NOT NULL,
-    finished_at   TEXT
+    finished_at   TEXT,
+    answer        TEXT
 )
 """
 
@@ -67,16 +82,21 @@ class JournalEntry:
     attempts: int
     started_at: str
     finished_at: str | None
+    answer: str | None = None
 
     @property
     def finished(self) -> bool:
-        return self.status in (SUCCEEDED, FAILED)
+        return self.status in (SUCCEEDED, FAILED, TAKEN_BACK)
+
+    def run_for(self, task_token: str | None) -> bool:
+        """Whether the operation's last run was for the message carrying ``task_token``."""
+        return task_token is not None and self.token_digest == token_digest(task_token)
 
     def answers(self, task_token: str | None) -> bool:
         """Whether this entry is the answer to a message carrying ``task_token``.
 
         A success answers any later message for the operation (the work is done); a failure
-        only a redelivery of the same message.
+        only a redelivery of the same message; a take-back none (nothing is left to answer with).
         """
         if self.status == SUCCEEDED:
             return True
@@ -95,6 +115,12 @@ class Journal:
         with self._connect() as conn:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute(_SCHEMA)
+            columns = {row["name"] for row in conn.execute("PRAGMA table_info(operations)")}
+            if "answer" not in columns:
+                # A journal written before answers were recorded: whether an answer went out is
+                # unknown, so every ended operation is taken to have been answered, maybe.
+                conn.execute("ALTER TABLE operations ADD COLUMN answer TEXT")
+                conn.execute("UPDATE operations SET answer = ? WHERE status != ?", (ANSWER_SENDING, IN_PROGRESS))
 
     @contextmanager
     def _connect(self) -> Iterator[sqlite3.Connection]:
@@ -117,6 +143,7 @@ class Journal:
             attempts=row["attempts"],
             started_at=row["started_at"],
             finished_at=row["finished_at"],
+            answer=row["answer"],
         )
 
     def get(self, operation_id: str) -> JournalEntry | None:
@@ -136,7 +163,7 @@ class Journal:
                 ON CONFLICT (operation_id) DO UPDATE SET
                     status = excluded.status, token_digest = excluded.token_digest, result = NULL, error = NULL,
                     cause = NULL, attempts = operations.attempts + 1, started_at = excluded.started_at,
-                    finished_at = NULL
+                    finished_at = NULL, answer = NULL
                 """,
                 (operation_id, operation, instance_uuid, IN_PROGRESS, token_digest(task_token), _now()),
             )
@@ -162,11 +189,50 @@ class Journal:
                 (FAILED, error, cause, _now(), operation_id),
             )
 
+    def answering(self, operation_id: str) -> str | None:
+        """Record that an answer of ``operation_id`` is about to be sent; return where its answer was before."""
+        with self._connect() as conn:
+            row = conn.execute("SELECT answer FROM operations WHERE operation_id = ?", (operation_id,)).fetchone()
+            if row is None:
+                return None
+            if row["answer"] is None:
+                conn.execute("UPDATE operations SET answer = ? WHERE operation_id = ?", (ANSWER_SENDING, operation_id))
+            return str(row["answer"]) if row["answer"] is not None else None
+
+    def answered(self, operation_id: str) -> None:
+        """Record that Step Functions took an answer of ``operation_id``."""
+        with self._connect() as conn:
+            conn.execute("UPDATE operations SET answer = ? WHERE operation_id = ?", (ANSWER_TAKEN, operation_id))
+
+    def unanswered(self, operation_id: str) -> None:
+        """Record that the answer :meth:`answering` announced never reached Step Functions."""
+        with self._connect() as conn:
+            conn.execute("UPDATE operations SET answer = NULL WHERE operation_id = ? AND answer = ?",
+                         (operation_id, ANSWER_SENDING))
+
+    def taking_back(self, operation_id: str) -> None:
+        """Record that what ``operation_id`` did is being taken back (its workflow stopped waiting)."""
+        with self._connect() as conn:
+            conn.execute(
+                "UPDATE operations SET status = ?, result = NULL, error = NULL, cause = NULL, finished_at = NULL "
+                "WHERE operation_id = ?",
+                (TAKING_BACK, operation_id),
+            )
+
+    def taken_back(self, operation_id: str, error: str, cause: str) -> None:
+        """Record that what ``operation_id`` did was taken back; ``error`` and ``cause`` say why."""
+        with self._connect() as conn:
+            conn.execute(
+                "UPDATE operations SET status = ?, result = NULL, error = ?, cause = ?, finished_at = ? "
+                "WHERE operation_id = ?",
+                (TAKEN_BACK, error, cause, _now(), operation_id),
+            )
+
     def in_progress(self) -> list[JournalEntry]:
-        """Operations started but never finished (the agent stopped during them)."""
+        """Operations started but never finished (the agent stopped during them or their take-back)."""
         with self._connect() as conn:
             rows = conn.execute(
-                "SELECT * FROM operations WHERE status = ? ORDER BY started_at", (IN_PROGRESS,)
+                "SELECT * FROM operations WHERE status IN (?, ?) ORDER BY started_at", _UNFINISHED
             ).fetchall()
         return [self._entry(row) for row in rows]
 
@@ -180,7 +246,8 @@ class Journal:
         cutoff = (datetime.now(UTC) - older_than).isoformat()
         with self._connect() as conn:
             cursor = conn.execute(
-                "DELETE FROM operations WHERE (status != ? AND finished_at < ?) OR (status = ? AND started_at < ?)",
-                (IN_PROGRESS, cutoff, IN_PROGRESS, cutoff),
+                "DELETE FROM operations WHERE (status NOT IN (?, ?) AND finished_at < ?) "
+                "OR (status IN (?, ?) AND started_at < ?)",
+                (*_UNFINISHED, cutoff, *_UNFINISHED, cutoff),
             )
         return cursor.rowcount

@@ -51,6 +51,8 @@ if TYPE_CHECKING:
 MOVE_RECORD = "migration.json"
 # The spawn that made an instance directory (hostagent.agent), with the volume files it created.
 SPAWN_RECORD = "spawn.json"
+# In the spawn's record: the spawn failed, and the volume files it lists are left to remove.
+SPAWN_UNDONE = "undone"
 def volume_disks(volumes: list[dict[str, Any]], boot_from_volume: bool) -> list[DiskSpec]:
     """The guest disks of attached volumes; with ``boot_from_volume`` the lowest boot_index boots."""
     boot_volume = None
@@ -110,6 +112,9 @@ class MoveOperations:
         raise NotImplementedError
 
     def _emit_metric(self, name: str, unit: MetricUnit, value: float, operation: str) -> None:
+        raise NotImplementedError
+
+    def remove_volumes_of_undone_spawn(self, instance_uuid: str, operation: str) -> bool:
         raise NotImplementedError
 
     def _power_state_here(self, instance_uuid: str) -> int:
@@ -327,7 +332,9 @@ class MoveOperations:
         The disks come from the transfer (checked against its manifest and the ``disks``
         argument) or, on the same host, from the kept directory. Swap is created afresh. The
         guest is powered on only if ``power_on``. Once the guest is defined the transfer objects
-        are deleted. A guest that exists already is this operation done before when the live
+        are deleted, and so is the instance's ``<uuid>_incoming`` here, however the disks came
+        (an earlier attempt of the source may have copied directly, a later one through the
+        transfer). A guest that exists already is this operation done before when the live
         directory's record names this move with its disks; any other is an earlier operation's
         leftover and is destroyed first (on the same host, where it could be the server's own,
         the operation fails instead).
@@ -360,6 +367,8 @@ class MoveOperations:
         try:
             disks.remove_dir(live)  # what an interrupted attempt left
             disks.make_dir(live)
+            # Names the move before any disk comes in: what an attempt cut short left is known as its own.
+            write_record(live, {"migration_uuid": args["migration_uuid"]})
             received = self._receive_disks(op, live, kept)
             local = self._prepare_local_disks(uuid, live, args["flavor"])
             checksums = self._disk_checksums(uuid, live, received)
@@ -396,22 +405,22 @@ class MoveOperations:
         self.driver.destroy(uuid)
 
     def _drop_what_was_sent(self, op: Operation) -> None:
-        """Once the guest is defined on its disks: remove the direct copy (linked into place) and the transfer.
+        """Once the guest is defined on its disks: remove the instance's incoming directory here and the transfer.
 
-        Not before: until the guest exists, a run again receives the disks anew from these.
+        The incoming directory goes whether or not this move's disks came through it: an attempt
+        of the source cut short may have copied into it before another sent the disks through the
+        transfer. Not before: until the guest exists, a run again receives the disks anew from these.
         """
-        if op.args["same_host"]:
-            return
-        if op.args.get("direct"):
-            incoming = disks.incoming_dir(self.instances_dir, op.instance_uuid)
-            try:
-                disks.remove_dir(incoming)
-            except OSError as exc:  # the guest runs here now: what is left is ferry audit's to report
-                logger.warning("the copied disks could not be removed: ferry audit reports them",
-                               extra={"host": self.host, "instance_uuid": op.instance_uuid, "path": str(incoming),
-                                      "error": str(exc)})
-                self._emit_metric("HostCleanupFailed", MetricUnit.Count, 1, op.name)
-        self._delete_transfer(op, op.args["transfer"])
+        incoming = disks.incoming_dir(self.instances_dir, op.instance_uuid)
+        try:
+            disks.remove_dir(incoming)
+        except OSError as exc:  # the guest runs here now: what is left is ferry audit's to report
+            logger.warning("the copied disks could not be removed: ferry audit reports them",
+                           extra={"host": self.host, "instance_uuid": op.instance_uuid, "path": str(incoming),
+                                  "error": str(exc)})
+            self._emit_metric("HostCleanupFailed", MetricUnit.Count, 1, op.name)
+        if not op.args["same_host"]:
+            self._delete_transfer(op, op.args["transfer"])
 
     def _receive_disks(self, op: Operation, live: Path, kept: Path) -> dict[str, tuple[Any, int]]:
         """Copy or fetch each disk of the ``disks`` argument into ``live``, verified.
@@ -570,7 +579,9 @@ class MoveOperations:
         """Remove the disks a ``resize_instance`` sent: its direct copy at the destination, its transfer.
 
         For a run whose workflow stopped waiting: the rollback deletes both, but it may have run
-        before this run finished sending. The kept disks stay for the rollback's revert.
+        before this run finished sending. The kept disks stay for the rollback's revert. The
+        destination's incoming directory is left once a later move of the instance has set its
+        disks aside here (it copies into the same directory); the transfer is this move's alone.
 
         Raises:
             OSError, ClientError, BotoCoreError: logged and counted by the agent; `ferry audit` finds what is left.
@@ -579,7 +590,9 @@ class MoveOperations:
         if args["same_host"]:
             return
         offer = args.get("direct")
-        if offer and disks.reaches(offer["instances_dir"], args["dest_host"], offer["token"]):
+        kept = read_record(disks.resize_dir(self.instances_dir, op.instance_uuid))
+        later_move = kept is not None and kept.get("migration_uuid") != args["migration_uuid"]
+        if offer and not later_move and disks.reaches(offer["instances_dir"], args["dest_host"], offer["token"]):
             disks.remove_dir(disks.incoming_dir(offer["instances_dir"], op.instance_uuid))
         disks.delete_transfer(self.s3, args["transfer"]["bucket"], args["transfer"]["prefix"])
 
@@ -607,7 +620,15 @@ class MoveOperations:
         For a run whose workflow stopped waiting: the workflow rolled the server back (to its
         source, or to no host), and a guest left running here would write the same volumes as
         the one the rollback restored. Not for a move on one host, whose guest is the server's
-        only one; volume files stay (they are the volumes'), and so do the kept disks of a move.
+        only one; volume files stay (they are the volumes'), but for those a failed spawn made and
+        its undo left (:meth:`hostagent.agent.HostAgent.remove_volumes_of_undone_spawn`), and the kept disks of a
+        move stay.
+
+        Only while the instance directory is still the operation's: its record (``spawn.json``
+        naming the spawn, ``migration.json`` naming the move) is written before any disk or
+        guest, and goes last. A directory another operation made since (or none) is left with
+        the guest, which is then that operation's. A ``finish_resize`` also removes the disks
+        copied into ``<uuid>_incoming``. Safe to run again, after a take-back cut short.
 
         Raises:
             HypervisorError, OSError: logged and counted by the agent; `ferry audit` finds what is left.
@@ -615,9 +636,24 @@ class MoveOperations:
         if op.args.get("same_host"):
             return
         uuid = op.instance_uuid
+        live = disks.instance_dir(self.instances_dir, uuid)
+        if op.name == protocol.SPAWN:
+            name = SPAWN_RECORD
+            owned = (read_record(live, SPAWN_RECORD) or {}).get("operation_id") == op.operation_id
+        else:
+            name = MOVE_RECORD
+            owned = _record_of(live, op.args["migration_uuid"]) is not None
+        if not owned:
+            logger.info("nothing of the operation to take back here: the instance directory is another's, or gone",
+                        extra={"host": self.host, "instance_uuid": uuid, "operation": op.name,
+                               "operation_id": op.operation_id})
+            return
         self.driver.destroy(uuid)
-        disks.remove_dir(disks.instance_dir(self.instances_dir, uuid))
-        disks.remove_dir(disks.incoming_dir(self.instances_dir, uuid))
+        if op.name == protocol.FINISH_RESIZE:
+            disks.remove_dir(disks.incoming_dir(self.instances_dir, uuid))
+        elif not self.remove_volumes_of_undone_spawn(uuid, op.name):
+            raise OSError(f"volume files the failed spawn of instance {uuid} made are left; its record keeps them")
+        disks.remove_dir_record_last(live, name)
 
     # -- prep_snapshot_based_resize_at_source (source of a cross-cell move)
 

@@ -519,6 +519,77 @@ def test_a_spawn_run_again_after_a_crash_right_after_its_volume_file_took_its_na
     assert not volume_path.exists()
     assert not disks.instance_dir(host.instances_dir, instance_uuid).exists()
 
+def new_volume_spawn(host: Host, *names: str) -> tuple[dict[str, Any], list[Path]]:
+    """Spawn arguments of a server booting from new volumes the spawn makes, whose power on fails."""
+    paths = [host.instances_dir.parent / "volumes" / name for name in names]
+    volumes = [{"volume_id": path.name, "path": str(path), "device": f"/dev/vd{'abcd'[i]}",
+                "boot_index": 0 if i == 0 else None, "size_gb": 1} for i, path in enumerate(paths)]
+    return spawn_args(None, volumes=volumes, flavor={**FLAVOR, "root_gb": 0, "ephemeral_gb": 0, "swap": 0}), paths
+
+
+def refuse_power_on(_instance_uuid: str) -> None:
+    raise errors.HypervisorError("power on failed: no")
+
+
+def test_a_failed_spawn_whose_guest_cannot_be_destroyed_leaves_its_volume_file_to_the_destroy_that_follows(
+        host, monkeypatch):
+    # GIVEN two spawns that made their volume's file and failed, whose undo could not destroy the guest
+    rolled_back, retried = str(uuid.uuid4()), str(uuid.uuid4())
+    rolled_back_args, (rolled_back_volume,) = new_volume_spawn(host, "vol-5")
+    retried_args, (retried_volume,) = new_volume_spawn(host, "vol-8")
+    retried_id = f"{uuid.uuid4()}:spawn"
+
+    def refused(_uuid: str) -> None:
+        raise errors.HypervisorError("destroy failed: busy")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(host.driver, "power_on", refuse_power_on)
+        patched.setattr(host.driver, "destroy", refused)
+        assert failure(host.execute("spawn", rolled_back, rolled_back_args)) == "Ferry.HypervisorError"
+        assert failure(host.execute("spawn", retried, retried_args, operation_id=retried_id)) \
+            == "Ferry.HypervisorError"
+    assert host.driver.guest_exists(rolled_back) and rolled_back_volume.exists(), "the guest may still write it"
+
+    # WHEN the first is destroyed by the workflow's rollback, and the second run again (it succeeds)
+    # before its server is deleted, its volume kept
+    output(host.execute("destroy", rolled_back, {}))
+    assert output(host.execute("spawn", retried, retried_args, operation_id=retried_id))["power_state"] == RUNNING
+    output(host.execute("destroy", retried, {}))
+
+    # THEN the volume file the failed spawn made goes with its guest and directory; the file of the
+    # spawn that succeeded is its volume's, and stays
+    assert not host.driver.guest_exists(rolled_back)
+    assert not rolled_back_volume.exists()
+    assert not disks.instance_dir(host.instances_dir, rolled_back).exists()
+    assert retried_volume.exists()
+
+
+def test_undoing_a_failed_spawn_removes_every_volume_file_it_can_and_keeps_listed_one_it_cannot(host, monkeypatch):
+    # GIVEN a spawn that made two volume files and failed, the first of which cannot be removed at first
+    instance_uuid = str(uuid.uuid4())
+    args, (stuck, other) = new_volume_spawn(host, "vol-6", "vol-7")
+    remove, refused = disks.remove_file_made, []
+
+    def refused_once(path, identity):  # type: ignore[no-untyped-def]
+        if Path(path).name == stuck.name and not refused:
+            refused.append(path)
+            raise OSError(16, "Device or resource busy")
+        return remove(path, identity)
+
+    monkeypatch.setattr(host.driver, "power_on", refuse_power_on)
+    monkeypatch.setattr(disks, "remove_file_made", refused_once)
+
+    # WHEN the spawn's undo runs
+    assert failure(host.execute("spawn", instance_uuid, args)) == "Ferry.HypervisorError"
+
+    # THEN the other file is gone, and the one left stays listed for the destroy that follows
+    assert refused and stuck.exists() and not other.exists()
+    assert not host.driver.guest_exists(instance_uuid)
+    output(host.execute("destroy", instance_uuid, {}))
+    assert not stuck.exists()
+    assert not disks.instance_dir(host.instances_dir, instance_uuid).exists()
+
+
 def test_corrupt_image_fails_with_image_download_failed_and_leaves_no_files(host):
     instance_uuid = str(uuid.uuid4())
     image = {**host.image(os.urandom(MiB)), "sha256": hashlib.sha256(b"another image").hexdigest()}

@@ -264,3 +264,76 @@ def test_live_device_calls_failing_on_the_test_driver_raise_hypervisor_error(tmp
 def test_an_unreachable_hypervisor_raises_hypervisor_error(tmp_path):
     with pytest.raises(errors.HypervisorError):
         LibvirtDriver(f"test://{tmp_path / 'missing-node.xml'}")
+
+
+class _ShuttingDown:
+    """A running test-driver guest that reports QEMU's "shutting down" state (still active) until it
+    has been looked at ``polls`` times while active, and is then off; the test driver has no such state."""
+
+    def __init__(self, dom: libvirt.virDomain, polls: int | None) -> None:
+        self._dom, self._polls = dom, polls
+        self._stopped = False
+        self.started = 0
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self._dom, name)
+
+    def state(self) -> list[int]:
+        return self._dom.state() if self._stopped else [libvirt.VIR_DOMAIN_SHUTDOWN, 1]
+
+    def isActive(self) -> bool:  # noqa: N802 - libvirt's name
+        if not self._stopped and self._polls is not None:
+            if self._polls == 0:
+                self._dom.destroy()  # the guest's shutdown ends
+                self._stopped = True
+            else:
+                self._polls -= 1
+        return bool(self._dom.isActive())
+
+    def create(self) -> int:
+        self.started += 1
+        return int(self._dom.create())
+
+
+def _shutting_down_guest(drv: LibvirtDriver, tmp_path, monkeypatch, polls: int | None) -> _ShuttingDown:
+    instance_uuid = str(uuid.uuid4())
+    drv.define_guest(_spec(instance_uuid, tmp_path))
+    drv.power_on(instance_uuid)
+    guest = _ShuttingDown(drv.connection.lookupByUUIDString(instance_uuid), polls)
+    monkeypatch.setattr(drv, "_domain", lambda _uuid: guest)
+    return guest
+
+
+def test_power_on_waits_for_a_guest_shutting_down_to_stop_then_starts_it_again(tmp_path, monkeypatch):
+    # GIVEN a guest shutting down (still active) that stops after a few polls
+    drv = LibvirtDriver(write_test_node_xml(tmp_path / "node.xml", vcpus=2, memory_mb=2048),
+                        shutdown_poll_interval=0.01, shutting_down_wait=5)
+    try:
+        guest = _shutting_down_guest(drv, tmp_path, monkeypatch, polls=3)
+
+        # WHEN it is powered on
+        drv.power_on(guest.UUIDString())
+
+        # THEN it is started again once it has stopped, and runs
+        assert guest.started == 1
+        assert drv.guest_power_state(guest.UUIDString()) == RUNNING
+    finally:
+        drv.close()
+
+
+def test_power_on_of_a_guest_that_never_finishes_shutting_down_fails_with_hypervisor_error(tmp_path, monkeypatch):
+    # GIVEN a guest shutting down that never stops
+    drv = LibvirtDriver(write_test_node_xml(tmp_path / "node.xml", vcpus=2, memory_mb=2048),
+                        shutdown_poll_interval=0.01, shutting_down_wait=0.2)
+    try:
+        guest = _shutting_down_guest(drv, tmp_path, monkeypatch, polls=None)
+
+        # WHEN it is powered on
+        with pytest.raises(errors.HypervisorError) as failed:
+            drv.power_on(guest.UUIDString())
+
+        # THEN the power on fails (never reported running while the guest ends off), and nothing was started
+        assert "shutting down" in failed.value.message
+        assert guest.started == 0
+    finally:
+        drv.close()

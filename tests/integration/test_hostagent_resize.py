@@ -906,6 +906,39 @@ def test_a_direct_resize_run_again_copies_again_and_a_destroy_clears_what_came_i
     assert dest.instance_dirs() == []
 
 
+def test_a_finish_after_a_resize_that_copied_directly_then_sent_through_the_transfer_removes_the_copy(
+        cloud, source, dest, monkeypatch):
+    # GIVEN a resize whose first run copied a disk straight into the destination and died, and whose
+    # run again, the destination's directory out of its reach, sent the disks through the transfer
+    server = boot(source)
+    migration_uuid = str(uuid.uuid4())
+    claim = dest.ok("prep_resize", server.uuid, {"migration_uuid": migration_uuid, "flavor": NEW, "same_host": False})
+    args = {**resize_args(migration_uuid, dest), "direct": claim["direct"]}
+    copy = disks.copy_to_host
+
+    def copy_then_die(*copy_args, **kwargs):  # type: ignore[no-untyped-def]
+        copy(*copy_args, **kwargs)
+        raise Killed
+
+    with monkeypatch.context() as patch:
+        patch.setattr(disks, "copy_to_host", copy_then_die)
+        with pytest.raises(Killed):
+            source.call("resize_instance", server.uuid, args)
+    with monkeypatch.context() as patch:
+        patch.setattr(disks, "reaches", lambda *_args: False)
+        resized = source.ok("resize_instance", server.uuid, args)
+    assert "direct" not in resized
+    assert dest.instance_dirs() == [f"{server.uuid}_incoming"]
+
+    # WHEN the destination finishes the move from the transfer
+    finished = dest.ok("finish_resize", server.uuid, finish_args(migration_uuid, server, resized))
+
+    # THEN the disks the first run copied in are gone with the transfer
+    assert finished["power_state"] == RUNNING
+    assert dest.instance_dirs() == [server.uuid]
+    assert cloud.transfer_keys(transfer(migration_uuid)["prefix"]) == []
+
+
 def test_a_resize_whose_workflow_gave_up_takes_back_the_disks_it_copied_into_the_destination(cloud, source, dest):
     """The rollback empties the destination, but may do so before a late source finishes sending."""
     server = boot(source)

@@ -5,7 +5,15 @@ from __future__ import annotations
 import sqlite3
 from datetime import UTC, datetime, timedelta
 
-from hostagent.journal import FAILED, IN_PROGRESS, SUCCEEDED, Journal
+from hostagent.journal import (
+    ANSWER_SENDING,
+    FAILED,
+    IN_PROGRESS,
+    SUCCEEDED,
+    TAKEN_BACK,
+    TAKING_BACK,
+    Journal,
+)
 
 
 def test_unknown_operation_has_no_entry(tmp_path):
@@ -84,3 +92,49 @@ def test_prune_forgets_old_finished_operations_and_interrupted_ones_started_as_l
 
     assert journal.prune(timedelta(seconds=-1)) == 1
     assert journal.get("done") is None
+
+
+def test_a_journal_written_before_answers_were_recorded_takes_every_ended_operation_as_maybe_answered(tmp_path):
+    # GIVEN a journal from before the answer column, with an ended and an interrupted operation
+    path = tmp_path / "journal.sqlite"
+    with sqlite3.connect(path) as conn:
+        conn.execute("CREATE TABLE operations (operation_id TEXT PRIMARY KEY, operation TEXT NOT NULL, "
+                     "instance_uuid TEXT NOT NULL, status TEXT NOT NULL, token_digest TEXT, result TEXT, error TEXT, "
+                     "cause TEXT, attempts INTEGER NOT NULL DEFAULT 0, started_at TEXT NOT NULL, finished_at TEXT)")
+        now = datetime.now(UTC).isoformat()
+        conn.execute("INSERT INTO operations VALUES ('done', 'spawn', 'uuid-1', ?, NULL, '{}', NULL, NULL, 1, ?, ?)",
+                     (SUCCEEDED, now, now))
+        conn.execute("INSERT INTO operations VALUES ('cut', 'spawn', 'uuid-2', ?, NULL, NULL, NULL, NULL, 1, ?, NULL)",
+                     (IN_PROGRESS, now))
+
+    # WHEN the agent opens it
+    journal = Journal(path)
+
+    # THEN the ended operation may have been answered (never taken back), the interrupted one was not
+    done, cut = journal.get("done"), journal.get("cut")
+    assert done is not None and done.answer == ANSWER_SENDING
+    assert cut is not None and cut.answer is None
+
+
+def test_a_take_back_is_recorded_before_and_after_and_one_cut_short_is_listed_and_pruned_like_an_interrupted_run(
+        tmp_path):
+    journal = Journal(tmp_path / "journal.sqlite")
+    journal.start("op-1", "spawn", "uuid-1", "token-a")
+    journal.succeed("op-1", {"power_state": 1})
+    assert journal.answering("op-1") is None
+    journal.unanswered("op-1")
+
+    journal.taking_back("op-1")
+
+    entry = journal.get("op-1")
+    assert entry is not None and entry.status == TAKING_BACK and not entry.finished and entry.result is None
+    assert entry.run_for("token-a") and not entry.run_for("token-b")
+    assert [e.operation_id for e in Journal(tmp_path / "journal.sqlite").in_progress()] == ["op-1"]
+    assert journal.prune(timedelta(days=1)) == 0
+
+    journal.taken_back("op-1", "Ferry.HostOperationFailed", "taken back")
+
+    entry = journal.get("op-1")
+    assert entry is not None and entry.status == TAKEN_BACK and entry.finished
+    assert not entry.answers("token-a") and not entry.answers("token-b")
+    assert journal.in_progress() == []
