@@ -6,12 +6,13 @@
 # second run only compares stamps and returns within a second or two.
 #
 # Environment:
-#   VENV    the virtualenv to create or update (default .venv in the checkout)
+#   VENV    the virtualenv to create or update (default .venv; a relative path is taken from the
+#           checkout, as the Makefile's is, wherever the script is run from)
 #   PYTHON  the interpreter that creates it (default python3)
 set -euo pipefail
-venv=$(realpath -m "${VENV:-.venv}")
 python=${PYTHON:-python3}
 cd "$(dirname "$0")/.."
+venv=$(realpath -m "${VENV:-.venv}")
 
 say() { printf 'bootstrap: %s\n' "$*"; }
 hash_of() { sha256sum | cut -c1-16; }

@@ -860,6 +860,155 @@ def test_a_volume_whose_status_moved_on_meanwhile_is_left_as_it_is(cloud, monkey
     assert volume_status(volume_id) == "available"
 
 
+# --- volumes a boot reserved, or a failed detach left -----------------------------------------------
+
+
+def _root_volume(cloud: Cloud, server: str, *, made_from_image: bool, attached: bool = True,
+                 changed_at: dt.datetime | None = None) -> str:
+    """A ``reserved`` root volume as a boot of ``server`` leaves it (made from an image for it, or an existing
+    one), with the boot's ``reserved`` attachment (on no host yet) unless not ``attached``, last written
+    ``changed_at`` (now, by default); its id."""
+    volume_id = make_volume(cloud.state_dir)
+    with api_session() as session:
+        volume = session.get(Volume, volume_id)
+        volume.status = "reserved"
+        if made_from_image:
+            volume.name, volume.image_id = f"{server}-root", "img-1"
+        if changed_at is not None:
+            volume.created_at = volume.updated_at = changed_at
+        if attached:
+            session.add(VolumeAttachment(volume_id=volume_id, instance_uuid=server, status="reserved"))
+    return volume_id
+
+
+def volume_row(volume_id: str) -> Volume | None:
+    with api_session() as session:
+        return session.get(Volume, volume_id)
+
+
+def test_an_existing_root_volume_of_a_deleted_boot_is_made_available_with_its_attachment_gone(cloud):
+    # GIVEN an existing volume a boot reserved as its root, whose server is gone but its attachment stayed
+    volume_id = _root_volume(cloud, str(uuidlib.uuid4()), made_from_image=False)
+
+    # WHEN the audit repairs the orphan attachment
+    assert check().kinds() == [audit.VOLUME_ATTACHMENT_ORPHAN]
+    assert_fixed(audit.VOLUME_ATTACHMENT_ORPHAN)
+
+    # THEN the volume is available again, for a boot or an attach, and an operator may forget it
+    assert volume_status(volume_id) == "available"
+    with api_session() as session:
+        assert volumes.forget(session, volume_id)["status"] == "available"
+
+
+def test_a_root_volume_made_for_a_deleted_server_that_never_reached_a_host_is_deleted(cloud):
+    # GIVEN the root volume a boot made from an image for a server that was deleted before any host took
+    # it (never written), still reserved by the server's attachment
+    server = str(uuidlib.uuid4())
+    volume_id = _root_volume(cloud, server, made_from_image=True)
+
+    # WHEN the audit repairs the orphan attachment
+    assert_fixed(audit.VOLUME_ATTACHMENT_ORPHAN)
+
+    # THEN the volume goes with it, as a discarded boot's does
+    assert volume_row(volume_id) is None
+
+
+def test_a_root_volume_made_for_a_deleted_server_that_reached_a_host_is_left_deleting_for_a_person(cloud):
+    # GIVEN the root volume a boot made from an image for a server that had a host, deleted since
+    server = str(uuidlib.uuid4())
+    with cell_session(CELL) as session:
+        session.add(Instance(uuid=server, display_name="gone", project_id=PROJECT, user_id=USER, flavor=OLD,
+                             vm_state=states.DELETED, power_state=states.NOSTATE, host=OTHER, node=OTHER,
+                             deleted=True, deleted_at=LONG_AGO))
+    volume_id = _root_volume(cloud, server, made_from_image=True)
+
+    # WHEN the audit repairs the orphan attachment
+    report = check(fix=True)
+
+    # THEN the volume is deleting, as a delete leaves one whose file may remain, and reported for a person
+    assert [r.error for r in report.repairs if r.problem.kind == audit.VOLUME_ATTACHMENT_ORPHAN] == [None]
+    assert volume_status(volume_id) == "deleting"
+    assert report.kinds() == [audit.VOLUME_LEFT_DELETING]
+
+
+def test_a_reserved_volume_nothing_holds_is_reported_and_released_but_not_one_a_boot_owns(cloud):
+    # GIVEN reserved volumes no attachment holds: one nothing else names either (an earlier repair left
+    # it), one a build request names (its boot not handed to a cell yet), one reserved just now
+    left = _root_volume(cloud, str(uuidlib.uuid4()), made_from_image=False, attached=False, changed_at=LONG_AGO)
+    booting = str(uuidlib.uuid4())
+    owned = _root_volume(cloud, booting, made_from_image=False, attached=False, changed_at=LONG_AGO)
+    with api_session() as session:
+        session.add(BuildRequest(instance_uuid=booting, project_id=PROJECT, instance={"display_name": "booting"},
+                                 block_device_mappings=[{"boot_index": 0, "volume_id": owned}]))
+        session.add(InstanceMapping(instance_uuid=booting, project_id=PROJECT, user_id=USER, cell_id=None))
+    fresh = _root_volume(cloud, str(uuidlib.uuid4()), made_from_image=False, attached=False)
+    running = {f"boot-{booting}"}
+
+    # WHEN the audit runs, THEN only the one nothing holds is reported, as fixable
+    [problem] = check(grace_seconds=60, running_executions=running).of_kind(audit.VOLUME_OPERATION_LEFT)
+    assert problem.resource == f"volume/{left}" and problem.fixable and "reserved" in problem.message
+
+    # WHEN it repairs, THEN that one is available and the others are left reserved
+    check(fix=True, grace_seconds=60, running_executions=running)
+    assert [volume_status(v) for v in (left, owned, fresh)] == ["available", "reserved", "reserved"]
+
+
+def test_a_reserved_volume_made_for_a_server_that_never_reached_a_host_and_held_by_nothing_is_deleted(cloud):
+    # GIVEN the root volume made from an image for a server that is gone, its attachment gone too
+    volume_id = _root_volume(cloud, str(uuidlib.uuid4()), made_from_image=True, attached=False)
+
+    # WHEN the audit repairs, THEN the volume goes (nothing ever wrote it) and the store is clean
+    assert check().kinds() == [audit.VOLUME_OPERATION_LEFT]
+    assert_fixed(audit.VOLUME_OPERATION_LEFT)
+    assert volume_row(volume_id) is None
+
+
+def test_a_reserved_volume_a_server_still_maps_is_reported_not_released(cloud):
+    # GIVEN a reserved volume no attachment holds, which a live server's block device mapping names
+    volume_id = _root_volume(cloud, cloud.active, made_from_image=False, attached=False)
+    with cell_session(CELL) as session:
+        session.add(BlockDeviceMapping(instance_uuid=cloud.active, source_type="volume", destination_type="volume",
+                                       device_name="vdc", volume_id=volume_id))
+
+    # WHEN the audit repairs, THEN it is reported for a person and stays reserved
+    [problem] = check(fix=True).of_kind(audit.VOLUME_OPERATION_LEFT)
+    assert not problem.fixable and cloud.active in problem.message
+    assert volume_status(volume_id) == "reserved"
+
+
+def test_a_volume_left_error_detaching_is_found_and_put_back_in_use_for_a_detach_again(cloud):
+    # GIVEN a detach that failed after the host detached the volume, its records not updated: the volume
+    # error_detaching, still held and mapped by its server, which has no task
+    with api_session() as session:
+        session.get(Volume, cloud.volume_id).status = "error_detaching"
+
+    # WHEN the audit runs, THEN it reports it, fixable
+    [problem] = check().problems
+    assert (problem.kind, problem.resource) == (audit.VOLUME_OPERATION_LEFT, f"volume/{cloud.volume_id}")
+    assert problem.fixable and "error_detaching" in problem.message and cloud.active in problem.message
+
+    # WHEN it repairs, THEN the volume is in-use again, still attached where its server is
+    assert_fixed(audit.VOLUME_OPERATION_LEFT)
+    assert volume_status(cloud.volume_id) == "in-use"
+    with api_session() as session:
+        assert session.scalars(select(VolumeAttachment.host).where(
+            VolumeAttachment.volume_id == cloud.volume_id)).all() == [SOURCE]
+
+
+def test_a_volume_left_error_detaching_is_only_reported_when_the_workflows_cannot_be_listed(cloud):
+    # GIVEN a volume left error_detaching by a failed detach
+    with api_session() as session:
+        session.get(Volume, cloud.volume_id).status = "error_detaching"
+
+    # WHEN the audit repairs without a view of the running workflows
+    report = check(fix=True, running_executions=None)
+
+    # THEN it is reported, not repaired
+    [problem] = report.of_kind(audit.VOLUME_OPERATION_LEFT)
+    assert not problem.fixable and "could not be listed" in problem.message
+    assert volume_status(cloud.volume_id) == "error_detaching"
+
+
 # --- a boot that never reached a cell ---------------------------------------------------------------
 
 
@@ -1068,6 +1217,26 @@ def test_a_finished_migration_of_a_server_not_in_verify_resize_is_found_and_put_
     with cell_session(CELL) as session:
         status = session.scalars(select(Migration.status).where(Migration.uuid == migration)).one()
         assert status == migration_states.ERROR
+
+
+def test_the_finished_migration_of_a_resized_server_whose_copy_is_hidden_is_reported_not_put_in_error(cloud):
+    # GIVEN a server in VERIFY_RESIZE whose copy in its mapped cell is hidden
+    uuid, migration = cloud.resized.instance_uuid, cloud.resized.migration_uuid
+    cell_write(CELL, update(Instance).where(Instance.uuid == uuid).values(hidden=True))
+
+    # WHEN the audit repairs
+    report = check(fix=True)
+
+    # THEN the migration is reported, not as a gone server's, and left finished
+    found(report, audit.INSTANCE_NOT_VISIBLE)
+    (problem,) = found(report, audit.MIGRATION_STATE_MISMATCH)
+    assert not problem.fixable and "is gone" not in problem.message and "no visible copy" in problem.message
+    with cell_session(CELL) as session:
+        assert session.scalars(select(Migration.status).where(Migration.uuid == migration)).one() == "finished"
+
+    # WHEN the operator makes the copy visible again, THEN the server waits in VERIFY_RESIZE as before
+    cell_write(CELL, update(Instance).where(Instance.uuid == uuid).values(hidden=False))
+    assert check().clean
 
 
 def test_a_migration_stuck_without_a_workflow_is_found_and_put_in_error(cloud):

@@ -179,3 +179,73 @@ def test_a_cell_on_the_api_database_or_on_a_database_of_another_schema_is_refuse
     assert err.startswith("ferry: ") and "is not a cell database Ferry can migrate" in err
     assert "Traceback" not in err and len(err.splitlines()) == 1
     assert cli.main(["cell", "list"]) == 0 and capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("spelling", ["{dir}/./cell1.sqlite", "{dir}//cell1.sqlite", "{dir}/sub/../cell1.sqlite"],
+                         ids=["dot", "double-slash", "dot-dot"])
+def test_a_sqlite_file_of_another_cell_spelled_otherwise_is_refused(empty_deployment, capsys, spelling):
+    # GIVEN cell1 on a SQLite file
+    cell1 = f"sqlite:///{empty_deployment / 'cell1.sqlite'}"
+    (empty_deployment / "sub").mkdir()
+    assert cli.main(["cell", "create", "cell1", "--database-url", cell1]) == 0
+    capsys.readouterr()
+
+    # WHEN cell2 is created on the same file, its path written another way
+    other = "sqlite:///" + spelling.format(dir=empty_deployment)
+    status = cli.main(["cell", "create", "cell2", "--database-url", other])
+
+    # THEN it is refused naming cell1, and only cell1 is mapped
+    assert status == 1
+    assert "is the database of cell cell1; two cells never share one" in capsys.readouterr().err
+    assert cli.main(["cell", "list"]) == 0 and capsys.readouterr().out == f"cell1\t{cell1}\n"
+
+
+@pytest.mark.parametrize("other", [
+    "postgresql+psycopg2://ferry:s3cret@db.example:5432/ferry_cell1",  # the default port named
+    "postgresql://admin@DB.example/ferry_cell1",  # another driver, user and case of the host
+], ids=["default-port", "driver-user-host-case"])
+def test_a_server_database_of_another_cell_spelled_otherwise_is_refused_before_it_is_reached(empty_deployment,
+                                                                                              capsys, other):
+    # GIVEN cell1 mapped to a PostgreSQL database named without its port
+    from ferry.store import setup
+    from ferry.store.api_models import CellMapping
+
+    setup.init_api_database()
+    with db.api_session() as session:
+        session.add(CellMapping(name="cell1", uuid="00000000-0000-4000-8000-000000000001",
+                                database_connection="postgresql+psycopg2://ferry:s3cret@db.example/ferry_cell1"))
+
+    # WHEN cell2 is created on the same database written another way
+    status = cli.main(["cell", "create", "cell2", "--database-url", other])
+
+    # THEN it is refused naming cell1 (nothing tried to reach the database), without the password
+    err = capsys.readouterr().err
+    assert status == 1 and "is the database of cell cell1" in err and "s3cret" not in err
+
+
+def test_the_api_database_spelled_otherwise_is_refused_as_a_cell(empty_deployment, capsys):
+    # GIVEN the API database at <dir>/api.sqlite
+    assert cli.main(["db", "sync"]) == 0
+    capsys.readouterr()
+
+    # WHEN a cell is created on it, its path written with "./"
+    status = cli.main(["cell", "create", "cell1", "--database-url", f"sqlite:///{empty_deployment}/./api.sqlite"])
+
+    # THEN it is refused as the API database and no cell is mapped
+    assert status == 1 and "is the API database" in capsys.readouterr().err
+    assert cli.main(["cell", "list"]) == 0 and capsys.readouterr().out == ""
+
+
+def test_a_sqlite_file_named_by_a_relative_path_is_refused_and_nothing_is_written(empty_deployment, capsys,
+                                                                                 monkeypatch):
+    # GIVEN a working directory of its own
+    monkeypatch.chdir(empty_deployment)
+
+    # WHEN a cell is created on a SQLite file named by a relative path
+    status = cli.main(["cell", "create", "cell1", "--database-url", "sqlite:///cell1.sqlite"])
+
+    # THEN it is refused in one line asking for the absolute path, and no file was made
+    err = capsys.readouterr().err
+    assert status == 1 and err.count("\n") == 1
+    assert "relative path" in err and "absolute path" in err
+    assert list(empty_deployment.iterdir()) == []

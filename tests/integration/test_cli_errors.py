@@ -79,6 +79,46 @@ def test_a_database_that_cannot_be_used_is_one_line_and_exit_3(api_database, tmp
     assert "s3cret" not in captured.err
 
 
+@pytest.mark.parametrize("url", [
+    "postgresql+psycopg2://ferry:s3cr@t:pw@db.example/ferry_api",  # an unencoded "@" then ":" in the password
+    "postgresql+psycopg2://ferry:s3cret@db.example:port/ferry_api",  # a port that is no number
+    "sqlite://ferry:s3cret@db.example:abc/ferry_api",
+], ids=["at-then-colon", "port", "sqlite-port"])
+@pytest.mark.parametrize("argv", COMMANDS_READING_THE_STORE, ids=lambda argv: " ".join(argv[:3]))
+def test_a_url_whose_port_cannot_be_read_is_one_line_and_exit_3_without_the_password(api_database, capsys, argv,
+                                                                                     url):
+    # GIVEN an API database URL whose parse takes part of the password (or a word) for the port
+    api_database(url)
+
+    # WHEN a command uses it
+    status = cli.main(argv)
+
+    # THEN it cannot run (exit 3): one line that says what to do, no traceback, no part of the password
+    err = capsys.readouterr().err
+    assert status == cli.EXIT_CANNOT_RUN
+    assert err.startswith("ferry: cannot use the database: ") and "cannot be read" in err and "percent-encode" in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "s3cr" not in err and "pw@" not in err
+
+
+def test_a_cell_url_whose_port_cannot_be_read_is_one_line_and_exit_3_and_maps_nothing(api_database, tmp_path,
+                                                                                      capsys):
+    # GIVEN a working API database, and a cell URL with an unencoded "@" then ":" in its password
+    api_database(f"sqlite:///{tmp_path / 'api.sqlite'}")
+    assert cli.main(["db", "sync"]) == 0
+    capsys.readouterr()
+
+    # WHEN the cell is created with it
+    status = cli.main(["cell", "create", "cell1", "--database-url",
+                       "postgresql+psycopg2://ferry:s3cr@t:pw@db.example/ferry_cell1"])
+
+    # THEN it cannot run, says so in one line without the password, and no cell is mapped
+    err = capsys.readouterr().err
+    assert status == cli.EXIT_CANNOT_RUN and err.startswith("ferry: cannot use the database: ")
+    assert "s3cr" not in err and err.count("\n") == 1
+    assert cli.main(["cell", "list"]) == 0 and capsys.readouterr().out == ""
+
+
 def test_a_sqlite_url_with_a_host_is_refused_without_a_directory_made_for_it(api_database, tmp_path, capsys,
                                                                              monkeypatch):
     # GIVEN a SQLite URL written like a server's (SQLite takes no host, user or password)

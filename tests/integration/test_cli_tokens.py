@@ -177,3 +177,19 @@ def test_no_expiry_and_a_lifetime_together_are_bad_usage(deployment, capsys):
     with pytest.raises(SystemExit) as exited:
         cli.main(["token", "issue", "--user", "alice", "--project", "demo", "--no-expiry", "--expires-in", "1d"])
     assert exited.value.code == 2
+
+
+@pytest.mark.parametrize("record_id", ["99999999999999999999999", str(2**63)])
+def test_a_record_id_no_database_can_hold_is_a_usage_error_not_an_overflow(deployment, capsys, record_id):
+    # GIVEN a token, and a record id beyond the largest integer the database stores
+    issued(capsys, "--user", "alice", "--project", "demo")
+
+    # WHEN the operator revokes by that id
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["token", "revoke", record_id])
+
+    # THEN argparse refuses it (exit 2), naming the argument, and no token is revoked
+    assert exited.value.code == 2
+    assert "argument ID" in capsys.readouterr().err
+    assert len(stored()) == 1
+

@@ -125,3 +125,34 @@ def test_a_command_without_the_api_database_url_says_which_database_it_uses(tmp_
 
     assert f"FERRY_API_DATABASE_URL is not set: using sqlite:///{tmp_path}/api.sqlite" in capsys.readouterr().err
     config.reset()
+
+
+def test_a_number_setting_that_is_no_number_is_one_line_naming_it_and_exit_2(sqlite_store, monkeypatch, capsys):
+    # GIVEN FERRY_SERVICE_DOWN_TIME written with a unit, as a person may
+    from ferry import config
+    monkeypatch.setenv("FERRY_SERVICE_DOWN_TIME", "1m")
+    config.reset()
+
+    # WHEN any command reads the settings
+    for argv in (["audit", *QUIET], ["cell", "list"]):
+        status = cli.main(argv)
+
+        # THEN it says which variable in one line, with no traceback, and exits as for bad usage
+        err = capsys.readouterr().err
+        assert status == 2
+        assert err == ("ferry: FERRY_SERVICE_DOWN_TIME='1m' is not a whole number; unset it for the default (60), "
+                       "or give a whole number\n")
+    config.reset()
+
+
+@pytest.mark.parametrize("grace", ["1e20", "3153600001"])
+def test_a_grace_beyond_a_century_is_a_usage_error_not_an_overflow(sqlite_store, capsys, grace):
+    # GIVEN a grace too large for any date arithmetic
+    # WHEN the audit is asked with it
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["audit", "--no-storage", "--grace", grace])
+
+    # THEN argparse refuses it (exit 2), naming the option
+    assert exited.value.code == 2
+    assert "argument --grace" in capsys.readouterr().err
+

@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import socket
 from typing import Any
 
 import openstack
@@ -672,3 +673,32 @@ def test_a_server_deleted_during_the_drain_is_shown_gone_not_back_on_its_source(
     assert "  progress     completed  [########################]  100%  2 done, 0 failed of 3, 1 gone" in lines
     [row] = [line.split()[:6] for line in lines if line.startswith("vm3")]
     assert row == ["vm3", VM3, "h1", "-", "gone", "0"]  # its planned host no longer means anything
+
+
+def test_an_identity_endpoint_out_of_reach_is_a_ferry_drain_line_and_exit_1(monkeypatch, tmp_path, capsys):
+    # GIVEN a cloud whose identity endpoint nothing listens on (the compute proxy authenticates when first used)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    clouds = tmp_path / "clouds.yaml"
+    clouds.write_text(f"""clouds:
+  unreachable:
+    auth:
+      auth_url: http://127.0.0.1:{port}/v3
+      username: admin
+      password: s3cret
+      project_name: admin
+      user_domain_name: Default
+      project_domain_name: Default
+""")
+    monkeypatch.setenv("OS_CLIENT_CONFIG_FILE", str(clouds))
+    monkeypatch.setattr(openstack.config.loader, "CONFIG_FILES", [str(clouds)])
+
+    # WHEN a drain command runs against it
+    status = cli.main(["drain", "list", "--os-cloud", "unreachable"])
+
+    # THEN ferry drain says so in its own line, with the documented exit status, and no traceback
+    err = capsys.readouterr().err
+    assert status == 1
+    assert "ferry drain: GET /ferry/drains: Unable to establish connection" in err
+    assert "Traceback" not in err and "s3cret" not in err

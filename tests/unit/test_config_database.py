@@ -28,3 +28,22 @@ def test_elsewhere_an_empty_url_is_sqlite_under_the_state_directory(monkeypatch,
     monkeypatch.setenv("FERRY_STATE_DIR", str(tmp_path))
 
     assert config.load().api_database_url == f"sqlite:///{tmp_path / 'api.sqlite'}"
+
+
+@pytest.mark.parametrize(("variable", "value", "said"), [
+    ("FERRY_SERVICE_DOWN_TIME", "1m", "is not a whole number"),
+    ("FERRY_SCHEDULER_MAX_ATTEMPTS", "3.5", "is not a whole number"),
+    ("FERRY_CPU_ALLOCATION_RATIO", "four", "is not a finite number"),
+    ("FERRY_RAM_ALLOCATION_RATIO", "inf", "is not a finite number"),
+])
+def test_a_number_setting_that_is_no_number_is_one_typed_error_naming_its_variable(monkeypatch, variable, value,
+                                                                                   said):
+    # GIVEN a number setting given a value that is not one (a unit written after it, say)
+    monkeypatch.setenv(variable, value)
+
+    # WHEN the settings are read
+    with pytest.raises(errors.SettingInvalid) as raised:
+        config.load()
+
+    # THEN the error names the variable and what it holds, and no ValueError from deep inside escapes
+    assert raised.value.message.startswith(f"{variable}={value!r} {said}")

@@ -125,10 +125,12 @@ OPEN = IN_FLIGHT + (migration_states.FINISHED,)
 SETTLED_VM_STATES = (states.ACTIVE, states.STOPPED, states.RESIZED, states.SUSPENDED, states.PAUSED)
 
 # Volume statuses an orphan attachment's repair may make ``available`` once nothing holds the volume
-# (Cinder's; ``deleting`` never: the volume's file may already be gone).
+# (Cinder's; ``deleting`` never: the volume's file may already be gone). A ``reserved`` one, a boot's
+# root volume, is released as the boot's own undo does instead (:func:`_release_reserved`).
 HELD_VOLUME_STATUSES = (volumes.IN_USE, volumes.ATTACHING, volumes.DETACHING, volumes.ERROR_DETACHING)
-# Volume statuses only an attach or detach under way may leave a volume in.
-OPERATING_VOLUME_STATUSES = (volumes.ATTACHING, volumes.DETACHING)
+# Volume statuses only an attach or detach under way may leave a volume in, or one that failed after its
+# host detached the volume (``error_detaching``: FailVolumeOperation could not update the records).
+OPERATING_VOLUME_STATUSES = (volumes.ATTACHING, volumes.DETACHING, volumes.ERROR_DETACHING)
 
 SNAPSHOT_SUFFIX = "-resize-temp"
 
@@ -260,8 +262,15 @@ class _World:
     attachments: list[VolumeAttachment]
     # Volumes a server was deleted with whose file no host removed (status ``deleting``).
     left_deleting: list[Volume]
-    # Volumes being attached or detached (status ``attaching``, ``detaching``), with their attachments.
+    # Volumes being attached or detached, or whose detach failed (status ``attaching``, ``detaching``,
+    # ``error_detaching``), with their attachments.
     operating: list[Volume]
+    # Volumes a boot reserved (status ``reserved``), with their attachments.
+    reserved: list[Volume]
+    # The volumes build requests name (a boot not handed to a cell yet owns them).
+    build_volumes: set[str]
+    # The server each root volume a boot made from an image was made for, by volume id.
+    made_for: dict[str, str]
     # ``(instance uuid, volume id)`` of every live block device mapping of a volume, in any cell.
     volume_mappings: set[tuple[str, str]]
     volume_statuses: dict[str, str]
@@ -389,6 +398,10 @@ def _read_world(grace_seconds: float, clock_skew_seconds: float, running: Collec
         attachments = list(session.scalars(select(VolumeAttachment)))
         left_deleting = list(session.scalars(select(Volume).where(Volume.status == volumes.DELETING)))
         operating = list(session.scalars(select(Volume).where(Volume.status.in_(OPERATING_VOLUME_STATUSES))))
+        reserved = list(session.scalars(select(Volume).where(Volume.status == volumes.RESERVED)))
+        build_volumes = {str(bdm["volume_id"]) for bdms in session.scalars(select(BuildRequest.block_device_mappings))
+                         for bdm in bdms or [] if isinstance(bdm, dict) and bdm.get("volume_id")}
+        made_for = _servers_volumes_were_made_for(session)
         volume_statuses = {volume_id: status for volume_id, status in session.execute(select(Volume.id, Volume.status))}
     copies: dict[str, list[_Copy]] = defaultdict(list)
     migration_copies: dict[str, list[tuple[str, Migration]]] = defaultdict(list)
@@ -417,7 +430,8 @@ def _read_world(grace_seconds: float, clock_skew_seconds: float, running: Collec
         copies=dict(copies), migration_copies=dict(migration_copies), bfv=bfv, views=views, providers=providers,
         inventories=inventories, usage=usage, allocations={c: dict(a) for c, a in allocations.items()},
         consumers=consumers,
-        ports=ports, attachments=attachments, left_deleting=left_deleting, operating=operating,
+        ports=ports, attachments=attachments, left_deleting=left_deleting, operating=operating, reserved=reserved,
+        build_volumes=build_volumes, made_for=made_for,
         volume_mappings={(u, v) for u, v in volume_mappings if v is not None}, volume_statuses=volume_statuses,
         running=running_names, unlisted=unlisted,
         boots_unlisted=running is None and not config.get().boot_state_machine_arn,
@@ -431,6 +445,19 @@ def _read_world(grace_seconds: float, clock_skew_seconds: float, running: Collec
     for found_migrations in world.migrations_of.values():
         found_migrations.sort(key=lambda m: (m.created_at, m.id))
     return world
+
+
+def _servers_volumes_were_made_for(session: Session) -> dict[str, str]:
+    """``{volume id: server uuid}`` of the root volumes boots made from an image.
+
+    Only a boot makes a volume from an image (``ferry volume register`` records none with an image), and
+    names it ``<server uuid>-root``; names never change. Such a volume outlives its server when the server
+    ran and its owner kept it, and may be reserved by another server's boot later: it is that server's
+    existing volume then, not one made for it.
+    """
+    suffix = "-root"
+    made = session.execute(select(Volume.id, Volume.name).where(Volume.image_id.is_not(None)))
+    return {volume_id: name.removesuffix(suffix) for volume_id, name in made if name and name.endswith(suffix)}
 
 
 def _parse_view(service: Service, cell: str, skipped: list[str]) -> _HostView | None:
@@ -729,12 +756,15 @@ def _check_volumes_left(world: _World) -> Iterable[Problem]:
 
 
 def _check_volume_operations(world: _World) -> Iterable[Problem]:
-    """A volume ``attaching`` or ``detaching`` only while its server's attach or detach is under way.
+    """A volume ``attaching`` or ``detaching`` only while its server's attach or detach is under way;
+    never ``error_detaching`` for good.
 
     An attach or detach whose start answered an error is undone server first (task cleared), then
     the volume's records; an undo that failed in between leaves the volume in that status for good
     (no new attach or detach takes it), with, for an attach, a ``reserved`` attachment a later move
-    of the server would carry along and complete."""
+    of the server would carry along and complete. A detach that failed after its host detached the
+    volume, but before the records said so, leaves it ``error_detaching`` (FailVolumeOperation), still
+    held and mapped by its server: no detach takes it again (one needs ``in-use``), nor a forget."""
     for volume in sorted(world.operating, key=lambda v: v.id):
         holders = sorted({a.instance_uuid for a in volume.attachments})
         if world.recent(_changed(volume)) or any(world.recent(_changed(a)) for a in volume.attachments):
@@ -755,9 +785,8 @@ def _check_volume_operations(world: _World) -> Iterable[Problem]:
                               f"{', '.join(mappers)} map it.")
                 continue
             yield Problem(VOLUME_OPERATION_LEFT, resource,
-                          f"Volume {volume.id} is {status}, but no server holds or maps it: an "
-                          f"{_OPERATION[status]} that did not start was partly undone.",
-                          _repair_volume_operation(world, volume, None))
+                          f"Volume {volume.id} is {status}, but no server holds or maps it: "
+                          f"{_LEFT_BY[status]}.", _repair_volume_operation(world, volume, None))
             continue
         if len(holders) > 1:
             yield Problem(VOLUME_OPERATION_LEFT, resource,
@@ -777,15 +806,70 @@ def _check_volume_operations(world: _World) -> Iterable[Problem]:
                           f"the volume, its attachments are {statuses}.")
         elif world.running is None:
             yield Problem(VOLUME_OPERATION_LEFT, resource,
-                          f"{message} as far as can be told (the running workflows could not be listed): an "
-                          f"{_OPERATION[status]} that did not start was partly undone.")
+                          f"{message} as far as can be told (the running workflows could not be listed): "
+                          f"{_LEFT_BY[status]}.")
         else:
+            yield Problem(VOLUME_OPERATION_LEFT, resource, f"{message}: {_LEFT_BY[status]}"
+                          f"{_FIX_SAYS.get(status, '')}.", _repair_volume_operation(world, volume, holder))
+
+
+def _check_volumes_reserved(world: _World) -> Iterable[Problem]:
+    """A ``reserved`` volume only while something holds it: a boot reserves a volume (or makes one from
+    an image) together with its attachment and build request, and releases both together.
+
+    One nothing holds (no attachment, no build request names it, no server maps it) was left by a
+    repair or a release that stopped halfway: no boot takes it (one needs ``available``), nor a forget.
+    """
+    for volume in sorted(world.reserved, key=lambda v: v.id):
+        if volume.attachments or volume.id in world.build_volumes or world.recent(_changed(volume)):
+            continue
+        owner = world.made_for.get(volume.id)
+        mappers = sorted(u for u, v in world.volume_mappings if v == volume.id)
+        if any(world.recent(world.last_change(u)) for u in [*mappers, *([owner] if owner else [])]):
+            continue
+        resource = f"volume/{volume.id}"
+        if mappers:
             yield Problem(VOLUME_OPERATION_LEFT, resource,
-                          f"{message}: an {_OPERATION[status]} that did not start was partly undone.",
-                          _repair_volume_operation(world, volume, holder))
+                          f"Volume {volume.id} is reserved, held by no attachment, but server(s) "
+                          f"{', '.join(mappers)} map it.")
+        elif owner is not None and world.exists(owner):
+            yield Problem(VOLUME_OPERATION_LEFT, resource,
+                          f"Volume {volume.id} is reserved, made for server {owner}, which exists but neither "
+                          f"holds nor maps it.")
+        else:
+            made_for_it, hosted = owner is not None, owner is not None and _hosted(world, owner)
+            if not made_for_it:
+                release = "makes it available (an existing volume)"
+            elif hosted:
+                release = (f"marks it deleting (made from an image for server {owner}, which reached a host: what "
+                           f"is at its path may remain, see volume_left_deleting)")
+            else:
+                release = f"deletes it (made from an image for server {owner}, which never reached a host)"
+            yield Problem(VOLUME_OPERATION_LEFT, resource,
+                          f"Volume {volume.id} is reserved, but no attachment, build request or server holds it: "
+                          f"a boot's release stopped halfway; --fix {release}.",
+                          _repair_reserved(volume, made_for_it=made_for_it, hosted=hosted))
 
 
-_OPERATION = {volumes.ATTACHING: "attach", volumes.DETACHING: "detach"}
+def _hosted(world: _World, uuid: str) -> bool:
+    """Whether any copy of the server, deleted or not, was ever given a host (whose spawn may have
+    written the volumes made for it)."""
+    return any(c.row.host or c.row.launched_on for c in world.copies.get(uuid, []))
+
+
+
+_OPERATION = {volumes.ATTACHING: "attach", volumes.DETACHING: "detach", volumes.ERROR_DETACHING: "detach"}
+# What leaves a volume in each status for good.
+_LEFT_BY = {
+    volumes.ATTACHING: "an attach that did not start was partly undone",
+    volumes.DETACHING: "a detach that did not start was partly undone",
+    volumes.ERROR_DETACHING: "a detach failed after its host detached the volume, and the records could not be "
+                             "updated (see the server's fault)",
+}
+# What --fix does, where the status does not say it.
+_FIX_SAYS = {volumes.ERROR_DETACHING: "; --fix makes it in-use again, as its server's records have it, so that "
+                                      "a detach can be asked again (a host detaches a volume it does not have "
+                                      "as a no-op)"}
 
 
 def _check_storage(world: _World, skipped: list[str]) -> Iterable[Problem]:
@@ -873,12 +957,21 @@ def _check_migrations(world: _World) -> Iterable[Problem]:
         if migration.status == migration_states.FINISHED:
             newest = world.open_migrations(uuid)[-1]
             if instance is None or instance.vm_state != states.RESIZED or newest.uuid != migration_uuid:
-                state = f"is {instance.vm_state}" if instance is not None else "is gone"
+                # A server with no visible copy may still exist (a hidden one, instance_not_visible): once
+                # its copy is visible again it waits in VERIFY_RESIZE for this very migration, which
+                # must then still be finished. So only a server that does not exist is judged gone.
+                hidden = instance is None and world.exists(uuid)
+                if instance is not None:
+                    state = f"is {instance.vm_state}"
+                elif hidden:
+                    state = "has no visible copy in its cell (make it visible first: instance_not_visible)"
+                else:
+                    state = "is gone"
                 yield Problem(MIGRATION_STATE_MISMATCH, f"migration/{migration_uuid}",
                               f"Migration {migration_uuid} is finished but its server {uuid} {state}"
                               f"{'' if newest.uuid == migration_uuid else ' and has a newer move'}.",
                               _repair_migration(world, migration_uuid, migration_states.FINISHED)
-                              if not world.in_flight(uuid) else None)
+                              if not world.in_flight(uuid) and not hidden else None)
         elif migration.status in IN_FLIGHT:
             live = world.live(uuid)
             if live:
@@ -1049,6 +1142,9 @@ def _repair_attachment(world: _World, attachment: VolumeAttachment, *, server_li
     host, status, updated_at = attachment.host, attachment.status, attachment.updated_at
     volume_status = world.volume_statuses.get(volume_id)
     seen = world.seen_migrations(instance_uuid)
+    made_for_it, hosted = world.made_for.get(volume_id) == instance_uuid, _hosted(world, instance_uuid)
+    # A live server's mapping of the volume keeps it reserved (reported then, for a person).
+    mapped_elsewhere = any(v == volume_id and world.exists(u) for u, v in world.volume_mappings)
 
     def repair() -> str:
         with api_session() as session:
@@ -1063,6 +1159,13 @@ def _repair_attachment(world: _World, attachment: VolumeAttachment, *, server_li
             if server_lives and host:
                 _refuse_if_moving(session, instance_uuid, host, seen, what)
             done = f"deleted {what}"
+            if volume_status == volumes.RESERVED and not server_lives:
+                # The root volume of a boot whose server is gone: released as the boot's undo and a
+                # delete release it (only once no attachment holds it, from the status read).
+                released = None if mapped_elsewhere else _release_reserved(session, volume_id,
+                                                                           made_for_it=made_for_it, hosted=hosted)
+                left = "the volume was left as it is (held or mapped by a server, or no longer reserved)"
+                return f"{done}; {released or left}"
             if volume_status not in HELD_VOLUME_STATUSES:
                 return done
             # Available only from the status read, and only when no attachment holds the volume any more.
@@ -1076,14 +1179,59 @@ def _repair_attachment(world: _World, attachment: VolumeAttachment, *, server_li
     return repair
 
 
+def _release_reserved(session: Session, volume_id: str, *also: ColumnElement[bool], made_for_it: bool,
+                      hosted: bool) -> str | None:
+    """Release a ``reserved`` volume nothing holds, as a boot's undo and a delete do
+    (:func:`ferry.compute.api._release_unbuilt_volumes`, :func:`ferry.workflows.delete._release_volumes`):
+    one made from an image for the server that reserved it is deleted when that server never had a
+    host (nothing wrote it), else left ``deleting`` for a person (what is at its path may remain); an
+    existing volume becomes ``available``. In one statement, only while it is still ``reserved``, no
+    attachment holds it, no build request names it, and the conditions ``also`` hold.
+
+    Returns:
+        What was done; None when the volume was left as it is.
+    """
+    if any(isinstance(bdm, dict) and bdm.get("volume_id") == volume_id
+           for bdms in session.scalars(select(BuildRequest.block_device_mappings)) for bdm in bdms or []):
+        return None
+    as_read = (Volume.id == volume_id, Volume.status == volumes.RESERVED, volumes.unheld(), *also)
+    if made_for_it and not hosted:
+        result = session.execute(delete(Volume).where(*as_read).execution_options(synchronize_session=False))
+        done = f"deleted volume {volume_id}, made for the server and never written"
+    else:
+        to_status = volumes.DELETING if made_for_it else volumes.AVAILABLE
+        result = session.execute(update(Volume).where(*as_read).values(status=to_status)
+                                 .execution_options(synchronize_session=False))
+        done = (f"volume {volume_id} is deleting (made for the server, which reached a host: remove what is at "
+                f"its path, then forget it)" if made_for_it else f"volume {volume_id} is available")
+    return done if cast(CursorResult[Any], result).rowcount == 1 else None
+
+
+def _repair_reserved(volume: Volume, *, made_for_it: bool, hosted: bool) -> Callable[[], str]:
+    volume_id, updated_at = volume.id, volume.updated_at
+
+    def repair() -> str:
+        with api_session() as session:
+            done = _release_reserved(session, volume_id, _same(Volume.updated_at, updated_at),
+                                     made_for_it=made_for_it, hosted=hosted)
+        if done is None:
+            raise errors.FerryError(f"volume {volume_id} changed meanwhile (held, named by a build request, or no "
+                                    f"longer reserved as read); left as it is")
+        return done
+
+    return repair
+
+
 def _repair_volume_operation(world: _World, volume: Volume, holder: str | None) -> Callable[[], str]:
     """Finish the undo of an attach (the holder's ``reserved`` attachments deleted, the volume
-    ``available``) or of a detach (the volume ``in-use`` again, or ``available`` if nothing holds
-    it), under the holder's row lock, while it still has no task and maps the volume as read."""
+    ``available``) or of a detach, or settle a detach that failed (``error_detaching``): the volume
+    ``in-use`` again, as the holder's attachment and mapping have it, or ``available`` if nothing holds
+    it; under the holder's row lock, while it still has no task and maps the volume as read."""
     volume_id, status, updated_at = volume.id, volume.status, volume.updated_at
     attachment_ids = [a.id for a in volume.attachments]
     cell = world.mapped_cell(holder) if holder is not None else None
-    to_status = volumes.IN_USE if holder is not None and status == volumes.DETACHING else volumes.AVAILABLE
+    detach = status in (volumes.DETACHING, volumes.ERROR_DETACHING)
+    to_status = volumes.IN_USE if holder is not None and detach else volumes.AVAILABLE
 
     def finish(session: Session) -> str:
         for attachment_id in attachment_ids if to_status == volumes.AVAILABLE else []:
@@ -1285,7 +1433,7 @@ def _find_problems(grace_seconds: float, clock_skew_seconds: float, running: Col
     world = _read_world(grace_seconds, clock_skew_seconds, running, skipped)
     found = [*_check_instances(world), *_check_allocations(world), *_check_hosts(world),
              *_check_ports_and_volumes(world), *_check_volumes_left(world),
-             *_check_volume_operations(world), *_check_migrations(world)]
+             *_check_volume_operations(world), *_check_volumes_reserved(world), *_check_migrations(world)]
     if check_storage:
         found += list(_check_storage(world, skipped))
     return found

@@ -9,7 +9,8 @@ exit status.
 
 Exit statuses: 0 success (for ``audit``: no problem left), 1 problems remain (or, for the set-up
 commands of :mod:`ferry.cli_cells`, for ``ferry volume``, ``ferry image`` and ``ferry token``,
-refused), 2 bad usage, 3 could not run (a database that cannot be reached, or whose URL cannot be
+refused), 2 bad usage (an argument out of range, or a ``FERRY_*`` setting that cannot be read: one
+line naming the variable), 3 could not run (a database that cannot be reached, or whose URL cannot be
 read, or for ``ferry image`` the image bucket: one line on standard error, passwords hidden). Any
 other database error (two ``ferry cell create`` racing, say) is one line and 1.
 
@@ -32,7 +33,7 @@ from typing import Any
 
 from sqlalchemy.exc import ArgumentError, DatabaseError, DBAPIError, InterfaceError, OperationalError, ProgrammingError
 
-from ferry import arguments, cli_cells, cli_drain, cli_images, cli_tokens, cli_volumes
+from ferry import arguments, cli_cells, cli_drain, cli_images, cli_tokens, cli_volumes, config, errors
 from ferry.audit import DEFAULT_GRACE_SECONDS
 
 Handler = Callable[[argparse.Namespace], int]
@@ -40,12 +41,15 @@ Handler = Callable[[argparse.Namespace], int]
 # The exit status of a command that could not run: a database it cannot reach or whose URL it
 # cannot read. Distinct from 1, which says what the command found (problems, a refusal).
 EXIT_CANNOT_RUN = 3
+# The exit status of a command whose settings cannot be read (a FERRY_* number that is no number): bad usage,
+# as for a command line argparse refuses, or an image bucket ``ferry audit`` is not told.
+EXIT_BAD_SETTING = 2
 # A URL within a message (``scheme://`` up to a blank or a quote).
 _URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"]+")
 
 
 def _run_audit(args: argparse.Namespace) -> int:
-    from ferry import audit, config
+    from ferry import audit
 
     if not args.no_storage and not config.is_set(config.IMAGE_BUCKET_VARIABLE):
         # Bucket names are global: a default name may be another stack's bucket, and --fix deletes there.
@@ -157,6 +161,9 @@ def _driver_missing(exc: ImportError) -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``ferry`` with ``argv`` (default: the process's arguments); returns the exit status.
 
+    A ``FERRY_*`` setting that cannot be read (a number setting that is no number) ends the
+    command with one line naming the variable and :data:`EXIT_BAD_SETTING`.
+
     A database that cannot be reached, or whose URL cannot be read or names a driver that is not
     installed, ends the command with one line on standard error (passwords hidden) and
     :data:`EXIT_CANNOT_RUN`. Any other database error (two commands racing, say) is one line
@@ -165,15 +172,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     args = build_parser().parse_args(argv)
     handler: Handler = args.handler
-    if args.command not in ("drain", "image") and not os.environ.get("FERRY_API_DATABASE_URL"):
-        # Not an error (a local stack's state directory holds its databases), but an export lost in
-        # a new shell would otherwise write a deployment's records into a file nobody reads.
-        from ferry import config
-
-        print(f"ferry: FERRY_API_DATABASE_URL is not set: using {config.get().api_database_url}", file=sys.stderr)
     with _logs_to_standard_error():
         try:
+            if args.command not in ("drain", "image") and not os.environ.get("FERRY_API_DATABASE_URL"):
+                # Not an error (a local stack's state directory holds its databases), but an export lost in
+                # a new shell would otherwise write a deployment's records into a file nobody reads.
+                print(f"ferry: FERRY_API_DATABASE_URL is not set: using {config.get().api_database_url}",
+                      file=sys.stderr)
             return handler(args)
+        except errors.SettingInvalid as exc:
+            print(f"ferry: {exc.message}", file=sys.stderr)
+            return EXIT_BAD_SETTING
         except (DBAPIError, ArgumentError) as exc:
             line = _without_passwords(_first_line(exc), args)
             if not _cannot_use_the_database(exc):

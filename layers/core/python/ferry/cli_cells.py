@@ -14,8 +14,10 @@ added, where the control plane's settings are (``FERRY_API_DATABASE_URL``, as th
 Each is idempotent: run again, it changes nothing. A cell is never re-pointed at another
 database, and a host never moved to another cell by these commands: both would strand the
 servers recorded there, so they are refused (exit status 1) with what is mapped now. So are a
-cell with a blank name or the database of another cell (both cells would list the same
-servers), and a host name no agent can serve; nothing is written then.
+cell with a blank name, the database of another cell or the API database however its URL spells
+it (another driver, the default port named or not, a SQLite path with ``.`` or ``//`` in it: both
+cells would list the same servers), a SQLite file named by a relative path (each process would
+open its own), and a host name no agent can serve; nothing is written then.
 
 Exit statuses: 0 success, 1 refused, 2 bad usage, 3 could not run (a database that cannot be
 reached, or a URL that cannot be read: see :mod:`ferry.cli`).
@@ -65,6 +67,50 @@ def hidden_url(url: str) -> str:
     return parsed.set(query=query).render_as_string(hide_password=True).replace("=%2A%2A%2A", "=***")
 
 
+# The port a server database listens on when its URL names none, by SQLAlchemy backend.
+_DEFAULT_PORTS = {"postgresql": 5432, "mysql": 3306, "mariadb": 3306, "mssql": 1433, "oracle": 1521}
+
+
+def relative_sqlite_path(url: str) -> bool:
+    """Whether ``url`` names a SQLite file by a relative path (``sqlite:///cell1.sqlite``): each process
+    would open its own file, wherever it runs.
+
+    Raises:
+        DatabaseUrlUnreadable, ArgumentError: SQLAlchemy cannot read the URL.
+    """
+    from ferry.store.db import parse_url
+
+    parsed = parse_url(url)
+    path = parsed.database or ""
+    return parsed.get_backend_name() == "sqlite" and not parsed.query.get("uri") \
+        and path not in ("", ":memory:") and not path.startswith("/")
+
+
+def database_identity(url: str) -> tuple[str, ...]:
+    """What tells the database ``url`` names from another: its kind of database (the backend, whatever the
+    driver), host (case aside), port (the backend's default when the URL names none) and database name;
+    for a SQLite file, its absolute path with ``.``, ``..``, repeated ``/`` and symbolic links resolved
+    (a relative path resolved here). User, password and options never make two databases of one.
+
+    Raises:
+        DatabaseUrlUnreadable, ArgumentError: SQLAlchemy cannot read the URL.
+    """
+    from pathlib import Path
+
+    from ferry.store.db import parse_url
+
+    parsed = parse_url(url.strip())
+    backend = parsed.get_backend_name()
+    database = parsed.database or ""
+    if backend == "sqlite":
+        if parsed.query.get("uri") or database in ("", ":memory:"):
+            return backend, "uri" if parsed.query.get("uri") else "memory", database
+        return backend, "file", str(Path(database).resolve())
+    host = (parsed.host or str(parsed.query.get("host") or "")).lower()
+    port = parsed.port or _DEFAULT_PORTS.get(backend)
+    return backend, host, str(port or ""), database
+
+
 def _refused(message: str) -> int:
     print(f"ferry: {message}", file=sys.stderr)
     return 1
@@ -99,7 +145,13 @@ def _run_cell_create(args: argparse.Namespace) -> int:
         return _refused(f"{name!r} is no cell name: a cell's name is not blank and has no space at either end.")
     if not url:
         return _refused("--database-url is blank: give the cell database's SQLAlchemy URL.")
-    if url == config.get().api_database_url.strip():
+    if relative_sqlite_path(url):
+        return _refused(f"{hidden_url(url)} names its SQLite file by a relative path, which each process would "
+                        f"look for where it runs: give the absolute path (sqlite:////path/to/{name}.sqlite).")
+    # Compared as databases, not as strings: one database has many spellings (a default port named or not,
+    # a path with "." or "//" in it).
+    identity = database_identity(url)
+    if identity == database_identity(config.get().api_database_url):
         return _refused(f"{hidden_url(url)} is the API database; a cell's database is a database of its own.")
     setup.init_api_database()
     cells = _cells()
@@ -107,7 +159,8 @@ def _run_cell_create(args: argparse.Namespace) -> int:
     if existing is not None and existing.database_connection.strip() != url:
         return _refused(f"cell {name} is mapped to {hidden_url(existing.database_connection)}; "
                         f"a cell is never re-pointed at another database.")
-    holder = next((cell for cell in cells if cell.name != name and cell.database_connection.strip() == url), None)
+    holder = next((cell for cell in cells
+                   if cell.name != name and database_identity(cell.database_connection) == identity), None)
     if holder is not None:
         return _refused(f"{hidden_url(url)} is the database of cell {holder.name}; two cells never share one "
                         f"(both would list the same servers).")

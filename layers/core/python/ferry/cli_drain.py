@@ -144,12 +144,14 @@ def _request(conn: Connection, method: str, path: str, body: Any = None) -> dict
         DrainError: an error answer, an answer that is not a JSON object, or no answer.
     """
     retryable, client_errors = _client_errors()
-    call = conn.compute.post if method == "POST" else conn.compute.get
     kwargs: dict[str, Any] = {"raise_exc": False}
     if body is not None:
         kwargs["json"] = body
     try:
-        response = call(path, **kwargs)
+        # The proxy itself is made on first use, which authenticates and looks the compute
+        # endpoint up: an identity endpoint out of reach fails here.
+        compute = conn.compute
+        response = (compute.post if method == "POST" else compute.get)(path, **kwargs)
     except client_errors as exc:
         raise DrainError(f"{method} {path}: {exc}", transient=isinstance(exc, retryable)) from exc
     status = response.status_code

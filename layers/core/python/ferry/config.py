@@ -7,6 +7,7 @@ works on one machine.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from functools import lru_cache
@@ -24,12 +25,27 @@ def _env_bool(name: str, default: bool) -> bool:
 
 def _env_int(name: str, default: int) -> int:
     raw = os.environ.get(name)
-    return int(raw) if raw not in (None, "") else default
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise errors.SettingInvalid(f"{name}={raw!r} is not a whole number; unset it for the default ({default}), "
+                             f"or give a whole number") from None
 
 
 def _env_float(name: str, default: float) -> float:
     raw = os.environ.get(name)
-    return float(raw) if raw not in (None, "") else default
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise errors.SettingInvalid(f"{name}={raw!r} is not a finite number; unset it for the default ({default:g}), "
+                             f"or give a number")
+    return value
 
 
 # The variables that set default quota limits (instances, cores, RAM in MB).
@@ -108,6 +124,7 @@ def load() -> Settings:
     """The settings from the environment.
 
     Raises:
+        SettingInvalid: a number setting's variable holds no number (the message names it).
         DatabaseNotConfigured: on AWS Lambda without ``FERRY_API_DATABASE_URL`` (the stack's
             ``ApiDatabaseUrl``): its SQLite default would be each execution environment's own.
     """

@@ -390,6 +390,12 @@ class DatabaseNotConfigured(FerryError):
     each execution environment a database of its own."""
 
 
+class SettingInvalid(FerryError):
+    """A ``FERRY_*`` variable holds what its setting cannot be (a number setting that is no number)."""
+
+    default_message = "A Ferry setting cannot be read."
+
+
 class WorkflowNotConfigured(FerryError):
     """The state machine ARN for a workflow is not set in this function's environment."""
 

@@ -8,14 +8,15 @@ threads and processes share them; PostgreSQL is used as is.
 from __future__ import annotations
 
 import os
+import re
 import sqlite3
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from sqlalchemy import Engine, create_engine, event, make_url, select
-from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy import URL, Engine, create_engine, event, make_url, select
+from sqlalchemy.exc import ArgumentError, DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from ferry import LAMBDA_VARIABLE, config, errors
@@ -61,6 +62,38 @@ def transient(exc: BaseException) -> bool:
     return code is None or code.startswith("08") or code in _TRANSIENT_SQLSTATES
 
 
+class DatabaseUrlUnreadable(ArgumentError):
+    """A database URL SQLAlchemy cannot read: what it takes for the port is no number.
+
+    An ``ArgumentError``, as SQLAlchemy raises for a URL it cannot read at all, so that whatever
+    handles one handles both. Its message never quotes the URL: what was taken for the port is
+    often part of a password.
+    """
+
+
+# A URL's scheme (``postgresql+psycopg2``), as it starts the URL.
+_SCHEME = re.compile(r"^\s*([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def parse_url(url: str) -> URL:
+    """``url`` parsed as SQLAlchemy parses a database URL.
+
+    Raises:
+        DatabaseUrlUnreadable: what lies where the port goes is no number (typically a password
+            holding an ``@`` or a ``:`` that is not percent-encoded, which the parse splits at the
+            wrong place).
+        ArgumentError: SQLAlchemy cannot read it at all.
+    """
+    try:
+        return make_url(url)
+    except ValueError:
+        scheme = _SCHEME.match(url)
+        raise DatabaseUrlUnreadable(
+            f"the {scheme.group(1) + ' ' if scheme else ''}database URL cannot be read: its port, as read, is not "
+            f"a number (percent-encode any '@', ':' or '/' in its user name or password, e.g. with "
+            f"urllib.parse.quote_plus)") from None
+
+
 def _pool_sizes() -> dict[str, int]:
     return LAMBDA_POOL if os.environ.get(LAMBDA_VARIABLE) else PROCESS_POOL
 _lock = threading.Lock()
@@ -76,10 +109,16 @@ def _sqlite_pragmas(dbapi_connection, _record) -> None:  # noqa: ANN001 - DBAPI 
 
 
 def engine_for(url: str) -> Engine:
-    """The process's engine for ``url`` (created on first use)."""
+    """The process's engine for ``url`` (created on first use).
+
+    Raises:
+        DatabaseUrlUnreadable: SQLAlchemy cannot read the URL's port (see :func:`parse_url`).
+        ArgumentError: SQLAlchemy cannot read the URL, or SQLite cannot use it.
+    """
     with _lock:
         engine = _engines.get(url)
         if engine is None:
+            parsed = parse_url(url)
             if url.startswith("sqlite"):
                 # create_engine refuses a URL SQLite cannot use before any directory is made for it
                 engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
@@ -93,7 +132,7 @@ def engine_for(url: str) -> Engine:
                 event.listen(engine, "connect", _disable_pysqlite_begin)
             else:
                 # A connect_timeout the URL gives is the operator's (connect_args would override it).
-                given = "connect_timeout" in make_url(url).query
+                given = "connect_timeout" in parsed.query
                 engine = create_engine(url, pool_pre_ping=True,
                                        connect_args={} if given else {"connect_timeout": CONNECT_TIMEOUT},
                                        **_pool_sizes())
