@@ -98,6 +98,9 @@ STEP_FUNCTIONS_ATTEMPTS = 3
 STEP_FUNCTIONS_RETRY_SECONDS = 0.5
 # When Step Functions cannot tell whether a task is still awaited, its message comes back this much later.
 UNSURE_REDELIVERY_SECONDS = 10
+# A take-back that failed (libvirt busy, storage slow) is tried again when its message comes back
+# this much later: the queue's receive limit then spreads its tries over minutes, not seconds.
+TAKE_BACK_RETRY_SECONDS = 120
 # How often an operation held by an injected timeout (drills) looks whether the fault still holds it.
 HOLD_POLL_SECONDS = 0.5
 DLQ_RETENTION_SECONDS = 14 * 24 * 3600
@@ -319,11 +322,20 @@ class _Claim:
 
 def _refused_unread(exc: Exception) -> bool:
     """Whether a failed call to Step Functions was refused before it could act (a 4xx: throttled,
-    invalid), rather than failing in a way that may have let it act (a lost response, a 5xx)."""
-    if not isinstance(exc, ClientError):
+    invalid), rather than failing in a way that may have let it act (a lost response, a 5xx).
+
+    A refusal that came after the client's own retries (botocore tries a call again on a 5xx or a
+    lost connection, unseen here) may follow an attempt Step Functions took: it is no proof."""
+    if not isinstance(exc, ClientError) or _retried(exc):
         return False
     status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
     return isinstance(status, int) and 400 <= status < 500
+
+
+def _retried(exc: Exception) -> bool:
+    """Whether the client tried the call more than once before this error (see :func:`_refused_unread`)."""
+    attempts = exc.response.get("ResponseMetadata", {}).get("RetryAttempts") if isinstance(exc, ClientError) else None
+    return isinstance(attempts, int) and attempts > 0
 
 
 def _message_token(body: Any) -> str | None:
@@ -774,7 +786,7 @@ class HostAgent(MoveOperations):
             if taken.done:
                 self._delete(self._settling(claim))
                 return True
-            self._redeliver_later(self._settling(claim), context)
+            self._redeliver_later(self._settling(claim), context, TAKE_BACK_RETRY_SECONDS)
             return False
         return self._settle(op, self._settling(claim), result, error, cause, context)
 
@@ -836,7 +848,7 @@ class HostAgent(MoveOperations):
         if done:
             self._delete(receipt)
             return True
-        self._redeliver_later(receipt, context)
+        self._redeliver_later(receipt, context, TAKE_BACK_RETRY_SECONDS)
         return False
 
     def _take_back_now(self, op: Operation, context: dict[str, Any]) -> bool:
@@ -1022,7 +1034,9 @@ class HostAgent(MoveOperations):
                     "the workflow no longer waits for this answer: dropped",
                     extra={**context, "error": type(exc).__name__},
                 )
-                return _Answer.REFUSED_MAYBE_TAKEN if maybe_taken else _Answer.REFUSED
+                # After the client's own retries the refusal may answer a second try of an answer
+                # the first one delivered (its response lost): maybe taken.
+                return _Answer.REFUSED_MAYBE_TAKEN if maybe_taken or _retried(exc) else _Answer.REFUSED
             except (ClientError, BotoCoreError) as exc:
                 # Throttling or a 5xx; moto also answers a 500 while another execution is starting.
                 failure = exc
@@ -1070,11 +1084,12 @@ class HostAgent(MoveOperations):
             logger.warning("operation not started: it runs when its message comes back", extra=context)
         self._emit_metric("HostOperationNotStarted", MetricUnit.Count, 1, op.name)
 
-    def _redeliver_later(self, receipt: str, context: dict[str, Any]) -> None:
-        """Let the message come back in :data:`UNSURE_REDELIVERY_SECONDS` rather than its full visibility timeout."""
+    def _redeliver_later(self, receipt: str, context: dict[str, Any], seconds: int = UNSURE_REDELIVERY_SECONDS) -> None:
+        """Let the message come back in ``seconds`` (:data:`UNSURE_REDELIVERY_SECONDS` by default)
+        rather than its full visibility timeout."""
         try:
             self.sqs.change_message_visibility(
-                QueueUrl=self.queue_url, ReceiptHandle=receipt, VisibilityTimeout=UNSURE_REDELIVERY_SECONDS
+                QueueUrl=self.queue_url, ReceiptHandle=receipt, VisibilityTimeout=seconds
             )
         except (ClientError, BotoCoreError) as exc:
             logger.warning("shortening the message's visibility failed", extra={**context, "error": str(exc)})

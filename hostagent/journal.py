@@ -115,6 +115,10 @@ class Journal:
         with self._connect() as conn:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute(_SCHEMA)
+            # The check and the migration in one transaction (SQLite's DDL is transactional): an
+            # agent dying between them leaves the journal as it was, and a second agent opening it
+            # meanwhile waits, then finds the column.
+            conn.execute("BEGIN IMMEDIATE")
             columns = {row["name"] for row in conn.execute("PRAGMA table_info(operations)")}
             if "answer" not in columns:
                 # A journal written before answers were recorded: whether an answer went out is

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import test_hostagent_resize
+from botocore.exceptions import ClientError
 from test_hostagent_resize import OLD, PORTS, Host, boot, direct_resize, finish_args, image, logical_sha256
 
 from ferry import errors
@@ -175,6 +176,38 @@ def test_a_spawn_whose_answer_is_refused_as_timed_out_takes_back_its_guest(cloud
     assert status(dest, body) == TAKEN_BACK
 
 
+class TimedOutAfterARetry(test_hostagent_resize.TaskTimedOut, ClientError):
+    """``TaskTimedOut`` as botocore raises it after trying the call again itself (its first
+    attempt's response lost): ``RetryAttempts`` says so."""
+
+    def __init__(self) -> None:
+        ClientError.__init__(self, {"Error": {"Code": "TaskTimedOut", "Message": "Task Timed Out"},
+                                    "ResponseMetadata": {"HTTPStatusCode": 400, "RetryAttempts": 1}},
+                             "SendTaskSuccess")
+
+
+def test_a_spawn_whose_answer_was_taken_though_its_response_was_lost_keeps_its_guest(cloud, dest, monkeypatch):
+    # GIVEN Step Functions takes the spawn's success, its response is lost, and the client's own
+    # retry of the call is refused: the token was spent by the first attempt
+    instance_uuid = str(uuid.uuid4())
+    body = message("spawn", instance_uuid, spawn_args(dest))
+    take = cloud.sfn.send_task_success
+
+    def taken_then_refused(**kwargs: Any) -> None:
+        take(**kwargs)
+        raise TimedOutAfterARetry()
+
+    monkeypatch.setattr(cloud.sfn, "send_task_success", taken_then_refused)
+
+    # WHEN the spawn runs and is answered
+    deliver(dest, body)
+
+    # THEN the workflow went on with the guest, and the guest stays: a refusal after a retry proves nothing
+    assert body["task_token"] in cloud.sfn.answers
+    assert dest.driver.guest_power_state(instance_uuid) == RUNNING
+    assert status(dest, body) == SUCCEEDED and queue_is_empty(dest)
+
+
 def test_a_take_back_cut_short_goes_on_when_the_message_comes_back(cloud, dest, monkeypatch):
     # GIVEN a spawn cut short, found given up, whose take-back the agent died during
     instance_uuid = str(uuid.uuid4())
@@ -201,8 +234,10 @@ def test_a_take_back_cut_short_goes_on_when_the_message_comes_back(cloud, dest, 
 
 
 def test_a_take_back_that_fails_leaves_the_message_to_try_again(cloud, dest, monkeypatch):
-    # GIVEN a spawn cut short and found given up, whose guest cannot be destroyed at first
+    # GIVEN a spawn cut short and found given up, whose guest cannot be destroyed at first (a failed
+    # take-back's message comes back TAKE_BACK_RETRY_SECONDS later: at once here)
     monkeypatch.setattr(agent_module, "UNSURE_REDELIVERY_SECONDS", 0)
+    monkeypatch.setattr(agent_module, "TAKE_BACK_RETRY_SECONDS", 0)
     instance_uuid = str(uuid.uuid4())
     body = message("spawn", instance_uuid, spawn_args(dest))
     with monkeypatch.context() as patched:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import sqlite3
 from datetime import UTC, datetime, timedelta
 
+import pytest
+
 from hostagent.journal import (
     ANSWER_SENDING,
     FAILED,
@@ -114,6 +116,40 @@ def test_a_journal_written_before_answers_were_recorded_takes_every_ended_operat
     done, cut = journal.get("done"), journal.get("cut")
     assert done is not None and done.answer == ANSWER_SENDING
     assert cut is not None and cut.answer is None
+
+
+class _DiesAtTheUpdate(sqlite3.Connection):
+    """A connection whose process dies as it marks the ended operations (the column just added)."""
+
+    def execute(self, sql: str, *args: object) -> sqlite3.Cursor:  # type: ignore[override]
+        if sql.startswith("UPDATE operations SET answer"):
+            raise KeyboardInterrupt
+        return super().execute(sql, *args)
+
+
+def test_a_migration_cut_short_leaves_the_journal_as_it_was_and_the_next_open_completes_it(tmp_path, monkeypatch):
+    # GIVEN a journal from before the answer column, with an ended operation
+    path = tmp_path / "journal.sqlite"
+    with sqlite3.connect(path) as conn:
+        conn.execute("CREATE TABLE operations (operation_id TEXT PRIMARY KEY, operation TEXT NOT NULL, "
+                     "instance_uuid TEXT NOT NULL, status TEXT NOT NULL, token_digest TEXT, result TEXT, error TEXT, "
+                     "cause TEXT, attempts INTEGER NOT NULL DEFAULT 0, started_at TEXT NOT NULL, finished_at TEXT)")
+        now = datetime.now(UTC).isoformat()
+        conn.execute("INSERT INTO operations VALUES ('done', 'spawn', 'uuid-1', ?, NULL, '{}', NULL, NULL, 1, ?, ?)",
+                     (SUCCEEDED, now, now))
+
+    # WHEN the agent dies between adding the column and marking the ended operation
+    connect = sqlite3.connect
+    with monkeypatch.context() as patched:
+        patched.setattr(sqlite3, "connect", lambda *a, **kw: connect(*a, factory=_DiesAtTheUpdate, **kw))
+        with pytest.raises(KeyboardInterrupt):
+            Journal(path)
+
+    # THEN the column was not added alone; opened again, the ended operation may have been answered
+    with sqlite3.connect(path) as conn:
+        assert "answer" not in {row[1] for row in conn.execute("PRAGMA table_info(operations)")}
+    done = Journal(path).get("done")
+    assert done is not None and done.answer == ANSWER_SENDING
 
 
 def test_a_take_back_is_recorded_before_and_after_and_one_cut_short_is_listed_and_pruned_like_an_interrupted_run(
