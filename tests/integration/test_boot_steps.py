@@ -825,20 +825,21 @@ def test_a_build_that_committed_stays_committed_whatever_its_owner_did_since(clo
         boot.finish_build(event)
 
 
-@pytest.mark.parametrize("vm_state", [states.ACTIVE, states.ERROR])
-def test_a_server_an_admin_reset_while_it_spawned_keeps_its_guest(cloud, vm_state):
-    # GIVEN an admin reset a server that looked stuck spawning (os-resetState: task cleared), and
-    # its spawn then succeeded
+@pytest.mark.parametrize(("vm_state", "task_state"), [(states.ACTIVE, None), (states.ERROR, None),
+                                                     (states.ACTIVE, states.POWERING_OFF)])
+def test_a_server_an_admin_reset_while_it_spawned_keeps_its_guest(cloud, vm_state, task_state):
+    # GIVEN an admin reset a server that looked stuck spawning (os-resetState: task cleared), its
+    # owner maybe asked a stop since, and its spawn then succeeded
     event = _spawned(cloud["image_id"])
     with cell_session("cell1") as session:
-        session.execute(Instance.__table__.update().values(vm_state=vm_state, task_state=None))
+        session.execute(Instance.__table__.update().values(vm_state=vm_state, task_state=task_state))
 
     # THEN FinishBuild, or the check after it failed, lets the build stand: no rollback destroys
     # the guest under the server the admin settled
     assert boot.finish_build(event) == {}
     assert boot.check_build_committed(event) == {"committed": True}
     instance = _instance(event["instance_uuid"])
-    assert (instance.vm_state, instance.task_state) == (vm_state, None)
+    assert (instance.vm_state, instance.task_state) == (vm_state, task_state)
     # AND it is recorded launched there, as it is (a delete keeps a root volume not meant to go with
     # a server that ran), its ports active and the build's event closed; run again, nothing changes
     assert (instance.launched_on, instance.launched_at is not None) == (event["destination"]["host"], True)

@@ -216,11 +216,12 @@ def test_an_operator_confirm_of_the_failed_migration_cleans_up_without_touching_
     assert instance_row(resized.instance_uuid).vm_state == states.ACTIVE
 
 
-def test_a_confirm_whose_server_an_admin_reset_meanwhile_still_cleans_up_the_source(cloud, monkeypatch):
-    # GIVEN a confirm accepted, and the server reset to active before the workflow's first step
+@pytest.mark.parametrize("reset_to", [states.ACTIVE, states.ERROR])
+def test_a_confirm_whose_server_an_admin_reset_meanwhile_still_cleans_up_the_source(cloud, monkeypatch, reset_to):
+    # GIVEN a confirm accepted, and the server reset (to active, or to error) before the workflow's first step
     resized = make_resized()
     event = begin("confirm", resized, monkeypatch)
-    set_instance(resized.instance_uuid, vm_state=states.ACTIVE, task_state=None)
+    set_instance(resized.instance_uuid, vm_state=reset_to, task_state=None)
 
     # WHEN the confirm's steps run
     event = confirmed_at_source(checked(event))
@@ -230,7 +231,7 @@ def test_a_confirm_whose_server_an_admin_reset_meanwhile_still_cleans_up_the_sou
     assert usage(SOURCE) == {} and placement.get_allocations(resized.migration_uuid) == {}
     assert migration_row(resized.migration_uuid).status == migration_states.CONFIRMED
     row = instance_row(resized.instance_uuid)
-    assert (row.vm_state, row.task_state, row.host) == (states.ACTIVE, None, DEST)
+    assert (row.vm_state, row.task_state, row.host) == (reset_to, None, DEST)
 
 
 def test_a_failed_migration_whose_server_went_elsewhere_is_not_taken_for_a_cleanup(cloud, monkeypatch):

@@ -9,9 +9,9 @@ from sqlalchemy.orm import ORMExecuteState, Session
 from test_api_moves import active_server, resized_server, set_instance, snapshot_of, start_move_cloud
 from test_api_support import ADMIN, ALICE, BOB, api_rows, call, cell_away, create_server, mocked_cloud
 
-from ferry import config, quotas
+from ferry import auth, config, quotas
 from ferry.compute import states
-from ferry.store.api_models import BuildRequest, CellMapping, InstanceMapping, Quota
+from ferry.store.api_models import AuthToken, BuildRequest, CellMapping, InstanceMapping, Quota
 from ferry.store.cell_models import Instance
 from ferry.store.db import api_session, cell_session
 
@@ -127,6 +127,22 @@ def test_a_project_id_no_project_can_have_is_400_and_writes_nothing(cloud, proje
     assert response.body["badRequest"]["message"] == f"Project ID {project_id} is not a valid project."
     assert api_rows(Quota) == []
     assert project_id not in [p["id"] for p in call("GET", "/identity/v3/projects", caller=ADMIN).body["projects"]]
+
+
+def test_a_project_a_token_was_issued_for_before_ids_were_narrowed_keeps_its_quotas(cloud):
+    # GIVEN a token stored for project "proj:1" before new tokens were refused such ids
+    with api_session() as session:
+        session.add(AuthToken(token_sha256=auth.hash_token("old-token"), user_id="u1", project_id="proj:1",
+                              roles=["member"]))
+
+    # WHEN an admin sets and reads its quotas
+    updated = call("PUT", "/v2.1/os-quota-sets/proj:1", caller=ADMIN, body={"quota_set": {"cores": 7}},
+                   version="2.90")
+    shown = call("GET", "/v2.1/os-quota-sets/proj:1", caller=ADMIN, version="2.90")
+
+    # THEN its quotas are as for any project
+    assert (updated.status, shown.status) == (200, 200), (updated.body, shown.body)
+    assert shown.body["quota_set"]["cores"] == 7
 
 
 def test_a_first_limit_set_by_a_concurrent_request_is_updated_not_a_server_error(cloud):

@@ -579,6 +579,28 @@ def test_a_finished_attach_delivered_again_leaves_alone_the_attach_of_another_vo
     assert (volume_status(first), volume_status(second)) == (va.IN_USE, va.IN_USE)
 
 
+def test_an_attach_overtaken_after_a_reset_still_records_its_volume_and_leaves_the_newer_request_its_task(
+        started, tmp_path):
+    # GIVEN an attach done at its host, whose server an admin reset (task cleared) and the owner then
+    # asked to attach another volume
+    resized = make_resized(state_dir=tmp_path)
+    first, second = make_volume(tmp_path), make_volume(tmp_path)
+    va.begin_attach(owner(), location(resized), first)
+    done = done_at_host(started.payloads[0])
+    set_instance(resized.instance_uuid, task_state=None)
+    va.begin_attach(owner(), location(resized), second)
+
+    # WHEN the first attach's last step runs
+    va.finish_volume_operation(done)
+
+    # THEN its volume is recorded attached (its host attached it), and the newer attach keeps the task
+    assert volume_status(first) == va.IN_USE
+    assert instance_row(resized.instance_uuid).task_state == va.ATTACHING_VOLUME
+    assert events(resized.instance_uuid)[va.EVENT_ATTACH] is None
+    va.finish_volume_operation(done_at_host(started.payloads[1]))
+    assert volume_status(second) == va.IN_USE and instance_row(resized.instance_uuid).task_state is None
+
+
 @pytest.mark.parametrize("step", ["finish", "fail"])
 def test_a_detach_step_delivered_again_after_the_volume_is_attached_again_leaves_the_attach_alone(
         started, tmp_path, step):

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from aws_lambda_powertools.event_handler import Response
 from aws_lambda_powertools.event_handler.api_gateway import Router
 
-from ferry import errors, policy, quotas
+from ferry import auth, errors, policy, quotas
 from ferry.api import request, schemas, views
 from ferry.api.request import ViewContext
 
@@ -39,11 +39,12 @@ def _refuse_unknown(view: ViewContext, known: Mapping[str, str]) -> None:
 
 def _valid_project(project_id: str) -> None:
     """Raises BadRequest for a project id no project can have (one the identity API would not
-    find): its quotas would be written under it, and it would be listed as a project.
+    find): its quotas would be written under it, and it would be listed as a project. A project
+    a token was issued for before ids were narrowed keeps its quotas.
 
     Called after the policy, as Nova verifies the project with the identity service then.
     """
-    if not PROJECT_ID.fullmatch(project_id):
+    if not PROJECT_ID.fullmatch(project_id) and not auth.list_tokens(project_id=project_id):
         raise errors.BadRequest(f"Project ID {project_id} is not a valid project.")
 
 

@@ -138,13 +138,21 @@ def superseded(session: Session, instance_uuid: str, request_id: str, event: str
     new request took the server). The task the server has then, if any, is another request's; a
     reset alone leaves the step to record what its host did."""
     lock_server(session, instance_uuid)
+    return ended(session, instance_uuid, request_id, event) or overtaken(session, instance_uuid, request_id)
+
+
+def ended(session: Session, instance_uuid: str, request_id: str, event: str) -> bool:
+    """Whether the request's ``event`` has ended, or its action is gone (see :func:`superseded`)."""
     action = _action(session, instance_uuid, request_id)
-    if action is None:
-        return True
-    if session.scalars(select(InstanceActionEvent.finish_time).where(
-            InstanceActionEvent.action_id == action.id, InstanceActionEvent.event == event)).first() is not None:
-        return True
-    return session.scalars(select(InstanceAction.id).where(
+    return action is None or session.scalars(select(InstanceActionEvent.finish_time).where(
+        InstanceActionEvent.action_id == action.id, InstanceActionEvent.event == event)).first() is not None
+
+
+def overtaken(session: Session, instance_uuid: str, request_id: str) -> bool:
+    """Whether a newer request than ``request_id`` (not an os-resetState) recorded its action on the
+    server: the server's task, if any, is that request's (see :func:`superseded`)."""
+    action = _action(session, instance_uuid, request_id)
+    return action is not None and session.scalars(select(InstanceAction.id).where(
         InstanceAction.instance_uuid == instance_uuid, InstanceAction.id > action.id,
         InstanceAction.action != RESET_STATE).limit(1)).first() is not None
 

@@ -10,6 +10,9 @@ CONFIRMED = "confirmed"
 REVERTING = "reverting"
 REVERTED = "reverted"
 ERROR = "error"
+# Only a cross-cell move's target copy of its migration takes it: CheckMoveCommitted's mark of a
+# move found not committed, whose rollback removes that copy.
+FAILED = "failed"
 
 # Statuses of a migration whose move is under way (its resize workflow has not ended it).
 MOVING = (PRE_MIGRATING, MIGRATING, POST_MIGRATING)

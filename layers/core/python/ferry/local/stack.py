@@ -49,6 +49,7 @@ DEFAULT_API_PORT = 8774
 # Template parameters the local stack sets (see template.yaml's Parameters).
 STATE_DIR_PARAMETER = "FerryStateDir"
 HOST_OP_TIMEOUT_PARAMETER = "HostOpTimeoutSeconds"
+HOST_DISK_OP_TIMEOUT_PARAMETER = "HostDiskOpTimeoutSeconds"
 HOST_OP_HEARTBEAT_PARAMETER = "HostOpHeartbeatSeconds"
 POLICY_FILE_PARAMETER = "PolicyFile"
 WEBHOOK_SECRET_PARAMETER = "DrainWebhookSecret"
@@ -276,7 +277,9 @@ class LocalStack:
         self.host_capacity = host_capacity or default_host_capacity()
         self.parameters: dict[str, Any] = {STATE_DIR_PARAMETER: str(self.state_dir), **(parameters or {})}
         if host_op_timeout_seconds is not None:
+            # Every host operation's: the disk moves' too (the local stack's disks are small).
             self.parameters[HOST_OP_TIMEOUT_PARAMETER] = host_op_timeout_seconds
+            self.parameters[HOST_DISK_OP_TIMEOUT_PARAMETER] = host_op_timeout_seconds
         if host_op_heartbeat_seconds is not None:
             self.parameters[HOST_OP_HEARTBEAT_PARAMETER] = host_op_heartbeat_seconds
         self.model: LocalTemplate | None = None

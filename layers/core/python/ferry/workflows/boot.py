@@ -386,12 +386,12 @@ def _build_committed(instance: Instance, host: str) -> bool:
     """Whether the build on ``host`` stands: FinishBuild's commit there happened (only it sets
     ``launched_on`` in a boot, and with it a settled vm_state; the task is not asked, the owner may
     have started another since), or an admin settled the server there by hand while it was
-    spawning (os-resetState: no task, vm_state no longer building), whose guest must not be
-    destroyed under it."""
+    spawning (os-resetState: vm_state no longer building), whose guest must not be destroyed
+    under it, whatever its owner has asked of it since (a stop, a move: the task is not asked
+    either)."""
     if instance.vm_state == states.BUILDING:
         return False
-    return instance.launched_on == host or (instance.host == host and instance.task_state is None
-                                            and not instance.deleted)
+    return instance.launched_on == host or (instance.host == host and not instance.deleted)
 
 
 def check_build_committed(event: dict[str, Any]) -> dict[str, Any]:

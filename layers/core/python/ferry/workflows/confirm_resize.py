@@ -170,9 +170,13 @@ def _is_leftover(instance: Instance, migration: Migration) -> bool:
     destination, settled, and the migration still holds its allocation on the source. The confirm
     cleans the source up all the same (refused, the migration would stay ``confirming``, holding
     the source, with nothing running for it)."""
+    # A reset may set ERROR (the default of ``openstack server set --state``); a failed confirm's
+    # own leftover has its server settled by the failure, never ERROR by it.
+    settled = (states.ACTIVE, states.STOPPED, states.ERROR) if migration.status == migration_states.CONFIRMING \
+        else (states.ACTIVE, states.STOPPED)
     return (migration.status in (migration_states.ERROR, migration_states.CONFIRMING)
             and instance.host == migration.dest_compute
-            and instance.vm_state in (states.ACTIVE, states.STOPPED) and instance.task_state is None
+            and instance.vm_state in settled and instance.task_state is None
             and bool(placement.get_allocations(migration.uuid)))
 
 
@@ -213,7 +217,7 @@ def check_resize_to_confirm(event: dict[str, Any]) -> dict[str, Any]:
             raise errors.UnexpectedMigrationState(
                 f"Migration {migration_uuid} is {migration.status} and instance {uuid} is in vm_state "
                 f"{instance.vm_state} task_state {instance.task_state} on {instance.host}: not a confirm under way.")
-        if confirming and actions.find(session, uuid, event["request_id"]) is None:
+        if migration.status == migration_states.CONFIRMING and actions.find(session, uuid, event["request_id"]) is None:
             # A confirm the API undid; the migration is another request's now. (The clean-up of a
             # failed confirm's migration may be started by hand, under a request of its own.)
             raise errors.UnexpectedMigrationState(

@@ -38,6 +38,7 @@ from ferry.compute.migration_states import (
     CONFIRMED,
     CONFIRMING,
     ERROR,
+    FAILED,
     FINISHED,
     MIGRATING,
     POST_MIGRATING,
@@ -207,10 +208,10 @@ def _actions_of(session: Session, uuid: str) -> list[tuple[dict[str, Any], list[
 
 
 # CheckMoveCommitted's mark on the target cell's copy of a migration whose move it found not
-# committed (Nova's status of a migration that failed): the move is rolled back from then on, and
-# a CompleteMoveAcrossCells still running (its invocation outlived Step Functions' wait for it)
-# must not switch it. RollbackTargetCell removes the copy with its mark.
-ABANDONED = "failed"
+# committed: the move is rolled back from then on, and a CompleteMoveAcrossCells still running
+# (its invocation outlived Step Functions' wait for it) must not switch it. RollbackTargetCell
+# removes the copy with its mark.
+ABANDONED = FAILED
 
 
 def _map_to(uuid: str, cell: str, move: dict[str, Any] | None = None) -> None:

@@ -452,12 +452,14 @@ def _record_attached(session: Session, uuid: str, volume_id: str, host: str | No
     _swap_in(session, volume_id, (ATTACHING,), IN_USE, volumes.held_by(uuid))
 
 
-def _superseded(event: dict[str, Any]) -> bool:
-    """Whether the request's operation is over for this step (:func:`ferry.compute.actions.superseded`):
-    run again after it committed, or after a newer request took the server, it must touch neither
-    database (the volume's records, and the task, may be that request's by now)."""
+def _ended(event: dict[str, Any]) -> bool:
+    """Whether the request's operation is over (:func:`ferry.compute.actions.ended`): run again after
+    it committed, the step must touch neither database (the volume's records, and the task, may be
+    a newer request's by now). A request overtaken by a newer one (after an os-resetState) still
+    settles its volume, which no other request takes while it is ``attaching`` or ``detaching``,
+    and leaves the server's task and events alone (:func:`ferry.compute.actions.overtaken`)."""
     with cell_session(event["cell"]) as session:
-        over = actions.superseded(session, event["instance_uuid"], event["request_id"], _EVENT[event["operation"]])
+        over = actions.ended(session, event["instance_uuid"], event["request_id"], _EVENT[event["operation"]])
     if over:
         logger.info(f"volume {event['operation']} step: the request is over, nothing to do",
                     extra={"instance_uuid": event["instance_uuid"], "volume_id": event["volume_id"],
@@ -469,14 +471,14 @@ def finish_volume_operation(event: dict[str, Any]) -> dict[str, Any]:
     """Record a done attach (attachment ``attached`` on the server's host, volume ``in-use``) or
     detach (every attachment to the server gone, volume ``available`` unless another server still
     holds it, mapping deleted); the task is cleared. Idempotent: once the request is over (this
-    step committed, or a newer request took the server) it changes nothing.
+    step committed) it changes nothing; see :func:`_ended` for a request overtaken.
 
     The API database's part commits first, then the cell's: when the cell's fails for good,
     FailVolumeOperation finds the volume's records already finished and settles the cell's to
     match (:func:`fail_volume_operation`)."""
     uuid, operation, volume_id = event["instance_uuid"], event["operation"], event["volume_id"]
     host = event["volume_op"]["host"]
-    if _superseded(event):
+    if _ended(event):
         return {}
     with api_session() as session:
         mine = [a for a in volumes.attachments(session, uuid) if a.volume_id == volume_id]
@@ -490,7 +492,8 @@ def finish_volume_operation(event: dict[str, Any]) -> dict[str, Any]:
                 _swap_in(session, volume_id, (DETACHING,), IN_USE)  # another server still holds it
     with cell_session(event["cell"]) as session:
         instance = live_instance(session, uuid)
-        if instance is None or instance.task_state != _TASK_STATE[operation]:
+        if instance is None or instance.task_state != _TASK_STATE[operation] \
+                or actions.overtaken(session, uuid, event["request_id"]):
             return {}
         if operation == DETACH:
             session.execute(update(BlockDeviceMapping).where(
@@ -542,7 +545,7 @@ def fail_volume_operation(event: dict[str, Any]) -> dict[str, Any]:
     error = event.get("error") or {}
     cause = error_message(error)
     host = (event.get("volume_op") or {}).get("host")
-    if _superseded(event):
+    if _ended(event):
         return {}
     detached_at_host = operation == DETACH and "detached" in event
     records_detached = False
@@ -574,7 +577,8 @@ def fail_volume_operation(event: dict[str, Any]) -> dict[str, Any]:
             _swap_volume_status(volume_id, DETACHING, IN_USE)
     with cell_session(event["cell"]) as session:
         instance = live_instance(session, uuid)
-        if instance is None or instance.task_state != _TASK_STATE[operation]:
+        if instance is None or instance.task_state != _TASK_STATE[operation] \
+                or actions.overtaken(session, uuid, event["request_id"]):
             return {}
         if operation == ATTACH and not kept:
             session.execute(delete(BlockDeviceMapping).where(
