@@ -84,14 +84,20 @@ def crashing_after(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str) -> No
     monkeypatch.setattr(owner, name, then_crash)
 
 
+def spawn_cut_short_after_power_on(host: Host, monkeypatch: pytest.MonkeyPatch) -> tuple[str, dict[str, Any]]:
+    """A spawn whose agent died right after it powered the guest on; its instance and message."""
+    instance_uuid = str(uuid.uuid4())
+    body = message("spawn", instance_uuid, spawn_args(host))
+    with monkeypatch.context() as patched:
+        crashing_after(patched, host.driver, "power_on")
+        with pytest.raises(Crash):
+            deliver(host, body)
+    return instance_uuid, body
+
+
 def test_a_spawn_cut_short_after_power_on_and_found_given_up_takes_back_its_running_guest(cloud, dest, monkeypatch):
     # GIVEN a spawn whose agent died right after it powered the guest on
-    instance_uuid = str(uuid.uuid4())
-    body = message("spawn", instance_uuid, spawn_args(dest))
-    with monkeypatch.context() as patched:
-        crashing_after(patched, dest.driver, "power_on")
-        with pytest.raises(Crash):
-            deliver(dest, body)
+    instance_uuid, body = spawn_cut_short_after_power_on(dest, monkeypatch)
     assert dest.driver.guest_power_state(instance_uuid) == RUNNING and status(dest, body) == IN_PROGRESS
 
     # WHEN the message comes back once the workflow has given up on it
@@ -210,12 +216,7 @@ def test_a_spawn_whose_answer_was_taken_though_its_response_was_lost_keeps_its_g
 
 def test_a_take_back_cut_short_goes_on_when_the_message_comes_back(cloud, dest, monkeypatch):
     # GIVEN a spawn cut short, found given up, whose take-back the agent died during
-    instance_uuid = str(uuid.uuid4())
-    body = message("spawn", instance_uuid, spawn_args(dest))
-    with monkeypatch.context() as patched:
-        crashing_after(patched, dest.driver, "power_on")
-        with pytest.raises(Crash):
-            deliver(dest, body)
+    instance_uuid, body = spawn_cut_short_after_power_on(dest, monkeypatch)
     gave_up(dest)
     with monkeypatch.context() as patched:
         crashing_after(patched, dest.driver, "destroy")
@@ -238,12 +239,7 @@ def test_a_take_back_that_fails_leaves_the_message_to_try_again(cloud, dest, mon
     # take-back's message comes back TAKE_BACK_RETRY_SECONDS later: at once here)
     monkeypatch.setattr(agent_module, "UNSURE_REDELIVERY_SECONDS", 0)
     monkeypatch.setattr(agent_module, "TAKE_BACK_RETRY_SECONDS", 0)
-    instance_uuid = str(uuid.uuid4())
-    body = message("spawn", instance_uuid, spawn_args(dest))
-    with monkeypatch.context() as patched:
-        crashing_after(patched, dest.driver, "power_on")
-        with pytest.raises(Crash):
-            deliver(dest, body)
+    instance_uuid, body = spawn_cut_short_after_power_on(dest, monkeypatch)
     gave_up(dest)
 
     def refused(_instance_uuid: str) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sqlite3
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -96,8 +98,8 @@ def test_prune_forgets_old_finished_operations_and_interrupted_ones_started_as_l
     assert journal.get("done") is None
 
 
-def test_a_journal_written_before_answers_were_recorded_takes_every_ended_operation_as_maybe_answered(tmp_path):
-    # GIVEN a journal from before the answer column, with an ended and an interrupted operation
+def _old_journal(tmp_path) -> Path:
+    """A journal from before the answer column, with one ended operation (``done``)."""
     path = tmp_path / "journal.sqlite"
     with sqlite3.connect(path) as conn:
         conn.execute("CREATE TABLE operations (operation_id TEXT PRIMARY KEY, operation TEXT NOT NULL, "
@@ -106,6 +108,14 @@ def test_a_journal_written_before_answers_were_recorded_takes_every_ended_operat
         now = datetime.now(UTC).isoformat()
         conn.execute("INSERT INTO operations VALUES ('done', 'spawn', 'uuid-1', ?, NULL, '{}', NULL, NULL, 1, ?, ?)",
                      (SUCCEEDED, now, now))
+    return path
+
+
+def test_a_journal_written_before_answers_were_recorded_takes_every_ended_operation_as_maybe_answered(tmp_path):
+    # GIVEN a journal from before the answer column, with an ended and an interrupted operation
+    path = _old_journal(tmp_path)
+    with sqlite3.connect(path) as conn:
+        now = datetime.now(UTC).isoformat()
         conn.execute("INSERT INTO operations VALUES ('cut', 'spawn', 'uuid-2', ?, NULL, NULL, NULL, NULL, 1, ?, NULL)",
                      (IN_PROGRESS, now))
 
@@ -121,7 +131,7 @@ def test_a_journal_written_before_answers_were_recorded_takes_every_ended_operat
 class _DiesAtTheUpdate(sqlite3.Connection):
     """A connection whose process dies as it marks the ended operations (the column just added)."""
 
-    def execute(self, sql: str, *args: object) -> sqlite3.Cursor:  # type: ignore[override]
+    def execute(self, sql: str, *args: Any) -> sqlite3.Cursor:  # type: ignore[override]
         if sql.startswith("UPDATE operations SET answer"):
             raise KeyboardInterrupt
         return super().execute(sql, *args)
@@ -129,14 +139,7 @@ class _DiesAtTheUpdate(sqlite3.Connection):
 
 def test_a_migration_cut_short_leaves_the_journal_as_it_was_and_the_next_open_completes_it(tmp_path, monkeypatch):
     # GIVEN a journal from before the answer column, with an ended operation
-    path = tmp_path / "journal.sqlite"
-    with sqlite3.connect(path) as conn:
-        conn.execute("CREATE TABLE operations (operation_id TEXT PRIMARY KEY, operation TEXT NOT NULL, "
-                     "instance_uuid TEXT NOT NULL, status TEXT NOT NULL, token_digest TEXT, result TEXT, error TEXT, "
-                     "cause TEXT, attempts INTEGER NOT NULL DEFAULT 0, started_at TEXT NOT NULL, finished_at TEXT)")
-        now = datetime.now(UTC).isoformat()
-        conn.execute("INSERT INTO operations VALUES ('done', 'spawn', 'uuid-1', ?, NULL, '{}', NULL, NULL, 1, ?, ?)",
-                     (SUCCEEDED, now, now))
+    path = _old_journal(tmp_path)
 
     # WHEN the agent dies between adding the column and marking the ended operation
     connect = sqlite3.connect
