@@ -86,7 +86,7 @@ class JournalEntry:
 
     @property
     def finished(self) -> bool:
-        return self.status in (SUCCEEDED, FAILED, TAKEN_BACK)
+        return self.status not in _UNFINISHED
 
     def run_for(self, task_token: str | None) -> bool:
         """Whether the operation's last run was for the message carrying ``task_token``."""
@@ -186,11 +186,14 @@ class Journal:
 
     def fail(self, operation_id: str, error: str, cause: str) -> None:
         """Record that ``operation_id`` failed with the typed error name ``error``."""
+        self._end(operation_id, FAILED, error, cause)
+
+    def _end(self, operation_id: str, status: str, error: str, cause: str) -> None:
         with self._connect() as conn:
             conn.execute(
                 "UPDATE operations SET status = ?, result = NULL, error = ?, cause = ?, finished_at = ? "
                 "WHERE operation_id = ?",
-                (FAILED, error, cause, _now(), operation_id),
+                (status, error, cause, _now(), operation_id),
             )
 
     def answering(self, operation_id: str) -> str | None:
@@ -201,7 +204,7 @@ class Journal:
                 return None
             if row["answer"] is None:
                 conn.execute("UPDATE operations SET answer = ? WHERE operation_id = ?", (ANSWER_SENDING, operation_id))
-            return str(row["answer"]) if row["answer"] is not None else None
+            return row["answer"]
 
     def answered(self, operation_id: str) -> None:
         """Record that Step Functions took an answer of ``operation_id``."""
@@ -225,12 +228,7 @@ class Journal:
 
     def taken_back(self, operation_id: str, error: str, cause: str) -> None:
         """Record that what ``operation_id`` did was taken back; ``error`` and ``cause`` say why."""
-        with self._connect() as conn:
-            conn.execute(
-                "UPDATE operations SET status = ?, result = NULL, error = ?, cause = ?, finished_at = ? "
-                "WHERE operation_id = ?",
-                (TAKEN_BACK, error, cause, _now(), operation_id),
-            )
+        self._end(operation_id, TAKEN_BACK, error, cause)
 
     def in_progress(self) -> list[JournalEntry]:
         """Operations started but never finished (the agent stopped during them or their take-back)."""

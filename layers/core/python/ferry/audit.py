@@ -399,8 +399,7 @@ def _read_world(grace_seconds: float, clock_skew_seconds: float, running: Collec
         left_deleting = list(session.scalars(select(Volume).where(Volume.status == volumes.DELETING)))
         operating = list(session.scalars(select(Volume).where(Volume.status.in_(OPERATING_VOLUME_STATUSES))))
         reserved = list(session.scalars(select(Volume).where(Volume.status == volumes.RESERVED)))
-        build_volumes = {str(bdm["volume_id"]) for bdms in session.scalars(select(BuildRequest.block_device_mappings))
-                         for bdm in bdms or [] if isinstance(bdm, dict) and bdm.get("volume_id")}
+        build_volumes = _volumes_named_by_builds(session)
         made_for = _servers_volumes_were_made_for(session)
         volume_statuses = {volume_id: status for volume_id, status in session.execute(select(Volume.id, Volume.status))}
     copies: dict[str, list[_Copy]] = defaultdict(list)
@@ -447,6 +446,12 @@ def _read_world(grace_seconds: float, clock_skew_seconds: float, running: Collec
     return world
 
 
+def _volumes_named_by_builds(session: Session) -> set[str]:
+    """The volumes the build requests' block device mappings name (servers not built yet)."""
+    return {str(bdm["volume_id"]) for bdms in session.scalars(select(BuildRequest.block_device_mappings))
+            for bdm in bdms or [] if isinstance(bdm, dict) and bdm.get("volume_id")}
+
+
 def _servers_volumes_were_made_for(session: Session) -> dict[str, str]:
     """``{volume id: server uuid}`` of the root volumes boots made from an image.
 
@@ -455,7 +460,7 @@ def _servers_volumes_were_made_for(session: Session) -> dict[str, str]:
     ran and its owner kept it, and may be reserved by another server's boot later: it is that server's
     existing volume then, not one made for it.
     """
-    suffix = "-root"
+    suffix = volumes.ROOT_VOLUME_SUFFIX
     made = session.execute(select(Volume.id, Volume.name).where(Volume.image_id.is_not(None)))
     return {volume_id: name.removesuffix(suffix) for volume_id, name in made if name and name.endswith(suffix)}
 
@@ -1191,8 +1196,7 @@ def _release_reserved(session: Session, volume_id: str, *also: ColumnElement[boo
     Returns:
         What was done; None when the volume was left as it is.
     """
-    if any(isinstance(bdm, dict) and bdm.get("volume_id") == volume_id
-           for bdms in session.scalars(select(BuildRequest.block_device_mappings)) for bdm in bdms or []):
+    if volume_id in _volumes_named_by_builds(session):
         return None
     as_read = (Volume.id == volume_id, Volume.status == volumes.RESERVED, volumes.unheld(), *also)
     if made_for_it and not hosted:

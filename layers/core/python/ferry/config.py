@@ -31,7 +31,7 @@ def _env_int(name: str, default: int) -> int:
         return int(raw)
     except ValueError:
         raise errors.SettingInvalid(f"{name}={raw!r} is not a whole number; unset it for the default ({default}), "
-                             f"or give a whole number") from None
+                                    f"or give a whole number") from None
 
 
 def _env_float(name: str, default: float) -> float:
@@ -44,7 +44,7 @@ def _env_float(name: str, default: float) -> float:
         value = math.nan
     if not math.isfinite(value):
         raise errors.SettingInvalid(f"{name}={raw!r} is not a finite number; unset it for the default ({default:g}), "
-                             f"or give a number")
+                                    f"or give a number")
     return value
 
 

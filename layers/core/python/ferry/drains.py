@@ -1773,12 +1773,11 @@ def _wait_for_move(drain_uuid: str, instance_uuid: str) -> None:
             drain, server = _load_server(session, drain_uuid, instance_uuid)
         except errors.DrainNotFound:
             return
-        if server.state != MOVING or not server.attempts or drain.status in FINAL_STATUSES:
+        if server.state != MOVING or drain.status in FINAL_STATUSES:
             return
-        cell = server.cell
-        migration_uuid, request_id = _attempt_ids(drain_uuid, instance_uuid, server.attempts)
-    _abandon_unstarted(cell, instance_uuid, migration_uuid, {"migration_uuid": migration_uuid,
-                                                             "request_id": request_id})
+        cell, slot = server.cell, _last_move_slot(drain_uuid, server)
+    if slot is not None:
+        _abandon_unstarted(cell, instance_uuid, slot["migration_uuid"], slot)
 
 
 def settle_server(drain_uuid: str, instance_uuid: str, error: Mapping[str, Any] | None) -> dict[str, Any]:

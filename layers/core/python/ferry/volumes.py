@@ -31,6 +31,10 @@ RESERVED = "reserved"
 # An attachment made on its host.
 ATTACHED = "attached"
 
+# A boot's root volume made from an image is named ``<server uuid>-root`` (``ferry audit`` tells
+# such volumes by it; names never change).
+ROOT_VOLUME_SUFFIX = "-root"
+
 # Statuses of a volume nothing holds: an operator may forget it (``ferry volume forget``).
 FORGETTABLE = (AVAILABLE, DELETING)
 

@@ -6,7 +6,6 @@ keeps no per-user quotas.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 
 from aws_lambda_powertools.event_handler import Response
@@ -22,7 +21,6 @@ router = Router()
 # any other from 2.75; before, others are ignored).
 QUOTA_SET_PARAMETERS: Mapping[str, str] = {"user_id": "2.1"}
 LIMITS_PARAMETERS: Mapping[str, str] = {"tenant_id": "2.1"}
-PROJECT_ID = re.compile(schemas.PROJECT_ID_PATTERN)
 
 
 def _resources(view: ViewContext) -> list[str]:
@@ -44,7 +42,7 @@ def _valid_project(project_id: str) -> None:
 
     Called after the policy, as Nova verifies the project with the identity service then.
     """
-    if not PROJECT_ID.fullmatch(project_id) and not auth.list_tokens(project_id=project_id):
+    if not auth.IDENTITY_ID.fullmatch(project_id) and not auth.list_tokens(project_id=project_id):
         raise errors.BadRequest(f"Project ID {project_id} is not a valid project.")
 
 

@@ -138,22 +138,37 @@ def superseded(session: Session, instance_uuid: str, request_id: str, event: str
     new request took the server). The task the server has then, if any, is another request's; a
     reset alone leaves the step to record what its host did."""
     lock_server(session, instance_uuid)
-    return ended(session, instance_uuid, request_id, event) or overtaken(session, instance_uuid, request_id)
+    action = _action(session, instance_uuid, request_id)
+    return action is None or _event_ended(session, action, event) or _newer_than(session, action)
 
 
 def ended(session: Session, instance_uuid: str, request_id: str, event: str) -> bool:
     """Whether the request's ``event`` has ended, or its action is gone (see :func:`superseded`)."""
     action = _action(session, instance_uuid, request_id)
-    return action is None or session.scalars(select(InstanceActionEvent.finish_time).where(
-        InstanceActionEvent.action_id == action.id, InstanceActionEvent.event == event)).first() is not None
+    return action is None or _event_ended(session, action, event)
 
 
 def overtaken(session: Session, instance_uuid: str, request_id: str) -> bool:
     """Whether a newer request than ``request_id`` (not an os-resetState) recorded its action on the
     server: the server's task, if any, is that request's (see :func:`superseded`)."""
     action = _action(session, instance_uuid, request_id)
-    return action is not None and session.scalars(select(InstanceAction.id).where(
-        InstanceAction.instance_uuid == instance_uuid, InstanceAction.id > action.id,
+    return action is not None and _newer_than(session, action)
+
+
+def event_finished(session: Session, instance_uuid: str, request_id: str, event: str) -> bool:
+    """Whether the action ``request_id`` already recorded the end of ``event`` (a step that ran before)."""
+    action = _action(session, instance_uuid, request_id)
+    return action is not None and _event_ended(session, action, event)
+
+
+def _event_ended(session: Session, action: InstanceAction, event: str) -> bool:
+    return session.scalars(select(InstanceActionEvent.finish_time).where(
+        InstanceActionEvent.action_id == action.id, InstanceActionEvent.event == event)).first() is not None
+
+
+def _newer_than(session: Session, action: InstanceAction) -> bool:
+    return session.scalars(select(InstanceAction.id).where(
+        InstanceAction.instance_uuid == action.instance_uuid, InstanceAction.id > action.id,
         InstanceAction.action != RESET_STATE).limit(1)).first() is not None
 
 

@@ -798,8 +798,9 @@ def _reserve_root_volume(session: Session, ctx: RequestContext, instance_uuid: s
     """Create (from an image) or reserve (existing) the root volume; returns its block device mapping."""
     if root["source_type"] == "image":
         volume_id = str(uuidlib.uuid4())
-        session.add(Volume(id=volume_id, name=f"{instance_uuid}-root", project_id=ctx.project_id,
-                           size_gb=root["volume_size"], status=volume_store.RESERVED, image_id=root["uuid"],
+        session.add(Volume(id=volume_id, name=f"{instance_uuid}{volume_store.ROOT_VOLUME_SUFFIX}",
+                           project_id=ctx.project_id, size_gb=root["volume_size"], status=volume_store.RESERVED,
+                           image_id=root["uuid"],
                            path=str(config.get().state_dir / protocol.VOLUMES_DIR / volume_id)))
         image_id: str | None = root["uuid"]
     else:
@@ -1492,7 +1493,12 @@ def flavor_projects(flavorid: str) -> list[str]:
         flavor = _flavor(session, flavorid)
         if flavor.is_public:
             raise errors.FlavorAccessNotFound("Access list not available for public flavors.")
-        return [p.project_id for p in sorted(flavor.projects, key=lambda p: p.id)]
+        return _project_ids(flavor)
+
+
+def _project_ids(flavor: Flavor) -> list[str]:
+    """The projects with access to ``flavor``, in the order they were given it."""
+    return [p.project_id for p in sorted(flavor.projects, key=lambda p: p.id)]
 
 
 def add_flavor_access(flavorid: str, project_id: str, *, refuse_public: bool = True) -> list[str]:
@@ -1517,7 +1523,7 @@ def add_flavor_access(flavorid: str, project_id: str, *, refuse_public: bool = T
                 raise exists
             flavor.projects.append(FlavorProject(project_id=project_id))
             session.flush()
-            projects = [p.project_id for p in sorted(flavor.projects, key=lambda p: p.id)]
+            projects = _project_ids(flavor)
     except IntegrityError as exc:  # the same access given, or the flavor deleted, by a concurrent request
         with api_session() as session:
             _flavor(session, flavorid)
@@ -1541,7 +1547,7 @@ def remove_flavor_access(flavorid: str, project_id: str) -> list[str]:
             raise errors.FlavorAccessNotFound(
                 f"Flavor access not found for {flavorid} / {project_id} combination.")
         flavor.projects.remove(granted)
-        projects = [p.project_id for p in sorted(flavor.projects, key=lambda p: p.id)]
+        projects = _project_ids(flavor)
     logger.info("flavor access removed", extra={"flavorid": flavorid, "project_id": project_id})
     return projects
 

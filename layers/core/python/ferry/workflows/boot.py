@@ -360,9 +360,9 @@ def finish_build(event: dict[str, Any]) -> dict[str, Any]:
     power_state = int(event.get("spawn", {}).get("power_state", states.RUNNING))
     with cell_session(dest["cell"]) as session:
         instance = instances.get(session, uuid)
-        if _build_committed(instance, dest["host"]) and instance.launched_on == dest["host"]:
-            return {}
         settled_by_hand = _build_committed(instance, dest["host"])
+        if settled_by_hand and instance.launched_on == dest["host"]:
+            return {}  # this step committed before
         if instance.host != dest["host"]:
             raise errors.UnexpectedTaskState(
                 f"Instance {uuid} is being built on {instance.host}, not on {dest['host']}.")

@@ -34,7 +34,7 @@ from ferry import errors, hosts, network, notifications, placement, validation, 
 from ferry.compute import actions, instances, migration_states, states
 from ferry.observability import logger
 from ferry.store.api_models import ResourceProvider
-from ferry.store.cell_models import Instance, InstanceAction, InstanceActionEvent, Migration
+from ferry.store.cell_models import Instance, InstanceAction, Migration
 from ferry.store.db import api_session, cell_session
 from ferry.workflows import cross_cell_settle, error_message, resize
 
@@ -149,16 +149,6 @@ def describe_allocations(consumer_uuid: str) -> str:
             select(ResourceProvider.uuid, ResourceProvider.name).where(ResourceProvider.uuid.in_(list(held))))}
     return "; ".join(", ".join(f"{rc} {amount}" for rc, amount in sorted(resources.items()))
                      + f" on {names.get(rp, rp)}" for rp, resources in sorted(held.items()))
-
-
-def event_finished(session: Session, instance_uuid: str, request_id: str, event: str) -> bool:
-    """Whether the action ``request_id`` already recorded the end of ``event`` (a step that ran before)."""
-    finished = session.scalars(
-        select(InstanceActionEvent.finish_time)
-        .join(InstanceAction, InstanceAction.id == InstanceActionEvent.action_id)
-        .where(InstanceAction.instance_uuid == instance_uuid, InstanceAction.request_id == request_id,
-               InstanceActionEvent.event == event)).first()
-    return finished is not None
 
 
 # --- steps -------------------------------------------------------------------------------------------
@@ -304,7 +294,7 @@ def _close_confirm(session: Session, event: dict[str, Any], cells: dict[str, str
     """End the confirm's events (Success) in ``session``, unless this request did already (None);
     ``{"payload"}`` of its end, to announce once the session commits."""
     uuid, request_id = event["instance_uuid"], event["request_id"]
-    if event_finished(session, uuid, request_id, _confirm_events(cells, "")[-1][0]) \
+    if actions.event_finished(session, uuid, request_id, _confirm_events(cells, "")[-1][0]) \
             or actions.find(session, uuid, request_id) is None:
         return None
     for name, host in _confirm_events(cells, source):
@@ -337,7 +327,7 @@ def fail_confirm(event: dict[str, Any]) -> dict[str, Any]:
     where = cross_cell_settle.where_things_are(uuid, cells) if cells else ""
     with cell_session(event["cell"]) as session:
         migration = migration_of(session, uuid, migration_uuid)
-        if migration.status == migration_states.CONFIRMED or event_finished(session, uuid, request_id,
+        if migration.status == migration_states.CONFIRMED or actions.event_finished(session, uuid, request_id,
                                                                  _confirm_events(cells, "")[-1][0]):
             return {}
         source = str(migration.source_compute)

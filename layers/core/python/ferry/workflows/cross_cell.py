@@ -220,8 +220,8 @@ def _map_to(uuid: str, cell: str, move: dict[str, Any] | None = None) -> None:
     with api_session() as session:
         if move is not None:
             _require_not_abandoned(session, move)
-        cell_id = session.scalars(select(CellMapping.id).where(CellMapping.name == cell)).one()
-        session.execute(update(InstanceMapping).where(InstanceMapping.instance_uuid == uuid).values(cell_id=cell_id))
+        session.execute(update(InstanceMapping).where(InstanceMapping.instance_uuid == uuid)
+                        .values(cell_id=_cell_in(session, cell).id))
 
 
 def _cell_in(session: Session, name: str) -> CellMapping:
@@ -249,9 +249,14 @@ def _require_not_abandoned(session: Session, event: dict[str, Any]) -> None:
     with cell_session(_cell_in(session, _target(event))) as cell:  # its mapping read here: one API session
         status = cell.scalars(select(Migration.status).where(Migration.uuid == event["migration_uuid"])).first()
     if status is None or status == ABANDONED:
-        raise errors.UnexpectedMigrationState(
-            f"Migration {event['migration_uuid']} was found not committed and is being rolled back: "
-            f"instance {event['instance_uuid']} is not switched to cell {_target(event)}.")
+        raise _abandoned(event)
+
+
+def _abandoned(event: dict[str, Any]) -> errors.UnexpectedMigrationState:
+    """The refusal of a switch of a move CheckMoveCommitted abandoned."""
+    return errors.UnexpectedMigrationState(
+        f"Migration {event['migration_uuid']} was found not committed and is being rolled back: "
+        f"instance {event['instance_uuid']} is not switched to cell {_target(event)}.")
 
 
 def _lives_in_without_this_move(uuid: str, target: str, migration_uuid: str) -> bool:
@@ -574,9 +579,7 @@ def complete_move(event: dict[str, Any]) -> dict[str, Any]:
     with cell_session(target) as session:
         finished = update(Migration).where(Migration.uuid == migration_uuid, Migration.status != ABANDONED)
         if cast(CursorResult[Any], session.execute(finished.values(status=FINISHED))).rowcount != 1:
-            raise errors.UnexpectedMigrationState(
-                f"Migration {migration_uuid} was found not committed and is being rolled back: "
-                f"instance {uuid} is not switched to cell {target}.")
+            raise _abandoned(event)
         session.execute(update(Instance).where(Instance.uuid == uuid).values(**resized, hidden=False))
         _sync_actions(session, uuid, acts)
         moved = instances.get(session, uuid)
@@ -635,7 +638,7 @@ def check_move_committed(event: dict[str, Any]) -> dict[str, Any]:
         if committed:
             resize.announce_finished(event, cell)
     else:
-        committed = _settled_since(event) or _mapped_to_target(event) or _abandon_unless_switched(event)
+        committed = _abandon_unless_switched(event)
         if committed:
             _finish_switch(event)
     if committed:

@@ -103,7 +103,7 @@ def confirm_before_delete(event: dict[str, Any]) -> dict[str, Any]:
     confirm_resize.release_source(uuid, migration_uuid, source, found["same_host"])
     event_name = found.get("event", confirm_resize.EVENT_CONFIRM)
     with cell_session(event["cell"]) as session:
-        if confirm_resize.event_finished(session, uuid, event["request_id"], event_name):
+        if actions.event_finished(session, uuid, event["request_id"], event_name):
             return {}  # this step ran before
         migration = confirm_resize.migration_of(session, uuid, migration_uuid)
         if migration.status in _TO_CONFIRM:
