@@ -117,8 +117,9 @@ def test_a_cloudwatch_error_never_fails_an_operation_and_its_metrics_are_sent_ag
     del host.cloudwatch.hooks["put_metric_data"]
     where = {"Host": "compute1", "Operation": "power_on"}
     assert wait_for(lambda: published(host.cloudwatch, "HostOperationFailed", where), "HostOperationFailed") == 1
-    assert logged(caplog, "publishing metrics to CloudWatch works again")
-    assert host.agent.metrics.buffered == 0
+    # (the flush logs its recovery, and empties its buffer, just after CloudWatch answered)
+    assert wait_for(lambda: logged(caplog, "publishing metrics to CloudWatch works again"), "the recovery logged")
+    assert wait_for(lambda: host.agent.metrics.buffered == 0, "the buffer emptied")
 
 
 @pytest.mark.parametrize("host", [{"metrics_flush_interval": 3600}], indirect=True)
