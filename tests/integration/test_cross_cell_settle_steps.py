@@ -25,7 +25,7 @@ from cross_cell_helpers import (
     mapped_cell,
     migration_in,
 )
-from sqlalchemy import update
+from sqlalchemy import select, update
 from test_cross_cell_steps import read_cells, usage_before_each_call
 from verify_resize_helpers import (
     NEW,
@@ -51,7 +51,7 @@ from ferry.auth import RequestContext
 from ferry.compute import api as compute_api
 from ferry.compute import migration_states, moves, states
 from ferry.compute.server_filters import ServerFilters
-from ferry.store.cell_models import Migration
+from ferry.store.cell_models import InstanceAction, InstanceActionEvent, Migration
 from ferry.store.db import cell_session
 from ferry.workflows import auto_confirm, confirm_resize, cross_cell_settle, delete, revert_resize
 from ferry.workflows.cross_cell_settle import (
@@ -274,12 +274,72 @@ def test_a_flip_undone_half_way_counts_the_server_once_at_every_moment(cloud, mo
     assert mapped_cell(moved.instance_uuid) == TARGET_CELL
 
 
+def test_revert_whose_destination_could_not_destroy_its_guest_is_undone_and_can_be_reverted_again(
+        cloud, monkeypatch, tmp_path):
+    # GIVEN a revert flipped to the source cell, whose DestroyAtDest failed with the guest intact
+    moved = make_cross_cell(tmp_path)
+    first = _revert_until_flipped(moved, monkeypatch)
+    first["flipped"] = cross_cell_settle.flip_to_source_cell(first)
+    first["error"] = {"Error": "Ferry.HypervisorError", "Cause": "cannot destroy"}
+
+    # WHEN its Catch runs RestoreVerifyResize (twice: delivered again)
+    confirm_resize.restore_verify_resize(first)
+    confirm_resize.restore_verify_resize(first)
+
+    # THEN the server is in VERIFY_RESIZE in the target cell, every event of the revert ended there
+    assert mapped_cell(moved.instance_uuid) == TARGET_CELL
+    target = copy_in(TARGET_CELL, moved.instance_uuid)
+    assert (target.hidden, target.vm_state, target.task_state) == (False, states.RESIZED, None)
+    assert migration_in(TARGET_CELL, moved.migration_uuid).status == migration_states.FINISHED
+    assert (usage(SOURCE), usage(CROSS_DEST)) == (OLD_USAGE, NEW_USAGE)
+    assert open_events(TARGET_CELL, moved.instance_uuid, first["request_id"]) == []
+    assert {e: events_in(TARGET_CELL, moved.instance_uuid)[e] for e in (EVENT_REVERT, EVENT_REVERT_AT_DEST)} \
+        == {EVENT_REVERT: "Error", EVENT_REVERT_AT_DEST: "Error"}
+
+    # AND a second revert that succeeds leaves the first one's events ended in the source cell
+    second = _revert_until_flipped(moved, monkeypatch)
+    second["flipped"] = cross_cell_settle.flip_to_source_cell(second)
+    second["reverted_at_dest"] = host_result(CROSS_DEST, moved.instance_uuid)
+    second["restore"] = revert_resize.revert_resources_to_source(second)
+    second["restored"] = host_result(SOURCE, moved.instance_uuid, states.RUNNING)
+    revert_resize.finish_revert(second)
+    assert mapped_cell(moved.instance_uuid) == SOURCE_CELL
+    assert [open_events(SOURCE_CELL, moved.instance_uuid, r["request_id"]) for r in (first, second)] == [[], []]
+
+
+def test_confirm_rolled_back_to_verify_resize_ends_the_source_hosts_event_too(cloud, monkeypatch, tmp_path):
+    # GIVEN a cross-cell confirm whose first step started both events, refused by the source's agent
+    moved = make_cross_cell(tmp_path)
+    event = begin("confirm", moved, monkeypatch)
+    event = {**event, "move": confirm_resize.check_resize_to_confirm(event),
+             "error": {"Error": "Ferry.InvalidOperation", "Cause": "refused"}}
+
+    # WHEN RestoreVerifyResize runs
+    confirm_resize.restore_verify_resize(event)
+
+    # THEN neither event stays open
+    assert open_events(TARGET_CELL, moved.instance_uuid, event["request_id"]) == []
+    recorded = events_in(TARGET_CELL, moved.instance_uuid)
+    assert (recorded[EVENT_CONFIRM], recorded[EVENT_CONFIRM_AT_SOURCE]) == ("Error", "Error")
+
+
+def open_events(cell: str, instance_uuid: str, request_id: str) -> list[str]:
+    """The events of the server's request ``request_id`` not ended in ``cell``."""
+    with cell_session(cell) as session:
+        return list(session.scalars(select(InstanceActionEvent.event)
+                                    .join(InstanceAction, InstanceAction.id == InstanceActionEvent.action_id)
+                                    .where(InstanceAction.instance_uuid == instance_uuid,
+                                           InstanceAction.request_id == request_id,
+                                           InstanceActionEvent.finish_time.is_(None))))
+
+
 def test_revert_that_fails_at_the_destination_after_the_flip_is_error_with_the_cells_in_the_fault(
         cloud, monkeypatch, tmp_path):
+    # A timeout at the destination: its guest may be gone, so the revert cannot be undone.
     moved = make_cross_cell(tmp_path)
     event = _revert_until_flipped(moved, monkeypatch)
     event["flipped"] = cross_cell_settle.flip_to_source_cell(event)
-    event["error"] = {"Error": "Ferry.HypervisorError", "Cause": "cannot destroy"}
+    event["error"] = {"Error": "States.Timeout", "Cause": "no answer"}
 
     revert_resize.fail_revert(event)
     revert_resize.fail_revert(event)

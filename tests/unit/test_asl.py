@@ -302,10 +302,12 @@ def test_a_revert_goes_back_to_verify_resize_only_when_the_destination_removed_n
     # destroyed; InvalidOperation: the agent refused the message; States.Runtime: none was made)
     # may lead there; a timeout or any other failure may come after it was destroyed, and so may a
     # send SQS refused after a try that timed out (a Catch sees only the last error).
-    state = _definition(ROOT / "statemachine" / "revert_resize.asl.json")["States"]["RevertAtDest"]
-    catches = [(catcher["ErrorEquals"], catcher["Next"]) for catcher in state["Catch"]]
-    assert catches == [(["Ferry.HypervisorError", "Ferry.InvalidOperation", "States.Runtime"], "RestoreVerifyResize"),
-                       (["States.ALL"], "FailRevert")]
+    # Between cells (DestroyAtDest) the flip is undone first.
+    for name in ("RevertAtDest", "DestroyAtDest"):
+        state = _definition(ROOT / "statemachine" / "revert_resize.asl.json")["States"][name]
+        catches = [(catcher["ErrorEquals"], catcher["Next"]) for catcher in state["Catch"]]
+        assert catches == [(["Ferry.HypervisorError", "Ferry.InvalidOperation", "States.Runtime"],
+                            "RestoreVerifyResize"), (["States.ALL"], "FailRevert")], name
 
 
 # --- a host operation's message SQS refused ------------------------------------------------------

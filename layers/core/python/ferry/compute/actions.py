@@ -7,6 +7,7 @@ event (``compute_prep_resize``, …) with its result. Recording is idempotent pe
 
 from __future__ import annotations
 
+import datetime as dt
 import traceback as tb
 from typing import Any
 
@@ -187,17 +188,33 @@ def _action(session: Session, instance_uuid: str, request_id: str) -> InstanceAc
 
 
 def start_event(session: Session, *, instance_uuid: str, request_id: str, event: str,
-                host: str | None = None) -> None:
-    """Record that a step began (no-op if the action is unknown or the event exists)."""
+                host: str | None = None, start_time: dt.datetime | None = None) -> None:
+    """Record that a step began, now or at ``start_time`` (no-op if the action is unknown or the event exists)."""
     action = _action(session, instance_uuid, request_id)
     if action is None:
         return
     existing = session.scalars(select(InstanceActionEvent).where(
         InstanceActionEvent.action_id == action.id, InstanceActionEvent.event == event)).one_or_none()
     if existing is None:
-        session.add(InstanceActionEvent(action_id=action.id, event=event, host=host))
+        session.add(InstanceActionEvent(action_id=action.id, event=event, host=host,
+                                        start_time=start_time or utcnow()))
         action.updated_at = utcnow()
         session.flush()
+
+
+def finish_started_event(session: Session, *, instance_uuid: str, request_id: str, event: str,
+                         error: dict[str, Any]) -> None:
+    """End ``event`` with ``error`` if the request started it and it is still open (a rollback's
+    inner step, which may never have begun: none is recorded then)."""
+    action = _action(session, instance_uuid, request_id)
+    if action is None:
+        return
+    record = session.scalars(select(InstanceActionEvent).where(
+        InstanceActionEvent.action_id == action.id, InstanceActionEvent.event == event,
+        InstanceActionEvent.finish_time.is_(None))).one_or_none()
+    if record is not None:
+        finish_event(session, instance_uuid=instance_uuid, request_id=request_id, event=event, host=record.host,
+                     error=error)
 
 
 def finish_event(session: Session, *, instance_uuid: str, request_id: str, event: str,

@@ -398,7 +398,7 @@ def restore_verify_resize(event: dict[str, Any]) -> dict[str, Any]:
                               "newer_request_id": newest})
         return {}
     cells = cross_cell_settle.cross_cell(event)
-    cross_cell_settle.undo_flip(event)
+    cross_cell_settle.undo_flip(event, error or {"Error": "Error", "Cause": cause})
     with cell_session(event["cell"]) as session:
         migration = migration_of(session, uuid, migration_uuid)
         if migration.status not in (migration_states.CONFIRMING, migration_states.REVERTING):
@@ -436,8 +436,12 @@ def restore_verify_resize(event: dict[str, Any]) -> dict[str, Any]:
                 logger.warning("task changed meanwhile; left as is", extra={"instance_uuid": uuid})
         if instance is not None:
             instances.add_fault(session, uuid, message, host=dest, details=details)
+        recorded = error or {"Error": "Error", "Cause": message}
+        if not reverting and name == cross_cell_settle.EVENT_CONFIRM:  # the source host's part, if it began
+            actions.finish_started_event(session, instance_uuid=uuid, request_id=request_id,
+                                         event=cross_cell_settle.EVENT_CONFIRM_AT_SOURCE, error=recorded)
         actions.finish_event(session, instance_uuid=uuid, request_id=request_id, event=name,
-                             host=dest if reverting else source, error=error or {"Error": "Error", "Cause": message})
+                             host=dest if reverting else source, error=recorded)
     logger.warning("confirm or revert rolled back to VERIFY_RESIZE",
                    extra={"instance_uuid": uuid, "migration_uuid": migration_uuid, "cause": cause})
     return {}

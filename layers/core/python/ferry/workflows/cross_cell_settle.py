@@ -330,12 +330,13 @@ def flip_to_source_cell(event: dict[str, Any]) -> dict[str, Any]:
     return {"cell": source_cell}
 
 
-def undo_flip(event: dict[str, Any]) -> None:
+def undo_flip(event: dict[str, Any], error: dict[str, Any]) -> None:
     """Rollback of FlipToSourceCell (idempotent, and harmless when it never ran).
 
     The target copy is the server again (visible, the mapping names its cell), the source copy is
     hidden with no task, and the source cell's copy of the migration is ``finished`` again; the
-    caller then puts the target cell's records back to VERIFY_RESIZE.
+    destination's event the flip started goes back with the server (:func:`_return_dest_event`,
+    ended with ``error``); the caller then puts the target cell's records back to VERIFY_RESIZE.
     """
     cells = cross_cell(event)
     if cells is None:
@@ -348,8 +349,31 @@ def undo_flip(event: dict[str, Any]) -> None:
         session.execute(update(Migration).where(Migration.uuid == migration_uuid,
                                                 Migration.status == migration_states.REVERTING)
                         .values(status=migration_states.FINISHED))
+    _return_dest_event(cells, uuid, event["request_id"], error)
     logger.warning("revert between cells undone: the server stays in its target cell",
                    extra={"instance_uuid": uuid, "migration_uuid": migration_uuid, "cell": cells["target_cell"]})
+
+
+def _return_dest_event(cells: dict[str, str], instance_uuid: str, request_id: str, error: dict[str, Any]) -> None:
+    """The ``_at_dest`` event FlipToSourceCell started in the source cell, ended with ``error`` in
+    the target cell (the server's record again), then dropped from the source cell's hidden copy,
+    which a later flip fills from the target cell: the undone revert's action does not show it
+    running for ever. Written before it is dropped, so a step run twice loses nothing."""
+    with cell_session(cells["source_cell"]) as session:
+        started = session.execute(
+            select(InstanceActionEvent.id, InstanceActionEvent.start_time, InstanceActionEvent.host)
+            .join(InstanceAction, InstanceAction.id == InstanceActionEvent.action_id)
+            .where(InstanceAction.instance_uuid == instance_uuid, InstanceAction.request_id == request_id,
+                   InstanceActionEvent.event == EVENT_REVERT_AT_DEST)).first()
+    if started is None:
+        return
+    with cell_session(cells["target_cell"]) as session:
+        actions.start_event(session, instance_uuid=instance_uuid, request_id=request_id, event=EVENT_REVERT_AT_DEST,
+                            host=started.host, start_time=started.start_time)
+        actions.finish_event(session, instance_uuid=instance_uuid, request_id=request_id, event=EVENT_REVERT_AT_DEST,
+                             host=started.host, error=error)
+    with cell_session(cells["source_cell"]) as session:
+        session.execute(delete(InstanceActionEvent).where(InstanceActionEvent.id == started.id))
 
 
 def where_things_are(instance_uuid: str, cells: dict[str, str]) -> str:
