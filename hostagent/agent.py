@@ -63,6 +63,7 @@ from hostagent.driver import (
     GuestSpec,
     HostCapacity,
     PortSpec,
+    place_local_disks,
 )
 from hostagent.journal import (
     ANSWER_SENDING,
@@ -1341,7 +1342,7 @@ class HostAgent(MoveOperations):
                 instance_uuid=uuid,
                 display_name=args["name"],
                 flavor=args["flavor"],
-                disks=tuple(self._prepare_disks(op, created_volumes)),
+                disks=place_local_disks(self._prepare_disks(op, created_volumes)),
                 ports=tuple(PortSpec(port_id=p["id"], mac_address=p["mac_address"]) for p in args["ports"]),
             )
             self.driver.define_guest(spec)

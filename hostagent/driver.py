@@ -70,7 +70,7 @@ ET.register_namespace(METADATA_PREFIX, METADATA_NS)
 TEST_DRIVER_NS = "http://libvirt.org/schemas/domain/test/1.0"
 ET.register_namespace("test", TEST_DRIVER_NS)
 
-# Disk roles; local disks get fixed device names, volumes bring theirs.
+# Disk roles; local disks get fixed device names (moved around a volume's: place_local_disks), volumes bring theirs.
 ROOT = "root"
 EPHEMERAL = "ephemeral"
 SWAP = "swap"
@@ -112,6 +112,22 @@ class DiskSpec:
     device: str
     volume_id: str | None = None
     boot: bool = False
+
+
+def place_local_disks(guest_disks: list[DiskSpec]) -> tuple[DiskSpec, ...]:
+    """``guest_disks`` with each local disk whose device (:data:`LOCAL_DEVICES`) a volume uses (a
+    root volume booted as ``vdb``, say) moved to the lowest ``vdX`` free, as Nova's libvirt driver
+    places local disks around the root device; the same volumes always give the same places."""
+    taken = {short_device(d.device) for d in guest_disks if d.kind == VOLUME}
+    placed = []
+    for disk in guest_disks:
+        if disk.kind != VOLUME and short_device(disk.device) in taken:
+            free = next(f"vd{letter}" for letter in "abcdefghijklmnopqrstuvwxyz" if f"vd{letter}" not in taken)
+            disk = replace(disk, device=free)
+        if disk.kind != VOLUME:
+            taken.add(short_device(disk.device))
+        placed.append(disk)
+    return tuple(placed)
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ from hostagent.driver import (
     Driver,
     GuestSpec,
     PortSpec,
+    place_local_disks,
 )
 
 if TYPE_CHECKING:
@@ -538,7 +539,7 @@ class MoveOperations:
                 instance_uuid=instance_uuid,
                 display_name=args["name"],
                 flavor=args["flavor"],
-                disks=tuple(local + volume_disks(args["volumes"], boot_from_volume=not has_root)),
+                disks=place_local_disks(local + volume_disks(args["volumes"], boot_from_volume=not has_root)),
                 ports=tuple(PortSpec(port_id=p["id"], mac_address=p["mac_address"]) for p in args["ports"]),
             )
         )

@@ -489,6 +489,26 @@ def test_a_smaller_flavor_never_shrinks_the_disks(source, dest):
     assert read_at(live / disks.EPHEMERAL_DISK, EPHEMERAL_OFFSET, len(EPHEMERAL_DATA)) == EPHEMERAL_DATA
 
 
+@pytest.mark.parametrize("root_device, local", [("/dev/vdb", {"ephemeral": "vda", "swap": "vdc"}),
+                                                  ("vdc", {"ephemeral": "vdb", "swap": "vda"})])
+def test_local_disks_go_around_a_root_volume_booted_on_their_device(cloud, source, dest, root_device, local):
+    # GIVEN a server booted from a volume on the device an ephemeral disk or swap takes
+    volume = {"volume_id": "vol-1", "path": "/dev/mapper/vol-1", "device": root_device, "boot_index": 0}
+    server = boot(source, flavor={**OLD, "root_gb": 0, "ephemeral_gb": 1, "swap": 64}, volumes=[volume])
+    spawned = devices(source, server)
+
+    # WHEN it is resized to a flavor with both
+    move(source, dest, server, flavor={**NEW, "root_gb": 0, "ephemeral_gb": 2, "swap": 128})
+
+    # THEN on both hosts the volume keeps its device and each local disk takes one that is free
+    assert spawned == devices(dest, server) == {**local, "vol-1": root_device.removeprefix("/dev/")}
+
+
+def devices(host: Host, server: Server) -> dict[str, str]:
+    """Each disk of the server's guest on ``host`` (a volume by its id) and its device."""
+    return {d.volume_id or d.kind: d.device.removeprefix("/dev/") for d in host.driver.guest_spec(server.uuid).disks}
+
+
 def test_a_volume_backed_server_moves_without_a_root_disk(cloud, source, dest):
     volume = {"volume_id": "vol-1", "path": "/dev/mapper/vol-1", "device": "/dev/vda", "boot_index": 0}
     server = boot(source, flavor={**OLD, "root_gb": 0, "ephemeral_gb": 0, "swap": 0}, volumes=[volume])
