@@ -11,7 +11,7 @@ import uuid as uuidlib
 
 import jsonschema
 import pytest
-from sqlalchemy import delete
+from sqlalchemy import delete, select
 from verify_resize_helpers import (
     CELL,
     DEST,
@@ -41,7 +41,7 @@ from ferry import config, errors, notifications, placement, protocol
 from ferry.compute import api as compute_api
 from ferry.compute import migration_states, states
 from ferry.observability import metrics
-from ferry.store.api_models import Flavor
+from ferry.store.api_models import Flavor, VolumeAttachment
 from ferry.store.db import api_session
 from ferry.workflows import confirm_resize, revert_resize
 
@@ -103,6 +103,29 @@ def test_revert_leaves_the_old_flavor_on_the_source_only(cloud, monkeypatch, tmp
                                              revert_resize.EVENT_FINISH_REVERT: "Success"}
     assert cloud.event_types() == [(notifications.RESIZE_REVERT_START, f"compute:{DEST}"),
                                    (notifications.RESIZE_REVERT_END, f"compute:{SOURCE}")]
+
+
+def test_revert_leaves_a_volume_another_server_holds_to_it(cloud, monkeypatch, tmp_path):
+    # GIVEN a resized server whose mapping outlived its volume's detach (the detach's cell part never
+    # committed), the volume attached to another server since
+    resized = make_resized(volume=True, state_dir=tmp_path)
+    other = str(uuidlib.uuid4())
+    with api_session() as session:
+        session.execute(delete(VolumeAttachment).where(VolumeAttachment.volume_id == resized.volume_id))
+        session.add(VolumeAttachment(volume_id=resized.volume_id, instance_uuid=other, host="cell1-host3",
+                                     device="vdd", status="attached"))
+
+    # WHEN the server is reverted (its step delivered twice)
+    event = reverted_at_dest(checked(begin("revert", resized, monkeypatch)))
+    first = revert_resize.revert_resources_to_source(event)
+    assert revert_resize.revert_resources_to_source(event) == first
+
+    # THEN the volume stays the other server's alone, and the source does not define it in its guest
+    with api_session() as session:
+        holders = [a.instance_uuid for a in session.scalars(
+            select(VolumeAttachment).where(VolumeAttachment.volume_id == resized.volume_id))]
+    assert holders == [other]
+    assert first["finish_args"]["volumes"] == []
 
 
 def test_revert_after_the_old_flavor_was_deleted(cloud, monkeypatch):

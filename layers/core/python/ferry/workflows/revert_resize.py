@@ -193,8 +193,15 @@ def revert_resources_to_source(event: dict[str, Any]) -> dict[str, Any]:
             network.unbind(session, uuid, dest)
             volumes.detach_from(session, uuid, dest)
         present = {a.volume_id for a in volumes.attachments(session, uuid, source)}
+        # A mapping may outlive its detach (one whose cell part never committed): a volume another
+        # server holds now is left to it, not given to two guests.
+        elsewhere = set(session.scalars(select(VolumeAttachment.volume_id).where(
+            VolumeAttachment.volume_id.in_(device_of), VolumeAttachment.instance_uuid != uuid)))
+        if elsewhere:
+            logger.warning("volumes another server holds are not attached back", extra={
+                "instance_uuid": uuid, "migration_uuid": migration_uuid, "volume_ids": sorted(elsewhere)})
         for volume_id, device in device_of.items():
-            if volume_id not in present:
+            if volume_id not in present and volume_id not in elsewhere:
                 session.add(VolumeAttachment(volume_id=volume_id, instance_uuid=uuid, host=source, device=device,
                                              status=volumes.RESERVED))
         session.flush()
