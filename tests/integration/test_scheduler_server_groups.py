@@ -131,6 +131,28 @@ def test_a_moving_member_holds_its_source_until_the_move_ends_so_a_revert_never_
     assert placement.get_allocations(newcomer) == {three_hosts["host-c"]: resources()}
 
 
+def test_an_affinity_member_on_the_move_draws_newcomers_to_where_it_goes(store):
+    # GIVEN the only member of an affinity group moved from host-a, the host the weighers prefer, to host-b
+    roomy = add_compute("host-a", vcpus=16, memory_mb=131072)
+    add_compute("host-b", vcpus=16, memory_mb=65536)
+    add_compute("host-c", vcpus=16, memory_mb=65536)
+    group = add_group(server_groups.AFFINITY)
+    mover = place_member(group, roomy)
+    migration = str(uuid.uuid4())
+    spec = spec_for(group, mover)
+    spec["ignore_hosts"] = ["host-a", "host-c"]
+    assert chosen(spec, migration_uuid=migration) == "host-b"
+
+    # WHEN another member is booted while it waits in VERIFY_RESIZE
+    newcomer = join_group(group)
+
+    # THEN it joins the mover on its destination, where the confirm leaves it
+    assert chosen(spec_for(group, newcomer)) == "host-b"
+    placement.delete_allocations(migration)
+    assert {host for member in (mover, newcomer) for host in placement.get_allocations(member)} \
+        == {placement.provider_by_host("host-b")}
+
+
 def test_a_deleted_group_constrains_nothing(three_hosts):
     group = add_group(server_groups.ANTI_AFFINITY)
     for name in ("host-a", "host-b", "host-c"):

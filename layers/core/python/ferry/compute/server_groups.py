@@ -246,22 +246,26 @@ def _max_per_host(policy: str, rules: Mapping[str, Any] | None) -> int:
     return int((rules or {}).get(MAX_SERVER_PER_HOST) or 1)
 
 
-def _member_hosts(session: Session, group_id: int, instance_uuid: str) -> dict[str, int]:
+def _member_hosts(session: Session, group_id: int, policy: str, instance_uuid: str) -> dict[str, int]:
     """How many members other than ``instance_uuid`` each host holds, by their allocations.
 
     A member on the move holds its destination (its own allocations) and its source (its
-    migration's, until the move is confirmed or reverted): it counts on both, as a revert or a
-    rollback puts it back on its source without asking the scheduler.
+    migration's, until the move is confirmed or reverted). Keeping apart (anti-affinity), it
+    counts on both, as a revert or a rollback puts it back on its source without asking the
+    scheduler. Keeping together (affinity), it counts where it is going only, as Nova counts it
+    by its host: a newcomer put beside its source would be apart from it once the move is
+    confirmed (a revert, as in Nova, may part them).
     """
     members = set(session.scalars(select(InstanceGroupMember.instance_uuid).where(
         InstanceGroupMember.group_id == group_id, InstanceGroupMember.instance_uuid != instance_uuid)))
     if not members:
         return {}
-    # consumer -> the member it places: each member's own, and its moves' migrations.
+    # consumer -> the member it places: each member's own, and (keeping apart) its moves' migrations.
     holders = {uuid: uuid for uuid in members}
-    for migration, moved in session.execute(select(Consumer.uuid, Consumer.instance_uuid)
-                                            .where(Consumer.instance_uuid.in_(sorted(members)))):
-        holders[migration] = moved or migration
+    if policy in (ANTI_AFFINITY, SOFT_ANTI_AFFINITY):
+        for migration, moved in session.execute(select(Consumer.uuid, Consumer.instance_uuid)
+                                                .where(Consumer.instance_uuid.in_(sorted(members)))):
+            holders[migration] = moved or migration
     rows = session.execute(
         select(ResourceProvider.host, Allocation.consumer_uuid).distinct()
         .join(Allocation, Allocation.resource_provider_id == ResourceProvider.id)
@@ -286,7 +290,7 @@ def scheduling_group(group: Mapping[str, Any] | None, instance_uuid: str) -> Sch
         if row is None:
             return None
         return SchedulingGroup(uuid=group_uuid, policy=row.policy, max_per_host=_max_per_host(row.policy, row.rules),
-                               hosts=_member_hosts(session, row.id, instance_uuid))
+                               hosts=_member_hosts(session, row.id, row.policy, instance_uuid))
 
 
 def allows(policy: str, max_per_host: int, hosts: Mapping[str, int], host: str) -> bool:
@@ -313,7 +317,7 @@ def claim_guard(group_uuid: str, instance_uuid: str, host: str) -> Callable[[Ses
                               .where(InstanceGroup.uuid == group_uuid).with_for_update()).first()
         if row is None:
             return
-        hosts = _member_hosts(session, row.id, instance_uuid)
+        hosts = _member_hosts(session, row.id, row.policy, instance_uuid)
         if not allows(row.policy, _max_per_host(row.policy, row.rules), hosts, host):
             raise errors.GroupPolicyConflict(
                 f"Host {host} no longer fits the {row.policy} policy of server group {group_uuid}: "
