@@ -1020,6 +1020,24 @@ def test_a_rollback_before_any_claim_keeps_an_allocation_given_back_meanwhile(cl
     assert placement.get_allocations(uuid) == given_back
 
 
+def test_a_rollback_of_a_server_deleted_before_its_claim_landed_releases_the_claim(cloud):
+    # GIVEN a move whose claim landed after the server's delete had released its allocations
+    # (an operator reset the server to error and deleted it while the scheduler ran)
+    uuid = make_server()
+    doc = run(prepare_move(uuid, BIG), until="PrepResizeAtDest")
+    assert placement.get_allocations(uuid) != {}
+    with cell_session("cell1") as session:
+        session.get(Instance, instance(uuid).id).deleted = True
+
+    # WHEN the move fails and rolls back, twice
+    doc = fail_and_roll_back(doc, error="Ferry.InstanceNotFound", cause="deleted")
+    resize.rollback_move(doc)
+
+    # THEN neither the claim nor the migration's allocation is left
+    assert placement.get_allocations(uuid) == placement.get_allocations(doc["migration_uuid"]) == {}
+    assert {host: used_on(host) for host in HOSTS} == {host: {} for host in HOSTS}
+
+
 @pytest.mark.parametrize("stage", ["PrepResizeAtDest", "FinishResizeOnDestHost"])
 def test_a_rollback_keeps_an_allocation_given_back_in_place_of_the_claim(cloud, stage):
     # GIVEN a server whose allocations an operator removed, moving; then the operator sets its allocation on the

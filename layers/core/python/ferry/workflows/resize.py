@@ -949,7 +949,10 @@ def rollback_move(event: dict[str, Any]) -> dict[str, Any]:
         gone = session.scalars(select(Instance.id).where(Instance.uuid == uuid,
                                                           Instance.deleted.is_(False))).first() is None
         if gone:
-            # Deleted meanwhile: its delete released the instance's allocations; the migration's go too.
+            # Deleted meanwhile: its delete released the instance's allocations, unless this move's
+            # claim landed after it (a server reset and deleted while the scheduler ran); the
+            # migration's go too.
+            placement.delete_allocations(uuid)
             placement.delete_allocations(migration_uuid)
             _update_migration(session, migration_uuid, {"status": ERROR}, _IN_PROGRESS)
             return {}
