@@ -509,6 +509,10 @@ def test_deleting_a_server_releases_what_an_older_failed_confirm_left_held(cloud
 
     delete.confirm_before_delete(removal)
     delete.finish_delete(removal)
+    delete.finish_delete(removal)  # delivered twice: the same end state
 
     assert placement.get_allocations(moved.migration_uuid) == {}
     assert placement.get_allocations(newer) == {} and placement.get_allocations(moved.instance_uuid) == {}
+    # and the source cell's hidden copy the failed confirm left is gone too (its migrations kept in the target cell)
+    assert leftovers(SOURCE_CELL, moved.instance_uuid) == NOTHING
+    assert migration_in(TARGET_CELL, moved.migration_uuid).status == migration_states.ERROR

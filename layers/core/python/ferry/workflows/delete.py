@@ -21,7 +21,7 @@ from aws_lambda_powertools.metrics import MetricUnit
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from ferry import hosts, network, notifications, placement, volumes
+from ferry import errors, hosts, network, notifications, placement, volumes
 from ferry.compute import actions, instances, migration_states, server_groups, states
 from ferry.observability import logger, metrics
 from ferry.store.api_models import InstanceMapping, Volume, VolumeAttachment, utcnow
@@ -126,8 +126,11 @@ def finish_delete(event: dict[str, Any]) -> dict[str, Any]:
     The allocations go with every migration of the server too: an older move whose confirm
     failed (migration ``error``) still holds its source host's, and the server that held them
     is gone. The server's cell has a record of each (a move between cells keeps one in both).
+    Such a move between cells also left the server's hidden copy in its other cell: it is
+    hard-deleted (:func:`_remove_copies_elsewhere`).
     """
     uuid, cell = event["instance_uuid"], event["cell"]
+    _remove_copies_elsewhere(cell, uuid)
     removed = set((event.get("destroyed") or {}).get("volumes_removed") or [])
     with cell_session(cell) as session:
         bdms = list(session.scalars(select(BlockDeviceMapping).where(
@@ -214,6 +217,27 @@ def _release_volumes(session: Session, uuid: str, doomed: set[str], removed: set
         else:
             volume.status = volumes.DELETING
             logger.warning("volume left deleting: its file may remain", extra={**where, "path": volume.path})
+
+
+def _remove_copies_elsewhere(cell: str, instance_uuid: str) -> None:
+    """Hard-delete the server's hidden copies in the other cells of its moves between cells.
+
+    The delete's confirm removes the newest move's; an older one whose confirm failed, the server
+    moved again since, keeps its copy (with its block device mappings, actions and migrations)
+    in its source cell otherwise. A visible copy there is another server's record, not this
+    one's to remove: it is left and logged. Idempotent.
+    """
+    with cell_session(cell) as session:
+        moves = session.execute(select(Migration.uuid, Migration.source_compute, Migration.dest_compute).where(
+            Migration.instance_uuid == instance_uuid, Migration.cross_cell_move.is_(True))).all()
+    for migration_uuid, *ends in moves:
+        cells = {hosts.cell_of_host(str(host)) for host in ends}
+        for other in sorted(c for c in cells if c is not None and c != cell):
+            try:
+                cross_cell_settle.hard_delete_copy(other, instance_uuid, migration_uuid)
+            except errors.CellCopyNotHidden:
+                logger.warning("a visible copy of the server in another cell is left",
+                               extra={"instance_uuid": instance_uuid, "cell": other, "migration_uuid": migration_uuid})
 
 
 def _migrations_of(cell: str, instance_uuid: str) -> list[str]:
