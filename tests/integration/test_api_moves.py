@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import uuid as uuidlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -740,6 +741,14 @@ def test_bad_migrate_requests_are_400_and_change_nothing(cloud, body, message):
     assert response.status == 400, response.body
     assert message in response.body["badRequest"]["message"]
     assert snapshot(cloud, server_id) == before
+
+
+def test_a_bad_migrate_body_is_400_before_the_server_is_looked_up(cloud):
+    # Nova checks the body against the microversion's schema first: an unknown server does not hide it.
+    response = action(str(uuidlib.uuid4()), {"migrate": {"host": 5}}, caller=ADMIN, version="2.56")
+
+    assert response.status == 400, response.body
+    assert "Invalid input for field/attribute migrate/host" in response.body["badRequest"]["message"]
 
 
 def test_migrate_with_a_null_host_lets_the_scheduler_choose(cloud):

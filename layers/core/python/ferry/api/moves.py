@@ -35,13 +35,11 @@ def resize(ctx: RequestContext, location: Location, value: dict[str, Any], _vers
     return request.empty(202)
 
 
-@server_action("migrate", schemas.MIGRATE_ACTION_ANY)
+@server_action("migrate", schemas.MIGRATE_ACTION_ANY, later=(TARGETED_MIGRATE_VERSION, schemas.MIGRATE_ACTION_V256))
 def migrate(ctx: RequestContext, location: Location, value: Any, version: APIVersion) -> Response:
     """202; ``host`` is read from 2.56 only (and needs its own policy); 400 unknown or same host."""
     host = None
     if version.at_least(TARGETED_MIGRATE_VERSION):
-        request.validate({"migrate": value}, {"type": "object", "properties": {
-            "migrate": schemas.MIGRATE_ACTION_V256}})
         host = (value or {}).get("host")
     policy.enforce(ctx, "os_compute_api:os-migrate-server:migrate", _target(location))
     if host:

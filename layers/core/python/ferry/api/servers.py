@@ -33,18 +33,28 @@ class ServerAction:
     name: str
     schema: dict[str, Any]
     handler: ActionHandler
+    # (microversion, schema): the body's schema from that microversion on.
+    later: tuple[str, dict[str, Any]] | None = None
+
+    def schema_at(self, version: APIVersion) -> dict[str, Any]:
+        if self.later is not None and version.at_least(self.later[0]):
+            return self.later[1]
+        return self.schema
 
 
 ACTIONS: dict[str, ServerAction] = {}
 
 
-def server_action(name: str, schema: dict[str, Any]) -> Callable[[ActionHandler], ActionHandler]:
+def server_action(name: str, schema: dict[str, Any],
+                  later: tuple[str, dict[str, Any]] | None = None) -> Callable[[ActionHandler], ActionHandler]:
     """Register ``handler(ctx, location, value, version) -> Response`` for the action ``name``.
 
-    ``value`` is what the body holds under ``name``, already checked against ``schema``.
+    ``value`` is what the body holds under ``name``, already checked against ``schema`` (or, from
+    the microversion ``later`` names, its schema), before the server is looked up, as Nova checks
+    a body first.
     """
     def register(handler: ActionHandler) -> ActionHandler:
-        ACTIONS[name] = ServerAction(name=name, schema=schema, handler=handler)
+        ACTIONS[name] = ServerAction(name=name, schema=schema, handler=handler, later=later)
         return handler
     return register
 
@@ -236,9 +246,10 @@ def server_action_request(server_id: str) -> Response:
     action = ACTIONS.get(name)
     if action is None:
         raise errors.BadRequest(f"There is no such action: {name}")
-    request.validate({name: value}, {"type": "object", "properties": {name: action.schema}})
+    version = request.version(router)
+    request.validate({name: value}, {"type": "object", "properties": {name: action.schema_at(version)}})
     location = compute_api.locate(ctx, server_id)
-    return action.handler(ctx, location, value, request.version(router))
+    return action.handler(ctx, location, value, version)
 
 
 @server_action("os-stop", schemas.NULL_ACTION)
