@@ -310,7 +310,11 @@ def validate_input(event: dict[str, Any]) -> dict[str, Any]:
 
 def _move_spec(instance: Instance, migration: Migration, cell: str, requested_host: str | None,
                is_bfv: bool) -> dict[str, Any]:
-    """The scheduler request for the move: the new flavor, the source excluded unless allowed."""
+    """The scheduler request for the move: the new flavor, the source excluded unless allowed.
+
+    It reads the API database: called with no cell session open (SQLite's writers take their
+    files one at a time, and a step holding the API database waits for a cell the other way).
+    """
     with api_session() as session:
         row = session.scalars(select(RequestSpec).where(RequestSpec.instance_uuid == instance.uuid)).one_or_none()
         base = dict(row.spec or {}) if row is not None else {}
@@ -448,8 +452,10 @@ def select_destinations(event: dict[str, Any]) -> dict[str, Any]:
         instances.update_cas(session, uuid, {"task_state": states.RESIZE_PREP},
                              expected_task_state=(states.RESIZE_PREP,))
         actions.start_event(session, instance_uuid=uuid, request_id=event["request_id"], event=EVENT_MIGRATE)
-        spec = _move_spec(instance, migration, cell, event.get("requested_host"), instances.is_bfv(session, uuid))
+        is_bfv = instances.is_bfv(session, uuid)
         source_host = cast(str, instance.host)
+    # The API database is read once the cell's transaction ended (one database at a time).
+    spec = _move_spec(instance, migration, cell, event.get("requested_host"), is_bfv)
     allocated = ((event.get("move") or {}).get("source") or {}).get("allocated")
     chosen = _claimed_selection(uuid, migration_uuid, cell, spec, source_host if allocated else None)
     if chosen is None:
@@ -552,7 +558,8 @@ def reschedule_move(event: dict[str, Any]) -> dict[str, Any]:
         prep_end = _prep_end(instance, migration)
         _update_migration(session, migration_uuid, {"dest_compute": None, "dest_node": None, "dest_host": None},
                           (PRE_MIGRATING,))
-        spec = _move_spec(instance, migration, cell, None, instances.is_bfv(session, uuid))
+        is_bfv = instances.is_bfv(session, uuid)
+    spec = _move_spec(instance, migration, cell, None, is_bfv)
     if prep_end is not None:
         _publish(prep_end)
     source_holder = None if _is_move_claim(held, failed, spec) else migration_uuid
@@ -824,8 +831,8 @@ def _is_unrecorded_claim(event: Mapping[str, Any], held: placement.Allocations) 
         instance, migration = _load(session, event)
         if not instance.new_flavor:
             return False
-        spec = _move_spec(instance, migration, event["cell"], event.get("requested_host"),
-                          instances.is_bfv(session, instance.uuid))
+        is_bfv = instances.is_bfv(session, instance.uuid)
+    spec = _move_spec(instance, migration, event["cell"], event.get("requested_host"), is_bfv)
     dest = event.get("destination")
     return _claim_provider(held, spec) is not None if dest is None else _is_move_claim(held, dest, spec)
 
