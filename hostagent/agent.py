@@ -106,6 +106,11 @@ TAKE_BACK_RETRY_SECONDS = 120
 HOLD_POLL_SECONDS = 0.5
 DLQ_RETENTION_SECONDS = 14 * 24 * 3600
 # Step Functions limits on SendTaskFailure.
+# Operations whose HypervisorError the workflows read as "nothing was removed here" (the guest
+# could not be destroyed, so its disks were not touched either): a revert then goes back to
+# VERIFY_RESIZE, where a confirm deletes the source's disks. Once an earlier run of the same
+# operation was cut short, it may have removed them before this run's hypervisor failed.
+_REMOVALS = frozenset({protocol.DESTROY, protocol.REVERT_RESIZE})
 _MAX_ERROR_LEN = 256
 _MAX_CAUSE_LEN = 32768
 
@@ -963,6 +968,8 @@ class HostAgent(MoveOperations):
             waits = self._still_awaited(op.task_token, context)
             if not waits:
                 raise _NotRun(waits)
+        earlier = self.journal.get(op.operation_id)
+        cut_short = earlier is not None and not earlier.finished
         self.journal.start(op.operation_id, op.name, op.instance_uuid, op.task_token)
         logger.info("operation started", extra=context)
         started = time.monotonic()
@@ -974,7 +981,12 @@ class HostAgent(MoveOperations):
             faults.check(*faults.host_points(self.host, op.name, op.operation_id))
             result = self._handlers[op.name](op)
         except errors.FerryError as exc:
-            error, cause = exc.name, exc.message
+            failure = exc
+            if cut_short and op.name in _REMOVALS and isinstance(exc, errors.HypervisorError):
+                failure = errors.HostOperationFailed(
+                    f"{exc.message} An earlier run of this operation was cut short: it may have removed the "
+                    f"guest or its disks already.", instance_uuid=op.instance_uuid)
+            error, cause = failure.name, failure.message
         except Exception as exc:
             logger.exception("operation failed unexpectedly", extra=context)
             wrapped = errors.HostOperationFailed(f"{type(exc).__name__}: {exc}")

@@ -308,31 +308,38 @@ def validate_input(event: dict[str, Any]) -> dict[str, Any]:
 # --- SelectMoveDestinations ---------------------------------------------------------------------
 
 
-def _move_spec(instance: Instance, migration: Migration, cell: str, requested_host: str | None,
-               is_bfv: bool) -> dict[str, Any]:
-    """The scheduler request for the move: the new flavor, the source excluded unless allowed.
+def _move_facts(session: Session, instance: Instance, migration: Migration) -> dict[str, Any]:
+    """What :func:`_move_spec` needs of the instance and its migration, read in their cell's ``session``."""
+    return {"uuid": instance.uuid, "host": instance.host, "project_id": instance.project_id,
+            "user_id": instance.user_id, "new_flavor": instance.new_flavor,
+            "migration_type": migration.migration_type, "is_bfv": instances.is_bfv(session, instance.uuid)}
+
+
+def _move_spec(facts: Mapping[str, Any], cell: str, requested_host: str | None) -> dict[str, Any]:
+    """The scheduler request for the move (``facts``: see :func:`_move_facts`): the new flavor, the
+    source excluded unless allowed.
 
     It reads the API database: called with no cell session open (SQLite's writers take their
     files one at a time, and a step holding the API database waits for a cell the other way).
     """
     with api_session() as session:
-        row = session.scalars(select(RequestSpec).where(RequestSpec.instance_uuid == instance.uuid)).one_or_none()
+        row = session.scalars(select(RequestSpec).where(RequestSpec.instance_uuid == facts["uuid"])).one_or_none()
         base = dict(row.spec or {}) if row is not None else {}
     ignore: set[str] = set()
-    same_host_allowed = migration.migration_type == RESIZE and config.get().allow_resize_to_same_host
+    same_host_allowed = facts["migration_type"] == RESIZE and config.get().allow_resize_to_same_host
     if not same_host_allowed:
-        ignore.add(instance.host or "")
+        ignore.add(facts["host"] or "")
     ignore.discard("")
     # Every cell but cell0 when the API allowed a cross-cell move; CrossCellWeigher prefers the source cell.
     cross_cell = CROSS_CELL_SCHEDULING and base.get("allow_cross_cell_move")
     allowed_cells = [c.name for c in all_cells(include_cell0=False)] if cross_cell else [cell]
     return {
         **base,
-        "instance_uuid": instance.uuid,
-        "project_id": instance.project_id,
-        "user_id": instance.user_id,
-        "flavor": instance.new_flavor,
-        "is_bfv": bool(base.get("is_bfv", is_bfv)),
+        "instance_uuid": facts["uuid"],
+        "project_id": facts["project_id"],
+        "user_id": facts["user_id"],
+        "flavor": facts["new_flavor"],
+        "is_bfv": bool(base.get("is_bfv", facts["is_bfv"])),
         "ignore_hosts": sorted(ignore),
         "requested_destination": {"host": requested_host} if requested_host else None,
         "allowed_cells": allowed_cells,
@@ -452,10 +459,10 @@ def select_destinations(event: dict[str, Any]) -> dict[str, Any]:
         instances.update_cas(session, uuid, {"task_state": states.RESIZE_PREP},
                              expected_task_state=(states.RESIZE_PREP,))
         actions.start_event(session, instance_uuid=uuid, request_id=event["request_id"], event=EVENT_MIGRATE)
-        is_bfv = instances.is_bfv(session, uuid)
+        facts = _move_facts(session, instance, migration)
         source_host = cast(str, instance.host)
     # The API database is read once the cell's transaction ended (one database at a time).
-    spec = _move_spec(instance, migration, cell, event.get("requested_host"), is_bfv)
+    spec = _move_spec(facts, cell, event.get("requested_host"))
     allocated = ((event.get("move") or {}).get("source") or {}).get("allocated")
     chosen = _claimed_selection(uuid, migration_uuid, cell, spec, source_host if allocated else None)
     if chosen is None:
@@ -558,8 +565,8 @@ def reschedule_move(event: dict[str, Any]) -> dict[str, Any]:
         prep_end = _prep_end(instance, migration)
         _update_migration(session, migration_uuid, {"dest_compute": None, "dest_node": None, "dest_host": None},
                           (PRE_MIGRATING,))
-        is_bfv = instances.is_bfv(session, uuid)
-    spec = _move_spec(instance, migration, cell, None, is_bfv)
+        facts = _move_facts(session, instance, migration)
+    spec = _move_spec(facts, cell, None)
     if prep_end is not None:
         _publish(prep_end)
     source_holder = None if _is_move_claim(held, failed, spec) else migration_uuid
@@ -831,8 +838,8 @@ def _is_unrecorded_claim(event: Mapping[str, Any], held: placement.Allocations) 
         instance, migration = _load(session, event)
         if not instance.new_flavor:
             return False
-        is_bfv = instances.is_bfv(session, instance.uuid)
-    spec = _move_spec(instance, migration, event["cell"], event.get("requested_host"), is_bfv)
+        facts = _move_facts(session, instance, migration)
+    spec = _move_spec(facts, event["cell"], event.get("requested_host"))
     dest = event.get("destination")
     return _claim_provider(held, spec) is not None if dest is None else _is_move_claim(held, dest, spec)
 
