@@ -6,7 +6,7 @@ with ``layers/core/python`` on PYTHONPATH (what Lambda does with the core layer)
 and reports the best and median cumulative import time of ``app`` in milliseconds, flagging
 those over the target (300 ms). ``--top`` lists the slowest modules under the slowest handler.
 
-By default the interpreter is a virtualenv holding only ``layers/core/requirements.txt`` (what
+By default the interpreter is a virtualenv holding only ``layers/core/python/requirements.txt`` (what
 ``sam build`` puts in the layer), made under ``.bench/layer-venv`` on the first run, so that
 packages only the tests install (format checkers, test tools) do not count; ``--python`` names
 another interpreter (``--python .venv/bin/python`` measures the development virtualenv).
@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT / "layers" / "core" / "python"))
 from ferry import LAMBDA_VARIABLE  # noqa: E402 - the variable Lambda sets, named by the layer
 
 TARGET_MS = 300.0
-LAYER_REQUIREMENTS = ROOT / "layers" / "core" / "requirements.txt"
+LAYER_REQUIREMENTS = ROOT / "layers" / "core" / "python" / "requirements.txt"
 LAYER_VENV = ROOT / ".bench" / "layer-venv"
 
 

@@ -58,7 +58,7 @@ def test_the_drain_webhook_loads_neither_boto3_nor_an_aws_client_to_start():
                    "aws_lambda_powertools.utilities.idempotency"} & loaded) == []
 
 
-LAYER_REQUIREMENTS = ROOT / "layers" / "core" / "requirements.txt"
+LAYER_REQUIREMENTS = ROOT / "layers" / "core" / "python" / "requirements.txt"
 # Imported only when installed (botocore's CA bundle, urllib3's IDNA codec): not needed.
 OPTIONAL = {"certifi", "idna"}
 LOAD_EVERY_HANDLER = """
@@ -107,7 +107,7 @@ def _with_dependencies(names: set[str], extras: dict[str, set[str]]) -> set[str]
 def test_the_layer_pins_what_the_tests_run_on():
     locked = _requirements(ROOT / "requirements.lock")
     layer = _requirements(LAYER_REQUIREMENTS)
-    assert layer, "layers/core/requirements.txt names no package"
+    assert layer, "layers/core/python/requirements.txt names no package"
     assert {name: version for name, version in layer.items() if locked.get(name) != version} == {}
 
 

@@ -93,6 +93,19 @@ def test_function_code_uri_holds_its_handler(logical_id):
     )
 
 
+def test_each_python_layer_builds_with_the_package_on_lambdas_import_path():
+    # A python BuildMethod puts what ContentUri holds into the layer's python/ folder, which Lambda
+    # puts on the import path: the package and its requirements.txt are at ContentUri's top.
+    layers = {lid: r for lid, r in load_template(TEMPLATE_PATH)["Resources"].items()
+              if r["Type"] == "AWS::Serverless::LayerVersion"}
+    assert layers, "the template has no layer"
+    for logical_id, layer in layers.items():
+        assert str(layer["Metadata"]["BuildMethod"]).startswith("python"), logical_id
+        content = ROOT / layer["Properties"]["ContentUri"]
+        assert (content / "ferry" / "__init__.py").is_file(), f"{logical_id}: no ferry package at {content}"
+        assert (content / "requirements.txt").is_file(), f"{logical_id}: no requirements.txt at {content}"
+
+
 @pytest.mark.parametrize("asl_file", ASL_FILES, ids=_rel)
 def test_definition_file_is_used_by_a_state_machine(asl_file):
     users = [lid for lid, m in TEMPLATE.state_machines.items() if m.definition_uri == asl_file]
