@@ -63,6 +63,16 @@ def _settings_set_by_template() -> set[str]:
     return {name for f in TEMPLATE.functions.values() for name in f.environment if name.startswith("FERRY_")}
 
 
+def test_functions_run_outside_a_vpc_unless_given_subnets_and_then_all_in_them():
+    assert {lid: f.vpc_config for lid, f in TEMPLATE.functions.items() if f.vpc_config is not None} == {}
+
+    placed = resolve(TEMPLATE_PATH, parameters={"FunctionSubnetIds": "subnet-1,subnet-2",
+                                                "FunctionSecurityGroupIds": "sg-1"})
+
+    assert {lid: f.vpc_config for lid, f in placed.functions.items()
+            if f.vpc_config != {"SubnetIds": ["subnet-1", "subnet-2"], "SecurityGroupIds": ["sg-1"]}} == {}
+
+
 def test_template_passes_cfn_lint():
     matches = cfnlint.api.lint_file(TEMPLATE_PATH)
 

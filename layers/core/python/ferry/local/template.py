@@ -131,6 +131,8 @@ class Function:
     memory_size: int
     environment: dict[str, str]
     events: dict[str, dict[str, Any]]
+    # Its network interfaces' subnets and security groups (None: outside any VPC; the local stack ignores it).
+    vpc_config: dict[str, Any] | None = None
 
     @property
     def module_path(self) -> Path:
@@ -723,6 +725,7 @@ class _Builder:
                 memory_size=int(resolved.get("MemorySize", 128)),
                 environment={k: _stringify(v) for k, v in variables.items()},
                 events=resolved.get("Events") or {},
+                vpc_config=resolved.get("VpcConfig"),
             )
         return functions
 
