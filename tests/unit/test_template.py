@@ -556,6 +556,16 @@ def test_every_operator_alarm_counts_a_metric_the_code_publishes_and_notifies_th
         assert RAW["Resources"][logical_id]["Properties"]["AlarmName"] == {"Fn::Sub": f"ferry-${{Stage}}-{metric}"}
 
 
+def test_the_stage_of_the_compute_api_has_an_alarm_on_what_it_answers_5xx():
+    # What the gateway answers itself (the authorizer failed, a function timed out) counts no ApiFault.
+    api_name = RAW["Resources"]["ComputeApi"]["Properties"]["Name"]
+    alarms = [r["Properties"] for r in RAW["Resources"].values() if r["Type"] == "AWS::CloudWatch::Alarm"
+              and r["Properties"].get("Namespace") == "AWS/ApiGateway"]
+
+    assert [(a["MetricName"], a["Dimensions"]) for a in alarms] == [
+        ("5XXError", [{"Name": "ApiName", "Value": api_name}, {"Name": "Stage", "Value": {"Ref": "Stage"}}])]
+
+
 def test_every_metric_to_watch_has_an_alarm_unless_clients_cause_it():
     watched, alarmed = _metrics_to_watch(), set(_metric_alarms().values())
 
