@@ -285,20 +285,24 @@ class MoveOperations:
         uuid, args = op.instance_uuid, op.args
         migration = args["migration_uuid"]
         live = disks.instance_dir(self.instances_dir, uuid)
+        if kept.exists() and not live.exists():
+            raise errors.GuestNotFound(
+                f"Instance {uuid} has no disks on {self.host} except those kept for another move ({kept}).",
+                instance_uuid=uuid,
+            )
+        record = _record_of(live, migration)
+        guest = self.driver.guest_exists(uuid)
+        if not guest and record is None:
+            # Checked before anything is removed: the kept disks may be the instance's only good ones.
+            raise errors.GuestNotFound(f"No guest for instance {uuid} on {self.host}.", instance_uuid=uuid)
         if kept.exists():
-            if not live.exists():
-                raise errors.GuestNotFound(
-                    f"Instance {uuid} has no disks on {self.host} except those kept for another move ({kept}).",
-                    instance_uuid=uuid,
-                )
             # Left by an earlier move that was never cleaned up; the live directory is the current one.
             logger.warning(
                 "removing disks kept for an earlier move",
                 extra={"host": self.host, "instance_uuid": uuid, "path": str(kept), "record": read_record(kept)},
             )
             disks.remove_dir(kept)
-        record = _record_of(live, migration)
-        if self.driver.guest_exists(uuid):
+        if guest:
             if record is None:
                 # Written before the guest is touched: a re-run after the power off still knows it ran.
                 live.mkdir(parents=True, exist_ok=True)
@@ -314,8 +318,6 @@ class MoveOperations:
             )
             # Undefining unplugs the guest's ports and disconnects its volumes; the disks stay.
             self.driver.destroy(uuid)
-        elif record is None:
-            raise errors.GuestNotFound(f"No guest for instance {uuid} on {self.host}.", instance_uuid=uuid)
         try:
             os.rename(live, kept)
         except OSError as exc:

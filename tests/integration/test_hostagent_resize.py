@@ -1308,6 +1308,19 @@ def test_a_kept_directory_left_by_an_earlier_move_does_not_block_a_new_one(sourc
     assert finished["power_state"] == RUNNING
 
 
+def test_a_resize_that_finds_no_guest_leaves_the_disks_an_earlier_move_kept(source, dest):
+    # GIVEN an earlier move's kept disks, and beside them a live directory with no guest and no record
+    server = boot(source)
+    source.ok("resize_instance", server.uuid, resize_args(str(uuid.uuid4()), dest))
+    kept = source.kept(server.uuid)
+    before = sorted(p.name for p in kept.iterdir())
+    source.live(server.uuid).mkdir()
+
+    # WHEN another move's resize_instance runs, THEN it fails and the kept disks are still there
+    assert source.fails("resize_instance", server.uuid, resize_args(str(uuid.uuid4()), dest)) == "Ferry.GuestNotFound"
+    assert sorted(p.name for p in kept.iterdir()) == before
+
+
 # --- fault injection ----------------------------------------------------------------------------
 
 
