@@ -206,6 +206,26 @@ def test_bind_then_unbind_leaves_no_port_binding(cloud):
         assert session.scalars(select(Port)).one().bindings == []
 
 
+def test_the_guest_gets_its_ports_in_the_order_the_server_was_created_with(cloud):
+    # GIVEN a server created with a new port on a network, then a port its owner made earlier
+    event = accept_server(cloud["image_id"])
+    with api_session() as session:
+        made = session.scalars(select(Port).where(Port.device_id == event["instance_uuid"])).one()
+        brought = Port(network_id=made.network_id, project_id=made.project_id, device_id=event["instance_uuid"],
+                       mac_address="fa:16:3e:00:00:01", created_at=made.created_at - dt.timedelta(days=1))
+        session.add(brought)
+        session.flush()
+        spec = session.scalars(select(RequestSpec)).one()
+        spec.spec = {**spec.spec, "requested_networks": [
+            {"network_id": made.network_id, "port_id": made.id, "preexisting": False},
+            {"network_id": made.network_id, "port_id": brought.id, "preexisting": True}]}
+        order = [made.id, brought.id]
+    event["destination"] = boot.select_destinations(event)
+
+    # WHEN the build binds them, THEN its guest has them as asked, not oldest first
+    assert [p["id"] for p in boot.bind_resources_at_dest(event)["spawn_args"]["ports"]] == order
+
+
 def test_finish_build_marks_active_and_records_the_build_event(cloud):
     event = accept_server(cloud["image_id"])
     event["destination"] = boot.select_destinations(event)

@@ -18,7 +18,7 @@ from typing import Any
 from sqlalchemy import delete, select, update
 from sqlalchemy.exc import OperationalError
 
-from ferry import errors, hosts, images, placement, scheduler, volumes
+from ferry import errors, hosts, images, network, placement, scheduler, volumes
 from ferry.compute import actions, instances, states
 from ferry.observability import logger
 from ferry.store.api_models import (
@@ -240,7 +240,7 @@ def bind_resources_at_dest(event: dict[str, Any]) -> dict[str, Any]:
                                  .where(InstanceMapping.instance_uuid == uuid).with_for_update()).one_or_none()
         if queued is None or queued:
             raise errors.UnexpectedTaskState(f"Instance {uuid} was deleted while it was being built.")
-        ports = list(session.scalars(select(Port).where(Port.device_id == uuid).order_by(Port.created_at)))
+        ports = network.instance_ports(session, uuid)
         for port in ports:
             if not any(b.host == host for b in port.bindings):
                 port.bindings.append(PortBinding(host=host, status="ACTIVE", vif_details={"type": "ethernet"}))
