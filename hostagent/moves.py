@@ -318,6 +318,7 @@ class MoveOperations:
             )
             # Undefining unplugs the guest's ports and disconnects its volumes; the disks stay.
             self.driver.destroy(uuid)
+        assert record is not None  # written above for a guest, found otherwise
         try:
             os.rename(live, kept)
         except OSError as exc:
