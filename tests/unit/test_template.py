@@ -73,6 +73,17 @@ def test_functions_run_outside_a_vpc_unless_given_subnets_and_then_all_in_them()
             if f.vpc_config != {"SubnetIds": ["subnet-1", "subnet-2"], "SecurityGroupIds": ["sg-1"]}} == {}
 
 
+def test_every_function_has_the_core_layer_and_the_policy_layer_when_one_is_given():
+    core = TEMPLATE.functions["ApiFunction"].layers
+    assert len(core) == 1
+    assert {lid: f.layers for lid, f in TEMPLATE.functions.items() if f.layers != core} == {}
+
+    policy_layer = "arn:aws:lambda:us-east-1:123456789012:layer:ferry-policy:3"
+    given = resolve(TEMPLATE_PATH, parameters={"PolicyLayerArn": policy_layer})
+
+    assert {lid: f.layers for lid, f in given.functions.items() if f.layers != (*core, policy_layer)} == {}
+
+
 def test_template_passes_cfn_lint():
     matches = cfnlint.api.lint_file(TEMPLATE_PATH)
 

@@ -133,6 +133,8 @@ class Function:
     events: dict[str, dict[str, Any]]
     # Its network interfaces' subnets and security groups (None: outside any VPC; the local stack ignores it).
     vpc_config: dict[str, Any] | None = None
+    # The ARNs of its layers (the local stack puts the core layer's package on the path itself).
+    layers: tuple[str, ...] = ()
 
     @property
     def module_path(self) -> Path:
@@ -726,6 +728,7 @@ class _Builder:
                 environment={k: _stringify(v) for k, v in variables.items()},
                 events=resolved.get("Events") or {},
                 vpc_config=resolved.get("VpcConfig"),
+                layers=tuple(str(layer) for layer in resolved.get("Layers") or ()),
             )
         return functions
 
