@@ -26,6 +26,7 @@ from cross_cell_helpers import (
     migration_in,
 )
 from sqlalchemy import select, update
+from sqlalchemy.exc import OperationalError
 from test_cross_cell_steps import read_cells, usage_before_each_call
 from verify_resize_helpers import (
     NEW,
@@ -486,6 +487,28 @@ def test_a_late_restore_leaves_alone_the_confirm_that_took_the_migration_since(c
 
     assert migration_in(TARGET_CELL, moved.migration_uuid).status == migration_states.CONFIRMING
     assert mapped_cell(moved.instance_uuid) == TARGET_CELL
+
+
+def test_a_delete_goes_on_when_the_cell_of_an_older_moves_copy_cannot_be_reached(cloud, monkeypatch, tmp_path):
+    # GIVEN a server moved between cells whose confirm failed at the source, then deleted while
+    # the source cell's database cannot be reached
+    moved = make_cross_cell(tmp_path)
+    event = begin("confirm", moved, monkeypatch)
+    confirm_resize.fail_confirm({**event, "move": confirm_resize.check_resize_to_confirm(event),
+                                 "error": {"Error": "Ferry.HypervisorError", "Cause": "the disk is busy"}})
+    accept_delete(moved.instance_uuid, "req-delete", TARGET_CELL)
+    removal = {"instance_uuid": moved.instance_uuid, "cell": TARGET_CELL, "request_id": "req-delete",
+               "host": CROSS_DEST}
+
+    def unreachable(cell: str, instance_uuid: str, migration_uuid: str) -> bool:
+        raise OperationalError("SELECT 1", {}, ConnectionRefusedError("connection refused"))
+
+    monkeypatch.setattr(cross_cell_settle, "hard_delete_copy", unreachable)
+
+    # WHEN its FinishDelete runs, THEN the server is deleted; the copy is left for the audit
+    delete.finish_delete(removal)
+    assert copy_in(TARGET_CELL, moved.instance_uuid).deleted is True
+    assert copy_in(SOURCE_CELL, moved.instance_uuid).hidden is True
 
 
 def test_deleting_a_server_releases_what_an_older_failed_confirm_left_held(cloud, monkeypatch, tmp_path):

@@ -19,11 +19,13 @@ from typing import Any
 
 from aws_lambda_powertools.metrics import MetricUnit
 from sqlalchemy import select, update
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from ferry import errors, hosts, network, notifications, placement, volumes
 from ferry.compute import actions, instances, migration_states, server_groups, states
 from ferry.observability import logger, metrics
+from ferry.store import db
 from ferry.store.api_models import InstanceMapping, Volume, VolumeAttachment, utcnow
 from ferry.store.cell_models import BlockDeviceMapping, Instance, Migration
 from ferry.store.db import CELL0_NAME, api_session, cell_session
@@ -225,7 +227,8 @@ def _remove_copies_elsewhere(cell: str, instance_uuid: str) -> None:
     The delete's confirm removes the newest move's; an older one whose confirm failed, the server
     moved again since, keeps its copy (with its block device mappings, actions and migrations)
     in its source cell otherwise. A visible copy there is another server's record, not this
-    one's to remove: it is left and logged. Idempotent.
+    one's to remove: it is left and logged; so is a copy in a cell whose database cannot be
+    reached (the delete goes on without it: ``ferry audit --fix`` removes it later). Idempotent.
     """
     with cell_session(cell) as session:
         moves = session.execute(select(Migration.uuid, Migration.source_compute, Migration.dest_compute).where(
@@ -238,6 +241,12 @@ def _remove_copies_elsewhere(cell: str, instance_uuid: str) -> None:
             except errors.CellCopyNotHidden:
                 logger.warning("a visible copy of the server in another cell is left",
                                extra={"instance_uuid": instance_uuid, "cell": other, "migration_uuid": migration_uuid})
+            except DBAPIError as exc:
+                if not db.transient(exc):
+                    raise
+                logger.warning("the server's copy in another cell is left: its database cannot be reached",
+                               extra={"instance_uuid": instance_uuid, "cell": other, "migration_uuid": migration_uuid,
+                                      "error": str(exc.orig or exc).splitlines()[0][:200]})
 
 
 def _migrations_of(cell: str, instance_uuid: str) -> list[str]:
