@@ -145,6 +145,13 @@ def _revert_until_flipped(moved, monkeypatch) -> dict[str, Any]:
     return event
 
 
+def _flipped_then_failed(moved, monkeypatch, error: dict[str, str]) -> dict[str, Any]:
+    """A revert flipped to the source cell whose next step failed with ``error``, as its Catch sees it."""
+    event = _revert_until_flipped(moved, monkeypatch)
+    event["flipped"] = cross_cell_settle.flip_to_source_cell(event)
+    return {**event, "error": error}
+
+
 def test_revert_brings_the_server_back_to_its_source_cell_and_host(cloud, monkeypatch, tmp_path):
     moved = make_cross_cell(tmp_path)
     extra_volume = make_volume(tmp_path)
@@ -279,9 +286,7 @@ def test_revert_whose_destination_could_not_destroy_its_guest_is_undone_and_can_
         cloud, monkeypatch, tmp_path):
     # GIVEN a revert flipped to the source cell, whose DestroyAtDest failed with the guest intact
     moved = make_cross_cell(tmp_path)
-    first = _revert_until_flipped(moved, monkeypatch)
-    first["flipped"] = cross_cell_settle.flip_to_source_cell(first)
-    first["error"] = {"Error": "Ferry.HypervisorError", "Cause": "cannot destroy"}
+    first = _flipped_then_failed(moved, monkeypatch, {"Error": "Ferry.HypervisorError", "Cause": "cannot destroy"})
 
     # WHEN its Catch runs RestoreVerifyResize (twice: delivered again)
     confirm_resize.restore_verify_resize(first)
@@ -338,9 +343,7 @@ def test_revert_that_fails_at_the_destination_after_the_flip_is_error_with_the_c
         cloud, monkeypatch, tmp_path):
     # A timeout at the destination: its guest may be gone, so the revert cannot be undone.
     moved = make_cross_cell(tmp_path)
-    event = _revert_until_flipped(moved, monkeypatch)
-    event["flipped"] = cross_cell_settle.flip_to_source_cell(event)
-    event["error"] = {"Error": "States.Timeout", "Cause": "no answer"}
+    event = _flipped_then_failed(moved, monkeypatch, {"Error": "States.Timeout", "Cause": "no answer"})
 
     revert_resize.fail_revert(event)
     revert_resize.fail_revert(event)

@@ -112,14 +112,20 @@ def test_soft_policies_weigh_but_never_refuse(store, monkeypatch):
     assert chosen(spec_for(apart), claim=False) in {"host-a", "host-b"}
 
 
-def test_a_moving_member_holds_its_source_until_the_move_ends_so_a_revert_never_joins_another(three_hosts):
-    # GIVEN an anti-affinity member on host-a moving to host-b (its source held by the migration)
-    group = add_group(server_groups.ANTI_AFFINITY)
-    mover = place_member(group, three_hosts["host-a"])
+def moved_to_host_b(group: str, provider: str) -> tuple[str, str]:
+    """(member, migration): a new member of ``group`` on ``provider`` (host-a's), its move claimed on host-b."""
+    mover = place_member(group, provider)
     migration = str(uuid.uuid4())
     spec = spec_for(group, mover)
     spec["ignore_hosts"] = ["host-a", "host-c"]
     assert chosen(spec, migration_uuid=migration) == "host-b"
+    return mover, migration
+
+
+def test_a_moving_member_holds_its_source_until_the_move_ends_so_a_revert_never_joins_another(three_hosts):
+    # GIVEN an anti-affinity member on host-a moving to host-b (its source held by the migration)
+    group = add_group(server_groups.ANTI_AFFINITY)
+    mover, migration = moved_to_host_b(group, three_hosts["host-a"])
 
     # WHEN another member is booted, THEN neither the source nor the destination is free for it
     newcomer = join_group(group)
@@ -137,11 +143,7 @@ def test_an_affinity_member_on_the_move_draws_newcomers_to_where_it_goes(store):
     add_compute("host-b", vcpus=16, memory_mb=65536)
     add_compute("host-c", vcpus=16, memory_mb=65536)
     group = add_group(server_groups.AFFINITY)
-    mover = place_member(group, roomy)
-    migration = str(uuid.uuid4())
-    spec = spec_for(group, mover)
-    spec["ignore_hosts"] = ["host-a", "host-c"]
-    assert chosen(spec, migration_uuid=migration) == "host-b"
+    mover, migration = moved_to_host_b(group, roomy)
 
     # WHEN another member is booted while it waits in VERIFY_RESIZE
     newcomer = join_group(group)
