@@ -2408,6 +2408,220 @@ def test_a_drain_with_a_deleted_server_and_a_failed_one_fails_naming_both(store)
     assert report["message"] == "0 of 2 servers moved; 1 failed, 0 could not be placed, 1 deleted during the drain."
 
 
+@pytest.mark.parametrize("kept", [False, True])
+def test_an_unplaceable_server_deleted_during_a_drain_that_moved_what_fits_is_gone_not_left_behind(store, bus, kept):
+    # GIVEN a drain that moves what fits, whose one server moved and whose server in ERROR (not
+    # placed) was deleted by its owner meanwhile (and, when ``kept``, another in ERROR still there)
+    source = add_compute("source")
+    add_compute("dest")
+    moved, deleted = _server_on("source", source), _server_on("source", source)
+    broken = [deleted] + ([_server_on("source", source)] if kept else [])
+    with cell_session("cell1") as session:
+        session.execute(update(Instance).where(Instance.uuid.in_(broken)).values(vm_state="error"))
+    drain = _record({"host": "source", "move_what_fits": True})
+    assert drains.start(drain)["servers"] == [moved]
+    assert drains.acquire_slot(drain, moved).action == "move"
+    with cell_session("cell1") as session:
+        session.execute(update(Instance).where(Instance.uuid == moved).values(host="dest", node="dest"))
+    drains.record_moved(drain, moved, confirmed=True)
+    _deleted(deleted)
+
+    # WHEN the drain finishes
+    report = drains.finish(drain)
+
+    # THEN the deleted one left the host: gone, and not counted as a server that could not be placed
+    row = _servers(drain)[deleted]
+    assert row.state == "gone" and row.error.startswith(drains.GONE_MESSAGE)
+    assert "no place for it" in row.error and "error" in row.error
+    if kept:
+        assert report["status"] == "failed"
+        assert report["message"] == ("1 of 3 servers moved; 0 failed, 1 could not be placed, 1 deleted during "
+                                     "the drain.")
+    else:
+        assert report["status"] == "completed"
+        assert report["message"] == "All 2 servers left: 1 moved, 1 deleted during the drain."
+        assert bus()[-1]["detail-type"] == "drain.end"
+
+
+# --- servers their owner moved, or kept busy, before their turn ----------------------------------------
+
+
+def _moved_by_its_owner(server: str, host: str, migration: str = "confirmed") -> str:
+    """The server's records once its owner migrated it off host ``source`` to ``host`` (the
+    scheduler took a host the drain does not drain): confirmed, or, with ``migration``
+    ``finished``, waiting there in VERIFY_RESIZE for the owner's confirm. Its migration's id."""
+    migration_uuid = str(uuid.uuid4())
+    with cell_session("cell1") as session:
+        session.execute(update(Instance).where(Instance.uuid == server).values(
+            host=host, node=host, vm_state="resized" if migration == "finished" else "active", task_state=None))
+        session.add(Migration(uuid=migration_uuid, instance_uuid=server, source_compute="source",
+                              source_node="source", dest_compute=host, dest_node=host, status=migration,
+                              migration_type="migration"))
+    return migration_uuid
+
+
+def _started_with_two_and_a_third_host(**options) -> tuple[str, str, str, str, str]:
+    """:func:`_started_with_two` with hosts ``dest`` and ``other`` to go to: ``(drain, first, second,
+    the host planned for second, the other one)``."""
+    source = add_compute("source")
+    add_compute("dest")
+    add_compute("other")
+    first, second = _server_on("source", source), _server_on("source", source)
+    drain = _record({"host": "source", **options})
+    drains.start(drain)
+    planned = _servers(drain)[second].planned_host
+    return drain, first, second, planned, ({"dest", "other"} - {planned}).pop()
+
+
+def _moved_by_the_drain(drain: str, server: str) -> None:
+    assert drains.acquire_slot(drain, server).action == "move"
+    planned = _servers(drain)[server].planned_host
+    with cell_session("cell1") as session:
+        session.execute(update(Instance).where(Instance.uuid == server).values(host=planned, node=planned))
+    drains.record_moved(drain, server, confirmed=True)
+
+
+@pytest.mark.parametrize("to", ["another host", "the planned host"])
+def test_a_server_its_owner_moved_off_the_host_before_its_turn_is_done_and_not_moved_again(store, to):
+    # GIVEN a running drain of two servers: one moved by the drain, the other migrated by its
+    # owner meanwhile to a host the drain does not drain
+    drain, moved, server, planned, other = _started_with_two_and_a_third_host()
+    _moved_by_the_drain(drain, moved)
+    host = planned if to == "the planned host" else other
+    owners = _moved_by_its_owner(server, host)
+
+    # WHEN its turn comes (twice: a step may run again)
+    first = drains.acquire_slot(drain, server)
+    again = drains.acquire_slot(drain, server)
+
+    # THEN its iteration stops: no move is accepted, and the server is done where its owner put it
+    assert first.action == again.action == "stop"
+    row = _servers(drain)[server]
+    assert (row.state, row.dest_host, row.error, row.attempts) == ("done", host, None, 0)
+    assert _migrations_of(server) == [owners]
+    # and the drain completes: its host holds nothing
+    report = drains.finish(drain)
+    assert (report["status"], report["message"]) == ("completed", "All 2 servers moved.")
+
+
+@pytest.mark.parametrize("to", ["another host", "the planned host"])
+@pytest.mark.parametrize("when", ["before PrepareMove", "while PrepareMove accepts the move"])
+def test_a_server_its_owner_moved_off_the_host_once_its_slot_was_taken_is_not_moved_again(
+        store, move_machines, monkeypatch, to, when):
+    # GIVEN AcquireSlot handed out the server's move, and its owner's migration to a host the
+    # drain does not drain ended before PrepareMove ran, or while it ran (after its look, before
+    # the move's acceptance swapped the server's task)
+    drain, moved, server, planned, other = _started_with_two_and_a_third_host(retries=1)
+    _moved_by_the_drain(drain, moved)
+    slot = drains.acquire_slot(drain, server).to_dict()
+    assert slot["action"] == "move"
+    host = planned if to == "the planned host" else other
+    if when == "before PrepareMove":
+        _moved_by_its_owner(server, host)
+    else:
+        locate = drains.compute_api.locate
+
+        def moved_meanwhile(*args, **kwargs):
+            _moved_by_its_owner(server, host)
+            return locate(*args, **kwargs)
+
+        monkeypatch.setattr(drains.compute_api, "locate", moved_meanwhile)
+
+    # WHEN PrepareMove runs: it leaves no move of the drain accepted
+    with pytest.raises(errors.DrainInvalidState, match="left the drained hosts"):
+        drains.prepare_move(drain, server, slot)
+    with cell_session("cell1") as session:
+        instance = session.scalars(select(Instance).where(Instance.uuid == server)).one()
+        ours = session.scalars(select(Migration.status).where(Migration.uuid == slot["migration_uuid"])).first()
+    assert (instance.host, instance.task_state) == (host, None)
+    # never accepted (refused as a move to the host it is on), or accepted from there and undone
+    assert ours == ("error" if (when, to) == ("while PrepareMove accepts the move", "another host") else None)
+
+    # THEN the server is done where its owner put it, and RecordFailure, where the workflow goes,
+    # finds it so: no other try
+    error = {"Error": "Ferry.DrainInvalidState", "Cause": "left"}
+    assert drains.record_failure(drain, server, slot, error) == {"retry": False, "confirm": False, "state": "done",
+                                                                  "error": None}
+    row = _servers(drain)[server]
+    assert (row.state, row.dest_host) == ("done", host)
+    report = drains.finish(drain)
+    assert (report["status"], report["message"]) == ("completed", "All 2 servers moved.")
+
+
+def test_a_server_whose_owners_move_off_the_host_awaits_its_confirm_is_not_settled_as_left(store):
+    # GIVEN a server its owner migrated off the drained host, waiting in VERIFY_RESIZE (a revert
+    # would bring it back)
+    drain, _moved, server, _planned, other = _started_with_two_and_a_third_host()
+    _moved_by_its_owner(server, other, migration="finished")
+
+    # WHEN its turn comes THEN it is not taken for a server that left
+    assert drains.acquire_slot(drain, server).action == "move"
+    assert _servers(drain)[server].state == "moving"
+
+
+def _busy(server: str, task_state: str | None, vm_state: str = "active") -> None:
+    with cell_session("cell1") as session:
+        session.execute(update(Instance).where(Instance.uuid == server)
+                        .values(task_state=task_state, vm_state=vm_state))
+
+
+def _refused_while_busy(drain: str, server: str) -> tuple[dict, dict]:
+    """The server's move handed out and refused by PrepareMove, its owner stopping it: ``(slot, error)``."""
+    slot = drains.acquire_slot(drain, server).to_dict()
+    _busy(server, "powering-off")
+    with pytest.raises(errors.InstanceInvalidState) as refused:
+        drains.prepare_move(drain, server, slot)
+    return slot, {"Error": "Ferry.InstanceInvalidState", "Cause": refused.value.message}
+
+
+def test_a_server_its_owner_was_stopping_when_its_turn_came_is_tried_again_after_a_wait(store, move_machines):
+    # GIVEN a drain with one retry whose server's move was refused: its owner was stopping it
+    drain, server, _other = _started_with_two(retries=1)
+    slot, error = _refused_while_busy(drain, server)
+    assert _migrations_of(server) == []
+
+    # WHEN RecordFailure runs at once, the stop still under way
+    outcome = drains.record_failure(drain, server, slot, error)
+
+    # THEN the server is to be tried again, not failed
+    assert outcome == {"retry": True, "confirm": False, "state": "pending", "error": error["Cause"]}
+    # and its next look waits while the stop is under way
+    looked = drain_steps.acquire_slot({"drain_uuid": drain, "instance_uuid": server, "poll_seconds": 10,
+                                       "iteration_started_at": dt.datetime.now(dt.UTC).isoformat()})
+    assert (looked["action"], looked["wait_seconds"]) == ("wait", 10)
+    row = _servers(drain)[server]
+    assert (row.state, row.error) == ("pending", "The server was busy (powering-off) when its next try came.")
+    assert _migrations_of(server) == []
+    # and once the stop has finished, the retry moves it
+    _busy(server, None, "stopped")
+    retry = drains.acquire_slot(drain, server).to_dict()
+    assert retry["action"] == "move"
+    assert drains.prepare_move(drain, server, retry)["input"]["requested_host"] == "dest"
+    assert _move_records(server, retry["migration_uuid"]) == ("resize_prep", "pre-migrating")
+
+
+@pytest.mark.parametrize("retries", [0, 1])
+def test_a_server_still_busy_once_its_tries_are_used_up_fails(store, move_machines, retries):
+    # GIVEN a server whose move was refused, its owner stopping it, and a stop that does not end
+    drain, server, _other = _started_with_two(retries=retries)
+    slot, error = _refused_while_busy(drain, server)
+
+    # WHEN RecordFailure runs, and the server's iteration looks again while it is still busy
+    outcome = drains.record_failure(drain, server, slot, error)
+    if retries:
+        assert outcome["retry"] is True
+        assert drains.acquire_slot(drain, server).action == "wait"  # the wait used up the try left
+        assert drains.acquire_slot(drain, server).action == "stop"
+    else:  # no try left: failed at once, as before
+        assert outcome["retry"] is False
+
+    # THEN it is failed, with what kept it from moving, and no move was accepted
+    row = _servers(drain)[server]
+    assert row.state == "failed"
+    assert row.error == ("The server was busy (powering-off) when its next try came." if retries else error["Cause"])
+    assert _migrations_of(server) == []
+
+
 # --- callbacks: their secret and where they may go --------------------------------------------------
 
 

@@ -1329,11 +1329,14 @@ def acquire_slot(drain_uuid: str, instance_uuid: str) -> Slot:
     ``move`` marks it ``moving`` and hands out the ids of this attempt; every answer says whether
     the drain confirms its moves. A pending server that no longer exists (deleted since it was
     planned, or since its last try) is recorded ``gone`` and gets ``stop``: no move starts for
-    it, and it is neither planned again nor failed. The drain row is locked
+    it, and it is neither planned again nor failed. A pending server that left the drained hosts
+    by a move of its own (its owner resized or migrated it meanwhile: see :func:`_left_targets`)
+    is recorded ``done`` where it is and gets ``stop``: it is not moved again. The drain row is locked
     (and its version bumped) so two iterations cannot both take the last slot of a host. A
     server already ``moving`` gets its attempt again (the step ran twice). A server to be tried
     again (its earlier attempt failed) is planned again first, so the per-host limits count the
-    host it will go to; one no host takes any more fails (``stop``). That holds for a retry whose
+    host it will go to; one no host takes any more fails (``stop``), and so does one still busy
+    with an operation of its own (see :func:`_planned_again`). That holds for a retry whose
     row still names a planned host too (a retry recorded with the host of its failed attempt):
     PrepareMove plans only a server that has none, so the retry would otherwise go to that host
     unchecked.
@@ -1344,10 +1347,14 @@ def acquire_slot(drain_uuid: str, instance_uuid: str) -> Slot:
         replan = server.state == PENDING and (server.attempts > 0 or server.planned_host is None) \
             and drain.status == RUNNING
         waiting = server.state == PENDING and drain.status not in FINAL_STATUSES
+        kind, targets = drain.target_kind, list(drain.targets)
     # Read before the drain's row is taken again: the cells are read in sessions of their own.
     if waiting and _gone(instance_uuid):
         _record_gone_before_move(drain_uuid, instance_uuid)
         replan = False  # the look below answers stop for the server settled, or the drain ended
+    elif waiting and (elsewhere := _left_targets(kind, targets, instance_uuid)) is not None:
+        _record_left(drain_uuid, instance_uuid, elsewhere, state=PENDING, step="AcquireSlot")
+        replan = False
     if replan and (unplanned := _planned_again(drain_uuid, instance_uuid)) is not None:
         return Slot(unplanned, confirm=bool(drain.options.get("confirm", True)))
     with api_session() as session:
@@ -1425,31 +1432,41 @@ def _planned_again(drain_uuid: str, instance_uuid: str) -> str | None:
     """Plan a server to be tried again: None once planned, else what its iteration does next.
 
     A plan that finds no host uses up a try: the server waits for the next look while tries are
-    left, and is ``failed`` after (``cancelled`` when the drain no longer runs). A plan not
+    left, and is ``failed`` after (``cancelled`` when the drain no longer runs). So does a server
+    still busy with an operation that is not the drain's (its owner stopping it, say, which
+    made its last try fail: see :func:`record_failure`): its move would be refused again at
+    once, so it is not planned, and it is tried after a wait while tries are left. A plan not
     written (the server settled, or the drain ended, meanwhile) answers None too: the look that
     follows finds out what the iteration does next.
     """
-    try:
-        _replan(drain_uuid, instance_uuid, state=PENDING, step="AcquireSlot")
-    except errors.NoValidHost as exc:
-        with api_session() as session:
-            drain, server = _load_server(session, drain_uuid, instance_uuid)
-            if server.state != PENDING:
-                return "stop" if server.state in SETTLED_STATES else "wait"
-            server.error = f"No host takes it for another try: {exc.message}"
-            drain.version += 1
-            retries = int(drain.options.get("retries", DEFAULT_RETRIES))
-            if drain.status not in (RUNNING, PAUSED):
-                server.state, server.finished_at = SERVER_CANCELLED, utcnow()
-            elif server.attempts <= retries:
-                server.attempts += 1
-                return "wait"
-            else:
-                server.state, server.finished_at = SERVER_FAILED, utcnow()
-        logger.warning("drain server cannot be tried again", extra={"drain": drain_uuid, "instance_uuid": instance_uuid,
-                                                                     "error": exc.message})
-        return "stop"
-    return None
+    busy = _where_now(instance_uuid).task_state
+    if busy is not None:
+        why = f"The server was busy ({busy}) when its next try came."
+    else:
+        try:
+            _replan(drain_uuid, instance_uuid, state=PENDING, step="AcquireSlot")
+            return None
+        except errors.NoValidHost as exc:
+            why = f"No host takes it for another try: {exc.message}"
+    with api_session() as session:
+        drain, server = _load_server(session, drain_uuid, instance_uuid)
+        if _ended_before(drain, server, "AcquireSlot"):
+            return "stop"
+        if server.state != PENDING:
+            return "stop" if server.state in SETTLED_STATES else "wait"
+        server.error = why
+        drain.version += 1
+        retries = int(drain.options.get("retries", DEFAULT_RETRIES))
+        if drain.status not in (RUNNING, PAUSED):
+            server.state, server.finished_at = SERVER_CANCELLED, utcnow()
+        elif server.attempts <= retries:
+            server.attempts += 1
+            return "wait"
+        else:
+            server.state, server.finished_at = SERVER_FAILED, utcnow()
+    logger.warning("drain server cannot be tried again", extra={"drain": drain_uuid, "instance_uuid": instance_uuid,
+                                                                 "error": why})
+    return "stop"
 
 
 def _failed_destination(cell: str, drain_uuid: str, instance_uuid: str, attempts: int) -> str | None:
@@ -1520,6 +1537,10 @@ def prepare_move(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any]) -
             rolls back as any move does.)
         InstanceNotFound: the server no longer exists (deleted since AcquireSlot handed out
             the move): nothing is accepted, and RecordFailure records it ``gone``.
+        DrainInvalidState: the server left the drained hosts by a move of its own (its owner
+            resized or migrated it since AcquireSlot looked): it is recorded ``done`` where it
+            is and no move is left accepted (:func:`_settled_left`), and RecordFailure, where
+            the workflow goes, finds it settled.
     """
     with api_session() as session:
         drain, server = _load_server(session, drain_uuid, instance_uuid)
@@ -1527,16 +1548,113 @@ def prepare_move(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any]) -
             raise errors.DrainInvalidState(f"Drain {drain_uuid} is {drain.status}: it starts no more moves.")
         ctx = _drain_context(drain, slot["request_id"])
         planned = server.planned_host
+        kind, targets = drain.target_kind, list(drain.targets)
     if _gone(instance_uuid):  # deleted since AcquireSlot: RecordFailure records it gone
         raise errors.InstanceNotFound(f"Server {instance_uuid} was deleted before its move started.")
+    if (elsewhere := _left_targets(kind, targets, instance_uuid)) is not None:
+        raise _settled_left(drain_uuid, instance_uuid, elsewhere, slot)
     if planned is None:  # an attempt handed out before AcquireSlot planned retries (mid-update)
         planned = _replan(drain_uuid, instance_uuid, state=MOVING, step="PrepareMove")
     if planned is None:
         raise errors.DrainInvalidState(f"Drain {drain_uuid} no longer moves server {instance_uuid}: the drain "
                                        f"ended, or the server was settled, while it was planned again.")
     location = compute_api.locate(ctx, instance_uuid)
-    execution = moves.prepare_migrate(ctx, location, planned, slot["migration_uuid"])
+    try:
+        execution = moves.prepare_migrate(ctx, location, planned, slot["migration_uuid"])
+    except (errors.CannotMigrateToSameHost, errors.InstanceInvalidState) as exc:
+        # Its owner's move may have ended between the look above and this one (on the planned host, say).
+        if (elsewhere := _left_targets(kind, targets, instance_uuid)) is not None:
+            raise _settled_left(drain_uuid, instance_uuid, elsewhere, slot) from exc
+        raise
+    # The move was accepted from where the server was when its task was swapped (the migration's
+    # source): a server its owner moved off the drained hosts since the look above is not moved again.
+    accepted_from = _accepted_from(location, slot["migration_uuid"])
+    if accepted_from is not None and location.cell is not None \
+            and not _on_targets(kind, targets, location.cell.name, accepted_from):
+        raise _settled_left(drain_uuid, instance_uuid, accepted_from, slot)
     return {"name": execution.name, "input": execution.input}
+
+
+def _accepted_from(location: compute_api.Location, migration_uuid: str) -> str | None:
+    """The source host the move ``migration_uuid`` was accepted from (None when it is not recorded)."""
+    if location.cell is None:
+        return None
+    with cell_session(location.cell) as session:
+        return session.scalars(select(Migration.source_compute).where(Migration.uuid == migration_uuid)).first()
+
+
+def _on_targets(kind: str, targets: list[str], cell: str, host: str) -> bool:
+    """Whether a server on ``host`` in ``cell`` is on one of the drained hosts, or in the drained cell."""
+    return cell in targets if kind == CELL else host in targets
+
+
+def _left_targets(kind: str, targets: list[str], instance_uuid: str) -> str | None:
+    """The host the server is on when it has left the drained hosts (or cell) by a move that is
+    not the drain's, else None.
+
+    A server its owner resized or migrated during the drain (the scheduler sends it to a host
+    not disabled) is on a host not drained (in another cell, for a drained cell), with no move
+    to or from the drained hosts still open (for a drained cell, no move at all), whose revert
+    would bring it back: as :func:`_left_on_targets` counts them, one in VERIFY_RESIZE for a
+    finished move, with a task for one under way or being confirmed or reverted. A server on a
+    drained host, one not on any host, and one gone (see :func:`_gone`) answer None. Read in the
+    cell its mapping names; call it outside any API database session.
+    """
+    try:
+        cell = instances.cell_of(instance_uuid)
+    except errors.InstanceNotFound:
+        return None
+    open_statuses = (*migration_states.MOVING, migration_states.FINISHED, *migration_states.SETTLING)
+    with cell_session(cell) as session:
+        live = session.execute(select(Instance.host, Instance.vm_state, Instance.task_state).where(
+            Instance.uuid == instance_uuid, Instance.deleted.is_(False), Instance.hidden.is_(False))).first()
+        moves_open = session.execute(select(Migration.status, Migration.source_compute, Migration.dest_compute).where(
+            Migration.instance_uuid == instance_uuid, Migration.deleted.is_(False),
+            Migration.status.in_(open_statuses))).all()
+    if live is None or not live.host or _on_targets(kind, targets, cell.name, live.host):
+        return None
+    for status, source, dest in moves_open:
+        shown = live.vm_state == states.RESIZED if status == migration_states.FINISHED else live.task_state is not None
+        if shown and (kind == CELL or source in targets or dest in targets):
+            return None
+    return str(live.host)
+
+
+def _record_left(drain_uuid: str, instance_uuid: str, host: str, *, state: str, step: str) -> bool:
+    """Record ``done`` on ``host`` a server that left the drained hosts by a move that is not the
+    drain's (see :func:`_left_targets`), while it is still in ``state`` and the drain has not
+    ended; return whether it was.
+
+    It is where a drain's move would have left it, so the drain does not move it again (a second
+    move from the host it is on now, or one refused because its owner's move took it to the host
+    planned for it, would have failed the drain although the drained hosts no longer hold it).
+    """
+    with api_session() as session:
+        drain, server = _load_server(session, drain_uuid, instance_uuid)
+        if server.state != state or _ended_before(drain, server, step):
+            return False
+        source = server.source_host
+        server.state, server.dest_host, server.finished_at, server.error = DONE, host, utcnow(), None
+        drain.version += 1
+    logger.info("drain server already left the drained hosts by a move that was not the drain's; recorded done "
+                "without moving it", extra={"drain": drain_uuid, "instance_uuid": instance_uuid,
+                                            "source_host": source, "host": host, "step": step})
+    return True
+
+
+def _settled_left(drain_uuid: str, instance_uuid: str, host: str, slot: Mapping[str, Any]) -> errors.DrainInvalidState:
+    """Settle at PrepareMove a server that left the drained hosts (see :func:`_record_left`), after
+    undoing the move of this attempt if one was accepted (from the host it is on now); the error
+    PrepareMove raises, which sends its iteration to RecordFailure, where it is found settled.
+
+    Raises:
+        MoveStillRunning: the workflow of this attempt's move runs (it never does before RunMove).
+    """
+    moves.abandon_prepared_move(instances.cell_of(instance_uuid).name, instance_uuid, slot["migration_uuid"],
+                                slot["request_id"])
+    _record_left(drain_uuid, instance_uuid, host, state=MOVING, step="PrepareMove")
+    return errors.DrainInvalidState(f"Drain {drain_uuid} no longer moves server {instance_uuid}: it left the "
+                                    f"drained hosts by a move that was not the drain's, and is on {host}.")
 
 
 def prepare_confirm(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any]) -> dict[str, Any]:
@@ -1654,8 +1772,10 @@ def record_failure(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any],
     workflow already went to, and then the server is failed instead ("confirm or revert it").
     A server that no longer exists (deleted during the drain) is ``gone``, never tried again.
     Otherwise the server is tried again when it is back on its source unchanged (its move
-    rolled back), attempts are left (``retries``) and the drain is still running or paused; or
-    it is ``failed`` with the error. A drain that ended meanwhile (final) records nothing more
+    rolled back), or on its source busy with an operation that is not this try's move (its
+    owner stopping it, say: the move was refused; the retry waits for it, see
+    :func:`_planned_again`), attempts are left (``retries``) and the drain is still running or
+    paused; or it is ``failed`` with the error. A drain that ended meanwhile (final) records nothing more
     and tries nothing again (the outcome settles the iteration), but what it accepted and never
     started is still undone, and a move that finished still goes on to its confirm (once per
     attempt, when the drain confirms): the server would otherwise stay busy, or its move hold
@@ -1685,6 +1805,8 @@ def record_failure(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any],
     gone = host is None and _gone(instance_uuid)
     # Waiting for its confirm or revert (not one under way, as after a failed RunConfirm).
     move_finished = now.migration_status == migration_states.FINISHED
+    this_move_open = now.migration_status in (*migration_states.MOVING, migration_states.FINISHED,
+                                              *migration_states.SETTLING)
     with api_session() as session:
         drain, server = _load_server(session, drain_uuid, instance_uuid)
         ended = _ended_before(drain, server, "RecordFailure")
@@ -1711,7 +1833,10 @@ def record_failure(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any],
             logger.info("drain server deleted while it was moved; recorded gone",
                         extra={"drain": drain_uuid, "instance_uuid": instance_uuid, "error": message})
             return {"retry": False, "confirm": False, "state": server.state, "error": server.error}
-        back_home = host == server.source_host and vm_state in _MOVABLE and task_state is None
+        # Busy on its source with an operation that is not this try's move (its owner stopping it,
+        # say, so that PrepareMove was refused): tried again, after a wait (see _planned_again).
+        busy_otherwise = task_state is not None and not this_move_open
+        back_home = host == server.source_host and vm_state in _MOVABLE and (task_state is None or busy_otherwise)
         retry = back_home and server.attempts <= retries and drain.status in (RUNNING, PAUSED)
         server.error = message
         if retry:
@@ -1908,7 +2033,8 @@ def finish(drain_uuid: str, error: Mapping[str, Any] | None = None) -> dict[str,
     ``failed`` when a server could not be moved or placed, the hosts still hold servers, or the
     workflow itself failed (``error``). Servers still pending (the Map stopped early) are marked
     cancelled; servers still moving (their iteration could not record the result) failed,
-    pointing at the server's own records; either of them deleted meanwhile, ``gone``.
+    pointing at the server's own records; either of them deleted meanwhile, ``gone``, and so is
+    an unplaceable server deleted during a drain that moved what fits: it left the hosts as well.
 
     The final event (``drain.end`` or ``drain.error``, and the callback) is announced every time
     this runs for a drain that is not a dry run, final already or not: the status is committed
@@ -1934,11 +2060,14 @@ def finish(drain_uuid: str, error: Mapping[str, Any] | None = None) -> dict[str,
         drain = _load(session, drain_uuid)
         look = not (drain.status in FINAL_STATUSES or drain.dry_run or error)
         settles = drain.status not in FINAL_STATUSES and not drain.dry_run
+        # A drain that moved what fits left its unplaceable servers where they were: one deleted
+        # since has left the hosts too. (One whose plan did not fit moved nothing, and says so.)
+        moved_what_fits = bool(drain.options.get("move_what_fits"))
         own, unsettled = set(), []
         for server in _servers(session, drain):
             if server.migration_uuid:
                 own.add(server.migration_uuid)
-            if settles and server.state in (PENDING, MOVING):
+            if settles and (server.state in (PENDING, MOVING) or (moved_what_fits and server.state == UNPLACEABLE)):
                 unsettled.append(server.instance_uuid)
         session.expunge(drain)
     # Read before the drain's row is taken: the cells are read in sessions of their own.
@@ -1952,6 +2081,10 @@ def finish(drain_uuid: str, error: Mapping[str, Any] | None = None) -> dict[str,
             for server in servers:
                 if server.state in (PENDING, MOVING) and server.instance_uuid in deleted:
                     server.state, server.finished_at, server.error = GONE, utcnow(), GONE_MESSAGE
+                elif server.state == UNPLACEABLE and server.instance_uuid in deleted:
+                    server.state, server.finished_at = GONE, utcnow()
+                    server.error = GONE_MESSAGE + (f" The plan had found no place for it: {server.error}"
+                                                   if server.error else "")
                 elif server.state == PENDING:
                     server.state, server.finished_at = SERVER_CANCELLED, utcnow()
                     server.error = server.error or "The drain ended before this server was moved."
