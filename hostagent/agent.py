@@ -105,12 +105,13 @@ TAKE_BACK_RETRY_SECONDS = 120
 # How often an operation held by an injected timeout (drills) looks whether the fault still holds it.
 HOLD_POLL_SECONDS = 0.5
 DLQ_RETENTION_SECONDS = 14 * 24 * 3600
+# Operations whose HypervisorError a revert reads as "nothing was removed here" (the guest could
+# not be destroyed, so its disks were not touched either: RevertAtDest, DestroyAtDest), and goes
+# back to VERIFY_RESIZE, where a confirm deletes the source's disks. Once an earlier run of the
+# same operation was cut short, it may have removed them before this run's hypervisor failed.
+# (The other workflows sending them take either error alike; a delete retries both.)
+_NOTHING_REMOVED_ON_HYPERVISOR_ERROR = frozenset({protocol.DESTROY, protocol.REVERT_RESIZE})
 # Step Functions limits on SendTaskFailure.
-# Operations whose HypervisorError the workflows read as "nothing was removed here" (the guest
-# could not be destroyed, so its disks were not touched either): a revert then goes back to
-# VERIFY_RESIZE, where a confirm deletes the source's disks. Once an earlier run of the same
-# operation was cut short, it may have removed them before this run's hypervisor failed.
-_REMOVALS = frozenset({protocol.DESTROY, protocol.REVERT_RESIZE})
 _MAX_ERROR_LEN = 256
 _MAX_CAUSE_LEN = 32768
 
@@ -982,7 +983,8 @@ class HostAgent(MoveOperations):
             result = self._handlers[op.name](op)
         except errors.FerryError as exc:
             failure = exc
-            if cut_short and op.name in _REMOVALS and isinstance(exc, errors.HypervisorError):
+            if cut_short and op.name in _NOTHING_REMOVED_ON_HYPERVISOR_ERROR \
+                    and isinstance(exc, errors.HypervisorError):
                 failure = errors.HostOperationFailed(
                     f"{exc.message} An earlier run of this operation was cut short: it may have removed the "
                     f"guest or its disks already.", instance_uuid=op.instance_uuid)

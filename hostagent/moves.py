@@ -762,7 +762,9 @@ class MoveOperations:
         removed the instance directory is taken as done: no guest here has disks any more.
 
         Raises:
-            HypervisorError: the guest could not be destroyed (nothing here was removed).
+            HypervisorError: the guest could not be destroyed (nothing here was removed; the
+                agent answers HostOperationFailed instead when an earlier run of this operation
+                was cut short, which may have removed some of the disks).
         """
         uuid, args = op.instance_uuid, op.args
         live = disks.instance_dir(self.instances_dir, uuid)

@@ -1138,19 +1138,22 @@ def test_an_operation_interrupted_by_a_crash_runs_again(host):
     assert entry.status == SUCCEEDED and entry.attempts == 2
 
 
-@pytest.mark.parametrize("cut_short", [True, False])
+@pytest.mark.parametrize("earlier", ["cut short", "failed", "none"])
 def test_a_destroy_failing_in_the_hypervisor_after_a_run_cut_short_does_not_say_nothing_was_removed(
-        host, monkeypatch, cut_short):
+        host, monkeypatch, earlier):
     # GIVEN a server whose destroy ran before and was cut short after removing its guest and disks
-    # (or never ran: nothing was removed)
+    # (or whose earlier run failed and ended, or never ran: nothing was removed)
     instance_uuid = str(uuid.uuid4())
     output(host.execute("spawn", instance_uuid, spawn_args(host.image(b"x" * 4096))))
     operation_id = f"{uuid.uuid4()}:destroy"
     assert host.agent.journal is not None
-    if cut_short:
-        host.agent.journal.start(operation_id, "destroy", instance_uuid, "token-of-the-lost-attempt")
+    if earlier != "none":
+        host.agent.journal.start(operation_id, "destroy", instance_uuid, "token-of-the-earlier-attempt")
+    if earlier == "cut short":
         host.driver.destroy(instance_uuid)
         disks.remove_instance_dir(host.instances_dir, instance_uuid)
+    elif earlier == "failed":
+        host.agent.journal.fail(operation_id, "Ferry.HypervisorError", "the hypervisor failed")
 
     # WHEN it runs now with the hypervisor failing
     def hypervisor_down(_instance_uuid: str) -> None:
@@ -1161,7 +1164,7 @@ def test_a_destroy_failing_in_the_hypervisor_after_a_run_cut_short_does_not_say_
 
     # THEN only a first run says the hypervisor failed (a revert goes back to VERIFY_RESIZE on that);
     # after a run cut short the failure is one that may have removed something
-    assert failed == ("Ferry.HostOperationFailed" if cut_short else "Ferry.HypervisorError")
+    assert failed == ("Ferry.HostOperationFailed" if earlier == "cut short" else "Ferry.HypervisorError")
 
 
 def test_an_operation_without_a_task_token_is_done_and_journaled(host):

@@ -567,14 +567,15 @@ def test_every_operator_alarm_counts_a_metric_the_code_publishes_and_notifies_th
         assert RAW["Resources"][logical_id]["Properties"]["AlarmName"] == {"Fn::Sub": f"ferry-${{Stage}}-{metric}"}
 
 
-def test_the_stage_of_the_compute_api_has_an_alarm_on_what_it_answers_5xx():
-    # What the gateway answers itself (the authorizer failed, a function timed out) counts no ApiFault.
-    api_name = RAW["Resources"]["ComputeApi"]["Properties"]["Name"]
+@pytest.mark.parametrize("function", ["AuthorizerFunction", "ApiFunction"])
+def test_the_functions_api_gateway_waits_for_have_an_alarm_on_their_own_errors(function):
+    # Their failures and timeouts count no ApiFault: API Gateway answers for them (not a client's
+    # 5xx, such as the webhook's 503 when it is off, which anyone can cause).
     alarms = [r["Properties"] for r in RAW["Resources"].values() if r["Type"] == "AWS::CloudWatch::Alarm"
-              and r["Properties"].get("Namespace") == "AWS/ApiGateway"]
+              and r["Properties"].get("Namespace") == "AWS/Lambda"
+              and r["Properties"]["Dimensions"] == [{"Name": "FunctionName", "Value": {"Ref": function}}]]
 
-    assert [(a["MetricName"], a["Dimensions"]) for a in alarms] == [
-        ("5XXError", [{"Name": "ApiName", "Value": api_name}, {"Name": "Stage", "Value": {"Ref": "Stage"}}])]
+    assert [a["MetricName"] for a in alarms] == ["Errors"]
 
 
 def test_every_metric_to_watch_has_an_alarm_unless_clients_cause_it():
