@@ -2592,6 +2592,8 @@ def test_a_server_its_owner_was_stopping_when_its_turn_came_is_tried_again_after
     row = _servers(drain)[server]
     assert (row.state, row.error) == ("pending", "The server was busy (powering-off) when its next try came.")
     assert _migrations_of(server) == []
+    # and a look that finds it busy still, after that wait, waits again with its try left
+    assert drains.acquire_slot(drain, server).action == "wait"
     # and once the stop has finished, the retry moves it
     _busy(server, None, "stopped")
     retry = drains.acquire_slot(drain, server).to_dict()
@@ -2610,7 +2612,8 @@ def test_a_server_still_busy_once_its_tries_are_used_up_fails(store, move_machin
     outcome = drains.record_failure(drain, server, slot, error)
     if retries:
         assert outcome["retry"] is True
-        assert drains.acquire_slot(drain, server).action == "wait"  # the wait used up the try left
+        assert drains.acquire_slot(drain, server).action == "wait"  # the look right after the refusal: free
+        assert drains.acquire_slot(drain, server).action == "wait"  # still busy: the try left is used up
         assert drains.acquire_slot(drain, server).action == "stop"
     else:  # no try left: failed at once, as before
         assert outcome["retry"] is False

@@ -1428,6 +1428,10 @@ def _ended_before(drain: Drain, server: DrainServer | None, step: str) -> bool:
     return True
 
 
+# How a server's error starts when its next try found it busy with an operation of its own.
+_BUSY_AT_NEXT_TRY = "The server was busy"
+
+
 def _planned_again(drain_uuid: str, instance_uuid: str) -> str | None:
     """Plan a server to be tried again: None once planned, else what its iteration does next.
 
@@ -1441,7 +1445,7 @@ def _planned_again(drain_uuid: str, instance_uuid: str) -> str | None:
     """
     busy = _where_now(instance_uuid).task_state
     if busy is not None:
-        why = f"The server was busy ({busy}) when its next try came."
+        why = f"{_BUSY_AT_NEXT_TRY} ({busy}) when its next try came."
     else:
         try:
             _replan(drain_uuid, instance_uuid, state=PENDING, step="AcquireSlot")
@@ -1454,11 +1458,16 @@ def _planned_again(drain_uuid: str, instance_uuid: str) -> str | None:
             return "stop"
         if server.state != PENDING:
             return "stop" if server.state in SETTLED_STATES else "wait"
+        # The first look after the try its owner's operation refused comes at once: it waits
+        # without spending a try; each further look that finds the server busy spends one.
+        waited_once = busy is not None and (server.error or "").startswith(_BUSY_AT_NEXT_TRY)
         server.error = why
         drain.version += 1
         retries = int(drain.options.get("retries", DEFAULT_RETRIES))
         if drain.status not in (RUNNING, PAUSED):
             server.state, server.finished_at = SERVER_CANCELLED, utcnow()
+        elif busy is not None and not waited_once:
+            return "wait"
         elif server.attempts <= retries:
             server.attempts += 1
             return "wait"
