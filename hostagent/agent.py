@@ -60,10 +60,7 @@ from hostagent.driver import (
     SWAP,
     DiskSpec,
     Driver,
-    GuestSpec,
     HostCapacity,
-    PortSpec,
-    place_local_disks,
 )
 from hostagent.journal import (
     ANSWER_SENDING,
@@ -76,7 +73,15 @@ from hostagent.journal import (
     JournalEntry,
 )
 from hostagent.metrics import DEFAULT_FLUSH_INTERVAL, MetricsPublisher, namespace_from_environment
-from hostagent.moves import SPAWN_RECORD, SPAWN_UNDONE, MoveOperations, read_record, volume_disks, write_record
+from hostagent.moves import (
+    SPAWN_RECORD,
+    SPAWN_UNDONE,
+    MoveOperations,
+    guest_spec,
+    read_record,
+    volume_disks,
+    write_record,
+)
 
 # A received message reappears this long after its last renewal (an agent that died): well inside
 # the template's HostOpHeartbeatSeconds (60 s), so that the operation runs again before its Task
@@ -1352,14 +1357,7 @@ class HostAgent(MoveOperations):
         try:
             disks.make_dir(directory, exist_ok=True)
             self._write_spawn_record(op, created_volumes)
-            spec = GuestSpec(
-                instance_uuid=uuid,
-                display_name=args["name"],
-                flavor=args["flavor"],
-                disks=place_local_disks(self._prepare_disks(op, created_volumes)),
-                ports=tuple(PortSpec(port_id=p["id"], mac_address=p["mac_address"]) for p in args["ports"]),
-            )
-            self.driver.define_guest(spec)
+            self.driver.define_guest(guest_spec(uuid, args, self._prepare_disks(op, created_volumes)))
             if args["power_on"]:
                 self.driver.power_on(uuid)
             return self._result(uuid, self.driver.guest_power_state(uuid))

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -64,6 +65,18 @@ def volume_disks(volumes: list[dict[str, Any]], boot_from_volume: bool) -> list[
         DiskSpec(kind=VOLUME, path=v["path"], device=v["device"], volume_id=v["volume_id"], boot=v is boot_volume)
         for v in volumes
     ]
+
+
+def guest_spec(instance_uuid: str, args: Mapping[str, Any], guest_disks: list[DiskSpec]) -> GuestSpec:
+    """The guest to define from an operation's ``name``, ``flavor`` and ``ports`` args and its
+    disks, the local ones placed around the volumes' devices (:func:`place_local_disks`)."""
+    return GuestSpec(
+        instance_uuid=instance_uuid,
+        display_name=args["name"],
+        flavor=args["flavor"],
+        disks=place_local_disks(guest_disks),
+        ports=tuple(PortSpec(port_id=p["id"], mac_address=p["mac_address"]) for p in args["ports"]),
+    )
 
 
 def read_record(directory: Path, name: str = MOVE_RECORD) -> dict[str, Any] | None:
@@ -538,13 +551,7 @@ class MoveOperations:
                 f"Instance {instance_uuid} has neither a root disk nor a boot volume here.", instance_uuid=instance_uuid
             )
         self.driver.define_guest(
-            GuestSpec(
-                instance_uuid=instance_uuid,
-                display_name=args["name"],
-                flavor=args["flavor"],
-                disks=place_local_disks(local + volume_disks(args["volumes"], boot_from_volume=not has_root)),
-                ports=tuple(PortSpec(port_id=p["id"], mac_address=p["mac_address"]) for p in args["ports"]),
-            )
+            guest_spec(instance_uuid, args, local + volume_disks(args["volumes"], boot_from_volume=not has_root))
         )
 
     def _forget_here(self, op: Operation, live: Path) -> None:

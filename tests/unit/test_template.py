@@ -467,7 +467,7 @@ def test_state_machines_are_named_by_reference_except_where_a_reference_would_be
 # Step Functions whether the move's workflow runs first, so it needs the three machines' ARNs and
 # the right to describe their executions; without an ARN Ferry takes the workflow as not running.
 UNDOES_DRAIN_MOVES = ("RecordFailureFunction", "FinishDrainFunction", "ApiFunction", "DrainWebhookFunction",
-                      "BeginDrainFunction")
+                      "BeginDrainFunction", "PrepareMoveFunction")
 MOVE_MACHINES = {"FERRY_RESIZE_STATE_MACHINE_ARN": "ResizeStateMachine",
                  "FERRY_CONFIRM_RESIZE_STATE_MACHINE_ARN": "ConfirmResizeStateMachine",
                  "FERRY_REVERT_RESIZE_STATE_MACHINE_ARN": "RevertResizeStateMachine"}

@@ -941,6 +941,16 @@ def _instances_on(drain: Drain) -> list[tuple[str, Instance, bool]]:
     return found
 
 
+# The statuses of a migration that may still be open: under way, awaiting its confirm, being settled.
+_OPEN_MOVE_STATUSES = (*migration_states.MOVING, migration_states.FINISHED, *migration_states.SETTLING)
+
+
+def _shows(status: str, vm_state: str, task_state: str | None) -> bool:
+    """Whether a live server in ``vm_state`` with ``task_state`` shows a move whose migration is
+    ``status``: VERIFY_RESIZE for a finished one, a task for one under way or being settled."""
+    return vm_state == states.RESIZED if status == migration_states.FINISHED else task_state is not None
+
+
 def _left_on_targets(drain: Drain, own: set[str]) -> list[str]:
     """The servers the drain's hosts (or cell) still hold or may get back, other than through the
     drain's own moves: a server on them (one that moved there, or was kept there, since the plan),
@@ -950,13 +960,12 @@ def _left_on_targets(drain: Drain, own: set[str]) -> list[str]:
     settled; a record a reset or deleted server left is not (``ferry audit`` reports those).
     Only the drained hosts' cells are read: a move records its migration in the cell of each
     host it touches. ``own`` names the migrations of the drain's own moves. Sorted ids."""
-    open_statuses = (*migration_states.MOVING, migration_states.FINISHED, *migration_states.SETTLING)
     left = {instance.uuid for _cell, instance, _bfv in _instances_on(drain)}
     candidates: list[tuple[str, str]] = []
     for cell in _by_cell(drain.target_kind, list(drain.targets)):
         with cell_session(cell) as session:
             query = select(Migration.uuid, Migration.instance_uuid, Migration.status).where(
-                Migration.deleted.is_(False), Migration.status.in_(open_statuses))
+                Migration.deleted.is_(False), Migration.status.in_(_OPEN_MOVE_STATUSES))
             if drain.target_kind == HOST:
                 query = query.where(or_(Migration.source_compute.in_(drain.targets),
                                         Migration.dest_compute.in_(drain.targets)))
@@ -975,10 +984,7 @@ def _shows_open_move(instance_uuid: str, status: str) -> bool:
     with cell_session(cell) as session:
         live = session.execute(select(Instance.vm_state, Instance.task_state).where(
             Instance.uuid == instance_uuid, Instance.deleted.is_(False), Instance.hidden.is_(False))).first()
-    if live is None:
-        return False
-    vm_state, task_state = live
-    return vm_state == states.RESIZED if status == migration_states.FINISHED else task_state is not None
+    return live is not None and _shows(status, live.vm_state, live.task_state)
 
 
 def _unmovable_reason(instance: Instance) -> str | None:
@@ -1330,7 +1336,7 @@ def acquire_slot(drain_uuid: str, instance_uuid: str) -> Slot:
     the drain confirms its moves. A pending server that no longer exists (deleted since it was
     planned, or since its last try) is recorded ``gone`` and gets ``stop``: no move starts for
     it, and it is neither planned again nor failed. A pending server that left the drained hosts
-    by a move of its own (its owner resized or migrated it meanwhile: see :func:`_left_targets`)
+    by a move of its own (its owner resized or migrated it meanwhile: see :func:`_host_off_targets`)
     is recorded ``done`` where it is and gets ``stop``: it is not moved again. The drain row is locked
     (and its version bumped) so two iterations cannot both take the last slot of a host. A
     server already ``moving`` gets its attempt again (the step ran twice). A server to be tried
@@ -1352,8 +1358,8 @@ def acquire_slot(drain_uuid: str, instance_uuid: str) -> Slot:
     if waiting and _gone(instance_uuid):
         _record_gone_before_move(drain_uuid, instance_uuid)
         replan = False  # the look below answers stop for the server settled, or the drain ended
-    elif waiting and (elsewhere := _left_targets(kind, targets, instance_uuid)) is not None:
-        _record_left(drain_uuid, instance_uuid, elsewhere, state=PENDING, step="AcquireSlot")
+    elif waiting and (elsewhere := _host_off_targets(kind, targets, instance_uuid)) is not None:
+        _record_moved_off(drain_uuid, instance_uuid, elsewhere, state=PENDING, step="AcquireSlot")
         replan = False
     if replan and (unplanned := _planned_again(drain_uuid, instance_uuid)) is not None:
         return Slot(unplanned, confirm=bool(drain.options.get("confirm", True)))
@@ -1548,7 +1554,7 @@ def prepare_move(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any]) -
             the move): nothing is accepted, and RecordFailure records it ``gone``.
         DrainInvalidState: the server left the drained hosts by a move of its own (its owner
             resized or migrated it since AcquireSlot looked): it is recorded ``done`` where it
-            is and no move is left accepted (:func:`_settled_left`), and RecordFailure, where
+            is and no move is left accepted (:func:`_settle_moved_off`), and RecordFailure, where
             the workflow goes, finds it settled.
     """
     with api_session() as session:
@@ -1560,8 +1566,8 @@ def prepare_move(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any]) -
         kind, targets = drain.target_kind, list(drain.targets)
     if _gone(instance_uuid):  # deleted since AcquireSlot: RecordFailure records it gone
         raise errors.InstanceNotFound(f"Server {instance_uuid} was deleted before its move started.")
-    if (elsewhere := _left_targets(kind, targets, instance_uuid)) is not None:
-        raise _settled_left(drain_uuid, instance_uuid, elsewhere, slot)
+    if (elsewhere := _host_off_targets(kind, targets, instance_uuid)) is not None:
+        raise _settle_moved_off(drain_uuid, instance_uuid, elsewhere, slot)
     if planned is None:  # an attempt handed out before AcquireSlot planned retries (mid-update)
         planned = _replan(drain_uuid, instance_uuid, state=MOVING, step="PrepareMove")
     if planned is None:
@@ -1572,15 +1578,15 @@ def prepare_move(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any]) -
         execution = moves.prepare_migrate(ctx, location, planned, slot["migration_uuid"])
     except (errors.CannotMigrateToSameHost, errors.InstanceInvalidState) as exc:
         # Its owner's move may have ended between the look above and this one (on the planned host, say).
-        if (elsewhere := _left_targets(kind, targets, instance_uuid)) is not None:
-            raise _settled_left(drain_uuid, instance_uuid, elsewhere, slot) from exc
+        if (elsewhere := _host_off_targets(kind, targets, instance_uuid)) is not None:
+            raise _settle_moved_off(drain_uuid, instance_uuid, elsewhere, slot) from exc
         raise
     # The move was accepted from where the server was when its task was swapped (the migration's
     # source): a server its owner moved off the drained hosts since the look above is not moved again.
     accepted_from = _accepted_from(location, slot["migration_uuid"])
     if accepted_from is not None and location.cell is not None \
             and not _on_targets(kind, targets, location.cell.name, accepted_from):
-        raise _settled_left(drain_uuid, instance_uuid, accepted_from, slot)
+        raise _settle_moved_off(drain_uuid, instance_uuid, accepted_from, slot)
     return {"name": execution.name, "input": execution.input}
 
 
@@ -1597,7 +1603,7 @@ def _on_targets(kind: str, targets: list[str], cell: str, host: str) -> bool:
     return cell in targets if kind == CELL else host in targets
 
 
-def _left_targets(kind: str, targets: list[str], instance_uuid: str) -> str | None:
+def _host_off_targets(kind: str, targets: list[str], instance_uuid: str) -> str | None:
     """The host the server is on when it has left the drained hosts (or cell) by a move that is
     not the drain's, else None.
 
@@ -1613,25 +1619,23 @@ def _left_targets(kind: str, targets: list[str], instance_uuid: str) -> str | No
         cell = instances.cell_of(instance_uuid)
     except errors.InstanceNotFound:
         return None
-    open_statuses = (*migration_states.MOVING, migration_states.FINISHED, *migration_states.SETTLING)
     with cell_session(cell) as session:
         live = session.execute(select(Instance.host, Instance.vm_state, Instance.task_state).where(
             Instance.uuid == instance_uuid, Instance.deleted.is_(False), Instance.hidden.is_(False))).first()
         moves_open = session.execute(select(Migration.status, Migration.source_compute, Migration.dest_compute).where(
             Migration.instance_uuid == instance_uuid, Migration.deleted.is_(False),
-            Migration.status.in_(open_statuses))).all()
+            Migration.status.in_(_OPEN_MOVE_STATUSES))).all()
     if live is None or not live.host or _on_targets(kind, targets, cell.name, live.host):
         return None
     for status, source, dest in moves_open:
-        shown = live.vm_state == states.RESIZED if status == migration_states.FINISHED else live.task_state is not None
-        if shown and (kind == CELL or source in targets or dest in targets):
+        if _shows(status, live.vm_state, live.task_state) and (kind == CELL or source in targets or dest in targets):
             return None
     return str(live.host)
 
 
-def _record_left(drain_uuid: str, instance_uuid: str, host: str, *, state: str, step: str) -> bool:
+def _record_moved_off(drain_uuid: str, instance_uuid: str, host: str, *, state: str, step: str) -> bool:
     """Record ``done`` on ``host`` a server that left the drained hosts by a move that is not the
-    drain's (see :func:`_left_targets`), while it is still in ``state`` and the drain has not
+    drain's (see :func:`_host_off_targets`), while it is still in ``state`` and the drain has not
     ended; return whether it was.
 
     It is where a drain's move would have left it, so the drain does not move it again (a second
@@ -1644,6 +1648,8 @@ def _record_left(drain_uuid: str, instance_uuid: str, host: str, *, state: str, 
             return False
         source = server.source_host
         server.state, server.dest_host, server.finished_at, server.error = DONE, host, utcnow(), None
+        # No move of the drain's took it there: it counts in no average move (the ETA).
+        server.started_at = server.migration_uuid = None
         drain.version += 1
     logger.info("drain server already left the drained hosts by a move that was not the drain's; recorded done "
                 "without moving it", extra={"drain": drain_uuid, "instance_uuid": instance_uuid,
@@ -1651,17 +1657,21 @@ def _record_left(drain_uuid: str, instance_uuid: str, host: str, *, state: str, 
     return True
 
 
-def _settled_left(drain_uuid: str, instance_uuid: str, host: str, slot: Mapping[str, Any]) -> errors.DrainInvalidState:
-    """Settle at PrepareMove a server that left the drained hosts (see :func:`_record_left`), after
-    undoing the move of this attempt if one was accepted (from the host it is on now); the error
-    PrepareMove raises, which sends its iteration to RecordFailure, where it is found settled.
+def _settle_moved_off(drain_uuid: str, instance_uuid: str, host: str,
+                      slot: Mapping[str, Any]) -> errors.DrainInvalidState:
+    """Settle at PrepareMove a server that left the drained hosts (see :func:`_record_moved_off`),
+    after undoing the move of this attempt if one was accepted (from the host it is on now).
+
+    Returns:
+        The error PrepareMove raises then, which sends its iteration to RecordFailure, where the
+        server is found settled.
 
     Raises:
         MoveStillRunning: the workflow of this attempt's move runs (it never does before RunMove).
     """
     moves.abandon_prepared_move(instances.cell_of(instance_uuid).name, instance_uuid, slot["migration_uuid"],
                                 slot["request_id"])
-    _record_left(drain_uuid, instance_uuid, host, state=MOVING, step="PrepareMove")
+    _record_moved_off(drain_uuid, instance_uuid, host, state=MOVING, step="PrepareMove")
     return errors.DrainInvalidState(f"Drain {drain_uuid} no longer moves server {instance_uuid}: it left the "
                                     f"drained hosts by a move that was not the drain's, and is on {host}.")
 
@@ -1814,8 +1824,7 @@ def record_failure(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any],
     gone = host is None and _gone(instance_uuid)
     # Waiting for its confirm or revert (not one under way, as after a failed RunConfirm).
     move_finished = now.migration_status == migration_states.FINISHED
-    this_move_open = now.migration_status in (*migration_states.MOVING, migration_states.FINISHED,
-                                              *migration_states.SETTLING)
+    this_move_open = now.migration_status in _OPEN_MOVE_STATUSES
     with api_session() as session:
         drain, server = _load_server(session, drain_uuid, instance_uuid)
         ended = _ended_before(drain, server, "RecordFailure")

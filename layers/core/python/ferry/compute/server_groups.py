@@ -252,9 +252,10 @@ def _member_hosts(session: Session, group_id: int, policy: str, instance_uuid: s
     A member on the move holds its destination (its own allocations) and its source (its
     migration's, until the move is confirmed or reverted). Keeping apart (anti-affinity), it
     counts on both, as a revert or a rollback puts it back on its source without asking the
-    scheduler. Keeping together (affinity), it counts where it is going only, as Nova counts it
-    by its host: a newcomer put beside its source would be apart from it once the move is
-    confirmed (a revert, as in Nova, may part them).
+    scheduler. Keeping together (affinity), it counts where it is going only, where a confirm
+    leaves it (Nova counts a member by its host, the destination once the move finished): a
+    newcomer put beside its source would be apart from it once the move is confirmed (a revert
+    or a failed move's rollback, as in Nova, parts them).
     """
     members = set(session.scalars(select(InstanceGroupMember.instance_uuid).where(
         InstanceGroupMember.group_id == group_id, InstanceGroupMember.instance_uuid != instance_uuid)))

@@ -44,22 +44,32 @@ PROCESS_POOL = {"pool_size": 5, "max_overflow": 20}
 _TRANSIENT_SQLSTATES = frozenset({"40001", "40P01", "53300", "55P03", "57P01", "57P02", "57P03"})
 
 
-def transient(exc: BaseException) -> bool:
-    """Whether ``exc`` is a database failure of the moment rather than of the request: a connection
-    refused, lost or closed, a transaction PostgreSQL ended to break a deadlock or a serialization
-    conflict, a lock not had within lock_timeout, SQLite's write lock not had within its busy
-    timeout. A statement cancelled by statement_timeout is not: it would likely run as long again."""
+def unreachable(exc: BaseException) -> bool:
+    """Whether ``exc`` says the database could not be reached or its connection was lost (not a
+    deadlock, a conflict or a lock wait, which a step run again gets past)."""
     if not isinstance(exc, DBAPIError):
         return False
     if exc.connection_invalidated or isinstance(exc, InterfaceError):
+        return True
+    if not isinstance(exc, OperationalError) or isinstance(exc.orig, sqlite3.OperationalError):
+        return False
+    code = getattr(exc.orig, "pgcode", None)
+    return code is None or code.startswith("08")
+
+
+def transient(exc: BaseException) -> bool:
+    """Whether ``exc`` is a database failure of the moment rather than of the request: a connection
+    refused, lost or closed (:func:`unreachable`), a transaction PostgreSQL ended to break a
+    deadlock or a serialization conflict, a lock not had within lock_timeout, SQLite's write lock
+    not had within its busy timeout. A statement cancelled by statement_timeout is not: it would
+    likely run as long again."""
+    if unreachable(exc):
         return True
     if not isinstance(exc, OperationalError):
         return False
     if isinstance(exc.orig, sqlite3.OperationalError):
         return "locked" in str(exc.orig) or "busy" in str(exc.orig)
-    code = getattr(exc.orig, "pgcode", None)
-    # No SQLSTATE: the driver's own failure to reach the server or keep talking to it.
-    return code is None or code.startswith("08") or code in _TRANSIENT_SQLSTATES
+    return getattr(exc.orig, "pgcode", None) in _TRANSIENT_SQLSTATES
 
 
 class DatabaseUrlUnreadable(ArgumentError):

@@ -398,7 +398,9 @@ def restore_verify_resize(event: dict[str, Any]) -> dict[str, Any]:
                               "newer_request_id": newest})
         return {}
     cells = cross_cell_settle.cross_cell(event)
-    cross_cell_settle.undo_flip(event, error or {"Error": "Error", "Cause": cause})
+    # What every event this rollback ends records, when the failure came with no error of its own.
+    recorded = error or {"Error": "Error", "Cause": cause}
+    cross_cell_settle.undo_flip(event, recorded)
     with cell_session(event["cell"]) as session:
         migration = migration_of(session, uuid, migration_uuid)
         if migration.status not in (migration_states.CONFIRMING, migration_states.REVERTING):
@@ -409,7 +411,7 @@ def restore_verify_resize(event: dict[str, Any]) -> dict[str, Any]:
             name = cross_cell_settle.EVENT_REVERT if reverting else cross_cell_settle.EVENT_CONFIRM
         source, dest = migration.source_compute, migration.dest_compute
         if reverting and cells:
-            message = f"Reverting the resize failed before the server went back to its source cell: {cause}"
+            message = f"Reverting the resize failed; the server stays in its target cell: {cause}"
             details = (f"The server stays in VERIFY_RESIZE on {dest} in cell {cells['target_cell']}; its old disks "
                        f"are still on {source}. Revert again to retry.")
         elif reverting and "move" in event:
@@ -436,7 +438,6 @@ def restore_verify_resize(event: dict[str, Any]) -> dict[str, Any]:
                 logger.warning("task changed meanwhile; left as is", extra={"instance_uuid": uuid})
         if instance is not None:
             instances.add_fault(session, uuid, message, host=dest, details=details)
-        recorded = error or {"Error": "Error", "Cause": message}
         if not reverting and name == cross_cell_settle.EVENT_CONFIRM:  # the source host's part, if it began
             actions.finish_started_event(session, instance_uuid=uuid, request_id=request_id,
                                          event=cross_cell_settle.EVENT_CONFIRM_AT_SOURCE, error=recorded)

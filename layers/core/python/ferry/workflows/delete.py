@@ -234,7 +234,7 @@ def _remove_copies_elsewhere(cell: str, instance_uuid: str) -> None:
         moves = session.execute(select(Migration.uuid, Migration.source_compute, Migration.dest_compute).where(
             Migration.instance_uuid == instance_uuid, Migration.cross_cell_move.is_(True))).all()
     for migration_uuid, *ends in moves:
-        cells = {hosts.cell_of_host(str(host)) for host in ends}
+        cells = {hosts.cell_of_host(host) for host in ends if host}
         for other in sorted(c for c in cells if c is not None and c != cell):
             try:
                 cross_cell_settle.hard_delete_copy(other, instance_uuid, migration_uuid)
@@ -242,7 +242,7 @@ def _remove_copies_elsewhere(cell: str, instance_uuid: str) -> None:
                 logger.warning("a visible copy of the server in another cell is left",
                                extra={"instance_uuid": instance_uuid, "cell": other, "migration_uuid": migration_uuid})
             except DBAPIError as exc:
-                if not db.transient(exc):
+                if not db.unreachable(exc):
                     raise
                 logger.warning("the server's copy in another cell is left: its database cannot be reached",
                                extra={"instance_uuid": instance_uuid, "cell": other, "migration_uuid": migration_uuid,

@@ -34,7 +34,7 @@ from sqlalchemy.orm import Session
 from ferry import errors, hosts, images, network, notifications, placement, volumes
 from ferry.compute import actions, instances, migration_states, states
 from ferry.observability import logger, metrics
-from ferry.store.api_models import VolumeAttachment
+from ferry.store.api_models import Volume, VolumeAttachment
 from ferry.store.cell_models import BlockDeviceMapping, Instance, Migration
 from ferry.store.db import api_session, cell_session
 from ferry.workflows import cross_cell_settle, error_message
@@ -194,7 +194,10 @@ def revert_resources_to_source(event: dict[str, Any]) -> dict[str, Any]:
             volumes.detach_from(session, uuid, dest)
         present = {a.volume_id for a in volumes.attachments(session, uuid, source)}
         # A mapping may outlive its detach (one whose cell part never committed): a volume another
-        # server holds now is left to it, not given to two guests.
+        # server holds now is left to it, not given to two guests. The volumes' rows are locked
+        # first, as an attach swaps a volume's status: the two wait for each other.
+        session.execute(select(Volume.id).where(Volume.id.in_(sorted(device_of))).order_by(Volume.id)
+                        .with_for_update())
         elsewhere = set(session.scalars(select(VolumeAttachment.volume_id).where(
             VolumeAttachment.volume_id.in_(device_of), VolumeAttachment.instance_uuid != uuid)))
         if elsewhere:
