@@ -954,12 +954,14 @@ class HostAgent(MoveOperations):
                 logger.info("operation done meanwhile: answering from the journal", extra=context)
                 return recorded.result, recorded.error, recorded.cause
             with self._worker():
-                return self._run_here(op, context, awaited)
+                return self._run_here(op, context, recorded, awaited)
 
     def _run_here(
-        self, op: Operation, context: dict[str, Any], awaited: bool = False
+        self, op: Operation, context: dict[str, Any], earlier: JournalEntry | None, awaited: bool = False
     ) -> tuple[dict[str, Any] | None, str | None, str | None]:
         """Run ``op`` now, under its instance's lock and a worker, journaling its outcome.
+
+        ``earlier``: the journal's entry of an earlier run of the operation (None when it never ran).
 
         ``awaited``: Step Functions was just asked and the workflow waits (it is not asked again first).
 
@@ -974,7 +976,6 @@ class HostAgent(MoveOperations):
             waits = self._still_awaited(op.task_token, context)
             if not waits:
                 raise _NotRun(waits)
-        earlier = self.journal.get(op.operation_id)
         cut_short = earlier is not None and not earlier.finished
         self.journal.start(op.operation_id, op.name, op.instance_uuid, op.task_token)
         logger.info("operation started", extra=context)

@@ -45,13 +45,17 @@ INACTIVE = "INACTIVE"
 
 
 def instance_ports(session: Session, instance_uuid: str) -> list[Port]:
+    """The server's ports, oldest first."""
+    return list(session.scalars(select(Port).where(Port.device_id == instance_uuid)
+                                .order_by(Port.created_at, Port.id)))
+
+
+def guest_ports(session: Session, instance_uuid: str) -> list[Port]:
     """The server's ports in the order of its guest's interfaces: as the server was created with
     them (its ``requested_networks``, a port its owner brought where it was named), then any
     other, oldest first."""
-    ports = list(session.scalars(select(Port).where(Port.device_id == instance_uuid)
-                                 .order_by(Port.created_at, Port.id)))
     position = {n["port_id"]: i for i, n in enumerate(requested_networks(session, instance_uuid)) if n.get("port_id")}
-    return sorted(ports, key=lambda port: position.get(port.id, len(position)))
+    return sorted(instance_ports(session, instance_uuid), key=lambda port: position.get(port.id, len(position)))
 
 
 def _binding(port: Port, host: str) -> PortBinding | None:

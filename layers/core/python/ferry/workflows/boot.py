@@ -240,7 +240,7 @@ def bind_resources_at_dest(event: dict[str, Any]) -> dict[str, Any]:
                                  .where(InstanceMapping.instance_uuid == uuid).with_for_update()).one_or_none()
         if queued is None or queued:
             raise errors.UnexpectedTaskState(f"Instance {uuid} was deleted while it was being built.")
-        ports = network.instance_ports(session, uuid)
+        ports = network.guest_ports(session, uuid)
         for port in ports:
             if not any(b.host == host for b in port.bindings):
                 port.bindings.append(PortBinding(host=host, status="ACTIVE", vif_details={"type": "ethernet"}))

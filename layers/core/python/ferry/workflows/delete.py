@@ -232,21 +232,22 @@ def _remove_copies_elsewhere(cell: str, instance_uuid: str) -> None:
     """
     with cell_session(cell) as session:
         moves = session.execute(select(Migration.uuid, Migration.source_compute, Migration.dest_compute).where(
-            Migration.instance_uuid == instance_uuid, Migration.cross_cell_move.is_(True))).all()
-    for migration_uuid, *ends in moves:
-        cells = {hosts.cell_of_host(host) for host in ends if host}
-        for other in sorted(c for c in cells if c is not None and c != cell):
-            try:
-                cross_cell_settle.hard_delete_copy(other, instance_uuid, migration_uuid)
-            except errors.CellCopyNotHidden:
-                logger.warning("a visible copy of the server in another cell is left",
-                               extra={"instance_uuid": instance_uuid, "cell": other, "migration_uuid": migration_uuid})
-            except DBAPIError as exc:
-                if not db.unreachable(exc):
-                    raise
-                logger.warning("the server's copy in another cell is left: its database cannot be reached",
-                               extra={"instance_uuid": instance_uuid, "cell": other, "migration_uuid": migration_uuid,
-                                      "error": str(exc.orig or exc).splitlines()[0][:200]})
+            Migration.instance_uuid == instance_uuid, Migration.cross_cell_move.is_(True)).order_by(Migration.id)).all()
+    # One removal per other cell (a cell holds one copy of the server), under that cell's newest move.
+    cell_of = {host: hosts.cell_of_host(host) for _uuid, *ends in moves for host in ends if host}
+    newest = {cell_of[host]: migration_uuid for migration_uuid, *ends in moves for host in ends if host}
+    for other, migration_uuid in sorted((c, m) for c, m in newest.items() if c is not None and c != cell):
+        try:
+            cross_cell_settle.hard_delete_copy(other, instance_uuid, migration_uuid)
+        except errors.CellCopyNotHidden:
+            logger.warning("a visible copy of the server in another cell is left",
+                           extra={"instance_uuid": instance_uuid, "cell": other, "migration_uuid": migration_uuid})
+        except DBAPIError as exc:
+            if not db.unreachable(exc):
+                raise
+            logger.warning("the server's copy in another cell is left: its database cannot be reached",
+                           extra={"instance_uuid": instance_uuid, "cell": other, "migration_uuid": migration_uuid,
+                                  "error": str(exc.orig or exc).splitlines()[0][:200]})
 
 
 def _migrations_of(cell: str, instance_uuid: str) -> list[str]:

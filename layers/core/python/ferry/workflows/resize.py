@@ -166,7 +166,7 @@ def _source(event: Mapping[str, Any]) -> dict[str, Any]:
 
 def _ports(session: Session, instance_uuid: str) -> list[dict[str, Any]]:
     return [{"id": port.id, "mac_address": port.mac_address}
-            for port in network.instance_ports(session, instance_uuid)]
+            for port in network.guest_ports(session, instance_uuid)]
 
 
 def _volumes_on(host: str, instance_uuid: str, cell: str) -> list[dict[str, Any]]:

@@ -209,7 +209,7 @@ def revert_resources_to_source(event: dict[str, Any]) -> dict[str, Any]:
                                              status=volumes.RESERVED))
         session.flush()
         volumes.complete_on(session, uuid, source)
-        ports = [{"id": p.id, "mac_address": p.mac_address} for p in network.instance_ports(session, uuid)]
+        ports = [{"id": p.id, "mac_address": p.mac_address} for p in network.guest_ports(session, uuid)]
         attached = [{"volume_id": v.id, "path": v.path, "device": a.device or device_of.get(v.id) or "",
                      "boot_index": boot_index.get(v.id)} for v, a in volumes.attached_volumes(session, uuid, source)]
     with cell_session(cell) as session:
