@@ -326,6 +326,9 @@ class _Claim:
         # Set when a copy brings a task token the claim did not know: the keepalive heartbeats it
         # at once rather than at its next beat.
         self.new_token = threading.Event()
+        # Set by the keepalive once no workflow waits for any of the claim's task tokens: the
+        # operation's disk streams stop (:func:`disks.abandoned_when`).
+        self.abandoned = threading.Event()
 
     def deliveries(self) -> list[tuple[str, str | None]]:
         """(receipt handle, task token) of the claimed message and of each copy."""
@@ -954,16 +957,20 @@ class HostAgent(MoveOperations):
                 logger.info("operation done meanwhile: answering from the journal", extra=context)
                 return recorded.result, recorded.error, recorded.cause
             with self._worker():
-                return self._run_here(op, context, recorded, awaited)
+                return self._run_here(op, context, recorded, awaited, claim.abandoned)
 
     def _run_here(
-        self, op: Operation, context: dict[str, Any], earlier: JournalEntry | None, awaited: bool = False
+        self, op: Operation, context: dict[str, Any], earlier: JournalEntry | None, awaited: bool = False,
+        abandoned: threading.Event | None = None,
     ) -> tuple[dict[str, Any] | None, str | None, str | None]:
         """Run ``op`` now, under its instance's lock and a worker, journaling its outcome.
 
         ``earlier``: the journal's entry of an earlier run of the operation (None when it never ran).
 
         ``awaited``: Step Functions was just asked and the workflow waits (it is not asked again first).
+
+        ``abandoned``: set once no workflow waits for the operation; its disk streams then stop
+        (``OperationAbandoned``), rather than holding the instance's lock and a worker to their end.
 
         Raises:
             _NotRun, _TakenBack: as :meth:`_run`.
@@ -986,7 +993,8 @@ class HostAgent(MoveOperations):
                 self._stop.wait(delay)
             # A fault armed for this operation (tests and drills; off unless configured) fails it here.
             faults.check(*faults.host_points(self.host, op.name, op.operation_id))
-            result = self._handlers[op.name](op)
+            with disks.abandoned_when(abandoned or threading.Event()):
+                result = self._handlers[op.name](op)
         except errors.FerryError as exc:
             failure = exc
             if cut_short and op.name in _NOTHING_REMOVED_ON_HYPERVISOR_ERROR \
@@ -1197,6 +1205,11 @@ class HostAgent(MoveOperations):
                 for token in tokens:
                     beaten.add(token)
                     self._keepalive_heartbeat(token, gone, context)
+                awaited = {token for _receipt, token in deliveries if token}
+                if awaited and awaited <= gone and not claim.abandoned.is_set():
+                    logger.warning("no workflow waits for this operation any more: its disk streams stop",
+                                   extra=context)
+                    claim.abandoned.set()
 
         def extend_visibility() -> None:
             wait = min(self.keepalive_interval, KEEPALIVE_FIRST_BEAT_SECONDS)

@@ -48,6 +48,7 @@ from collections import deque
 from collections.abc import Callable, Container, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -101,8 +102,26 @@ TRANSFER_MAX_PART_SIZE = 5 * GiB
 THROTTLE_ENV = "FERRY_DISK_THROTTLE_MIBPS"
 
 
+# Set while an operation runs in this thread (:func:`abandoned_when`): the streams it starts stop
+# once the event is set, its workflow having stopped waiting.
+_ABANDONED: ContextVar[threading.Event | None] = ContextVar("ferry_stream_abandoned", default=None)
+
+
+@contextmanager
+def abandoned_when(event: threading.Event) -> Iterator[None]:
+    """Streams started in this thread while the block runs raise ``OperationAbandoned`` at their
+    next chunk once ``event`` is set: a copy of hours whose workflow gave up ends within a chunk,
+    and what it wrote goes the way a failed copy's goes."""
+    token = _ABANDONED.set(event)
+    try:
+        yield
+    finally:
+        _ABANDONED.reset(token)
+
+
 class _Pace:
-    """Holds a stream to :data:`THROTTLE_ENV` MiB/s (read when the stream starts); does nothing without it."""
+    """Holds a stream to :data:`THROTTLE_ENV` MiB/s (read when the stream starts), and stops it
+    once the operation that started it is abandoned (:func:`abandoned_when`)."""
 
     def __init__(self) -> None:
         try:
@@ -112,15 +131,28 @@ class _Pace:
         self.bytes_per_second = rate * MiB if rate > 0 else 0.0
         self._started = time.monotonic()
         self._moved = 0
+        self._abandoned = _ABANDONED.get()
 
     def moved(self, count: int) -> None:
-        """``count`` more bytes went through: sleep until the stream is back at its rate."""
+        """``count`` more bytes went through: wait until the stream is back at its rate.
+
+        Raises:
+            OperationAbandoned: the operation's workflow no longer waits for it (seen here, or
+                while the stream waits).
+        """
+        abandoned = self._abandoned
+        if abandoned is not None and abandoned.is_set():
+            raise errors.OperationAbandoned()
         if not self.bytes_per_second:
             return
         self._moved += count
         ahead = self._moved / self.bytes_per_second - (time.monotonic() - self._started)
-        if ahead > 0:
+        if ahead <= 0:
+            return
+        if abandoned is None:
             time.sleep(ahead)
+        elif abandoned.wait(ahead):
+            raise errors.OperationAbandoned()
 
 
 def instance_dir(instances_dir: str | os.PathLike[str], instance_uuid: str) -> Path:

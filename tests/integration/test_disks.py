@@ -7,6 +7,7 @@ import fcntl
 import hashlib
 import os
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -469,3 +470,62 @@ def test_where_there_are_no_locks_an_agent_starting_still_removes_its_own_leftov
     assert disks.remove_partial_files(tmp_path / "instances") == [own]  # only this host writes there
     assert disks.remove_abandoned_parts(tmp_path / "volumes") == []  # another host may be writing it
     assert shared.exists()
+
+
+@pytest.mark.parametrize("stream", ["copy_sparse", "copy_to_host", "download_image", "upload_disk", "download_disk"])
+def test_a_stream_whose_operation_is_abandoned_stops_and_leaves_nothing_part_written(tmp_path, s3, monkeypatch, stream):
+    # GIVEN a disk with 7 MiB of data, in a file and in S3
+    src, out = tmp_path / "src", tmp_path / "out"
+    out.mkdir()
+    content = _sparse_file(src, 16 * MiB, {0: os.urandom(6 * MiB), 9 * MiB: os.urandom(MiB)})
+    s3.put_object(Bucket=BUCKET, Key="image", Body=content)
+    sent = disks.upload_disk(s3, src, BUCKET, "moves/m1", "root")
+    streams = {
+        "copy_sparse": lambda: disks.copy_sparse(src, out / "disk", chunk_size=MiB),
+        "copy_to_host": lambda: disks.copy_to_host(src, out / "disk"),
+        "download_image": lambda: disks.download_image(s3, BUCKET, "image", out / "disk",
+                                                       hashlib.sha256(content).hexdigest(), MiB),
+        "upload_disk": lambda: disks.upload_disk(s3, src, BUCKET, "moves/m2", "root", chunk_size=MiB,
+                                                 part_size=5 * MiB),
+        "download_disk": lambda: disks.download_disk(s3, BUCKET, "moves/m1", "root", out / "disk", sent.sha256,
+                                                     chunk_size=MiB),
+    }
+    # ... whose operation's workflow stops waiting once the stream moved its first chunk (6 MiB
+    # for the upload: its first part is sent)
+    abandoned = threading.Event()
+    moved = disks._Pace.moved
+    first = 6 * MiB if stream == "upload_disk" else 1
+    went_through = [0]
+
+    def then_abandoned(pace: disks._Pace, count: int) -> None:
+        moved(pace, count)
+        went_through[0] += count
+        if went_through[0] >= first:
+            abandoned.set()
+
+    monkeypatch.setattr(disks._Pace, "moved", then_abandoned)
+
+    # WHEN it runs
+    with disks.abandoned_when(abandoned), pytest.raises(errors.OperationAbandoned):
+        streams[stream]()
+
+    # THEN it stopped, and nothing it started writing is left
+    assert _leftovers(out) == []
+    assert [o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET, Prefix="moves/m2/").get("Contents", [])] == []
+    assert not s3.list_multipart_uploads(Bucket=BUCKET).get("Uploads")
+
+
+def test_a_stream_runs_to_its_end_once_the_operation_that_started_it_is_over(tmp_path):
+    # GIVEN an operation that ended, abandoned, after the copy it started was made
+    src = tmp_path / "src"
+    content = _sparse_file(src, 8 * MiB, {0: os.urandom(MiB)})
+    abandoned = threading.Event()
+    with disks.abandoned_when(abandoned):
+        pass
+    abandoned.set()
+
+    # WHEN a stream starts outside it
+    digest = disks.copy_sparse(src, tmp_path / "dst")
+
+    # THEN it is not stopped
+    assert digest == hashlib.sha256(content).hexdigest()

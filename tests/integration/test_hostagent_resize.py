@@ -195,10 +195,7 @@ class Cloud:
             stepfunctions=self.sfn,
             s3=self.s3,
             poll_wait_seconds=0,
-            keepalive_interval=3600,
-            visibility_timeout=7200,
-            power_off_timeout=5,
-            **options,
+            **{"keepalive_interval": 3600, "visibility_timeout": 7200, "power_off_timeout": 5, **options},
         )
         agent.start()
         host = Host(name, agent, driver, instances_dir, self)

@@ -289,3 +289,54 @@ def test_a_late_take_back_of_a_finish_resize_leaves_what_a_later_move_made(cloud
     # THEN the later move's guest and disks stay
     assert dest.driver.guest_power_state(server.uuid) == RUNNING
     assert dest.instance_dirs() == [server.uuid]
+
+
+
+def stopped_streams(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Collects the bytes moved so far by each disk stream that stopped as its operation was abandoned."""
+    stopped: list[int] = []
+    real = disks._Pace.moved
+
+    def watching(pace: disks._Pace, count: int) -> None:
+        try:
+            real(pace, count)
+        except errors.OperationAbandoned:
+            stopped.append(pace._moved)
+            raise
+
+    monkeypatch.setattr(disks._Pace, "moved", watching)
+    return stopped
+
+
+@pytest.mark.parametrize(("way", "mib_per_second"), [("straight into the destination's directory", "2"),
+                                                     ("through the transfer", "0.5")])
+def test_a_resize_instance_whose_workflow_gives_up_while_it_sends_stops_sending_and_takes_back_what_it_sent(
+        cloud, dest, monkeypatch, way, mib_per_second):
+    # GIVEN a source whose agent beats its tasks' heartbeats often, and a server on it whose disks
+    # stream slowly (a drill's throttle: its first chunk takes two seconds)
+    source = cloud.add_host("compute3", keepalive_interval=0.3)
+    server = boot(source)
+    migration_uuid = str(uuid.uuid4())
+    args = test_hostagent_resize.resize_args(migration_uuid, dest)
+    if way == "straight into the destination's directory":
+        args["direct"] = dest.ok("prep_resize", server.uuid,
+                                 {"migration_uuid": migration_uuid, "flavor": test_hostagent_resize.NEW,
+                                  "same_host": False})["direct"]
+    monkeypatch.setenv(disks.THROTTLE_ENV, mib_per_second)
+    stopped = stopped_streams(monkeypatch)
+
+    # WHEN its Task times out once the operation started (the first keepalive beat is refused)
+    cloud.sfn.gave_up, cloud.sfn.heartbeats_left = True, 1
+    body = message("resize_instance", server.uuid, args)
+    deliver(source, body)
+
+    # THEN the stream under way stopped rather than sending every disk to its end, what was sent
+    # is gone, the disks kept for the rollback's revert are whole, and nothing was answered
+    assert len(stopped) == 1
+    assert status(source, body) == TAKEN_BACK
+    assert body["task_token"] not in cloud.sfn.answers
+    assert queue_is_empty(source)
+    assert not disks.incoming_dir(dest.instances_dir, server.uuid).exists()
+    assert cloud.transfer_keys(test_hostagent_resize.transfer(migration_uuid)["prefix"]) == []
+    assert not cloud.s3.list_multipart_uploads(Bucket=test_hostagent_resize.TRANSFERS).get("Uploads")
+    assert logical_sha256(source.kept(server.uuid) / disks.ROOT_DISK) == server.root_sha256

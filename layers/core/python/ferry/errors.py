@@ -179,6 +179,13 @@ class ResizeClaimFailed(HostOperationFailed):
     pass
 
 
+class OperationAbandoned(HostOperationFailed):
+    """The operation's workflow stopped waiting for it (its Task timed out), so the host agent
+    stopped its disk streams part way; nobody takes this answer."""
+
+    default_message = "The operation's workflow stopped waiting for it: it was stopped part way."
+
+
 class GuestNotFound(HostOperationFailed):
     pass
 
