@@ -2269,6 +2269,25 @@ def test_a_server_a_move_between_cells_took_back_while_it_was_looked_at_is_not_g
     assert slot.action == "move" and _servers(drain)[server].state == "moving"
 
 
+def test_a_look_for_a_slot_reads_the_servers_cell_once(store, monkeypatch):
+    # GIVEN a running drain of two servers
+    drain, _other, server = _started_with_two()
+    real, opened = drains.cell_session, []
+
+    def counting(cell):
+        opened.append(cell.name if isinstance(cell, CellMapping) else cell)
+        return real(cell)
+
+    monkeypatch.setattr(drains, "cell_session", counting)
+
+    # WHEN one's iteration asks for a slot
+    slot = drains.acquire_slot(drain, server)
+
+    # THEN its cell was read once, for whether it is gone and whether its owner moved it off
+    assert slot.action == "move"
+    assert opened == ["cell1"]
+
+
 def test_a_server_deleted_before_its_retry_is_gone_and_not_planned_again(store, move_machines):
     # GIVEN a server whose first try failed and rolled back, waiting for its retry
     drain, server, slot, _move = _prepared_move()

@@ -1355,11 +1355,12 @@ def acquire_slot(drain_uuid: str, instance_uuid: str) -> Slot:
         waiting = server.state == PENDING and drain.status not in FINAL_STATUSES
         kind, targets = drain.target_kind, list(drain.targets)
     # Read before the drain's row is taken again: the cells are read in sessions of their own.
-    if waiting and _gone(instance_uuid):
+    seen = _look(instance_uuid, kind, targets) if waiting else None
+    if seen is not None and seen.gone:
         _record_gone_before_move(drain_uuid, instance_uuid)
         replan = False  # the look below answers stop for the server settled, or the drain ended
-    elif waiting and (elsewhere := _host_off_targets(kind, targets, instance_uuid)) is not None:
-        _record_moved_off(drain_uuid, instance_uuid, elsewhere, state=PENDING, step="AcquireSlot")
+    elif seen is not None and seen.moved_off_to is not None:
+        _record_moved_off(drain_uuid, instance_uuid, seen.moved_off_to, state=PENDING, step="AcquireSlot")
         replan = False
     if replan and (unplanned := _planned_again(drain_uuid, instance_uuid)) is not None:
         return Slot(unplanned, confirm=bool(drain.options.get("confirm", True)))
@@ -1564,10 +1565,11 @@ def prepare_move(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any]) -
         ctx = _drain_context(drain, slot["request_id"])
         planned = server.planned_host
         kind, targets = drain.target_kind, list(drain.targets)
-    if _gone(instance_uuid):  # deleted since AcquireSlot: RecordFailure records it gone
+    seen = _look(instance_uuid, kind, targets)
+    if seen.gone:  # deleted since AcquireSlot: RecordFailure records it gone
         raise errors.InstanceNotFound(f"Server {instance_uuid} was deleted before its move started.")
-    if (elsewhere := _host_off_targets(kind, targets, instance_uuid)) is not None:
-        raise _settle_moved_off(drain_uuid, instance_uuid, elsewhere, slot)
+    if seen.moved_off_to is not None:
+        raise _settle_moved_off(drain_uuid, instance_uuid, seen.moved_off_to, slot)
     if planned is None:  # an attempt handed out before AcquireSlot planned retries (mid-update)
         planned = _replan(drain_uuid, instance_uuid, state=MOVING, step="PrepareMove")
     if planned is None:
@@ -1605,32 +1607,8 @@ def _on_targets(kind: str, targets: list[str], cell: str, host: str) -> bool:
 
 def _host_off_targets(kind: str, targets: list[str], instance_uuid: str) -> str | None:
     """The host the server is on when it has left the drained hosts (or cell) by a move that is
-    not the drain's, else None.
-
-    A server its owner resized or migrated during the drain (the scheduler sends it to a host
-    not disabled) is on a host not drained (in another cell, for a drained cell), with no move
-    to or from the drained hosts still open (for a drained cell, no move at all), whose revert
-    would bring it back: as :func:`_left_on_targets` counts them, one in VERIFY_RESIZE for a
-    finished move, with a task for one under way or being confirmed or reverted. A server on a
-    drained host, one not on any host, and one gone (see :func:`_gone`) answer None. Read in the
-    cell its mapping names; call it outside any API database session.
-    """
-    try:
-        cell = instances.cell_of(instance_uuid)
-    except errors.InstanceNotFound:
-        return None
-    with cell_session(cell) as session:
-        live = session.execute(select(Instance.host, Instance.vm_state, Instance.task_state).where(
-            Instance.uuid == instance_uuid, Instance.deleted.is_(False), Instance.hidden.is_(False))).first()
-        moves_open = session.execute(select(Migration.status, Migration.source_compute, Migration.dest_compute).where(
-            Migration.instance_uuid == instance_uuid, Migration.deleted.is_(False),
-            Migration.status.in_(_OPEN_MOVE_STATUSES))).all()
-    if live is None or not live.host or _on_targets(kind, targets, cell.name, live.host):
-        return None
-    for status, source, dest in moves_open:
-        if _shows(status, live.vm_state, live.task_state) and (kind == CELL or source in targets or dest in targets):
-            return None
-    return str(live.host)
+    not the drain's, else None (see :func:`_look`). Call it outside any API database session."""
+    return _look(instance_uuid, kind, targets).moved_off_to
 
 
 def _record_moved_off(drain_uuid: str, instance_uuid: str, host: str, *, state: str, step: str) -> bool:
@@ -1721,24 +1699,66 @@ def _where_now(instance_uuid: str, migration_uuid: str | None = None) -> _Wherea
 
 
 def _gone(instance_uuid: str) -> bool:
-    """Whether the server no longer exists: its instance mapping is gone or queued for delete,
-    or its instance in the cell the mapping names is deleted (the mapping read again after).
+    """Whether the server no longer exists (see :func:`_look`). Call it outside any API database session."""
+    return _look(instance_uuid).gone
 
-    A server hidden in that cell (a move between cells switching over) still exists, and so does
-    one whose delete is under way (task ``deleting``): its delete may yet fail; so does one whose
-    row that cell no longer holds (a move between cells purged the copy read). Call it outside
-    any API database session.
+
+@dataclass(frozen=True)
+class _Look:
+    """What one look at a server found (:func:`_look`)."""
+
+    gone: bool
+    # The host it is on when it left the drained hosts by a move that is not the drain's.
+    moved_off_to: str | None = None
+
+
+def _look(instance_uuid: str, kind: str | None = None, targets: Iterable[str] = ()) -> _Look:
+    """Where the server is, read once in the cell its mapping names.
+
+    ``gone``: the server no longer exists: its instance mapping is gone or queued for delete,
+    or its instance in that cell is deleted (the mapping read again after: a move between cells
+    that switched the mapping meanwhile, and purged the copy read, leaves a server that exists
+    elsewhere). A server hidden in that cell (a move between cells switching over) still exists,
+    and so does one whose delete is under way (task ``deleting``: its delete may yet fail) and one
+    whose row that cell no longer holds.
+
+    ``moved_off_to`` (with the drain's ``kind`` and ``targets``): the host the server is on when
+    it left the drained hosts (or cell) by a move that is not the drain's. A server its owner
+    resized or migrated during the drain (the scheduler sends it to a host not disabled) is on a
+    host not drained (in another cell, for a drained cell), with no move to or from the drained
+    hosts still open (for a drained cell, no move at all), whose revert would bring it back: as
+    :func:`_left_on_targets` counts them, one in VERIFY_RESIZE for a finished move, with a task
+    for one under way or being confirmed or reverted. None for a server on a drained host, one
+    not on any host, one hidden, and one gone.
+
+    Call it outside any API database session.
     """
     mapped = _mapped_cell(instance_uuid)
     if mapped is None:
-        return True
+        return _Look(gone=True)
     if mapped == "":  # not scheduled yet: not a server a drain found on a host
-        return False
+        return _Look(gone=False)
+    moves_open: list[Any] = []
     with cell_session(mapped) as session:
-        deleted = session.scalars(select(Instance.deleted).where(Instance.uuid == instance_uuid)).first()
-    # Deleted in the cell the mapping still names: a move between cells that switched the mapping
-    # meanwhile (and purged the copy read) leaves a server that exists elsewhere.
-    return bool(deleted) and _mapped_cell(instance_uuid) == mapped
+        row = session.execute(select(Instance.deleted, Instance.hidden, Instance.host, Instance.vm_state,
+                                     Instance.task_state).where(Instance.uuid == instance_uuid)).first()
+        live = row is not None and not row.deleted and not row.hidden
+        if live and kind is not None:
+            moves_open = list(session.execute(select(
+                Migration.status, Migration.source_compute, Migration.dest_compute).where(
+                Migration.instance_uuid == instance_uuid, Migration.deleted.is_(False),
+                Migration.status.in_(_OPEN_MOVE_STATUSES))))
+    if row is not None and row.deleted:
+        return _Look(gone=_mapped_cell(instance_uuid) == mapped)
+    if row is None or not live or kind is None or not row.host:
+        return _Look(gone=False)
+    targets = list(targets)
+    if _on_targets(kind, targets, mapped, row.host):
+        return _Look(gone=False)
+    for status, source, dest in moves_open:
+        if _shows(status, row.vm_state, row.task_state) and (kind == CELL or source in targets or dest in targets):
+            return _Look(gone=False)
+    return _Look(gone=False, moved_off_to=str(row.host))
 
 
 def _mapped_cell(instance_uuid: str) -> str | None:
