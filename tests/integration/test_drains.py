@@ -13,7 +13,17 @@ import uuid
 
 import pytest
 from moto import mock_aws
-from placement_helpers import PROJECT, USER, add_compute, add_instance, flavor, resources
+from placement_helpers import (
+    PROJECT,
+    USER,
+    add_compute,
+    add_group,
+    add_instance,
+    flavor,
+    join_group,
+    request_spec,
+    resources,
+)
 from sqlalchemy import select, update
 from test_api_support import ADMIN as API_ADMIN
 from test_api_support import add_host, call, mocked_cloud
@@ -22,6 +32,7 @@ from trickling_receiver import trickling_receiver
 from ferry import aws, config, drains, errors, notifications, placement
 from ferry.auth import RequestContext
 from ferry.compute import actions, instances, moves, services
+from ferry.compute import api as compute_api
 from ferry.store import setup
 from ferry.store.api_models import CellMapping, Drain, DrainServer, InstanceMapping
 from ferry.store.cell_models import Instance, InstanceAction, Migration
@@ -90,6 +101,31 @@ def test_a_plan_counts_the_servers_placed_before_it(store):
     # A dry run disables nothing and claims nothing.
     assert not any(s.disabled for s in services.list_services())
     assert placement.get_allocations(moving[0]) == {source: resources(1, 2048, 1)}
+
+
+@pytest.mark.parametrize("max_per_host", [None, 2])
+def test_a_plan_keeps_anti_affinity_members_apart_where_it_planned_them(store, max_per_host):
+    # GIVEN two members of an anti-affinity group, on two drained hosts, and two hosts to go to,
+    # one with far more room (the one each would be sent to on its own)
+    group = add_group("anti-affinity", {"max_server_per_host": max_per_host} if max_per_host else None)
+    members = []
+    for name in ("source-a", "source-b"):
+        members.append(_server_on(name, add_compute(name)))
+        join_group(group, members[-1])
+    add_compute("roomy", memory_mb=65536)
+    add_compute("small", memory_mb=8192)
+    with api_session() as session:
+        for member in members:
+            compute_api.save_request_spec(session, member, request_spec(member, group={"uuid": group}))
+    drain = _record({"hosts": ["source-a", "source-b"], "dry_run": True})
+
+    # WHEN the drain is planned
+    drains.plan(drain)
+
+    # THEN the second member planned is kept off the host the first was planned to (unless the
+    # group lets two share a host)
+    planned = sorted(row.planned_host for row in _servers(drain).values())
+    assert planned == (["roomy", "roomy"] if max_per_host else ["roomy", "small"])
 
 
 def test_the_largest_servers_are_planned_first(store):

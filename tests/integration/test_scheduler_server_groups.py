@@ -241,3 +241,17 @@ def test_members_booted_at_once_never_share_a_host(pg_store):
     assert len(placed) == len(set(placed)) == 6
     assert outcomes.count("none") == 2
 
+
+
+@pytest.mark.parametrize(("policy", "counted"), [
+    ("anti-affinity", {"src": 2, "dest-1": 1, "dest-2": 1}),
+    ("soft-anti-affinity", {"src": 2, "dest-1": 1, "dest-2": 1}),
+    ("affinity", {"dest-1": 1, "dest-2": 1}),
+    ("soft-affinity", {"dest-1": 1, "dest-2": 1}),
+])
+def test_members_planned_to_move_count_where_their_policy_counts_a_move_under_way(policy, counted):
+    # Two members on src planned to move away: keeping apart they count on both ends (a revert
+    # brings them back unasked), keeping together where they go only.
+    planned = [("src", "dest-1"), ("src", "dest-2")]
+
+    assert server_groups.with_planned(policy, {"src": 2}, planned) == counted

@@ -1034,23 +1034,30 @@ def _size(instance: Instance) -> tuple[int, int, int]:
 
 def plan_server(drain: Drain, cell: str, instance: Instance, is_bfv: bool, base: Mapping[str, Any],
                 pending: dict[str, dict[str, int]], cell_names: list[str],
-                avoid: Iterable[str] = ()) -> tuple[scheduler.Selection | None, str]:
+                avoid: Iterable[str] = (),
+                group_moves: dict[str, list[tuple[str, str]]] | None = None) -> tuple[scheduler.Selection | None, str]:
     """Where one server would go with ``pending`` counted as used; adds the choice to ``pending``.
-    ``avoid`` names hosts not to choose.
+    ``avoid`` names hosts not to choose. ``group_moves`` (server group uuid to the ``(from host,
+    to host)`` of its members planned so far) is counted by the server's group policy, and the
+    choice added to it.
 
     Returns:
         ``(selection, "")``, or ``(None, why not)``.
     """
     spec = _plan_spec(drain, cell, instance, is_bfv, base, cell_names)
     spec["ignore_hosts"] = sorted({*spec["ignore_hosts"], *avoid})
+    group = (base.get("group") or {}).get("uuid")
+    planned = (group_moves or {}).get(group, []) if group else []
     try:
-        selection = scheduler.plan_destination(spec, pending)
+        selection = scheduler.plan_destination(spec, pending, planned)
     except errors.NoValidHost as exc:
         return None, exc.message
     for rp_uuid, resources in selection.allocations.items():
         used = pending.setdefault(rp_uuid, {})
         for rc, amount in resources.items():
             used[rc] = used.get(rc, 0) + int(amount)
+    if group_moves is not None and group:
+        group_moves.setdefault(group, []).append((instance.host or "", selection.host))
     return selection, ""
 
 
@@ -1083,6 +1090,7 @@ def plan(drain_uuid: str) -> dict[str, Any]:
     specs = _request_specs([instance.uuid for _cell, instance, _bfv in found])
     cell_names = [c.name for c in all_cells(include_cell0=False)]
     pending: dict[str, dict[str, int]] = {}
+    group_moves: dict[str, list[tuple[str, str]]] = {}
     rows: list[DrainServer] = []
     ordered = sorted(found, key=lambda item: _size(item[1]), reverse=True)
     for cell, instance, is_bfv in ordered:
@@ -1092,7 +1100,8 @@ def plan(drain_uuid: str) -> dict[str, Any]:
         reason = _unmovable_reason(instance)
         selection = None
         if reason is None:
-            selection, reason = plan_server(drain, cell, instance, is_bfv, specs[instance.uuid], pending, cell_names)
+            selection, reason = plan_server(drain, cell, instance, is_bfv, specs[instance.uuid], pending, cell_names,
+                                            group_moves=group_moves)
         if selection is None:
             row.state, row.error = UNPLACEABLE, reason
         else:

@@ -277,6 +277,20 @@ def _member_hosts(session: Session, group_id: int, policy: str, instance_uuid: s
     return {host: len(servers) for host, servers in on_host.items()}
 
 
+def with_planned(policy: str, hosts: Mapping[str, int], planned: Iterable[tuple[str, str]]) -> dict[str, int]:
+    """The members' hosts once the other members' planned moves (``(from host, to host)``) are
+    counted, as :func:`_member_hosts` counts them once those moves are under way: keeping apart,
+    a member counts where it goes as well as where it is; keeping together, where it goes only."""
+    counted = dict(hosts)
+    for source, dest in planned:
+        counted[dest] = counted.get(dest, 0) + 1
+        if policy in (AFFINITY, SOFT_AFFINITY) and counted.get(source, 0) > 0:
+            counted[source] -= 1
+            if not counted[source]:
+                del counted[source]
+    return counted
+
+
 def scheduling_group(group: Mapping[str, Any] | None, instance_uuid: str) -> SchedulingGroup | None:
     """The group a request spec's ``group`` entry names, as the scheduler sees it for ``instance_uuid``.
 

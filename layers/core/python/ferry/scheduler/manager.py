@@ -17,7 +17,7 @@ meanwhile, the search runs again with that member's host known (up to three sear
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ferry import config, errors, placement
@@ -325,17 +325,24 @@ def alternates_for(request_spec: Mapping[str, Any], chosen: Selection, *,
 
 
 def plan_destination(request_spec: Mapping[str, Any],
-                     pending: Mapping[str, Mapping[str, int]] | None = None) -> Selection:
+                     pending: Mapping[str, Mapping[str, int]] | None = None,
+                     planned_members: Iterable[tuple[str, str]] = ()) -> Selection:
     """Where the scheduler would put ``request_spec`` now, with ``pending`` counted as used; claims nothing.
 
     The same candidates, filters and weighers as :func:`select_destinations`; the instance's own
     allocations keep counting (a move holds its source until it is confirmed). A drain's plan
-    calls this once per server, adding each choice to ``pending`` before the next.
+    calls this once per server, adding each choice to ``pending`` before the next, and giving
+    the moves it planned for the server's group's other members (``(from host, to host)``), which
+    the group's policy counts as it will once they are under way (:func:`server_groups.with_planned`).
 
     Raises:
         NoValidHost: no host passes with room left.
     """
     spec = build_spec(request_spec)
+    planned = list(planned_members)
+    if spec.group_policy is not None and planned:
+        spec = dataclasses.replace(
+            spec, group_hosts=server_groups.with_planned(spec.group_policy, spec.group_hosts, planned))
     filtered = _filter(spec, [], pending)
     ranked = [host for host, _ in host_weighers.weigh_hosts(filtered.hosts, spec)]
     if not ranked:
