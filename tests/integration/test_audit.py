@@ -38,7 +38,7 @@ from verify_resize_helpers import (
 
 from ferry import audit, aws, config, hosts, images, network, placement, volumes
 from ferry.compute import api as compute_api
-from ferry.compute import migration_states, states
+from ferry.compute import actions, migration_states, moves, states
 from ferry.store.api_models import (
     BuildRequest,
     CellMapping,
@@ -1251,6 +1251,38 @@ def test_a_migration_stuck_without_a_workflow_is_found_and_put_in_error(cloud):
     with cell_session(CELL) as session:
         status = session.scalars(select(Migration.status).where(Migration.uuid == migration)).one()
         assert status == migration_states.ERROR
+
+
+@pytest.mark.parametrize("began", [False, True])
+def test_a_confirm_stuck_without_a_workflow_goes_back_to_finished_only_when_it_never_began(cloud, began):
+    # GIVEN a resized server whose confirm was accepted long ago, and whose workflow either never
+    # started (no step recorded an event) or began and ended without settling the move
+    uuid, migration = cloud.resized.instance_uuid, cloud.resized.migration_uuid
+    request_id = f"req-{uuidlib.uuid4()}"
+    with cell_session(CELL) as session:
+        actions.start_action(session, instance_uuid=uuid, action=actions.CONFIRM_RESIZE, request_id=request_id,
+                             user_id=USER, project_id=PROJECT)
+        if began:
+            actions.start_event(session, instance_uuid=uuid, request_id=request_id, event="compute_confirm_resize")
+    cell_write(CELL, update(Migration).where(Migration.uuid == migration)
+               .values(status=migration_states.CONFIRMING, updated_at=LONG_AGO))
+
+    # WHEN the audit repairs what it finds
+    report = check(fix=True)
+
+    # THEN a confirm that never began is given back: the server waits in VERIFY_RESIZE, and a
+    # confirm is accepted again; one that began is put in error, for the operator
+    (repair,) = [r for r in report.repairs if r.problem.kind == audit.MIGRATION_STUCK]
+    assert repair.error is None and ("never began" in repair.problem.message) is not began
+    with cell_session(CELL) as session:
+        status = session.scalars(select(Migration.status).where(Migration.uuid == migration)).one()
+        assert status == (migration_states.ERROR if began else migration_states.FINISHED)
+        assert (actions.newest_request_id(session, uuid, actions.CONFIRM_RESIZE) == request_id) is began
+        if not began:
+            _instance, settling = moves._check_settle_state(session, actions.CONFIRM_RESIZE, uuid)
+            assert settling.uuid == migration
+    if not began:
+        assert check().clean
 
 
 def test_a_migration_whose_workflow_runs_is_not_stuck(cloud):

@@ -37,7 +37,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import InstrumentedAttribute, Session
 
 from ferry import aws, config, errors, hosts, images, network, placement, protocol, volumes
-from ferry.compute import instances, migration_states, states
+from ferry.compute import actions, instances, migration_states, states
 from ferry.observability import logger
 from ferry.store.api_models import (
     Allocation,
@@ -108,7 +108,8 @@ HINTS: dict[str, str] = {
     SNAPSHOT_DATA_ORPHAN: "ferry audit --fix deletes the extents of a known move's snapshot; check any other by hand",
     TRANSFER_ORPHAN: "ferry audit --fix deletes the objects",
     MIGRATION_STATE_MISMATCH: "ferry audit --fix puts the migration in error",
-    MIGRATION_STUCK: "ferry audit --fix puts it in error once no workflow runs for it",
+    MIGRATION_STUCK: "ferry audit --fix puts it in error once no workflow runs for it (a confirm that never "
+                     "began goes back to finished)",
     INSTANCE_TASK_STUCK: "read the server's last action and execution, then reset its state",
     BUILD_REQUEST_STUCK: "delete the server, then run ferry audit --fix for the claim it held",
 }
@@ -988,12 +989,21 @@ def _check_migrations(world: _World) -> Iterable[Problem]:
                 why = "no listed workflow runs for it" if world.unlisted else "no workflow runs for it"
             else:
                 why = "its server has no task"
-            # Put in error only when a move running for it would have been listed (see the skipped note).
+            # Repaired only when a move running for it would have been listed (see the skipped note).
             repairable = live is False and not world.unlisted
+            cell = world.mapped_cell(uuid)
+            confirm = _unbegun_confirm(cell, uuid) if (
+                cell is not None and migration.status == migration_states.CONFIRMING and instance is not None
+                and instance.vm_state == states.RESIZED) else None
+            if confirm is not None:
+                why += "; its confirm was accepted but never began"
+            repair = None
+            if repairable:
+                repair = _give_confirm_back(cell, uuid, migration_uuid, confirm) if cell and confirm \
+                    else _repair_migration(world, migration_uuid, migration.status)
             yield Problem(MIGRATION_STUCK, f"migration/{migration_uuid}",
                           f"Migration {migration_uuid} of server {uuid} has been {migration.status} since "
-                          f"{_changed(migration).isoformat()} and {why}.",
-                          _repair_migration(world, migration_uuid, migration.status) if repairable else None)
+                          f"{_changed(migration).isoformat()} and {why}.", repair)
     for uuid in sorted(world.copies):
         instance = world.visible(uuid)
         if instance is None or instance.task_state is None or world.live(uuid) is not False:
@@ -1401,6 +1411,40 @@ def _repair_migration(world: _World, migration_uuid: str, seen_status: str) -> C
         if not changed:
             raise errors.FerryError(f"migration {migration_uuid} is no longer {seen_status}; left as it is")
         return f"set migration {migration_uuid} from {seen_status} to error"
+
+    return repair
+
+
+def _unbegun_confirm(cell: str, instance_uuid: str) -> str | None:
+    """The request id of the server's newest confirm when no step of it began (it recorded no
+    event: its workflow never started), else None."""
+    with cell_session(cell) as session:
+        request_id = actions.newest_request_id(session, instance_uuid, actions.CONFIRM_RESIZE)
+        if request_id is None or actions.has_events(session, instance_uuid, request_id):
+            return None
+        return request_id
+
+
+def _give_confirm_back(cell: str, instance_uuid: str, migration_uuid: str, request_id: str) -> Callable[[], str]:
+    """Undo a confirm accepted whose workflow never began, as its start's own undo does: the
+    migration goes back from ``confirming`` to ``finished`` and the confirm's action is forgotten,
+    so the server waits in VERIFY_RESIZE for a confirm or revert again (auto-confirm included).
+    A migration put in ``error`` instead would leave the server resized with nothing that can
+    confirm or revert it. Checked again under the server's row lock, which a first step takes."""
+
+    def repair() -> str:
+        with cell_session(cell) as session:
+            if actions.request_taken(session, instance_uuid, request_id):
+                raise errors.FerryError(f"the confirm of migration {migration_uuid} began meanwhile; left as it is")
+            result = cast(CursorResult[Any], session.execute(
+                update(Migration).where(Migration.uuid == migration_uuid,
+                                        Migration.status == migration_states.CONFIRMING)
+                .values(status=migration_states.FINISHED).execution_options(synchronize_session=False)))
+            if not result.rowcount:
+                raise errors.FerryError(f"migration {migration_uuid} is no longer confirming; left as it is")
+            actions.forget_action(session, instance_uuid, request_id)
+        return (f"gave migration {migration_uuid} back from confirming to finished (its confirm never began): "
+                f"server {instance_uuid} waits in VERIFY_RESIZE again")
 
     return repair
 
