@@ -73,6 +73,29 @@ def test_functions_run_outside_a_vpc_unless_given_subnets_and_then_all_in_them()
             if f.vpc_config != {"SubnetIds": ["subnet-1", "subnet-2"], "SecurityGroupIds": ["sg-1"]}} == {}
 
 
+def _rule_holds(node, parameters: dict[str, list[str]]) -> bool:
+    """A rule's condition or assertion, as CloudFormation evaluates it (an empty list parameter is [""])."""
+    (function, argument), = node.items()
+    if function == "Fn::Not":
+        return not _rule_holds(argument[0], parameters)
+    if function == "Fn::Contains":
+        listed, wanted = argument
+        return wanted in parameters[listed["Ref"]]
+    raise AssertionError(f"no evaluation of {function} here")
+
+
+@pytest.mark.parametrize(("subnets", "groups", "accepted"), [
+    ([""], [""], True), (["subnet-1"], ["sg-1"], True), (["subnet-1", "subnet-2"], [""], False),
+])
+def test_subnets_for_the_functions_are_refused_without_security_groups(subnets, groups, accepted):
+    rule = RAW["Rules"]["FunctionSecurityGroupsWithSubnets"]
+    parameters = {"FunctionSubnetIds": subnets, "FunctionSecurityGroupIds": groups}
+
+    applies = _rule_holds(rule["RuleCondition"], parameters)
+
+    assert (not applies or all(_rule_holds(a["Assert"], parameters) for a in rule["Assertions"])) is accepted
+
+
 def test_every_function_has_the_core_layer_and_the_policy_layer_when_one_is_given():
     core = TEMPLATE.functions["ApiFunction"].layers
     assert len(core) == 1
