@@ -181,8 +181,9 @@ def test_a_cell_on_the_api_database_or_on_a_database_of_another_schema_is_refuse
     assert cli.main(["cell", "list"]) == 0 and capsys.readouterr().out == ""
 
 
-@pytest.mark.parametrize("spelling", ["{dir}/./cell1.sqlite", "{dir}//cell1.sqlite", "{dir}/sub/../cell1.sqlite"],
-                         ids=["dot", "double-slash", "dot-dot"])
+@pytest.mark.parametrize("spelling", ["{dir}/./cell1.sqlite", "{dir}//cell1.sqlite", "{dir}/sub/../cell1.sqlite",
+                                      "{dir}/cell1.sqlite?uri=false"],
+                         ids=["dot", "double-slash", "dot-dot", "uri-false"])
 def test_a_sqlite_file_of_another_cell_spelled_otherwise_is_refused(empty_deployment, capsys, spelling):
     # GIVEN cell1 on a SQLite file
     cell1 = f"sqlite:///{empty_deployment / 'cell1.sqlite'}"
@@ -236,16 +237,58 @@ def test_the_api_database_spelled_otherwise_is_refused_as_a_cell(empty_deploymen
     assert cli.main(["cell", "list"]) == 0 and capsys.readouterr().out == ""
 
 
+@pytest.mark.parametrize("url", ["sqlite:///cell1.sqlite", "sqlite:///cell1.sqlite?uri=false"],
+                         ids=["path", "uri-false"])
 def test_a_sqlite_file_named_by_a_relative_path_is_refused_and_nothing_is_written(empty_deployment, capsys,
-                                                                                 monkeypatch):
+                                                                                 monkeypatch, url):
     # GIVEN a working directory of its own
     monkeypatch.chdir(empty_deployment)
 
     # WHEN a cell is created on a SQLite file named by a relative path
-    status = cli.main(["cell", "create", "cell1", "--database-url", "sqlite:///cell1.sqlite"])
+    status = cli.main(["cell", "create", "cell1", "--database-url", url])
 
     # THEN it is refused in one line asking for the absolute path, and no file was made
     err = capsys.readouterr().err
     assert status == 1 and err.count("\n") == 1
     assert "relative path" in err and "absolute path" in err
     assert list(empty_deployment.iterdir()) == []
+
+
+@pytest.mark.parametrize("url", ["sqlite://", "sqlite:///:memory:", " sqlite:///:memory:?timeout=5 ",
+                                 "sqlite:///file:cell1?mode=memory&uri=true", "sqlite:///file::memory:?uri=true"],
+                         ids=["empty", "memory", "memory-with-options", "uri-mode-memory", "uri-memory"])
+def test_an_in_memory_sqlite_database_is_refused_and_nothing_is_written(empty_deployment, capsys, monkeypatch, url):
+    # GIVEN a working directory of its own
+    monkeypatch.chdir(empty_deployment)
+
+    # WHEN a cell is created on an in-memory SQLite database (each process would open its own, empty)
+    status = cli.main(["cell", "create", "mem", "--database-url", url])
+
+    # THEN it is refused in one line asking for a file, and nothing was written
+    err = capsys.readouterr().err
+    assert status == 1 and err.count("\n") == 1
+    assert err.startswith("ferry: ") and "in-memory" in err and "absolute path" in err
+    assert list(empty_deployment.iterdir()) == []
+
+
+@pytest.mark.parametrize("spelling", ["file:{dir}/cell1.sqlite?uri=true", "file:{dir}/./cell1.sqlite?uri=1",
+                                      "file://{dir}/cell1.sqlite?uri=true&mode=rw", "file:cellrel.sqlite?uri=true"],
+                         ids=["absolute", "dot", "authority", "relative"])
+def test_a_sqlite_uri_is_refused_and_nothing_is_written(empty_deployment, capsys, monkeypatch, spelling):
+    # GIVEN cell1 on a SQLite file, and a working directory of its own
+    cell1 = f"sqlite:///{empty_deployment / 'cell1.sqlite'}"
+    assert cli.main(["cell", "create", "cell1", "--database-url", cell1]) == 0
+    capsys.readouterr()
+    monkeypatch.chdir(empty_deployment)
+    before = sorted(empty_deployment.iterdir())
+
+    # WHEN cell2 is created on a SQLite URI (uri=true), cell1's file or a relative one
+    other = "sqlite:///" + spelling.format(dir=empty_deployment)
+    status = cli.main(["cell", "create", "cell2", "--database-url", other])
+
+    # THEN it is refused in one line asking for the file's absolute path, and only cell1 is mapped
+    err = capsys.readouterr().err
+    assert status == 1 and err.count("\n") == 1
+    assert err.startswith("ferry: ") and "uri=true" in err and "absolute path" in err
+    assert sorted(empty_deployment.iterdir()) == before
+    assert cli.main(["cell", "list"]) == 0 and capsys.readouterr().out == f"cell1\t{cell1}\n"

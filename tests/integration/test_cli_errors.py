@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 COMMANDS_READING_THE_STORE = [
     ["db", "sync"],
     ["cell", "list"],
-    ["cell", "create", "cell1", "--database-url", "sqlite://"],
+    ["cell", "create", "cell1", "--database-url", "sqlite:////nonexistent/ferry-cell1.sqlite"],
     ["host", "map", "compute1", "--cell", "cell1"],
     ["volume", "list"],
     ["volume", "forget", "00000000-0000-4000-8000-000000000000"],
@@ -77,6 +77,22 @@ def test_a_database_that_cannot_be_used_is_one_line_and_exit_3(api_database, tmp
     assert captured.err.startswith("ferry: cannot use the database: ")
     assert captured.err.count("\n") == 1 and "Traceback" not in captured.err
     assert "s3cret" not in captured.err
+
+
+@pytest.mark.parametrize("argv", COMMANDS_READING_THE_STORE, ids=lambda argv: " ".join(argv[:3]))
+def test_a_sqlite_directory_that_cannot_be_made_is_one_line_and_exit_3(api_database, tmp_path, capsys, argv):
+    # GIVEN an API database whose directory cannot be made (a regular file stands where it would be)
+    (tmp_path / "taken").write_text("a file, not a directory\n")
+    api_database(f"sqlite:///{tmp_path / 'taken' / 'ferry' / 'api.sqlite'}")
+
+    # WHEN a command uses it
+    status = cli.main(argv)
+
+    # THEN it cannot run (exit 3): one line naming the directory, no traceback
+    err = capsys.readouterr().err
+    assert status == cli.EXIT_CANNOT_RUN
+    assert err.startswith("ferry: cannot use the database: ") and str(tmp_path / "taken") in err
+    assert err.count("\n") == 1 and "Traceback" not in err
 
 
 @pytest.mark.parametrize("url", [

@@ -19,7 +19,7 @@ from sqlalchemy import func, select
 
 from ferry import aws, config
 from ferry.errors import HostsNotReporting, LocalStackError
-from ferry.local import seed, stack
+from ferry.local import runtime, seed, stack
 from ferry.local.stack import LocalStack
 
 
@@ -202,6 +202,58 @@ def test_a_busy_api_port_stops_the_start_before_moto_starts(tmp_path, monkeypatc
     assert code == 1
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith(f"ferry-local: Port 127.0.0.1:{port} is in use") and "--api-port" in line
+
+
+@pytest.mark.parametrize("option", ["--api-port", "--moto-port"])
+@pytest.mark.parametrize("port", ["70000", "-1"])
+def test_a_port_out_of_range_is_a_usage_error_before_anything_starts(tmp_path, monkeypatch, capsys, option, port):
+    monkeypatch.setattr(signal, "signal", lambda *args: None)  # main's handlers stay out of the test run
+    _refuse_moto(monkeypatch)
+
+    with pytest.raises(SystemExit) as exited:
+        stack.main(["--state-dir", str(tmp_path / "state"), option, port])
+
+    # argparse's usage error: the usage line, then one line naming the option
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "Traceback" not in err
+    assert err.splitlines()[-1] == f"ferry-local: error: argument {option}: {port} is not in 0..65535"
+    assert not (tmp_path / "state").exists()
+
+
+@pytest.mark.parametrize("port", [70000, -1])
+def test_a_port_out_of_range_given_to_the_stack_is_refused_naming_the_option(port):
+    with pytest.raises(LocalStackError, match=f"Port {port} is no TCP port: .*--moto-port"):
+        runtime.check_port("127.0.0.1", port, "--moto-port")
+
+
+def test_a_missing_template_stops_the_start_in_one_line_before_anything_starts(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(signal, "signal", lambda *args: None)
+    _refuse_moto(monkeypatch)
+    missing = tmp_path / "nonexistent.yaml"
+
+    code = stack.main(["--state-dir", str(tmp_path / "state"), "--template", str(missing), "--api-port", "0",
+                       "--moto-port", "0"])
+
+    assert code == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("ferry-local: ") and str(missing) in line and "--template" in line
+    assert not (tmp_path / "state").exists()
+
+
+@pytest.mark.parametrize("fresh", [[], ["--fresh"]], ids=["kept", "fresh"])
+def test_a_state_dir_that_is_a_file_stops_the_start_in_one_line_and_is_left_alone(tmp_path, monkeypatch, capsys,
+                                                                                   fresh):
+    monkeypatch.setattr(signal, "signal", lambda *args: None)
+    _refuse_moto(monkeypatch)
+    regular = tmp_path / "state"
+    regular.write_text("a file, not a directory\n")
+
+    code = stack.main(["--state-dir", str(regular), "--api-port", "0", "--moto-port", "0", *fresh])
+
+    assert code == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"ferry-local: {regular} is not a directory") and "--state-dir" in line
+    assert regular.read_text() == "a file, not a directory\n"
 
 
 @pytest.mark.parametrize("value", ["fast", "0"])

@@ -11,7 +11,8 @@ Exit statuses: 0 success (for ``audit``: no problem left), 1 problems remain (or
 commands of :mod:`ferry.cli_cells`, for ``ferry volume``, ``ferry image`` and ``ferry token``,
 refused), 2 bad usage (an argument out of range, or a ``FERRY_*`` setting that cannot be read: one
 line naming the variable), 3 could not run (a database that cannot be reached, or whose URL cannot be
-read, or for ``ferry image`` the image bucket: one line on standard error, passwords hidden). Any
+read, a SQLite file whose directory cannot be made, or for ``ferry image`` the image bucket: one line
+on standard error, passwords hidden). Any
 other database error (two ``ferry cell create`` racing, say) is one line and 1.
 
 Standard output is the command's answer (``ferry audit --json`` is read by programs): Ferry's log

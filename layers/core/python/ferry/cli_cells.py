@@ -16,8 +16,9 @@ database, and a host never moved to another cell by these commands: both would s
 servers recorded there, so they are refused (exit status 1) with what is mapped now. So are a
 cell with a blank name, the database of another cell or the API database however its URL spells
 it (another driver, the default port named or not, a SQLite path with ``.`` or ``//`` in it: both
-cells would list the same servers), a SQLite file named by a relative path (each process would
-open its own), and a host name no agent can serve; nothing is written then.
+cells would list the same servers), a SQLite file named by a relative path or an in-memory SQLite
+database (each process would open its own), a SQLite URI (``?uri=true``: give the file's absolute path
+instead), and a host name no agent can serve; nothing is written then.
 
 Exit statuses: 0 success, 1 refused, 2 bad usage, 3 could not run (a database that cannot be
 reached, or a URL that cannot be read: see :mod:`ferry.cli`).
@@ -28,9 +29,12 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ferry import config, errors, protocol
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import URL
 
 # A URL's scheme, as it starts the URL.
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
@@ -71,9 +75,22 @@ def hidden_url(url: str) -> str:
 _DEFAULT_PORTS = {"postgresql": 5432, "mysql": 3306, "mariadb": 3306, "mssql": 1433, "oracle": 1521}
 
 
-def relative_sqlite_path(url: str) -> bool:
-    """Whether ``url`` names a SQLite file by a relative path (``sqlite:///cell1.sqlite``): each process
-    would open its own file, wherever it runs.
+def _sqlite_uri(parsed: URL) -> bool:
+    """Whether SQLite reads the path of ``parsed`` as a URI (``?uri=true``, as SQLAlchemy reads the flag)."""
+    from sqlalchemy.util import asbool
+
+    return bool(asbool(parsed.query.get("uri", False)))
+
+
+def unusable_sqlite_form(url: str) -> str | None:
+    """Why ``url`` cannot name a cell's SQLite database, or None (a file by its absolute path, or no SQLite):
+
+    - ``"memory"``: an in-memory database (``sqlite://``, ``:memory:``, a URI's ``mode=memory``), which
+      each process would open for itself, empty;
+    - ``"uri"``: a SQLite URI (``sqlite:///file:…?uri=true``), whose file is not told apart from another
+      cell's (a URI's path may be relative, percent-encoded or carry a host): refused rather than read;
+    - ``"relative"``: a file named by a relative path (``sqlite:///cell1.sqlite``): each process would open
+      its own file, wherever it runs.
 
     Raises:
         DatabaseUrlUnreadable, ArgumentError: SQLAlchemy cannot read the URL.
@@ -81,9 +98,14 @@ def relative_sqlite_path(url: str) -> bool:
     from ferry.store.db import parse_url
 
     parsed = parse_url(url)
-    path = parsed.database or ""
-    return parsed.get_backend_name() == "sqlite" and not parsed.query.get("uri") \
-        and path not in ("", ":memory:") and not path.startswith("/")
+    if parsed.get_backend_name() != "sqlite":
+        return None
+    path, uri = parsed.database or "", _sqlite_uri(parsed)
+    if path in ("", ":memory:") or uri and (path == "file::memory:" or parsed.query.get("mode") == "memory"):
+        return "memory"
+    if uri:
+        return "uri"
+    return None if path.startswith("/") else "relative"
 
 
 def database_identity(url: str) -> tuple[str, ...]:
@@ -103,8 +125,8 @@ def database_identity(url: str) -> tuple[str, ...]:
     backend = parsed.get_backend_name()
     database = parsed.database or ""
     if backend == "sqlite":
-        if parsed.query.get("uri") or database in ("", ":memory:"):
-            return backend, "uri" if parsed.query.get("uri") else "memory", database
+        if _sqlite_uri(parsed) or database in ("", ":memory:"):
+            return backend, "uri" if _sqlite_uri(parsed) else "memory", database
         return backend, "file", str(Path(database).resolve())
     host = (parsed.host or str(parsed.query.get("host") or "")).lower()
     port = parsed.port or _DEFAULT_PORTS.get(backend)
@@ -145,7 +167,14 @@ def _run_cell_create(args: argparse.Namespace) -> int:
         return _refused(f"{name!r} is no cell name: a cell's name is not blank and has no space at either end.")
     if not url:
         return _refused("--database-url is blank: give the cell database's SQLAlchemy URL.")
-    if relative_sqlite_path(url):
+    sqlite_form = unusable_sqlite_form(url)
+    if sqlite_form == "memory":
+        return _refused(f"{hidden_url(url)} is an in-memory SQLite database, which each process would open for "
+                        f"itself, empty: give a file by its absolute path (sqlite:////path/to/{name}.sqlite).")
+    if sqlite_form == "uri":
+        return _refused(f"{hidden_url(url)} is a SQLite URI (uri=true), which a cell's database is not given as: "
+                        f"give the file by its absolute path (sqlite:////path/to/{name}.sqlite).")
+    if sqlite_form == "relative":
         return _refused(f"{hidden_url(url)} names its SQLite file by a relative path, which each process would "
                         f"look for where it runs: give the absolute path (sqlite:////path/to/{name}.sqlite).")
     # Compared as databases, not as strings: one database has many spellings (a default port named or not,

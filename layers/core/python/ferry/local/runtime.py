@@ -663,9 +663,12 @@ def check_port(host: str, port: int, option: str = "--moto-port") -> None:
     """Refuse a port this process cannot listen on, before anything is started on the other.
 
     Raises:
-        LocalStackError: the port is taken (or not ours to bind); the message names ``option``,
-            the command line's way to choose another.
+        LocalStackError: the port is taken (or not ours to bind), or is no TCP port (outside
+            0..65535); the message names ``option``, the command line's way to choose another.
     """
+    if not 0 <= port <= 65535:
+        raise LocalStackError(f"Port {port} is no TCP port: choose one from 1 to 65535 with {option} "
+                              f"(0 picks a free one).")
     with socket.socket() as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:

@@ -30,7 +30,7 @@ from typing import IO, TYPE_CHECKING, Any, Literal
 
 from sqlalchemy import select
 
-from ferry import config, errors, faults
+from ferry import arguments, config, errors, faults
 from ferry.local import seed as seeding
 from ferry.local.gateway import ApiGateway
 from ferry.local.pollers import Pollers, checked_rate_scale, default_rate_scale
@@ -727,8 +727,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cells", type=int, default=2, help="cells with hosts (%(default)s)")
     parser.add_argument("--hosts-per-cell", type=int, default=2, help="hosts in each cell (%(default)s)")
     parser.add_argument("--fresh", action="store_true", help="wipe the state directory first")
-    parser.add_argument("--moto-port", type=int, default=DEFAULT_MOTO_PORT, help="local AWS port (%(default)s)")
-    parser.add_argument("--api-port", type=int, default=DEFAULT_API_PORT, help="compute API port (%(default)s)")
+    # A port out of range is a usage error (exit status 2), before anything starts; 0 picks a free one.
+    parser.add_argument("--moto-port", type=arguments.whole(0, 65535), default=DEFAULT_MOTO_PORT,
+                        help="local AWS port, 0 for a free one (%(default)s)")
+    parser.add_argument("--api-port", type=arguments.whole(0, 65535), default=DEFAULT_API_PORT,
+                        help="compute API port, 0 for a free one (%(default)s)")
     parser.add_argument("--agent-mode", choices=("process", "thread"), default="process")
     parser.add_argument("--template", type=Path, default=None, help="template.yaml (default: the checkout's)")
     parser.add_argument("--policy-file", type=Path, default=None,
@@ -742,6 +745,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     state_dir = args.state_dir.resolve()
+    # Checked before anything is wiped, made or started: each would otherwise end in a traceback.
+    if state_dir.exists() and not state_dir.is_dir():
+        print(f"ferry-local: {state_dir} is not a directory: give --state-dir a directory (made if missing).",
+              file=sys.stderr)
+        return 1
+    if args.template is not None and not args.template.is_file():
+        print(f"ferry-local: no template file at {args.template}: give --template the path of a template.yaml.",
+              file=sys.stderr)
+        return 1
     try:
         if args.fresh:
             _wipe(state_dir)
@@ -764,6 +776,15 @@ def main(argv: list[str] | None = None) -> int:
     except errors.LocalStackError as exc:
         print(f"ferry-local: {exc.message}", file=sys.stderr)
         return 1
+    try:
+        claim_state_dir(stack.state_dir)
+        stack.logs_dir.mkdir(exist_ok=True)
+        # Handlers print their metrics (EMF) to stdout: send them to the stack log, keep the terminal for us.
+        log_stream = (stack.logs_dir / "stack.log").open("a")
+    except OSError as exc:  # no permission, a file where a directory goes
+        print(f"ferry-local: cannot use {stack.state_dir} as the state directory: {exc.strerror or exc}"
+              f"{f' ({exc.filename})' if exc.filename else ''}", file=sys.stderr)
+        return 1
     terminal = sys.stdout
     print(f"Starting Ferry's local stack in {state_dir} (logs in {stack.logs_dir}) ...", flush=True)
 
@@ -772,10 +793,6 @@ def main(argv: list[str] | None = None) -> int:
 
     # While starting, SIGTERM interrupts like Ctrl-C: start() stops what it started and re-raises.
     signal.signal(signal.SIGTERM, _interrupt)
-    claim_state_dir(stack.state_dir)
-    stack.logs_dir.mkdir(exist_ok=True)
-    # Handlers print their metrics (EMF) to stdout: send them to the stack log, keep the terminal for us.
-    log_stream = (stack.logs_dir / "stack.log").open("a")
     sys.stdout = log_stream
     try:
         try:

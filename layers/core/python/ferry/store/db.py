@@ -118,12 +118,27 @@ def _sqlite_pragmas(dbapi_connection, _record) -> None:  # noqa: ANN001 - DBAPI 
     cur.close()
 
 
+def _make_directory_of(path: str) -> None:
+    """Make the directory the SQLite file ``path`` goes in, if missing.
+
+    Raises:
+        ArgumentError: it cannot be made (a file stands in its way, no permission): as for any
+            SQLite URL that cannot be used, so that a command says so in one line.
+    """
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ArgumentError(f"cannot make {exc.filename or Path(path).parent}, the directory of the SQLite file "
+                            f"{path}: {exc.strerror or exc}") from exc
+
+
 def engine_for(url: str) -> Engine:
     """The process's engine for ``url`` (created on first use).
 
     Raises:
         DatabaseUrlUnreadable: SQLAlchemy cannot read the URL's port (see :func:`parse_url`).
-        ArgumentError: SQLAlchemy cannot read the URL, or SQLite cannot use it.
+        ArgumentError: SQLAlchemy cannot read the URL, or SQLite cannot use it (the directory of
+            its file cannot be made, say).
     """
     with _lock:
         engine = _engines.get(url)
@@ -134,7 +149,7 @@ def engine_for(url: str) -> Engine:
                 engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
                 path = engine.url.database
                 if path and path != ":memory:" and not engine.url.query.get("uri"):
-                    Path(path).parent.mkdir(parents=True, exist_ok=True)
+                    _make_directory_of(path)
                 event.listen(engine, "connect", _sqlite_pragmas)
                 # SQLite's own BEGIN is deferred; take the write lock at BEGIN so that
                 # read-then-write transactions serialise instead of failing on upgrade.
