@@ -39,6 +39,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import libvirt
 
 from ferry import errors
+from ferry.observability import logger
 
 # Nova's power_state numbers.
 NOSTATE = 0
@@ -245,10 +246,10 @@ class Driver(abc.ABC):
 
     @abc.abstractmethod
     def detach_volume(self, instance_uuid: str, volume_id: str) -> None:
-        """Detach a volume; a volume not attached is already detached.
+        """Detach a volume; a volume not attached, or a guest that does not exist, is already detached.
 
         Raises:
-            GuestNotFound, HypervisorError.
+            HypervisorError.
         """
 
     @abc.abstractmethod
@@ -917,7 +918,14 @@ class LibvirtDriver(Driver):
     @_reconnecting
     def detach_volume(self, instance_uuid: str, volume_id: str) -> None:
         with self._guest_lock(instance_uuid):
-            spec = self.guest_spec(instance_uuid)
+            try:
+                spec = self.guest_spec(instance_uuid)
+            except errors.GuestNotFound:
+                # No guest holds the volume: so an attach that failed for want of a guest can be
+                # undone, and a server without one can give its volumes back.
+                logger.info("no guest to detach the volume from: already detached",
+                            extra={"instance_uuid": instance_uuid, "volume_id": volume_id})
+                return
             found = [d for d in spec.disks if d.volume_id == volume_id]
             if not found and not self.live_device_updates:
                 return

@@ -874,10 +874,11 @@ class MoveOperations:
         return self._result(op.instance_uuid, self.driver.guest_power_state(op.instance_uuid))
 
     def detach_volume(self, op: Operation) -> dict[str, Any]:
-        """Detach a volume from the instance's guest; a volume not attached is already detached.
+        """Detach a volume from the instance's guest; a volume not attached, or an instance with no
+        guest here, is already detached (its power state then NOSTATE).
 
         Raises:
-            GuestNotFound, HypervisorError.
+            HypervisorError.
         """
         self.driver.detach_volume(op.instance_uuid, op.args["volume_id"])
-        return self._result(op.instance_uuid, self.driver.guest_power_state(op.instance_uuid))
+        return self._result(op.instance_uuid, self._power_state_here(op.instance_uuid))

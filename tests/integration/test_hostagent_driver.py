@@ -171,6 +171,21 @@ def test_attach_and_detach_volume_redefine_the_guest_on_the_test_driver(driver, 
     assert [d.volume_id for d in driver.guest_spec(instance_uuid).disks] == [None]
 
 
+def test_a_volume_detached_from_a_guest_that_does_not_exist_is_already_detached(driver, tmp_path):
+    # GIVEN an instance with no guest on this host (never spawned here, or its host reinstalled)
+    instance_uuid = str(uuid.uuid4())
+    volume = DiskSpec(kind=VOLUME, path=str(tmp_path / "vol-1"), device="/dev/vdb", volume_id="vol-1")
+
+    # WHEN the volume is detached from it, THEN that succeeds (twice): no guest can hold the volume
+    driver.detach_volume(instance_uuid, "vol-1")
+    driver.detach_volume(instance_uuid, "vol-1")
+    assert not driver.guest_exists(instance_uuid)
+    # while an attach to it still fails
+    with pytest.raises(errors.GuestNotFound):
+        driver.attach_volume(instance_uuid, volume)
+    assert not driver.guest_exists(instance_uuid)
+
+
 def test_a_detach_waiting_for_the_guest_to_let_go_stalls_no_other_driver_call(tmp_path, monkeypatch):
     # GIVEN a running guest with a volume, on a driver that detaches live and waits for the guest
     uri = write_test_node_xml(tmp_path / "node.xml", vcpus=12, memory_mb=24576)

@@ -1432,10 +1432,13 @@ def test_attach_and_detach_a_volume_repeat_safely(source):
     assert [d for d in source.driver.guest_spec(server.uuid).disks if d.kind == "volume"] == []
 
 
-def test_attach_to_an_unknown_guest_fails_with_guest_not_found(source):
+def test_attach_to_an_unknown_guest_fails_with_guest_not_found_and_a_detach_from_it_is_already_done(source):
     volume = {"volume_id": "vol-9", "path": "/dev/mapper/vol-9", "device": "/dev/vdd"}
+    instance_uuid = str(uuid.uuid4())
 
-    assert source.fails("attach_volume", str(uuid.uuid4()), {"volume": volume}) == "Ferry.GuestNotFound"
+    assert source.fails("attach_volume", instance_uuid, {"volume": volume}) == "Ferry.GuestNotFound"
+    # The attach's undo (and a later detach) find no guest to take the volume from: nothing to do.
+    assert source.ok("detach_volume", instance_uuid, {"volume_id": "vol-9"})["power_state"] == NOSTATE
 
 
 def test_attach_on_a_device_in_use_fails_with_invalid_operation(source):

@@ -3,6 +3,7 @@ above all while a server is in VERIFY_RESIZE, where a revert must bring the volu
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jsonschema
@@ -39,6 +40,7 @@ from ferry.store.cell_models import BlockDeviceMapping
 from ferry.store.db import api_session, cell_session
 from ferry.workflows import confirm_resize, revert_resize
 from ferry.workflows import volume_attachment as va
+from hostagent.driver import VOLUME, DiskSpec, LibvirtDriver, write_test_node_xml
 
 
 class Started:
@@ -249,6 +251,38 @@ def test_an_execution_that_cannot_start_leaves_nothing_behind(started, tmp_path)
     assert row.task_state is None and events(resized.instance_uuid) == {}
 
 
+def test_an_attach_that_failed_to_take_the_server_leaves_the_task_of_the_attach_that_took_it(
+        started, monkeypatch, tmp_path):
+    # GIVEN two attaches to one server that both checked it: the winner takes the server and starts
+    # its workflow, then the loser's own take fails on the database
+    resized = make_resized(state_dir=tmp_path)
+    set_instance(resized.instance_uuid, vm_state=states.ACTIVE)
+    winners, losers = make_volume(tmp_path), make_volume(tmp_path)
+    take = va._take_server
+
+    def taken_meanwhile_then_lost(*args: Any) -> None:
+        monkeypatch.setattr(va, "_take_server", take)
+        va.begin_attach(owner(), location(resized), winners)
+        raise OperationalError("UPDATE instances", {}, ConnectionResetError("cell database connection lost"))
+
+    monkeypatch.setattr(va, "_take_server", taken_meanwhile_then_lost)
+
+    # WHEN the loser's attach is undone
+    with pytest.raises(OperationalError):
+        va.begin_attach(owner(), location(resized), losers)
+
+    # THEN the loser leaves nothing behind and the winner keeps the server's task, and finishes
+    assert volume_status(losers) == va.AVAILABLE
+    assert instance_row(resized.instance_uuid).task_state == va.ATTACHING_VOLUME
+    assert bdms(resized.instance_uuid) == [(winners, False)]
+    [payload] = started.payloads
+    run_attach(payload)
+    assert volume_status(winners) == va.IN_USE
+    assert attachments(resized.instance_uuid) == {DEST: "attached"}
+    assert instance_row(resized.instance_uuid).task_state is None
+    assert events(resized.instance_uuid) == {va.EVENT_ATTACH: "Success"}
+
+
 @pytest.mark.parametrize("operation", [va.ATTACH, va.DETACH])
 def test_a_request_whose_workflow_began_though_its_start_answered_an_error_stands(started, tmp_path, operation):
     # GIVEN starting the workflow answers an error, though it began: its first step took the request
@@ -372,17 +406,95 @@ def test_a_failed_attach_the_host_could_not_detach_again_stays_attached_for_a_de
 
 
 def test_a_failed_detach_leaves_the_volume_attached(started, tmp_path):
+    # GIVEN a detach the host failed: the guest may still see the volume
     resized = make_resized(volume=True, state_dir=tmp_path)
     assert resized.volume_id is not None
     va.begin_detach(owner(), location(resized), resized.volume_id)
     payload = started.payloads[0]
     event = {**payload, "volume_op": va.check_volume_operation(payload),
-             "error": {"Error": "Ferry.GuestNotFound", "Cause": "no guest"}}
+             "error": {"Error": "Ferry.HypervisorError", "Cause": "the guest still has the device"}}
 
+    # WHEN FailVolumeOperation runs
     va.fail_volume_operation(event)
 
+    # THEN the volume stays attached, with its mapping, and the task is cleared
     assert volume_status(resized.volume_id) == "in-use"
     assert attachments(resized.instance_uuid) == {DEST: "attached", SOURCE: "attached"}
+    assert (resized.volume_id, False) in bdms(resized.instance_uuid)
+    assert instance_row(resized.instance_uuid).task_state is None
+
+
+def host_without_guests(tmp_path) -> LibvirtDriver:
+    """The driver of a host that has no guest at all (reinstalled, or the server's build never made one)."""
+    return LibvirtDriver(write_test_node_xml(tmp_path / "node.xml", vcpus=4, memory_mb=4096),
+                         disk_path=tmp_path / "instances")
+
+
+def at_host(event: dict[str, Any], key: str, call: Callable[[], None]) -> dict[str, Any]:
+    """A host agent's Task: ``call`` answered, or its error under ``key`` as Step Functions catches it."""
+    try:
+        call()
+    except errors.HostOperationFailed as exc:
+        return {**event, key: {"Error": exc.name, "Cause": str(exc)}}
+    return event
+
+
+def test_an_attach_to_a_server_whose_host_has_no_guest_for_it_leaves_the_volume_free(started, tmp_path):
+    # GIVEN an ACTIVE server on a host that has no guest for it (an admin reset its failed build)
+    resized = make_resized(state_dir=tmp_path)
+    set_instance(resized.instance_uuid, vm_state=states.ACTIVE)
+    volume_id = make_volume(tmp_path)
+    driver = host_without_guests(tmp_path)
+    va.begin_attach(owner(), location(resized), volume_id)
+    payload = started.payloads[0]
+    event = {**payload, "volume_op": va.check_volume_operation(payload)}
+    volume = event["volume_op"]["args"]["volume"]
+    disk = DiskSpec(kind=VOLUME, path=volume["path"], device=volume["device"], volume_id=volume_id)
+
+    # WHEN the host fails the attach (AttachAtHost), then detaches the volume again
+    # (DetachAfterFailedAttach), and FailVolumeOperation runs
+    try:
+        event = at_host(event, "error", lambda: driver.attach_volume(resized.instance_uuid, disk))
+        assert event["error"]["Error"] == "Ferry.GuestNotFound"
+        event = at_host(event, "cleanup_error", lambda: driver.detach_volume(resized.instance_uuid, volume_id))
+    finally:
+        driver.close()
+    va.fail_volume_operation(event)
+
+    # THEN no guest ever had the volume: it is free, with neither attachment nor mapping left
+    assert volume_status(volume_id) == va.AVAILABLE
+    assert "cleanup_error" not in event
+    assert attachments(resized.instance_uuid) == {}
+    assert bdms(resized.instance_uuid) == []
+    assert instance_row(resized.instance_uuid).task_state is None
+    assert events(resized.instance_uuid) == {va.EVENT_ATTACH: "Error"}
+    # and another server may attach it
+    other = make_resized(state_dir=tmp_path)
+    va.begin_attach(owner(), location(other), volume_id)
+    assert volume_status(volume_id) == va.ATTACHING
+
+
+def test_a_volume_of_a_server_whose_host_has_no_guest_for_it_can_be_detached(started, tmp_path):
+    # GIVEN an ACTIVE server holding a volume, on a host that has no guest for it
+    resized = make_resized(volume=True, state_dir=tmp_path)
+    set_instance(resized.instance_uuid, vm_state=states.ACTIVE)
+    volume_id = str(resized.volume_id)
+    driver = host_without_guests(tmp_path)
+    va.begin_detach(owner(), location(resized), volume_id)
+    event = {**started.payloads[0], "volume_op": va.check_volume_operation(started.payloads[0])}
+
+    # WHEN the host detaches it (DetachAtHost)
+    try:
+        driver.detach_volume(resized.instance_uuid, volume_id)
+    finally:
+        driver.close()
+    event["detached"] = host_result(DEST, resized.instance_uuid)
+    va.finish_volume_operation(event)
+
+    # THEN the volume is freed
+    assert volume_status(volume_id) == va.AVAILABLE
+    assert attachments(resized.instance_uuid) == {}
+    assert bdms(resized.instance_uuid) == [(volume_id, True)]
     assert instance_row(resized.instance_uuid).task_state is None
 
 

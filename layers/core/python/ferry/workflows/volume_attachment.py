@@ -311,7 +311,7 @@ def begin_attach(ctx: RequestContext, location: Location, volume_id: str, *,
         _swap_volume_status(volume_id, ATTACHING, AVAILABLE)
         raise
     except Exception:
-        if not _undo_attach(cell.name, uuid, volume_id, request_id):
+        if not _undo_attach(cell.name, uuid, volume_id, request_id, attachment_id):
             logger.warning("starting the attach answered an error, but it began; the request stands",
                            extra={"instance_uuid": uuid, "volume_id": volume_id})
             return attachment
@@ -321,13 +321,17 @@ def begin_attach(ctx: RequestContext, location: Location, volume_id: str, *,
     return attachment
 
 
-def _undo_attach(cell: str, instance_uuid: str, volume_id: str, request_id: str) -> bool:
-    """Undo an accepted attach whose workflow did not start; whether it did (see :func:`_undo_in_cell`)."""
+def _undo_attach(cell: str, instance_uuid: str, volume_id: str, request_id: str, attachment_id: str) -> bool:
+    """Undo an attach whose workflow did not start, or that failed before it could; whether it did
+    (see :func:`_undo_in_cell`). Only what this request wrote goes: its mapping is the one carrying
+    its ``attachment_id``, and the volume, ``attaching`` since this request took it, is held by no
+    other request."""
     with cell_session(cell) as session:
         if not _undo_in_cell(session, instance_uuid, request_id, ATTACHING_VOLUME):
             return False
         session.execute(delete(BlockDeviceMapping).where(BlockDeviceMapping.instance_uuid == instance_uuid,
                                                          BlockDeviceMapping.volume_id == volume_id,
+                                                         BlockDeviceMapping.attachment_id == attachment_id,
                                                          BlockDeviceMapping.deleted.is_(False)))
     with api_session() as session:
         session.execute(delete(VolumeAttachment).where(VolumeAttachment.volume_id == volume_id,
@@ -341,9 +345,15 @@ def _undo_in_cell(session: Session, instance_uuid: str, request_id: str, task_st
     done first and under the server's row lock, which the workflow's first step takes too
     (:func:`actions.take_request`): False, and nothing undone, when that step took the request
     (its workflow began after all, though its start answered an error). Once this commits, the
-    step finds the request undone and changes nothing."""
+    step finds the request undone and changes nothing.
+
+    A request whose action is not recorded never took the server (the transaction that takes the
+    task records the action too, and it did not commit): the server's task, if any, is another
+    request's, and is left alone."""
     if actions.request_taken(session, instance_uuid, request_id):
         return False
+    if actions.find(session, instance_uuid, request_id) is None:
+        return True
     try:
         instances.update_cas(session, instance_uuid, {"task_state": None}, expected_task_state=(task_state,))
     except errors.UnexpectedTaskState:
