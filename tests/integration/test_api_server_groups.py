@@ -214,6 +214,20 @@ def test_a_list_is_paged_by_limit_and_offset(cloud):
         assert call("GET", GROUPS, query=bad, version="2.64").status == 400
 
 
+def test_an_offset_or_limit_beyond_any_list_is_an_empty_page_or_the_largest_one(cloud):
+    for name in ("g1", "g2"):
+        make_group(name=name)
+    huge = str(2**63)  # beyond a 64-bit SQL integer
+
+    beyond = call("GET", GROUPS, query={"offset": huge}, version="2.64")
+    both = call("GET", GROUPS, query={"offset": huge, "limit": huge}, version="2.64")
+
+    assert (beyond.status, beyond.body) == (200, {"server_groups": []})  # as Nova answers
+    assert (both.status, both.body) == (200, {"server_groups": []})
+    assert listed(query={"limit": huge}) == ["g1", "g2"]
+    assert listed(ADMIN, {"all_projects": "1", "offset": huge}) == []
+
+
 def test_an_unknown_query_parameter_is_refused_from_2_75(cloud):
     make_group()
 

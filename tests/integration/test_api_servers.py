@@ -248,7 +248,27 @@ def test_a_fixed_ip_is_chosen_by_admins_and_the_networks_owner_only(cloud):
     assert boot(BOB, shared, "10.0.200.7").status == 403
     # Alice may on her own network, and an admin anywhere
     assert boot(ALICE, "11111111-1111-4111-8111-111111111111", "192.168.7.9").status == 202
-    assert boot(ADMIN, shared, taken).status == 409
+    assert boot(ADMIN, shared, taken).status == 400  # taken already: Nova's FixedIpAlreadyInUse
+
+
+def test_a_fixed_ip_already_in_use_is_400_as_nova_answers_it(cloud):
+    with api_session() as session:
+        session.add(Network(id="11111111-1111-4111-8111-111111111111", name="private", cidr="192.168.7.0/24",
+                            project_id="project-a", shared=False))
+
+    def boot():
+        return call("POST", "/v2.1/servers", version="2.90", body={"server": {
+            "name": "b", "flavorRef": "1", "imageRef": cloud.image_id,
+            "networks": [{"uuid": "11111111-1111-4111-8111-111111111111", "fixed_ip": "192.168.7.9"}]}})
+
+    first, second = boot(), boot()
+
+    assert first.status == 202, first.body
+    assert second.status == 400, second.body
+    assert second.body["badRequest"]["message"] == \
+        "Fixed IP address 192.168.7.9 is already in use on network 11111111-1111-4111-8111-111111111111."
+    assert [p.fixed_ip for p in api_rows(Port, network_id="11111111-1111-4111-8111-111111111111")] == \
+        ["192.168.7.9"]
 
 
 def test_create_with_a_network_list_and_an_existing_port(cloud):
@@ -993,6 +1013,29 @@ def test_an_errored_server_shows_its_fault_with_details_for_admins(cloud):
     assert "details" not in member_view["fault"]
     assert admin_view["fault"]["details"] == "Traceback: ..."
     assert "RamFilter removed 40" in admin_view["fault"]["message"]
+
+
+def test_a_deleted_server_shows_its_fault_to_an_admin_listing_deleted_servers(cloud):
+    # GIVEN a server in ERROR with a fault, then deleted to the end
+    add_host("host1")
+    server_id = create_server()
+    schedule(server_id, vm_state=states.ERROR)
+    with cell_session("cell1") as session:
+        session.add(InstanceFault(instance_uuid=server_id, code=500, message="Build of instance failed",
+                                  details="Traceback: ..."))
+    assert call("DELETE", f"/v2.1/servers/{server_id}").status == 204
+    [execution] = cloud.executions("delete")
+    delete.finish_delete(execution["input"])
+
+    listed = call("GET", "/v2.1/servers/detail", caller=ADMIN, query={"all_tenants": "1", "deleted": "true"},
+                  version="2.90")
+
+    # THEN its fault shows, as Nova shows a DELETED server's
+    assert listed.status == 200, listed.body
+    [shown] = listed.body["servers"]
+    assert (shown["id"], shown["status"]) == (server_id, "DELETED")
+    assert shown["fault"]["message"] == "Build of instance failed" and shown["fault"]["details"] == "Traceback: ..."
+    assert call("GET", f"/v2.1/servers/{server_id}", caller=ADMIN, version="2.90").status == 404  # as any deleted
 
 
 # --- stop and start --------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 ``prepare`` runs as the resolver's middleware: it names the request (``req-<uuid>``),
 negotiates the microversion of ``/v2.1`` (and ``/volume/v3``) requests and puts both in the resolver's
-context, and stamps the response with the request id and version headers.
+context, refuses a NUL character in the path or the query string, and stamps the response with the
+request id and version headers.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import unquote
 
 from aws_lambda_powertools.event_handler import Response
 from aws_lambda_powertools.event_handler.api_gateway import BaseRouter
@@ -84,9 +86,33 @@ def prepare(app: BaseRouter, next_middleware: Callable[[BaseRouter], Response]) 
         app.append_context(microversion=negotiate(app.current_event.headers))
     elif path == VOLUME_PREFIX or path.startswith(VOLUME_PREFIX + "/"):
         app.append_context(volume_version=negotiate(app.current_event.headers, VOLUME_SERVICE))
+    refuse_nul(app)
     response = next_middleware(app)
     response.headers.update(common_headers(app.context))
     return response
+
+
+NUL = "\x00"
+
+
+def refuse_nul(router: BaseRouter) -> None:
+    """Refuse a NUL character in the path (as the gateway passes it, percent-encoded or not, and
+    its path parameters) or in a query parameter's name or value, before any route looks anything
+    up: no id or filter holds one, and not every database takes one in a query.
+
+    Raises:
+        BadRequest: the path or a query parameter holds a NUL character.
+    """
+    event = router.current_event
+    path = event.path or ""
+    path_parameters = (event.raw_event.get("pathParameters") or {}).values()
+    if NUL in unquote(path) or any(NUL in str(value) for value in path_parameters):
+        raise errors.BadRequest("Invalid request path: it may not contain a NUL character.")
+    for name, values in query(router).items():
+        if NUL in name or any(NUL in value for value in values):
+            shown = name.replace(NUL, "\\x00")
+            raise errors.BadRequest(f"Invalid input for query parameters {shown}: "
+                                    "a NUL character is not allowed.")
 
 
 def caller(router: BaseRouter) -> auth.RequestContext:

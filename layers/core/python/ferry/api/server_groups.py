@@ -16,7 +16,7 @@ from typing import Any
 from aws_lambda_powertools.event_handler import Response
 from aws_lambda_powertools.event_handler.api_gateway import Router
 
-from ferry import errors, policy
+from ferry import errors, policy, validation
 from ferry.api import request, schemas
 from ferry.api.microversions import APIVersion
 from ferry.api.request import ViewContext
@@ -29,6 +29,9 @@ router = Router()
 
 RULE = "os_compute_api:os-server-groups:{}"
 MAX_LIMIT = 1000
+# No list holds more groups than their integer ids number: an offset beyond is an empty page, and
+# the database is never asked for an offset its integers cannot hold.
+MAX_OFFSET = validation.MAX_INT
 
 # The microversions that change a group's shape.
 SOFT_POLICIES_FROM = "2.15"
@@ -119,9 +122,9 @@ def list_groups() -> Response:
                                                                 policy.NO_PROJECT)
     limit = request.non_negative_int("limit", request.last(params, "limit"))
     offset = request.non_negative_int("offset", request.last(params, "offset")) or 0
-    # No limit, or 0, is the most a page holds (Nova's ``limited``).
+    # No limit, or 0, is the most a page holds (Nova's ``limited``); a larger one too.
     found = server_groups.list_groups(None if every_project else view.ctx.project_id,
-                                      limit=min(limit or MAX_LIMIT, MAX_LIMIT), offset=offset)
+                                      limit=min(limit or MAX_LIMIT, MAX_LIMIT), offset=min(offset, MAX_OFFSET))
     return request.json_response(200, {"server_groups": [group_view(view, g) for g in found]})
 
 

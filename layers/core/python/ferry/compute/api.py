@@ -415,9 +415,10 @@ def _add_details(servers: list[Server], *, tags: bool = True) -> None:
                         BlockDeviceMapping.destination_type == "volume").order_by(BlockDeviceMapping.id)):
                     wanted[bdm.instance_uuid].volumes.append(
                         {"id": bdm.volume_id, "delete_on_termination": bool(bdm.delete_on_termination)})
-                errored = [u for u in chunk if wanted[u].vm_state == states.ERROR]
-                if errored:
-                    faults = session.scalars(select(InstanceFault).where(InstanceFault.instance_uuid.in_(errored))
+                # A fault shows on a server in ERROR and on a deleted one (as Nova's view shows it).
+                faulted = [u for u in chunk if wanted[u].vm_state in (states.ERROR, states.DELETED)]
+                if faulted:
+                    faults = session.scalars(select(InstanceFault).where(InstanceFault.instance_uuid.in_(faulted))
                                              .order_by(InstanceFault.created_at, InstanceFault.id))
                     for fault in faults:  # ascending, so the newest fault wins
                         wanted[fault.instance_uuid].fault = {
@@ -718,7 +719,8 @@ def _allocate_ip(session: Session, network: Network, requested: str | None = Non
         if address not in subnet or address in (subnet.network_address, subnet.broadcast_address):
             raise errors.BadRequest(f"Fixed IP {requested} is not a valid address on network {network.id}.")
         if str(address) in used:
-            raise errors.Conflict(f"Fixed IP address {requested} is already in use on network {network.id}.")
+            # 400, as Nova answers a fixed IP already in use at create.
+            raise errors.BadRequest(f"Fixed IP address {requested} is already in use on network {network.id}.")
         return str(address)
     for candidate in candidates:
         if str(candidate) not in used:
@@ -900,13 +902,13 @@ def create_servers(ctx: RequestContext, request: BootRequest) -> list[str]:
     Raises:
         BadRequest: unknown or disabled flavor, unknown image, an unsupported block device
             mapping, an unknown network, port or volume, an image that does not fit, an
-            unknown server group, or more than one server with a port, a fixed IP, a volume
-            or a hostname.
+            unknown server group, a fixed IP already in use, or more than one server with a
+            port, a fixed IP, a volume or a hostname.
         Forbidden: an image-backed server on a zero-disk flavor without the policy for it.
         OverQuota: the project's instances, cores or RAM would go over its quota with
             ``min_count`` servers, or the caller's servers in the ``group`` hint's server group
             over ``server_group_members`` (403).
-        Conflict: a port already in use, a fixed IP taken, a network out of addresses.
+        Conflict: a port already in use, a network out of addresses.
     """
     root = _root_device(request)
     _refuse_multiple(request, root)
