@@ -384,7 +384,7 @@ REFUSED = {
     "127.0.0.1": "loopback", "127.8.9.10": "loopback", "::1": "loopback",
     "10.1.2.3": "private", "172.16.0.1": "private", "192.168.1.1": "private", "fd00::1": "private",
     "100.64.0.1": "shared", "100.127.255.254": "shared",
-    "169.254.169.254": "link-local", "fe80::1": "link-local",
+    "169.254.169.254": "link-local", "fe80::1": "link-local", "fd00:ec2::254": "the instance metadata service",
     "224.0.0.1": "multicast", "ff02::1": "multicast",
     "240.0.0.1": "reserved", "255.255.255.255": "reserved",
     "0.0.0.0": "unspecified", "0.1.2.3": "unspecified", "::": "unspecified",
@@ -410,7 +410,7 @@ def test_a_callback_may_connect_to_a_globally_routable_address(address):
 @pytest.mark.parametrize(("address", "allowed"), [
     ("127.0.0.1", True), ("::1", True), ("10.1.2.3", True), ("fd00::1", True), ("100.64.0.1", True),
     ("::ffff:192.168.0.7", True),
-    ("169.254.169.254", False), ("fe80::1", False), ("224.0.0.1", False), ("240.0.0.1", False), ("0.0.0.0", False),
+    ("169.254.169.254", False), ("fd00:ec2::254", False), ("fe80::1", False), ("224.0.0.1", False), ("240.0.0.1", False), ("0.0.0.0", False),
     ("192.0.2.1", False), ("198.18.0.1", False), ("2001:db8::1", False), ("::ffff:203.0.113.9", False),
 ])
 def test_allowing_private_addresses_allows_loopback_private_and_shared_ones_only(address, allowed):

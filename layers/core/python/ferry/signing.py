@@ -293,6 +293,11 @@ _PRIVATE = tuple(ipaddress.ip_network(net) for net in (
     "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "fc00::/7", "fec0::/10"))
 
 
+# The instance metadata service's IPv6 address (inside fc00::/7, yet never a receiver's):
+# refused even where private addresses are allowed, as its IPv4 169.254.169.254 is.
+_METADATA_V6 = ipaddress.ip_address("fd00:ec2::254")
+
+
 class AddressRefused(OSError):
     """Every address a callback's host resolves to is one callbacks may not reach.
 
@@ -304,6 +309,8 @@ def _kind_of(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | No
     """The kind of a non-global address (``loopback``, ``private``, …), or None for a global one."""
     if address.is_unspecified or (address.version == 4 and address in _THIS_NETWORK):
         return "unspecified"
+    if address == _METADATA_V6:
+        return "the instance metadata service"
     if address.is_loopback:
         return "loopback"
     if address.is_link_local:
@@ -330,7 +337,8 @@ def address_refusal(address: str, *, allow_private: bool = False) -> str | None:
     reserved, unspecified and any other address that is not globally routable, and the IPv6
     forms embedding such an IPv4 address (IPv4-mapped ``::ffff:a.b.c.d``, 6to4). With
     ``allow_private``, loopback, private and shared addresses are allowed (receivers inside the
-    stack's network); the others stay refused.
+    stack's network); the others stay refused, and so does the instance metadata service's IPv6
+    address (``fd00:ec2::254``), private though it is.
     """
     try:
         parsed = ipaddress.ip_address(address)
