@@ -564,6 +564,21 @@ def test_without_a_secret_the_webhook_refuses_everything(cloud, monkeypatch):
     assert_nothing_started(cloud)
 
 
+def test_a_webhook_secret_the_same_as_the_callback_secret_turns_the_webhook_off(cloud, monkeypatch):
+    # GIVEN a stack deployed with one secret for both: every callback's receiver holds it
+    functions = _template(SECRET, SECRET).functions
+    monkeypatch.setenv("FERRY_CALLBACK_SECRET", functions["DrainWebhookFunction"].environment["FERRY_CALLBACK_SECRET"])
+    config.reset()
+    body = _body()
+
+    # WHEN a request signed with it comes
+    answer = post(body, signed(body))
+
+    # THEN it starts nothing, and the operator reads why
+    assert_fault(answer, 503, "computeFault", "DrainWebhookSecret is the same as DrainCallbackSecret")
+    assert_nothing_started(cloud)
+
+
 def test_a_refusal_is_logged_and_counted(cloud, monkeypatch):
     from ferry import webhook
 

@@ -3,7 +3,8 @@
 Monitoring or an operator's tooling sends ``{"drain": {...}}`` (:data:`ferry.drains.REQUEST_SCHEMA`)
 signed with the shared secret (:mod:`ferry.signing`). The webhook answers in this order:
 
-1. no secret configured (``FERRY_WEBHOOK_SECRET`` from the template's ``DrainWebhookSecret``): 503;
+1. no secret configured (``FERRY_WEBHOOK_SECRET`` from the template's ``DrainWebhookSecret``), or
+   the same as the callback secret (``FERRY_CALLBACK_SECRET``), which receivers hold: 503;
 2. a missing, malformed or wrong signature: 401; a timestamp over 5 minutes off either way: 401;
 3. a missing or too long ``X-Ferry-Delivery``, a body that is not JSON or not a drain request, or
    one naming a ``callback_url`` while no callback secret is set (``FERRY_CALLBACK_SECRET``, the
@@ -67,6 +68,10 @@ def _start_drain_once(event: Mapping[str, Any], context: Any) -> dict[str, Any]:
     secret = config.get().webhook_secret
     if not secret:
         raise errors.WebhookNotConfigured()
+    if secret == config.get().callback_secret:
+        # Every callback's receiver would hold what starts drains as an admin.
+        raise errors.WebhookNotConfigured("The drain webhook is off: DrainWebhookSecret is the same as "
+                                          "DrainCallbackSecret, which every callback's receiver holds.")
     table = config.get().idempotency_table
     if not table:
         raise errors.WebhookNotConfigured(f"The drain webhook is not configured: {TABLE_VARIABLE} is not set.")
