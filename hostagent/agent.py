@@ -1326,13 +1326,15 @@ class HostAgent(MoveOperations):
     def spawn(self, op: Operation) -> dict[str, Any]:
         """Create the instance's disks and guest, and power it on if asked.
 
-        Volumes are attached by path. A volume whose path does not exist yet and that carries
-        ``size_gb`` is a new file-backed volume (the embedded default's volume storage): it is
-        created here, sparse, with the content of its ``source_image`` if it has one, only in one of
-        the volumes directories (``volumes_dirs``): a spawn that would make one elsewhere is
-        refused before anything is touched. An existing path (a block device in production) is
-        never written, nor is a file that appears at the path while the spawn writes the volume
-        (another attempt to boot the server made it): the spawn then fails and leaves it.
+        Volumes are attached by path. A volume the build creates (:meth:`_makes_volume`) whose path
+        does not exist yet is a new file-backed volume (the embedded default's volume storage): it
+        is created here, sparse, with the content of its ``source_image`` if it has one, only in one
+        of the volumes directories (``volumes_dirs``): a spawn that would make one elsewhere is
+        refused before anything is touched. So is one whose volume exists already but whose file
+        is missing here (:meth:`_check_volume_files`): its data is never replaced by a blank disk.
+        An existing path (a block device in production) is never written, nor is a file that
+        appears at the path while the spawn writes the volume (another attempt to boot the server
+        made it): the spawn then fails and leaves it.
 
         The instance directory is this spawn's when its record (``spawn.json``) names the
         operation: a guest that exists then is this spawn done before, only powered on if asked,
@@ -1348,9 +1350,7 @@ class HostAgent(MoveOperations):
             SpawnFailed, ImageDownloadFailed, DiskCopyFailed, HypervisorError, InvalidOperation.
         """
         uuid, args = op.instance_uuid, op.args
-        for volume in args["volumes"]:
-            if volume.get("size_gb") and not Path(volume["path"]).exists():
-                self._volume_file(op, volume["path"])
+        self._check_volume_files(op)
         directory = disks.instance_dir(self.instances_dir, uuid)
         record = read_record(directory, SPAWN_RECORD) or {}
         if record.get("operation_id") == op.operation_id:
@@ -1492,6 +1492,48 @@ class HostAgent(MoveOperations):
                          SPAWN_RECORD)
         return done
 
+    @staticmethod
+    def _makes_volume(volume: dict[str, Any]) -> bool:
+        """Whether the spawn makes ``volume``'s file when it is missing: a volume the build creates
+        (``source_type`` ``blank``, or ``image`` with its ``source_image``), of its ``size_gb``.
+
+        Any other volume exists already, and a file made for it would be a blank disk in place of
+        its owner's data. A message from before ``source_type`` was sent gave every volume its
+        size, an existing one too: in it only a ``source_image`` tells a volume the build creates.
+        """
+        if not volume.get("size_gb"):
+            return False
+        source = volume.get("source_type")
+        if source is None:
+            return "source_image" in volume
+        return source == "blank" or (source == "image" and "source_image" in volume)
+
+    def _check_volume_files(self, op: Operation) -> None:
+        """Refuse, before anything is touched, a spawn whose volumes cannot be had as asked: a new
+        volume's file outside the volumes directories, or an existing volume's file missing.
+
+        An existing volume's file is missing when its path does not exist and it lies in the
+        volumes directories, or the message gives the volume a size (an older message's, for
+        which the spawn would have made it). Another path (a block device) is the hypervisor's to
+        find.
+
+        Raises:
+            InvalidOperation: a new volume's file lies outside the volumes directories.
+            SpawnFailed: an existing volume's file is not on this host (its storage not mounted
+                here, or the file gone); no file is made for it.
+        """
+        for volume in op.args["volumes"]:
+            path = volume["path"]
+            if Path(path).exists():
+                continue
+            if self._makes_volume(volume):
+                self._volume_file(op, path)
+            elif volume.get("size_gb") or disks.volume_target(path, self.volumes_dirs) is not None:
+                raise errors.SpawnFailed(
+                    f"The file of volume {volume['volume_id']} ({path}) is not on host {self.host}; the volume "
+                    f"exists already, so no new file is made for it.", instance_uuid=op.instance_uuid
+                )
+
     def _volume_file(self, op: Operation, path: str) -> Path:
         """Where to make or remove ``path``, the file of a volume this host is asked to make or
         remove: ``path`` with its directory resolved now, once the file and that directory are
@@ -1552,7 +1594,7 @@ class HostAgent(MoveOperations):
                 disks.create_sparse(path, flavor["swap"] * disks.MiB)
                 result.append(DiskSpec(kind=SWAP, path=str(path), device=LOCAL_DEVICES[SWAP]))
             for volume in volumes:
-                if Path(volume["path"]).exists() or not volume.get("size_gb"):
+                if Path(volume["path"]).exists() or not self._makes_volume(volume):
                     continue
                 # Checked again right before it is written (a root disk's download may have taken
                 # minutes since the spawn's first check), and written in its directory as that check

@@ -117,6 +117,24 @@ def test_select_destinations_claims_host_and_moves_instance_into_its_cell(cloud)
                                                                                  {"role": "test"})
 
 
+@pytest.mark.parametrize("fits", [True, False], ids=["scheduled", "buried-in-cell0"])
+def test_the_server_keeps_the_creation_time_of_its_build_request(cloud, fits):
+    # GIVEN a server accepted an hour before it is scheduled
+    event = accept_server(cloud["image_id"], flavor=None if fits else {**FLAVOR, "vcpus": 64})
+    accepted = (utcnow() - dt.timedelta(hours=1)).replace(microsecond=0)
+    with api_session() as session:
+        session.execute(update(BuildRequest).values(created_at=accepted))
+
+    # WHEN it is handed to its cell (or buried in cell0)
+    if fits:
+        boot.select_destinations(event)
+    else:
+        boot.fail_build({**event, "error": {"Error": "Ferry.NoValidHost", "Cause": "No valid host was found."}})
+
+    # THEN its instance was created when the server was, not when it was scheduled
+    assert _instance(event["instance_uuid"], "cell1" if fits else "cell0").created_at == accepted
+
+
 def test_select_destinations_run_twice_claims_once(cloud):
     event = accept_server(cloud["image_id"])
     first = boot.select_destinations(event)
@@ -148,6 +166,71 @@ def test_no_valid_host_buries_the_server_in_cell0_without_allocations(cloud):
     assert fault.message.startswith("No valid host was found")
     with cell_session("cell0") as session:
         assert session.scalars(select(InstanceActionEvent.details)).one().startswith("NoValidHost: No valid host")
+
+
+def owner_brings_a_port(event: dict) -> tuple[str, str]:
+    """Make the server's one port a port its owner brought, and give it a port Ferry made too:
+    ``(brought, made)``, their ids."""
+    with api_session() as session:
+        brought = session.scalars(select(Port).where(Port.device_id == event["instance_uuid"])).one()
+        made = Port(network_id=brought.network_id, project_id=brought.project_id, device_id=event["instance_uuid"],
+                    mac_address="fa:16:3e:00:01:01", fixed_ip="10.0.0.6")
+        session.add(made)
+        session.flush()
+        spec = session.scalars(select(RequestSpec).where(RequestSpec.instance_uuid == event["instance_uuid"])).one()
+        spec.spec = {**spec.spec, "requested_networks": [
+            {"network_id": brought.network_id, "port_id": brought.id, "preexisting": True},
+            {"network_id": made.network_id, "port_id": made.id, "preexisting": False}]}
+        return brought.id, made.id
+
+
+def assert_network_released(instance_uuid: str, brought: str, made: str) -> None:
+    """The port Ferry made is gone; the one the owner brought is the owner's again, bound nowhere."""
+    with api_session() as session:
+        assert session.scalars(select(Port).where(Port.device_id == instance_uuid)).all() == []
+        assert session.get(Port, made) is None
+        kept = session.get(Port, brought)
+        assert (kept.device_id, kept.status, kept.bindings) == (None, "DOWN", [])
+
+
+def test_a_server_buried_in_cell0_gives_back_its_ports_and_can_still_be_deleted(cloud):
+    # GIVEN a server no host fits, with a port its owner brought and one Ferry made for it
+    event = accept_server(cloud["image_id"], flavor={**FLAVOR, "vcpus": 64})
+    brought, made = owner_brings_a_port(event)
+    with pytest.raises(errors.NoValidHost) as raised:
+        boot.select_destinations(event)
+    failed = {**event, "error": {"Error": "Ferry.NoValidHost", "Cause": raised.value.message}}
+
+    # WHEN FailBuild buries it (delivered twice)
+    boot.fail_build(failed)
+    boot.fail_build(failed)
+
+    # THEN its networking is released as Nova deallocates a failed build's
+    assert_network_released(event["instance_uuid"], brought, made)
+    # AND the server in ERROR is still deleted as any
+    delete.finish_delete({"instance_uuid": event["instance_uuid"], "request_id": "req-del", "cell": "cell0"})
+    assert _instance(event["instance_uuid"], "cell0").deleted
+    with api_session() as session:
+        assert session.get(Port, brought).device_id is None
+
+
+def test_a_burial_cut_short_after_the_hand_over_gives_back_the_ports_when_run_again(cloud, monkeypatch):
+    # GIVEN FailBuild buried the server in cell0, then lost the API database before releasing its ports
+    event = accept_server(cloud["image_id"])
+    brought, made = owner_brings_a_port(event)
+    failed = {**event, "error": {"Error": "Ferry.NoValidHost", "Cause": "No valid host was found."}}
+    with monkeypatch.context() as patched:
+        def api_down(*args):  # type: ignore[no-untyped-def]
+            raise OperationalError("DELETE FROM ports", {}, Exception("connection reset"))
+
+        patched.setattr(boot.network, "release_ports", api_down)
+        with pytest.raises(OperationalError):
+            boot.fail_build(failed)
+    assert _instance(event["instance_uuid"], "cell0").vm_state == states.ERROR
+
+    # WHEN Step Functions runs it again, THEN the ports are given back
+    boot.fail_build(failed)
+    assert_network_released(event["instance_uuid"], brought, made)
 
 
 def test_a_burial_in_cell0_cut_short_and_run_again_records_one_fault(cloud, monkeypatch):
@@ -263,6 +346,40 @@ def test_failed_spawn_sets_error_and_releases_the_claim_unless_the_guest_may_rem
     assert (instance.vm_state, instance.task_state) == ("error", None)
     assert fault.message == "disk full"
     assert cleaned or event["destination"]["host"] in fault.details
+
+
+def test_a_build_whose_spawn_failed_on_every_host_gives_back_its_ports_and_can_still_be_deleted(cloud):
+    # GIVEN a server with a port its owner brought and one Ferry made, whose spawn failed and was rolled back
+    event = accept_server(cloud["image_id"])
+    brought, made = owner_brings_a_port(event)
+    event["destination"] = boot.select_destinations(event)
+    boot.bind_resources_at_dest(event)
+    boot.unbind_resources_at_dest(event)
+    event["error"] = {"Error": "Ferry.SpawnFailed", "Cause": "disk full"}
+
+    # WHEN FailBuild runs (delivered twice)
+    boot.fail_build(event)
+    boot.fail_build(event)
+
+    # THEN the server is in ERROR and its networking is released: the owner may boot again with the port
+    assert _instance(event["instance_uuid"]).vm_state == states.ERROR
+    assert_network_released(event["instance_uuid"], brought, made)
+    # AND the server is still deleted as any
+    delete.finish_delete({"instance_uuid": event["instance_uuid"], "request_id": "req-del", "cell": "cell1"})
+    assert _instance(event["instance_uuid"]).deleted
+
+
+def test_a_failed_spawn_whose_guest_may_remain_keeps_its_ports_with_its_claim(cloud):
+    # GIVEN a failed spawn whose destination could not be cleaned up: the guest may still run there
+    event = _spawned(cloud["image_id"])
+    event["error"] = {"Error": "Ferry.SpawnFailed", "Cause": "disk full"}
+    event["cleanup_error"] = {"Error": "States.Timeout", "Cause": ""}
+
+    boot.fail_build(event)
+
+    # THEN its ports stay with it, as its claim does, until its delete releases them
+    with api_session() as session:
+        assert len(session.scalars(select(Port).where(Port.device_id == event["instance_uuid"])).all()) == 1
 
 
 def test_a_failed_spawn_whose_destination_was_cleaned_but_not_unbound_releases_the_claim_and_says_so(cloud):
@@ -1096,6 +1213,24 @@ def test_the_root_volume_keeps_the_device_it_was_given(cloud):
     assert [(v["volume_id"], v["device"]) for v in args["volumes"]] == [(volume_id, "vda")]
     with cell_session("cell1") as session:
         assert session.scalars(select(BlockDeviceMapping.device_name)).one() == "vda"
+
+
+@pytest.mark.parametrize("source", ["volume", "image"])
+def test_only_a_volume_the_build_creates_is_sent_to_its_host_with_a_size_to_make_it(cloud, source):
+    # GIVEN a server booted from an existing volume, or from a new one made from an image
+    event, volume_id = scheduled_from_volume(cloud["image_id"])
+    if source == "image":
+        with cell_session("cell1") as session:
+            session.execute(update(BlockDeviceMapping).values(source_type="image", image_id=cloud["image_id"]))
+
+    # WHEN its resources are bound
+    args = boot.bind_resources_at_dest(event)["spawn_args"]
+
+    # THEN only the new volume carries a size (and its image): the host never makes an existing one anew
+    protocol.validate(args, protocol.SPAWN_ARGS_SCHEMA)
+    [volume] = args["volumes"]
+    assert (volume["source_type"], volume.get("size_gb"), "source_image" in volume) == (
+        (source, None, False) if source == "volume" else (source, 1, True))
 
 
 def test_a_server_deleted_before_its_resources_are_bound_gets_none_bound(cloud):

@@ -393,7 +393,8 @@ def test_volume_backed_spawn_boots_from_the_volume_without_a_root_disk(host):
     assert not (disks.instance_dir(host.instances_dir, instance_uuid) / "disk").exists()
 
 
-def test_spawn_creates_a_new_volume_from_its_source_image(host):
+@pytest.mark.parametrize("message", ["current", "older"])
+def test_spawn_creates_a_new_volume_from_its_source_image(host, message):
     instance_uuid = str(uuid.uuid4())
     content = os.urandom(MiB) + b"volume image"
     path = host.instances_dir.parent / "volumes" / "vol-2"
@@ -405,6 +406,8 @@ def test_spawn_creates_a_new_volume_from_its_source_image(host):
         "size_gb": 1,
         "source_image": host.image(content),
     }
+    if message == "current":  # an older message named no source: its source image alone tells a new volume
+        volume["source_type"] = "image"
     args = spawn_args(None, volumes=[volume], flavor={**FLAVOR, "root_gb": 0, "ephemeral_gb": 0, "swap": 0})
 
     output(host.execute("spawn", instance_uuid, args))
@@ -476,7 +479,8 @@ def test_a_spawn_run_again_that_fails_removes_what_its_first_attempt_made(host):
     (directory / "spawn.json").write_text(json.dumps({"operation_id": operation_id,
                                                       "created_volumes": [str(volume_path)],
                                                       "created_volume_files": {str(volume_path): made}}))
-    volume = {"volume_id": "vol-4", "path": str(volume_path), "device": "/dev/vda", "boot_index": 0, "size_gb": 1}
+    volume = {"volume_id": "vol-4", "path": str(volume_path), "device": "/dev/vda", "boot_index": 0, "size_gb": 1,
+              "source_type": "blank"}
     args = spawn_args(None, volumes=[volume], ports=[{"id": "port-1", "mac_address": "not-a-mac"}],
                       flavor={**FLAVOR, "root_gb": 0, "ephemeral_gb": 0, "swap": 0})
 
@@ -497,7 +501,8 @@ def test_a_spawn_run_again_after_a_crash_right_after_its_volume_file_took_its_na
     # GIVEN a spawn whose agent died right after the new volume's file took its name
     instance_uuid, operation_id = str(uuid.uuid4()), f"{uuid.uuid4()}:spawn"
     volume_path = host.instances_dir.parent / "volumes" / "vol-4"
-    volume = {"volume_id": "vol-4", "path": str(volume_path), "device": "/dev/vda", "boot_index": 0, "size_gb": 1}
+    volume = {"volume_id": "vol-4", "path": str(volume_path), "device": "/dev/vda", "boot_index": 0, "size_gb": 1,
+              "source_type": "blank"}
     args = spawn_args(None, volumes=[volume], ports=[{"id": "port-1", "mac_address": "not-a-mac"}],
                       flavor={**FLAVOR, "root_gb": 0, "ephemeral_gb": 0, "swap": 0})
     link = os.link
@@ -523,7 +528,8 @@ def new_volume_spawn(host: Host, *names: str) -> tuple[dict[str, Any], list[Path
     """Spawn arguments of a server booting from new volumes the spawn makes, whose power on fails."""
     paths = [host.instances_dir.parent / "volumes" / name for name in names]
     volumes = [{"volume_id": path.name, "path": str(path), "device": f"/dev/vd{'abcd'[i]}",
-                "boot_index": 0 if i == 0 else None, "size_gb": 1} for i, path in enumerate(paths)]
+                "boot_index": 0 if i == 0 else None, "size_gb": 1, "source_type": "blank"}
+               for i, path in enumerate(paths)]
     return spawn_args(None, volumes=volumes, flavor={**FLAVOR, "root_gb": 0, "ephemeral_gb": 0, "swap": 0}), paths
 
 
@@ -673,7 +679,8 @@ def test_destroy_removes_the_files_of_the_volumes_deleted_with_the_server_and_re
     # path is not such a file, and one named like such a file but outside the volumes directories
     instance_uuid = str(uuid.uuid4())
     path = host.instances_dir.parent / "volumes" / "vol-4"
-    boot_volume = {"volume_id": "vol-4", "path": str(path), "device": "/dev/vda", "boot_index": 0, "size_gb": 1}
+    boot_volume = {"volume_id": "vol-4", "path": str(path), "device": "/dev/vda", "boot_index": 0, "size_gb": 1,
+                   "source_type": "blank"}
     foreign = host.instances_dir.parent / "volumes" / "storage" / "vol-5.img"
     refused = host.instances_dir.parent / "storage" / "vol-19"
     for volume_file in (foreign, refused):
@@ -728,12 +735,27 @@ def test_an_absent_volume_file_is_gone_only_beside_the_volumes_marker(tmp_path):
 
 def test_a_spawn_that_makes_a_volume_file_marks_its_directory(host):
     path = host.instances_dir.parent / "volumes" / "vol-9"
-    volume = {"volume_id": "vol-9", "path": str(path), "device": "/dev/vda", "boot_index": 0, "size_gb": 1}
+
+    output(host.execute("spawn", str(uuid.uuid4()), volume_boot_args("vol-9", path)))
+
+    assert path.is_file() and (path.parent / protocol.VOLUME_DIR_MARKER).is_file()
+
+
+@pytest.mark.parametrize("message", ["older", "current"])
+def test_a_spawn_never_makes_a_blank_file_for_an_existing_volume_whose_file_is_missing(host, message):
+    # GIVEN a server booting from an existing volume whose file is not on this host, as
+    # BindResourcesAtDest asks it: before (every volume with its size), or now (its source named)
+    path = host.instances_dir.parent / "volumes" / "vol-x"
+    volume = {"volume_id": "vol-x", "path": str(path), "device": "/dev/vda", "boot_index": 0,
+              **({"size_gb": 1} if message == "older" else {"source_type": "volume"})}
     args = spawn_args(None, volumes=[volume], flavor={**FLAVOR, "root_gb": 0, "ephemeral_gb": 0, "swap": 0})
+    instance_uuid = str(uuid.uuid4())
 
-    output(host.execute("spawn", str(uuid.uuid4()), args))
-
-    assert (path.parent / protocol.VOLUME_DIR_MARKER).is_file()
+    # WHEN it is spawned, THEN the spawn fails and makes nothing: no blank disk in place of the owner's data
+    assert failure(host.execute("spawn", instance_uuid, args)) == "Ferry.SpawnFailed"
+    assert not path.exists() and not (path.parent / protocol.VOLUME_DIR_MARKER).exists()
+    assert not disks.instance_dir(host.instances_dir, instance_uuid).exists()
+    assert not host.driver.guest_exists(instance_uuid)
 
 
 @pytest.mark.parametrize("kind", ["empty", "from an image"])
@@ -741,9 +763,10 @@ def test_a_spawn_never_writes_over_a_volume_file_another_attempt_made_meanwhile(
     # GIVEN a spawn making a volume file, and another attempt to boot the server (rescheduled to
     # another host while this one ran long) that makes the same file while this one writes it
     path = host.instances_dir.parent / "volumes" / "vol-31"
-    volume = {"volume_id": "vol-31", "path": str(path), "device": "/dev/vda", "boot_index": 0, "size_gb": 1}
+    volume = {"volume_id": "vol-31", "path": str(path), "device": "/dev/vda", "boot_index": 0, "size_gb": 1,
+              "source_type": "blank"}
     if kind == "from an image":
-        volume["source_image"] = host.image(os.urandom(MiB))
+        volume.update(source_type="image", source_image=host.image(os.urandom(MiB)))
     args = spawn_args(None, volumes=[volume], flavor={**FLAVOR, "root_gb": 0, "ephemeral_gb": 0, "swap": 0})
     sweep = disks.remove_abandoned_parts
 
@@ -886,8 +909,9 @@ def another_agent(host: Host, tmp_path: Path, name: str, **options: Any) -> Host
 
 
 def volume_boot_args(volume_id: str, path: Path) -> dict[str, Any]:
-    """A spawn booting from a new 1 GiB volume the host makes at ``path``."""
-    volume = {"volume_id": volume_id, "path": str(path), "device": "/dev/vda", "boot_index": 0, "size_gb": 1}
+    """A spawn booting from a new blank 1 GiB volume the host makes at ``path``."""
+    volume = {"volume_id": volume_id, "path": str(path), "device": "/dev/vda", "boot_index": 0, "size_gb": 1,
+              "source_type": "blank"}
     return spawn_args(None, volumes=[volume], flavor={**FLAVOR, "root_gb": 0, "ephemeral_gb": 0, "swap": 0})
 
 

@@ -173,8 +173,13 @@ SPAWN_ARGS_SCHEMA: dict[str, Any] = {
                     "path": {"type": "string"},
                     "device": {"type": "string"},
                     "boot_index": {"type": ["integer", "null"]},
+                    # Where the volume comes from (its block device mapping's): the build creates a
+                    # ``blank`` or ``image`` one; any other exists already, and its file is never made
+                    # anew. Missing in an older message, which gave every volume its ``size_gb``.
+                    "source_type": {"enum": ["blank", "image", "volume", "snapshot"]},
                     # A new file-backed volume the host makes (when its path does not exist yet), of
-                    # this size, holding ``source_image`` if it has one.
+                    # this size, holding ``source_image`` if it has one: given only for a volume the
+                    # build creates.
                     "size_gb": {"type": "integer", "minimum": 1},
                     "source_image": IMAGE_LOCATION_SCHEMA,
                 },

@@ -198,11 +198,17 @@ def _updatable(fields: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _create_in_cell(build: BuildRequest, cell: str, request_id: str, **values: Any) -> None:
+    """Create the server's instance in ``cell`` from its build request (unless a run before did).
+
+    The instance was created when the server was, as Nova's keeps its build request's
+    ``created_at``: the server's ``created`` does not move when it is scheduled, and a listing
+    paged by it (the default sort) skips no server scheduled between two pages.
+    """
     uuid = build.instance_uuid
     fields = {k: v for k, v in build.instance.items() if k in _INSTANCE_FIELDS}
     if "metadata" in build.instance:
         fields["metadata_items"] = build.instance["metadata"]
-    fields.update(values, uuid=uuid)
+    fields.update(values, uuid=uuid, created_at=build.created_at)
     with cell_session(cell) as session:
         if session.scalars(select(Instance.id).where(Instance.uuid == uuid)).one_or_none() is None:
             session.add(Instance(**fields))
@@ -258,7 +264,17 @@ def _flavor_args(flavor: dict[str, Any]) -> dict[str, Any]:
     return {k: flavor[k] for k in keys}
 
 
+# The sources of a volume the build creates (Nova's blank and image block devices): the host makes
+# its file. Any other volume exists already; the host is never asked to make it anew.
+_CREATED_BY_BUILD = ("blank", "image")
+
+
 def _attach_volumes(session: Any, uuid: str, host: str, bdms: list[BlockDeviceMapping]) -> list[dict[str, Any]]:
+    """Attach the server's volumes to ``host`` in the records; the spawn's ``volumes``.
+
+    Each names its ``source_type``; only a volume the build creates carries its ``size_gb`` (and
+    its ``source_image``), which asks the host to make its file when it is missing.
+    """
     result = []
     for index, bdm in enumerate(bdms):
         volume = session.get(Volume, bdm.volume_id)
@@ -272,7 +288,9 @@ def _attach_volumes(session: Any, uuid: str, host: str, bdms: list[BlockDeviceMa
         attachment.host, attachment.device, attachment.status = host, device, "attached"
         volume.status = volumes.IN_USE
         entry = {"volume_id": volume.id, "path": volume.path, "device": device, "boot_index": bdm.boot_index,
-                 "size_gb": volume.size_gb}
+                 "source_type": bdm.source_type}
+        if bdm.source_type in _CREATED_BY_BUILD:
+            entry["size_gb"] = volume.size_gb
         if bdm.boot_index == 0 and bdm.source_type == "image" and bdm.image_id:
             entry["source_image"] = images.image_location(bdm.image_id)
         result.append(entry)
@@ -422,12 +440,16 @@ def fail_build(event: dict[str, Any]) -> dict[str, Any]:
     A server that was never scheduled is buried in cell0, as Nova does. When the destination
     could not be cleaned up (``cleanup_error``), or its ports and volumes not unbound from it
     (``unbind_error``), the fault says what may be left on which host.
+    A failed build gives back its networking with its claim, as Nova deallocates it: the ports
+    Ferry made for the server are deleted, those its owner brought unbound and freed (the owner
+    may boot again with them at once).
     A server deleted meanwhile (its mapping says so, its instance is gone or deleted, or its task
-    is ``deleting``) is left to its delete: only the claim is released. One an admin reset while
-    it was built (no task, no longer building) is set to ERROR all the same: the failed build
-    left it no guest; unless it has moved to another host since, which leaves it, and the claim
-    it holds there, as they are. A server whose destination could not be cleaned up keeps its
-    claim: the guest may still run there, and the server's delete releases the claim with it.
+    is ``deleting``) is left to its delete: only the claim and the ports are released. One an
+    admin reset while it was built (no task, no longer building) is set to ERROR all the same: the
+    failed build left it no guest; unless it has moved to another host since, which leaves it, and
+    the claim and ports it holds there, as they are. A server whose destination could not be
+    cleaned up keeps its claim and ports: the guest may still run there, and the server's delete
+    releases them with it.
     """
     uuid = event["instance_uuid"]
     error = event.get("error") or {}
@@ -470,6 +492,8 @@ def fail_build(event: dict[str, Any]) -> dict[str, Any]:
         left_on_host = bool(event.get("cleanup_error")) and instance is not None and not instance.deleted
         if not moved_on and not left_on_host:
             placement.delete_allocations(uuid)
+            # Before the ERROR below, so that a run again after that commit has released them too.
+            _release_network(uuid)
         if instance is None or instance.deleted:
             _deleted_meanwhile(uuid, message)
             return {}
@@ -506,6 +530,16 @@ def _error_name(error: dict[str, Any]) -> str:
     return str(error.get("Error") or "").removeprefix(errors.PREFIX)
 
 
+def _release_network(uuid: str) -> None:
+    """Delete the ports Ferry made for the failed build's server, unbind and free those its owner
+    brought (:func:`ferry.network.release_ports`, as a delete does; idempotent: a port released
+    is the server's no more, and a later delete of the server finds none)."""
+    with api_session() as session:
+        # The mapping's row first, as BindResourcesAtDest and a delete's release take it.
+        session.execute(select(InstanceMapping.id).where(InstanceMapping.instance_uuid == uuid).with_for_update())
+        network.release_ports(session, uuid, network.requested_networks(session, uuid))
+
+
 def _deleted_meanwhile(uuid: str, message: str) -> None:
     logger.info("build failed for a server deleted meanwhile: claim released, nothing else to record",
                 extra={"instance_uuid": uuid, "error": message})
@@ -535,4 +569,8 @@ def _bury_in_cell0(build: BuildRequest, request_id: str, message: str, error: di
         actions.finish_event(session, instance_uuid=uuid, request_id=request_id, event=EVENT_SCHEDULE,
                              error={"Error": _error_name(error) or errors.NoValidHost.__name__, "Cause": message})
     if not _hand_over(uuid, CELL0_NAME):
-        _remove_unmapped_copy(uuid, CELL0_NAME)  # deleted meanwhile: no server to bury
+        _remove_unmapped_copy(uuid, CELL0_NAME)  # deleted meanwhile: no server to bury (its delete freed the ports)
+        return
+    # After the hand-over, so that a delete of the server takes the mapping's row as this does; run
+    # again after a failure here, FailBuild finds the server in cell0 and releases them there.
+    _release_network(uuid)
