@@ -1191,6 +1191,39 @@ def test_a_destroy_failing_in_the_hypervisor_after_a_run_cut_short_does_not_say_
     assert failed == ("Ferry.HostOperationFailed" if earlier == "cut short" else "Ferry.HypervisorError")
 
 
+@pytest.mark.parametrize("earlier", ["cut short", "failed", "none"])
+def test_a_revert_failing_in_the_hypervisor_after_a_run_cut_short_does_not_say_nothing_was_removed(
+        host, monkeypatch, earlier):
+    # GIVEN the destination of a move whose revert ran before and was cut short once it had
+    # destroyed the guest, its disks still there (or whose earlier run failed and ended, or that
+    # never ran)
+    instance_uuid = str(uuid.uuid4())
+    output(host.execute("spawn", instance_uuid, spawn_args(host.image(b"x" * 4096))))
+    operation_id = f"{uuid.uuid4()}:revert_resize"
+    assert host.agent.journal is not None
+    if earlier != "none":
+        host.agent.journal.start(operation_id, "revert_resize", instance_uuid, "token-of-the-earlier-attempt")
+    if earlier == "cut short":
+        host.driver.destroy(instance_uuid)
+    elif earlier == "failed":
+        host.agent.journal.fail(operation_id, "Ferry.HypervisorError", "the hypervisor failed")
+
+    # WHEN it runs now with the hypervisor failing
+    def hypervisor_down(_instance_uuid: str) -> None:
+        raise errors.HypervisorError("Cannot recv data: Connection reset by peer")
+
+    monkeypatch.setattr(host.driver, "destroy", hypervisor_down)
+    migration_uuid = str(uuid.uuid4())
+    failed = failure(host.execute("revert_resize", instance_uuid,
+                                  {"migration_uuid": migration_uuid, "same_host": False,
+                                   "transfer": {"bucket": BUCKET, "prefix": f"moves/{migration_uuid}"}},
+                                  operation_id=operation_id))
+
+    # THEN only a run with no earlier one cut short says nothing was removed (the workflow goes
+    # back to VERIFY_RESIZE on it, where a confirm deletes the source's disks)
+    assert failed == ("Ferry.HostOperationFailed" if earlier == "cut short" else "Ferry.HypervisorError")
+
+
 def test_an_operation_without_a_task_token_is_done_and_journaled(host):
     instance_uuid = str(uuid.uuid4())
     operation_id = f"{uuid.uuid4()}:spawn"
