@@ -37,8 +37,8 @@ from verify_resize_helpers import (
 )
 
 from ferry import audit, aws, config, hosts, images, network, placement, volumes
-from ferry.compute import api as compute_api
 from ferry.compute import actions, migration_states, moves, states
+from ferry.compute import api as compute_api
 from ferry.store.api_models import (
     BuildRequest,
     CellMapping,

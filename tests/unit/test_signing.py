@@ -410,7 +410,8 @@ def test_a_callback_may_connect_to_a_globally_routable_address(address):
 @pytest.mark.parametrize(("address", "allowed"), [
     ("127.0.0.1", True), ("::1", True), ("10.1.2.3", True), ("fd00::1", True), ("100.64.0.1", True),
     ("::ffff:192.168.0.7", True),
-    ("169.254.169.254", False), ("fd00:ec2::254", False), ("fe80::1", False), ("224.0.0.1", False), ("240.0.0.1", False), ("0.0.0.0", False),
+    ("169.254.169.254", False), ("fd00:ec2::254", False),
+    ("fe80::1", False), ("224.0.0.1", False), ("240.0.0.1", False), ("0.0.0.0", False),
     ("192.0.2.1", False), ("198.18.0.1", False), ("2001:db8::1", False), ("::ffff:203.0.113.9", False),
 ])
 def test_allowing_private_addresses_allows_loopback_private_and_shared_ones_only(address, allowed):
