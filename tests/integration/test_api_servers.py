@@ -54,7 +54,7 @@ from ferry.store.cell_models import (
     Tag,
 )
 from ferry.store.db import api_session, cell_session
-from ferry.workflows import delete, power
+from ferry.workflows import boot, delete, power
 
 
 @pytest.fixture
@@ -1013,6 +1013,50 @@ def test_an_errored_server_shows_its_fault_with_details_for_admins(cloud):
     assert "details" not in member_view["fault"]
     assert admin_view["fault"]["details"] == "Traceback: ..."
     assert "RamFilter removed 40" in admin_view["fault"]["message"]
+
+
+def test_a_failed_build_shows_its_owner_the_error_name_and_its_admin_the_host_and_database_text(cloud):
+    # GIVEN a build that failed on the host with an error naming a host path and a database endpoint
+    server_id = create_server()
+    [execution] = cloud.executions("boot")
+    cause = ("libvirt: cannot open /var/lib/ferry/instances/x/disk: permission denied; "
+             "recording it failed: db.internal:5432 refused the connection")
+    boot.fail_build({**execution["input"], "error": {"Error": "Ferry.HypervisorError", "Cause": cause}})
+
+    # WHEN its owner and an admin read it
+    member_view = call("GET", f"/v2.1/servers/{server_id}").body["server"]
+    admin_view = call("GET", f"/v2.1/servers/{server_id}", caller=ADMIN).body["server"]
+
+    # THEN the owner reads the error's name only; the admin reads the text in the details
+    assert member_view["status"] == "ERROR"
+    assert member_view["fault"]["message"] == "Ferry.HypervisorError"
+    assert "/var/lib/ferry" not in str(member_view["fault"]) and "db.internal" not in str(member_view["fault"])
+    assert admin_view["fault"]["message"] == "Ferry.HypervisorError"
+    assert cause in admin_view["fault"]["details"]
+
+
+def test_an_owner_reads_why_a_build_was_refused_or_found_no_host_but_only_the_name_of_a_timeout(cloud):
+    # GIVEN three failed builds: refused with an error written for the owner, no valid host, a Lambda timeout
+    refused, unplaced, timed_out = create_server(name="a"), create_server(name="b"), create_server(name="c")
+    executions = {e["input"]["instance_uuid"]: e["input"] for e in cloud.executions("boot")}
+    refusal = "Image abc cannot boot a flavor with a root disk smaller than 20 GiB."
+    timeout = "Task timed out after 30.00 seconds in arn:aws:lambda:us-east-1:123456789012:function:ferry-spawn"
+    for server_id, error in ((refused, {"Error": "Ferry.BadRequest", "Cause": refusal}),
+                             (unplaced, {"Error": "Ferry.NoValidHost", "Cause": "RamFilter removed 40 hosts."}),
+                             (timed_out, {"Error": "States.Timeout", "Cause": timeout})):
+        boot.fail_build({**executions[server_id], "error": error})
+
+    def fault(server_id: str, caller: Caller = ALICE) -> dict[str, str]:
+        return call("GET", f"/v2.1/servers/{server_id}", caller=caller).body["server"]["fault"]
+
+    # THEN the owner reads the refusal, Nova's words for no valid host, and the timeout's name only
+    assert fault(refused)["message"] == fault(refused, ADMIN)["message"] == refusal
+    assert "details" not in fault(refused, ADMIN)
+    assert fault(unplaced)["message"] == "No valid host was found. There are not enough hosts available."
+    assert fault(unplaced, ADMIN)["message"] == "No valid host was found. RamFilter removed 40 hosts."
+    assert fault(timed_out)["message"] == "States.Timeout" and "123456789012" not in str(fault(timed_out))
+    # AND the admin reads the timeout's text in the details
+    assert fault(timed_out, ADMIN)["details"] == f"Cause: {timeout}"
 
 
 def test_a_deleted_server_shows_its_fault_to_an_admin_listing_deleted_servers(cloud):

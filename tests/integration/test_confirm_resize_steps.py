@@ -195,7 +195,8 @@ def test_a_failure_at_the_source_leaves_the_server_usable_and_says_what_is_left(
     assert migration_row(resized.migration_uuid).status == migration_states.ERROR
     assert usage(SOURCE) == OLD_USAGE, "the migration keeps its allocation while the old disks may be there"
     [fault] = faults(resized.instance_uuid)
-    assert "on the source host" in fault.message and "disk busy" in fault.message
+    assert fault.message == "Confirming the resize failed on the source host: Ferry.HostOperationFailed"
+    assert fault.details.endswith("Cause: disk busy")  # the host's words are the admin's
     assert SOURCE not in fault.message and SOURCE in fault.details  # the owner reads the message
     assert f"{resized.instance_uuid}_resize" in fault.details and resized.migration_uuid in fault.details
     assert events(resized.instance_uuid) == {confirm_resize.EVENT_CONFIRM: "Error"}

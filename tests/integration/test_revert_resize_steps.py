@@ -265,7 +265,8 @@ def test_a_destination_that_cannot_clean_up_leaves_verify_resize_and_a_finished_
     assert (usage(SOURCE), usage(DEST)) == (OLD_USAGE, NEW_USAGE)
     assert bindings(resized.instance_uuid) == {DEST: "ACTIVE", SOURCE: "INACTIVE"}
     [fault] = faults(resized.instance_uuid)
-    assert "on the destination host" in fault.message and "device busy" in fault.message
+    assert fault.message == "Reverting the resize failed on the destination host: Ferry.HypervisorError"
+    assert fault.details.endswith("Cause: device busy")  # the host's words are the admin's
     assert DEST not in fault.message and DEST in fault.details and "Revert again" in fault.details
     assert events(resized.instance_uuid) == {revert_resize.EVENT_REVERT: "Error"}
     begin("revert", resized, monkeypatch)  # retryable
@@ -313,7 +314,8 @@ def test_a_failed_restore_at_the_source_is_error_with_a_fault_saying_what_is_whe
     assert (row.vm_state, row.task_state, row.host) == (states.ERROR, None, SOURCE)
     assert migration_row(resized.migration_uuid).status == migration_states.ERROR
     [fault] = faults(resized.instance_uuid)
-    assert "restoring the old guest on the source host" in fault.message and "no kept disks" in fault.message
+    assert "restoring the old guest on the source host" in fault.message
+    assert fault.message.endswith(": Ferry.GuestNotFound") and fault.details.endswith("Cause: no kept disks")
     assert f"on {DEST} were removed" in fault.details
     assert f"{resized.instance_uuid}_resize on {SOURCE}" in fault.details
     assert f"points at {SOURCE}" in fault.details and f"on {SOURCE}" in fault.details

@@ -372,7 +372,8 @@ def test_a_failed_attach_is_rolled_back_completely(started, tmp_path):
     row = instance_row(resized.instance_uuid)
     assert (row.vm_state, row.task_state) == (states.RESIZED, None)
     [fault] = faults(resized.instance_uuid)
-    assert "device vdd is taken" in fault.message
+    assert fault.message == f"Volume attach of {volume_id} failed: Ferry.HypervisorError"
+    assert fault.details == "Cause: device vdd is taken"  # the host's words are the admin's
     assert events(resized.instance_uuid) == {va.EVENT_ATTACH: "Error"}
 
 

@@ -18,12 +18,18 @@ class FerryError(Exception):
     """Base of Ferry's typed errors.
 
     ``http_status`` is what the compute API answers when the error reaches it;
-    ``api_kind`` the key of Nova's error body (``{"badRequest": {...}}``).
+    ``api_kind`` the key of Nova's error body (``{"badRequest": {...}}``);
+    ``owner_readable`` whether its message is written for the server's owner to read, as a
+    fault's message shows it (:meth:`readable_by_owner`).
     """
 
     http_status: ClassVar[int] = 500
     api_kind: ClassVar[str] = "computeFault"
     default_message: ClassVar[str] = "An unexpected error occurred."
+    # None: an error the API answers below 500 with (a request refused, not found, in conflict) is
+    # written for the caller; any other may carry a host's paths and libvirt's output, an AWS
+    # account or ARN, or a database server's address.
+    owner_readable: ClassVar[bool | None] = None
     registry: ClassVar[dict[str, type[FerryError]]] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -40,6 +46,18 @@ class FerryError(Exception):
     @property
     def name(self) -> str:
         return type(self).__name__
+
+    @classmethod
+    def readable_by_owner(cls, name: str) -> bool:
+        """Whether the error named ``name`` (``Ferry.NoValidHost``) has a message written for the
+        server's owner: its ``owner_readable``, else whether its ``http_status`` is below 500.
+        Any other name (``States.Timeout``, ``Lambda.Unknown``, one Ferry does not define) has not."""
+        err_cls = FerryError.registry.get(name)
+        if err_cls is None:
+            return False
+        if err_cls.owner_readable is not None:
+            return err_cls.owner_readable
+        return err_cls.http_status < 500
 
     @classmethod
     def from_name(cls, name: str, message: str) -> FerryError:
@@ -150,6 +168,8 @@ class NoValidHost(FerryError):
     # API tells one by it in a server's fault.
     MESSAGE_START = "No valid host was found"
     default_message = f"{MESSAGE_START}."
+    # The owner reads why the server could not be placed (the API words it for members).
+    owner_readable = True
 
 
 # --- Host operations (sent by the host agent with SendTaskFailure) -------------------------------

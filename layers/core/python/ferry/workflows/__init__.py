@@ -103,3 +103,27 @@ def error_message(error: dict[str, Any]) -> str:
     if name == errors.NoValidHost.__name__ and not cause.startswith(errors.NoValidHost.MESSAGE_START):
         cause = f"{errors.NoValidHost.MESSAGE_START}. {cause}".strip()
     return cause or name or "Unknown error"
+
+
+def owner_cause(error: dict[str, Any]) -> str:
+    """The cause of a Step Functions error ``{Error, Cause}`` as a server's owner may read it in a fault.
+
+    The error's message (:func:`error_message`) when its name is an error written for the owner
+    (:meth:`ferry.errors.FerryError.readable_by_owner`: a request refused, not found, in conflict; no
+    valid host); else its name alone (``Ferry.HypervisorError``, ``States.Timeout``): the text of
+    such an error may name a host's paths, libvirt's output, an AWS account or ARN, or a database
+    server. :func:`fault_details` puts that text where only admins read it.
+    """
+    name = str(error.get("Error") or "")
+    if errors.FerryError.readable_by_owner(name):
+        return error_message(error)
+    return name or "Unknown error"
+
+
+def fault_details(error: dict[str, Any], details: str | None = None) -> str | None:
+    """A fault's details (only admins read them): ``details``, then the error's full message
+    when the owner reads less of it (:func:`owner_cause`)."""
+    cause = error_message(error)
+    if owner_cause(error) == cause:
+        return details
+    return f"{details} Cause: {cause}" if details else f"Cause: {cause}"

@@ -35,7 +35,7 @@ from ferry.store.api_models import (
 )
 from ferry.store.cell_models import BlockDeviceMapping, Instance, InstanceFault, Tag
 from ferry.store.db import CELL0_NAME, all_cells, api_session, cell_session
-from ferry.workflows import error_message
+from ferry.workflows import error_message, fault_details, owner_cause
 
 EVENT_SCHEDULE = "conductor_schedule_and_build_instances"
 EVENT_BUILD = "compute__do_build_and_run_instance"
@@ -439,7 +439,9 @@ def fail_build(event: dict[str, Any]) -> dict[str, Any]:
 
     A server that was never scheduled is buried in cell0, as Nova does. When the destination
     could not be cleaned up (``cleanup_error``), or its ports and volumes not unbound from it
-    (``unbind_error``), the fault says what may be left on which host.
+    (``unbind_error``), the fault says what may be left on which host. The fault's message is the
+    cause as the owner may read it (:func:`ferry.workflows.owner_cause`); its details, read by
+    admins only, hold the rest.
     A failed build gives back its networking with its claim, as Nova deallocates it: the ports
     Ferry made for the server are deleted, those its owner brought unbound and freed (the owner
     may boot again with them at once).
@@ -503,7 +505,8 @@ def fail_build(event: dict[str, Any]) -> dict[str, Any]:
             session.execute(update(Instance).where(Instance.uuid == uuid, Instance.task_state == states.DELETING)
                             .values(vm_state=states.ERROR).execution_options(synchronize_session=False))
             if actions.event_result(session, uuid, event["request_id"], EVENT_BUILD) is None:  # not on a run again
-                instances.add_fault(session, uuid, message, host=instance.host)
+                instances.add_fault(session, uuid, owner_cause(error), host=instance.host,
+                                    details=fault_details(error))
             actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"], event=EVENT_BUILD,
                                  host=instance.host, error=error or None)
             _deleted_meanwhile(uuid, message)
@@ -519,7 +522,8 @@ def fail_build(event: dict[str, Any]) -> dict[str, Any]:
         instances.update_cas(session, uuid, {"vm_state": states.ERROR, "task_state": None},
                              expected_task_state=(None,) if reset else (states.SCHEDULING, states.SPAWNING),
                              expected_vm_state=(instance.vm_state,) if reset else None)
-        instances.add_fault(session, uuid, message, host=instance.host, details=details)
+        instances.add_fault(session, uuid, owner_cause(error), host=instance.host,
+                            details=fault_details(error, details))
         actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"], event=EVENT_BUILD,
                              host=instance.host, error=error or None)
     return {}
@@ -564,7 +568,7 @@ def _bury_in_cell0(build: BuildRequest, request_id: str, message: str, error: di
     with cell_session(CELL0_NAME) as session:
         # The copy is this burial's: a fault there is this step's, recorded by a run cut short after it.
         if session.scalars(select(InstanceFault.id).where(InstanceFault.instance_uuid == uuid)).first() is None:
-            instances.add_fault(session, uuid, message)
+            instances.add_fault(session, uuid, owner_cause(error), details=fault_details(error))
         # The schedule event names what failed: no valid host, or the step's own error.
         actions.finish_event(session, instance_uuid=uuid, request_id=request_id, event=EVENT_SCHEDULE,
                              error={"Error": _error_name(error) or errors.NoValidHost.__name__, "Cause": message})

@@ -36,7 +36,7 @@ from ferry.observability import logger
 from ferry.store.api_models import ResourceProvider
 from ferry.store.cell_models import Instance, InstanceAction, Migration
 from ferry.store.db import api_session, cell_session
-from ferry.workflows import cross_cell_settle, error_message, resize
+from ferry.workflows import cross_cell_settle, error_message, fault_details, owner_cause, resize
 
 EVENT_CONFIRM = "compute_confirm_resize"
 
@@ -334,12 +334,13 @@ def fail_confirm(event: dict[str, Any]) -> dict[str, Any]:
         dest = str(migration.dest_compute)
         held = describe_allocations(migration_uuid)
         if "confirmed_at_source" in event:
-            message = f"Confirming the resize failed after the source host removed the old guest and disks: {cause}"
+            message = (f"Confirming the resize failed after the source host removed the old guest and disks: "
+                       f"{owner_cause(error)}")
             details = (f"The server runs on {dest} with its new flavor; source host {source} removed the old "
                        f"guest and disks. Migration {migration_uuid} is in error; "
                        f"its allocation: {held}.")
         else:
-            message = f"Confirming the resize failed on the source host: {cause}"
+            message = f"Confirming the resize failed on the source host: {owner_cause(error)}"
             details = (f"The server runs on {dest} with its new flavor. Host {source} may still hold the old "
                        f"guest and the disks in {uuid}_resize. Migration {migration_uuid} is in error and keeps "
                        f"its allocation ({held}) until a confirm of that migration, run again, cleans up.")
@@ -350,7 +351,7 @@ def fail_confirm(event: dict[str, Any]) -> dict[str, Any]:
         migration = migration_of(session, uuid, migration_uuid)
         migration.status = migration_states.ERROR
         if instance is not None:
-            instances.add_fault(session, uuid, message, host=source, details=details)
+            instances.add_fault(session, uuid, message, host=source, details=fault_details(error, details))
         for name, host in _confirm_events(cells, move.get("source", {}).get("host", source)):
             actions.finish_event(session, instance_uuid=uuid, request_id=request_id, event=name, host=host,
                                  error=error or {"Error": errors.ConfirmResizeFailed.__name__, "Cause": message})
@@ -411,15 +412,15 @@ def restore_verify_resize(event: dict[str, Any]) -> dict[str, Any]:
             name = cross_cell_settle.EVENT_REVERT if reverting else cross_cell_settle.EVENT_CONFIRM
         source, dest = migration.source_compute, migration.dest_compute
         if reverting and cells:
-            message = f"Reverting the resize failed; the server stays in its target cell: {cause}"
+            message = f"Reverting the resize failed; the server stays in its target cell: {owner_cause(error)}"
             details = (f"The server stays in VERIFY_RESIZE on {dest} in cell {cells['target_cell']}; its old disks "
                        f"are still on {source}. Revert again to retry.")
         elif reverting and "move" in event:
-            message = f"Reverting the resize failed on the destination host: {cause}"
+            message = f"Reverting the resize failed on the destination host: {owner_cause(error)}"
             details = (f"The server stays in VERIFY_RESIZE on {dest}; its old disks are still on {source}. "
                        f"Revert again to retry.")
         else:
-            message = f"{verb} the resize failed before any host was changed: {cause}"
+            message = f"{verb} the resize failed before any host was changed: {owner_cause(error)}"
             details = (f"The server stays in VERIFY_RESIZE on {dest} (source host {source}). Confirm or revert "
                        f"it again.")
         try:  # only over the status read: a delete's confirm may have settled the migration since
@@ -437,7 +438,7 @@ def restore_verify_resize(event: dict[str, Any]) -> dict[str, Any]:
             except errors.UnexpectedTaskState:
                 logger.warning("task changed meanwhile; left as is", extra={"instance_uuid": uuid})
         if instance is not None:
-            instances.add_fault(session, uuid, message, host=dest, details=details)
+            instances.add_fault(session, uuid, message, host=dest, details=fault_details(error, details))
         if not reverting and name == cross_cell_settle.EVENT_CONFIRM:  # the source host's part, if it began
             actions.finish_started_event(session, instance_uuid=uuid, request_id=request_id,
                                          event=cross_cell_settle.EVENT_CONFIRM_AT_SOURCE, error=recorded)

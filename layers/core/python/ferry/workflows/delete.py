@@ -29,7 +29,7 @@ from ferry.store import db
 from ferry.store.api_models import InstanceMapping, Volume, VolumeAttachment, utcnow
 from ferry.store.cell_models import BlockDeviceMapping, Instance, Migration
 from ferry.store.db import CELL0_NAME, api_session, cell_session
-from ferry.workflows import confirm_resize, cross_cell_settle, error_message
+from ferry.workflows import confirm_resize, cross_cell_settle, fault_details, owner_cause
 
 EVENT_TERMINATE = "compute_terminate_instance"
 
@@ -307,7 +307,7 @@ def fail_delete(event: dict[str, Any]) -> dict[str, Any]:
             return {}
         instances.update_cas(session, uuid, {"vm_state": states.ERROR, "task_state": None},
                              expected_task_state=(states.DELETING,))
-        instances.add_fault(session, uuid, error_message(error), host=host, details=details)
+        instances.add_fault(session, uuid, owner_cause(error), host=host, details=fault_details(error, details))
         actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"], event=event_name,
                              host=host, error=error or None)
     metrics.add_metric(name="ServerLeftInError", unit=MetricUnit.Count, value=1)

@@ -11,7 +11,7 @@ from typing import Any
 from ferry import protocol
 from ferry.compute import actions, instances, states
 from ferry.store.db import cell_session
-from ferry.workflows import error_message
+from ferry.workflows import fault_details, owner_cause
 
 _TASK_STATE = {protocol.POWER_OFF: states.POWERING_OFF, protocol.POWER_ON: states.POWERING_ON}
 _EVENT = {protocol.POWER_OFF: "compute_stop_instance", protocol.POWER_ON: "compute_start_instance"}
@@ -76,7 +76,7 @@ def fail_power_action(event: dict[str, Any]) -> dict[str, Any]:
             done_at_host = {"vm_state": _VM_STATE[operation], "power_state": int(event["result"]["power_state"])}
         instances.update_cas(session, uuid, {"task_state": None, **done_at_host},
                              expected_task_state=(_TASK_STATE[operation],))
-        instances.add_fault(session, uuid, error_message(error), host=event.get("host"))
+        instances.add_fault(session, uuid, owner_cause(error), host=event.get("host"), details=fault_details(error))
         actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"], event=_EVENT[operation],
                              host=event.get("host"), error=error or None)
     return {}

@@ -37,7 +37,7 @@ from ferry.observability import logger, metrics
 from ferry.store.api_models import Volume, VolumeAttachment
 from ferry.store.cell_models import BlockDeviceMapping, Instance, Migration
 from ferry.store.db import api_session, cell_session
-from ferry.workflows import cross_cell_settle, error_message
+from ferry.workflows import cross_cell_settle, error_message, fault_details, owner_cause
 from ferry.workflows.confirm_resize import (
     EVENT_REVERT,
     describe_allocations,
@@ -309,7 +309,7 @@ def fail_revert(event: dict[str, Any]) -> dict[str, Any]:
                    f"The instance record points at {instance.host if instance else 'nothing'}. "
                    f"Allocations: instance {describe_allocations(uuid)}; migration {migration_uuid} "
                    f"{describe_allocations(migration_uuid)}.")
-        message = f"Reverting the resize failed while {step}: {cause}"
+        message = f"Reverting the resize failed while {step}: {owner_cause(error)}"
         left_in_error = False
         if instance is not None:
             try:
@@ -318,7 +318,7 @@ def fail_revert(event: dict[str, Any]) -> dict[str, Any]:
                 left_in_error = True
             except errors.UnexpectedTaskState:
                 logger.warning("task changed meanwhile; vm_state left as is", extra={"instance_uuid": uuid})
-            instances.add_fault(session, uuid, message, host=instance.host, details=details)
+            instances.add_fault(session, uuid, message, host=instance.host, details=fault_details(error, details))
         migration = migration_of(session, uuid, migration_uuid)
         migration.status = migration_states.ERROR
         failure = error or {"Error": errors.RevertResizeFailed.__name__, "Cause": message}

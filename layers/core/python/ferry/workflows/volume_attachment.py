@@ -56,7 +56,7 @@ from ferry.store.api_models import CellMapping, Volume, VolumeAttachment
 from ferry.store.cell_models import BlockDeviceMapping, Instance, Migration
 from ferry.store.db import api_session, cell_session
 from ferry.volumes import ATTACHING, AVAILABLE, DETACHING, ERROR_DETACHING, IN_USE
-from ferry.workflows import error_message
+from ferry.workflows import error_message, fault_details, owner_cause
 from ferry.workflows.confirm_resize import VOLUME_TASK_STATES, live_instance, validate_input
 
 ATTACH = "attach"
@@ -599,8 +599,8 @@ def fail_volume_operation(event: dict[str, Any]) -> dict[str, Any]:
                 BlockDeviceMapping.instance_uuid == uuid, BlockDeviceMapping.volume_id == volume_id)
                 .values(deleted=True).execution_options(synchronize_session=False))
         instances.update_cas(session, uuid, {"task_state": None}, expected_task_state=(_TASK_STATE[operation],))
-        instances.add_fault(session, uuid, f"Volume {operation} of {volume_id} failed: {cause}", host=host,
-                            details=details)
+        instances.add_fault(session, uuid, f"Volume {operation} of {volume_id} failed: {owner_cause(error)}",
+                            host=host, details=fault_details(error, details))
         actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"], event=_EVENT[operation],
                              host=host, error=error or {"Error": errors.VolumeOperationFailed.__name__,
                                                         "Cause": cause})
