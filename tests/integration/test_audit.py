@@ -1285,6 +1285,62 @@ def test_a_confirm_stuck_without_a_workflow_goes_back_to_finished_only_when_it_n
         assert check().clean
 
 
+def _confirm_accepted(uuid: str, *, began: bool = False) -> str:
+    request_id = f"req-{uuidlib.uuid4()}"
+    with cell_session(CELL) as session:
+        actions.start_action(session, instance_uuid=uuid, action=actions.CONFIRM_RESIZE, request_id=request_id,
+                             user_id=USER, project_id=PROJECT)
+        if began:
+            actions.start_event(session, instance_uuid=uuid, request_id=request_id, event="compute_confirm_resize")
+    return request_id
+
+
+def test_a_confirm_given_back_and_confirmed_again_while_the_audit_ran_is_left_to_that_confirm(cloud, monkeypatch):
+    # GIVEN a confirm accepted long ago that never began
+    uuid, migration = cloud.resized.instance_uuid, cloud.resized.migration_uuid
+    first = _confirm_accepted(uuid)
+    cell_write(CELL, update(Migration).where(Migration.uuid == migration)
+               .values(status=migration_states.CONFIRMING, updated_at=LONG_AGO))
+
+    # WHEN, between the audit's read and its repair, that confirm is given back (a drain's undo)
+    # and a new one is accepted and begins
+    def given_back_and_confirmed_again() -> None:
+        with cell_session(CELL) as session:
+            actions.forget_action(session, uuid, first)
+        _confirm_accepted(uuid, began=True)
+
+    report = fix_with_race(monkeypatch, given_back_and_confirmed_again)
+
+    # THEN the repair leaves the migration to the confirm under way
+    (repair,) = [r for r in report.repairs if r.problem.kind == audit.MIGRATION_STUCK]
+    assert repair.error is not None and "given back meanwhile" in repair.error
+    with cell_session(CELL) as session:
+        assert session.scalars(select(Migration.status).where(Migration.uuid == migration)).one() == \
+            migration_states.CONFIRMING
+
+
+@pytest.mark.parametrize("why", ["a task", "another host"])
+def test_a_confirm_that_never_began_and_would_be_refused_again_is_put_in_error(cloud, why):
+    # GIVEN a confirm accepted long ago that never began, of a server its confirm refuses (a task
+    # under way, or not on the move's destination)
+    uuid, migration = cloud.resized.instance_uuid, cloud.resized.migration_uuid
+    _confirm_accepted(uuid)
+    cell_write(CELL, update(Migration).where(Migration.uuid == migration)
+               .values(status=migration_states.CONFIRMING, updated_at=LONG_AGO))
+    cell_write(CELL, update(Instance).where(Instance.uuid == uuid).values(
+        **({"task_state": states.RESIZE_REVERTING} if why == "a task" else {"host": OTHER})))
+
+    # WHEN the audit repairs it
+    report = check(fix=True)
+
+    # THEN it is put in error for an operator, not given back to be refused at every confirm
+    (repair,) = [r for r in report.repairs if r.problem.kind == audit.MIGRATION_STUCK]
+    assert repair.error is None and "never began" not in repair.problem.message
+    with cell_session(CELL) as session:
+        assert session.scalars(select(Migration.status).where(Migration.uuid == migration)).one() == \
+            migration_states.ERROR
+
+
 def test_a_migration_whose_workflow_runs_is_not_stuck(cloud):
     migration = add_migration(cloud.active, migration_states.MIGRATING, created_at=LONG_AGO)
     cell_write(CELL, update(Instance).where(Instance.uuid == cloud.active)

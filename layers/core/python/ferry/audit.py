@@ -992,9 +992,12 @@ def _check_migrations(world: _World) -> Iterable[Problem]:
             # Repaired only when a move running for it would have been listed (see the skipped note).
             repairable = live is False and not world.unlisted
             cell = world.mapped_cell(uuid)
+            # Only a confirm that would be accepted again: the server waits in VERIFY_RESIZE on the
+            # move's destination, with no task (a confirm refused for want of that is put in error).
             confirm = _unbegun_confirm(cell, uuid) if (
                 cell is not None and migration.status == migration_states.CONFIRMING and instance is not None
-                and instance.vm_state == states.RESIZED) else None
+                and instance.vm_state == states.RESIZED and instance.task_state is None
+                and instance.host == migration.dest_compute) else None
             if confirm is not None:
                 why += "; its confirm was accepted but never began"
             repair = None
@@ -1436,6 +1439,12 @@ def _give_confirm_back(cell: str, instance_uuid: str, migration_uuid: str, reque
         with cell_session(cell) as session:
             if actions.request_taken(session, instance_uuid, request_id):
                 raise errors.FerryError(f"the confirm of migration {migration_uuid} began meanwhile; left as it is")
+            # Given back meanwhile (a drain's undo, another audit) and confirmed again under another
+            # request: the migration is confirming for that one.
+            if actions.find(session, instance_uuid, request_id) is None or \
+                    actions.newest_request_id(session, instance_uuid, actions.CONFIRM_RESIZE) != request_id:
+                raise errors.FerryError(f"the confirm of migration {migration_uuid} was given back meanwhile, and "
+                                        f"another may be under way; left as it is")
             result = cast(CursorResult[Any], session.execute(
                 update(Migration).where(Migration.uuid == migration_uuid,
                                         Migration.status == migration_states.CONFIRMING)

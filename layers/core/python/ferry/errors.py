@@ -147,6 +147,7 @@ class AllocationConflict(FerryError):
 
     http_status = 409
     api_kind = "conflictingRequest"
+    owner_readable = False  # names providers and consumers
 
 
 class InsufficientCapacity(FerryError):
@@ -154,6 +155,7 @@ class InsufficientCapacity(FerryError):
 
     http_status = 409
     api_kind = "conflictingRequest"
+    owner_readable = False  # names a provider and its usage
 
 
 class GroupPolicyConflict(FerryError):
@@ -161,6 +163,7 @@ class GroupPolicyConflict(FerryError):
 
     http_status = 409
     api_kind = "conflictingRequest"
+    owner_readable = False  # names the hosts of other members
 
 
 class NoValidHost(FerryError):
@@ -220,6 +223,8 @@ class HostNotMapped(FerryError):
 
 class HostMappedElsewhere(Conflict):
     """A host is mapped to another cell: a host with servers recorded in one cell is never moved to another."""
+
+    owner_readable = False  # names hosts and cells
 
 
 class BuildFailed(FerryError):
@@ -397,6 +402,8 @@ class VolumeOperationFailed(FerryError):
 
 class InvalidWorkflowInput(BadRequest):
     """An execution's input does not match the ``*.input.schema.json`` beside its state machine."""
+
+    owner_readable = False  # repeats the execution's input: queue URLs, the account
 
 
 class InvalidStepInput(FerryError):

@@ -476,7 +476,8 @@ def fail_build(event: dict[str, Any]) -> dict[str, Any]:
                     f"the guest or its disks may remain there.")
     if event.get("unbind_error"):
         left.append(f"Unbinding its ports and volumes from host {host} failed "
-                    f"({error_message(event['unbind_error'])}); they stay bound there until the server is deleted.")
+                    f"({error_message(event['unbind_error'])}); its volumes stay attached there until the server "
+                    f"is deleted.")
     details = " ".join(left) or None
     with cell_session(cell) as session:
         instance = session.scalars(select(Instance).where(Instance.uuid == uuid)).one_or_none()
