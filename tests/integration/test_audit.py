@@ -1253,17 +1253,23 @@ def test_a_migration_stuck_without_a_workflow_is_found_and_put_in_error(cloud):
         assert status == migration_states.ERROR
 
 
-@pytest.mark.parametrize("began", [False, True])
-def test_a_confirm_stuck_without_a_workflow_goes_back_to_finished_only_when_it_never_began(cloud, began):
-    # GIVEN a resized server whose confirm was accepted long ago, and whose workflow either never
-    # started (no step recorded an event) or began and ended without settling the move
-    uuid, migration = cloud.resized.instance_uuid, cloud.resized.migration_uuid
+def _confirm_accepted(uuid: str, *, began: bool = False) -> str:
+    """A confirm of the server accepted now (its request id); ``began``: its first step recorded its event."""
     request_id = f"req-{uuidlib.uuid4()}"
     with cell_session(CELL) as session:
         actions.start_action(session, instance_uuid=uuid, action=actions.CONFIRM_RESIZE, request_id=request_id,
                              user_id=USER, project_id=PROJECT)
         if began:
             actions.start_event(session, instance_uuid=uuid, request_id=request_id, event="compute_confirm_resize")
+    return request_id
+
+
+@pytest.mark.parametrize("began", [False, True])
+def test_a_confirm_stuck_without_a_workflow_goes_back_to_finished_only_when_it_never_began(cloud, began):
+    # GIVEN a resized server whose confirm was accepted long ago, and whose workflow either never
+    # started (no step recorded an event) or began and ended without settling the move
+    uuid, migration = cloud.resized.instance_uuid, cloud.resized.migration_uuid
+    request_id = _confirm_accepted(uuid, began=began)
     cell_write(CELL, update(Migration).where(Migration.uuid == migration)
                .values(status=migration_states.CONFIRMING, updated_at=LONG_AGO))
 
@@ -1283,16 +1289,6 @@ def test_a_confirm_stuck_without_a_workflow_goes_back_to_finished_only_when_it_n
             assert settling.uuid == migration
     if not began:
         assert check().clean
-
-
-def _confirm_accepted(uuid: str, *, began: bool = False) -> str:
-    request_id = f"req-{uuidlib.uuid4()}"
-    with cell_session(CELL) as session:
-        actions.start_action(session, instance_uuid=uuid, action=actions.CONFIRM_RESIZE, request_id=request_id,
-                             user_id=USER, project_id=PROJECT)
-        if began:
-            actions.start_event(session, instance_uuid=uuid, request_id=request_id, event="compute_confirm_resize")
-    return request_id
 
 
 def test_a_confirm_given_back_and_confirmed_again_while_the_audit_ran_is_left_to_that_confirm(cloud, monkeypatch):

@@ -425,6 +425,19 @@ def test_a_failed_detach_leaves_the_volume_attached(started, tmp_path):
     assert instance_row(resized.instance_uuid).task_state is None
 
 
+def assert_attach_left_nothing(instance_uuid: str, volume_id: str, tmp_path) -> None:
+    """A failed attach rolled back: the volume is free (another server attaches it), with neither
+    attachment nor mapping left, the server's task cleared and its attach event an Error."""
+    assert volume_status(volume_id) == va.AVAILABLE
+    assert attachments(instance_uuid) == {}
+    assert bdms(instance_uuid) == []
+    assert instance_row(instance_uuid).task_state is None
+    assert events(instance_uuid) == {va.EVENT_ATTACH: "Error"}
+    other = make_resized(state_dir=tmp_path)
+    va.begin_attach(owner(), location(other), volume_id)
+    assert volume_status(volume_id) == va.ATTACHING
+
+
 def host_without_guests(tmp_path) -> LibvirtDriver:
     """The driver of a host that has no guest at all (reinstalled, or the server's build never made one)."""
     return LibvirtDriver(write_test_node_xml(tmp_path / "node.xml", vcpus=4, memory_mb=4096),
@@ -463,16 +476,8 @@ def test_an_attach_to_a_server_whose_host_has_no_guest_for_it_leaves_the_volume_
     va.fail_volume_operation(event)
 
     # THEN no guest ever had the volume: it is free, with neither attachment nor mapping left
-    assert volume_status(volume_id) == va.AVAILABLE
     assert "cleanup_error" not in event
-    assert attachments(resized.instance_uuid) == {}
-    assert bdms(resized.instance_uuid) == []
-    assert instance_row(resized.instance_uuid).task_state is None
-    assert events(resized.instance_uuid) == {va.EVENT_ATTACH: "Error"}
-    # and another server may attach it
-    other = make_resized(state_dir=tmp_path)
-    va.begin_attach(owner(), location(other), volume_id)
-    assert volume_status(volume_id) == va.ATTACHING
+    assert_attach_left_nothing(resized.instance_uuid, volume_id, tmp_path)
 
 
 def test_a_volume_of_a_server_whose_host_has_no_guest_for_it_can_be_detached(started, tmp_path):
@@ -622,14 +627,7 @@ def test_an_attach_whose_cell_records_fail_after_its_volume_records_frees_the_vo
     va.fail_volume_operation(failed)
 
     # THEN nothing of the attach is left and the volume is free for another server
-    assert volume_status(volume_id) == va.AVAILABLE
-    assert attachments(resized.instance_uuid) == {}
-    assert bdms(resized.instance_uuid) == []
-    assert instance_row(resized.instance_uuid).task_state is None
-    assert events(resized.instance_uuid) == {va.EVENT_ATTACH: "Error"}
-    other = make_resized(state_dir=tmp_path)
-    va.begin_attach(owner(), location(other), volume_id)
-    assert volume_status(volume_id) == va.ATTACHING
+    assert_attach_left_nothing(resized.instance_uuid, volume_id, tmp_path)
 
 
 def test_a_failed_attach_delivered_again_leaves_alone_a_volume_another_server_now_holds(started, tmp_path):
