@@ -403,7 +403,9 @@ def _operation(method: str, path: str, op: Operation) -> dict[str, Any]:
         if schema is not None:
             answer["content"] = {"application/json": {"schema": schema}}
         responses[str(status)] = answer
-    for status in op.errors:
+    # Every operation may answer 400: a NUL character in the path or a query parameter is refused
+    # before any route runs (ferry.api.request.refuse_nul).
+    for status in sorted({400, *op.errors}):
         responses[str(status)] = {"$ref": f"#/components/responses/{status}"}
     segments = [part for part in path.split("/") if part and not part.startswith("{")]
     operation: dict[str, Any] = {
