@@ -161,6 +161,14 @@ class Host:
         self.s3.put_object(Bucket=BUCKET, Key=key, Body=content)
         return {"id": key, "bucket": BUCKET, "key": key, "sha256": hashlib.sha256(content).hexdigest()}
 
+    def idle(self) -> bool:
+        """Whether the agent holds no operation and its queue is empty: a message sent now is a
+        delivery of its own, not a copy joined to a claim still being ended (and settled with it)."""
+        with self.agent._claims_guard:
+            if self.agent._claims:
+                return False
+        return self.queue_is_empty()
+
     def queue_is_empty(self) -> bool:
         attrs = self.sqs.get_queue_attributes(
             QueueUrl=self.queue_url,
@@ -1103,6 +1111,7 @@ def test_redelivered_message_resends_the_recorded_result_without_redoing_the_wor
     args = spawn_args(host.image(b"x" * 4096))
     first = output(host.execute("spawn", instance_uuid, args, operation_id=operation_id))
     (answer,) = host.sfn.called("send_task_success")
+    wait_for(host.idle, "the first delivery to be settled")
 
     # The same message again, as SQS delivers it when a delete is lost.
     body = {
@@ -1128,6 +1137,7 @@ def test_a_recorded_failure_is_resent_to_a_redelivery_and_retried_for_a_new_task
     operation_id = f"{uuid.uuid4()}:power_on"
     assert failure(host.execute("power_on", instance_uuid, {}, operation_id=operation_id)) == "Ferry.GuestNotFound"
     (answer,) = host.sfn.called("send_task_failure")
+    wait_for(host.idle, "the first delivery to be settled")
     body = {
         "operation": "power_on",
         "operation_id": operation_id,
