@@ -993,7 +993,7 @@ class HostAgent(MoveOperations):
                 self._stop.wait(delay)
             # A fault armed for this operation (tests and drills; off unless configured) fails it here.
             faults.check(*faults.host_points(self.host, op.name, op.operation_id))
-            with disks.abandoned_when(abandoned or threading.Event()):
+            with disks.abandoned_when(abandoned):
                 result = self._handlers[op.name](op)
         except errors.FerryError as exc:
             failure = exc

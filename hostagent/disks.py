@@ -108,10 +108,10 @@ _ABANDONED: ContextVar[threading.Event | None] = ContextVar("ferry_stream_abando
 
 
 @contextmanager
-def abandoned_when(event: threading.Event) -> Iterator[None]:
+def abandoned_when(event: threading.Event | None) -> Iterator[None]:
     """Streams started in this thread while the block runs raise ``OperationAbandoned`` at their
     next chunk once ``event`` is set: a copy of hours whose workflow gave up ends within a chunk,
-    and what it wrote goes the way a failed copy's goes."""
+    and what it wrote goes the way a failed copy's goes. None: they run to their end."""
     token = _ABANDONED.set(event)
     try:
         yield

@@ -1172,65 +1172,54 @@ def test_an_operation_interrupted_by_a_crash_runs_again(host):
     assert entry.status == SUCCEEDED and entry.attempts == 2
 
 
-@pytest.mark.parametrize("earlier", ["cut short", "failed", "none"])
-def test_a_destroy_failing_in_the_hypervisor_after_a_run_cut_short_does_not_say_nothing_was_removed(
-        host, monkeypatch, earlier):
-    # GIVEN a server whose destroy ran before and was cut short after removing its guest and disks
-    # (or whose earlier run failed and ended, or never ran: nothing was removed)
-    instance_uuid = str(uuid.uuid4())
-    output(host.execute("spawn", instance_uuid, spawn_args(host.image(b"x" * 4096))))
-    operation_id = f"{uuid.uuid4()}:destroy"
-    assert host.agent.journal is not None
-    if earlier != "none":
-        host.agent.journal.start(operation_id, "destroy", instance_uuid, "token-of-the-earlier-attempt")
-    if earlier == "cut short":
-        host.driver.destroy(instance_uuid)
-        disks.remove_instance_dir(host.instances_dir, instance_uuid)
-    elif earlier == "failed":
-        host.agent.journal.fail(operation_id, "Ferry.HypervisorError", "the hypervisor failed")
-
-    # WHEN it runs now with the hypervisor failing
-    def hypervisor_down(_instance_uuid: str) -> None:
-        raise errors.HypervisorError("Cannot recv data: Connection reset by peer")
-
-    monkeypatch.setattr(host.driver, "destroy", hypervisor_down)
-    failed = failure(host.execute("destroy", instance_uuid, {"keep_disks": False}, operation_id=operation_id))
-
-    # THEN only a first run says the hypervisor failed (a revert goes back to VERIFY_RESIZE on that);
-    # after a run cut short the failure is one that may have removed something
-    assert failed == ("Ferry.HostOperationFailed" if earlier == "cut short" else "Ferry.HypervisorError")
+def _destroy_cut_short(host: Host, instance_uuid: str) -> None:
+    host.driver.destroy(instance_uuid)
+    disks.remove_instance_dir(host.instances_dir, instance_uuid)
 
 
-@pytest.mark.parametrize("earlier", ["cut short", "failed", "none"])
-def test_a_revert_failing_in_the_hypervisor_after_a_run_cut_short_does_not_say_nothing_was_removed(
-        host, monkeypatch, earlier):
-    # GIVEN the destination of a move whose revert ran before and was cut short once it had
-    # destroyed the guest, its disks still there (or whose earlier run failed and ended, or that
-    # never ran)
-    instance_uuid = str(uuid.uuid4())
-    output(host.execute("spawn", instance_uuid, spawn_args(host.image(b"x" * 4096))))
-    operation_id = f"{uuid.uuid4()}:revert_resize"
-    assert host.agent.journal is not None
-    if earlier != "none":
-        host.agent.journal.start(operation_id, "revert_resize", instance_uuid, "token-of-the-earlier-attempt")
-    if earlier == "cut short":
-        host.driver.destroy(instance_uuid)
-    elif earlier == "failed":
-        host.agent.journal.fail(operation_id, "Ferry.HypervisorError", "the hypervisor failed")
-
-    # WHEN it runs now with the hypervisor failing
-    def hypervisor_down(_instance_uuid: str) -> None:
-        raise errors.HypervisorError("Cannot recv data: Connection reset by peer")
-
-    monkeypatch.setattr(host.driver, "destroy", hypervisor_down)
+def _revert_args(_host: Host) -> dict[str, Any]:
     migration_uuid = str(uuid.uuid4())
-    failed = failure(host.execute("revert_resize", instance_uuid,
-                                  {"migration_uuid": migration_uuid, "same_host": False,
-                                   "transfer": {"bucket": BUCKET, "prefix": f"moves/{migration_uuid}"}},
-                                  operation_id=operation_id))
+    return {"migration_uuid": migration_uuid, "same_host": False,
+            "transfer": {"bucket": BUCKET, "prefix": f"moves/{migration_uuid}"}}
 
-    # THEN only a run with no earlier one cut short says nothing was removed (the workflow goes
-    # back to VERIFY_RESIZE on it, where a confirm deletes the source's disks)
+
+# How each operation's earlier run was cut short once it had removed something (destroy: the
+# guest and its disks; the revert on a move's destination: the guest, its disks still there),
+# and the arguments it runs with.
+_CUT_SHORT = {
+    "destroy": (_destroy_cut_short, lambda _host: {"keep_disks": False}),
+    "revert_resize": (lambda host, instance_uuid: host.driver.destroy(instance_uuid), _revert_args),
+}
+
+
+@pytest.mark.parametrize("operation", sorted(_CUT_SHORT))
+@pytest.mark.parametrize("earlier", ["cut short", "failed", "none"])
+def test_an_operation_failing_in_the_hypervisor_after_a_run_cut_short_does_not_say_nothing_was_removed(
+        host, monkeypatch, operation, earlier):
+    # GIVEN a server whose operation ran before and was cut short after removing something (or
+    # whose earlier run failed and ended, or that never ran: nothing was removed)
+    cut_short, arguments = _CUT_SHORT[operation]
+    instance_uuid = str(uuid.uuid4())
+    output(host.execute("spawn", instance_uuid, spawn_args(host.image(b"x" * 4096))))
+    operation_id = f"{uuid.uuid4()}:{operation}"
+    assert host.agent.journal is not None
+    if earlier != "none":
+        host.agent.journal.start(operation_id, operation, instance_uuid, "token-of-the-earlier-attempt")
+    if earlier == "cut short":
+        cut_short(host, instance_uuid)
+    elif earlier == "failed":
+        host.agent.journal.fail(operation_id, "Ferry.HypervisorError", "the hypervisor failed")
+
+    # WHEN it runs now with the hypervisor failing
+    def hypervisor_down(_instance_uuid: str) -> None:
+        raise errors.HypervisorError("Cannot recv data: Connection reset by peer")
+
+    monkeypatch.setattr(host.driver, "destroy", hypervisor_down)
+    failed = failure(host.execute(operation, instance_uuid, arguments(host), operation_id=operation_id))
+
+    # THEN only a run with no earlier one cut short says the hypervisor failed, which says nothing
+    # was removed (a revert goes back to VERIFY_RESIZE on it, where a confirm deletes the source's
+    # disks); after a run cut short the failure is one that may have removed something
     assert failed == ("Ferry.HostOperationFailed" if earlier == "cut short" else "Ferry.HypervisorError")
 
 
