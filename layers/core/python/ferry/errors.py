@@ -26,10 +26,10 @@ class FerryError(Exception):
     http_status: ClassVar[int] = 500
     api_kind: ClassVar[str] = "computeFault"
     default_message: ClassVar[str] = "An unexpected error occurred."
-    # None: an error the API answers below 500 with (a request refused, not found, in conflict) is
-    # written for the caller; any other may carry a host's paths and libvirt's output, an AWS
-    # account or ARN, or a database server's address.
-    owner_readable: ClassVar[bool | None] = None
+    # Only errors written for the caller (a request refused, not found, a server in the wrong
+    # state; no valid host) say True: any other may carry a host's or cell's name, a host's paths
+    # and libvirt's output, an AWS account or ARN, or a database server's address.
+    owner_readable: ClassVar[bool] = False
     registry: ClassVar[dict[str, type[FerryError]]] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -50,14 +50,10 @@ class FerryError(Exception):
     @classmethod
     def readable_by_owner(cls, name: str) -> bool:
         """Whether the error named ``name`` (``Ferry.NoValidHost``) has a message written for the
-        server's owner: its ``owner_readable``, else whether its ``http_status`` is below 500.
-        Any other name (``States.Timeout``, ``Lambda.Unknown``, one Ferry does not define) has not."""
+        server's owner (its ``owner_readable``). Any other name (``States.Timeout``,
+        ``Lambda.Unknown``, one Ferry does not define) has not."""
         err_cls = FerryError.registry.get(name)
-        if err_cls is None:
-            return False
-        if err_cls.owner_readable is not None:
-            return err_cls.owner_readable
-        return err_cls.http_status < 500
+        return err_cls is not None and err_cls.owner_readable
 
     @classmethod
     def from_name(cls, name: str, message: str) -> FerryError:
@@ -73,24 +69,28 @@ class BadRequest(FerryError):
     http_status = 400
     api_kind = "badRequest"
     default_message = "The request is invalid."
+    owner_readable = True
 
 
 class Forbidden(FerryError):
     http_status = 403
     api_kind = "forbidden"
     default_message = "Policy does not allow this operation."
+    owner_readable = True
 
 
 class Unauthorized(FerryError):
     http_status = 401
     api_kind = "unauthorized"
     default_message = "The request you have made requires authentication."
+    owner_readable = True
 
 
 class NotFound(FerryError):
     http_status = 404
     api_kind = "itemNotFound"
     default_message = "Resource could not be found."
+    owner_readable = True
 
 
 class InstanceNotFound(NotFound):
@@ -110,7 +110,7 @@ class ImageNotFound(NotFound):
 
 
 class CellNotFound(NotFound):
-    pass
+    owner_readable = False  # names a cell
 
 
 class ServerGroupNotFound(NotFound):
@@ -128,11 +128,13 @@ class UnexpectedTaskState(Conflict):
 
 
 class InstanceInvalidState(Conflict):
-    pass
+    owner_readable = True
 
 
 class InstanceNotReady(Conflict):
     """The server has no host (its build never placed it, or a failed one left none)."""
+
+    owner_readable = True
 
 
 class OverQuota(Forbidden):
@@ -147,7 +149,6 @@ class AllocationConflict(FerryError):
 
     http_status = 409
     api_kind = "conflictingRequest"
-    owner_readable = False  # names providers and consumers
 
 
 class InsufficientCapacity(FerryError):
@@ -155,7 +156,6 @@ class InsufficientCapacity(FerryError):
 
     http_status = 409
     api_kind = "conflictingRequest"
-    owner_readable = False  # names a provider and its usage
 
 
 class GroupPolicyConflict(FerryError):
@@ -163,7 +163,6 @@ class GroupPolicyConflict(FerryError):
 
     http_status = 409
     api_kind = "conflictingRequest"
-    owner_readable = False  # names the hosts of other members
 
 
 class NoValidHost(FerryError):
@@ -224,8 +223,6 @@ class HostNotMapped(FerryError):
 class HostMappedElsewhere(Conflict):
     """A host is mapped to another cell: a host with servers recorded in one cell is never moved to another."""
 
-    owner_readable = False  # names hosts and cells
-
 
 class BuildFailed(FerryError):
     """A server could not be built; the instance fault holds the cause."""
@@ -240,6 +237,8 @@ class InventoryInUse(FerryError):
 
 class ResourceProviderNotFound(NotFound):
     """No resource provider has the given uuid, host or node."""
+
+    owner_readable = False  # names a provider or a host
 
 
 class DeleteFailed(FerryError):
@@ -278,6 +277,7 @@ class NotAcceptable(FerryError):
     http_status = 406
     api_kind = "computeFault"
     default_message = "The requested API version is not supported."
+    owner_readable = True
 
 
 class InvalidPolicy(FerryError):
@@ -285,7 +285,7 @@ class InvalidPolicy(FerryError):
 
 
 class InstanceIsLocked(Conflict):
-    pass
+    owner_readable = True
 
 
 class FlavorExists(Conflict):
@@ -323,6 +323,8 @@ class CannotResizeDisk(BadRequest):
 class ComputeHostNotFound(BadRequest):
     """A migrate named a host that is not a known compute host (Nova answers 400 here)."""
 
+    owner_readable = False  # names a host
+
 
 class CannotMigrateToSameHost(BadRequest):
     default_message = "Cannot migrate to the host where the server exists."
@@ -332,6 +334,7 @@ class ComputeServiceUnavailable(Conflict):
     """The server's host is down: a move cannot start from it."""
 
     default_message = "Service is unavailable at this time."
+    owner_readable = True  # says which of the move's hosts is down, never its name
 
 
 class BuildRequestChanged(Conflict):
@@ -340,6 +343,8 @@ class BuildRequestChanged(Conflict):
 
 class MigrationInProgress(Conflict):
     """Another confirm or revert took the server's migration first."""
+
+    owner_readable = True
 
 
 class InvalidQuotaDefault(FerryError):

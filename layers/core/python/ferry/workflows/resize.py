@@ -78,7 +78,7 @@ from ferry.observability import logger, metrics
 from ferry.store.api_models import RequestSpec
 from ferry.store.cell_models import BlockDeviceMapping, Instance, InstanceAction, InstanceActionEvent, Migration
 from ferry.store.db import all_cells, api_session, cell_session
-from ferry.workflows import error_message
+from ferry.workflows import error_message, fault_details, owner_cause
 
 # Instance action events, in the order the move records them (Nova's names).
 EVENT_MIGRATE = "conductor_migrate_server"
@@ -879,9 +879,12 @@ def _guest_may_run_at_dest(event: Mapping[str, Any]) -> bool:
     return "finish" in event and not dest["same_host"]
 
 
-def _fault(event: Mapping[str, Any], source_host: str, message: str, *,
+def _fault(event: Mapping[str, Any], source_host: str, error: dict[str, Any], *,
            guest_left_at_dest: bool, was_running: bool) -> tuple[str, str | None]:
     """The fault's message and details: what failed, and what is left on which host.
+
+    The message is the owner's to read too: the failure's cause as :func:`owner_cause` words it,
+    or a summary; host names and the failure's full text are in the details (admins only).
 
     ``guest_left_at_dest``: a guest of the server may still run on the destination (the source's
     was restored shut off); ``was_running`` (the server ran before the move) then words what to
@@ -889,6 +892,7 @@ def _fault(event: Mapping[str, Any], source_host: str, message: str, *,
     """
     uuid, migration_uuid = event["instance_uuid"], event["migration_uuid"]
     dest_host = (event.get("destination") or {}).get("host")
+    message = error_message(error)
     notes = []
     cleanup_error, restore_error = event.get("cleanup_error"), event.get("restore_error")
     if event.get("reschedule_error"):
@@ -901,7 +905,6 @@ def _fault(event: Mapping[str, Any], source_host: str, message: str, *,
         notes.append(f"Cleaning up destination host {dest_host} failed ({error_message(cleanup_error)}): the "
                      f"guest, disks or transfer objects of migration {migration_uuid} may remain there.")
     if restore_error:
-        # The message is the owner's to read too: host names stay in the details (admins only).
         where = "the destination host may still hold a guest and disks" if cleanup_error else \
             "the destination host was cleaned up"
         summary = (f"Resize failed and the server could not be restored on its source host: its disks are kept "
@@ -925,7 +928,7 @@ def _fault(event: Mapping[str, Any], source_host: str, message: str, *,
                         f"first (ferry audit reports it as guest_orphan; virsh destroy {uuid}; virsh undefine "
                         f"{uuid}), {then} The move failed with: {message}")
         return summary, " ".join(notes)
-    return message, " ".join(notes) or None
+    return owner_cause(error), fault_details(error, " ".join(notes) or None)
 
 
 def rollback_move(event: dict[str, Any]) -> dict[str, Any]:
@@ -1001,7 +1004,7 @@ def rollback_move(event: dict[str, Any]) -> dict[str, Any]:
         _update_migration(session, migration_uuid, {"status": ERROR}, _IN_PROGRESS)
         cause = {"Error": error.get("Error", "Error"), "Cause": message}
         _close_events(session, event, failed, failed_host, cause)
-        fault_message, details = _fault(event, source_host, message, guest_left_at_dest=guest_left_at_dest,
+        fault_message, details = _fault(event, source_host, error, guest_left_at_dest=guest_left_at_dest,
                                         was_running=was_running)
         if not scheduling_failed or restore_failed or event.get("cleanup_error"):
             instances.add_fault(session, uuid, fault_message, host=failed_host or source_host, details=details)
