@@ -1664,6 +1664,42 @@ def test_a_retry_prefers_another_host_than_the_one_its_failed_try_went_to(store,
     assert _servers(drain)[server].planned_host == other
 
 
+def test_a_retry_keeps_off_the_host_planned_for_a_group_member_still_waiting(store, move_machines):
+    # GIVEN two anti-affinity members on drained hosts, planned to the roomiest host and the next
+    # roomiest, and a third host with less room
+    group = add_group("anti-affinity")
+    members = []
+    for name in ("source-a", "source-b"):
+        members.append(_server_on(name, add_compute(name)))
+        join_group(group, members[-1])
+    for host, memory_mb in (("roomy", 65536), ("next", 16384), ("last", 8192)):
+        add_compute(host, memory_mb=memory_mb)
+    with api_session() as session:
+        for member in members:
+            compute_api.save_request_spec(session, member, request_spec(member, group={"uuid": group}))
+    drain = _record({"hosts": ["source-a", "source-b"], "retries": 1})
+    drains.start(drain)
+    plan = _servers(drain)
+    [first] = [m for m in members if plan[m].planned_host == "roomy"]
+    [waiting] = [m for m in members if m != first]
+    assert plan[waiting].planned_host == "next"
+
+    # WHEN the first one's move fails on the roomiest host and it is tried again, the other
+    # member still waiting for its turn
+    slot = drains.acquire_slot(drain, first).to_dict()
+    drains.prepare_move(drain, first, slot)
+    with cell_session("cell1") as session:
+        session.execute(update(Migration).where(Migration.uuid == slot["migration_uuid"])
+                        .values(dest_compute="roomy"))
+    assert drains.record_failure(drain, first, slot, {"Error": "Ferry.SpawnFailed", "Cause": "no"})["retry"]
+    retry = drains.acquire_slot(drain, first).to_dict()
+
+    # THEN it goes to the host no member is planned to, not to the waiting member's
+    rows = _servers(drain)
+    assert retry["action"] == "move" and rows[first].planned_host == "last"
+    assert (rows[waiting].state, rows[waiting].planned_host) == ("pending", "next")
+
+
 def test_a_retry_recorded_with_the_plan_of_its_failed_try_is_planned_afresh(store, move_machines):
     # GIVEN a server whose first try failed, its retry's row pending again with the host of the
     # failed try kept, a host that takes no servers now

@@ -45,7 +45,16 @@ from ferry.compute import api as compute_api
 from ferry.compute import instances, migration_states, moves, services, states
 from ferry.compute.moves import CROSS_CELL_RULE
 from ferry.observability import logger, metrics
-from ferry.store.api_models import CellMapping, Drain, DrainServer, HostMapping, InstanceMapping, utcnow
+from ferry.store.api_models import (
+    CellMapping,
+    Drain,
+    DrainServer,
+    HostMapping,
+    InstanceGroup,
+    InstanceGroupMember,
+    InstanceMapping,
+    utcnow,
+)
 from ferry.store.cell_models import Instance, Migration, Service
 from ferry.store.db import all_cells, api_session, cell_session
 
@@ -1507,7 +1516,12 @@ def _failed_destination(cell: str, drain_uuid: str, instance_uuid: str, attempts
 
 
 def _replan(drain_uuid: str, instance_uuid: str, *, state: str, step: str) -> str | None:
-    """A fresh destination for a server whose earlier attempt failed (the others' moves are real by now).
+    """A fresh destination for a server whose earlier attempt failed.
+
+    The moves of the drain's other servers under way are real by now (the scheduler counts them);
+    those of its group's members still ``pending`` are counted where the plan puts them, as the
+    plan counted them, so that a retry does not take the place a member waiting behind the
+    drain's concurrency was planned to.
 
     The plan is written only while the server is still in ``state`` (``pending`` at AcquireSlot,
     ``moving`` at PrepareMove) and the drain has not ended: a plan made while the drain was
@@ -1530,11 +1544,15 @@ def _replan(drain_uuid: str, instance_uuid: str, *, state: str, step: str) -> st
     base = _request_specs([instance_uuid])[instance_uuid]
     cells = [c.name for c in all_cells(include_cell0=False)]
     failed_at = _failed_destination(cell, drain_uuid, instance_uuid, attempts)
+    group = (base.get("group") or {}).get("uuid")
+    members_planned = _pending_members_planned(drain.id, instance_uuid, group) if group else []
     # A retry prefers another host than the one its last attempt failed on (as a move's reschedule
     # does), and goes back there only when no other host takes it.
-    selection, reason = plan_server(drain, cell, instance, bfv, base, {}, cells, avoid=[failed_at] if failed_at else [])
+    selection, reason = plan_server(drain, cell, instance, bfv, base, {}, cells, avoid=[failed_at] if failed_at else [],
+                                    group_moves={group: list(members_planned)} if group else None)
     if selection is None and failed_at:
-        selection, reason = plan_server(drain, cell, instance, bfv, base, {}, cells)
+        selection, reason = plan_server(drain, cell, instance, bfv, base, {}, cells,
+                                        group_moves={group: list(members_planned)} if group else None)
     if selection is None:
         raise errors.NoValidHost(reason)
     with api_session() as session:
@@ -1543,6 +1561,20 @@ def _replan(drain_uuid: str, instance_uuid: str, *, state: str, step: str) -> st
             return None
         server.planned_host, server.planned_cell = selection.host, selection.cell
     return selection.host
+
+
+def _pending_members_planned(drain_id: int, instance_uuid: str, group_uuid: str) -> list[tuple[str, str]]:
+    """``(from host, to host)`` of the other members of ``group_uuid`` the drain has planned and not yet moved."""
+    with api_session() as session:
+        rows = session.execute(
+            select(DrainServer.source_host, DrainServer.planned_host)
+            .join(InstanceGroupMember, InstanceGroupMember.instance_uuid == DrainServer.instance_uuid)
+            .join(InstanceGroup, InstanceGroup.id == InstanceGroupMember.group_id)
+            .where(DrainServer.drain_id == drain_id, DrainServer.state == PENDING,
+                   DrainServer.instance_uuid != instance_uuid, DrainServer.planned_host.is_not(None),
+                   InstanceGroup.uuid == group_uuid)
+            .order_by(DrainServer.position)).all()
+    return [(source, cast(str, planned)) for source, planned in rows]
 
 
 def prepare_move(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any]) -> dict[str, Any]:
