@@ -742,8 +742,12 @@ def sparse_sha256(path: str | os.PathLike[str], chunk_size: int = CHUNK_SIZE) ->
 
 
 def file_digest(path: str | os.PathLike[str], algorithm: str = BLOCK_SHA256, chunk_size: int = CHUNK_SIZE) -> str:
-    """The ``algorithm`` digest (:data:`DIGESTS`) of a file's logical content, reading only its data."""
+    """The ``algorithm`` digest (:data:`DIGESTS`) of a file's logical content, reading only its data.
+
+    Read as a stream (:class:`_Pace`): an operation abandoned meanwhile stops it at its next chunk.
+    """
     hasher = DIGESTS[algorithm]()
+    pace = _Pace()
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         position = 0
@@ -757,6 +761,7 @@ def file_digest(path: str | os.PathLike[str], algorithm: str = BLOCK_SHA256, chu
                     raise OSError(errno.EIO, f"{path} shrank while it was being read")
                 hasher.update(chunk)
                 remaining -= len(chunk)
+                pace.moved(len(chunk))
             position = end
         hasher.update_zeros(size - position)
     return hasher.hexdigest()

@@ -472,7 +472,8 @@ def test_where_there_are_no_locks_an_agent_starting_still_removes_its_own_leftov
     assert shared.exists()
 
 
-@pytest.mark.parametrize("stream", ["copy_sparse", "copy_to_host", "download_image", "upload_disk", "download_disk"])
+@pytest.mark.parametrize("stream", ["copy_sparse", "copy_to_host", "download_image", "upload_disk", "download_disk",
+                                    "file_digest"])
 def test_a_stream_whose_operation_is_abandoned_stops_and_leaves_nothing_part_written(tmp_path, s3, monkeypatch, stream):
     # GIVEN a disk with 7 MiB of data, in a file and in S3
     src, out = tmp_path / "src", tmp_path / "out"
@@ -489,6 +490,8 @@ def test_a_stream_whose_operation_is_abandoned_stops_and_leaves_nothing_part_wri
                                                  part_size=5 * MiB),
         "download_disk": lambda: disks.download_disk(s3, BUCKET, "moves/m1", "root", out / "disk", sent.sha256,
                                                      chunk_size=MiB),
+        # the digest a same-host resize reads of each disk it keeps
+        "file_digest": lambda: disks.file_digest(src, chunk_size=MiB),
     }
     # ... whose operation's workflow stops waiting once the stream moved its first chunk (6 MiB
     # for the upload: its first part is sent)
