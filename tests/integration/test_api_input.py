@@ -51,10 +51,16 @@ def test_a_nul_character_in_the_path_is_400(cloud, path):
     assert response.header("OpenStack-API-Version") == "compute 2.90"
 
 
-def test_a_nul_character_refused_changes_nothing(cloud):
+@pytest.mark.parametrize("where", ["path", "query"])
+def test_a_nul_character_refused_changes_nothing(cloud, where):
+    # GIVEN a server, and its delete with a NUL in its path, or in a query parameter the delete
+    # would otherwise ignore (and go on)
     server_id = create_server(name="vm")
 
-    response = call("DELETE", f"/v2.1/servers/{server_id}%00")
+    if where == "path":
+        response = call("DELETE", f"/v2.1/servers/{server_id}%00")
+    else:
+        response = call("DELETE", f"/v2.1/servers/{server_id}", query={"force": "\x00"})
 
     assert response.status == 400
     assert api_rows(InstanceMapping, instance_uuid=server_id)[0].queued_for_delete is False

@@ -1315,6 +1315,29 @@ def test_a_confirm_given_back_and_confirmed_again_while_the_audit_ran_is_left_to
             migration_states.CONFIRMING
 
 
+def test_a_confirm_that_begins_while_the_audit_runs_is_left_to_its_workflow(cloud, monkeypatch):
+    # GIVEN a confirm accepted long ago that had not begun when the audit read it
+    uuid, migration = cloud.resized.instance_uuid, cloud.resized.migration_uuid
+    request_id = _confirm_accepted(uuid)
+    cell_write(CELL, update(Migration).where(Migration.uuid == migration)
+               .values(status=migration_states.CONFIRMING, updated_at=LONG_AGO))
+
+    # WHEN, between the audit's read and its repair, its first step begins (records its event)
+    def first_step_begins() -> None:
+        with cell_session(CELL) as session:
+            actions.start_event(session, instance_uuid=uuid, request_id=request_id, event="compute_confirm_resize")
+
+    report = fix_with_race(monkeypatch, first_step_begins)
+
+    # THEN the repair gives nothing back: the migration and the action stay the confirm's
+    (repair,) = [r for r in report.repairs if r.problem.kind == audit.MIGRATION_STUCK]
+    assert repair.error is not None and "began meanwhile" in repair.error
+    with cell_session(CELL) as session:
+        assert session.scalars(select(Migration.status).where(Migration.uuid == migration)).one() == \
+            migration_states.CONFIRMING
+        assert actions.newest_request_id(session, uuid, actions.CONFIRM_RESIZE) == request_id
+
+
 @pytest.mark.parametrize("why", ["a task", "another host"])
 def test_a_confirm_that_never_began_and_would_be_refused_again_is_put_in_error(cloud, why):
     # GIVEN a confirm accepted long ago that never began, of a server its confirm refuses (a task

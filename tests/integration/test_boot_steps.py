@@ -210,8 +210,11 @@ def test_a_server_buried_in_cell0_gives_back_its_ports_and_can_still_be_deleted(
     # AND the server in ERROR is still deleted as any
     delete.finish_delete({"instance_uuid": event["instance_uuid"], "request_id": "req-del", "cell": "cell0"})
     assert _instance(event["instance_uuid"], "cell0").deleted
+    # AND the port its owner brought outlives that delete, free, as the one Ferry made does not
     with api_session() as session:
-        assert session.get(Port, brought).device_id is None
+        kept = session.get(Port, brought)
+        assert kept is not None and kept.device_id is None
+        assert session.scalars(select(Port).where(Port.device_id == event["instance_uuid"])).all() == []
 
 
 def test_a_burial_cut_short_after_the_hand_over_gives_back_the_ports_when_run_again(cloud, monkeypatch):
@@ -375,12 +378,18 @@ def test_a_failed_spawn_whose_guest_may_remain_keeps_its_ports_with_its_claim(cl
     event = _spawned(cloud["image_id"])
     event["error"] = {"Error": "Ferry.SpawnFailed", "Cause": "disk full"}
     event["cleanup_error"] = {"Error": "States.Timeout", "Cause": ""}
+    # ... nor its ports and volumes unbound from it
+    event["unbind_error"] = {"Error": "OperationalError", "Cause": "API database unreachable"}
 
     boot.fail_build(event)
 
-    # THEN its ports stay with it, as its claim does, until its delete releases them
+    # THEN its ports stay with it, as its claim does, until its delete releases them, and the
+    # fault's details say so
     with api_session() as session:
         assert len(session.scalars(select(Port).where(Port.device_id == event["instance_uuid"])).all()) == 1
+    with cell_session("cell1") as session:
+        fault = session.scalars(select(InstanceFault)).one()
+    assert "its ports and volumes stay bound there until the server is deleted" in fault.details
 
 
 def test_a_failed_spawn_whose_destination_was_cleaned_but_not_unbound_releases_the_claim_and_says_so(cloud):
@@ -399,6 +408,7 @@ def test_a_failed_spawn_whose_destination_was_cleaned_but_not_unbound_releases_t
         fault = session.scalars(select(InstanceFault)).one()
     assert "Unbinding its ports and volumes from host" in fault.details
     assert "API database unreachable" in fault.details and "guest" not in fault.details
+    assert "its volumes stay attached there" in fault.details and "ports and volumes stay" not in fault.details
 
 
 def test_reschedule_moves_the_claim_to_the_alternate(cloud):

@@ -446,7 +446,8 @@ def fail_build(event: dict[str, Any]) -> dict[str, Any]:
     Ferry made for the server are deleted, those its owner brought unbound and freed (the owner
     may boot again with them at once).
     A server deleted meanwhile (its mapping says so, its instance is gone or deleted, or its task
-    is ``deleting``) is left to its delete: only the claim and the ports are released. One an
+    is ``deleting``) is left to its delete: only the claim and the ports are released (those of a
+    server whose mapping says so were released by its delete already). One an
     admin reset while it was built (no task, no longer building) is set to ERROR all the same: the
     failed build left it no guest; unless it has moved to another host since, which leaves it, and
     the claim and ports it holds there, as they are. A server whose destination could not be
@@ -475,9 +476,10 @@ def fail_build(event: dict[str, Any]) -> dict[str, Any]:
         left.append(f"Cleanup on host {host} failed ({error_message(event['cleanup_error'])}); "
                     f"the guest or its disks may remain there.")
     if event.get("unbind_error"):
+        # Ports are released with the claim unless the guest may still run there (cleanup_error).
+        kept = "ports and volumes stay bound" if event.get("cleanup_error") else "volumes stay attached"
         left.append(f"Unbinding its ports and volumes from host {host} failed "
-                    f"({error_message(event['unbind_error'])}); its volumes stay attached there until the server "
-                    f"is deleted.")
+                    f"({error_message(event['unbind_error'])}); its {kept} there until the server is deleted.")
     details = " ".join(left) or None
     with cell_session(cell) as session:
         instance = session.scalars(select(Instance).where(Instance.uuid == uuid)).one_or_none()
