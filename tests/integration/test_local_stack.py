@@ -226,17 +226,33 @@ def test_a_port_out_of_range_given_to_the_stack_is_refused_naming_the_option(por
         runtime.check_port("127.0.0.1", port, "--moto-port")
 
 
-def test_a_missing_template_stops_the_start_in_one_line_before_anything_starts(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("option", ["--cells", "--hosts-per-cell"])
+@pytest.mark.parametrize("count", ["0", "-2"])
+def test_a_stack_of_no_hosts_is_a_usage_error_before_anything_starts(tmp_path, monkeypatch, capsys, option, count):
+    monkeypatch.setattr(signal, "signal", lambda *args: None)
+    _refuse_moto(monkeypatch)
+
+    with pytest.raises(SystemExit) as exited:
+        stack.main(["--state-dir", str(tmp_path / "state"), option, count])
+
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "Traceback" not in err
+    assert err.splitlines()[-1] == f"ferry-local: error: argument {option}: {count} is less than 1"
+    assert not (tmp_path / "state").exists()
+
+
+@pytest.mark.parametrize("option", ["--template", "--policy-file"])
+def test_a_missing_file_stops_the_start_in_one_line_before_anything_starts(tmp_path, monkeypatch, capsys, option):
     monkeypatch.setattr(signal, "signal", lambda *args: None)
     _refuse_moto(monkeypatch)
     missing = tmp_path / "nonexistent.yaml"
 
-    code = stack.main(["--state-dir", str(tmp_path / "state"), "--template", str(missing), "--api-port", "0",
+    code = stack.main(["--state-dir", str(tmp_path / "state"), option, str(missing), "--api-port", "0",
                        "--moto-port", "0"])
 
     assert code == 1
     (line,) = capsys.readouterr().err.splitlines()
-    assert line.startswith("ferry-local: ") and str(missing) in line and "--template" in line
+    assert line.startswith("ferry-local: ") and str(missing) in line and option in line
     assert not (tmp_path / "state").exists()
 
 

@@ -724,8 +724,9 @@ def main(argv: list[str] | None = None) -> int:
     """``ferry-local``: run the local stack in the foreground until Ctrl-C or SIGTERM."""
     parser = argparse.ArgumentParser(prog="ferry-local", description="Run Ferry's local stack in the foreground.")
     parser.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR, help="state directory (%(default)s)")
-    parser.add_argument("--cells", type=int, default=2, help="cells with hosts (%(default)s)")
-    parser.add_argument("--hosts-per-cell", type=int, default=2, help="hosts in each cell (%(default)s)")
+    parser.add_argument("--cells", type=arguments.whole(1), default=2, help="cells with hosts (%(default)s)")
+    parser.add_argument("--hosts-per-cell", type=arguments.whole(1), default=2,
+                        help="hosts in each cell (%(default)s)")
     parser.add_argument("--fresh", action="store_true", help="wipe the state directory first")
     # A port out of range is a usage error (exit status 2), before anything starts; 0 picks a free one.
     parser.add_argument("--moto-port", type=arguments.whole(0, 65535), default=DEFAULT_MOTO_PORT,
@@ -753,6 +754,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.template is not None and not args.template.is_file():
         print(f"ferry-local: no template file at {args.template}: give --template the path of a template.yaml.",
               file=sys.stderr)
+        return 1
+    if args.policy_file is not None and not args.policy_file.is_file():
+        print(f"ferry-local: no policy file at {args.policy_file}: give --policy-file the path of a YAML or JSON "
+              f"policy file.", file=sys.stderr)
         return 1
     try:
         if args.fresh:
