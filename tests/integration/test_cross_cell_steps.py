@@ -200,7 +200,12 @@ def test_target_db_setup_copies_the_server_hidden_and_runs_twice_the_same(two_ce
 def test_a_move_across_cells_reaches_verify_resize_in_the_target_cell(two_cells):
     uuid, inp = server_in_cell1()
 
-    doc = run(inp, twice=True)
+    # the conductor's event spans the whole move between cells, as Nova's cross-cell task does
+    doc = run(inp, until="CompleteMoveAcrossCells", twice=True)
+    assert events_in("cell1", uuid)[resize.EVENT_MIGRATE] is None
+    cross_cell.complete_move(doc)
+    cross_cell.complete_move(doc)
+    assert events_in("cell2", uuid) == dict.fromkeys(resize.CROSS_CELL_EVENTS, "Success")
 
     target, source = rows("cell2", uuid, inp["migration_uuid"]), rows("cell1", uuid, inp["migration_uuid"])
     assert target["instance"] == (False, states.RESIZED, None, TARGET_HOST, BIG["flavorid"])
@@ -355,6 +360,8 @@ def test_a_failure_at_any_cross_cell_stage_leaves_the_server_in_its_cell_as_befo
     assert images_left() == []
     assert placement.get_allocations(uuid) == allocations_before
     assert placement.get_allocations(inp["migration_uuid"]) == {}
+    # the conductor's event, spanning the whole move between cells, failed with it
+    assert events_in("cell1", uuid)[resize.EVENT_MIGRATE] == "Error"
 
 
 def test_a_failed_target_db_setup_is_the_conductors_migrate_event_not_a_destination_step(two_cells):

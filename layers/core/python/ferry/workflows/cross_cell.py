@@ -539,7 +539,8 @@ def complete_move(event: dict[str, Any]) -> dict[str, Any]:
     Brings the target copy up to date (vm_state resized, task None, new flavor, destination host
     and node, the power state ``spawn`` reported, the actions and events) and shows it; maps the
     instance to the target cell; hides the source copy; both migration copies ``finished``; the
-    destination's port bindings active and volume attachments attached. Sends
+    destination's port bindings active and volume attachments attached; the move's
+    ``conductor_migrate_server`` event ends with its last step's. Sends
     ``instance.resize_finish.end`` (``compute:<dest>``). Last, once the move has committed,
     deletes the temporary snapshot, best effort: an S3 failure is logged and cannot fail (and so
     roll back) the finished move.
@@ -574,6 +575,8 @@ def complete_move(event: dict[str, Any]) -> dict[str, Any]:
         resize._update_migration(session, migration_uuid, {"status": FINISHED}, (POST_MIGRATING, FINISHED))
         actions.finish_event(session, instance_uuid=uuid, request_id=request_id,
                              event=EVENT_FINISH_AT_DEST_CROSS_CELL, host=dest["host"])
+        # The conductor's event spans the whole move between cells (see resize.select_destinations).
+        actions.finish_event(session, instance_uuid=uuid, request_id=request_id, event=resize.EVENT_MIGRATE)
         acts = _actions_of(session, uuid)
     # The source copy keeps its host and old flavor: it is what a revert restores.
     with cell_session(target) as session:

@@ -435,7 +435,10 @@ def select_destinations(event: dict[str, Any]) -> dict[str, Any]:
     and claims the chosen destination for the instance with the new flavor. The source is
     excluded for a cold migrate, and for a resize unless ``allow_resize_to_same_host``; a
     requested host is the only candidate (the filters still run on it). Records the
-    ``conductor_migrate_server`` event. Run again, it finds the claim of an earlier run (see
+    ``conductor_migrate_server`` event, and ends it for a destination in the server's cell (the
+    conductor's part ends once the move is handed to the hosts); to another cell it spans the
+    whole move, as Nova's cross-cell task does, ended by CompleteMoveAcrossCells or the rollback.
+    Run again, it finds the claim of an earlier run (see
     :func:`_claimed_selection`) and claims nothing more.
 
     Returns:
@@ -470,8 +473,9 @@ def select_destinations(event: dict[str, Any]) -> dict[str, Any]:
         chosen, alternates = selections[0], selections[1:]
     else:  # an earlier run claimed (its answer lost): its alternates are listed again
         alternates = scheduler.alternates_for(spec, chosen, migration_uuid=migration_uuid)
-    with cell_session(cell) as session:
-        actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"], event=EVENT_MIGRATE)
+    if chosen.cell == cell:
+        with cell_session(cell) as session:
+            actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"], event=EVENT_MIGRATE)
     logger.info("move scheduled", extra={"instance_uuid": uuid, "migration_uuid": migration_uuid,
                                          "source": source_host, "destination": chosen.host})
     return _destination(chosen, alternates, source_host, uuid)
@@ -846,7 +850,9 @@ def _is_unrecorded_claim(event: Mapping[str, Any], held: placement.Allocations) 
 
 def _close_events(session: Session, event: Mapping[str, Any], failed: str, host: str | None,
                   error: dict[str, Any]) -> None:
-    """Finish the failed step's event with the error; earlier steps' events that were left open succeeded."""
+    """Finish the failed step's event with the error; earlier steps' events that were left open
+    succeeded, except a move between cells' ``conductor_migrate_server``, which spans the whole
+    move and fails with it (also when the move's last step had ended it)."""
     uuid, request_id = event["instance_uuid"], event["request_id"]
     action = session.scalars(select(InstanceAction).where(InstanceAction.instance_uuid == uuid,
                                                           InstanceAction.request_id == request_id)).one_or_none()
@@ -854,11 +860,17 @@ def _close_events(session: Session, event: Mapping[str, Any], failed: str, host:
         return
     open_events = set(session.scalars(select(InstanceActionEvent.event).where(
         InstanceActionEvent.action_id == action.id, InstanceActionEvent.finish_time.is_(None))))
-    order = CROSS_CELL_EVENTS if is_cross_cell(event) else EVENTS
+    cross_cell = is_cross_cell(event)
+    order = CROSS_CELL_EVENTS if cross_cell else EVENTS
     for name in order[:order.index(failed)]:
-        if name in open_events:
+        if name in open_events and not (cross_cell and name == EVENT_MIGRATE):
             actions.finish_event(session, instance_uuid=uuid, request_id=request_id, event=name)
     actions.finish_event(session, instance_uuid=uuid, request_id=request_id, event=failed, host=host, error=error)
+    # Also when CompleteMoveAcrossCells ended it and then failed before its switch.
+    recorded = session.scalars(select(InstanceActionEvent.id).where(
+        InstanceActionEvent.action_id == action.id, InstanceActionEvent.event == EVENT_MIGRATE)).first()
+    if cross_cell and failed != EVENT_MIGRATE and recorded is not None:
+        actions.finish_event(session, instance_uuid=uuid, request_id=request_id, event=EVENT_MIGRATE, error=error)
 
 
 def _guest_may_run_at_dest(event: Mapping[str, Any]) -> bool:
