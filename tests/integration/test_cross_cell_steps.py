@@ -270,6 +270,7 @@ def test_a_complete_move_that_failed_after_switching_the_mapping_stands_and_the_
     assert rows("cell1", uuid, inp["migration_uuid"])["instance"][0] is True
     assert rows("cell2", uuid, inp["migration_uuid"])["instance"] == (False, states.RESIZED, None, TARGET_HOST,
                                                                       BIG["flavorid"])
+    assert events_in("cell2", uuid) == dict.fromkeys(resize.CROSS_CELL_EVENTS, "Success")
 
 
 def test_the_switch_is_refused_when_the_source_copy_is_no_longer_the_moves(two_cells):
@@ -287,6 +288,25 @@ def test_the_switch_is_refused_when_the_source_copy_is_no_longer_the_moves(two_c
     assert rows("cell2", uuid, inp["migration_uuid"])["instance"][0] is True  # the target copy stays hidden
     assert cross_cell.check_move_committed({**doc, "error": {"Error": "Ferry.UnexpectedTaskState",
                                                              "Cause": "x"}}) == {"committed": False}
+
+
+def test_a_move_whose_last_step_ended_its_events_and_failed_before_the_switch_ends_them_in_error(
+        two_cells, monkeypatch):
+    # GIVEN CompleteMoveAcrossCells ended the move's events in the source cell, then failed
+    # before it switched the instance mapping
+    uuid, inp = server_in_cell1()
+    doc = run(inp, until="CompleteMoveAcrossCells")
+    complete_move_failing_at("_map_to", doc, monkeypatch)
+    assert events_in("cell1", uuid)[resize.EVENT_MIGRATE] == "Success"
+
+    # WHEN its Catch finds it not committed and the move is rolled back
+    assert cross_cell.check_move_committed({**doc, "error": {"Error": "Sandbox.Timedout", "Cause": "x"}}) == {
+        "committed": False}
+    roll_back(doc)
+
+    # THEN the conductor's event, spanning the move, failed with it
+    assert instances.cell_of(uuid).name == "cell1"
+    assert events_in("cell1", uuid)[resize.EVENT_MIGRATE] == "Error"
 
 
 def test_a_complete_move_that_failed_before_switching_the_mapping_is_rolled_back(two_cells):

@@ -518,6 +518,24 @@ def test_a_stream_whose_operation_is_abandoned_stops_and_leaves_nothing_part_wri
     assert not s3.list_multipart_uploads(Bucket=BUCKET).get("Uploads")
 
 
+def test_a_digest_is_not_held_to_a_drills_throttle_as_the_copies_it_checks_are(tmp_path, monkeypatch):
+    # GIVEN a drill's throttle of 1 MiB/s, and a disk with 4 MiB of data
+    monkeypatch.setenv(disks.THROTTLE_ENV, "1")
+    src = tmp_path / "src"
+    content = _sparse_file(src, 16 * MiB, {0: os.urandom(4 * MiB)})
+    waits: list[float] = []
+    monkeypatch.setattr(disks.time, "sleep", waits.append)
+
+    # WHEN its digest is read, and when it is copied
+    digest = disks.file_digest(src, disks.SHA256, chunk_size=MiB)
+    unthrottled = list(waits)
+    disks.copy_sparse(src, tmp_path / "dst", chunk_size=MiB)
+
+    # THEN only the copy waited to keep to the throttle
+    assert digest == hashlib.sha256(content).hexdigest()
+    assert unthrottled == [] and waits
+
+
 def test_a_stream_runs_to_its_end_once_the_operation_that_started_it_is_over(tmp_path):
     # GIVEN an operation that ended, abandoned, after the copy it started was made
     src = tmp_path / "src"

@@ -1664,7 +1664,8 @@ def test_a_retry_prefers_another_host_than_the_one_its_failed_try_went_to(store,
     assert _servers(drain)[server].planned_host == other
 
 
-def test_a_retry_keeps_off_the_host_planned_for_a_group_member_still_waiting(store, move_machines):
+@pytest.mark.parametrize("other", ["waiting", "moving, unclaimed", "moving, claimed"])
+def test_a_retry_keeps_off_the_host_planned_for_a_group_member_not_claimed_there_yet(store, move_machines, other):
     # GIVEN two anti-affinity members on drained hosts, planned to the roomiest host and the next
     # roomiest, and a third host with less room
     group = add_group("anti-affinity")
@@ -1685,8 +1686,13 @@ def test_a_retry_keeps_off_the_host_planned_for_a_group_member_still_waiting(sto
     assert plan[waiting].planned_host == "next"
 
     # WHEN the first one's move fails on the roomiest host and it is tried again, the other
-    # member still waiting for its turn
+    # member still waiting for its turn, or moving with its destination not claimed yet (or
+    # claimed, where the scheduler counts it)
     slot = drains.acquire_slot(drain, first).to_dict()
+    if other != "waiting":
+        assert drains.acquire_slot(drain, waiting).action == "move"
+    if other == "moving, claimed":
+        placement.claim(waiting, PROJECT, USER, {placement.provider_by_host("next"): resources(1, 2048, 1)})
     drains.prepare_move(drain, first, slot)
     with cell_session("cell1") as session:
         session.execute(update(Migration).where(Migration.uuid == slot["migration_uuid"])
@@ -1694,10 +1700,10 @@ def test_a_retry_keeps_off_the_host_planned_for_a_group_member_still_waiting(sto
     assert drains.record_failure(drain, first, slot, {"Error": "Ferry.SpawnFailed", "Cause": "no"})["retry"]
     retry = drains.acquire_slot(drain, first).to_dict()
 
-    # THEN it goes to the host no member is planned to, not to the waiting member's
+    # THEN it goes to the host no member is planned to, not to the other member's
     rows = _servers(drain)
     assert retry["action"] == "move" and rows[first].planned_host == "last"
-    assert (rows[waiting].state, rows[waiting].planned_host) == ("pending", "next")
+    assert (rows[waiting].state, rows[waiting].planned_host) == ("pending" if other == "waiting" else "moving", "next")
 
 
 def test_a_retry_recorded_with_the_plan_of_its_failed_try_is_planned_afresh(store, move_machines):

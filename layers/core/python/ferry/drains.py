@@ -39,7 +39,7 @@ from aws_lambda_powertools.metrics import MetricUnit
 from sqlalchemy import ColumnElement, CursorResult, and_, func, or_, select, update
 from sqlalchemy.orm import Session
 
-from ferry import config, errors, hosts, notifications, policy, scheduler, signing, validation, workflows
+from ferry import config, errors, hosts, notifications, placement, policy, scheduler, signing, validation, workflows
 from ferry.auth import RequestContext
 from ferry.compute import api as compute_api
 from ferry.compute import instances, migration_states, moves, services, states
@@ -1518,10 +1518,10 @@ def _failed_destination(cell: str, drain_uuid: str, instance_uuid: str, attempts
 def _replan(drain_uuid: str, instance_uuid: str, *, state: str, step: str) -> str | None:
     """A fresh destination for a server whose earlier attempt failed.
 
-    The moves of the drain's other servers under way are real by now (the scheduler counts them);
-    those of its group's members still ``pending`` are counted where the plan puts them, as the
-    plan counted them, so that a retry does not take the place a member waiting behind the
-    drain's concurrency was planned to.
+    The moves of the drain's other servers under way are real by now (the scheduler counts their
+    claims); its group's members whose destination is not claimed yet (waiting behind the
+    drain's concurrency, or moving before their claim landed) are counted where the plan puts
+    them, as the plan counted them, so that a retry does not take the place planned for one.
 
     The plan is written only while the server is still in ``state`` (``pending`` at AcquireSlot,
     ``moving`` at PrepareMove) and the drain has not ended: a plan made while the drain was
@@ -1545,7 +1545,7 @@ def _replan(drain_uuid: str, instance_uuid: str, *, state: str, step: str) -> st
     cells = [c.name for c in all_cells(include_cell0=False)]
     failed_at = _failed_destination(cell, drain_uuid, instance_uuid, attempts)
     group = (base.get("group") or {}).get("uuid")
-    members_planned = _pending_members_planned(drain.id, instance_uuid, group) if group else []
+    members_planned = _members_planned_unclaimed(drain.id, instance_uuid, group) if group else []
     # A retry prefers another host than the one its last attempt failed on (as a move's reschedule
     # does), and goes back there only when no other host takes it.
     selection, reason = plan_server(drain, cell, instance, bfv, base, {}, cells, avoid=[failed_at] if failed_at else [],
@@ -1563,18 +1563,29 @@ def _replan(drain_uuid: str, instance_uuid: str, *, state: str, step: str) -> st
     return selection.host
 
 
-def _pending_members_planned(drain_id: int, instance_uuid: str, group_uuid: str) -> list[tuple[str, str]]:
-    """``(from host, to host)`` of the other members of ``group_uuid`` the drain has planned and not yet moved."""
+def _members_planned_unclaimed(drain_id: int, instance_uuid: str, group_uuid: str) -> list[tuple[str, str]]:
+    """``(from host, to host)`` of the other members of ``group_uuid`` the drain has planned whose
+    destination is not claimed yet: those waiting for their turn, and those whose move started
+    before its claim landed (the scheduler counts a member where it holds allocations)."""
     with api_session() as session:
         rows = session.execute(
-            select(DrainServer.source_host, DrainServer.planned_host)
+            select(DrainServer.instance_uuid, DrainServer.state, DrainServer.source_host, DrainServer.planned_host)
             .join(InstanceGroupMember, InstanceGroupMember.instance_uuid == DrainServer.instance_uuid)
             .join(InstanceGroup, InstanceGroup.id == InstanceGroupMember.group_id)
-            .where(DrainServer.drain_id == drain_id, DrainServer.state == PENDING,
+            .where(DrainServer.drain_id == drain_id, DrainServer.state.in_((PENDING, MOVING)),
                    DrainServer.instance_uuid != instance_uuid, DrainServer.planned_host.is_not(None),
                    InstanceGroup.uuid == group_uuid)
             .order_by(DrainServer.position)).all()
-    return [(source, cast(str, planned)) for source, planned in rows]
+    return [(source, cast(str, planned)) for member, state, source, planned in rows
+            if state == PENDING or not _holds_on(member, cast(str, planned))]
+
+
+def _holds_on(consumer_uuid: str, host: str) -> bool:
+    """Whether ``consumer_uuid`` holds allocations on ``host``'s provider."""
+    try:
+        return placement.provider_by_host(host) in placement.get_allocations(consumer_uuid)
+    except errors.ResourceProviderNotFound:
+        return False
 
 
 def prepare_move(drain_uuid: str, instance_uuid: str, slot: Mapping[str, Any]) -> dict[str, Any]:

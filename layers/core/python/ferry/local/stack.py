@@ -756,7 +756,8 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 1
     if args.policy_file is not None and not args.policy_file.is_file():
-        print(f"ferry-local: no policy file at {args.policy_file}: give --policy-file the path of a YAML or JSON "
+        # Re-read when it changes, but it must be there to start with: the stack starts with its rules.
+        print(f"ferry-local: {args.policy_file} is not a file: give --policy-file the path of a YAML or JSON "
               f"policy file.", file=sys.stderr)
         return 1
     try:

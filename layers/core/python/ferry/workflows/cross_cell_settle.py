@@ -300,8 +300,9 @@ def flip_to_source_cell(event: dict[str, Any]) -> dict[str, Any]:
         visible = _copy_of(target, uuid)
         hidden = _copy_of(source, uuid)
         if visible is None or visible.deleted or hidden is None or hidden.deleted:
+            # Its owner may read this in a fault: the cell is named by its part in the move only.
             raise errors.InstanceNotFound(
-                f"Instance {uuid} has no copy in cell {source_cell if visible is not None else target_cell}.")
+                f"Instance {uuid} has no copy in the move's {'source' if visible is not None else 'target'} cell.")
         _sync_bdms(target, source, uuid)
         _sync_actions(target, source, uuid)
         migration = target.scalars(select(Migration).where(Migration.uuid == migration_uuid)).one()
