@@ -1291,51 +1291,36 @@ def test_a_confirm_stuck_without_a_workflow_goes_back_to_finished_only_when_it_n
         assert check().clean
 
 
-def test_a_confirm_given_back_and_confirmed_again_while_the_audit_ran_is_left_to_that_confirm(cloud, monkeypatch):
-    # GIVEN a confirm accepted long ago that never began
+@pytest.mark.parametrize(("race", "left"), [("given back and confirmed again", "given back meanwhile"),
+                                             ("its first step begins", "began meanwhile")])
+def test_a_confirm_that_changes_while_the_audit_runs_is_left_to_the_confirm_under_way(cloud, monkeypatch, race,
+                                                                                      left):
+    # GIVEN a confirm accepted long ago that had not begun when the audit read it
     uuid, migration = cloud.resized.instance_uuid, cloud.resized.migration_uuid
     first = _confirm_accepted(uuid)
     cell_write(CELL, update(Migration).where(Migration.uuid == migration)
                .values(status=migration_states.CONFIRMING, updated_at=LONG_AGO))
 
     # WHEN, between the audit's read and its repair, that confirm is given back (a drain's undo)
-    # and a new one is accepted and begins
-    def given_back_and_confirmed_again() -> None:
+    # and a new one is accepted and begins, or its own first step begins (records its event)
+    def raced() -> None:
         with cell_session(CELL) as session:
+            if race == "its first step begins":
+                actions.start_event(session, instance_uuid=uuid, request_id=first, event="compute_confirm_resize")
+                return
             actions.forget_action(session, uuid, first)
         _confirm_accepted(uuid, began=True)
 
-    report = fix_with_race(monkeypatch, given_back_and_confirmed_again)
+    report = fix_with_race(monkeypatch, raced)
 
-    # THEN the repair leaves the migration to the confirm under way
+    # THEN the repair gives nothing back: the migration stays the confirm's under way
     (repair,) = [r for r in report.repairs if r.problem.kind == audit.MIGRATION_STUCK]
-    assert repair.error is not None and "given back meanwhile" in repair.error
+    assert repair.error is not None and left in repair.error
     with cell_session(CELL) as session:
         assert session.scalars(select(Migration.status).where(Migration.uuid == migration)).one() == \
             migration_states.CONFIRMING
-
-
-def test_a_confirm_that_begins_while_the_audit_runs_is_left_to_its_workflow(cloud, monkeypatch):
-    # GIVEN a confirm accepted long ago that had not begun when the audit read it
-    uuid, migration = cloud.resized.instance_uuid, cloud.resized.migration_uuid
-    request_id = _confirm_accepted(uuid)
-    cell_write(CELL, update(Migration).where(Migration.uuid == migration)
-               .values(status=migration_states.CONFIRMING, updated_at=LONG_AGO))
-
-    # WHEN, between the audit's read and its repair, its first step begins (records its event)
-    def first_step_begins() -> None:
-        with cell_session(CELL) as session:
-            actions.start_event(session, instance_uuid=uuid, request_id=request_id, event="compute_confirm_resize")
-
-    report = fix_with_race(monkeypatch, first_step_begins)
-
-    # THEN the repair gives nothing back: the migration and the action stay the confirm's
-    (repair,) = [r for r in report.repairs if r.problem.kind == audit.MIGRATION_STUCK]
-    assert repair.error is not None and "began meanwhile" in repair.error
-    with cell_session(CELL) as session:
-        assert session.scalars(select(Migration.status).where(Migration.uuid == migration)).one() == \
-            migration_states.CONFIRMING
-        assert actions.newest_request_id(session, uuid, actions.CONFIRM_RESIZE) == request_id
+        newest = actions.newest_request_id(session, uuid, actions.CONFIRM_RESIZE)
+        assert (newest == first) is (left == "began meanwhile")
 
 
 @pytest.mark.parametrize("why", ["a task", "another host"])

@@ -204,19 +204,24 @@ def test_a_busy_api_port_stops_the_start_before_moto_starts(tmp_path, monkeypatc
     assert line.startswith(f"ferry-local: Port 127.0.0.1:{port} is in use") and "--api-port" in line
 
 
-@pytest.mark.parametrize("option", ["--api-port", "--moto-port"])
-@pytest.mark.parametrize("port", ["70000", "-1"])
-def test_a_port_out_of_range_is_a_usage_error_before_anything_starts(tmp_path, monkeypatch, capsys, option, port):
+@pytest.mark.parametrize(("option", "value", "refused"), [
+    ("--api-port", "70000", "70000 is not in 0..65535"), ("--moto-port", "70000", "70000 is not in 0..65535"),
+    ("--api-port", "-1", "-1 is not in 0..65535"), ("--moto-port", "-1", "-1 is not in 0..65535"),
+    ("--cells", "0", "0 is less than 1"), ("--hosts-per-cell", "-2", "-2 is less than 1"),
+])
+def test_an_argument_out_of_range_is_a_usage_error_before_anything_starts(tmp_path, monkeypatch, capsys, option,
+                                                                          value, refused):
+    # a port that is no TCP port, a stack of no cells or no hosts
     monkeypatch.setattr(signal, "signal", lambda *args: None)  # main's handlers stay out of the test run
     _refuse_moto(monkeypatch)
 
     with pytest.raises(SystemExit) as exited:
-        stack.main(["--state-dir", str(tmp_path / "state"), option, port])
+        stack.main(["--state-dir", str(tmp_path / "state"), option, value])
 
     # argparse's usage error: the usage line, then one line naming the option
     err = capsys.readouterr().err
     assert exited.value.code == 2 and "Traceback" not in err
-    assert err.splitlines()[-1] == f"ferry-local: error: argument {option}: {port} is not in 0..65535"
+    assert err.splitlines()[-1] == f"ferry-local: error: argument {option}: {refused}"
     assert not (tmp_path / "state").exists()
 
 
@@ -224,21 +229,6 @@ def test_a_port_out_of_range_is_a_usage_error_before_anything_starts(tmp_path, m
 def test_a_port_out_of_range_given_to_the_stack_is_refused_naming_the_option(port):
     with pytest.raises(LocalStackError, match=f"Port {port} is no TCP port: .*--moto-port"):
         runtime.check_port("127.0.0.1", port, "--moto-port")
-
-
-@pytest.mark.parametrize("option", ["--cells", "--hosts-per-cell"])
-@pytest.mark.parametrize("count", ["0", "-2"])
-def test_a_stack_of_no_hosts_is_a_usage_error_before_anything_starts(tmp_path, monkeypatch, capsys, option, count):
-    monkeypatch.setattr(signal, "signal", lambda *args: None)
-    _refuse_moto(monkeypatch)
-
-    with pytest.raises(SystemExit) as exited:
-        stack.main(["--state-dir", str(tmp_path / "state"), option, count])
-
-    err = capsys.readouterr().err
-    assert exited.value.code == 2 and "Traceback" not in err
-    assert err.splitlines()[-1] == f"ferry-local: error: argument {option}: {count} is less than 1"
-    assert not (tmp_path / "state").exists()
 
 
 @pytest.mark.parametrize("option", ["--template", "--policy-file"])
