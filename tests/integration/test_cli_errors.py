@@ -164,6 +164,27 @@ def test_a_cell_database_that_cannot_be_used_is_one_line_and_exit_3_and_maps_not
 
 
 
+def test_a_cell_whose_sqlite_file_is_gone_is_one_line_and_exit_3_and_no_empty_file_is_made(api_database, tmp_path,
+                                                                                           capsys):
+    # GIVEN a cell whose SQLite file was removed (or is on a volume not mounted)
+    api_database(f"sqlite:///{tmp_path / 'api.sqlite'}")
+    cell1 = tmp_path / "cell1.sqlite"
+    assert cli.main(["cell", "create", "cell1", "--database-url", f"sqlite:///{cell1}"]) == 0
+    capsys.readouterr()
+    db.dispose_all()
+    cell1.unlink()
+
+    # WHEN the audit reads it
+    status = cli.main(["audit", "--no-storage"])
+
+    # THEN it cannot run, says which file, and makes no empty database in its place
+    err = capsys.readouterr().err
+    assert status == cli.EXIT_CANNOT_RUN
+    assert err.startswith("ferry: cannot use the database: ") and str(cell1) in err and "does not exist" in err
+    assert err.count("\n") == 1
+    assert not cell1.exists()
+
+
 @pytest.mark.parametrize("where", ["api", "cell"])
 def test_a_url_quoted_whole_in_its_error_is_shown_without_its_password(api_database, tmp_path, capsys, monkeypatch,
                                                                        where):

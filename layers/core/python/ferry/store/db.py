@@ -206,8 +206,29 @@ def cell_url(cell: str | int | CellMapping) -> str:
 
 @contextmanager
 def cell_session(cell: str | int | CellMapping) -> Iterator[Session]:
-    with session_for(cell_url(cell)) as session:
+    """A session on ``cell``'s database.
+
+    Raises:
+        OperationalError: the cell's database is a SQLite file that is not there (removed, or on
+            a volume not mounted): as SQLite answers a file it cannot open, rather than an empty
+            database SQLite would make in its place (only migrating a cell makes its file).
+    """
+    url = cell_url(cell)
+    _require_sqlite_file(url)
+    with session_for(url) as session:
         yield session
+
+
+def _require_sqlite_file(url: str) -> None:
+    if not url.startswith("sqlite"):
+        return
+    parsed = make_url(url)
+    path = parsed.database
+    if not path or path == ":memory:" or parsed.query.get("uri") or os.path.exists(path):
+        return
+    raise OperationalError("connect", None, sqlite3.OperationalError(
+        f"unable to open database file: {path} does not exist (a cell's SQLite file is made only when the cell "
+        f"is created)"))
 
 
 def all_cells(*, include_cell0: bool = True) -> list[CellMapping]:
