@@ -1036,9 +1036,12 @@ def test_a_rollback_of_a_server_deleted_before_its_claim_landed_releases_the_cla
     doc = fail_and_roll_back(doc, error="Ferry.InstanceNotFound", cause="deleted")
     resize.rollback_move(doc)
 
-    # THEN neither the claim nor the migration's allocation is left
+    # THEN neither the claim nor the migration's allocation is left, and the move's action says
+    # how it ended
     assert placement.get_allocations(uuid) == placement.get_allocations(doc["migration_uuid"]) == {}
     assert {host: used_on(host) for host in HOSTS} == {host: {} for host in HOSTS}
+    assert events_of(uuid) == {resize.EVENT_MIGRATE: ("Success", None, True),
+                               resize.EVENT_PREP: ("Error", doc["destination"]["host"], True)}
 
 
 @pytest.mark.parametrize("stage", ["PrepResizeAtDest", "FinishResizeOnDestHost"])

@@ -984,6 +984,9 @@ def rollback_move(event: dict[str, Any]) -> dict[str, Any]:
             placement.delete_allocations(uuid)
             placement.delete_allocations(migration_uuid)
             _update_migration(session, migration_uuid, {"status": ERROR}, _IN_PROGRESS)
+            # Its action still shows how the move ended (to admins reading deleted servers).
+            _close_events(session, event, *_failed_step(event),
+                          {"Error": error.get("Error", "Error"), "Cause": error_message(error)})
             return {}
     _restore_allocations(event, source_node)
     if dest is not None:
