@@ -7,6 +7,7 @@ threads and processes share them; PostgreSQL is used as is.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import sqlite3
@@ -204,6 +205,17 @@ def cell_url(cell: str | int | CellMapping) -> str:
         return mapping.database_connection
 
 
+@functools.lru_cache(maxsize=256)
+def _sqlite_file(url: str) -> str | None:
+    """The file a SQLite URL names (parsed once per URL: every cell session asks); None for any
+    other database, an in-memory one or a SQLite URI."""
+    if not url.startswith("sqlite"):
+        return None
+    parsed = make_url(url)
+    path = parsed.database
+    return None if not path or path == ":memory:" or parsed.query.get("uri") else path
+
+
 @contextmanager
 def cell_session(cell: str | int | CellMapping) -> Iterator[Session]:
     """A session on ``cell``'s database.
@@ -220,11 +232,8 @@ def cell_session(cell: str | int | CellMapping) -> Iterator[Session]:
 
 
 def _require_sqlite_file(url: str) -> None:
-    if not url.startswith("sqlite"):
-        return
-    parsed = make_url(url)
-    path = parsed.database
-    if not path or path == ":memory:" or parsed.query.get("uri") or os.path.exists(path):
+    path = _sqlite_file(url)
+    if path is None or os.path.exists(path):
         return
     raise OperationalError("connect", None, sqlite3.OperationalError(
         f"unable to open database file: {path} does not exist (a cell's SQLite file is made only when the cell "

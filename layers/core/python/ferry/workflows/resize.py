@@ -858,18 +858,17 @@ def _close_events(session: Session, event: Mapping[str, Any], failed: str, host:
                                                           InstanceAction.request_id == request_id)).one_or_none()
     if action is None:
         return
-    open_events = set(session.scalars(select(InstanceActionEvent.event).where(
-        InstanceActionEvent.action_id == action.id, InstanceActionEvent.finish_time.is_(None))))
+    finished = dict(session.execute(select(InstanceActionEvent.event, InstanceActionEvent.finish_time).where(
+        InstanceActionEvent.action_id == action.id)).tuples().all())
+    open_events = {name for name, at in finished.items() if at is None}
     cross_cell = is_cross_cell(event)
     order = CROSS_CELL_EVENTS if cross_cell else EVENTS
     for name in order[:order.index(failed)]:
         if name in open_events and not (cross_cell and name == EVENT_MIGRATE):
             actions.finish_event(session, instance_uuid=uuid, request_id=request_id, event=name)
     actions.finish_event(session, instance_uuid=uuid, request_id=request_id, event=failed, host=host, error=error)
-    # Also when CompleteMoveAcrossCells ended it and then failed before its switch.
-    recorded = session.scalars(select(InstanceActionEvent.id).where(
-        InstanceActionEvent.action_id == action.id, InstanceActionEvent.event == EVENT_MIGRATE)).first()
-    if cross_cell and failed != EVENT_MIGRATE and recorded is not None:
+    # Ended Error whether open or ended by a CompleteMoveAcrossCells that failed before its switch.
+    if cross_cell and failed != EVENT_MIGRATE and EVENT_MIGRATE in finished:
         actions.finish_event(session, instance_uuid=uuid, request_id=request_id, event=EVENT_MIGRATE, error=error)
 
 
@@ -965,6 +964,7 @@ def rollback_move(event: dict[str, Any]) -> dict[str, Any]:
     uuid, migration_uuid, cell = event["instance_uuid"], event["migration_uuid"], event["cell"]
     dest = event.get("destination")
     error = event.get("error") or {}
+    cause = {"Error": error.get("Error", "Error"), "Cause": error_message(error)}
     with cell_session(cell) as session:
         migration = _get_migration(session, migration_uuid)
         if migration is None or migration.status == ERROR:
@@ -985,14 +985,12 @@ def rollback_move(event: dict[str, Any]) -> dict[str, Any]:
             placement.delete_allocations(migration_uuid)
             _update_migration(session, migration_uuid, {"status": ERROR}, _IN_PROGRESS)
             # Its action still shows how the move ended (to admins reading deleted servers).
-            _close_events(session, event, *_failed_step(event),
-                          {"Error": error.get("Error", "Error"), "Cause": error_message(error)})
+            _close_events(session, event, *_failed_step(event), cause)
             return {}
     _restore_allocations(event, source_node)
     if dest is not None:
         _release_destination(uuid, dest["host"], source_host)
     failed, failed_host = _failed_step(event)
-    message = error_message(error)
     restore_failed = bool(event.get("restore_error"))
     # The source guest was restored shut off (WasSourceTouched, WasSourceSnapshotted): starting it is left to an
     # operator who has destroyed the destination's.
@@ -1017,7 +1015,6 @@ def rollback_move(event: dict[str, Any]) -> dict[str, Any]:
             "vm_state": vm_state, "task_state": None, "power_state": power_state,
             "old_flavor": None, "new_flavor": None, "old_vm_state": None})
         _update_migration(session, migration_uuid, {"status": ERROR}, _IN_PROGRESS)
-        cause = {"Error": error.get("Error", "Error"), "Cause": message}
         _close_events(session, event, failed, failed_host, cause)
         fault_message, details = _fault(event, source_host, error, guest_left_at_dest=guest_left_at_dest,
                                         was_running=was_running)
