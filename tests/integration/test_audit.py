@@ -51,7 +51,7 @@ from ferry.store.api_models import (
     VolumeAttachment,
     utcnow,
 )
-from ferry.store.cell_models import BlockDeviceMapping, Instance, Migration
+from ferry.store.cell_models import BlockDeviceMapping, Instance, InstanceActionEvent, Migration
 from ferry.store.db import api_session, cell_session
 from ferry.workflows.cross_cell import snapshot_image_id, target_db_setup
 
@@ -1239,18 +1239,56 @@ def test_the_finished_migration_of_a_resized_server_whose_copy_is_hidden_is_repo
     assert check().clean
 
 
-def test_a_migration_stuck_without_a_workflow_is_found_and_put_in_error(cloud):
-    migration = add_migration(cloud.active, migration_states.MIGRATING, created_at=LONG_AGO)
+def _events(uuid: str, request_id: str) -> dict[str, tuple[str | None, str | None]]:
+    """The action's events: name -> (result, details)."""
+    with cell_session(CELL) as session:
+        action = actions.find(session, uuid, request_id)
+        assert action is not None
+        return {e: (r, d) for e, r, d in session.execute(
+            select(InstanceActionEvent.event, InstanceActionEvent.result, InstanceActionEvent.details)
+            .where(InstanceActionEvent.action_id == action.id))}
+
+
+@pytest.mark.parametrize(("migration_type", "action"), [(migration_states.MIGRATION, actions.MIGRATE),
+                                                        (migration_states.RESIZE, actions.RESIZE)])
+def test_a_migration_stuck_without_a_workflow_is_put_in_error_with_its_moves_open_events(cloud, migration_type,
+                                                                                          action):
+    # GIVEN a move whose workflow ended (stopped by hand, say) after its prep and during its resize
+    # step, long ago: the migration migrating, the step's event open; and a stop never ended before
+    uuid = cloud.active
+    older, request_id = f"req-{uuidlib.uuid4()}", f"req-{uuidlib.uuid4()}"
+    with cell_session(CELL) as session:
+        actions.start_action(session, instance_uuid=uuid, action=actions.STOP, request_id=older,
+                             user_id=USER, project_id=PROJECT)
+        actions.start_event(session, instance_uuid=uuid, request_id=older, event="compute_stop_instance")
+        actions.start_action(session, instance_uuid=uuid, action=action, request_id=request_id,
+                             user_id=USER, project_id=PROJECT)
+        actions.start_event(session, instance_uuid=uuid, request_id=request_id, event="compute_prep_resize")
+        actions.finish_event(session, instance_uuid=uuid, request_id=request_id, event="compute_prep_resize")
+        actions.start_event(session, instance_uuid=uuid, request_id=request_id, event="compute_resize_instance",
+                            host=SOURCE)
+    migration = add_migration(uuid, migration_states.MIGRATING, created_at=LONG_AGO, migration_type=migration_type)
 
     report = check()
 
     (problem,) = found(report, audit.MIGRATION_STUCK)
     assert problem.resource == f"migration/{migration}" and problem.fixable
     assert report.kinds() == [audit.MIGRATION_STUCK]
-    assert_fixed(audit.MIGRATION_STUCK)
+    (repair,) = check(fix=True).repairs
+    assert repair.error is None and repair.action is not None and "compute_resize_instance" in repair.action
+    assert check().clean
+
+    # THEN the migration is in error, and the move's open event ended Error saying why; its ended
+    # event and the other action's are as they were
     with cell_session(CELL) as session:
         status = session.scalars(select(Migration.status).where(Migration.uuid == migration)).one()
         assert status == migration_states.ERROR
+    events = _events(uuid, request_id)
+    assert events["compute_prep_resize"] == ("Success", None)
+    result, details = events["compute_resize_instance"]
+    assert result == "Error" and details is not None
+    assert details.startswith("Ferry.MoveNotSettled:") and migration in details and "ferry audit" in details
+    assert _events(uuid, older) == {"compute_stop_instance": (None, None)}
 
 
 def _confirm_accepted(uuid: str, *, began: bool = False) -> str:
@@ -1289,6 +1327,9 @@ def test_a_confirm_stuck_without_a_workflow_goes_back_to_finished_only_when_it_n
             assert settling.uuid == migration
     if not began:
         assert check().clean
+    else:  # the confirm's event its workflow left open ended with the migration
+        result, details = _events(uuid, request_id)["compute_confirm_resize"]
+        assert result == "Error" and details is not None and "ferry audit" in details
 
 
 @pytest.mark.parametrize(("race", "left"), [("given back and confirmed again", "given back meanwhile"),

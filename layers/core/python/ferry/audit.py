@@ -1401,21 +1401,45 @@ def _delete_objects(s3: Any, bucket: str, keys: list[str], what: str) -> None:
 
 
 def _repair_migration(world: _World, migration_uuid: str, seen_status: str) -> Callable[[], str]:
-    cells = [cell for cell, _m in world.migration_copies.get(migration_uuid, [])]
+    """Put the migration in ``error`` in every cell holding it; a stuck one's action (the move, or
+    its confirm or revert) has the events its workflow left open ended ``Error`` with it, so the
+    server's event list shows how the request ended."""
+    copies = world.migration_copies.get(migration_uuid, [])
+    action = _stuck_action(copies[0][1], seen_status) if copies else None
+    error = {"Error": errors.MoveNotSettled.__name__,
+             "Cause": f"The workflow of migration {migration_uuid} ended without settling it ({seen_status}); "
+                      f"ferry audit put the migration in error."}
 
     def repair() -> str:
-        changed = 0
-        for cell in cells:
+        changed, ended = 0, set()
+        for cell, migration in copies:
             with cell_session(cell) as session:
                 result = cast(CursorResult[Any], session.execute(
                     update(Migration).where(Migration.uuid == migration_uuid, Migration.status == seen_status)
                     .values(status=migration_states.ERROR).execution_options(synchronize_session=False)))
                 changed += result.rowcount
+                if result.rowcount and action is not None:
+                    ended.update(actions.end_open_events(session, migration.instance_uuid, action, error))
         if not changed:
             raise errors.FerryError(f"migration {migration_uuid} is no longer {seen_status}; left as it is")
-        return f"set migration {migration_uuid} from {seen_status} to error"
+        return (f"set migration {migration_uuid} from {seen_status} to error"
+                + (f" and ended its {action} action's open events ({', '.join(sorted(ended))}) Error"
+                   if ended else ""))
 
     return repair
+
+
+def _stuck_action(migration: Migration, status: str) -> str | None:
+    """The action whose workflow left ``migration`` in ``status`` (None for a finished one: its
+    move ended). A server's newest such action is that one: no other move is accepted while one
+    of its migrations is moving, confirming or reverting."""
+    if status == migration_states.CONFIRMING:
+        return actions.CONFIRM_RESIZE
+    if status == migration_states.REVERTING:
+        return actions.REVERT_RESIZE
+    if status == migration_states.FINISHED:
+        return None
+    return actions.RESIZE if migration.migration_type == migration_states.RESIZE else actions.MIGRATE
 
 
 def _unbegun_confirm(cell: str, instance_uuid: str) -> str | None:

@@ -81,6 +81,23 @@ def newest_request_id(session: Session, instance_uuid: str, action: str) -> str 
         .order_by(InstanceAction.id.desc()).limit(1)).first()
 
 
+def end_open_events(session: Session, instance_uuid: str, action: str, error: dict[str, Any]) -> list[str]:
+    """End with ``error`` every event of the instance's newest ``action`` that no step ended (its
+    workflow stopped without settling the request); the names of those ended, in order."""
+    newest = session.scalars(select(InstanceAction).where(
+        InstanceAction.instance_uuid == instance_uuid, InstanceAction.action == action)
+        .order_by(InstanceAction.id.desc()).limit(1)).first()
+    if newest is None:
+        return []
+    open_events = session.execute(select(InstanceActionEvent.event, InstanceActionEvent.host).where(
+        InstanceActionEvent.action_id == newest.id, InstanceActionEvent.finish_time.is_(None))
+        .order_by(InstanceActionEvent.id)).all()
+    for name, host in open_events:
+        finish_event(session, instance_uuid=instance_uuid, request_id=newest.request_id, event=name, host=host,
+                     error=error)
+    return [name for name, _host in open_events]
+
+
 def has_events(session: Session, instance_uuid: str, request_id: str) -> bool:
     """Whether a step of the action recorded under ``request_id`` began (recorded an event)."""
     action = _action(session, instance_uuid, request_id)
