@@ -68,9 +68,11 @@ def test_a_build_whose_commit_cannot_be_checked_is_not_rolled_back(sfn, states):
 
     # THEN after waiting out minutes of outage, it ends without destroying anything: the server may
     # be ACTIVE on its host (ferry audit reports what is left to settle)
-    assert path(entered) == ["FinishBuild", "CheckBuildCommitted", "BuildOutcomeUnknown"]
+    assert path(entered) == ["FinishBuild", "CheckBuildCommitted", "CountBuildOutcomeUnknown"]
     assert entered.count(attempt("CheckBuildCommitted")) > 10
     assert output["commit_error"]["Error"] == "Ferry.InjectedFault"
+    # counted for the operators' alarm, then failed
+    assert states["CountBuildOutcomeUnknown"]["Next"] == "BuildOutcomeUnknown"
     assert states["BuildOutcomeUnknown"]["Type"] == "Fail"
 
 

@@ -66,7 +66,9 @@ def test_an_operation_whose_commit_cannot_be_checked_is_not_rolled_back(sfn, sta
     entered, output = finish_failing(sfn, states, check)
 
     # THEN after minutes of retries it ends without detaching the volume from the guest
-    assert path(entered) == ["FinishVolumeOperation", "CheckVolumeCommitted", "VolumeOutcomeUnknown"]
+    assert path(entered) == ["FinishVolumeOperation", "CheckVolumeCommitted", "CountVolumeOutcomeUnknown"]
     assert entered.count(attempt("CheckVolumeCommitted")) > 10
     assert output["commit_error"]["Error"] == "Ferry.InjectedFault"
+    # counted for the operators' alarm, then failed
+    assert states["CountVolumeOutcomeUnknown"]["Next"] == "VolumeOutcomeUnknown"
     assert states["VolumeOutcomeUnknown"]["Type"] == "Fail"

@@ -30,6 +30,13 @@ HOST_OPERATION = "arn:aws:states:::sqs:sendMessage.waitForTaskToken"
 TERMINAL_TYPES = {"Succeed", "Fail", "Choice"}
 # States that do work and can fail on their own.
 WORK_TYPES = {"Task", "Parallel", "Map"}
+# The Task that counts, for the operators' alarm, an execution ending without settling what it changed.
+COUNT_NOT_SETTLED = "arn:aws:states:::aws-sdk:cloudwatch:putMetricData"
+# Every Fail state that ends an execution with what it changed left for ferry audit, per workflow.
+NOT_SETTLED = {"boot": ["BuildOutcomeUnknown", "RollbackFailed"], "confirm_resize": ["RollbackFailed"],
+               "delete": ["RollbackFailed"], "power": ["RollbackFailed"],
+               "resize": ["MoveOutcomeUnknown", "RollbackFailed"], "revert_resize": ["RollbackFailed"],
+               "volume_attachment": ["VolumeOutcomeUnknown", "RollbackFailed"], "drain": ["ReportLost"]}
 
 
 def _rel(path: Path) -> str:
@@ -79,11 +86,22 @@ def _reachable(states: dict[str, Any], start: str) -> set[str]:
 
 
 def _is_terminal_rollback(states: dict[str, Any], name: str) -> bool:
-    """A rollback step (its Comment says so) after which nothing that does work can run."""
+    """A rollback step (its Comment says so) after which nothing that does work can run (a count
+    for the operators' alarm is no work)."""
     if "rollback" not in states[name].get("Comment", "").lower():
         return False
     after = _reachable(states, name) - {name}
-    return not any(states[other]["Type"] in WORK_TYPES for other in after)
+    return not any(states[other]["Type"] in WORK_TYPES and not _is_count(states[other]) for other in after)
+
+
+def _is_count(state: dict[str, Any]) -> bool:
+    return state.get("Resource") == COUNT_NOT_SETTLED
+
+
+def _ending(states: dict[str, Any], name: str) -> dict[str, Any]:
+    """The state ``name`` leads to once past a count for the operators' alarm, if it is one."""
+    state = states[name]
+    return states[state["Next"]] if _is_count(state) else state
 
 
 def test_definition_files_exist():
@@ -255,7 +273,7 @@ ROLLBACK_TAILS = [("resize", "RollbackMove"), ("confirm_resize", "RestoreVerifyR
 def test_a_rollback_tail_that_fails_for_good_fails_the_execution_with_a_typed_error(workflow, name):
     states = _states_named(workflow)
     [catcher] = states[name]["Catch"]
-    failed = states[catcher["Next"]]
+    failed = _ending(states, catcher["Next"])
 
     assert catcher["ErrorEquals"] == ["States.ALL"]
     assert catcher["ResultPath"] != "$.error", "the move's own error stays in the document"
@@ -278,7 +296,48 @@ def test_a_move_whose_last_step_failed_is_rolled_back_only_when_that_step_had_no
     assert rollbacks == {"RevertResizeOnDestHost", "WasSpawnSent"}  # each branch's own rollback
     # When it cannot tell, nothing is rolled back: no host operation or rollback runs after it.
     [unknown] = [c["Next"] for c in check["Catch"]]
-    assert states[unknown]["Type"] == "Fail"
+    assert _ending(states, unknown)["Type"] == "Fail"
+
+
+@pytest.mark.parametrize("workflow", sorted(NOT_SETTLED))
+def test_an_execution_ending_unsettled_is_counted_for_the_operators_alarm_on_its_only_way_there(workflow):
+    asl_file = ROOT / "statemachine" / f"{workflow}.asl.json"
+    states = _states_named(workflow)
+    counts = {name: state for name, state in states.items() if _is_count(state)}
+
+    assert sorted(counts) == sorted(f"Count{fail}" for fail in NOT_SETTLED[workflow])
+    for fail in NOT_SETTLED[workflow]:
+        count = counts[f"Count{fail}"]
+        assert states[fail]["Type"] == "Fail"
+        # Every way to the Fail state goes through its count; a count that fails ends there too.
+        assert {name for name, state in states.items() if fail in _transitions(state)} == {f"Count{fail}"}
+        assert count["Next"] == fail and count["ResultPath"] is None
+        assert count["Catch"] == [{"ErrorEquals": ["States.ALL"], "ResultPath": None, "Next": fail}]
+        assert "Retry" not in count
+        [datum] = count["Parameters"]["MetricData"]
+        assert count["Parameters"]["Namespace"] == TEMPLATE.parameters["MetricsNamespace"]
+        assert (datum["MetricName"], datum["Unit"], datum["Value"]) == ("WorkflowNotSettled", "Count", 1)
+        # The Workflow dimension is the state machine's name without the stack's prefix.
+        machine = next(m for m in TEMPLATE.state_machines.values() if m.definition_uri == asl_file)
+        named = machine.name.removeprefix(f"ferry-{TEMPLATE.stage}-")
+        assert datum["Dimensions"] == [{"Name": "Workflow", "Value": named}, {"Name": "State", "Value": fail}]
+
+
+def test_every_fail_state_a_rollback_or_a_commit_check_fails_into_is_counted():
+    """A rollback, or the check whether a last step committed, that fails for good ends the
+    execution unsettled: the Fail state it leads to is one of NOT_SETTLED (so it is counted)."""
+    for asl_file in ASL_FILES:
+        workflow = asl_file.name.removesuffix(".asl.json")
+        states = _states_named(workflow)
+        ends = set()
+        for name, state in states.items():
+            checks_commit = name.startswith("Check") and name.endswith("Committed")
+            if "rollback" in state.get("Comment", "").lower() or checks_commit:
+                for catcher in state.get("Catch", []):
+                    target = catcher["Next"]
+                    ends.add(states[target]["Next"] if _is_count(states[target]) else target)
+        failing = {end for end in ends if states[end]["Type"] == "Fail"}
+        assert failing <= set(NOT_SETTLED.get(workflow, [])), workflow
 
 
 def test_a_drain_iteration_cannot_end_with_its_server_still_moving():

@@ -552,9 +552,11 @@ _WATCHED_WITHOUT_ALARM = {"StepFailed", "WebhookRefused", "TokenRejected"}
 
 
 def _metrics_published() -> set[str]:
-    """Every metric name the functions and host agents publish."""
+    """Every metric name the functions, the host agents and the workflows (a putMetricData Task) publish."""
     sources = [*(ROOT / "layers" / "core" / "python" / "ferry").rglob("*.py"), *(ROOT / "hostagent").rglob("*.py")]
     names = {name for path in sources for name in _PUBLISHED.findall(path.read_text())}
+    names |= {name for path in (ROOT / "statemachine").glob("*.asl.json")
+              for name in re.findall(r'"MetricName": "(\w+)"', path.read_text())}
     return names | {f"AutoConfirm{outcome.capitalize()}" for outcome in auto_confirm.OUTCOMES}
 
 
