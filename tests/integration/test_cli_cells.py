@@ -292,3 +292,46 @@ def test_a_sqlite_uri_is_refused_and_nothing_is_written(empty_deployment, capsys
     assert err.startswith("ferry: ") and "uri=true" in err and "absolute path" in err
     assert sorted(empty_deployment.iterdir()) == before
     assert cli.main(["cell", "list"]) == 0 and capsys.readouterr().out == f"cell1\t{cell1}\n"
+
+
+def test_a_cell_is_disabled_and_enabled_for_scheduling_idempotently(empty_deployment, capsys):
+    cell1 = f"sqlite:///{empty_deployment / 'cell1.sqlite'}"
+    assert cli.main(["cell", "create", "cell1", "--database-url", cell1]) == 0
+    capsys.readouterr()
+
+    # WHEN cell1 is disabled twice, THEN it is disabled (the second time says so) and listed as such
+    assert cli.main(["cell", "update", "cell1", "--disable"]) == 0
+    assert cli.main(["cell", "update", "cell1", "--disable"]) == 0
+    first, second = capsys.readouterr().out.splitlines()
+    assert first.startswith("cell cell1: disabled") and second.endswith("(it was already)")
+    assert cli.main(["cell", "list"]) == 0 and capsys.readouterr().out == f"cell1\t{cell1}\tdisabled\n"
+
+    # WHEN it is enabled, THEN it is listed as before
+    assert cli.main(["cell", "update", "cell1", "--enable"]) == 0
+    assert capsys.readouterr().out == "cell cell1: enabled\n"
+    assert cli.main(["cell", "list"]) == 0 and capsys.readouterr().out == f"cell1\t{cell1}\n"
+
+
+@pytest.mark.parametrize(("argv", "said"), [
+    (["cell", "update", "cell9", "--disable"], "no cell named cell9"),
+    (["cell", "update", "cell0", "--disable"], "cell0 holds servers that were never scheduled"),
+], ids=["unknown", "cell0"])
+def test_a_cell_that_cannot_be_disabled_is_refused_in_one_line_and_nothing_changes(empty_deployment, capsys, argv,
+                                                                                     said):
+    cell1 = f"sqlite:///{empty_deployment / 'cell1.sqlite'}"
+    assert cli.main(["cell", "create", "cell1", "--database-url", cell1]) == 0
+    capsys.readouterr()
+
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert said in err and len(err.splitlines()) == 1
+    assert cli.main(["cell", "list"]) == 0 and capsys.readouterr().out == f"cell1\t{cell1}\n"
+
+
+def test_a_cell_update_says_which_way(empty_deployment, capsys):
+    # Neither or both of --disable and --enable is a usage error (argparse's exit 2), changing nothing.
+    assert cli.main(["cell", "create", "cell1", "--database-url", f"sqlite:///{empty_deployment / 'c.sqlite'}"]) == 0
+    for argv in (["cell", "update", "cell1"], ["cell", "update", "cell1", "--disable", "--enable"]):
+        with pytest.raises(SystemExit) as exited:
+            cli.main(argv)
+        assert exited.value.code == 2

@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 COMMANDS_READING_THE_STORE = [
     ["db", "sync"],
     ["cell", "list"],
+    ["cell", "update", "cell1", "--disable"],
     ["cell", "create", "cell1", "--database-url", "sqlite:////nonexistent/ferry-cell1.sqlite"],
     ["host", "map", "compute1", "--cell", "cell1"],
     ["volume", "list"],

@@ -136,6 +136,10 @@ def test_disabled_cells_give_no_candidates(store):
         session.execute(update(CellMapping).where(CellMapping.name == "cell2").values(disabled=True))
 
     assert hosts(every_candidate(CandidateRequest(resources=resources()))) == {"host-1a"}
+    assert hosts(every_candidate(CandidateRequest(resources=resources(), cells=("cell2",)))) == set()
+    # A request that may take a disabled cell (a move held to its own cell) has its candidates.
+    assert hosts(every_candidate(CandidateRequest(resources=resources(), cells=("cell2",), include_disabled=True))) \
+        == {"host-2a"}
 
 
 # --- batches, the cap and fairness --------------------------------------------------------------

@@ -25,9 +25,9 @@ from sqlalchemy import update
 from ferry import config, errors, placement, scheduler
 from ferry.placement import VCPU
 from ferry.scheduler import manager
-from ferry.store.api_models import utcnow
+from ferry.store.api_models import CellMapping, utcnow
 from ferry.store.cell_models import Service
-from ferry.store.db import cell_session
+from ferry.store.db import api_session, cell_session
 
 
 @pytest.fixture
@@ -142,6 +142,28 @@ def test_cell0_and_cells_not_allowed_are_left_out(store):
     with pytest.raises(errors.NoValidHost, match="no compute node"):
         scheduler.select_destinations(request_spec(allowed_cells=["cell2"],
                                                    requested_destination={"host": "host-cell1"}))
+
+
+def test_a_disabled_cell_takes_only_moves_held_to_it(store):
+    # GIVEN cell2 disabled, with room, and cell1 with room
+    add_compute("host-cell1", "cell1", memory_mb=65536)
+    add_compute("host-cell2", "cell2", memory_mb=65536)
+    with api_session() as session:
+        session.execute(update(CellMapping).where(CellMapping.name == "cell2").values(disabled=True))
+
+    # THEN a new server, and a move from cell1 that may change cells, never land in it
+    assert hosts_of(scheduler.select_destinations(request_spec(), claim=False)) == ["host-cell1"]
+    with pytest.raises(errors.NoValidHost):
+        scheduler.select_destinations(request_spec(allowed_cells=["cell2"]), claim=False)
+    with pytest.raises(errors.NoValidHost):
+        scheduler.select_destinations(request_spec(allowed_cells=["cell2"], source_cell="cell1"), claim=False)
+    # and a move of one of its servers that may leave it goes elsewhere, as the cell is being emptied
+    moved = scheduler.select_destinations(request_spec(allowed_cells=["cell1", "cell2"], source_cell="cell2"),
+                                          claim=False)
+    assert hosts_of(moved) == ["host-cell1"]
+    # but a move that may not leave it still lands in it, as in Nova (a requested destination cell)
+    held = scheduler.select_destinations(request_spec(allowed_cells=["cell2"], source_cell="cell2"), claim=False)
+    assert hosts_of(held) == ["host-cell2"]
 
 
 def test_affinity_group_stays_on_members_hosts(store):

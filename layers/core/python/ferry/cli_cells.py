@@ -206,7 +206,24 @@ def _run_cell_create(args: argparse.Namespace) -> int:
 
 def _run_cell_list(_args: argparse.Namespace) -> int:
     for cell in _cells():
-        print(f"{cell.name}\t{hidden_url(cell.database_connection)}")
+        print(f"{cell.name}\t{hidden_url(cell.database_connection)}" + ("\tdisabled" if cell.disabled else ""))
+    return 0
+
+
+def _run_cell_update(args: argparse.Namespace) -> int:
+    from ferry.store import setup
+    from ferry.store.db import CELL0_NAME
+
+    if args.name == CELL0_NAME:
+        return _refused(f"{CELL0_NAME} holds servers that were never scheduled; nothing is ever scheduled to it, "
+                        f"so it is neither enabled nor disabled.")
+    try:
+        changed = setup.set_cell_disabled(args.name, args.disable)
+    except errors.CellNotFound:
+        return _refused(f"no cell named {args.name}; `ferry cell list` shows the mapped cells.")
+    state = ("disabled: no new server and no move from another cell lands in it; moves held to it go on"
+             if args.disable else "enabled")
+    print(f"cell {args.name}: {state}{'' if changed else ' (it was already)'}")
     return 0
 
 
@@ -242,7 +259,7 @@ def add_db(commands: Any) -> None:
 
 
 def add_cell(commands: Any) -> None:
-    parser = commands.add_parser("cell", help="create and list cells",
+    parser = commands.add_parser("cell", help="create, list, disable and enable cells",
                                  description="A cell is a database of servers and the hosts mapped to it.")
     sub = parser.add_subparsers(dest="cell_command", metavar="<cell command>", required=True)
     create = sub.add_parser("create", help="migrate a cell's database and map it (idempotent)")
@@ -250,8 +267,17 @@ def add_cell(commands: Any) -> None:
     create.add_argument("--database-url", required=True, metavar="URL",
                         help="the cell database's SQLAlchemy URL, e.g. postgresql+psycopg2://ferry:pw@db/ferry_cell1")
     create.set_defaults(handler=_run_cell_create)
-    listing = sub.add_parser("list", help="the mapped cells and their databases (passwords hidden)")
+    listing = sub.add_parser("list", help="the mapped cells and their databases (passwords hidden); "
+                                          "a disabled cell is marked so")
     listing.set_defaults(handler=_run_cell_list)
+    update = sub.add_parser("update", help="disable or enable a cell for scheduling (idempotent)",
+                            description="A disabled cell takes no new server and no move from another cell; "
+                                        "a move of one of its servers that may not leave it still lands there.")
+    update.add_argument("name", help="the cell's name")
+    switch = update.add_mutually_exclusive_group(required=True)
+    switch.add_argument("--disable", dest="disable", action="store_true", help="stop scheduling to the cell")
+    switch.add_argument("--enable", dest="disable", action="store_false", help="schedule to the cell again")
+    update.set_defaults(handler=_run_cell_update)
 
 
 def add_host(commands: Any) -> None:

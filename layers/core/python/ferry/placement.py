@@ -932,13 +932,15 @@ class CandidateRequest:
     Params:
         resources: ``{resource_class: amount}``, all from one provider.
         cells: names of the cells candidates may be in; None for every cell but cell0. Cells
-            marked disabled never give candidates.
+            marked disabled give no candidates unless ``include_disabled``.
         cell, host, node: only candidates in this cell, on this host, on this compute node.
         exclude_cell: no candidates in this cell.
         hosts: only candidates on one of these hosts (None: any host).
         member_of: for each entry, the candidate's host must be in at least one of these
             aggregates (ids); every entry must hold.
         exclude_consumers: consumers whose allocations count as free (those a claim replaces).
+        include_disabled: candidates in disabled cells too (a move held to its server's own cell,
+            which a disabled cell still takes, as Nova's requested destination cell does).
     """
 
     resources: Mapping[str, int] = dataclasses.field(default_factory=dict)
@@ -950,6 +952,7 @@ class CandidateRequest:
     member_of: tuple[frozenset[int], ...] = ()
     exclude_consumers: tuple[str, ...] = ()
     exclude_cell: str | None = None
+    include_disabled: bool = False
 
 
 @dataclass(frozen=True)
@@ -988,7 +991,7 @@ def _api_reader() -> Iterator[Connection]:
 
 def _scope(request: CandidateRequest) -> list[ColumnElement[bool]]:
     """WHERE clauses for the cells, host, node, host set and aggregates of ``request``."""
-    clauses: list[ColumnElement[bool]] = [_CELL.c.disabled.is_(False)]
+    clauses: list[ColumnElement[bool]] = [] if request.include_disabled else [_CELL.c.disabled.is_(False)]
     if request.cells is None:
         clauses.append(_CELL.c.name != CELL0_NAME)
     else:

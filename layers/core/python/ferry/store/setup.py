@@ -49,3 +49,21 @@ def map_host(host: str, cell_name: str) -> None:
             other = session.get(CellMapping, mapped_to)
             raise errors.HostMappedElsewhere(f"host {host} is mapped to cell {other.name if other else mapped_to}; a "
                                              f"host with servers recorded there is never moved to another cell.")
+
+
+def set_cell_disabled(name: str, disabled: bool) -> bool:
+    """Disable or enable a cell for scheduling (idempotent); whether it was changed.
+
+    A disabled cell takes no new server and no move from another cell; a move held to the cell
+    its server is in (one that may not leave it) still lands in it, as in Nova.
+
+    Raises:
+        CellNotFound: no cell of that name is mapped.
+    """
+    with api_session() as session:
+        mapping = session.scalars(select(CellMapping).where(CellMapping.name == name).with_for_update()).one_or_none()
+        if mapping is None:
+            raise errors.CellNotFound(f"Cell {name} could not be found.")
+        changed = mapping.disabled != disabled
+        mapping.disabled = disabled
+        return changed
