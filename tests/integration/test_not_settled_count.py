@@ -3,7 +3,7 @@
 Each such Fail state is reached through a ``putMetricData`` Task of its own (``Count<state>``):
 run by moto's ASL interpreter as the template deploys it, the count lands in CloudWatch with its
 workflow and state, and the execution still fails with the Fail state's error; a count CloudWatch
-refuses ends the execution the same way.
+refuses (three times) ends the execution the same way.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 import boto3
 import pytest
-from asl_pieces import ROLE_ARN, ROOT, deployed_definition, moto_sfn
+from asl_pieces import ROLE_ARN, ROOT, deployed_definition, moto_sfn_skipping_retry_waits
 from moto_credentials import REGION
 
 from ferry.local.template import resolve
@@ -34,7 +34,7 @@ DOCUMENT = {"instance_uuid": "i", "error": {"Error": "Ferry.InjectedFault", "Cau
 
 @pytest.fixture
 def sfn(monkeypatch) -> Iterator[Any]:
-    yield from moto_sfn(monkeypatch)
+    yield from moto_sfn_skipping_retry_waits(monkeypatch)
 
 
 def run_to_the_end(sfn: Any, workflow: str, fail: str, count: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -87,8 +87,9 @@ def test_a_count_cloudwatch_refuses_still_ends_the_execution_where_it_would_have
 
     described = run_to_the_end(sfn, "resize", "RollbackFailed", refused)
 
-    # THEN the execution fails at RollbackFailed as it would have, and nothing is counted
+    # THEN, the put tried three times, the execution fails at RollbackFailed as it would have, and
+    # nothing is counted
     assert described["status"] == "FAILED" and described["error"] == "Ferry.MoveNotSettled"
     history = sfn.get_execution_history(executionArn=described["executionArn"])["events"]
-    assert any(e["type"] == "TaskFailed" for e in history), [e["type"] for e in history]
+    assert [e["type"] for e in history].count("TaskFailed") == 3, [e["type"] for e in history]
     assert counted("resize", "RollbackFailed") == 0

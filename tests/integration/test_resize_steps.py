@@ -18,7 +18,7 @@ from typing import Any
 import jsonschema
 import pytest
 from moto import mock_aws
-from sqlalchemy import select
+from sqlalchemy import select, update
 
 from ferry import aws, config, errors, hosts, notifications, placement, protocol
 from ferry.compute import actions, states
@@ -387,6 +387,26 @@ def test_select_moves_the_source_allocation_to_the_migration_and_claims_the_dest
     assert placement.get_allocations(uuid) == {dest_rp: {"VCPU": 2, "MEMORY_MB": 1024, "DISK_GB": 3}}
     assert events_of(uuid) == {resize.EVENT_MIGRATE: ("Success", None, True)}
     assert instance(uuid).task_state == states.RESIZE_PREP
+
+
+@pytest.mark.parametrize("may_leave", [False, True], ids=["held", "may-leave"])
+def test_a_move_held_to_its_disabled_cell_still_lands_there_and_one_that_may_leave_does_not(cloud, may_leave):
+    # GIVEN the server's cell disabled (its hosts enabled), and the move allowed to leave it or not
+    uuid = make_server()
+    inp = prepare_move(uuid, BIG)
+    with api_session() as session:
+        session.execute(update(CellMapping).where(CellMapping.name == "cell1").values(disabled=True))
+        row = session.scalars(select(RequestSpec).where(RequestSpec.instance_uuid == uuid)).one()
+        row.spec = {**row.spec, "allow_cross_cell_move": may_leave}
+    doc = resize.validate_input({"input": inp})
+
+    # THEN a move that may not leave it is scheduled there, as in Nova; one that may finds no
+    # other cell with room here, and is not sent into the disabled cell
+    if may_leave:
+        with pytest.raises(errors.NoValidHost):
+            resize.select_destinations(doc)
+    else:
+        assert resize.select_destinations(doc)["host"] == "cell1-host2"
 
 
 def test_select_run_twice_claims_once(cloud):

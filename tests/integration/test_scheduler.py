@@ -161,9 +161,17 @@ def test_a_disabled_cell_takes_only_moves_held_to_it(store):
     moved = scheduler.select_destinations(request_spec(allowed_cells=["cell1", "cell2"], source_cell="cell2"),
                                           claim=False)
     assert hosts_of(moved) == ["host-cell1"]
-    # but a move that may not leave it still lands in it, as in Nova (a requested destination cell)
-    held = scheduler.select_destinations(request_spec(allowed_cells=["cell2"], source_cell="cell2"), claim=False)
-    assert hosts_of(held) == ["host-cell2"]
+    # but a move that may not leave it still lands in it, as in Nova (a requested destination cell),
+    # whether its spec says so or (written before it did) allows its source cell alone
+    for said in ({"may_leave_cell": False}, {}):
+        held = scheduler.select_destinations(request_spec(allowed_cells=["cell2"], source_cell="cell2", **said),
+                                             claim=False)
+        assert hosts_of(held) == ["host-cell2"]
+    # and one that may leave it finds no host there even when its cell is the only one it lists
+    # (a deployment of one cell), as Nova, with the cross-cell policy, schedules to enabled cells only
+    with pytest.raises(errors.NoValidHost):
+        scheduler.select_destinations(request_spec(allowed_cells=["cell2"], source_cell="cell2", may_leave_cell=True),
+                                      claim=False)
 
 
 def test_affinity_group_stays_on_members_hosts(store):

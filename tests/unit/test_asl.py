@@ -313,7 +313,9 @@ def test_an_execution_ending_unsettled_is_counted_for_the_operators_alarm_on_its
         assert {name for name, state in states.items() if fail in _transitions(state)} == {f"Count{fail}"}
         assert count["Next"] == fail and count["ResultPath"] is None
         assert count["Catch"] == [{"ErrorEquals": ["States.ALL"], "ResultPath": None, "Next": fail}]
-        assert "Retry" not in count
+        # A throttled put is tried again, briefly: the execution's end waits seconds at most.
+        [retry] = count["Retry"]
+        assert retry["ErrorEquals"] == ["States.ALL"] and _expected_wait(retry) < 10
         [datum] = count["Parameters"]["MetricData"]
         assert count["Parameters"]["Namespace"] == TEMPLATE.parameters["MetricsNamespace"]
         assert (datum["MetricName"], datum["Unit"], datum["Value"]) == ("WorkflowNotSettled", "Count", 1)

@@ -108,8 +108,8 @@ HINTS: dict[str, str] = {
     SNAPSHOT_DATA_ORPHAN: "ferry audit --fix deletes the extents of a known move's snapshot; check any other by hand",
     TRANSFER_ORPHAN: "ferry audit --fix deletes the objects",
     MIGRATION_STATE_MISMATCH: "ferry audit --fix puts the migration in error",
-    MIGRATION_STUCK: "ferry audit --fix puts it in error once no workflow runs for it (a confirm that never "
-                     "began goes back to finished)",
+    MIGRATION_STUCK: "ferry audit --fix puts it in error, and its action's open events, once no workflow runs "
+                     "for it (a confirm that never began goes back to finished)",
     INSTANCE_TASK_STUCK: "read the server's last action and execution, then reset its state",
     BUILD_REQUEST_STUCK: "delete the server, then run ferry audit --fix for the claim it held",
 }

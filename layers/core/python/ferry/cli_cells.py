@@ -7,7 +7,9 @@ added, where the control plane's settings are (``FERRY_API_DATABASE_URL``, as th
 - ``ferry db sync``: the API database and every mapped cell's database to the newest schema;
 - ``ferry cell create NAME --database-url URL``: a cell's database migrated and mapped (``cell0``
   holds the servers that were never scheduled; every deployment needs it);
-- ``ferry cell list``: the mapped cells (passwords hidden);
+- ``ferry cell list``: the mapped cells (passwords hidden; a disabled one marked so);
+- ``ferry cell update NAME --disable|--enable``: whether the scheduler sends new servers, and
+  moves from other cells, to the cell;
 - ``ferry host map HOST --cell NAME``: which cell a compute host belongs to, ahead of its agent
   (whose first report maps its host to the cell it names with ``--cell``, when unmapped).
 

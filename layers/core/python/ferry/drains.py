@@ -1019,7 +1019,8 @@ def _plan_spec(drain: Drain, cell: str, instance: Instance, is_bfv: bool, base: 
         allowed = [cell]
     spec = {**base, "instance_uuid": instance.uuid, "project_id": instance.project_id, "user_id": instance.user_id,
             "flavor": instance.flavor, "is_bfv": bool(base.get("is_bfv", is_bfv)), "ignore_hosts": sorted(ignore),
-            "requested_destination": None, "allowed_cells": allowed, "source_cell": cell}
+            "requested_destination": None, "allowed_cells": allowed, "source_cell": cell,
+            "may_leave_cell": drain.target_kind == CELL or bool(drain.allow_cross_cell)}
     if drain.target_kind == CELL:
         spec["cross_cell_move_weight_multiplier"] = CELL_DRAIN_CROSS_CELL_MULTIPLIER
     return spec

@@ -110,6 +110,9 @@ class SchedulingSpec:
     group_max_per_host: int = 1
     group_hosts: Mapping[str, int] = field(default_factory=dict)
     source_cell: str | None = None
+    # A move that may not leave its source cell: it lands there even while the cell is disabled
+    # (Nova's requested destination cell without allow_cross_cell_move).
+    held_to_source_cell: bool = False
     # The zone the server was asked for at creation (it stays there when it moves), or None.
     availability_zone: str | None = None
     # A multiplier for CrossCellWeigher that wins over the aggregates' and the default (a drain's).
@@ -141,6 +144,17 @@ def hosts_of_instances(instance_uuids: Iterable[str]) -> set[str]:
                 if host
             )
     return hosts
+
+
+def _held_to_source_cell(request_spec: Mapping[str, Any]) -> bool:
+    """Whether a move's request may not leave its source cell: its ``may_leave_cell`` (a spec
+    written before it was recorded: whether its source cell is the only cell it allows)."""
+    source = request_spec.get("source_cell")
+    if not source:
+        return False
+    if "may_leave_cell" in request_spec:
+        return not request_spec["may_leave_cell"]
+    return list(request_spec.get("allowed_cells") or []) == [source]
 
 
 def build_spec(request_spec: Mapping[str, Any]) -> SchedulingSpec:
@@ -175,6 +189,7 @@ def build_spec(request_spec: Mapping[str, Any]) -> SchedulingSpec:
         group_max_per_host=group.max_per_host if group else 1,
         group_hosts=dict(group.hosts) if group else {},
         source_cell=request_spec.get("source_cell"),
+        held_to_source_cell=_held_to_source_cell(request_spec),
         availability_zone=request_spec.get("availability_zone") or None,
         cross_cell_weight_multiplier=request_spec.get("cross_cell_move_weight_multiplier"),
     )

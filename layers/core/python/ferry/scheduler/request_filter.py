@@ -81,7 +81,7 @@ def placement_request(spec: SchedulingSpec, *, exclude_consumers: Iterable[str] 
         exclude_consumers=tuple(sorted(set(exclude_consumers))),
         # As Nova's requested destination cell: a move that may not leave its cell lands there
         # even while the cell is disabled (disabling stops boots and moves in from other cells).
-        include_disabled=spec.source_cell is not None and spec.allowed_cells == (spec.source_cell,),
+        include_disabled=spec.held_to_source_cell,
     )
 
 

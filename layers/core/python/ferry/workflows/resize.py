@@ -344,6 +344,7 @@ def _move_spec(facts: Mapping[str, Any], cell: str, requested_host: str | None) 
         "requested_destination": {"host": requested_host} if requested_host else None,
         "allowed_cells": allowed_cells,
         "source_cell": cell,
+        "may_leave_cell": bool(cross_cell),
     }
 
 
