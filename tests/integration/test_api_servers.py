@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import datetime as dt
 import hashlib
 import ipaddress
@@ -919,6 +920,72 @@ def test_list_pages_from_a_marker_deleted_since_the_page_before(cloud):
     assert rest.status == 200 and [s["id"] for s in rest.body["servers"]] == [ids[1], ids[0]]
     unknown = call("GET", "/v2.1/servers", query={"marker": str(uuid.uuid4())}, version="2.90")
     assert unknown.status == 400
+
+
+def _every_page(ctx: RequestContext, filters: server_filters.ServerFilters, limit: int) -> list[str]:
+    """The ids of every page of a newest-first list, ``limit`` at a time, each page after the last one's marker."""
+    ids: list[str] = []
+    while True:
+        page = compute_api.list_servers(ctx, dataclasses.replace(filters, limit=limit, marker=ids[-1] if ids else None))
+        ids += [server.uuid for server in page]
+        if len(page) < limit:
+            return ids
+
+
+def test_a_newest_first_list_pages_as_a_list_sorted_by_creation_time_does(cloud):
+    # GIVEN two projects' servers in two cells, created at times that tie (so the uuid decides),
+    # servers not scheduled yet at the same times, a hidden copy in the other cell, and a server
+    # being deleted
+    names = [f"vm{i}" for i in range(14)]
+    ids = {name: create_server(ALICE if i % 2 else BOB, name=name) for i, name in enumerate(names)}
+    moments = [utcnow() - dt.timedelta(minutes=minutes) for minutes in (1, 2, 3)]
+    for i, name in enumerate(names):
+        if i < 10:
+            schedule(ids[name], "cell1" if i % 3 else "cell2", hidden_copy_in="cell1" if i % 3 == 0 else None)
+            with cell_session("cell1" if i % 3 else "cell2") as session:
+                session.execute(update(Instance).where(Instance.uuid == ids[name], Instance.hidden.is_(False))
+                                .values(created_at=moments[i % 3]))
+        else:
+            with api_session() as session:
+                session.execute(update(BuildRequest).where(BuildRequest.instance_uuid == ids[name])
+                                .values(created_at=moments[i % 3]))
+    with api_session() as session:
+        session.execute(update(InstanceMapping).where(InstanceMapping.instance_uuid == ids["vm4"])
+                        .values(queued_for_delete=True))
+    admin = RequestContext(user_id="root", project_id="admin-project", roles=("admin",))
+    alice = RequestContext(user_id="alice", project_id="project-a", roles=("member",))
+
+    for ctx, all_tenants in ((admin, True), (alice, False)):
+        for pattern in (None, "vm1[0-9]*$|vm[2468]"):
+            filters = server_filters.ServerFilters(
+                all_tenants=all_tenants,
+                name=server_filters.SearchPattern("name", pattern, server_filters.MatchBudget()) if pattern else None)
+            # WHEN the list is read a page at a time in its default order, THEN it holds the servers
+            # the general path sorted by creation time lists, in its order, whatever the page's size
+            expected = [s.uuid for s in compute_api.list_servers(
+                ctx, dataclasses.replace(filters, sort=(("created_at", "desc"),)))]
+            assert expected and ids["vm4"] not in expected
+            for limit in (1, 2, 3, 7, 1000):
+                assert _every_page(ctx, filters, limit) == expected, (ctx.project_id, pattern, limit)
+
+
+def test_a_newest_first_page_reads_about_its_size_whatever_the_number_of_servers(cloud, monkeypatch):
+    # GIVEN ten servers in each of two cells (two projects' own), and cells read four servers at a time
+    for i in range(20):
+        schedule(create_server(ALICE if i % 2 else BOB, name=f"vm{i}"), "cell1" if i % 2 else "cell2")
+    monkeypatch.setattr(compute_api, "_LIST_BATCH", 4)
+    read: list[str] = []
+    made = compute_api._server_from_instance
+
+    def counted(row: Instance, cell: str) -> compute_api.Server:
+        read.append(row.uuid)
+        return made(row, cell)
+
+    monkeypatch.setattr(compute_api, "_server_from_instance", counted)
+
+    # WHEN a page of two is listed, THEN each cell read one batch, not all its servers
+    page = call("GET", "/v2.1/servers", caller=ADMIN, query={"limit": "2", "all_tenants": "1"}).body["servers"]
+    assert len(page) == 2 and len(read) <= 8, len(read)
 
 
 def test_a_cell_whose_database_does_not_answer_is_left_out_of_the_list(cloud, monkeypatch):

@@ -145,6 +145,29 @@ def test_the_launch_index_comes_and_goes_with_0007_and_servers_keep_their_rows(e
         assert connection.execute(text("SELECT display_name FROM instances")).scalar_one() == "before"
 
 
+def test_the_list_indexes_come_and_go_with_0008_and_servers_keep_their_rows(empty_cell_url):
+    # GIVEN a server made before 0008
+    url = empty_cell_url
+    migrate.upgrade("cell", url, "0007_cell")
+    with engine_for(url).begin() as connection:
+        insert_instance(connection, "u-1", "before")
+    listing = {"ix_instances_deleted_created_at_uuid", "ix_instances_project_id_deleted_created_at_uuid"}
+
+    # WHEN the cell is upgraded, THEN the servers are indexed newest first (every project's, and each's)
+    migrate.upgrade("cell", url)
+    with engine_for(url).connect() as connection:
+        assert listing <= {index["name"] for index in inspect(connection).get_indexes("instances")}
+
+    # WHEN 0008 is undone, THEN the indexes are gone and the server is still there
+    cfg = migrate.alembic_config("cell", url)
+    with engine_for(url).begin() as connection:
+        cfg.attributes["connection"] = connection
+        command.downgrade(cfg, "0007_cell")
+    with engine_for(url).connect() as connection:
+        assert not listing & {index["name"] for index in inspect(connection).get_indexes("instances")}
+        assert connection.execute(text("SELECT display_name FROM instances")).scalar_one() == "before"
+
+
 NAMES = ["Web Server_1", "☕", "", "..db.01..", "Ünïcode façade", "x" * 80, "a b_c.d", "ß²µ-ºª", "  -_-  ", "web"]
 
 

@@ -32,15 +32,16 @@ What :func:`create_server` writes, for the boot workflow:
 from __future__ import annotations
 
 import datetime as dt
+import heapq
 import ipaddress
 import itertools
 import secrets
 import uuid as uuidlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, TypeVar, cast
 
-from sqlalchemy import ColumnElement, CursorResult, and_, delete, select, update
+from sqlalchemy import ColumnElement, CursorResult, and_, delete, select, tuple_, update
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.orm import Session
 
@@ -493,6 +494,9 @@ def list_servers(ctx: RequestContext, filters: ServerFilters) -> list[Server]:
             flavor_id = session.scalars(select(Flavor.id).where(Flavor.flavorid == ref_id(filters.flavor))).first()
             if flavor_id is None:
                 return []
+    if not filters.sort and filters.read_deleted == "no" and filters.uuid is None:
+        return _list_newest_first(filters, project, flavor_id)
+    with api_session() as session:
         query = select(InstanceMapping)
         if filters.read_deleted == "no":
             query = query.where(InstanceMapping.queued_for_delete.is_(False))
@@ -535,6 +539,135 @@ def list_servers(ctx: RequestContext, filters: ServerFilters) -> list[Server]:
         s, filters, flavor_id=flavor_id, addresses=addresses)), page_size(filters.limit)))
     _add_details(page, tags=not filters.by_tags)
     return page
+
+
+# How many servers a newest-first list reads from a cell at a time (see _newest_first_in).
+_LIST_BATCH = 500
+
+_Position = tuple[dt.datetime, str]
+
+
+def _list_newest_first(filters: ServerFilters, project: str | None, flavor_id: int | None) -> list[Server]:
+    """:func:`list_servers` in its default order (newest first, no deleted servers, no uuid): each
+    cell's servers are read newest first from the marker's place on, a batch at a time, merged,
+    and filtered until the page is full, so that a page costs about its size however many
+    servers there are (reading every server for each page made listing all of them quadratic).
+    The servers listed, their order and the marker's meaning are those of the general path.
+
+    Raises:
+        BadRequest: a marker that is not in the list.
+    """
+    after = _marker_position(filters.marker, project) if filters.marker else None
+    streams = [_newest_first_in(cell, project, after) for cell in db.all_cells()]
+    streams.append(iter(_builds_newest_first(project, after)))
+    merged = heapq.merge(*streams, key=_position, reverse=True)
+    size, page = page_size(filters.limit), cast(list[Server], [])
+    while len(page) < size:
+        chunk = list(itertools.islice(merged, _LIST_BATCH))
+        if not chunk:
+            break
+        _add_zones(chunk)
+        if filters.by_tags:
+            _add_tags(chunk)
+        addresses = _fixed_addresses([s.uuid for s in chunk]) if filters.by_address else None
+        page += itertools.islice((s for s in chunk if server_filters.matches(
+            s, filters, flavor_id=flavor_id, addresses=addresses)), size - len(page))
+    _add_details(page, tags=not filters.by_tags)
+    return page
+
+
+def _position(server: Server) -> _Position:
+    """Where a server stands in the default order (newest first, then the greater uuid)."""
+    return server.created_at, server.uuid
+
+
+def _marker_position(marker: str, project: str | None) -> _Position:
+    """The place of the server ``marker`` (of ``project`` unless None) in the default order,
+    whether or not it passes the filters, and also once deleted (see :func:`list_servers`).
+
+    Raises:
+        BadRequest: no such server (or another project's), or its cell does not answer.
+    """
+    with api_session() as session:
+        query = select(InstanceMapping).where(InstanceMapping.instance_uuid == marker)
+        if project is not None:
+            query = query.where(InstanceMapping.project_id == project)
+        mapping = session.scalars(query).one_or_none()
+        cell = mapping.cell if mapping is not None else None
+        if mapping is not None and cell is None and not mapping.queued_for_delete:
+            build = session.scalars(select(BuildRequest).where(BuildRequest.instance_uuid == marker)).one_or_none()
+            if build is not None:
+                return build.created_at, marker
+    if mapping is not None and cell is not None and not mapping.queued_for_delete:
+        try:
+            with cell_session(cell) as session:  # by uuid alone (its unique index), the copy picked here
+                created = next((at for at, hidden, deleted in session.execute(
+                    select(Instance.created_at, Instance.hidden, Instance.deleted).where(Instance.uuid == marker))
+                    if not hidden and not deleted), None)
+        except DBAPIError as exc:
+            if not db.transient(exc):
+                raise
+            created = None  # its cell does not answer: not found, as when the list leaves that cell out
+        if created is not None:
+            return created, marker
+    deleted = _deleted_marker(marker, project)
+    if not deleted:
+        raise errors.BadRequest(f"marker [{marker}] not found")
+    return _position(deleted[0])
+
+
+def _newest_first_in(cell: CellMapping, project: str | None, after: _Position | None) -> Iterator[Server]:
+    """The servers listed from ``cell`` (its visible copies of servers mapped to it and not being
+    deleted, of ``project`` unless None), newest first, after ``after``; read a batch at a time,
+    each in a session of its own. A cell that does not answer ends its part of the list (logged),
+    as the general path leaves it out."""
+    while True:
+        query = select(Instance).where(Instance.deleted.is_(False), Instance.hidden.is_(False))
+        if project is not None:
+            query = query.where(Instance.project_id == project)
+        if after is not None:
+            query = query.where(tuple_(Instance.created_at, Instance.uuid) < tuple_(*after))
+        try:
+            with cell_session(cell) as session:
+                rows = [_server_from_instance(row, cell.name) for row in session.scalars(
+                    query.order_by(Instance.created_at.desc(), Instance.uuid.desc()).limit(_LIST_BATCH))]
+        except DBAPIError as exc:
+            if not db.transient(exc):
+                raise
+            logger.warning("cell database does not answer; its servers are left out of the list",
+                           extra={"cell": cell.name, "error": type(exc).__name__})
+            return
+        if not rows:
+            return
+        mapped = _mapped_to(cell, project, [server.uuid for server in rows])
+        yield from (server for server in rows if server.uuid in mapped)
+        if len(rows) < _LIST_BATCH:
+            return
+        after = _position(rows[-1])
+
+
+def _mapped_to(cell: CellMapping, project: str | None, uuids: Sequence[str]) -> set[str]:
+    """Which of ``uuids`` are mapped to ``cell`` (of ``project`` unless None) and not being deleted."""
+    with api_session() as session:
+        # Read by uuid alone, and the rest compared here: a condition on the cell or the delete
+        # flag can make the database scan every mapping of the cell rather than look these up.
+        rows = session.execute(select(InstanceMapping.instance_uuid, InstanceMapping.cell_id,
+                                      InstanceMapping.queued_for_delete, InstanceMapping.project_id)
+                               .where(InstanceMapping.instance_uuid.in_(uuids)))
+        return {uuid for uuid, cell_id, queued, owner in rows
+                if cell_id == cell.id and not queued and (project is None or owner == project)}
+
+
+def _builds_newest_first(project: str | None, after: _Position | None) -> list[Server]:
+    """The servers not scheduled yet (build requests, of ``project`` unless None), newest first, after ``after``."""
+    with api_session() as session:
+        query = select(BuildRequest).join(
+            InstanceMapping, InstanceMapping.instance_uuid == BuildRequest.instance_uuid).where(
+            InstanceMapping.cell_id.is_(None), InstanceMapping.queued_for_delete.is_(False))
+        if project is not None:
+            query = query.where(InstanceMapping.project_id == project)
+        builds = [_server_from_build(build) for build in session.scalars(query)]
+    return sorted((b for b in builds if after is None or _position(b) < after), key=_position, reverse=True)
 
 
 def _listed_in(cell: CellMapping, uuids: list[str], deleted: tuple[bool, ...]) -> list[Server]:

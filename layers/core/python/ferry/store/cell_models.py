@@ -10,6 +10,7 @@ from sqlalchemy import (
     Boolean,
     DateTime,
     ForeignKey,
+    Index,
     Integer,
     MetaData,
     String,
@@ -35,6 +36,10 @@ class Instance(TimestampMixin, CellBase):
     deleted flavor never strands it); ``old_flavor``/``new_flavor`` are set during a move."""
 
     __tablename__ = "instances"
+    # A server list reads servers newest first from its marker on (every project's, or one's).
+    __table_args__ = (Index("ix_instances_deleted_created_at_uuid", "deleted", "created_at", "uuid"),
+                      Index("ix_instances_project_id_deleted_created_at_uuid", "project_id", "deleted", "created_at",
+                            "uuid"))
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     uuid: Mapped[str] = mapped_column(String(36), unique=True, default=new_uuid)
     display_name: Mapped[str] = mapped_column(String(255))
