@@ -13,6 +13,7 @@ import uuid
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
+from sqlalchemy import delete as sql_delete
 from sqlalchemy import select, update
 from sqlalchemy.exc import OperationalError
 from test_api_support import (
@@ -932,10 +933,13 @@ def _every_page(ctx: RequestContext, filters: server_filters.ServerFilters, limi
             return ids
 
 
-def test_a_newest_first_list_pages_as_a_list_sorted_by_creation_time_does(cloud):
+@pytest.mark.parametrize("batch", [1, 2, 3, 500])
+def test_a_newest_first_list_pages_as_a_list_sorted_by_creation_time_does(cloud, monkeypatch, batch):
     # GIVEN two projects' servers in two cells, created at times that tie (so the uuid decides),
-    # servers not scheduled yet at the same times, a hidden copy in the other cell, and a server
-    # being deleted
+    # servers not scheduled yet at the same times, a hidden copy in the other cell, a visible
+    # copy in a cell the server is not mapped to (a move between cells switching), and a server
+    # being deleted; cells read ``batch`` servers at a time
+    monkeypatch.setattr(compute_api, "_LIST_BATCH", batch)
     names = [f"vm{i}" for i in range(14)]
     ids = {name: create_server(ALICE if i % 2 else BOB, name=name) for i, name in enumerate(names)}
     moments = [utcnow() - dt.timedelta(minutes=minutes) for minutes in (1, 2, 3)]
@@ -952,6 +956,11 @@ def test_a_newest_first_list_pages_as_a_list_sorted_by_creation_time_does(cloud)
     with api_session() as session:
         session.execute(update(InstanceMapping).where(InstanceMapping.instance_uuid == ids["vm4"])
                         .values(queued_for_delete=True))
+    stray = instance(ids["vm5"], "cell1")
+    with cell_session("cell2") as session:
+        session.add(Instance(uuid=stray.uuid, display_name="stray-copy", project_id=stray.project_id,
+                             user_id=stray.user_id, flavor=stray.flavor, vm_state=states.ACTIVE,
+                             created_at=moments[0]))
     admin = RequestContext(user_id="root", project_id="admin-project", roles=("admin",))
     alice = RequestContext(user_id="alice", project_id="project-a", roles=("member",))
 
@@ -962,18 +971,17 @@ def test_a_newest_first_list_pages_as_a_list_sorted_by_creation_time_does(cloud)
                 name=server_filters.SearchPattern("name", pattern, server_filters.MatchBudget()) if pattern else None)
             # WHEN the list is read a page at a time in its default order, THEN it holds the servers
             # the general path sorted by creation time lists, in its order, whatever the page's size
-            expected = [s.uuid for s in compute_api.list_servers(
-                ctx, dataclasses.replace(filters, sort=(("created_at", "desc"),)))]
-            assert expected and ids["vm4"] not in expected
+            general = compute_api.list_servers(ctx, dataclasses.replace(filters, sort=(("created_at", "desc"),)))
+            expected = [s.uuid for s in general]
+            assert expected and ids["vm4"] not in expected and "stray-copy" not in {s.name for s in general}
             for limit in (1, 2, 3, 7, 1000):
                 assert _every_page(ctx, filters, limit) == expected, (ctx.project_id, pattern, limit)
 
 
 def test_a_newest_first_page_reads_about_its_size_whatever_the_number_of_servers(cloud, monkeypatch):
-    # GIVEN ten servers in each of two cells (two projects' own), and cells read four servers at a time
+    # GIVEN ten servers in each of two cells (two projects' own)
     for i in range(20):
         schedule(create_server(ALICE if i % 2 else BOB, name=f"vm{i}"), "cell1" if i % 2 else "cell2")
-    monkeypatch.setattr(compute_api, "_LIST_BATCH", 4)
     read: list[str] = []
     made = compute_api._server_from_instance
 
@@ -983,9 +991,45 @@ def test_a_newest_first_page_reads_about_its_size_whatever_the_number_of_servers
 
     monkeypatch.setattr(compute_api, "_server_from_instance", counted)
 
-    # WHEN a page of two is listed, THEN each cell read one batch, not all its servers
+    # WHEN a page of two is listed, THEN each cell read two servers, not all its servers
     page = call("GET", "/v2.1/servers", caller=ADMIN, query={"limit": "2", "all_tenants": "1"}).body["servers"]
-    assert len(page) == 2 and len(read) <= 8, len(read)
+    assert len(page) == 2 and len(read) == 4, len(read)
+
+    # WHEN most servers fail a filter, THEN the cells are read on, a batch at a time, until the page fills
+    read.clear()
+    monkeypatch.setattr(compute_api, "_LIST_BATCH", 4)
+    page = call("GET", "/v2.1/servers", caller=ADMIN, query={"limit": "2", "all_tenants": "1", "name": "vm[01]$"},
+                version="2.90").body["servers"]
+    assert sorted(s["name"] for s in page) == ["vm0", "vm1"] and 4 < len(read) <= 20, len(read)
+
+
+def test_a_server_scheduled_while_a_page_is_read_is_listed_once(cloud, monkeypatch):
+    # GIVEN a server not scheduled yet whose copy is already in cell1 (the boot writes it before it
+    # points the mapping at it), and the hand-over done right after the list read the build requests
+    server_id = create_server(name="vm")
+    with api_session() as session:
+        build = session.scalars(select(BuildRequest).where(BuildRequest.instance_uuid == server_id)).one()
+        fields = {k: v for k, v in build.instance.items() if k not in ("metadata", "tags")}
+        created = build.created_at
+    with cell_session("cell1") as session:
+        session.add(Instance(uuid=server_id, **{**fields, "vm_state": states.ACTIVE, "task_state": None,
+                                                "created_at": created}))
+    builds = compute_api._builds_newest_first
+
+    def handed_over_after(project, after):  # noqa: ANN001, ANN202 - the function it stands for
+        listed = builds(project, after)
+        with api_session() as session:
+            session.execute(sql_delete(BuildRequest).where(BuildRequest.instance_uuid == server_id))
+            cell_id = session.scalars(select(CellMapping.id).where(CellMapping.name == "cell1")).one()
+            session.execute(update(InstanceMapping).where(InstanceMapping.instance_uuid == server_id)
+                            .values(cell_id=cell_id))
+        return listed
+
+    monkeypatch.setattr(compute_api, "_builds_newest_first", handed_over_after)
+
+    # WHEN the servers are listed, THEN it is listed once, from its cell
+    listed = call("GET", "/v2.1/servers/detail").body["servers"]
+    assert [(s["id"], s["status"]) for s in listed] == [(server_id, "ACTIVE")]
 
 
 def test_a_cell_whose_database_does_not_answer_is_left_out_of_the_list(cloud, monkeypatch):

@@ -549,21 +549,29 @@ _Position = tuple[dt.datetime, str]
 
 def _list_newest_first(filters: ServerFilters, project: str | None, flavor_id: int | None) -> list[Server]:
     """:func:`list_servers` in its default order (newest first, no deleted servers, no uuid): each
-    cell's servers are read newest first from the marker's place on, a batch at a time, merged,
-    and filtered until the page is full, so that a page costs about its size however many
-    servers there are (reading every server for each page made listing all of them quadratic).
-    The servers listed, their order and the marker's meaning are those of the general path.
+    cell's servers are read newest first from the marker's place on, a batch at a time (the first
+    no larger than the page), merged, and filtered until the page is full. A page then reads
+    about its size from each cell when most servers pass the filters, however many servers there
+    are (a filter few pass reads on until the page fills, up to every server after the marker);
+    the general path read every server for each page, so listing them all grew quadratically.
+    The servers listed, their order and the marker's meaning are those of the general path; a
+    server that changes cell while the page is read (scheduled, or a move between cells
+    switching) is listed once.
 
     Raises:
         BadRequest: a marker that is not in the list.
     """
+    size = page_size(filters.limit)
     after = _marker_position(filters.marker, project) if filters.marker else None
-    streams = [_newest_first_in(cell, project, after) for cell in db.all_cells()]
+    first = max(1, min(size, _LIST_BATCH))
+    streams = [_newest_first_in(cell, project, after, first) for cell in db.all_cells()]
     streams.append(iter(_builds_newest_first(project, after)))
-    merged = heapq.merge(*streams, key=_position, reverse=True)
-    size, page = page_size(filters.limit), cast(list[Server], [])
+    # A cell's copy comes before a build request's of the same server (merge keeps the streams'
+    # order among equal keys), and one server is listed once.
+    merged = _once_each(heapq.merge(*streams, key=_position, reverse=True))
+    page: list[Server] = []
     while len(page) < size:
-        chunk = list(itertools.islice(merged, _LIST_BATCH))
+        chunk = list(itertools.islice(merged, max(1, min(size - len(page), _LIST_BATCH))))
         if not chunk:
             break
         _add_zones(chunk)
@@ -574,6 +582,15 @@ def _list_newest_first(filters: ServerFilters, project: str | None, flavor_id: i
             s, filters, flavor_id=flavor_id, addresses=addresses)), size - len(page))
     _add_details(page, tags=not filters.by_tags)
     return page
+
+
+def _once_each(servers: Iterable[Server]) -> Iterator[Server]:
+    """``servers`` without the later copies of one already given."""
+    seen: set[str] = set()
+    for server in servers:
+        if server.uuid not in seen:
+            seen.add(server.uuid)
+            yield server
 
 
 def _position(server: Server) -> _Position:
@@ -616,11 +633,12 @@ def _marker_position(marker: str, project: str | None) -> _Position:
     return _position(deleted[0])
 
 
-def _newest_first_in(cell: CellMapping, project: str | None, after: _Position | None) -> Iterator[Server]:
+def _newest_first_in(cell: CellMapping, project: str | None, after: _Position | None,
+                     batch: int) -> Iterator[Server]:
     """The servers listed from ``cell`` (its visible copies of servers mapped to it and not being
-    deleted, of ``project`` unless None), newest first, after ``after``; read a batch at a time,
-    each in a session of its own. A cell that does not answer ends its part of the list (logged),
-    as the general path leaves it out."""
+    deleted, of ``project`` unless None), newest first, after ``after``; read ``batch`` first,
+    then :data:`_LIST_BATCH` at a time, each in a session of its own. A cell that does not answer
+    ends its part of the list (logged), as the general path leaves it out."""
     while True:
         query = select(Instance).where(Instance.deleted.is_(False), Instance.hidden.is_(False))
         if project is not None:
@@ -630,7 +648,7 @@ def _newest_first_in(cell: CellMapping, project: str | None, after: _Position | 
         try:
             with cell_session(cell) as session:
                 rows = [_server_from_instance(row, cell.name) for row in session.scalars(
-                    query.order_by(Instance.created_at.desc(), Instance.uuid.desc()).limit(_LIST_BATCH))]
+                    query.order_by(Instance.created_at.desc(), Instance.uuid.desc()).limit(batch))]
         except DBAPIError as exc:
             if not db.transient(exc):
                 raise
@@ -641,9 +659,9 @@ def _newest_first_in(cell: CellMapping, project: str | None, after: _Position | 
             return
         mapped = _mapped_to(cell, project, [server.uuid for server in rows])
         yield from (server for server in rows if server.uuid in mapped)
-        if len(rows) < _LIST_BATCH:
+        if len(rows) < batch:
             return
-        after = _position(rows[-1])
+        after, batch = _position(rows[-1]), _LIST_BATCH
 
 
 def _mapped_to(cell: CellMapping, project: str | None, uuids: Sequence[str]) -> set[str]:
