@@ -860,7 +860,7 @@ def _close_events(session: Session, event: Mapping[str, Any], failed: str, host:
     if action is None:
         return
     finished = dict(session.execute(select(InstanceActionEvent.event, InstanceActionEvent.finish_time).where(
-        InstanceActionEvent.action_id == action.id)).tuples().all())
+        InstanceActionEvent.action_id == action.id)).all())
     open_events = {name for name, at in finished.items() if at is None}
     cross_cell = is_cross_cell(event)
     order = CROSS_CELL_EVENTS if cross_cell else EVENTS
