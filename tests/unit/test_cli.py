@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from ferry import audit as audit_module
 from ferry import cli, hosts, placement
 from ferry.store.api_models import utcnow
 
@@ -33,6 +34,18 @@ def test_audit_of_a_clean_store_exits_0(sqlite_store, capsys):
     out = capsys.readouterr().out
     assert out.strip().endswith("clean")
     assert "SKIPPED" in out  # no state machine configured: said, not hidden
+
+
+def test_a_strict_audit_that_could_not_run_every_check_exits_4_and_a_complete_one_0(sqlite_store, capsys,
+                                                                                       monkeypatch):
+    # GIVEN no state machine configured: the stuck-migration checks are skipped
+    assert cli.main(["audit", "--strict", *QUIET]) == cli.EXIT_AUDIT_INCOMPLETE
+    assert "SKIPPED" in capsys.readouterr().out
+
+    # WHEN nothing is skipped, THEN a clean strict audit exits 0
+    monkeypatch.setattr(audit_module, "_running_executions", lambda skipped: set())
+    monkeypatch.setattr(audit_module, "_unlisted_move_machines", lambda: [])
+    assert cli.main(["audit", "--strict", *QUIET]) == 0, capsys.readouterr().out
 
 
 def test_audit_with_a_problem_exits_1_and_names_it(with_stray_allocation, capsys):

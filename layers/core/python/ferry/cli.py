@@ -45,6 +45,8 @@ EXIT_CANNOT_RUN = 3
 # The exit status of a command whose settings cannot be read (a FERRY_* number that is no number): bad usage,
 # as for a command line argparse refuses, or an image bucket ``ferry audit`` is not told.
 EXIT_BAD_SETTING = 2
+# The exit status of `ferry audit --strict` that found nothing but could not run every check.
+EXIT_AUDIT_INCOMPLETE = 4
 # A URL within a message (``scheme://`` up to a blank or a quote).
 _URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"]+")
 
@@ -62,7 +64,9 @@ def _run_audit(args: argparse.Namespace) -> int:
         print(json.dumps(report.to_dict(), indent=2, sort_keys=True))
     else:
         print(report.describe())
-    return 0 if report.clean else 1
+    if not report.clean:
+        return 1
+    return EXIT_AUDIT_INCOMPLETE if args.strict and report.skipped else 0
 
 
 def add_audit(commands: Any) -> None:
@@ -70,8 +74,8 @@ def add_audit(commands: Any) -> None:
         "audit", help="check Ferry's invariants (records, placement, hosts, images)",
         description="Check that servers, migrations, allocations, port bindings, volume attachments, the "
                     "hosts' guests and disks and the image bucket agree. Exit status 0 when clean, 1 when "
-                    "problems remain, 3 when a database cannot be used. See docs/reliability.md for each "
-                    "problem kind.")
+                    "problems remain, 3 when a database cannot be used, 4 with --strict when clean but a check "
+                    "was skipped. See docs/reliability.md for each problem kind.")
     parser.add_argument("--fix", action="store_true",
                         help="repair what is safe (orphan allocations, bindings, attachments, temporary "
                              "snapshots and transfers, stale hidden copies, stuck migrations), then check again")
@@ -81,6 +85,9 @@ def add_audit(commands: Any) -> None:
                              "two writes (default: %(default)g)")
     parser.add_argument("--no-storage", action="store_true",
                         help="skip the image bucket (temporary snapshots and disk transfers)")
+    parser.add_argument("--strict", action="store_true",
+                        help="exit 4 rather than 0 when nothing was found but a check could not run (its SKIPPED "
+                             "line says which): for a scheduled run that must check everything")
     parser.set_defaults(handler=_run_audit)
 
 
