@@ -14,9 +14,10 @@ processor = BatchProcessor(event_type=EventType.SQS)
 
 
 def record_handler(record: SQSRecord) -> None:
-    sent = record.raw_event.get("attributes", {}).get("SentTimestamp")  # when SQS took it (milliseconds)
+    attributes = record.raw_event.get("attributes", {})
+    sent = attributes.get("SentTimestamp")  # when SQS took it (milliseconds)
     queued_at = dt.datetime.fromtimestamp(int(sent) / 1000, dt.UTC).replace(tzinfo=None) if sent else None
-    hosts.apply_report(json.loads(record.body), queued_at)
+    hosts.apply_report(json.loads(record.body), queued_at, attributes.get("SenderId"))  # who sent it
 
 
 @lambda_entry

@@ -511,25 +511,64 @@ def test_an_inventory_report_older_than_the_last_applied_does_not_overwrite_it(c
     assert placement.get_inventories(placement.provider_by_host("compute-1"))[placement.VCPU]["total"] == 16
 
 
+def test_a_hosts_reports_are_taken_from_the_sender_of_its_first_one_until_it_is_rebound(computes, capsys):
+    # GIVEN compute-2 (silent for ten minutes) and a new host, each reporting first from its own agent
+    first = utcnow() - dt.timedelta(seconds=20)
+    hosts.apply_report({"kind": protocol.REPORT_HEARTBEAT, "host": "compute-2", "sent_at": first.isoformat()},
+                       first, "AROAAGENT:i-02")
+    hosts.apply_report(_inventory("compute-7", 8, first), first, "AROAAGENT:i-07")
+    assert row("compute-2").last_seen_at == first and hosts.cell_of_host("compute-7") == "cell1"
+
+    # WHEN another sender reports compute-2 up and compute-7's inventory changed
+    later = utcnow() - dt.timedelta(seconds=10)
+    hosts.apply_report({"kind": protocol.REPORT_HEARTBEAT, "host": "compute-2", "sent_at": later.isoformat()},
+                       later, "AROAAGENT:i-07")
+    hosts.apply_report(_inventory("compute-7", 64, later), later, "AROAAGENT:i-02")
+
+    # THEN neither is applied
+    assert row("compute-2").last_seen_at == first
+    assert placement.get_inventories(placement.provider_by_host("compute-7"))[placement.VCPU]["total"] == 8
+    # (a report whose sender is not known is applied as before)
+    hosts.apply_report(_inventory("compute-7", 16, later), later)
+    assert placement.get_inventories(placement.provider_by_host("compute-7"))[placement.VCPU]["total"] == 16
+
+    # WHEN compute-7's agent now sends as another identity and the host is re-bound
+    from ferry import cli
+
+    assert cli.main(["host", "rebind", "compute-7"]) == 0
+    assert "compute-7: its reports are taken from the sender of its next report" in capsys.readouterr().out
+    now = utcnow()
+    hosts.apply_report(_inventory("compute-7", 32, now), now, "AROAAGENT:i-17")
+    hosts.apply_report(_inventory("compute-7", 4, now), now, "AROAAGENT:i-07")
+
+    # THEN the next report binds it: the new identity's reports are applied, the old one's not
+    assert placement.get_inventories(placement.provider_by_host("compute-7"))[placement.VCPU]["total"] == 32
+    assert cli.main(["host", "rebind", "compute-99"]) == 1
+    assert "host compute-99 is not mapped to a cell" in capsys.readouterr().err
+
+
 def test_the_reports_handler_gives_each_report_the_time_sqs_queued_it(computes, monkeypatch):
     queued_at = utcnow().replace(microsecond=0) - dt.timedelta(seconds=30)
     applied = []
-    monkeypatch.setattr(hosts, "apply_report", lambda report, at=None: applied.append((report["host"], at)))
+    monkeypatch.setattr(hosts, "apply_report",
+                        lambda report, at=None, sender=None: applied.append((report["host"], at, sender)))
     record = {"messageId": "m-1", "receiptHandle": "r-1", "md5OfBody": "", "eventSource": "aws:sqs",
               "eventSourceARN": "arn:aws:sqs:us-east-1:123456789012:ferry-test-host-reports", "awsRegion": "us-east-1",
               "body": json.dumps({"kind": protocol.REPORT_HEARTBEAT, "host": "compute-1", "sent_at": "x"}),
-              "attributes": {"SentTimestamp": str(int(queued_at.replace(tzinfo=dt.UTC).timestamp() * 1000))},
+              "attributes": {"SentTimestamp": str(int(queued_at.replace(tzinfo=dt.UTC).timestamp() * 1000)),
+                             "SenderId": "AROAAGENT:i-01"},
               "messageAttributes": {}}
 
     result = function("report_host_state").handler({"Records": [record]}, LambdaContext())
 
     assert result == {"batchItemFailures": []}
-    assert applied == [("compute-1", queued_at)]
+    assert applied == [("compute-1", queued_at, "AROAAGENT:i-01")]
 
 
 def test_a_report_without_sqs_times_is_applied_as_queued_now(computes, monkeypatch):
     applied = []
-    monkeypatch.setattr(hosts, "apply_report", lambda report, at=None: applied.append((report["host"], at)))
+    monkeypatch.setattr(hosts, "apply_report",
+                        lambda report, at=None, sender=None: applied.append((report["host"], at, sender)))
     record = {"messageId": "m-1", "receiptHandle": "r-1", "md5OfBody": "", "eventSource": "aws:sqs",
               "eventSourceARN": "arn:aws:sqs:us-east-1:123456789012:ferry-test-host-reports", "awsRegion": "us-east-1",
               "body": json.dumps({"kind": protocol.REPORT_HEARTBEAT, "host": "compute-1", "sent_at": "x"}),
@@ -538,5 +577,5 @@ def test_a_report_without_sqs_times_is_applied_as_queued_now(computes, monkeypat
     result = function("report_host_state").handler({"Records": [record]}, LambdaContext())
 
     assert result == {"batchItemFailures": []}
-    assert applied == [("compute-1", None)]
+    assert applied == [("compute-1", None, None)]
 

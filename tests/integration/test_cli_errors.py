@@ -31,6 +31,7 @@ COMMANDS_READING_THE_STORE = [
     ["cell", "update", "cell1", "--disable"],
     ["cell", "create", "cell1", "--database-url", "sqlite:////nonexistent/ferry-cell1.sqlite"],
     ["host", "map", "compute1", "--cell", "cell1"],
+    ["host", "rebind", "compute1"],
     ["volume", "list"],
     ["volume", "forget", "00000000-0000-4000-8000-000000000000"],
     ["audit", "--no-storage"],

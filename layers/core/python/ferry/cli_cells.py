@@ -11,7 +11,9 @@ added, where the control plane's settings are (``FERRY_API_DATABASE_URL``, as th
 - ``ferry cell update NAME --disable|--enable``: whether the scheduler sends new servers, and
   moves from other cells, to the cell;
 - ``ferry host map HOST --cell NAME``: which cell a compute host belongs to, ahead of its agent
-  (whose first report maps its host to the cell it names with ``--cell``, when unmapped).
+  (whose first report maps its host to the cell it names with ``--cell``, when unmapped);
+- ``ferry host rebind HOST``: the host's reports taken from the sender of its next report (see
+  :func:`ferry.hosts.apply_report`).
 
 Each is idempotent: run again, it changes nothing. A cell is never re-pointed at another
 database, and a host never moved to another cell by these commands: both would strand the
@@ -252,6 +254,17 @@ def _run_host_map(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_host_rebind(args: argparse.Namespace) -> int:
+    from ferry import hosts
+
+    try:
+        hosts.rebind(args.host)
+    except errors.HostNotMapped:
+        return _refused(f"host {args.host} is not mapped to a cell; `ferry host map` maps it.")
+    print(f"host {args.host}: its reports are taken from the sender of its next report")
+    return 0
+
+
 def add_db(commands: Any) -> None:
     parser = commands.add_parser("db", help="bring the databases to the newest schema",
                                  description="Migrate the API database and every mapped cell's database.")
@@ -283,10 +296,17 @@ def add_cell(commands: Any) -> None:
 
 
 def add_host(commands: Any) -> None:
-    parser = commands.add_parser("host", help="map compute hosts to cells",
-                                 description="Record which cell a compute host belongs to.")
+    parser = commands.add_parser("host", help="map compute hosts to cells, re-bind their reports",
+                                 description="Record which cell a compute host belongs to, and whose reports "
+                                             "are the host's.")
     sub = parser.add_subparsers(dest="host_command", metavar="<host command>", required=True)
     mapping = sub.add_parser("map", help="map a host to a cell (idempotent; never moves a mapped host)")
     mapping.add_argument("host", help="the compute host's name, as its agent reports it (--host)")
     mapping.add_argument("--cell", required=True, help="the cell's name")
     mapping.set_defaults(handler=_run_host_map)
+    rebind = sub.add_parser("rebind", help="take a host's reports from the sender of its next report (idempotent)",
+                            description="A host's reports are taken from the sender of its first one (SQS's "
+                                        "SenderId); after its agent's identity changed (a replaced machine, new "
+                                        "credentials) its reports are refused until the host is re-bound.")
+    rebind.add_argument("host", help="the compute host's name")
+    rebind.set_defaults(handler=_run_host_rebind)

@@ -217,7 +217,7 @@ class InvalidOperation(HostOperationFailed):
 
 
 class HostNotMapped(FerryError):
-    """A host reported without being mapped to a cell."""
+    """A host reported (or was named) without being mapped to a cell."""
 
 
 class HostMappedElsewhere(Conflict):

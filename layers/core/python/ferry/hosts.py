@@ -6,10 +6,10 @@ import datetime as dt
 import hashlib
 import json
 import threading
-from typing import Any
+from typing import Any, cast
 
 from aws_lambda_powertools.metrics import MetricUnit
-from sqlalchemy import select
+from sqlalchemy import CursorResult, select, update
 
 from ferry import aws, config, errors, placement, protocol
 from ferry.compute import instances
@@ -51,7 +51,7 @@ def is_compute_host(host: str) -> bool:
         return session.scalars(select(Service.id).where(Service.host == host)).first() is not None
 
 
-def apply_report(report: dict[str, Any], queued_at: dt.datetime | None = None) -> None:
+def apply_report(report: dict[str, Any], queued_at: dt.datetime | None = None, sender: str | None = None) -> None:
     """Apply one agent report: inventory to placement, heartbeat to the host's service record.
 
     ``queued_at`` is when the reports queue took the report (SQS's ``SentTimestamp``, naive UTC;
@@ -70,6 +70,12 @@ def apply_report(report: dict[str, Any], queued_at: dt.datetime | None = None) -
 
     A host that reports for the first time with a ``cell`` is mapped to that cell (Ferry's
     equivalent of discovering hosts); a host with no mapping and no cell is refused.
+
+    ``sender`` is who sent the report (SQS's ``SenderId``; None: not known, nothing is checked).
+    A host's reports are taken from one sender: the first report since the host was mapped (or
+    re-bound with ``ferry host rebind``) binds the host to its sender, and a report of the host
+    from another sender is dropped, logged and counted (``HostReportRefused``), so an agent
+    cannot report another host up, its inventory or its guests.
 
     What an inventory report still lists of deleted servers is destroyed there
     (:func:`reap_deleted`), best effort: a failure there is logged, and the report stays applied.
@@ -93,6 +99,12 @@ def apply_report(report: dict[str, Any], queued_at: dt.datetime | None = None) -
             raise errors.HostNotMapped(f"Host {host} is not mapped to a cell and did not name one.")
         setup.map_host(host, report["cell"])
         cell = report["cell"]
+    if sender is not None and not _taken_from(host, sender):
+        logger.warning("host report refused: the host's reports are taken from another sender "
+                       "(ferry host rebind re-binds it)",
+                       extra={"host": host, "kind": report["kind"], "sender": sender})
+        metrics.add_metric(name="HostReportRefused", unit=MetricUnit.Count, value=1)
+        return
     view = _host_view(report, queued)
     with cell_session(cell) as session:
         # Locked: two reports of the host applied side by side keep the newer view (read, then written).
@@ -117,6 +129,33 @@ def apply_report(report: dict[str, Any], queued_at: dt.datetime | None = None) -
             logger.exception("reaping deleted servers' leftovers failed", extra={"host": host})
             metrics.add_metric(name="ReapFailed", unit=MetricUnit.Count, value=1)
     logger.debug("host report applied", extra={"host": host, "kind": report["kind"]})
+
+
+def _taken_from(host: str, sender: str) -> bool:
+    """Whether ``host``'s reports are taken from ``sender``: the host is bound to it, or was not
+    bound yet and now is (the update locks the mapping's row: of two first reports, one binds)."""
+    with api_session() as session:
+        bound = cast(CursorResult[Any], session.execute(
+            update(HostMapping).where(HostMapping.host == host, HostMapping.reporter.is_(None))
+            .values(reporter=sender).execution_options(synchronize_session=False)))
+        if bound.rowcount:
+            logger.info("host bound to the sender of its reports", extra={"host": host, "sender": sender})
+        return session.scalars(select(HostMapping.reporter).where(HostMapping.host == host)).one() == sender
+
+
+def rebind(host: str) -> None:
+    """Take ``host``'s next report from whoever sends it, and its reports from that sender on (an
+    agent that now sends as another identity: a replaced machine, new credentials).
+
+    Raises:
+        HostNotMapped: the host is in no cell.
+    """
+    with api_session() as session:
+        result = cast(CursorResult[Any], session.execute(
+            update(HostMapping).where(HostMapping.host == host).values(reporter=None)
+            .execution_options(synchronize_session=False)))
+        if not result.rowcount:
+            raise errors.HostNotMapped(f"Host {host} is not mapped to a cell.")
 
 
 # Reports sent within this long after a delete finished may predate it (host and store clocks differ).

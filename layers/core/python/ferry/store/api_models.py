@@ -65,6 +65,9 @@ class HostMapping(TimestampMixin, ApiBase):
     host: Mapped[str] = mapped_column(String(255), unique=True)
     cell_id: Mapped[int] = mapped_column(ForeignKey("cell_mappings.id"), index=True)
     cell: Mapped[CellMapping] = relationship(lazy="joined")
+    # Who the host's reports are taken from (SQS's SenderId of its first report since it was
+    # mapped or re-bound); None until then.
+    reporter: Mapped[str | None] = mapped_column(String(255), nullable=True)
 
 
 class InstanceMapping(TimestampMixin, ApiBase):
