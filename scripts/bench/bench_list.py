@@ -20,7 +20,6 @@ import dataclasses
 import datetime as dt
 import os
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -37,7 +36,7 @@ from ferry.store.cell_models import Instance
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_scheduler  # noqa: E402 - the sibling modules of this script
-from bench_scheduler import configured, postgres_databases, settle, time_runs  # noqa: E402
+from bench_scheduler import settle, stores, time_runs  # noqa: E402
 from machine import print_header  # noqa: E402
 
 PROJECTS = 50
@@ -99,20 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     pg_url = os.environ.get("FERRY_TEST_PG_URL")
     print_header("server list: a page of GET /servers/detail", pg_url)
     for servers in (int(n) for n in args.servers.split(",")):
-        if "sqlite" in backends:
-            with tempfile.TemporaryDirectory(prefix="ferry-bench-") as tmp:
-                state = Path(tmp)
-                urls = {name: f"sqlite:///{state / f'cell-{name}.sqlite'}" for name in cells}
-                with configured(f"sqlite:///{state / 'api.sqlite'}", urls, state):
-                    bench("sqlite", servers, cells, args.runs)
-        if "postgresql" not in backends:
-            continue
-        if not pg_url:
-            print("postgresql: skipped (set FERRY_TEST_PG_URL to include it)")
-            continue
-        with tempfile.TemporaryDirectory(prefix="ferry-bench-") as tmp, postgres_databases(pg_url) as urls:
-            with configured(urls["api"], {c: urls[c] for c in cells}, Path(tmp)):
-                bench("postgresql", servers, cells, args.runs)
+        for backend in stores(backends, cells, pg_url):
+            bench(backend, servers, cells, args.runs)
     return 0
 
 

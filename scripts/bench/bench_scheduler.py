@@ -189,6 +189,25 @@ def postgres_databases(base_url: str) -> Iterator[dict[str, str]]:
         admin.dispose()
 
 
+def stores(backends: list[str], cells: tuple[str, ...], pg_url: str | None) -> Iterator[str]:
+    """Configure a throw-away store of ``cells`` for each backend asked for, in turn; yields the
+    backend's name while it is configured (PostgreSQL skipped, said, without ``pg_url``)."""
+    if "sqlite" in backends:
+        with tempfile.TemporaryDirectory(prefix="ferry-bench-") as tmp:
+            state = Path(tmp)
+            urls = {name: f"sqlite:///{state / f'cell-{name}.sqlite'}" for name in cells}
+            with configured(f"sqlite:///{state / 'api.sqlite'}", urls, state):
+                yield "sqlite"
+    if "postgresql" not in backends:
+        return
+    if not pg_url:
+        print("postgresql: skipped (set FERRY_TEST_PG_URL to include it)")
+        return
+    with tempfile.TemporaryDirectory(prefix="ferry-bench-") as tmp, postgres_databases(pg_url) as pg_urls:
+        with configured(pg_urls["api"], {c: pg_urls[c] for c in cells}, Path(tmp)):
+            yield "postgresql"
+
+
 def bench(backend: str, hosts: int, runs: int, profile: Path | None = None, freeze: bool = True) -> None:
     started = time.perf_counter()
     populate(hosts)
@@ -238,20 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         args.profile.mkdir(parents=True, exist_ok=True)
 
     for hosts in (int(h) for h in args.hosts.split(",")):
-        if "sqlite" in backends:
-            with tempfile.TemporaryDirectory(prefix="ferry-bench-") as tmp:
-                state = Path(tmp)
-                cells = {name: f"sqlite:///{state / f'cell-{name}.sqlite'}" for name in CELLS}
-                with configured(f"sqlite:///{state / 'api.sqlite'}", cells, state):
-                    bench("sqlite", hosts, args.runs, args.profile, args.freeze)
-        if "postgresql" not in backends:
-            continue
-        if not pg_url:
-            print("postgresql: skipped (set FERRY_TEST_PG_URL to include it)")
-            continue
-        with tempfile.TemporaryDirectory(prefix="ferry-bench-") as tmp, postgres_databases(pg_url) as urls:
-            with configured(urls["api"], {c: urls[c] for c in CELLS}, Path(tmp)):
-                bench("postgresql", hosts, args.runs, args.profile, args.freeze)
+        for backend in stores(backends, CELLS, pg_url):
+            bench(backend, hosts, args.runs, args.profile, args.freeze)
     return 0
 
 

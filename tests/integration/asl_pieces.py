@@ -53,18 +53,24 @@ def run_piece(sfn: Any, kept: dict[str, Any], start: str, document: dict[str, An
                                                            *(c["Next"] for c in state.get("Choices", []))]
             if name and name not in kept}
     definition = {"StartAt": start, "States": {**kept, **{name: {"Type": "Succeed"} for name in ends}}}
+    described = run_to_the_end(sfn, definition, document)
+    assert described["status"] == "SUCCEEDED", described
+    history = sfn.get_execution_history(executionArn=described["executionArn"])["events"]
+    entered = [e["stateEnteredEventDetails"]["name"] for e in history if "stateEnteredEventDetails" in e]
+    return entered, json.loads(described["output"])
+
+
+def run_to_the_end(sfn: Any, definition: dict[str, Any], document: dict[str, Any]) -> dict[str, Any]:
+    """Run ``definition`` on ``document`` until it ends; the execution, described."""
     arn = sfn.create_state_machine(name=f"piece-{uuid.uuid4().hex[:8]}", definition=json.dumps(definition),
                                    roleArn=ROLE_ARN)["stateMachineArn"]
     execution = sfn.start_execution(stateMachineArn=arn, name=str(uuid.uuid4()), input=json.dumps(document))
     for _ in range(200):
         described = sfn.describe_execution(executionArn=execution["executionArn"])
         if described["status"] != "RUNNING":
-            break
+            return described
         time.sleep(0.05)
-    assert described["status"] == "SUCCEEDED", described
-    history = sfn.get_execution_history(executionArn=execution["executionArn"])["events"]
-    entered = [e["stateEnteredEventDetails"]["name"] for e in history if "stateEnteredEventDetails" in e]
-    return entered, json.loads(described["output"])
+    raise AssertionError(f"the execution of {definition['StartAt']} did not end: {described}")
 
 
 def failing(name: str, state: dict[str, Any], error: str) -> dict[str, Any]:

@@ -8,15 +8,13 @@ refuses (three times) ends the execution the same way.
 
 from __future__ import annotations
 
-import json
 import time
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import boto3
 import pytest
-from asl_pieces import ROLE_ARN, ROOT, deployed_definition, moto_sfn_skipping_retry_waits
+from asl_pieces import ROOT, deployed_definition, moto_sfn_skipping_retry_waits, run_to_the_end
 from moto_credentials import REGION
 
 from ferry.local.template import resolve
@@ -37,20 +35,12 @@ def sfn(monkeypatch) -> Iterator[Any]:
     yield from moto_sfn_skipping_retry_waits(monkeypatch)
 
 
-def run_to_the_end(sfn: Any, workflow: str, fail: str, count: dict[str, Any] | None = None) -> dict[str, Any]:
+def run_count(sfn: Any, workflow: str, fail: str, count: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run ``Count<fail>`` (or ``count`` in its place) into the real Fail state; the execution, described."""
     states = deployed_definition(f"{workflow}.asl.json")["States"]
     definition = {"StartAt": f"Count{fail}", "States": {f"Count{fail}": count or states[f"Count{fail}"],
                                                          fail: states[fail]}}
-    arn = sfn.create_state_machine(name=f"piece-{uuid.uuid4().hex[:8]}", definition=json.dumps(definition),
-                                   roleArn=ROLE_ARN)["stateMachineArn"]
-    execution = sfn.start_execution(stateMachineArn=arn, name=str(uuid.uuid4()), input=json.dumps(DOCUMENT))
-    for _ in range(200):
-        described = sfn.describe_execution(executionArn=execution["executionArn"])
-        if described["status"] != "RUNNING":
-            return described
-        time.sleep(0.05)
-    raise AssertionError(f"the execution of {workflow}:{fail} did not end")
+    return run_to_the_end(sfn, definition, DOCUMENT)
 
 
 def counted(workflow: str, fail: str) -> float:
@@ -73,7 +63,7 @@ def expected_error(workflow: str, fail: str) -> str:
 
 @pytest.mark.parametrize(("workflow", "fail"), COUNTED, ids=[f"{w}:{f}" for w, f in COUNTED])
 def test_an_execution_ending_unsettled_is_counted_and_still_fails_as_before(sfn, workflow, fail):
-    described = run_to_the_end(sfn, workflow, fail)
+    described = run_count(sfn, workflow, fail)
 
     assert described["status"] == "FAILED" and described["error"] == expected_error(workflow, fail)
     assert counted(workflow, fail) == 1
@@ -85,7 +75,7 @@ def test_a_count_cloudwatch_refuses_still_ends_the_execution_where_it_would_have
     [datum] = count["Parameters"]["MetricData"]
     refused = {**count, "Parameters": {**count["Parameters"], "MetricData": [{**datum, "Value": "one"}]}}
 
-    described = run_to_the_end(sfn, "resize", "RollbackFailed", refused)
+    described = run_count(sfn, "resize", "RollbackFailed", refused)
 
     # THEN, the put tried three times, the execution fails at RollbackFailed as it would have, and
     # nothing is counted
