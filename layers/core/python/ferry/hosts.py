@@ -93,13 +93,16 @@ def apply_report(report: dict[str, Any], queued_at: dt.datetime | None = None, s
                        extra={"host": host, "kind": report["kind"], "queued_at": queued.isoformat()})
         metrics.add_metric(name="HostReportStale", unit=MetricUnit.Count, value=1)
         return
-    cell = cell_of_host(host)
+    with api_session() as session:  # the host's cell and who its reports are taken from, in one read
+        mapped = session.execute(select(CellMapping.name, HostMapping.reporter).join(
+            HostMapping, HostMapping.cell_id == CellMapping.id).where(HostMapping.host == host)).one_or_none()
+    cell, reporter = mapped if mapped is not None else (None, None)
     if cell is None:
         if not report.get("cell"):
             raise errors.HostNotMapped(f"Host {host} is not mapped to a cell and did not name one.")
         setup.map_host(host, report["cell"])
         cell = report["cell"]
-    if sender is not None and not _taken_from(host, sender):
+    if sender is not None and reporter != sender and (reporter is not None or not _bind(host, sender)):
         logger.warning("host report refused: the host's reports are taken from another sender "
                        "(ferry host rebind re-binds it)",
                        extra={"host": host, "kind": report["kind"], "sender": sender})
@@ -131,15 +134,16 @@ def apply_report(report: dict[str, Any], queued_at: dt.datetime | None = None, s
     logger.debug("host report applied", extra={"host": host, "kind": report["kind"]})
 
 
-def _taken_from(host: str, sender: str) -> bool:
-    """Whether ``host``'s reports are taken from ``sender``: the host is bound to it, or was not
-    bound yet and now is (the update locks the mapping's row: of two first reports, one binds)."""
+def _bind(host: str, sender: str) -> bool:
+    """Bind ``host``, not bound yet, to ``sender``; whether its reports are taken from ``sender``
+    now (the update locks the mapping's row: of two first reports, one binds)."""
     with api_session() as session:
         bound = cast(CursorResult[Any], session.execute(
             update(HostMapping).where(HostMapping.host == host, HostMapping.reporter.is_(None))
             .values(reporter=sender).execution_options(synchronize_session=False)))
         if bound.rowcount:
             logger.info("host bound to the sender of its reports", extra={"host": host, "sender": sender})
+            return True
         return session.scalars(select(HostMapping.reporter).where(HostMapping.host == host)).one() == sender
 
 
