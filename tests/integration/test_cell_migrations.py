@@ -168,6 +168,34 @@ def test_the_list_indexes_come_and_go_with_0008_and_servers_keep_their_rows(empt
         assert connection.execute(text("SELECT display_name FROM instances")).scalar_one() == "before"
 
 
+def test_the_indexes_the_list_indexes_begin_with_go_with_0009_and_come_back_when_it_is_undone(empty_cell_url):
+    # GIVEN a server made before 0009
+    url = empty_cell_url
+    migrate.upgrade("cell", url, "0008_cell")
+    with engine_for(url).begin() as connection:
+        insert_instance(connection, "u-1", "before")
+    prefixes = {("instances", "deleted"), ("instances", "project_id")}
+    assert prefixes <= single_column_indexes(url, prefixes)
+
+    # WHEN the cell is upgraded, THEN deleted and project_id have no index of their own
+    migrate.upgrade("cell", url)
+    assert not prefixes & single_column_indexes(url, prefixes)
+    if url.startswith("sqlite"):  # a project's servers are still read by index
+        with engine_for(url).connect() as connection:
+            plan = " ".join(str(row[-1]) for row in connection.execute(text(
+                "EXPLAIN QUERY PLAN SELECT count(*) FROM instances WHERE project_id = 'p' AND deleted = 0")))
+        assert "ix_instances_project_id_deleted_created_at_uuid" in plan
+
+    # WHEN 0009 is undone, THEN they are back and the server is still there
+    cfg = migrate.alembic_config("cell", url)
+    with engine_for(url).begin() as connection:
+        cfg.attributes["connection"] = connection
+        command.downgrade(cfg, "0008_cell")
+    assert prefixes <= single_column_indexes(url, prefixes)
+    with engine_for(url).connect() as connection:
+        assert connection.execute(text("SELECT display_name FROM instances")).scalar_one() == "before"
+
+
 NAMES = ["Web Server_1", "☕", "", "..db.01..", "Ünïcode façade", "x" * 80, "a b_c.d", "ß²µ-ºª", "  -_-  ", "web"]
 
 

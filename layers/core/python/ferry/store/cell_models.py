@@ -36,7 +36,8 @@ class Instance(TimestampMixin, CellBase):
     deleted flavor never strands it); ``old_flavor``/``new_flavor`` are set during a move."""
 
     __tablename__ = "instances"
-    # A server list reads servers newest first from its marker on (every project's, or one's).
+    # A server list reads servers newest first from its marker on (every project's, or one's);
+    # the same indexes serve the reads by project (quotas) or by deleted alone (0009_cell).
     __table_args__ = (Index("ix_instances_deleted_created_at_uuid", "deleted", "created_at", "uuid"),
                       Index("ix_instances_project_id_deleted_created_at_uuid", "project_id", "deleted", "created_at",
                             "uuid"))
@@ -50,7 +51,7 @@ class Instance(TimestampMixin, CellBase):
     # before the column was (shown as 0).
     launch_index: Mapped[int | None] = mapped_column(Integer, nullable=True)
     user_data: Mapped[str | None] = mapped_column(Text, nullable=True)
-    project_id: Mapped[str] = mapped_column(String(255), index=True)
+    project_id: Mapped[str] = mapped_column(String(255))
     user_id: Mapped[str] = mapped_column(String(255))
     image_ref: Mapped[str | None] = mapped_column(String(255), nullable=True)
     flavor: Mapped[dict] = mapped_column(JSON)
@@ -71,7 +72,7 @@ class Instance(TimestampMixin, CellBase):
     hidden: Mapped[bool] = mapped_column(Boolean, default=False)
     launched_at: Mapped[dt.datetime | None] = mapped_column(DateTime, nullable=True)
     terminated_at: Mapped[dt.datetime | None] = mapped_column(DateTime, nullable=True)
-    deleted: Mapped[bool] = mapped_column(Boolean, default=False, index=True)
+    deleted: Mapped[bool] = mapped_column(Boolean, default=False)
     deleted_at: Mapped[dt.datetime | None] = mapped_column(DateTime, nullable=True)
 
 
