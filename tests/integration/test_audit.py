@@ -1444,6 +1444,39 @@ def test_with_every_move_workflow_listed_a_stuck_migration_is_put_in_error(cloud
         assert status == migration_states.ERROR
 
 
+@pytest.mark.parametrize("status", [migration_states.MIGRATING, migration_states.CONFIRMING])
+@pytest.mark.parametrize("listed_again", ["a workflow for the server", "nothing: listing fails"])
+def test_a_stuck_migration_whose_workflow_starts_while_the_audit_runs_is_left_to_it(cloud, monkeypatch, status,
+                                                                                    listed_again):
+    # GIVEN every move workflow listed, none running for a migration stuck long ago (a confirm
+    # accepted then, for one confirming, that never began)
+    configure_state_machines(monkeypatch, "resize", "confirm_resize", "revert_resize")
+    if status == migration_states.CONFIRMING:
+        uuid, migration = cloud.resized.instance_uuid, cloud.resized.migration_uuid
+        _confirm_accepted(uuid)
+        cell_write(CELL, update(Migration).where(Migration.uuid == migration)
+                   .values(status=status, updated_at=LONG_AGO))
+    else:
+        uuid, migration = cloud.active, add_migration(cloud.active, status, created_at=LONG_AGO)
+
+    # WHEN, between the audit's read and its repair, a workflow starts for the server (a failed
+    # execution redriven), or the workflows can no longer be listed
+    def raced() -> None:
+        running = {f"resize-{uuid}-redriven"} if listed_again.startswith("a workflow") else None
+        monkeypatch.setattr(audit, "_running_executions", lambda skipped: running)
+
+    report = fix_with_race(monkeypatch, raced, running_executions=None)
+
+    # THEN the repair changes nothing and says why
+    (repair,) = [r for r in report.repairs if r.problem.kind == audit.MIGRATION_STUCK]
+    assert repair.error is not None and ("runs for server" if listed_again.startswith("a workflow")
+                                         else "cannot be listed") in repair.error, repair.error
+    with cell_session(CELL) as session:
+        assert session.scalars(select(Migration.status).where(Migration.uuid == migration)).one() == status
+        if status == migration_states.CONFIRMING:  # not given back either
+            assert actions.newest_request_id(session, uuid, actions.CONFIRM_RESIZE) is not None
+
+
 def test_a_server_stuck_with_a_task_and_no_workflow_is_found(cloud):
     cell_write(CELL, update(Instance).where(Instance.uuid == cloud.active)
                .values(task_state=states.POWERING_OFF, updated_at=LONG_AGO))

@@ -20,7 +20,7 @@ one re-checks what it changes (placement consumer generation, migration status, 
 row and its cell's migrations, the binding's or attachment's columns and the server's moves, the
 volume's status, that snapshot extents still have no image object) and refuses when it changed
 meanwhile. A stuck migration is only put in error when every move state machine's executions
-were listed. After repairing, the audit runs again and reports what is left.
+were listed, and listed again just before the repair, still none for its server. After repairing, the audit runs again and reports what is left.
 """
 
 from __future__ import annotations
@@ -281,6 +281,8 @@ class _World:
     unlisted: list[str]
     # Whether ``running`` leaves out the boot's executions (its state machine is not configured).
     boots_unlisted: bool = False
+    # Lists the running executions again, as ``running`` was (a repair's last look; None: cannot).
+    relist: Callable[[], set[str] | None] = lambda: None
     migrations: dict[str, Migration] = field(default_factory=dict)
     migrations_of: dict[str, list[Migration]] = field(default_factory=dict)
 
@@ -435,6 +437,7 @@ def _read_world(grace_seconds: float, clock_skew_seconds: float, running: Collec
         volume_mappings={(u, v) for u, v in volume_mappings if v is not None}, volume_statuses=volume_statuses,
         running=running_names, unlisted=unlisted,
         boots_unlisted=running is None and not config.get().boot_state_machine_arn,
+        relist=(lambda: set(running)) if running is not None else (lambda: _running_executions([])),
     )
     # One record per migration: the copy in the cell the server is mapped to wins (as GET /os-migrations).
     for migration_uuid, found in world.migration_copies.items():
@@ -1002,8 +1005,9 @@ def _check_migrations(world: _World) -> Iterable[Problem]:
                 why += "; its confirm was accepted but never began"
             repair = None
             if repairable:
-                repair = _give_confirm_back(cell, uuid, migration_uuid, confirm) if cell and confirm \
-                    else _repair_migration(world, migration_uuid, migration.status)
+                repair = _unless_running(world, uuid, _give_confirm_back(cell, uuid, migration_uuid, confirm)
+                                         if cell and confirm else _repair_migration(world, migration_uuid,
+                                                                                    migration.status))
             yield Problem(MIGRATION_STUCK, f"migration/{migration_uuid}",
                           f"Migration {migration_uuid} of server {uuid} has been {migration.status} since "
                           f"{_changed(migration).isoformat()} and {why}.", repair)
@@ -1427,6 +1431,25 @@ def _repair_migration(world: _World, migration_uuid: str, seen_status: str) -> C
                    if ended else ""))
 
     return repair
+
+
+def _unless_running(world: _World, instance_uuid: str, repair: Callable[[], str]) -> Callable[[], str]:
+    """``repair`` of what no workflow ran for when the audit read it, once the running workflows,
+    listed again, still have none for the server: one started since (a failed execution redriven,
+    a request accepted again) owns the records, and the repair leaves them to it."""
+
+    def repair_if_still_alone() -> str:
+        running = world.relist()
+        if running is None:
+            raise errors.FerryError(f"the running workflows cannot be listed now, so whether one runs for server "
+                                    f"{instance_uuid} cannot be told; left as it is")
+        started = sorted(name for name in running if instance_uuid in name)
+        if started:
+            raise errors.FerryError(f"workflow {', '.join(started)} runs for server {instance_uuid} now; "
+                                    f"left as it is")
+        return repair()
+
+    return repair_if_still_alone
 
 
 def _stuck_action(migration: Migration, status: str) -> str | None:
