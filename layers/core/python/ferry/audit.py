@@ -20,7 +20,8 @@ one re-checks what it changes (placement consumer generation, migration status, 
 row and its cell's migrations, the binding's or attachment's columns and the server's moves, the
 volume's status, that snapshot extents still have no image object) and refuses when it changed
 meanwhile. A stuck migration is only put in error when every move state machine's executions
-were listed, and listed again just before the repair, still none for its server. After repairing, the audit runs again and reports what is left.
+were listed and, listed again just before the repair, still show none for its server. After
+repairing, the audit runs again and reports what is left.
 """
 
 from __future__ import annotations
