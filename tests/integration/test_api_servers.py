@@ -1039,12 +1039,85 @@ def test_a_cell_whose_database_does_not_answer_is_left_out_of_the_list(cloud, mo
     schedule(in_cell2, "cell2")
     cell_away(monkeypatch, compute_api, "cell2")
 
-    # WHEN the servers are listed, THEN cell1's are, and cell2's are left out (not a 500)
-    assert _listed({}) == ["one"]
+    # WHEN the servers are listed (before 2.69), THEN cell1's are, and cell2's are left out (not a 500)
+    assert _listed({}, version="2.68") == ["one"]
 
     # AND a database error that is not of the moment still fails the list
     cell_away(monkeypatch, compute_api, "cell2", broken=True)
     assert call("GET", "/v2.1/servers/detail", version="2.90").status == 500
+
+
+def _unknown_setup(monkeypatch) -> tuple[str, list[str], str]:
+    """A server of Alice's in cell1, two of hers in cell2 (the newer last) and one of Bob's in
+    cell2, whose database then stops answering; (cell1's id, cell2's of Alice newest first, Bob's)."""
+    in_cell1 = create_server(name="one")
+    schedule(in_cell1)
+    in_cell2 = []
+    for name in ("two", "three"):
+        in_cell2.insert(0, create_server(name=name))
+        schedule(in_cell2[0], "cell2")
+    bobs = create_server(BOB, name="bobs")
+    schedule(bobs, "cell2")
+    cell_away(monkeypatch, compute_api, "cell2")
+    return in_cell1, in_cell2, bobs
+
+
+@pytest.mark.parametrize("sort", [None, "display_name"])
+def test_from_2_69_the_servers_of_a_cell_that_does_not_answer_are_listed_unknown(cloud, monkeypatch, sort):
+    # GIVEN servers in cell1 and in cell2, whose database stops answering
+    in_cell1, in_cell2, bobs = _unknown_setup(monkeypatch)
+    sorting = {"sort_key": sort} if sort else {}
+
+    def listed(path: str, version: str, caller: Caller = ALICE, **query: str) -> list[dict]:
+        response = call("GET", path, caller=caller, query={**sorting, **query}, version=version)
+        assert response.status == 200, response.body
+        return response.body["servers"]
+
+    # WHEN they are listed from 2.69, THEN cell1's are shown, then cell2's (the caller's only) as
+    # UNKNOWN, newest first: the id and links, and in the detailed list the project and creation
+    summary = listed("/v2.1/servers", "2.69")
+    assert [(s["id"], s.get("status")) for s in summary] == [
+        (in_cell1, None), *((u, "UNKNOWN") for u in in_cell2)]
+    assert all(set(s) == {"id", "status", "links"} for s in summary[1:])
+    detail = listed("/v2.1/servers/detail", "2.90")
+    assert [s["id"] for s in detail] == [in_cell1, *in_cell2] and detail[0]["status"] == "ACTIVE"
+    assert all(set(s) == {"id", "status", "links", "tenant_id", "created"} and s["tenant_id"] == ALICE.project_id
+               for s in detail[1:])
+    assert detail[1]["links"][0]["href"].endswith(f"/servers/{in_cell2[0]}")
+
+    # AND an admin listing every project sees Bob's too; the filters that need the server do not
+    # hold them back (as Nova's), the uuid's does; deleted servers only, and before 2.69, none
+    every = listed("/v2.1/servers", "2.69", ADMIN, all_tenants="1")
+    assert {s["id"] for s in every if s.get("status") == "UNKNOWN"} == {*in_cell2, bobs}
+    assert [s["id"] for s in listed("/v2.1/servers", "2.69", name="^one$")] == [in_cell1, *in_cell2]
+    assert [s["id"] for s in listed("/v2.1/servers", "2.69", ADMIN, all_tenants="1", uuid=bobs)] == [bobs]
+    assert listed("/v2.1/servers", "2.69", ADMIN, all_tenants="1", deleted="true") == []
+    assert [s["id"] for s in listed("/v2.1/servers", "2.68")] == [in_cell1]
+
+
+@pytest.mark.parametrize("sort", [None, "display_name"])
+def test_unknown_servers_fill_the_page_and_are_paged_on_by_marker(cloud, monkeypatch, sort):
+    # GIVEN one server that answers and two of a cell whose database does not
+    in_cell1, in_cell2, _bobs = _unknown_setup(monkeypatch)
+
+    # WHEN the list is read a server at a time, following the next links
+    seen, query = [], {"limit": "1", **({"sort_key": sort} if sort else {})}
+    for _page in range(5):
+        body = call("GET", "/v2.1/servers", query=query, version="2.69").body
+        seen += [s["id"] for s in body["servers"]]
+        if not body.get("servers_links"):
+            break
+        query = {k: v[0] for k, v in parse_qs(urlsplit(body["servers_links"][0]["href"]).query).items()}
+
+    # THEN every server is listed once, the unknown ones after, and the list ends
+    assert seen == [in_cell1, *in_cell2]
+
+    # AND a marker naming another project's server, or a server being deleted, is not found
+    with api_session() as session:
+        session.execute(update(InstanceMapping).where(InstanceMapping.instance_uuid == in_cell2[0])
+                        .values(queued_for_delete=True))
+    for marker in (_bobs, in_cell2[0]):
+        assert call("GET", "/v2.1/servers", query={"marker": marker}, version="2.69").status == 400
 
 
 def test_a_status_filter_selects_states_as_nova_does(cloud):

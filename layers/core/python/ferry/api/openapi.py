@@ -63,9 +63,15 @@ _VERSIONS = _keyed("versions", {"type": "array", "items": _VERSION["properties"]
 _SERVER_SUMMARY = _shape("id", "name", "links", id=_STRING, name=_STRING, links=_LINKS)
 _SERVER = _shape("id", "name", "status", "links", "flavor", id=_STRING, name=_STRING, status=_STRING,
                  links=_LINKS, flavor=_OBJECT, tenant_id=_STRING, user_id=_STRING)
+# A server of a cell whose database does not answer (2.69), in a list: its status is UNKNOWN.
+_UNKNOWN_SERVER = _shape("id", "status", "links", id=_STRING, status={"const": "UNKNOWN"}, links=_LINKS)
+_UNKNOWN_SERVER_DETAIL = _shape("id", "status", "links", "tenant_id", "created", id=_STRING,
+                                status={"const": "UNKNOWN"}, links=_LINKS, tenant_id=_STRING, created=_STRING)
 _SERVERS = {**_keyed("servers", {"type": "array", "items": _SERVER_SUMMARY}),
-            "properties": {"servers": {"type": "array", "items": _SERVER_SUMMARY}, "servers_links": _LINKS}}
-_SERVERS_DETAIL = {**_SERVERS, "properties": {"servers": {"type": "array", "items": _SERVER}, "servers_links": _LINKS}}
+            "properties": {"servers": {"type": "array", "items": {"anyOf": [_SERVER_SUMMARY, _UNKNOWN_SERVER]}},
+                           "servers_links": _LINKS}}
+_SERVERS_DETAIL = {**_SERVERS, "properties": {
+    "servers": {"type": "array", "items": {"anyOf": [_SERVER, _UNKNOWN_SERVER_DETAIL]}}, "servers_links": _LINKS}}
 # The server, or with return_reservation_id its create request's reservation id.
 _CREATED_SERVER = {"oneOf": [_keyed("server", _shape("id", "links", id=_STRING, links=_LINKS, adminPass=_STRING)),
                              {**_keyed("reservation_id", _STRING), "additionalProperties": False}]}

@@ -70,13 +70,16 @@ def _list(detail: bool) -> Response:
     filters = server_query.parse(view, params)
     if filters.all_tenants:
         policy.enforce(view.ctx, f"os_compute_api:servers:{kind}:get_all_tenants")
-    servers = compute_api.list_servers(view.ctx, filters)
+    # From 2.69 the servers of a cell whose database does not answer are listed UNKNOWN (Nova's
+    # partial records); before, they are left out.
+    page = compute_api.list_page(view.ctx, filters, unknown=view.at_least("2.69"))
     if detail:
-        _add_host_status(view, servers)
+        _add_host_status(view, page.servers)
     render = views.server_detail if detail else views.server_summary
-    body: dict[str, Any] = {"servers": [render(view, server) for server in servers]}
+    body: dict[str, Any] = {"servers": [render(view, server) for server in page.servers]
+                            + [views.unknown_server(view, server, detail=detail) for server in page.unknown]}
     next_link = views.next_link(view, "servers/detail" if detail else "servers", params,
-                                [s.uuid for s in servers], compute_api.page_size(filters.limit))
+                                page.ids, compute_api.page_size(filters.limit))
     if next_link:
         body["servers_links"] = next_link
     return request.json_response(200, body)

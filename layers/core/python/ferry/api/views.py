@@ -12,7 +12,7 @@ from urllib.parse import urlencode
 from ferry import errors, policy
 from ferry.api.request import ViewContext
 from ferry.compute import states
-from ferry.compute.api import Server
+from ferry.compute.api import Server, UnknownServer
 from ferry.store.api_models import Flavor
 from ferry.store.db import CELL0_NAME
 
@@ -45,6 +45,15 @@ def host_id(project_id: str, host: str | None) -> str:
 
 def server_summary(view: ViewContext, server: Server) -> dict[str, Any]:
     return {"id": server.uuid, "name": server.name, "links": links(view, "servers", server.uuid)}
+
+
+def unknown_server(view: ViewContext, server: UnknownServer, *, detail: bool) -> dict[str, Any]:
+    """A server of a cell whose database does not answer (2.69): what the API database knows,
+    status ``UNKNOWN`` (Nova's partial record; the detailed list adds its project and creation)."""
+    body: dict[str, Any] = {"id": server.uuid, "status": "UNKNOWN", "links": links(view, "servers", server.uuid)}
+    if detail:
+        body.update({"tenant_id": server.project_id, "created": isotime(server.created_at)})
+    return body
 
 
 def _addresses(server: Server) -> dict[str, list[dict[str, Any]]]:

@@ -172,6 +172,29 @@ class Server:
         return f"instance-{self.instance_id:08x}" if self.instance_id is not None else ""
 
 
+@dataclass(frozen=True)
+class UnknownServer:
+    """A server of a cell whose database does not answer, as the API database knows it: its
+    id, its project and when it was accepted (its mapping's). Shown with status ``UNKNOWN`` from
+    2.69 (Nova's partial record of a down cell)."""
+
+    uuid: str
+    project_id: str
+    created_at: dt.datetime
+
+
+@dataclass
+class ServerPage:
+    """A page of a server list: the servers read, then those of cells that did not answer."""
+
+    servers: list[Server]
+    unknown: list[UnknownServer] = field(default_factory=list)
+
+    @property
+    def ids(self) -> list[str]:
+        return [s.uuid for s in self.servers] + [u.uuid for u in self.unknown]
+
+
 @dataclass
 class BootRequest:
     """What a create-server request asks for, already checked against the API schema.
@@ -479,7 +502,22 @@ def list_servers(ctx: RequestContext, filters: ServerFilters) -> list[Server]:
     Deleted servers are read as ``filters.read_deleted`` says (a deleted server is shown from
     its mapped cell, DELETED). Only the caller's project is listed unless ``filters.all_tenants`` (every project, or
     ``filters.project_id``): the caller must have been allowed that, and the filters meant for
-    admins only, by the HTTP layer.
+    admins only, by the HTTP layer. A cell whose database does not answer is left out (see
+    :func:`list_page` for its servers' partial records).
+
+    Raises:
+        BadRequest: a marker that is not in the list.
+    """
+    return list_page(ctx, filters).servers
+
+
+def list_page(ctx: RequestContext, filters: ServerFilters, *, unknown: bool = False) -> ServerPage:
+    """:func:`list_servers`, and with ``unknown`` (2.69) the servers of the cells whose database
+    does not answer as :class:`UnknownServer` records after them, as Nova's partial records: every
+    server mapped to such a cell and not being deleted, of the listed project (or every one),
+    whatever the other filters (they cannot be judged without the server), the uuid's excepted;
+    none when only deleted servers are listed. They fill what the page has left, newest mapping
+    first, and a marker naming one pages on among them.
 
     Raises:
         BadRequest: a marker that is not in the list.
@@ -487,7 +525,23 @@ def list_servers(ctx: RequestContext, filters: ServerFilters) -> list[Server]:
     project: str | None = ctx.project_id
     if filters.all_tenants:
         project = filters.project_id or None
+    show_unknown = unknown and filters.read_deleted != "only"
+    if show_unknown and filters.marker:
+        after = _unknown_marker(filters.marker, project)
+        if after is not None:  # the page before ended among the servers of cells that do not answer
+            return ServerPage([], _unknown_servers(_cells_not_answering(), project, filters, after, set()))
+    down: set[str] = set()
+    servers = _list(filters, project, down)
+    page = ServerPage(servers)
+    room = page_size(filters.limit) - len(servers)
+    if show_unknown and down and room > 0:
+        page.unknown = _unknown_servers(down, project, filters, None, {s.uuid for s in servers})[:room]
+    return page
 
+
+def _list(filters: ServerFilters, project: str | None, down: set[str]) -> list[Server]:
+    """:func:`list_servers` for ``project`` (every one when None); the cells whose database did not
+    answer are added to ``down``."""
     with api_session() as session:
         flavor_id = None
         if filters.flavor is not None:
@@ -495,7 +549,7 @@ def list_servers(ctx: RequestContext, filters: ServerFilters) -> list[Server]:
             if flavor_id is None:
                 return []
     if not filters.sort and filters.read_deleted == "no" and filters.uuid is None:
-        return _list_newest_first(filters, project, flavor_id)
+        return _list_newest_first(filters, project, flavor_id, down)
     with api_session() as session:
         query = select(InstanceMapping)
         if filters.read_deleted == "no":
@@ -523,6 +577,7 @@ def list_servers(ctx: RequestContext, filters: ServerFilters) -> list[Server]:
             # whose database does not answer are left out, not the whole list failed.
             logger.warning("cell database does not answer; its servers are left out of the list",
                            extra={"cell": cell.name, "servers": len(uuids), "error": type(exc).__name__})
+            down.add(cell.name)
     if filters.marker and not any(server.uuid == filters.marker for server in servers):
         # Deleted since the page before (or a server the list does not read): as in Nova, the
         # page still starts after its place in the order.
@@ -547,7 +602,8 @@ _LIST_BATCH = 500
 _Position = tuple[dt.datetime, str]
 
 
-def _list_newest_first(filters: ServerFilters, project: str | None, flavor_id: int | None) -> list[Server]:
+def _list_newest_first(filters: ServerFilters, project: str | None, flavor_id: int | None,
+                       down: set[str]) -> list[Server]:
     """:func:`list_servers` in its default order (newest first, no deleted servers, no uuid): each
     cell's servers are read newest first from the marker's place on, a batch at a time (the first
     no larger than the page), merged, and filtered until the page is full. A page then reads
@@ -564,7 +620,7 @@ def _list_newest_first(filters: ServerFilters, project: str | None, flavor_id: i
     size = page_size(filters.limit)
     after = _marker_position(filters.marker, project) if filters.marker else None
     first = max(1, min(size, _LIST_BATCH))
-    streams = [_newest_first_in(cell, project, after, first) for cell in db.all_cells()]
+    streams = [_newest_first_in(cell, project, after, first, down) for cell in db.all_cells()]
     streams.append(iter(_builds_newest_first(project, after)))
     # A cell's copy comes before a build request's of the same server (merge keeps the streams'
     # order among equal keys), and one server is listed once.
@@ -634,11 +690,11 @@ def _marker_position(marker: str, project: str | None) -> _Position:
 
 
 def _newest_first_in(cell: CellMapping, project: str | None, after: _Position | None,
-                     batch: int) -> Iterator[Server]:
+                     batch: int, down: set[str]) -> Iterator[Server]:
     """The servers listed from ``cell`` (its visible copies of servers mapped to it and not being
     deleted, of ``project`` unless None), newest first, after ``after``; read ``batch`` first,
     then :data:`_LIST_BATCH` at a time, each in a session of its own. A cell that does not answer
-    ends its part of the list (logged), as the general path leaves it out."""
+    ends its part of the list (logged, its name added to ``down``), as the general path leaves it out."""
     while True:
         query = select(Instance).where(Instance.deleted.is_(False), Instance.hidden.is_(False))
         if project is not None:
@@ -654,6 +710,7 @@ def _newest_first_in(cell: CellMapping, project: str | None, after: _Position | 
                 raise
             logger.warning("cell database does not answer; its servers are left out of the list",
                            extra={"cell": cell.name, "error": type(exc).__name__})
+            down.add(cell.name)
             return
         if not rows:
             return
@@ -719,6 +776,66 @@ def _deleted_marker(marker: str, project: str | None) -> list[Server]:
         if not db.transient(exc):
             raise
         return []  # its cell does not answer: the marker is not found, as for a live one there
+
+
+def _cells_not_answering() -> set[str]:
+    """The names of the cells whose database does not answer now."""
+    down = set()
+    for cell in db.all_cells():
+        try:
+            with cell_session(cell) as session:
+                session.execute(select(1))
+        except DBAPIError as exc:
+            if not db.transient(exc):
+                raise
+            down.add(cell.name)
+    return down
+
+
+def _unknown_marker(marker: str, project: str | None) -> _Position | None:
+    """Where the server ``marker`` stands among the unknown records (:func:`_unknown_servers`)
+    when it is mapped to a cell whose database does not answer (of ``project`` unless None,
+    not being deleted); None otherwise."""
+    with api_session() as session:
+        query = select(InstanceMapping).where(InstanceMapping.instance_uuid == marker,
+                                              InstanceMapping.queued_for_delete.is_(False))
+        if project is not None:
+            query = query.where(InstanceMapping.project_id == project)
+        mapping = session.scalars(query).one_or_none()
+        cell = mapping.cell if mapping is not None else None
+    if mapping is None or cell is None:
+        return None
+    try:
+        with cell_session(cell) as session:
+            session.execute(select(1))
+    except DBAPIError as exc:
+        if not db.transient(exc):
+            raise
+        return mapping.created_at, marker
+    return None
+
+
+def _unknown_servers(cells: set[str], project: str | None, filters: ServerFilters, after: _Position | None,
+                     listed: set[str]) -> list[UnknownServer]:
+    """The servers mapped to ``cells`` and not being deleted (of ``project`` unless None, the
+    filters' uuid if any), newest mapping first, after ``after``, without those ``listed``; at
+    most a page."""
+    if not cells:
+        return []
+    with api_session() as session:
+        query = (select(InstanceMapping.instance_uuid, InstanceMapping.project_id, InstanceMapping.created_at)
+                 .join(CellMapping, CellMapping.id == InstanceMapping.cell_id)
+                 .where(CellMapping.name.in_(sorted(cells)), InstanceMapping.queued_for_delete.is_(False)))
+        if project is not None:
+            query = query.where(InstanceMapping.project_id == project)
+        if filters.uuid is not None:
+            query = query.where(InstanceMapping.instance_uuid == filters.uuid)
+        if after is not None:
+            query = query.where(tuple_(InstanceMapping.created_at, InstanceMapping.instance_uuid) < tuple_(*after))
+        rows = session.execute(query.order_by(InstanceMapping.created_at.desc(), InstanceMapping.instance_uuid.desc())
+                               .limit(page_size(filters.limit) + len(listed)))
+        found = [UnknownServer(uuid, owner, created) for uuid, owner, created in rows if uuid not in listed]
+    return found[:page_size(filters.limit)]
 
 
 def _fixed_addresses(uuids: Sequence[str]) -> dict[str, list[str]]:
