@@ -12,6 +12,7 @@ import uuid
 from contextlib import contextmanager
 
 import pytest
+from lock_support import open_to_writers
 from moto import mock_aws
 from sqlalchemy import select, update
 from sqlalchemy.exc import OperationalError
@@ -215,6 +216,32 @@ def test_a_server_buried_in_cell0_gives_back_its_ports_and_can_still_be_deleted(
         kept = session.get(Port, brought)
         assert kept is not None and kept.device_id is None
         assert session.scalars(select(Port).where(Port.device_id == event["instance_uuid"])).all() == []
+
+
+def test_a_failed_build_gives_back_its_claim_and_ports_without_holding_its_cell(cloud, store, monkeypatch):
+    # GIVEN a server scheduled to cell1 whose spawn failed
+    event = accept_server(cloud["image_id"])
+    brought, made = owner_brings_a_port(event)
+    boot.select_destinations(event)
+    open_meanwhile = []
+    release = placement.delete_allocations
+
+    def release_and_look(instance_uuid: str) -> None:  # another writer tries cell1 meanwhile
+        open_meanwhile.append(open_to_writers(store.cells["cell1"]))
+        release(instance_uuid)
+
+    monkeypatch.setattr(placement, "delete_allocations", release_and_look)
+
+    # WHEN FailBuild runs
+    boot.fail_build({**event, "error": {"Error": "Ferry.HypervisorError", "Cause": "spawn failed"}})
+
+    # THEN it gave back the claim and the ports while the cell stayed open to other writers (a
+    # step holding the API database may wait for the cell; SQLite has one writer per file), and
+    # the server is in ERROR
+    assert open_meanwhile == [True]
+    assert placement.get_allocations(event["instance_uuid"]) == {}
+    assert_network_released(event["instance_uuid"], brought, made)
+    assert _instance(event["instance_uuid"], "cell1").vm_state == states.ERROR
 
 
 def test_a_burial_cut_short_after_the_hand_over_gives_back_the_ports_when_run_again(cloud, monkeypatch):

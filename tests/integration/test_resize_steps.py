@@ -17,6 +17,7 @@ from typing import Any
 
 import jsonschema
 import pytest
+from lock_support import open_to_writers
 from moto import mock_aws
 from sqlalchemy import select, update
 
@@ -1062,6 +1063,32 @@ def test_a_rollback_of_a_server_deleted_before_its_claim_landed_releases_the_cla
     assert {host: used_on(host) for host in HOSTS} == {host: {} for host in HOSTS}
     assert events_of(uuid) == {resize.EVENT_MIGRATE: ("Success", None, True),
                                resize.EVENT_PREP: ("Error", doc["destination"]["host"], True)}
+
+
+def test_a_rollback_of_a_deleted_server_releases_the_claim_without_holding_its_cell(cloud, store, monkeypatch):
+    # GIVEN a move whose server was deleted after its claim landed
+    uuid = make_server()
+    doc = run(prepare_move(uuid, BIG), until="PrepResizeAtDest")
+    with cell_session("cell1") as session:
+        session.get(Instance, instance(uuid).id).deleted = True
+    open_meanwhile = []
+    release = placement.delete_allocations
+
+    def release_and_look(consumer: str) -> None:  # another writer tries cell1 meanwhile
+        open_meanwhile.append(open_to_writers(store.cells["cell1"]))
+        release(consumer)
+
+    monkeypatch.setattr(placement, "delete_allocations", release_and_look)
+
+    # WHEN the move fails and rolls back
+    doc = fail_and_roll_back(doc, error="Ferry.InstanceNotFound", cause="deleted")
+
+    # THEN the claim and the migration's allocation were released while the cell stayed open to
+    # other writers (a step holding the API database may wait for the cell), and the migration is
+    # in error
+    assert open_meanwhile == [True, True]
+    assert placement.get_allocations(uuid) == placement.get_allocations(doc["migration_uuid"]) == {}
+    assert migration(doc["migration_uuid"]).status == "error"
 
 
 @pytest.mark.parametrize("stage", ["PrepResizeAtDest", "FinishResizeOnDestHost"])

@@ -481,24 +481,19 @@ def fail_build(event: dict[str, Any]) -> dict[str, Any]:
         left.append(f"Unbinding its ports and volumes from host {host} failed "
                     f"({error_message(event['unbind_error'])}); its {kept} there until the server is deleted.")
     details = " ".join(left) or None
+    # Read, then the claim and ports released in the API database with no cell transaction open
+    # (SQLite's writers take their files one at a time, and a step holding the API database may
+    # wait for this cell), then the server recorded as it is read again. The release comes before
+    # the ERROR below, so that a run again after that commit has released them too.
+    with cell_session(cell) as session:
+        _reset, moved_on, left_on_host = _failed_build_state(
+            session.scalars(select(Instance).where(Instance.uuid == uuid)).one_or_none(), event)
+    if not moved_on and not left_on_host:
+        placement.delete_allocations(uuid)
+        _release_network(uuid)
     with cell_session(cell) as session:
         instance = session.scalars(select(Instance).where(Instance.uuid == uuid)).one_or_none()
-        # An admin settled the server by hand while it was being built (os-resetState: no task,
-        # no longer building). On this build's host, or on none (a reschedule had taken it off
-        # one), the build failed under it all the same and left it no guest. On another host it
-        # has moved on since: what the build left is not its state any more, and the claim it
-        # holds now is that host's, not the build's.
-        reset = instance is not None and not instance.deleted and instance.task_state is None \
-            and instance.vm_state not in (states.BUILDING, states.ERROR)
-        moved_on = reset and instance is not None and instance.host not in (
-            None, event.get("destination", {}).get("host"))
-        # A destination that could not be cleaned up may still run the guest: the claim stays
-        # with the server (and its host) until its delete releases it, as for any server in ERROR.
-        left_on_host = bool(event.get("cleanup_error")) and instance is not None and not instance.deleted
-        if not moved_on and not left_on_host:
-            placement.delete_allocations(uuid)
-            # Before the ERROR below, so that a run again after that commit has released them too.
-            _release_network(uuid)
+        reset, moved_on, _left_on_host = _failed_build_state(instance, event)
         if instance is None or instance.deleted:
             _deleted_meanwhile(uuid, message)
             return {}
@@ -530,6 +525,25 @@ def fail_build(event: dict[str, Any]) -> dict[str, Any]:
         actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"], event=EVENT_BUILD,
                              host=instance.host, error=error or None)
     return {}
+
+
+def _failed_build_state(instance: Instance | None, event: Mapping[str, Any]) -> tuple[bool, bool, bool]:
+    """How FailBuild finds the server: ``(reset, moved_on, left_on_host)``.
+
+    ``reset``: an admin settled it by hand while it was being built (os-resetState: no task, no
+    longer building). On this build's host, or on none (a reschedule had taken it off one), the
+    build failed under it all the same and left it no guest. ``moved_on``: reset and on another
+    host since: what the build left is not its state any more, and the claim it holds now is that
+    host's, not the build's. ``left_on_host``: its destination could not be cleaned up and may
+    still run the guest: the claim stays with the server (and its host) until its delete releases
+    it, as for any server in ERROR.
+    """
+    live = instance is not None and not instance.deleted
+    reset = live and instance is not None and instance.task_state is None \
+        and instance.vm_state not in (states.BUILDING, states.ERROR)
+    moved_on = reset and instance is not None and instance.host not in (
+        None, event.get("destination", {}).get("host"))
+    return reset, moved_on, bool(event.get("cleanup_error")) and live
 
 
 def _error_name(error: dict[str, Any]) -> str:

@@ -978,16 +978,21 @@ def rollback_move(event: dict[str, Any]) -> dict[str, Any]:
         source_node = migration.source_node
         gone = session.scalars(select(Instance.id).where(Instance.uuid == uuid,
                                                           Instance.deleted.is_(False))).first() is None
-        if gone:
-            # Deleted meanwhile: its delete released the instance's allocations, unless this move's
-            # claim landed after it (a server reset and deleted while the scheduler ran); the
-            # migration's go too.
-            placement.delete_allocations(uuid)
-            placement.delete_allocations(migration_uuid)
-            _update_migration(session, migration_uuid, {"status": ERROR}, _IN_PROGRESS)
-            # Its action still shows how the move ended (to admins reading deleted servers).
-            _close_events(session, event, *_failed_step(event), cause)
-            return {}
+    if gone:
+        # Deleted meanwhile: its delete released the instance's allocations, unless this move's
+        # claim landed after it (a server reset and deleted while the scheduler ran); the
+        # migration's go too. Released with no cell transaction open (SQLite's writers take
+        # their files one at a time, and a step holding the API database may wait for this
+        # cell); the migration is put in error after, so a run again releases them too.
+        placement.delete_allocations(uuid)
+        placement.delete_allocations(migration_uuid)
+        with cell_session(cell) as session:
+            migration = _get_migration(session, migration_uuid)
+            if migration is not None and migration.status in _IN_PROGRESS:
+                _update_migration(session, migration_uuid, {"status": ERROR}, _IN_PROGRESS)
+                # Its action still shows how the move ended (to admins reading deleted servers).
+                _close_events(session, event, *_failed_step(event), cause)
+        return {}
     _restore_allocations(event, source_node)
     if dest is not None:
         _release_destination(uuid, dest["host"], source_host)
