@@ -1047,77 +1047,116 @@ def test_a_cell_whose_database_does_not_answer_is_left_out_of_the_list(cloud, mo
     assert call("GET", "/v2.1/servers/detail", version="2.90").status == 500
 
 
-def _unknown_setup(monkeypatch) -> tuple[str, list[str], str]:
-    """A server of Alice's in cell1, two of hers in cell2 (the newer last) and one of Bob's in
-    cell2, whose database then stops answering; (cell1's id, cell2's of Alice newest first, Bob's)."""
-    in_cell1 = create_server(name="one")
-    schedule(in_cell1)
-    in_cell2 = []
-    for name in ("two", "three"):
-        in_cell2.insert(0, create_server(name=name))
-        schedule(in_cell2[0], "cell2")
+def _unknown_setup(monkeypatch, *, away: bool = True) -> tuple[list[str], list[str], str]:
+    """Alice's servers made in turn in cell1, cell2, cell1, cell2, then one of Bob's in cell2,
+    whose database then stops answering (unless not ``away``); (Alice's newest first, cell2's of
+    them newest first, Bob's)."""
+    alices = []
+    for name, cell in (("a", "cell1"), ("b", "cell2"), ("c", "cell1"), ("d", "cell2")):
+        alices.insert(0, create_server(name=name))
+        schedule(alices[0], cell)
     bobs = create_server(BOB, name="bobs")
     schedule(bobs, "cell2")
-    cell_away(monkeypatch, compute_api, "cell2")
-    return in_cell1, in_cell2, bobs
+    if away:
+        cell_away(monkeypatch, compute_api, "cell2")
+    return alices, [alices[0], alices[2]], bobs
+
+
+def _walk(query: dict[str, str], version: str = "2.69", on_page=None) -> list[str]:  # noqa: ANN001
+    """The ids of every page of Alice's server list, following its next links (``on_page`` called
+    with the page's number after each)."""
+    seen, query = [], dict(query)
+    for number in range(10):
+        body = call("GET", "/v2.1/servers", query=query, version=version).body
+        seen += [s["id"] for s in body["servers"]]
+        if not body.get("servers_links"):
+            return seen
+        query = {k: v[0] for k, v in parse_qs(urlsplit(body["servers_links"][0]["href"]).query).items()}
+        if on_page:
+            on_page(number)
+    raise AssertionError(f"the list did not end: {seen}")
 
 
 @pytest.mark.parametrize("sort", [None, "display_name"])
 def test_from_2_69_the_servers_of_a_cell_that_does_not_answer_are_listed_unknown(cloud, monkeypatch, sort):
     # GIVEN servers in cell1 and in cell2, whose database stops answering
-    in_cell1, in_cell2, bobs = _unknown_setup(monkeypatch)
-    sorting = {"sort_key": sort} if sort else {}
+    alices, in_cell2, bobs = _unknown_setup(monkeypatch)
+    in_cell1 = [u for u in alices if u not in in_cell2]
+    sorting = {"sort_key": sort, "sort_dir": "asc"} if sort else {}
 
     def listed(path: str, version: str, caller: Caller = ALICE, **query: str) -> list[dict]:
         response = call("GET", path, caller=caller, query={**sorting, **query}, version=version)
         assert response.status == 200, response.body
         return response.body["servers"]
 
-    # WHEN they are listed from 2.69, THEN cell1's are shown, then cell2's (the caller's only) as
-    # UNKNOWN, newest first: the id and links, and in the detailed list the project and creation
+    # WHEN they are listed from 2.69, THEN cell2's (the caller's only) are shown UNKNOWN: the id
+    # and links, and in the detailed list the project and creation; in the default order in
+    # their place by when they were made, in another after the servers read
+    expected = alices if not sort else [*in_cell1[::-1], *in_cell2]
     summary = listed("/v2.1/servers", "2.69")
     assert [(s["id"], s.get("status")) for s in summary] == [
-        (in_cell1, None), *((u, "UNKNOWN") for u in in_cell2)]
-    assert all(set(s) == {"id", "status", "links"} for s in summary[1:])
+        (u, "UNKNOWN" if u in in_cell2 else None) for u in expected]
+    assert all(set(s) == {"id", "status", "links"} for s in summary if s["id"] in in_cell2)
     detail = listed("/v2.1/servers/detail", "2.90")
-    assert [s["id"] for s in detail] == [in_cell1, *in_cell2] and detail[0]["status"] == "ACTIVE"
+    assert [s["id"] for s in detail] == expected
+    unknown = [s for s in detail if s["id"] in in_cell2]
     assert all(set(s) == {"id", "status", "links", "tenant_id", "created"} and s["tenant_id"] == ALICE.project_id
-               for s in detail[1:])
-    assert detail[1]["links"][0]["href"].endswith(f"/servers/{in_cell2[0]}")
+               and s["status"] == "UNKNOWN" for s in unknown)
+    assert unknown[0]["links"][0]["href"].endswith(f"/servers/{in_cell2[0]}")
+    assert all(s["status"] == "ACTIVE" for s in detail if s["id"] in in_cell1)
 
     # AND an admin listing every project sees Bob's too; the filters that need the server do not
     # hold them back (as Nova's), the uuid's does; deleted servers only, and before 2.69, none
     every = listed("/v2.1/servers", "2.69", ADMIN, all_tenants="1")
     assert {s["id"] for s in every if s.get("status") == "UNKNOWN"} == {*in_cell2, bobs}
-    assert [s["id"] for s in listed("/v2.1/servers", "2.69", name="^one$")] == [in_cell1, *in_cell2]
+    assert {s["id"] for s in listed("/v2.1/servers", "2.69", name="^a$")} == {in_cell1[-1], *in_cell2}
     assert [s["id"] for s in listed("/v2.1/servers", "2.69", ADMIN, all_tenants="1", uuid=bobs)] == [bobs]
     assert listed("/v2.1/servers", "2.69", ADMIN, all_tenants="1", deleted="true") == []
-    assert [s["id"] for s in listed("/v2.1/servers", "2.68")] == [in_cell1]
+    assert [s["id"] for s in listed("/v2.1/servers", "2.68")] == [u for u in expected if u in in_cell1]
 
 
 @pytest.mark.parametrize("sort", [None, "display_name"])
-def test_unknown_servers_fill_the_page_and_are_paged_on_by_marker(cloud, monkeypatch, sort):
-    # GIVEN one server that answers and two of a cell whose database does not
-    in_cell1, in_cell2, _bobs = _unknown_setup(monkeypatch)
+def test_unknown_servers_are_paged_on_by_marker(cloud, monkeypatch, sort):
+    # GIVEN servers of a cell that answers and of one that does not
+    alices, in_cell2, bobs = _unknown_setup(monkeypatch)
+    in_cell1 = [u for u in alices if u not in in_cell2]
+    query = {"limit": "1", **({"sort_key": sort, "sort_dir": "asc"} if sort else {})}
 
-    # WHEN the list is read a server at a time, following the next links
-    seen, query = [], {"limit": "1", **({"sort_key": sort} if sort else {})}
-    for _page in range(5):
-        body = call("GET", "/v2.1/servers", query=query, version="2.69").body
-        seen += [s["id"] for s in body["servers"]]
-        if not body.get("servers_links"):
-            break
-        query = {k: v[0] for k, v in parse_qs(urlsplit(body["servers_links"][0]["href"]).query).items()}
+    # WHEN the list is read a server at a time, THEN every server is listed once, and the list ends
+    assert _walk(query) == (alices if not sort else [*in_cell1[::-1], *in_cell2])
 
-    # THEN every server is listed once, the unknown ones after, and the list ends
-    assert seen == [in_cell1, *in_cell2]
-
-    # AND a marker naming another project's server, or a server being deleted, is not found
+    # AND a marker naming another project's server is not found; one being deleted meanwhile in
+    # the cell that does not answer pages on from its place
+    assert call("GET", "/v2.1/servers", query={"marker": bobs}, version="2.69").status == 400
     with api_session() as session:
         session.execute(update(InstanceMapping).where(InstanceMapping.instance_uuid == in_cell2[0])
                         .values(queued_for_delete=True))
-    for marker in (_bobs, in_cell2[0]):
-        assert call("GET", "/v2.1/servers", query={"marker": marker}, version="2.69").status == 400
+    page = call("GET", "/v2.1/servers", query={"marker": in_cell2[0]}, version="2.69")
+    assert page.status == 200 and [s["id"] for s in page.body["servers"]] == alices[1:]
+
+
+@pytest.mark.parametrize("change", ["goes away", "comes back"])
+def test_a_cell_that_goes_away_or_comes_back_between_pages_loses_no_server_and_repeats_none(cloud, monkeypatch,
+                                                                                            change):
+    # GIVEN Alice's servers made in turn in cell1 and cell2, cell2 answering or not
+    alices, _in_cell2, _bobs = _unknown_setup(monkeypatch, away=False)
+    outage = pytest.MonkeyPatch()
+    if change == "comes back":
+        cell_away(outage, compute_api, "cell2")
+
+    # WHEN cell2 goes away, or comes back, after the first page of a server at a time
+    def turn(number: int) -> None:
+        if number == 0:
+            if change == "goes away":
+                cell_away(outage, compute_api, "cell2")
+            else:
+                outage.undo()
+
+    # THEN every server is listed once, in its place
+    try:
+        assert _walk({"limit": "1"}, on_page=turn) == alices
+    finally:
+        outage.undo()
 
 
 def test_a_status_filter_selects_states_as_nova_does(cloud):

@@ -196,6 +196,33 @@ def test_the_indexes_the_list_indexes_begin_with_go_with_0009_and_come_back_when
         assert connection.execute(text("SELECT display_name FROM instances")).scalar_one() == "before"
 
 
+def test_the_api_index_of_a_cells_servers_by_acceptance_comes_and_goes_with_0012(empty_cell_url):
+    # GIVEN an API database at the head
+    url = empty_cell_url
+    migrate.upgrade("api", url)
+    name = "ix_instance_mappings_cell_listing"
+
+    def indexes() -> dict[str, list[str]]:
+        with engine_for(url).connect() as connection:
+            return {i["name"]: i["column_names"] for i in inspect(connection).get_indexes("instance_mappings")}
+
+    # THEN a cell's mappings are indexed by acceptance, and a list of a cell's servers reads by it
+    assert indexes()[name] == ["cell_id", "queued_for_delete", "created_at", "instance_uuid"]
+    if url.startswith("sqlite"):
+        with engine_for(url).connect() as connection:
+            plan = " ".join(str(row[-1]) for row in connection.execute(text(
+                "EXPLAIN QUERY PLAN SELECT instance_uuid FROM instance_mappings WHERE cell_id = 1 AND "
+                "queued_for_delete = 0 ORDER BY created_at DESC, instance_uuid DESC LIMIT 10")))
+        assert name in plan and "TEMP B-TREE" not in plan, plan
+
+    # WHEN 0012 is undone, THEN the index is gone
+    cfg = migrate.alembic_config("api", url)
+    with engine_for(url).begin() as connection:
+        cfg.attributes["connection"] = connection
+        command.downgrade(cfg, "0011_api")
+    assert name not in indexes()
+
+
 NAMES = ["Web Server_1", "☕", "", "..db.01..", "Ünïcode façade", "x" * 80, "a b_c.d", "ß²µ-ºª", "  -_-  ", "web"]
 
 

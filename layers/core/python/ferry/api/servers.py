@@ -76,8 +76,9 @@ def _list(detail: bool) -> Response:
     if detail:
         _add_host_status(view, page.servers)
     render = views.server_detail if detail else views.server_summary
-    body: dict[str, Any] = {"servers": [render(view, server) for server in page.servers]
-                            + [views.unknown_server(view, server, detail=detail) for server in page.unknown]}
+    body: dict[str, Any] = {"servers": [
+        render(view, item) if isinstance(item, compute_api.Server) else views.unknown_server(view, item, detail=detail)
+        for item in page.items]}
     next_link = views.next_link(view, "servers/detail" if detail else "servers", params,
                                 page.ids, compute_api.page_size(filters.limit))
     if next_link:

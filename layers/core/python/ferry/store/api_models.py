@@ -74,6 +74,9 @@ class InstanceMapping(TimestampMixin, ApiBase):
     """Where an instance lives: the authority the API reads before touching a cell."""
 
     __tablename__ = "instance_mappings"
+    # A cell's servers newest first, for a list that shows those of a cell not answering (2.69).
+    __table_args__ = (Index("ix_instance_mappings_cell_listing", "cell_id", "queued_for_delete", "created_at",
+                            "instance_uuid"),)
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     instance_uuid: Mapped[str] = mapped_column(String(36), unique=True)
     cell_id: Mapped[int | None] = mapped_column(ForeignKey("cell_mappings.id"), index=True, nullable=True)
