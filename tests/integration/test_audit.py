@@ -1477,6 +1477,30 @@ def test_a_stuck_migration_whose_workflow_starts_while_the_audit_runs_is_left_to
             assert actions.newest_request_id(session, uuid, actions.CONFIRM_RESIZE) is not None
 
 
+def test_the_repairs_of_stuck_migrations_list_the_running_workflows_once_a_round(cloud, monkeypatch):
+    # GIVEN every move workflow listed and two migrations stuck long ago
+    configure_state_machines(monkeypatch, "resize", "confirm_resize", "revert_resize")
+    stuck = [add_migration(cloud.active, status, created_at=LONG_AGO)
+             for status in (migration_states.MIGRATING, migration_states.POST_MIGRATING)]
+    listings = []
+
+    def counted(skipped: list[str]) -> set[str]:
+        listings.append(skipped)
+        return set()
+
+    # WHEN the audit repairs them, the workflows listed from the read on
+    report = fix_with_race(monkeypatch, lambda: monkeypatch.setattr(audit, "_running_executions", counted),
+                           running_executions=None)
+
+    # THEN both are put in error after one look at the running workflows for both repairs (the
+    # other is the audit's read of the store after them)
+    assert [r.error for r in report.repairs if r.problem.kind == audit.MIGRATION_STUCK] == [None, None]
+    assert len(listings) == 2
+    with cell_session(CELL) as session:
+        assert set(session.scalars(select(Migration.status).where(Migration.uuid.in_(stuck)))) == {
+            migration_states.ERROR}
+
+
 def test_a_server_stuck_with_a_task_and_no_workflow_is_found(cloud):
     cell_write(CELL, update(Instance).where(Instance.uuid == cloud.active)
                .values(task_state=states.POWERING_OFF, updated_at=LONG_AGO))

@@ -282,8 +282,17 @@ class _World:
     unlisted: list[str]
     # Whether ``running`` leaves out the boot's executions (its state machine is not configured).
     boots_unlisted: bool = False
-    # Lists the running executions again, as ``running`` was (a repair's last look; None: cannot).
-    relist: Callable[[], set[str] | None] = lambda: None
+    # Lists the running executions again, as ``running`` was, with why it could not (None then).
+    relist: Callable[[], tuple[set[str] | None, str]] = lambda: (None, "no way to list them was given")
+    # What ``relist`` answered first: the repairs of one round share one look.
+    relisted: tuple[set[str] | None, str] | None = None
+
+    def running_now(self) -> tuple[set[str] | None, str]:
+        """The running executions as the repairs see them (listed once a round); None, and why,
+        when they cannot be listed."""
+        if self.relisted is None:
+            self.relisted = self.relist()
+        return self.relisted
     migrations: dict[str, Migration] = field(default_factory=dict)
     migrations_of: dict[str, list[Migration]] = field(default_factory=dict)
 
@@ -438,7 +447,7 @@ def _read_world(grace_seconds: float, clock_skew_seconds: float, running: Collec
         volume_mappings={(u, v) for u, v in volume_mappings if v is not None}, volume_statuses=volume_statuses,
         running=running_names, unlisted=unlisted,
         boots_unlisted=running is None and not config.get().boot_state_machine_arn,
-        relist=(lambda: set(running)) if running is not None else (lambda: _running_executions([])),
+        relist=(lambda: (set(running), "")) if running is not None else _list_running_again,
     )
     # One record per migration: the copy in the cell the server is mapped to wins (as GET /os-migrations).
     for migration_uuid, found in world.migration_copies.items():
@@ -505,6 +514,12 @@ def _running_executions(skipped: list[str]) -> set[str] | None:
         skipped.append(f"listing running workflows failed ({exc}): stuck migrations are reported but not repaired")
         return None
     return names
+
+
+def _list_running_again() -> tuple[set[str] | None, str]:
+    """:func:`_running_executions` for a repair's last look: the names, or None and why not."""
+    why: list[str] = []
+    return _running_executions(why), "; ".join(why)
 
 
 def _unlisted_move_machines() -> list[str]:
@@ -1440,10 +1455,10 @@ def _unless_running(world: _World, instance_uuid: str, repair: Callable[[], str]
     a request accepted again) owns the records, and the repair leaves them to it."""
 
     def repair_if_still_alone() -> str:
-        running = world.relist()
+        running, why = world.running_now()
         if running is None:
-            raise errors.FerryError(f"the running workflows cannot be listed now, so whether one runs for server "
-                                    f"{instance_uuid} cannot be told; left as it is")
+            raise errors.FerryError(f"the running workflows cannot be listed now ({why}), so whether one runs for "
+                                    f"server {instance_uuid} cannot be told; left as it is")
         started = sorted(name for name in running if instance_uuid in name)
         if started:
             raise errors.FerryError(f"workflow {', '.join(started)} runs for server {instance_uuid} now; "
@@ -1556,7 +1571,9 @@ def run_audit(*, fix: bool = False, grace_seconds: float = DEFAULT_GRACE_SECONDS
             between two writes).
         clock_skew_seconds: how far a host's clock may be ahead of the control plane's.
         running_executions: names of the workflow executions running now; by default they are
-            listed from Step Functions (when no state machine is configured, nothing stuck is repaired).
+            listed from Step Functions (when no state machine is configured, nothing stuck is
+            repaired), and listed again once before the repairs of stuck migrations. When given,
+            those repairs look at the same names again (nothing is listed).
         check_storage: also check temporary snapshots and disk transfers in the image bucket.
         max_fix_rounds: a repair may reveal another (a migration put in error leaves its transfer
             to remove): repair and check again up to this many times.
