@@ -13,7 +13,7 @@ from placement_helpers import PROJECT, USER, add_aggregate, add_compute, add_ins
 from sqlalchemy import select, update
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
-from test_api_support import ADMIN, ALICE, LambdaContext, call, function, mocked_cloud
+from test_api_support import ADMIN, ALICE, LambdaContext, call, cell_away, function, mocked_cloud
 
 from ferry import errors, hosts, placement, protocol, scheduler
 from ferry.compute import services as compute_services
@@ -114,6 +114,27 @@ def test_host_and_binary_filters(computes):
     assert list(listed(query={"host": "compute-1", "binary": "nova-compute"})) == ["compute-1"]
     assert listed(query={"binary": "nova-scheduler"}) == {}
     assert listed(query={"host": "nowhere"}) == {}
+
+
+def test_a_cell_that_does_not_answer_is_left_out_and_from_2_69_its_hosts_are_unknown(computes, monkeypatch):
+    # GIVEN cell2's database stops answering
+    cell_away(monkeypatch, compute_services, "cell2")
+
+    # WHEN the services are listed, THEN cell1's are shown; cell2's host is left out before 2.69
+    # and listed UNKNOWN from it (its host and binary only, as Nova's partial record)
+    assert sorted(listed(version="2.68")) == ["compute-1", "compute-2"]
+    services = listed(version="2.69")
+    assert sorted(services) == computes
+    assert services["compute-3"] == {"binary": "nova-compute", "host": "compute-3", "status": "UNKNOWN"}
+    assert services["compute-1"]["status"] == "enabled"
+    # AND the filters hold for it
+    assert list(listed(query={"host": "compute-3"})) == ["compute-3"]
+    assert listed(query={"host": "compute-1"}).keys() == {"compute-1"}
+    assert listed(query={"binary": "nova-scheduler"}) == {}
+
+    # AND a database error that is not of the moment still fails the list
+    cell_away(monkeypatch, compute_services, "cell2", broken=True)
+    assert admin("GET", SERVICES).status == 500
 
 
 def test_an_unknown_list_parameter_is_refused_from_2_75_before_the_policy_and_ignored_before(computes):

@@ -17,11 +17,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import delete, func, or_, select
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from ferry import errors, hosts
 from ferry.compute import aggregates
 from ferry.observability import logger
+from ferry.store import db
 from ferry.store.api_models import (
     AggregateHost,
     Allocation,
@@ -67,12 +69,32 @@ def _record(cell: str, service: Service, zone: str, now: dt.datetime) -> Service
         up=hosts.is_up(service, now), updated_at=max(stamps) if stamps else None, created_at=service.created_at)
 
 
-def _find(*criteria: Any) -> list[tuple[str, Service]]:
-    """Services matching ``criteria`` in every cell (cell0 has none), as ``(cell name, service)``."""
+@dataclass(frozen=True)
+class UnknownService:
+    """The compute service of a host mapped to a cell whose database does not answer: its host
+    is all that is known (the API database's host mapping), shown with status ``UNKNOWN`` from
+    2.69 (Nova's partial record of a down cell)."""
+
+    host: str
+    binary: str = COMPUTE_BINARY
+
+
+def _find(*criteria: Any, down: list[CellMapping] | None = None) -> list[tuple[str, Service]]:
+    """Services matching ``criteria`` in every cell (cell0 has none), as ``(cell name, service)``.
+    With ``down``, a cell whose database does not answer is left out (logged) and added to it;
+    without, its error is raised."""
     found: list[tuple[str, Service]] = []
     for cell in all_cells(include_cell0=False):
-        with cell_session(cell) as session:
-            found += [(cell.name, s) for s in session.scalars(select(Service).where(*criteria).order_by(Service.id))]
+        try:
+            with cell_session(cell) as session:
+                found += [(cell.name, s)
+                          for s in session.scalars(select(Service).where(*criteria).order_by(Service.id))]
+        except DBAPIError as exc:
+            if down is None or not db.transient(exc):
+                raise
+            logger.warning("cell database does not answer; its services are left out of the list",
+                           extra={"cell": cell.name, "error": type(exc).__name__})
+            down.append(cell)
     return found
 
 
@@ -119,10 +141,33 @@ def available_zones() -> set[str]:
 
 
 def list_services(host: str | None = None, binary: str | None = None) -> list[ServiceRecord]:
-    """Every compute service, cell by cell, optionally only ``host``'s or only ``binary``'s."""
+    """Every compute service, cell by cell, optionally only ``host``'s or only ``binary``'s.
+
+    Raises:
+        DBAPIError: a cell's database does not answer (see :func:`list_answering`).
+    """
     if binary is not None and binary != COMPUTE_BINARY:
         return []
     return _records(_find(*([Service.host == host] if host is not None else [])))
+
+
+def list_answering(host: str | None = None, binary: str | None = None, *,
+                   unknown: bool = False) -> list[ServiceRecord | UnknownService]:
+    """:func:`list_services` without the cells whose database does not answer (as Nova lists
+    services), and with ``unknown`` (2.69) an :class:`UnknownService` for each host mapped to one
+    of them (``host``'s only, if given) after the others."""
+    if binary is not None and binary != COMPUTE_BINARY:
+        return []
+    down: list[CellMapping] = []
+    found: list[ServiceRecord | UnknownService] = []
+    found += _records(_find(*([Service.host == host] if host is not None else []), down=down))
+    if unknown and down:
+        with api_session() as session:
+            query = select(HostMapping.host).where(HostMapping.cell_id.in_([cell.id for cell in down]))
+            if host is not None:
+                query = query.where(HostMapping.host == host)
+            found += [UnknownService(name) for name in session.scalars(query.order_by(HostMapping.id))]
+    return found
 
 
 def get_by_uuid(service_uuid: str) -> ServiceRecord:
