@@ -9,7 +9,7 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 from sqlalchemy import select, update
 from test_api_moves import action, active_server, resized_server, start_move_cloud, write_policy
-from test_api_support import ADMIN, ALICE, BOB, call, mocked_cloud
+from test_api_support import ADMIN, ALICE, BOB, call, cell_away, mocked_cloud
 
 from ferry.compute import actions, migration_states, moves
 from ferry.compute import api as compute_api
@@ -109,6 +109,22 @@ def test_newest_first_from_2_59_across_cells(cloud):
     assert [m["uuid"] for m in listed("2.59")] == [newest, middle, oldest]
     assert {m["id"] for m in listed("2.58")} == {m["id"] for m in listed("2.59")}
     assert len(listed("2.58")) == 3
+
+
+def test_a_cell_whose_database_does_not_answer_is_left_out_of_the_list(cloud, monkeypatch):
+    # GIVEN migrations in cell1 and cell2, whose database stops answering
+    kept = [add_migration("cell1", minutes=0), add_migration("cell1", minutes=10)]
+    add_migration("cell2", minutes=5, source_compute="host3", dest_compute="host3")
+    cell_away(monkeypatch, moves, "cell2")
+
+    # WHEN the migrations are listed, THEN cell1's are (not a 500), in both orders
+    assert [m["uuid"] for m in listed("2.59")] == kept[::-1]
+    assert [m["uuid"] for m in listed("2.80", limit="1", marker=kept[1])] == kept[:1]
+    assert len(listed("2.58")) == 2
+
+    # AND a database error that is not of the moment still fails the list
+    cell_away(monkeypatch, moves, "cell2", broken=True)
+    assert call("GET", "/v2.1/os-migrations", caller=ADMIN, version="2.80").status == 500
 
 
 def test_oldest_first_below_2_59(cloud):

@@ -25,6 +25,7 @@ from typing import Any, cast
 
 from botocore.exceptions import BotoCoreError, ClientError
 from sqlalchemy import CursorResult, Select, delete, func, or_, select, update
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from ferry import config, errors, hosts, images, policy, quotas, workflows
@@ -44,6 +45,7 @@ from ferry.compute.migration_states import (
     SETTLING,
 )
 from ferry.observability import logger
+from ferry.store import db
 from ferry.store.api_models import CellMapping, Flavor, InstanceMapping, new_uuid, utcnow
 from ferry.store.cell_models import (
     BlockDeviceMapping,
@@ -947,13 +949,23 @@ def _newest_first_key(record: dict[str, Any]) -> tuple[dt.datetime, int, str]:
 
 def _copies_by_uuid(query: Select[Any]) -> dict[str, list[tuple[dict[str, Any], str]]]:
     """The rows ``query`` selects in every cell, as ``(record, cell)`` by migration uuid; uuids in
-    the order first seen (cell by cell, each oldest first)."""
+    the order first seen (cell by cell, each oldest first). A cell whose database does not answer
+    is left out (logged), as Nova lists migrations: its migrations are missing (a cross-cell
+    move's shows its other cell's copy) until it answers again, rather than every list failing."""
     copies: dict[str, list[tuple[dict[str, Any], str]]] = {}
     for cell in all_cells(include_cell0=False):
-        with cell_session(cell) as session:
-            for row in session.scalars(query.order_by(Migration.created_at, Migration.id)):
-                record = {name: getattr(row, name) for name in MIGRATION_FIELDS}
-                copies.setdefault(row.uuid, []).append((record, cell.name))
+        try:
+            with cell_session(cell) as session:
+                rows = [({name: getattr(row, name) for name in MIGRATION_FIELDS}, row.uuid)
+                        for row in session.scalars(query.order_by(Migration.created_at, Migration.id))]
+        except DBAPIError as exc:
+            if not db.transient(exc):
+                raise
+            logger.warning("cell database does not answer; its migrations are left out of the list",
+                           extra={"cell": cell.name, "error": type(exc).__name__})
+            continue
+        for record, uuid in rows:
+            copies.setdefault(uuid, []).append((record, cell.name))
     return copies
 
 
