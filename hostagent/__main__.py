@@ -26,6 +26,7 @@ from ferry import config, errors, protocol
 from ferry.arguments import more_than_zero, seconds, whole
 from ferry.observability import logger
 from hostagent.agent import (
+    DEFAULT_HYPERVISOR_CALL_TIMEOUT,
     DEFAULT_KEEPALIVE_INTERVAL,
     DEFAULT_MAX_WAITING,
     DEFAULT_VISIBILITY_TIMEOUT,
@@ -114,6 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=whole(1),
         default=DEFAULT_VISIBILITY_TIMEOUT,
         help="seconds a received operation stays invisible (renewed while it runs)",
+    )
+    parser.add_argument(
+        "--hypervisor-call-timeout", type=whole(0), default=int(DEFAULT_HYPERVISOR_CALL_TIMEOUT),
+        help="seconds a call into libvirt may run beyond what it was asked to wait before the hypervisor counts as "
+        "hung: task and service heartbeats stop until it answers (0: never)",
     )
     parser.add_argument("--workers", type=int, default=1, help="operations run at once")
     parser.add_argument(
@@ -255,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         disk_overcommit_ratio=args.disk_overcommit_ratio,
         direct_copies=args.direct_copies,
         image_cache_max_age=timedelta(seconds=args.image_cache_max_age) if args.image_cache_max_age > 0 else None,
+        hypervisor_call_timeout=float(args.hypervisor_call_timeout),
     )
     agent.install_signal_handlers()
     if args.parent_pid is not None:

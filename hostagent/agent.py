@@ -58,6 +58,7 @@ from hostagent.driver import (
     NOSTATE,
     ROOT,
     SWAP,
+    CallUnderWay,
     DiskSpec,
     Driver,
     HostCapacity,
@@ -92,6 +93,10 @@ DEFAULT_KEEPALIVE_INTERVAL = 15.0
 KEEPALIVE_FIRST_BEAT_SECONDS = 1.0
 # How long an operation's end waits for its keepalive to stop before it answers.
 KEEPALIVE_JOIN_SECONDS = 5.0
+# Seconds a hypervisor call may run beyond what it was asked to wait before the hypervisor counts
+# as hung (see HostAgent's hypervisor_call_timeout): well past any call libvirt answers normally.
+DEFAULT_HYPERVISOR_CALL_TIMEOUT = 600.0
+
 # Messages received beyond the workers, waiting for one with their tasks heartbeat meanwhile.
 DEFAULT_MAX_WAITING = 4
 # Drills only: ``<operation>=<seconds>[,...]`` (``*`` for every operation) makes this agent wait that
@@ -404,6 +409,10 @@ class HostAgent(MoveOperations):
             written, do not fit the free space of the instances filesystem.
         disk_overcommit_ratio: how far that check trusts sparse disks to stay sparse: a flavor
             needs its full disk size divided by this ratio free (1.0: the full size).
+        hypervisor_call_timeout: seconds a call into the hypervisor may run beyond what it was
+            asked to wait (a power-off's timeout) before the hypervisor counts as hung: while one
+            hangs, no task is heartbeat (their workflows time out and roll back) and no service
+            heartbeat is sent (the host goes down, so nothing new is sent to it); 0 never.
     """
 
     def __init__(
@@ -441,6 +450,7 @@ class HostAgent(MoveOperations):
         disk_overcommit_ratio: float = 1.0,
         direct_copies: bool = True,
         volumes_dirs: Iterable[str | Path] | None = None,
+        hypervisor_call_timeout: float = DEFAULT_HYPERVISOR_CALL_TIMEOUT,
     ) -> None:
         if queue_url is None and queue_prefix is None:
             raise ValueError("HostAgent needs a queue_url or a queue_prefix to derive it from.")
@@ -490,6 +500,9 @@ class HostAgent(MoveOperations):
         self.disk_headroom_check = disk_headroom_check
         self.disk_overcommit_ratio = disk_overcommit_ratio
         self.direct_copies = direct_copies
+        self.hypervisor_call_timeout = hypervisor_call_timeout
+        # When the hung hypervisor call now withholding the service heartbeats was first seen.
+        self._hung_seen: float | None = None
         self.journal: Journal | None = None
         self._stop = threading.Event()
         self._started = threading.Event()
@@ -1189,6 +1202,7 @@ class HostAgent(MoveOperations):
         def heartbeat() -> None:
             gone: set[str] = set()  # tokens whose workflow stopped waiting: their messages are kept alive only
             beaten: set[str] = set()
+            withheld = False  # whether the beats were withheld for a hung hypervisor (logged once)
             due = time.monotonic() + min(self.keepalive_interval, KEEPALIVE_FIRST_BEAT_SECONDS)
             while True:
                 claim.new_token.wait(max(0.0, due - time.monotonic()))
@@ -1202,6 +1216,17 @@ class HostAgent(MoveOperations):
                     tokens = dict.fromkeys(token for token in tokens if token not in beaten)
                 else:
                     due = time.monotonic() + self.keepalive_interval
+                hung = self.hung_hypervisor_call()
+                if hung is not None:  # the task times out and its workflow rolls back without this host
+                    if not withheld:
+                        logger.warning("the hypervisor hangs: this operation's task is no longer heartbeat",
+                                       extra={**context, "call": hung.method, "seconds": round(hung.seconds)})
+                    withheld = True
+                    continue
+                if withheld:
+                    logger.info("the hypervisor answers again: this operation's task is heartbeat again",
+                                extra=context)
+                    withheld = False
                 for token in tokens:
                     beaten.add(token)
                     self._keepalive_heartbeat(token, gone, context)
@@ -1313,6 +1338,10 @@ class HostAgent(MoveOperations):
         since a value CloudWatch refuses would lose the whole batch it is sent in."""
         known = operation in self._handlers or operation == "unknown"
         self.metrics.add(name, unit.value, value, {"Host": self.host, "Operation": operation if known else "invalid"})
+
+    def _emit_host_metric(self, name: str, unit: MetricUnit, value: float) -> None:
+        """Buffer one value of the metric ``name`` about the host itself (dimension ``Host`` only)."""
+        self.metrics.add(name, unit.value, value, {"Host": self.host})
 
     def _count_failure(self, operation: str) -> None:
         """Count a failed operation (its error name is in the log line that reports it)."""
@@ -1776,8 +1805,32 @@ class HostAgent(MoveOperations):
         return self._send_report(report)
 
     def send_heartbeat(self) -> bool:
-        """Report that the host's agent is alive; True if the report was sent."""
+        """Report that the host's agent is alive; True if the report was sent. Nothing is sent
+        while the hypervisor hangs (:meth:`hung_hypervisor_call`): the host then goes down, so
+        the scheduler sends it nothing new and moves from it are refused, until it answers again.
+        Each heartbeat withheld counts ``HypervisorHung``."""
+        hung = self.hung_hypervisor_call()
+        if hung is not None:
+            if self._hung_seen is None:
+                self._hung_seen = time.monotonic()
+                logger.error("the hypervisor hangs: service heartbeats are withheld, so the host goes down",
+                             extra={"host": self.host, "call": hung.method, "seconds": round(hung.seconds)})
+            self._emit_host_metric("HypervisorHung", MetricUnit.Count, 1)
+            return False
+        if self._hung_seen is not None:
+            logger.warning("the hypervisor answers again: service heartbeats resume",
+                           extra={"host": self.host, "hung_seconds": round(time.monotonic() - self._hung_seen)})
+            self._hung_seen = None
         return self._send_report(self._report_base(protocol.REPORT_HEARTBEAT))
+
+    def hung_hypervisor_call(self) -> CallUnderWay | None:
+        """The oldest call into the hypervisor running longer than it was asked to wait plus
+        ``hypervisor_call_timeout`` (the hypervisor hangs); None when there is none or the watch
+        is off."""
+        if self.hypervisor_call_timeout <= 0:
+            return None
+        return next((call for call in self.driver.calls_under_way()
+                     if call.seconds > call.allowed + self.hypervisor_call_timeout), None)
 
     def _report_loop(self) -> None:
         next_inventory = time.monotonic() + self.report_interval

@@ -167,8 +167,22 @@ class HostCapacity:
     disk_gb: int
 
 
+@dataclass(frozen=True)
+class CallUnderWay:
+    """A driver call that has not returned: its method, how long it has run, and how long it may
+    take by what it was asked (a power-off's ``timeout``) before it counts as hung."""
+
+    method: str
+    seconds: float
+    allowed: float
+
+
 class Driver(abc.ABC):
     """What the host agent needs from a hypervisor. Every method is safe to repeat."""
+
+    def calls_under_way(self) -> list[CallUnderWay]:
+        """The calls into the hypervisor that have not returned yet (none known by default)."""
+        return []
 
     @abc.abstractmethod
     def define_guest(self, spec: GuestSpec) -> None:
@@ -359,6 +373,11 @@ def _reconnecting(
         if getattr(self._calls, "active", False):
             return method(self, *args, **kwargs)
         self._calls.active = True
+        thread = threading.get_ident()
+        timeout = kwargs.get("timeout")
+        allowed = float(timeout) if isinstance(timeout, int | float) else 0.0
+        with self._under_way_guard:
+            self._under_way[thread] = (method.__name__, time.monotonic(), allowed)
         try:
             used = self._conn
             try:
@@ -370,6 +389,8 @@ def _reconnecting(
             return method(self, *args, **kwargs)
         finally:
             self._calls.active = False
+            with self._under_way_guard:
+                self._under_way.pop(thread, None)
 
     return call
 
@@ -508,6 +529,9 @@ class LibvirtDriver(Driver):
         # Per thread: whether a driver call is running, so that only the outermost one is repeated
         # after a reconnection.
         self._calls = threading.local()
+        # The outermost calls running, by thread: (method, when it began, seconds it may take).
+        self._under_way: dict[int, tuple[str, float, float]] = {}
+        self._under_way_guard = threading.Lock()
         with _hypervisor_errors("open connection"):
             self._conn = libvirt.open(uri)
             self._conn_type = self._conn.getType()
@@ -533,6 +557,13 @@ class LibvirtDriver(Driver):
                 ET.SubElement(domain, f"{{{TEST_DRIVER_NS}}}runstate").text = str(dom.state()[0])
                 node.append(domain)
             _replace_file(self._test_node_file, ET.tostring(node))
+
+    def calls_under_way(self) -> list[CallUnderWay]:
+        """Every driver call running now (the outermost of each thread), oldest first."""
+        now = time.monotonic()
+        with self._under_way_guard:
+            running = sorted(self._under_way.values(), key=lambda call: call[1])
+        return [CallUnderWay(method, now - began, allowed) for method, began, allowed in running]
 
     # -- connection and lookups
 

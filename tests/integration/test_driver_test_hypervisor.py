@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 import uuid
 import xml.etree.ElementTree as ET
 
@@ -127,3 +129,46 @@ def test_power_off_pulls_the_plug_of_a_guest_that_cannot_take_a_shutdown_request
         assert guest.shutdown_requests == requests
     finally:
         drv.close()
+
+
+class _HeldDriver(LibvirtDriver):
+    """The driver, holding every guest look-up until ``gate`` is set (a hypervisor that hangs)."""
+
+    gate: threading.Event
+    held: threading.Event
+
+    def _domain(self, instance_uuid: str) -> libvirt.virDomain:
+        self.held.set()
+        assert self.gate.wait(30), "the look-up was never released"
+        return super()._domain(instance_uuid)
+
+
+def test_the_calls_under_way_are_known_with_the_time_they_may_take(tmp_path):
+    # GIVEN a guest, and a hypervisor that holds its look-ups
+    drv = _HeldDriver(write_test_node_xml(tmp_path / "node.xml", vcpus=4, memory_mb=8192))
+    drv.gate, drv.held = threading.Event(), threading.Event()
+    spec = _spec()
+    drv.define_guest(spec)
+    assert drv.calls_under_way() == []
+
+    # WHEN a power-on and a power-off with a 5 s timeout hang in it
+    calls = [threading.Thread(target=drv.power_on, args=(spec.instance_uuid,)),
+             threading.Thread(target=drv.power_off, args=(spec.instance_uuid,), kwargs={"timeout": 5.0})]
+    calls[0].start()
+    assert drv.held.wait(30)
+    calls[1].start()
+    deadline = time.monotonic() + 30
+    while len(drv.calls_under_way()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+    # THEN both are under way, oldest first, each with what it may take (inner calls are not listed)
+    under_way = drv.calls_under_way()
+    assert [(c.method, c.allowed) for c in under_way] == [("power_on", 0.0), ("power_off", 5.0)]
+    assert under_way[0].seconds >= under_way[1].seconds > 0
+
+    # AND once they return, none is
+    drv.gate.set()
+    for call in calls:
+        call.join(30)
+    assert drv.calls_under_way() == []
+    assert drv.guest_power_state(spec.instance_uuid) in (RUNNING, SHUTDOWN)

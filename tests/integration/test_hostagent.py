@@ -29,7 +29,7 @@ from ferry.local.runtime import moto_heartbeat_fixes
 from hostagent import agent as agent_module
 from hostagent import disks
 from hostagent.agent import UNSURE_REDELIVERY_SECONDS, HostAgent, Operation, default_volumes_dirs, ensure_host_queue
-from hostagent.driver import RUNNING, SHUTDOWN, LibvirtDriver, write_test_node_xml
+from hostagent.driver import RUNNING, SHUTDOWN, CallUnderWay, LibvirtDriver, write_test_node_xml
 from hostagent.journal import SUCCEEDED
 
 BUCKET = "ferry-images"
@@ -1756,3 +1756,64 @@ def test_a_message_handed_out_again_while_it_is_being_settled_goes_by_its_newest
     wait_for(lambda: again["newest"] in {kwargs["ReceiptHandle"] for kwargs in host.sqs.called("delete_message")},
              "the newest receipt to be deleted")
     assert journal_entry(host, operation_id).attempts == 1
+
+
+# --- a hung hypervisor ------------------------------------------------------------------------------
+
+
+def hangs(host: Host, monkeypatch: pytest.MonkeyPatch, seconds: float, allowed: float = 0.0) -> None:
+    """Have the driver report a power-on under way for ``seconds`` (asked to wait ``allowed``)."""
+    monkeypatch.setattr(host.driver, "calls_under_way", lambda: [CallUnderWay("power_on", seconds, allowed)])
+
+
+@pytest.mark.parametrize("host", [{"hypervisor_call_timeout": 60}], indirect=True)
+def test_service_heartbeats_are_withheld_while_a_hypervisor_call_hangs(host, monkeypatch):
+    # GIVEN a hypervisor call under way within its time, then past it (its own 30 s and 60 s more)
+    while host.reports():  # the reports the agent sent as it started
+        pass
+    hangs(host, monkeypatch, seconds=80, allowed=30)
+    assert host.agent.send_heartbeat() and [r["kind"] for r in host.reports()] == ["heartbeat"]
+    hangs(host, monkeypatch, seconds=100, allowed=30)
+
+    # WHEN the agent's heartbeats come, THEN none is sent (the host goes down) and each is counted
+    assert not host.agent.send_heartbeat() and not host.agent.send_heartbeat()
+    assert host.reports() == []
+    host.agent.metrics.flush()
+    counted = [datum for call in host.cloudwatch.called("put_metric_data") for datum in call["MetricData"]
+               if datum["MetricName"] == "HypervisorHung"]
+    assert [(d["Values"], d["Counts"]) for d in counted] == [([1.0], [2.0])]  # the value 1, counted twice
+    assert counted[0]["Dimensions"] == [{"Name": "Host", "Value": "compute1"}]
+
+    # AND once the call returns they are sent again
+    monkeypatch.setattr(host.driver, "calls_under_way", lambda: [])
+    assert host.agent.send_heartbeat() and [r["kind"] for r in host.reports()] == ["heartbeat"]
+
+
+@pytest.mark.parametrize("host", [{"hypervisor_call_timeout": 60}], indirect=True)
+def test_an_operations_task_is_not_heartbeat_while_the_hypervisor_hangs(host, monkeypatch):
+    # GIVEN an operation held mid-way, its task heartbeat
+    instance_uuid = str(uuid.uuid4())
+    output(host.execute("spawn", instance_uuid, spawn_args(host.image(b"x" * 4096), power_on=False)))
+    host.driver.gate = threading.Event()
+    host.driver.entered.clear()
+    before = heartbeat_tokens(host)
+    running = host.start("power_on", instance_uuid, {})
+    assert host.driver.entered.wait(WAIT)
+    (token,) = wait_for(lambda: heartbeat_tokens(host) - before, "the operation's task to be heartbeat")
+
+    def beats() -> int:
+        return sum(1 for call in host.sfn.called("send_task_heartbeat") if call["taskToken"] == token)
+
+    # WHEN a hypervisor call hangs past its time, THEN the task is heartbeat no more (it times out
+    # and its workflow rolls back without this host)
+    hangs(host, monkeypatch, seconds=61)
+    time.sleep(0.3)  # a beat under way when it began may still land
+    counted = beats()
+    time.sleep(1.0)  # ten keepalive intervals
+    assert beats() == counted
+
+    # AND once it answers again the task is heartbeat again, and the operation ends
+    monkeypatch.setattr(host.driver, "calls_under_way", lambda: [])
+    wait_for(lambda: beats() > counted, "the task to be heartbeat again")
+    host.driver.gate.set()
+    assert output(host.finished(running))["power_state"] == RUNNING

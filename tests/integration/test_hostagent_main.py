@@ -283,6 +283,16 @@ def test_the_disk_headroom_check_is_on_unless_turned_off():
     assert (relaxed.disk_headroom_check, relaxed.disk_overcommit_ratio) == (False, 2.5)
 
 
+def test_the_hung_hypervisor_watch_is_on_unless_turned_off(capsys):
+    from hostagent.__main__ import build_parser
+
+    assert build_parser().parse_args([]).hypervisor_call_timeout == 600
+    assert build_parser().parse_args(["--hypervisor-call-timeout", "0"]).hypervisor_call_timeout == 0
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--hypervisor-call-timeout", "-1"])
+    assert "--hypervisor-call-timeout" in capsys.readouterr().err
+
+
 class _Stoppable:
     """What ``stop_with_parent`` needs of an agent."""
 

@@ -544,7 +544,7 @@ def test_a_function_that_starts_workflows_may_describe_their_executions():
 
 # --- operator alarms -----------------------------------------------------------------------------
 
-_PUBLISHED = re.compile(r'(?:add_metric\(name=|_emit_metric\(|single_metric\(\s*name=)"(\w+)"')
+_PUBLISHED = re.compile(r'(?:add_metric\(name=|_emit(?:_host)?_metric\(|single_metric\(\s*name=)"(\w+)"')
 _ALARM_QUERY = re.compile(r'SELECT SUM\((\w+)\) FROM "\$\{MetricsNamespace\}"')
 # Metrics to watch that raise no alarm: they count what clients send (bad tokens, unsigned or
 # replayed webhook deliveries) or failures a step's Retry or Catch already handles.
