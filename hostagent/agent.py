@@ -1788,8 +1788,12 @@ class HostAgent(MoveOperations):
         """Report the host's inventory, its guests and its instance directories; True if the report was sent.
 
         ``sent_at`` is taken before the guests and directories are listed, so the report shows
-        at least everything that was done on the host before that time.
+        at least everything that was done on the host before that time. None is sent while the
+        hypervisor hangs: a report also tells the control plane the host is up (see
+        :meth:`send_heartbeat`).
         """
+        if self.hung_hypervisor_call() is not None:
+            return False
         try:
             report = {
                 **self._report_base(protocol.REPORT_INVENTORY),

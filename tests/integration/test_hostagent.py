@@ -1775,8 +1775,9 @@ def test_service_heartbeats_are_withheld_while_a_hypervisor_call_hangs(host, mon
     assert host.agent.send_heartbeat() and [r["kind"] for r in host.reports()] == ["heartbeat"]
     hangs(host, monkeypatch, seconds=100, allowed=30)
 
-    # WHEN the agent's heartbeats come, THEN none is sent (the host goes down) and each is counted
-    assert not host.agent.send_heartbeat() and not host.agent.send_heartbeat()
+    # WHEN the agent's heartbeats and inventory reports come, THEN none is sent (each would tell
+    # the control plane the host is up: it goes down) and each heartbeat withheld is counted
+    assert not host.agent.send_heartbeat() and not host.agent.send_inventory() and not host.agent.send_heartbeat()
     assert host.reports() == []
     host.agent.metrics.flush()
     counted = [datum for call in host.cloudwatch.called("put_metric_data") for datum in call["MetricData"]
@@ -1786,7 +1787,8 @@ def test_service_heartbeats_are_withheld_while_a_hypervisor_call_hangs(host, mon
 
     # AND once the call returns they are sent again
     monkeypatch.setattr(host.driver, "calls_under_way", lambda: [])
-    assert host.agent.send_heartbeat() and [r["kind"] for r in host.reports()] == ["heartbeat"]
+    assert host.agent.send_heartbeat() and host.agent.send_inventory()
+    assert sorted(r["kind"] for r in host.reports()) == ["heartbeat", "inventory"]
 
 
 @pytest.mark.parametrize("host", [{"hypervisor_call_timeout": 60}], indirect=True)
