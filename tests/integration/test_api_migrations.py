@@ -112,15 +112,22 @@ def test_newest_first_from_2_59_across_cells(cloud):
 
 
 def test_a_cell_whose_database_does_not_answer_is_left_out_of_the_list(cloud, monkeypatch):
-    # GIVEN migrations in cell1 and cell2, whose database stops answering
+    # GIVEN migrations in cell1 and cell2, and a move between them whose visible copy is in
+    # cell2; then cell2's database stops answering
     kept = [add_migration("cell1", minutes=0), add_migration("cell1", minutes=10)]
     add_migration("cell2", minutes=5, source_compute="host3", dest_compute="host3")
+    shared = "55555555-5555-4555-8555-555555555555"
+    add_migration("cell1", uuid=shared, minutes=7, status="post-migrating", hidden=True, cross_cell_move=True)
+    add_migration("cell2", uuid=shared, minutes=7, status="finished", cross_cell_move=True)
+    assert shared in [m["uuid"] for m in listed("2.59")]
     cell_away(monkeypatch, moves, "cell2")
 
-    # WHEN the migrations are listed, THEN cell1's are (not a 500), in both orders
+    # WHEN the migrations are listed, THEN cell1's are (not a 500), in both orders, and not the
+    # move's stale hidden copy, filtered or not
     assert [m["uuid"] for m in listed("2.59")] == kept[::-1]
     assert [m["uuid"] for m in listed("2.80", limit="1", marker=kept[1])] == kept[:1]
     assert len(listed("2.58")) == 2
+    assert listed("2.59", status="post-migrating") == []
 
     # AND a database error that is not of the moment still fails the list
     cell_away(monkeypatch, moves, "cell2", broken=True)

@@ -1077,6 +1077,21 @@ def _walk(query: dict[str, str], version: str = "2.69", on_page=None) -> list[st
     raise AssertionError(f"the list did not end: {seen}")
 
 
+def test_a_servers_mapping_and_build_request_are_made_at_one_moment(cloud):
+    # GIVEN servers accepted by one request (the instance keeps its build request's time, so a
+    # server is in one place in the list whether its cell answers or not)
+    response = call("POST", "/v2.1/servers", version="2.90", body={"server": {
+        "name": "many", "flavorRef": "1", "imageRef": cloud.image_id, "networks": "auto",
+        "min_count": 3}})
+    assert response.status == 202, response.body
+
+    # THEN each one's mapping and build request were made at the same moment
+    with api_session() as session:
+        mapped = dict(session.execute(select(InstanceMapping.instance_uuid, InstanceMapping.created_at)).all())
+        built = dict(session.execute(select(BuildRequest.instance_uuid, BuildRequest.created_at)).all())
+    assert len(mapped) == 3 and mapped == built
+
+
 @pytest.mark.parametrize("sort", [None, "display_name"])
 def test_from_2_69_the_servers_of_a_cell_that_does_not_answer_are_listed_unknown(cloud, monkeypatch, sort):
     # GIVEN servers in cell1 and in cell2, whose database stops answering

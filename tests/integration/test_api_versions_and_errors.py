@@ -113,7 +113,7 @@ def test_a_path_or_a_method_no_route_takes_is_404_as_novas_router_answers(cloud,
 def test_an_unexpected_error_is_a_500_without_internals(cloud, monkeypatch):
     def explode(*_args, **_kwargs):
         raise RuntimeError("password=hunter2 in /secret/path")
-    monkeypatch.setattr(compute_api, "list_servers", explode)
+    monkeypatch.setattr(compute_api, "list_page", explode)
 
     response = call("GET", "/v2.1/servers/detail", caller=ALICE)
 

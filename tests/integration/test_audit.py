@@ -1501,6 +1501,36 @@ def test_the_repairs_of_stuck_migrations_list_the_running_workflows_once_a_round
             migration_states.ERROR}
 
 
+def test_a_listing_of_the_running_workflows_that_fails_is_not_shared_by_the_next_repair(cloud, monkeypatch):
+    # GIVEN every move workflow listed and two migrations stuck long ago
+    configure_state_machines(monkeypatch, "resize", "confirm_resize", "revert_resize")
+    stuck = [add_migration(cloud.active, status, created_at=LONG_AGO)
+             for status in (migration_states.MIGRATING, migration_states.POST_MIGRATING)]
+    answers: list[set[str] | None] = [None, set()]
+
+    def throttled_once(skipped: list[str]) -> set[str] | None:
+        if not answers:
+            return set()
+        answer = answers.pop(0)
+        if answer is None:
+            skipped.append("listing running workflows failed (ThrottlingException)")
+        return answer
+
+    # WHEN the first listing for the repairs fails (throttled) and the next works
+    report = fix_with_race(monkeypatch, lambda: monkeypatch.setattr(audit, "_running_executions", throttled_once),
+                           running_executions=None)
+
+    # THEN one repair is refused saying why, and the other asks again and is made
+    repairs = {r.problem.resource.removeprefix("migration/"): r.error for r in report.repairs
+               if r.problem.kind == audit.MIGRATION_STUCK}
+    assert sorted(error is None for error in repairs.values()) == [False, True]
+    assert any("ThrottlingException" in error for error in repairs.values() if error)
+    with cell_session(CELL) as session:
+        statuses = dict(session.execute(select(Migration.uuid, Migration.status)
+                                        .where(Migration.uuid.in_(stuck))).all())
+    assert {u: statuses[u] == migration_states.ERROR for u in stuck} == {u: repairs[u] is None for u in stuck}
+
+
 def test_a_server_stuck_with_a_task_and_no_workflow_is_found(cloud):
     cell_write(CELL, update(Instance).where(Instance.uuid == cloud.active)
                .values(task_state=states.POWERING_OFF, updated_at=LONG_AGO))

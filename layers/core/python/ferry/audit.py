@@ -27,6 +27,7 @@ repairing, the audit runs again and reports what is left.
 from __future__ import annotations
 
 import datetime as dt
+import time
 from collections import defaultdict
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
@@ -81,6 +82,9 @@ SNAPSHOT_IMAGE_ORPHAN = "snapshot_image_orphan"
 SNAPSHOT_DATA_ORPHAN = "snapshot_data_orphan"
 TRANSFER_ORPHAN = "transfer_orphan"
 MIGRATION_STATE_MISMATCH = "migration_state_mismatch"
+# How long the repairs of stuck migrations share one listing of the running workflows.
+RELIST_SECONDS = 10.0
+
 MIGRATION_STUCK = "migration_stuck"
 INSTANCE_TASK_STUCK = "instance_task_stuck"
 BUILD_REQUEST_STUCK = "build_request_stuck"
@@ -284,15 +288,19 @@ class _World:
     boots_unlisted: bool = False
     # Lists the running executions again, as ``running`` was, with why it could not (None then).
     relist: Callable[[], tuple[set[str] | None, str]] = lambda: (None, "no way to list them was given")
-    # What ``relist`` answered first: the repairs of one round share one look.
-    relisted: tuple[set[str] | None, str] | None = None
+    # The last listing ``relist`` made, and when (monotonic): repairs close together share it.
+    relisted: tuple[set[str], float] | None = None
 
     def running_now(self) -> tuple[set[str] | None, str]:
-        """The running executions as the repairs see them (listed once a round); None, and why,
-        when they cannot be listed."""
-        if self.relisted is None:
-            self.relisted = self.relist()
-        return self.relisted
+        """The running executions as the repairs see them; None, and why, when they cannot be
+        listed. A listing is shared by the repairs of the next :data:`RELIST_SECONDS`; one that
+        failed is not, so the next repair asks again."""
+        if self.relisted is not None and time.monotonic() - self.relisted[1] < RELIST_SECONDS:
+            return self.relisted[0], ""
+        running, why = self.relist()
+        if running is not None:
+            self.relisted = running, time.monotonic()
+        return running, why
     migrations: dict[str, Migration] = field(default_factory=dict)
     migrations_of: dict[str, list[Migration]] = field(default_factory=dict)
 

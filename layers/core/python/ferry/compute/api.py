@@ -74,6 +74,7 @@ from ferry.store.api_models import (
     RequestSpec,
     Volume,
     VolumeAttachment,
+    utcnow,
 )
 from ferry.store.cell_models import (
     BlockDeviceMapping,
@@ -1230,8 +1231,11 @@ def create_servers(ctx: RequestContext, request: BootRequest) -> list[str]:
                 "availability_zone": request.availability_zone, "key_name": request.key_name,
                 "metadata": dict(request.metadata), "locked": False,
             }
+            # One moment for the mapping and the build request (whose time the instance keeps): a
+            # server whose cell does not answer is listed in its place by its mapping's (2.69).
+            accepted = utcnow()
             session.add(InstanceMapping(instance_uuid=uuid, cell_id=None, project_id=ctx.project_id,
-                                        user_id=ctx.user_id))
+                                        user_id=ctx.user_id, created_at=accepted))
             requested_networks = _allocate_ports(session, ctx, uuid, request.networks)
             if root is None:
                 local_tag = next((b.get("tag") for b in request.block_device_mapping if _is_local_image_root(b)),
@@ -1245,7 +1249,8 @@ def create_servers(ctx: RequestContext, request: BootRequest) -> list[str]:
                 group = server_groups.add_member(session, ctx, normalize_uuid(str(group_hint)) or str(group_hint),
                                                  uuid)
             session.add(BuildRequest(instance_uuid=uuid, project_id=ctx.project_id, instance=instance,
-                                     block_device_mappings=bdms, tags=list(dict.fromkeys(request.tags))))
+                                     block_device_mappings=bdms, tags=list(dict.fromkeys(request.tags)),
+                                     created_at=accepted))
             save_request_spec(session, uuid, {
                 "instance_uuid": uuid, "project_id": ctx.project_id, "user_id": ctx.user_id, "flavor": snapshot,
                 "image": {"id": image_id}, "is_bfv": root is not None, "ignore_hosts": [],

@@ -918,7 +918,8 @@ def list_migrations(filters: MigrationFilters, *, newest_first: bool = False, li
     if marker is not None and not newest_first:
         raise ValueError("a marker pages the newest-first order only")
     after = None if marker is None else _marker_key(marker)
-    copies = _copies_by_uuid(_migration_query(filters))
+    skipped: list[str] = []
+    copies = _copies_by_uuid(_migration_query(filters), skipped)
     filtered = filters != MigrationFilters()
     if filtered:
         # The query found the copies that pass; a migration is listed when its preferred copy
@@ -926,11 +927,13 @@ def list_migrations(filters: MigrationFilters, *, newest_first: bool = False, li
         # marked), so only those are looked up again by uuid.
         passing = {(cell, record["id"]) for group in copies.values() for record, cell in group}
         _add_other_copies(copies, [uuid for uuid, group in copies.items()
-                                   if any(record["cross_cell_move"] for record, _ in group)])
+                                   if any(record["cross_cell_move"] for record, _ in group)], skipped)
     located = _instance_cells({copy[0]["instance_uuid"] for group in copies.values() for copy in group
                                if len(group) > 1})
     merged = []
     for group in copies.values():
+        if skipped and all(record["hidden"] for record, _ in group):
+            continue  # its visible copy is in a cell that did not answer: the hidden one is stale
         record, cell = _preferred_copy(group, located)
         if not filtered or (cell, record["id"]) in passing:
             merged.append(record)
@@ -947,11 +950,12 @@ def _newest_first_key(record: dict[str, Any]) -> tuple[dt.datetime, int, str]:
     return record["created_at"], record["id"], record["uuid"]
 
 
-def _copies_by_uuid(query: Select[Any]) -> dict[str, list[tuple[dict[str, Any], str]]]:
+def _copies_by_uuid(query: Select[Any],
+                    skipped: list[str] | None = None) -> dict[str, list[tuple[dict[str, Any], str]]]:
     """The rows ``query`` selects in every cell, as ``(record, cell)`` by migration uuid; uuids in
     the order first seen (cell by cell, each oldest first). A cell whose database does not answer
-    is left out (logged), as Nova lists migrations: its migrations are missing (a cross-cell
-    move's shows its other cell's copy) until it answers again, rather than every list failing."""
+    is left out (logged, and named in ``skipped``), as Nova lists migrations: its migrations are
+    missing until it answers again, rather than every list failing."""
     copies: dict[str, list[tuple[dict[str, Any], str]]] = {}
     for cell in all_cells(include_cell0=False):
         try:
@@ -963,18 +967,22 @@ def _copies_by_uuid(query: Select[Any]) -> dict[str, list[tuple[dict[str, Any], 
                 raise
             logger.warning("cell database does not answer; its migrations are left out of the list",
                            extra={"cell": cell.name, "error": type(exc).__name__})
+            if skipped is not None:
+                skipped.append(cell.name)
             continue
         for record, uuid in rows:
             copies.setdefault(uuid, []).append((record, cell.name))
     return copies
 
 
-def _add_other_copies(copies: dict[str, list[tuple[dict[str, Any], str]]], uuids: list[str]) -> None:
-    """Add to ``copies`` the copies of ``uuids`` it does not hold yet, from every cell."""
+def _add_other_copies(copies: dict[str, list[tuple[dict[str, Any], str]]], uuids: list[str],
+                      skipped: list[str]) -> None:
+    """Add to ``copies`` the copies of ``uuids`` it does not hold yet, from every cell (one that
+    does not answer named in ``skipped``)."""
     held = {(cell, record["id"]) for uuid in uuids for record, cell in copies[uuid]}
     for start in range(0, len(uuids), 500):
         query = select(Migration).where(Migration.deleted.is_(False), Migration.uuid.in_(uuids[start:start + 500]))
-        for uuid, group in _copies_by_uuid(query).items():
+        for uuid, group in _copies_by_uuid(query, skipped).items():
             copies[uuid].extend(copy for copy in group if (copy[1], copy[0]["id"]) not in held)
 
 
