@@ -1130,6 +1130,39 @@ def test_from_2_69_the_servers_of_a_cell_that_does_not_answer_are_listed_unknown
     assert [s["id"] for s in listed("/v2.1/servers", "2.68")] == [u for u in expected if u in in_cell1]
 
 
+def test_from_2_69_a_server_of_a_cell_that_does_not_answer_is_shown_unknown(cloud, monkeypatch):
+    # GIVEN a server in cell2, asked for a zone, whose database then stops answering
+    server_id = create_server(name="far")
+    schedule(server_id, "cell2")
+    with api_session() as session:
+        created = session.scalars(select(InstanceMapping.created_at)
+                                  .where(InstanceMapping.instance_uuid == server_id)).one()
+        spec = session.scalars(select(RequestSpec).where(RequestSpec.instance_uuid == server_id)).one()
+        spec.spec = {**spec.spec, "availability_zone": "zone-a"}
+    before = call("GET", f"/v2.1/servers/{server_id}", version="2.71").body["server"]
+    cell_away(monkeypatch, compute_api, "cell2")
+
+    # WHEN it is shown from 2.69, THEN what the API database knows of it is, status UNKNOWN
+    shown = call("GET", f"/v2.1/servers/{server_id}", version="2.71")
+    assert shown.status == 200, shown.body
+    server = shown.body["server"]
+    assert set(server) == {"id", "status", "links", "tenant_id", "user_id", "created", "flavor", "image",
+                           "OS-EXT-AZ:availability_zone", "OS-EXT-STS:power_state", "server_groups"}
+    assert (server["id"], server["status"], server["tenant_id"], server["user_id"]) == (
+        server_id, "UNKNOWN", ALICE.project_id, ALICE.user_id)
+    assert server["created"] == created.strftime("%Y-%m-%dT%H:%M:%SZ")
+    assert (server["flavor"], server["image"], server["links"]) == (before["flavor"], before["image"], before["links"])
+    assert server["image"]["id"] == cloud.image_id
+    assert (server["OS-EXT-AZ:availability_zone"], server["OS-EXT-STS:power_state"], server["server_groups"]) == (
+        "zone-a", 0, [])
+    assert set(call("GET", f"/v2.1/servers/{server_id}", version="2.69").body["server"]) == set(server) - {
+        "server_groups"}
+
+    # AND another project's is still not found, and before 2.69 the show fails as before
+    assert call("GET", f"/v2.1/servers/{server_id}", caller=BOB, version="2.71").status == 404
+    assert call("GET", f"/v2.1/servers/{server_id}", version="2.68").status == 500
+
+
 @pytest.mark.parametrize("sort", [None, "display_name"])
 def test_unknown_servers_are_paged_on_by_marker(cloud, monkeypatch, sort):
     # GIVEN servers of a cell that answers and of one that does not

@@ -11,12 +11,13 @@ import json
 
 import jsonschema
 import pytest
-from sqlalchemy import update
+from sqlalchemy import select, update
 from verify_resize_helpers import (
     CELL,
     DEST,
     NEW,
     NEW_USAGE,
+    OLD,
     OLD_USAGE,
     ROOT,
     SOURCE,
@@ -38,7 +39,9 @@ from verify_resize_helpers import (
 
 from ferry import errors, notifications, placement, protocol
 from ferry.compute import migration_states, states
+from ferry.store.api_models import RequestSpec
 from ferry.store.cell_models import Migration
+from ferry.store.db import api_session
 from ferry.workflows import confirm_resize
 
 SCHEMAS = ("confirm_resize", "revert_resize", "volume_attachment", "drain")
@@ -85,6 +88,25 @@ def test_confirm_leaves_the_new_flavor_on_the_destination_only_and_the_migration
     assert events(resized.instance_uuid) == {confirm_resize.EVENT_CONFIRM: "Success"}
     assert cloud.event_types() == [(notifications.RESIZE_CONFIRM_START, f"compute:{SOURCE}"),
                                    (notifications.RESIZE_CONFIRM_END, f"compute:{SOURCE}")]
+
+
+def test_a_confirm_records_the_servers_new_flavor_in_its_request_spec(cloud, monkeypatch):
+    # GIVEN a resized server whose request spec holds the flavor it was booted with
+    resized = make_resized()
+    with api_session() as session:
+        row = session.scalars(select(RequestSpec).where(RequestSpec.instance_uuid == resized.instance_uuid)).one()
+        row.spec = {**row.spec, "flavor": OLD}
+    event = confirmed_at_source(checked(begin("confirm", resized, monkeypatch)))
+
+    # WHEN the confirm ends (delivered twice)
+    confirm_resize.finish_confirm(event)
+    confirm_resize.finish_confirm(event)
+
+    # THEN the spec holds the flavor the server has now (what a server of a cell that does not
+    # answer is shown with)
+    with api_session() as session:
+        spec = session.scalars(select(RequestSpec.spec).where(RequestSpec.instance_uuid == resized.instance_uuid)).one()
+    assert spec["flavor"] == NEW == instance_row(resized.instance_uuid).flavor
 
 
 def test_a_stopped_server_stays_shutoff_after_confirm(cloud, monkeypatch):

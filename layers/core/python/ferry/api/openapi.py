@@ -67,6 +67,9 @@ _SERVER = _shape("id", "name", "status", "links", "flavor", id=_STRING, name=_ST
 _UNKNOWN_SERVER = _shape("id", "status", "links", id=_STRING, status={"const": "UNKNOWN"}, links=_LINKS)
 _UNKNOWN_SERVER_DETAIL = _shape("id", "status", "links", "tenant_id", "created", id=_STRING,
                                 status={"const": "UNKNOWN"}, links=_LINKS, tenant_id=_STRING, created=_STRING)
+_UNKNOWN_SERVER_ONE = _shape("id", "status", "links", "tenant_id", "user_id", "created", "flavor", "image",
+                              id=_STRING, status={"const": "UNKNOWN"}, links=_LINKS, tenant_id=_STRING,
+                              created=_STRING, flavor=_OBJECT)
 _SERVERS = {**_keyed("servers", {"type": "array", "items": _SERVER_SUMMARY}),
             "properties": {"servers": {"type": "array", "items": {"anyOf": [_SERVER_SUMMARY, _UNKNOWN_SERVER]}},
                            "servers_links": _LINKS}}
@@ -209,8 +212,9 @@ def _operations(bodies: dict[str, dict[str, Any]]) -> dict[tuple[str, str], Oper
                                                   query=_SERVER_QUERY),
         ("POST", f"{v}/servers"): Operation("Create a server", {202: _CREATED_SERVER}, bodies["server_create"],
                                             errors=_WRITE_ERRORS),
-        ("GET", server): Operation("Show a server (404 for a name or another project's)",
-                                   {200: _keyed("server", _SERVER)}),
+        ("GET", server): Operation("Show a server (404 for a name or another project's; from 2.69 UNKNOWN when "
+                                   "its cell does not answer)",
+                                   {200: _keyed("server", {"anyOf": [_SERVER, _UNKNOWN_SERVER_ONE]})}),
         ("PUT", server): Operation("Rename a server, or change its description (2.19) or hostname (2.90); the "
                                    "server back",
                                    {200: _keyed("server", _SERVER)}, bodies["server_update"], errors=_WRITE_ERRORS),

@@ -110,7 +110,7 @@ def list_servers_detail() -> Response:
     return _list(detail=True)
 
 
-def _groups(view: request.ViewContext, server: compute_api.Server) -> list[str]:
+def _groups(view: request.ViewContext, server: compute_api.Server | compute_api.UnknownServer) -> list[str]:
     """The server groups a single server's view names (from 2.71; not read before)."""
     return server_groups.groups_of(server.uuid) if view.at_least("2.71") else []
 
@@ -118,8 +118,12 @@ def _groups(view: request.ViewContext, server: compute_api.Server) -> list[str]:
 @router.get("/servers/<server_id>")
 def show_server(server_id: str) -> Response:
     view = request.view_context(router)
-    server = compute_api.get_server(view.ctx, server_id)
+    # From 2.69 a server whose cell does not answer is shown UNKNOWN (Nova's partial record).
+    server = compute_api.show_server(view.ctx, server_id, unknown=view.at_least("2.69"))
     policy.enforce(view.ctx, "os_compute_api:servers:show", server.target)
+    if isinstance(server, compute_api.UnknownServer):
+        return request.json_response(200, {"server": views.unknown_server(view, server, detail=True, one=True,
+                                                                          groups=_groups(view, server))})
     _add_host_status(view, [server])
     return request.json_response(200, {"server": views.server_detail(view, server, one=True,
                                                                      groups=_groups(view, server))})

@@ -47,12 +47,25 @@ def server_summary(view: ViewContext, server: Server) -> dict[str, Any]:
     return {"id": server.uuid, "name": server.name, "links": links(view, "servers", server.uuid)}
 
 
-def unknown_server(view: ViewContext, server: UnknownServer, *, detail: bool) -> dict[str, Any]:
+def unknown_server(view: ViewContext, server: UnknownServer, *, detail: bool, one: bool = False,
+                   groups: list[str] | None = None) -> dict[str, Any]:
     """A server of a cell whose database does not answer (2.69): what the API database knows,
-    status ``UNKNOWN`` (Nova's partial record; the detailed list adds its project and creation)."""
+    status ``UNKNOWN`` (Nova's partial record; the detailed list adds its project and creation,
+    and a server shown alone (``one``) its user, flavor, image, zone, power state NOSTATE and,
+    from 2.71, its groups)."""
     body: dict[str, Any] = {"id": server.uuid, "status": "UNKNOWN", "links": links(view, "servers", server.uuid)}
-    if detail:
+    if detail or one:
         body.update({"tenant_id": server.project_id, "created": isotime(server.created_at)})
+    if one:
+        body.update({
+            "user_id": server.user_id, "flavor": _server_flavor(view, server.flavor or {}),
+            "image": {"id": server.image_ref, "links": [
+                {"rel": "bookmark", "href": f"{view.base_url}/images/{server.image_ref}"}]} if server.image_ref else "",
+            "OS-EXT-AZ:availability_zone": server.availability_zone or "",
+            "OS-EXT-STS:power_state": states.NOSTATE,
+        })
+        if view.at_least("2.71"):
+            body["server_groups"] = list(groups or [])
     return body
 
 

@@ -176,12 +176,21 @@ class Server:
 @dataclass(frozen=True)
 class UnknownServer:
     """A server of a cell whose database does not answer, as the API database knows it: its
-    id, its project and when it was accepted (its mapping's). Shown with status ``UNKNOWN`` from
-    2.69 (Nova's partial record of a down cell)."""
+    id, its project and when it was accepted (its mapping's); for one server shown alone also
+    its user (the mapping's) and, from its request spec, its flavor, image and requested zone.
+    Shown with status ``UNKNOWN`` from 2.69 (Nova's partial record of a down cell)."""
 
     uuid: str
     project_id: str
     created_at: dt.datetime
+    user_id: str | None = None
+    flavor: dict[str, Any] | None = None
+    image_ref: str | None = None
+    availability_zone: str | None = None
+
+    @property
+    def target(self) -> dict[str, Any]:
+        return {"project_id": self.project_id, "user_id": self.user_id}
 
 
 @dataclass
@@ -489,10 +498,31 @@ def get_server(ctx: RequestContext, server_id: str) -> Server:
 
     Raises:
         InstanceNotFound: no such server, or another project's (for non-admins).
+        DBAPIError: its cell's database does not answer (see :func:`show_server`).
+    """
+    return cast(Server, show_server(ctx, server_id, unknown=False))
+
+
+def show_server(ctx: RequestContext, server_id: str, *, unknown: bool) -> Server | UnknownServer:
+    """:func:`get_server`, or with ``unknown`` (2.69), when the server's cell does not answer,
+    what the API database knows of it (:class:`UnknownServer`), as Nova shows a server of a
+    down cell: the flavor is the one it was booted with or last confirmed a move to.
+
+    Raises:
+        InstanceNotFound: no such server, or another project's (for non-admins).
+        DBAPIError: its cell's database does not answer (without ``unknown``).
     """
     for _attempt in range(2):
         location = locate(ctx, server_id)
-        server = _read(location)
+        try:
+            server = _read(location)
+        except DBAPIError as exc:
+            if not unknown or location.cell is None or not db.transient(exc):
+                raise
+            logger.warning("cell database does not answer; the server is shown UNKNOWN",
+                           extra={"cell": location.cell.name, "instance_uuid": location.instance_uuid,
+                                  "error": type(exc).__name__})
+            return _unknown_server(location)
         if server is not None:
             _add_zones([server])
             _add_details([server])
@@ -745,6 +775,20 @@ def _newest_first_in(cell: CellMapping, project: str | None, after: _Position | 
         if len(rows) < batch:
             return
         after, batch = _position(rows[-1]), _LIST_BATCH
+
+
+def _unknown_server(location: Location) -> UnknownServer:
+    """The server at ``location`` as its mapping and request spec know it."""
+    with api_session() as session:
+        mapping = session.scalars(select(InstanceMapping).where(
+            InstanceMapping.instance_uuid == location.instance_uuid)).one()
+        row = session.scalars(select(RequestSpec).where(
+            RequestSpec.instance_uuid == location.instance_uuid)).one_or_none()
+    spec = dict(row.spec or {}) if row is not None else {}
+    image = (spec.get("image") or {}).get("id") if not spec.get("is_bfv") else ""
+    return UnknownServer(location.instance_uuid, mapping.project_id, mapping.created_at, user_id=mapping.user_id,
+                         flavor=dict(spec.get("flavor") or {}), image_ref=image,
+                         availability_zone=spec.get("availability_zone"))
 
 
 def _unknown_newest_first(cells: list[CellMapping], project: str | None, after: _Position | None, batch: int,

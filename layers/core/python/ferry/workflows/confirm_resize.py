@@ -33,7 +33,7 @@ from sqlalchemy.orm import Session
 from ferry import errors, hosts, network, notifications, placement, validation, volumes
 from ferry.compute import actions, instances, migration_states, states
 from ferry.observability import logger
-from ferry.store.api_models import ResourceProvider
+from ferry.store.api_models import RequestSpec, ResourceProvider
 from ferry.store.cell_models import Instance, InstanceAction, Migration
 from ferry.store.db import api_session, cell_session
 from ferry.workflows import cross_cell_settle, error_message, fault_details, owner_cause, resize
@@ -137,6 +137,17 @@ def release_source(instance_uuid: str, migration_uuid: str, source_host: str, sa
     with api_session() as session:
         network.unbind(session, instance_uuid, source_host)
         volumes.detach_from(session, instance_uuid, source_host)
+
+
+def keep_flavor_in_spec(instance_uuid: str, flavor: dict[str, Any]) -> None:
+    """Record ``flavor`` (the one a confirmed move leaves the server) in its request spec, which
+    held the flavor it was booted with: what the API shows of a server whose cell does not
+    answer (2.69) is read from there. Idempotent."""
+    with api_session() as session:
+        row = session.scalars(select(RequestSpec).where(RequestSpec.instance_uuid == instance_uuid)
+                              .with_for_update()).one_or_none()
+        if row is not None and (row.spec or {}).get("flavor") != flavor:
+            row.spec = {**(row.spec or {}), "flavor": flavor}
 
 
 def describe_allocations(consumer_uuid: str) -> str:
@@ -258,6 +269,11 @@ def finish_confirm(event: dict[str, Any]) -> dict[str, Any]:
     move = event["move"]
     source = move["source"]["host"]
     cells = cross_cell_settle.cross_cell(event)
+    with cell_session(cell) as session:
+        instance = live_instance(session, uuid)
+        flavor = dict(instance.flavor) if instance is not None and instance.flavor else None
+    if flavor is not None:  # before the migration is confirmed, so that a run again after that does it too
+        keep_flavor_in_spec(uuid, flavor)
     with cell_session(cell) as session:
         confirmed = migration_of(session, uuid, migration_uuid).status == migration_states.CONFIRMED
         # Confirmed already: by this step's earlier run, or by a delete that came meanwhile (its
