@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import sqlite3
 
+import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.pool import NullPool
+
+from ferry import placement
 
 
 def open_to_writers(url: str) -> bool:
@@ -34,3 +37,17 @@ def open_to_writers(url: str) -> bool:
                 connection.rollback()
     finally:
         engine.dispose()
+
+
+def looked_at_while_releasing(monkeypatch: pytest.MonkeyPatch, url: str) -> list[bool]:
+    """Make every release of a consumer's allocations first look whether the cell database at
+    ``url`` is open to other writers (:func:`open_to_writers`); the answers, one per release."""
+    answers: list[bool] = []
+    release = placement.delete_allocations
+
+    def release_and_look(consumer_uuid: str) -> None:
+        answers.append(open_to_writers(url))
+        release(consumer_uuid)
+
+    monkeypatch.setattr(placement, "delete_allocations", release_and_look)
+    return answers

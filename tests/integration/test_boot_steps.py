@@ -12,7 +12,7 @@ import uuid
 from contextlib import contextmanager
 
 import pytest
-from lock_support import open_to_writers
+from lock_support import looked_at_while_releasing
 from moto import mock_aws
 from sqlalchemy import select, update
 from sqlalchemy.exc import OperationalError
@@ -223,14 +223,7 @@ def test_a_failed_build_gives_back_its_claim_and_ports_without_holding_its_cell(
     event = accept_server(cloud["image_id"])
     brought, made = owner_brings_a_port(event)
     boot.select_destinations(event)
-    open_meanwhile = []
-    release = placement.delete_allocations
-
-    def release_and_look(instance_uuid: str) -> None:  # another writer tries cell1 meanwhile
-        open_meanwhile.append(open_to_writers(store.cells["cell1"]))
-        release(instance_uuid)
-
-    monkeypatch.setattr(placement, "delete_allocations", release_and_look)
+    open_meanwhile = looked_at_while_releasing(monkeypatch, store.cells["cell1"])
 
     # WHEN FailBuild runs
     boot.fail_build({**event, "error": {"Error": "Ferry.HypervisorError", "Cause": "spawn failed"}})

@@ -17,7 +17,7 @@ from typing import Any
 
 import jsonschema
 import pytest
-from lock_support import open_to_writers
+from lock_support import looked_at_while_releasing
 from moto import mock_aws
 from sqlalchemy import select, update
 
@@ -1071,14 +1071,7 @@ def test_a_rollback_of_a_deleted_server_releases_the_claim_without_holding_its_c
     doc = run(prepare_move(uuid, BIG), until="PrepResizeAtDest")
     with cell_session("cell1") as session:
         session.get(Instance, instance(uuid).id).deleted = True
-    open_meanwhile = []
-    release = placement.delete_allocations
-
-    def release_and_look(consumer: str) -> None:  # another writer tries cell1 meanwhile
-        open_meanwhile.append(open_to_writers(store.cells["cell1"]))
-        release(consumer)
-
-    monkeypatch.setattr(placement, "delete_allocations", release_and_look)
+    open_meanwhile = looked_at_while_releasing(monkeypatch, store.cells["cell1"])
 
     # WHEN the move fails and rolls back
     doc = fail_and_roll_back(doc, error="Ferry.InstanceNotFound", cause="deleted")
