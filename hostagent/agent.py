@@ -614,6 +614,8 @@ class HostAgent(MoveOperations):
             self.start()
             self._reporter = threading.Thread(target=self._report_loop, name=f"reports-{self.host}", daemon=True)
             self._reporter.start()
+            watcher = threading.Thread(target=self._watch_loop, name=f"hypervisor-watch-{self.host}", daemon=True)
+            watcher.start()
             taken = self.max_workers + self.max_waiting  # messages held at once, running or waiting for a worker
             slots = threading.BoundedSemaphore(taken)
             with ThreadPoolExecutor(max_workers=taken, thread_name_prefix=f"op-{self.host}") as pool:
@@ -992,6 +994,12 @@ class HostAgent(MoveOperations):
         result: dict[str, Any] | None = None
         error: str | None = None
         cause: str | None = None
+        if self.hung_hypervisor_call() is not None:
+            # Not started (its task is not heartbeat either): the message comes back later, and
+            # runs once the hypervisor answers, or is dropped once its workflow stopped waiting.
+            logger.warning("the hypervisor hangs: the operation is left for its message's next delivery",
+                           extra=context)
+            raise _NotRun(None)
         if op.task_token and not awaited:
             waits = self._still_awaited(op.task_token, context)
             if not waits:
@@ -1219,8 +1227,10 @@ class HostAgent(MoveOperations):
                 hung = self.hung_hypervisor_call()
                 if hung is not None:  # the task times out and its workflow rolls back without this host
                     if not withheld:
-                        logger.warning("the hypervisor hangs: this operation's task is no longer heartbeat",
+                        logger.warning("the hypervisor hangs: this operation's task is no longer heartbeat and "
+                                       "its disk streams stop",
                                        extra={**context, "call": hung.method, "seconds": round(hung.seconds)})
+                        claim.abandoned.set()
                     withheld = True
                     continue
                 if withheld:
@@ -1811,21 +1821,37 @@ class HostAgent(MoveOperations):
     def send_heartbeat(self) -> bool:
         """Report that the host's agent is alive; True if the report was sent. Nothing is sent
         while the hypervisor hangs (:meth:`hung_hypervisor_call`): the host then goes down, so
-        the scheduler sends it nothing new and moves from it are refused, until it answers again.
-        Each heartbeat withheld counts ``HypervisorHung``."""
-        hung = self.hung_hypervisor_call()
-        if hung is not None:
-            if self._hung_seen is None:
-                self._hung_seen = time.monotonic()
-                logger.error("the hypervisor hangs: service heartbeats are withheld, so the host goes down",
-                             extra={"host": self.host, "call": hung.method, "seconds": round(hung.seconds)})
-            self._emit_host_metric("HypervisorHung", MetricUnit.Count, 1)
+        the scheduler sends it nothing new and moves from it are refused, until it answers again."""
+        if self.hung_hypervisor_call() is not None:
             return False
-        if self._hung_seen is not None:
-            logger.warning("the hypervisor answers again: service heartbeats resume",
-                           extra={"host": self.host, "hung_seconds": round(time.monotonic() - self._hung_seen)})
-            self._hung_seen = None
         return self._send_report(self._report_base(protocol.REPORT_HEARTBEAT))
+
+    def watch_hypervisor(self) -> bool:
+        """Look once whether the hypervisor hangs; True if it does. A hang is logged when first
+        seen and when it ends, and counted (``HypervisorHung``) at each look while it lasts. Run
+        every heartbeat interval by a thread of its own, which never calls the hypervisor: the
+        report loop may be the one stuck in it."""
+        hung = self.hung_hypervisor_call()
+        if hung is None:
+            if self._hung_seen is not None:
+                logger.warning("the hypervisor answers again: heartbeats resume",
+                               extra={"host": self.host, "hung_seconds": round(time.monotonic() - self._hung_seen)})
+                self._hung_seen = None
+            return False
+        if self._hung_seen is None:
+            self._hung_seen = time.monotonic()
+            logger.error("the hypervisor hangs: heartbeats are withheld, so the host goes down and the workflows "
+                         "waiting for it roll back",
+                         extra={"host": self.host, "call": hung.method, "seconds": round(hung.seconds)})
+        self._emit_host_metric("HypervisorHung", MetricUnit.Count, 1)
+        return True
+
+    def _watch_loop(self) -> None:
+        while not self._stop.wait(self.heartbeat_interval):
+            try:
+                self.watch_hypervisor()
+            except Exception:
+                logger.exception("watching the hypervisor failed", extra={"host": self.host})
 
     def hung_hypervisor_call(self) -> CallUnderWay | None:
         """The oldest call into the hypervisor running longer than it was asked to wait plus

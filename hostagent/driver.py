@@ -386,6 +386,8 @@ def _reconnecting(
                 if not self._connection_lost(exc) or _failed_reopening(exc):
                     raise
                 self._reconnect(stale=used)
+            with self._under_way_guard:  # the call begins again, on the new connection
+                self._under_way[thread] = (method.__name__, time.monotonic(), allowed)
             return method(self, *args, **kwargs)
         finally:
             self._calls.active = False

@@ -1157,6 +1157,13 @@ def test_from_2_69_a_server_of_a_cell_that_does_not_answer_is_shown_unknown(clou
         "zone-a", 0, [])
     assert set(call("GET", f"/v2.1/servers/{server_id}", version="2.69").body["server"]) == set(server) - {
         "server_groups"}
+    # (a zone or user not known is Nova's UNKNOWN)
+    with api_session() as session:
+        spec = session.scalars(select(RequestSpec).where(RequestSpec.instance_uuid == server_id)).one()
+        spec.spec = {**spec.spec, "availability_zone": None}
+        session.execute(update(InstanceMapping).where(InstanceMapping.instance_uuid == server_id).values(user_id=None))
+    unknown = call("GET", f"/v2.1/servers/{server_id}", version="2.71").body["server"]
+    assert (unknown["OS-EXT-AZ:availability_zone"], unknown["user_id"]) == ("UNKNOWN", "UNKNOWN")
 
     # AND another project's is still not found, and before 2.69 the show fails as before
     assert call("GET", f"/v2.1/servers/{server_id}", caller=BOB, version="2.71").status == 404

@@ -90,7 +90,8 @@ def test_confirm_leaves_the_new_flavor_on_the_destination_only_and_the_migration
                                    (notifications.RESIZE_CONFIRM_END, f"compute:{SOURCE}")]
 
 
-def test_a_confirm_records_the_servers_new_flavor_in_its_request_spec(cloud, monkeypatch):
+@pytest.mark.parametrize("outcome", ["confirmed", "failed at the source"])
+def test_a_confirm_records_the_servers_new_flavor_in_its_request_spec(cloud, monkeypatch, outcome):
     # GIVEN a resized server whose request spec holds the flavor it was booted with
     resized = make_resized()
     with api_session() as session:
@@ -98,15 +99,35 @@ def test_a_confirm_records_the_servers_new_flavor_in_its_request_spec(cloud, mon
         row.spec = {**row.spec, "flavor": OLD}
     event = confirmed_at_source(checked(begin("confirm", resized, monkeypatch)))
 
-    # WHEN the confirm ends (delivered twice)
-    confirm_resize.finish_confirm(event)
-    confirm_resize.finish_confirm(event)
+    # WHEN the confirm ends, or fails at the source leaving the server on its new flavor (delivered twice)
+    for _ in range(2):
+        if outcome == "confirmed":
+            confirm_resize.finish_confirm(event)
+        else:
+            confirm_resize.fail_confirm({**event, "error": {"Error": "Ferry.HostOperationFailed", "Cause": "busy"}})
 
     # THEN the spec holds the flavor the server has now (what a server of a cell that does not
     # answer is shown with)
     with api_session() as session:
         spec = session.scalars(select(RequestSpec.spec).where(RequestSpec.instance_uuid == resized.instance_uuid)).one()
     assert spec["flavor"] == NEW == instance_row(resized.instance_uuid).flavor
+
+
+def test_a_confirm_run_again_after_a_newer_move_leaves_that_moves_flavor_out_of_the_spec(cloud, monkeypatch):
+    # GIVEN a confirmed move, and then a newer move of the server waiting in VERIFY_RESIZE
+    resized = make_resized()
+    event = confirmed_at_source(checked(begin("confirm", resized, monkeypatch)))
+    confirm_resize.finish_confirm(event)
+    bigger = {**NEW, "id": 3, "flavorid": "3", "name": "m1.large", "vcpus": 4}
+    set_instance(resized.instance_uuid, vm_state=states.RESIZED, flavor=bigger, old_flavor=NEW, new_flavor=bigger)
+
+    # WHEN the first confirm's last step runs again (Step Functions delivered it late)
+    confirm_resize.finish_confirm(event)
+
+    # THEN the spec keeps the confirmed flavor, not the newer move's
+    with api_session() as session:
+        spec = session.scalars(select(RequestSpec.spec).where(RequestSpec.instance_uuid == resized.instance_uuid)).one()
+    assert spec["flavor"] == NEW
 
 
 def test_a_stopped_server_stays_shutoff_after_confirm(cloud, monkeypatch):

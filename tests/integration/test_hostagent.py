@@ -1776,9 +1776,10 @@ def test_service_heartbeats_are_withheld_while_a_hypervisor_call_hangs(host, mon
     hangs(host, monkeypatch, seconds=100, allowed=30)
 
     # WHEN the agent's heartbeats and inventory reports come, THEN none is sent (each would tell
-    # the control plane the host is up: it goes down) and each heartbeat withheld is counted
-    assert not host.agent.send_heartbeat() and not host.agent.send_inventory() and not host.agent.send_heartbeat()
+    # the control plane the host is up: it goes down), and each look of its watch counts the hang
+    assert not host.agent.send_heartbeat() and not host.agent.send_inventory()
     assert host.reports() == []
+    assert host.agent.watch_hypervisor() and host.agent.watch_hypervisor()
     host.agent.metrics.flush()
     counted = [datum for call in host.cloudwatch.called("put_metric_data") for datum in call["MetricData"]
                if datum["MetricName"] == "HypervisorHung"]
@@ -1787,11 +1788,12 @@ def test_service_heartbeats_are_withheld_while_a_hypervisor_call_hangs(host, mon
 
     # AND once the call returns they are sent again
     monkeypatch.setattr(host.driver, "calls_under_way", lambda: [])
+    assert not host.agent.watch_hypervisor()
     assert host.agent.send_heartbeat() and host.agent.send_inventory()
     assert sorted(r["kind"] for r in host.reports()) == ["heartbeat", "inventory"]
 
 
-@pytest.mark.parametrize("host", [{"hypervisor_call_timeout": 60}], indirect=True)
+@pytest.mark.parametrize("host", [{"hypervisor_call_timeout": 60, "max_workers": 2}], indirect=True)
 def test_an_operations_task_is_not_heartbeat_while_the_hypervisor_hangs(host, monkeypatch):
     # GIVEN an operation held mid-way, its task heartbeat
     instance_uuid = str(uuid.uuid4())
@@ -1799,7 +1801,8 @@ def test_an_operations_task_is_not_heartbeat_while_the_hypervisor_hangs(host, mo
     host.driver.gate = threading.Event()
     host.driver.entered.clear()
     before = heartbeat_tokens(host)
-    running = host.start("power_on", instance_uuid, {})
+    operation_id = f"{uuid.uuid4()}:power_on"
+    running = host.start("power_on", instance_uuid, {}, operation_id=operation_id)
     assert host.driver.entered.wait(WAIT)
     (token,) = wait_for(lambda: heartbeat_tokens(host) - before, "the operation's task to be heartbeat")
 
@@ -1807,12 +1810,22 @@ def test_an_operations_task_is_not_heartbeat_while_the_hypervisor_hangs(host, mo
         return sum(1 for call in host.sfn.called("send_task_heartbeat") if call["taskToken"] == token)
 
     # WHEN a hypervisor call hangs past its time, THEN the task is heartbeat no more (it times out
-    # and its workflow rolls back without this host)
+    # and its workflow rolls back without this host) and the operation's disk streams stop
     hangs(host, monkeypatch, seconds=61)
     time.sleep(0.3)  # a beat under way when it began may still land
     counted = beats()
     time.sleep(1.0)  # ten keepalive intervals
     assert beats() == counted
+    assert host.agent._claims[operation_id].abandoned.is_set()
+
+    # AND an operation that comes meanwhile, a worker free, is not started: its message comes back later
+    left: list[tuple[str, bool | None]] = []
+    record = host.agent._record_not_started
+    monkeypatch.setattr(host.agent, "_record_not_started",
+                        lambda op, awaited, context: (left.append((op.name, awaited)), record(op, awaited, context)))
+    host.start("destroy", str(uuid.uuid4()), {})
+    wait_for(lambda: left, "the other operation to be left for later")
+    assert left == [("destroy", None)]
 
     # AND once it answers again the task is heartbeat again, and the operation ends
     monkeypatch.setattr(host.driver, "calls_under_way", lambda: [])

@@ -689,6 +689,35 @@ def test_the_first_call_after_a_daemon_restart_reconnects_and_succeeds(hyperviso
     assert len(hypervisor.connections) == 2
 
 
+def test_a_call_repeated_on_a_new_connection_is_timed_from_its_repeat(hypervisor, drv, tmp_path, monkeypatch):
+    # GIVEN a dead connection that still claims to be alive, and reopening it that takes 15 minutes
+    instance_uuid, _guest = _running_guest(hypervisor, drv, tmp_path)
+    old = hypervisor.connections[-1]
+    hypervisor.restart()
+    old.isAlive = lambda: 1  # type: ignore[method-assign]
+    clock = [1000.0]
+    monkeypatch.setattr(driver_module.time, "monotonic", lambda: clock[0])
+    reconnect, domain, seen = drv._reconnect, drv._domain, []
+
+    def slow_reconnect(*args, **kwargs):  # type: ignore[no-untyped-def]
+        clock[0] += 900
+        return reconnect(*args, **kwargs)
+
+    def looked_up(uuid):  # type: ignore[no-untyped-def]
+        seen.append([(call.method, call.seconds) for call in drv.calls_under_way()])
+        return domain(uuid)
+
+    monkeypatch.setattr(drv, "_reconnect", slow_reconnect)
+    monkeypatch.setattr(drv, "_domain", looked_up)
+
+    # WHEN a call fails on it and is repeated on a new one
+    assert drv.guest_power_state(instance_uuid) == RUNNING
+
+    # THEN the repeat counts from its own start (the hung-hypervisor watch does not see 15 minutes)
+    assert seen == [[("guest_power_state", 0.0)], [("guest_power_state", 0.0)]]
+    assert drv.calls_under_way() == []
+
+
 def test_a_dead_connection_is_reopened_before_the_call(hypervisor, drv, tmp_path):
     instance_uuid, _guest = _running_guest(hypervisor, drv, tmp_path)
     hypervisor.restart()

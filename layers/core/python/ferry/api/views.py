@@ -51,17 +51,17 @@ def unknown_server(view: ViewContext, server: UnknownServer, *, detail: bool, on
                    groups: list[str] | None = None) -> dict[str, Any]:
     """A server of a cell whose database does not answer (2.69): what the API database knows,
     status ``UNKNOWN`` (Nova's partial record; the detailed list adds its project and creation,
-    and a server shown alone (``one``) its user, flavor, image, zone, power state NOSTATE and,
-    from 2.71, its groups)."""
+    and a server shown alone (``one``) its user, flavor, image, requested zone (Nova's
+    ``UNKNOWN`` for either when not known), power state NOSTATE and, from 2.71, its groups)."""
     body: dict[str, Any] = {"id": server.uuid, "status": "UNKNOWN", "links": links(view, "servers", server.uuid)}
     if detail or one:
         body.update({"tenant_id": server.project_id, "created": isotime(server.created_at)})
     if one:
         body.update({
-            "user_id": server.user_id, "flavor": _server_flavor(view, server.flavor or {}),
+            "user_id": server.user_id or "UNKNOWN", "flavor": _server_flavor(view, server.flavor or {}),
             "image": {"id": server.image_ref, "links": [
                 {"rel": "bookmark", "href": f"{view.base_url}/images/{server.image_ref}"}]} if server.image_ref else "",
-            "OS-EXT-AZ:availability_zone": server.availability_zone or "",
+            "OS-EXT-AZ:availability_zone": server.availability_zone or "UNKNOWN",
             "OS-EXT-STS:power_state": states.NOSTATE,
         })
         if view.at_least("2.71"):

@@ -781,9 +781,11 @@ def _unknown_server(location: Location) -> UnknownServer:
     """The server at ``location`` as its mapping and request spec know it."""
     with api_session() as session:
         mapping = session.scalars(select(InstanceMapping).where(
-            InstanceMapping.instance_uuid == location.instance_uuid)).one()
+            InstanceMapping.instance_uuid == location.instance_uuid)).one_or_none()
         row = session.scalars(select(RequestSpec).where(
             RequestSpec.instance_uuid == location.instance_uuid)).one_or_none()
+    if mapping is None:  # deleted since it was located
+        raise errors.InstanceNotFound(f"Instance {location.instance_uuid} could not be found.")
     spec = dict(row.spec or {}) if row is not None else {}
     image = (spec.get("image") or {}).get("id") if not spec.get("is_bfv") else ""
     return UnknownServer(location.instance_uuid, mapping.project_id, mapping.created_at, user_id=mapping.user_id,

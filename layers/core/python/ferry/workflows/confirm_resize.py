@@ -271,7 +271,12 @@ def finish_confirm(event: dict[str, Any]) -> dict[str, Any]:
     cells = cross_cell_settle.cross_cell(event)
     with cell_session(cell) as session:
         instance = live_instance(session, uuid)
-        flavor = dict(instance.flavor) if instance is not None and instance.flavor else None
+        confirmed = migration_of(session, uuid, migration_uuid).status == migration_states.CONFIRMED
+        # The flavor this move leaves the server: once confirmed, only while no newer move holds
+        # the server (its flavor would be that move's, not yet confirmed).
+        settled_flavor = instance is not None and bool(instance.flavor) and (
+            not confirmed or instance.new_flavor is None)
+        flavor = dict(instance.flavor) if instance is not None and settled_flavor else None
     if flavor is not None:  # before the migration is confirmed, so that a run again after that does it too
         keep_flavor_in_spec(uuid, flavor)
     with cell_session(cell) as session:
@@ -341,6 +346,15 @@ def fail_confirm(event: dict[str, Any]) -> dict[str, Any]:
     move = event.get("move") or {}
     cells = cross_cell_settle.cross_cell(event)
     where = cross_cell_settle.where_things_are(uuid, cells) if cells else ""
+    with cell_session(event["cell"]) as session:
+        instance = live_instance(session, uuid)
+        failed_already = migration_of(session, uuid, migration_uuid).status == migration_states.ERROR
+        # The server keeps the move's flavor: recorded as a confirm records it (not once a newer
+        # move holds the server), before the migration is put in error so that a run again does it too.
+        flavor = dict(instance.flavor) if instance is not None and instance.flavor and (
+            not failed_already or instance.new_flavor is None) else None
+    if flavor is not None:
+        keep_flavor_in_spec(uuid, flavor)
     with cell_session(event["cell"]) as session:
         migration = migration_of(session, uuid, migration_uuid)
         if migration.status == migration_states.CONFIRMED or actions.event_finished(session, uuid, request_id,
