@@ -46,7 +46,6 @@ from sqlalchemy.orm import Session
 
 from ferry import config, errors
 from ferry.compute import states
-from ferry.observability import logger
 from ferry.store import db
 from ferry.store.api_models import BuildRequest, InstanceGroup, InstanceMapping, Quota
 from ferry.store.cell_models import Instance
@@ -168,12 +167,9 @@ def usage(project_id: str) -> dict[str, int]:
                 records = list(session.scalars(select(Instance).where(
                     Instance.project_id == project_id, Instance.deleted.is_(False))))
         except DBAPIError as exc:
-            if not db.transient(exc):
-                raise
             # As Nova counts: a cell that does not answer is left out (its servers are not
             # counted until it answers again), rather than every boot and upsize failing.
-            logger.warning("quota usage leaves out a cell whose database did not answer",
-                           extra={"cell": cell.name, "project_id": project_id})
+            db.left_out(exc, cell, "servers (quota usage)", project_id=project_id)
             continue
         for instance in records:
             counted = instance_usage(instance)

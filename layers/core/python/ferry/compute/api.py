@@ -599,12 +599,9 @@ def _list_sorted(filters: ServerFilters, project: str | None, flavor_id: int | N
         try:
             servers.extend(_listed_in(cell, uuids, deleted))
         except DBAPIError as exc:
-            if not db.transient(exc):
-                raise
             # As Nova lists by default (list_records_by_skipping_down_cells): the servers of a cell
             # whose database does not answer are left out, not the whole list failed.
-            logger.warning("cell database does not answer; its servers are left out of the list",
-                           extra={"cell": cell.name, "servers": len(uuids), "error": type(exc).__name__})
+            db.left_out(exc, cell, "servers", servers=len(uuids))
             down.append(cell)
     size = page_size(filters.limit)
     if filters.marker and not any(server.uuid == filters.marker for server in servers):
@@ -762,10 +759,7 @@ def _newest_first_in(cell: CellMapping, project: str | None, after: _Position | 
                 rows = [_server_from_instance(row, cell.name) for row in session.scalars(
                     query.order_by(Instance.created_at.desc(), Instance.uuid.desc()).limit(batch))]
         except DBAPIError as exc:
-            if not db.transient(exc):
-                raise
-            logger.warning("cell database does not answer; its servers are left out of the list",
-                           extra={"cell": cell.name, "error": type(exc).__name__})
+            db.left_out(exc, cell, "servers")
             down.append(cell)
             return
         if not rows:

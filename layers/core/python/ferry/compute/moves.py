@@ -963,10 +963,7 @@ def _copies_by_uuid(query: Select[Any],
                 rows = [({name: getattr(row, name) for name in MIGRATION_FIELDS}, row.uuid)
                         for row in session.scalars(query.order_by(Migration.created_at, Migration.id))]
         except DBAPIError as exc:
-            if not db.transient(exc):
-                raise
-            logger.warning("cell database does not answer; its migrations are left out of the list",
-                           extra={"cell": cell.name, "error": type(exc).__name__})
+            db.left_out(exc, cell, "migrations")
             if skipped is not None:
                 skipped.append(cell.name)
             continue

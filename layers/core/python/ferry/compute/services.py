@@ -90,10 +90,9 @@ def _find(*criteria: Any, down: list[CellMapping] | None = None) -> list[tuple[s
                 found += [(cell.name, s)
                           for s in session.scalars(select(Service).where(*criteria).order_by(Service.id))]
         except DBAPIError as exc:
-            if down is None or not db.transient(exc):
+            if down is None:
                 raise
-            logger.warning("cell database does not answer; its services are left out of the list",
-                           extra={"cell": cell.name, "error": type(exc).__name__})
+            db.left_out(exc, cell, "services")
             down.append(cell)
     return found
 

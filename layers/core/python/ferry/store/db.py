@@ -15,12 +15,14 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import URL, Engine, create_engine, event, make_url, select
 from sqlalchemy.exc import ArgumentError, DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from ferry import LAMBDA_VARIABLE, config, errors
+from ferry.observability import logger
 from ferry.store.api_models import CellMapping
 
 # Instances that could not be scheduled live in cell0, a cell with no hosts (as in Nova).
@@ -56,6 +58,21 @@ def unreachable(exc: BaseException) -> bool:
         return False
     code = getattr(exc.orig, "pgcode", None)
     return code is None or code.startswith("08")
+
+
+def left_out(exc: DBAPIError, cell: CellMapping, what: str, **extra: Any) -> None:
+    """In a read across cells, leave ``cell`` out when ``exc`` says its database does not answer
+    for the moment (:func:`transient`): logged as leaving out its ``what`` (``extra`` added to
+    the line), as Nova reads every cell and skips one that does not respond. Any other error is
+    raised.
+
+    Raises:
+        DBAPIError: ``exc``, when it is not of the moment.
+    """
+    if not transient(exc):
+        raise exc
+    logger.warning(f"cell database does not answer; its {what} are left out",
+                   extra={"cell": cell.name, "error": type(exc).__name__, **extra})
 
 
 def transient(exc: BaseException) -> bool:

@@ -150,6 +150,17 @@ def keep_flavor_in_spec(instance_uuid: str, flavor: dict[str, Any]) -> None:
             row.spec = {**(row.spec or {}), "flavor": flavor}
 
 
+def _flavor_left(instance: Instance | None, migration: Migration, settled: str) -> dict[str, Any] | None:
+    """The flavor the move of ``migration`` leaves the server, for :func:`keep_flavor_in_spec`:
+    None without a server, or once the migration is ``settled`` (the step ran before) and a
+    newer move holds the server (its flavor is that move's, not confirmed yet)."""
+    if instance is None or not instance.flavor:
+        return None
+    if migration.status == settled and instance.new_flavor is not None:
+        return None
+    return dict(instance.flavor)
+
+
 def describe_allocations(consumer_uuid: str) -> str:
     """``"VCPU 1, MEMORY_MB 512 on host1"`` for every provider a consumer uses, or ``"none"``."""
     held = placement.get_allocations(consumer_uuid)
@@ -270,13 +281,8 @@ def finish_confirm(event: dict[str, Any]) -> dict[str, Any]:
     source = move["source"]["host"]
     cells = cross_cell_settle.cross_cell(event)
     with cell_session(cell) as session:
-        instance = live_instance(session, uuid)
-        confirmed = migration_of(session, uuid, migration_uuid).status == migration_states.CONFIRMED
-        # The flavor this move leaves the server: once confirmed, only while no newer move holds
-        # the server (its flavor would be that move's, not yet confirmed).
-        settled_flavor = instance is not None and bool(instance.flavor) and (
-            not confirmed or instance.new_flavor is None)
-        flavor = dict(instance.flavor) if instance is not None and settled_flavor else None
+        flavor = _flavor_left(live_instance(session, uuid), migration_of(session, uuid, migration_uuid),
+                              migration_states.CONFIRMED)
     if flavor is not None:  # before the migration is confirmed, so that a run again after that does it too
         keep_flavor_in_spec(uuid, flavor)
     with cell_session(cell) as session:
@@ -347,13 +353,10 @@ def fail_confirm(event: dict[str, Any]) -> dict[str, Any]:
     cells = cross_cell_settle.cross_cell(event)
     where = cross_cell_settle.where_things_are(uuid, cells) if cells else ""
     with cell_session(event["cell"]) as session:
-        instance = live_instance(session, uuid)
-        failed_already = migration_of(session, uuid, migration_uuid).status == migration_states.ERROR
-        # The server keeps the move's flavor: recorded as a confirm records it (not once a newer
-        # move holds the server), before the migration is put in error so that a run again does it too.
-        flavor = dict(instance.flavor) if instance is not None and instance.flavor and (
-            not failed_already or instance.new_flavor is None) else None
-    if flavor is not None:
+        # The server keeps the move's flavor: recorded as a confirm records it.
+        flavor = _flavor_left(live_instance(session, uuid), migration_of(session, uuid, migration_uuid),
+                              migration_states.ERROR)
+    if flavor is not None:  # before the migration is put in error, so that a run again does it too
         keep_flavor_in_spec(uuid, flavor)
     with cell_session(event["cell"]) as session:
         migration = migration_of(session, uuid, migration_uuid)
