@@ -416,12 +416,14 @@ class InvalidStepInput(FerryError):
 
 
 class DatabaseUnavailable(FerryError):
-    """A database could not serve a workflow step for a moment: its connection was refused or
-    lost, or PostgreSQL ended the step's transaction as the losing side of a deadlock or a
+    """A database could not serve a workflow step or an API request for a moment: its connection
+    was refused or lost, or PostgreSQL ended the transaction as the losing side of a deadlock or a
     serialization conflict, or a lock (SQLite's write lock) was not had in time. Every state
-    running a step retries it (the steps are idempotent); what the step committed before stays."""
+    running a step retries it (the steps are idempotent); what the step committed before stays.
+    The API answers it 503, Nova's ``serviceUnavailable``: the caller may try again."""
 
     http_status = 503
+    api_kind = "serviceUnavailable"
 
 
 class DatabaseNotConfigured(FerryError):

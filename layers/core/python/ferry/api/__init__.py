@@ -12,6 +12,7 @@ from typing import Any
 from aws_lambda_powertools.event_handler import APIGatewayRestResolver, Response
 from aws_lambda_powertools.event_handler.exceptions import NotFoundError
 from aws_lambda_powertools.metrics import MetricUnit
+from sqlalchemy.exc import DBAPIError
 
 from ferry import errors
 from ferry.api import (
@@ -35,6 +36,7 @@ from ferry.api import (
     volume_attachments,
 )
 from ferry.observability import logger, metrics
+from ferry.store import db
 
 # Server actions register themselves with ``servers.server_action`` when their module is imported.
 _ACTION_MODULES = (moves,)
@@ -44,15 +46,22 @@ def fault_response(exc: Exception, context: dict[str, Any]) -> Response:
     """The API's answer to an exception: typed errors keep their status, kind and message, but
     for a 500 (an error of the deployment: a policy file, a setting, a workflow not configured)
     and anything else, which is a 500 ``computeFault`` whose message names only the request id:
-    what went wrong stays in the log, where the operator finds it by that id."""
+    what went wrong stays in the log, where the operator finds it by that id. A database that
+    does not answer for the moment (:func:`ferry.store.db.transient`: a cell down, a lock not
+    had in time) is a 503 saying so, which the caller may try again."""
+    request_id = context.get("request_id", "unknown")
     if isinstance(exc, NotFoundError):
         status, kind, message = 404, errors.NotFound.api_kind, "The resource could not be found."
+    elif isinstance(exc, DBAPIError) and db.transient(exc):
+        unavailable = errors.DatabaseUnavailable(
+            f"A database this request needs does not answer for the moment; try again later. Request id "
+            f"{request_id}.")
+        status, kind, message = unavailable.http_status, unavailable.api_kind, unavailable.message
     elif isinstance(exc, errors.FerryError) and exc.http_status != 500:
         status, kind, message = exc.http_status, exc.api_kind, exc.message
     else:
         status, kind = 500, errors.FerryError.api_kind
-        message = (f"Unexpected API Error. Please report it to the operator with the request id "
-                   f"{context.get('request_id', 'unknown')}.")
+        message = f"Unexpected API Error. Please report it to the operator with the request id {request_id}."
     if status >= 500:
         metrics.add_metric(name="ApiFault", unit=MetricUnit.Count, value=1)
         logger.error("request failed", exc_info=exc, extra={"status": status, "error": type(exc).__name__})

@@ -348,7 +348,8 @@ def _operations(bodies: dict[str, dict[str, Any]]) -> dict[tuple[str, str], Oper
 _ERROR_TEXT = {400: "Bad request: malformed or invalid input, or a malformed microversion",
                401: "No valid token (answered by the gateway, as keystonemiddleware does: kind `error`)",
                403: "A policy rule or a quota refused", 404: "Not found (or another project's)",
-               406: "The microversion is not supported", 409: "The state of the resource does not allow it"}
+               406: "The microversion is not supported", 409: "The state of the resource does not allow it",
+               503: "A database the request needs does not answer for the moment (a cell down): try again later"}
 
 
 def _components() -> dict[str, Any]:
@@ -414,8 +415,8 @@ def _operation(method: str, path: str, op: Operation) -> dict[str, Any]:
             answer["content"] = {"application/json": {"schema": schema}}
         responses[str(status)] = answer
     # Every operation may answer 400: a NUL character in the path or a query parameter is refused
-    # before any route runs (ferry.api.request.refuse_nul).
-    for status in sorted({400, *op.errors}):
+    # before any route runs (ferry.api.request.refuse_nul). One that reads the store may answer 503.
+    for status in sorted({400, *op.errors, *(() if path in PUBLIC_PATHS else (503,))}):
         responses[str(status)] = {"$ref": f"#/components/responses/{status}"}
     segments = [part for part in path.split("/") if part and not part.startswith("{")]
     operation: dict[str, Any] = {
