@@ -307,7 +307,8 @@ def test_a_delivery_id_is_never_taken_for_a_drain_started_another_way(cloud):
 
 
 def test_a_dry_run_whose_plan_failed_is_planned_when_its_delivery_comes_again(cloud, monkeypatch):
-    # GIVEN a dry run whose plan failed (the sender got a 500)
+    # GIVEN a dry run whose plan failed, a database away for the moment (the sender got a 503:
+    # try again)
     body = _body({"host": "h1", "dry_run": True})
     headers = signed(body, "delivery-dry")
     plan = drains_module.plan
@@ -316,7 +317,9 @@ def test_a_dry_run_whose_plan_failed_is_planned_when_its_delivery_comes_again(cl
         raise OperationalError("SELECT", {}, ConnectionRefusedError("database unreachable"))
 
     monkeypatch.setattr(drains_module, "plan", failing)
-    assert post(body, headers).status == 500
+    refused = post(body, headers)
+    assert refused.status == 503, refused.body
+    assert "try again" in refused.body["serviceUnavailable"]["message"]
     monkeypatch.setattr(drains_module, "plan", plan)
 
     # WHEN the sender tries the same delivery again
@@ -338,7 +341,7 @@ def test_a_dry_run_its_first_try_abandoned_is_failed_and_its_delivery_again_plan
 
     with monkeypatch.context() as patched:
         patched.setattr(drains_module, "plan", killed)
-        assert post(body, headers).status == 500
+        assert post(body, headers).status == 503
     [abandoned] = drains()
     long_ago = drains_module.utcnow() - drains_module.DRY_RUN_PLANNING_LIMIT - dt.timedelta(seconds=1)
     with api_session() as session:

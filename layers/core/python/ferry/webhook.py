@@ -35,6 +35,7 @@ from aws_lambda_powertools.metrics import MetricUnit
 
 from ferry import aws, config, deliveries, drains, errors, signing
 from ferry.observability import logger, metrics
+from ferry.store import db
 
 TABLE_VARIABLE = "FERRY_IDEMPOTENCY_TABLE"
 DELIVERY_MAX_LENGTH = 128
@@ -197,8 +198,9 @@ def _response(status: int, document: Any) -> dict[str, Any]:
 
 def _fault(exc: Exception, request_id: str) -> dict[str, Any]:
     """The compute API's fault shape (see ``ferry.api.fault_response``) for a refusal or a failure."""
-    if isinstance(exc, errors.FerryError):
-        status, kind, message = exc.http_status, exc.api_kind, exc.message
+    answered = db.unavailable(exc, request_id) or exc  # a database away for the moment: 503, try again
+    if isinstance(answered, errors.FerryError):
+        status, kind, message = answered.http_status, answered.api_kind, answered.message
     else:
         status, kind = 500, errors.FerryError.api_kind
         message = f"Unexpected error. Please report it to the operator with the request id {request_id}."

@@ -12,7 +12,6 @@ from typing import Any
 from aws_lambda_powertools.event_handler import APIGatewayRestResolver, Response
 from aws_lambda_powertools.event_handler.exceptions import NotFoundError
 from aws_lambda_powertools.metrics import MetricUnit
-from sqlalchemy.exc import DBAPIError
 
 from ferry import errors
 from ferry.api import (
@@ -50,12 +49,10 @@ def fault_response(exc: Exception, context: dict[str, Any]) -> Response:
     does not answer for the moment (:func:`ferry.store.db.transient`: a cell down, a lock not
     had in time) is a 503 saying so, which the caller may try again."""
     request_id = context.get("request_id", "unknown")
+    unavailable = db.unavailable(exc, request_id)
     if isinstance(exc, NotFoundError):
         status, kind, message = 404, errors.NotFound.api_kind, "The resource could not be found."
-    elif isinstance(exc, DBAPIError) and db.transient(exc):
-        unavailable = errors.DatabaseUnavailable(
-            f"A database this request needs does not answer for the moment; try again later. Request id "
-            f"{request_id}.")
+    elif unavailable is not None:
         status, kind, message = unavailable.http_status, unavailable.api_kind, unavailable.message
     elif isinstance(exc, errors.FerryError) and exc.http_status != 500:
         status, kind, message = exc.http_status, exc.api_kind, exc.message

@@ -75,6 +75,16 @@ def left_out(exc: DBAPIError, cell: CellMapping, what: str, **extra: Any) -> Non
                    extra={"cell": cell.name, "error": type(exc).__name__, **extra})
 
 
+def unavailable(exc: BaseException, request_id: str) -> errors.DatabaseUnavailable | None:
+    """What an API answers for ``exc`` when it is a database failure of the moment
+    (:func:`transient`): a :class:`~ferry.errors.DatabaseUnavailable` (503) that tells the caller
+    to try again and names the request id its log lines carry; None for any other error."""
+    if not isinstance(exc, DBAPIError) or not transient(exc):
+        return None
+    return errors.DatabaseUnavailable(f"A database this request needs does not answer for the moment; try again "
+                                      f"later. Request id {request_id}.")
+
+
 def transient(exc: BaseException) -> bool:
     """Whether ``exc`` is a database failure of the moment rather than of the request: a connection
     refused, lost or closed (:func:`unreachable`), a transaction PostgreSQL ended to break a
