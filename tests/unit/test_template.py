@@ -549,6 +549,8 @@ _ALARM_QUERY = re.compile(r'SELECT SUM\((\w+)\) FROM "\$\{MetricsNamespace\}"')
 # Metrics to watch that raise no alarm: they count what clients send (bad tokens, unsigned or
 # replayed webhook deliveries) or failures a step's Retry or Catch already handles.
 _WATCHED_WITHOUT_ALARM = {"StepFailed", "WebhookRefused", "TokenRejected"}
+# Alarms on what no Ferry function counts: a sum of AWS metrics.
+_ALARMS_ON_AWS_METRICS = {"WorkflowStoppedAlarm"}
 
 
 def _metrics_published() -> set[str]:
@@ -571,7 +573,8 @@ def _metric_alarms() -> dict[str, str]:
     """``{logical id: metric}`` of the alarms on Ferry's own metrics."""
     found = {}
     for logical_id, resource in RAW["Resources"].items():
-        if resource["Type"] == "AWS::CloudWatch::Alarm" and "Metrics" in resource["Properties"]:
+        if resource["Type"] == "AWS::CloudWatch::Alarm" and "Metrics" in resource["Properties"] \
+                and logical_id not in _ALARMS_ON_AWS_METRICS:
             [query] = resource["Properties"]["Metrics"]
             match = _ALARM_QUERY.fullmatch(query["Expression"]["Fn::Sub"])
             assert match, f"{logical_id}: not a sum of one metric in the stack's namespace"
@@ -609,6 +612,23 @@ def test_every_metric_to_watch_has_an_alarm_unless_clients_cause_it():
     assert watched <= _metrics_published() and "HostCleanupFailed" in watched
     assert watched - alarmed == _WATCHED_WITHOUT_ALARM
     assert alarmed <= watched
+
+
+def test_a_stopped_execution_of_every_workflow_raises_the_workflow_stopped_alarm():
+    # A stopped execution runs no Catch and counts no WorkflowNotSettled: Step Functions' own
+    # count of it is what tells the operators, for every state machine of the stack.
+    alarm = RAW["Resources"]["WorkflowStoppedAlarm"]["Properties"]
+    machines = {logical_id for logical_id, resource in RAW["Resources"].items()
+                if resource["Type"] == "AWS::Serverless::StateMachine"}
+    stats = [query["MetricStat"] for query in alarm["Metrics"] if "MetricStat" in query]
+    [total] = [query for query in alarm["Metrics"] if query.get("ReturnData")]
+
+    assert len(machines) >= 8
+    assert {(stat["Metric"]["Namespace"], stat["Metric"]["MetricName"], stat["Stat"]) for stat in stats} == {
+        ("AWS/States", "ExecutionsAborted", "Sum")}
+    assert sorted(stat["Metric"]["Dimensions"][0]["Value"]["Ref"] for stat in stats) == sorted(machines)
+    assert total["Expression"] == "SUM(METRICS())"
+    assert alarm["AlarmName"] == {"Fn::Sub": "ferry-${Stage}-WorkflowStopped"}
 
 
 def test_what_api_gateway_answers_itself_is_in_the_compute_apis_error_shape():
