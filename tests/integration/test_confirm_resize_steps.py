@@ -300,6 +300,49 @@ def test_a_failure_after_the_source_was_cleaned_says_so(cloud, monkeypatch):
     assert migration_row(resized.migration_uuid).status == migration_states.ERROR
 
 
+def test_a_failure_after_the_source_was_cleaned_releases_what_the_migration_held_there(cloud, monkeypatch,
+                                                                                        tmp_path):
+    # GIVEN a confirm whose source host removed the old guest and disks, and whose FinishConfirm failed
+    resized = make_resized(volume=True, state_dir=tmp_path)
+    event = confirmed_at_source(checked(begin("confirm", resized, monkeypatch)))
+    assert usage(SOURCE) == OLD_USAGE and SOURCE in bindings(resized.instance_uuid)
+
+    # WHEN FailConfirm runs
+    confirm_resize.fail_confirm({**event, "error": {"Error": "OperationalError", "Cause": "database went away"}})
+
+    # THEN the migration's allocation and the source's bindings and attachments are gone, as a
+    # confirm leaves them; the server keeps what it has on the destination
+    assert usage(SOURCE) == {} and placement.get_allocations(resized.migration_uuid) == {}
+    assert usage(DEST) == NEW_USAGE
+    assert bindings(resized.instance_uuid) == {DEST: "ACTIVE"}
+    assert attachments(resized.instance_uuid) == {DEST: "attached"}
+    assert migration_row(resized.migration_uuid).status == migration_states.ERROR
+    [fault] = faults(resized.instance_uuid)
+    assert "was released" in fault.details and "its allocation: none" in fault.details
+
+
+def test_a_failure_after_the_source_was_cleaned_keeps_the_allocation_when_it_cannot_be_released(cloud, monkeypatch):
+    # GIVEN a confirm failed after the source was cleaned, whose release fails again in FailConfirm
+    resized = make_resized()
+    event = confirmed_at_source(checked(begin("confirm", resized, monkeypatch)))
+
+    def refused(*_args, **_kwargs):
+        raise RuntimeError("placement went away")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(confirm_resize, "release_source", refused)
+        confirm_resize.fail_confirm({**event, "error": {"Error": "OperationalError", "Cause": "went away"}})
+
+    # THEN the failure is recorded all the same, the migration holding its allocation, and a
+    # FailConfirm run again (its commit's answer lost) does not release what a newer move may hold
+    assert migration_row(resized.migration_uuid).status == migration_states.ERROR
+    assert usage(SOURCE) == OLD_USAGE
+    [fault] = faults(resized.instance_uuid)
+    assert "was released" not in fault.details and "VCPU" in fault.details
+    confirm_resize.fail_confirm({**event, "error": {"Error": "OperationalError", "Cause": "went away"}})
+    assert usage(SOURCE) == OLD_USAGE and SOURCE in bindings(resized.instance_uuid)
+
+
 def test_a_server_deleted_during_the_confirm_is_left_to_its_delete(cloud, monkeypatch):
     resized = make_resized()
     event = confirmed_at_source(checked(begin("confirm", resized, monkeypatch)))

@@ -343,8 +343,13 @@ def fail_confirm(event: dict[str, Any]) -> dict[str, Any]:
     """Rollback tail of a confirm that failed at or after the source host.
 
     The server stays where it runs, on the destination with its new flavor, and settles as a
-    confirm would (ACTIVE or SHUTOFF, never ERROR); the migration goes to ``error`` and keeps
-    whatever allocation it still holds; the fault says what is left on the source.
+    confirm would (ACTIVE or SHUTOFF, never ERROR); the migration goes to ``error``; the fault
+    says what is left on the source. Once the source host of a move within the cell has removed
+    the old guest and disks (``confirmed_at_source``: what failed came after), what the migration
+    held there, its allocation, the source's port bindings and volume attachments, is released as
+    a confirm releases it, when it can be (:func:`_release_cleaned_source`); otherwise (and after
+    a move between cells, whose source cell copy may be what failed) the migration keeps whatever
+    it still holds, for a confirm of it run again.
     """
     uuid, migration_uuid, request_id = event["instance_uuid"], event["migration_uuid"], event["request_id"]
     error = event.get("error") or {}
@@ -358,6 +363,9 @@ def fail_confirm(event: dict[str, Any]) -> dict[str, Any]:
                               migration_states.ERROR)
     if flavor is not None:  # before the migration is put in error, so that a run again does it too
         keep_flavor_in_spec(uuid, flavor)
+    # Between cells the source cell's copy may be what failed: a confirm run again, accepted while
+    # the migration holds its allocation, removes it and the rest.
+    released = not cells and "confirmed_at_source" in event and _release_cleaned_source(event)
     with cell_session(event["cell"]) as session:
         migration = migration_of(session, uuid, migration_uuid)
         if migration.status == migration_states.CONFIRMED or actions.event_finished(session, uuid, request_id,
@@ -369,8 +377,10 @@ def fail_confirm(event: dict[str, Any]) -> dict[str, Any]:
         if "confirmed_at_source" in event:
             message = (f"Confirming the resize failed after the source host removed the old guest and disks: "
                        f"{owner_cause(error)}")
+            released_text = ("; what the migration held there (its allocation, the source's port bindings "
+                             "and volume attachments) was released" if released else "")
             details = (f"The server runs on {dest} with its new flavor; source host {source} removed the old "
-                       f"guest and disks. Migration {migration_uuid} is in error; "
+                       f"guest and disks{released_text}. Migration {migration_uuid} is in error; "
                        f"its allocation: {held}.")
         else:
             message = f"Confirming the resize failed on the source host: {owner_cause(error)}"
@@ -391,6 +401,27 @@ def fail_confirm(event: dict[str, Any]) -> dict[str, Any]:
     logger.warning("confirm failed", extra={"instance_uuid": uuid, "migration_uuid": migration_uuid,
                                             "cause": cause, "migration_allocation": held})
     return {}
+
+
+def _release_cleaned_source(event: dict[str, Any]) -> bool:
+    """For FailConfirm once the source host removed the old guest and disks: release what the
+    migration holds there (:func:`release_source`), as FinishConfirm would have, while the
+    migration is still ``confirming``; a run again after FailConfirm committed finds it in
+    ``error`` and leaves the source to whatever holds it since (a newer move may have come back
+    to that host). Whether it was released: a release that fails is logged and left for a
+    confirm of the migration run again (what FinishConfirm failed on may fail here too)."""
+    uuid, migration_uuid, move = event["instance_uuid"], event["migration_uuid"], event["move"]
+    with cell_session(event["cell"]) as session:
+        if migration_of(session, uuid, migration_uuid).status != migration_states.CONFIRMING:
+            return False
+    try:
+        release_source(uuid, migration_uuid, move["source"]["host"], move["same_host"])
+    except Exception as exc:  # noqa: BLE001 - the failure is recorded below whatever the release does
+        logger.warning("what the migration holds on the cleaned source could not be released",
+                       extra={"instance_uuid": uuid, "migration_uuid": migration_uuid,
+                              "error": f"{type(exc).__name__}: {exc}"})
+        return False
+    return True
 
 
 # Events of the revert workflow, for the shared rollback below.
