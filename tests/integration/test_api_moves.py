@@ -34,7 +34,7 @@ from ferry.compute import actions, migration_states, moves, states
 from ferry.compute import api as compute_api
 from ferry.store import setup
 from ferry.store.api_models import Flavor, RequestSpec
-from ferry.store.cell_models import BlockDeviceMapping, Instance, InstanceAction, Migration
+from ferry.store.cell_models import BlockDeviceMapping, Instance, InstanceAction, Migration, Service
 from ferry.store.db import api_session, cell_session
 from ferry.workflows import confirm_resize as confirm_steps
 from ferry.workflows import resize as resize_steps
@@ -854,6 +854,31 @@ def test_confirm_without_a_finished_migration_is_400(cloud):
 
     assert response.status == 400
     assert snapshot(cloud, server_id) == before
+
+
+@pytest.mark.parametrize("source", ["host1", "host3"])  # host3: in cell2, a move between cells
+def test_confirm_while_the_source_host_is_down_is_409_and_changes_nothing(cloud, source):
+    # GIVEN a server in VERIFY_RESIZE whose migration's source host is down
+    server_id, migration_uuid = resized_server()
+    source_cell = "cell2" if source == "host3" else "cell1"
+    with cell_session("cell1") as session:
+        session.execute(update(Migration).where(Migration.uuid == migration_uuid).values(
+            source_compute=source, source_node=source, cross_cell_move=source_cell != "cell1"))
+    with cell_session(source_cell) as session:
+        session.execute(update(Service).where(Service.host == source).values(forced_down=True))
+    before = snapshot(cloud, server_id)
+
+    # WHEN its owner confirms the resize
+    response = action(server_id, {"confirmResize": None})
+
+    # THEN it is refused in Nova's words, before the migration is touched; once the host is up
+    # again the confirm is accepted
+    assert response.status == 409, response.body
+    assert response.body["conflictingRequest"]["message"] == "Service is unavailable at this time."
+    assert snapshot(cloud, server_id) == before and cloud.executions("confirm_resize") == []
+    with cell_session(source_cell) as session:
+        session.execute(update(Service).where(Service.host == source).values(forced_down=False))
+    assert action(server_id, {"confirmResize": None}).status == 204
 
 
 @pytest.mark.parametrize(("body", "reason"), [

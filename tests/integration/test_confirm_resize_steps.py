@@ -32,6 +32,7 @@ from verify_resize_helpers import (
     make_resized,
     migration_row,
     mocked_aws,
+    report,
     set_instance,
     snapshot,
     usage,
@@ -185,7 +186,7 @@ def test_a_migration_nobody_is_confirming_is_refused(cloud, monkeypatch):
 def test_a_down_source_host_is_not_a_refusal_and_the_rollback_restores_verify_resize(cloud, monkeypatch):
     resized = make_resized()
     event = begin("confirm", resized, monkeypatch)
-    host_down(SOURCE)
+    host_down(SOURCE)  # after the API accepted the confirm
 
     with pytest.raises(errors.ComputeServiceUnavailable) as raised:
         confirm_resize.check_resize_to_confirm(event)
@@ -197,6 +198,7 @@ def test_a_down_source_host_is_not_a_refusal_and_the_rollback_restores_verify_re
     assert (row.vm_state, row.task_state) == (states.RESIZED, None)
     assert placement.get_allocations(resized.migration_uuid) != {}
     assert events(resized.instance_uuid) == {confirm_resize.EVENT_CONFIRM: "Error"}
+    report(SOURCE)  # the host is back
     begin("confirm", resized, monkeypatch)  # the owner can confirm again
     assert migration_row(resized.migration_uuid).status == migration_states.CONFIRMING
 

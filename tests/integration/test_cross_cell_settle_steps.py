@@ -462,8 +462,8 @@ def test_api_shows_the_mapped_copy_only_and_one_migration_per_uuid(cloud, tmp_pa
 def test_a_settle_that_fails_at_its_first_step_records_the_cross_cell_event(cloud, monkeypatch, tmp_path, kind):
     """The step failed before it read the move: the migration still says it is a move between cells."""
     moved = make_cross_cell(tmp_path)
-    host_down(SOURCE)
     event = begin(kind, moved, monkeypatch)
+    host_down(SOURCE)  # after the API accepted the request
     check = confirm_resize.check_resize_to_confirm if kind == "confirm" else revert_resize.check_resize_to_revert
     with pytest.raises(errors.ComputeServiceUnavailable):
         check(event)

@@ -293,6 +293,19 @@ def service_is_up(session: Any, host: str) -> bool:
     return service is not None and is_up(service)
 
 
+def host_is_up_from(session: Any, current_cell: str, host: str) -> bool:
+    """Whether ``host``'s compute service, in the cell the host is mapped to, sends heartbeats,
+    asked with ``session`` open on ``current_cell``: read in it when the host is there (SQLite
+    allows one writer per file, so no second session on it is opened), else in its own cell."""
+    cell = cell_of_host(host)
+    if cell is None:
+        return False
+    if cell == current_cell:
+        return service_is_up(session, host)
+    with cell_session(cell) as other:
+        return service_is_up(other, host)
+
+
 def host_is_up(host: str) -> bool:
     """Whether ``host``'s compute service, in the cell the host is mapped to, sends heartbeats (False
     for a host in no cell). Opens the API database's session, then the cell's, never nested: call it

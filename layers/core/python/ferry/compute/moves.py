@@ -153,6 +153,23 @@ def _check_settle_state(session: Session, action: str, instance_uuid: str) -> tu
     return instance, migration
 
 
+def _check_source_up(session: Session, cell: str, migration: Migration) -> None:
+    """Refuse a confirm (409, Nova's words) while the migration's source host is down, before the
+    migration is touched, as Nova does: the confirm's work is on that host. Within a cell the
+    service is read in ``session``; a source in another cell is read there.
+
+    Raises:
+        ComputeServiceUnavailable: the source host's compute service sends no heartbeats.
+    """
+    source = str(migration.source_compute)
+    up = hosts.host_is_up_from(session, cell, source) if migration.cross_cell_move else \
+        hosts.service_is_up(session, source)
+    if not up:
+        logger.info("confirm refused: the source host is down", extra={
+            "instance_uuid": migration.instance_uuid, "migration_uuid": migration.uuid, "host": source})
+        raise errors.ComputeServiceUnavailable("Service is unavailable at this time.")
+
+
 def _settle_payload(cell: str, instance_uuid: str, migration_uuid: str, request_id: str) -> dict[str, Any]:
     return {"instance_uuid": instance_uuid, "migration_uuid": migration_uuid, "cell": cell, "request_id": request_id}
 
@@ -165,6 +182,7 @@ def _accept_confirm(cell: str, instance_uuid: str, *, request_id: str, user_id: 
         if expected is not None and migration_uuid != expected:
             raise errors.UnexpectedMigrationState(
                 f"Instance {instance_uuid}'s newest migration is {migration_uuid}, not {expected}.")
+        _check_source_up(session, cell, migration)
         if not _swap_migration_status(session, migration_uuid, FINISHED, CONFIRMING):
             raise errors.MigrationInProgress(
                 f"Cannot 'confirmResize' instance {instance_uuid}: another operation took migration "
@@ -199,6 +217,7 @@ def begin_confirm(cell: str, instance_uuid: str, *, request_id: str, user_id: st
         MigrationInProgress: a confirm or revert is already under way (409).
         InstanceNotResized: there is no finished migration (400).
         UnexpectedMigrationState: ``migration_uuid`` is not the server's newest migration.
+        ComputeServiceUnavailable: the migration's source host is down (409).
         Anything starting the execution raises, after the migration is put back to ``finished``.
     """
     migration_uuid = _accept_confirm(cell, instance_uuid, request_id=request_id, user_id=user_id,

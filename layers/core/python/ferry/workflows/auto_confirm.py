@@ -31,7 +31,7 @@ from typing import Any
 from aws_lambda_powertools.metrics import MetricUnit
 from sqlalchemy import func, select
 
-from ferry import config, errors, hosts
+from ferry import config, errors
 from ferry.compute import instances, migration_states, moves, states
 from ferry.observability import logger, metrics
 from ferry.store.api_models import utcnow
@@ -93,10 +93,6 @@ def confirm_one(found: Unconfirmed) -> str:
             logger.warning("auto-confirm: instance not in resized; migration set to error",
                            extra={**context, "vm_state": instance.vm_state})
             return ERRORED
-        source = str(migration.source_compute)
-    if not hosts.host_is_up(source):  # read after the cell's session: sessions are never nested here
-        logger.info("auto-confirm skipped: the migration's source host is down", extra={**context, "host": source})
-        return SKIPPED
     try:
         moves.begin_confirm(found.cell, found.instance_uuid, request_id=request_id_for(found.migration_uuid),
                             user_id=None, project_id=None, migration_uuid=found.migration_uuid)
@@ -105,6 +101,9 @@ def confirm_one(found: Unconfirmed) -> str:
             _set_error(session.scalars(select(Migration).where(Migration.uuid == found.migration_uuid)).one())
         logger.warning("auto-confirm: the migration is not the server's newest; migration set to error", extra=context)
         return ERRORED
+    except errors.ComputeServiceUnavailable:
+        logger.info("auto-confirm skipped: the migration's source host is down", extra=context)
+        return SKIPPED
     except (errors.InstanceInvalidState, errors.MigrationInProgress) as exc:
         # The owner (or an admin) confirmed, reverted or changed the server since it was read: the
         # next run reads it again.

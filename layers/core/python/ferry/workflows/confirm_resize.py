@@ -238,7 +238,7 @@ def check_resize_to_confirm(event: dict[str, Any]) -> dict[str, Any]:
         source, dest = str(migration.source_compute), str(migration.dest_compute)
         cells = cross_cell_settle.cells_of(migration, event["cell"])
         # Within a cell the service is read in this session: no API session is opened inside it.
-        up = cross_cell_settle.host_is_up(source, event["cell"], session) if cells else \
+        up = hosts.host_is_up_from(session, event["cell"], source) if cells else \
             hosts.service_is_up(session, source)
         if not up:
             # The owner reads this in the fault: the host is named in its details and the log.

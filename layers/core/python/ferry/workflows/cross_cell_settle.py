@@ -75,21 +75,6 @@ def cross_cell(event: dict[str, Any]) -> dict[str, str] | None:
     return (event.get("move") or {}).get("cross_cell")
 
 
-def host_is_up(host: str, current_cell: str, session: Session) -> bool:
-    """Whether ``host``'s compute service, in the cell the host is mapped to, sends heartbeats.
-
-    ``session`` is the caller's open session on ``current_cell`` (used when the host is there:
-    SQLite allows one writer per file, so no second session on it is opened).
-    """
-    cell = hosts.cell_of_host(host)
-    if cell is None:
-        return False
-    if cell == current_cell:
-        return hosts.service_is_up(session, host)
-    with cell_session(cell) as other:
-        return hosts.service_is_up(other, host)
-
-
 def revert_cell(event: dict[str, Any]) -> str:
     """The cell a revert's record of the server is in: the source cell once FlipToSourceCell ran."""
     cells = cross_cell(event)

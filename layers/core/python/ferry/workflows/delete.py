@@ -72,7 +72,7 @@ def find_resize_to_confirm(event: dict[str, Any]) -> dict[str, Any]:
             source = str(migration.dest_compute)
             cells = {"source_cell": cross_cell_settle.cell_of_host(source), "target_cell": event["cell"]}
         if cells:
-            up = cross_cell_settle.host_is_up(source, event["cell"], session)
+            up = hosts.host_is_up_from(session, event["cell"], source)
             event_name = cross_cell_settle.EVENT_CONFIRM_AT_SOURCE
         else:
             up = hosts.service_is_up(session, source)

@@ -104,7 +104,7 @@ def check_resize_to_revert(event: dict[str, Any]) -> dict[str, Any]:
         cells = cross_cell_settle.cells_of(migration, event["cell"])
         for host in {source, dest}:
             # Within a cell the service is read in this session: no API session is opened inside it.
-            up = cross_cell_settle.host_is_up(host, event["cell"], session) if cells else \
+            up = hosts.host_is_up_from(session, event["cell"], host) if cells else \
                 hosts.service_is_up(session, host)
             if not up:
                 # The owner reads this in the fault: the host is named in its details and the log.
