@@ -771,6 +771,21 @@ def test_naming_a_host_needs_its_own_policy(cloud, tmp_path, monkeypatch):
     assert action(server_id, {"migrate": None}).status == 202
 
 
+def test_naming_a_host_needs_only_its_own_policy(cloud, tmp_path, monkeypatch):
+    # As in Nova, one rule decides: migrate:host when a host is named, migrate when none is
+    write_policy(tmp_path, monkeypatch, {"os_compute_api:os-migrate-server:migrate": "!",
+                                         "os_compute_api:os-migrate-server:migrate:host": "admin_or_owner"})
+    server_id = active_server()
+    before = snapshot(cloud, server_id)
+
+    untargeted = action(server_id, {"migrate": None})
+
+    assert untargeted.status == 403
+    assert "os_compute_api:os-migrate-server:migrate " in untargeted.body["forbidden"]["message"]
+    assert snapshot(cloud, server_id) == before
+    assert action(server_id, {"migrate": {"host": "host2"}}, version="2.56").status == 202
+
+
 def test_migrate_from_a_down_host_or_in_the_wrong_state_is_409(cloud):
     add_host("host-down", up=False)
     down, busy = active_server(), active_server()
