@@ -539,6 +539,22 @@ def test_an_upsize_over_quota_is_403_and_changes_nothing(cloud):
     assert instance(other).task_state is None
 
 
+def test_an_upsize_over_quota_is_403_before_its_image_is_found_not_to_fit(cloud):
+    # GIVEN an upsize over the cores quota to a flavor the server's image does not fit either
+    image = images.upload_image(io.BytesIO(b"\0" * 4096), "needs-2g", min_ram=2048)
+    compute_api.create_flavor(name="m1.cpu-heavy", vcpus=32, memory_mb=1024, root_gb=8, flavorid="cpu-heavy")
+    server_id = create_server(flavorRef="3", imageRef=image["id"])
+    schedule(server_id)
+    before = snapshot(cloud, server_id)
+
+    response = action(server_id, {"resize": {"flavorRef": "cpu-heavy"}})
+
+    # THEN the quota answers, as Nova checks it before the image
+    assert response.status == 403, response.body
+    assert response.body["forbidden"]["message"].startswith("Quota exceeded for cores")
+    assert snapshot(cloud, server_id) == before
+
+
 def test_an_upsize_over_cores_and_ram_names_both(cloud):
     server_id = active_server()
     quotas.update("project-a", {"cores": 2, "ram": 1024})

@@ -561,8 +561,6 @@ def _accept_move(ctx: RequestContext, location: compute_api.Location, move: _Mov
         if (new_flavor.get("id"), new_flavor.get("flavorid")) == (current.get("id"), current.get("flavorid")):
             raise errors.CannotResizeToSameFlavor()
         _check_disks_fit(current, new_flavor, volume_backed=volume_backed)
-        if not volume_backed:
-            _check_image_still_fits(image_ref, new_flavor)
     if move.requested_host is not None:
         cross_cell_allowed = policy.check(ctx, CROSS_CELL_RULE, location.target)
         _check_requested_host(move.requested_host, None if cross_cell_allowed else cell.name)
@@ -570,6 +568,8 @@ def _accept_move(ctx: RequestContext, location: compute_api.Location, move: _Mov
             raise errors.CannotMigrateToSameHost()
     deltas = upsize_deltas(current, new_flavor)
     quotas.check(project_id, deltas)
+    if move.flavor_ref is not None and not volume_backed:  # after the quota, as Nova checks it
+        _check_image_still_fits(image_ref, new_flavor)
     with cell_session(cell) as session:
         instance = instances.get(session, uuid)
         previous = {"old_flavor": instance.old_flavor, "new_flavor": instance.new_flavor,
@@ -799,7 +799,7 @@ def begin_resize(ctx: RequestContext, location: compute_api.Location, flavor_ref
     caller an admin), in vm_state ``active`` or ``stopped`` with no task, and its host is up
     (409 otherwise); the flavor exists, is enabled and usable by the caller, differs from the
     current one, and can hold the server's disks (400); the growth in cores and RAM fits the
-    project's quota (403).
+    project's quota (403); an image-backed server's image fits the flavor (400).
 
     Then, in the cell: task_state None → ``resize_prep`` (compare-and-swap, so a second move
     gets 409) with ``old_flavor`` = the current flavor, ``new_flavor`` = the target flavor
