@@ -397,6 +397,24 @@ def test_a_failed_target_db_setup_is_the_conductors_migrate_event_not_a_destinat
     assert fault_in_cell1(uuid).host == "cell1-host1"
 
 
+def test_a_rescheduled_move_whose_next_target_db_setup_fails_ends_the_refused_hosts_prep_event(two_cells):
+    # GIVEN a move across cells whose destination refused its claim after PrepCrossCellAtDest began
+    # its event, rescheduled (ForgetRefusedClaim keeps only the request and the new destination)
+    uuid, inp = server_in_cell1()
+    doc = run(inp, until="PrepResizeOnDestHost")
+    kept = ("instance_uuid", "migration_uuid", "cell", "request_id", "requested_host", "execution_name", "user_id",
+            "project_id", "move", "destination")
+    rescheduled = {key: doc[key] for key in kept if key in doc}
+
+    # WHEN the copy into the target cell fails this time and the move is rolled back
+    roll_back(rescheduled)
+
+    # THEN no event of the move is left open: the refused host's prep ends with the move's error
+    recorded = events_in("cell1", uuid)
+    assert recorded[resize.EVENT_MIGRATE] == "Error"
+    assert recorded[resize.EVENT_PREP_AT_DEST_CROSS_CELL] == "Error"
+
+
 def fault_in_cell1(uuid: str) -> InstanceFault:
     with cell_session("cell1") as session:
         [fault] = session.scalars(select(InstanceFault).where(InstanceFault.instance_uuid == uuid))

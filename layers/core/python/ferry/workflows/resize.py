@@ -853,7 +853,9 @@ def _close_events(session: Session, event: Mapping[str, Any], failed: str, host:
                   error: dict[str, Any]) -> None:
     """Finish the failed step's event with the error; earlier steps' events that were left open
     succeeded, except a move between cells' ``conductor_migrate_server``, which spans the whole
-    move and fails with it (also when the move's last step had ended it)."""
+    move and fails with it (also when the move's last step had ended it). A later step's event
+    still open was begun by an attempt a reschedule gave up (the refused host's prep, when the
+    move then failed before the alternate's prep began it again): it ends with the error too."""
     uuid, request_id = event["instance_uuid"], event["request_id"]
     action = session.scalars(select(InstanceAction).where(InstanceAction.instance_uuid == uuid,
                                                           InstanceAction.request_id == request_id)).one_or_none()
@@ -864,10 +866,14 @@ def _close_events(session: Session, event: Mapping[str, Any], failed: str, host:
     open_events = {name for name, at in finished.items() if at is None}
     cross_cell = is_cross_cell(event)
     order = CROSS_CELL_EVENTS if cross_cell else EVENTS
-    for name in order[:order.index(failed)]:
+    at = order.index(failed)
+    for name in order[:at]:
         if name in open_events and not (cross_cell and name == EVENT_MIGRATE):
             actions.finish_event(session, instance_uuid=uuid, request_id=request_id, event=name)
     actions.finish_event(session, instance_uuid=uuid, request_id=request_id, event=failed, host=host, error=error)
+    for name in order[at + 1:]:
+        if name in open_events:
+            actions.finish_event(session, instance_uuid=uuid, request_id=request_id, event=name, error=error)
     # Ended Error whether open or ended by a CompleteMoveAcrossCells that failed before its switch.
     if cross_cell and failed != EVENT_MIGRATE and EVENT_MIGRATE in finished:
         actions.finish_event(session, instance_uuid=uuid, request_id=request_id, event=EVENT_MIGRATE, error=error)
