@@ -232,6 +232,27 @@ def test_a_rollback_with_s3_failing_still_removes_the_target_cell_copies(monkeyp
     assert images_left() == [doc["snapshot_prep"]["args"]["snapshot"]["key"]]
 
 
+def test_a_rollback_whose_target_cell_does_not_answer_still_deletes_the_snapshot(monkeypatch):
+    # GIVEN a move that failed at its last step, and the target cell's database not answering
+    uuid, inp = image_backed_server_in_cell1()
+    doc = run(inp, until="CompleteMoveAcrossCells")
+
+    def target_away(*_args, **_kwargs):
+        raise errors.DatabaseUnavailable("RollbackTargetCell: the database could not serve the step for a moment.")
+
+    # WHEN RollbackTargetCell fails for good (its Catch goes on to RollbackMove)
+    with monkeypatch.context() as patched:
+        patched.setattr(cross_cell_settle, "hard_delete_copy", target_away)
+        with pytest.raises(errors.DatabaseUnavailable):
+            cross_cell.rollback_target_cell(doc)
+    resize.rollback_move({**doc, "error": {"Error": "Ferry.HypervisorError", "Cause": "it broke"},
+                          "restored": doc.get("restored") or {}})
+
+    # THEN the snapshot, which does not depend on that cell, is gone all the same
+    assert images_left() == []
+    assert instances.cell_of(uuid).name == "cell1"
+
+
 def test_a_move_to_a_cell_holding_an_earlier_moves_copy_replaces_it():
     # GIVEN an earlier move to cell2 whose RollbackTargetCell never ran (RollbackMove did): cell2 keeps its
     # hidden copy, block device mapping and migration (still pre-migrating)

@@ -79,10 +79,11 @@ def snapshot_image_id(migration_uuid: str) -> str:
 def _delete_snapshot(uuid: str, migration_uuid: str) -> None:
     """Delete the move's temporary snapshot, best effort, once nothing of the move needs it.
 
-    Only called when the move is settled either way (switched to the target cell, or rolled back
-    in the databases): an S3 failure then is logged and counted (``SnapshotDeleteFailed``) and
-    never fails the step. ``ferry audit`` reports the image left behind (``snapshot_image_orphan``,
-    its migration no longer moving) and ``ferry audit --fix`` deletes it.
+    Only called when the move is settled either way (switched to the target cell, or being rolled
+    back, nothing spawning from it any more): an S3 failure then is logged and counted
+    (``SnapshotDeleteFailed``) and never fails the step. ``ferry audit`` reports the image left
+    behind (``snapshot_image_orphan``, its migration no longer moving) and ``ferry audit --fix``
+    deletes it.
     """
     image_id = snapshot_image_id(migration_uuid)
     try:
@@ -278,30 +279,34 @@ def rollback_target_cell(event: dict[str, Any]) -> dict[str, Any]:
     Maps the instance back to the source cell, shows the source copies again (instance and
     migration), hard-deletes the target cell's copies, and last deletes the temporary snapshot,
     best effort (an S3 failure leaves the image to ``ferry audit --fix``, never the target
-    cell's rows to a later move). Safe to run whatever the move reached, and twice. A server the
-    mapping names in the target cell without this move's migration there is left alone (only the
-    snapshot goes): TargetDBSetup refused to prepare over it.
+    cell's rows to a later move). The snapshot goes also when the cells' work fails (a target
+    cell that does not answer, its retries spent): it depends on neither. Safe to run whatever
+    the move reached, and twice. A server the mapping names in the target cell without this
+    move's migration there is left alone (only the snapshot goes): TargetDBSetup refused to
+    prepare over it.
     """
     uuid, migration_uuid, cell, target = event["instance_uuid"], event["migration_uuid"], event["cell"], _target(event)
     if target == cell:
         return {}
-    if _lives_in_without_this_move(uuid, target, migration_uuid):
-        # TargetDBSetup refused to touch the target cell (MoveNotPrepared): what it holds of the
-        # server is the server, which another move took there, not this move's copy.
-        logger.error("the server lives in the move's target cell by another move: its records there are left alone",
-                     extra={"instance_uuid": uuid, "migration_uuid": migration_uuid, "target_cell": target})
+    try:
+        if _lives_in_without_this_move(uuid, target, migration_uuid):
+            # TargetDBSetup refused to touch the target cell (MoveNotPrepared): what it holds of the
+            # server is the server, which another move took there, not this move's copy.
+            logger.error("the server lives in the move's target cell by another move: its records there are "
+                         "left alone",
+                         extra={"instance_uuid": uuid, "migration_uuid": migration_uuid, "target_cell": target})
+            return {}
+        _map_to(uuid, cell)
+        with cell_session(cell) as session:
+            session.execute(update(Instance).where(Instance.uuid == uuid).values(hidden=False))
+            session.execute(update(Migration).where(Migration.uuid == migration_uuid).values(hidden=False))
+        with cell_session(target) as session:  # it may have been shown already: it is a copy again
+            session.execute(update(Instance).where(Instance.uuid == uuid).values(hidden=True))
+        cross_cell_settle.hard_delete_copy(target, uuid, migration_uuid)
+        logger.info("target cell cleaned up", extra={"instance_uuid": uuid, "migration_uuid": migration_uuid,
+                                                     "target_cell": target})
+    finally:
         _delete_snapshot(uuid, migration_uuid)
-        return {}
-    _map_to(uuid, cell)
-    with cell_session(cell) as session:
-        session.execute(update(Instance).where(Instance.uuid == uuid).values(hidden=False))
-        session.execute(update(Migration).where(Migration.uuid == migration_uuid).values(hidden=False))
-    with cell_session(target) as session:  # it may have been shown already: it is a copy again
-        session.execute(update(Instance).where(Instance.uuid == uuid).values(hidden=True))
-    cross_cell_settle.hard_delete_copy(target, uuid, migration_uuid)
-    logger.info("target cell cleaned up", extra={"instance_uuid": uuid, "migration_uuid": migration_uuid,
-                                                 "target_cell": target})
-    _delete_snapshot(uuid, migration_uuid)
     return {}
 
 
