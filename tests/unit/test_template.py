@@ -638,7 +638,12 @@ def test_what_api_gateway_answers_itself_is_in_the_compute_apis_error_shape():
     for kind, spec in responses.items():
         [(error_kind, error)] = json.loads(spec["ResponseTemplates"]["application/json"]).items()
         assert error["code"] == int(spec["StatusCode"]) and error["message"], kind
-        assert error_kind in {"itemNotFound", "error", "forbidden", "computeFault", "overLimit"}, kind
+        assert error_kind in {"itemNotFound", "error", "forbidden", "computeFault", "overLimit",
+                              "serviceUnavailable"}, kind
+    # A token that could not be checked (the authorizer failed) may be sent again: 503, as
+    # keystonemiddleware answers when the identity service is out of reach
+    failure = json.loads(responses["AUTHORIZER_FAILURE"]["ResponseTemplates"]["application/json"])
+    assert (responses["AUTHORIZER_FAILURE"]["StatusCode"], list(failure)) == (503, ["serviceUnavailable"])
     assert TEMPLATE.apis["ComputeApi"].gateway_responses["MISSING_AUTHENTICATION_TOKEN"].status == 404
 
 
