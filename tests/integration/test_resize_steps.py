@@ -1084,6 +1084,29 @@ def test_a_rollback_of_a_deleted_server_releases_the_claim_without_holding_its_c
     assert migration(doc["migration_uuid"]).status == "error"
 
 
+def test_a_rollback_leaves_a_server_a_delete_took_meanwhile_to_that_delete(cloud):
+    # GIVEN a move waiting on its destination host, whose server an operator reset to error and
+    # its owner then deleted (a server in error takes a delete whatever its task)
+    uuid = make_server()
+    doc = run(prepare_move(uuid, BIG), until="PrepResizeOnDestHost")
+    with cell_session("cell1") as session:
+        session.execute(update(Instance).where(Instance.uuid == uuid).values(vm_state=states.ERROR, task_state=None))
+        actions.start_action(session, instance_uuid=uuid, action=actions.DELETE, request_id="req-delete",
+                             user_id="u1", project_id="demo")
+        session.execute(update(Instance).where(Instance.uuid == uuid).values(task_state=states.DELETING))
+
+    # WHEN the host operation times out and the move rolls back, twice
+    doc = fail_and_roll_back(doc, error="States.Timeout", cause="timed out")
+    resize.rollback_move(doc)
+
+    # THEN the server stays its delete's (in error, task deleting); the move gives its claims up and ends
+    row = instance(uuid)
+    assert (row.vm_state, row.task_state) == (states.ERROR, states.DELETING)
+    assert placement.get_allocations(uuid) == placement.get_allocations(doc["migration_uuid"]) == {}
+    assert migration(doc["migration_uuid"]).status == "error"
+    assert events_of(uuid)[resize.EVENT_PREP][0] == "Error"
+
+
 @pytest.mark.parametrize("stage", ["PrepResizeAtDest", "FinishResizeOnDestHost"])
 def test_a_rollback_keeps_an_allocation_given_back_in_place_of_the_claim(cloud, stage):
     # GIVEN a server whose allocations an operator removed, moving; then the operator sets its allocation on the

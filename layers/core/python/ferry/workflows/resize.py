@@ -982,14 +982,21 @@ def rollback_move(event: dict[str, Any]) -> dict[str, Any]:
             return {}
         source_host = cast(str, migration.source_compute)
         source_node = migration.source_node
-        gone = session.scalars(select(Instance.id).where(Instance.uuid == uuid,
-                                                          Instance.deleted.is_(False))).first() is None
-    if gone:
+        live = session.execute(select(Instance.task_state).where(Instance.uuid == uuid,
+                                                                  Instance.deleted.is_(False))).first()
+    if live is None or live.task_state == states.DELETING:
         # Deleted meanwhile: its delete released the instance's allocations, unless this move's
         # claim landed after it (a server reset and deleted while the scheduler ran); the
-        # migration's go too. Released with no cell transaction open (SQLite's writers take
-        # their files one at a time, and a step holding the API database may wait for this
-        # cell); the migration is put in error after, so a run again releases them too.
+        # migration's go too. Or being deleted (reset to error while its move ran, then deleted):
+        # the server is its delete's, which destroys it where the records say and ends in ERROR
+        # should it fail; the move gives the claims up and ends without writing the server
+        # (a host's guest it restored is reaped as a deleted server's). Released with no cell
+        # transaction open (SQLite's writers take their files one at a time, and a step holding
+        # the API database may wait for this cell); the migration is put in error after, so a
+        # run again releases them too.
+        if live is not None:
+            logger.warning("move not rolled back onto the server: a delete took it meanwhile",
+                           extra={"instance_uuid": uuid, "migration_uuid": migration_uuid})
         placement.delete_allocations(uuid)
         placement.delete_allocations(migration_uuid)
         with cell_session(cell) as session:
