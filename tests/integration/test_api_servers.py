@@ -1978,6 +1978,30 @@ def test_update_renames_a_server_and_changes_its_description(cloud):
     assert instance(server_id).updated_at == before
 
 
+@pytest.mark.parametrize("version", ["2.74", "2.75"])
+def test_update_answers_the_servers_extensions_only_from_2_75(cloud, version):
+    # As Nova: from 2.75 PUT answers every field GET shows; before, the server without its
+    # extensions' fields
+    server_id = create_server(name="old-name")
+    schedule(server_id)
+
+    updated = call("PUT", f"/v2.1/servers/{server_id}", caller=ADMIN, version=version,
+                   body={"server": {"name": "new-name"}}).body["server"]
+    shown = call("GET", f"/v2.1/servers/{server_id}", caller=ADMIN, version=version).body["server"]
+
+    extensions = {key for key in shown if key.startswith(("OS-EXT-", "OS-SRV-USG:", "os-extended-volumes:"))} | {
+        "key_name", "config_drive", "security_groups", "host_status"}
+    assert "OS-EXT-STS:vm_state" in extensions and "OS-EXT-SRV-ATTR:host" in extensions
+    if version == "2.75":
+        assert updated == shown
+    else:
+        assert not extensions & set(updated)
+        assert {key: value for key, value in shown.items() if key not in extensions | {"addresses"}} == {
+            key: value for key, value in updated.items() if key != "addresses"}
+        assert all(set(address) == {"addr", "version"}
+                   for addresses in updated["addresses"].values() for address in addresses)
+
+
 def test_update_of_a_server_still_being_scheduled_changes_its_build_request(cloud):
     server_id = create_server(name="early")
 

@@ -221,7 +221,7 @@ def create_server() -> Response:
 @router.put("/servers/<server_id>")
 def update_server(server_id: str) -> Response:
     """Rename a server, or change its description (2.19) or hostname (2.90); the server back, as
-    ``GET`` shows it."""
+    ``GET`` shows it from 2.75, without the extensions' fields before (as Nova)."""
     view = request.view_context(router)
     body = request.body(router, schemas.server_update(view.version))["server"]
     _require_printable(body)
@@ -229,9 +229,10 @@ def update_server(server_id: str) -> Response:
     policy.enforce(view.ctx, "os_compute_api:servers:update", location.target)
     changes = {k: v for k, v in body.items() if k in instances.UPDATABLE}
     server = compute_api.update_server(view.ctx, location, changes)
-    _add_host_status(view, [server])
-    return request.json_response(200, {"server": views.server_detail(view, server, one=True,
-                                                                     groups=_groups(view, server))})
+    if view.at_least("2.75"):
+        _add_host_status(view, [server])
+    return request.json_response(200, {"server": views.server_detail(
+        view, server, one=True, groups=_groups(view, server), extended=view.at_least("2.75"))})
 
 
 # --- delete and actions ----------------------------------------------------------------------------

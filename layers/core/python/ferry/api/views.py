@@ -69,14 +69,15 @@ def unknown_server(view: ViewContext, server: UnknownServer, *, detail: bool, on
     return body
 
 
-def _addresses(server: Server) -> dict[str, list[dict[str, Any]]]:
+def _addresses(server: Server, *, extended: bool = True) -> dict[str, list[dict[str, Any]]]:
     addresses: dict[str, list[dict[str, Any]]] = {}
     for port in server.ports:
         if not port.get("fixed_ip"):
             continue
-        addresses.setdefault(port["network_name"], []).append({
-            "addr": port["fixed_ip"], "version": ipaddress.ip_address(port["fixed_ip"]).version,
-            "OS-EXT-IPS:type": "fixed", "OS-EXT-IPS-MAC:mac_addr": port["mac_address"]})
+        address: dict[str, Any] = {"addr": port["fixed_ip"], "version": ipaddress.ip_address(port["fixed_ip"]).version}
+        if extended:
+            address.update({"OS-EXT-IPS:type": "fixed", "OS-EXT-IPS-MAC:mac_addr": port["mac_address"]})
+        addresses.setdefault(port["network_name"], []).append(address)
     return addresses
 
 
@@ -141,10 +142,13 @@ def _progress(server: Server) -> int:
 
 
 def server_detail(view: ViewContext, server: Server, *, one: bool = False,
-                  groups: list[str] | None = None) -> dict[str, Any]:
+                  groups: list[str] | None = None, extended: bool = True) -> dict[str, Any]:
     """The full server view (``GET /servers/{id}``, ``/servers/detail``); ``one`` for a single
     server's (show, update), which alone carries ``server_groups`` (``groups``, the uuids of the
-    groups it is in) from 2.71, as Nova's."""
+    groups it is in) from 2.71, as Nova's. Without ``extended`` (what ``PUT`` answers below 2.75,
+    as Nova) the extensions' fields are left out: ``OS-EXT-*``, ``OS-SRV-USG:*``, the key pair,
+    config drive, security groups, attached volumes, ``host_status`` and the addresses' type and
+    MAC."""
     body: dict[str, Any] = {
         "id": server.uuid,
         "name": server.name,
@@ -156,46 +160,23 @@ def server_detail(view: ViewContext, server: Server, *, one: bool = False,
         "hostId": host_id(server.project_id, server.host),
         "image": _image(view, server),
         "flavor": _server_flavor(view, server.flavor),
-        "addresses": _addresses(server),
+        "addresses": _addresses(server, extended=extended),
         "metadata": dict(server.metadata),
         "links": links(view, "servers", server.uuid),
         "accessIPv4": "",
         "accessIPv6": "",
-        "key_name": server.key_name,
-        "config_drive": "",
         "OS-DCF:diskConfig": "MANUAL",
-        "OS-EXT-AZ:availability_zone": server.availability_zone or "",
-        "OS-EXT-STS:vm_state": server.vm_state,
-        "OS-EXT-STS:task_state": server.task_state,
-        "OS-EXT-STS:power_state": server.power_state,
-        "OS-SRV-USG:launched_at": isotime_micro(server.launched_at),
-        "OS-SRV-USG:terminated_at": isotime_micro(server.terminated_at),
-        "security_groups": [{"name": "default"}],
-        "os-extended-volumes:volumes_attached": [
-            {"id": v["id"], **({"delete_on_termination": v["delete_on_termination"]} if view.at_least("2.3") else {})}
-            for v in server.volumes],
     }
+    if extended:
+        body.update(_extensions(view, server))
     if server.status in PROGRESS_STATUSES:
         body["progress"] = _progress(server)  # Nova shows the key in these statuses only
     fault = _fault(view, server)
     if fault is not None:
         body["fault"] = fault
-    if policy.check(view.ctx, "os_compute_api:os-extended-server-attributes", server.target):
-        body["OS-EXT-SRV-ATTR:host"] = server.host
-        body["OS-EXT-SRV-ATTR:hypervisor_hostname"] = server.node
-        body["OS-EXT-SRV-ATTR:instance_name"] = server.instance_name
-        if view.at_least("2.3"):
-            body.update({
-                "OS-EXT-SRV-ATTR:reservation_id": server.reservation_id,
-                "OS-EXT-SRV-ATTR:launch_index": server.launch_index,
-                "OS-EXT-SRV-ATTR:hostname": server.hostname, "OS-EXT-SRV-ATTR:kernel_id": "",
-                "OS-EXT-SRV-ATTR:ramdisk_id": "", "OS-EXT-SRV-ATTR:user_data": server.user_data,
-                "OS-EXT-SRV-ATTR:root_device_name": ROOT_DEVICE if server.cell not in (None, CELL0_NAME) else None})
-    if view.at_least("2.90"):
-        body["OS-EXT-SRV-ATTR:hostname"] = server.hostname  # everyone's from 2.90
     if view.at_least("2.9"):
         body["locked"] = server.locked
-    if view.at_least("2.16") and server.host_status is not None:
+    if extended and view.at_least("2.16") and server.host_status is not None:
         body["host_status"] = server.host_status
     if view.at_least("2.19"):
         body["description"] = server.description
@@ -209,6 +190,38 @@ def server_detail(view: ViewContext, server: Server, *, one: bool = False,
         body["locked_reason"] = None
     if view.at_least("2.96"):
         body["pinned_availability_zone"] = server.pinned_availability_zone
+    return body
+
+
+def _extensions(view: ViewContext, server: Server) -> dict[str, Any]:
+    """The extensions' fields of a server's full view (see :func:`server_detail`)."""
+    body: dict[str, Any] = {
+        "key_name": server.key_name,
+        "config_drive": "",
+        "OS-EXT-AZ:availability_zone": server.availability_zone or "",
+        "OS-EXT-STS:vm_state": server.vm_state,
+        "OS-EXT-STS:task_state": server.task_state,
+        "OS-EXT-STS:power_state": server.power_state,
+        "OS-SRV-USG:launched_at": isotime_micro(server.launched_at),
+        "OS-SRV-USG:terminated_at": isotime_micro(server.terminated_at),
+        "security_groups": [{"name": "default"}],
+        "os-extended-volumes:volumes_attached": [
+            {"id": v["id"], **({"delete_on_termination": v["delete_on_termination"]} if view.at_least("2.3") else {})}
+            for v in server.volumes],
+    }
+    if policy.check(view.ctx, "os_compute_api:os-extended-server-attributes", server.target):
+        body["OS-EXT-SRV-ATTR:host"] = server.host
+        body["OS-EXT-SRV-ATTR:hypervisor_hostname"] = server.node
+        body["OS-EXT-SRV-ATTR:instance_name"] = server.instance_name
+        if view.at_least("2.3"):
+            body.update({
+                "OS-EXT-SRV-ATTR:reservation_id": server.reservation_id,
+                "OS-EXT-SRV-ATTR:launch_index": server.launch_index,
+                "OS-EXT-SRV-ATTR:hostname": server.hostname, "OS-EXT-SRV-ATTR:kernel_id": "",
+                "OS-EXT-SRV-ATTR:ramdisk_id": "", "OS-EXT-SRV-ATTR:user_data": server.user_data,
+                "OS-EXT-SRV-ATTR:root_device_name": ROOT_DEVICE if server.cell not in (None, CELL0_NAME) else None})
+    if view.at_least("2.90"):
+        body["OS-EXT-SRV-ATTR:hostname"] = server.hostname  # everyone's from 2.90
     return body
 
 
