@@ -112,6 +112,17 @@ def test_admin_creates_a_flavor_with_a_generated_id_and_description(cloud):
     assert call("GET", f"/v2.1/flavors/{created['id']}").body["flavor"]["name"] == "m1.large"
 
 
+def test_a_flavor_id_given_as_a_number_is_its_text(cloud):
+    response = call("POST", "/v2.1/flavors", caller=ADMIN, body={"flavor": {
+        "name": "numbered", "ram": 512, "vcpus": 1, "disk": 1, "id": 42}})
+
+    assert response.status == 200, response.body
+    assert response.body["flavor"]["id"] == "42"
+    assert call("GET", "/v2.1/flavors/42").body["flavor"]["name"] == "numbered"
+    assert call("POST", "/v2.1/flavors", caller=ADMIN, body={"flavor": {
+        "name": "again", "ram": 512, "vcpus": 1, "disk": 1, "id": "42"}}).status == 409
+
+
 @pytest.mark.parametrize(("field", "value", "message"), [
     ("ram", 10**20, "greater than the maximum of 2147483647"),
     ("ram", "99999999999", "greater than the maximum of 2147483647"),

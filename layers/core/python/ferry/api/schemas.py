@@ -167,7 +167,9 @@ RESET_STATE_ACTION = {
     "additionalProperties": False,
 }
 
-FLAVOR_ID = {"type": ["string", "null"], "minLength": 1, "maxLength": 255, "pattern": "^(?! )[a-zA-Z0-9. _-]+(?<! )$"}
+# A flavor id given as a JSON number is taken as its text, as Nova takes it ("id": 42 is "42").
+FLAVOR_ID = {"type": ["string", "number", "null"], "minLength": 1, "maxLength": 255,
+             "pattern": "^(?! )[a-zA-Z0-9. _-]+(?<! )$"}
 
 
 def flavor_create(version: APIVersion) -> dict[str, Any]:
