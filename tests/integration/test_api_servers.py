@@ -186,6 +186,17 @@ def test_device_tags_asked_at_create_are_kept(cloud, version):
     assert network["tag"] == "nic-0"
 
 
+@pytest.mark.parametrize(("version", "status"), [("2.66", 400), ("2.67", 202)])
+def test_a_block_devices_volume_type_is_taken_from_2_67(cloud, version, status):
+    response = call("POST", "/v2.1/servers", version=version, body={"server": {
+        "name": "typed", "flavorRef": "1", "networks": "auto", "block_device_mapping_v2": [{
+            "source_type": "image", "destination_type": "volume", "uuid": cloud.image_id, "boot_index": 0,
+            "volume_size": 1, "volume_type": "__DEFAULT__"}]}})
+
+    assert response.status == status, response.body
+    assert len(api_rows(InstanceMapping)) == (1 if status == 202 else 0)
+
+
 def test_create_volume_backed_server_creates_the_root_volume(cloud):
     server_id = create_server(block_device_mapping_v2=[{
         "source_type": "image", "destination_type": "volume", "uuid": cloud.image_id, "boot_index": 0,

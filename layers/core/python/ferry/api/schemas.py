@@ -75,7 +75,6 @@ _BLOCK_DEVICE = {
         "disk_bus": {"type": "string", "maxLength": 255},
         "guest_format": {"type": "string", "maxLength": 255},
         "no_device": {},
-        "volume_type": {"type": ["string", "null"], "maxLength": 255},
     },
     "required": ["source_type"],
     "additionalProperties": False,
@@ -117,7 +116,8 @@ _SCHEDULER_HINTS = {
 
 def server_create(version: APIVersion) -> dict[str, Any]:
     """The body of ``POST /servers`` at ``version`` (networks required from 2.37, tags from 2.52,
-    a requested ``host``/``hypervisor_hostname`` from 2.74, ``hostname`` from 2.90).
+    a block device's ``volume_type`` from 2.67, a requested ``host``/``hypervisor_hostname`` from
+    2.74, ``hostname`` from 2.90).
 
     Device tags, as in Nova: a block device's ``tag`` at 2.32 and from 2.42, a network's at 2.32
     to 2.36 and from 2.42 (lost in between, and given back by 2.42).
@@ -136,6 +136,9 @@ def server_create(version: APIVersion) -> dict[str, Any]:
         server["required"].append("networks")
     if version.at_least("2.52"):
         properties["tags"] = {"type": "array", "items": TAG, "maxItems": 50}
+    if version.at_least("2.67"):
+        properties["block_device_mapping_v2"]["items"]["properties"]["volume_type"] = {
+            "type": ["string", "null"], "maxLength": 255}
     if version.at_least("2.74"):
         properties["host"] = properties["hypervisor_hostname"] = HOST_NAME
     hostname = server_hostname(version)
