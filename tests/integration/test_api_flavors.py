@@ -56,6 +56,7 @@ def test_flavors_sort_and_page_as_nova_does(cloud):
         ["a.big", "m1.medium", "m1.small"]
     assert names(call("GET", "/v2.1/flavors", query={"sort_key": "vcpu_weight"})) == ["m1.small", "m1.medium", "a.big"]
     assert call("GET", "/v2.1/flavors", query={"sort_dir": "sideways"}).status == 400
+    assert call("GET", "/v2.1/flavors", query={"sort_dir": "DESC"}).status == 400  # Nova's exact values only
     assert call("GET", "/v2.1/flavors", query={"sort_key": "colour"}).status == 400
 
     first = call("GET", "/v2.1/flavors", query={"limit": "1"}).body

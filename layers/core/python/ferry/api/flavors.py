@@ -70,7 +70,7 @@ def _list(detail: bool) -> Response:
     flavors = compute_api.list_flavors(
         view.ctx, is_public=_is_public(params.get("is_public")), min_disk=_int_param("minDisk", params.get("minDisk")),
         min_ram=_int_param("minRam", params.get("minRam")), limit=limit, marker=params.get("marker"),
-        sort_key=params.get("sort_key") or "flavorid", sort_dir=(params.get("sort_dir") or "asc").lower())
+        sort_key=params.get("sort_key") or "flavorid", sort_dir=params.get("sort_dir") or "asc")
     render = views.flavor_detail if detail else views.flavor_summary
     body: dict[str, Any] = {"flavors": [render(view, flavor) for flavor in flavors]}
     links = views.next_link(view, "flavors/detail" if detail else "flavors", query,
