@@ -294,12 +294,20 @@ def test_resize_refuses_to_shrink_the_root_disk(cloud):
     assert snapshot(cloud, server_id) == before
 
 
-def test_resize_of_an_image_backed_server_to_a_flavor_its_image_does_not_fit_is_400(cloud):
-    # GIVEN a server booted from an image that needs 2 GB of RAM, and a flavor with less but a bigger disk
+def server_of_an_image_needing_2g(flavor_vcpus: int, flavorid: str) -> tuple[str, str]:
+    """A server (m1.large) booted from an image that needs 2 GB of RAM, and a flavor ``flavorid``
+    with less RAM but a bigger disk and ``flavor_vcpus``; returns (server, image)."""
     image = images.upload_image(io.BytesIO(b"\0" * 4096), "needs-2g", min_ram=2048)
-    compute_api.create_flavor(name="m1.small-ram", vcpus=4, memory_mb=1024, root_gb=8, flavorid="small-ram")
+    compute_api.create_flavor(name=f"m1.{flavorid}", vcpus=flavor_vcpus, memory_mb=1024, root_gb=8,
+                              flavorid=flavorid)
     server_id = create_server(flavorRef="3", imageRef=image["id"])
     schedule(server_id)
+    return server_id, image["id"]
+
+
+def test_resize_of_an_image_backed_server_to_a_flavor_its_image_does_not_fit_is_400(cloud):
+    # GIVEN a server booted from an image that needs 2 GB of RAM, and a flavor with less but a bigger disk
+    server_id, image_id = server_of_an_image_needing_2g(4, "small-ram")
     before = snapshot(cloud, server_id)
 
     # WHEN it is resized to that flavor
@@ -309,7 +317,7 @@ def test_resize_of_an_image_backed_server_to_a_flavor_its_image_does_not_fit_is_
     assert response.status == 400, response.body
     assert response.body["badRequest"]["message"] == "Flavor's memory is too small for requested image."
     assert snapshot(cloud, server_id) == before
-    images.delete_image(image["id"])
+    images.delete_image(image_id)
     assert action(server_id, {"resize": {"flavorRef": "small-ram"}}).status == 202
 
 
@@ -541,10 +549,7 @@ def test_an_upsize_over_quota_is_403_and_changes_nothing(cloud):
 
 def test_an_upsize_over_quota_is_403_before_its_image_is_found_not_to_fit(cloud):
     # GIVEN an upsize over the cores quota to a flavor the server's image does not fit either
-    image = images.upload_image(io.BytesIO(b"\0" * 4096), "needs-2g", min_ram=2048)
-    compute_api.create_flavor(name="m1.cpu-heavy", vcpus=32, memory_mb=1024, root_gb=8, flavorid="cpu-heavy")
-    server_id = create_server(flavorRef="3", imageRef=image["id"])
-    schedule(server_id)
+    server_id, _image_id = server_of_an_image_needing_2g(32, "cpu-heavy")
     before = snapshot(cloud, server_id)
 
     response = action(server_id, {"resize": {"flavorRef": "cpu-heavy"}})
