@@ -112,7 +112,8 @@ def create_flavor() -> Response:
     created = compute_api.create_flavor(
         name=flavor["name"], vcpus=number("vcpus", 1), memory_mb=number("ram", 1), root_gb=number("disk", 0),
         ephemeral_gb=number("OS-FLV-EXT-DATA:ephemeral", 0, 0), swap=number("swap", 0, 0),
-        flavorid=None if flavor.get("id") is None else str(flavor["id"]), rxtx_factor=_rxtx_factor(flavor.get("rxtx_factor", 1.0)),
+        flavorid=None if flavor.get("id") is None else str(flavor["id"]),
+        rxtx_factor=_rxtx_factor(flavor.get("rxtx_factor", 1.0)),
         is_public=is_public if isinstance(is_public, bool) else request.parse_bool("is_public", is_public),
         description=flavor.get("description"))
     return request.json_response(200, {"flavor": views.flavor_detail(view, created)})
