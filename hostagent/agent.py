@@ -339,6 +339,11 @@ class _Claim:
         """(receipt handle, task token) of the claimed message and of each copy."""
         return [(self.receipt, self.op.task_token), *self.copies.values()]
 
+    def other_tokens(self) -> set[str]:
+        """The task tokens of the copies that are not the claimed message's: the workflow retried
+        the operation while it ran (read under the agent's claims guard)."""
+        return {token for _receipt, token in self.copies.values() if token and token != self.op.task_token}
+
 
 def _refused_unread(exc: Exception) -> bool:
     """Whether a failed call to Step Functions was refused before it could act (a 4xx: throttled,
@@ -818,7 +823,7 @@ class HostAgent(MoveOperations):
                 return True
             self._redeliver_later(self._settling(claim), context, TAKE_BACK_RETRY_SECONDS)
             return False
-        return self._settle(op, self._settling(claim), result, error, cause, context)
+        return self._settle(op, self._settling(claim), result, error, cause, context, claim)
 
     def _settling(self, claim: _Claim) -> str:
         """The newest receipt handle of the claimed message, noted as the one it is settled by
@@ -828,7 +833,7 @@ class HostAgent(MoveOperations):
             return claim.receipt
 
     def _settle(self, op: Operation, receipt: str, result: dict[str, Any] | None, error: str | None,
-                cause: str | None, context: dict[str, Any]) -> bool:
+                cause: str | None, context: dict[str, Any], claim: _Claim | None = None) -> bool:
         """Answer the message's task and delete the message; an answer that could not be sent
         brings the message back soon, to be answered from the journal well inside the Task's
         heartbeat time. True when a delete of the message was attempted (answered, or no
@@ -836,7 +841,9 @@ class HostAgent(MoveOperations):
 
         For an operation that may be taken back, the journal follows its answer: a refused answer
         that no earlier attempt may have delivered means the workflow never had the outcome, and
-        what the operation did is taken back (:meth:`_take_back_refused`).
+        what the operation did is taken back (:meth:`_take_back_refused`), unless a copy of the
+        message, the workflow retrying the operation, carries a task that may still wait: that
+        copy is answered from the journal once the claim ends.
         """
         journal = self.journal if op.name in self._take_back and op.task_token else None
         before = journal.answering(op.operation_id) if journal is not None else None
@@ -850,6 +857,11 @@ class HostAgent(MoveOperations):
             if answer is _Answer.UNSENT and before is None:
                 journal.unanswered(op.operation_id)
             elif answer is _Answer.REFUSED and before is None:
+                if self._awaited_by_a_copy(claim, context):
+                    logger.info("the answer was refused, but the workflow retried the operation: the retry is "
+                                "answered with this outcome", extra=context)
+                    self._delete(receipt)
+                    return True
                 return self._take_back_refused(op, receipt, context)
             elif answer in (_Answer.REFUSED, _Answer.REFUSED_MAYBE_TAKEN):
                 logger.warning("an answer of this operation may have been taken before: nothing is taken back",
@@ -972,11 +984,11 @@ class HostAgent(MoveOperations):
                 logger.info("operation done meanwhile: answering from the journal", extra=context)
                 return recorded.result, recorded.error, recorded.cause
             with self._worker():
-                return self._run_here(op, context, recorded, awaited, claim.abandoned)
+                return self._run_here(op, context, recorded, awaited, claim)
 
     def _run_here(
         self, op: Operation, context: dict[str, Any], earlier: JournalEntry | None, awaited: bool = False,
-        abandoned: threading.Event | None = None,
+        claim: _Claim | None = None,
     ) -> tuple[dict[str, Any] | None, str | None, str | None]:
         """Run ``op`` now, under its instance's lock and a worker, journaling its outcome.
 
@@ -984,8 +996,10 @@ class HostAgent(MoveOperations):
 
         ``awaited``: Step Functions was just asked and the workflow waits (it is not asked again first).
 
-        ``abandoned``: set once no workflow waits for the operation; its disk streams then stop
-        (``OperationAbandoned``), rather than holding the instance's lock and a worker to their end.
+        ``claim``: the delivery's claim: its ``abandoned`` is set once no workflow waits for the
+        operation, whose disk streams then stop (``OperationAbandoned``), rather than holding the
+        instance's lock and a worker to their end; the copies it holds may carry the task of a
+        workflow that retried the operation, which then takes the outcome.
 
         Raises:
             _NotRun, _TakenBack: as :meth:`_run`.
@@ -1014,7 +1028,7 @@ class HostAgent(MoveOperations):
                 self._stop.wait(delay)
             # A fault armed for this operation (tests and drills; off unless configured) fails it here.
             faults.check(*faults.host_points(self.host, op.name, op.operation_id))
-            with disks.abandoned_when(abandoned):
+            with disks.abandoned_when(claim.abandoned if claim is not None else None):
                 result = self._handlers[op.name](op)
         except errors.FerryError as exc:
             failure = exc
@@ -1029,12 +1043,15 @@ class HostAgent(MoveOperations):
             wrapped = errors.HostOperationFailed(f"{type(exc).__name__}: {exc}")
             error, cause = wrapped.name, wrapped.message
         duration_ms = (time.monotonic() - started) * 1000
-        if op.task_token and op.name in self._take_back and self._still_awaited(op.task_token, context) is False:
+        if op.task_token and op.name in self._take_back and self._still_awaited(op.task_token, context) is False \
+                and not self._awaited_by_a_copy(claim, context):
             # The Task timed out while the operation ran: nobody takes its answer, and the
             # rollback may already have deleted what it sent. Asked before the outcome is
             # journaled: a delivery of the message that claims the operation once this claim
             # ends would answer from the journal, and Step Functions would then refuse this
-            # question just as it does for a Task that timed out.
+            # question just as it does for a Task that timed out. Unless the workflow retried
+            # the operation meanwhile (a copy with a task of its own still waits): that copy is
+            # answered with this outcome, from the journal, once this claim ends.
             raise _TakenBack(self._take_back_now(op, context))
         # Journaled before the instance's lock and the claim go: a delivery of the message that
         # claims the operation afterwards finds the outcome and answers with it, never running
@@ -1101,6 +1118,16 @@ class HostAgent(MoveOperations):
         """What Step Functions answers about a task token whose Task no longer waits (timed out, or ended)."""
         exceptions = self.sfn.exceptions
         return (exceptions.TaskTimedOut, exceptions.InvalidToken, exceptions.TaskDoesNotExist)
+
+    def _awaited_by_a_copy(self, claim: _Claim | None, context: dict[str, Any]) -> bool:
+        """Whether a copy of the claimed message carries another task that a workflow may still
+        wait for (or Step Functions cannot tell now): what the operation did is then that task's
+        outcome, never to be taken back."""
+        if claim is None:
+            return False
+        with self._claims_guard:
+            others = claim.other_tokens()
+        return any(self._still_awaited(token, context) is not False for token in others)
 
     def _still_awaited(self, token: str, context: dict[str, Any]) -> bool | None:
         """Whether a workflow still waits for ``token``'s answer; None when Step Functions cannot tell now.

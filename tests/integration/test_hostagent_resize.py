@@ -1544,3 +1544,61 @@ def test_a_file_system_that_cannot_sync_a_directory_is_let_be_but_a_failing_disk
     else:
         disks.sync_dir(tmp_path)
 
+
+
+@pytest.mark.parametrize("ends", ["while it runs", "as it is answered"])
+def test_a_finish_resize_the_workflow_retried_while_it_ran_is_the_retrys_outcome(cloud, source, dest, monkeypatch,
+                                                                                  ends):
+    # GIVEN a finish_resize whose first Task ends while it runs (its SQS send tried again, or timed
+    # out), the workflow's retry (a message with a task of its own) arriving as a copy meanwhile
+    server = boot(source)
+    migration_uuid = str(uuid.uuid4())
+    resized = source.ok("resize_instance", server.uuid, resize_args(migration_uuid, dest))
+    body = {"operation": "finish_resize", "operation_id": f"{migration_uuid}/FinishResizeOnDestHost/compute2",
+            "instance_uuid": server.uuid, "args": finish_args(migration_uuid, server, resized)}
+    queue, ended = dest.agent.queue_url, set()
+    heartbeat, succeed = cloud.sfn.send_task_heartbeat, cloud.sfn.send_task_success
+
+    def beat(taskToken):  # noqa: N803 - boto3's keyword
+        if taskToken in ended and ends == "while it runs":
+            raise TaskTimedOut(taskToken)
+        heartbeat(taskToken=taskToken)
+
+    def answer(taskToken, output):  # noqa: N803 - boto3's keyword
+        if taskToken in ended:
+            raise TaskTimedOut(taskToken)
+        succeed(taskToken=taskToken, output=output)
+
+    monkeypatch.setattr(cloud.sfn, "send_task_heartbeat", beat)
+    monkeypatch.setattr(cloud.sfn, "send_task_success", answer)
+
+    def send(token: str) -> None:
+        cloud.sqs.send_message(QueueUrl=queue, MessageBody=json.dumps({**body, "task_token": token}))
+
+    def received() -> list[dict[str, Any]]:
+        return cloud.sqs.receive_message(QueueUrl=queue, MaxNumberOfMessages=1).get("Messages", [])
+
+    finish = dest.agent._handlers["finish_resize"]
+
+    def retried_meanwhile(op):
+        ended.add("first")
+        send("retry")
+        (copy,) = received()
+        dest.agent.process_message(copy)  # joins the running claim
+        return finish(op)
+
+    monkeypatch.setitem(dest.agent._handlers, "finish_resize", retried_meanwhile)
+    send("first")
+    (first,) = received()
+
+    # WHEN the first delivery's run ends, and the retry's copy comes back
+    dest.agent.process_message(first)
+    monkeypatch.setitem(dest.agent._handlers, "finish_resize", finish)
+    for message in received():
+        dest.agent.process_message(message)
+
+    # THEN the retry is answered with what the run did, which stands: the guest is defined there
+    result, error, cause = cloud.sfn.answers["retry"]
+    assert error is None, (error, cause)
+    assert result is not None and dest.driver.guest_exists(server.uuid)
+    assert "first" not in cloud.sfn.answers
