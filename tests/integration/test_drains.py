@@ -1393,18 +1393,43 @@ def test_a_server_tried_again_is_planned_again_before_the_per_host_limit_counts_
     assert _servers(drain)[first].planned_host == planned[second]
 
 
-def test_a_server_no_host_takes_for_another_try_waits_while_tries_are_left_then_fails(store, move_machines):
-    drain, server, slot, _move = _prepared_move()  # one retry
+@pytest.mark.parametrize("retries", [1, 2])
+def test_a_server_no_host_takes_for_another_try_waits_while_tries_are_left_then_fails(store, move_machines,
+                                                                                       retries):
+    drain, server, slot, _move = _prepared_move(retries=retries)
     assert drains.record_failure(drain, server, slot, {"Error": "States.Runtime", "Cause": "throttled"})["retry"]
     [service] = services.list_services(host="dest")
     services.update_service(service, disabled=True)
 
-    assert drains.acquire_slot(drain, server).action == "wait"  # the plan used up the try left
-    assert _servers(drain)[server].state == "pending"
-    assert drains.acquire_slot(drain, server).action == "stop"
+    if retries == 2:  # the plan uses up a try, and one is left: it waits for the next look
+        assert drains.acquire_slot(drain, server).action == "wait"
+        assert (_servers(drain)[server].state, _servers(drain)[server].attempts) == ("pending", 2)
+    assert drains.acquire_slot(drain, server).action == "stop"  # the plan uses up the last try
 
     row = _servers(drain)[server]
     assert row.state == "failed" and row.error.startswith("No host takes it for another try")
+    assert row.attempts == retries + 1  # every try, the moves and the looks that found no host
+
+
+@pytest.mark.parametrize("retries", [1, 2])
+def test_a_plan_that_found_no_host_counts_as_a_try_when_a_host_comes_back(store, move_machines, retries):
+    # GIVEN a server whose move failed, and whose next look found no host
+    drain, server, slot, _move = _prepared_move(retries=retries)
+    assert drains.record_failure(drain, server, slot, {"Error": "States.Runtime", "Cause": "throttled"})["retry"]
+    [service] = services.list_services(host="dest")
+    services.update_service(service, disabled=True)
+    drains.acquire_slot(drain, server)
+
+    # WHEN a host takes servers again
+    services.update_service(service, disabled=False)
+    again = drains.acquire_slot(drain, server)
+
+    # THEN it is moved only while a try is left: never more than retries + 1 tries in all
+    if retries == 1:
+        assert again.action == "stop" and _servers(drain)[server].state == "failed"
+    else:
+        assert (again.action, again.attempt) == ("move", 3)
+    assert _servers(drain)[server].attempts <= retries + 1
 
 
 # --- a drain that ended keeps its records as announced ---------------------------------------------
@@ -2672,8 +2697,8 @@ def _refused_while_busy(drain: str, server: str) -> tuple[dict, dict]:
 
 
 def test_a_server_its_owner_was_stopping_when_its_turn_came_is_tried_again_after_a_wait(store, move_machines):
-    # GIVEN a drain with one retry whose server's move was refused: its owner was stopping it
-    drain, server, _other = _started_with_two(retries=1)
+    # GIVEN a drain with two retries whose server's move was refused: its owner was stopping it
+    drain, server, _other = _started_with_two(retries=2)
     slot, error = _refused_while_busy(drain, server)
     assert _migrations_of(server) == []
 
@@ -2689,12 +2714,13 @@ def test_a_server_its_owner_was_stopping_when_its_turn_came_is_tried_again_after
     row = _servers(drain)[server]
     assert (row.state, row.error) == ("pending", "The server was busy (powering-off) when its next try came.")
     assert _migrations_of(server) == []
-    # and a look that finds it busy still, after that wait, waits again with its try left
+    # and a look that finds it busy still, after that wait, uses up a try and waits with one left
     assert drains.acquire_slot(drain, server).action == "wait"
-    # and once the stop has finished, the retry moves it
+    assert _servers(drain)[server].attempts == 2
+    # and once the stop has finished, the last try moves it
     _busy(server, None, "stopped")
     retry = drains.acquire_slot(drain, server).to_dict()
-    assert retry["action"] == "move"
+    assert (retry["action"], retry["attempt"]) == ("move", 3)
     assert drains.prepare_move(drain, server, retry)["input"]["requested_host"] == "dest"
     assert _move_records(server, retry["migration_uuid"]) == ("resize_prep", "pre-migrating")
 
@@ -2710,8 +2736,7 @@ def test_a_server_still_busy_once_its_tries_are_used_up_fails(store, move_machin
     if retries:
         assert outcome["retry"] is True
         assert drains.acquire_slot(drain, server).action == "wait"  # the look right after the refusal: free
-        assert drains.acquire_slot(drain, server).action == "wait"  # still busy: the try left is used up
-        assert drains.acquire_slot(drain, server).action == "stop"
+        assert drains.acquire_slot(drain, server).action == "stop"  # still busy: the try left is used up
     else:  # no try left: failed at once, as before
         assert outcome["retry"] is False
 

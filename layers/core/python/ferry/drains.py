@@ -1494,10 +1494,11 @@ def _planned_again(drain_uuid: str, instance_uuid: str) -> str | None:
             server.state, server.finished_at = SERVER_CANCELLED, utcnow()
         elif busy is not None and not waited_once:
             return "wait"
-        elif server.attempts <= retries:
+        elif server.attempts < retries:  # this look uses up a try, and another is left for the next
             server.attempts += 1
             return "wait"
-        else:
+        else:  # this look used up the last try
+            server.attempts = min(server.attempts + 1, retries + 1)
             server.state, server.finished_at = SERVER_FAILED, utcnow()
     logger.warning("drain server cannot be tried again", extra={"drain": drain_uuid, "instance_uuid": instance_uuid,
                                                                  "error": why})
