@@ -567,6 +567,27 @@ def _moved_to_dest(server: str, migration_uuid: str, vm_state: str, migration: s
         session.execute(update(Migration).where(Migration.uuid == migration_uuid).values(status=migration))
 
 
+@pytest.mark.parametrize("step", ["RecordMoved", "RecordFailure"])
+def test_a_drain_that_leaves_moves_unconfirmed_takes_one_its_owner_confirmed_already_as_moved(store, move_machines,
+                                                                                               step):
+    # GIVEN a drain that leaves its moves in VERIFY_RESIZE, whose server moved and whose owner
+    # confirmed it before the drain recorded the move
+    drain, server, slot, _move = _prepared_move(confirm=False)
+    _moved_to_dest(server, slot["migration_uuid"], "active", "confirmed")
+
+    # WHEN the drain records it (RecordMoved, or RecordFailure after RecordMoved's store was out of reach)
+    if step == "RecordMoved":
+        drain_steps.record_moved({"drain_uuid": drain, "instance_uuid": server, "slot": slot})
+    else:
+        outcome = drains.record_failure(drain, server, slot, {"Error": "Ferry.DatabaseUnavailable", "Cause": "x"})
+        assert outcome["state"] == "done"
+
+    # THEN it is moved, and the drain completes
+    row = _servers(drain)[server]
+    assert (row.state, row.dest_host) == ("done", "dest")
+    assert drains.finish(drain)["status"] == "completed"
+
+
 def test_a_failed_wait_for_a_move_whose_workflow_still_runs_undoes_nothing_until_it_has_ended(store, move_machines):
     # GIVEN a drained server whose move was accepted and whose resize execution runs, while the
     # RunMove step that waited for it failed (the nested-execution integration, not the move)
@@ -889,7 +910,7 @@ def test_a_failed_step_after_the_move_completed_as_asked_records_the_server_done
 
 @pytest.mark.parametrize(("confirm", "vm_state", "migration"), [
     (True, "active", "error"),  # the confirm failed late: not confirmed
-    (False, "active", "confirmed"),  # not what a drain that keeps VERIFY_RESIZE leaves
+    (False, "active", "error"),  # its owner's confirm failed late: neither waiting nor confirmed
     (True, "resized", "confirmed"),
 ])
 def test_a_failed_step_records_the_server_failed_when_its_move_is_not_as_the_drain_asked(

@@ -1842,7 +1842,8 @@ def record_moved(drain_uuid: str, instance_uuid: str, *, confirmed: bool) -> dic
         drain, server = _load_server(session, drain_uuid, instance_uuid)
         if server.state == DONE or _ended_before(drain, server, "RecordMoved"):
             return _server_view(server)
-        expected = (states.ACTIVE, states.STOPPED) if confirmed else (states.RESIZED,)
+        # A drain that leaves its moves in VERIFY_RESIZE takes one its owner confirmed already as moved.
+        expected = (states.ACTIVE, states.STOPPED) if confirmed else (states.RESIZED, states.ACTIVE, states.STOPPED)
         if host is None or host == server.source_host or vm_state not in expected or task_state is not None:
             raise errors.MoveNotPrepared(
                 f"Server {instance_uuid} is on {host} in {vm_state}/{task_state} after its move from "
@@ -1966,12 +1967,14 @@ def _abandon_unstarted(cell: str, instance_uuid: str, migration_uuid: str, slot:
 
 def _completed_as_asked(now: _Whereabouts, source_host: str, *, confirm: bool) -> bool:
     """Whether the server is where the drain's move leaves it: on another host with no task,
-    confirmed (``confirm``) or waiting in VERIFY_RESIZE for its confirm or revert."""
+    confirmed (``confirm``) or waiting in VERIFY_RESIZE for its confirm or revert (or confirmed
+    already by its owner)."""
     if now.host is None or now.host == source_host or now.task_state is not None:
         return False
+    confirmed = now.vm_state in (states.ACTIVE, states.STOPPED) and now.migration_status == migration_states.CONFIRMED
     if confirm:
-        return now.vm_state in (states.ACTIVE, states.STOPPED) and now.migration_status == migration_states.CONFIRMED
-    return now.vm_state == states.RESIZED and now.migration_status == migration_states.FINISHED
+        return confirmed
+    return confirmed or (now.vm_state == states.RESIZED and now.migration_status == migration_states.FINISHED)
 
 
 def _wait_for_move(drain_uuid: str, instance_uuid: str) -> None:
