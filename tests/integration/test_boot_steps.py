@@ -19,7 +19,7 @@ from sqlalchemy.exc import OperationalError
 
 from ferry import aws, config, errors, hosts, placement, protocol
 from ferry.auth import RequestContext
-from ferry.compute import actions, states
+from ferry.compute import actions, admin_actions, states
 from ferry.compute import api as compute_api
 from ferry.store.api_models import (
     BuildRequest,
@@ -734,6 +734,72 @@ def test_a_power_step_run_again_after_it_committed_leaves_a_newer_stop_alone(clo
     power.finish_power_action({**first, "request_id": "r2", "result": {"power_state": states.SHUTDOWN}})
     with cell_session("cell1") as session:
         assert session.scalars(select(Instance.vm_state)).one() == states.STOPPED
+
+
+@pytest.mark.parametrize("step", ["finish", "fail"])
+def test_a_power_action_whose_task_an_admin_reset_still_records_what_its_host_did(cloud, step):
+    # GIVEN a stop under way, its task cleared by an admin's os-resetState (the stop looked stuck)
+    event = _spawned(cloud["image_id"])
+    boot.finish_build(event)
+    uuid = event["instance_uuid"]
+    with cell_session("cell1") as session:
+        session.execute(update(Instance).values(task_state=states.POWERING_OFF))
+        actions.start_action(session, instance_uuid=uuid, action=actions.STOP, request_id="r1",
+                             user_id="u1", project_id="demo")
+    stop = {"instance_uuid": uuid, "request_id": "r1", "cell": "cell1", "host": event["destination"]["host"],
+            "operation": protocol.POWER_OFF}
+    power.begin_power_action(stop)
+    admin = RequestContext(user_id="admin", project_id="admin", roles=("admin",))
+    admin_actions.reset_state(admin, compute_api.locate(admin, uuid), "active")
+
+    # WHEN the host has stopped the guest (or failed to) and the step ends the stop
+    if step == "finish":
+        power.finish_power_action({**stop, "result": {"power_state": states.SHUTDOWN}})
+    else:
+        power.fail_power_action({**stop, "error": {"Error": "Ferry.HypervisorError", "Cause": "it broke"}})
+
+    # THEN the stop's event ends, and the server is recorded as the host left it
+    with cell_session("cell1") as session:
+        ended = session.scalars(select(InstanceActionEvent).where(
+            InstanceActionEvent.event == "compute_stop_instance")).one()
+        instance = session.scalars(select(Instance)).one()
+        faults = list(session.scalars(select(InstanceFault)))
+    assert ended.finish_time is not None
+    assert ended.result == ("Success" if step == "finish" else "Error")
+    if step == "finish":
+        assert (instance.vm_state, instance.power_state, instance.task_state) == (
+            states.STOPPED, states.SHUTDOWN, None)
+    else:
+        assert instance.task_state is None and len(faults) == 1
+
+
+def test_a_power_action_a_newer_request_took_the_server_from_still_ends_its_event(cloud):
+    # GIVEN a stop under way whose server an admin reset to error and its owner then deleted
+    event = _spawned(cloud["image_id"])
+    boot.finish_build(event)
+    uuid = event["instance_uuid"]
+    with cell_session("cell1") as session:
+        session.execute(update(Instance).values(task_state=states.POWERING_OFF))
+        actions.start_action(session, instance_uuid=uuid, action=actions.STOP, request_id="r1",
+                             user_id="u1", project_id="demo")
+    stop = {"instance_uuid": uuid, "request_id": "r1", "cell": "cell1", "host": event["destination"]["host"],
+            "operation": protocol.POWER_OFF}
+    power.begin_power_action(stop)
+    with cell_session("cell1") as session:
+        session.execute(update(Instance).values(vm_state=states.ERROR, task_state=states.DELETING))
+        actions.start_action(session, instance_uuid=uuid, action=actions.DELETE, request_id="r2",
+                             user_id="u1", project_id="demo")
+
+    # WHEN the stop's step ends it
+    power.finish_power_action({**stop, "result": {"power_state": states.SHUTDOWN}})
+
+    # THEN its event ends, and the server is left to the delete
+    with cell_session("cell1") as session:
+        ended = session.scalars(select(InstanceActionEvent).where(
+            InstanceActionEvent.event == "compute_stop_instance")).one()
+        instance = session.scalars(select(Instance)).one()
+    assert ended.finish_time is not None
+    assert (instance.vm_state, instance.task_state) == (states.ERROR, states.DELETING)
 
 
 def test_host_report_maps_new_host_and_records_heartbeat(cloud):

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from sqlalchemy.orm import Session
+
 from ferry import protocol
 from ferry.compute import actions, instances, states
 from ferry.store.db import cell_session
@@ -41,18 +43,36 @@ def begin_power_action(event: dict[str, Any]) -> dict[str, Any]:
     return {}
 
 
+def _task_left(session: Session, event: dict[str, Any], error: dict[str, Any] | None) -> tuple[bool, str | None]:
+    """``(settle, task)``: whether a step ending the power action's event settles the server, from
+    which task: its own, or none once an os-resetState cleared it (a reset alone leaves the step to
+    record what its host did). Not once the request is over (:func:`actions.superseded`: the step
+    committed before, the API undid the request, or a newer request took the server, which is
+    left alone while this request's event still ends, with ``error`` or success, as the host
+    answered), nor from another task."""
+    uuid, operation, request_id = event["instance_uuid"], event["operation"], event["request_id"]
+    if actions.superseded(session, uuid, request_id, _EVENT[operation]):
+        if not actions.ended(session, uuid, request_id, _EVENT[operation]):
+            actions.finish_event(session, instance_uuid=uuid, request_id=request_id, event=_EVENT[operation],
+                                 host=event.get("host"), error=error)
+        return False, None
+    task = instances.get(session, uuid).task_state
+    return task in (_TASK_STATE[operation], None), task
+
+
 def finish_power_action(event: dict[str, Any]) -> dict[str, Any]:
     """Settle vm_state by the operation (stopped, active) and record the power state the host
-    reported. Idempotent: once the request is over (this step committed, or a newer request took
-    the server: :func:`actions.superseded`) it changes nothing."""
+    reported, also for a server an admin reset meanwhile (the guest is as the host left it).
+    Idempotent: once the request is over (this step committed, or a newer request took the
+    server, whose action's event it only ends: :func:`_task_left`) it changes nothing."""
     uuid, operation = event["instance_uuid"], event["operation"]
     power_state = int(event.get("result", {}).get("power_state", _EXPECTED_POWER[operation]))
     with cell_session(event["cell"]) as session:
-        if actions.superseded(session, uuid, event["request_id"], _EVENT[operation]) \
-                or instances.get(session, uuid).task_state != _TASK_STATE[operation]:
+        settle, task = _task_left(session, event, None)
+        if not settle:
             return {}
         instances.update_cas(session, uuid, {"vm_state": _VM_STATE[operation], "power_state": power_state,
-                                             "task_state": None}, expected_task_state=(_TASK_STATE[operation],))
+                                             "task_state": None}, expected_task_state=(task,))
         actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"], event=_EVENT[operation],
                              host=event.get("host"))
     return {}
@@ -64,18 +84,18 @@ def fail_power_action(event: dict[str, Any]) -> dict[str, Any]:
     after it), when the server is settled as FinishPowerAction would have (Ferry has no periodic
     power-state sync that would correct it later). Nothing is done for a request that is over
     (:func:`actions.superseded`: the API undid it, this step committed before, or a newer request
-    took the server): a task there is another's."""
+    took the server): a task there is another's, and only this request's event ends. A server an
+    admin reset meanwhile gets the fault all the same (:func:`_task_left`)."""
     uuid, operation = event["instance_uuid"], event["operation"]
     error = event.get("error") or {}
     with cell_session(event["cell"]) as session:
-        if actions.superseded(session, uuid, event["request_id"], _EVENT[operation]) \
-                or instances.get(session, uuid).task_state != _TASK_STATE[operation]:
+        settle, task = _task_left(session, event, error or None)
+        if not settle:
             return {}
         done_at_host: dict[str, Any] = {}
         if isinstance(event.get("result"), dict) and "power_state" in event["result"]:
             done_at_host = {"vm_state": _VM_STATE[operation], "power_state": int(event["result"]["power_state"])}
-        instances.update_cas(session, uuid, {"task_state": None, **done_at_host},
-                             expected_task_state=(_TASK_STATE[operation],))
+        instances.update_cas(session, uuid, {"task_state": None, **done_at_host}, expected_task_state=(task,))
         instances.add_fault(session, uuid, owner_cause(error), host=event.get("host"), details=fault_details(error))
         actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"], event=_EVENT[operation],
                              host=event.get("host"), error=error or None)
