@@ -736,6 +736,60 @@ def test_a_power_step_run_again_after_it_committed_leaves_a_newer_stop_alone(clo
         assert session.scalars(select(Instance.vm_state)).one() == states.STOPPED
 
 
+def test_a_build_whose_server_was_deleted_before_it_failed_ends_its_event(cloud):
+    # GIVEN a server spawning on its host, which its owner deletes, the delete finishing first
+    event = _spawned(cloud["image_id"])
+    uuid = event["instance_uuid"]
+    with cell_session("cell1") as session:
+        session.execute(update(Instance).values(task_state=states.DELETING))
+        actions.start_action(session, instance_uuid=uuid, action=actions.DELETE, request_id="req-delete",
+                             user_id="u1", project_id="demo")
+    removal = {"instance_uuid": uuid, "request_id": "req-delete", "cell": "cell1",
+               "host": event["destination"]["host"]}
+    delete.find_resize_to_confirm(removal)
+    delete.finish_delete(removal)
+
+    # WHEN the build fails and rolls back, twice
+    with pytest.raises((errors.UnexpectedTaskState, errors.InstanceNotFound)):
+        boot.finish_build(event)
+    assert boot.check_build_committed(event) == {"committed": False}
+    boot.unbind_resources_at_dest(event)
+    failed = {**event, "error": {"Error": "Ferry.UnexpectedTaskState", "Cause": "deleted"}}
+    boot.fail_build(failed)
+    boot.fail_build(failed)
+
+    # THEN nothing is held, and the server's create action shows how its build ended
+    assert placement.get_allocations(uuid) == {}
+    with cell_session("cell1") as session:
+        build = session.scalars(select(InstanceActionEvent).where(
+            InstanceActionEvent.event == boot.EVENT_BUILD)).one()
+    assert (build.finish_time is not None, build.result) == (True, "Error")
+
+
+def test_a_server_an_admin_settled_while_it_spawned_is_recorded_launched_when_finish_build_failed(cloud):
+    # GIVEN a spawning server an admin reset to active, whose FinishBuild then failed before its commit
+    event = _spawned(cloud["image_id"])
+    uuid = event["instance_uuid"]
+    admin = RequestContext(user_id="admin", project_id="admin", roles=("admin",))
+    admin_actions.reset_state(admin, compute_api.locate(admin, uuid), "active")
+
+    # WHEN CheckBuildCommitted reads it (twice)
+    failed = {**event, "error": {"Error": "Ferry.DatabaseUnavailable", "Cause": "away"}}
+    assert boot.check_build_committed(failed) == {"committed": True}
+    assert boot.check_build_committed(failed) == {"committed": True}
+
+    # THEN the build stands and is recorded as FinishBuild records it: launched there (a delete
+    # then keeps a root volume not meant to go with it), the ports active, the event ended
+    with cell_session("cell1") as session:
+        instance = session.scalars(select(Instance)).one()
+        build = session.scalars(select(InstanceActionEvent).where(
+            InstanceActionEvent.event == boot.EVENT_BUILD)).one()
+    assert (instance.launched_on, instance.vm_state) == (event["destination"]["host"], states.ACTIVE)
+    assert instance.launched_at is not None and build.result == "Success"
+    with api_session() as session:
+        assert set(session.scalars(select(Port.status).where(Port.device_id == uuid))) <= {"ACTIVE"}
+
+
 @pytest.mark.parametrize("step", ["finish", "fail"])
 def test_a_power_action_whose_task_an_admin_reset_still_records_what_its_host_did(cloud, step):
     # GIVEN a stop under way, its task cleared by an admin's os-resetState (the stop looked stuck)

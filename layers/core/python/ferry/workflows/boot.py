@@ -375,7 +375,6 @@ def finish_build(event: dict[str, Any]) -> dict[str, Any]:
         InstanceNotFound: the server is gone.
     """
     uuid, dest = event["instance_uuid"], event["destination"]
-    power_state = int(event.get("spawn", {}).get("power_state", states.RUNNING))
     with cell_session(dest["cell"]) as session:
         instance = instances.get(session, uuid)
         settled_by_hand = _build_committed(instance, dest["host"])
@@ -384,6 +383,16 @@ def finish_build(event: dict[str, Any]) -> dict[str, Any]:
         if instance.host != dest["host"]:
             raise errors.UnexpectedTaskState(
                 f"Instance {uuid} is being built on {instance.host}, not on {dest['host']}.")
+    _record_built(event, settled_by_hand=settled_by_hand)
+    return {}
+
+
+def _record_built(event: dict[str, Any], *, settled_by_hand: bool) -> None:
+    """FinishBuild's writes: the ports ACTIVE, in the API database; then, in the cell, the server
+    launched on the destination (with the spawn's states unless an admin ``settled_by_hand`` it)
+    and the build's event ended."""
+    uuid, dest = event["instance_uuid"], event["destination"]
+    power_state = int(event.get("spawn", {}).get("power_state", states.RUNNING))
     with api_session() as session:
         session.execute(update(Port).where(Port.device_id == uuid).values(status="ACTIVE"))
     with cell_session(dest["cell"]) as session:
@@ -397,7 +406,6 @@ def finish_build(event: dict[str, Any]) -> dict[str, Any]:
                 **launched}, expected_task_state=(states.SPAWNING,))
         actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"], event=EVENT_BUILD,
                              host=dest["host"])
-    return {}
 
 
 def _build_committed(instance: Instance, host: str) -> bool:
@@ -418,7 +426,10 @@ def check_build_committed(event: dict[str, Any]) -> dict[str, Any]:
     A FinishBuild that failed after its commit (its response lost, the function timed out) has
     made the server ACTIVE on the destination, where its owner may already use it: rolling the
     build back then would destroy the guest the records point at. So the build stands. A server
-    deleted after the commit counts as committed too (its delete cleans up after it).
+    deleted after the commit counts as committed too (its delete cleans up after it). So does one
+    an admin settled on the destination by hand while it spawned (os-resetState), whose guest
+    runs there: if FinishBuild's commit never came, it is recorded here as FinishBuild would have
+    (ports ACTIVE, launched, the build's event ended).
 
     Returns:
         ``{"committed": bool}``.
@@ -427,10 +438,16 @@ def check_build_committed(event: dict[str, Any]) -> dict[str, Any]:
     with cell_session(dest["cell"]) as session:
         instance = session.scalars(select(Instance).where(Instance.uuid == uuid)).one_or_none()
         committed = instance is not None and _build_committed(instance, dest["host"])
+        # Settled by an admin while it spawned, FinishBuild's commit never made: recorded as it
+        # would have (launched, so that a delete keeps a root volume not meant to go with it).
+        unrecorded = committed and instance is not None and instance.launched_on != dest["host"] \
+            and instance.host == dest["host"] and not instance.deleted
+    if unrecorded:
+        _record_built(event, settled_by_hand=True)
     if committed:
-        logger.warning("FinishBuild failed after it committed: the build stands",
-                       extra={"instance_uuid": uuid, "host": dest["host"],
-                              "error": error_message(event.get("error") or {})})
+        logger.warning("FinishBuild failed after it committed, or an admin settled the server there by hand: the "
+                       "build stands", extra={"instance_uuid": uuid, "host": dest["host"],
+                                              "error": error_message(event.get("error") or {})})
     return {"committed": committed}
 
 
@@ -468,6 +485,7 @@ def fail_build(event: dict[str, Any]) -> dict[str, Any]:
     if cell is None:
         placement.delete_allocations(uuid)
         _remove_unhanded_copies(uuid)
+        _end_build_event_of_deleted(uuid, event["request_id"], error)
         _deleted_meanwhile(uuid, message)
         return {}
     host = event.get("destination", {}).get("host")
@@ -559,6 +577,22 @@ def _release_network(uuid: str) -> None:
         # The mapping's row first, as BindResourcesAtDest and a delete's release take it.
         session.execute(select(InstanceMapping.id).where(InstanceMapping.instance_uuid == uuid).with_for_update())
         network.release_ports(session, uuid, network.requested_networks(session, uuid))
+
+
+def _end_build_event_of_deleted(uuid: str, request_id: str, error: dict[str, Any]) -> None:
+    """End the build's event (with ``error``) of a server whose delete finished while it was
+    built, in the cell its mapping, queued for delete, still names: the server's create action
+    shows how the build ended (as it does for one still being deleted). Nothing for a server
+    never handed to a cell, one whose build never began on a host, or one whose event ended
+    already (a run again)."""
+    with api_session() as session:
+        mapping = session.scalars(select(InstanceMapping).where(InstanceMapping.instance_uuid == uuid)).one_or_none()
+        cell = mapping.cell.name if mapping is not None and mapping.cell is not None else None
+    if cell is None or cell == CELL0_NAME:
+        return
+    with cell_session(cell) as session:
+        actions.finish_started_event(session, instance_uuid=uuid, request_id=request_id, event=EVENT_BUILD,
+                                     error=error)
 
 
 def _deleted_meanwhile(uuid: str, message: str) -> None:
