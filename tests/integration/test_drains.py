@@ -588,6 +588,16 @@ def test_a_drain_that_leaves_moves_unconfirmed_takes_one_its_owner_confirmed_alr
     assert drains.finish(drain)["status"] == "completed"
 
 
+def test_a_drain_that_leaves_moves_unconfirmed_does_not_take_a_settled_server_whose_confirm_failed(store,
+                                                                                                  move_machines):
+    # RecordMoved judges as RecordFailure does: settled on dest, its migration in error, is not moved as asked
+    drain, server, slot, _move = _prepared_move(confirm=False)
+    _moved_to_dest(server, slot["migration_uuid"], "active", "error")
+
+    with pytest.raises(errors.MoveNotPrepared):
+        drain_steps.record_moved({"drain_uuid": drain, "instance_uuid": server, "slot": slot})
+
+
 def test_a_failed_wait_for_a_move_whose_workflow_still_runs_undoes_nothing_until_it_has_ended(store, move_machines):
     # GIVEN a drained server whose move was accepted and whose resize execution runs, while the
     # RunMove step that waited for it failed (the nested-execution integration, not the move)
@@ -963,8 +973,11 @@ def test_a_failed_move_still_under_way_keeps_its_action(store, move_machines):
 
 def _switch_to_cell2(server: str, migration_uuid: str) -> None:
     """What a cross-cell move leaves once it has switched: the server resized on dest in cell2,
-    its copy in cell1 hidden, the migration finished in both, the mapping on cell2."""
+    its copy in cell1 hidden, the migration finished (a move between cells) in both, the mapping
+    on cell2."""
     _moved_to_dest(server, migration_uuid, "resized", "finished")
+    with cell_session("cell1") as session:
+        session.execute(update(Migration).where(Migration.uuid == migration_uuid).values(cross_cell_move=True))
     copies = []
     with cell_session("cell1") as session:
         for model, column in ((Instance, Instance.uuid), (Migration, Migration.instance_uuid)):

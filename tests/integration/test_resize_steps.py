@@ -1099,10 +1099,12 @@ def test_a_rollback_leaves_a_server_a_delete_took_meanwhile_to_that_delete(cloud
     doc = fail_and_roll_back(doc, error="States.Timeout", cause="timed out")
     resize.rollback_move(doc)
 
-    # THEN the server stays its delete's (in error, task deleting); the move gives its claims up and ends
+    # THEN the server is put back on its source, holding what it held there, and stays its
+    # delete's (in error, task deleting): should the delete fail, it is a server in error there
     row = instance(uuid)
-    assert (row.vm_state, row.task_state) == (states.ERROR, states.DELETING)
-    assert placement.get_allocations(uuid) == placement.get_allocations(doc["migration_uuid"]) == {}
+    assert (row.vm_state, row.task_state, row.host) == (states.ERROR, states.DELETING, doc["move"]["source"]["host"])
+    assert placement.get_allocations(doc["migration_uuid"]) == {}
+    assert list(placement.get_allocations(uuid)) == [placement.provider_by_host(doc["move"]["source"]["host"])]
     assert migration(doc["migration_uuid"]).status == "error"
     assert events_of(uuid)[resize.EVENT_PREP][0] == "Error"
 

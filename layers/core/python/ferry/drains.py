@@ -1826,8 +1826,11 @@ def _mapped_cell(instance_uuid: str) -> str | None:
         return mapping.cell.name if mapping.cell is not None else ""
 
 
-def record_moved(drain_uuid: str, instance_uuid: str, *, confirmed: bool) -> dict[str, Any]:
-    """Record a server's finished move (idempotent).
+def record_moved(drain_uuid: str, instance_uuid: str, *, confirmed: bool,
+                 migration_uuid: str | None = None) -> dict[str, Any]:
+    """Record a server's finished move (idempotent). A drain that leaves its moves in
+    VERIFY_RESIZE (not ``confirmed``) takes one its owner confirmed already, its migration
+    (``migration_uuid``) ``confirmed``, as moved too, as RecordFailure does.
 
     A drain that ended meanwhile (final) records nothing more: the server's row stays as the
     drain's report announced it, and the step is done.
@@ -1836,14 +1839,15 @@ def record_moved(drain_uuid: str, instance_uuid: str, *, confirmed: bool) -> dic
         MoveNotPrepared: the server is not where a finished move leaves it (still on its source,
             or not in VERIFY_RESIZE/confirmed as asked); the caller records the failure.
     """
-    now = _where_now(instance_uuid)
+    now = _where_now(instance_uuid, migration_uuid)
     host, vm_state, task_state = now.host, now.vm_state, now.task_state
     with api_session() as session:
         drain, server = _load_server(session, drain_uuid, instance_uuid)
         if server.state == DONE or _ended_before(drain, server, "RecordMoved"):
             return _server_view(server)
-        # A drain that leaves its moves in VERIFY_RESIZE takes one its owner confirmed already as moved.
-        expected = (states.ACTIVE, states.STOPPED) if confirmed else (states.RESIZED, states.ACTIVE, states.STOPPED)
+        expected = (states.ACTIVE, states.STOPPED) if confirmed else (states.RESIZED,)
+        if not confirmed and now.migration_status == migration_states.CONFIRMED:
+            expected = (states.ACTIVE, states.STOPPED)  # its owner confirmed it already
         if host is None or host == server.source_host or vm_state not in expected or task_state is not None:
             raise errors.MoveNotPrepared(
                 f"Server {instance_uuid} is on {host} in {vm_state}/{task_state} after its move from "

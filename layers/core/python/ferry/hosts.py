@@ -305,13 +305,3 @@ def host_is_up_from(session: Any, current_cell: str, host: str) -> bool:
     with cell_session(cell) as other:
         return service_is_up(other, host)
 
-
-def host_is_up(host: str) -> bool:
-    """Whether ``host``'s compute service, in the cell the host is mapped to, sends heartbeats (False
-    for a host in no cell). Opens the API database's session, then the cell's, never nested: call it
-    outside any open session."""
-    cell = cell_of_host(host)
-    if cell is None:
-        return False
-    with cell_session(cell) as session:
-        return service_is_up(session, host)

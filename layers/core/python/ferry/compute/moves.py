@@ -155,14 +155,17 @@ def _check_settle_state(session: Session, action: str, instance_uuid: str) -> tu
 
 def _check_source_up(session: Session, cell: str, migration: Migration) -> None:
     """Refuse a confirm (409, Nova's words) while the migration's source host is down, before the
-    migration is touched, as Nova does: the confirm's work is on that host. The service is read
-    in the cell the host is mapped to (``session``'s when it is this one).
+    migration is touched, as Nova does: the confirm's work is on that host. Within a cell the
+    service is read in ``session`` (no API session is opened inside it); the source of a move
+    between cells in the cell the host is mapped to.
 
     Raises:
         ComputeServiceUnavailable: the source host's compute service sends no heartbeats.
     """
     source = str(migration.source_compute)
-    if not hosts.host_is_up_from(session, cell, source):
+    up = hosts.host_is_up_from(session, cell, source) if migration.cross_cell_move else \
+        hosts.service_is_up(session, source)
+    if not up:
         logger.info("confirm refused: the source host is down", extra={
             "instance_uuid": migration.instance_uuid, "migration_uuid": migration.uuid, "host": source})
         raise errors.ComputeServiceUnavailable("Service is unavailable at this time.")

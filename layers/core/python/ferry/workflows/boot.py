@@ -89,7 +89,7 @@ def select_destinations(event: dict[str, Any]) -> dict[str, Any]:
             return {"abandoned": True}
         selections = scheduler.select_destinations(spec_row.spec)
         chosen, alternates = selections[0], selections[1:]
-    elif build is None and _cell_unless_deleted(uuid) is None:
+    elif build is None and _mapped_cell(uuid)[1]:
         # An earlier run claimed and failed before the hand-over; the owner deleted the server since.
         logger.info("server deleted after its host was claimed; claim released", extra={"instance_uuid": uuid})
         _remove_unmapped_copy(uuid, chosen.cell)
@@ -122,15 +122,15 @@ def _materialize(build: BuildRequest, selection: scheduler.Selection, request_id
     return handed_over or not _remove_unmapped_copy(uuid, selection.cell)
 
 
-def _cell_unless_deleted(uuid: str) -> str | None:
-    """The cell the server's instance mapping names; None when the mapping says the server was
-    deleted: it is gone (dropped with its build request), names no cell once the build request
-    is gone (the API deleted the server before it was handed over), or is queued for delete."""
+def _mapped_cell(uuid: str) -> tuple[str | None, bool]:
+    """``(cell, deleted)``: the cell the server's instance mapping names (None: it is gone,
+    dropped with its build request, or names no cell once the build request is gone, the API
+    having deleted the server before it was handed over), and whether the mapping says the server
+    was deleted (any of those, or queued for delete)."""
     with api_session() as session:
         mapping = session.scalars(select(InstanceMapping).where(InstanceMapping.instance_uuid == uuid)).one_or_none()
-        if mapping is None or mapping.cell is None or mapping.queued_for_delete:
-            return None
-        return mapping.cell.name
+        cell = mapping.cell.name if mapping is not None and mapping.cell is not None else None
+        return cell, cell is None or bool(mapping is not None and mapping.queued_for_delete)
 
 
 def _remove_unmapped_copy(uuid: str, cell: str) -> bool:
@@ -443,7 +443,11 @@ def check_build_committed(event: dict[str, Any]) -> dict[str, Any]:
         unrecorded = committed and instance is not None and instance.launched_on != dest["host"] \
             and instance.host == dest["host"] and not instance.deleted
     if unrecorded:
-        _record_built(event, settled_by_hand=True)
+        try:
+            _record_built(event, settled_by_hand=True)
+        except Exception:  # noqa: BLE001 - the outcome is known: the build stands whatever this record does
+            logger.exception("a build settled by hand could not be recorded launched: ferry audit reports its "
+                             "open event", extra={"instance_uuid": uuid, "host": dest["host"]})
     if committed:
         logger.warning("FinishBuild failed after it committed, or an admin settled the server there by hand: the "
                        "build stands", extra={"instance_uuid": uuid, "host": dest["host"],
@@ -464,7 +468,8 @@ def fail_build(event: dict[str, Any]) -> dict[str, Any]:
     may boot again with them at once).
     A server deleted meanwhile (its mapping says so, its instance is gone or deleted, or its task
     is ``deleting``) is left to its delete: only the claim and the ports are released (those of a
-    server whose mapping says so were released by its delete already). One an
+    server whose mapping says so were released by its delete already), and its build's event
+    ends with the error. One an
     admin reset while it was built (no task, no longer building) is set to ERROR all the same: the
     failed build left it no guest; unless it has moved to another host since, which leaves it, and
     the claim and ports it holds there, as they are. A server whose destination could not be
@@ -481,13 +486,18 @@ def fail_build(event: dict[str, Any]) -> dict[str, Any]:
         _remove_unhanded_copies(uuid)
         _bury_in_cell0(build, event["request_id"], message, error)
         return {}
-    cell = _cell_unless_deleted(uuid)
-    if cell is None:
+    cell, deleted = _mapped_cell(uuid)
+    if deleted:
         placement.delete_allocations(uuid)
         _remove_unhanded_copies(uuid)
-        _end_build_event_of_deleted(uuid, event["request_id"], error)
+        if cell is not None and cell != CELL0_NAME:
+            # The server's create action shows how its build ended, as for one still being deleted.
+            with cell_session(cell) as session:
+                actions.finish_started_event(session, instance_uuid=uuid, request_id=event["request_id"],
+                                             event=EVENT_BUILD, error=error)
         _deleted_meanwhile(uuid, message)
         return {}
+    assert cell is not None
     host = event.get("destination", {}).get("host")
     left = []
     if event.get("cleanup_error"):
@@ -513,6 +523,8 @@ def fail_build(event: dict[str, Any]) -> dict[str, Any]:
         instance = session.scalars(select(Instance).where(Instance.uuid == uuid)).one_or_none()
         reset, moved_on, _left_on_host = _failed_build_state(instance, event)
         if instance is None or instance.deleted:
+            actions.finish_started_event(session, instance_uuid=uuid, request_id=event["request_id"],
+                                         event=EVENT_BUILD, error=error)
             _deleted_meanwhile(uuid, message)
             return {}
         if instance.task_state == states.DELETING:
@@ -577,22 +589,6 @@ def _release_network(uuid: str) -> None:
         # The mapping's row first, as BindResourcesAtDest and a delete's release take it.
         session.execute(select(InstanceMapping.id).where(InstanceMapping.instance_uuid == uuid).with_for_update())
         network.release_ports(session, uuid, network.requested_networks(session, uuid))
-
-
-def _end_build_event_of_deleted(uuid: str, request_id: str, error: dict[str, Any]) -> None:
-    """End the build's event (with ``error``) of a server whose delete finished while it was
-    built, in the cell its mapping, queued for delete, still names: the server's create action
-    shows how the build ended (as it does for one still being deleted). Nothing for a server
-    never handed to a cell, one whose build never began on a host, or one whose event ended
-    already (a run again)."""
-    with api_session() as session:
-        mapping = session.scalars(select(InstanceMapping).where(InstanceMapping.instance_uuid == uuid)).one_or_none()
-        cell = mapping.cell.name if mapping is not None and mapping.cell is not None else None
-    if cell is None or cell == CELL0_NAME:
-        return
-    with cell_session(cell) as session:
-        actions.finish_started_event(session, instance_uuid=uuid, request_id=request_id, event=EVENT_BUILD,
-                                     error=error)
 
 
 def _deleted_meanwhile(uuid: str, message: str) -> None:

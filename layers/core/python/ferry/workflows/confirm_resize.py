@@ -13,7 +13,8 @@ Failures:
 * a failure at or after the source host (FailConfirm): the server is left usable where it runs,
   on the destination with its new flavor (ACTIVE or SHUTOFF, not ERROR as Nova would), the
   migration goes to ``error`` and keeps its allocation on the source, whose disks may still be
-  there, and the instance fault says what is left where. An operator cleans up by starting this
+  there (unless the source had removed them in a move within a cell: then what the migration
+  held there is released), and the instance fault says what is left where. An operator cleans up by starting this
   workflow again for that migration: a migration in ``error`` whose allocation is still held and
   whose server runs on its destination is accepted, and confirmed without touching the server.
 

@@ -280,7 +280,8 @@ def rollback_target_cell(event: dict[str, Any]) -> dict[str, Any]:
     migration), hard-deletes the target cell's copies, and last deletes the temporary snapshot,
     best effort (an S3 failure leaves the image to ``ferry audit --fix``, never the target
     cell's rows to a later move). The snapshot goes also when the cells' work fails (a target
-    cell that does not answer, its retries spent): it depends on neither. Safe to run whatever
+    cell that does not answer: at each failed try, as nothing spawns from it any more and it
+    depends on neither cell). Safe to run whatever
     the move reached, and twice. A server the mapping names in the target cell without this
     move's migration there is left alone (only the snapshot goes): TargetDBSetup refused to
     prepare over it.

@@ -69,7 +69,8 @@ def prepare_confirm(event: dict[str, Any]) -> dict[str, Any]:
 def record_moved(event: dict[str, Any]) -> dict[str, Any]:
     """RecordMoved: the server is on its new host (confirmed unless the drain keeps VERIFY_RESIZE)."""
     return drains.record_moved(event["drain_uuid"], event["instance_uuid"],
-                               confirmed=bool(event["slot"].get("confirm")))
+                               confirmed=bool(event["slot"].get("confirm")),
+                               migration_uuid=event["slot"].get("migration_uuid"))
 
 
 def record_failure(event: dict[str, Any]) -> dict[str, Any]:

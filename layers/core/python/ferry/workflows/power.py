@@ -62,17 +62,19 @@ def _task_left(session: Session, event: dict[str, Any], error: dict[str, Any] | 
 
 def finish_power_action(event: dict[str, Any]) -> dict[str, Any]:
     """Settle vm_state by the operation (stopped, active) and record the power state the host
-    reported, also for a server an admin reset meanwhile (the guest is as the host left it).
-    Idempotent: once the request is over (this step committed, or a newer request took the
-    server, whose action's event it only ends: :func:`_task_left`) it changes nothing."""
+    reported; for a server an admin reset meanwhile, the power state only (the vm_state is the
+    admin's, as Nova leaves it). Idempotent: once the request is over (this step committed, or a
+    newer request took the server, whose action's event it only ends: :func:`_task_left`) it
+    changes nothing."""
     uuid, operation = event["instance_uuid"], event["operation"]
     power_state = int(event.get("result", {}).get("power_state", _EXPECTED_POWER[operation]))
     with cell_session(event["cell"]) as session:
         settle, task = _task_left(session, event, None)
         if not settle:
             return {}
-        instances.update_cas(session, uuid, {"vm_state": _VM_STATE[operation], "power_state": power_state,
-                                             "task_state": None}, expected_task_state=(task,))
+        settled = {"power_state": power_state} if task is None else {
+            "vm_state": _VM_STATE[operation], "power_state": power_state, "task_state": None}
+        instances.update_cas(session, uuid, settled, expected_task_state=(task,))
         actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"], event=_EVENT[operation],
                              host=event.get("host"))
     return {}
@@ -94,7 +96,9 @@ def fail_power_action(event: dict[str, Any]) -> dict[str, Any]:
             return {}
         done_at_host: dict[str, Any] = {}
         if isinstance(event.get("result"), dict) and "power_state" in event["result"]:
-            done_at_host = {"vm_state": _VM_STATE[operation], "power_state": int(event["result"]["power_state"])}
+            done_at_host = {"power_state": int(event["result"]["power_state"])}
+            if task is not None:  # a reset's vm_state is the admin's
+                done_at_host["vm_state"] = _VM_STATE[operation]
         instances.update_cas(session, uuid, {"task_state": None, **done_at_host}, expected_task_state=(task,))
         instances.add_fault(session, uuid, owner_cause(error), host=event.get("host"), details=fault_details(error))
         actions.finish_event(session, instance_uuid=uuid, request_id=event["request_id"], event=_EVENT[operation],

@@ -966,6 +966,8 @@ def rollback_move(event: dict[str, Any]) -> dict[str, Any]:
     state says so; the fault tells the operator to destroy the destination's guest before
     resetting the state, stopping (which records the guest shut off) and, if it ran before the
     move, starting the server. The run that puts the server in ERROR counts ``ServerLeftInError``.
+    A server a delete took meanwhile (reset to error while its move ran, then deleted) is put back
+    on its source all the same, its task and vm_state left to the delete.
     Idempotent: a migration already in ``error`` means the rollback finished.
     """
     uuid, migration_uuid, cell = event["instance_uuid"], event["migration_uuid"], event["cell"]
@@ -982,21 +984,14 @@ def rollback_move(event: dict[str, Any]) -> dict[str, Any]:
             return {}
         source_host = cast(str, migration.source_compute)
         source_node = migration.source_node
-        live = session.execute(select(Instance.task_state).where(Instance.uuid == uuid,
-                                                                  Instance.deleted.is_(False))).first()
-    if live is None or live.task_state == states.DELETING:
+        gone = session.scalars(select(Instance.id).where(Instance.uuid == uuid,
+                                                          Instance.deleted.is_(False))).first() is None
+    if gone:
         # Deleted meanwhile: its delete released the instance's allocations, unless this move's
         # claim landed after it (a server reset and deleted while the scheduler ran); the
-        # migration's go too. Or being deleted (reset to error while its move ran, then deleted):
-        # the server is its delete's, which destroys it where the records say and ends in ERROR
-        # should it fail; the move gives the claims up and ends without writing the server
-        # (a host's guest it restored is reaped as a deleted server's). Released with no cell
-        # transaction open (SQLite's writers take their files one at a time, and a step holding
-        # the API database may wait for this cell); the migration is put in error after, so a
-        # run again releases them too.
-        if live is not None:
-            logger.warning("move not rolled back onto the server: a delete took it meanwhile",
-                           extra={"instance_uuid": uuid, "migration_uuid": migration_uuid})
+        # migration's go too. Released with no cell transaction open (SQLite's writers take
+        # their files one at a time, and a step holding the API database may wait for this
+        # cell); the migration is put in error after, so a run again releases them too.
         placement.delete_allocations(uuid)
         placement.delete_allocations(migration_uuid)
         with cell_session(cell) as session:
@@ -1029,10 +1024,18 @@ def rollback_move(event: dict[str, Any]) -> dict[str, Any]:
             vm_state, power_state = states.ERROR, int(restored.get("power_state", states.SHUTDOWN))
         migration = cast(Migration, _get_migration(session, migration_uuid))
         prep_end = _prep_end(instance, migration)
-        instances.update_cas(session, uuid, {
+        restored_values: dict[str, Any] = {
             "host": source_host, "node": source_node, "flavor": instance.old_flavor or instance.flavor,
-            "vm_state": vm_state, "task_state": None, "power_state": power_state,
-            "old_flavor": None, "new_flavor": None, "old_vm_state": None})
+            "power_state": power_state, "old_flavor": None, "new_flavor": None, "old_vm_state": None}
+        if instance.task_state == states.DELETING:
+            # A delete took the server meanwhile (reset to error while its move ran, then
+            # deleted): it is put back on its source as any rolled-back server, but its task and
+            # vm_state stay the delete's, which ends in ERROR should it fail.
+            logger.warning("move rolled back under a delete that took the server meanwhile",
+                           extra={"instance_uuid": uuid, "migration_uuid": migration_uuid})
+            instances.update_cas(session, uuid, restored_values, expected_task_state=(states.DELETING,))
+        else:
+            instances.update_cas(session, uuid, {**restored_values, "vm_state": vm_state, "task_state": None})
         _update_migration(session, migration_uuid, {"status": ERROR}, _IN_PROGRESS)
         _close_events(session, event, failed, failed_host, cause)
         fault_message, details = _fault(event, source_host, error, guest_left_at_dest=guest_left_at_dest,
