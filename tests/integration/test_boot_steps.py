@@ -790,9 +790,8 @@ def test_a_server_an_admin_settled_while_it_spawned_is_recorded_launched_when_fi
         assert set(session.scalars(select(Port.status).where(Port.device_id == uuid))) <= {"ACTIVE"}
 
 
-@pytest.mark.parametrize("step", ["finish", "fail"])
-def test_a_power_action_whose_task_an_admin_reset_still_records_what_its_host_did(cloud, step):
-    # GIVEN a stop under way, its task cleared by an admin's os-resetState (the stop looked stuck)
+def _stop_under_way(cloud) -> tuple[str, dict]:
+    """A built server whose os-stop BeginPowerAction took: ``(server, the power workflow's event)``."""
     event = _spawned(cloud["image_id"])
     boot.finish_build(event)
     uuid = event["instance_uuid"]
@@ -803,6 +802,13 @@ def test_a_power_action_whose_task_an_admin_reset_still_records_what_its_host_di
     stop = {"instance_uuid": uuid, "request_id": "r1", "cell": "cell1", "host": event["destination"]["host"],
             "operation": protocol.POWER_OFF}
     power.begin_power_action(stop)
+    return uuid, stop
+
+
+@pytest.mark.parametrize("step", ["finish", "fail"])
+def test_a_power_action_whose_task_an_admin_reset_still_records_what_its_host_did(cloud, step):
+    # GIVEN a stop under way, its task cleared by an admin's os-resetState (the stop looked stuck)
+    uuid, stop = _stop_under_way(cloud)
     admin = RequestContext(user_id="admin", project_id="admin", roles=("admin",))
     admin_actions.reset_state(admin, compute_api.locate(admin, uuid), "active")
 
@@ -830,16 +836,7 @@ def test_a_power_action_whose_task_an_admin_reset_still_records_what_its_host_di
 
 def test_a_power_action_a_newer_request_took_the_server_from_still_ends_its_event(cloud):
     # GIVEN a stop under way whose server an admin reset to error and its owner then deleted
-    event = _spawned(cloud["image_id"])
-    boot.finish_build(event)
-    uuid = event["instance_uuid"]
-    with cell_session("cell1") as session:
-        session.execute(update(Instance).values(task_state=states.POWERING_OFF))
-        actions.start_action(session, instance_uuid=uuid, action=actions.STOP, request_id="r1",
-                             user_id="u1", project_id="demo")
-    stop = {"instance_uuid": uuid, "request_id": "r1", "cell": "cell1", "host": event["destination"]["host"],
-            "operation": protocol.POWER_OFF}
-    power.begin_power_action(stop)
+    uuid, stop = _stop_under_way(cloud)
     with cell_session("cell1") as session:
         session.execute(update(Instance).values(vm_state=states.ERROR, task_state=states.DELETING))
         actions.start_action(session, instance_uuid=uuid, action=actions.DELETE, request_id="r2",
