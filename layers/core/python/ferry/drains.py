@@ -1845,9 +1845,9 @@ def record_moved(drain_uuid: str, instance_uuid: str, *, confirmed: bool,
         drain, server = _load_server(session, drain_uuid, instance_uuid)
         if server.state == DONE or _ended_before(drain, server, "RecordMoved"):
             return _server_view(server)
-        expected = (states.ACTIVE, states.STOPPED) if confirmed else (states.RESIZED,)
-        if not confirmed and now.migration_status == migration_states.CONFIRMED:
-            expected = (states.ACTIVE, states.STOPPED)  # its owner confirmed it already
+        # Without ``confirmed``, a move its owner confirmed already is settled as a confirmed one.
+        settled = confirmed or now.migration_status == migration_states.CONFIRMED
+        expected = (states.ACTIVE, states.STOPPED) if settled else (states.RESIZED,)
         if host is None or host == server.source_host or vm_state not in expected or task_state is not None:
             raise errors.MoveNotPrepared(
                 f"Server {instance_uuid} is on {host} in {vm_state}/{task_state} after its move from "

@@ -293,10 +293,14 @@ def service_is_up(session: Any, host: str) -> bool:
     return service is not None and is_up(service)
 
 
-def host_is_up_from(session: Any, current_cell: str, host: str) -> bool:
+def host_is_up_from(session: Any, current_cell: str, host: str, *, here: bool = False) -> bool:
     """Whether ``host``'s compute service, in the cell the host is mapped to, sends heartbeats,
     asked with ``session`` open on ``current_cell``: read in it when the host is there (SQLite
-    allows one writer per file, so no second session on it is opened), else in its own cell."""
+    allows one writer per file, so no second session on it is opened), else in its own cell.
+    ``here``: the host is known to be in ``current_cell`` (a move within it), read there at once,
+    with no API session opened inside ``session``."""
+    if here:
+        return service_is_up(session, host)
     cell = cell_of_host(host)
     if cell is None:
         return False

@@ -163,9 +163,7 @@ def _check_source_up(session: Session, cell: str, migration: Migration) -> None:
         ComputeServiceUnavailable: the source host's compute service sends no heartbeats.
     """
     source = str(migration.source_compute)
-    up = hosts.host_is_up_from(session, cell, source) if migration.cross_cell_move else \
-        hosts.service_is_up(session, source)
-    if not up:
+    if not hosts.host_is_up_from(session, cell, source, here=not migration.cross_cell_move):
         logger.info("confirm refused: the source host is down", extra={
             "instance_uuid": migration.instance_uuid, "migration_uuid": migration.uuid, "host": source})
         raise errors.ComputeServiceUnavailable("Service is unavailable at this time.")

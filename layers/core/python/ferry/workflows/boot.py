@@ -440,8 +440,7 @@ def check_build_committed(event: dict[str, Any]) -> dict[str, Any]:
         committed = instance is not None and _build_committed(instance, dest["host"])
         # Settled by an admin while it spawned, FinishBuild's commit never made: recorded as it
         # would have (launched, so that a delete keeps a root volume not meant to go with it).
-        unrecorded = committed and instance is not None and instance.launched_on != dest["host"] \
-            and instance.host == dest["host"] and not instance.deleted
+        unrecorded = committed and instance is not None and instance.launched_on != dest["host"]
     if unrecorded:
         try:
             _record_built(event, settled_by_hand=True)

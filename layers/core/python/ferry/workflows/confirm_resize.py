@@ -238,10 +238,7 @@ def check_resize_to_confirm(event: dict[str, Any]) -> dict[str, Any]:
                 f"nothing was done.")
         source, dest = str(migration.source_compute), str(migration.dest_compute)
         cells = cross_cell_settle.cells_of(migration, event["cell"])
-        # Within a cell the service is read in this session: no API session is opened inside it.
-        up = hosts.host_is_up_from(session, event["cell"], source) if cells else \
-            hosts.service_is_up(session, source)
-        if not up:
+        if not hosts.host_is_up_from(session, event["cell"], source, here=not cells):
             # The owner reads this in the fault: the host is named in its details and the log.
             logger.info("confirm refused: the source host is down", extra={"instance_uuid": uuid, "host": source})
             raise errors.ComputeServiceUnavailable(f"The source host of migration {migration_uuid} is down.")

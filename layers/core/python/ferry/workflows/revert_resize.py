@@ -103,10 +103,7 @@ def check_resize_to_revert(event: dict[str, Any]) -> dict[str, Any]:
         source, dest = str(migration.source_compute), str(migration.dest_compute)
         cells = cross_cell_settle.cells_of(migration, event["cell"])
         for host in {source, dest}:
-            # Within a cell the service is read in this session: no API session is opened inside it.
-            up = hosts.host_is_up_from(session, event["cell"], host) if cells else \
-                hosts.service_is_up(session, host)
-            if not up:
+            if not hosts.host_is_up_from(session, event["cell"], host, here=not cells):
                 # The owner reads this in the fault: the host is named in its details and the log.
                 logger.info("revert refused: a host of the move is down", extra={"instance_uuid": uuid, "host": host})
                 raise errors.ComputeServiceUnavailable(
